@@ -1,0 +1,10 @@
+"""HF-format files on disk: config.json, safetensors (single or sharded), tokenizer files.
+
+This layer imports nothing else of kiln except `kiln.errors`.
+"""
+
+from kiln.hub.config import read_config, write_config
+from kiln.hub.weights import load_weights, save_weights, weight_files
+from kiln.hub.tokenizer import Tokenizer
+
+__all__ = ["read_config", "write_config", "load_weights", "save_weights", "weight_files", "Tokenizer"]

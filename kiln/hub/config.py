@@ -1,0 +1,48 @@
+"""config.json in and out, as plain dicts; typed family configs live with the families."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import ConfigError
+
+
+def read_config(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """Read `model_dir/config.json` into a dict, with errors that name the file."""
+    model_dir = Path(model_dir)
+    if not model_dir.exists():
+        raise ConfigError(f"{model_dir}: no such directory")
+    if not model_dir.is_dir():
+        raise ConfigError(f"{model_dir}: not a directory (expected an HF model directory)")
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{model_dir}: no config.json in this directory; is it an HF model directory?")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object at the top level")
+    return data
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to a temp file, fsync, rename: a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_config(model_dir: str | os.PathLike, config: dict[str, Any]) -> Path:
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    path = model_dir / "config.json"
+    write_json_atomic(path, config)
+    return path

@@ -1,0 +1,131 @@
+"""Weights on disk: model.safetensors, sharded safetensors with an index, or pytorch_model.bin.
+
+Tensors keep their stored dtype (f16, bf16, f32, f64, ints): nothing passes through f32.
+Writes go to a temp file, are fsynced, then renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from kiln.errors import WeightsError
+from kiln.hub.config import write_json_atomic
+
+SAFE_SINGLE = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+BIN_SINGLE = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+def weight_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The weight files of a model directory, in the order they are read (safetensors first)."""
+    model_dir = Path(model_dir)
+    for index_name in (SAFE_INDEX, BIN_INDEX):
+        index = model_dir / index_name
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise WeightsError(f"{index}: not a valid shard index ({e})") from None
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not (model_dir / f).is_file()]
+            if missing:
+                raise WeightsError(f"{index}: names shard(s) that are not in the directory: {', '.join(missing)}")
+            return [model_dir / f for f in files]
+    for single in (SAFE_SINGLE, BIN_SINGLE):
+        if (model_dir / single).is_file():
+            return [model_dir / single]
+    raise WeightsError(
+        f"{model_dir}: no weights found (looked for {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE}, {BIN_INDEX})"
+    )
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    except SafetensorError as e:
+        raise WeightsError(f"{path}: not a readable safetensors file ({e}); is it truncated or another format?") from None
+    except OSError as e:
+        raise WeightsError(f"{path}: cannot read ({e})") from None
+
+
+def _read_bin(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        sd = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for a bad pickle; all mean "not loadable"
+        raise WeightsError(f"{path}: not a loadable PyTorch weights file ({type(e).__name__}: {e})") from None
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise WeightsError(f"{path}: expected a dict of tensors")
+    return sd
+
+
+def load_weights(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of a model directory, by their names on disk, in their stored dtypes."""
+    state: dict[str, torch.Tensor] = {}
+    for path in weight_files(model_dir):
+        part = _read_safetensors(path) if path.suffix == ".safetensors" else _read_bin(path)
+        dup = state.keys() & part.keys()
+        if dup:
+            raise WeightsError(f"{path}: tensor(s) already present in another shard: {sorted(dup)[:5]}")
+        state.update(part)
+    return state
+
+
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_weights(
+    model_dir: str | os.PathLike,
+    state: dict[str, torch.Tensor],
+    max_shard_bytes: int | None = None,
+    metadata: dict[str, str] | None = None,
+) -> list[Path]:
+    """Write `state` as model.safetensors, or as shards plus an index past `max_shard_bytes`."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    metadata = {"format": "pt", **(metadata or {})}
+    # Tensors that share storage (tied weights) must be written as separate copies.
+    seen: set[tuple[int, int]] = set()
+    clean: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset()) if v.numel() else (id(v), 0)
+        clean[k] = v.clone() if key in seen else v
+        seen.add(key)
+    for stale in (SAFE_SINGLE, SAFE_INDEX):
+        (model_dir / stale).unlink(missing_ok=True)
+
+    total = sum(v.numel() * v.element_size() for v in clean.values())
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        path = model_dir / SAFE_SINGLE
+        _write_safetensors(path, clean, metadata)
+        return [path]
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in clean.items():
+        nbytes = v.numel() * v.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += nbytes
+    paths, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _write_safetensors(model_dir / name, shard, metadata)
+        weight_map.update({k: name for k in shard})
+        paths.append(model_dir / name)
+    write_json_atomic(model_dir / SAFE_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return paths

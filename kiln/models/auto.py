@@ -1,0 +1,145 @@
+"""The one registry: model_type -> family. AutoConfig, AutoModel and AutoModelFor<Task>.
+
+The family comes from config.json's `model_type`; the head from the caller's Auto class, or
+else from `architectures`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.errors import ConfigError
+from kiln.hub import Tokenizer, load_weights, read_config
+from kiln.models import bert
+from kiln.models.config import FamilyConfig
+from kiln.models.pretrained import Family, PreTrainedModel
+
+REGISTRY: dict[str, Family] = {
+    "bert": bert.FAMILY,
+}
+
+
+def family_for(model_type: Any, source: str = "config.json") -> Family:
+    if model_type not in REGISTRY:
+        raise ConfigError(f"{source}: model_type {model_type!r} is not supported; "
+                          f"supported model types: {', '.join(sorted(REGISTRY))}")
+    return REGISTRY[model_type]
+
+
+def task_of_architecture(architecture: str) -> tuple[Family, str] | None:
+    for family in REGISTRY.values():
+        task = family.task_of(architecture)
+        if task is not None:
+            return family, task
+    return None
+
+
+def load_config(path: str | os.PathLike) -> tuple[Family, FamilyConfig, str | None]:
+    """(family, typed config, task named by `architectures` or None) for a model directory."""
+    raw = read_config(path)
+    source = str(Path(path) / "config.json")
+    if "model_type" not in raw:
+        raise ConfigError(f"{source}: no model_type key; supported model types: {', '.join(sorted(REGISTRY))}")
+    family = family_for(raw["model_type"], source)
+    config = family.config_cls.from_dict(raw, source=source)
+    archs = raw.get("architectures") or []
+    source_task = family.task_of(archs[0]) if archs else None
+    return family, config, source_task
+
+
+def apply_changes(config: FamilyConfig, changes: dict[str, Any]) -> FamilyConfig:
+    """Caller overrides: `num_labels` / `labels` set the label set; other keys must be config fields."""
+    labels = changes.pop("labels", None) or changes.pop("num_labels", None)
+    fields = {f.name for f in dataclasses.fields(config)} - {"extra"}
+    unknown = sorted(set(changes) - fields)
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {unknown} for model_type {config.model_type!r}")
+    config = config.replace(**changes) if changes else config.replace()
+    if labels is not None and labels != config.labels and labels != config.num_labels:
+        config.set_labels(labels)
+    config.validate()
+    return config
+
+
+def load_pretrained(path: str | os.PathLike, task: str | None = None, dtype: torch.dtype | None = None,
+                    **changes: Any) -> PreTrainedModel:
+    """Load an HF directory into kiln's own model code, keeping the stored dtypes."""
+    family, config, source_task = load_config(path)
+    task = task or source_task or "base"
+    config = apply_changes(config, dict(changes))
+    with torch.device("meta"):
+        model = family.build(config, task)
+    model.load_hf_state_dict(load_weights(path), source=str(path), source_task=source_task)
+    if dtype is not None:
+        model.to(dtype)
+        model.hf_extras = {k: v for k, v in model.hf_extras.items()}
+    if Tokenizer.present(path):
+        model.tokenizer = Tokenizer.from_dir(path)
+    return model.eval()
+
+
+def from_config(config: FamilyConfig, task: str = "base", seed: int | None = None) -> PreTrainedModel:
+    """A freshly initialised model (HF-style init) for a typed config."""
+    family = family_for(config.model_type)
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = family.build(config, task)
+    model.init_weights()
+    return model
+
+
+class AutoConfig:
+    @staticmethod
+    def from_pretrained(path: str | os.PathLike) -> FamilyConfig:
+        return load_config(path)[1]
+
+    @staticmethod
+    def for_model(model_type: str, **fields: Any) -> FamilyConfig:
+        family = family_for(model_type, "AutoConfig.for_model")
+        return family.config_cls.from_dict(fields, source=f"{model_type} config")
+
+
+class _AutoTask:
+    task: str | None = None
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | None = None, **changes: Any):
+        return load_pretrained(path, task=cls.task, dtype=dtype, **changes)
+
+    @classmethod
+    def from_config(cls, config: FamilyConfig, seed: int | None = None):
+        return from_config(config, task=cls.task or "base", seed=seed)
+
+
+class AutoModel(_AutoTask):
+    task = "base"
+
+
+class AutoModelForSequenceClassification(_AutoTask):
+    task = "sequence-classification"
+
+
+class AutoModelForTokenClassification(_AutoTask):
+    task = "token-classification"
+
+
+class AutoModelForQuestionAnswering(_AutoTask):
+    task = "question-answering"
+
+
+class AutoModelForMaskedLM(_AutoTask):
+    task = "masked-lm"
+
+
+class AutoModelForCausalLM(_AutoTask):
+    task = "causal-lm"
+
+
+class AutoModelForTask(_AutoTask):
+    """The head named by the directory's `architectures` (base model when it names none)."""
+    task = None

@@ -1,0 +1,215 @@
+"""What every kiln model shares: its family spec, HF-format load and save, weight init.
+
+A `Family` describes one model_type: its typed config, how to build each task model, and the
+key map between kiln's module names and HF's. `PreTrainedModel` turns that into
+`from_pretrained` / `save_pretrained` with checks that name the tensor at fault.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from kiln.errors import ConfigError, WeightsError
+from kiln.hub import Tokenizer, load_weights, read_config, save_weights, write_config
+from kiln.models.config import FamilyConfig
+from kiln.models.keymap import KeyMap
+
+TASKS = ("base", "sequence-classification", "token-classification", "question-answering", "masked-lm", "causal-lm")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    architecture: str                          # HF class name written to config.json
+    build: Callable[[Any], "PreTrainedModel"]  # config -> model (on the current default device)
+    keys: KeyMap = field(default_factory=lambda: KeyMap([]))  # kiln head names <-> HF head names
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    config_cls: type[FamilyConfig]
+    hf_prefix: str        # where the base model sits inside a task checkpoint ("bert", "roberta", ...)
+    base_keys: KeyMap     # kiln backbone names (under `model.`) <-> HF base names (no prefix)
+    tasks: dict[str, TaskSpec]
+    extra_keys: tuple[str, ...] = ()   # regexes of HF base keys kept verbatim (buffers like position_ids)
+
+    def keymap(self, task: str) -> KeyMap:
+        prefix = "" if task == "base" else self.hf_prefix
+        return self.base_keys.prefixed("model", prefix) + self.tasks[task].keys
+
+    def task_of(self, architecture: str) -> str | None:
+        for task, spec in self.tasks.items():
+            if spec.architecture == architecture:
+                return task
+        return None
+
+    def build(self, config: FamilyConfig, task: str) -> "PreTrainedModel":
+        if task not in self.tasks:
+            raise ConfigError(f"model_type {self.model_type!r} has no {task!r} head; it has: {', '.join(self.tasks)}")
+        model = self.tasks[task].build(config)
+        model.family, model.task, model.config = self, task, config
+        return model
+
+
+@dataclass
+class LoadReport:
+    """What a load did beyond the plain copy, for the user to read."""
+    initialized: list[str] = field(default_factory=list)  # head tensors absent from the checkpoint
+    ignored: list[str] = field(default_factory=list)      # checkpoint tensors this model does not use
+
+    def lines(self) -> list[str]:
+        out = []
+        if self.initialized:
+            out.append(f"newly initialised (not in the checkpoint): {', '.join(self.initialized)}")
+        if self.ignored:
+            out.append(f"ignored (not used by this head): {', '.join(self.ignored[:8])}"
+                       + (f" and {len(self.ignored) - 8} more" if len(self.ignored) > 8 else ""))
+        return out
+
+
+def init_module(module: nn.Module, std: float) -> None:
+    """HF-style init for freshly built modules: normal(0, std) weights, zero biases, unit norms."""
+    with torch.no_grad():
+        for m in module.modules():
+            init_module_shallow(m, std)
+
+
+class PreTrainedModel(nn.Module):
+    """Base of every kiln model: `family`, `task` and `config` are set by `Family.build`."""
+
+    family: Family
+    task: str
+    config: FamilyConfig
+    tokenizer: Tokenizer | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hf_extras: dict[str, torch.Tensor] = {}
+        self.load_report = LoadReport()
+
+    # ---- HF state dicts ------------------------------------------------------------------
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """This model's tensors under HF's names, as transformers would save them."""
+        keymap = self.family.keymap(self.task)
+        hf, unmatched = keymap.to_hf(self.state_dict())
+        assert not unmatched, f"kiln keys without an HF name: {unmatched}"
+        prefix = "" if self.task == "base" else self.family.hf_prefix + "."
+        for name, tensor in self.hf_extras.items():
+            hf[prefix + name] = tensor
+        return hf
+
+    def load_hf_state_dict(self, hf: dict[str, torch.Tensor], source: str = "checkpoint",
+                           source_task: str | None = None) -> LoadReport:
+        """Copy an HF state dict into this (possibly meta-device) model, checking names and shapes."""
+        family, prefix = self.family, self.family.hf_prefix + "."
+        report = LoadReport()
+        has_prefix = any(k.startswith(prefix) for k in hf)
+        normalised: dict[str, torch.Tensor] = {}
+        extras: dict[str, torch.Tensor] = {}
+        for k, v in hf.items():
+            # A checkpoint saved from a task model has the base under `prefix`; one saved from the
+            # base model has no prefix and nothing else.
+            is_base = k.startswith(prefix) or not has_prefix
+            bare = k[len(prefix):] if has_prefix and is_base else k
+            if is_base and any(re.fullmatch(p, bare) for p in family.extra_keys):
+                extras[bare] = v
+            elif is_base:
+                normalised[bare if self.task == "base" else prefix + bare] = v
+            else:
+                normalised[k] = v
+        kiln_sd, unmatched = self.family.keymap(self.task).to_kiln(normalised)
+        report.ignored.extend(sorted(unmatched))
+
+        expected = dict(self.state_dict(keep_vars=True))
+        keymap = self.family.keymap(self.task)
+        missing = [k for k in expected if k not in kiln_sd]
+        for k, v in kiln_sd.items():
+            if k not in expected:
+                report.ignored.append(keymap.hf_name(k) or k)
+                continue
+            want = tuple(expected[k].shape)
+            if tuple(v.shape) != want:
+                raise WeightsError(f"{source}: tensor {keymap.hf_name(k)!r} has shape {tuple(v.shape)}, "
+                                   f"but this {family.model_type} config expects {want}")
+        base_missing = [k for k in missing if k.startswith("model.")]
+        head_missing = [k for k in missing if not k.startswith("model.")]
+        if base_missing or (head_missing and source_task == self.task):
+            names = [keymap.hf_name(k) or k for k in (base_missing or head_missing)]
+            raise WeightsError(f"{source}: missing tensor(s) {', '.join(repr(n) for n in names[:6])}"
+                               + (f" and {len(names) - 6} more" if len(names) > 6 else ""))
+        used = {k: v for k, v in kiln_sd.items() if k in expected}
+        self.load_state_dict(used, strict=False, assign=True)
+        if head_missing:
+            dtype = next(iter(used.values())).dtype if used else torch.float32
+            self._materialise_fresh(dtype)
+            report.initialized = [keymap.hf_name(k) or k for k in head_missing]
+        self.hf_extras = extras
+        self.tie_weights()
+        self.load_report = report
+        return report
+
+    def _materialise_fresh(self, dtype: torch.dtype) -> None:
+        std = getattr(self.config, "initializer_range", 0.02)
+        for module in self.modules():
+            if any(p.is_meta for p in module.parameters(recurse=False)):
+                module.to_empty(device="cpu", recurse=False)
+                for p in module.parameters(recurse=False):
+                    p.data = p.data.to(dtype)
+                with torch.no_grad():
+                    init_module_shallow(module, std)
+
+    def tie_weights(self) -> None:
+        """Re-point tied parameters after a load; task heads with tied weights override this."""
+
+    def init_weights(self) -> None:
+        init_module(self, getattr(self.config, "initializer_range", 0.02))
+        self.tie_weights()
+
+    # ---- loading and saving --------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, task: str | None = None, dtype: torch.dtype | None = None,
+                        **config_changes: Any) -> "PreTrainedModel":
+        """Load an HF model directory. `task` defaults to this class's task, else `architectures`."""
+        from kiln.models.auto import load_pretrained  # the registry sits above the family files
+
+        return load_pretrained(path, task=task or getattr(cls, "default_task", None), dtype=dtype, **config_changes)
+
+    def save_pretrained(self, path: str | os.PathLike, max_shard_bytes: int | None = None,
+                        save_tokenizer: bool = True) -> Path:
+        """Write config.json + model.safetensors (+ tokenizer files) that transformers loads as is."""
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        cfg = self.config.to_dict()
+        cfg["architectures"] = [self.family.tasks[self.task].architecture]
+        write_config(out, cfg)
+        save_weights(out, self.hf_state_dict(), max_shard_bytes=max_shard_bytes)
+        if save_tokenizer and self.tokenizer is not None:
+            self.tokenizer.save(out)
+        return out
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def init_module_shallow(module: nn.Module, std: float) -> None:
+    """Init one module's own parameters (no recursion), as `init_module` would."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, 0.0, std)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            module.weight[module.padding_idx].zero_()
+    elif isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("Norm"):
+        if getattr(module, "weight", None) is not None:
+            nn.init.ones_(module.weight)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+    elif hasattr(module, "reset_parameters_hf"):
+        module.reset_parameters_hf(std)  # a block with its own HF init (e.g. a bare bias Parameter)
