@@ -1,0 +1,1 @@
+"""The `kiln` command line: one module per command group, each a thin layer over the library."""

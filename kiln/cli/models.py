@@ -1,0 +1,135 @@
+"""Model-directory commands: inspect, export, verify-export, verify-matrix, fill-mask."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kiln.errors import KilnError
+
+out = Console()
+
+
+def inspect_dir(model_dir: Path = typer.Argument(..., help="An HF model directory."),
+                tensors: bool = typer.Option(False, "--tensors", help="List every tensor.")) -> None:
+    """What is in a model directory: family, head, parameters, dtypes, tensors, tokenizer."""
+    from kiln.hub import Tokenizer, load_weights, read_config, weight_files
+    from kiln.models.auto import load_config
+
+    raw = read_config(model_dir)
+    family, config, task = load_config(model_dir)
+    weights = load_weights(model_dir)
+    table = Table(show_header=False, box=None)
+    table.add_row("directory", str(model_dir))
+    table.add_row("family", f"{family.model_type}")
+    table.add_row("head", f"{task or 'base'} ({', '.join(raw.get('architectures') or ['no architectures'])})")
+    table.add_row("files", ", ".join(p.name for p in weight_files(model_dir)))
+    n_params = sum(v.numel() for v in weights.values() if v.dtype.is_floating_point)
+    table.add_row("parameters", f"{n_params:,} in {len(weights)} tensors")
+    dtypes = Counter(str(v.dtype).replace("torch.", "") for v in weights.values())
+    table.add_row("dtypes", ", ".join(f"{d} x{n}" for d, n in dtypes.most_common()))
+    sizes = {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                             "intermediate_size", "dim", "n_layers", "n_heads") if hasattr(config, k)}
+    table.add_row("sizes", ", ".join(f"{k}={v}" for k, v in sizes.items()))
+    if task in ("sequence-classification", "token-classification"):
+        table.add_row("labels", ", ".join(config.labels))
+    if Tokenizer.present(model_dir):
+        tok = Tokenizer.from_dir(model_dir)
+        table.add_row("tokenizer", f"{type(tok.backend.model).__name__}, vocab {tok.vocab_size:,}, "
+                                   + ", ".join(f"{k}={v}" for k, v in tok.specials.items()))
+    else:
+        table.add_row("tokenizer", "none")
+    out.print(table)
+    if tensors:
+        t = Table("tensor", "shape", "dtype")
+        for k, v in weights.items():
+            t.add_row(k, str(tuple(v.shape)), str(v.dtype).replace("torch.", ""))
+        out.print(t)
+
+
+def _checkpoint_model_dir(ckpt: Path) -> Path:
+    for cand in (ckpt / "model", ckpt):
+        if (cand / "config.json").is_file():
+            return cand
+    raise KilnError(f"{ckpt}: not a kiln checkpoint (no model/config.json inside)")
+
+
+def export(src: Optional[Path] = typer.Argument(None, help="An HF model directory."),
+           out_dir: Path = typer.Option(..., "--out", help="Directory to write."),
+           checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="A run checkpoint, RUN_DIR/ckpt-N."),
+           head: Optional[str] = typer.Option(None, "--head", help="Re-target to this head (base, masked-lm, ...)."),
+           max_shard_mb: Optional[int] = typer.Option(None, "--max-shard-mb", help="Shard weights past this size.")) -> None:
+    """Write an HF directory (config.json, model.safetensors, tokenizer) from a directory or checkpoint."""
+    from kiln.interop.export import export_model
+
+    if (src is None) == (checkpoint is None):
+        raise KilnError("give exactly one of SRC or --checkpoint RUN_DIR/ckpt-N")
+    source = _checkpoint_model_dir(checkpoint) if checkpoint is not None else src
+    path = export_model(source, out_dir, head=head, max_shard_bytes=max_shard_mb * 2**20 if max_shard_mb else None)
+    out.print(f"exported {source} -> {path}")
+
+
+def verify_export_cmd(model_dir: Path = typer.Argument(..., help="An exported HF directory."),
+                      source: Optional[Path] = typer.Option(None, "--source", help="Also check tensors equal SRC's.")) -> None:
+    """Load DIR into transformers and kiln, run fixed inputs, require max abs diff = 0 everywhere."""
+    from kiln.interop.verify import verify_export
+
+    checks = verify_export(model_dir, source=source)
+    for c in checks:
+        out.print(("[green]" if c.ok else "[red]") + c.line(), highlight=False)
+    failed = [c for c in checks if not c.ok]
+    if failed:
+        out.print(f"[red]{len(failed)} of {len(checks)} checks failed")
+        raise typer.Exit(1)
+    out.print(f"[green]all {len(checks)} checks passed")
+
+
+def verify_matrix(cells: Optional[Path] = typer.Option(None, "--cells", help="JSON list of {family, head, path}.")) -> None:
+    """Every family x head: build tiny with transformers, export with kiln, verify-export; print the grid."""
+    from kiln.interop.matrix import SHORT, default_cells, read_cells, run_matrix
+
+    todo = read_cells(str(cells)) if cells else default_cells()
+    results = run_matrix(todo, on_cell=lambda c: out.print(
+        f"{'PASS' if c.ok else 'FAIL'} {c.family:>12} {SHORT.get(c.head, c.head):>6}", highlight=False))
+    heads = list(dict.fromkeys(c.head for c in results))
+    grid = Table("family", *[SHORT.get(h, h) for h in heads])
+    for fam in dict.fromkeys(c.family for c in results):
+        row = []
+        for h in heads:
+            cell = next((c for c in results if c.family == fam and c.head == h), None)
+            row.append("" if cell is None else (f"[green]PASS[/] {cell.max_diff:g}" if cell.ok else "[red]FAIL"))
+        grid.add_row(fam, *row)
+    out.print(grid)
+    failed = [c for c in results if not c.ok]
+    if failed:
+        for c in failed:
+            out.print(f"[red]FAIL {c.family} {c.head}: {c.detail}", highlight=False)
+        out.print(f"[red]{len(failed)} of {len(results)} cells failed")
+        raise typer.Exit(1)
+    out.print(f"[green]all {len(results)} cells passed")
+
+
+def fill_mask(model_dir: Path = typer.Argument(..., help="An HF masked-LM directory."),
+              text: str = typer.Argument(..., help="Text with the model's mask token, e.g. [MASK] or <mask>."),
+              k: int = typer.Option(5, "-k", "--top-k", help="How many candidates.")) -> None:
+    """Top-k tokens for the mask, with probabilities, like transformers' fill-mask pipeline."""
+    from kiln.models import AutoModelForMaskedLM
+
+    model = AutoModelForMaskedLM.from_pretrained(model_dir)
+    table = Table("position", "token", "score", "sequence")
+    for r in model.fill_mask(text, k=k):
+        table.add_row(str(r["position"]), r["token"], f"{r['score']:.4f}", r["sequence"])
+    out.print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("inspect")(inspect_dir)
+    app.command("export")(export)
+    app.command("verify-export")(verify_export_cmd)
+    app.command("verify-matrix")(verify_matrix)
+    app.command("fill-mask")(fill_mask)

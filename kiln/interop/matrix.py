@@ -1,0 +1,77 @@
+"""The verify matrix: every family x head, built tiny by transformers, exported by kiln, verified."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from kiln.errors import KilnError
+from kiln.interop.export import export_model
+from kiln.interop.tiny import TINY, make_tiny
+from kiln.interop.verify import verify_export
+from kiln.models.auto import REGISTRY
+
+ENCODER_HEADS = ("base", "sequence-classification", "token-classification", "question-answering", "masked-lm")
+SHORT = {"base": "base", "sequence-classification": "seqcls", "token-classification": "tokcls",
+         "question-answering": "qa", "masked-lm": "mlm", "causal-lm": "clm"}
+
+
+@dataclass
+class Cell:
+    family: str
+    head: str
+    ok: bool
+    max_diff: float | None
+    detail: str
+
+
+def default_cells() -> list[tuple[str, str, str | None]]:
+    """(model_type, head, None) for every registered family with a tiny config, every head it has."""
+    cells = []
+    for model_type, family in REGISTRY.items():
+        if model_type not in TINY:
+            continue
+        for head in family.tasks:
+            cells.append((model_type, head, None))
+    return cells
+
+
+def read_cells(path: str) -> list[tuple[str, str, str | None]]:
+    """A JSON list of {"family", "head", "path"} naming real directories to verify."""
+    try:
+        items = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise KilnError(f"{path}: cannot read the cells list ({e})") from None
+    cells = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict) or not {"family", "head", "path"} <= item.keys():
+            raise KilnError(f"{path}: item {i} must be an object with family, head and path")
+        cells.append((item["family"], item["head"], item["path"]))
+    return cells
+
+
+def run_cell(model_type: str, head: str, src: str | None, work: Path) -> Cell:
+    try:
+        if src is None:
+            src = str(make_tiny(model_type, head, work / f"{model_type}-{head}-src"))
+        out = export_model(src, work / f"{model_type}-{head}-export", head=head)
+        checks = verify_export(out, source=src)
+    except Exception as e:  # keep going past any failure; the grid shows it
+        return Cell(model_type, head, False, None, f"{type(e).__name__}: {e}")
+    diffs = [float(c.detail.rsplit("max abs diff ", 1)[1]) for c in checks if "max abs diff" in c.detail]
+    bad = [c.line() for c in checks if not c.ok]
+    return Cell(model_type, head, not bad, max(diffs) if diffs else None, "; ".join(bad) or f"{len(checks)} checks")
+
+
+def run_matrix(cells: Iterable[tuple[str, str, str | None]], on_cell: Callable[[Cell], None] | None = None) -> list[Cell]:
+    results = []
+    with tempfile.TemporaryDirectory(prefix="kiln-matrix-") as tmp:
+        for model_type, head, src in cells:
+            cell = run_cell(model_type, head, src, Path(tmp))
+            results.append(cell)
+            if on_cell:
+                on_cell(cell)
+    return results

@@ -1,0 +1,84 @@
+"""Tiny random HF checkpoints built by transformers itself, for parity tests and the verify matrix.
+
+Every parameter is drawn at random (not HF's zero biases and unit norms), so a swapped or
+dropped tensor cannot hide behind an initial value.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, normalizers, pre_tokenizers, processors
+from tokenizers.models import WordPiece
+
+from kiln.models.auto import family_for
+
+# The smallest configs that still exercise every path (2 layers, several heads, padding id kept).
+TINY: dict[str, dict[str, Any]] = {
+    "bert": dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                 max_position_embeddings=64, type_vocab_size=2),
+}
+
+# Special tokens per family, in vocabulary order from id 0 (so pad ids match the configs' defaults).
+SPECIALS: dict[str, dict[str, str]] = {
+    "bert": {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+             "mask_token": "[MASK]"},
+}
+
+_WORDS = ("the a of to and in is was for on that with as by at from it be are this an paris france capital city "
+          "london king queen man woman dog cat runs red blue green good bad day night river sea".split())
+
+
+def tiny_tokenizer(specials: dict[str, str], vocab_size: int) -> HFTokenizer:
+    """A WordPiece tokenizer over a small English word list, padded with letters to `vocab_size`."""
+    vocab = list(specials.values())
+    for w in _WORDS + list("abcdefghijklmnopqrstuvwxyz.,") + [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz"]:
+        if len(vocab) >= vocab_size:
+            break
+        if w not in vocab:
+            vocab.append(w)
+    ids = {t: i for i, t in enumerate(vocab)}
+    tok = HFTokenizer(WordPiece(ids, unk_token=specials["unk_token"]))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    cls = specials.get("cls_token") or specials.get("bos_token")
+    sep = specials.get("sep_token") or specials.get("eos_token")
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1", special_tokens=[(cls, ids[cls]), (sep, ids[sep])])
+    tok.decoder = decoders.WordPiece()
+    tok.add_special_tokens(list(specials.values()))
+    return tok
+
+
+def make_tiny(model_type: str, task: str, out_dir: str | os.PathLike, seed: int = 0, tokenizer: bool = True,
+              **overrides: Any) -> Path:
+    """Build a random `model_type` x `task` model with transformers and save it (plus a tokenizer)."""
+    import json
+
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    family = family_for(model_type)
+    arch = family.tasks[task].architecture
+    kwargs = {**TINY[model_type], **overrides}
+    if task in ("sequence-classification", "token-classification"):
+        kwargs.setdefault("num_labels", 3)
+    config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    if tokenizer:
+        specials = SPECIALS[model_type]
+        tiny_tokenizer(specials, config.vocab_size).save(str(out / "tokenizer.json"))
+        (out / "tokenizer_config.json").write_text(json.dumps(
+            {**specials, "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 64}, indent=2))
+        (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2))
+    return out

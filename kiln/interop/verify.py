@@ -1,0 +1,158 @@
+"""verify-export: load a directory into transformers and into kiln, run fixed inputs, demand equality.
+
+Every head output (and the loss, with labels) must have max abs diff = 0, and transformers must
+report zero missing, unexpected or mismatched keys.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.errors import KilnError
+from kiln.hub import Tokenizer, load_weights
+from kiln.models.auto import load_config, load_pretrained
+
+HF_AUTO = {
+    "base": "AutoModel",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "question-answering": "AutoModelForQuestionAnswering",
+    "masked-lm": "AutoModelForMaskedLM",
+    "causal-lm": "AutoModelForCausalLM",
+}
+OUTPUTS = ("last_hidden_state", "pooler_output", "logits", "start_logits", "end_logits", "loss")
+PROMPTS = [
+    "Paris is the capital of France.",
+    "The king and the queen walked by the river at night.",
+    "a dog",
+]
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+    def line(self) -> str:
+        return f"{'PASS' if self.ok else 'FAIL'}  {self.name}: {self.detail}"
+
+
+def _batches(tokenizer: Tokenizer | None, vocab_size: int, use_types: bool, seed: int = 0) -> list[dict]:
+    """A short unpadded batch, a padded batch, and (where token types exist) a padded pair batch."""
+    if tokenizer is not None:
+        mask = tokenizer.mask_token
+        prompts = [p.replace("capital", mask) if mask else p for p in PROMPTS]
+        batches = [tokenizer.encode(prompts[:1]), tokenizer.encode(prompts)]
+        if use_types:
+            batches.append(tokenizer.encode(prompts, pairs=list(reversed(prompts))))
+    else:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(5, vocab_size, (3, 11), generator=g)
+        attn = torch.ones_like(ids)
+        attn[1, 7:] = 0
+        attn[2, 4:] = 0
+        batches = [{"input_ids": ids[:1], "attention_mask": attn[:1]}, {"input_ids": ids, "attention_mask": attn}]
+        if use_types:
+            types = torch.zeros_like(ids)
+            types[:, 5:] = 1
+            batches.append({"input_ids": ids, "attention_mask": attn, "token_type_ids": types * attn})
+    for b in batches:
+        if not use_types:
+            b.pop("token_type_ids", None)
+    return batches
+
+
+def _labels(task: str, batch: dict, config, g: torch.Generator) -> dict:
+    ids = batch["input_ids"]
+    B, T = ids.shape
+    if task == "sequence-classification":
+        n = config.num_labels
+        kind = config.problem_type or ("regression" if n == 1 else "single_label_classification")
+        if kind == "single_label_classification":
+            return {"labels": torch.randint(0, n, (B,), generator=g)}
+        if kind == "regression":
+            return {"labels": torch.randn(B, n, generator=g).squeeze(-1) if n == 1 else torch.randn(B, n, generator=g)}
+        return {"labels": torch.randint(0, 2, (B, n), generator=g).float()}
+    if task in ("token-classification", "masked-lm", "causal-lm"):
+        high = config.num_labels if task == "token-classification" else getattr(config, "vocab_size")
+        labels = torch.randint(0, high, (B, T), generator=g)
+        labels[batch.get("attention_mask", torch.ones_like(ids)) == 0] = -100
+        return {"labels": labels}
+    if task == "question-answering":
+        return {"start_positions": torch.randint(0, T, (B,), generator=g),
+                "end_positions": torch.randint(0, T + 3, (B,), generator=g)}  # some out of range: clamped, ignored
+    return {}
+
+
+def _value(out, name: str):
+    return getattr(out, name, None) if not isinstance(out, dict) else out.get(name)
+
+
+def compare_models(kiln_model, hf_model, task: str, config, batches: list[dict], seed: int = 0) -> list[Check]:
+    """Run each batch (with labels where the head has a loss) through both models; diff every output."""
+    accepted = set(inspect.signature(hf_model.forward).parameters)
+    g = torch.Generator().manual_seed(seed)
+    checks = []
+    for i, batch in enumerate(batches):
+        inputs = {k: v for k, v in batch.items() if k in accepted}
+        inputs.update(_labels(task, batch, config, g))
+        with torch.no_grad():
+            ours, theirs = kiln_model(**inputs), hf_model(**inputs)
+        for name in OUTPUTS:
+            a, b = _value(ours, name), _value(theirs, name)
+            if b is None:  # transformers does not return it for this head (kiln may, e.g. hidden states)
+                continue
+            if a is None or b is None or a.shape != b.shape:
+                checks.append(Check(f"batch {i} {name}", False, f"kiln {None if a is None else tuple(a.shape)} "
+                                                                   f"vs transformers {None if b is None else tuple(b.shape)}"))
+                continue
+            diff = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+            checks.append(Check(f"batch {i} {name}", diff == 0.0 and a.dtype == b.dtype,
+                                f"shape {tuple(a.shape)} {str(a.dtype).replace('torch.', '')}, max abs diff {diff:g}"))
+    return checks
+
+
+def compare_weights(exported: str | os.PathLike, source: str | os.PathLike) -> Check:
+    """Same tensor names, dtypes and bytes in both directories."""
+    a, b = load_weights(exported), load_weights(source)
+    if set(a) != set(b):
+        only_a, only_b = sorted(set(a) - set(b)), sorted(set(b) - set(a))
+        return Check("tensors equal source", False, f"only in export: {only_a[:5]}, only in source: {only_b[:5]}")
+    bad = [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape
+           or not torch.equal(a[k].view(torch.uint8) if a[k].dtype.is_floating_point else a[k],
+                              b[k].view(torch.uint8) if b[k].dtype.is_floating_point else b[k])]
+    return Check("tensors equal source", not bad, f"{len(a)} tensors, names/dtypes/bytes identical" if not bad
+                 else f"differ: {bad[:5]}")
+
+
+def verify_export(model_dir: str | os.PathLike, source: str | os.PathLike | None = None) -> list[Check]:
+    """All checks for one exported directory; the caller decides how to print them."""
+    try:
+        import transformers
+    except ImportError:
+        raise KilnError("verify-export needs transformers: pip install 'kiln[verify]'") from None
+    model_dir = Path(model_dir)
+    family, config, task = load_config(model_dir)
+    task = task or "base"
+    auto = getattr(transformers, HF_AUTO[task])
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    hf_model, info = auto.from_pretrained(str(model_dir), output_loading_info=True)
+    hf_model.eval()
+    checks = [Check(f"transformers loads {type(hf_model).__name__}",
+                    not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]),
+                    f"missing {sorted(info['missing_keys'])[:5] or 0}, unexpected {sorted(info['unexpected_keys'])[:5] or 0}, "
+                    f"mismatched {sorted(info['mismatched_keys'])[:5] or 0}")]
+    kiln_model = load_pretrained(model_dir, task=task)
+    use_types = getattr(config, "type_vocab_size", 0) > 1
+    batches = _batches(kiln_model.tokenizer, config.vocab_size, use_types)
+    checks += compare_models(kiln_model, hf_model, task, config, batches)
+    if source is not None:
+        checks.append(compare_weights(model_dir, source))
+    return checks
