@@ -21,12 +21,23 @@ from kiln.models.auto import family_for
 TINY: dict[str, dict[str, Any]] = {
     "bert": dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
                  max_position_embeddings=64, type_vocab_size=2),
+    "roberta": dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                    max_position_embeddings=72, type_vocab_size=1),
+    "xlm-roberta": dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=37, max_position_embeddings=72, type_vocab_size=1),
+    "distilbert": dict(vocab_size=99, dim=32, n_layers=2, n_heads=4, hidden_dim=37, max_position_embeddings=64),
 }
 
 # Special tokens per family, in vocabulary order from id 0 (so pad ids match the configs' defaults).
 SPECIALS: dict[str, dict[str, str]] = {
     "bert": {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
              "mask_token": "[MASK]"},
+    "roberta": {"bos_token": "<s>", "pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>",
+                "mask_token": "<mask>"},
+    "xlm-roberta": {"bos_token": "<s>", "pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>",
+                    "mask_token": "<mask>"},
+    "distilbert": {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+                   "mask_token": "[MASK]"},
 }
 
 _WORDS = ("the a of to and in is was for on that with as by at from it be are this an paris france capital city "

@@ -15,12 +15,15 @@ import torch
 
 from kiln.errors import ConfigError
 from kiln.hub import Tokenizer, load_weights, read_config
-from kiln.models import bert
+from kiln.models import bert, distilbert, roberta, xlm_roberta
 from kiln.models.config import FamilyConfig
 from kiln.models.pretrained import Family, PreTrainedModel
 
 REGISTRY: dict[str, Family] = {
     "bert": bert.FAMILY,
+    "roberta": roberta.FAMILY,
+    "xlm-roberta": xlm_roberta.FAMILY,
+    "distilbert": distilbert.FAMILY,
 }
 
 

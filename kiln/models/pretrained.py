@@ -79,6 +79,9 @@ def init_module(module: nn.Module, std: float) -> None:
     with torch.no_grad():
         for m in module.modules():
             init_module_shallow(m, std)
+        for m in module.modules():
+            if hasattr(m, "after_init"):  # fixed tables (e.g. sinusoidal positions) set after the random init
+                m.after_init()
 
 
 class PreTrainedModel(nn.Module):

@@ -69,16 +69,18 @@ class MLP(nn.Module):
 
 class EncoderLayer(nn.Module):
     def __init__(self, dim: int, num_heads: int, intermediate: int, act: str, eps: float, dropout: float,
-                 attn_dropout: float):
+                 attn_dropout: float, attn_output_dropout: bool = True):
         super().__init__()
         self.attn = SelfAttention(dim, num_heads, attn_dropout)
         self.attn_norm = nn.LayerNorm(dim, eps=eps)
         self.mlp = MLP(dim, intermediate, act)
         self.mlp_norm = nn.LayerNorm(dim, eps=eps)
         self.dropout = nn.Dropout(dropout)
+        # DistilBERT applies no dropout to the attention output, only after the MLP.
+        self.attn_dropout = nn.Dropout(dropout) if attn_output_dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        h = self.attn_norm(self.dropout(self.attn(x, mask)) + x)
+        h = self.attn_norm(self.attn_dropout(self.attn(x, mask)) + x)
         return self.mlp_norm(self.dropout(self.mlp(h)) + h)
 
 
