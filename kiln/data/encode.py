@@ -1,0 +1,130 @@
+"""Records to model inputs for the encoder tasks: sequence/token classification and extractive QA.
+
+Each example becomes a dict of 1-D int tensors (unpadded); `kiln.data.loader.pad_collate` pads a
+batch. Word-level tags go to each word's first sub-token (the rest get -100, as HF does); QA
+answers are located through the tokenizer's character offsets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kiln.data.records import Record
+from kiln.errors import KilnError
+from kiln.hub import Tokenizer
+
+IGNORE = -100
+Example = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Fields:
+    text: str = "text"
+    text_pair: str | None = None
+    label: str = "label"
+    tokens: str = "tokens"
+    question: str = "question"
+    context: str = "context"
+    answers: str = "answers"
+
+
+def _as_list(value: Any, where: str, name: str) -> list:
+    if not isinstance(value, list):
+        raise KilnError(f"{where}: field {name!r} must be a list, got {type(value).__name__}")
+    return value
+
+
+def collect_labels(records: list[Record], task: str, fields: Fields) -> list[str]:
+    """The sorted set of label names used in the data (for a label set the config does not give)."""
+    seen: set[str] = set()
+    for r in records:
+        value = r.get(fields.label)
+        seen.update(str(v) for v in (_as_list(value, r.where, fields.label) if task == "token-classification"
+                                     else [value]))
+    return sorted(seen)
+
+
+def _label_id(value: Any, label2id: dict[str, int], where: str) -> int:
+    key = str(value)
+    if key not in label2id:
+        raise KilnError(f"{where}: label {key!r} is not in the label set [{', '.join(label2id)}]")
+    return label2id[key]
+
+
+def _tensors(enc: Any) -> Example:
+    return {"input_ids": torch.tensor(enc.ids, dtype=torch.long),
+            "token_type_ids": torch.tensor(enc.type_ids, dtype=torch.long)}
+
+
+def encode_records(records: list[Record], task: str, tokenizer: Tokenizer, labels: list[str] | None,
+                   fields: Fields, max_length: int) -> list[Example]:
+    """Tokenize every record for `task`; label names must be in `labels`."""
+    label2id = {name: i for i, name in enumerate(labels or [])}
+    backend = tokenizer.backend
+    out: list[Example] = []
+    try:
+        if task == "sequence-classification":
+            backend.enable_truncation(max_length)
+            for r in records:
+                text = str(r.get(fields.text))
+                enc = backend.encode(text, str(r.get(fields.text_pair))) if fields.text_pair else backend.encode(text)
+                ex = _tensors(enc)
+                ex["labels"] = torch.tensor(_label_id(r.get(fields.label), label2id, r.where))
+                out.append(ex)
+        elif task == "token-classification":
+            backend.enable_truncation(max_length)
+            for r in records:
+                words = [str(w) for w in _as_list(r.get(fields.tokens), r.where, fields.tokens)]
+                tags = _as_list(r.get(fields.label), r.where, fields.label)
+                if len(tags) != len(words):
+                    raise KilnError(f"{r.where}: {len(words)} tokens but {len(tags)} labels")
+                tag_ids = [_label_id(t, label2id, r.where) for t in tags]
+                enc = backend.encode(words, is_pretokenized=True)
+                ex = _tensors(enc)
+                lab, prev = [], None
+                for wid in enc.word_ids:  # first sub-token of each word carries the word's tag
+                    lab.append(IGNORE if wid is None or wid == prev else tag_ids[wid])
+                    prev = wid
+                ex["labels"] = torch.tensor(lab, dtype=torch.long)
+                out.append(ex)
+        elif task == "question-answering":
+            backend.enable_truncation(max_length, strategy="only_second")
+            for r in records:
+                out.append(_encode_qa(r, backend, fields))
+        else:
+            raise KilnError(f"task {task!r} has no record encoder; use one of sequence-classification, "
+                            "token-classification, question-answering")
+    finally:
+        backend.no_truncation()
+    return out
+
+
+def _encode_qa(r: Record, backend: Any, fields: Fields) -> Example:
+    context = str(r.get(fields.context))
+    answers = r.get(fields.answers)
+    if not isinstance(answers, dict) or "text" not in answers or "answer_start" not in answers:
+        raise KilnError(f"{r.where}: field {fields.answers!r} must be "
+                        '{"text": [...], "answer_start": [...]} (SQuAD layout)')
+    texts, starts = answers["text"], answers["answer_start"]
+    text, start = (texts[0], starts[0]) if isinstance(texts, list) else (texts, starts)
+    end = int(start) + len(text)
+    if context[int(start):end] != text:
+        raise KilnError(f"{r.where}: answer {text!r} is not at character {start} of the context")
+    enc = backend.encode(str(r.get(fields.question)), context)
+    ex = _tensors(enc)
+    s_tok = e_tok = 0  # an answer cut off by truncation points at [CLS], as HF does
+    for i, (seq, (a, b)) in enumerate(zip(enc.sequence_ids, enc.offsets)):
+        if seq != 1:
+            continue
+        if a <= int(start) < b and s_tok == 0:
+            s_tok = i
+        if a < end <= b:
+            e_tok = i
+    if s_tok == 0 or e_tok == 0:
+        s_tok = e_tok = 0
+    ex["start_positions"] = torch.tensor(s_tok)
+    ex["end_positions"] = torch.tensor(e_tok)
+    return ex

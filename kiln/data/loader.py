@@ -1,0 +1,100 @@
+"""A resumable, seeded, rank-sharded batch loader over an in-memory dataset.
+
+Epoch e visits the examples in `randperm(n, seed + e)` order, global batch after global batch
+(batch_size x world_size, the last partial one dropped); rank r takes its slice of each global
+batch. The whole position is two integers (epoch, cursor), so a checkpoint stores it exactly and
+a resumed run sees the very batches an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from kiln.errors import KilnError
+
+Batch = dict[str, torch.Tensor]
+PAD_VALUES = {"labels": -100, "attention_mask": 0, "token_type_ids": 0}
+
+
+def pad_collate(examples: Sequence[dict[str, torch.Tensor]], pad_id: int = 0) -> Batch:
+    """Stack 0-d tensors; right-pad 1-D ones (input_ids with `pad_id`, labels with -100); add attention_mask."""
+    batch: Batch = {}
+    for key in examples[0]:
+        values = [ex[key] for ex in examples]
+        if values[0].dim() == 0:
+            batch[key] = torch.stack(values)
+            continue
+        width = max(v.size(0) for v in values)
+        fill = pad_id if key == "input_ids" else PAD_VALUES.get(key, 0)
+        out = torch.full((len(values), width), fill, dtype=values[0].dtype)
+        for i, v in enumerate(values):
+            out[i, : v.size(0)] = v
+        batch[key] = out
+    if "input_ids" in batch and "attention_mask" not in batch:
+        lengths = torch.tensor([ex["input_ids"].size(0) for ex in examples])
+        batch["attention_mask"] = (torch.arange(batch["input_ids"].size(1))[None, :] < lengths[:, None]).long()
+    return batch
+
+
+class Loader:
+    """Batches of `dataset` for one rank, with `state_dict()` / `load_state_dict()` for exact resume."""
+
+    def __init__(self, dataset: Sequence[Any], batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 shuffle: bool = True, collate: Callable[[list[Any]], Any] | None = None, pad_id: int = 0):
+        self.dataset, self.batch_size, self.seed = dataset, batch_size, seed
+        self.rank, self.world_size, self.shuffle = rank, world_size, shuffle
+        self.collate = collate or (lambda exs: pad_collate(exs, pad_id))
+        self.epoch, self.cursor = 0, 0   # cursor: examples of this epoch consumed by all ranks together
+        self._order: tuple[int, torch.Tensor] | None = None
+
+    def check_size(self) -> None:
+        """Training needs at least one full global batch per epoch."""
+        if len(self.dataset) < self.global_batch:
+            raise KilnError(f"the training data has {len(self.dataset)} examples, fewer than one global batch "
+                            f"({self.batch_size} per process x {self.world_size} processes)")
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.dataset) // self.global_batch
+
+    def _epoch_order(self) -> torch.Tensor:
+        if self._order is None or self._order[0] != self.epoch:
+            n = len(self.dataset)
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed + self.epoch)
+                order = torch.randperm(n, generator=g)
+            else:
+                order = torch.arange(n)
+            self._order = (self.epoch, order)
+        return self._order[1]
+
+    def next_batch(self) -> Any:
+        """The next batch for this rank, rolling over to the next epoch when this one runs out."""
+        if self.cursor + self.global_batch > len(self.dataset):
+            self.epoch, self.cursor = self.epoch + 1, 0
+        order = self._epoch_order()
+        start = self.cursor + self.rank * self.batch_size
+        idx = order[start: start + self.batch_size].tolist()
+        self.cursor += self.global_batch
+        return self.collate([self.dataset[i] for i in idx])
+
+    def __iter__(self) -> Iterator[Any]:
+        """One pass over everything, in order, this rank's share only, the last batch possibly short (eval)."""
+        mine = list(range(self.rank, len(self.dataset), self.world_size))
+        for i in range(0, len(mine), self.batch_size):
+            yield self.collate([self.dataset[j] for j in mine[i: i + self.batch_size]])
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "size": len(self.dataset)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["size"] != len(self.dataset) or state["seed"] != self.seed:
+            raise KilnError(f"the data loader state is for {state['size']} examples with seed {state['seed']}; "
+                            f"this data has {len(self.dataset)} examples with seed {self.seed}")
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])

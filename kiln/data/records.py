@@ -1,0 +1,83 @@
+"""Rows in: JSONL and CSV files read into dicts, each remembering the file:line it came from.
+
+Errors name the file and line (a JSONL line that is not JSON, a row missing a field), so a user
+can open the file at the spot.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import KilnError
+
+
+@dataclass(frozen=True)
+class Record:
+    fields: dict[str, Any]
+    where: str  # "path:line", for messages
+
+    def get(self, key: str) -> Any:
+        if key not in self.fields:
+            have = ", ".join(sorted(self.fields)) or "none"
+            raise KilnError(f"{self.where}: no field {key!r} (fields here: {have})")
+        return self.fields[key]
+
+
+def detect_format(path: Path, fmt: str = "auto") -> str:
+    if fmt != "auto":
+        return fmt
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json", ".ndjson"):
+        return "jsonl"
+    if suffix in (".csv", ".tsv"):
+        return "csv"
+    raise KilnError(f"{path}: cannot tell the format from the extension {suffix!r}; "
+                    "use .jsonl or .csv, or set data.format")
+
+
+def read_records(path: str | os.PathLike, fmt: str = "auto") -> list[Record]:
+    """All rows of a JSONL or CSV file. Blank JSONL lines are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise KilnError(f"{path}: data file not found")
+    fmt = detect_format(path, fmt)
+    records: list[Record] = []
+    with open(path, encoding="utf-8", newline="") as f:
+        if fmt == "jsonl":
+            for no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise KilnError(f"{path}:{no}: not valid JSON ({e.msg} at column {e.colno})") from None
+                if not isinstance(row, dict):
+                    raise KilnError(f"{path}:{no}: expected a JSON object per line, got {type(row).__name__}")
+                records.append(Record(row, f"{path}:{no}"))
+        else:
+            reader = csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
+            if not reader.fieldnames:
+                raise KilnError(f"{path}: empty CSV (no header row)")
+            for row in reader:
+                # DictReader's line_num is the physical line just read (rows may span lines).
+                if None in row:
+                    raise KilnError(f"{path}:{reader.line_num}: more values than header columns")
+                records.append(Record(dict(row), f"{path}:{reader.line_num}"))
+    if not records:
+        raise KilnError(f"{path}: no rows")
+    return records
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """sha256 of a file, to notice a changed data source on resume."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

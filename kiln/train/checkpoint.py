@@ -1,0 +1,250 @@
+"""Checkpoints: one versioned directory per save, written whole or not at all.
+
+    RUN_DIR/ckpt-000200/
+      model/               an HF directory (save_pretrained: config.json, model.safetensors, tokenizer)
+      optimizer.safetensors + optimizer.json   tensor state / param groups and scalars
+      trainer.json         step, epoch, data cursor, best metric, counters, run config, fingerprint
+      rng.json             every generator's state, per rank
+      manifest.json        sha256 and size of every file above; written last
+
+A save goes to `.ckpt-000200.tmp`, every file fsynced, then renamed; a directory without a valid
+manifest is partial or corrupt and is skipped (by name) on resume. Nothing here unpickles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from kiln.errors import KilnError
+from kiln.hub import load_weights
+from kiln.hub.config import write_json_atomic
+
+CKPT_RE = re.compile(r"^ckpt-(\d{6,})$")
+FORMAT = 1
+
+
+def ckpt_name(step: int) -> str:
+    return f"ckpt-{step:06d}"
+
+
+def fault_point(kind: str, step: int) -> None:
+    """Testing hook: KILN_FAULT="kind:step" SIGKILLs this process here (crash-safety tests)."""
+    spec = os.environ.get("KILN_FAULT", "")
+    if spec and spec == f"{kind}:{step}" and int(os.environ.get("RANK", "0")) == int(os.environ.get("KILN_FAULT_RANK", "0")):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---- files ----------------------------------------------------------------------------------
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+
+
+# ---- RNG and optimizer state as safetensors / JSON -------------------------------------------
+def rng_state() -> dict[str, Any]:
+    """Every generator this process draws from: Python, NumPy, torch CPU and accelerators."""
+    py = random.getstate()
+    npst = np.random.get_state()
+    state = {"python": [py[0], list(py[1]), py[2]],
+             "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
+             "torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def _optimizer_files(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    tensors, scalars = {}, {}
+    for pid, pstate in sd["state"].items():
+        for k, v in pstate.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"{pid}.{k}"] = v.detach().cpu().contiguous()
+            else:
+                scalars[f"{pid}.{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    state: dict[int, dict[str, Any]] = {}
+    for key, v in list(tensors.items()) + list(meta["scalars"].items()):
+        pid, name = key.split(".", 1)
+        state.setdefault(int(pid), {})[name] = v
+    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in meta["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+# ---- save -----------------------------------------------------------------------------------
+def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    trainer_state: dict[str, Any], rng_states: list[dict[str, Any]]) -> Path:
+    """Write RUN_DIR/ckpt-<step> atomically (temp dir, fsync, rename) and return its path."""
+    run_dir = Path(run_dir)
+    final = run_dir / ckpt_name(step)
+    tmp = run_dir / f".{ckpt_name(step)}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(tmp / "model")
+    else:  # a plain nn.Module: its own state dict names
+        (tmp / "model").mkdir()
+        save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+                  str(tmp / "model" / "model.safetensors"))
+    tensors, meta = _optimizer_files(optimizer.state_dict())
+    save_file(tensors, str(tmp / "optimizer.safetensors"))
+    _write_json(tmp / "optimizer.json", meta)
+    fault_point("ckpt", step)  # crash-safety tests kill here: weights on disk, no manifest yet
+    _write_json(tmp / "trainer.json", {"format": FORMAT, **trainer_state})
+    _write_json(tmp / "rng.json", rng_states)
+    files = {}
+    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        _fsync_file(path)
+        files[str(path.relative_to(tmp))] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
+    _write_json(tmp / "manifest.json", {"format": FORMAT, "step": step, "files": files})
+    _fsync_file(tmp / "manifest.json")
+    for d in [tmp / "model", tmp]:
+        _fsync_dir(d)
+    if final.exists():  # a save at a step already saved (e.g. resumed, then saved again) replaces it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(run_dir)
+    return final
+
+
+# ---- find and verify ------------------------------------------------------------------------
+def verify_checkpoint(path: str | os.PathLike) -> str | None:
+    """None if the checkpoint is complete and every checksum matches, else what is wrong."""
+    path = Path(path)
+    manifest = path / "manifest.json"
+    if not manifest.is_file():
+        return "no manifest.json (the write never finished)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        return f"manifest.json is unreadable ({e})"
+    for rel, info in files.items():
+        f = path / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if f.stat().st_size != info["bytes"] or _sha256(f) != info["sha256"]:
+            return f"{rel} does not match its checksum"
+    return None
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    out = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := CKPT_RE.match(p.name)) and p.is_dir()]
+    return sorted(out)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike, report: Callable[[str], None] = print) -> Path | None:
+    """The newest complete checkpoint; partial and corrupt ones are reported by name and skipped."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise KilnError(f"{run_dir}: no such run directory to resume")
+    for tmp in sorted(run_dir.glob(".ckpt-*.tmp")):
+        report(f"{tmp.name}: partial checkpoint write (the run stopped while saving); ignored")
+    for _, path in reversed(list_checkpoints(run_dir)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        report(f"{path.name}: {problem}; using the previous checkpoint")
+    return None
+
+
+def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
+    return json.loads((Path(path) / "trainer.json").read_text())
+
+
+def read_rng_states(path: str | os.PathLike) -> list[dict[str, Any]]:
+    return json.loads((Path(path) / "rng.json").read_text())
+
+
+def load_optimizer_state(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    meta = json.loads((path / "optimizer.json").read_text())
+    return _optimizer_state(load_file(str(path / "optimizer.safetensors")), meta)
+
+
+def load_model_weights(path: str | os.PathLike, model: Any) -> None:
+    """Copy a checkpoint's HF-named weights into a live kiln model in place (optimizer refs stay valid)."""
+    hf = load_weights(Path(path) / "model")
+    kiln_sd = model.family.keymap(model.task).to_kiln(hf)[0] if hasattr(model, "family") else hf
+    own = model.state_dict()
+    missing = [k for k in own if k not in kiln_sd]
+    if missing:
+        raise KilnError(f"{path}: checkpoint lacks weights for {', '.join(missing[:5])}")
+    with torch.no_grad():
+        for k, v in kiln_sd.items():
+            if k in own:
+                if own[k].shape != v.shape:
+                    raise KilnError(f"{path}: {k} has shape {tuple(v.shape)} in the checkpoint, "
+                                    f"{tuple(own[k].shape)} in the model")
+                own[k].copy_(v)
+
+
+def load_checkpoint_model(path: str | os.PathLike, dtype: torch.dtype | None = None) -> Any:
+    """The kiln model stored in a checkpoint directory (its `model/` is a plain HF directory)."""
+    from kiln.models.auto import load_pretrained
+
+    path = Path(path)
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise KilnError(f"{path}: not a usable checkpoint: {problem}")
+    return load_pretrained(path / "model", dtype=dtype)
+
+
+def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int, keep: set[str]) -> list[str]:
+    """Delete all but the newest `keep_last` checkpoints and those named in `keep` (the best)."""
+    ckpts = list_checkpoints(run_dir)
+    doomed = [p for _, p in ckpts[:-keep_last] if p.name not in keep] if keep_last else []
+    for p in doomed:
+        shutil.rmtree(p)
+    return [p.name for p in doomed]
+
+
+def write_best(run_dir: str | os.PathLike, name: str, metric: str, value: float) -> None:
+    write_json_atomic(Path(run_dir) / "best.json", {"checkpoint": name, "metric": metric, "value": value})

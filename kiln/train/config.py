@@ -1,0 +1,190 @@
+"""The run config: one TOML file, every key validated by pydantic (`extra="forbid"`).
+
+Sections follow DESIGN.md: [model], [data], [train], [lora], [parallel]. An unknown or mistyped
+key, a wrong type or a bad value is a `ConfigError` naming the file, the section.key and, for
+unknown keys, the line it sits on.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from kiln.errors import ConfigError
+
+TASKS = ("sequence-classification", "token-classification", "question-answering", "masked-lm")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    path: str | None = None            # an HF model directory; or family + config to build from scratch
+    family: str | None = None
+    config: dict[str, Any] = {}        # family config fields when building from scratch
+    task: Literal["sequence-classification", "token-classification", "question-answering", "masked-lm"] = \
+        "sequence-classification"
+    num_labels: int | None = None
+    labels: list[str] | None = None    # label names; default: read from the training data, sorted
+    init_seed: int = 0                 # seed for freshly initialised weights (heads, scratch models)
+
+    @model_validator(mode="after")
+    def _source(self) -> "ModelSection":
+        if (self.path is None) == (self.family is None):
+            raise ValueError("set exactly one of model.path (an HF directory) or model.family (build from scratch)")
+        if self.labels is not None and self.num_labels is not None and len(self.labels) != self.num_labels:
+            raise ValueError(f"model.labels has {len(self.labels)} names but model.num_labels is {self.num_labels}")
+        return self
+
+
+class DataSection(_Section):
+    train: str
+    eval: str | None = None
+    format: Literal["auto", "jsonl", "csv"] = "auto"
+    text_field: str = "text"
+    text_pair_field: str | None = None   # second segment for pair classification
+    label_field: str = "label"           # a label name (or list of tag names for token classification)
+    tokens_field: str = "tokens"         # token classification: pre-split words
+    question_field: str = "question"     # question answering (SQuAD layout)
+    context_field: str = "context"
+    answers_field: str = "answers"
+    max_length: int = 128
+    shuffle_seed: int | None = None      # default: train.seed
+
+
+class TrainSection(_Section):
+    out_dir: str = "runs/run"
+    seed: int = 42
+    steps: int | None = None
+    epochs: float | None = None
+    batch_size: int = 16                  # per process, per micro-batch
+    grad_accum: int = 1
+    lr: float = 5e-5
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0             # the schedule's floor, as a fraction of lr
+    clip_grad_norm: float | None = 1.0
+    eval_every: int = 0                   # 0: only at the end (when there is eval data)
+    save_every: int = 0                   # 0: only at the end
+    keep_last: int = 3
+    best_metric: str | None = None        # e.g. "eval_accuracy" or "eval_loss"
+    best_mode: Literal["max", "min"] = "max"
+    early_stopping_patience: int = 0      # evals without improvement of best_metric; 0 = off
+    non_finite: Literal["skip", "fail"] = "skip"
+    device: str = "auto"                  # auto, cpu, cuda, cuda:1, mps
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    freeze: list[str] = []                # parameter name prefixes or globs ("model.embeddings*")
+    log_every: int = 1
+    progress: bool = True
+    tensorboard: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainSection":
+        if self.steps is None and self.epochs is None:
+            raise ValueError("set train.steps or train.epochs")
+        for name in ("batch_size", "grad_accum", "keep_last", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"train.steps must be >= 1, got {self.steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"train.min_lr_ratio must be within [0, 1], got {self.min_lr_ratio}")
+        if self.early_stopping_patience and not self.best_metric:
+            raise ValueError("train.early_stopping_patience needs train.best_metric to watch")
+        return self
+
+
+class LoraSection(_Section):
+    r: int = 16
+    alpha: float = 32
+    dropout: float = 0.0
+    targets: list[str] = ["q_proj", "v_proj"]
+
+
+class ParallelSection(_Section):
+    dp: int = 0          # 0: the world size
+    tp: int = 1
+    ep: int = 1
+    fsdp: bool = False
+
+
+class RunConfig(_Section):
+    model: ModelSection
+    data: DataSection
+    train: TrainSection
+    lora: LoraSection | None = None
+    parallel: ParallelSection = ParallelSection()
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a resume must not change: model source and shape, data source, dtype."""
+        return {"model": self.model.model_dump(mode="json"),
+                "data": {"train": self.data.train, "max_length": self.data.max_length},
+                "precision": self.train.precision}
+
+
+def _line_of(text: str, section: str | None, key: str) -> int | None:
+    """The line of `key` inside `[section]` (top level if None) in a TOML text, for error messages."""
+    current: str | None = None
+    for no, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        header = re.match(r"^\[\s*([^\]]+?)\s*\]", stripped)
+        if header:
+            current = header.group(1)
+            if section is None and current == key:
+                return no
+            continue
+        if current == section and re.match(rf"^{re.escape(key)}\s*=", stripped):
+            return no
+    return None
+
+
+def parse_run_config(data: dict[str, Any], source: str = "run config", text: str = "") -> RunConfig:
+    """Validate a parsed run config; errors name `source`, the key and (given `text`) its line."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            loc = [str(p) for p in err["loc"]]
+            key = ".".join(loc)
+            section, leaf = (loc[0], loc[-1]) if len(loc) > 1 else (None, loc[0] if loc else "")
+            line = _line_of(text, section, leaf) if text and leaf else None
+            where = f"{source}:{line}" if line else source
+            if err["type"] == "extra_forbidden":
+                problems.append(f"{where}: unknown key {key!r}")
+            elif err["type"] == "missing":
+                problems.append(f"{where}: missing key {key!r}")
+            else:
+                msg = err["msg"].removeprefix("Value error, ")
+                problems.append(f"{where}: {key + ': ' if key else ''}{msg}")
+        raise ConfigError("; ".join(problems)) from None
+
+
+def load_run_config(path: str | os.PathLike) -> RunConfig:
+    """Read and validate a run TOML; relative model/data paths resolve against the file's folder
+    (so a config travels with its data); out_dir stays relative to the working directory."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such run config file")
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    cfg = parse_run_config(data, str(path), text)
+    base = path.resolve().parent
+    for section, key in (("model", "path"), ("data", "train"), ("data", "eval")):
+        obj = getattr(cfg, section)
+        value = getattr(obj, key)
+        if value is not None and not os.path.isabs(value):
+            setattr(obj, key, str(base / value))
+    return cfg

@@ -1,0 +1,72 @@
+"""The few collective operations the Trainer needs, as no-ops in a single process.
+
+torchrun (or `kiln launch`) sets RANK / WORLD_SIZE / LOCAL_RANK; with WORLD_SIZE > 1 we join the
+process group: gloo on CPU, nccl on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
+
+def init_world(device: torch.device) -> World:
+    """Join the process group described by torchrun's environment (once), or stay single."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return World()
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def all_reduce_sum(t: torch.Tensor, world: World) -> torch.Tensor:
+    if world.active:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def gather_objects(obj: Any, world: World) -> list[Any]:
+    """Every rank's `obj`, in rank order (all ranks get the list)."""
+    if not world.active:
+        return [obj]
+    out: list[Any] = [None] * world.size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, world: World) -> Any:
+    if not world.active:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier(world: World) -> None:
+    if world.active:
+        dist.barrier()
+
+
+def shutdown(world: World) -> None:
+    if world.active and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,103 @@
+"""Run metrics: metrics.jsonl (one JSON object per logged step or eval), a rich progress bar with
+ETA, and TensorBoard scalars when tensorboard is installed and asked for.
+
+On resume the log is cut back to the checkpoint's step, so a killed-and-resumed run ends with
+exactly the lines an uninterrupted one writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl; a torn last line (killed mid-write) is dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+class MetricsLog:
+    """Appends records to RUN_DIR/metrics.jsonl (rank 0 only), mirrored to TensorBoard if enabled."""
+
+    def __init__(self, run_dir: str | os.PathLike, enabled: bool = True, tensorboard: bool = False):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.enabled = enabled
+        self._file = None
+        self._tb = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            except ImportError:
+                print("tensorboard is not installed; metrics go to metrics.jsonl only")
+
+    def truncate_after(self, step: int) -> None:
+        """Keep only records up to `step` (a resume from the checkpoint at `step`)."""
+        if not self.enabled:
+            return
+        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, record["step"])
+
+    def sync(self) -> None:
+        """fsync before a checkpoint, so every line up to its step survives a crash."""
+        if self._file is not None:
+            os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+
+
+class ProgressBar:
+    """A rich progress bar over optimizer steps, showing loss and lr; silent when disabled."""
+
+    def __init__(self, total: int, start: int, enabled: bool):
+        self.enabled = enabled
+        if not enabled:
+            return
+        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False)
+        self.task = self.progress.add_task("train", total=total, completed=start, info="")
+        self.progress.start()
+
+    def update(self, step: int, info: str) -> None:
+        if self.enabled:
+            self.progress.update(self.task, completed=step, info=info)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.progress.stop()

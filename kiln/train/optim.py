@@ -1,0 +1,80 @@
+"""AdamW with the usual decay split, and the learning-rate schedule (warmup, then decay to a floor).
+
+Biases and norm weights (every parameter with fewer than 2 dims) get no weight decay; frozen
+parameters are left out. The schedule is a pure function of the step, so resuming needs nothing
+but the step.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from kiln.errors import ConfigError
+
+OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: matrices (decayed) and biases/norms/other vectors (not decayed)."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def adamw(groups: list[dict], lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8
+          ) -> torch.optim.Optimizer:
+    """torch AdamW, fused where the parameters' device supports it, else foreach."""
+    params = [p for g in groups for p in g["params"]]
+    devices = {p.device.type for p in params}
+    fused = len(devices) == 1 and next(iter(devices)) in ("cuda", "cpu", "mps") and \
+        all(p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params)
+    kwargs = {"fused": True} if fused else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **kwargs)
+
+
+def lr_factor(step: int, total: int, warmup: int, schedule: str, floor: float) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based): linear warmup, then decay to `floor`."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    if schedule == "linear":
+        decay = 1.0 - progress
+    elif schedule == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"unknown schedule {schedule!r}; use cosine, linear or constant")
+    return floor + (1.0 - floor) * decay
+
+
+def set_lr(optimizer: torch.optim.Optimizer, base_lrs: Iterable[float], factor: float) -> float:
+    lr = 0.0
+    for group, base in zip(optimizer.param_groups, base_lrs):
+        group["lr"] = lr = base * factor
+    return lr
+
+
+def freeze(model: nn.Module, patterns: list[str]) -> list[str]:
+    """requires_grad=False for parameters whose name starts with, or glob-matches, a pattern."""
+    def hit(name: str, pat: str) -> bool:
+        return name == pat or name.startswith(pat.rstrip(".") + ".") or fnmatch.fnmatchcase(name, pat)
+
+    names = [n for n, _ in model.named_parameters()]
+    unmatched = [pat for pat in patterns if not any(hit(n, pat) for n in names)]
+    if unmatched:
+        raise ConfigError(f"train.freeze: {unmatched} match no parameter name (names look like {names[0]!r})")
+    frozen = []
+    for name, p in model.named_parameters():
+        if any(hit(name, pat) for pat in patterns):
+            p.requires_grad_(False)
+            frozen.append(name)
+    return frozen

@@ -1,0 +1,303 @@
+"""The Trainer: loop, backward, accumulation, clipping, optimizer step, eval, checkpoints, resume.
+
+    from kiln.models.auto import AutoConfig, from_config
+    from kiln.train import Trainer
+    import torch
+
+    cfg = AutoConfig.for_model("bert", vocab_size=99, hidden_size=32, num_hidden_layers=2,
+                               num_attention_heads=4, intermediate_size=37, max_position_embeddings=64)
+    cfg.set_labels(3)
+    model = from_config(cfg, task="sequence-classification", seed=0)
+    data = [{"input_ids": torch.randint(1, 99, (12,)), "labels": torch.tensor(i % 3)} for i in range(64)]
+    Trainer(model, data, steps=20, batch_size=8, lr=1e-3, out_dir="/tmp/kiln-doc-run",
+            progress=False).fit()
+
+`model` is a module or a factory `device -> module`; `optimizer` a factory `param_groups ->
+optimizer` (default AdamW, no decay on biases/norms); `data` a `kiln.data.Loader` or a sequence
+of examples (dicts of tensors, padded by `pad_collate`); `step` a function `(model, batch) ->
+loss` or `(loss_sum, count)` (default: the task model's own loss from `labels`). Settings are
+the fields of `TrainSection`, given as `args=` and/or keyword overrides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from pydantic import ValidationError
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from kiln.data.loader import Loader
+from kiln.errors import ConfigError, KilnError
+from kiln.train import checkpoint as ckpt
+from kiln.train.config import TrainSection
+from kiln.train.distributed import World, all_reduce_sum, barrier, gather_objects, init_world
+from kiln.train.metrics import MetricsLog, ProgressBar
+from kiln.train.optim import OptimizerFactory, adamw, freeze, lr_factor, param_groups, set_lr
+from kiln.train.resume import check_fingerprint, model_fingerprint
+from kiln.train.tasks import StepFn, as_sum_and_count, default_evaluate, default_step, pick_device
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Callback:
+    """Hooks into the loop; override what you need. `record` is the metrics.jsonl line."""
+
+    def on_step(self, trainer: "Trainer", record: dict[str, Any]) -> None: ...
+    def on_eval(self, trainer: "Trainer", metrics: dict[str, float]) -> None: ...
+    def on_save(self, trainer: "Trainer", path: Path) -> None: ...
+    def on_end(self, trainer: "Trainer") -> None: ...
+
+
+class Trainer:
+    def __init__(self, model: nn.Module | Callable[[torch.device], nn.Module], data: Loader | Sequence[dict], *,
+                 optimizer: OptimizerFactory | None = None, step: StepFn | None = None,
+                 eval_data: Sequence[dict] | None = None,
+                 evaluate: Callable[["Trainer"], dict[str, float]] | None = None,
+                 callbacks: Sequence[Callback] = (), args: TrainSection | None = None,
+                 resume: str | Path | None = None, run_config: dict | None = None,
+                 data_fingerprint: dict | None = None, **overrides: Any):
+        try:
+            self.args = TrainSection(**{**(args.model_dump() if args else {}), **overrides})
+        except ValidationError as e:
+            raise ConfigError("; ".join(f"train.{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())) from None
+        self._model_arg, self.data, self.eval_data = model, data, eval_data
+        self.optimizer_factory = optimizer
+        self.step_fn = step or default_step
+        self.evaluate_fn = evaluate
+        self.callbacks = list(callbacks)
+        self.resume = Path(resume) if resume is not None else None
+        self.run_config = run_config or {"train": self.args.model_dump(mode="json")}
+        self.data_fingerprint = data_fingerprint or {}
+        self.out_dir = Path(self.args.out_dir)
+        self.step, self.skipped, self.stopped_early = 0, 0, False
+        self.best: dict[str, Any] | None = None   # {"value", "checkpoint", "step"}
+        self.evals_since_best = 0
+        self.last_checkpoint: Path | None = None
+        self.last_eval: dict[str, float] = {}
+
+    # ---- setup ------------------------------------------------------------------------------
+    def _setup(self) -> None:
+        a = self.args
+        self.device = pick_device(a.device, int(os.environ.get("LOCAL_RANK", "0")))
+        self.world: World = init_world(self.device)
+        torch.manual_seed(a.seed)  # same initial weights on every rank
+        model = self._model_arg(self.device) if callable(self._model_arg) and not isinstance(
+            self._model_arg, nn.Module) else self._model_arg
+        self.model: nn.Module = model.to(self.device)
+        torch.manual_seed(a.seed + self.world.rank)  # dropout differs between ranks, as it would in one big batch
+        if a.freeze:
+            freeze(self.model, a.freeze)
+        self.loader = self.data if isinstance(self.data, Loader) else Loader(
+            self.data, a.batch_size, seed=a.seed, rank=self.world.rank, world_size=self.world.size,
+            pad_id=getattr(getattr(model, "config", None), "pad_token_id", 0) or 0)
+        self.loader.check_size()
+        if a.steps is not None:
+            self.total_steps = a.steps
+        else:
+            self.total_steps = max(1, math.ceil(a.epochs * self.loader.batches_per_epoch / a.grad_accum))
+        self.fingerprint = {"model": model_fingerprint(self.model), "data": self.data_fingerprint,
+                            "precision": a.precision, "world_size": self.world.size}
+
+        start = self._find_resume()
+        if start is not None:
+            ckpt.load_model_weights(start, self.model)
+        groups = param_groups(self.model, a.weight_decay)
+        self.optimizer = (self.optimizer_factory or (lambda g: adamw(g, a.lr, a.betas, a.eps)))(groups)
+        self.base_lrs = [g.get("initial_lr", g["lr"]) for g in self.optimizer.param_groups]
+        for g, lr in zip(self.optimizer.param_groups, self.base_lrs):
+            g["initial_lr"] = lr
+        self.scaler = torch.amp.GradScaler(self.device.type) if a.precision == "fp16" else None
+        self.metrics = MetricsLog(self.out_dir, enabled=self.world.main, tensorboard=a.tensorboard)
+        if start is not None:
+            self._restore(start)
+        if self.world.active:
+            self.model = DistributedDataParallel(self.model, device_ids=[self.device.index]
+                                                 if self.device.type == "cuda" else None)
+        self.model.train()
+
+    def _find_resume(self) -> Path | None:
+        if self.resume is None:
+            return None
+        notes: list[str] = []
+        found = ckpt.latest_checkpoint(self.resume, notes.append)
+        if self.world.main:
+            for n in notes:
+                print(f"resume: {n}")
+        if found is None:
+            raise KilnError(f"{self.resume}: no complete checkpoint to resume from")
+        state = ckpt.read_trainer_state(found)
+        check_fingerprint(found, state["fingerprint"], self.fingerprint)
+        return found
+
+    def _restore(self, path: Path) -> None:
+        state = ckpt.read_trainer_state(path)
+        self.optimizer.load_state_dict(ckpt.load_optimizer_state(path))
+        self.step, self.skipped = state["step"], state["skipped"]
+        self.best, self.evals_since_best = state["best"], state["evals_since_best"]
+        self.loader.load_state_dict(state["data"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        ckpt.set_rng_state(ckpt.read_rng_states(path)[self.world.rank])
+        self.last_checkpoint = path
+        if self.world.main:
+            self.metrics.truncate_after(self.step)
+            print(f"resume: from {path.name} (step {self.step})")
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.args.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=_DTYPES[self.args.precision])
+
+    def fit(self) -> "Trainer":
+        """Train to `steps` (or `epochs`), evaluating and saving on schedule; returns self."""
+        self._setup()
+        a = self.args
+        bar = ProgressBar(self.total_steps, self.step, a.progress and self.world.main)
+        try:
+            while self.step < self.total_steps and not self.stopped_early:
+                record = self._train_step()
+                if self.step % a.log_every == 0 or self.step == self.total_steps:
+                    self.metrics.log(record)
+                for cb in self.callbacks:
+                    cb.on_step(self, record)
+                bar.update(self.step, f"loss {record['loss']:.4f} lr {record['lr']:.2e}")
+                ckpt.fault_point("step", self.step)
+                last = self.step == self.total_steps
+                improved = False
+                if self._has_eval() and ((a.eval_every and self.step % a.eval_every == 0) or last):
+                    improved = self._evaluate()
+                if (a.save_every and self.step % a.save_every == 0) or last or improved or self.stopped_early:
+                    self.save()
+        finally:
+            bar.close()
+            self.metrics.close()
+        for cb in self.callbacks:
+            cb.on_end(self)
+        return self
+
+    def _train_step(self) -> dict[str, Any]:
+        a, model = self.args, self.model
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = torch.zeros((), dtype=torch.float64, device=self.device)
+        tokens = 0
+        for micro in range(a.grad_accum):
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in self.loader.next_batch().items()}
+            tokens += int(batch["attention_mask"].sum()) if "attention_mask" in batch else 0
+            # Only the last micro-batch all-reduces gradients; the others accumulate locally.
+            sync = micro == a.grad_accum - 1 or not self.world.active
+            with (contextlib.nullcontext() if sync else model.no_sync()), self.autocast():
+                part, n = as_sum_and_count(self.step_fn(model, batch), batch)
+            (self.scaler.scale(part) if self.scaler else part).backward()
+            loss_sum += part.detach().to(torch.float64)
+            count += n.to(self.device)
+        totals = all_reduce_sum(torch.stack([loss_sum, count]), self.world)
+        loss = float(totals[0] / totals[1])
+        # DDP averaged the gradients over ranks; turn that into the sum over every unit, then the mean.
+        params = [p for p in model.parameters() if p.grad is not None]
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        torch._foreach_mul_([p.grad for p in params], self.world.size / float(totals[1]))
+        clip = a.clip_grad_norm if a.clip_grad_norm else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        lr = set_lr(self.optimizer, self.base_lrs, lr_factor(self.step, self.total_steps, a.warmup_steps,
+                                                             a.schedule, a.min_lr_ratio))
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite or (self.scaler is not None and math.isfinite(loss)):
+            # fp16 overflow with a finite loss is the scaler's business: it skips and lowers the scale.
+            if self.scaler:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        else:
+            self._non_finite(loss, grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        dt = time.perf_counter() - t0
+        samples = a.batch_size * a.grad_accum * self.world.size
+        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "epoch": self.loader.epoch,
+                "samples_per_s": samples / dt, "tokens_per_s": tokens * self.world.size / dt,
+                "skipped": self.skipped}
+
+    def _non_finite(self, loss: float, grad_norm: float) -> None:
+        what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}"
+        if self.args.non_finite == "fail":
+            last = self.last_checkpoint.name if self.last_checkpoint else "none saved yet"
+            raise KilnError(f"non-finite {what} at step {self.step + 1}; stopping (train.non_finite = 'fail'). "
+                            f"Last good checkpoint: {last}")
+        self.skipped += 1
+        if self.world.main:
+            print(f"step {self.step + 1}: non-finite {what}; optimizer step skipped ({self.skipped} so far)")
+
+    # ---- eval, best, early stopping ---------------------------------------------------------
+    def _has_eval(self) -> bool:
+        return self.eval_data is not None or self.evaluate_fn is not None
+
+    def run_eval(self) -> dict[str, float]:
+        if self.evaluate_fn is not None:
+            return self.evaluate_fn(self)
+        eval_loader = Loader(self.eval_data, self.args.batch_size, rank=self.world.rank, world_size=1,
+                             shuffle=False, collate=self.loader.collate) if not isinstance(self.eval_data, Loader) \
+            else self.eval_data
+        # Every rank evaluates its share; default_evaluate sums the counts over ranks.
+        eval_loader.rank, eval_loader.world_size = self.world.rank, self.world.size
+        return default_evaluate(self.model, eval_loader, self.device, self.world, self.autocast)
+
+    def _evaluate(self) -> bool:
+        metrics = self.run_eval()
+        self.last_eval = metrics
+        self.metrics.log({"step": self.step, **metrics})
+        for cb in self.callbacks:
+            cb.on_eval(self, metrics)
+        name = self.args.best_metric
+        if not name:
+            return False
+        if name not in metrics:
+            raise KilnError(f"train.best_metric {name!r} is not among the eval metrics: {', '.join(metrics)}")
+        value = metrics[name]
+        better = self.best is None or (value > self.best["value"] if self.args.best_mode == "max"
+                                       else value < self.best["value"])
+        if better:
+            self.best = {"value": value, "step": self.step, "checkpoint": ckpt.ckpt_name(self.step)}
+            self.evals_since_best = 0
+            return True
+        self.evals_since_best += 1
+        if self.args.early_stopping_patience and self.evals_since_best >= self.args.early_stopping_patience:
+            self.stopped_early = True
+            if self.world.main:
+                print(f"early stopping at step {self.step}: no better {name} in {self.evals_since_best} evals")
+        return False
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def unwrapped(self) -> nn.Module:
+        return getattr(self.model, "module", self.model)
+
+    def save(self) -> Path:
+        """Checkpoint now (rank 0 writes; every rank contributes its RNG state and waits)."""
+        rngs = gather_objects(ckpt.rng_state(), self.world)
+        path = self.out_dir / ckpt.ckpt_name(self.step)
+        if self.world.main:
+            self.metrics.sync()
+            state = {"step": self.step, "skipped": self.skipped, "best": self.best,
+                     "evals_since_best": self.evals_since_best, "data": self.loader.state_dict(),
+                     "epoch": self.loader.epoch, "fingerprint": self.fingerprint, "run_config": self.run_config,
+                     "scaler": self.scaler.state_dict() if self.scaler else None, "eval": self.last_eval}
+            path = ckpt.save_checkpoint(self.out_dir, self.step, self.unwrapped(), self.optimizer, state, rngs)
+            keep = {self.best["checkpoint"]} if self.best else set()
+            ckpt.prune_checkpoints(self.out_dir, self.args.keep_last, keep)
+            if self.best:
+                ckpt.write_best(self.out_dir, self.best["checkpoint"], self.args.best_metric, self.best["value"])
+        barrier(self.world)
+        self.last_checkpoint = path
+        for cb in self.callbacks:
+            cb.on_save(self, path)
+        return path
