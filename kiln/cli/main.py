@@ -17,6 +17,7 @@ from rich.console import Console
 COMMAND_MODULES = [
     "kiln.cli.probe",
     "kiln.cli.models",
+    "kiln.cli.train",
 ]
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

@@ -44,6 +44,8 @@ def collect_labels(records: list[Record], task: str, fields: Fields) -> list[str
         value = r.get(fields.label)
         seen.update(str(v) for v in (_as_list(value, r.where, fields.label) if task == "token-classification"
                                      else [value]))
+    if all(s.lstrip("-").isdigit() for s in seen):  # integer labels: 2 before 10
+        return sorted(seen, key=int)
     return sorted(seen)
 
 

@@ -28,6 +28,7 @@ class ModelSection(_Section):
     path: str | None = None            # an HF model directory; or family + config to build from scratch
     family: str | None = None
     config: dict[str, Any] = {}        # family config fields when building from scratch
+    tokenizer: str | None = None       # a directory with tokenizer files, for a model built from scratch
     task: Literal["sequence-classification", "token-classification", "question-answering", "masked-lm"] = \
         "sequence-classification"
     num_labels: int | None = None
@@ -55,7 +56,6 @@ class DataSection(_Section):
     context_field: str = "context"
     answers_field: str = "answers"
     max_length: int = 128
-    shuffle_seed: int | None = None      # default: train.seed
 
 
 class TrainSection(_Section):
@@ -182,7 +182,7 @@ def load_run_config(path: str | os.PathLike) -> RunConfig:
         raise ConfigError(f"{path}: not valid TOML ({e})") from None
     cfg = parse_run_config(data, str(path), text)
     base = path.resolve().parent
-    for section, key in (("model", "path"), ("data", "train"), ("data", "eval")):
+    for section, key in (("model", "path"), ("model", "tokenizer"), ("data", "train"), ("data", "eval")):
         obj = getattr(cfg, section)
         value = getattr(obj, key)
         if value is not None and not os.path.isabs(value):

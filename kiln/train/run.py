@@ -1,0 +1,72 @@
+"""From a validated run config to a ready Trainer: model, tokenizer, labels, encoded data.
+
+This is what `kiln train --config run.toml` runs; Python users can call `build_trainer` too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kiln.data import Fields, collect_labels, encode_records, file_digest, read_records
+from kiln.errors import ConfigError, KilnError
+from kiln.hub import Tokenizer
+from kiln.models.auto import AutoConfig, from_config, load_pretrained
+from kiln.train.config import RunConfig
+from kiln.train.trainer import Trainer
+
+
+def _fields(cfg: RunConfig) -> Fields:
+    d = cfg.data
+    return Fields(text=d.text_field, text_pair=d.text_pair_field, label=d.label_field, tokens=d.tokens_field,
+                  question=d.question_field, context=d.context_field, answers=d.answers_field)
+
+
+def _labels(cfg: RunConfig, train_records: list) -> list[str] | None:
+    if cfg.model.task == "question-answering":
+        return None
+    found = collect_labels(train_records, cfg.model.task, _fields(cfg))
+    if cfg.model.labels is not None:
+        return list(cfg.model.labels)  # data labels outside this set are reported per line when encoding
+    if cfg.model.num_labels is not None and cfg.model.num_labels != len(found):
+        raise ConfigError(f"model.num_labels is {cfg.model.num_labels} but {cfg.data.train} uses "
+                          f"{len(found)} labels: {', '.join(found)}; set model.labels to name them")
+    return found
+
+
+def build_model(cfg: RunConfig, labels: list[str] | None) -> Any:
+    m = cfg.model
+    changes: dict[str, Any] = {"labels": labels} if labels else {}
+    if m.path is not None:
+        return load_pretrained(m.path, task=m.task, **changes)
+    config = AutoConfig.for_model(m.family, **m.config)
+    if labels:
+        config.set_labels(labels)
+    model = from_config(config, task=m.task, seed=m.init_seed)
+    if m.tokenizer is None:
+        raise ConfigError("model.family builds a model from scratch; set model.tokenizer to a directory "
+                          "with tokenizer.json or vocab.txt")
+    model.tokenizer = Tokenizer.from_dir(m.tokenizer)
+    return model
+
+
+def build_trainer(cfg: RunConfig, resume: str | Path | None = None) -> Trainer:
+    """Load the model and data a run config names and return a Trainer for it."""
+    d = cfg.data
+    train_records = read_records(d.train, d.format)
+    eval_records = read_records(d.eval, d.format) if d.eval else None
+    labels = _labels(cfg, train_records)
+    model = build_model(cfg, labels)
+    if model.tokenizer is None:
+        raise KilnError(f"{cfg.model.path}: no tokenizer files (tokenizer.json or vocab.txt) in the model directory")
+    fields = _fields(cfg)
+    train = encode_records(train_records, cfg.model.task, model.tokenizer, labels, fields, d.max_length)
+    evals = encode_records(eval_records, cfg.model.task, model.tokenizer, labels, fields, d.max_length) \
+        if eval_records else None
+    fingerprint = {"train": str(d.train), "train_sha256": file_digest(d.train), "max_length": d.max_length,
+                   "labels": labels}
+    args = cfg.train
+    if resume is not None:
+        args = args.model_copy(update={"out_dir": str(resume)})
+    return Trainer(model, train, eval_data=evals, args=args, resume=resume,
+                   run_config=cfg.model_dump(mode="json"), data_fingerprint=fingerprint)

@@ -1,0 +1,96 @@
+"""Shared fixtures: a tiny BERT directory with a WordPiece tokenizer, JSONL data, run TOMLs."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kiln.hub import Tokenizer
+from kiln.models.auto import AutoConfig, from_config
+
+REPO = Path(__file__).resolve().parents[2]
+WORDS = ["red", "blue", "green", "cat", "dog", "bird", "runs", "sits", "flies", "fast", "slow", "big", "small",
+         "the", "a", "and", "on", "in", "tree", "house", "car", "road", "sky", "water", "fish", "swims"]
+LABELS = ["animal", "colour", "place"]
+
+
+def tiny_config(**changes):
+    cfg = AutoConfig.for_model("bert", vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=37, max_position_embeddings=64, **changes)
+    cfg.set_labels(LABELS)
+    return cfg
+
+
+def make_model_dir(path: Path, dropout: float = 0.1) -> Path:
+    """A tiny BERT sequence classifier with a real tokenizer, saved as an HF directory."""
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS
+    vocab += [f"##x{i}" for i in range(99 - len(vocab))]
+    src = path.parent / (path.name + "-vocab")
+    src.mkdir(parents=True)
+    (src / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    (src / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True}))
+    model = from_config(tiny_config(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout),
+                        task="sequence-classification", seed=0)
+    model.tokenizer = Tokenizer.from_dir(src)
+    model.save_pretrained(path)
+    return path
+
+
+def make_rows(n: int, seed: int) -> list[dict]:
+    """Sentences of 3-12 words whose label is the kind of their first content word (learnable)."""
+    rng = random.Random(seed)
+    kinds = {"animal": ["cat", "dog", "bird", "fish"], "colour": ["red", "blue", "green"],
+             "place": ["tree", "house", "road", "sky"]}
+    rows = []
+    for i in range(n):
+        label = LABELS[i % 3]
+        words = [rng.choice(kinds[label])] + [rng.choice(WORDS) for _ in range(rng.randint(2, 11))]
+        rows.append({"text": " ".join(words), "label": label})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_toml(path: Path, model_dir: Path, train: Path, eval_: Path | None, out_dir: Path, **train_keys) -> Path:
+    keys = {"out_dir": str(out_dir), "seed": 3, "steps": 12, "batch_size": 4, "lr": 2e-3, "warmup_steps": 2,
+            "save_every": 4, "eval_every": 4, "keep_last": 10, "progress": False, **train_keys}
+    body = [f'[model]\npath = "{model_dir}"\ntask = "sequence-classification"\n',
+            f'[data]\ntrain = "{train}"\n' + (f'eval = "{eval_}"\n' if eval_ else "") + "max_length = 32\n",
+            "[train]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())]
+    path.write_text("\n".join(body))
+    return path
+
+
+def kiln(*args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run the kiln CLI in a fresh process (as a user would)."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "kiln.cli.main", *args], capture_output=True, text=True,
+                          env=full_env, cwd=REPO, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"kiln {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("tiny") / "bert")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir_nodrop(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("tiny0") / "bert", dropout=0.0)
+
+
+@pytest.fixture(scope="session")
+def data_files(tmp_path_factory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("data")
+    return write_jsonl(d / "train.jsonl", make_rows(48, 1)), write_jsonl(d / "eval.jsonl", make_rows(18, 2))
