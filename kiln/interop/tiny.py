@@ -26,6 +26,10 @@ TINY: dict[str, dict[str, Any]] = {
     "xlm-roberta": dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=37, max_position_embeddings=72, type_vocab_size=1),
     "distilbert": dict(vocab_size=99, dim=32, n_layers=2, n_heads=4, hidden_dim=37, max_position_embeddings=64),
+    # ALBERT: two groups of two inner layers over three layer steps, so sharing and the schedule both show
+    "albert": dict(vocab_size=99, embedding_size=16, hidden_size=32, num_hidden_layers=3, num_hidden_groups=2,
+                   inner_group_num=2, num_attention_heads=4, intermediate_size=37, max_position_embeddings=64,
+                   type_vocab_size=2),
 }
 
 # Special tokens per family, in vocabulary order from id 0 (so pad ids match the configs' defaults).
@@ -38,6 +42,8 @@ SPECIALS: dict[str, dict[str, str]] = {
                     "mask_token": "<mask>"},
     "distilbert": {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
                    "mask_token": "[MASK]"},
+    "albert": {"pad_token": "<pad>", "unk_token": "<unk>", "cls_token": "[CLS]", "sep_token": "[SEP]",
+               "mask_token": "[MASK]"},  # pad 0, bos [CLS] 2, eos [SEP] 3 as AlbertConfig's defaults
 }
 
 _WORDS = ("the a of to and in is was for on that with as by at from it be are this an paris france capital city "

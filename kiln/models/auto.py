@@ -16,6 +16,7 @@ import torch
 from kiln.errors import ConfigError
 from kiln.hub import Tokenizer, load_weights, read_config
 from kiln.models import bert, distilbert, roberta, xlm_roberta
+from kiln.models import albert
 from kiln.models.config import FamilyConfig
 from kiln.models.pretrained import Family, PreTrainedModel
 
@@ -24,6 +25,7 @@ REGISTRY: dict[str, Family] = {
     "roberta": roberta.FAMILY,
     "xlm-roberta": xlm_roberta.FAMILY,
     "distilbert": distilbert.FAMILY,
+    "albert": albert.FAMILY,
 }
 
 

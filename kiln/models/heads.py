@@ -62,20 +62,24 @@ class MLMHead(nn.Module):
     """dense -> act -> norm -> logits against the (tied) word embeddings, plus an output bias."""
 
     def __init__(self, dim: int, vocab_size: int, act: str, eps: float, out_dim: int | None = None,
-                 tied: bool = True):
+                 tied: bool = True, decoder_bias: bool = False):
         super().__init__()
         out_dim = out_dim or dim
         self.dense = nn.Linear(dim, out_dim)
         self.act = activation(act)
         self.norm = nn.LayerNorm(out_dim, eps=eps)
         self.bias = nn.Parameter(torch.zeros(vocab_size))
-        self.decoder = None if tied else nn.Linear(out_dim, vocab_size, bias=False)
+        # decoder_bias: an untied decoder brings its own bias and `bias` goes unused (HF ties the two only
+        # when it ties the weights: ALBERT, DeBERTa's legacy head).
+        self.decoder = None if tied else nn.Linear(out_dim, vocab_size, bias=decoder_bias)
 
     def reset_parameters_hf(self, std: float) -> None:
         nn.init.zeros_(self.bias)
 
     def forward(self, hidden: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
         x = self.norm(self.act(self.dense(hidden)))
+        if self.decoder is not None and self.decoder.bias is not None:
+            return self.decoder(x)  # (B, T, V)
         weight = embedding_weight if self.decoder is None else self.decoder.weight
         return F.linear(x, weight, self.bias)  # (B, T, V)
 

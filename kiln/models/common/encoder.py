@@ -69,19 +69,21 @@ class MLP(nn.Module):
 
 class EncoderLayer(nn.Module):
     def __init__(self, dim: int, num_heads: int, intermediate: int, act: str, eps: float, dropout: float,
-                 attn_dropout: float, attn_output_dropout: bool = True):
+                 attn_dropout: float, attn_output_dropout: bool = True, mlp_output_dropout: bool = True,
+                 attn: nn.Module | None = None):
         super().__init__()
-        self.attn = SelfAttention(dim, num_heads, attn_dropout)
+        # `attn` replaces the SDPA block (DeBERTa's disentangled attention); it maps (x, mask, **inputs) -> x.
+        self.attn = attn if attn is not None else SelfAttention(dim, num_heads, attn_dropout)
         self.attn_norm = nn.LayerNorm(dim, eps=eps)
         self.mlp = MLP(dim, intermediate, act)
         self.mlp_norm = nn.LayerNorm(dim, eps=eps)
-        self.dropout = nn.Dropout(dropout)
-        # DistilBERT applies no dropout to the attention output, only after the MLP.
+        # DistilBERT applies no dropout to the attention output, only after the MLP; ALBERT the reverse.
         self.attn_dropout = nn.Dropout(dropout) if attn_output_dropout else nn.Identity()
+        self.mlp_dropout = nn.Dropout(dropout) if mlp_output_dropout else nn.Identity()
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        h = self.attn_norm(self.attn_dropout(self.attn(x, mask)) + x)
-        return self.mlp_norm(self.dropout(self.mlp(h)) + h)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, **attn_inputs) -> torch.Tensor:
+        h = self.attn_norm(self.attn_dropout(self.attn(x, mask, **attn_inputs)) + x)
+        return self.mlp_norm(self.mlp_dropout(self.mlp(h)) + h)
 
 
 class Pooler(nn.Module):
