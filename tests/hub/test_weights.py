@@ -1,0 +1,86 @@
+"""Weights on disk: native dtypes kept byte for byte, shards, the .bin fallback, and bad files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kiln.errors import WeightsError
+from kiln.hub import load_weights, save_weights
+from kiln.interop.verify import compare_weights
+from kiln.models import load_pretrained
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_low_and_high_precision_checkpoints_round_trip_byte_identical(dtype, tiny_factory, tmp_path):
+    import transformers
+
+    src32 = tiny_factory("bert", "masked-lm")
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(src32).to(dtype)
+    src = tmp_path / "src"
+    hf.save_pretrained(src)
+    model = load_pretrained(src)
+    assert {p.dtype for p in model.parameters()} == {dtype}  # never passed through f32
+    out = tmp_path / "out"
+    model.save_pretrained(out)
+    check = compare_weights(out, src)
+    assert check.ok, check.detail
+    a, b = load_weights(out), load_weights(src)
+    for k in a:
+        assert a[k].dtype == dtype
+        assert a[k].view(torch.uint8).numpy().tobytes() == b[k].view(torch.uint8).numpy().tobytes(), k
+
+
+def test_sharded_save_and_load(tiny_factory, tmp_path):
+    model = load_pretrained(tiny_factory("bert", "base"))
+    model.save_pretrained(tmp_path, max_shard_bytes=20_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1 and not (tmp_path / "model.safetensors").exists()
+    again = load_pretrained(tmp_path)
+    for (k, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+def test_pytorch_model_bin_fallback(tiny_factory, tmp_path):
+    src = tiny_factory("roberta", "base")
+    state = load_weights(src)
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    model = load_pretrained(tmp_path)
+    ref = load_pretrained(src)
+    for (k, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+def test_truncated_safetensors_is_named(tiny_factory, tmp_path):
+    src = tiny_factory("bert", "base")
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    data = (src / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(WeightsError, match=r"model\.safetensors: not a readable safetensors file"):
+        load_pretrained(tmp_path)
+
+
+def test_non_safetensors_file_is_named(tiny_factory, tmp_path):
+    src = tiny_factory("bert", "base")
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    (tmp_path / "model.safetensors").write_text("this is not a weights file\n")
+    with pytest.raises(WeightsError, match=r"model\.safetensors: not a readable safetensors file"):
+        load_pretrained(tmp_path)
+
+
+def test_index_naming_a_missing_shard(tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-1.safetensors"}}))
+    with pytest.raises(WeightsError, match="model-1.safetensors"):
+        load_weights(tmp_path)
+
+
+def test_save_writes_atomically_and_leaves_no_temp_files(tmp_path):
+    save_weights(tmp_path, {"w": torch.arange(6.0).view(2, 3)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
+    assert torch.equal(load_weights(tmp_path)["w"], torch.arange(6.0).view(2, 3))
