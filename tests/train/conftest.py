@@ -20,9 +20,12 @@ WORDS = ["red", "blue", "green", "cat", "dog", "bird", "runs", "sits", "flies", 
 LABELS = ["animal", "colour", "place"]
 
 
+TINY = {"vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "intermediate_size": 37, "max_position_embeddings": 64}
+
+
 def tiny_config(**changes):
-    cfg = AutoConfig.for_model("bert", vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                               intermediate_size=37, max_position_embeddings=64, **changes)
+    cfg = AutoConfig.for_model("bert", **{**TINY, **changes})
     cfg.set_labels(LABELS)
     return cfg
 
