@@ -26,10 +26,35 @@ TINY: dict[str, dict[str, Any]] = {
     "xlm-roberta": dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=37, max_position_embeddings=72, type_vocab_size=1),
     "distilbert": dict(vocab_size=99, dim=32, n_layers=2, n_heads=4, hidden_dim=37, max_position_embeddings=64),
+    # Decoders: grouped-query attention (4 heads over 2 kv heads) everywhere; each one also takes a
+    # path the others do not: tied embeddings + llama3 rope, yarn rope, head_dim != hidden/heads,
+    # a MoE layer beside a dense one.
+    "llama": dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+                  rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                                       high_freq_factor=4.0, original_max_position_embeddings=16)),
+    "qwen2": dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64,
+                  rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                       original_max_position_embeddings=16)),
+    "qwen3": dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=64),
+    "qwen3_moe": dict(vocab_size=99, hidden_size=32, intermediate_size=37, moe_intermediate_size=16,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                      mlp_only_layers=[1]),
+    # expand 2 -> 64 channels, 8 states, rank-2 dt, kernel 4; untied and biased variants are covered by tests.
+    "mamba": dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, state_size=8, conv_kernel=4),
     # ALBERT: two groups of two inner layers over three layer steps, so sharing and the schedule both show
     "albert": dict(vocab_size=99, embedding_size=16, hidden_size=32, num_hidden_layers=3, num_hidden_groups=2,
                    inner_group_num=2, num_attention_heads=4, intermediate_size=37, max_position_embeddings=64,
                    type_vocab_size=2),
+    # DeBERTa-v3 style: log buckets (8) under 64 relative positions, shared keys, both relative terms,
+    # LayerNorm'd relative table, no absolute positions; token types on so they are exercised.
+    "deberta-v2": dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                       max_position_embeddings=64, type_vocab_size=2, relative_attention=True, position_buckets=8,
+                       max_relative_positions=64, share_att_key=True, pos_att_type=["p2c", "c2p"],
+                       norm_rel_ebd="layer_norm", position_biased_input=False),
 }
 
 # Special tokens per family, in vocabulary order from id 0 (so pad ids match the configs' defaults).
@@ -42,8 +67,14 @@ SPECIALS: dict[str, dict[str, str]] = {
                     "mask_token": "<mask>"},
     "distilbert": {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
                    "mask_token": "[MASK]"},
+    # decoders: ids 0-3 (llama: bos 1, eos 2 as LlamaConfig defaults)
+    **{t: {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+       for t in ("llama", "qwen2", "qwen3", "qwen3_moe")},
+    "mamba": {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},  # pad id 0
     "albert": {"pad_token": "<pad>", "unk_token": "<unk>", "cls_token": "[CLS]", "sep_token": "[SEP]",
                "mask_token": "[MASK]"},  # pad 0, bos [CLS] 2, eos [SEP] 3 as AlbertConfig's defaults
+    "deberta-v2": {"pad_token": "[PAD]", "cls_token": "[CLS]", "sep_token": "[SEP]", "unk_token": "[UNK]",
+                   "mask_token": "[MASK]"},  # pad 0 as DebertaV2Config's default (no bos/eos ids)
 }
 
 _WORDS = ("the a of to and in is was for on that with as by at from it be are this an paris france capital city "

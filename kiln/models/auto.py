@@ -16,7 +16,9 @@ import torch
 from kiln.errors import ConfigError
 from kiln.hub import Tokenizer, load_weights, read_config
 from kiln.models import bert, distilbert, roberta, xlm_roberta
-from kiln.models import albert
+from kiln.models import mamba
+from kiln.models import albert, deberta_v2
+from kiln.models import llama, qwen2, qwen3, qwen3_moe
 from kiln.models.config import FamilyConfig
 from kiln.models.pretrained import Family, PreTrainedModel
 
@@ -25,7 +27,13 @@ REGISTRY: dict[str, Family] = {
     "roberta": roberta.FAMILY,
     "xlm-roberta": xlm_roberta.FAMILY,
     "distilbert": distilbert.FAMILY,
+    "mamba": mamba.FAMILY,
+    "llama": llama.FAMILY,
+    "qwen2": qwen2.FAMILY,
+    "qwen3": qwen3.FAMILY,
+    "qwen3_moe": qwen3_moe.FAMILY,
     "albert": albert.FAMILY,
+    "deberta-v2": deberta_v2.FAMILY,
 }
 
 
