@@ -102,6 +102,26 @@ def tiny_tokenizer(specials: dict[str, str], vocab_size: int) -> HFTokenizer:
     return tok
 
 
+def tiny_unigram_tokenizer(specials: dict[str, str], vocab_size: int) -> HFTokenizer:
+    """A SentencePiece-style Unigram tokenizer (Metaspace, `<s> $A </s>`) trained on the word list."""
+    from tokenizers import SentencePieceUnigramTokenizer
+
+    sp = SentencePieceUnigramTokenizer()
+    text = [" ".join(_WORDS[i:] + _WORDS[:i]) for i in range(len(_WORDS))]
+    sp.train_from_iterator(text, vocab_size=vocab_size, special_tokens=list(specials.values()),
+                           unk_token=specials["unk_token"], show_progress=False)
+    tok = sp._tokenizer
+    bos, eos = specials["bos_token"], specials["eos_token"]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A {eos}", pair=f"{bos} $A {eos} {eos} $B {eos}",
+        special_tokens=[(bos, tok.token_to_id(bos)), (eos, tok.token_to_id(eos))])
+    return tok
+
+
+# Families whose real checkpoints ship a SentencePiece (Unigram) tokenizer.json.
+UNIGRAM = {"xlm-roberta"}
+
+
 def make_tiny(model_type: str, task: str, out_dir: str | os.PathLike, seed: int = 0, tokenizer: bool = True,
               **overrides: Any) -> Path:
     """Build a random `model_type` x `task` model with transformers and save it (plus a tokenizer)."""
@@ -125,7 +145,8 @@ def make_tiny(model_type: str, task: str, out_dir: str | os.PathLike, seed: int 
     model.save_pretrained(out)
     if tokenizer:
         specials = SPECIALS[model_type]
-        tiny_tokenizer(specials, config.vocab_size).save(str(out / "tokenizer.json"))
+        build = tiny_unigram_tokenizer if model_type in UNIGRAM else tiny_tokenizer
+        build(specials, config.vocab_size).save(str(out / "tokenizer.json"))
         (out / "tokenizer_config.json").write_text(json.dumps(
             {**specials, "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 64}, indent=2))
         (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2))
