@@ -11,7 +11,7 @@ from typing import Any
 from kiln.data import Fields, collect_labels, encode_records, file_digest, read_records
 from kiln.errors import ConfigError, KilnError
 from kiln.hub import Tokenizer
-from kiln.models.auto import AutoConfig, from_config, load_pretrained
+from kiln.models.auto import AutoConfig, from_config, load_config, load_pretrained
 from kiln.train.config import RunConfig
 from kiln.train.trainer import Trainer
 
@@ -28,6 +28,10 @@ def _labels(cfg: RunConfig, train_records: list) -> list[str] | None:
     found = collect_labels(train_records, cfg.model.task, _fields(cfg))
     if cfg.model.labels is not None:
         return list(cfg.model.labels)  # data labels outside this set are reported per line when encoding
+    if cfg.model.path is not None and cfg.model.num_labels is None:
+        _, config, source_task = load_config(cfg.model.path)
+        if source_task == cfg.model.task and config.id2label:
+            return config.labels  # continuing a trained head: keep its label set and order
     if cfg.model.num_labels is not None and cfg.model.num_labels != len(found):
         raise ConfigError(f"model.num_labels is {cfg.model.num_labels} but {cfg.data.train} uses "
                           f"{len(found)} labels: {', '.join(found)}; set model.labels to name them")
