@@ -1,0 +1,139 @@
+"""Sparse mixture-of-experts MLP (Qwen3-MoE style) and its load-balancing loss.
+
+Choices, as transformers 5.23 computes them (default `grouped_mm` experts path):
+- router: logits = x W^T; softmax in float32; top-k; optionally renormalised (`norm_topk_prob`);
+- experts held stacked, gate_up_proj (E, 2I, C) and down_proj (E, C, I); the (token, slot) pairs
+  are sorted by expert and run as two grouped matmuls (no Python loop over tokens);
+- each pair's output is scaled by its routing weight, put back in token order and summed over the
+  k slots (a reshape + sum, not index_add_), which fixes the accumulation order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from kiln.models.common.activations import activation
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, dim))
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+
+    def reset_parameters_hf(self, std: float) -> None:
+        nn.init.normal_(self.weight, 0.0, std)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)  # (N, E)
+        probs = F.softmax(logits, dtype=torch.float, dim=-1)
+        top, index = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top.to(logits.dtype), index
+
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch's grouped_mm kernel runs here (transformers makes the same call); else per-expert mm.
+
+    Its CPU backward needs 16-byte-aligned strides, so training with odd sizes takes the fallback.
+    """
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if w.device.type == "cuda":
+        return torch.cuda.get_device_capability(w.device) >= (8, 0)
+    if w.device.type != "cpu":
+        return False
+    if torch.is_grad_enabled() and (w.requires_grad or x.requires_grad):
+        return all((n * w.element_size()) % 16 == 0 for n in (w.shape[-1], w.shape[-2], x.shape[-1]))
+    return True
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of `x` (S, in), sorted by expert with cumulative `offsets` (E,), times weight[e]^T (E, out, in)."""
+    w = weight.transpose(-2, -1)  # (E, in, out)
+    x = x.to(w.dtype)
+    if _grouped_mm_ok(x, w):
+        return F.grouped_mm(x, w, offs=offsets)
+    out = torch.zeros(x.size(0), w.size(2), device=x.device, dtype=x.dtype)  # (S, out)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):  # one host sync; a loop over experts, not tokens
+        if end > start:
+            out[start:end] = torch.mm(x[start:end], w[e])
+        start = end
+    return out
+
+
+class Experts(nn.Module):
+    def __init__(self, dim: int, hidden: int, num_experts: int, act: str = "silu"):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim))  # (E, 2I, C): [gate; up]
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))         # (E, C, I)
+        self.act_fn = activation(act)
+
+    def reset_parameters_hf(self, std: float) -> None:
+        nn.init.normal_(self.gate_up_proj, 0.0, std)
+        nn.init.normal_(self.down_proj, 0.0, std)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        N, k = index.shape  # x (N, C); index, weights (N, k)
+        expert_of, order = torch.sort(index.reshape(-1))  # (S,) pairs grouped by expert
+        xs = x[order // k]  # (S, C)
+        ws = weights.reshape(-1)[order]
+        # histc counts per expert (float on CPU/MPS, int on CUDA, as transformers does for determinism)
+        counts_in = expert_of.float() if x.device.type in ("cpu", "mps") else expert_of.int()
+        counts = torch.histc(counts_in, bins=self.num_experts, min=0, max=self.num_experts - 1)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        gate, up = grouped_linear(xs, self.gate_up_proj, offsets).chunk(2, dim=-1)  # (S, I) each
+        ys = grouped_linear(self.act_fn(gate) * up, self.down_proj, offsets)  # (S, C)
+        ys = ys * ws.unsqueeze(-1)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.size(0), device=x.device)
+        return ys[back].view(N, k, -1).sum(dim=1).to(x.dtype)  # (N, C)
+
+
+class MoEBlock(nn.Module):
+    """Router (`gate`) + stacked `experts`. Keeps the last router logits for the aux loss."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool, act: str = "silu"):
+        super().__init__()
+        self.gate = Router(dim, num_experts, top_k, norm_topk_prob)
+        self.experts = Experts(dim, hidden, num_experts, act)
+        self.router_logits: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        flat = x.view(-1, C)  # (N, C)
+        logits, weights, index = self.gate(flat)
+        self.router_logits = logits  # (N, E)
+        return self.experts(flat, index, weights).reshape(B, T, C)
+
+
+def load_balancing_loss(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int,
+                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Switch-Transformer balance loss: E * sum_e (share of top-k picks to e) * (mean router prob of e).
+
+    Counts and probabilities are summed over layers, then divided by the (unpadded) token count.
+    """
+    device = router_logits[0].device
+    picks = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    probs_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = 0.0
+    flat_mask = None if attention_mask is None else attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
+    count_dtype = torch.float32 if device.type in ("cpu", "mps") else torch.int32
+    for logits in router_logits:
+        probs = F.softmax(logits.to(device), dim=-1)  # (N, E)
+        _, chosen = torch.topk(probs, top_k, dim=-1)
+        if flat_mask is None:
+            picks = picks + torch.histc(chosen.reshape(-1).to(count_dtype), bins=num_experts, min=0, max=num_experts)
+            probs_sum = probs_sum + probs.float().sum(dim=0)
+            rows = rows + probs.shape[0]
+        else:
+            picks = picks + torch.zeros(num_experts, dtype=torch.float32, device=device).scatter_add_(
+                0, chosen.reshape(-1), flat_mask.repeat_interleave(top_k))
+            probs_sum = probs_sum + (probs.float() * flat_mask.unsqueeze(-1)).sum(dim=0)
+            rows = rows + flat_mask.sum()
+    return torch.sum((picks / rows) * (probs_sum / rows).unsqueeze(0)) * num_experts

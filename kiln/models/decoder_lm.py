@@ -1,0 +1,194 @@
+"""Decoder-only language models: the shared config, the base and causal-LM task models, the family factory.
+
+A decoder family (llama.py, qwen2.py, ...) gives only its deltas: the config fields it adds, the
+attention switches (`AttentionSpec`) and the MLP per layer. Module names are HF's, so the key map
+is the identity plus any named tensor steps (e.g. stacked MoE experts).
+
+Loss (with `labels`) is transformers' causal-LM loss: labels shifted left inside the model, -100
+ignored, mean over the rest, in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from kiln.errors import ConfigError
+from kiln.models.common.decoder import AttentionSpec, Decoder, KVCache
+from kiln.models.common.moe import load_balancing_loss
+from kiln.models.common.rope import RotaryEmbedding, rope_parameters
+from kiln.models.config import FamilyConfig
+from kiln.models.keymap import KeyMap, Rule
+from kiln.models.pretrained import Family, PreTrainedModel, TaskSpec
+
+
+@dataclass
+class DecoderConfig(FamilyConfig):
+    """The fields every decoder family shares, under HF's names."""
+    default_theta: ClassVar[float] = 10000.0
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    tie_word_embeddings: bool = False
+    rope_parameters: dict[str, Any] | None = None
+    attention_dropout: float = 0.0
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def dim_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def eos_ids(self) -> list[int]:
+        e = self.eos_token_id
+        return [] if e is None else ([e] if isinstance(e, int) else list(e))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        if out.get("head_dim") is None:  # Qwen2 reads a present-but-null head_dim as the head size
+            out.pop("head_dim", None)
+        return out
+
+    def rope(self, source: str = "config.json") -> dict[str, Any]:
+        return rope_parameters(self.rope_parameters, self.extra, self.max_position_embeddings, self.default_theta, source)
+
+    def validate(self, source: str = "config.json") -> None:
+        if self.num_attention_heads % self.kv_heads:
+            raise ConfigError(f"{source}: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.kv_heads})")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"{source}: hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
+                              f"({self.num_attention_heads}) when head_dim is not given")
+        if self.extra.get("use_sliding_window"):
+            raise ConfigError(f"{source}: use_sliding_window=true is not supported (sliding-window attention)")
+        self.rope(source)
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+    last_hidden_state: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None
+    cache: KVCache | None = None
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy of token t+1 given tokens <= t; -100 ignored (the last position never predicts)."""
+    labels = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()  # (B, T)
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.view(-1).to(logits.device),
+                           ignore_index=-100)
+
+
+def _router_logits(decoder: Decoder) -> tuple[torch.Tensor, ...]:
+    return tuple(layer.mlp.router_logits for layer in decoder.layers if getattr(layer.mlp, "router_logits", None) is not None)
+
+
+class DecoderModel(PreTrainedModel):
+    default_task = "base"
+
+    def __init__(self, model: Decoder):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
+                cache: KVCache | None = None) -> CausalLMOutput:
+        hidden = self.model(input_ids, attention_mask, position_ids, inputs_embeds, cache)
+        return CausalLMOutput(last_hidden_state=hidden, cache=cache)
+
+
+class ForCausalLM(PreTrainedModel):
+    """Decoder + LM head; with tied embeddings the head is the embedding matrix itself (no own tensor)."""
+    default_task = "causal-lm"
+
+    def __init__(self, model: Decoder, hidden_size: int, vocab_size: int, tied: bool):
+        super().__init__()
+        self.model = model
+        self.lm_head = None if tied else nn.Linear(hidden_size, vocab_size, bias=False)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                cache: KVCache | None = None, logits_to_keep: int = 0,
+                output_router_logits: bool | None = None) -> CausalLMOutput:
+        hidden = self.model(input_ids, attention_mask, position_ids, inputs_embeds, cache)  # (B, T, C)
+        h = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+        logits = self.lm_head(h) if self.lm_head is not None else F.linear(h, self.model.embed_tokens.weight)
+        loss = causal_lm_loss(logits, labels) if labels is not None else None
+        if output_router_logits is None:
+            output_router_logits = bool(getattr(self.config, "output_router_logits", False))
+        router, aux = None, None
+        if output_router_logits:
+            router = _router_logits(self.model)
+            if router:
+                c = self.config
+                aux = load_balancing_loss(router, c.num_experts, c.num_experts_per_tok, attention_mask)
+                if loss is not None:
+                    loss = loss + c.router_aux_loss_coef * aux
+        return CausalLMOutput(logits=logits, loss=loss, last_hidden_state=hidden, aux_loss=aux, router_logits=router,
+                              cache=cache)
+
+    def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """Prompt (B, T) -> prompt + new tokens; see `kiln.models.generation.generate`."""
+        from kiln.models.generation import generate
+
+        return generate(self, input_ids, **kwargs)
+
+
+AttentionFn = Callable[[Any], AttentionSpec]
+MlpFn = Callable[[Any, int], nn.Module]
+
+
+def build_decoder(c: DecoderConfig, attention: AttentionFn, mlp: MlpFn) -> Decoder:
+    rope = RotaryEmbedding(c.dim_head, c.rope(), c.max_position_embeddings)
+    return Decoder(c.vocab_size, attention(c), c.num_hidden_layers, lambda i: mlp(c, i), rope, c.pad_token_id)
+
+
+def base_attention(c: DecoderConfig, **switches: Any) -> AttentionSpec:
+    return AttentionSpec(c.hidden_size, c.num_attention_heads, c.kv_heads, c.dim_head, eps=c.rms_norm_eps,
+                         dropout=c.attention_dropout, **switches)
+
+
+# Module names are HF's: the base map is the identity over the three top-level parts.
+IDENTITY_KEYS = [("embed_tokens", "embed_tokens"), ("layers.{}", "layers.{}"), ("norm", "norm")]
+
+
+def decoder_family(model_type: str, config_cls: type[DecoderConfig], arch: str, attention: AttentionFn,
+                   mlp: MlpFn, rules: list[Rule] | None = None) -> Family:
+    """A Family with `base` ({arch}Model) and `causal-lm` ({arch}ForCausalLM) heads."""
+    def causal_lm(c):
+        return ForCausalLM(build_decoder(c, attention, mlp), c.hidden_size, c.vocab_size, c.tie_word_embeddings)
+
+    return Family(
+        model_type=model_type,
+        config_cls=config_cls,
+        hf_prefix="model",
+        base_keys=KeyMap(list(rules or []) + IDENTITY_KEYS),
+        tasks={
+            "base": TaskSpec(f"{arch}Model", lambda c: DecoderModel(build_decoder(c, attention, mlp))),
+            "causal-lm": TaskSpec(f"{arch}ForCausalLM", causal_lm, KeyMap([("lm_head", "lm_head")])),
+        },
+    )

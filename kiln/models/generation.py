@@ -1,0 +1,82 @@
+"""Autoregressive generation for kiln causal LMs: KV cache, greedy or sampled, stop on EOS.
+
+One prefill pass over the (left-padded) prompt fills the cache; each later step feeds one token
+per row. Sampling applies temperature, then top-k, then top-p (nucleus) to float32 logits and
+draws with a seeded generator, so a seed reproduces a reply. Rows that reached EOS are padded
+while the others finish. Positions follow the attention mask (pads do not count).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kiln.errors import KilnError
+from kiln.models.common.decoder import KVCache
+
+
+def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """(B, V) float logits with temperature applied and tokens outside top-k / top-p set to -inf."""
+    if temperature <= 0:
+        raise KilnError(f"temperature must be > 0, got {temperature} (use greedy decoding for deterministic output)")
+    if not 0 < top_p <= 1:
+        raise KilnError(f"top_p must be in (0, 1], got {top_p}")
+    logits = logits / temperature
+    if top_k and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=False)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum <= (1 - top_p)  # the low-probability tail whose mass stays under 1 - top_p
+        drop[..., -1] = False      # always keep the most likely token
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+@torch.no_grad()
+def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
+             do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             seed: int | None = None, eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+             on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    """Prompt ids (B, T) -> (B, T + n) with n <= max_new_tokens; `on_token` sees each new (B,) column."""
+    if input_ids.dim() != 2 or input_ids.size(1) == 0:
+        raise KilnError(f"input_ids must be (batch, length>0), got shape {tuple(input_ids.shape)}")
+    config = model.config
+    eos = eos_token_id if eos_token_id is not None else config.eos_token_id
+    eos_ids = torch.tensor([] if eos is None else ([eos] if isinstance(eos, int) else list(eos)), device=input_ids.device)
+    pad = pad_token_id if pad_token_id is not None else (config.pad_token_id if config.pad_token_id is not None
+                                                         else (int(eos_ids[0]) if len(eos_ids) else 0))
+    device = input_ids.device
+    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # (B, T)
+    cache = KVCache(len(model.model.layers))
+    was_training = model.training
+    model.eval()
+    out, step_ids = input_ids, input_ids
+    unfinished = torch.ones(input_ids.size(0), dtype=torch.bool, device=device)
+    try:
+        for _ in range(max_new_tokens):
+            logits = model(step_ids, attention_mask=mask, position_ids=positions, cache=cache,
+                           logits_to_keep=1).logits[:, -1, :].to(dtype=torch.float32)  # (B, V)
+            if do_sample:
+                probs = filter_logits(logits, temperature, top_k, top_p).softmax(-1)
+                token = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+            else:
+                token = logits.argmax(-1)
+            token = torch.where(unfinished, token, torch.full_like(token, pad))
+            out = torch.cat([out, token[:, None]], dim=-1)
+            if on_token is not None:
+                on_token(token)
+            if len(eos_ids):
+                unfinished &= ~torch.isin(token, eos_ids)
+                if not bool(unfinished.any()):
+                    break
+            step_ids = token[:, None]
+            mask = torch.cat([mask, mask.new_ones(mask.size(0), 1)], dim=-1)
+            positions = positions[:, -1:] + 1
+    finally:
+        model.train(was_training)
+    return out

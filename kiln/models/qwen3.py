@@ -1,0 +1,35 @@
+"""Qwen3 (dense): Llama with one delta.
+
+- RMSNorm over head_dim on q and k (per head), before rotary positions;
+- head_dim is its own config field (128 by default), not hidden_size / heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.models.common.mlp import GatedMLP
+from kiln.models.decoder_lm import DecoderConfig, base_attention, decoder_family
+
+
+@dataclass
+class Qwen3Config(DecoderConfig):
+    model_type = "qwen3"
+
+    vocab_size: int = 151936
+    intermediate_size: int = 22016
+    max_position_embeddings: int = 32768
+    num_key_value_heads: int | None = 32
+    head_dim: int | None = 128
+    attention_bias: bool = False
+
+
+def attention(c: Qwen3Config):
+    return base_attention(c, qkv_bias=c.attention_bias, o_bias=c.attention_bias, qk_norm=True)  # Qwen3: q/k norms
+
+
+def mlp(c: Qwen3Config, layer: int) -> GatedMLP:
+    return GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
+
+
+FAMILY = decoder_family("qwen3", Qwen3Config, "Qwen3", attention, mlp)
