@@ -102,7 +102,7 @@ def verify_matrix(cells: Optional[Path] = typer.Option(None, "--cells", help="JS
         row = []
         for h in heads:
             cell = next((c for c in results if c.family == fam and c.head == h), None)
-            row.append("" if cell is None else (f"[green]PASS[/] {cell.max_diff:g}" if cell.ok else "[red]FAIL"))
+            row.append("[dim]n/a[/]" if cell is None else (f"[green]PASS[/] {cell.max_diff:g}" if cell.ok else "[red]FAIL"))
         grid.add_row(fam, *row)
     out.print(grid)
     failed = [c for c in results if not c.ok]

@@ -51,8 +51,10 @@ class Stack:
         return [[fill(t, e) for t in self.hf] for e in range(num_experts)]
 
 
-def _full(template: str) -> re.Pattern:
-    return re.compile(r"(\d+)".join(re.escape(p) for p in template.split("{}")) + "$")
+def _full(template: str, last: str = r"(\d+)") -> re.Pattern:
+    """A full-name pattern; the last `{}` may match `last` (the expert slot also takes the `*` of messages)."""
+    parts = [re.escape(p) for p in template.split("{}")]
+    return re.compile(r"(\d+)".join(parts[:-1]) + (last if len(parts) > 1 else "") + parts[-1] + "$")
 
 
 class KeyMap:
@@ -65,7 +67,7 @@ class KeyMap:
         self._to_hf = [(_pattern(r.kiln), r) for r in self.rules]
         self._to_kiln = [(_pattern(r.hf), r) for r in self.rules]
         self._stack_kiln = [(_full(s.kiln), s) for s in self.stacks]
-        self._stack_hf = [(_full(t), s, part) for s in self.stacks for part, t in enumerate(s.hf)]
+        self._stack_hf = [(_full(t, r"(\d+|\*)"), s, part) for s in self.stacks for part, t in enumerate(s.hf)]
 
     # ---- stacked tensors --------------------------------------------------------------------
     def _unstack(self, key: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
@@ -86,7 +88,7 @@ class KeyMap:
             m = pat.match(key)
             if m:
                 *outer, expert = m.groups()
-                return stack, tuple(outer), part, int(expert)
+                return stack, tuple(outer), part, -1 if expert == "*" else int(expert)
         return None
 
     def _restack(self, found: dict) -> dict[str, torch.Tensor]:

@@ -1,0 +1,180 @@
+"""Llama, Qwen2, Qwen3, Qwen3-MoE: HF -> kiln and kiln -> HF bit for bit (fp32, CPU), greedy generation,
+MoE router logits and aux loss, the stacked-expert key map."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from kiln.errors import WeightsError
+from kiln.interop.export import export_model
+from kiln.interop.verify import verify_export
+from kiln.models import AutoModel, AutoModelForCausalLM
+from kiln.models.keymap import KeyMap, Stack
+
+DECODERS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
+transformers.logging.set_verbosity_error()
+
+
+def _batches() -> list[dict]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(4, 99, (3, 13), generator=g)
+    attn = torch.ones_like(ids)
+    attn[1, 9:] = 0   # right padding
+    attn[2, :4] = 0   # left padding
+    labels = ids.clone()
+    labels[attn == 0] = -100
+    labels[0, :5] = -100  # a prompt part without loss
+    return [{"input_ids": ids[:1, :6]}, {"input_ids": ids, "labels": labels},
+            {"input_ids": ids, "attention_mask": attn, "labels": labels}]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype, what
+    torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("model_type", DECODERS)
+def test_causal_lm_logits_and_loss_bit_identical_both_ways(model_type, tiny_factory, tmp_path):
+    src = tiny_factory(model_type, "causal-lm")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    ours = AutoModelForCausalLM.from_pretrained(src)
+    assert ours.load_report.ignored == [] and ours.load_report.initialized == []
+    with torch.no_grad():
+        for i, batch in enumerate(_batches()):
+            a, b = ours(**batch), hf(**batch)
+            _same(a.logits, b.logits, f"batch {i} logits")
+            if "labels" in batch:
+                _same(a.loss, b.loss, f"batch {i} loss")
+    # kiln -> HF: the export loads with no missing/unexpected keys, equal outputs, equal tensors on disk
+    out = export_model(ours, tmp_path / "export")
+    checks = verify_export(out, source=src)
+    assert all(c.ok for c in checks), [c.line() for c in checks if not c.ok]
+
+
+@pytest.mark.parametrize("model_type", DECODERS)
+def test_base_model_hidden_states_bit_identical(model_type, tiny_factory):
+    src = tiny_factory(model_type, "base")
+    hf = transformers.AutoModel.from_pretrained(src).eval()
+    ours = AutoModel.from_pretrained(src)
+    batch = {k: v for k, v in _batches()[2].items() if k != "labels"}
+    with torch.no_grad():
+        _same(ours(**batch).last_hidden_state, hf(**batch).last_hidden_state, "last_hidden_state")
+
+
+@pytest.mark.parametrize("model_type", DECODERS)
+def test_greedy_generation_equals_transformers(model_type, tiny_factory):
+    src = tiny_factory(model_type, "causal-lm")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    ours = AutoModelForCausalLM.from_pretrained(src)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(4, 99, (2, 7), generator=g)
+    attn = torch.ones_like(ids)
+    attn[1, :3] = 0  # a left-padded row in the batch
+    for kw in ({"input_ids": ids[:1]}, {"input_ids": ids, "attention_mask": attn}):
+        a = ours.generate(**kw, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
+        b = hf.generate(**kw, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert a.shape == (kw["input_ids"].shape[0], 27)
+        assert torch.equal(a, b), (a.tolist(), b.tolist())
+    # the cached decode step itself is bit-identical, not only its argmax
+    from transformers import DynamicCache
+
+    from kiln.models.common.decoder import KVCache
+    cache, hf_cache = KVCache(len(ours.model.layers)), DynamicCache(config=hf.config)
+    with torch.no_grad():
+        ours(ids[:1, :6], cache=cache)
+        hf(ids[:1, :6], past_key_values=hf_cache, use_cache=True)
+        _same(ours(ids[:1, 6:7], cache=cache).logits, hf(ids[:1, 6:7], past_key_values=hf_cache, use_cache=True).logits,
+              "decode-step logits")
+
+
+def test_generation_stops_at_eos_and_pads_finished_rows(tiny_factory):
+    model = AutoModelForCausalLM.from_pretrained(tiny_factory("qwen3", "causal-lm"))
+    ids = torch.randint(4, 99, (2, 5), generator=torch.Generator().manual_seed(0))
+    free = model.generate(ids, max_new_tokens=8, eos_token_id=None)
+    eos = int(free[0, 5])  # row 0's first new token becomes the EOS
+    out = model.generate(ids, max_new_tokens=8, eos_token_id=eos, pad_token_id=0)
+    assert out[0, 5] == eos and (out[0, 6:] == 0).all()
+    hits = (free[1, 5:] == eos).nonzero().flatten().tolist()
+    n = hits[0] + 1 if hits else 8  # row 1 runs until its own EOS (or the limit); then everything stops
+    assert out.shape[1] == 5 + n and torch.equal(out[1, 5:], free[1, 5:5 + n])
+
+
+def test_sampling_is_seeded_and_filters_apply(tiny_factory):
+    from kiln.models.generation import filter_logits
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_factory("llama", "causal-lm"))
+    ids = torch.randint(4, 99, (1, 5), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=10, do_sample=True, temperature=1.5, top_k=20, top_p=0.9, eos_token_id=None)
+    assert torch.equal(model.generate(ids, seed=7, **kw), model.generate(ids, seed=7, **kw))
+    outs = {tuple(model.generate(ids, seed=s, **kw)[0].tolist()) for s in range(4)}
+    assert len(outs) > 1
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    assert torch.isinf(filter_logits(logits, top_k=2)).tolist() == [[False, False, True, True, True]]
+    # softmax = .64 .24 .09 .03 .01: top_p .8 keeps the two whose mass reaches it
+    assert torch.isinf(filter_logits(logits, top_p=0.8)).tolist() == [[False, False, True, True, True]]
+
+
+def test_moe_router_logits_and_aux_loss_equal(tiny_factory):
+    src = tiny_factory("qwen3_moe", "causal-lm")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    ours = AutoModelForCausalLM.from_pretrained(src)
+    for batch in _batches()[1:]:
+        with torch.no_grad():
+            a = ours(**batch, output_router_logits=True)
+            b = hf(**batch, output_router_logits=True)
+        assert len(a.router_logits) == 1 == len(b.router_logits)  # layer 1 is dense (mlp_only_layers)
+        _same(a.router_logits[0], b.router_logits[0], "router logits")
+        _same(a.aux_loss, b.aux_loss, "aux loss")
+        _same(a.loss, b.loss, "loss with aux")
+
+
+def test_moe_export_writes_one_tensor_per_expert(tiny_factory, tmp_path):
+    from safetensors import safe_open
+
+    ours = AutoModelForCausalLM.from_pretrained(tiny_factory("qwen3_moe", "causal-lm"))
+    assert ours.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 32, 32)  # (E, 2I, C)
+    out = export_model(ours, tmp_path / "moe")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert {f"model.layers.0.mlp.experts.{e}.{p}.weight" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")} <= keys
+    assert not any("gate_up_proj" in k for k in keys)
+
+
+def test_stack_rule_round_trip_and_missing_expert_named():
+    km = KeyMap([Stack("l.{}.gu", ("L.{}.e.{}.g.weight", "L.{}.e.{}.u.weight")), ("l.{}.x", "L.{}.x")]).prefixed("m", "M")
+    t = torch.arange(3 * 4 * 2, dtype=torch.float32).view(3, 4, 2)  # 3 experts, gate rows 0-1, up rows 2-3
+    hf, unmatched = km.to_hf({"m.l.5.gu": t, "m.l.5.x.bias": torch.ones(1)})
+    assert unmatched == [] and len(hf) == 7
+    assert torch.equal(hf["M.L.5.e.2.u.weight"], t[2, 2:])
+    back, _ = km.to_kiln(hf)
+    assert torch.equal(back["m.l.5.gu"], t)
+    assert km.kiln_name(km.hf_name("m.l.5.gu")) == "m.l.5.gu"
+    del hf["M.L.5.e.1.g.weight"]
+    with pytest.raises(WeightsError, match=r"'M\.L\.5\.e\.1\.g\.weight'"):
+        km.to_kiln(hf)
+
+
+def test_tied_embeddings_have_no_lm_head_tensor(tiny_factory, tmp_path):
+    ours = AutoModelForCausalLM.from_pretrained(tiny_factory("llama", "causal-lm"))
+    assert ours.config.tie_word_embeddings and ours.lm_head is None
+    assert "lm_head.weight" not in ours.hf_state_dict()
+
+
+def test_unsupported_rope_and_sliding_window_are_named(tiny_factory, tmp_path):
+    import json
+    import shutil
+
+    from kiln.errors import ConfigError
+
+    src = tiny_factory("qwen2", "causal-lm")
+    for change, msg in (({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type 'longrope'"),
+                        ({"use_sliding_window": True}, "use_sliding_window")):
+        d = tmp_path / msg.split()[0].strip("'")
+        shutil.copytree(src, d)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(change)
+        (d / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ConfigError, match=msg):
+            AutoModelForCausalLM.from_pretrained(d)
