@@ -75,6 +75,7 @@ class TrainSection(_Section):
     clip_grad_norm: float | None = 1.0
     eval_every: int = 0                   # 0: only at the end (when there is eval data)
     save_every: int = 0                   # 0: only at the end
+    save_at_end: bool = True
     keep_last: int = 3
     best_metric: str | None = None        # e.g. "eval_accuracy" or "eval_loss"
     best_mode: Literal["max", "min"] = "max"

@@ -174,7 +174,8 @@ class Trainer:
                 improved = False
                 if self._has_eval() and ((a.eval_every and self.step % a.eval_every == 0) or last):
                     improved = self._evaluate()
-                if (a.save_every and self.step % a.save_every == 0) or last or improved or self.stopped_early:
+                at_end = (last or self.stopped_early) and a.save_at_end
+                if (a.save_every and self.step % a.save_every == 0) or at_end or improved:
                     self.save()
         finally:
             bar.close()
