@@ -6,5 +6,7 @@ This layer imports nothing else of kiln except `kiln.errors`.
 from kiln.hub.config import read_config, write_config
 from kiln.hub.weights import load_weights, save_weights, weight_files
 from kiln.hub.tokenizer import Tokenizer
+from kiln.hub.chat import CHATML_TEMPLATE, ChatTemplate
 
-__all__ = ["read_config", "write_config", "load_weights", "save_weights", "weight_files", "Tokenizer"]
+__all__ = ["read_config", "write_config", "load_weights", "save_weights", "weight_files", "Tokenizer", "ChatTemplate",
+           "CHATML_TEMPLATE"]

@@ -129,7 +129,8 @@ class Tokenizer:
         write_json_atomic(out / "special_tokens_map.json", smap)
         written.append(out / "special_tokens_map.json")
         if self.source_dir is not None:
-            for extra in ("vocab.txt", "sentencepiece.bpe.model", "spm.model", "merges.txt", "vocab.json"):
+            for extra in ("vocab.txt", "sentencepiece.bpe.model", "spm.model", "merges.txt", "vocab.json",
+                          "chat_template.jinja"):
                 src = self.source_dir / extra
                 if src.is_file() and not (out / extra).exists():
                     shutil.copyfile(src, out / extra)
@@ -183,3 +184,30 @@ class Tokenizer:
 
     def id_to_token(self, i: int) -> str | None:
         return self.backend.id_to_token(i)
+
+    # ---- chat ------------------------------------------------------------------------------
+    @property
+    def chat_template(self) -> str | None:
+        """tokenizer_config.json `chat_template` (the "default" one of a list), else chat_template.jinja."""
+        tpl = self.config.get("chat_template")
+        if isinstance(tpl, list):
+            tpl = next((t.get("template") for t in tpl if isinstance(t, dict) and t.get("name") == "default"), None)
+        if tpl is None and self.source_dir is not None and (self.source_dir / "chat_template.jinja").is_file():
+            tpl = (self.source_dir / "chat_template.jinja").read_text(encoding="utf-8")
+        return tpl
+
+    def chat(self) -> "ChatTemplate":
+        """The chat template, ready to render with this tokenizer's special tokens."""
+        from kiln.hub.chat import ChatTemplate
+
+        tpl = self.chat_template
+        where = self.source_dir or "this tokenizer"
+        if not tpl:
+            raise KilnError(f"{where}: no chat template (tokenizer_config.json has no chat_template and there is "
+                            "no chat_template.jinja); train one with `kiln tokenizer train` or add one")
+        specials = {k: v for k, v in self.specials.items()}
+        for name in _SPECIALS:  # template variables are the strings, present in the vocabulary or not
+            text = _token_text(self.config.get(name)) or _token_text(self.special_map.get(name))
+            if text is not None:
+                specials.setdefault(name, text)
+        return ChatTemplate(tpl, specials, source=f"{where}/tokenizer_config.json chat_template")

@@ -1,0 +1,72 @@
+"""Chat templates from tokenizer_config.json, rendered with jinja2 the way transformers renders them.
+
+Same environment as `apply_chat_template`: a sandbox with trim_blocks and lstrip_blocks, loop
+controls, a `tojson` that keeps non-ASCII text, `raise_exception`, `strftime_now`; the template
+sees `messages`, `add_generation_prompt` and the named special tokens (bos_token, eos_token, ...)
+as strings. A `{% generation %}` block renders its body (kiln finds assistant spans itself).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from kiln.errors import KilnError
+
+# A ChatML-style template (the layout Qwen uses): <|im_start|>role\ncontent<|im_end|>\n per message.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' ~ message['role'] ~ '; this template knows system, user, assistant') }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class _Generation(Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers' assistant-mask marker; rendered as its body."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+def _raise(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class ChatTemplate:
+    def __init__(self, template: str, specials: dict[str, str] | None = None, source: str = "chat template"):
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.source = source
+        try:
+            self.template = env.from_string(template)
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            raise KilnError(f"{source}: chat template line {e.lineno}: {e.message}") from None
+        self.specials = dict(specials or {})
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False, **extra: Any) -> str:
+        try:
+            return self.template.render(messages=messages, tools=None, documents=None,
+                                        add_generation_prompt=add_generation_prompt, **{**self.specials, **extra})
+        except jinja2.exceptions.TemplateError as e:
+            raise KilnError(f"{self.source}: {e.message or e}") from None
