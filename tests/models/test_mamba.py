@@ -1,0 +1,145 @@
+"""Mamba: HF -> kiln and kiln -> HF bit for bit with the reference scan (fp32, CPU); the fast scan
+within 1e-5 of it, gradients included; the recurrence kernels' analytic backward; config errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from kiln.errors import ConfigError
+from kiln.interop.export import export_model
+from kiln.interop.matrix import run_cell
+from kiln.interop.verify import verify_export
+from kiln.models import AutoConfig, AutoModel, AutoModelForCausalLM
+from kiln.models.auto import from_config
+from kiln.models.common.ssm import LinearRecurrence, recurrence
+
+transformers.logging.set_verbosity_error()
+VARIANTS = {"tied": {}, "untied-biased": dict(tie_word_embeddings=False, use_bias=True, use_conv_bias=False,
+                                              time_step_rank=3, expand=3, residual_in_fp32=False)}
+
+
+def _batches() -> list[dict]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(4, 99, (3, 13), generator=g)
+    attn = torch.ones_like(ids)
+    attn[1, 9:] = 0   # right padding
+    attn[2, :4] = 0   # left padding
+    labels = ids.clone()
+    labels[attn == 0] = -100
+    return [{"input_ids": ids[:1, :6]}, {"input_ids": ids, "labels": labels},
+            {"input_ids": ids, "attention_mask": attn, "labels": labels}]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype, what
+    torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_causal_lm_reference_scan_bit_identical_both_ways(variant, tiny_factory, tmp_path):
+    src = tiny_factory("mamba", "causal-lm", **VARIANTS[variant])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    ours = AutoModelForCausalLM.from_pretrained(src)
+    assert ours.config.scan == "reference"
+    assert ours.load_report.ignored == [] and ours.load_report.initialized == []
+    with torch.no_grad():
+        for i, batch in enumerate(_batches()):
+            a, b = ours(**batch), hf(**batch)
+            _same(a.logits, b.logits, f"batch {i} logits")
+            if "labels" in batch:
+                _same(a.loss, b.loss, f"batch {i} loss")
+    out = export_model(ours, tmp_path / "export")
+    checks = verify_export(out, source=src)
+    assert all(c.ok for c in checks), [c.line() for c in checks if not c.ok]
+
+
+def test_base_model_and_training_mode_gradients_bit_identical(tiny_factory):
+    src = tiny_factory("mamba", "causal-lm")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src).train()
+    ours = AutoModelForCausalLM.from_pretrained(src).train()
+    batch = _batches()[2]
+    ours(**batch).loss.backward()
+    hf(**batch).loss.backward()
+    hf_params = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        _same(p.grad, hf_params["backbone." + name[len("model."):]].grad, f"grad {name}")
+    base_src = tiny_factory("mamba", "base")
+    with torch.no_grad():
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        a = AutoModel.from_pretrained(base_src)(**inputs).last_hidden_state
+        b = transformers.AutoModel.from_pretrained(base_src)(**inputs).last_hidden_state
+    _same(a, b, "base last_hidden_state")
+
+
+@pytest.mark.parametrize("head", ["base", "causal-lm"])
+def test_verify_matrix_rows(head, tmp_path):
+    cell = run_cell("mamba", head, None, tmp_path)
+    assert cell.ok and cell.max_diff == 0.0, cell.detail
+
+
+def test_state_spaces_embedding_name_is_read(tiny_factory, tmp_path):
+    from kiln.hub import load_weights, save_weights
+
+    src = tiny_factory("mamba", "causal-lm")
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.json").write_text((src / "config.json").read_text())
+    save_weights(old, {k.replace("embeddings.", "embedding."): v for k, v in load_weights(src).items()})
+    a = AutoModelForCausalLM.from_pretrained(old)
+    b = AutoModelForCausalLM.from_pretrained(src)
+    ids = _batches()[1]["input_ids"]
+    with torch.no_grad():
+        _same(a(input_ids=ids).logits, b(input_ids=ids).logits, "logits via `embedding.`")
+    assert "backbone.embeddings.weight" in a.hf_state_dict()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fast_scan_matches_reference_with_gradients(variant, tiny_factory):
+    src = tiny_factory("mamba", "causal-lm", **VARIANTS[variant])
+    ref = AutoModelForCausalLM.from_pretrained(src).train()
+    fast = AutoModelForCausalLM.from_pretrained(src, scan="fast").train()
+    batch = _batches()[2]
+    a, b = ref(**batch), fast(**batch)
+    rel = ((a.logits - b.logits).abs().max() / a.logits.abs().max()).item()
+    assert rel < 1e-5, f"logits rel diff {rel:.2e}"
+    assert abs(a.loss.item() - b.loss.item()) <= 1e-5 * abs(a.loss.item())
+    a.loss.backward()
+    b.loss.backward()
+    fast_params = dict(fast.named_parameters())
+    for name, p in ref.named_parameters():
+        g = fast_params[name].grad
+        rel = ((p.grad - g).abs().max() / p.grad.abs().max()).item()
+        assert rel < 1e-5, f"{name} grad rel diff {rel:.2e}"
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_recurrence_kernels_and_analytic_backward(parallel):
+    g = torch.Generator().manual_seed(0)
+    a = torch.rand(9, 2, 3, dtype=torch.float64, generator=g).requires_grad_()
+    b = torch.randn(9, 2, 3, dtype=torch.float64, generator=g).requires_grad_()
+    h, want = recurrence(a, b, parallel=parallel), torch.zeros_like(b)
+    state = torch.zeros(2, 3, dtype=torch.float64)
+    for t in range(9):
+        state = a[t] * state + b[t]
+        want[t] = state
+    torch.testing.assert_close(h, want)
+    assert torch.autograd.gradcheck(lambda x, y: LinearRecurrence.apply(x, y, parallel), (a, b))
+
+
+def test_from_config_init_and_config_errors():
+    cfg = AutoConfig.for_model("mamba", vocab_size=50, hidden_size=16, num_hidden_layers=2, state_size=4, scan="fast")
+    model = from_config(cfg, task="causal-lm", seed=0)
+    mixer = model.model.layers[0].mixer
+    torch.testing.assert_close(mixer.A_log[3], torch.log(torch.arange(1.0, 5.0)))
+    dt = torch.nn.functional.softplus(mixer.dt_proj.bias)
+    assert bool(((dt > 0.9e-3) & (dt < 0.11)).all()), "dt must start inside [time_step_min, time_step_max]"
+    assert cfg.to_dict()["intermediate_size"] == 32 and "scan" not in cfg.to_dict()
+    assert cfg.to_dict()["time_step_rank"] == 1
+    with pytest.raises(ConfigError, match=r"scan 'fastest' is not one of: reference, fast"):
+        AutoConfig.for_model("mamba", scan="fastest")
+    with pytest.raises(ConfigError, match=r"time_step_rank must be 'auto' or a positive integer, got 'big'"):
+        AutoConfig.for_model("mamba", time_step_rank="big")
+    with pytest.raises(ConfigError, match=r"pass exactly one of input_ids or inputs_embeds"):
+        model()
