@@ -1,0 +1,172 @@
+"""DeBERTa-v2/v3 x five heads: HF -> kiln and kiln -> HF bit for bit (fp32, CPU), DeBERTa's seqcls loss,
+the lm_predictions head, fill-mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from typer.testing import CliRunner
+
+from kiln.cli.main import app
+from kiln.errors import ConfigError
+from kiln.interop.verify import HF_AUTO, verify_export
+from kiln.models import load_pretrained
+from kiln.models.auto import AutoConfig
+
+HEADS = ["base", "sequence-classification", "token-classification", "question-answering", "masked-lm"]
+CONFIGS = {
+    # the tiny default: v3 style (8 log buckets, share_att_key, p2c + c2p, LayerNorm'd table, no abs positions)
+    "v3": {},
+    # v2 style: no buckets, 16 relative positions (clamped in the longer batch), own pos projections, the conv
+    # after layer 0, absolute positions, and embedding_size lifted by embed_proj
+    "v2-conv": {"position_buckets": -1, "max_relative_positions": 16, "share_att_key": False,
+                "pos_att_type": "c2p|p2c", "norm_rel_ebd": "none", "position_biased_input": True,
+                "conv_kernel_size": 3, "conv_act": "gelu", "embedding_size": 24},
+    # no relative attention, no token types: what remains is BERT with DeBERTa's mask handling
+    "absolute": {"relative_attention": False, "type_vocab_size": 0, "position_biased_input": True},
+}
+
+
+def batches(vocab: int, pad: int, types: bool) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(5, vocab, (4, 13), generator=g)
+    attn = torch.ones_like(ids)
+    for row, n in ((1, 9), (2, 4), (3, 1)):  # right padding of different lengths
+        attn[row, n:] = 0
+        ids[row, n:] = pad
+    long_ids = torch.randint(5, vocab, (2, 40), generator=g)  # distances past the buckets and the span
+    long_attn = torch.ones_like(long_ids)
+    long_attn[1, 25:] = 0
+    out = [{"input_ids": ids[:1, :7]}, {"input_ids": ids, "attention_mask": attn},
+           {"input_ids": long_ids, "attention_mask": long_attn}]
+    if types:
+        tt = torch.zeros_like(ids)
+        tt[:, 6:] = 1
+        out.append({"input_ids": ids, "attention_mask": attn, "token_type_ids": tt * attn})
+    return out
+
+
+def labels_for(task: str, batch: dict, num_labels: int, vocab: int) -> dict:
+    g = torch.Generator().manual_seed(2)
+    B, T = batch["input_ids"].shape
+    if task == "sequence-classification":
+        return {"labels": torch.randint(0, num_labels, (B,), generator=g)}
+    if task in ("token-classification", "masked-lm"):
+        labels = torch.randint(0, num_labels if task == "token-classification" else vocab, (B, T), generator=g)
+        labels[batch.get("attention_mask", torch.ones_like(labels)) == 0] = -100
+        return {"labels": labels}
+    if task == "question-answering":
+        return {"start_positions": torch.randint(0, T, (B,), generator=g),
+                "end_positions": torch.randint(0, T + 4, (B,), generator=g)}  # past the end: clamped, ignored
+    return {}
+
+
+def assert_same(ours, theirs) -> None:
+    compared = 0
+    for name in ("last_hidden_state", "logits", "start_logits", "end_logits", "loss"):
+        b = getattr(theirs, name, None)
+        if b is None:
+            continue
+        a = getattr(ours, name)
+        assert a is not None, f"kiln returned no {name}"
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        # rtol = atol = 0: bit-identical (a loss over only ignored positions is NaN on both sides)
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{name}: {m}")
+        compared += 1
+    assert compared >= 1
+
+
+def run_both(ours, hf, task: str) -> None:
+    c = hf.config
+    for batch in batches(c.vocab_size, c.pad_token_id, c.type_vocab_size > 0):
+        for b in (batch, {**batch, **labels_for(task, batch, c.num_labels, c.vocab_size)}):
+            with torch.no_grad():
+                assert_same(ours(**b), hf(**b))
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("task", HEADS)
+def test_round_trip_bit_exact(task, config, tiny_factory, tmp_path):
+    src = tiny_factory("deberta-v2", task, **CONFIGS[config])
+    hf = getattr(transformers, HF_AUTO[task]).from_pretrained(src).eval()
+    ours = load_pretrained(src)
+    assert ours.family.model_type == "deberta-v2" and ours.task == task
+    run_both(ours, hf, task)
+    # kiln's export loads back into transformers with zero missing/unexpected keys and equal outputs
+    checks = verify_export(ours.save_pretrained(tmp_path / "export"), source=src)
+    assert all(ch.ok for ch in checks), [ch.line() for ch in checks if not ch.ok]
+
+
+@pytest.mark.parametrize("overrides", [{"legacy": False}, {"tie_word_embeddings": False, "embedding_size": 24}],
+                         ids=["lm_predictions", "untied"])
+def test_other_mlm_heads(overrides, tiny_factory, tmp_path):
+    """legacy=false (lm_predictions.lm_head: matmul + bias) and an untied legacy decoder with its own bias."""
+    src = tiny_factory("deberta-v2", "masked-lm", **overrides)
+    hf = transformers.DebertaV2ForMaskedLM.from_pretrained(src).eval()
+    ours = load_pretrained(src)
+    run_both(ours, hf, "masked-lm")
+    checks = verify_export(ours.save_pretrained(tmp_path / "export"), source=src)
+    assert all(ch.ok for ch in checks), [ch.line() for ch in checks if not ch.ok]
+
+
+@pytest.mark.parametrize("num_labels,labels", [
+    (3, torch.tensor([2, -1, 0, 1])),                               # a negative label is skipped
+    (3, torch.tensor([-1, -1, -1, -1])),                            # nothing labelled: loss 0
+    (3, torch.softmax(torch.arange(12.0).view(4, 3), -1)),          # soft labels
+    (1, torch.tensor([0.5, -1.0, 2.0, 0.0])),                       # one label: regression, flat logits
+], ids=["ignored", "none", "soft", "regression"])
+def test_sequence_classification_loss_without_problem_type(num_labels, labels, tiny_factory):
+    src = tiny_factory("deberta-v2", "sequence-classification", num_labels=num_labels)
+    hf = transformers.DebertaV2ForSequenceClassification.from_pretrained(src).eval()
+    ours = load_pretrained(src)
+    assert ours.config.problem_type is None
+    batch = batches(hf.config.vocab_size, 0, True)[1]
+    with torch.no_grad():
+        a, b = ours(**batch, labels=labels), hf(**batch, labels=labels)
+    assert a.logits.shape == b.logits.shape and torch.equal(a.logits, b.logits)
+    assert torch.equal(a.loss, b.loss), (a.loss, b.loss)
+
+
+def test_gradients_match_transformers(tiny_factory):
+    """Backward through disentangled attention and the conv gives HF's gradients, bit for bit."""
+    src = tiny_factory("deberta-v2", "masked-lm", **CONFIGS["v2-conv"])
+    hf = transformers.DebertaV2ForMaskedLM.from_pretrained(src).eval()
+    ours = load_pretrained(src)
+    batch = batches(hf.config.vocab_size, 0, False)[1]
+    labels = labels_for("masked-lm", batch, 0, hf.config.vocab_size)
+    ours(**batch, **labels).loss.backward()
+    hf(**batch, **labels).loss.backward()
+    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    keymap = ours.family.keymap("masked-lm")
+    for name, p in ours.named_parameters():
+        hf_name = keymap.hf_name(name)
+        if hf_name == "cls.predictions.decoder.weight" or hf_name not in hf_grads:  # tied: under the embeddings
+            continue
+        assert torch.equal(p.grad, hf_grads[hf_name]), hf_name
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match=r"pooler_hidden_size \(16\) must equal hidden_size \(32\)"):
+        AutoConfig.for_model("deberta-v2", hidden_size=32, num_attention_heads=4, pooler_hidden_size=16)
+    with pytest.raises(ConfigError, match="conv_kernel_size must be odd"):
+        AutoConfig.for_model("deberta-v2", conv_kernel_size=4)
+
+
+def test_config_round_trip_omits_unset_optional_sizes(tiny_factory, tmp_path):
+    """Keys HF reads by getattr default are not written as null (HF would read null, not the default)."""
+    import json
+
+    src = tiny_factory("deberta-v2", "base")
+    out = load_pretrained(src).save_pretrained(tmp_path / "e")
+    cfg = json.loads((out / "config.json").read_text())
+    assert "embedding_size" not in cfg and "attention_head_size" not in cfg
+    assert cfg["pos_att_type"] == ["p2c", "c2p"] and cfg["position_buckets"] == 8 and cfg["share_att_key"] is True
+
+
+def test_fill_mask_cli(tiny_factory):
+    src = tiny_factory("deberta-v2", "masked-lm")
+    r = CliRunner().invoke(app, ["fill-mask", str(src), "paris is the [MASK] of france", "-k", "3"],
+                           terminal_width=200)
+    assert r.exit_code == 0, r.output
+    assert r.output.count("paris is the") == 3, r.output
