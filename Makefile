@@ -17,8 +17,10 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
+# The verify matrix prints its family x head grid first; pytest's summary closes the run.
 test: $(STAMP)
-	$(BIN)/python -m pytest -x -q tests
+	$(BIN)/kiln verify-matrix
+	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)
 	for f in benchmarks/bench_*.py; do $(BIN)/python $$f || exit 1; done
