@@ -19,7 +19,11 @@ PAD_VALUES = {"labels": -100, "attention_mask": 0, "token_type_ids": 0}
 
 
 def pad_collate(examples: Sequence[dict[str, torch.Tensor]], pad_id: int = 0) -> Batch:
-    """Stack 0-d tensors; right-pad 1-D ones (input_ids with `pad_id`, labels with -100); add attention_mask."""
+    """Stack 0-d tensors; right-pad 1-D ones (input_ids with `pad_id`, labels with -100); add attention_mask.
+
+    Packed rows (examples with position_ids) get no attention_mask: their positions mark where each
+    sample starts, and the padding tail counts 0, 1, ... as one more sample of its own.
+    """
     batch: Batch = {}
     for key in examples[0]:
         values = [ex[key] for ex in examples]
@@ -31,8 +35,10 @@ def pad_collate(examples: Sequence[dict[str, torch.Tensor]], pad_id: int = 0) ->
         out = torch.full((len(values), width), fill, dtype=values[0].dtype)
         for i, v in enumerate(values):
             out[i, : v.size(0)] = v
+            if key == "position_ids":
+                out[i, v.size(0):] = torch.arange(width - v.size(0))
         batch[key] = out
-    if "input_ids" in batch and "attention_mask" not in batch:
+    if "input_ids" in batch and "attention_mask" not in batch and "position_ids" not in batch:
         lengths = torch.tensor([ex["input_ids"].size(0) for ex in examples])
         batch["attention_mask"] = (torch.arange(batch["input_ids"].size(1))[None, :] < lengths[:, None]).long()
     return batch
