@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "kiln.cli.probe",
     "kiln.cli.models",
     "kiln.cli.train",
+    "kiln.cli.llm",
 ]
 
 err = Console(stderr=True)
