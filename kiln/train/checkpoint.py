@@ -180,6 +180,10 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def list_paths(run_dir: str | os.PathLike) -> list[Path]:
+    return [p for _, p in list_checkpoints(run_dir)]
+
+
 def latest_checkpoint(run_dir: str | os.PathLike, report: Callable[[str], None] = print) -> Path | None:
     """The newest complete checkpoint; partial and corrupt ones are reported by name and skipped."""
     run_dir = Path(run_dir)

@@ -124,6 +124,10 @@ class Trainer:
 
     def _find_resume(self) -> Path | None:
         if self.resume is None:
+            used = [p.name for p in (self.out_dir / "metrics.jsonl", *ckpt.list_paths(self.out_dir)) if p.exists()]
+            if used:
+                raise KilnError(f"{self.out_dir} already holds a run ({', '.join(used[:3])}); "
+                                "continue it with --resume, or choose another train.out_dir")
             return None
         notes: list[str] = []
         found = ckpt.latest_checkpoint(self.resume, notes.append)

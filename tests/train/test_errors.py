@@ -64,3 +64,11 @@ def test_missing_field_and_bad_freeze(tmp_path, tiny_dir):
     cfg = load_run_config(write_toml(tmp_path / "f.toml", tiny_dir, good, None, tmp_path / "r", freeze=["model.encoder"]))
     with pytest.raises(ConfigError, match=r"train.freeze: \['model.encoder'\] match no parameter name"):
         build_trainer(cfg).fit()
+
+
+def test_fresh_run_into_a_used_out_dir_is_refused(tmp_path, tiny_dir, data_files):
+    cfg = load_run_config(write_toml(tmp_path / "run.toml", tiny_dir, *data_files, tmp_path / "r", steps=2))
+    build_trainer(cfg).fit()
+    with pytest.raises(KilnError, match=r"/r already holds a run \(metrics.jsonl, ckpt-000002\); "
+                                        r"continue it with --resume"):
+        build_trainer(cfg).fit()
