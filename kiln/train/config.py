@@ -111,11 +111,53 @@ class LoraSection(_Section):
     targets: list[str] = ["q_proj", "v_proj"]
 
 
+class CadenceSection(_Section):
+    """Adaptive sync cadence for mixed devices (kiln.dist.cadence); present = on."""
+    anchor: int = 1                      # batches per sync of the slowest rank, to start with; then tuned
+    target_sync_share: float = 0.1       # the anchor grows until syncing takes at most this share of the time
+    max_staleness: int = 16              # no rank runs more batches than this between two syncs
+    max_batch_diff: int = 8              # a fast rank runs at most this many batches more than the anchor; 0 = lockstep
+    average: Literal["params", "grads"] = "params"  # what is averaged (weighted by batches done) at a sync
+
+    @model_validator(mode="after")
+    def _check(self) -> "CadenceSection":
+        if not 1 <= self.anchor <= self.max_staleness:
+            raise ValueError(f"parallel.cadence.anchor must be within 1..max_staleness ({self.max_staleness}), "
+                             f"got {self.anchor}")
+        if not 0.0 < self.target_sync_share < 1.0:
+            raise ValueError(f"parallel.cadence.target_sync_share must be within (0, 1), got {self.target_sync_share}")
+        if self.max_batch_diff < 0:
+            raise ValueError(f"parallel.cadence.max_batch_diff must be >= 0, got {self.max_batch_diff}")
+        return self
+
+
 class ParallelSection(_Section):
-    dp: int = 0          # 0: the world size
-    tp: int = 1
-    ep: int = 1
-    fsdp: bool = False
+    """Degrees multiply to the world size (dp 0 = what is left); kiln.dist.mesh checks them at launch."""
+    dp: int = 0          # 0: the world size / (tp * ep)
+    tp: int = 1          # tensor parallel: attention heads and MLP columns split over tp ranks
+    ep: int = 1          # expert parallel: MoE experts split over ep ranks (which also split the batch)
+    fsdp: bool = False   # shard parameters, gradients and optimizer state over the dp ranks (FSDP2)
+    offload: bool = False                # fsdp: keep sharded parameters and optimizer state in CPU memory
+    param_dtype: Literal["fp32", "bf16", "fp16"] | None = None   # fsdp compute dtype; None: train.precision
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"       # fsdp gradient reduction dtype
+    sequence_parallel: bool = True       # tp: norms and residuals sharded along the sequence
+    activation_checkpointing: Literal["none", "block", "selective"] = "none"
+    checkpoint_every: int = 2            # selective: recompute every n-th block
+    compile: bool = False                # torch.compile each block
+    cadence: CadenceSection | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "ParallelSection":
+        for name in ("tp", "ep", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dp < 0:
+            raise ValueError(f"parallel.dp must be >= 0 (0: the rest of the world size), got {self.dp}")
+        if self.offload and not self.fsdp:
+            raise ValueError("parallel.offload needs parallel.fsdp = true (it offloads FSDP's shards)")
+        if self.cadence is not None and (self.tp > 1 or self.ep > 1 or self.fsdp):
+            raise ValueError("parallel.cadence is a data-parallel mode; it cannot be combined with tp, ep or fsdp")
+        return self
 
 
 class RunConfig(_Section):
