@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -29,4 +30,8 @@ def export_model(src: str | os.PathLike | PreTrainedModel, out: str | os.PathLik
         if out_path.exists() and src_path.resolve() == out_path.resolve():
             raise KilnError(f"--out {out} is the source directory; choose another directory")
         model = load_pretrained(src_path, task=head)
+    if getattr(model, "lora_config", None) is not None:  # an HF directory is plain weights: fold LoRA in
+        from kiln.models.common.lora import merge_lora
+
+        model = merge_lora(copy.deepcopy(model)) if isinstance(src, PreTrainedModel) else merge_lora(model)
     return model.save_pretrained(out, max_shard_bytes=max_shard_bytes)

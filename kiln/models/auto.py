@@ -19,6 +19,7 @@ from kiln.models import bert, distilbert, roberta, xlm_roberta
 from kiln.models import mamba
 from kiln.models import albert, deberta_v2
 from kiln.models import llama, qwen2, qwen3, qwen3_moe
+from kiln.models.common.lora import has_adapter, load_adapter
 from kiln.models.config import FamilyConfig
 from kiln.models.pretrained import Family, PreTrainedModel
 
@@ -88,6 +89,8 @@ def load_pretrained(path: str | os.PathLike, task: str | None = None, dtype: tor
     with torch.device("meta"):
         model = family.build(config, task)
     model.load_hf_state_dict(load_weights(path), source=str(path), source_task=source_task)
+    if has_adapter(path):  # a PEFT LoRA adapter saved beside the base weights (kiln LoRA checkpoints)
+        load_adapter(model, path)
     if dtype is not None:
         model.to(dtype)
         model.hf_extras = {k: v for k, v in model.hf_extras.items()}

@@ -101,7 +101,8 @@ class PreTrainedModel(nn.Module):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """This model's tensors under HF's names, as transformers would save them."""
         keymap = self.family.keymap(self.task)
-        hf, unmatched = keymap.to_hf(self.state_dict())
+        # LoRA adapters are not base weights: save_pretrained writes them apart, in PEFT format
+        hf, unmatched = keymap.to_hf({k: v for k, v in self.state_dict().items() if ".lora_" not in k})
         assert not unmatched, f"kiln keys without an HF name: {unmatched}"
         prefix = "" if self.task == "base" else self.family.hf_prefix + "."
         for name, tensor in self.hf_extras.items():
@@ -200,6 +201,10 @@ class PreTrainedModel(nn.Module):
         cfg["architectures"] = [self.family.tasks[self.task].architecture]
         write_config(out, cfg)
         save_weights(out, self.hf_state_dict(), max_shard_bytes=max_shard_bytes)
+        if getattr(self, "lora_config", None) is not None:
+            from kiln.models.common.lora import save_adapter
+
+            save_adapter(self, out)  # adapter_model.safetensors + adapter_config.json beside the base
         if save_tokenizer and self.tokenizer is not None:
             self.tokenizer.save(out)
         return out

@@ -216,6 +216,10 @@ def load_optimizer_state(path: str | os.PathLike) -> dict:
 def load_model_weights(path: str | os.PathLike, model: Any) -> None:
     """Copy a checkpoint's HF-named weights into a live kiln model in place (optimizer refs stay valid)."""
     hf = load_weights(Path(path) / "model")
+    from kiln.models.common.lora import has_adapter, read_adapter_tensors
+
+    if has_adapter(Path(path) / "model"):  # a LoRA run: the adapter sits beside the frozen base
+        hf.update(read_adapter_tensors(Path(path) / "model"))
     kiln_sd = model.family.keymap(model.task).to_kiln(hf)[0] if hasattr(model, "family") else hf
     own = model.state_dict()
     missing = [k for k in own if k not in kiln_sd]

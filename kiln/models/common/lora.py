@@ -1,0 +1,226 @@
+"""LoRA: low-rank adapters on Linear layers, saved and loaded in PEFT's format.
+
+y = W x (+ b) + B(A(dropout(x))) * scaling, scaling = alpha / r (alpha / sqrt(r) with rslora),
+A (r, in) Kaiming-uniform, B (out, r) zeros, as PEFT initialises them. `LoraLinear` is an
+nn.Linear (its weight and bias keep their names), so the base key map is untouched; the
+adapters add `<module>.lora_A.weight` / `.lora_B.weight`. Targets are module names (a name
+matches itself or any `...<name>` path) or "all-linear" (every Linear but the LM head).
+
+On disk (PEFT): adapter_config.json + adapter_model.safetensors with keys
+`base_model.model.<HF module name>.lora_A.weight`; PEFT's `PeftModel.from_pretrained` loads it on
+the transformers model and kiln loads PEFT's adapters. `merge_lora` folds B A * scaling into W.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from kiln.errors import KilnError
+
+PEFT_PREFIX = "base_model.model."
+TASK_TYPES = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS", "token-classification": "TOKEN_CLS",
+              "question-answering": "QUESTION_ANS", "base": "FEATURE_EXTRACTION"}
+
+
+@dataclass
+class LoraConfig:
+    r: int = 16
+    alpha: float = 32
+    dropout: float = 0.0
+    targets: list[str] | str = field(default_factory=lambda: ["q_proj", "v_proj"])
+    use_rslora: bool = False
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
+
+
+class LoraLinear(nn.Linear):
+    """A Linear with a trainable low-rank update; the base weight and bias are frozen."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float, scaling: float):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        self.r, self.alpha, self.scaling = r, alpha, scaling
+        kw = dict(device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.Linear(self.in_features, r, bias=False, **kw)   # (r, in)
+        self.lora_B = nn.Linear(r, self.out_features, bias=False, **kw)  # (out, r)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        if not base.weight.is_meta:
+            self.reset_lora()
+
+    def reset_lora(self) -> None:
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = super().forward(x)
+        dtype = result.dtype
+        x = x.to(self.lora_A.weight.dtype)
+        return (result + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling).to(dtype)
+
+    def delta_weight(self) -> torch.Tensor:
+        return (self.lora_B.weight @ self.lora_A.weight) * self.scaling  # (out, in)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, r={self.r}, alpha={self.alpha}"
+
+
+def _matches(name: str, target: str) -> bool:
+    return name == target or name.endswith("." + target)
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, LoraLinear)
+            and n.rsplit(".", 1)[-1] not in ("lora_A", "lora_B")]
+
+
+def apply_lora(model: nn.Module, config: LoraConfig) -> list[str]:
+    """Swap the targeted Linears for LoraLinears and freeze everything else. Returns the module names."""
+    if config.r < 1:
+        raise KilnError(f"lora.r must be >= 1, got {config.r}")
+    names = linear_names(model)
+    if config.targets == "all-linear" or config.targets == ["all-linear"]:
+        chosen = [n for n in names if n.rsplit(".", 1)[-1] != "lm_head"]
+    else:
+        targets = [config.targets] if isinstance(config.targets, str) else list(config.targets)
+        unmatched = [t for t in targets if not any(_matches(n, t) for n in names)]
+        if unmatched:
+            leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
+            raise KilnError(f"lora target module(s) {unmatched} match no Linear layer in this model; "
+                            f"Linear names here: {', '.join(leaves)} (or 'all-linear')")
+        chosen = [n for n in names if any(_matches(n, t) for t in targets)]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name in chosen:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, leaf, LoraLinear(getattr(parent, leaf), config.r, config.alpha, config.dropout, config.scaling))
+    model.lora_config = config
+    model.lora_targets = chosen
+    return chosen
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items() if ".lora_A." in k or ".lora_B." in k}
+
+
+def _hf_name(model: nn.Module, kiln_key: str) -> str:
+    keymap = model.family.keymap(model.task) if hasattr(model, "family") else None
+    name = keymap.hf_name(kiln_key) if keymap is not None else kiln_key
+    if name is None:
+        raise KilnError(f"LoRA tensor {kiln_key!r} has no HF name")
+    return name
+
+
+def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_or_path: str | None = None) -> Path:
+    """Write adapter_model.safetensors + adapter_config.json as PEFT writes them."""
+    config: LoraConfig | None = getattr(model, "lora_config", None)
+    if config is None:
+        raise KilnError("this model has no LoRA adapters to save (apply_lora or a [lora] section first)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {PEFT_PREFIX + _hf_name(model, k): v.detach().contiguous().cpu() for k, v in lora_state_dict(model).items()}
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    targets = sorted({n.rsplit(".", 1)[-1] for n in model.lora_targets})
+    peft_config = {
+        "peft_type": "LORA", "task_type": TASK_TYPES.get(getattr(model, "task", ""), None),
+        "base_model_name_or_path": base_model_name_or_path, "r": config.r, "lora_alpha": config.alpha,
+        "lora_dropout": config.dropout, "target_modules": targets, "use_rslora": config.use_rslora,
+        "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+        "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
+        "alpha_pattern": {}, "use_dora": False, "lora_bias": False,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(peft_config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def read_adapter_config(adapter_dir: str | os.PathLike) -> LoraConfig:
+    path = Path(adapter_dir) / "adapter_config.json"
+    if not path.is_file():
+        raise KilnError(f"{adapter_dir}: no adapter_config.json; is it a PEFT adapter directory?")
+    try:
+        raw: dict[str, Any] = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise KilnError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise KilnError(f"{path}: peft_type {raw.get('peft_type')!r} is not LORA")
+    for key in ("use_dora", "lora_bias", "fan_in_fan_out"):
+        if raw.get(key):
+            raise KilnError(f"{path}: {key}=true is not supported")
+    if raw.get("rank_pattern") or raw.get("alpha_pattern"):
+        raise KilnError(f"{path}: per-module rank_pattern / alpha_pattern are not supported")
+    return LoraConfig(r=int(raw["r"]), alpha=raw.get("lora_alpha", 8), dropout=raw.get("lora_dropout", 0.0),
+                      targets=raw.get("target_modules") or [], use_rslora=bool(raw.get("use_rslora", False)))
+
+
+def read_adapter_tensors(adapter_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """adapter_model.safetensors under bare HF names (`model.layers.0.self_attn.q_proj.lora_A.weight`)."""
+    path = Path(adapter_dir) / "adapter_model.safetensors"
+    if not path.is_file():
+        raise KilnError(f"{adapter_dir}: no adapter_model.safetensors")
+    out = {}
+    for k, v in load_file(str(path)).items():
+        bare = k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k
+        out[bare.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")] = v
+    return out
+
+
+def has_adapter(model_dir: str | os.PathLike) -> bool:
+    return (Path(model_dir) / "adapter_config.json").is_file()
+
+
+def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> nn.Module:
+    """Apply a PEFT LoRA adapter (config + weights) to a kiln model, in place."""
+    config = read_adapter_config(adapter_dir)
+    apply_lora(model, config)
+    path = Path(adapter_dir) / "adapter_model.safetensors"
+    keymap = model.family.keymap(model.task)
+    expected = lora_state_dict(model)
+    loaded = {}
+    for k, v in read_adapter_tensors(adapter_dir).items():
+        name = keymap.kiln_name(k)
+        if name not in expected:
+            raise KilnError(f"{path}: tensor {k!r} does not belong to any targeted module of this model")
+        if tuple(v.shape) != tuple(expected[name].shape):
+            raise KilnError(f"{path}: tensor {k!r} has shape {tuple(v.shape)}, this model expects "
+                            f"{tuple(expected[name].shape)}")
+        loaded[name] = v.to(expected[name].dtype)
+    missing = sorted(set(expected) - set(loaded))
+    if missing:
+        raise KilnError(f"{path}: missing adapter tensor(s) {', '.join(_hf_name(model, m) for m in missing[:4])}")
+    model.load_state_dict(loaded, strict=False)
+    return model
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight (W += B A * scaling) and put plain Linears back."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoraLinear):
+            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                              device=module.weight.device, dtype=module.weight.dtype)
+            plain.weight.copy_(module.weight + module.delta_weight().to(module.weight.dtype))
+            if module.bias is not None:
+                plain.bias.copy_(module.bias)
+            parent_name, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, leaf, plain)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    for attr in ("lora_config", "lora_targets"):
+        if hasattr(model, attr):
+            delattr(model, attr)
+    return model
