@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-BATCH, STEPS, WARMUP, LENGTH, LR, ROUNDS = 16, 14, 2, 48, 5e-5, 2
+BATCH, STEPS, WARMUP, LENGTH, LR, ROUNDS = 16, 12, 2, 32, 5e-5, 2
 
 
 def _model_dir() -> Path:
