@@ -49,7 +49,9 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(path), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
+            # Copy out of the file mapping: kernels reading weights from mapped pages measured
+            # ~40% slower in training (benchmarks/bench_encoders.py).
+            return {k: f.get_tensor(k).clone() for k in f.keys()}
     except SafetensorError as e:
         raise WeightsError(f"{path}: not a readable safetensors file ({e}); is it truncated or another format?") from None
     except OSError as e:
