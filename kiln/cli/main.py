@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "kiln.cli.models",
     "kiln.cli.train",
     "kiln.cli.llm",
+    "kiln.cli.data",
 ]
 
 err = Console(stderr=True)

@@ -29,8 +29,8 @@ class ModelSection(_Section):
     family: str | None = None
     config: dict[str, Any] = {}        # family config fields when building from scratch
     tokenizer: str | None = None       # a directory with tokenizer files, for a model built from scratch
-    task: Literal["sequence-classification", "token-classification", "question-answering", "masked-lm"] = \
-        "sequence-classification"
+    task: Literal["sequence-classification", "token-classification", "question-answering", "masked-lm",
+                  "causal-lm"] = "sequence-classification"
     num_labels: int | None = None
     labels: list[str] | None = None    # label names; default: read from the training data, sorted
     init_seed: int = 0                 # seed for freshly initialised weights (heads, scratch models)
@@ -56,6 +56,8 @@ class DataSection(_Section):
     context_field: str = "context"
     answers_field: str = "answers"
     max_length: int = 128
+    train_on: Literal["assistant", "all"] = "assistant"  # causal-lm SFT: loss on replies (+ EOS) or on all
+    pack: bool = False                   # causal-lm SFT: several samples per row, attention kept per sample
 
 
 class TrainSection(_Section):
@@ -108,7 +110,8 @@ class LoraSection(_Section):
     r: int = 16
     alpha: float = 32
     dropout: float = 0.0
-    targets: list[str] = ["q_proj", "v_proj"]
+    targets: list[str] | Literal["all-linear"] = ["q_proj", "v_proj"]  # module names, or every Linear
+    use_rslora: bool = False             # scaling alpha / sqrt(r) instead of alpha / r
 
 
 class CadenceSection(_Section):

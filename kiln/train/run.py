@@ -23,7 +23,7 @@ def _fields(cfg: RunConfig) -> Fields:
 
 
 def _labels(cfg: RunConfig, train_records: list) -> list[str] | None:
-    if cfg.model.task == "question-answering":
+    if cfg.model.task in ("question-answering", "causal-lm"):
         return None
     found = collect_labels(train_records, cfg.model.task, _fields(cfg))
     if cfg.model.labels is not None:
@@ -54,6 +54,20 @@ def build_model(cfg: RunConfig, labels: list[str] | None) -> Any:
     return model
 
 
+def _sft_data(cfg: RunConfig, model: Any, train_records: list, eval_records: list | None) -> tuple[list, list | None]:
+    """Chat JSONL -> SFT examples (assistant-only loss unless data.train_on = "all"); reports truncation."""
+    from kiln.data.sft import encode_sft
+
+    d = cfg.data
+    train, stats = encode_sft(train_records, model.tokenizer, d.max_length, d.train_on, d.pack)
+    print(f"train data: {stats.line()}")
+    evals = None
+    if eval_records:
+        evals, eval_stats = encode_sft(eval_records, model.tokenizer, d.max_length, d.train_on, d.pack)
+        print(f"eval data: {eval_stats.line()}")
+    return train, evals
+
+
 def build_trainer(cfg: RunConfig, resume: str | Path | None = None) -> Trainer:
     """Load the model and data a run config names and return a Trainer for it."""
     d = cfg.data
@@ -63,12 +77,19 @@ def build_trainer(cfg: RunConfig, resume: str | Path | None = None) -> Trainer:
     model = build_model(cfg, labels)
     if model.tokenizer is None:
         raise KilnError(f"{cfg.model.path}: no tokenizer files (tokenizer.json or vocab.txt) in the model directory")
-    fields = _fields(cfg)
-    train = encode_records(train_records, cfg.model.task, model.tokenizer, labels, fields, d.max_length)
-    evals = encode_records(eval_records, cfg.model.task, model.tokenizer, labels, fields, d.max_length) \
-        if eval_records else None
+    if cfg.lora is not None:
+        from kiln.models.common.lora import LoraConfig, apply_lora
+
+        apply_lora(model, LoraConfig(cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets, cfg.lora.use_rslora))
+    if cfg.model.task == "causal-lm":
+        train, evals = _sft_data(cfg, model, train_records, eval_records)
+    else:
+        fields = _fields(cfg)
+        train = encode_records(train_records, cfg.model.task, model.tokenizer, labels, fields, d.max_length)
+        evals = encode_records(eval_records, cfg.model.task, model.tokenizer, labels, fields, d.max_length) \
+            if eval_records else None
     fingerprint = {"train": str(d.train), "train_sha256": file_digest(d.train), "max_length": d.max_length,
-                   "labels": labels}
+                   "labels": labels, **({"train_on": d.train_on, "pack": d.pack} if cfg.model.task == "causal-lm" else {})}
     args = cfg.train
     if resume is not None:
         args = args.model_copy(update={"out_dir": str(resume)})

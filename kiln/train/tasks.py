@@ -57,7 +57,11 @@ def _loss(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor | i
         if task == "causal-lm":  # predict token t+1 from t
             logits, labels = logits[:, :-1], labels[:, 1:]
         loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
-        return loss_sum, (labels != -100).sum(), out
+        count = (labels != -100).sum()
+        aux = getattr(out, "aux_loss", None)
+        if aux is not None:  # MoE load balancing (output_router_logits): weighted per token like the loss it joins
+            loss_sum = loss_sum + _inner(model).config.router_aux_loss_coef * aux * count
+        return loss_sum, count, out
     out = model(**batch)
     if getattr(out, "loss", None) is None:
         raise KilnError("the model returned no loss for this batch; give the batch labels or pass step=")
