@@ -145,8 +145,9 @@ class ParallelSection(_Section):
     reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"       # fsdp gradient reduction dtype
     sequence_parallel: bool = True       # tp: norms and residuals sharded along the sequence
     activation_checkpointing: Literal["none", "block", "selective"] = "none"
-    checkpoint_every: int = 2            # selective: recompute every n-th block
+    checkpoint_every: int = 1            # block: checkpoint every n-th block (1 = all of them)
     compile: bool = False                # torch.compile each block
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"  # aot_eager: no codegen (tests)
     cadence: CadenceSection | None = None
 
     @model_validator(mode="after")

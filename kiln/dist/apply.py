@@ -1,0 +1,78 @@
+"""From the [parallel] table to a parallelized model: the one entry point the Trainer and tests call.
+
+Order matters and is fixed: tensor parallel, expert parallel, activation checkpointing, compile,
+FSDP (the last must see the blocks as they will run). Plain data parallelism (no fsdp/tp/ep) is
+left to DDP; `Parallelized.wrap_ddp` says when.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from kiln.dist.blocks import apply_activation_checkpointing, compile_blocks
+from kiln.dist.ep import apply_expert_parallel
+from kiln.dist.fsdp import apply_fsdp
+from kiln.dist.grads import average_gradients
+from kiln.dist.mesh import Degrees, batch_mesh, build_mesh, check_model, resolve_degrees
+from kiln.dist.tp import apply_tensor_parallel
+
+
+@dataclass
+class Parallelized:
+    model: nn.Module
+    degrees: Degrees
+    mesh: DeviceMesh | None
+    fsdp: bool
+
+    @property
+    def data_rank(self) -> int:
+        """Which data shard this rank reads (tp ranks of one group read the same batch)."""
+        if self.mesh is None:
+            return dist.get_rank() if dist.is_initialized() else 0
+        return self.mesh.get_local_rank("dp") * self.degrees.ep + self.mesh.get_local_rank("ep")
+
+    @property
+    def data_shards(self) -> int:
+        return self.degrees.batch
+
+    @property
+    def wrap_ddp(self) -> bool:
+        """Plain data parallelism: the caller wraps the model in DDP."""
+        return self.mesh is None and self.degrees.dp > 1
+
+    def sync_gradients(self) -> None:
+        """Average gradients where neither DDP nor FSDP does it (tp with dp > 1, ep)."""
+        if self.mesh is None or self.fsdp or self.degrees.batch == 1:
+            return
+        batch_group = batch_mesh(self.mesh).get_group() if self.degrees.ep > 1 else self.mesh.get_group("dp")
+        average_gradients(self.model.parameters(), batch_group, self.degrees.batch,
+                          sharded_group=self.mesh.get_group("dp"))
+
+
+def parallelize(model: nn.Module, parallel: Any, world_size: int | None = None,
+                device: torch.device | None = None) -> Parallelized:
+    """Apply the plans a ParallelSection asks for to a built model (on its device), in place."""
+    world_size = world_size if world_size is not None else (dist.get_world_size() if dist.is_initialized() else 1)
+    degrees = resolve_degrees(parallel, world_size)
+    config = getattr(model, "config", None)
+    if config is not None:
+        check_model(degrees, config, fsdp=parallel.fsdp)
+    device_type = (device or next(model.parameters()).device).type
+    needs_mesh = degrees.tp > 1 or degrees.ep > 1 or parallel.fsdp
+    mesh = build_mesh(degrees, device_type) if needs_mesh and world_size > 1 else None
+    if mesh is not None and degrees.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"], parallel.sequence_parallel)
+    if mesh is not None and degrees.ep > 1:
+        apply_expert_parallel(model, mesh["ep"])
+    apply_activation_checkpointing(model, parallel.activation_checkpointing, parallel.checkpoint_every)
+    if parallel.compile:
+        compile_blocks(model, parallel.compile_backend)
+    if mesh is not None and parallel.fsdp:
+        apply_fsdp(model, mesh["dp"], parallel.param_dtype, parallel.reduce_dtype, parallel.offload)
+    return Parallelized(model, degrees, mesh, fsdp=bool(parallel.fsdp and mesh is not None))

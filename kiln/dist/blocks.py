@@ -1,0 +1,80 @@
+"""Per-block switches: find a model's repeated blocks, checkpoint their activations, compile them.
+
+Both switches replace a block's `forward` on the instance, never its class or its place in the
+module tree, so parameter names (and with them checkpoints and HF key maps) stay unchanged.
+
+Activation checkpointing modes:
+- "block": keep only each block's input; recompute the block in the backward pass
+  (every `every`-th block, so memory and recompute can be traded in between);
+- "selective": recompute only the cheap elementwise work (norms, activations, rope, residuals)
+  and keep the outputs of matmuls and attention, which are the expensive ones to redo.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from kiln.errors import ConfigError
+
+_aten = torch.ops.aten
+# Ops whose outputs selective checkpointing keeps: recomputing them costs as much as the forward.
+SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.linear.default,
+             _aten._scaled_dot_product_flash_attention_for_cpu.default,
+             _aten._scaled_dot_product_efficient_attention.default,
+             _aten._scaled_dot_product_flash_attention.default,
+             _aten._scaled_dot_product_cudnn_attention.default}
+if hasattr(_aten, "_grouped_mm"):
+    SAVED_OPS.add(_aten._grouped_mm.default)
+
+
+def find_blocks(model: nn.Module) -> nn.ModuleList:
+    """The model's repeated blocks: the ModuleList holding the most parameters (a decoder's or encoder's layers)."""
+    best, best_n = None, -1
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module):
+            n = sum(p.numel() for p in module.parameters())
+            if n > best_n:
+                best, best_n = module, n
+    if best is None:
+        raise ConfigError(f"{type(model).__name__} has no list of blocks to shard, checkpoint or compile")
+    return best
+
+
+def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpointed(forward, selective: bool):
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _policy)} if selective else {}
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+    return run
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1) -> int:
+    """Checkpoint the blocks of `model` ("none", "block" or "selective"); returns how many blocks changed."""
+    if mode == "none":
+        return 0
+    if mode not in ("block", "selective"):
+        raise ConfigError(f"parallel.activation_checkpointing must be none, block or selective, got {mode!r}")
+    changed = 0
+    for i, block in enumerate(find_blocks(model)):
+        if mode == "block" and i % every:
+            continue
+        block.forward = _checkpointed(block.forward, selective=mode == "selective")
+        changed += 1
+    return changed
+
+
+def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
+    """torch.compile each block in place (one graph per block type, reused by every layer)."""
+    blocks = find_blocks(model)
+    for block in blocks:
+        block.compile(backend=backend, fullgraph=False)
+    return len(blocks)

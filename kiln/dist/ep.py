@@ -1,0 +1,108 @@
+"""Expert parallelism for stacked-expert MoE layers (qwen3_moe): experts split over the ep ranks.
+
+Each ep rank keeps E/ep experts (the stacked weights become DTensors sharded on the expert axis,
+so checkpoints and `full_tensor()` still see the whole stack) and its own tokens. Per MoE layer:
+
+  1. route locally; sort the (token, slot) pairs by expert, so they are grouped by owning rank;
+  2. all-to-all the per-expert counts, then the token rows, to the ranks that own their experts;
+  3. regroup the received rows by local expert and run the two grouped matmuls;
+  4. all-to-all the results back, scale by the routing weights, unsort and sum the k slots.
+
+Both all-to-alls are differentiable (the backward is the same exchange reversed). gloo on CPU
+supports `all_to_all_single` with uneven splits in torch 2.13, so CPU tests use the real path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from kiln.errors import ConfigError
+from kiln.models.common.moe import Experts, grouped_linear
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of `x` split by `send` go to each rank; `recv` rows come back from each. Backward reverses it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, recv: list[int], send: list[int], group) -> torch.Tensor:
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        back = grad.new_empty((sum(ctx.send),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all(x: torch.Tensor, recv: list[int], send: list[int], group) -> torch.Tensor:
+    """Differentiable uneven all-to-all over the first axis."""
+    return _AllToAll.apply(x, recv, send, group)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class ExpertParallelExperts(Experts):
+    """`Experts` whose stacked weights are sharded over an ep group; tokens travel to their experts.
+
+    Installed by `apply_expert_parallel` by switching the class of a built `Experts` module, so its
+    parameter names and the family's key map stay as they are.
+    """
+
+    ep_group: dist.ProcessGroup
+    ep_size: int
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        N, k = index.shape  # x (N, C); index, weights (N, k)
+        P, E = self.ep_size, self.num_experts
+        local_experts = E // P
+        expert_of, order = torch.sort(index.reshape(-1))  # (S,) pairs grouped by expert, hence by owner rank
+        xs = x[order // k]  # (S, C)
+        ws = weights.reshape(-1)[order]
+        counts = torch.bincount(expert_of, minlength=E)  # (E,)
+        recv_counts = torch.empty_like(counts)  # (P * E_l,): per source rank, rows for each local expert
+        dist.all_to_all_single(recv_counts, counts, group=self.ep_group)
+        send = counts.view(P, local_experts).sum(1).tolist()
+        recv = recv_counts.view(P, local_experts).sum(1).tolist()
+        xr = all_to_all(xs, recv, send, self.ep_group)  # (R, C): by source rank, then by local expert
+        # regroup the received rows by local expert (stable: source-rank order within an expert)
+        local_e = torch.arange(local_experts, device=x.device).repeat(P).repeat_interleave(recv_counts)
+        by_expert = torch.sort(local_e, stable=True).indices
+        offsets = torch.cumsum(recv_counts.view(P, local_experts).sum(0), dim=0, dtype=torch.int32)
+        h = xr[by_expert]
+        gate, up = grouped_linear(h, _local(self.gate_up_proj), offsets).chunk(2, dim=-1)  # (R, I) each
+        y = grouped_linear(self.act_fn(gate) * up, _local(self.down_proj), offsets)  # (R, C)
+        y = y[torch.argsort(by_expert)]  # back to the received order
+        ys = all_to_all(y, send, recv, self.ep_group) * ws.unsqueeze(-1)  # (S, C), in our sorted order
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.size(0), device=x.device)
+        return ys[back].view(N, k, -1).sum(dim=1).to(x.dtype)  # (N, C)
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Split every `Experts` module of `model` over the 1-D ep `mesh` in place; returns the model."""
+    size = mesh.size()
+    found = 0
+    for module in model.modules():
+        if not isinstance(module, Experts):
+            continue
+        if module.num_experts % size:
+            raise ConfigError(f"parallel.ep = {size} does not divide the model's num_experts ({module.num_experts})")
+        for name in ("gate_up_proj", "down_proj"):
+            p = getattr(module, name)
+            shard = distribute_tensor(p.data, mesh, [Shard(0)])  # (E/ep, ...) per rank; rank 0's values
+            setattr(module, name, nn.Parameter(shard, requires_grad=p.requires_grad))
+        module.__class__ = ExpertParallelExperts
+        module.ep_group, module.ep_size = mesh.get_group(), size
+        found += 1
+    if not found:
+        raise ConfigError(f"parallel.ep = {size}: {type(model).__name__} has no mixture-of-experts layer to split")
+    return model

@@ -1,0 +1,84 @@
+"""What each spawned rank runs in the parity tests: build the tiny model, apply a plan, take one step.
+
+Every worker writes, from rank 0, the loss, the full gradients and the updated weights to
+OUT/<name>.pt, gathered from whatever shards the plan made; the test compares them with one
+process running the same global batch.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from kiln.dist.apply import parallelize
+from kiln.dist.grads import clip_grad_norm
+from kiln.interop.tiny import TINY
+from kiln.models.auto import AutoConfig, from_config
+
+DENSE = {**TINY["qwen3"], "intermediate_size": 40}
+MOE = {**TINY["qwen3_moe"], "mlp_only_layers": []}
+MODELS = {"qwen3": DENSE, "qwen3_moe": MOE}
+LR = 1e-2
+
+
+def build(family: str):
+    cfg = AutoConfig.for_model(family, **MODELS[family])
+    return from_config(cfg, task="causal-lm", seed=0)
+
+
+def batch(seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, 99, (4, 16), generator=torch.Generator().manual_seed(seed))  # (B, T)
+
+
+def plan(**keys) -> SimpleNamespace:
+    base = dict(dp=0, tp=1, ep=1, fsdp=False, offload=False, param_dtype=None, reduce_dtype="fp32",
+                sequence_parallel=True, activation_checkpointing="none", checkpoint_every=1, compile=False,
+                compile_backend="aot_eager")
+    return SimpleNamespace(**{**base, **keys})
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def step(model, ids: torch.Tensor, sync=lambda: None) -> dict:
+    """Loss of `ids` (B, T); backward; optimizer step; the loss, full grads and weights."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    sync()
+    grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+    norm = clip_grad_norm(list(model.parameters()), 1e9)
+    opt.step()
+    weights = {n: _full(p) for n, p in model.named_parameters()}
+    return {"loss": loss.detach(), "grads": grads, "weights": weights, "grad_norm": norm}
+
+
+def reference(family: str, **plan_keys) -> dict:
+    model = build(family)
+    if plan_keys:
+        parallelize(model, plan(**plan_keys), world_size=1)
+    return step(model, batch())
+
+
+def run_plan(rank: int, world: int, out: str, name: str, family: str, keys: dict) -> None:
+    model = build(family)
+    par = parallelize(model, plan(**keys))
+    ids = batch()
+    shard = ids.chunk(par.data_shards)[par.data_rank]  # tp ranks of one group read the same rows
+    result = step(model, shard, par.sync_gradients)
+    loss = result["loss"].clone()
+    dist.all_reduce(loss)  # the global mean: shards hold equal token counts; tp ranks hold equal copies
+    loss /= world
+    result["loss"] = loss
+    if rank == 0:
+        torch.save(result, os.path.join(out, f"{name}.pt"))
+
+
+def run_many(rank: int, world: int, out: str, jobs: list) -> None:
+    for name, family, keys in jobs:
+        run_plan(rank, world, out, name, family, keys)
