@@ -1,0 +1,233 @@
+"""Packed windows over token shards: the pre-training stream, sharded over ranks and DataLoader workers.
+
+The layout is arithmetic, so any process can compute any window without talking to the others:
+
+- epoch e reads the split's shards in a seeded order (`permutation(seed, e)`), as one stream of
+  N tokens; window j of the epoch is tokens [j*T, j*T + T + 1): T+1 tokens overlapping the next
+  window by one, so every token is an input once and a target once (the last window of an epoch
+  may be shorter; its missing targets are -100). M = ceil((N - 1) / T) windows per epoch.
+- training reads windows k = 0, 1, 2, ... across epochs (k -> epoch k // M, window k % M); global
+  batch g is windows [g*B*R, (g+1)*B*R) and rank r takes its r-th slice of B.
+- DataLoader worker w of W builds global batches start + w, start + w + W, ...; the DataLoader
+  hands batches out round-robin over workers, so a rank sees batches start, start + 1, ... in
+  order whatever W is, and the cursor is one number: windows consumed by all ranks.
+
+A batch holds input_ids (B, T) and targets (B, T) (next tokens, -100 = none) and, when asked
+(`within_doc`), position_ids restarting after each EOS: the decoder then keeps attention inside
+documents (a block-diagonal causal mask).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from kiln.data.shards import ShardSet
+from kiln.errors import KilnError
+
+IGNORE = -100
+Batch = dict[str, torch.Tensor]
+
+
+class Windows:
+    """The window arithmetic of one split: which tokens window k holds, as a (B, T) batch."""
+
+    def __init__(self, shards: ShardSet, seq_len: int, seed: int = 0, shuffle: bool = True, within_doc: bool = False):
+        if seq_len < 1:
+            raise KilnError(f"seq_len must be >= 1, got {seq_len}")
+        self.shards, self.seq_len, self.seed = shards, seq_len, seed
+        self.shuffle, self.within_doc = shuffle, within_doc
+        self.tokens = shards.total_tokens
+        if self.tokens < 2:
+            raise KilnError(f"{shards.root}: split {shards.split!r} has {self.tokens} token(s); a window needs 2")
+        self.per_epoch = math.ceil((self.tokens - 1) / seq_len)
+        self._layout: tuple[int, np.ndarray, np.ndarray] | None = None
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The shard order of `epoch`."""
+        n = len(self.shards.lengths)
+        if not self.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, epoch]).permutation(n)
+
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._layout is None or self._layout[0] != epoch:
+            order = self.order(epoch)
+            starts = np.concatenate([[0], np.cumsum(self.shards.lengths[order])])
+            self._layout = (epoch, order, starts)
+        return self._layout[1], self._layout[2]
+
+    def span(self, epoch: int, start: int, end: int) -> np.ndarray:
+        """Tokens [start, end) of the epoch's stream, gathered across shard boundaries, as int64."""
+        order, starts = self._epoch(epoch)
+        out = np.empty(end - start, dtype=np.int64)
+        i = int(np.searchsorted(starts, start, side="right")) - 1
+        pos = start
+        while pos < end:
+            take = min(end, int(starts[i + 1])) - pos
+            lo = pos - int(starts[i])
+            out[pos - start: pos - start + take] = self.shards.tokens(int(order[i]))[lo: lo + take]
+            pos += take
+            i += 1
+        return out
+
+    def window(self, k: int) -> np.ndarray:
+        """Window k of the endless stream: up to T+1 tokens."""
+        epoch, j = divmod(k, self.per_epoch)
+        start = j * self.seq_len
+        return self.span(epoch, start, min(start + self.seq_len + 1, self.tokens))
+
+    def batch(self, ks: range | list[int]) -> Batch:
+        T = self.seq_len
+        inputs = np.full((len(ks), T), self.shards.eos_id, dtype=np.int64)   # (B, T)
+        targets = np.full((len(ks), T), IGNORE, dtype=np.int64)               # (B, T)
+        for row, k in enumerate(ks):
+            w = self.window(k)
+            inputs[row, : len(w) - 1] = w[:-1]
+            targets[row, : len(w) - 1] = w[1:]
+        out = {"input_ids": torch.from_numpy(inputs), "targets": torch.from_numpy(targets)}
+        if self.within_doc:
+            out["position_ids"] = torch.from_numpy(doc_positions(inputs, self.shards.eos_id))
+        return out
+
+
+def doc_positions(inputs: np.ndarray, eos_id: int) -> np.ndarray:
+    """(B, T) positions counting from each document's first token in the window (restart after EOS)."""
+    B, T = inputs.shape
+    t = np.broadcast_to(np.arange(T), (B, T))
+    start = np.zeros((B, T), dtype=bool)
+    start[:, 0] = True
+    start[:, 1:] = inputs[:, :-1] == eos_id
+    return t - np.maximum.accumulate(np.where(start, t, 0), axis=1)
+
+
+def _worker() -> tuple[int, int]:
+    info = get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+class TrainStream(IterableDataset):
+    """Endless batches for one rank from global batch `start_batch` on; see the module docstring."""
+
+    def __init__(self, windows: Windows, batch_size: int, rank: int, world_size: int, start_batch: int = 0):
+        super().__init__()
+        self.windows, self.batch_size, self.rank, self.world_size = windows, batch_size, rank, world_size
+        self.start_batch = start_batch
+
+    def __iter__(self) -> Iterator[Batch]:
+        w, num_workers = _worker()
+        B, GB = self.batch_size, self.batch_size * self.world_size
+        g = self.start_batch + w
+        while True:
+            first = g * GB + self.rank * B
+            yield self.windows.batch(range(first, first + B))
+            g += num_workers
+
+
+class EpochStream(IterableDataset):
+    """One pass over one epoch's windows (evaluation, or counting): window j goes to rank j % R, then
+    this rank's windows in batches of B, batch i to worker i % W. The last batch may be short."""
+
+    def __init__(self, windows: Windows, batch_size: int, rank: int = 0, world_size: int = 1, epoch: int = 0):
+        super().__init__()
+        self.windows, self.batch_size, self.rank, self.world_size, self.epoch = \
+            windows, batch_size, rank, world_size, epoch
+
+    def __iter__(self) -> Iterator[Batch]:
+        w, num_workers = _worker()
+        base = self.epoch * self.windows.per_epoch
+        mine = list(range(self.rank, self.windows.per_epoch, self.world_size))
+        for i in range(w * self.batch_size, len(mine), num_workers * self.batch_size):
+            yield self.windows.batch([base + j for j in mine[i: i + self.batch_size]])
+
+
+def data_loader(dataset: IterableDataset, num_workers: int = 0, prefetch: int = 2, pin_memory: bool = False) -> DataLoader:
+    """A DataLoader that passes our ready-made batches through: `prefetch` batches per worker, at most."""
+    extra: dict[str, Any] = {"prefetch_factor": prefetch} if num_workers > 0 else {}
+    return DataLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, **extra)
+
+
+class StreamLoader:
+    """The Trainer's side of the stream: `next_batch()`, the epoch, and an exact, resumable cursor.
+
+    Rank and world size default to torchrun's RANK / WORLD_SIZE. Workers run ahead by at most
+    `prefetch` batches each; the cursor counts only batches handed to the caller, so a state
+    saved at any moment resumes at the next batch this rank would have trained on.
+    """
+
+    def __init__(self, windows: Windows, batch_size: int, rank: int | None = None, world_size: int | None = None,
+                 num_workers: int = 0, prefetch: int = 2, pin_memory: bool | None = None):
+        if batch_size < 1 or num_workers < 0 or prefetch < 1:
+            raise KilnError(f"batch_size and prefetch must be >= 1 and num_workers >= 0 "
+                            f"(got {batch_size}, {prefetch}, {num_workers})")
+        self.windows, self.batch_size = windows, batch_size
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+        self.num_workers, self.prefetch = num_workers, prefetch
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.batches = 0          # global batches handed out (every rank moves in step)
+        self._iter: Iterator[Batch] | None = None
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size
+
+    @property
+    def next_window(self) -> int:
+        return self.batches * self.global_batch
+
+    @property
+    def epoch(self) -> int:
+        return self.next_window // self.windows.per_epoch
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return max(1, self.windows.per_epoch // self.global_batch)
+
+    def check_size(self) -> None:
+        w = self.windows
+        if w.per_epoch < self.global_batch:
+            raise KilnError(f"{w.shards.root}: split {w.shards.split!r} has {w.tokens} tokens, {w.per_epoch} window(s) "
+                            f"of {w.seq_len}+1, fewer than one global batch ({self.batch_size} per process x "
+                            f"{self.world_size} processes)")
+
+    def next_batch(self) -> Batch:
+        if self._iter is None:
+            stream = TrainStream(self.windows, self.batch_size, self.rank, self.world_size, start_batch=self.batches)
+            self._iter = iter(data_loader(stream, self.num_workers, self.prefetch, self.pin_memory))
+        batch = next(self._iter)
+        self.batches += 1
+        return batch
+
+    def close(self) -> None:
+        """Stop the workers (dropping the iterator shuts them down); the cursor stays."""
+        self._iter = None
+
+    def state_dict(self) -> dict[str, Any]:
+        w, k = self.windows, self.next_window
+        return {"kind": "token-stream", "split": w.shards.split, "seed": w.seed, "seq_len": w.seq_len,
+                "tokens": w.tokens, "windows_per_epoch": w.per_epoch, "batch_size": self.batch_size,
+                "world_size": self.world_size, "num_workers": self.num_workers,
+                "next_window": k, "epoch": self.epoch, "window_in_epoch": k % w.per_epoch,
+                "token_offset": (k % w.per_epoch) * w.seq_len, "shard_order": w.order(self.epoch).tolist(),
+                "rank_next_window": [k + r * self.batch_size for r in range(self.world_size)]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != "token-stream":
+            raise KilnError(f"the data state is not a token stream's (kind {state.get('kind')!r})")
+        w = self.windows
+        mine = {"split": w.shards.split, "seed": w.seed, "seq_len": w.seq_len, "tokens": w.tokens,
+                "global batch": self.global_batch}
+        theirs = {**{k: state[k] for k in ("split", "seed", "seq_len", "tokens")},
+                  "global batch": state["batch_size"] * state["world_size"]}
+        changed = [f"{k} {theirs[k]!r} -> {mine[k]!r}" for k in mine if mine[k] != theirs[k]]
+        if changed:
+            raise KilnError("the saved token-stream position does not fit this stream: " + "; ".join(changed))
+        assert state["next_window"] % self.global_batch == 0, "a stream cursor always sits on a global batch"
+        self.batches = state["next_window"] // self.global_batch
+        self.close()
