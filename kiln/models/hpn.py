@@ -1,0 +1,79 @@
+"""Prototype-head task models for any family: a kiln model that returns `last_hidden_state`, plus a
+`PrototypeHead` (common/prototypes.py) over the vocabulary (causal LM) or the labels (classification).
+
+Choices: the wrapped model is untouched (its HF round trip keeps working through `.inner`); causal
+LM shifts labels as transformers does (token t predicts t+1, -100 ignored); classification pools
+the first token (encoders) or the last real token (decoders, SSMs). When the wrapped model computes
+a loss of its own from `labels` (e.g. MambaForCausalLM's LM loss) it is kept as a second objective:
+`losses = {"prototype": ..., "lm": ...}` for a multi-objective step; `loss` is their sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from kiln.errors import ConfigError
+from kiln.models.common.prototypes import PrototypeHead
+from kiln.models.heads import ModelOutput
+
+POOLING = ("first", "last")
+
+
+@dataclass
+class PrototypeOutput(ModelOutput):
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _hidden_size(inner: nn.Module) -> int:
+    config = getattr(inner, "config", None)
+    for key in ("hidden_size", "dim", "d_model"):
+        if config is not None and isinstance(getattr(config, key, None), int):
+            return getattr(config, key)
+    raise ConfigError(f"cannot tell the hidden size of {type(inner).__name__}; pass hidden_size=")
+
+
+class PrototypeModel(nn.Module):
+    """inner model -> last_hidden_state (B, T, C) -> prototype logits; task `causal-lm` or `sequence-classification`."""
+
+    def __init__(self, inner: nn.Module, num_classes: int, task: str = "causal-lm", hidden_size: int | None = None,
+                 pooling: str = "last", lm_loss: bool = True, **head: object):
+        super().__init__()
+        if task not in ("causal-lm", "sequence-classification"):
+            raise ConfigError(f"prototype task {task!r} is not 'causal-lm' or 'sequence-classification'")
+        if pooling not in POOLING:
+            raise ConfigError(f"prototype pooling {pooling!r} is not one of: {', '.join(POOLING)}")
+        self.inner = inner
+        self.head = PrototypeHead(hidden_size or _hidden_size(inner), num_classes, **head)
+        self.task, self.pooling, self.lm_loss = task, pooling, lm_loss
+        self.config = getattr(inner, "config", None)
+
+    def _pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        if self.pooling == "first":
+            return hidden[:, 0]
+        if attention_mask is None:
+            return hidden[:, -1]
+        last = attention_mask.long().cumsum(1).argmax(1)  # index of the last real token, also under left padding
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # (B, C)
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **inputs) -> PrototypeOutput:
+        inner_labels = labels if (self.lm_loss and self.task == "causal-lm") else None
+        kwargs = {"labels": inner_labels} if inner_labels is not None else {}
+        out = self.inner(input_ids=input_ids, attention_mask=attention_mask, **inputs, **kwargs)
+        hidden = out.last_hidden_state  # (B, T, C)
+        if self.task == "causal-lm":
+            logits = self.head(hidden)  # (B, T, K)
+            targets = None if labels is None else F.pad(labels, (0, 1), value=-100)[..., 1:]  # token t predicts t+1
+        else:
+            logits = self.head(self._pool(hidden, attention_mask))  # (B, K)
+            targets = labels
+        losses: dict[str, torch.Tensor] = {}
+        if targets is not None:
+            losses["prototype"] = self.head.loss(logits, targets)
+            if getattr(out, "loss", None) is not None:
+                losses["lm"] = out.loss
+        loss = sum(losses.values()) if losses else None
+        return PrototypeOutput(logits=logits, loss=loss, last_hidden_state=hidden, losses=losses)
