@@ -69,6 +69,12 @@ def export(src: Optional[Path] = typer.Argument(None, help="An HF model director
 
     if (src is None) == (checkpoint is None):
         raise KilnError("give exactly one of SRC or --checkpoint RUN_DIR/ckpt-N")
+    from kiln.dist.checkpoint import export_sharded, is_sharded
+
+    if checkpoint is not None and is_sharded(checkpoint):  # FSDP/TP/EP shards: gathered in this process's CPU memory
+        path = export_sharded(checkpoint, out_dir, max_shard_bytes=max_shard_mb * 2**20 if max_shard_mb else None)
+        out.print(f"exported {checkpoint} (sharded) -> {path}")
+        return
     source = _checkpoint_model_dir(checkpoint) if checkpoint is not None else src
     path = export_model(source, out_dir, head=head, max_shard_bytes=max_shard_mb * 2**20 if max_shard_mb else None)
     out.print(f"exported {source} -> {path}")

@@ -82,3 +82,39 @@ def run_plan(rank: int, world: int, out: str, name: str, family: str, keys: dict
 def run_many(rank: int, world: int, out: str, jobs: list) -> None:
     for name, family, keys in jobs:
         run_plan(rank, world, out, name, family, keys)
+
+
+def _train(model, par, opt, steps: range) -> None:
+    for s in steps:
+        ids = batch(seed=s).chunk(par.data_shards)[par.data_rank]
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        par.sync_gradients()
+        opt.step()
+        opt.zero_grad()
+
+
+def _full_weights(model) -> dict:
+    return {n: _full(p) for n, p in model.named_parameters()}
+
+
+def run_checkpoint(rank: int, world: int, out: str, phase: str, keys: dict) -> None:
+    """phase "straight": 4 steps, a sharded save after step 2; "resume": load that save, steps 3-4."""
+    from kiln.dist.checkpoint import load_sharded, save_sharded
+
+    model = build("qwen3")
+    par = parallelize(model, plan(**keys))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    ckpt = os.path.join(out, "ckpt-2")
+    if phase == "straight":
+        _train(model, par, opt, range(1, 3))
+        save_sharded(ckpt, model, opt, {"step": 2})
+        at_two = _full_weights(model)
+        _train(model, par, opt, range(3, 5))
+    else:
+        state = load_sharded(ckpt, model, opt)
+        _train(model, par, opt, range(state["step"] + 1, 5))
+        at_two = None
+    weights = _full_weights(model)
+    if rank == 0:
+        torch.save({"at_two": at_two, "end": weights}, os.path.join(out, f"{phase}.pt"))

@@ -1,0 +1,103 @@
+"""Sharded checkpoints (torch.distributed.checkpoint) for FSDP2 / TP / EP models, and their HF export.
+
+    CKPT/
+      model/     config.json (+ tokenizer files): what the weights are, written by rank 0, no weights
+      dcp/       every rank writes its own shards of the model and optimizer state (DCP format)
+      trainer.json   step and whatever else the caller keeps (rank 0)
+
+No rank ever gathers the whole model: saving and resuming move only local shards. `export_sharded`
+runs in one process without a process group: it builds the model from model/config.json on the
+meta device, materialises it in CPU memory and has DCP read every shard straight into it, then
+writes an ordinary HF directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from kiln.errors import KilnError
+from kiln.hub.config import write_config
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 trainer_state: dict[str, Any] | None = None) -> Path:
+    """Every rank writes its shards of model (and optimizer) state under PATH/dcp; rank 0 the config."""
+    path = Path(path)
+    if _is_main():
+        (path / "model").mkdir(parents=True, exist_ok=True)
+        if hasattr(model, "config") and hasattr(model, "family"):
+            cfg = model.config.to_dict()
+            cfg["architectures"] = [model.family.tasks[model.task].architecture]
+            write_config(path / "model", cfg)
+            if getattr(model, "tokenizer", None) is not None:
+                model.tokenizer.save(path / "model")
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    else:
+        state = {"model": model.state_dict()}
+    dcp.save(state, checkpoint_id=str(path / "dcp"))
+    if _is_main() and trainer_state is not None:
+        (path / "trainer.json").write_text(json.dumps(trainer_state, indent=1, sort_keys=True) + "\n")
+    if dist.is_initialized():
+        dist.barrier()  # the checkpoint is complete only when every rank's shards are down
+    return path
+
+
+def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Read PATH/dcp back into an already parallelized model (and optimizer), each rank its own shards.
+
+    Returns trainer.json's contents ({} if there is none).
+    """
+    path = Path(path)
+    if not (path / "dcp" / ".metadata").is_file():
+        raise KilnError(f"{path}: not a sharded checkpoint (no dcp/.metadata inside)")
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=str(path / "dcp"))  # DTensors and plain tensors are filled in place
+    trainer = path / "trainer.json"
+    return json.loads(trainer.read_text()) if trainer.is_file() else {}
+
+
+def is_sharded(path: str | os.PathLike) -> bool:
+    return (Path(path) / "dcp" / ".metadata").is_file()
+
+
+def export_sharded(path: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: int | None = None) -> Path:
+    """Gather a sharded checkpoint into one HF directory, in CPU memory of this one process."""
+    from kiln.hub import Tokenizer
+    from kiln.models.auto import load_config
+
+    path = Path(path)
+    if not is_sharded(path):
+        raise KilnError(f"{path}: not a sharded checkpoint (no dcp/.metadata inside)")
+    if not (path / "model" / "config.json").is_file():
+        raise KilnError(f"{path}: sharded checkpoint without model/config.json; it cannot say which model it holds")
+    family, config, task = load_config(path / "model")
+    with torch.device("meta"):
+        model = family.build(config, task or "base")
+    model.to_empty(device="cpu")  # storage for every tensor, filled below; no init work wasted
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=True)
+    model.tie_weights()
+    if Tokenizer.present(path / "model"):
+        model.tokenizer = Tokenizer.from_dir(path / "model")
+    return model.save_pretrained(out, max_shard_bytes=max_shard_bytes)
