@@ -20,6 +20,7 @@ def train(config: Path = typer.Option(..., "--config", "-c", help="The run TOML.
     from kiln.train.run import build_trainer
 
     cfg = load_run_config(config)
+    _check_parallel(cfg.parallel)
     trainer = build_trainer(cfg, resume=resume).fit()
     if trainer.world.main:
         line = f"done: step {trainer.step}"
@@ -30,6 +31,22 @@ def train(config: Path = typer.Option(..., "--config", "-c", help="The run TOML.
         if trainer.best:
             line += f"; best {trainer.best['checkpoint']}"
         typer.echo(f"{line}; checkpoints in {trainer.out_dir}")
+
+
+def _check_parallel(parallel) -> None:
+    """Degrees against the world size torchrun gave us; plans the Trainer cannot run yet are refused, not ignored."""
+    import os
+
+    from kiln.dist.mesh import resolve_degrees
+
+    degrees = resolve_degrees(parallel, int(os.environ.get("WORLD_SIZE", "1")))
+    unwired = [k for k, on in (("tp", degrees.tp > 1), ("ep", degrees.ep > 1), ("fsdp", parallel.fsdp),
+                               ("cadence", parallel.cadence is not None),
+                               ("activation_checkpointing", parallel.activation_checkpointing != "none"),
+                               ("compile", parallel.compile)) if on]
+    if unwired:
+        raise KilnError(f"parallel.{', parallel.'.join(unwired)}: not run by `kiln train` yet (only plain data "
+                        f"parallelism is); apply them from Python with kiln.dist.parallelize(model, cfg.parallel)")
 
 
 _TORCHRUN_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint",

@@ -88,3 +88,13 @@ def test_compiled_blocks_keep_loss_and_grads():
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6)
     assert set(model.state_dict()) == set(workers.build("qwen3").state_dict())
+
+
+def test_kiln_train_checks_degrees_against_the_launched_world(tmp_path):
+    from tests_util import kiln_cli
+
+    run = tmp_path / "run.toml"
+    run.write_text('[model]\npath = "m"\n[data]\ntrain = "t.jsonl"\n[train]\nsteps = 1\n[parallel]\ndp = 2\ntp = 2\n')
+    p = kiln_cli("train", "--config", str(run), env={"WORLD_SIZE": "2"})
+    assert p.returncode == 1
+    assert "dp (2) x ep (1) x tp (2) = 4, but the world size is 2 processes" in p.stderr
