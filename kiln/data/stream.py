@@ -82,11 +82,14 @@ class Windows:
         start = j * self.seq_len
         return self.span(epoch, start, min(start + self.seq_len + 1, self.tokens))
 
-    def batch(self, ks: range | list[int]) -> Batch:
+    def batch(self, ks: range | list[int | None]) -> Batch:
+        """Windows `ks` as rows; a None row is filler (no targets), for ranks that run out first."""
         T = self.seq_len
         inputs = np.full((len(ks), T), self.shards.eos_id, dtype=np.int64)   # (B, T)
         targets = np.full((len(ks), T), IGNORE, dtype=np.int64)               # (B, T)
         for row, k in enumerate(ks):
+            if k is None:
+                continue
             w = self.window(k)
             inputs[row, : len(w) - 1] = w[:-1]
             targets[row, : len(w) - 1] = w[1:]
@@ -131,7 +134,10 @@ class TrainStream(IterableDataset):
 
 class EpochStream(IterableDataset):
     """One pass over one epoch's windows (evaluation, or counting): window j goes to rank j % R, then
-    this rank's windows in batches of B, batch i to worker i % W. The last batch may be short."""
+    this rank's windows in batches of B, batch i to worker i % W. The last batch may be short.
+
+    Every rank gets the same number of rows (filler rows without targets where the windows do not
+    divide evenly), so collective forwards (DDP, FSDP) stay in step."""
 
     def __init__(self, windows: Windows, batch_size: int, rank: int = 0, world_size: int = 1, epoch: int = 0):
         super().__init__()
@@ -141,9 +147,10 @@ class EpochStream(IterableDataset):
     def __iter__(self) -> Iterator[Batch]:
         w, num_workers = _worker()
         base = self.epoch * self.windows.per_epoch
-        mine = list(range(self.rank, self.windows.per_epoch, self.world_size))
+        mine: list[int | None] = list(range(self.rank, self.windows.per_epoch, self.world_size))
+        mine += [None] * (-(-self.windows.per_epoch // self.world_size) - len(mine))
         for i in range(w * self.batch_size, len(mine), num_workers * self.batch_size):
-            yield self.windows.batch([base + j for j in mine[i: i + self.batch_size]])
+            yield self.windows.batch([None if j is None else base + j for j in mine[i: i + self.batch_size]])
 
 
 def data_loader(dataset: IterableDataset, num_workers: int = 0, prefetch: int = 2, pin_memory: bool = False) -> DataLoader:

@@ -58,6 +58,18 @@ class DataSection(_Section):
     max_length: int = 128
     train_on: Literal["assistant", "all"] = "assistant"  # causal-lm SFT: loss on replies (+ EOS) or on all
     pack: bool = False                   # causal-lm SFT: several samples per row, attention kept per sample
+    # Pre-training, when train (and eval) are `kiln tokenize` directories; max_length is the window's seq_len.
+    train_split: str = "train"
+    eval_split: str = "val"
+    within_doc: bool = False             # attention kept inside each document of a packed window
+    num_workers: int = 0                 # DataLoader worker processes reading the shards
+    prefetch: int = 2                    # batches each worker may hold ready
+
+    @model_validator(mode="after")
+    def _check(self) -> "DataSection":
+        if self.max_length < 1 or self.num_workers < 0 or self.prefetch < 1:
+            raise ValueError("data.max_length and data.prefetch must be >= 1, data.num_workers >= 0")
+        return self
 
 
 class TrainSection(_Section):

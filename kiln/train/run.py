@@ -13,6 +13,7 @@ from kiln.errors import ConfigError, KilnError
 from kiln.hub import Tokenizer
 from kiln.models.auto import AutoConfig, from_config, load_config, load_pretrained
 from kiln.train.config import RunConfig
+from kiln.train.pretrain import build_pretrain_trainer, is_shard_dir
 from kiln.train.trainer import Trainer
 
 
@@ -71,6 +72,8 @@ def _sft_data(cfg: RunConfig, model: Any, train_records: list, eval_records: lis
 def build_trainer(cfg: RunConfig, resume: str | Path | None = None) -> Trainer:
     """Load the model and data a run config names and return a Trainer for it."""
     d = cfg.data
+    if is_shard_dir(d.train):  # `kiln tokenize` output: pre-training on the token stream
+        return build_pretrain_trainer(cfg, lambda: build_model(cfg, None), resume)
     train_records = read_records(d.train, d.format)
     eval_records = read_records(d.eval, d.format) if d.eval else None
     labels = _labels(cfg, train_records)

@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from kiln.data.loader import Loader
 from kiln.errors import ConfigError, KilnError
+from kiln.hub.config import write_json_atomic
 from kiln.train import checkpoint as ckpt
 from kiln.train.config import TrainSection
 from kiln.train.distributed import World, all_reduce_sum, barrier, gather_objects, init_world
@@ -94,7 +95,8 @@ class Trainer:
         torch.manual_seed(a.seed + self.world.rank)  # dropout differs between ranks, as it would in one big batch
         if a.freeze:
             freeze(self.model, a.freeze)
-        self.loader = self.data if isinstance(self.data, Loader) else Loader(
+        # A Loader, or anything with its protocol (kiln.data.stream.StreamLoader): used as given.
+        self.loader = self.data if hasattr(self.data, "next_batch") else Loader(
             self.data, a.batch_size, seed=a.seed, rank=self.world.rank, world_size=self.world.size,
             pad_id=getattr(getattr(model, "config", None), "pad_token_id", 0) or 0)
         self.loader.check_size()
@@ -196,7 +198,8 @@ class Trainer:
         tokens = 0
         for micro in range(a.grad_accum):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in self.loader.next_batch().items()}
-            tokens += int(batch["attention_mask"].sum()) if "attention_mask" in batch else 0
+            tokens += int(batch["attention_mask"].sum()) if "attention_mask" in batch else \
+                batch["input_ids"].numel() if "input_ids" in batch else 0  # packed rows: no padding
             # Only the last micro-batch all-reduces gradients; the others accumulate locally.
             sync = micro == a.grad_accum - 1 or not self.world.active
             with (contextlib.nullcontext() if sync else model.no_sync()), self.autocast():
@@ -297,6 +300,9 @@ class Trainer:
                      "epoch": self.loader.epoch, "fingerprint": self.fingerprint, "run_config": self.run_config,
                      "scaler": self.scaler.state_dict() if self.scaler else None, "eval": self.last_eval}
             path = ckpt.save_checkpoint(self.out_dir, self.step, self.unwrapped(), self.optimizer, state, rngs)
+            # Where the run stands, readable without opening a checkpoint (the data cursor included).
+            write_json_atomic(self.out_dir / "run_state.json", {"step": self.step, "checkpoint": path.name,
+                                                                 "epoch": self.loader.epoch, "data": state["data"]})
             keep = {self.best["checkpoint"]} if self.best else set()
             ckpt.prune_checkpoints(self.out_dir, self.args.keep_last, keep)
             if self.best:

@@ -26,10 +26,12 @@ def shards(tmp_path) -> ShardSet:
 
 
 def _rows(batch: dict) -> list[tuple[int, ...]]:
-    """Each row back as its window: the first input token, then every real target."""
+    """Each row back as its window: the first input token, then every real target (filler rows, which
+    have no targets, are left out)."""
     out = []
     for x, y in zip(batch["input_ids"].tolist(), batch["targets"].tolist()):
-        out.append(tuple([x[0]] + [t for t in y if t != -100]))
+        if any(t != -100 for t in y):
+            out.append(tuple([x[0]] + [t for t in y if t != -100]))
     return out
 
 
@@ -58,6 +60,13 @@ def test_one_epoch_same_windows_for_any_split_and_every_token_once(shards):
     assert inputs + Counter([int(stream[-1])]) == every
     assert targets + Counter([int(stream[0])]) == every
     assert max(c for t, c in every.items() if t != 0) == 1        # so each non-EOS token was read once
+
+def test_every_rank_gets_the_same_number_of_eval_batches(shards):
+    windows = Windows(shards, T)                        # 18 windows over 4 ranks: 5, 5, 4, 4
+    counts = [[len(b["input_ids"]) for b in data_loader(EpochStream(windows, B, r, 4))] for r in range(4)]
+    assert counts == [[3, 2]] * 4                       # filler rows keep collective forwards in step
+    assert Counter(_epoch_windows(shards, 4, 0)) == Counter(_epoch_windows(shards, 1, 0))
+
 
 def test_shard_order_is_seeded_per_epoch(shards):
     w, same = Windows(shards, T, seed=7), Windows(shards, T, seed=7)

@@ -1,0 +1,101 @@
+"""Pre-training from token shards: next-token loss on packed windows, validation loss and perplexity.
+
+`kiln train` lands here when `data.train` is a `kiln tokenize` directory. From Python:
+
+    from kiln.data.shards import ShardSet
+    from kiln.data.stream import StreamLoader, Windows
+    from kiln.train import Trainer
+    from kiln.train.pretrain import lm_step
+
+    loader = StreamLoader(Windows(ShardSet("shards", "train"), seq_len=256), batch_size=8, num_workers=2)
+    Trainer(model, loader, step=lm_step, steps=1000, out_dir="runs/lm").fit()
+
+The stream's cursor is the loader's `state_dict()`, so it rides in every checkpoint (trainer.json)
+and in RUN_DIR/run_state.json; a resumed run reads exactly the windows an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from kiln.data.shards import MANIFEST, ShardSet, check_tokenizer, file_sha256, tokenizer_digest
+from kiln.data.stream import IGNORE, EpochStream, StreamLoader, Windows, data_loader
+from kiln.errors import ConfigError
+from kiln.train.config import RunConfig
+from kiln.train.distributed import all_reduce_sum
+from kiln.train.trainer import Trainer
+
+
+def is_shard_dir(path: str | None) -> bool:
+    return path is not None and (Path(path) / MANIFEST).is_file()
+
+
+def lm_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed next-token cross entropy, number of real targets) for one stream batch."""
+    out = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"))
+    targets = batch["targets"]                                          # (B, T), -100 = no target
+    loss_sum = F.cross_entropy(out.logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
+                               reduction="sum")
+    return loss_sum, (targets != IGNORE).sum()
+
+
+@torch.no_grad()
+def evaluate_windows(trainer: Trainer, windows: Windows, batch_size: int) -> dict[str, float]:
+    """Loss per target token over one pass of `windows` (all ranks together) and its perplexity."""
+    model, world = trainer.model, trainer.world
+    model.eval()
+    sums = torch.zeros(2, dtype=torch.float64)
+    for batch in data_loader(EpochStream(windows, batch_size, world.rank, world.size)):
+        batch = {k: v.to(trainer.device) for k, v in batch.items()}
+        with trainer.autocast():
+            loss_sum, count = lm_step(model, batch)
+        sums += torch.tensor([float(loss_sum), float(count)], dtype=torch.float64)
+    model.train()
+    sums = all_reduce_sum(sums.to(trainer.device), world).cpu()
+    loss = float(sums[0] / sums[1].clamp(min=1))
+    return {"eval_loss": loss, "eval_ppl": math.exp(loss) if loss < 700 else float("inf")}
+
+
+def _open(path: str, split: str, digest: str, source: str, vocab_size: int) -> ShardSet:
+    shards = ShardSet(path, split)
+    check_tokenizer(path, shards.manifest, digest, source)
+    if shards.vocab_size > vocab_size:
+        raise ConfigError(f"{Path(path) / MANIFEST}: token ids go up to {shards.vocab_size - 1} but the model's "
+                          f"vocab_size is {vocab_size}; set model.config.vocab_size >= {shards.vocab_size}")
+    return shards
+
+
+def build_pretrain_trainer(cfg: RunConfig, build_model: Callable[[], Any], resume: str | Path | None = None) -> Trainer:
+    """The Trainer for a causal LM (made by `build_model()`, once the config checks pass) on the token
+    shards `cfg.data.train` (and `cfg.data.eval`) name."""
+    d = cfg.data
+    if cfg.model.task != "causal-lm":
+        raise ConfigError(f"data.train {d.train} is a token shard directory, which only model.task = "
+                          f"'causal-lm' reads (not {cfg.model.task!r})")
+    if cfg.lora is not None:
+        raise ConfigError("[lora] is for fine-tuning; pre-training from token shards trains every weight")
+    if d.eval is not None and not is_shard_dir(d.eval):
+        raise ConfigError(f"data.eval {d.eval} must be a token shard directory too (data.train is one)")
+    model = build_model()
+    source = cfg.model.tokenizer or cfg.model.path
+    digest = tokenizer_digest(model.tokenizer.backend.to_str())
+    vocab = model.config.vocab_size
+    train = Windows(_open(d.train, d.train_split, digest, source, vocab), d.max_length, seed=cfg.train.seed,
+                    within_doc=d.within_doc)
+    loader = StreamLoader(train, cfg.train.batch_size, num_workers=d.num_workers, prefetch=d.prefetch)
+    evaluate = None
+    if d.eval is not None:
+        held_out = Windows(_open(d.eval, d.eval_split, digest, source, vocab), d.max_length, shuffle=False,
+                           within_doc=d.within_doc)
+        evaluate = lambda trainer: evaluate_windows(trainer, held_out, cfg.train.batch_size)  # noqa: E731
+    fingerprint = {"train": str(d.train), "manifest_sha256": file_sha256(Path(d.train) / MANIFEST),
+                   "split": d.train_split, "seq_len": d.max_length, "within_doc": d.within_doc}
+    args = cfg.train if resume is None else cfg.train.model_copy(update={"out_dir": str(resume)})
+    return Trainer(model, loader, step=lm_step, evaluate=evaluate, args=args, resume=resume,
+                   run_config=cfg.model_dump(mode="json"), data_fingerprint=fingerprint)
