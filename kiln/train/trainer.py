@@ -40,6 +40,7 @@ from kiln.train import checkpoint as ckpt
 from kiln.train.config import TrainSection
 from kiln.train.distributed import World, all_reduce_sum, barrier, gather_objects, init_world
 from kiln.train.metrics import MetricsLog, ProgressBar
+from kiln.train.multiobjective import GradientCombiner
 from kiln.train.optim import OptimizerFactory, adamw, freeze, lr_factor, param_groups, set_lr
 from kiln.train.resume import check_fingerprint, model_fingerprint
 from kiln.train.tasks import StepFn, as_sum_and_count, default_evaluate, default_step, pick_device
@@ -50,6 +51,8 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 class Callback:
     """Hooks into the loop; override what you need. `record` is the metrics.jsonl line."""
 
+    def on_setup(self, trainer: "Trainer", step: int) -> None:
+        """Before weights load and the optimizer exists (`step`: the resumed step, 0 when fresh); may reshape the model."""
     def on_step(self, trainer: "Trainer", record: dict[str, Any]) -> None: ...
     def on_eval(self, trainer: "Trainer", metrics: dict[str, float]) -> None: ...
     def on_save(self, trainer: "Trainer", path: Path) -> None: ...
@@ -63,6 +66,7 @@ class Trainer:
                  evaluate: Callable[["Trainer"], dict[str, float]] | None = None,
                  callbacks: Sequence[Callback] = (), args: TrainSection | None = None,
                  resume: str | Path | None = None, run_config: dict | None = None,
+                 objectives: GradientCombiner | None = None,
                  data_fingerprint: dict | None = None, **overrides: Any):
         try:
             self.args = TrainSection(**{**(args.model_dump() if args else {}), **overrides})
@@ -73,6 +77,7 @@ class Trainer:
         self.step_fn = step or default_step
         self.evaluate_fn = evaluate
         self.callbacks = list(callbacks)
+        self.objectives = objectives or GradientCombiner("sum")  # when a step returns {name: loss}
         self.resume = Path(resume) if resume is not None else None
         self.run_config = run_config or {"train": self.args.model_dump(mode="json")}
         self.data_fingerprint = data_fingerprint or {}
@@ -104,10 +109,14 @@ class Trainer:
             self.total_steps = a.steps
         else:
             self.total_steps = max(1, math.ceil(a.epochs * self.loader.batches_per_epoch / a.grad_accum))
+        start = self._find_resume()
+        resumed = ckpt.read_trainer_state(start) if start is not None else None
+        for cb in self.callbacks:  # e.g. layer growth: the model takes its resumed shape before anything reads it
+            cb.on_setup(self, resumed["step"] if resumed else 0)
         self.fingerprint = {"model": model_fingerprint(self.model), "data": self.data_fingerprint,
                             "precision": a.precision, "world_size": self.world.size}
-
-        start = self._find_resume()
+        if start is not None:
+            check_fingerprint(start, resumed["fingerprint"], self.fingerprint)
         if start is not None:
             ckpt.load_model_weights(start, self.model)
         groups = param_groups(self.model, a.weight_decay)
@@ -138,14 +147,14 @@ class Trainer:
                 print(f"resume: {n}")
         if found is None:
             raise KilnError(f"{self.resume}: no complete checkpoint to resume from")
-        state = ckpt.read_trainer_state(found)
-        check_fingerprint(found, state["fingerprint"], self.fingerprint)
         return found
 
     def _restore(self, path: Path) -> None:
         state = ckpt.read_trainer_state(path)
         self.optimizer.load_state_dict(ckpt.load_optimizer_state(path))
         self.step, self.skipped = state["step"], state["skipped"]
+        if state.get("objectives"):
+            self.objectives.load_state_dict(state["objectives"])
         self.best, self.evals_since_best = state["best"], state["evals_since_best"]
         self.loader.load_state_dict(state["data"])
         if self.scaler is not None and state.get("scaler"):
@@ -203,8 +212,15 @@ class Trainer:
             # Only the last micro-batch all-reduces gradients; the others accumulate locally.
             sync = micro == a.grad_accum - 1 or not self.world.active
             with (contextlib.nullcontext() if sync else model.no_sync()), self.autocast():
-                part, n = as_sum_and_count(self.step_fn(model, batch), batch)
-            (self.scaler.scale(part) if self.scaler else part).backward()
+                result = self.step_fn(model, batch)
+            if isinstance(result, dict):  # several objectives: combine their gradients (one unit per micro-batch)
+                if self.scaler is not None or self.world.active:
+                    raise KilnError("a step returning several losses supports neither fp16 nor several processes yet")
+                part = self.objectives.backward(result, list(model.parameters()), self.step)
+                n = torch.ones((), dtype=torch.float64)
+            else:
+                part, n = as_sum_and_count(result, batch)
+                (self.scaler.scale(part) if self.scaler else part).backward()
             loss_sum += part.detach().to(torch.float64)
             count += n.to(self.device)
         totals = all_reduce_sum(torch.stack([loss_sum, count]), self.world)
@@ -298,7 +314,8 @@ class Trainer:
             state = {"step": self.step, "skipped": self.skipped, "best": self.best,
                      "evals_since_best": self.evals_since_best, "data": self.loader.state_dict(),
                      "epoch": self.loader.epoch, "fingerprint": self.fingerprint, "run_config": self.run_config,
-                     "scaler": self.scaler.state_dict() if self.scaler else None, "eval": self.last_eval}
+                     "scaler": self.scaler.state_dict() if self.scaler else None, "eval": self.last_eval,
+                     "objectives": self.objectives.state_dict()}
             path = ckpt.save_checkpoint(self.out_dir, self.step, self.unwrapped(), self.optimizer, state, rngs)
             # Where the run stands, readable without opening a checkpoint (the data cursor included).
             write_json_atomic(self.out_dir / "run_state.json", {"step": self.step, "checkpoint": path.name,
