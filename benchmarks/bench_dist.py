@@ -1,0 +1,109 @@
+"""Data, fully sharded and tensor parallel training on one decoder: tokens/s and peak memory per rank.
+
+    python benchmarks/bench_dist.py            # CPU, gloo, world size 2 (and 1 for scaling)
+    python benchmarks/bench_dist.py --gpu      # CUDA, nccl, one process per GPU (needs 2 GPUs)
+
+Each mode runs in fresh processes on the same qwen3-shaped decoder and the same per-step global
+batch, so peak memory is the mode's own. DDP and FSDP2 split the batch over the ranks; TP gives
+every rank the whole batch and splits the layers. Tokens/s counts each global token once. Peak
+memory is the rise of max RSS over the process's start on CPU, max allocated on CUDA. Ratios
+print last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from kiln.dist.apply import parallelize  # noqa: E402
+from kiln.dist.spawn import spawn  # noqa: E402
+from kiln.models.auto import AutoConfig, from_config  # noqa: E402
+
+SIZE = dict(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=4, head_dim=32, max_position_embeddings=256)
+BATCH, SEQ, WARMUP, STEPS = 8, 128, 2, 6  # global batch per step
+
+
+def _plan(mode: str) -> SimpleNamespace:
+    return SimpleNamespace(dp=0, tp=2 if mode == "tp" else 1, ep=1, fsdp=mode == "fsdp", offload=False,
+                           param_dtype=None, reduce_dtype="fp32", sequence_parallel=True,
+                           activation_checkpointing="none", checkpoint_every=1, compile=False,
+                           compile_backend="inductor")
+
+
+def _peak_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def worker(rank: int, world: int, mode: str, gpu: bool, out: str) -> None:
+    device = torch.device("cuda", rank) if gpu else torch.device("cpu")
+    start_mb = _peak_mb(device)  # the process before the model: imports, the forked server's pages
+    model = from_config(AutoConfig.for_model("qwen3", **SIZE), task="causal-lm", seed=0).to(device)
+    par = parallelize(model, _plan(mode), world_size=world, device=device)
+    if par.wrap_ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if gpu else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    seconds = 0.0
+    for step in range(WARMUP + STEPS):
+        ids = torch.randint(0, SIZE["vocab_size"], (BATCH, SEQ), generator=g)
+        ids = ids.chunk(par.data_shards)[par.data_rank].to(device)
+        if gpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        par.sync_gradients()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if gpu:
+            torch.cuda.synchronize()
+        dist.barrier()
+        if step >= WARMUP:
+            seconds += time.perf_counter() - t0
+    result = {"tokens_per_s": BATCH * SEQ * STEPS / seconds, "peak_mb": _peak_mb(device) - start_mb}
+    Path(out, f"{mode}-{world}-rank{rank}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpu", action="store_true", help="CUDA + nccl instead of CPU + gloo")
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads per process (CPU)")
+    args = ap.parse_args()
+    if args.gpu and torch.cuda.device_count() < 2:
+        sys.exit("--gpu needs 2 CUDA devices")
+    backend = "nccl" if args.gpu else "gloo"
+    out = tempfile.mkdtemp()
+    runs = [("ddp", 1), ("ddp", 2), ("fsdp", 2), ("tp", 2)]
+    for mode, world in runs:
+        spawn(worker, world, (mode, args.gpu, out), backend=backend, threads=args.threads)
+    res = {}
+    print(f"{'mode':6s} {'world':>5s} {'tokens/s':>10s}  peak MB per rank ({'CUDA allocated' if args.gpu else 'max RSS rise'})")
+    for mode, world in runs:
+        ranks = [json.loads(Path(out, f"{mode}-{world}-rank{r}.json").read_text()) for r in range(world)]
+        res[mode, world] = {"tps": min(r["tokens_per_s"] for r in ranks), "mem": max(r["peak_mb"] for r in ranks)}
+        print(f"{mode:6s} {world:5d} {res[mode, world]['tps']:10.0f}  " + ", ".join(f"{r['peak_mb']:.0f}" for r in ranks))
+    ddp = res["ddp", 2]
+    print(f"ratio fsdp2/ddp tokens/s: {res['fsdp', 2]['tps'] / ddp['tps']:.3f}")
+    print(f"ratio tp/ddp tokens/s: {res['tp', 2]['tps'] / ddp['tps']:.3f}")
+    print(f"ratio fsdp2/ddp peak memory: {res['fsdp', 2]['mem'] / ddp['mem']:.3f}")
+    print(f"ratio tp/ddp peak memory: {res['tp', 2]['mem'] / ddp['mem']:.3f}")
+    print(f"ratio ddp 2 processes / 1 process tokens/s (scaling): {ddp['tps'] / res['ddp', 1]['tps']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
