@@ -118,3 +118,17 @@ def run_checkpoint(rank: int, world: int, out: str, phase: str, keys: dict) -> N
     weights = _full_weights(model)
     if rank == 0:
         torch.save({"at_two": at_two, "end": weights}, os.path.join(out, f"{phase}.pt"))
+
+
+def run_plan_cuda(rank: int, world: int, out: str, name: str, family: str, keys: dict) -> None:
+    """`run_plan` on cuda:rank (nccl): loss and updated weights come back on the CPU."""
+    model = build(family).to(f"cuda:{rank}")
+    par = parallelize(model, plan(**keys), device=torch.device("cuda", rank))
+    ids = batch().chunk(par.data_shards)[par.data_rank].to(f"cuda:{rank}")
+    result = step(model, ids, par.sync_gradients)
+    loss = result["loss"].clone()
+    dist.all_reduce(loss)
+    result["loss"] = (loss / world).cpu()
+    result = {k: ({n: t.cpu() for n, t in v.items()} if isinstance(v, dict) else v) for k, v in result.items()}
+    if rank == 0:
+        torch.save(result, os.path.join(out, f"{name}.pt"))
