@@ -14,6 +14,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,7 +56,7 @@ def run_kiln(data: list[dict], clock: list[float]) -> None:
             clock.append(time.perf_counter())
 
     Trainer(_kiln_model(), data, steps=STEPS, batch_size=BATCH, lr=LR, schedule="linear", weight_decay=0.0,
-            clip_grad_norm=1.0, progress=False, save_at_end=False, out_dir="/tmp/kiln-bench",
+            clip_grad_norm=1.0, progress=False, save_at_end=False, out_dir=tempfile.mkdtemp(prefix="kiln-bench-"),
             callbacks=[Clock()]).fit()
 
 
