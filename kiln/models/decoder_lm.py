@@ -10,7 +10,7 @@ ignored, mean over the rest, in float32.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 import torch

@@ -178,3 +178,12 @@ def test_unsupported_rope_and_sliding_window_are_named(tiny_factory, tmp_path):
         (d / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(ConfigError, match=msg):
             AutoModelForCausalLM.from_pretrained(d)
+
+
+def test_verify_matrix_has_base_and_causal_lm_rows_for_decoders():
+    from kiln.interop.matrix import default_cells
+
+    cells = {(f, h) for f, h, _ in default_cells()}
+    for family in DECODERS:
+        assert {(family, "base"), (family, "causal-lm")} <= cells
+        assert (family, "masked-lm") not in cells  # rows carry only the heads a family has
