@@ -67,14 +67,17 @@ class CadencePlanner:
 
 
 def fit_to_budget(counts: list[int], remaining: int) -> list[int]:
-    """Shrink a round's counts proportionally so they sum to at most `remaining` batches (at least 1 each)."""
+    """Shrink a round's counts proportionally so they sum to exactly `remaining` batches when that is fewer.
+
+    A rank may get 0 in this last round; it then joins the sync with weight 0.
+    """
     total = sum(counts)
     if total <= remaining:
         return counts
-    scaled = [max(1, c * remaining // total) for c in counts]
-    while sum(scaled) > max(remaining, len(counts)):
-        i = max(range(len(scaled)), key=lambda j: scaled[j])
-        scaled[i] -= 1
+    scaled = [c * remaining // total for c in counts]
+    by_size = sorted(range(len(counts)), key=lambda j: -counts[j])
+    for i in range(remaining - sum(scaled)):  # hand the rounding leftovers to the busiest ranks
+        scaled[by_size[i % len(counts)]] += 1
     return scaled
 
 
