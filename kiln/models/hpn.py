@@ -59,14 +59,17 @@ class PrototypeModel(nn.Module):
         last = attention_mask.long().cumsum(1).argmax(1)  # index of the last real token, also under left padding
         return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # (B, C)
 
-    def forward(self, input_ids=None, attention_mask=None, labels=None, **inputs) -> PrototypeOutput:
+    def forward(self, input_ids=None, attention_mask=None, labels=None, targets=None, **inputs) -> PrototypeOutput:
+        """`labels` as transformers takes them (shifted inside); `targets` already aligned (token-shard windows)."""
         inner_labels = labels if (self.lm_loss and self.task == "causal-lm") else None
         kwargs = {"labels": inner_labels} if inner_labels is not None else {}
+        inputs = {k: v for k, v in inputs.items() if v is not None}
         out = self.inner(input_ids=input_ids, attention_mask=attention_mask, **inputs, **kwargs)
         hidden = out.last_hidden_state  # (B, T, C)
         if self.task == "causal-lm":
             logits = self.head(hidden)  # (B, T, K)
-            targets = None if labels is None else F.pad(labels, (0, 1), value=-100)[..., 1:]  # token t predicts t+1
+            if targets is None and labels is not None:
+                targets = F.pad(labels, (0, 1), value=-100)[..., 1:]  # token t predicts t+1
         else:
             logits = self.head(self._pool(hidden, attention_mask))  # (B, K)
             targets = labels
@@ -75,5 +78,7 @@ class PrototypeModel(nn.Module):
             losses["prototype"] = self.head.loss(logits, targets)
             if getattr(out, "loss", None) is not None:
                 losses["lm"] = out.loss
+            elif self.lm_loss and labels is None and getattr(out, "logits", None) is not None:
+                losses["lm"] = F.cross_entropy(out.logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
         loss = sum(losses.values()) if losses else None
         return PrototypeOutput(logits=logits, loss=loss, last_hidden_state=hidden, losses=losses)

@@ -198,7 +198,7 @@ class MambaModel(PreTrainedModel):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None) -> ModelOutput:
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, position_ids=None) -> ModelOutput:
         return ModelOutput(last_hidden_state=self.model(input_ids, attention_mask, inputs_embeds))
 
 
@@ -215,7 +215,9 @@ class MambaForCausalLM(PreTrainedModel):
     def output_weight(self) -> torch.Tensor:
         return self.model.embeddings.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None) -> ModelOutput:
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
+                position_ids=None) -> ModelOutput:
+        # position_ids (packed token-shard windows) are accepted and unused: an SSM has no positions.
         hidden = self.model(input_ids, attention_mask, inputs_embeds)  # (B, T, C)
         weight = self.output_weight
         logits = F.linear(hidden.to(weight.dtype), weight).float()  # (B, T, V), fp32 as transformers returns

@@ -176,10 +176,32 @@ class ParallelSection(_Section):
         return self
 
 
+class HpnSection(_Section):
+    """A hyperspherical prototype head over the vocabulary on top of the causal LM (kiln.models.hpn)."""
+    proto_dim: int | None = None       # default: the model's hidden size
+    scale: float = 10.0
+    mode: Literal["fixed", "learnable"] = "fixed"
+    loss: Literal["ce", "cosine"] = "cosine"
+    spread_steps: int = 300
+    lm_loss: bool = True               # keep the LM head's loss as a second objective
+    objectives: Literal["sum", "pcgrad", "gradnorm", "cagrad"] = "sum"
+
+
+class GrowSection(_Section):
+    """Staged expansion (kiln.train.grow): grow after `at_step` optimizer steps."""
+    at_step: int
+    target_layers: int
+    placement: str = "append"          # append, prepend, insert:N, specific:i,j,...
+    freeze: list[str] = []             # from the start: first:N, last:N, layers:i,j, embeddings
+    freeze_after: list[str] = []       # applied to the grown stack
+
+
 class RunConfig(_Section):
     model: ModelSection
     data: DataSection
     train: TrainSection
+    hpn: HpnSection | None = None
+    grow: GrowSection | None = None
     lora: LoraSection | None = None
     parallel: ParallelSection = ParallelSection()
 

@@ -97,5 +97,34 @@ def build_pretrain_trainer(cfg: RunConfig, build_model: Callable[[], Any], resum
     fingerprint = {"train": str(d.train), "manifest_sha256": file_sha256(Path(d.train) / MANIFEST),
                    "split": d.train_split, "seq_len": d.max_length, "within_doc": d.within_doc}
     args = cfg.train if resume is None else cfg.train.model_copy(update={"out_dir": str(resume)})
-    return Trainer(model, loader, step=lm_step, evaluate=evaluate, args=args, resume=resume,
-                   run_config=cfg.model_dump(mode="json"), data_fingerprint=fingerprint)
+    step, extra = lm_step, staged_extras(cfg)
+    if cfg.hpn is not None:
+        model, step = hpn_model(model, cfg), hpn_step
+    return Trainer(model, loader, step=step, evaluate=evaluate, args=args, resume=resume,
+                   run_config=cfg.model_dump(mode="json"), data_fingerprint=fingerprint, **extra)
+
+
+def hpn_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{"prototype": ..., "lm": ...} mean losses of a PrototypeModel on one stream batch."""
+    return model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), targets=batch["targets"]).losses
+
+
+def hpn_model(model: nn.Module, cfg: RunConfig) -> nn.Module:
+    from kiln.models.hpn import PrototypeModel
+
+    h = cfg.hpn
+    return PrototypeModel(model, model.config.vocab_size, proto_dim=h.proto_dim, scale=h.scale, mode=h.mode,
+                          loss=h.loss, spread_steps=h.spread_steps, lm_loss=h.lm_loss, seed=cfg.model.init_seed)
+
+
+def staged_extras(cfg: RunConfig) -> dict[str, Any]:
+    """Trainer keywords for [grow] (a GrowthCallback) and [hpn].objectives (a GradientCombiner)."""
+    from kiln.train.grow import GrowthCallback, GrowthPlan
+    from kiln.train.multiobjective import GradientCombiner
+
+    extra: dict[str, Any] = {}
+    if cfg.hpn is not None:
+        extra["objectives"] = GradientCombiner(cfg.hpn.objectives, seed=cfg.train.seed)
+    if cfg.grow is not None:
+        extra["callbacks"] = [GrowthCallback(GrowthPlan(**cfg.grow.model_dump(), seed=cfg.train.seed))]
+    return extra
