@@ -46,12 +46,29 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
     )
 
 
+def _copy_keeping_alignment(t: torch.Tensor) -> torch.Tensor:
+    """A copy in ordinary memory whose address has the same phase mod 64 as the mapped original.
+
+    MKL picks GEMV/small-GEMM kernels by operand alignment, and the kernels round differently:
+    transformers reads mapped weights, so a plain (64-byte aligned) clone made a single-row
+    Linear (poolers, classifiers) differ from transformers in the last bit.
+    """
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return t.clone()
+    buf = torch.empty(nbytes + 64, dtype=torch.uint8)
+    start = (t.data_ptr() - buf.data_ptr()) % 64
+    out = buf[start:start + nbytes].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(path), framework="pt") as f:
             # Copy out of the file mapping: kernels reading weights from mapped pages measured
             # ~40% slower in training (benchmarks/bench_encoders.py).
-            return {k: f.get_tensor(k).clone() for k in f.keys()}
+            return {k: _copy_keeping_alignment(f.get_tensor(k)) for k in f.keys()}
     except SafetensorError as e:
         raise WeightsError(f"{path}: not a readable safetensors file ({e}); is it truncated or another format?") from None
     except OSError as e:

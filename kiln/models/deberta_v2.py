@@ -199,8 +199,8 @@ class DisentangledSelfAttention(nn.Module):
         scale = self.scale.to(dtype=q.dtype)
         scores = torch.bmm(q, k.transpose(-1, -2) / scale)  # (B*H, T, T); HF scales k, not the scores
         if self.relative and (self.c2p or self.p2c):
-            scores = scores + self.relative_scores(q, k, rel, scale)
-        scores = scores.view(B, self.num_heads, T, T).masked_fill(masked, torch.finfo(q.dtype).min)
+            scores = scores.add_(self.relative_scores(q, k, rel, scale))  # in place: bmm's backward reads its inputs only
+        scores = scores.view(B, self.num_heads, T, T).masked_fill_(masked, torch.finfo(q.dtype).min)
         probs = self.dropout(F.softmax(scores, dim=-1))
         y = torch.bmm(probs.view(-1, T, T), v)  # (B*H, T, D)
         y = y.view(B, self.num_heads, T, self.head_dim).permute(0, 2, 1, 3).contiguous().view(B, T, C)
@@ -208,25 +208,27 @@ class DisentangledSelfAttention(nn.Module):
 
     def relative_scores(self, q: torch.Tensor, k: torch.Tensor, rel: RelativeInputs,
                         scale: torch.Tensor) -> torch.Tensor:
+        """c2p + p2c scores (B*H, T, T), each divided by the scale.
+
+        HF's GEMM shapes exactly (the whole table projected, repeated per batch row): BLAS kernels pick
+        their blocking by shape, so a smaller or batch-shared product can round differently.
+        """
         BH, T, _ = q.shape
         batch = BH // self.num_heads
         table = self.pos_dropout(rel.embeddings)[: self.span * 2].unsqueeze(0)  # (1, 2S, C)
-        # The table's projections per head, repeated over the batch as HF does: (B*H, 2S, D).
-        if self.share_att_key:
-            pos_q = self.heads(self.q_proj(table)).repeat(batch, 1, 1) if self.p2c else None
-            pos_k = self.heads(self.k_proj(table)).repeat(batch, 1, 1) if self.c2p else None
-        else:
-            pos_q = self.heads(self.pos_query_proj(table)).repeat(batch, 1, 1) if self.p2c else None
-            pos_k = self.heads(self.pos_key_proj(table)).repeat(batch, 1, 1) if self.c2p else None
         score = None
         if self.c2p:  # query content i against the embedding of distance i - j
+            proj = self.k_proj if self.share_att_key else self.pos_key_proj
+            pos_k = self.heads(proj(table)).repeat(batch, 1, 1)  # (B*H, 2S, D)
             c2p = torch.bmm(q, pos_k.transpose(-1, -2))  # (B*H, T, 2S)
             c2p = torch.gather(c2p, dim=-1, index=rel.c2p_index.expand(BH, T, T))  # (B*H, T, T)
-            score = c2p / scale
+            score = c2p.div_(scale)  # in place: gather's output is fresh and its backward does not read it
         if self.p2c:  # key content j against the embedding of distance j - i, transposed to (i, j)
+            proj = self.q_proj if self.share_att_key else self.pos_query_proj
+            pos_q = self.heads(proj(table)).repeat(batch, 1, 1)  # (B*H, 2S, D)
             p2c = torch.bmm(k, pos_q.transpose(-1, -2))  # (B*H, T, 2S)
             p2c = torch.gather(p2c, dim=-1, index=rel.p2c_index.expand(BH, T, T)).transpose(-1, -2)
-            score = p2c / scale if score is None else score + p2c / scale
+            score = p2c.div_(scale) if score is None else score.add_(p2c.div_(scale))
         return score
 
 

@@ -128,15 +128,22 @@ def test_sequence_classification_loss_without_problem_type(num_labels, labels, t
     assert torch.equal(a.loss, b.loss), (a.loss, b.loss)
 
 
-def test_gradients_match_transformers(tiny_factory):
-    """Backward through disentangled attention and the conv gives HF's gradients, bit for bit."""
-    src = tiny_factory("deberta-v2", "masked-lm", **CONFIGS["v2-conv"])
+@pytest.mark.parametrize("config", ["v3", "v2-conv"])
+def test_gradients_match_transformers(config, tiny_factory):
+    """Backward through disentangled attention (and the conv) gives HF's gradients, bit for bit; the
+    autograd path (HF's shapes) and the no-grad path (windowed table) give the same outputs."""
+    src = tiny_factory("deberta-v2", "masked-lm", **CONFIGS[config])
     hf = transformers.DebertaV2ForMaskedLM.from_pretrained(src).eval()
     ours = load_pretrained(src)
-    batch = batches(hf.config.vocab_size, 0, False)[1]
+    batch = batches(hf.config.vocab_size, 0, False)[0]  # 7 tokens: the no-grad path uses a window of the table
     labels = labels_for("masked-lm", batch, 0, hf.config.vocab_size)
-    ours(**batch, **labels).loss.backward()
-    hf(**batch, **labels).loss.backward()
+    with torch.no_grad():
+        no_grad = ours(**batch, **labels)
+    a, b = ours(**batch, **labels), hf(**batch, **labels)
+    assert torch.equal(a.logits, no_grad.logits) and torch.equal(a.logits, b.logits)
+    assert torch.equal(a.loss, b.loss)
+    a.loss.backward()
+    b.loss.backward()
     hf_grads = {n: p.grad for n, p in hf.named_parameters()}
     keymap = ours.family.keymap("masked-lm")
     for name, p in ours.named_parameters():
