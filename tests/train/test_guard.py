@@ -9,12 +9,12 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.models.auto import from_config
-from kiln.train import Trainer
+from kiln.train import Callback, Trainer
 from kiln.train.checkpoint import verify_checkpoint
 from kiln.train.metrics import read_metrics
 from kiln.train.tasks import default_step
 
-from conftest import tiny_config
+from train_helpers import tiny_config
 
 
 def _data() -> list[dict]:
@@ -39,10 +39,9 @@ def _model():
 def test_nan_loss_is_skipped_and_counted(tmp_path):
     seen = {}
 
-    class Watch:  # weights before and after the poisoned step
+    class Watch(Callback):  # weights before and after the poisoned step
         def on_step(self, trainer, record):
             seen[record["step"]] = trainer.unwrapped().head.classifier.weight.detach().clone()
-        on_eval = on_save = on_end = lambda *a: None
 
     t = Trainer(_model(), _data(), step=_nan_at(3), callbacks=[Watch()], steps=6, batch_size=4, lr=1e-3,
                 out_dir=str(tmp_path), progress=False).fit()

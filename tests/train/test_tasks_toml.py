@@ -14,7 +14,7 @@ from kiln.train.config import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.run import build_trainer
 
-from conftest import WORDS, tiny_config, write_jsonl
+from train_helpers import WORDS, tiny_config, write_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,7 @@
-"""Shared fixtures: a tiny BERT directory with a WordPiece tokenizer, JSONL data, run TOMLs."""
+"""Helpers for tests/train: a tiny BERT directory with a WordPiece tokenizer, JSONL data, run TOMLs.
+
+(A uniquely named module: several test folders have a conftest.py, so `from conftest import` is ambiguous.)
+"""
 
 from __future__ import annotations
 
@@ -8,8 +11,6 @@ import random
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 from kiln.hub import Tokenizer
 from kiln.models.auto import AutoConfig, from_config
@@ -81,19 +82,3 @@ def kiln(*args: str, env: dict | None = None, check: bool = True) -> subprocess.
     if check and proc.returncode != 0:
         raise AssertionError(f"kiln {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> Path:
-    return make_model_dir(tmp_path_factory.mktemp("tiny") / "bert")
-
-
-@pytest.fixture(scope="session")
-def tiny_dir_nodrop(tmp_path_factory) -> Path:
-    return make_model_dir(tmp_path_factory.mktemp("tiny0") / "bert", dropout=0.0)
-
-
-@pytest.fixture(scope="session")
-def data_files(tmp_path_factory) -> tuple[Path, Path]:
-    d = tmp_path_factory.mktemp("data")
-    return write_jsonl(d / "train.jsonl", make_rows(48, 1)), write_jsonl(d / "eval.jsonl", make_rows(18, 2))
