@@ -13,53 +13,10 @@ from kiln.interop.verify import HF_AUTO, verify_export
 from kiln.models import load_pretrained
 from kiln.models.auto import AutoConfig
 
-HEADS = ["base", "sequence-classification", "token-classification", "question-answering", "masked-lm"]
+from encoder_cases import HEADS, batches, run_both
+
 # The tiny default (2 groups x 2 inner layers over 3 steps) and the classic one-block-for-all-layers shape.
 CONFIGS = {"groups": {}, "one-block": {"num_hidden_groups": 1, "inner_group_num": 1, "num_hidden_layers": 4}}
-
-
-def batches(vocab: int, pad: int) -> list[dict]:
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(5, vocab, (4, 13), generator=g)
-    attn = torch.ones_like(ids)
-    for row, n in ((1, 9), (2, 4), (3, 1)):  # right padding of different lengths
-        attn[row, n:] = 0
-        ids[row, n:] = pad
-    types = torch.zeros_like(ids)
-    types[:, 6:] = 1
-    return [{"input_ids": ids[:1, :7]},
-            {"input_ids": ids, "attention_mask": attn},
-            {"input_ids": ids, "attention_mask": attn, "token_type_ids": types * attn}]
-
-
-def labels_for(task: str, batch: dict, num_labels: int, vocab: int) -> dict:
-    g = torch.Generator().manual_seed(2)
-    B, T = batch["input_ids"].shape
-    if task == "sequence-classification":
-        return {"labels": torch.randint(0, num_labels, (B,), generator=g)}
-    if task in ("token-classification", "masked-lm"):
-        labels = torch.randint(0, num_labels if task == "token-classification" else vocab, (B, T), generator=g)
-        labels[batch.get("attention_mask", torch.ones_like(labels)) == 0] = -100
-        return {"labels": labels}
-    if task == "question-answering":
-        return {"start_positions": torch.randint(0, T, (B,), generator=g),
-                "end_positions": torch.randint(0, T + 4, (B,), generator=g)}  # past the end: clamped, ignored
-    return {}
-
-
-def assert_same(ours, theirs) -> None:
-    compared = 0
-    for name in ("last_hidden_state", "pooler_output", "logits", "start_logits", "end_logits", "loss"):
-        b = getattr(theirs, name, None)
-        if b is None:
-            continue
-        a = getattr(ours, name)
-        assert a is not None, f"kiln returned no {name}"
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        # rtol = atol = 0: bit-identical (a loss over only ignored positions is NaN on both sides)
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{name}: {m}")
-        compared += 1
-    assert compared >= 1
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -69,11 +26,7 @@ def test_round_trip_bit_exact(task, config, tiny_factory, tmp_path):
     hf = getattr(transformers, HF_AUTO[task]).from_pretrained(src).eval()
     ours = load_pretrained(src)
     assert ours.family.model_type == "albert" and ours.task == task
-    c = hf.config
-    for batch in batches(c.vocab_size, c.pad_token_id):
-        for b in (batch, {**batch, **labels_for(task, batch, c.num_labels, c.vocab_size)}):
-            with torch.no_grad():
-                assert_same(ours(**b), hf(**b))
+    run_both(ours, hf, task, token_types=True)
     # kiln's export loads back into transformers with zero missing/unexpected keys and equal outputs
     out = ours.save_pretrained(tmp_path / "export")
     checks = verify_export(out, source=src)
@@ -86,7 +39,7 @@ def test_untied_decoder_keeps_its_own_bias(tiny_factory, tmp_path):
     ours = load_pretrained(src)
     assert ours.head.decoder is not None and ours.head.decoder.bias is not None
     hf = transformers.AlbertForMaskedLM.from_pretrained(src).eval()
-    batch = batches(hf.config.vocab_size, 0)[1]
+    batch = batches(hf.config.vocab_size, 0, True)[1]
     with torch.no_grad():
         assert torch.equal(ours(**batch).logits, hf(**batch).logits)
     checks = verify_export(ours.save_pretrained(tmp_path / "e"), source=src)

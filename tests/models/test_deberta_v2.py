@@ -14,7 +14,8 @@ from kiln.interop.verify import HF_AUTO, verify_export
 from kiln.models import load_pretrained
 from kiln.models.auto import AutoConfig
 
-HEADS = ["base", "sequence-classification", "token-classification", "question-answering", "masked-lm"]
+from encoder_cases import HEADS, batches, labels_for, run_both
+
 CONFIGS = {
     # the tiny default: v3 style (8 log buckets, share_att_key, p2c + c2p, LayerNorm'd table, no abs positions)
     "v3": {},
@@ -28,63 +29,6 @@ CONFIGS = {
 }
 
 
-def batches(vocab: int, pad: int, types: bool) -> list[dict]:
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(5, vocab, (4, 13), generator=g)
-    attn = torch.ones_like(ids)
-    for row, n in ((1, 9), (2, 4), (3, 1)):  # right padding of different lengths
-        attn[row, n:] = 0
-        ids[row, n:] = pad
-    long_ids = torch.randint(5, vocab, (2, 40), generator=g)  # distances past the buckets and the span
-    long_attn = torch.ones_like(long_ids)
-    long_attn[1, 25:] = 0
-    out = [{"input_ids": ids[:1, :7]}, {"input_ids": ids, "attention_mask": attn},
-           {"input_ids": long_ids, "attention_mask": long_attn}]
-    if types:
-        tt = torch.zeros_like(ids)
-        tt[:, 6:] = 1
-        out.append({"input_ids": ids, "attention_mask": attn, "token_type_ids": tt * attn})
-    return out
-
-
-def labels_for(task: str, batch: dict, num_labels: int, vocab: int) -> dict:
-    g = torch.Generator().manual_seed(2)
-    B, T = batch["input_ids"].shape
-    if task == "sequence-classification":
-        return {"labels": torch.randint(0, num_labels, (B,), generator=g)}
-    if task in ("token-classification", "masked-lm"):
-        labels = torch.randint(0, num_labels if task == "token-classification" else vocab, (B, T), generator=g)
-        labels[batch.get("attention_mask", torch.ones_like(labels)) == 0] = -100
-        return {"labels": labels}
-    if task == "question-answering":
-        return {"start_positions": torch.randint(0, T, (B,), generator=g),
-                "end_positions": torch.randint(0, T + 4, (B,), generator=g)}  # past the end: clamped, ignored
-    return {}
-
-
-def assert_same(ours, theirs) -> None:
-    compared = 0
-    for name in ("last_hidden_state", "logits", "start_logits", "end_logits", "loss"):
-        b = getattr(theirs, name, None)
-        if b is None:
-            continue
-        a = getattr(ours, name)
-        assert a is not None, f"kiln returned no {name}"
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        # rtol = atol = 0: bit-identical (a loss over only ignored positions is NaN on both sides)
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{name}: {m}")
-        compared += 1
-    assert compared >= 1
-
-
-def run_both(ours, hf, task: str) -> None:
-    c = hf.config
-    for batch in batches(c.vocab_size, c.pad_token_id, c.type_vocab_size > 0):
-        for b in (batch, {**batch, **labels_for(task, batch, c.num_labels, c.vocab_size)}):
-            with torch.no_grad():
-                assert_same(ours(**b), hf(**b))
-
-
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("task", HEADS)
 def test_round_trip_bit_exact(task, config, tiny_factory, tmp_path):
@@ -92,7 +36,7 @@ def test_round_trip_bit_exact(task, config, tiny_factory, tmp_path):
     hf = getattr(transformers, HF_AUTO[task]).from_pretrained(src).eval()
     ours = load_pretrained(src)
     assert ours.family.model_type == "deberta-v2" and ours.task == task
-    run_both(ours, hf, task)
+    run_both(ours, hf, task, token_types=hf.config.type_vocab_size > 0, long=True)
     # kiln's export loads back into transformers with zero missing/unexpected keys and equal outputs
     checks = verify_export(ours.save_pretrained(tmp_path / "export"), source=src)
     assert all(ch.ok for ch in checks), [ch.line() for ch in checks if not ch.ok]
@@ -105,7 +49,7 @@ def test_other_mlm_heads(overrides, tiny_factory, tmp_path):
     src = tiny_factory("deberta-v2", "masked-lm", **overrides)
     hf = transformers.DebertaV2ForMaskedLM.from_pretrained(src).eval()
     ours = load_pretrained(src)
-    run_both(ours, hf, "masked-lm")
+    run_both(ours, hf, "masked-lm", token_types=hf.config.type_vocab_size > 0, long=True)
     checks = verify_export(ours.save_pretrained(tmp_path / "export"), source=src)
     assert all(ch.ok for ch in checks), [ch.line() for ch in checks if not ch.ok]
 

@@ -9,55 +9,9 @@ import transformers
 from kiln.interop.verify import HF_AUTO
 from kiln.models import load_pretrained
 
+from encoder_cases import HEADS, run_both
+
 FAMILIES = ["bert", "roberta", "xlm-roberta", "distilbert"]
-HEADS = ["base", "sequence-classification", "token-classification", "question-answering", "masked-lm"]
-
-
-def _inputs(model_type: str, vocab: int, pad: int) -> list[dict]:
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(5, vocab, (4, 13), generator=g)
-    attn = torch.ones_like(ids)
-    for row, n in ((1, 9), (2, 4), (3, 1)):  # right padding of different lengths
-        attn[row, n:] = 0
-        ids[row, n:] = pad
-    batches = [{"input_ids": ids[:1, :7]}, {"input_ids": ids, "attention_mask": attn}]
-    if model_type == "bert":
-        types = torch.zeros_like(ids)
-        types[:, 6:] = 1
-        batches.append({"input_ids": ids, "attention_mask": attn, "token_type_ids": types * attn})
-    return batches
-
-
-def _with_labels(task: str, batch: dict, num_labels: int, vocab: int) -> dict:
-    g = torch.Generator().manual_seed(2)
-    B, T = batch["input_ids"].shape
-    out = dict(batch)
-    if task == "sequence-classification":
-        out["labels"] = torch.randint(0, num_labels, (B,), generator=g)
-    elif task in ("token-classification", "masked-lm"):
-        labels = torch.randint(0, num_labels if task == "token-classification" else vocab, (B, T), generator=g)
-        labels[batch.get("attention_mask", torch.ones_like(labels)) == 0] = -100
-        out["labels"] = labels
-    elif task == "question-answering":
-        out["start_positions"] = torch.randint(0, T, (B,), generator=g)
-        out["end_positions"] = torch.randint(0, T + 4, (B,), generator=g)  # past the end: clamped and ignored
-    return out
-
-
-def _assert_same(ours, theirs, names=("last_hidden_state", "pooler_output", "logits", "start_logits",
-                                      "end_logits", "loss")) -> int:
-    compared = 0
-    for name in names:
-        b = getattr(theirs, name, None)
-        if b is None:
-            continue
-        a = getattr(ours, name)
-        assert a is not None, f"kiln returned no {name}"
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        # rtol = atol = 0: bit-identical (a loss over only ignored positions is NaN on both sides)
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{name}: {m}")
-        compared += 1
-    return compared
 
 
 @pytest.mark.parametrize("task", HEADS)
@@ -68,28 +22,16 @@ def test_round_trip_bit_exact(model_type, task, tiny_factory, tmp_path):
     hf = auto.from_pretrained(src).eval()
     ours = load_pretrained(src)
     assert ours.task == task and ours.family.model_type == model_type
-    vocab = hf.config.vocab_size
-    num_labels = getattr(hf.config, "num_labels", 2)
-    pad = hf.config.pad_token_id
+    token_types = model_type == "bert"  # the families with more than one token type in their tiny config
 
-    def run_all(kiln_model, hf_model):
-        for batch in _inputs(model_type, vocab, pad):
-            for b in (batch, _with_labels(task, batch, num_labels, vocab)):
-                with torch.no_grad():
-                    n = _assert_same(kiln_model(**b), hf_model(**b))
-                assert n >= 1
-                if len(b) > len(batch) and task != "base":
-                    with torch.no_grad():
-                        assert kiln_model(**b).loss is not None
-
-    run_all(ours, hf)  # HF -> kiln
+    run_both(ours, hf, task, token_types)  # HF -> kiln
 
     out = tmp_path / "export"
     ours.save_pretrained(out)
     back, info = auto.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert type(back).__name__ == type(hf).__name__
-    run_all(ours, back.eval())  # kiln -> HF
+    run_both(ours, back.eval(), task, token_types)  # kiln -> HF
 
 
 def test_backbone_loads_from_task_checkpoint_and_head_is_initialised(tiny_factory):
