@@ -12,14 +12,56 @@ import typer
 from kiln.errors import KilnError
 
 
+# Named shortcuts for `--set KEY=VALUE`: flag parameter -> the run-config key it sets. Their values go
+# through the same TOML-value reading and pydantic model as --set, so errors read as for the TOML key.
+SHORTCUTS = {"d_model": "model.config.hidden_size", "d_state": "model.config.state_size",
+             "d_conv": "model.config.conv_kernel", "expand": "model.config.expand",
+             "layers": "model.config.num_hidden_layers", "placement": "grow.placement",
+             "target_layers": "grow.target_layers", "grow_at": "grow.at_step", "freeze": "grow.freeze",
+             "freeze_after": "grow.freeze_after", "scale": "hpn.scale", "prototype_mode": "hpn.mode",
+             "proto_dim": "hpn.proto_dim", "objectives": "hpn.objectives"}
+
+
+def _opt(key: str, multiple: bool = False):
+    flag = "--" + next(k for k, v in SHORTCUTS.items() if v == key).replace("_", "-")
+    return typer.Option([] if multiple else None, flag, help=f"Sets {key}" + (" (repeat for several)" if multiple else
+                                                                              "") + "; same as --set " + key + "=...")
+
+
 def train(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."),
           resume: Optional[Path] = typer.Option(None, "--resume", help="A run directory to continue from its "
-                                                                        "newest complete checkpoint.")) -> None:
-    """Train as a run config says; with --resume, pick up exactly where RUN_DIR stopped."""
-    from kiln.train.config import load_run_config
+                                                                        "newest complete checkpoint."),
+          set_: list[str] = typer.Option([], "--set", help="Override a run-config key: section.key=value "
+                                                           "(a TOML value, or a plain string); repeatable."),
+          d_model: Optional[str] = _opt("model.config.hidden_size"),
+          d_state: Optional[str] = _opt("model.config.state_size"),
+          d_conv: Optional[str] = _opt("model.config.conv_kernel"),
+          expand: Optional[str] = _opt("model.config.expand"),
+          layers: Optional[str] = _opt("model.config.num_hidden_layers"),
+          placement: Optional[str] = _opt("grow.placement"),
+          target_layers: Optional[str] = _opt("grow.target_layers"),
+          grow_at: Optional[str] = _opt("grow.at_step"),
+          freeze: list[str] = _opt("grow.freeze", multiple=True),
+          freeze_after: list[str] = _opt("grow.freeze_after", multiple=True),
+          scale: Optional[str] = _opt("hpn.scale"),
+          prototype_mode: Optional[str] = _opt("hpn.mode"),
+          proto_dim: Optional[str] = _opt("hpn.proto_dim"),
+          objectives: Optional[str] = _opt("hpn.objectives")) -> None:
+    """Train as a run config says (with --set / named overrides on top); with --resume, pick up exactly
+    where RUN_DIR stopped."""
+    from kiln.train.config import load_run_config, parse_override
     from kiln.train.run import build_trainer
 
-    cfg = load_run_config(config)
+    named = locals()
+    overrides = [parse_override(arg) for arg in set_]
+    for name, key in SHORTCUTS.items():  # after --set: a named flag wins over a --set of the same key
+        value = named[name]
+        if isinstance(value, list):
+            if value:
+                overrides.append((key, list(value)))
+        elif value is not None:
+            overrides.append(parse_override(f"{key}={value}"))
+    cfg = load_run_config(config, overrides)
     _check_parallel(cfg.parallel)
     trainer = build_trainer(cfg, resume=resume).fit()
     if trainer.world.main:
@@ -34,19 +76,13 @@ def train(config: Path = typer.Option(..., "--config", "-c", help="The run TOML.
 
 
 def _check_parallel(parallel) -> None:
-    """Degrees against the world size torchrun gave us; plans the Trainer cannot run yet are refused, not ignored."""
+    """Degrees against the world size torchrun gave us, before any model or data work (the Trainer
+    applies the plans and refuses the combinations it cannot run)."""
     import os
 
     from kiln.dist.mesh import resolve_degrees
 
-    degrees = resolve_degrees(parallel, int(os.environ.get("WORLD_SIZE", "1")))
-    unwired = [k for k, on in (("tp", degrees.tp > 1), ("ep", degrees.ep > 1), ("fsdp", parallel.fsdp),
-                               ("cadence", parallel.cadence is not None),
-                               ("activation_checkpointing", parallel.activation_checkpointing != "none"),
-                               ("compile", parallel.compile)) if on]
-    if unwired:
-        raise KilnError(f"parallel.{', parallel.'.join(unwired)}: not run by `kiln train` yet (only plain data "
-                        f"parallelism is); apply them from Python with kiln.dist.parallelize(model, cfg.parallel)")
+    resolve_degrees(parallel, int(os.environ.get("WORLD_SIZE", "1")))
 
 
 _TORCHRUN_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint",

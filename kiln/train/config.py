@@ -11,9 +11,9 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from kiln.errors import ConfigError
 
@@ -187,6 +187,12 @@ class HpnSection(_Section):
     objectives: Literal["sum", "pcgrad", "gradnorm", "cagrad"] = "sum"
 
 
+# The shapes of grow.placement and the freeze policies; kiln.train.grow checks the indices against
+# the layer counts, which only the built model knows. Checked here so a typo fails before step 1.
+_PLACEMENT = re.compile(r"append|prepend|insert:\d+|specific:\d+(,\d+)*")
+_FREEZE = re.compile(r"embeddings|(first|last):\d+|layers:\d+(,\d+)*")
+
+
 class GrowSection(_Section):
     """Staged expansion (kiln.train.grow): grow after `at_step` optimizer steps."""
     at_step: int
@@ -194,6 +200,28 @@ class GrowSection(_Section):
     placement: str = "append"          # append, prepend, insert:N, specific:i,j,...
     freeze: list[str] = []             # from the start: first:N, last:N, layers:i,j, embeddings
     freeze_after: list[str] = []       # applied to the grown stack
+
+    @field_validator("placement")
+    @classmethod
+    def _placement(cls, value: str) -> str:
+        if not _PLACEMENT.fullmatch(value):
+            raise ValueError(f"{value!r} is not a placement: use append, prepend, insert:N or specific:i,j,...")
+        return value
+
+    @field_validator("freeze", "freeze_after")
+    @classmethod
+    def _freeze(cls, value: list[str]) -> list[str]:
+        bad = [v for v in value if not _FREEZE.fullmatch(v)]
+        if bad:
+            raise ValueError(f"{bad[0]!r} is not a freeze policy: use first:N, last:N, layers:i,j,... or embeddings")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> "GrowSection":
+        if self.at_step < 1 or self.target_layers < 1:
+            raise ValueError(f"grow.at_step and grow.target_layers must be >= 1, got {self.at_step} and "
+                             f"{self.target_layers}")
+        return self
 
 
 class RunConfig(_Section):
@@ -228,8 +256,35 @@ def _line_of(text: str, section: str | None, key: str) -> int | None:
     return None
 
 
-def parse_run_config(data: dict[str, Any], source: str = "run config", text: str = "") -> RunConfig:
-    """Validate a parsed run config; errors name `source`, the key and (given `text`) its line."""
+def parse_override(arg: str) -> tuple[str, Any]:
+    """`section.key=value` (a `--set` argument) -> (dotted key, value); the value is read as a TOML value
+    (64, 1e-3, true, ["first:1"]) and kept as a plain string when it is not one (insert:1, fixed)."""
+    key, eq, raw = arg.partition("=")
+    key = key.strip()
+    if not eq or not key or "." not in key:
+        raise ConfigError(f"--set {arg!r}: expected section.key=value, e.g. --set grow.placement=insert:1")
+    try:
+        return key, tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return key, raw
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -> None:
+    """Set each dotted key of `overrides` in the parsed TOML `data` (sections made as needed), before validation."""
+    for key, value in overrides:
+        *parents, leaf = key.split(".")
+        node = data
+        for depth, part in enumerate(parents):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {'.'.join(parents[:depth + 1])} is a value, not a section")
+        node[leaf] = value
+
+
+def parse_run_config(data: dict[str, Any], source: str = "run config", text: str = "",
+                     overridden: Sequence[str] = ()) -> RunConfig:
+    """Validate a parsed run config; errors name `source` (or the command line for `overridden` keys),
+    the key and (given `text`) its line."""
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
@@ -240,6 +295,8 @@ def parse_run_config(data: dict[str, Any], source: str = "run config", text: str
             section, leaf = (loc[0], loc[-1]) if len(loc) > 1 else (None, loc[0] if loc else "")
             line = _line_of(text, section, leaf) if text and leaf else None
             where = f"{source}:{line}" if line else source
+            if any(key == o or key.startswith(o + ".") or o.startswith(key + ".") for o in overridden):
+                where = "command line"  # the TOML line holds the value the flag replaced, not the bad one
             if err["type"] == "extra_forbidden":
                 problems.append(f"{where}: unknown key {key!r}")
             elif err["type"] == "missing":
@@ -250,9 +307,11 @@ def parse_run_config(data: dict[str, Any], source: str = "run config", text: str
         raise ConfigError("; ".join(problems)) from None
 
 
-def load_run_config(path: str | os.PathLike) -> RunConfig:
-    """Read and validate a run TOML; relative model/data paths resolve against the file's folder
-    (so a config travels with its data); out_dir stays relative to the working directory."""
+def load_run_config(path: str | os.PathLike, overrides: Sequence[tuple[str, Any]] = ()) -> RunConfig:
+    """Read and validate a run TOML, with `overrides` ((dotted key, value), e.g. from `kiln train --set`)
+    applied on top; relative model/data paths resolve against the file's folder (so a config travels
+    with its data), those given as overrides against the working directory; out_dir stays relative
+    to the working directory."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no such run config file")
@@ -261,11 +320,13 @@ def load_run_config(path: str | os.PathLike) -> RunConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML ({e})") from None
-    cfg = parse_run_config(data, str(path), text)
-    base = path.resolve().parent
+    apply_overrides(data, overrides)
+    overridden = [k for k, _ in overrides]
+    cfg = parse_run_config(data, str(path), text, overridden)
     for section, key in (("model", "path"), ("model", "tokenizer"), ("data", "train"), ("data", "eval")):
         obj = getattr(cfg, section)
         value = getattr(obj, key)
+        base = Path.cwd() if f"{section}.{key}" in overridden else path.resolve().parent
         if value is not None and not os.path.isabs(value):
             setattr(obj, key, str(base / value))
     return cfg

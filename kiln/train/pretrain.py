@@ -17,6 +17,7 @@ and in RUN_DIR/run_state.json; a resumed run reads exactly the windows an uninte
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,6 +30,7 @@ from kiln.data.stream import IGNORE, EpochStream, StreamLoader, Windows, data_lo
 from kiln.errors import ConfigError
 from kiln.train.config import RunConfig
 from kiln.train.distributed import all_reduce_sum
+from kiln.train.plans import data_shard
 from kiln.train.trainer import Trainer
 
 
@@ -47,19 +49,31 @@ def lm_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
 
 @torch.no_grad()
 def evaluate_windows(trainer: Trainer, windows: Windows, batch_size: int) -> dict[str, float]:
-    """Loss per target token over one pass of `windows` (all ranks together) and its perplexity."""
+    """Loss per target token over one pass of `windows` (all ranks together) and its perplexity.
+
+    A model wrapping an LM (`.inner`, e.g. PrototypeModel) is scored on its own logits (eval_loss) and on
+    the inner LM head's (eval_lm_loss), so both objectives of a multi-objective run have a held-out curve."""
     model, world = trainer.model, trainer.world
+    scored = {"eval_": model}
+    inner = getattr(trainer.unwrapped(), "inner", None)
+    if inner is not None:
+        scored["eval_lm_"] = inner
     model.eval()
-    sums = torch.zeros(2, dtype=torch.float64)
-    for batch in data_loader(EpochStream(windows, batch_size, world.rank, world.size)):
+    sums = torch.zeros(len(scored), 2, dtype=torch.float64)
+    # tp ranks of one group read the same windows; their duplicate sums leave the ratio unchanged
+    for batch in data_loader(EpochStream(windows, batch_size, trainer.data_rank, trainer.data_shards)):
         batch = {k: v.to(trainer.device) for k, v in batch.items()}
-        with trainer.autocast():
-            loss_sum, count = lm_step(model, batch)
-        sums += torch.tensor([float(loss_sum), float(count)], dtype=torch.float64)
+        for i, m in enumerate(scored.values()):
+            with trainer.autocast():
+                loss_sum, count = lm_step(m, batch)
+            sums[i] += torch.tensor([float(loss_sum), float(count)], dtype=torch.float64)
     model.train()
     sums = all_reduce_sum(sums.to(trainer.device), world).cpu()
-    loss = float(sums[0] / sums[1].clamp(min=1))
-    return {"eval_loss": loss, "eval_ppl": math.exp(loss) if loss < 700 else float("inf")}
+    out = {}
+    for (prefix, _), (total, count) in zip(scored.items(), sums.tolist()):
+        loss = total / max(count, 1.0)
+        out[f"{prefix}loss"], out[f"{prefix}ppl"] = loss, math.exp(loss) if loss < 700 else float("inf")
+    return out
 
 
 def _open(path: str, split: str, digest: str, source: str, vocab_size: int) -> ShardSet:
@@ -83,12 +97,18 @@ def build_pretrain_trainer(cfg: RunConfig, build_model: Callable[[], Any], resum
     if d.eval is not None and not is_shard_dir(d.eval):
         raise ConfigError(f"data.eval {d.eval} must be a token shard directory too (data.train is one)")
     model = build_model()
+    if cfg.grow is not None:  # placement against the built stack now, not at step grow.at_step
+        from kiln.train.grow import find_layers, new_layer_slots
+
+        new_layer_slots(cfg.grow.placement, len(find_layers(model)[1]), cfg.grow.target_layers)
     source = cfg.model.tokenizer or cfg.model.path
     digest = tokenizer_digest(model.tokenizer.backend.to_str())
     vocab = model.config.vocab_size
     train = Windows(_open(d.train, d.train_split, digest, source, vocab), d.max_length, seed=cfg.train.seed,
                     within_doc=d.within_doc)
-    loader = StreamLoader(train, cfg.train.batch_size, num_workers=d.num_workers, prefetch=d.prefetch)
+    rank, shards = data_shard(cfg.parallel, int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+    loader = StreamLoader(train, cfg.train.batch_size, rank=rank, world_size=shards, num_workers=d.num_workers,
+                          prefetch=d.prefetch)
     evaluate = None
     if d.eval is not None:
         held_out = Windows(_open(d.eval, d.eval_split, digest, source, vocab), d.max_length, shuffle=False,
@@ -101,7 +121,8 @@ def build_pretrain_trainer(cfg: RunConfig, build_model: Callable[[], Any], resum
     if cfg.hpn is not None:
         model, step = hpn_model(model, cfg), hpn_step
     return Trainer(model, loader, step=step, evaluate=evaluate, args=args, resume=resume,
-                   run_config=cfg.model_dump(mode="json"), data_fingerprint=fingerprint, **extra)
+                   run_config=cfg.model_dump(mode="json"), data_fingerprint=fingerprint, parallel=cfg.parallel,
+                   **extra)
 
 
 def hpn_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -16,7 +16,8 @@
 optimizer` (default AdamW, no decay on biases/norms); `data` a `kiln.data.Loader` or a sequence
 of examples (dicts of tensors, padded by `pad_collate`); `step` a function `(model, batch) ->
 loss` or `(loss_sum, count)` (default: the task model's own loss from `labels`). Settings are
-the fields of `TrainSection`, given as `args=` and/or keyword overrides.
+the fields of `TrainSection`, given as `args=` and/or keyword overrides; `parallel` a
+`ParallelSection` (the [parallel] table) whose plans are applied in setup (kiln.dist).
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ from kiln.data.loader import Loader
 from kiln.errors import ConfigError, KilnError
 from kiln.hub.config import write_json_atomic
 from kiln.train import checkpoint as ckpt
-from kiln.train.config import TrainSection
+from kiln.train import plans
+from kiln.train.config import ParallelSection, TrainSection
+from kiln.dist.grads import clip_grad_norm as dist_clip_grad_norm
 from kiln.train.distributed import World, all_reduce_sum, barrier, gather_objects, init_world
 from kiln.train.metrics import MetricsLog, ProgressBar
 from kiln.train.multiobjective import GradientCombiner
@@ -66,7 +69,7 @@ class Trainer:
                  evaluate: Callable[["Trainer"], dict[str, float]] | None = None,
                  callbacks: Sequence[Callback] = (), args: TrainSection | None = None,
                  resume: str | Path | None = None, run_config: dict | None = None,
-                 objectives: GradientCombiner | None = None,
+                 objectives: GradientCombiner | None = None, parallel: ParallelSection | None = None,
                  data_fingerprint: dict | None = None, **overrides: Any):
         try:
             self.args = TrainSection(**{**(args.model_dump() if args else {}), **overrides})
@@ -81,6 +84,8 @@ class Trainer:
         self.resume = Path(resume) if resume is not None else None
         self.run_config = run_config or {"train": self.args.model_dump(mode="json")}
         self.data_fingerprint = data_fingerprint or {}
+        self.parallel = parallel
+        self.plan: Any = None  # kiln.dist.Parallelized once the plans are applied
         self.out_dir = Path(self.args.out_dir)
         self.step, self.skipped, self.stopped_early = 0, 0, False
         self.best: dict[str, Any] | None = None   # {"value", "checkpoint", "step"}
@@ -93,16 +98,21 @@ class Trainer:
         a = self.args
         self.device = pick_device(a.device, int(os.environ.get("LOCAL_RANK", "0")))
         self.world: World = init_world(self.device)
+        if self.parallel is not None:
+            reshaping = [type(cb).__name__ for cb in self.callbacks if type(cb).on_setup is not Callback.on_setup]
+            plans.check_plan(self.parallel, a.precision, reshaping, self.world.size)
+        # tp ranks of one group hold slices of one replica: they read the same data (and draw the same dropout)
+        self.data_rank, self.data_shards = plans.data_shard(self.parallel, self.world.rank, self.world.size)
         torch.manual_seed(a.seed)  # same initial weights on every rank
         model = self._model_arg(self.device) if callable(self._model_arg) and not isinstance(
             self._model_arg, nn.Module) else self._model_arg
         self.model: nn.Module = model.to(self.device)
-        torch.manual_seed(a.seed + self.world.rank)  # dropout differs between ranks, as it would in one big batch
+        torch.manual_seed(a.seed + self.data_rank)  # dropout differs between replicas, as in one big batch
         if a.freeze:
             freeze(self.model, a.freeze)
         # A Loader, or anything with its protocol (kiln.data.stream.StreamLoader): used as given.
         self.loader = self.data if hasattr(self.data, "next_batch") else Loader(
-            self.data, a.batch_size, seed=a.seed, rank=self.world.rank, world_size=self.world.size,
+            self.data, a.batch_size, seed=a.seed, rank=self.data_rank, world_size=self.data_shards,
             pad_id=getattr(getattr(model, "config", None), "pad_token_id", 0) or 0)
         self.loader.check_size()
         if a.steps is not None:
@@ -117,7 +127,10 @@ class Trainer:
                             "precision": a.precision, "world_size": self.world.size}
         if start is not None:
             check_fingerprint(start, resumed["fingerprint"], self.fingerprint)
-        if start is not None:
+        if self.parallel is not None:  # the model's final shape is known: shard it before the optimizer sees it
+            self.plan = plans.apply_plans(self.model, self.parallel, self.world.size, self.device)
+        self.sharded = plans.is_sharded_run(self.plan)
+        if start is not None and not self.sharded:
             ckpt.load_model_weights(start, self.model)
         groups = param_groups(self.model, a.weight_decay)
         self.optimizer = (self.optimizer_factory or (lambda g: adamw(g, a.lr, a.betas, a.eps)))(groups)
@@ -128,7 +141,7 @@ class Trainer:
         self.metrics = MetricsLog(self.out_dir, enabled=self.world.main, tensorboard=a.tensorboard)
         if start is not None:
             self._restore(start)
-        if self.world.active:
+        if self.world.active and (self.plan is None or self.plan.wrap_ddp):
             self.model = DistributedDataParallel(self.model, device_ids=[self.device.index]
                                                  if self.device.type == "cuda" else None)
         self.model.train()
@@ -151,7 +164,10 @@ class Trainer:
 
     def _restore(self, path: Path) -> None:
         state = ckpt.read_trainer_state(path)
-        self.optimizer.load_state_dict(ckpt.load_optimizer_state(path))
+        if self.sharded or plans.is_sharded(path):  # the weights too: each rank reads its own shards
+            plans.load_sharded_checkpoint(path, self.model, self.optimizer, self.sharded)
+        else:
+            self.optimizer.load_state_dict(ckpt.load_optimizer_state(path))
         self.step, self.skipped = state["step"], state["skipped"]
         if state.get("objectives"):
             self.objectives.load_state_dict(state["objectives"])
@@ -205,33 +221,49 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         count = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = 0
+        objectives: dict[str, float] = {}  # per-objective loss summed over micro-batches, for the record
         for micro in range(a.grad_accum):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in self.loader.next_batch().items()}
             tokens += int(batch["attention_mask"].sum()) if "attention_mask" in batch else \
                 batch["input_ids"].numel() if "input_ids" in batch else 0  # packed rows: no padding
-            # Only the last micro-batch all-reduces gradients; the others accumulate locally.
+            # Only the last micro-batch reduces gradients (DDP, FSDP); the others accumulate locally.
             sync = micro == a.grad_accum - 1 or not self.world.active
-            with (contextlib.nullcontext() if sync else model.no_sync()), self.autocast():
+            if self.plan is not None and self.plan.fsdp:
+                model.set_requires_gradient_sync(sync)
+            no_sync = not sync and isinstance(model, DistributedDataParallel)
+            with (model.no_sync() if no_sync else contextlib.nullcontext()), self.autocast():
                 result = self.step_fn(model, batch)
             if isinstance(result, dict):  # several objectives: combine their gradients (one unit per micro-batch)
                 if self.scaler is not None or self.world.active:
                     raise KilnError("a step returning several losses supports neither fp16 nor several processes yet")
                 part = self.objectives.backward(result, list(model.parameters()), self.step)
+                for name, value in result.items():
+                    objectives[name] = objectives.get(name, 0.0) + float(value.detach())
                 n = torch.ones((), dtype=torch.float64)
             else:
                 part, n = as_sum_and_count(result, batch)
                 (self.scaler.scale(part) if self.scaler else part).backward()
             loss_sum += part.detach().to(torch.float64)
             count += n.to(self.device)
+        if self.plan is not None:
+            self.plan.sync_gradients()  # tp with dp > 1, and ep: neither DDP nor FSDP averages these
+        # tp ranks add identical copies of their group's sums: loss_sum / count is unchanged by them.
         totals = all_reduce_sum(torch.stack([loss_sum, count]), self.world)
         loss = float(totals[0] / totals[1])
-        # DDP averaged the gradients over ranks; turn that into the sum over every unit, then the mean.
+        # Gradients now hold the mean over the data shards of each shard's summed-unit gradient; turn that
+        # into the mean over every unit. totals[1] counts every unit tp times, and world = shards * tp.
         params = [p for p in model.parameters() if p.grad is not None]
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        torch._foreach_mul_([p.grad for p in params], self.world.size / float(totals[1]))
+        scale = self.world.size / float(totals[1])
+        if self.sharded:
+            for p in params:  # DTensor gradients: foreach ops would need one mesh for all of them
+                p.grad.mul_(scale)
+        else:
+            torch._foreach_mul_([p.grad for p in params], scale)
         clip = a.clip_grad_norm if a.clip_grad_norm else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        grad_norm = float(dist_clip_grad_norm(params, clip) if self.sharded
+                          else torch.nn.utils.clip_grad_norm_(params, clip))
         lr = set_lr(self.optimizer, self.base_lrs, lr_factor(self.step, self.total_steps, a.warmup_steps,
                                                              a.schedule, a.min_lr_ratio))
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
@@ -247,10 +279,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         dt = time.perf_counter() - t0
-        samples = a.batch_size * a.grad_accum * self.world.size
+        samples = a.batch_size * a.grad_accum * self.data_shards  # tp ranks of a group read the same batch
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "epoch": self.loader.epoch,
-                "samples_per_s": samples / dt, "tokens_per_s": tokens * self.world.size / dt,
-                "skipped": self.skipped}
+                "samples_per_s": samples / dt, "tokens_per_s": tokens * self.data_shards / dt,
+                "skipped": self.skipped, **{f"loss_{k}": v / a.grad_accum for k, v in sorted(objectives.items())}}
 
     def _non_finite(self, loss: float, grad_norm: float) -> None:
         what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}"
@@ -273,7 +305,7 @@ class Trainer:
                              shuffle=False, collate=self.loader.collate) if not isinstance(self.eval_data, Loader) \
             else self.eval_data
         # Every rank evaluates its share; default_evaluate sums the counts over ranks.
-        eval_loader.rank, eval_loader.world_size = self.world.rank, self.world.size
+        eval_loader.rank, eval_loader.world_size = self.data_rank, self.data_shards
         return default_evaluate(self.model, eval_loader, self.device, self.world, self.autocast)
 
     def _evaluate(self) -> bool:
@@ -309,6 +341,7 @@ class Trainer:
         """Checkpoint now (rank 0 writes; every rank contributes its RNG state and waits)."""
         rngs = gather_objects(ckpt.rng_state(), self.world)
         path = self.out_dir / ckpt.ckpt_name(self.step)
+        state: dict[str, Any] | None = None
         if self.world.main:
             self.metrics.sync()
             state = {"step": self.step, "skipped": self.skipped, "best": self.best,
@@ -316,7 +349,11 @@ class Trainer:
                      "epoch": self.loader.epoch, "fingerprint": self.fingerprint, "run_config": self.run_config,
                      "scaler": self.scaler.state_dict() if self.scaler else None, "eval": self.last_eval,
                      "objectives": self.objectives.state_dict()}
-            path = ckpt.save_checkpoint(self.out_dir, self.step, self.unwrapped(), self.optimizer, state, rngs)
+        if self.sharded:  # every rank writes its own shards
+            path = plans.save_sharded_checkpoint(self.out_dir, self.step, self.model, self.optimizer, state, rngs)
+        if self.world.main:
+            if not self.sharded:
+                path = ckpt.save_checkpoint(self.out_dir, self.step, self.unwrapped(), self.optimizer, state, rngs)
             # Where the run stands, readable without opening a checkpoint (the data cursor included).
             write_json_atomic(self.out_dir / "run_state.json", {"step": self.step, "checkpoint": path.name,
                                                                  "epoch": self.loader.epoch, "data": state["data"]})
