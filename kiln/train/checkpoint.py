@@ -120,7 +120,6 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
                     trainer_state: dict[str, Any], rng_states: list[dict[str, Any]]) -> Path:
     """Write RUN_DIR/ckpt-<step> atomically (temp dir, fsync, rename) and return its path."""
     run_dir = Path(run_dir)
-    final = run_dir / ckpt_name(step)
     tmp = run_dir / f".{ckpt_name(step)}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -135,6 +134,13 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
     save_file(tensors, str(tmp / "optimizer.safetensors"))
     _write_json(tmp / "optimizer.json", meta)
     fault_point("ckpt", step)  # crash-safety tests kill here: weights on disk, no manifest yet
+    return seal_checkpoint(run_dir, tmp, step, trainer_state, rng_states)
+
+
+def seal_checkpoint(run_dir: Path, tmp: Path, step: int, trainer_state: dict[str, Any],
+                    rng_states: list[dict[str, Any]]) -> Path:
+    """Finish a checkpoint whose weights are in `tmp`: trainer and RNG state, fsync, manifest last, rename."""
+    final = run_dir / ckpt_name(step)
     _write_json(tmp / "trainer.json", {"format": FORMAT, **trainer_state})
     _write_json(tmp / "rng.json", rng_states)
     files = {}
@@ -143,7 +149,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
         files[str(path.relative_to(tmp))] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
     _write_json(tmp / "manifest.json", {"format": FORMAT, "step": step, "files": files})
     _fsync_file(tmp / "manifest.json")
-    for d in [tmp / "model", tmp]:
+    for d in [*(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
         _fsync_dir(d)
     if final.exists():  # a save at a step already saved (e.g. resumed, then saved again) replaces it
         shutil.rmtree(final)

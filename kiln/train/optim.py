@@ -13,6 +13,7 @@ from typing import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from kiln.errors import ConfigError
 
@@ -36,6 +37,9 @@ def adamw(groups: list[dict], lr: float, betas: tuple[float, float] = (0.9, 0.99
     fused = len(devices) == 1 and next(iter(devices)) in ("cuda", "cpu", "mps") and \
         all(p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params)
     kwargs = {"fused": True} if fused else {"foreach": True}
+    kinds = {isinstance(p, DTensor) for p in params}
+    if len(kinds) > 1:  # expert parallel: DTensor experts beside plain weights cannot share one multi-tensor kernel
+        kwargs = {"foreach": False}
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **kwargs)
 
 

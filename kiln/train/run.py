@@ -97,4 +97,4 @@ def build_trainer(cfg: RunConfig, resume: str | Path | None = None) -> Trainer:
     if resume is not None:
         args = args.model_copy(update={"out_dir": str(resume)})
     return Trainer(model, train, eval_data=evals, args=args, resume=resume,
-                   run_config=cfg.model_dump(mode="json"), data_fingerprint=fingerprint)
+                   run_config=cfg.model_dump(mode="json"), data_fingerprint=fingerprint, parallel=cfg.parallel)

@@ -1,0 +1,98 @@
+"""The Trainer's side of the [parallel] table: which rank reads which data, applying the plans, sharded saves.
+
+`kiln.dist` holds the plans themselves (FSDP2, tensor and expert parallel, activation checkpointing,
+compile); this module is the little the Trainer needs around them:
+
+- data shards come from the mesh: dp x ep ranks read different batches, the tp ranks of one group
+  read the same one (they hold slices of one model replica);
+- runs whose weights are DTensors (fsdp, tp or ep on several processes) save sharded DCP
+  checkpoints, sealed like every other checkpoint: written to `.ckpt-N.tmp`, a manifest of
+  checksums last, then renamed, so resume skips a half-written one by name;
+- combinations the Trainer cannot run are refused here, naming the keys.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kiln.dist.apply import Parallelized, parallelize
+from kiln.dist.checkpoint import is_sharded, load_sharded, save_sharded
+from kiln.dist.mesh import resolve_degrees
+from kiln.errors import ConfigError, KilnError
+from kiln.train import checkpoint as ckpt
+from kiln.train.config import ParallelSection
+
+
+def data_shard(parallel: ParallelSection | None, rank: int, world_size: int) -> tuple[int, int]:
+    """(this rank's data shard, number of shards). The mesh is ("dp", "ep", "tp") laid out row-major
+    over the ranks, so the tp ranks of one group are neighbours and share rank // tp."""
+    if parallel is None:
+        return rank, world_size
+    degrees = resolve_degrees(parallel, world_size)
+    return rank // degrees.tp, degrees.batch
+
+
+def check_plan(parallel: ParallelSection, precision: str, reshaping: list[str], world_size: int) -> None:
+    """Refuse what the Trainer cannot run with these plans (before any model work); `reshaping` names the
+    callbacks that may change the model's shape in `on_setup` (layer growth)."""
+    if parallel.cadence is not None:
+        raise ConfigError("parallel.cadence: the adaptive cadence runs its own loop (each rank a different number "
+                          "of batches between syncs), which `kiln train` does not run; call "
+                          "kiln.dist.cadence.train_adaptive from Python, or remove [parallel.cadence]")
+    degrees = resolve_degrees(parallel, world_size)
+    sharded = world_size > 1 and (parallel.fsdp or degrees.tp > 1 or degrees.ep > 1)
+    if sharded and precision == "fp16":
+        raise ConfigError("train.precision = 'fp16' with parallel.fsdp / tp / ep is not supported (the loss "
+                          "scaler does not handle sharded gradients); use 'bf16'")
+    if reshaping and (sharded or parallel.compile or parallel.activation_checkpointing != "none"):
+        raise ConfigError(f"{', '.join(reshaping)} reshapes the model during the run, which the [parallel] plans "
+                          f"(fsdp, tp, ep, activation_checkpointing, compile) cannot follow; remove [grow] or them")
+
+
+def apply_plans(model: nn.Module, parallel: ParallelSection, world_size: int, device: torch.device) -> Parallelized:
+    """Parallelize `model` in place; its data rank must be the one `data_shard` promised the loader."""
+    par = parallelize(model, parallel, world_size=world_size, device=device)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    assert (par.data_rank, par.data_shards) == data_shard(parallel, rank, world_size), "mesh layout changed"
+    return par
+
+
+def is_sharded_run(par: Parallelized | None) -> bool:
+    """Weights are DTensors (a mesh was built): checkpoints go through DCP, each rank its own shards."""
+    return par is not None and par.mesh is not None
+
+
+def save_sharded_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                            trainer_state: dict[str, Any] | None, rng_states: list[dict[str, Any]]) -> Path:
+    """Every rank writes its shards into RUN_DIR/.ckpt-N.tmp; rank 0 seals it (manifest) and renames it.
+
+    `trainer_state` is rank 0's (None elsewhere). Collective: every rank must call it.
+    """
+    final, tmp = run_dir / ckpt.ckpt_name(step), run_dir / f".{ckpt.ckpt_name(step)}.tmp"
+    main = trainer_state is not None
+    if main and tmp.exists():
+        shutil.rmtree(tmp)  # left by a run killed while saving this very step
+    if dist.is_initialized():
+        dist.barrier()  # nobody writes shards into the directory rank 0 is clearing
+    save_sharded(tmp, model, optimizer)  # ends in a barrier: every rank's shards are down
+    if main:
+        ckpt.fault_point("ckpt", step)  # crash-safety tests kill here: shards on disk, no manifest yet
+        ckpt.seal_checkpoint(run_dir, tmp, step, trainer_state, rng_states)
+    if dist.is_initialized():
+        dist.barrier()
+    return final
+
+
+def load_sharded_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool) -> None:
+    """Model and optimizer state of a checkpoint into a live (possibly parallelized) model, each rank its shards."""
+    if is_sharded(path) != sharded:
+        have, want = ("sharded (DCP)", "plain") if is_sharded(path) else ("plain", "sharded (DCP)")
+        raise KilnError(f"{path} is a {have} checkpoint but this run's [parallel] plan keeps {want} ones; resume "
+                        f"with the parallel.fsdp / tp / ep of the run that wrote it")
+    load_sharded(path, model, optimizer)
