@@ -31,7 +31,8 @@ def kiln(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "kiln.cli.main", *args], cwd=HERE, check=True)
 
 
-def main() -> None:
+def make_data() -> None:
+    """data/tokenizer and data/shards (examples/mamba_hpn trains on them too)."""
     data = HERE / "data"
     data.mkdir(exist_ok=True)
     # `kiln tokenizer train` reads .txt line by line as UTF-8; one article of the 2,225 is not valid
@@ -43,6 +44,10 @@ def main() -> None:
     kiln("tokenize", str(BBC), "--tokenizer", "data/tokenizer", "--out", "data/shards", "--eos", "<|endoftext|>",
          "--val-fraction", "0.02", "--shard-tokens", "131072", "--workers", "2", "--encoding-errors", "replace",
          "--overwrite", "--no-progress")
+
+
+def main() -> None:
+    make_data()
     shutil.rmtree(HERE / "runs" / "pretrain", ignore_errors=True)
     kiln("train", "--config", "pretrain.toml")
     kiln("plot", "runs/pretrain")
