@@ -98,7 +98,8 @@ def _same_as_one_process(run: Path, ref: Path, tmp: Path) -> None:
 
 
 @pytest.mark.parametrize("name,family,batch_size,parallel", [
-    ("tp", "qwen3", GLOBAL_BATCH, {"tp": 2}),          # tp ranks read the same rows
+    # tp ranks read the same rows; blocks recomputed in the backward (activation checkpointing via kiln train)
+    ("tp", "qwen3", GLOBAL_BATCH, {"tp": 2, "activation_checkpointing": "block"}),
     ("ep", "qwen3_moe", GLOBAL_BATCH // 2, {"ep": 2}),  # ep ranks split the batch
 ], ids=["tp2", "ep2"])
 def test_kiln_train_plan_equals_one_process(setup, references, tmp_path, name, family, batch_size, parallel):
@@ -131,3 +132,17 @@ def test_fsdp_killed_and_resumed_equals_uninterrupted_and_one_process(setup, ref
     checks = verify_export(out)
     assert checks and all(c.ok for c in checks), [c.line() for c in checks if not c.ok]
     assert all(torch.equal(load_weights(out)[k], v) for k, v in b.items())
+
+
+def test_combinations_the_trainer_cannot_run_are_refused_by_key():
+    from kiln.errors import ConfigError
+    from kiln.train.config import ParallelSection
+    from kiln.train.plans import check_plan
+
+    with pytest.raises(ConfigError, match=r"parallel.cadence: .*train_adaptive"):
+        check_plan(ParallelSection(cadence={}), "fp32", [], 2)
+    with pytest.raises(ConfigError, match=r"train.precision = 'fp16' with parallel.fsdp"):
+        check_plan(ParallelSection(fsdp=True), "fp16", [], 2)
+    with pytest.raises(ConfigError, match=r"GrowthCallback reshapes the model"):
+        check_plan(ParallelSection(activation_checkpointing="block"), "fp32", ["GrowthCallback"], 1)
+    check_plan(ParallelSection(fsdp=True), "bf16", [], 2)  # what is supported passes
