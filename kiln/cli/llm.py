@@ -34,14 +34,10 @@ def generate(model_dir: Path = typer.Argument(..., help="An HF causal-LM directo
              top_k: int = typer.Option(0, "--top-k"), top_p: float = typer.Option(1.0, "--top-p"),
              seed: Optional[int] = typer.Option(None, "--seed")) -> None:
     """Continue PROMPT with the model (KV cache; greedy unless --temperature > 0); stops at EOS."""
-    import torch
+    from kiln.pipelines import generate as run
 
-    model = _load(model_dir)
-    ids = torch.tensor([model.tokenizer.backend.encode(prompt, add_special_tokens=False).ids])
-    if ids.numel() == 0:
-        raise KilnError("the prompt is empty after tokenization")
-    new = model.generate(ids, max_new_tokens=max_new_tokens, **_sampling(temperature, top_k, top_p, seed))[0, ids.size(1):]
-    out.print(prompt + model.tokenizer.decode(new.tolist()), highlight=False)
+    text = run(_load(model_dir), prompt, max_new_tokens, temperature, top_k, top_p, seed)
+    out.print(prompt + text, highlight=False)
 
 
 def chat(model_dir: Path = typer.Argument(..., help="An HF causal-LM directory with a chat template."),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.console import Console
@@ -124,12 +124,24 @@ def fill_mask(model_dir: Path = typer.Argument(..., help="An HF masked-LM direct
               text: str = typer.Argument(..., help="Text with the model's mask token, e.g. [MASK] or <mask>."),
               k: int = typer.Option(5, "-k", "--top-k", help="How many candidates.")) -> None:
     """Top-k tokens for the mask, with probabilities, like transformers' fill-mask pipeline."""
-    from kiln.models import AutoModelForMaskedLM
+    from kiln.pipelines import fill_mask as run
 
-    model = AutoModelForMaskedLM.from_pretrained(model_dir)
     table = Table("position", "token", "score", "sequence")
-    for r in model.fill_mask(text, k=k):
+    for r in run(model_dir, text, k=k):
         table.add_row(str(r["position"]), r["token"], f"{r['score']:.4f}", r["sequence"])
+    out.print(table)
+
+
+def classify(model_dir: Path = typer.Argument(..., help="An HF sequence-classification directory."),
+             texts: List[str] = typer.Argument(..., help="One or more texts."),
+             top: int = typer.Option(3, "--top", help="How many labels to show per text.")) -> None:
+    """Label each text with the model's classes and their probabilities."""
+    from kiln.pipelines import classify as run
+
+    table = Table("text", "label", "score")
+    for text, scores in zip(texts, run(model_dir, list(texts))):
+        for i, s in enumerate(scores[:top]):
+            table.add_row(text[:60] if i == 0 else "", s["label"], f"{s['score']:.4f}")
     out.print(table)
 
 
@@ -139,3 +151,4 @@ def register(app: typer.Typer) -> None:
     app.command("verify-export")(verify_export_cmd)
     app.command("verify-matrix")(verify_matrix)
     app.command("fill-mask")(fill_mask)
+    app.command("classify")(classify)

@@ -1,0 +1,61 @@
+"""One-call tasks over a model directory or a loaded kiln model: fill_mask, classify, embed, generate.
+
+Each takes either a path (loaded with the right Auto class) or a model already in memory, and
+returns plain Python values, like transformers' pipelines.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from kiln.errors import KilnError
+from kiln.models import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification
+
+Source = str | os.PathLike | torch.nn.Module
+
+
+def _model(src: Source, auto) -> torch.nn.Module:
+    model = src if isinstance(src, torch.nn.Module) else auto.from_pretrained(src)
+    if getattr(model, "tokenizer", None) is None:
+        raise KilnError("this model has no tokenizer (no tokenizer.json or vocab.txt in its directory)")
+    return model.eval()
+
+
+def fill_mask(src: Source, text: str, k: int = 5) -> list[dict]:
+    """Top-k fillers for each mask token: [{position, token, token_id, score, sequence}]."""
+    return _model(src, AutoModelForMaskedLM).fill_mask(text, k=k)
+
+
+def classify(src: Source, texts: list[str] | str, max_length: int = 512) -> list[list[dict]]:
+    """Per text, every label with its score, best first (softmax; sigmoid for multi-label; raw for regression)."""
+    model = _model(src, AutoModelForSequenceClassification)
+    texts = [texts] if isinstance(texts, str) else texts
+    batch = model.tokenizer.encode(texts, max_length=max_length)
+    with torch.no_grad():
+        logits = model(**batch).logits.float()
+    kind = model.config.problem_type or ("regression" if model.config.num_labels == 1 else "single_label_classification")
+    scores = {"regression": logits, "multi_label_classification": logits.sigmoid()}.get(kind, logits.softmax(-1))
+    labels = model.config.labels
+    return [sorted(({"label": labels[j], "score": float(row[j])} for j in range(len(labels))),
+                   key=lambda d: -d["score"]) for row in scores]
+
+
+def embed(src: Source, texts: list[str], normalize: bool = True) -> torch.Tensor:
+    """Mean-pooled (and L2-normalised) sentence embeddings, (N, hidden)."""
+    return _model(src, AutoModel).embed(texts, normalize=normalize)
+
+
+def generate(src: Source, prompt: str, max_new_tokens: int = 40, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int | None = None, **kwargs: Any) -> str:
+    """The continuation of `prompt` (greedy when temperature is 0), stopping at EOS."""
+    model = _model(src, AutoModelForCausalLM)
+    ids = torch.tensor([model.tokenizer.backend.encode(prompt, add_special_tokens=False).ids])
+    if ids.numel() == 0:
+        raise KilnError("the prompt is empty after tokenization")
+    sampling = dict(do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0,
+                    top_k=top_k, top_p=top_p, seed=seed)
+    out = model.generate(ids, max_new_tokens=max_new_tokens, **sampling, **kwargs)
+    return model.tokenizer.decode(out[0, ids.size(1):].tolist())
