@@ -2,7 +2,7 @@
 
 from kiln.data.encode import Fields, collect_labels, encode_records
 from kiln.data.loader import Loader, pad_collate
-from kiln.data.records import Record, file_digest, read_records
+from kiln.data.records import Record, read_records
 
-__all__ = ["Fields", "collect_labels", "encode_records", "Loader", "pad_collate", "Record", "file_digest",
+__all__ = ["Fields", "collect_labels", "encode_records", "Loader", "pad_collate", "Record",
            "read_records"]

@@ -7,7 +7,6 @@ can open the file at the spot.
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -73,11 +72,3 @@ def read_records(path: str | os.PathLike, fmt: str = "auto") -> list[Record]:
         raise KilnError(f"{path}: no rows")
     return records
 
-
-def file_digest(path: str | os.PathLike) -> str:
-    """sha256 of a file, to notice a changed data source on resume."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import KilnError
+from kiln.hub.files import file_sha256, fsync_dir
 
 FORMAT = "kiln-token-shards"
 VERSION = 1
@@ -52,22 +53,6 @@ def tokenizer_digest(tokenizer_json: str) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_shard(path: Path, tokens: np.ndarray) -> dict[str, Any]:
     """Write one .npy shard atomically (temp, fsync, rename); its manifest entry."""
     tmp = path.with_name(path.name + ".tmp")
@@ -89,7 +74,7 @@ def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> Path:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(out_dir)
+    fsync_dir(out_dir)
     return path
 
 

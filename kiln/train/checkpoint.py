@@ -13,7 +13,6 @@ manifest is partial or corrupt and is skipped (by name) on resume. Nothing here 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -30,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from kiln.errors import KilnError
 from kiln.hub import load_weights
 from kiln.hub.config import write_json_atomic
+from kiln.hub.files import file_sha256, fsync_dir, fsync_file
 
 CKPT_RE = re.compile(r"^ckpt-(\d{6,})$")
 FORMAT = 1
@@ -47,27 +47,6 @@ def fault_point(kind: str, step: int) -> None:
 
 
 # ---- files ----------------------------------------------------------------------------------
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 
@@ -145,16 +124,16 @@ def seal_checkpoint(run_dir: Path, tmp: Path, step: int, trainer_state: dict[str
     _write_json(tmp / "rng.json", rng_states)
     files = {}
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-        _fsync_file(path)
-        files[str(path.relative_to(tmp))] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
+        fsync_file(path)
+        files[str(path.relative_to(tmp))] = {"sha256": file_sha256(path), "bytes": path.stat().st_size}
     _write_json(tmp / "manifest.json", {"format": FORMAT, "step": step, "files": files})
-    _fsync_file(tmp / "manifest.json")
+    fsync_file(tmp / "manifest.json")
     for d in [*(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
-        _fsync_dir(d)
+        fsync_dir(d)
     if final.exists():  # a save at a step already saved (e.g. resumed, then saved again) replaces it
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(run_dir)
+    fsync_dir(run_dir)
     return final
 
 
@@ -173,7 +152,7 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
         f = path / rel
         if not f.is_file():
             return f"{rel} is missing"
-        if f.stat().st_size != info["bytes"] or _sha256(f) != info["sha256"]:
+        if f.stat().st_size != info["bytes"] or file_sha256(f) != info["sha256"]:
             return f"{rel} does not match its checksum"
     return None
 

@@ -25,9 +25,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kiln.data.shards import MANIFEST, ShardSet, check_tokenizer, file_sha256, tokenizer_digest
+from kiln.data.shards import MANIFEST, ShardSet, check_tokenizer, tokenizer_digest
 from kiln.data.stream import IGNORE, EpochStream, StreamLoader, Windows, data_loader
 from kiln.errors import ConfigError
+from kiln.hub.files import file_sha256
 from kiln.train.config import RunConfig
 from kiln.train.distributed import all_reduce_sum
 from kiln.train.plans import data_shard

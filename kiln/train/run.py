@@ -8,9 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kiln.data import Fields, collect_labels, encode_records, file_digest, read_records
+from kiln.data import Fields, collect_labels, encode_records, read_records
 from kiln.errors import ConfigError, KilnError
 from kiln.hub import Tokenizer
+from kiln.hub.files import file_sha256
 from kiln.models.auto import AutoConfig, from_config, load_config, load_pretrained
 from kiln.train.config import RunConfig
 from kiln.train.pretrain import build_pretrain_trainer, is_shard_dir
@@ -91,7 +92,7 @@ def build_trainer(cfg: RunConfig, resume: str | Path | None = None) -> Trainer:
         train = encode_records(train_records, cfg.model.task, model.tokenizer, labels, fields, d.max_length)
         evals = encode_records(eval_records, cfg.model.task, model.tokenizer, labels, fields, d.max_length) \
             if eval_records else None
-    fingerprint = {"train": str(d.train), "train_sha256": file_digest(d.train), "max_length": d.max_length,
+    fingerprint = {"train": str(d.train), "train_sha256": file_sha256(d.train), "max_length": d.max_length,
                    "labels": labels, **({"train_on": d.train_on, "pack": d.pack} if cfg.model.task == "causal-lm" else {})}
     args = cfg.train
     if resume is not None:
