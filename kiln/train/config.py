@@ -153,7 +153,7 @@ class ParallelSection(_Section):
     ep: int = 1          # expert parallel: MoE experts split over ep ranks (which also split the batch)
     fsdp: bool = False   # shard parameters, gradients and optimizer state over the dp ranks (FSDP2)
     offload: bool = False                # fsdp: keep sharded parameters and optimizer state in CPU memory
-    param_dtype: Literal["fp32", "bf16", "fp16"] | None = None   # fsdp compute dtype; None: train.precision
+    param_dtype: Literal["fp32", "bf16", "fp16"] | None = None   # fsdp compute dtype; None: the parameters' own (autocast still applies train.precision)
     reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"       # fsdp gradient reduction dtype
     sequence_parallel: bool = True       # tp: norms and residuals sharded along the sequence
     activation_checkpointing: Literal["none", "block", "selective"] = "none"
