@@ -15,26 +15,27 @@ import torch
 
 from kiln.errors import ConfigError
 from kiln.hub import Tokenizer, load_weights, read_config
-from kiln.models import bert, distilbert, roberta, xlm_roberta
-from kiln.models import mamba
-from kiln.models import albert, deberta_v2
-from kiln.models import llama, qwen2, qwen3, qwen3_moe
+from kiln.models import (albert, bert, deberta_v2, distilbert, llama, mamba, qwen2, qwen3, qwen3_moe, roberta,
+                         xlm_roberta)
 from kiln.models.common.lora import has_adapter, load_adapter
 from kiln.models.config import FamilyConfig
 from kiln.models.pretrained import Family, PreTrainedModel
 
 REGISTRY: dict[str, Family] = {
+    # encoders
     "bert": bert.FAMILY,
     "roberta": roberta.FAMILY,
     "xlm-roberta": xlm_roberta.FAMILY,
     "distilbert": distilbert.FAMILY,
-    "mamba": mamba.FAMILY,
+    "albert": albert.FAMILY,
+    "deberta-v2": deberta_v2.FAMILY,
+    # decoder LLMs
     "llama": llama.FAMILY,
     "qwen2": qwen2.FAMILY,
     "qwen3": qwen3.FAMILY,
     "qwen3_moe": qwen3_moe.FAMILY,
-    "albert": albert.FAMILY,
-    "deberta-v2": deberta_v2.FAMILY,
+    # state-space models
+    "mamba": mamba.FAMILY,
 }
 
 
