@@ -187,3 +187,17 @@ def test_verify_matrix_has_base_and_causal_lm_rows_for_decoders():
     for family in DECODERS:
         assert {(family, "base"), (family, "causal-lm")} <= cells
         assert (family, "masked-lm") not in cells  # rows carry only the heads a family has
+
+
+def test_trainer_step_adds_moe_aux_loss_as_transformers_does(tiny_factory):
+    from kiln.train.tasks import default_step
+
+    src = tiny_factory("qwen3_moe", "causal-lm")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, output_router_logits=True).eval()
+    ours = AutoModelForCausalLM.from_pretrained(src, output_router_logits=True)
+    batch = _batches()[1]
+    with torch.no_grad():
+        loss_sum, count = default_step(ours, batch)
+        want = hf(**batch).loss
+    assert ours(**batch).aux_loss > 0
+    torch.testing.assert_close(loss_sum / count, want, rtol=1e-6, atol=1e-6)
