@@ -97,7 +97,7 @@ def verify_export_cmd(model_dir: Path = typer.Argument(..., help="An exported HF
 
 def verify_matrix(cells: Optional[Path] = typer.Option(None, "--cells", help="JSON list of {family, head, path}.")) -> None:
     """Every family x head: build tiny with transformers, export with kiln, verify-export; print the grid."""
-    from kiln.interop.matrix import SHORT, default_cells, read_cells, run_matrix
+    from kiln.interop.matrix import ENCODER_HEADS, SHORT, default_cells, read_cells, run_matrix
 
     todo = read_cells(str(cells)) if cells else default_cells()
     results = run_matrix(todo, on_cell=lambda c: out.print(
@@ -111,6 +111,12 @@ def verify_matrix(cells: Optional[Path] = typer.Option(None, "--cells", help="JS
             row.append("[dim]n/a[/]" if cell is None else (f"[green]PASS[/] {cell.max_diff:g}" if cell.ok else "[red]FAIL"))
         grid.add_row(fam, *row)
     out.print(grid)
+    # Tallies per kind of row: encoder families (five heads each) and causal LMs.
+    for kind, heads in (("encoder", ENCODER_HEADS), ("causal-lm", ("base", "causal-lm"))):
+        cells = [c for c in results if c.head in heads and
+                 set(heads) <= {x.head for x in results if x.family == c.family}]
+        if cells:
+            out.print(f"{kind} families x heads: {sum(c.ok for c in cells)}/{len(cells)} PASS", highlight=False)
     failed = [c for c in results if not c.ok]
     if failed:
         for c in failed:
