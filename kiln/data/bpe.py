@@ -52,8 +52,13 @@ def iter_texts(paths: list[str | os.PathLike], text_field: str = "text") -> Iter
         if not path.is_file():
             raise KilnError(f"{path}: no such file")
         suffix = path.suffix.lower()
-        with open(path, encoding="utf-8") as f:
-            for no, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for no, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise KilnError(f"{path}:{no}: not valid UTF-8 (byte {e.start} of the line); "
+                                    "re-encode the file as UTF-8") from None
                 if not line.strip():
                     continue
                 if suffix in (".jsonl", ".json", ".ndjson"):

@@ -154,3 +154,10 @@ def test_packed_batch_gives_each_sample_its_own_loss(tiny_factory):
         for (ids, labels), (row, start) in zip(samples, starts):
             alone = token_losses(model(input_ids=torch.tensor([ids])).logits, torch.tensor([labels]))[0]
             torch.testing.assert_close(packed[row, start:start + len(ids)].sum(), alone.sum(), rtol=1e-6, atol=1e-6)
+
+
+def test_tokenizer_training_names_a_line_that_is_not_utf8(tmp_path):
+    bad = tmp_path / "corpus.txt"
+    bad.write_bytes("first line\nsecond line\n".encode() + b"caf\xe9 au lait\n")
+    with pytest.raises(KilnError, match=r"corpus\.txt:3: not valid UTF-8"):
+        train_bpe([bad], tmp_path / "tok", vocab_size=300)
