@@ -20,7 +20,7 @@ demo: $(STAMP)
 # The verify matrix prints its family x head grid first; pytest's summary closes the run.
 test: $(STAMP)
 	$(BIN)/kiln verify-matrix
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest tests
 
 bench: $(STAMP)
 	for f in benchmarks/bench_*.py; do $(BIN)/python $$f || exit 1; done
