@@ -82,8 +82,13 @@ def apply_changes(config: FamilyConfig, changes: dict[str, Any]) -> FamilyConfig
 
 
 def load_pretrained(path: str | os.PathLike, task: str | None = None, dtype: torch.dtype | None = None,
-                    **changes: Any) -> PreTrainedModel:
-    """Load an HF directory into kiln's own model code, keeping the stored dtypes."""
+                    seed: int | None = None, **changes: Any) -> PreTrainedModel:
+    """Load an HF directory into kiln's own model code, keeping the stored dtypes.
+
+    `seed` makes the initial values of tensors the checkpoint lacks (a new head) reproducible.
+    """
+    if seed is not None:
+        torch.manual_seed(seed)
     family, config, source_task = load_config(path)
     task = task or source_task or "base"
     config = apply_changes(config, dict(changes))

@@ -44,7 +44,7 @@ def build_model(cfg: RunConfig, labels: list[str] | None) -> Any:
     m = cfg.model
     changes: dict[str, Any] = {"labels": labels} if labels else {}
     if m.path is not None:
-        return load_pretrained(m.path, task=m.task, **changes)
+        return load_pretrained(m.path, task=m.task, seed=m.init_seed, **changes)
     config = AutoConfig.for_model(m.family, **m.config)
     if labels:
         config.set_labels(labels)

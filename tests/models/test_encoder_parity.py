@@ -61,3 +61,14 @@ def test_problem_types_match_transformers(tiny_factory):
         with torch.no_grad():
             a, b = ours(**batch), hf(**batch)
         assert torch.equal(a.logits, b.logits) and torch.equal(a.loss, b.loss), problem
+
+
+def test_a_new_head_is_initialised_reproducibly_from_a_seed(tiny_factory):
+    """Two loads with the same seed give the same fresh classifier (a run's seed must cover its head)."""
+    src = tiny_factory("bert", "masked-lm")
+    a = load_pretrained(src, task="sequence-classification", num_labels=3, seed=7)
+    torch.rand(5)  # move the global generator: the seed, not the state, decides
+    b = load_pretrained(src, task="sequence-classification", num_labels=3, seed=7)
+    c = load_pretrained(src, task="sequence-classification", num_labels=3, seed=8)
+    assert torch.equal(a.head.classifier.weight, b.head.classifier.weight)
+    assert not torch.equal(a.head.classifier.weight, c.head.classifier.weight)
