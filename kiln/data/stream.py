@@ -8,17 +8,27 @@ The layout is arithmetic, so any process can compute any window without talking 
   may be shorter; its missing targets are -100). M = ceil((N - 1) / T) windows per epoch.
 - training reads windows k = 0, 1, 2, ... across epochs (k -> epoch k // M, window k % M); global
   batch g is windows [g*B*R, (g+1)*B*R) and rank r takes its r-th slice of B.
-- DataLoader worker w of W builds global batches start + w, start + w + W, ...; the DataLoader
-  hands batches out round-robin over workers, so a rank sees batches start, start + 1, ... in
-  order whatever W is, and the cursor is one number: windows consumed by all ranks.
+- DataLoader worker w of W builds the rank's global batches in runs of K (K = prefetch): runs
+  w, w + W, ..., run c being batches start + c*K .. start + c*K + K-1; the DataLoader hands runs
+  out round-robin over workers, so a rank sees batches start, start + 1, ... in order whatever W
+  is, and the cursor is one number: windows consumed by all ranks (batches the trainer took, not
+  ones still waiting in a run).
 
 A batch holds input_ids (B, T) and targets (B, T) (next tokens, -100 = none) and, when asked
 (`within_doc`), position_ids restarting after each EOS: the decoder then keeps attention inside
 documents (a block-diagonal causal mask).
+
+Workers do not hand over those int64 tensors: a tensor crossing processes costs a shared-memory
+segment and a file descriptor each (~1 ms a batch, more than building it). They hand over packs
+instead: the windows as numpy rows of T+1 tokens in the shards' own dtype (uint16/uint32) with
+each row's length, several batches at a time, pickled through the worker pipe; the main process
+widens a pack into the batches above (`unpack`). The pack is what is read, the batch a pure
+function of it, so every worker count gives the same batches.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from typing import Any, Iterator
@@ -32,6 +42,9 @@ from kiln.errors import KilnError
 
 IGNORE = -100
 Batch = dict[str, torch.Tensor]
+# (rows, lengths, sizes): rows (N, T+1) of window tokens in the shards' dtype, padded with EOS;
+# lengths (N,) real tokens per row (0 = filler row); sizes: rows per batch, in order, summing to N
+Pack = tuple[np.ndarray, np.ndarray, tuple[int, ...]]
 
 
 class Windows:
@@ -62,10 +75,11 @@ class Windows:
             self._layout = (epoch, order, starts)
         return self._layout[1], self._layout[2]
 
-    def span(self, epoch: int, start: int, end: int) -> np.ndarray:
-        """Tokens [start, end) of the epoch's stream, gathered across shard boundaries, as int64."""
+    def span(self, epoch: int, start: int, end: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Tokens [start, end) of the epoch's stream, gathered across shard boundaries, into `out`
+        (default: a new array of the shards' dtype)."""
         order, starts = self._epoch(epoch)
-        out = np.empty(end - start, dtype=np.int64)
+        out = np.empty(end - start, dtype=self.shards.dtype) if out is None else out
         i = int(np.searchsorted(starts, start, side="right")) - 1
         pos = start
         while pos < end:
@@ -76,27 +90,63 @@ class Windows:
             i += 1
         return out
 
-    def window(self, k: int) -> np.ndarray:
-        """Window k of the endless stream: up to T+1 tokens."""
+    def _bounds(self, k: int) -> tuple[int, int, int]:
         epoch, j = divmod(k, self.per_epoch)
         start = j * self.seq_len
-        return self.span(epoch, start, min(start + self.seq_len + 1, self.tokens))
+        return epoch, start, min(start + self.seq_len + 1, self.tokens)
 
-    def batch(self, ks: range | list[int | None]) -> Batch:
-        """Windows `ks` as rows; a None row is filler (no targets), for ranks that run out first."""
-        T = self.seq_len
-        inputs = np.full((len(ks), T), self.shards.eos_id, dtype=np.int64)   # (B, T)
-        targets = np.full((len(ks), T), IGNORE, dtype=np.int64)               # (B, T)
+    def window(self, k: int) -> np.ndarray:
+        """Window k of the endless stream: up to T+1 tokens."""
+        return self.span(*self._bounds(k))
+
+    def pack(self, ks: range | list[int | None]) -> Pack:
+        """Windows `ks` as one batch's pack (see `Pack`); a None row is filler, for ranks that run out first."""
+        rows = np.full((len(ks), self.seq_len + 1), self.shards.eos_id, dtype=self.shards.dtype)
+        lengths = np.zeros(len(ks), dtype=np.int64)
         for row, k in enumerate(ks):
             if k is None:
                 continue
-            w = self.window(k)
-            inputs[row, : len(w) - 1] = w[:-1]
-            targets[row, : len(w) - 1] = w[1:]
-        out = {"input_ids": torch.from_numpy(inputs), "targets": torch.from_numpy(targets)}
-        if self.within_doc:
-            out["position_ids"] = torch.from_numpy(doc_positions(inputs, self.shards.eos_id))
-        return out
+            epoch, start, end = self._bounds(k)
+            self.span(epoch, start, end, out=rows[row, : end - start])
+            lengths[row] = end - start
+        return rows, lengths, (len(ks),)
+
+    def batch(self, ks: range | list[int | None]) -> Batch:
+        """Windows `ks` as rows; a None row is filler (no targets), for ranks that run out first."""
+        return unpack(self.pack(ks), self.shards.eos_id, self.within_doc)[0]
+
+
+def unpack(pack: Pack, eos_id: int, within_doc: bool, pin_memory: bool = False) -> list[Batch]:
+    """A pack's batches, widened to the model's int64: input_ids (EOS past a row's end), targets
+    (-100 where a row has no next token) and, `within_doc`, position_ids. Widened as one array and
+    split into row-slice views, so a pack of several batches costs one conversion (and one pin)."""
+    rows, lengths, sizes = pack
+    tokens = rows.astype(np.int64)                  # (N, T+1)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    T = inputs.shape[1]
+    if (lengths < T + 1).any():                     # a short last window or filler rows
+        real = np.arange(T) < (lengths - 1)[:, None]
+        inputs = np.where(real, inputs, eos_id)
+        targets = np.where(real, targets, IGNORE)
+    whole = {"input_ids": torch.from_numpy(np.ascontiguousarray(inputs)),
+             "targets": torch.from_numpy(np.ascontiguousarray(targets))}
+    if within_doc:
+        whole["position_ids"] = torch.from_numpy(doc_positions(inputs, eos_id))
+    if pin_memory:
+        whole = {k: v.pin_memory() for k, v in whole.items()}
+    out, lo = [], 0
+    for n in sizes:
+        out.append({k: v[lo: lo + n] for k, v in whole.items()})
+        lo += n
+    return out
+
+
+def _join(group: list[Pack]) -> Pack:
+    """Packs of consecutive batches as one pack: one hand-off."""
+    if len(group) == 1:
+        return group[0]
+    return (np.concatenate([p[0] for p in group]), np.concatenate([p[1] for p in group]),
+            tuple(n for p in group for n in p[2]))
 
 
 def doc_positions(inputs: np.ndarray, eos_id: int) -> np.ndarray:
@@ -115,48 +165,83 @@ def _worker() -> tuple[int, int]:
 
 
 class TrainStream(IterableDataset):
-    """Endless batches for one rank from global batch `start_batch` on; see the module docstring."""
+    """Endless batches for one rank from global batch `start_batch` on, as packs of `per_transfer`
+    consecutive batches: pack c holds batches start + c*K, ..., start + c*K + K-1 and goes to worker
+    c % W, so the DataLoader's round-robin still hands the batches out in order; see the module docstring."""
 
-    def __init__(self, windows: Windows, batch_size: int, rank: int, world_size: int, start_batch: int = 0):
+    def __init__(self, windows: Windows, batch_size: int, rank: int, world_size: int, start_batch: int = 0,
+                 per_transfer: int = 1):
         super().__init__()
         self.windows, self.batch_size, self.rank, self.world_size = windows, batch_size, rank, world_size
-        self.start_batch = start_batch
+        self.start_batch, self.per_transfer = start_batch, per_transfer
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[Pack]:
         w, num_workers = _worker()
-        B, GB = self.batch_size, self.batch_size * self.world_size
-        g = self.start_batch + w
+        B, GB, K = self.batch_size, self.batch_size * self.world_size, self.per_transfer
+        c = w
         while True:
-            first = g * GB + self.rank * B
-            yield self.windows.batch(range(first, first + B))
-            g += num_workers
+            firsts = [g * GB + self.rank * B for g in range(self.start_batch + c * K, self.start_batch + c * K + K)]
+            yield _join([self.windows.pack(range(first, first + B)) for first in firsts])
+            c += num_workers
 
 
 class EpochStream(IterableDataset):
     """One pass over one epoch's windows (evaluation, or counting): window j goes to rank j % R, then
-    this rank's windows in batches of B, batch i to worker i % W. The last batch may be short.
+    this rank's windows in batches of B, as packs of `per_transfer` consecutive batches, pack c to
+    worker c % W. The last batch may be short.
 
     Every rank gets the same number of rows (filler rows without targets where the windows do not
     divide evenly), so collective forwards (DDP, FSDP) stay in step."""
 
-    def __init__(self, windows: Windows, batch_size: int, rank: int = 0, world_size: int = 1, epoch: int = 0):
+    def __init__(self, windows: Windows, batch_size: int, rank: int = 0, world_size: int = 1, epoch: int = 0,
+                 per_transfer: int = 1):
         super().__init__()
         self.windows, self.batch_size, self.rank, self.world_size, self.epoch = \
             windows, batch_size, rank, world_size, epoch
+        self.per_transfer = per_transfer
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[Pack]:
         w, num_workers = _worker()
+        B, K = self.batch_size, self.per_transfer
         base = self.epoch * self.windows.per_epoch
         mine: list[int | None] = list(range(self.rank, self.windows.per_epoch, self.world_size))
         mine += [None] * (-(-self.windows.per_epoch // self.world_size) - len(mine))
-        for i in range(w * self.batch_size, len(mine), num_workers * self.batch_size):
-            yield self.windows.batch([None if j is None else base + j for j in mine[i: i + self.batch_size]])
+        keys = [None if j is None else base + j for j in mine]
+        batches = -(-len(keys) // B)
+        for c in range(w, -(-batches // K), num_workers):
+            yield _join([self.windows.pack(keys[i * B: (i + 1) * B]) for i in range(c * K, min(c * K + K, batches))])
 
 
-def data_loader(dataset: IterableDataset, num_workers: int = 0, prefetch: int = 2, pin_memory: bool = False) -> DataLoader:
-    """A DataLoader that passes our ready-made batches through: `prefetch` batches per worker, at most."""
-    extra: dict[str, Any] = {"prefetch_factor": prefetch} if num_workers > 0 else {}
-    return DataLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, **extra)
+def _as_is(pack: Pack) -> Pack:
+    # the DataLoader's default conversion would turn the pack's arrays into tensors in the worker,
+    # which is the costly hand-off this module avoids; module level, so spawned workers can pickle it
+    return pack
+
+
+class PackLoader:
+    """A DataLoader over one of our streams, iterated as batches: workers hand over packs of
+    `prefetch` batches, one pack in flight per worker, so a worker holds at most `prefetch` batches
+    ready (as before, when it held `prefetch` batches of one each); the main process unpacks them
+    (`unpack`), pinning there if asked. Without workers, packs hold one batch."""
+
+    def __init__(self, dataset: TrainStream | EpochStream, num_workers: int = 0, prefetch: int = 2,
+                 pin_memory: bool = False):
+        dataset = copy.copy(dataset)       # the caller's dataset keeps its own per_transfer
+        dataset.per_transfer = prefetch if num_workers > 0 else 1
+        extra: dict[str, Any] = {"prefetch_factor": 1} if num_workers > 0 else {}
+        self.loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, collate_fn=_as_is, **extra)
+        self.eos_id, self.within_doc = dataset.windows.shards.eos_id, dataset.windows.within_doc
+        self.pin_memory = pin_memory
+
+    def __iter__(self) -> Iterator[Batch]:
+        for pack in self.loader:
+            yield from unpack(pack, self.eos_id, self.within_doc, self.pin_memory)
+
+
+def data_loader(dataset: TrainStream | EpochStream, num_workers: int = 0, prefetch: int = 2,
+                pin_memory: bool = False) -> PackLoader:
+    """Our streams' batches through `num_workers` DataLoader workers, `prefetch` batches per worker at most."""
+    return PackLoader(dataset, num_workers, prefetch, pin_memory)
 
 
 class StreamLoader:
