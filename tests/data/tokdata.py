@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +12,9 @@ from tokenizers import decoders, pre_tokenizers
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
+from kiln_cli import kiln  # noqa: F401  (re-exported for the tests here)
 from kiln.data.shards import ShardWriter, write_manifest
 
-REPO = Path(__file__).resolve().parents[2]
 WORDS = ("the cat sat on a mat while dogs ran past red houses and blue cars in the rain; birds flew over "
          "green trees near quiet water").split()
 
@@ -63,11 +60,3 @@ def write_synthetic_shards(root: Path, lengths: list[int], val_lengths: list[int
     return root
 
 
-def kiln(*args: str, env: dict | None = None, check: bool = True, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """Run the kiln CLI in a fresh process, as a user would."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "kiln.cli.main", *args], capture_output=True, text=True,
-                          env=full_env, cwd=cwd, timeout=300)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"kiln {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc

@@ -91,7 +91,7 @@ def test_compiled_blocks_keep_loss_and_grads():
 
 
 def test_kiln_train_checks_degrees_against_the_launched_world(tmp_path):
-    from tests_util import kiln_cli
+    from kiln_cli import kiln_cli
 
     run = tmp_path / "run.toml"
     run.write_text('[model]\npath = "m"\n[data]\ntrain = "t.jsonl"\n[train]\nsteps = 1\n[parallel]\ndp = 2\ntp = 2\n')

@@ -14,7 +14,7 @@ from kiln.interop.verify import verify_export
 
 import workers
 
-from tests_util import kiln_cli
+from kiln_cli import kiln_cli
 
 
 @pytest.fixture(scope="module")

@@ -6,16 +6,13 @@
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
+from kiln_cli import kiln  # noqa: F401  (re-exported for the tests here)
 from kiln.hub import Tokenizer
 from kiln.models.auto import AutoConfig, from_config
 
-REPO = Path(__file__).resolve().parents[2]
 WORDS = ["red", "blue", "green", "cat", "dog", "bird", "runs", "sits", "flies", "fast", "slow", "big", "small",
          "the", "a", "and", "on", "in", "tree", "house", "car", "road", "sky", "water", "fish", "swims"]
 LABELS = ["animal", "colour", "place"]
@@ -74,11 +71,3 @@ def write_toml(path: Path, model_dir: Path, train: Path, eval_: Path | None, out
     return path
 
 
-def kiln(*args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    """Run the kiln CLI in a fresh process (as a user would)."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "kiln.cli.main", *args], capture_output=True, text=True,
-                          env=full_env, cwd=REPO, timeout=300)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"kiln {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
