@@ -13,26 +13,10 @@ from kiln.interop.verify import verify_export
 from kiln.models import AutoModel, AutoModelForCausalLM
 from kiln.models.keymap import KeyMap, Stack
 
+from causal_cases import batches, same
+
 DECODERS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
 transformers.logging.set_verbosity_error()
-
-
-def _batches() -> list[dict]:
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(4, 99, (3, 13), generator=g)
-    attn = torch.ones_like(ids)
-    attn[1, 9:] = 0   # right padding
-    attn[2, :4] = 0   # left padding
-    labels = ids.clone()
-    labels[attn == 0] = -100
-    labels[0, :5] = -100  # a prompt part without loss
-    return [{"input_ids": ids[:1, :6]}, {"input_ids": ids, "labels": labels},
-            {"input_ids": ids, "attention_mask": attn, "labels": labels}]
-
-
-def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    assert a.shape == b.shape and a.dtype == b.dtype, what
-    torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
 
 
 @pytest.mark.parametrize("model_type", DECODERS)
@@ -42,11 +26,11 @@ def test_causal_lm_logits_and_loss_bit_identical_both_ways(model_type, tiny_fact
     ours = AutoModelForCausalLM.from_pretrained(src)
     assert ours.load_report.ignored == [] and ours.load_report.initialized == []
     with torch.no_grad():
-        for i, batch in enumerate(_batches()):
+        for i, batch in enumerate(batches()):
             a, b = ours(**batch), hf(**batch)
-            _same(a.logits, b.logits, f"batch {i} logits")
+            same(a.logits, b.logits, f"batch {i} logits")
             if "labels" in batch:
-                _same(a.loss, b.loss, f"batch {i} loss")
+                same(a.loss, b.loss, f"batch {i} loss")
     # kiln -> HF: the export loads with no missing/unexpected keys, equal outputs, equal tensors on disk
     out = export_model(ours, tmp_path / "export")
     checks = verify_export(out, source=src)
@@ -58,9 +42,9 @@ def test_base_model_hidden_states_bit_identical(model_type, tiny_factory):
     src = tiny_factory(model_type, "base")
     hf = transformers.AutoModel.from_pretrained(src).eval()
     ours = AutoModel.from_pretrained(src)
-    batch = {k: v for k, v in _batches()[2].items() if k != "labels"}
+    batch = {k: v for k, v in batches()[2].items() if k != "labels"}
     with torch.no_grad():
-        _same(ours(**batch).last_hidden_state, hf(**batch).last_hidden_state, "last_hidden_state")
+        same(ours(**batch).last_hidden_state, hf(**batch).last_hidden_state, "last_hidden_state")
 
 
 @pytest.mark.parametrize("model_type", DECODERS)
@@ -85,7 +69,7 @@ def test_greedy_generation_equals_transformers(model_type, tiny_factory):
     with torch.no_grad():
         ours(ids[:1, :6], cache=cache)
         hf(ids[:1, :6], past_key_values=hf_cache, use_cache=True)
-        _same(ours(ids[:1, 6:7], cache=cache).logits, hf(ids[:1, 6:7], past_key_values=hf_cache, use_cache=True).logits,
+        same(ours(ids[:1, 6:7], cache=cache).logits, hf(ids[:1, 6:7], past_key_values=hf_cache, use_cache=True).logits,
               "decode-step logits")
 
 
@@ -120,14 +104,14 @@ def test_moe_router_logits_and_aux_loss_equal(tiny_factory):
     src = tiny_factory("qwen3_moe", "causal-lm")
     hf = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
     ours = AutoModelForCausalLM.from_pretrained(src)
-    for batch in _batches()[1:]:
+    for batch in batches()[1:]:
         with torch.no_grad():
             a = ours(**batch, output_router_logits=True)
             b = hf(**batch, output_router_logits=True)
         assert len(a.router_logits) == 1 == len(b.router_logits)  # layer 1 is dense (mlp_only_layers)
-        _same(a.router_logits[0], b.router_logits[0], "router logits")
-        _same(a.aux_loss, b.aux_loss, "aux loss")
-        _same(a.loss, b.loss, "loss with aux")
+        same(a.router_logits[0], b.router_logits[0], "router logits")
+        same(a.aux_loss, b.aux_loss, "aux loss")
+        same(a.loss, b.loss, "loss with aux")
 
 
 def test_moe_export_writes_one_tensor_per_expert(tiny_factory, tmp_path):
@@ -195,7 +179,7 @@ def test_trainer_step_adds_moe_aux_loss_as_transformers_does(tiny_factory):
     src = tiny_factory("qwen3_moe", "causal-lm")
     hf = transformers.AutoModelForCausalLM.from_pretrained(src, output_router_logits=True).eval()
     ours = AutoModelForCausalLM.from_pretrained(src, output_router_logits=True)
-    batch = _batches()[1]
+    batch = batches()[1]
     with torch.no_grad():
         loss_sum, count = default_step(ours, batch)
         want = hf(**batch).loss

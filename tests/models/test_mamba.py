@@ -15,26 +15,11 @@ from kiln.models import AutoConfig, AutoModel, AutoModelForCausalLM
 from kiln.models.auto import from_config
 from kiln.models.common.ssm import LinearRecurrence, recurrence
 
+from causal_cases import batches, same
+
 transformers.logging.set_verbosity_error()
 VARIANTS = {"tied": {}, "untied-biased": dict(tie_word_embeddings=False, use_bias=True, use_conv_bias=False,
                                               time_step_rank=3, expand=3, residual_in_fp32=False)}
-
-
-def _batches() -> list[dict]:
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(4, 99, (3, 13), generator=g)
-    attn = torch.ones_like(ids)
-    attn[1, 9:] = 0   # right padding
-    attn[2, :4] = 0   # left padding
-    labels = ids.clone()
-    labels[attn == 0] = -100
-    return [{"input_ids": ids[:1, :6]}, {"input_ids": ids, "labels": labels},
-            {"input_ids": ids, "attention_mask": attn, "labels": labels}]
-
-
-def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    assert a.shape == b.shape and a.dtype == b.dtype, what
-    torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -45,11 +30,11 @@ def test_causal_lm_reference_scan_bit_identical_both_ways(variant, tiny_factory,
     assert ours.config.scan == "reference"
     assert ours.load_report.ignored == [] and ours.load_report.initialized == []
     with torch.no_grad():
-        for i, batch in enumerate(_batches()):
+        for i, batch in enumerate(batches()):
             a, b = ours(**batch), hf(**batch)
-            _same(a.logits, b.logits, f"batch {i} logits")
+            same(a.logits, b.logits, f"batch {i} logits")
             if "labels" in batch:
-                _same(a.loss, b.loss, f"batch {i} loss")
+                same(a.loss, b.loss, f"batch {i} loss")
     out = export_model(ours, tmp_path / "export")
     checks = verify_export(out, source=src)
     assert all(c.ok for c in checks), [c.line() for c in checks if not c.ok]
@@ -59,18 +44,18 @@ def test_base_model_and_training_mode_gradients_bit_identical(tiny_factory):
     src = tiny_factory("mamba", "causal-lm")
     hf = transformers.AutoModelForCausalLM.from_pretrained(src).train()
     ours = AutoModelForCausalLM.from_pretrained(src).train()
-    batch = _batches()[2]
+    batch = batches()[2]
     ours(**batch).loss.backward()
     hf(**batch).loss.backward()
     hf_params = dict(hf.named_parameters())
     for name, p in ours.named_parameters():
-        _same(p.grad, hf_params["backbone." + name[len("model."):]].grad, f"grad {name}")
+        same(p.grad, hf_params["backbone." + name[len("model."):]].grad, f"grad {name}")
     base_src = tiny_factory("mamba", "base")
     with torch.no_grad():
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         a = AutoModel.from_pretrained(base_src)(**inputs).last_hidden_state
         b = transformers.AutoModel.from_pretrained(base_src)(**inputs).last_hidden_state
-    _same(a, b, "base last_hidden_state")
+    same(a, b, "base last_hidden_state")
 
 
 @pytest.mark.parametrize("head", ["base", "causal-lm"])
@@ -89,9 +74,9 @@ def test_state_spaces_embedding_name_is_read(tiny_factory, tmp_path):
     save_weights(old, {k.replace("embeddings.", "embedding."): v for k, v in load_weights(src).items()})
     a = AutoModelForCausalLM.from_pretrained(old)
     b = AutoModelForCausalLM.from_pretrained(src)
-    ids = _batches()[1]["input_ids"]
+    ids = batches()[1]["input_ids"]
     with torch.no_grad():
-        _same(a(input_ids=ids).logits, b(input_ids=ids).logits, "logits via `embedding.`")
+        same(a(input_ids=ids).logits, b(input_ids=ids).logits, "logits via `embedding.`")
     assert "backbone.embeddings.weight" in a.hf_state_dict()
 
 
@@ -100,7 +85,7 @@ def test_fast_scan_matches_reference_with_gradients(variant, tiny_factory):
     src = tiny_factory("mamba", "causal-lm", **VARIANTS[variant])
     ref = AutoModelForCausalLM.from_pretrained(src).train()
     fast = AutoModelForCausalLM.from_pretrained(src, scan="fast").train()
-    batch = _batches()[2]
+    batch = batches()[2]
     a, b = ref(**batch), fast(**batch)
     rel = ((a.logits - b.logits).abs().max() / a.logits.abs().max()).item()
     assert rel < 1e-5, f"logits rel diff {rel:.2e}"
