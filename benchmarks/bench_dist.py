@@ -23,12 +23,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # spawn.py: processes without torchrun
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from kiln.dist.apply import parallelize  # noqa: E402
-from kiln.dist.spawn import spawn  # noqa: E402
+from kiln.parallel.apply import parallelize  # noqa: E402
+from spawn import spawn  # noqa: E402
 from kiln.models.auto import AutoConfig, from_config  # noqa: E402
 
 SIZE = dict(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,

@@ -69,7 +69,7 @@ def export(src: Optional[Path] = typer.Argument(None, help="An HF model director
 
     if (src is None) == (checkpoint is None):
         raise KilnError("give exactly one of SRC or --checkpoint RUN_DIR/ckpt-N")
-    from kiln.dist.checkpoint import export_sharded, is_sharded
+    from kiln.parallel.checkpoint import export_sharded, is_sharded
 
     if checkpoint is not None and is_sharded(checkpoint):  # FSDP/TP/EP shards: gathered in this process's CPU memory
         path = export_sharded(checkpoint, out_dir, max_shard_bytes=max_shard_mb * 2**20 if max_shard_mb else None)

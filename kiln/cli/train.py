@@ -80,7 +80,7 @@ def _check_parallel(parallel) -> None:
     applies the plans and refuses the combinations it cannot run)."""
     import os
 
-    from kiln.dist.mesh import resolve_degrees
+    from kiln.parallel.mesh import resolve_degrees
 
     resolve_degrees(parallel, int(os.environ.get("WORLD_SIZE", "1")))
 

@@ -127,7 +127,7 @@ class LoraSection(_Section):
 
 
 class CadenceSection(_Section):
-    """Adaptive sync cadence for mixed devices (kiln.dist.cadence); present = on."""
+    """Adaptive sync cadence for mixed devices (kiln.parallel.cadence); present = on."""
     anchor: int = 1                      # batches per sync of the slowest rank, to start with; then tuned
     target_sync_share: float = 0.1       # the anchor grows until syncing takes at most this share of the time
     max_staleness: int = 16              # no rank runs more batches than this between two syncs
@@ -147,7 +147,7 @@ class CadenceSection(_Section):
 
 
 class ParallelSection(_Section):
-    """Degrees multiply to the world size (dp 0 = what is left); kiln.dist.mesh checks them at launch."""
+    """Degrees multiply to the world size (dp 0 = what is left); kiln.parallel.mesh checks them at launch."""
     dp: int = 0          # 0: the world size / (tp * ep)
     tp: int = 1          # tensor parallel: attention heads and MLP columns split over tp ranks
     ep: int = 1          # expert parallel: MoE experts split over ep ranks (which also split the batch)

@@ -1,6 +1,6 @@
 """The Trainer's side of the [parallel] table: which rank reads which data, applying the plans, sharded saves.
 
-`kiln.dist` holds the plans themselves (FSDP2, tensor and expert parallel, activation checkpointing,
+`kiln.parallel` holds the plans themselves (FSDP2, tensor and expert parallel, activation checkpointing,
 compile); this module is the little the Trainer needs around them:
 
 - data shards come from the mesh: dp x ep ranks read different batches, the tp ranks of one group
@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kiln.dist.apply import Parallelized, parallelize
-from kiln.dist.checkpoint import is_sharded, load_sharded, save_sharded
-from kiln.dist.mesh import resolve_degrees
+from kiln.parallel.apply import Parallelized, parallelize
+from kiln.parallel.checkpoint import is_sharded, load_sharded, save_sharded
+from kiln.parallel.mesh import resolve_degrees
 from kiln.errors import ConfigError, KilnError
 from kiln.train import checkpoint as ckpt
 from kiln.train.config import ParallelSection
@@ -44,7 +44,7 @@ def check_plan(parallel: ParallelSection, precision: str, reshaping: list[str], 
     if parallel.cadence is not None:
         raise ConfigError("parallel.cadence: the adaptive cadence runs its own loop (each rank a different number "
                           "of batches between syncs), which `kiln train` does not run; call "
-                          "kiln.dist.cadence.train_adaptive from Python, or remove [parallel.cadence]")
+                          "kiln.parallel.cadence.train_adaptive from Python, or remove [parallel.cadence]")
     degrees = resolve_degrees(parallel, world_size)
     sharded = world_size > 1 and (parallel.fsdp or degrees.tp > 1 or degrees.ep > 1)
     if sharded and precision == "fp16":

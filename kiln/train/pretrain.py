@@ -30,7 +30,7 @@ from kiln.data.stream import IGNORE, EpochStream, StreamLoader, Windows, data_lo
 from kiln.errors import ConfigError
 from kiln.hub.files import file_sha256
 from kiln.train.config import RunConfig
-from kiln.train.distributed import all_reduce_sum
+from kiln.parallel.world import all_reduce_sum
 from kiln.train.plans import data_shard
 from kiln.train.trainer import Trainer
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kiln.errors import KilnError
-from kiln.train.distributed import World, all_reduce_sum
+from kiln.parallel.world import World, all_reduce_sum
 
 StepResult = tuple[torch.Tensor, torch.Tensor | int]
 StepFn = Callable[[nn.Module, dict], Any]

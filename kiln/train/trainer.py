@@ -17,7 +17,7 @@ optimizer` (default AdamW, no decay on biases/norms); `data` a `kiln.data.Loader
 of examples (dicts of tensors, padded by `pad_collate`); `step` a function `(model, batch) ->
 loss` or `(loss_sum, count)` (default: the task model's own loss from `labels`). Settings are
 the fields of `TrainSection`, given as `args=` and/or keyword overrides; `parallel` a
-`ParallelSection` (the [parallel] table) whose plans are applied in setup (kiln.dist).
+`ParallelSection` (the [parallel] table) whose plans are applied in setup (kiln.parallel).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from kiln.hub.config import write_json_atomic
 from kiln.train import checkpoint as ckpt
 from kiln.train import plans
 from kiln.train.config import ParallelSection, TrainSection
-from kiln.dist.grads import clip_grad_norm as dist_clip_grad_norm
-from kiln.train.distributed import World, all_reduce_sum, barrier, gather_objects, init_world
+from kiln.parallel.grads import clip_grad_norm as dist_clip_grad_norm
+from kiln.parallel.world import World, all_reduce_sum, barrier, gather_objects, init_world
 from kiln.train.metrics import MetricsLog, ProgressBar
 from kiln.train.multiobjective import GradientCombiner
 from kiln.train.optim import OptimizerFactory, adamw, freeze, lr_factor, param_groups, set_lr
@@ -85,7 +85,7 @@ class Trainer:
         self.run_config = run_config or {"train": self.args.model_dump(mode="json")}
         self.data_fingerprint = data_fingerprint or {}
         self.parallel = parallel
-        self.plan: Any = None  # kiln.dist.Parallelized once the plans are applied
+        self.plan: Any = None  # kiln.parallel.Parallelized once the plans are applied
         self.out_dir = Path(self.args.out_dir)
         self.step, self.skipped, self.stopped_early = 0, 0, False
         self.best: dict[str, Any] | None = None   # {"value", "checkpoint", "step"}

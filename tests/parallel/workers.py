@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from kiln.dist.apply import parallelize
-from kiln.dist.grads import clip_grad_norm
+from kiln.parallel.apply import parallelize
+from kiln.parallel.grads import clip_grad_norm
 from kiln.interop.tiny import TINY
 from kiln.models.auto import AutoConfig, from_config
 
@@ -100,7 +100,7 @@ def _full_weights(model) -> dict:
 
 def run_checkpoint(rank: int, world: int, out: str, phase: str, keys: dict) -> None:
     """phase "straight": 4 steps, a sharded save after step 2; "resume": load that save, steps 3-4."""
-    from kiln.dist.checkpoint import load_sharded, save_sharded
+    from kiln.parallel.checkpoint import load_sharded, save_sharded
 
     model = build("qwen3")
     par = parallelize(model, plan(**keys))

@@ -38,7 +38,7 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, backend: st
 
 
 def spawn(fn: Callable[..., Any], world: int, args: tuple = (), backend: str = "gloo", threads: int = 1,
-          preload: tuple[str, ...] = ("torch", "torch.distributed.tensor", "kiln.dist.apply")) -> None:
+          preload: tuple[str, ...] = ("torch", "torch.distributed.tensor", "kiln.parallel.apply")) -> None:
     """Run `fn(rank, world, *args)` in `world` processes; `fn` must be importable (a module-level function).
 
     Processes fork from a server that imported `preload` once (importing torch costs seconds per

@@ -1,4 +1,4 @@
-"""tests/dist: spawned gloo process groups on CPU; workers live in workers.py (importable by the children)."""
+"""tests/parallel: spawned gloo process groups on CPU; workers live in workers.py (importable by the children)."""
 
 from __future__ import annotations
 

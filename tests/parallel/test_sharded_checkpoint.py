@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.dist.checkpoint import export_sharded, load_sharded
-from kiln.dist.spawn import spawn
+from kiln.parallel.checkpoint import export_sharded, load_sharded
+from spawn import spawn
 from kiln.errors import KilnError
 from kiln.hub import load_weights
 from kiln.interop.verify import verify_export

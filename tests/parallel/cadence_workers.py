@@ -9,7 +9,7 @@ import time
 import torch
 from torch import nn
 
-from kiln.dist.cadence import CadencePlanner, train_adaptive
+from kiln.parallel.cadence import CadencePlanner, train_adaptive
 
 DIM, BATCH = 16, 32
 

@@ -5,7 +5,7 @@ Model code stays free of all of it: `parallelize(model, cfg.parallel)` applies w
 table asks for to a model that was built the ordinary way.
 """
 
-from kiln.dist.apply import Parallelized, parallelize
-from kiln.dist.mesh import Degrees, resolve_degrees
+from kiln.parallel.apply import Parallelized, parallelize
+from kiln.parallel.mesh import Degrees, resolve_degrees
 
 __all__ = ["Degrees", "Parallelized", "parallelize", "resolve_degrees"]

@@ -15,12 +15,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from kiln.dist.blocks import apply_activation_checkpointing, compile_blocks
-from kiln.dist.ep import apply_expert_parallel
-from kiln.dist.fsdp import apply_fsdp
-from kiln.dist.grads import average_gradients
-from kiln.dist.mesh import Degrees, batch_mesh, build_mesh, check_model, resolve_degrees
-from kiln.dist.tp import apply_tensor_parallel
+from kiln.parallel.blocks import apply_activation_checkpointing, compile_blocks
+from kiln.parallel.ep import apply_expert_parallel
+from kiln.parallel.fsdp import apply_fsdp
+from kiln.parallel.grads import average_gradients
+from kiln.parallel.mesh import Degrees, batch_mesh, build_mesh, check_model, resolve_degrees
+from kiln.parallel.tp import apply_tensor_parallel
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.dist.spawn import spawn
+from spawn import spawn
 
 import workers
 

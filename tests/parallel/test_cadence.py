@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.dist.cadence import CadencePlanner, fit_to_budget
-from kiln.dist.spawn import spawn
+from kiln.parallel.cadence import CadencePlanner, fit_to_budget
+from spawn import spawn
 
 import cadence_workers as cw
 

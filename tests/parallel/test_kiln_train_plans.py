@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.dist.checkpoint import export_sharded, is_sharded
+from kiln.parallel.checkpoint import export_sharded, is_sharded
 from kiln.hub import load_weights
 from kiln.interop.verify import verify_export
 from kiln.train.checkpoint import verify_checkpoint

@@ -54,19 +54,7 @@ def gather_objects(obj: Any, world: World) -> list[Any]:
     return out
 
 
-def broadcast_object(obj: Any, world: World) -> Any:
-    if not world.active:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def barrier(world: World) -> None:
     if world.active:
         dist.barrier()
 
-
-def shutdown(world: World) -> None:
-    if world.active and dist.is_initialized():
-        dist.destroy_process_group()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.dist.apply import parallelize
-from kiln.dist.blocks import apply_activation_checkpointing, compile_blocks
-from kiln.dist.mesh import Degrees, check_model, resolve_degrees
+from kiln.parallel.apply import parallelize
+from kiln.parallel.blocks import apply_activation_checkpointing, compile_blocks
+from kiln.parallel.mesh import Degrees, check_model, resolve_degrees
 from kiln.errors import ConfigError
 from kiln.train.config import ParallelSection, parse_run_config
 
