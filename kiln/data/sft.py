@@ -2,13 +2,14 @@
 
 A line holds `messages` ([{role, content}, ...]) or `prompt` / `response` (plus an optional
 `system`). The conversation is rendered with the tokenizer's chat template (as transformers'
-`apply_chat_template` renders it) and tokenized without added special tokens. Labels are -100
-except on assistant replies: each reply's text and its closing end-of-turn token (the EOS),
-found by rendering the conversation up to each reply; `train_on="all"` puts loss everywhere.
+`apply_chat_template` renders it) and tokenized without added special tokens. Labels are
+IGNORE_INDEX except on assistant replies: each reply's text and its closing end-of-turn token
+(the EOS), found by rendering the conversation up to each reply; `train_on="all"` puts loss
+everywhere.
 
 Packing concatenates samples into rows of at most `max_length` tokens; each sample's positions
 restart at 0 (the model keeps attention inside a sample from that) and its first label is
--100, so a packed row gives every sample the loss it has alone.
+IGNORE_INDEX, so a packed row gives every sample the loss it has alone.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from typing import Any, Literal
 
 import torch
 
+from kiln.constants import IGNORE_INDEX
 from kiln.data.records import Record
 from kiln.errors import KilnError
 from kiln.hub import ChatTemplate, Tokenizer
 
-IGNORE = -100
 Example = dict[str, torch.Tensor]
 
 
@@ -85,7 +86,7 @@ def encode_conversation(tokenizer: Tokenizer, template: ChatTemplate, messages: 
     ids = list(enc.ids)
     if train_on == "all":
         return ids, list(ids)
-    labels = [IGNORE] * len(ids)
+    labels = [IGNORE_INDEX] * len(ids)
     for t, (start, end) in enumerate(enc.offsets):
         mid = (start + end - 1) // 2 if end > start else start
         if any(a <= mid < b for a, b in spans):
@@ -109,7 +110,7 @@ def encode_sft(records: list[Record], tokenizer: Tokenizer, max_length: int,
         samples.append((ids, labels))
         stats.samples += 1
         stats.tokens += len(ids)
-        stats.loss_tokens += sum(1 for x in labels[1:] if x != IGNORE)  # the first token is never a target
+        stats.loss_tokens += sum(1 for x in labels[1:] if x != IGNORE_INDEX)  # the first token is never a target
     examples = pack_samples(samples, max_length) if pack else [
         {"input_ids": torch.tensor(i, dtype=torch.long), "labels": torch.tensor(lab, dtype=torch.long)}
         for i, lab in samples]
@@ -134,7 +135,7 @@ def pack_samples(samples: list[tuple[list[int], list[int]]], max_length: int) ->
         if len(ids) + len(s_ids) > max_length:
             flush()
         ids.extend(s_ids)
-        labels.extend([IGNORE] + s_labels[1:])  # nothing predicts a sample's first token from the one before
+        labels.extend([IGNORE_INDEX] + s_labels[1:])  # nothing predicts a sample's first token from the one before
         pos.extend(range(len(s_ids)))
     flush()
     return rows

@@ -5,7 +5,7 @@ The layout is arithmetic, so any process can compute any window without talking 
 - epoch e reads the split's shards in a seeded order (`permutation(seed, e)`), as one stream of
   N tokens; window j of the epoch is tokens [j*T, j*T + T + 1): T+1 tokens overlapping the next
   window by one, so every token is an input once and a target once (the last window of an epoch
-  may be shorter; its missing targets are -100). M = ceil((N - 1) / T) windows per epoch.
+  may be shorter; its missing targets are IGNORE_INDEX). M = ceil((N - 1) / T) windows per epoch.
 - training reads windows k = 0, 1, 2, ... across epochs (k -> epoch k // M, window k % M); global
   batch g is windows [g*B*R, (g+1)*B*R) and rank r takes its r-th slice of B.
 - DataLoader worker w of W builds the rank's global batches in runs of K (K = prefetch): runs
@@ -14,7 +14,7 @@ The layout is arithmetic, so any process can compute any window without talking 
   is, and the cursor is one number: windows consumed by all ranks (batches the trainer took, not
   ones still waiting in a run).
 
-A batch holds input_ids (B, T) and targets (B, T) (next tokens, -100 = none) and, when asked
+A batch holds input_ids (B, T) and targets (B, T) (next tokens, IGNORE_INDEX = none) and, when asked
 (`within_doc`), position_ids restarting after each EOS: the decoder then keeps attention inside
 documents (a block-diagonal causal mask).
 
@@ -37,10 +37,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from kiln.constants import IGNORE_INDEX
 from kiln.data.shards import ShardSet
 from kiln.errors import KilnError
 
-IGNORE = -100
+IGNORE = IGNORE_INDEX  # the old name, still imported by kiln/train/pretrain.py
 Batch = dict[str, torch.Tensor]
 # (rows, lengths, sizes): rows (N, T+1) of window tokens in the shards' dtype, padded with EOS;
 # lengths (N,) real tokens per row (0 = filler row); sizes: rows per batch, in order, summing to N
@@ -118,7 +119,7 @@ class Windows:
 
 def unpack(pack: Pack, eos_id: int, within_doc: bool, pin_memory: bool = False) -> list[Batch]:
     """A pack's batches, widened to the model's int64: input_ids (EOS past a row's end), targets
-    (-100 where a row has no next token) and, `within_doc`, position_ids. Widened as one array and
+    (IGNORE_INDEX where a row has no next token) and, `within_doc`, position_ids. Widened as one array and
     split into row-slice views, so a pack of several batches costs one conversion (and one pin)."""
     rows, lengths, sizes = pack
     tokens = rows.astype(np.int64)                  # (N, T+1)
@@ -127,7 +128,7 @@ def unpack(pack: Pack, eos_id: int, within_doc: bool, pin_memory: bool = False) 
     if (lengths < T + 1).any():                     # a short last window or filler rows
         real = np.arange(T) < (lengths - 1)[:, None]
         inputs = np.where(real, inputs, eos_id)
-        targets = np.where(real, targets, IGNORE)
+        targets = np.where(real, targets, IGNORE_INDEX)
     whole = {"input_ids": torch.from_numpy(np.ascontiguousarray(inputs)),
              "targets": torch.from_numpy(np.ascontiguousarray(targets))}
     if within_doc:

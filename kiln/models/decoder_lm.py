@@ -4,8 +4,8 @@ A decoder family (llama.py, qwen2.py, ...) gives only its deltas: the config fie
 attention switches (`AttentionSpec`) and the MLP per layer. Module names are HF's, so the key map
 is the identity plus any named tensor steps (e.g. stacked MoE experts).
 
-Loss (with `labels`) is transformers' causal-LM loss: labels shifted left inside the model, -100
-ignored, mean over the rest, in float32.
+Loss (with `labels`) is transformers' causal-LM loss (`common/loss.py`): labels shifted left inside
+the model, IGNORE_INDEX skipped, mean over the rest, in float32.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch.nn import functional as F
 
 from kiln.errors import ConfigError
 from kiln.models.common.decoder import AttentionSpec, Decoder, KVCache
+from kiln.models.common.loss import causal_lm_loss
 from kiln.models.common.moe import load_balancing_loss
 from kiln.models.common.rope import RotaryEmbedding, rope_parameters
 from kiln.models.config import FamilyConfig
@@ -92,13 +93,6 @@ class CausalLMOutput:
     aux_loss: torch.Tensor | None = None
     router_logits: tuple[torch.Tensor, ...] | None = None
     cache: KVCache | None = None
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy of token t+1 given tokens <= t; -100 ignored (the last position never predicts)."""
-    labels = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()  # (B, T)
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.view(-1).to(logits.device),
-                           ignore_index=-100)
 
 
 def _router_logits(decoder: Decoder) -> tuple[torch.Tensor, ...]:

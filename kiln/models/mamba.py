@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 from kiln.errors import ConfigError
 from kiln.models.common.activations import activation
+from kiln.models.common.loss import causal_lm_loss
 from kiln.models.common.norms import RMSNorm
 from kiln.models.common.ssm import SCANS, causal_conv1d
 from kiln.models.config import FamilyConfig
@@ -183,12 +184,6 @@ class MambaBackbone(nn.Module):
         for layer in self.layers:
             x = layer(x, attention_mask)
         return self.norm_f(x)
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean fp32 cross entropy of token t+1 given tokens <= t; -100 ignored (transformers' causal-LM loss)."""
-    labels = F.pad(labels, (0, 1), value=-100)[..., 1:]  # (B, T): the last position predicts nothing
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100)
 
 
 class MambaModel(PreTrainedModel):

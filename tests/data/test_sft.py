@@ -10,7 +10,8 @@ import transformers
 
 from kiln.data.bpe import train_bpe
 from kiln.data.records import read_records
-from kiln.data.sft import IGNORE, encode_conversation, encode_sft, pack_samples
+from kiln.constants import IGNORE_INDEX as IGNORE
+from kiln.data.sft import encode_conversation, encode_sft, pack_samples
 from kiln.errors import KilnError
 from kiln.hub import ChatTemplate
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kiln.constants import IGNORE_INDEX
 from kiln.errors import ConfigError
 
 PROTOTYPE_MODES = ("fixed", "learnable")
@@ -90,7 +91,7 @@ class PrototypeHead(nn.Module):
         p = F.normalize(self.prototypes, dim=-1)  # (K, P); learnable rows drift off the sphere, so renormalise
         return self.scale * (z @ p.T)  # (..., K)
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
         """logits (..., K) from forward, labels (...) class ids -> the mean loss over kept targets."""
         logits, labels = logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1)
         if self.loss_kind == "ce":
