@@ -1,4 +1,5 @@
-"""The verify matrix machinery: the grid, keeping going past a failing cell, the exit status.
+"""The verify matrix machinery: the grid, keeping going past a failing cell, the exit status, and every
+registered family having a tiny config (one without is a failed row, never a missing one).
 
 The full matrix (every family x head) runs in CI as `kiln verify-matrix` from `make test`.
 """
@@ -11,7 +12,10 @@ import re
 from typer.testing import CliRunner
 
 from kiln.cli.main import app
-from kiln.interop.matrix import default_cells
+from kiln.interop import matrix
+from kiln.interop.matrix import default_cells, missing_tiny
+from kiln.interop.tiny import TINY
+from kiln.models.auto import REGISTRY
 
 
 def test_default_cells_cover_every_encoder_family_and_head():
@@ -19,6 +23,26 @@ def test_default_cells_cover_every_encoder_family_and_head():
     for family in ("bert", "roberta", "xlm-roberta", "distilbert"):
         for head in ("base", "sequence-classification", "token-classification", "question-answering", "masked-lm"):
             assert (family, head) in cells
+
+
+def test_every_registered_family_has_a_tiny_config():
+    """A family in the registry without TINY (and SPECIALS) entries cannot be parity-tested or verified."""
+    missing = [why for why in map(missing_tiny, REGISTRY) if why]
+    assert not missing, "\n".join(missing)
+
+
+def test_family_without_a_tiny_config_is_a_failed_row(monkeypatch):
+    """Not silently absent from the grid: every head of the family is a FAIL cell naming what is missing."""
+    monkeypatch.setattr(matrix, "REGISTRY", {"distilbert": REGISTRY["distilbert"]})
+    monkeypatch.delitem(TINY, "distilbert")
+    heads = list(REGISTRY["distilbert"].tasks)
+    assert [(f, h) for f, h, _ in default_cells()] == [("distilbert", h) for h in heads]
+    r = CliRunner().invoke(app, ["verify-matrix"], terminal_width=200)
+    assert r.exit_code == 1, r.output
+    text = " ".join(r.output.split())
+    assert re.search(r"│ distilbert( │ FAIL){%d} │" % len(heads), text), text  # the grid row
+    assert text.count("registered family 'distilbert' has no entry in kiln/interop/tiny.py TINY") == len(heads)
+    assert f"{len(heads)} of {len(heads)} cells failed" in text
 
 
 def test_cells_file_with_a_broken_directory_keeps_going_and_fails(tiny_factory, tmp_path):
