@@ -34,8 +34,10 @@ def run(rank: int, world: int, out: str, name: str, planner_keys: dict, average:
     opt = torch.optim.Adam(net.parameters(), lr=3e-3)
     x, y = data(seed=10 + rank, n=8192)  # each rank its own stream of training rows
     g = torch.Generator().manual_seed(rank)
+    drawn = [0]  # batches this rank really drew, counted here rather than trusted from the stats
 
     def next_batch():
+        drawn[0] += 1
         idx = torch.randint(0, x.shape[0], (BATCH,), generator=g)
         return x[idx], y[idx]
 
@@ -54,7 +56,7 @@ def run(rank: int, world: int, out: str, name: str, planner_keys: dict, average:
         held_out = float(nn.functional.mse_loss(net(hx), hy))
         digest = float(sum(p.double().sum() for p in net.parameters()))
     result = {"wall": stats.wall_seconds, "rounds": stats.rounds, "batches": stats.batches,
-              "plans": stats.plans[:6], "anchors": stats.anchors, "sync_share": stats.sync_share,
+              "plans": stats.plans, "anchors": stats.anchors, "drawn": drawn[0], "sync_share": stats.sync_share,
               "held_out": held_out, "initial": initial, "digest": digest,
               "weights": [p.detach().flatten().tolist() for p in net.parameters()]}
     with open(os.path.join(out, f"{name}-rank{rank}.json"), "w") as f:

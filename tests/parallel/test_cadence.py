@@ -1,8 +1,9 @@
 """Adaptive sync cadence: the planner's rules, exact lockstep fallback, and the slowed-rank race.
 
-With rank 1 sleeping 20 ms per batch, the adaptive run must reach the same number of batches
-sooner than lockstep, with the fast rank running more batches per sync, and end with a held-out
-loss within 10% of lockstep's (averaging parameters, the default). The measured numbers are printed (pytest -s shows them).
+With rank 1 sleeping 20 ms per batch, the adaptive run must spend exactly the batch budget, give
+the unslowed rank more batches, keep every rank within max_staleness batches between syncs, and
+end with a held-out loss within 10% of lockstep's (averaging parameters, the default). None of that
+depends on how loaded the machine is; wall-clock times are printed (pytest -s), never asserted.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from spawn import spawn
 import cadence_workers as cw
 
 TOTAL, DELAY = 200, 0.02
-ADAPTIVE = {"anchor": 1, "max_batch_diff": 8, "max_staleness": 16}
+# max_staleness below anchor + max_batch_diff, so the staleness bound is what caps the fast rank
+ADAPTIVE = {"anchor": 1, "max_batch_diff": 12, "max_staleness": 10}
 
 
 def test_anchor_grows_with_sync_cost_and_respects_staleness():
@@ -62,24 +64,35 @@ def race(tmp_path_factory) -> dict:
 
 
 def test_slow_rank_race(race):
-    lock, fast = race["lockstep-rank0"], race["adaptive-rank0"]
-    grads = race["adaptive-grads-rank0"]
+    """What holds however loaded the machine: counts, bounds and the loss, never a wall-clock ratio."""
+    lock, fast, grads = race["lockstep-rank0"], race["adaptive-rank0"], race["adaptive-grads-rank0"]
     for name, r in (("lockstep", lock), ("adaptive params", fast), ("adaptive grads", grads)):
         print(f"\ncadence {name:16s}: wall {r['wall']:.3f} s, rounds {r['rounds']}, batches per rank {r['batches']}, "
               f"sync share {r['sync_share']:.3f}, held-out mse {r['initial']:.4f} -> {r['held_out']:.4f}")
-    print(f"cadence adaptive/lockstep: wall {fast['wall'] / lock['wall']:.3f}, "
+    print(f"cadence adaptive/lockstep (printed, not asserted): wall {fast['wall'] / lock['wall']:.3f}, "
           f"held-out {fast['held_out'] / lock['held_out']:.3f} (params), {grads['held_out'] / lock['held_out']:.3f} (grads)")
-    assert race["adaptive-rank1"]["digest"] == fast["digest"]  # both ranks end on the same weights
-    assert sum(fast["batches"]) == sum(lock["batches"]) == TOTAL
-    # the fast rank ran more batches per sync (about 9 to 1 on an idle machine; rounds where the anchor
-    # has grown to the staleness bound are even, so a loaded machine gives less)
-    assert fast["batches"][0] > 2 * fast["batches"][1]
-    assert any(plan[0] > plan[1] for plan in fast["plans"])  # the first batch (warm-up) can look slow
-    assert fast["wall"] < 0.6 * lock["wall"]
-    assert lock["held_out"] < 0.8 * lock["initial"]  # it learned something to compare
-    assert fast["held_out"] <= 1.10 * lock["held_out"]
-    # grads mode takes one optimizer step per round (15-21 here, vs 100 in lockstep), so its loss
-    # depends on how many rounds the timing allowed: printed above, only checked to have learned
+    for name in ("lockstep", "adaptive", "adaptive-grads"):
+        r0, r1 = race[f"{name}-rank0"], race[f"{name}-rank1"]
+        assert r1["digest"] == r0["digest"], name  # both ranks end on the same weights
+        assert r1["plans"] == r0["plans"], name    # and planned every round alike
+        # the budget is spent exactly; each rank drew the batches its rounds gave it
+        assert sum(r0["batches"]) == TOTAL and r0["rounds"] == len(r0["plans"]), name
+        assert [sum(col) for col in zip(*r0["plans"])] == r0["batches"], name
+        assert [r0["drawn"], r1["drawn"]] == r0["batches"], name
+    assert lock["plans"] == [[1, 1]] * (TOTAL // 2)
+    for r in (fast, grads):
+        # the staleness bound: no rank ran more than max_staleness batches between two syncs
+        assert max(max(plan) for plan in r["plans"]) <= ADAPTIVE["max_staleness"], r["plans"]
+        assert max(r["anchors"]) <= ADAPTIVE["max_staleness"]
+        # the unslowed rank ran more batches, in total and in some round (round 1 is even: nothing measured yet)
+        assert r["batches"][0] > r["batches"][1], r["batches"]
+        assert any(plan[0] > plan[1] for plan in r["plans"]), r["plans"]
+    assert lock["held_out"] < 0.8 * lock["initial"]  # lockstep learned something to compare with
+    assert abs(fast["held_out"] - lock["held_out"]) <= 0.10 * lock["held_out"]
+    # Params mode lands within 4% of lockstep whatever the rounds look like (simulated: all [1, 1],
+    # [9, 1], [5, 5], [13, 5], [16, 2], [16, 8], [16, 16]). Grads mode takes one optimizer step per
+    # round, so its loss follows how many rounds the timing allowed (at worst every round at the
+    # staleness bound); only checked to have learned.
     assert grads["held_out"] < 0.5 * grads["initial"]
 
 
