@@ -81,7 +81,7 @@ def nanogpt_rate(shards: ShardSet, T: int, B: int, n: int) -> float:
 def model_rate(T: int, B: int, steps: int = 12) -> float:
     """Tokens/s the examples/pretrain_bbc model trains at (its config, fp32, this machine's CPU threads)."""
     from kiln.models.auto import AutoConfig, from_config
-    from kiln.train.pretrain import lm_step
+    from kiln.train.recipes.pretrain import lm_step
 
     cfg = AutoConfig.for_model("qwen3", vocab_size=VOCAB, hidden_size=96, intermediate_size=256, num_hidden_layers=3,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=256,

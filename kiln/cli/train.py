@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import typer
 
 from kiln.errors import KilnError
-
-
-# Named shortcuts for `--set KEY=VALUE`: flag parameter -> the run-config key it sets. Their values go
-# through the same TOML-value reading and pydantic model as --set, so errors read as for the TOML key.
-SHORTCUTS = {"d_model": "model.config.hidden_size", "d_state": "model.config.state_size",
-             "d_conv": "model.config.conv_kernel", "expand": "model.config.expand",
-             "layers": "model.config.num_hidden_layers", "placement": "grow.placement",
-             "target_layers": "grow.target_layers", "grow_at": "grow.at_step", "freeze": "grow.freeze",
-             "freeze_after": "grow.freeze_after", "scale": "hpn.scale", "prototype_mode": "hpn.mode",
-             "proto_dim": "hpn.proto_dim", "objectives": "hpn.objectives"}
-
-
-def _opt(key: str, multiple: bool = False):
-    flag = "--" + next(k for k, v in SHORTCUTS.items() if v == key).replace("_", "-")
-    return typer.Option([] if multiple else None, flag, help=f"Sets {key}" + (" (repeat for several)" if multiple else
-                                                                              "") + "; same as --set " + key + "=...")
 
 
 def train(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."),
@@ -33,34 +18,21 @@ def train(config: Path = typer.Option(..., "--config", "-c", help="The run TOML.
                                                                         "newest complete checkpoint."),
           set_: list[str] = typer.Option([], "--set", help="Override a run-config key: section.key=value "
                                                            "(a TOML value, or a plain string); repeatable."),
-          d_model: Optional[str] = _opt("model.config.hidden_size"),
-          d_state: Optional[str] = _opt("model.config.state_size"),
-          d_conv: Optional[str] = _opt("model.config.conv_kernel"),
-          expand: Optional[str] = _opt("model.config.expand"),
-          layers: Optional[str] = _opt("model.config.num_hidden_layers"),
-          placement: Optional[str] = _opt("grow.placement"),
-          target_layers: Optional[str] = _opt("grow.target_layers"),
-          grow_at: Optional[str] = _opt("grow.at_step"),
-          freeze: list[str] = _opt("grow.freeze", multiple=True),
-          freeze_after: list[str] = _opt("grow.freeze_after", multiple=True),
-          scale: Optional[str] = _opt("hpn.scale"),
-          prototype_mode: Optional[str] = _opt("hpn.mode"),
-          proto_dim: Optional[str] = _opt("hpn.proto_dim"),
-          objectives: Optional[str] = _opt("hpn.objectives")) -> None:
+          **shortcut_values: Any) -> None:
     """Train as a run config says (with --set / named overrides on top); with --resume, pick up exactly
     where RUN_DIR stopped."""
     from kiln.train.config import load_run_config, parse_override
+    from kiln.train.recipes import shortcuts
     from kiln.train.run import build_trainer
 
-    named = locals()
     overrides = [parse_override(arg) for arg in set_]
-    for name, key in SHORTCUTS.items():  # after --set: a named flag wins over a --set of the same key
-        value = named[name]
-        if isinstance(value, list):
+    for s in shortcuts():  # after --set: a named flag wins over a --set of the same key
+        value = shortcut_values.get(s.flag)
+        if s.multiple:
             if value:
-                overrides.append((key, list(value)))
+                overrides.append((s.key, list(value)))
         elif value is not None:
-            overrides.append(parse_override(f"{key}={value}"))
+            overrides.append(parse_override(f"{s.key}={value}"))
     cfg = load_run_config(config, overrides)
     _check_parallel(cfg.parallel)
     trainer = build_trainer(cfg, resume=resume).fit()
@@ -73,6 +45,21 @@ def train(config: Path = typer.Option(..., "--config", "-c", help="The run TOML.
         if trainer.best:
             line += f"; best {trainer.best['checkpoint']}"
         typer.echo(f"{line}; checkpoints in {trainer.out_dir}")
+
+
+def _with_recipe_flags(fn: Callable) -> Callable:
+    """`train` with one option per recipe shortcut (kiln.train.recipes): typer reads the signature."""
+    from kiln.train.recipes import shortcuts
+
+    params = [p for p in inspect.signature(fn).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    for s in shortcuts():
+        flag = "--" + s.flag.replace("_", "-")
+        help_ = f"Sets {s.key}{' (repeat for several)' if s.multiple else ''}; same as --set {s.key}=..."
+        option = typer.Option([] if s.multiple else None, flag, help=help_, rich_help_panel="Recipe shortcuts")
+        params.append(inspect.Parameter(s.flag, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                        annotation=list[str] if s.multiple else Optional[str]))
+    fn.__signature__ = inspect.Signature(params)
+    return fn
 
 
 def _check_parallel(parallel) -> None:
@@ -126,6 +113,6 @@ def plot(run_dir: Path = typer.Argument(..., help="A run directory with metrics.
 
 
 def register(app: typer.Typer) -> None:
-    app.command("train")(train)
+    app.command("train")(_with_recipe_flags(train))
     app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(launch)
     app.command("plot")(plot)

@@ -1,8 +1,8 @@
 """Data in: JSONL/CSV records, task encoders, and a resumable rank-sharded loader."""
 
-from kiln.data.encode import Fields, collect_labels, encode_records
+from kiln.data.encode import Fields, collect_labels, fields_of
 from kiln.data.loader import Loader, pad_collate
 from kiln.data.records import Record, read_records
 
-__all__ = ["Fields", "collect_labels", "encode_records", "Loader", "pad_collate", "Record",
+__all__ = ["Fields", "collect_labels", "fields_of", "Loader", "pad_collate", "Record",
            "read_records"]

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
+from kiln.constants import IGNORE_INDEX
 from kiln.data.records import Record
 from kiln.errors import KilnError
 from kiln.hub import Tokenizer
 
-IGNORE = -100
 Example = dict[str, torch.Tensor]
 
 
@@ -31,19 +31,26 @@ class Fields:
     answers: str = "answers"
 
 
+def fields_of(data: Any) -> Fields:
+    """The field names a [data] section (anything with `text_field`, `label_field`, ... attributes) sets."""
+    return Fields(text=data.text_field, text_pair=data.text_pair_field, label=data.label_field,
+                  tokens=data.tokens_field, question=data.question_field, context=data.context_field,
+                  answers=data.answers_field)
+
+
 def _as_list(value: Any, where: str, name: str) -> list:
     if not isinstance(value, list):
         raise KilnError(f"{where}: field {name!r} must be a list, got {type(value).__name__}")
     return value
 
 
-def collect_labels(records: list[Record], task: str, fields: Fields) -> list[str]:
-    """The sorted set of label names used in the data (for a label set the config does not give)."""
+def collect_labels(records: list[Record], field: str, per_token: bool = False) -> list[str]:
+    """The sorted set of label names used in the data (for a label set the config does not give);
+    `per_token`: each record's `field` is a list of tags."""
     seen: set[str] = set()
     for r in records:
-        value = r.get(fields.label)
-        seen.update(str(v) for v in (_as_list(value, r.where, fields.label) if task == "token-classification"
-                                     else [value]))
+        value = r.get(field)
+        seen.update(str(v) for v in (_as_list(value, r.where, field) if per_token else [value]))
     if all(s.lstrip("-").isdigit() for s in seen):  # integer labels: 2 before 10
         return sorted(seen, key=int)
     return sorted(seen)
@@ -61,47 +68,61 @@ def _tensors(enc: Any) -> Example:
             "token_type_ids": torch.tensor(enc.type_ids, dtype=torch.long)}
 
 
-def encode_records(records: list[Record], task: str, tokenizer: Tokenizer, labels: list[str] | None,
-                   fields: Fields, max_length: int) -> list[Example]:
-    """Tokenize every record for `task`; label names must be in `labels`."""
+def encode_sequence_classification(records: list[Record], tokenizer: Tokenizer, labels: list[str] | None,
+                                   fields: Fields, max_length: int) -> list[Example]:
+    """Text (and text pair) -> ids, the record's label name -> its index in `labels`."""
     label2id = {name: i for i, name in enumerate(labels or [])}
     backend = tokenizer.backend
+    backend.enable_truncation(max_length)
     out: list[Example] = []
     try:
-        if task == "sequence-classification":
-            backend.enable_truncation(max_length)
-            for r in records:
-                text = str(r.get(fields.text))
-                enc = backend.encode(text, str(r.get(fields.text_pair))) if fields.text_pair else backend.encode(text)
-                ex = _tensors(enc)
-                ex["labels"] = torch.tensor(_label_id(r.get(fields.label), label2id, r.where))
-                out.append(ex)
-        elif task == "token-classification":
-            backend.enable_truncation(max_length)
-            for r in records:
-                words = [str(w) for w in _as_list(r.get(fields.tokens), r.where, fields.tokens)]
-                tags = _as_list(r.get(fields.label), r.where, fields.label)
-                if len(tags) != len(words):
-                    raise KilnError(f"{r.where}: {len(words)} tokens but {len(tags)} labels")
-                tag_ids = [_label_id(t, label2id, r.where) for t in tags]
-                enc = backend.encode(words, is_pretokenized=True)
-                ex = _tensors(enc)
-                lab, prev = [], None
-                for wid in enc.word_ids:  # first sub-token of each word carries the word's tag
-                    lab.append(IGNORE if wid is None or wid == prev else tag_ids[wid])
-                    prev = wid
-                ex["labels"] = torch.tensor(lab, dtype=torch.long)
-                out.append(ex)
-        elif task == "question-answering":
-            backend.enable_truncation(max_length, strategy="only_second")
-            for r in records:
-                out.append(_encode_qa(r, backend, fields))
-        else:
-            raise KilnError(f"task {task!r} has no record encoder; use one of sequence-classification, "
-                            "token-classification, question-answering")
+        for r in records:
+            text = str(r.get(fields.text))
+            e = backend.encode(text, str(r.get(fields.text_pair))) if fields.text_pair else backend.encode(text)
+            ex = _tensors(e)
+            ex["labels"] = torch.tensor(_label_id(r.get(fields.label), label2id, r.where))
+            out.append(ex)
     finally:
         backend.no_truncation()
     return out
+
+
+def encode_token_classification(records: list[Record], tokenizer: Tokenizer, labels: list[str] | None,
+                                fields: Fields, max_length: int) -> list[Example]:
+    """Pre-split words and one tag per word; each word's first sub-token carries its tag, the rest are ignored."""
+    label2id = {name: i for i, name in enumerate(labels or [])}
+    backend = tokenizer.backend
+    backend.enable_truncation(max_length)
+    out: list[Example] = []
+    try:
+        for r in records:
+            words = [str(w) for w in _as_list(r.get(fields.tokens), r.where, fields.tokens)]
+            tags = _as_list(r.get(fields.label), r.where, fields.label)
+            if len(tags) != len(words):
+                raise KilnError(f"{r.where}: {len(words)} tokens but {len(tags)} labels")
+            tag_ids = [_label_id(t, label2id, r.where) for t in tags]
+            e = backend.encode(words, is_pretokenized=True)
+            ex = _tensors(e)
+            lab, prev = [], None
+            for wid in e.word_ids:
+                lab.append(IGNORE_INDEX if wid is None or wid == prev else tag_ids[wid])
+                prev = wid
+            ex["labels"] = torch.tensor(lab, dtype=torch.long)
+            out.append(ex)
+    finally:
+        backend.no_truncation()
+    return out
+
+
+def encode_question_answering(records: list[Record], tokenizer: Tokenizer, fields: Fields,
+                              max_length: int) -> list[Example]:
+    """Question + context -> ids; the answer's character span -> start/end token positions."""
+    backend = tokenizer.backend
+    backend.enable_truncation(max_length, strategy="only_second")
+    try:
+        return [_encode_qa(r, backend, fields) for r in records]
+    finally:
+        backend.no_truncation()
 
 
 def _encode_qa(r: Record, backend: Any, fields: Fields) -> Example:

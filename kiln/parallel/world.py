@@ -1,4 +1,5 @@
-"""The few collective operations the Trainer needs, as no-ops in a single process.
+"""Where this process runs (its device, its rank in the world) and the few collective operations the
+Trainer needs, as no-ops in a single process.
 
 torchrun (or `kiln launch`) sets RANK / WORLD_SIZE / LOCAL_RANK; with WORLD_SIZE > 1 we join the
 process group: gloo on CPU, nccl on CUDA.
@@ -12,6 +13,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from kiln.errors import KilnError
 
 
 @dataclass(frozen=True)
@@ -58,3 +61,22 @@ def barrier(world: World) -> None:
     if world.active:
         dist.barrier()
 
+
+
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    """`auto`: cuda (this process's local rank), then mps, then cpu; otherwise the named device."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", local_rank % torch.cuda.device_count())
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise KilnError(f"train.device {name!r} is not a device name (auto, cpu, cuda, cuda:N, mps)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise KilnError(f"train.device is {name!r} but no CUDA device is available here")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    return device

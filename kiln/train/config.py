@@ -1,39 +1,48 @@
 """The run config: one TOML file, every key validated by pydantic (`extra="forbid"`).
 
-Sections follow DESIGN.md: [model], [data], [train], [lora], [parallel]. An unknown or mistyped
-key, a wrong type or a bad value is a `ConfigError` naming the file, the section.key and, for
-unknown keys, the line it sits on.
+The core sections are [model], [data], [train], [lora] and [parallel]; each recipe extension adds its
+own table ([hpn], [grow], ...: kiln.train.recipes), joined into the schema by `run_config_model()`.
+An unknown or mistyped key, a wrong type or a bad value is a `ConfigError` naming the file, the
+section.key and, for unknown keys, the line it sits on.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model, field_validator, model_validator
 
 from kiln.errors import ConfigError
+from kiln.models.tasks import SEQUENCE_CLASSIFICATION, get_task
 
-TASKS = ("sequence-classification", "token-classification", "question-answering", "masked-lm")
 
-
-class _Section(BaseModel):
+class Section(BaseModel):
+    """A TOML table: unknown keys are errors, assignments are validated."""
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class ModelSection(_Section):
+class ModelSection(Section):
     path: str | None = None            # an HF model directory; or family + config to build from scratch
     family: str | None = None
     config: dict[str, Any] = {}        # family config fields when building from scratch
     tokenizer: str | None = None       # a directory with tokenizer files, for a model built from scratch
-    task: Literal["sequence-classification", "token-classification", "question-answering", "masked-lm",
-                  "causal-lm"] = "sequence-classification"
+    task: str = SEQUENCE_CLASSIFICATION  # a name from kiln.models.tasks.TASKS
     num_labels: int | None = None
     labels: list[str] | None = None    # label names; default: read from the training data, sorted
     init_seed: int = 0                 # seed for freshly initialised weights (heads, scratch models)
+
+    @field_validator("task")
+    @classmethod
+    def _task(cls, value: str) -> str:
+        try:
+            return get_task(value, "model.task")
+        except ConfigError as e:
+            raise ValueError(str(e).removeprefix("model.task: ")) from None
 
     @model_validator(mode="after")
     def _source(self) -> "ModelSection":
@@ -44,7 +53,7 @@ class ModelSection(_Section):
         return self
 
 
-class DataSection(_Section):
+class DataSection(Section):
     train: str
     eval: str | None = None
     format: Literal["auto", "jsonl", "csv"] = "auto"
@@ -72,7 +81,7 @@ class DataSection(_Section):
         return self
 
 
-class TrainSection(_Section):
+class TrainSection(Section):
     out_dir: str = "runs/run"
     seed: int = 42
     steps: int | None = None
@@ -118,7 +127,7 @@ class TrainSection(_Section):
         return self
 
 
-class LoraSection(_Section):
+class LoraSection(Section):
     r: int = 16
     alpha: float = 32
     dropout: float = 0.0
@@ -126,7 +135,7 @@ class LoraSection(_Section):
     use_rslora: bool = False             # scaling alpha / sqrt(r) instead of alpha / r
 
 
-class CadenceSection(_Section):
+class CadenceSection(Section):
     """Adaptive sync cadence for mixed devices (kiln.parallel.cadence); present = on."""
     anchor: int = 1                      # batches per sync of the slowest rank, to start with; then tuned
     target_sync_share: float = 0.1       # the anchor grows until syncing takes at most this share of the time
@@ -146,7 +155,7 @@ class CadenceSection(_Section):
         return self
 
 
-class ParallelSection(_Section):
+class ParallelSection(Section):
     """Degrees multiply to the world size (dp 0 = what is left); kiln.parallel.mesh checks them at launch."""
     dp: int = 0          # 0: the world size / (tp * ep)
     tp: int = 1          # tensor parallel: attention heads and MLP columns split over tp ranks
@@ -176,68 +185,22 @@ class ParallelSection(_Section):
         return self
 
 
-class HpnSection(_Section):
-    """A hyperspherical prototype head over the vocabulary on top of the causal LM (kiln.models.hpn)."""
-    proto_dim: int | None = None       # default: the model's hidden size
-    scale: float = 10.0
-    mode: Literal["fixed", "learnable"] = "fixed"
-    loss: Literal["ce", "cosine"] = "cosine"
-    spread_steps: int = 300
-    lm_loss: bool = True               # keep the LM head's loss as a second objective
-    objectives: Literal["sum", "pcgrad", "gradnorm", "cagrad"] = "sum"
-
-
-# The shapes of grow.placement and the freeze policies; kiln.train.grow checks the indices against
-# the layer counts, which only the built model knows. Checked here so a typo fails before step 1.
-_PLACEMENT = re.compile(r"append|prepend|insert:\d+|specific:\d+(,\d+)*")
-_FREEZE = re.compile(r"embeddings|(first|last):\d+|layers:\d+(,\d+)*")
-
-
-class GrowSection(_Section):
-    """Staged expansion (kiln.train.grow): grow after `at_step` optimizer steps."""
-    at_step: int
-    target_layers: int
-    placement: str = "append"          # append, prepend, insert:N, specific:i,j,...
-    freeze: list[str] = []             # from the start: first:N, last:N, layers:i,j, embeddings
-    freeze_after: list[str] = []       # applied to the grown stack
-
-    @field_validator("placement")
-    @classmethod
-    def _placement(cls, value: str) -> str:
-        if not _PLACEMENT.fullmatch(value):
-            raise ValueError(f"{value!r} is not a placement: use append, prepend, insert:N or specific:i,j,...")
-        return value
-
-    @field_validator("freeze", "freeze_after")
-    @classmethod
-    def _freeze(cls, value: list[str]) -> list[str]:
-        bad = [v for v in value if not _FREEZE.fullmatch(v)]
-        if bad:
-            raise ValueError(f"{bad[0]!r} is not a freeze policy: use first:N, last:N, layers:i,j,... or embeddings")
-        return value
-
-    @model_validator(mode="after")
-    def _check(self) -> "GrowSection":
-        if self.at_step < 1 or self.target_layers < 1:
-            raise ValueError(f"grow.at_step and grow.target_layers must be >= 1, got {self.at_step} and "
-                             f"{self.target_layers}")
-        return self
-
-
-class RunConfig(_Section):
+class RunConfig(Section):
+    """The core tables; `run_config_model()` adds one optional table per recipe extension."""
     model: ModelSection
     data: DataSection
     train: TrainSection
-    hpn: HpnSection | None = None
-    grow: GrowSection | None = None
     lora: LoraSection | None = None
     parallel: ParallelSection = ParallelSection()
 
-    def fingerprint(self) -> dict[str, Any]:
-        """What a resume must not change: model source and shape, data source, dtype."""
-        return {"model": self.model.model_dump(mode="json"),
-                "data": {"train": self.data.train, "max_length": self.data.max_length},
-                "precision": self.train.precision}
+
+@functools.cache
+def run_config_model() -> type[RunConfig]:
+    """RunConfig plus an optional table for each registered extension (kiln.train.recipes.EXTENSIONS)."""
+    from kiln.train.recipes import EXTENSIONS
+
+    tables: dict[str, Any] = {name: (ext.schema | None, None) for name, ext in EXTENSIONS.items()}
+    return create_model("RunConfig", __base__=RunConfig, __module__=__name__, **tables)
 
 
 def _line_of(text: str, section: str | None, key: str) -> int | None:
@@ -286,7 +249,7 @@ def parse_run_config(data: dict[str, Any], source: str = "run config", text: str
     """Validate a parsed run config; errors name `source` (or the command line for `overridden` keys),
     the key and (given `text`) its line."""
     try:
-        return RunConfig.model_validate(data)
+        return run_config_model().model_validate(data)
     except ValidationError as e:
         problems = []
         for err in e.errors():

@@ -37,18 +37,27 @@ from torch.nn.parallel import DistributedDataParallel
 from kiln.data.loader import Loader
 from kiln.errors import ConfigError, KilnError
 from kiln.hub.config import write_json_atomic
+from kiln.parallel.grads import clip_grad_norm as dist_clip_grad_norm
+from kiln.parallel.world import World, all_reduce_sum, barrier, gather_objects, init_world, pick_device
 from kiln.train import checkpoint as ckpt
 from kiln.train import plans
 from kiln.train.config import ParallelSection, TrainSection
-from kiln.parallel.grads import clip_grad_norm as dist_clip_grad_norm
-from kiln.parallel.world import World, all_reduce_sum, barrier, gather_objects, init_world
 from kiln.train.metrics import MetricsLog, ProgressBar
-from kiln.train.multiobjective import GradientCombiner
 from kiln.train.optim import OptimizerFactory, adamw, freeze, lr_factor, param_groups, set_lr
 from kiln.train.resume import check_fingerprint, model_fingerprint
-from kiln.train.tasks import StepFn, as_sum_and_count, default_evaluate, default_step, pick_device
+from kiln.train.steps import StepFn, as_sum_and_count, default_evaluate, default_step
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _Window:
+    """What one optimizer step's micro-batches add up: loss sum, unit count, tokens, per-objective losses."""
+
+    def __init__(self, device: torch.device):
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.count = torch.zeros((), dtype=torch.float64, device=device)
+        self.tokens = 0
+        self.objectives: dict[str, float] = {}
 
 
 class Callback:
@@ -69,7 +78,7 @@ class Trainer:
                  evaluate: Callable[["Trainer"], dict[str, float]] | None = None,
                  callbacks: Sequence[Callback] = (), args: TrainSection | None = None,
                  resume: str | Path | None = None, run_config: dict | None = None,
-                 objectives: GradientCombiner | None = None, parallel: ParallelSection | None = None,
+                 objectives: Any = None, parallel: ParallelSection | None = None,
                  data_fingerprint: dict | None = None, **overrides: Any):
         try:
             self.args = TrainSection(**{**(args.model_dump() if args else {}), **overrides})
@@ -80,7 +89,8 @@ class Trainer:
         self.step_fn = step or default_step
         self.evaluate_fn = evaluate
         self.callbacks = list(callbacks)
-        self.objectives = objectives or GradientCombiner("sum")  # when a step returns {name: loss}
+        # Combines the losses of a step that returns {name: loss} (kiln.train.multiobjective); None: their sum.
+        self.objectives = objectives
         self.resume = Path(resume) if resume is not None else None
         self.run_config = run_config or {"train": self.args.model_dump(mode="json")}
         self.data_fingerprint = data_fingerprint or {}
@@ -169,7 +179,7 @@ class Trainer:
         else:
             self.optimizer.load_state_dict(ckpt.load_optimizer_state(path))
         self.step, self.skipped = state["step"], state["skipped"]
-        if state.get("objectives"):
+        if state.get("objectives") and self.objectives is not None:
             self.objectives.load_state_dict(state["objectives"])
         self.best, self.evals_since_best = state["best"], state["evals_since_best"]
         self.loader.load_state_dict(state["data"])
@@ -215,44 +225,64 @@ class Trainer:
             cb.on_end(self)
         return self
 
+    # One optimizer step = grad_accum micro-steps, then reduce-and-clip, then the guarded update.
     def _train_step(self) -> dict[str, Any]:
-        a, model = self.args, self.model
         t0 = time.perf_counter()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        count = torch.zeros((), dtype=torch.float64, device=self.device)
-        tokens = 0
-        objectives: dict[str, float] = {}  # per-objective loss summed over micro-batches, for the record
-        for micro in range(a.grad_accum):
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in self.loader.next_batch().items()}
-            tokens += int(batch["attention_mask"].sum()) if "attention_mask" in batch else \
-                batch["input_ids"].numel() if "input_ids" in batch else 0  # packed rows: no padding
-            # Only the last micro-batch reduces gradients (DDP, FSDP); the others accumulate locally.
-            sync = micro == a.grad_accum - 1 or not self.world.active
-            if self.plan is not None and self.plan.fsdp:
-                model.set_requires_gradient_sync(sync)
-            no_sync = not sync and isinstance(model, DistributedDataParallel)
-            with (model.no_sync() if no_sync else contextlib.nullcontext()), self.autocast():
-                result = self.step_fn(model, batch)
-            if isinstance(result, dict):  # several objectives: combine their gradients (one unit per micro-batch)
-                if self.scaler is not None or self.world.active:
-                    raise KilnError("a step returning several losses supports neither fp16 nor several processes yet")
-                part = self.objectives.backward(result, list(model.parameters()), self.step)
-                for name, value in result.items():
-                    objectives[name] = objectives.get(name, 0.0) + float(value.detach())
-                n = torch.ones((), dtype=torch.float64)
-            else:
-                part, n = as_sum_and_count(result, batch)
-                (self.scaler.scale(part) if self.scaler else part).backward()
-            loss_sum += part.detach().to(torch.float64)
-            count += n.to(self.device)
+        window = _Window(self.device)
+        for micro in range(self.args.grad_accum):
+            self._micro_step(window, last=micro == self.args.grad_accum - 1)
+        loss, grad_norm = self._reduce_and_clip(window)
+        lr = set_lr(self.optimizer, self.base_lrs, lr_factor(self.step, self.total_steps, self.args.warmup_steps,
+                                                             self.args.schedule, self.args.min_lr_ratio))
+        self._update(loss, grad_norm)
+        self.step += 1
+        return self._record(window, loss, grad_norm, lr, time.perf_counter() - t0)
+
+    def _sync_context(self, last: bool) -> contextlib.AbstractContextManager:
+        """Only the window's last micro-batch reduces gradients (DDP, FSDP); the others accumulate locally."""
+        sync = last or not self.world.active
+        if self.plan is not None and self.plan.fsdp:
+            self.model.set_requires_gradient_sync(sync)
+        if not sync and isinstance(self.model, DistributedDataParallel):
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def _micro_step(self, window: "_Window", last: bool) -> None:
+        """Forward and backward of one micro-batch, under the right sync context; sums into `window`."""
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in self.loader.next_batch().items()}
+        window.tokens += int(batch["attention_mask"].sum()) if "attention_mask" in batch else \
+            batch["input_ids"].numel() if "input_ids" in batch else 0  # packed rows: no padding
+        with self._sync_context(last), self.autocast():
+            result = self.step_fn(self.model, batch)
+        if isinstance(result, dict):  # several objectives: combine their gradients (one unit per micro-batch)
+            part, n = self._backward_objectives(result, window), torch.ones((), dtype=torch.float64)
+        else:
+            part, n = as_sum_and_count(result, batch)
+            (self.scaler.scale(part) if self.scaler else part).backward()
+        window.loss_sum += part.detach().to(torch.float64)
+        window.count += n.to(self.device)
+
+    def _backward_objectives(self, losses: dict[str, torch.Tensor], window: "_Window") -> torch.Tensor:
+        if self.scaler is not None or self.world.active:
+            raise KilnError("a step returning several losses supports neither fp16 nor several processes yet")
+        for name, value in losses.items():
+            window.objectives[name] = window.objectives.get(name, 0.0) + float(value.detach())
+        if self.objectives is not None:
+            return self.objectives.backward(losses, list(self.model.parameters()), self.step)
+        total = sum(losses[name] for name in sorted(losses))
+        total.backward()
+        return total.detach()
+
+    def _reduce_and_clip(self, window: "_Window") -> tuple[float, float]:
+        """Sum the window over ranks, turn gradients into the mean over every unit, clip; (loss, grad norm)."""
         if self.plan is not None:
             self.plan.sync_gradients()  # tp with dp > 1, and ep: neither DDP nor FSDP averages these
         # tp ranks add identical copies of their group's sums: loss_sum / count is unchanged by them.
-        totals = all_reduce_sum(torch.stack([loss_sum, count]), self.world)
+        totals = all_reduce_sum(torch.stack([window.loss_sum, window.count]), self.world)
         loss = float(totals[0] / totals[1])
         # Gradients now hold the mean over the data shards of each shard's summed-unit gradient; turn that
         # into the mean over every unit. totals[1] counts every unit tp times, and world = shards * tp.
-        params = [p for p in model.parameters() if p.grad is not None]
+        params = [p for p in self.model.parameters() if p.grad is not None]
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         scale = self.world.size / float(totals[1])
@@ -261,11 +291,13 @@ class Trainer:
                 p.grad.mul_(scale)
         else:
             torch._foreach_mul_([p.grad for p in params], scale)
-        clip = a.clip_grad_norm if a.clip_grad_norm else float("inf")
+        clip = self.args.clip_grad_norm if self.args.clip_grad_norm else float("inf")
         grad_norm = float(dist_clip_grad_norm(params, clip) if self.sharded
                           else torch.nn.utils.clip_grad_norm_(params, clip))
-        lr = set_lr(self.optimizer, self.base_lrs, lr_factor(self.step, self.total_steps, a.warmup_steps,
-                                                             a.schedule, a.min_lr_ratio))
+        return loss, grad_norm
+
+    def _update(self, loss: float, grad_norm: float) -> None:
+        """The optimizer step, unless the guard finds the loss or the gradient non-finite."""
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite or (self.scaler is not None and math.isfinite(loss)):
             # fp16 overflow with a finite loss is the scaler's business: it skips and lowers the scale.
@@ -277,12 +309,13 @@ class Trainer:
         else:
             self._non_finite(loss, grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        dt = time.perf_counter() - t0
+
+    def _record(self, window: "_Window", loss: float, grad_norm: float, lr: float, dt: float) -> dict[str, Any]:
+        a = self.args
         samples = a.batch_size * a.grad_accum * self.data_shards  # tp ranks of a group read the same batch
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "epoch": self.loader.epoch,
-                "samples_per_s": samples / dt, "tokens_per_s": tokens * self.data_shards / dt,
-                "skipped": self.skipped, **{f"loss_{k}": v / a.grad_accum for k, v in sorted(objectives.items())}}
+                "samples_per_s": samples / dt, "tokens_per_s": window.tokens * self.data_shards / dt,
+                "skipped": self.skipped, **{f"loss_{k}": v / a.grad_accum for k, v in sorted(window.objectives.items())}}
 
     def _non_finite(self, loss: float, grad_norm: float) -> None:
         what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}"
@@ -348,7 +381,7 @@ class Trainer:
                      "evals_since_best": self.evals_since_best, "data": self.loader.state_dict(),
                      "epoch": self.loader.epoch, "fingerprint": self.fingerprint, "run_config": self.run_config,
                      "scaler": self.scaler.state_dict() if self.scaler else None, "eval": self.last_eval,
-                     "objectives": self.objectives.state_dict()}
+                     "objectives": self.objectives.state_dict() if self.objectives is not None else None}
         if self.sharded:  # every rank writes its own shards
             path = plans.save_sharded_checkpoint(self.out_dir, self.step, self.model, self.optimizer, state, rngs)
         if self.world.main:

@@ -12,7 +12,7 @@ from kiln.models.auto import from_config
 from kiln.train import Callback, Trainer
 from kiln.train.checkpoint import verify_checkpoint
 from kiln.train.metrics import read_metrics
-from kiln.train.tasks import default_step
+from kiln.train.steps import default_step
 
 from train_helpers import tiny_config
 

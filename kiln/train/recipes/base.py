@@ -1,0 +1,89 @@
+"""What a recipe is: the plug-in shape every kind of run (`fine-tune`, `sft`, `pretrain`) and every
+recipe extension (`[hpn]`, `[grow]`, ...) takes.
+
+A `Recipe` turns a validated run config into `RunParts` (model, data, step, eval, callbacks,
+fingerprint); exactly one recipe runs, the first whose `matches(cfg)` is true. An `Extension` owns
+one TOML table (present = on), may check the built model, and then changes the parts (wraps the model,
+swaps the step, adds callbacks). Both may contribute `kiln train` flags (`Shortcut`s for `--set`).
+`kiln.train.run.build_trainer` is the only caller; the Trainer, the core config and the CLI name none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kiln.errors import ConfigError
+from kiln.hub import Tokenizer
+from kiln.models.auto import AutoConfig, from_config, load_pretrained
+from kiln.train.config import Section
+
+
+@dataclass(frozen=True)
+class Shortcut:
+    """A named `kiln train` flag that sets one run-config key (`--d-model 64` = `--set model.config.hidden_size=64`)."""
+    flag: str                      # python name; the flag is --flag-with-dashes
+    key: str                       # dotted run-config key
+    multiple: bool = False         # repeatable, collected into a list
+
+
+@dataclass
+class RunParts:
+    """Everything the Trainer is made from; extensions may change any of it."""
+    model: Any
+    data: Any
+    eval_data: Any = None
+    step: Callable | None = None                   # None: the task's own loss
+    evaluate: Callable | None = None               # None: the task's eval over eval_data
+    callbacks: list = field(default_factory=list)
+    objectives: Any = None                         # combines a step's several losses (None: their sum)
+    fingerprint: dict = field(default_factory=dict)  # what a resume must find unchanged about the data
+
+
+class Recipe:
+    name = ""
+    summary = ""
+    shortcuts: tuple[Shortcut, ...] = ()
+
+    def matches(self, cfg: Any) -> bool:
+        raise NotImplementedError
+
+    def build(self, cfg: Any, on_model: Callable[[Any], None]) -> RunParts:
+        """Model (call `on_model(model)` as soon as it exists, before data work) and data for `cfg`."""
+        raise NotImplementedError
+
+
+class Extension:
+    section = ""                              # the TOML table it owns
+    schema: type[Section] = Section
+    summary = ""
+    shortcuts: tuple[Shortcut, ...] = ()
+    recipes: tuple[str, ...] = ()             # the recipes it can extend
+
+    def check(self, cfg: Any, recipe: Recipe) -> None:
+        if recipe.name not in self.recipes:
+            raise ConfigError(f"[{self.section}] extends the {' / '.join(self.recipes)} recipe(s); this run config "
+                              f"is a {recipe.name} run")
+
+    def on_model(self, cfg: Any, model: Any) -> None:
+        """The built model, before any data is read: refuse what cannot work on it."""
+
+    def extend(self, cfg: Any, parts: RunParts) -> None:
+        raise NotImplementedError
+
+
+def build_model(cfg: Any, labels: list[str] | None) -> Any:
+    """The [model] section's model: loaded from model.path, or built from model.family + config."""
+    m = cfg.model
+    changes: dict[str, Any] = {"labels": labels} if labels else {}
+    if m.path is not None:
+        return load_pretrained(m.path, task=m.task, seed=m.init_seed, **changes)
+    config = AutoConfig.for_model(m.family, **m.config)
+    if labels:
+        config.set_labels(labels)
+    model = from_config(config, task=m.task, seed=m.init_seed)
+    if m.tokenizer is None:
+        raise ConfigError("model.family builds a model from scratch; set model.tokenizer to a directory "
+                          "with tokenizer.json or vocab.txt")
+    model.tokenizer = Tokenizer.from_dir(m.tokenizer)
+    return model

@@ -1,0 +1,66 @@
+"""fine-tune: a model's task head trained on labelled records (JSONL/CSV): sequence or token
+classification, extractive QA. The task encodes the records; the label set comes from the config,
+the source checkpoint's head, or the data (sorted)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from kiln.data import read_records
+from kiln.errors import ConfigError, KilnError
+from kiln.hub.files import file_sha256
+from kiln.models.auto import load_config
+from kiln.models.tasks import Task, get_task
+from kiln.train.recipes.base import Recipe, RunParts, build_model
+
+
+def label_set(cfg: Any, task: Task, train_records: list) -> list[str] | None:
+    """The labels a run trains: model.labels, else the source head's own (same task), else the data's."""
+    if task.label_kind is None:
+        return None
+    found = task.collect_labels(train_records, cfg.data.label_field)
+    if cfg.model.labels is not None:
+        return list(cfg.model.labels)  # data labels outside this set are reported per line when encoding
+    if cfg.model.path is not None and cfg.model.num_labels is None:
+        _, config, source_task = load_config(cfg.model.path)
+        if source_task == task and config.id2label:
+            return config.labels  # continuing a trained head: keep its label set and order
+    if cfg.model.num_labels is not None and cfg.model.num_labels != len(found):
+        raise ConfigError(f"model.num_labels is {cfg.model.num_labels} but {cfg.data.train} uses "
+                          f"{len(found)} labels: {', '.join(found)}; set model.labels to name them")
+    return found
+
+
+class FineTune(Recipe):
+    name = "fine-tune"
+    summary = "a task head on labelled records (classification, token tags, QA)"
+
+    def matches(self, cfg: Any) -> bool:
+        return True  # the fallback: records in, the task's own encoding
+
+    def fingerprint(self, cfg: Any, labels: list[str] | None) -> dict:
+        d = cfg.data
+        return {"train": str(d.train), "train_sha256": file_sha256(d.train), "max_length": d.max_length,
+                "labels": labels}
+
+    def build(self, cfg: Any, on_model: Callable[[Any], None]) -> RunParts:
+        d = cfg.data
+        task = get_task(cfg.model.task, "model.task")
+        train_records = read_records(d.train, d.format)
+        eval_records = read_records(d.eval, d.format) if d.eval else None
+        labels = label_set(cfg, task, train_records)
+        model = build_model(cfg, labels)
+        on_model(model)
+        if model.tokenizer is None:
+            raise KilnError(f"{cfg.model.path}: no tokenizer files (tokenizer.json or vocab.txt) in the model directory")
+        if cfg.lora is not None:
+            from kiln.models.common.lora import LoraConfig, apply_lora
+
+            lora = cfg.lora
+            apply_lora(model, LoraConfig(lora.r, lora.alpha, lora.dropout, lora.targets, lora.use_rslora))
+        train = task.encode(train_records, model.tokenizer, labels, d, "train")
+        evals = task.encode(eval_records, model.tokenizer, labels, d, "eval") if eval_records else None
+        return RunParts(model, train, eval_data=evals, fingerprint=self.fingerprint(cfg, labels))
+
+
+RECIPE = FineTune()

@@ -1,0 +1,71 @@
+"""[grow]: staged expansion of the layer stack during a run (kiln.train.grow): new layers placed as
+`placement` says after `at_step` optimizer steps, freezing policies before and after."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import field_validator, model_validator
+
+from kiln.train.config import Section
+from kiln.train.recipes.base import Extension, RunParts, Shortcut
+
+# The shapes of grow.placement and the freeze policies; kiln.train.grow checks the indices against
+# the layer counts, which only the built model knows. Checked here so a typo fails before step 1.
+_PLACEMENT = re.compile(r"append|prepend|insert:\d+|specific:\d+(,\d+)*")
+_FREEZE = re.compile(r"embeddings|(first|last):\d+|layers:\d+(,\d+)*")
+
+
+class GrowSection(Section):
+    """Staged expansion (kiln.train.grow): grow after `at_step` optimizer steps."""
+    at_step: int
+    target_layers: int
+    placement: str = "append"          # append, prepend, insert:N, specific:i,j,...
+    freeze: list[str] = []             # from the start: first:N, last:N, layers:i,j, embeddings
+    freeze_after: list[str] = []       # applied to the grown stack
+
+    @field_validator("placement")
+    @classmethod
+    def _placement(cls, value: str) -> str:
+        if not _PLACEMENT.fullmatch(value):
+            raise ValueError(f"{value!r} is not a placement: use append, prepend, insert:N or specific:i,j,...")
+        return value
+
+    @field_validator("freeze", "freeze_after")
+    @classmethod
+    def _freeze(cls, value: list[str]) -> list[str]:
+        bad = [v for v in value if not _FREEZE.fullmatch(v)]
+        if bad:
+            raise ValueError(f"{bad[0]!r} is not a freeze policy: use first:N, last:N, layers:i,j,... or embeddings")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> "GrowSection":
+        if self.at_step < 1 or self.target_layers < 1:
+            raise ValueError(f"grow.at_step and grow.target_layers must be >= 1, got {self.at_step} and "
+                             f"{self.target_layers}")
+        return self
+
+
+class Grow(Extension):
+    section = "grow"
+    schema = GrowSection
+    summary = "grow the layer stack at a step (append/prepend/insert/specific), freeze policies"
+    recipes = ("pretrain",)
+    shortcuts = (Shortcut("placement", "grow.placement"), Shortcut("target_layers", "grow.target_layers"),
+                 Shortcut("grow_at", "grow.at_step"), Shortcut("freeze", "grow.freeze", multiple=True),
+                 Shortcut("freeze_after", "grow.freeze_after", multiple=True))
+
+    def on_model(self, cfg: Any, model: Any) -> None:
+        from kiln.train.grow import find_layers, new_layer_slots
+
+        new_layer_slots(cfg.grow.placement, len(find_layers(model)[1]), cfg.grow.target_layers)
+
+    def extend(self, cfg: Any, parts: RunParts) -> None:
+        from kiln.train.grow import GrowthCallback, GrowthPlan
+
+        parts.callbacks.append(GrowthCallback(GrowthPlan(**cfg.grow.model_dump(), seed=cfg.train.seed)))
+
+
+EXTENSION = Grow()

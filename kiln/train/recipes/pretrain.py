@@ -1,0 +1,127 @@
+"""pretrain: next-token loss on packed windows of `kiln tokenize` shards, held-out loss and perplexity.
+
+`kiln train` runs it when `data.train` is a shard directory. From Python:
+
+    from kiln.data.shards import ShardSet
+    from kiln.data.stream import StreamLoader, Windows
+    from kiln.train import Trainer
+    from kiln.train.recipes.pretrain import lm_step
+
+    loader = StreamLoader(Windows(ShardSet("shards", "train"), seq_len=256), batch_size=8, num_workers=2)
+    Trainer(model, loader, step=lm_step, steps=1000, out_dir="runs/lm").fit()
+
+The stream's cursor is the loader's `state_dict()`, so it rides in every checkpoint (trainer.json)
+and in RUN_DIR/run_state.json; a resumed run reads exactly the windows an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from kiln.data.shards import MANIFEST, ShardSet, check_tokenizer, tokenizer_digest
+from kiln.data.stream import EpochStream, StreamLoader, Windows, data_loader
+from kiln.errors import ConfigError
+from kiln.hub.files import file_sha256
+from kiln.models.common.loss import lm_loss_sum
+from kiln.models.tasks import CAUSAL_LM
+from kiln.parallel.world import all_reduce_sum
+from kiln.train.plans import data_shard
+from kiln.train.recipes.base import Recipe, RunParts, Shortcut, build_model
+
+
+def is_shard_dir(path: str | None) -> bool:
+    return path is not None and (Path(path) / MANIFEST).is_file()
+
+
+def lm_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed next-token cross entropy, number of real targets) for one stream batch."""
+    out = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"))
+    return lm_loss_sum(out.logits, batch["targets"])  # targets (B, T) are already shifted
+
+
+@torch.no_grad()
+def evaluate_windows(trainer: Any, windows: Windows, batch_size: int) -> dict[str, float]:
+    """Loss per target token over one pass of `windows` (all ranks together) and its perplexity.
+
+    A model wrapping an LM (`.inner`, e.g. PrototypeModel) is scored on its own logits (eval_loss) and on
+    the inner LM head's (eval_lm_loss), so both objectives of a multi-objective run have a held-out curve."""
+    model, world = trainer.model, trainer.world
+    scored = {"eval_": model}
+    inner = getattr(trainer.unwrapped(), "inner", None)
+    if inner is not None:
+        scored["eval_lm_"] = inner
+    model.eval()
+    sums = torch.zeros(len(scored), 2, dtype=torch.float64)
+    # tp ranks of one group read the same windows; their duplicate sums leave the ratio unchanged
+    for batch in data_loader(EpochStream(windows, batch_size, trainer.data_rank, trainer.data_shards)):
+        batch = {k: v.to(trainer.device) for k, v in batch.items()}
+        for i, m in enumerate(scored.values()):
+            with trainer.autocast():
+                loss_sum, count = lm_step(m, batch)
+            sums[i] += torch.tensor([float(loss_sum), float(count)], dtype=torch.float64)
+    model.train()
+    sums = all_reduce_sum(sums.to(trainer.device), world).cpu()
+    out = {}
+    for (prefix, _), (total, count) in zip(scored.items(), sums.tolist()):
+        loss = total / max(count, 1.0)
+        out[f"{prefix}loss"], out[f"{prefix}ppl"] = loss, math.exp(loss) if loss < 700 else float("inf")
+    return out
+
+
+def _open(path: str, split: str, digest: str, source: str, vocab_size: int) -> ShardSet:
+    shards = ShardSet(path, split)
+    check_tokenizer(path, shards.manifest, digest, source)
+    if shards.vocab_size > vocab_size:
+        raise ConfigError(f"{Path(path) / MANIFEST}: token ids go up to {shards.vocab_size - 1} but the model's "
+                          f"vocab_size is {vocab_size}; set model.config.vocab_size >= {shards.vocab_size}")
+    return shards
+
+
+class Pretrain(Recipe):
+    name = "pretrain"
+    summary = "a causal LM (or Mamba) on `kiln tokenize` token shards"
+    # Sizes of a model built from scratch (model.family + model.config), the usual knobs of a pre-training sweep.
+    shortcuts = (Shortcut("d_model", "model.config.hidden_size"), Shortcut("d_state", "model.config.state_size"),
+                 Shortcut("d_conv", "model.config.conv_kernel"), Shortcut("expand", "model.config.expand"),
+                 Shortcut("layers", "model.config.num_hidden_layers"))
+
+    def matches(self, cfg: Any) -> bool:
+        return is_shard_dir(cfg.data.train)
+
+    def build(self, cfg: Any, on_model: Callable[[Any], None]) -> RunParts:
+        d = cfg.data
+        if cfg.model.task != CAUSAL_LM:
+            raise ConfigError(f"data.train {d.train} is a token shard directory, which only model.task = "
+                              f"{CAUSAL_LM!r} reads (not {cfg.model.task!r})")
+        if cfg.lora is not None:
+            raise ConfigError("[lora] is for fine-tuning; pre-training from token shards trains every weight")
+        if d.eval is not None and not is_shard_dir(d.eval):
+            raise ConfigError(f"data.eval {d.eval} must be a token shard directory too (data.train is one)")
+        model = build_model(cfg, None)
+        on_model(model)
+        source = cfg.model.tokenizer or cfg.model.path
+        digest = tokenizer_digest(model.tokenizer.backend.to_str())
+        vocab = model.config.vocab_size
+        train = Windows(_open(d.train, d.train_split, digest, source, vocab), d.max_length, seed=cfg.train.seed,
+                        within_doc=d.within_doc)
+        rank, shards = data_shard(cfg.parallel, int(os.environ.get("RANK", "0")),
+                                  int(os.environ.get("WORLD_SIZE", "1")))
+        loader = StreamLoader(train, cfg.train.batch_size, rank=rank, world_size=shards, num_workers=d.num_workers,
+                              prefetch=d.prefetch)
+        evaluate = None
+        if d.eval is not None:
+            held_out = Windows(_open(d.eval, d.eval_split, digest, source, vocab), d.max_length, shuffle=False,
+                               within_doc=d.within_doc)
+            evaluate = lambda trainer: evaluate_windows(trainer, held_out, cfg.train.batch_size)  # noqa: E731
+        fingerprint = {"train": str(d.train), "manifest_sha256": file_sha256(Path(d.train) / MANIFEST),
+                       "split": d.train_split, "seq_len": d.max_length, "within_doc": d.within_doc}
+        return RunParts(model, loader, step=lm_step, evaluate=evaluate, fingerprint=fingerprint)
+
+
+RECIPE = Pretrain()
