@@ -1,4 +1,5 @@
-"""Rotary position embeddings: inverse frequencies per `rope_type`, cos/sin tables, rotate_half.
+"""Rotary position embeddings: inverse frequencies per `rope_type`, cos/sin tables, rotate_half;
+partial rotary (only the first dims of a head turn) and the multimodal (3-axis) variant.
 
 Supported `rope_type`s: default, linear, llama3 (Llama 3.1 smooth wavelength scaling) and yarn
 (NTK-by-parts with an attention factor on cos/sin). Frequencies are computed once on the CPU in
@@ -35,21 +36,23 @@ def _llama3(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `scale` times (1 when not stretched)."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
 def _yarn(theta: float, dim: int, p: dict[str, Any], max_positions: int) -> tuple[torch.Tensor, float]:
     factor = p.get("factor")
     old_len = p["original_max_position_embeddings"]
     if factor is None:
         factor = max_positions / old_len
 
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     attention_factor = p.get("attention_factor")
     if attention_factor is None:
         if p.get("mscale") and p.get("mscale_all_dim"):
-            attention_factor = float(mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"]))
+            attention_factor = float(yarn_mscale(factor, p["mscale"]) / yarn_mscale(factor, p["mscale_all_dim"]))
         else:
-            attention_factor = mscale(factor)
+            attention_factor = yarn_mscale(factor)
     beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:
@@ -121,6 +124,65 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D): broadcast over heads
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)  # (B, 1, T, D): broadcast over heads
     return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def apply_rope_interleaved(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary dims stored as adjacent pairs (x0, x1), (x2, x3), ... (DeepSeek's layout).
+
+    Each pair turns by one frequency; the result comes out de-interleaved (first members of the
+    pairs, then second members), as transformers returns it, so q.k products match its own.
+    """
+    half = cos.shape[-1] // 2  # cos/sin are cat(freqs, freqs): the first half holds each pair's angle
+    cos, sin = cos[..., :half].unsqueeze(unsqueeze_dim), sin[..., :half].unsqueeze(unsqueeze_dim)
+
+    def turn(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    return turn(q), turn(k)
+
+
+def apply_partial_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate only the first cos.shape[-1] dims of each head (partial rotary); the rest pass through."""
+    d = cos.shape[-1]
+    q_rot, k_rot = apply_rope(q[..., :d], k[..., :d], cos, sin)
+    return torch.cat([q_rot, q[..., d:]], dim=-1), torch.cat([k_rot, k[..., d:]], dim=-1)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal rotary (Qwen3-VL / Qwen3.5, interleaved sections): positions (3, B, T) for time, height, width.
+
+    Frequency i turns by the height position when i % 3 == 1 and i < 3 * sections[1], by the width
+    position when i % 3 == 2 and i < 3 * sections[2], else by the time position. Text tokens carry
+    the same position on all three axes, so (B, T) positions give plain rotary tables.
+    """
+
+    def __init__(self, head_dim: int, params: dict[str, Any], max_positions: int):
+        super().__init__(head_dim, params, max_positions)
+        self.sections = list(params.get("mrope_section") or [11, 11, 10])
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if position_ids.dim() == 2:
+            return super().forward(x, position_ids)
+        inv_freq = self._on.get(x.device)
+        if inv_freq is None:
+            inv_freq = self._on[x.device] = self.inv_freq.to(x.device)
+        freqs = position_ids.expand(3, -1, -1)[..., None].float() * inv_freq  # (3, B, T, D/2)
+
+        def merge(f: torch.Tensor) -> torch.Tensor:
+            out = f[0].clone()
+            for axis in (1, 2):
+                idx = slice(axis, self.sections[axis] * 3, 3)
+                out[..., idx] = f[axis, ..., idx]
+            return torch.cat((out, out), dim=-1)  # (B, T, D)
+
+        cos = merge(freqs.cos() * self.attention_scaling)
+        sin = merge(freqs.sin() * self.attention_scaling)
+        return cos.to(x.dtype), sin.to(x.dtype)

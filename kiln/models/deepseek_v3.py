@@ -1,0 +1,190 @@
+"""DeepSeek-V3: multi-head latent attention + group-limited sigmoid MoE with shared experts.
+
+Deltas from the Llama-style decoder (`decoder_lm`):
+- attention is MLA (`common/mla.py`): low-rank query (or one q_proj without `q_lora_rank`), a
+  compressed KV latent, rope on qk_rope_head_dim dims only (interleaved pairs when
+  `rope_interleave`), YaRN's mscale**2 on the softmax scale;
+- layers >= `first_k_dense_replace` are MoE (`common/moe_routing.py`): sigmoid router with the
+  aux-loss-free balancing bias, `n_group`/`topk_group` group limit, `routed_scaling_factor`,
+  `n_shared_experts` always-on experts; earlier layers are dense gated MLPs;
+- no auxiliary loss joins the LM loss (transformers adds none); `output_router_logits` returns
+  the float32 router logits of each MoE layer;
+- multi-token-prediction layers (`model.layers.{num_hidden_layers}` and up), which transformers
+  ignores, are kept verbatim in `hf_extras` and written back byte for byte.
+Experts are stacked in kiln and one tensor per expert on disk, as transformers writes them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from kiln.errors import ConfigError
+from kiln.models.common.mla import MLADecoder, MLADecoderLayer, MLASpec, softmax_scale
+from kiln.models.common.mlp import GatedMLP
+from kiln.models.common.moe_routing import SharedExpertMoE
+from kiln.models.common.rope import RotaryEmbedding
+from kiln.models.decoder_lm import IDENTITY_KEYS, DecoderConfig, DecoderModel, ForCausalLM
+from kiln.models.keymap import KeyMap
+from kiln.models.pretrained import Family, TaskSpec
+from kiln.models.qwen3_moe import EXPERT_KEYS  # transformers maps DeepSeek experts as Qwen2/3-MoE's
+
+
+@dataclass
+class MLAConfig(DecoderConfig):
+    """Fields DeepSeek-V3, DeepSeek-V3.2 and GLM-5 share, with DeepSeek-V3's defaults."""
+    vocab_size: int = 129280
+    hidden_size: int = 7168
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 128
+    num_key_value_heads: int | None = 128
+    n_shared_experts: int = 1
+    n_routed_experts: int = 256
+    output_router_logits: bool = False
+    routed_scaling_factor: float = 2.5
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = 1536
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    qk_nope_head_dim: int = 128
+    n_group: int = 8
+    topk_group: int = 4
+    num_experts_per_tok: int = 8
+    first_k_dense_replace: int = 3
+    norm_topk_prob: bool = True
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 1
+    attention_bias: bool = False
+
+    interleaved_rope = True  # the main attention's rope layout; DeepSeek-V3 makes it a config field
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
+
+    def sparse_attention(self, layer: int) -> str | None:
+        """None (dense attention), "full" (the layer's own indexer) or "shared" (the previous choice)."""
+        return None
+
+    def validate(self, source: str = "config.json") -> None:
+        self.rope(source)
+        if self.kv_heads != self.num_attention_heads:
+            raise ConfigError(f"{source}: num_key_value_heads ({self.kv_heads}) must equal num_attention_heads "
+                              f"({self.num_attention_heads}) for latent attention (every head expands the latent)")
+        E, G = self.n_routed_experts, self.n_group
+        if G < 1 or E % G or E // G < 2:
+            raise ConfigError(f"{source}: n_routed_experts ({E}) must split into n_group ({G}) groups of at least "
+                              "2 experts (a group scores its best two)")
+        if not 1 <= self.topk_group <= G:
+            raise ConfigError(f"{source}: topk_group ({self.topk_group}) must be within 1..n_group ({G})")
+        if not 1 <= self.num_experts_per_tok <= self.topk_group * (E // G):
+            raise ConfigError(f"{source}: num_experts_per_tok ({self.num_experts_per_tok}) must be within 1.."
+                              f"{self.topk_group * (E // G)} (the experts in topk_group={self.topk_group} groups)")
+
+
+@dataclass
+class DeepseekV3Config(MLAConfig):
+    model_type = "deepseek_v3"
+
+    rope_interleave: bool = True
+
+    @property
+    def interleaved_rope(self) -> bool:  # type: ignore[override]
+        return self.rope_interleave
+
+
+def mla_spec(c: MLAConfig, layer: int) -> MLASpec:
+    sparse = c.sparse_attention(layer)
+    index = dict(index_heads=c.index_n_heads, index_head_dim=c.index_head_dim, index_topk=c.index_topk,
+                 index_interleave=c.index_interleave) if sparse else {}
+    return MLASpec(c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim,
+                   c.qk_rope_head_dim, c.v_head_dim, softmax_scale(c.qk_nope_head_dim + c.qk_rope_head_dim, c.rope()),
+                   bias=c.attention_bias, interleave=c.interleaved_rope, dropout=c.attention_dropout, sparse=sparse,
+                   **index)
+
+
+def mlp(c: MLAConfig, layer: int) -> nn.Module:
+    if c.is_sparse(layer):
+        return SharedExpertMoE(c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok,
+                               c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor,
+                               c.n_shared_experts, c.hidden_act)
+    return GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
+
+
+def build_backbone(c: MLAConfig) -> MLADecoder:
+    layers = [MLADecoderLayer(mla_spec(c, i), mlp(c, i), i, c.rms_norm_eps) for i in range(c.num_hidden_layers)]
+    rope = RotaryEmbedding(c.qk_rope_head_dim, c.rope(), c.max_position_embeddings)
+    always_mask = any(c.sparse_attention(i) for i in range(c.num_hidden_layers))
+    return MLADecoder(c.vocab_size, c.hidden_size, layers, c.rms_norm_eps, rope, c.pad_token_id, always_mask)
+
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+class KeepsMtpLayers:
+    """Checkpoint layers past num_hidden_layers (multi-token prediction) go to `hf_extras` untouched."""
+
+    def load_hf_state_dict(self, hf: dict[str, torch.Tensor], source: str = "checkpoint",
+                           source_task: str | None = None):
+        n = self.config.num_hidden_layers
+        mtp, rest = {}, {}
+        for k, v in hf.items():
+            bare = k[len("model."):] if k.startswith("model.") else k
+            m = _LAYER.match(bare)
+            if m and int(m.group(1)) >= n:
+                mtp[bare] = v
+            else:
+                rest[k] = v
+        report = super().load_hf_state_dict(rest, source, source_task)
+        self.hf_extras.update(mtp)  # names without the task prefix: hf_state_dict adds it back
+        return report
+
+
+class MLAModel(KeepsMtpLayers, DecoderModel):
+    pass
+
+
+class MLAForCausalLM(KeepsMtpLayers, ForCausalLM):
+    """Backbone + LM head; the LM loss alone (no aux loss), router logits on request."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                cache: Any = None, logits_to_keep: int = 0, output_router_logits: bool | None = None):
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              inputs_embeds=inputs_embeds, labels=labels, cache=cache, logits_to_keep=logits_to_keep,
+                              output_router_logits=False)
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
+        if output_router_logits:
+            out.router_logits = tuple(layer.mlp.router_logits for layer in self.model.layers
+                                      if isinstance(layer.mlp, SharedExpertMoE))
+        return out
+
+    def new_cache(self):
+        return self.model.new_cache()
+
+
+def mla_family(model_type: str, config_cls: type[MLAConfig], arch: str,
+               backbone: Callable[[Any], MLADecoder] = build_backbone) -> Family:
+    """A Family with `base` ({arch}Model) and `causal-lm` ({arch}ForCausalLM) heads over an MLA backbone."""
+    return Family(
+        model_type=model_type,
+        config_cls=config_cls,
+        hf_prefix="model",
+        base_keys=KeyMap(EXPERT_KEYS + IDENTITY_KEYS),
+        tasks={
+            "base": TaskSpec(f"{arch}Model", lambda c: MLAModel(backbone(c))),
+            "causal-lm": TaskSpec(f"{arch}ForCausalLM",
+                                  lambda c: MLAForCausalLM(backbone(c), c.hidden_size, c.vocab_size,
+                                                           c.tie_word_embeddings),
+                                  KeyMap([("lm_head", "lm_head")])),
+        },
+    )
+
+
+FAMILY = mla_family("deepseek_v3", DeepseekV3Config, "DeepseekV3")

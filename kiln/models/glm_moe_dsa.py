@@ -1,0 +1,68 @@
+"""GLM-5 (glm_moe_dsa): DeepSeek-V3.2's architecture with cross-layer sharing of the sparse choice.
+
+Deltas from DeepSeek-V3.2 (`deepseek_v32.py`):
+- `indexer_types[i]` is "full" (layer i runs its own indexer) or "shared" (it reuses the top-k
+  keys of the last full layer and has no indexer weights);
+- the indexer's rope is interleaved, like the main attention's;
+- its own defaults (rms_norm_eps 1e-5, one expert group, wider heads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.errors import ConfigError
+from kiln.models.deepseek_v32 import DeepseekV32Config
+from kiln.models.deepseek_v3 import mla_family
+
+INDEXER_KINDS = ("full", "shared")
+
+
+@dataclass
+class GlmMoeDsaConfig(DeepseekV32Config):
+    model_type = "glm_moe_dsa"
+
+    vocab_size: int = 154880
+    hidden_size: int = 6144
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 78
+    num_attention_heads: int = 64
+    num_key_value_heads: int | None = 64
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = 2048
+    v_head_dim: int = 256
+    qk_nope_head_dim: int = 192
+    n_group: int = 1
+    topk_group: int = 1
+    max_position_embeddings: int = 202752
+    rms_norm_eps: float = 1e-5
+    index_n_heads: int = 32
+    indexer_types: list[str] | None = None
+
+    index_interleave = True  # GLM-5: interleaved rope in the indexer too
+
+    def indexer_kinds(self) -> list[str]:
+        """`indexer_types`, else the pattern or frequency schedule it is derived from (as transformers does)."""
+        if self.indexer_types is not None:
+            return self.indexer_types
+        pattern = self.extra.get("index_topk_pattern")
+        if pattern is not None:
+            return [{"F": "full", "S": "shared"}.get(ch, ch) for ch in pattern] if isinstance(pattern, str) \
+                else list(pattern)
+        freq = max(int(self.extra.get("index_topk_freq", 1)), 1)
+        offset = int(self.extra.get("index_skip_topk_offset", 2))
+        return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(self.num_hidden_layers)]
+
+    def sparse_attention(self, layer: int) -> str | None:
+        return self.indexer_kinds()[layer]
+
+    def validate(self, source: str = "config.json") -> None:
+        super().validate(source)
+        types = self.indexer_kinds()
+        if len(types) != self.num_hidden_layers or set(types) - set(INDEXER_KINDS) or types[0] != "full":
+            raise ConfigError(f"{source}: indexer_types must list {self.num_hidden_layers} entries from "
+                              f"{INDEXER_KINDS}, the first 'full' (a shared layer reuses an earlier choice), "
+                              f"got {types!r}")
+
+
+FAMILY = mla_family("glm_moe_dsa", GlmMoeDsaConfig, "GlmMoeDsa")
