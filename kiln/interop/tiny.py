@@ -43,6 +43,28 @@ TINY: dict[str, dict[str, Any]] = {
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                       max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                       mlp_only_layers=[1]),
+    # MLA + group-limited sigmoid MoE: V3 without a query latent (q_proj), yarn rope with mscale on the softmax
+    # scale, 4 expert groups (2 kept), 2 shared experts; V3.2 with a query latent and an indexer keeping 4 keys
+    # (fewer than the test sequences); GLM-5 with a shared-indexer layer and interleaved indexer rope.
+    "deepseek_v3": dict(vocab_size=99, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+                        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+                        num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=2, first_k_dense_replace=1,
+                        max_position_embeddings=64,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.8,
+                                             mscale_all_dim=1.0, original_max_position_embeddings=16)),
+    "deepseek_v32": dict(vocab_size=99, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
+                         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+                         num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+                         max_position_embeddings=64, index_topk=4, index_head_dim=16, index_n_heads=2),
+    "glm_moe_dsa": dict(vocab_size=99, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
+                        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+                        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=64,
+                        index_topk=5, index_head_dim=16, index_n_heads=2, indexer_types=["full", "shared"],
+                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=2.0, mscale=1.0,
+                                             mscale_all_dim=1.0, original_max_position_embeddings=32)),
     # expand 2 -> 64 channels, 8 states, rank-2 dt, kernel 4; untied and biased variants are covered by tests.
     "mamba": dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, state_size=8, conv_kernel=4),
     # ALBERT: two groups of two inner layers over three layer steps, so sharing and the schedule both show
@@ -70,6 +92,8 @@ SPECIALS: dict[str, dict[str, str]] = {
     # decoders: ids 0-3 (llama: bos 1, eos 2 as LlamaConfig defaults)
     **{t: {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
        for t in ("llama", "qwen2", "qwen3", "qwen3_moe")},
+    **{t: {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+       for t in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")},  # bos 0, eos 1 as their configs' defaults
     "mamba": {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},  # pad id 0
     "albert": {"pad_token": "<pad>", "unk_token": "<unk>", "cls_token": "[CLS]", "sep_token": "[SEP]",
                "mask_token": "[MASK]"},  # pad 0, bos [CLS] 2, eos [SEP] 3 as AlbertConfig's defaults

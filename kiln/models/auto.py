@@ -17,6 +17,7 @@ from kiln.errors import ConfigError
 from kiln.hub import Tokenizer, load_weights, read_config
 from kiln.models import (albert, bert, deberta_v2, distilbert, llama, mamba, qwen2, qwen3, qwen3_moe, roberta,
                          xlm_roberta)
+from kiln.models import deepseek_v3, deepseek_v32, glm_moe_dsa
 from kiln.models.common.lora import has_adapter, load_adapter
 from kiln.models.config import FamilyConfig
 from kiln.models.pretrained import Family, PreTrainedModel
@@ -34,6 +35,9 @@ REGISTRY: dict[str, Family] = {
     "qwen2": qwen2.FAMILY,
     "qwen3": qwen3.FAMILY,
     "qwen3_moe": qwen3_moe.FAMILY,
+    "deepseek_v3": deepseek_v3.FAMILY,
+    "deepseek_v32": deepseek_v32.FAMILY,
+    "glm_moe_dsa": glm_moe_dsa.FAMILY,
     # state-space models
     "mamba": mamba.FAMILY,
 }
