@@ -1,11 +1,9 @@
-"""Decoder-only language models: the shared config, the base and causal-LM task models, the family factory.
+"""Decoder-only language models: the shared config and the family factory.
 
 A decoder family (llama.py, qwen2.py, ...) gives only its deltas: the config fields it adds, the
 attention switches (`AttentionSpec`) and the MLP per layer. Module names are HF's, so the key map
-is the identity plus any named tensor steps (e.g. stacked MoE experts).
-
-Loss (with `labels`) is transformers' causal-LM loss (`common/loss.py`): labels shifted left inside
-the model, IGNORE_INDEX skipped, mean over the rest, in float32.
+is the identity plus any named tensor steps (e.g. stacked MoE experts). The task models are the
+ones every causal backbone shares (`common/causal_lm.py`): the base model and backbone + LM head.
 """
 
 from __future__ import annotations
@@ -13,18 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
-import torch
 from torch import nn
-from torch.nn import functional as F
 
 from kiln.errors import ConfigError
-from kiln.models.common.decoder import AttentionSpec, Decoder, KVCache
-from kiln.models.common.loss import causal_lm_loss
-from kiln.models.common.moe import load_balancing_loss
+from kiln.models.common.causal_lm import CausalLMOutput, DecoderModel, ForCausalLM
+from kiln.models.common.decoder import AttentionSpec, Decoder
 from kiln.models.common.rope import RotaryEmbedding, rope_parameters
 from kiln.models.config import FamilyConfig
 from kiln.models.keymap import KeyMap, Rule
-from kiln.models.pretrained import Family, PreTrainedModel, TaskSpec
+from kiln.models.pretrained import Family, TaskSpec
+
+__all__ = ["CausalLMOutput", "DecoderConfig", "DecoderModel", "ForCausalLM", "base_attention", "build_decoder",
+           "decoder_family"]
 
 
 @dataclass
@@ -83,73 +81,6 @@ class DecoderConfig(FamilyConfig):
         if self.extra.get("use_sliding_window"):
             raise ConfigError(f"{source}: use_sliding_window=true is not supported (sliding-window attention)")
         self.rope(source)
-
-
-@dataclass
-class CausalLMOutput:
-    logits: torch.Tensor | None = None
-    loss: torch.Tensor | None = None
-    last_hidden_state: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None
-    router_logits: tuple[torch.Tensor, ...] | None = None
-    cache: KVCache | None = None
-
-
-def _router_logits(decoder: Decoder) -> tuple[torch.Tensor, ...]:
-    return tuple(layer.mlp.router_logits for layer in decoder.layers if getattr(layer.mlp, "router_logits", None) is not None)
-
-
-class DecoderModel(PreTrainedModel):
-    default_task = "base"
-
-    def __init__(self, model: Decoder):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
-                cache: KVCache | None = None) -> CausalLMOutput:
-        hidden = self.model(input_ids, attention_mask, position_ids, inputs_embeds, cache)
-        return CausalLMOutput(last_hidden_state=hidden, cache=cache)
-
-
-class ForCausalLM(PreTrainedModel):
-    """Decoder + LM head; with tied embeddings the head is the embedding matrix itself (no own tensor)."""
-    default_task = "causal-lm"
-
-    def __init__(self, model: Decoder, hidden_size: int, vocab_size: int, tied: bool):
-        super().__init__()
-        self.model = model
-        self.lm_head = None if tied else nn.Linear(hidden_size, vocab_size, bias=False)
-
-    @property
-    def output_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                cache: KVCache | None = None, logits_to_keep: int = 0,
-                output_router_logits: bool | None = None) -> CausalLMOutput:
-        hidden = self.model(input_ids, attention_mask, position_ids, inputs_embeds, cache)  # (B, T, C)
-        h = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
-        logits = self.lm_head(h) if self.lm_head is not None else F.linear(h, self.model.embed_tokens.weight)
-        loss = causal_lm_loss(logits, labels) if labels is not None else None
-        if output_router_logits is None:
-            output_router_logits = bool(getattr(self.config, "output_router_logits", False))
-        router, aux = None, None
-        if output_router_logits:
-            router = _router_logits(self.model)
-            if router:
-                c = self.config
-                aux = load_balancing_loss(router, c.num_experts, c.num_experts_per_tok, attention_mask)
-                if loss is not None:
-                    loss = loss + c.router_aux_loss_coef * aux
-        return CausalLMOutput(logits=logits, loss=loss, last_hidden_state=hidden, aux_loss=aux, router_logits=router,
-                              cache=cache)
-
-    def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """Prompt (B, T) -> prompt + new tokens; see `kiln.models.generation.generate`."""
-        from kiln.models.generation import generate
-
-        return generate(self, input_ids, **kwargs)
 
 
 AttentionFn = Callable[[Any], AttentionSpec]

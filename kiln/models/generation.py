@@ -1,7 +1,7 @@
 """Autoregressive generation for kiln causal LMs: KV cache, greedy or sampled, stop on EOS.
 
 One prefill pass over the (left-padded) prompt fills the cache; each later step feeds one token
-per row. Sampling applies temperature, then top-k, then top-p (nucleus) to float32 logits and
+per row (a backbone without a decoding cache is fed the whole sequence again instead). Sampling applies temperature, then top-k, then top-p (nucleus) to float32 logits and
 draws with a seeded generator, so a seed reproduces a reply. Rows that reached EOS are padded
 while the others finish. Positions follow the attention mask (pads do not count).
 """
@@ -13,7 +13,6 @@ from typing import Callable
 import torch
 
 from kiln.errors import KilnError
-from kiln.models.common.decoder import KVCache
 
 
 def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -52,7 +51,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # (B, T)
-    cache = KVCache(len(model.model.layers))
+    cache = model.new_cache()  # None: no incremental state, every step re-reads the sequence
     was_training = model.training
     model.eval()
     out, step_ids = input_ids, input_ids
@@ -74,9 +73,11 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                 unfinished &= ~torch.isin(token, eos_ids)
                 if not bool(unfinished.any()):
                     break
-            step_ids = token[:, None]
             mask = torch.cat([mask, mask.new_ones(mask.size(0), 1)], dim=-1)
-            positions = positions[:, -1:] + 1
+            if cache is not None:
+                step_ids, positions = token[:, None], positions[:, -1:] + 1
+            else:
+                step_ids, positions = out, torch.cat([positions, positions[:, -1:] + 1], dim=-1)
     finally:
         model.train(was_training)
     return out

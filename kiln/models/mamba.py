@@ -8,7 +8,7 @@ conv_kernel) -> act -> x_proj gives (dt_raw of rank R, B, C of size state_size);
 softplus(dt + dt_proj.bias); A = -exp(A_log); selective scan (common/ssm.py) with skip D and gate silu(z);
 out_proj back to hidden. Padded positions (attention_mask = 0) are zeroed before in_proj and after the conv.
 The scan is chosen by the kiln-only `scan` field: "reference" (bit-identical to transformers) or "fast".
-No incremental-decoding cache: forward always runs the whole sequence.
+No incremental-decoding cache: forward (and each generation step) runs the whole sequence.
 """
 
 from __future__ import annotations
@@ -19,17 +19,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from kiln.errors import ConfigError
 from kiln.models.common.activations import activation
-from kiln.models.common.loss import causal_lm_loss
+from kiln.models.common.causal_lm import DecoderModel, ForCausalLM
 from kiln.models.common.norms import RMSNorm
 from kiln.models.common.ssm import SCANS, causal_conv1d
 from kiln.models.config import FamilyConfig
-from kiln.models.heads import ModelOutput
 from kiln.models.keymap import KeyMap
-from kiln.models.pretrained import Family, PreTrainedModel, TaskSpec
+from kiln.models.pretrained import Family, TaskSpec
 
 
 @dataclass
@@ -176,48 +174,22 @@ class MambaBackbone(nn.Module):
         for layer in self.layers:
             layer.mixer.scan = scan
 
+    def new_cache(self) -> None:
+        """No incremental-decoding state: generation feeds the whole sequence each step."""
+        return None
+
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                cache: None = None) -> torch.Tensor:
+        # position_ids (packed token-shard windows) are accepted and unused: an SSM has no positions.
+        if cache is not None:
+            raise ConfigError("Mamba keeps no decoding cache; pass cache=None")
         if (input_ids is None) == (inputs_embeds is None):
             raise ConfigError("pass exactly one of input_ids or inputs_embeds")
         x = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, C)
         for layer in self.layers:
             x = layer(x, attention_mask)
         return self.norm_f(x)
-
-
-class MambaModel(PreTrainedModel):
-    default_task = "base"
-
-    def __init__(self, model: MambaBackbone):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, position_ids=None) -> ModelOutput:
-        return ModelOutput(last_hidden_state=self.model(input_ids, attention_mask, inputs_embeds))
-
-
-class MambaForCausalLM(PreTrainedModel):
-    """Backbone + LM head; with tied embeddings the head is the embedding matrix (no tensor of its own)."""
-    default_task = "causal-lm"
-
-    def __init__(self, model: MambaBackbone, hidden_size: int, vocab_size: int, tied: bool):
-        super().__init__()
-        self.model = model
-        self.lm_head = None if tied else nn.Linear(hidden_size, vocab_size, bias=False)
-
-    @property
-    def output_weight(self) -> torch.Tensor:
-        return self.model.embeddings.weight if self.lm_head is None else self.lm_head.weight
-
-    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
-                position_ids=None) -> ModelOutput:
-        # position_ids (packed token-shard windows) are accepted and unused: an SSM has no positions.
-        hidden = self.model(input_ids, attention_mask, inputs_embeds)  # (B, T, C)
-        weight = self.output_weight
-        logits = F.linear(hidden.to(weight.dtype), weight).float()  # (B, T, V), fp32 as transformers returns
-        loss = causal_lm_loss(logits, labels) if labels is not None else None
-        return ModelOutput(logits=logits, loss=loss, last_hidden_state=hidden)
 
 
 # kiln name (under `model.`) <-> HF name (under `backbone.`): the same module names as transformers.
@@ -234,10 +206,12 @@ FAMILY = Family(
     hf_prefix="backbone",
     base_keys=BASE_KEYS,
     tasks={
-        "base": TaskSpec("MambaModel", lambda c: MambaModel(MambaBackbone(c))),
+        "base": TaskSpec("MambaModel", lambda c: DecoderModel(MambaBackbone(c))),
         "causal-lm": TaskSpec(
             "MambaForCausalLM",
-            lambda c: MambaForCausalLM(MambaBackbone(c), c.hidden_size, c.vocab_size, c.tie_word_embeddings),
+            # Mamba: the head reads the hidden state in its own dtype and returns float32 logits
+            lambda c: ForCausalLM(MambaBackbone(c), c.hidden_size, c.vocab_size, c.tie_word_embeddings,
+                                  embedding="embeddings", fp32_logits=True),
             KeyMap([("lm_head", "lm_head")])),
     },
 )
