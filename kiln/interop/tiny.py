@@ -77,6 +77,10 @@ TINY: dict[str, dict[str, Any]] = {
                        max_position_embeddings=64, type_vocab_size=2, relative_attention=True, position_buckets=8,
                        max_relative_positions=64, share_att_key=True, pos_att_type=["p2c", "c2p"],
                        norm_rel_ebd="layer_norm", position_biased_input=False),
+    # ModernBERT: global, local, global; a local window of |i - j| <= 4, shorter than the test rows
+    "modernbert": dict(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
+                       max_position_embeddings=64, global_attn_every_n_layers=2, local_attention=8, pad_token_id=0,
+                       bos_token_id=2, cls_token_id=2, eos_token_id=3, sep_token_id=3),
 }
 
 # Special tokens per family, in vocabulary order from id 0 (so pad ids match the configs' defaults).
@@ -99,6 +103,8 @@ SPECIALS: dict[str, dict[str, str]] = {
                "mask_token": "[MASK]"},  # pad 0, bos [CLS] 2, eos [SEP] 3 as AlbertConfig's defaults
     "deberta-v2": {"pad_token": "[PAD]", "cls_token": "[CLS]", "sep_token": "[SEP]", "unk_token": "[UNK]",
                    "mask_token": "[MASK]"},  # pad 0 as DebertaV2Config's default (no bos/eos ids)
+    "modernbert": {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+                   "mask_token": "[MASK]"},  # pad 0, cls/bos 2, sep/eos 3 as its TINY config says
 }
 
 _WORDS = ("the a of to and in is was for on that with as by at from it be are this an paris france capital city "

@@ -15,8 +15,8 @@ import torch
 
 from kiln.errors import ConfigError
 from kiln.hub import Tokenizer, load_weights, read_config
-from kiln.models import (albert, bert, deberta_v2, distilbert, llama, mamba, qwen2, qwen3, qwen3_moe, roberta,
-                         xlm_roberta)
+from kiln.models import (albert, bert, deberta_v2, distilbert, llama, mamba, modernbert, qwen2, qwen3, qwen3_moe,
+                         roberta, xlm_roberta)
 from kiln.models import deepseek_v3, deepseek_v32, glm_moe_dsa
 from kiln.models.common.lora import has_adapter, load_adapter
 from kiln.models.config import FamilyConfig
@@ -30,6 +30,7 @@ REGISTRY: dict[str, Family] = {
     "distilbert": distilbert.FAMILY,
     "albert": albert.FAMILY,
     "deberta-v2": deberta_v2.FAMILY,
+    "modernbert": modernbert.FAMILY,
     # decoder LLMs
     "llama": llama.FAMILY,
     "qwen2": qwen2.FAMILY,

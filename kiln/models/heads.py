@@ -154,16 +154,18 @@ class ForSequenceClassification(PreTrainedModel):
 class ForTokenClassification(PreTrainedModel):
     default_task = "token-classification"
 
-    def __init__(self, model: nn.Module, dim: int, num_labels: int, dropout: float):
+    def __init__(self, model: nn.Module, dim: int, num_labels: int, dropout: float,
+                 transform: nn.Module | None = None):
         super().__init__()
         self.model = model
+        self.transform = transform if transform is not None else nn.Identity()  # ModernBERT: dense-act-norm first
         self.dropout = nn.Dropout(dropout)
         self.classifier = nn.Linear(dim, num_labels)
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None) -> ModelOutput:
         hidden, _ = self.model(**_backbone_inputs(locals()))
-        logits = self.classifier(self.dropout(hidden))  # (B, T, num_labels)
+        logits = self.classifier(self.dropout(self.transform(hidden)))  # (B, T, num_labels)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.view(-1, self.config.num_labels), labels.view(-1))
@@ -173,16 +175,17 @@ class ForTokenClassification(PreTrainedModel):
 class ForQuestionAnswering(PreTrainedModel):
     default_task = "question-answering"
 
-    def __init__(self, model: nn.Module, dim: int, dropout: float = 0.0):
+    def __init__(self, model: nn.Module, dim: int, dropout: float = 0.0, transform: nn.Module | None = None):
         super().__init__()
         self.model = model
+        self.transform = transform if transform is not None else nn.Identity()  # ModernBERT: dense-act-norm first
         self.dropout = nn.Dropout(dropout)  # DistilBERT drops out before qa_outputs; others pass 0
         self.qa_outputs = nn.Linear(dim, 2)
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, start_positions=None, end_positions=None) -> ModelOutput:
         hidden, _ = self.model(**_backbone_inputs(locals()))
-        logits = self.qa_outputs(self.dropout(hidden))  # (B, T, 2)
+        logits = self.qa_outputs(self.dropout(self.transform(hidden)))  # (B, T, 2)
         start, end = logits.split(1, dim=-1)
         start, end = start.squeeze(-1).contiguous(), end.squeeze(-1).contiguous()
         loss = None

@@ -22,6 +22,23 @@ def bidirectional_mask(attention_mask: torch.Tensor | None, q_len: int) -> torch
     return keep[:, None, None, :].expand(batch, 1, q_len, kv_len)
 
 
+def sliding_window_mask(attention_mask: torch.Tensor | None, batch: int, seq_len: int, window: int,
+                        device: torch.device) -> torch.Tensor | None:
+    """Bidirectional local attention: query i sees real keys j with |i - j| <= window. (B, 1, T, T) bool.
+
+    None (no mask) exactly where transformers' SDPA path skips it, unpadded and shorter than
+    `window`: an all-True mask and no mask may take different SDPA kernels on some devices.
+    """
+    keep = None if attention_mask is None else attention_mask.bool()
+    if (keep is None or bool(keep.all())) and seq_len < window:
+        return None
+    pos = torch.arange(seq_len, device=device)
+    mask = ((pos[:, None] - pos[None, :]).abs() <= window)[None, None]  # (1, 1, T, T)
+    if keep is not None:
+        mask = mask & keep[:, None, None, :]
+    return mask.expand(batch, 1, seq_len, seq_len)
+
+
 class SelfAttention(nn.Module):
     """q/k/v projections, SDPA, output projection. Bias on every projection (encoder style)."""
 

@@ -23,12 +23,12 @@ def positions_from_padding(input_ids: torch.Tensor, padding_idx: int) -> torch.T
 
 class Embeddings(nn.Module):
     def __init__(self, vocab_size: int, dim: int, max_positions: int, type_vocab_size: int, pad_token_id: int | None,
-                 eps: float, dropout: float, padding_positions: bool = False):
+                 eps: float, dropout: float, padding_positions: bool = False, norm_bias: bool = True):
         super().__init__()
         self.word_embeddings = nn.Embedding(vocab_size, dim, padding_idx=pad_token_id)
         self.position_embeddings = nn.Embedding(max_positions, dim, padding_idx=pad_token_id if padding_positions else None) if max_positions else None
         self.token_type_embeddings = nn.Embedding(type_vocab_size, dim) if type_vocab_size else None
-        self.norm = nn.LayerNorm(dim, eps=eps)
+        self.norm = nn.LayerNorm(dim, eps=eps, bias=norm_bias)  # ModernBERT: no norm bias by default
         self.dropout = nn.Dropout(dropout)
         self.pad_token_id = pad_token_id
         self.padding_positions = padding_positions  # RoBERTa: positions skip pads, start at pad + 1
