@@ -111,9 +111,35 @@ class PreTrainedModel(nn.Module):
 
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor], source: str = "checkpoint",
                            source_task: str | None = None) -> LoadReport:
-        """Copy an HF state dict into this (possibly meta-device) model, checking names and shapes."""
+        """Load an HF state dict into this (possibly meta-device) model: its tensors become the parameters.
+
+        Tensors the source architecture (`source_task`) lacks, e.g. a new head, are initialised fresh.
+        """
+        used, extras, fresh, report = self._match_hf(hf, source, source_task)
+        self.load_state_dict(used, strict=False, assign=True)
+        if fresh:
+            dtype = next(iter(used.values())).dtype if used else torch.float32
+            self._materialise_fresh(dtype)
+            keymap = self.family.keymap(self.task)
+            report.initialized = [keymap.hf_name(k) or k for k in fresh]
+        self.hf_extras = extras
+        self.tie_weights()
+        self.load_report = report
+        return report
+
+    def copy_hf_state_dict(self, hf: dict[str, torch.Tensor], source: str = "checkpoint") -> LoadReport:
+        """Copy a full HF state dict of this model's own head into its live tensors, in place.
+
+        The parameters stay the same objects, so an optimizer built on them stays valid (resume).
+        """
+        used, _, _, report = self._match_hf(hf, source, source_task=self.task)
+        self.load_state_dict(used, strict=False)
+        return report
+
+    def _match_hf(self, hf: dict[str, torch.Tensor], source: str, source_task: str | None
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[str], LoadReport]:
+        """HF names -> this model's names, checked: (tensors to load, verbatim extras, fresh names, report)."""
         family, prefix = self.family, self.family.hf_prefix + "."
-        report = LoadReport()
         has_prefix = any(k.startswith(prefix) for k in hf)
         normalised: dict[str, torch.Tensor] = {}
         extras: dict[str, torch.Tensor] = {}
@@ -128,20 +154,9 @@ class PreTrainedModel(nn.Module):
                 normalised[bare if self.task == "base" else prefix + bare] = v
             else:
                 normalised[k] = v
-        kiln_sd, unmatched = self.family.keymap(self.task).to_kiln(normalised)
-        report.ignored.extend(sorted(unmatched))
-
+        keymap = family.keymap(self.task)
+        kiln_sd, unmatched = keymap.to_kiln(normalised)
         expected = dict(self.state_dict(keep_vars=True))
-        keymap = self.family.keymap(self.task)
-        missing = [k for k in expected if k not in kiln_sd]
-        for k, v in kiln_sd.items():
-            if k not in expected:
-                report.ignored.append(keymap.hf_name(k) or k)
-                continue
-            want = tuple(expected[k].shape)
-            if tuple(v.shape) != want:
-                raise WeightsError(f"{source}: tensor {keymap.hf_name(k)!r} has shape {tuple(v.shape)}, "
-                                   f"but this {family.model_type} config expects {want}")
         # A tensor is owed by the checkpoint if the architecture it was saved from has it; other
         # missing tensors (a new head, a pooler the source head lacked) are initialised fresh.
         if source_task is None or source_task == self.task:
@@ -149,22 +164,10 @@ class PreTrainedModel(nn.Module):
         else:
             with torch.device("meta"):
                 owed = set(family.build(self.config, source_task).state_dict()) & set(expected)
-        absent = [k for k in missing if k in owed]
-        fresh = [k for k in missing if k not in owed]
-        if absent:
-            names = [keymap.hf_name(k) or k for k in absent]
-            raise WeightsError(f"{source}: missing tensor(s) {', '.join(repr(n) for n in names[:6])}"
-                               + (f" and {len(names) - 6} more" if len(names) > 6 else ""))
-        used = {k: v for k, v in kiln_sd.items() if k in expected}
-        self.load_state_dict(used, strict=False, assign=True)
-        if fresh:
-            dtype = next(iter(used.values())).dtype if used else torch.float32
-            self._materialise_fresh(dtype)
-            report.initialized = [keymap.hf_name(k) or k for k in fresh]
-        self.hf_extras = extras
-        self.tie_weights()
-        self.load_report = report
-        return report
+        ignored, fresh = check_tensors(expected, kiln_sd, owed, source, f"this {family.model_type} config",
+                                       lambda k: keymap.hf_name(k) or k)
+        report = LoadReport(ignored=sorted(unmatched) + [keymap.hf_name(k) or k for k in ignored])
+        return {k: v for k, v in kiln_sd.items() if k in expected}, extras, fresh, report
 
     def _materialise_fresh(self, dtype: torch.dtype) -> None:
         std = getattr(self.config, "initializer_range", 0.02)
@@ -211,6 +214,33 @@ class PreTrainedModel(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def check_tensors(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], owed: set[str], source: str,
+                  model: str = "the model", name: Callable[[str], str] = str) -> tuple[list[str], list[str]]:
+    """Check tensors to load (`got`) against a model's own (`expected`), both under the model's names.
+
+    Returns (ignored: names in `got` the model lacks, fresh: the model's names absent from `got`
+    and not `owed`). A wrong shape, or an owed tensor that is absent, raises a WeightsError that
+    names the tensor (as `name(k)`, e.g. its HF name) and both shapes.
+    """
+    for k, v in got.items():
+        if k in expected and tuple(v.shape) != tuple(expected[k].shape):
+            raise WeightsError(f"{source}: tensor {name(k)!r} has shape {tuple(v.shape)}, "
+                               f"but {model} expects {tuple(expected[k].shape)}")
+    absent = [name(k) for k in expected if k not in got and k in owed]
+    if absent:
+        raise WeightsError(f"{source}: missing tensor(s) {', '.join(repr(n) for n in absent[:6])}"
+                           + (f" and {len(absent) - 6} more" if len(absent) > 6 else ""))
+    return [k for k in got if k not in expected], [k for k in expected if k not in got and k not in owed]
+
+
+def copy_state_dict(module: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> list[str]:
+    """Copy `tensors` (under the module's own names) into a plain module in place; returns the names it lacks."""
+    own = module.state_dict()
+    ignored, _ = check_tensors(own, tensors, set(own), source)
+    module.load_state_dict({k: v for k, v in tensors.items() if k in own}, strict=False)
+    return ignored
 
 
 def init_module_shallow(module: nn.Module, std: float) -> None:

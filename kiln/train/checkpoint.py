@@ -30,6 +30,8 @@ from kiln.errors import KilnError
 from kiln.hub import load_weights
 from kiln.hub.config import write_json_atomic
 from kiln.hub.files import file_sha256, fsync_dir, fsync_file
+from kiln.models.common.lora import has_adapter, read_adapter_tensors
+from kiln.models.pretrained import PreTrainedModel, copy_state_dict
 
 CKPT_RE = re.compile(r"^ckpt-(\d{6,})$")
 FORMAT = 1
@@ -199,24 +201,19 @@ def load_optimizer_state(path: str | os.PathLike) -> dict:
 
 
 def load_model_weights(path: str | os.PathLike, model: Any) -> None:
-    """Copy a checkpoint's HF-named weights into a live kiln model in place (optimizer refs stay valid)."""
-    hf = load_weights(Path(path) / "model")
-    from kiln.models.common.lora import has_adapter, read_adapter_tensors
+    """Copy a checkpoint's weights into a live model in place (optimizer refs stay valid).
 
-    if has_adapter(Path(path) / "model"):  # a LoRA run: the adapter sits beside the frozen base
-        hf.update(read_adapter_tensors(Path(path) / "model"))
-    kiln_sd = model.family.keymap(model.task).to_kiln(hf)[0] if hasattr(model, "family") else hf
-    own = model.state_dict()
-    missing = [k for k in own if k not in kiln_sd]
-    if missing:
-        raise KilnError(f"{path}: checkpoint lacks weights for {', '.join(missing[:5])}")
-    with torch.no_grad():
-        for k, v in kiln_sd.items():
-            if k in own:
-                if own[k].shape != v.shape:
-                    raise KilnError(f"{path}: {k} has shape {tuple(v.shape)} in the checkpoint, "
-                                    f"{tuple(own[k].shape)} in the model")
-                own[k].copy_(v)
+    A kiln model maps and checks them as every HF load does (`copy_hf_state_dict`); a plain
+    nn.Module was saved under its own names.
+    """
+    model_dir = Path(path) / "model"
+    tensors = load_weights(model_dir)
+    if has_adapter(model_dir):  # a LoRA run: the adapter sits beside the frozen base
+        tensors.update(read_adapter_tensors(model_dir))
+    if isinstance(model, PreTrainedModel):
+        model.copy_hf_state_dict(tensors, source=str(path))
+    else:
+        copy_state_dict(model, tensors, source=str(path))
 
 
 def load_checkpoint_model(path: str | os.PathLike, dtype: torch.dtype | None = None) -> Any:
