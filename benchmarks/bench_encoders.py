@@ -17,7 +17,7 @@ import time
 import torch
 import transformers
 
-from kiln.interop.verify import HF_AUTO
+from kiln.models.tasks import get_task
 from kiln.models import load_pretrained
 
 SIZES = {  # base-sized configs per family (only the keys that differ from the tiny ones)
@@ -33,7 +33,7 @@ SIZES = {  # base-sized configs per family (only the keys that differ from the t
 def build(model_type: str, layers: int, out: str):
     cfg = transformers.AutoConfig.for_model(model_type, num_hidden_layers=layers, **SIZES[model_type])
     torch.manual_seed(0)
-    hf = getattr(transformers, HF_AUTO["sequence-classification"]).from_config(cfg)
+    hf = getattr(transformers, get_task("sequence-classification").hf_auto).from_config(cfg)
     hf.save_pretrained(out)
     return hf, load_pretrained(out, task="sequence-classification")
 

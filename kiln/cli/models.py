@@ -20,6 +20,7 @@ def inspect_dir(model_dir: Path = typer.Argument(..., help="An HF model director
     """What is in a model directory: family, head, parameters, dtypes, tensors, tokenizer."""
     from kiln.hub import Tokenizer, load_weights, read_config, weight_files
     from kiln.models.auto import load_config
+    from kiln.models.tasks import get_task
 
     raw = read_config(model_dir)
     family, config, task = load_config(model_dir)
@@ -27,7 +28,7 @@ def inspect_dir(model_dir: Path = typer.Argument(..., help="An HF model director
     table = Table(show_header=False, box=None)
     table.add_row("directory", str(model_dir))
     table.add_row("family", f"{family.model_type}")
-    table.add_row("head", f"{task or 'base'} ({', '.join(raw.get('architectures') or ['no architectures'])})")
+    table.add_row("head", f"{get_task(task)} ({', '.join(raw.get('architectures') or ['no architectures'])})")
     table.add_row("files", ", ".join(p.name for p in weight_files(model_dir)))
     n_params = sum(v.numel() for v in weights.values() if v.dtype.is_floating_point)
     table.add_row("parameters", f"{n_params:,} in {len(weights)} tensors")
@@ -36,7 +37,7 @@ def inspect_dir(model_dir: Path = typer.Argument(..., help="An HF model director
     sizes = {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                                              "intermediate_size", "dim", "n_layers", "n_heads") if hasattr(config, k)}
     table.add_row("sizes", ", ".join(f"{k}={v}" for k, v in sizes.items()))
-    if task in ("sequence-classification", "token-classification"):
+    if get_task(task).label_kind is not None:
         table.add_row("labels", ", ".join(config.labels))
     if Tokenizer.present(model_dir):
         tok = Tokenizer.from_dir(model_dir)
@@ -97,13 +98,14 @@ def verify_export_cmd(model_dir: Path = typer.Argument(..., help="An exported HF
 
 def verify_matrix(cells: Optional[Path] = typer.Option(None, "--cells", help="JSON list of {family, head, path}.")) -> None:
     """Every family x head: build tiny with transformers, export with kiln, verify-export; print the grid."""
-    from kiln.interop.matrix import ENCODER_HEADS, SHORT, default_cells, read_cells, run_matrix
+    from kiln.interop.matrix import default_cells, read_cells, run_matrix
+    from kiln.models.tasks import BASE, CAUSAL_LM, ENCODER_HEADS
 
     todo = read_cells(str(cells)) if cells else default_cells()
     results = run_matrix(todo, on_cell=lambda c: out.print(
-        f"{'PASS' if c.ok else 'FAIL'} {c.family:>12} {SHORT.get(c.head, c.head):>6}", highlight=False))
+        f"{'PASS' if c.ok else 'FAIL'} {c.family:>12} {_short(c.head):>6}", highlight=False))
     heads = list(dict.fromkeys(c.head for c in results))
-    grid = Table("family", *[SHORT.get(h, h) for h in heads])
+    grid = Table("family", *[_short(h) for h in heads])
     for fam in dict.fromkeys(c.family for c in results):
         row = []
         for h in heads:
@@ -112,7 +114,7 @@ def verify_matrix(cells: Optional[Path] = typer.Option(None, "--cells", help="JS
         grid.add_row(fam, *row)
     out.print(grid)
     # Tallies per kind of row: encoder families (five heads each) and causal LMs.
-    for kind, heads in (("encoder", ENCODER_HEADS), ("causal-lm", ("base", "causal-lm"))):
+    for kind, heads in (("encoder", ENCODER_HEADS), ("causal-lm", (BASE, CAUSAL_LM))):
         cells = [c for c in results if c.head in heads and
                  set(heads) <= {x.head for x in results if x.family == c.family}]
         if cells:
@@ -124,6 +126,12 @@ def verify_matrix(cells: Optional[Path] = typer.Option(None, "--cells", help="JS
         out.print(f"[red]{len(failed)} of {len(results)} cells failed")
         raise typer.Exit(1)
     out.print(f"[green]all {len(results)} cells passed")
+
+
+def _short(head: str) -> str:
+    from kiln.models.tasks import TASKS
+
+    return TASKS[head].short if head in TASKS else head
 
 
 def fill_mask(model_dir: Path = typer.Argument(..., help="An HF masked-LM directory."),

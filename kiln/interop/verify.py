@@ -16,15 +16,8 @@ import torch
 from kiln.errors import KilnError
 from kiln.hub import Tokenizer, load_weights
 from kiln.models.auto import load_config, load_pretrained
+from kiln.models.tasks import Task, get_task
 
-HF_AUTO = {
-    "base": "AutoModel",
-    "sequence-classification": "AutoModelForSequenceClassification",
-    "token-classification": "AutoModelForTokenClassification",
-    "question-answering": "AutoModelForQuestionAnswering",
-    "masked-lm": "AutoModelForMaskedLM",
-    "causal-lm": "AutoModelForCausalLM",
-}
 OUTPUTS = ("last_hidden_state", "pooler_output", "logits", "start_logits", "end_logits", "loss")
 PROMPTS = [
     "Paris is the capital of France.",
@@ -68,40 +61,18 @@ def _batches(tokenizer: Tokenizer | None, vocab_size: int, use_types: bool, seed
     return batches
 
 
-def _labels(task: str, batch: dict, config, g: torch.Generator) -> dict:
-    ids = batch["input_ids"]
-    B, T = ids.shape
-    if task == "sequence-classification":
-        n = config.num_labels
-        kind = config.problem_type or ("regression" if n == 1 else "single_label_classification")
-        if kind == "single_label_classification":
-            return {"labels": torch.randint(0, n, (B,), generator=g)}
-        if kind == "regression":
-            return {"labels": torch.randn(B, n, generator=g).squeeze(-1) if n == 1 else torch.randn(B, n, generator=g)}
-        return {"labels": torch.randint(0, 2, (B, n), generator=g).float()}
-    if task in ("token-classification", "masked-lm", "causal-lm"):
-        high = config.num_labels if task == "token-classification" else getattr(config, "vocab_size")
-        labels = torch.randint(0, high, (B, T), generator=g)
-        labels[batch.get("attention_mask", torch.ones_like(ids)) == 0] = -100
-        return {"labels": labels}
-    if task == "question-answering":
-        return {"start_positions": torch.randint(0, T, (B,), generator=g),
-                "end_positions": torch.randint(0, T + 3, (B,), generator=g)}  # some out of range: clamped, ignored
-    return {}
-
-
 def _value(out, name: str):
     return getattr(out, name, None) if not isinstance(out, dict) else out.get(name)
 
 
-def compare_models(kiln_model, hf_model, task: str, config, batches: list[dict], seed: int = 0) -> list[Check]:
+def compare_models(kiln_model, hf_model, task: Task, config, batches: list[dict], seed: int = 0) -> list[Check]:
     """Run each batch (with labels where the head has a loss) through both models; diff every output."""
     accepted = set(inspect.signature(hf_model.forward).parameters)
     g = torch.Generator().manual_seed(seed)
     checks = []
     for i, batch in enumerate(batches):
         inputs = {k: v for k, v in batch.items() if k in accepted}
-        inputs.update(_labels(task, batch, config, g))
+        inputs.update(task.verify_labels(batch, config, g))
         with torch.no_grad():
             ours, theirs = kiln_model(**inputs), hf_model(**inputs)
         for name in OUTPUTS:
@@ -138,9 +109,9 @@ def verify_export(model_dir: str | os.PathLike, source: str | os.PathLike | None
     except ImportError:
         raise KilnError("verify-export needs transformers: pip install 'kiln[verify]'") from None
     model_dir = Path(model_dir)
-    family, config, task = load_config(model_dir)
-    task = task or "base"
-    auto = getattr(transformers, HF_AUTO[task])
+    family, config, source_task = load_config(model_dir)
+    task = get_task(source_task)
+    auto = getattr(transformers, task.hf_auto)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     hf_model, info = auto.from_pretrained(str(model_dir), output_loading_info=True)

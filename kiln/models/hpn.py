@@ -17,8 +17,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from kiln.errors import ConfigError
+from kiln.models.common.loss import IGNORE_INDEX, shift_labels
 from kiln.models.common.prototypes import PrototypeHead
 from kiln.models.heads import ModelOutput
+from kiln.models.tasks import CAUSAL_LM, SEQUENCE_CLASSIFICATION
 
 POOLING = ("first", "last")
 
@@ -37,13 +39,13 @@ def _hidden_size(inner: nn.Module) -> int:
 
 
 class PrototypeModel(nn.Module):
-    """inner model -> last_hidden_state (B, T, C) -> prototype logits; task `causal-lm` or `sequence-classification`."""
+    """inner model -> last_hidden_state (B, T, C) -> prototype logits; task causal-lm or sequence-classification."""
 
-    def __init__(self, inner: nn.Module, num_classes: int, task: str = "causal-lm", hidden_size: int | None = None,
+    def __init__(self, inner: nn.Module, num_classes: int, task: str = CAUSAL_LM, hidden_size: int | None = None,
                  pooling: str = "last", lm_loss: bool = True, **head: object):
         super().__init__()
-        if task not in ("causal-lm", "sequence-classification"):
-            raise ConfigError(f"prototype task {task!r} is not 'causal-lm' or 'sequence-classification'")
+        if task not in (CAUSAL_LM, SEQUENCE_CLASSIFICATION):
+            raise ConfigError(f"prototype task {task!r} is not {CAUSAL_LM!r} or {SEQUENCE_CLASSIFICATION!r}")
         if pooling not in POOLING:
             raise ConfigError(f"prototype pooling {pooling!r} is not one of: {', '.join(POOLING)}")
         self.inner = inner
@@ -61,15 +63,15 @@ class PrototypeModel(nn.Module):
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, targets=None, **inputs) -> PrototypeOutput:
         """`labels` as transformers takes them (shifted inside); `targets` already aligned (token-shard windows)."""
-        inner_labels = labels if (self.lm_loss and self.task == "causal-lm") else None
+        inner_labels = labels if (self.lm_loss and self.task == CAUSAL_LM) else None
         kwargs = {"labels": inner_labels} if inner_labels is not None else {}
         inputs = {k: v for k, v in inputs.items() if v is not None}
         out = self.inner(input_ids=input_ids, attention_mask=attention_mask, **inputs, **kwargs)
         hidden = out.last_hidden_state  # (B, T, C)
-        if self.task == "causal-lm":
+        if self.task == CAUSAL_LM:
             logits = self.head(hidden)  # (B, T, K)
             if targets is None and labels is not None:
-                targets = F.pad(labels, (0, 1), value=-100)[..., 1:]  # token t predicts t+1
+                targets = shift_labels(labels)  # token t predicts t+1
         else:
             logits = self.head(self._pool(hidden, attention_mask))  # (B, K)
             targets = labels
@@ -79,6 +81,6 @@ class PrototypeModel(nn.Module):
             if getattr(out, "loss", None) is not None:
                 losses["lm"] = out.loss
             elif self.lm_loss and labels is None and getattr(out, "logits", None) is not None:
-                losses["lm"] = F.cross_entropy(out.logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+                losses["lm"] = F.cross_entropy(out.logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
         loss = sum(losses.values()) if losses else None
         return PrototypeOutput(logits=logits, loss=loss, last_hidden_state=hidden, losses=losses)

@@ -9,7 +9,8 @@ from typer.testing import CliRunner
 
 from kiln.cli.main import app
 from kiln.errors import ConfigError
-from kiln.interop.verify import HF_AUTO, verify_export
+from kiln.interop.verify import verify_export
+from kiln.models.tasks import get_task
 from kiln.models import load_pretrained
 from kiln.models.auto import AutoConfig
 
@@ -23,7 +24,7 @@ CONFIGS = {"groups": {}, "one-block": {"num_hidden_groups": 1, "inner_group_num"
 @pytest.mark.parametrize("task", HEADS)
 def test_round_trip_bit_exact(task, config, tiny_factory, tmp_path):
     src = tiny_factory("albert", task, **CONFIGS[config])
-    hf = getattr(transformers, HF_AUTO[task]).from_pretrained(src).eval()
+    hf = getattr(transformers, get_task(task).hf_auto).from_pretrained(src).eval()
     ours = load_pretrained(src)
     assert ours.family.model_type == "albert" and ours.task == task
     run_both(ours, hf, task, token_types=True)

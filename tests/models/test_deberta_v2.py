@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 from kiln.cli.main import app
 from kiln.errors import ConfigError
-from kiln.interop.verify import HF_AUTO, verify_export
+from kiln.interop.verify import verify_export
+from kiln.models.tasks import get_task
 from kiln.models import load_pretrained
 from kiln.models.auto import AutoConfig
 
@@ -33,7 +34,7 @@ CONFIGS = {
 @pytest.mark.parametrize("task", HEADS)
 def test_round_trip_bit_exact(task, config, tiny_factory, tmp_path):
     src = tiny_factory("deberta-v2", task, **CONFIGS[config])
-    hf = getattr(transformers, HF_AUTO[task]).from_pretrained(src).eval()
+    hf = getattr(transformers, get_task(task).hf_auto).from_pretrained(src).eval()
     ours = load_pretrained(src)
     assert ours.family.model_type == "deberta-v2" and ours.task == task
     run_both(ours, hf, task, token_types=hf.config.type_vocab_size > 0, long=True)

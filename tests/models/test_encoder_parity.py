@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from kiln.interop.verify import HF_AUTO
+from kiln.models.tasks import get_task
 from kiln.models import load_pretrained
 
 from encoder_cases import HEADS, run_both
@@ -18,7 +18,7 @@ FAMILIES = ["bert", "roberta", "xlm-roberta", "distilbert"]
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_round_trip_bit_exact(model_type, task, tiny_factory, tmp_path):
     src = tiny_factory(model_type, task)
-    auto = getattr(transformers, HF_AUTO[task])
+    auto = getattr(transformers, get_task(task).hf_auto)
     hf = auto.from_pretrained(src).eval()
     ours = load_pretrained(src)
     assert ours.task == task and ours.family.model_type == model_type

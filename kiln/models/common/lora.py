@@ -25,10 +25,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kiln.errors import KilnError
+from kiln.models.tasks import task_of
 
 PEFT_PREFIX = "base_model.model."
-TASK_TYPES = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS", "token-classification": "TOKEN_CLS",
-              "question-answering": "QUESTION_ANS", "base": "FEATURE_EXTRACTION"}
 
 
 @dataclass
@@ -137,7 +136,7 @@ def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_o
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     targets = sorted({n.rsplit(".", 1)[-1] for n in model.lora_targets})
     peft_config = {
-        "peft_type": "LORA", "task_type": TASK_TYPES.get(getattr(model, "task", ""), None),
+        "peft_type": "LORA", "task_type": getattr(task_of(model), "peft_type", None),
         "base_model_name_or_path": base_model_name_or_path, "r": config.r, "lora_alpha": config.alpha,
         "lora_dropout": config.dropout, "target_modules": targets, "use_rslora": config.use_rslora,
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
