@@ -17,6 +17,20 @@ from tokenizers.models import WordPiece
 
 from kiln.models.auto import family_for
 
+# Hybrid DeltaNet decoders: a Gated DeltaNet layer (2 key heads serving 4 value heads) then a gated attention
+# layer whose rotary turns 4 of its 16 dims; Qwen3-Next and Qwen3.5-MoE route over 4 experts plus the gated
+# shared expert (Qwen3-Next's layer 1 dense); Qwen3.5 image-text rows add a one-block vision tower.
+_HYBRID = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+               layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=8, linear_value_head_dim=8)
+_HYBRID_MOE = dict(_HYBRID, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4,
+                   num_experts_per_tok=2)
+_VISION = dict(vision_config=dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2, patch_size=4,
+                                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32,
+                                  num_position_embeddings=16),
+               image_token_id=95, video_token_id=96, vision_start_token_id=97, vision_end_token_id=98)
+
 # The smallest configs that still exercise every path (2 layers, several heads, padding id kept).
 TINY: dict[str, dict[str, Any]] = {
     "bert": dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
@@ -81,6 +95,11 @@ TINY: dict[str, dict[str, Any]] = {
     "modernbert": dict(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
                        max_position_embeddings=64, global_attn_every_n_layers=2, local_attention=8, pad_token_id=0,
                        bos_token_id=2, cls_token_id=2, eos_token_id=3, sep_token_id=3),
+    "qwen3_next": dict(_HYBRID_MOE, mlp_only_layers=[1]),
+    "qwen3_5_text": _HYBRID,
+    "qwen3_5_moe_text": _HYBRID_MOE,
+    "qwen3_5": dict(_VISION, text_config=_HYBRID),
+    "qwen3_5_moe": dict(_VISION, text_config=_HYBRID_MOE),
 }
 
 # Special tokens per family, in vocabulary order from id 0 (so pad ids match the configs' defaults).
@@ -95,7 +114,8 @@ SPECIALS: dict[str, dict[str, str]] = {
                    "mask_token": "[MASK]"},
     # decoders: ids 0-3 (llama: bos 1, eos 2 as LlamaConfig defaults)
     **{t: {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
-       for t in ("llama", "qwen2", "qwen3", "qwen3_moe")},
+       for t in ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
+                 "qwen3_5", "qwen3_5_moe")},
     **{t: {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
        for t in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")},  # bos 0, eos 1 as their configs' defaults
     "mamba": {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},  # pad id 0
@@ -176,7 +196,7 @@ def make_tiny(model_type: str, task: str, out_dir: str | os.PathLike, seed: int 
     if tokenizer:
         specials = SPECIALS[model_type]
         build = tiny_unigram_tokenizer if model_type in UNIGRAM else tiny_tokenizer
-        build(specials, config.vocab_size).save(str(out / "tokenizer.json"))
+        build(specials, config.get_text_config().vocab_size).save(str(out / "tokenizer.json"))  # image-text: nested
         (out / "tokenizer_config.json").write_text(json.dumps(
             {**specials, "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 64}, indent=2))
         (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2))

@@ -18,6 +18,7 @@ from kiln.hub import Tokenizer, load_weights, read_config
 from kiln.models import (albert, bert, deberta_v2, distilbert, llama, mamba, modernbert, qwen2, qwen3, qwen3_moe,
                          roberta, xlm_roberta)
 from kiln.models import deepseek_v3, deepseek_v32, glm_moe_dsa
+from kiln.models import qwen3_5, qwen3_next
 from kiln.models.common.lora import has_adapter, load_adapter
 from kiln.models.config import FamilyConfig
 from kiln.models.pretrained import Family, PreTrainedModel
@@ -39,6 +40,11 @@ REGISTRY: dict[str, Family] = {
     "deepseek_v3": deepseek_v3.FAMILY,
     "deepseek_v32": deepseek_v32.FAMILY,
     "glm_moe_dsa": glm_moe_dsa.FAMILY,
+    "qwen3_next": qwen3_next.FAMILY,
+    "qwen3_5_text": qwen3_5.TEXT,
+    "qwen3_5_moe_text": qwen3_5.MOE_TEXT,
+    "qwen3_5": qwen3_5.FAMILY,
+    "qwen3_5_moe": qwen3_5.MOE_FAMILY,
     # state-space models
     "mamba": mamba.FAMILY,
 }

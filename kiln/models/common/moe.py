@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kiln.models.common.activations import activation
+from kiln.models.common.mlp import GatedMLP
 
 
 class Router(nn.Module):
@@ -137,3 +138,24 @@ def load_balancing_loss(router_logits: tuple[torch.Tensor, ...], num_experts: in
             probs_sum = probs_sum + (probs.float() * flat_mask.unsqueeze(-1)).sum(dim=0)
             rows = rows + flat_mask.sum()
     return torch.sum((picks / rows) * (probs_sum / rows).unsqueeze(0)) * num_experts
+
+
+class SharedExpertMoEBlock(MoEBlock):
+    """MoEBlock plus a dense `shared_expert` every token takes, scaled by sigmoid(`shared_expert_gate`(x)).
+
+    Qwen2-MoE / Qwen3-Next / Qwen3.5-MoE: out = routed(x) + sigmoid(x w_g) * shared(x).
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 shared_hidden: int, act: str = "silu"):
+        super().__init__(dim, hidden, num_experts, top_k, norm_topk_prob, act)
+        self.shared_expert = GatedMLP(dim, shared_hidden, act)
+        self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        flat = x.view(-1, C)  # (N, C)
+        shared = self.shared_expert(flat)
+        routed = super().forward(x).view(-1, C)
+        shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared  # (N, 1) gate per token
+        return (routed + shared).reshape(B, T, C)
