@@ -7,13 +7,13 @@ can open the file at the spot.
 from __future__ import annotations
 
 import csv
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kiln.errors import KilnError
+from kiln.hub.jsonio import iter_jsonl
 
 
 @dataclass(frozen=True)
@@ -47,19 +47,10 @@ def read_records(path: str | os.PathLike, fmt: str = "auto") -> list[Record]:
         raise KilnError(f"{path}: data file not found")
     fmt = detect_format(path, fmt)
     records: list[Record] = []
-    with open(path, encoding="utf-8", newline="") as f:
-        if fmt == "jsonl":
-            for no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise KilnError(f"{path}:{no}: not valid JSON ({e.msg} at column {e.colno})") from None
-                if not isinstance(row, dict):
-                    raise KilnError(f"{path}:{no}: expected a JSON object per line, got {type(row).__name__}")
-                records.append(Record(row, f"{path}:{no}"))
-        else:
+    if fmt == "jsonl":
+        records = [Record(row, f"{path}:{no}") for no, row, _ in iter_jsonl(path)]
+    else:
+        with open(path, encoding="utf-8", newline="") as f:
             reader = csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
             if not reader.fieldnames:
                 raise KilnError(f"{path}: empty CSV (no header row)")

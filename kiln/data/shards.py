@@ -23,6 +23,7 @@ import numpy as np
 
 from kiln.errors import KilnError
 from kiln.hub.files import file_sha256, fsync_dir
+from kiln.hub.jsonio import read_json
 
 FORMAT = "kiln-token-shards"
 VERSION = 1
@@ -121,10 +122,7 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
         raise ShardError(f"{root}: no such token shard directory")
     if not path.is_file():
         raise ShardError(f"{root}: no {MANIFEST}; not a `kiln tokenize` output, or that run did not finish")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ShardError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    manifest = read_json(path, error=ShardError)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ShardError(f"{path}: not a kiln token shard manifest (format must be {FORMAT!r})")
     for key in ("version", "dtype", "vocab_size", "eos_id", "tokenizer", "splits"):

@@ -11,7 +11,6 @@ by whole documents, reproducible, and independent of batching.
 from __future__ import annotations
 
 import hashlib
-import json
 import multiprocessing
 import os
 from collections import deque
@@ -23,10 +22,12 @@ import numpy as np
 
 from kiln.data.shards import MANIFEST, ShardError, ShardWriter, dtype_for_vocab, tokenizer_digest, write_manifest
 from kiln.errors import KilnError
+from kiln.hub.jsonio import iter_jsonl
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 TABLE_SUFFIXES = (".parquet", ".arrow", ".feather")
+ENCODING_HINT = "fix the file or pass --encoding-errors replace"
 
 
 @dataclass(frozen=True)
@@ -60,27 +61,18 @@ def _decode(raw: bytes, where: str, errors: str) -> str:
     try:
         return raw.decode("utf-8", errors=errors)
     except UnicodeDecodeError as e:
-        raise KilnError(f"{where}: not UTF-8 at byte {e.start} ({e.reason}); fix the file or pass "
-                        "--encoding-errors replace") from None
+        raise KilnError(f"{where}: not UTF-8 at byte {e.start} ({e.reason}); {ENCODING_HINT}") from None
 
 
 def _jsonl_docs(path: Path, field: str, errors: str) -> Iterator[Doc]:
-    with open(path, "rb") as f:
-        for no, raw in enumerate(f, 1):
-            where = f"{path}:{no}"
-            line = _decode(raw, where, errors)
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise KilnError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict) or field not in row:
-                have = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
-                raise KilnError(f"{where}: no field {field!r} (fields here: {have or 'none'}); set --text-field")
-            if not isinstance(row[field], str):
-                raise KilnError(f"{where}: field {field!r} is {type(row[field]).__name__}, not a string")
-            yield Doc(row[field], where, len(raw))
+    for no, row, size in iter_jsonl(path, encoding_errors=errors, hint=ENCODING_HINT):
+        where = f"{path}:{no}"
+        if field not in row:
+            raise KilnError(f"{where}: no field {field!r} (fields here: {', '.join(sorted(row)) or 'none'}); "
+                            "set --text-field")
+        if not isinstance(row[field], str):
+            raise KilnError(f"{where}: field {field!r} is {type(row[field]).__name__}, not a string")
+        yield Doc(row[field], where, size)
 
 
 def _table_docs(path: Path, field: str) -> Iterator[Doc]:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import ConfigError
+from kiln.hub.jsonio import read_json
 
 
 def read_config(model_dir: str | os.PathLike) -> dict[str, Any]:
@@ -20,13 +21,7 @@ def read_config(model_dir: str | os.PathLike) -> dict[str, Any]:
     path = model_dir / "config.json"
     if not path.is_file():
         raise ConfigError(f"{model_dir}: no config.json in this directory; is it an HF model directory?")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object at the top level")
-    return data
+    return read_json(path, error=ConfigError, want=dict)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

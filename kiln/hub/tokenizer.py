@@ -6,7 +6,6 @@ back what a transformers user expects to find.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -19,8 +18,8 @@ from tokenizers.models import WordPiece
 
 from kiln.errors import KilnError
 from kiln.hub.config import write_json_atomic
+from kiln.hub.jsonio import read_json
 
-_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 _SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -28,13 +27,6 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):  # serialised AddedToken
         return value.get("content")
     return value if isinstance(value, str) else None
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise KilnError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
 
 
 def _wordpiece_from_vocab(vocab_path: Path, lowercase: bool, specials: dict[str, str]) -> _HFTokenizer:
@@ -86,8 +78,9 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike) -> "Tokenizer":
         model_dir = Path(model_dir)
-        config = _read_json(model_dir / "tokenizer_config.json") if (model_dir / "tokenizer_config.json").is_file() else {}
-        smap = _read_json(model_dir / "special_tokens_map.json") if (model_dir / "special_tokens_map.json").is_file() else {}
+        tc, sm = model_dir / "tokenizer_config.json", model_dir / "special_tokens_map.json"
+        config = read_json(tc, want=dict) if tc.is_file() else {}
+        smap = read_json(sm, want=dict) if sm.is_file() else {}
         tj = model_dir / "tokenizer.json"
         if tj.is_file():
             try:

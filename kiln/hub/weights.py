@@ -6,7 +6,6 @@ Writes go to a temp file, are fsynced, then renamed.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from safetensors.torch import save_file
 
 from kiln.errors import WeightsError
 from kiln.hub.config import write_json_atomic
+from kiln.hub.jsonio import read_json
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -29,10 +29,9 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
     for index_name in (SAFE_INDEX, BIN_INDEX):
         index = model_dir / index_name
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise WeightsError(f"{index}: not a valid shard index ({e})") from None
+            weight_map = read_json(index, error=WeightsError, want=dict).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise WeightsError(f"{index}: not a valid shard index (no weight_map object)")
             files = sorted(set(weight_map.values()))
             missing = [f for f in files if not (model_dir / f).is_file()]
             if missing:

@@ -30,6 +30,7 @@ from kiln.errors import KilnError
 from kiln.hub import load_weights
 from kiln.hub.config import write_json_atomic
 from kiln.hub.files import file_sha256, fsync_dir, fsync_file
+from kiln.hub.jsonio import read_json
 from kiln.models.common.lora import has_adapter, read_adapter_tensors
 from kiln.models.pretrained import PreTrainedModel, copy_state_dict
 
@@ -147,9 +148,11 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
     if not manifest.is_file():
         return "no manifest.json (the write never finished)"
     try:
-        files = json.loads(manifest.read_text())["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        files = read_json(manifest, want=dict).get("files")
+    except KilnError as e:
         return f"manifest.json is unreadable ({e})"
+    if not isinstance(files, dict):
+        return "manifest.json is unreadable (no files object)"
     for rel, info in files.items():
         f = path / rel
         if not f.is_file():
@@ -187,16 +190,16 @@ def latest_checkpoint(run_dir: str | os.PathLike, report: Callable[[str], None] 
 
 
 def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
-    return json.loads((Path(path) / "trainer.json").read_text())
+    return read_json(Path(path) / "trainer.json", want=dict)
 
 
 def read_rng_states(path: str | os.PathLike) -> list[dict[str, Any]]:
-    return json.loads((Path(path) / "rng.json").read_text())
+    return read_json(Path(path) / "rng.json", want=list)
 
 
 def load_optimizer_state(path: str | os.PathLike) -> dict:
     path = Path(path)
-    meta = json.loads((path / "optimizer.json").read_text())
+    meta = read_json(path / "optimizer.json", want=dict)
     return _optimizer_state(load_file(str(path / "optimizer.safetensors")), meta)
 
 

@@ -6,13 +6,14 @@ import os
 from pathlib import Path
 
 from kiln.errors import KilnError
-from kiln.train.metrics import read_metrics
+from kiln.hub.jsonio import iter_jsonl
 
 
 def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
     """Write RUN_DIR/curves.png (or `out`): training loss, lr, and every eval_* metric by step."""
     run_dir = Path(run_dir)
-    records = read_metrics(run_dir / "metrics.jsonl")
+    log = run_dir / "metrics.jsonl"
+    records = [r for _, r, _ in iter_jsonl(log, torn_tail=True)] if log.is_file() else []
     if not records:
         raise KilnError(f"{run_dir}: no metrics.jsonl records to plot")
     try:
