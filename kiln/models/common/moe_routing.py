@@ -97,8 +97,9 @@ class SharedExpertMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        flat = x.view(-1, C)  # (N, C)
-        logits, weights, index = self.gate(flat)
+        # Router and experts each take their own view of x, as transformers does: x's gradient then sums
+        # the same three parts (router, experts, shared experts) in the same order, bit for bit.
+        logits, weights, index = self.gate(x.view(-1, C))
         self.router_logits = logits  # (N, E)
-        routed = self.experts(flat, index, weights).view(B, T, C)
+        routed = self.experts(x.view(-1, C), index, weights).view(B, T, C)
         return routed + self.shared_experts(x)
