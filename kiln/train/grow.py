@@ -11,7 +11,8 @@ Choices:
 - old parameters stay the same tensors, so optimizer state (keyed by parameter) follows them; the
   optimizer's groups are rebuilt in the grown model's natural parameter order, the order a run
   resumed after the growth builds, so optimizer checkpoints map index for index;
-- freeze policies: `first:N`, `last:N`, `layers:i,j,...`, `embeddings` (every nn.Embedding).
+- freezing (before and at growth) speaks `kiln.train.freeze`'s language: `first:N`, `last:N`,
+  `layers:i,j,...`, `embeddings`, or parameter name prefixes and globs.
 """
 
 from __future__ import annotations
@@ -25,18 +26,10 @@ from torch import nn
 
 from kiln.errors import ConfigError
 from kiln.models.pretrained import init_module
+from kiln.train.freeze import find_layers, freeze
 from kiln.train.optim import param_groups
 from kiln.train.resume import model_fingerprint
 from kiln.train.trainer import Callback, Trainer
-
-
-def find_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """(qualified name, the ModuleList) of the model's one layer stack named `layers`."""
-    found = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and n.split(".")[-1] == "layers"]
-    if len(found) != 1:
-        raise ConfigError(f"layer growth/freezing needs exactly one ModuleList named 'layers' in "
-                          f"{type(model).__name__}; found {[n for n, _ in found] or 'none'}")
-    return found[0]
 
 
 def new_layer_slots(placement: str, base: int, target: int) -> list[int]:
@@ -101,41 +94,6 @@ def grow_layers(model: nn.Module, target: int, placement: str = "append", seed: 
     return slots
 
 
-def freeze_policy(model: nn.Module, policies: list[str]) -> list[str]:
-    """requires_grad=False for the parameters each policy names; returns their names."""
-    prefix, stack = find_layers(model)
-    n = len(stack)
-    picked: set[int] = set()
-    embeddings = False
-    for policy in policies:
-        kind, _, arg = policy.partition(":")
-        try:
-            values = [int(v) for v in arg.split(",")] if arg else []
-        except ValueError:
-            values = [-1]
-        if kind == "embeddings" and not arg:
-            embeddings = True
-        elif kind in ("first", "last") and len(values) == 1 and 0 <= values[0] <= n:
-            picked |= set(range(values[0])) if kind == "first" else set(range(n - values[0], n))
-        elif kind == "layers" and values and all(0 <= v < n for v in values):
-            picked |= set(values)
-        else:
-            raise ConfigError(f"freeze policy {policy!r} is not valid for {n} layers: use first:N, last:N, "
-                              f"layers:i,j,... (indices below {n}) or embeddings")
-    frozen = []
-    for i in sorted(picked):
-        for name, p in stack[i].named_parameters():
-            p.requires_grad_(False)
-            frozen.append(f"{prefix}.{i}.{name}")
-    if embeddings:
-        for mname, m in model.named_modules():
-            if isinstance(m, nn.Embedding):
-                for name, p in m.named_parameters():
-                    p.requires_grad_(False)
-                    frozen.append(f"{mname}.{name}")
-    return frozen
-
-
 def regroup_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict]) -> None:
     """Point the optimizer's groups at `groups`' params (same group count); state stays keyed by parameter."""
     if len(groups) != len(optimizer.param_groups):
@@ -168,7 +126,7 @@ class Growth:
     def setup(self, model: nn.Module, step: int) -> None:
         """Before weights load and the optimizer is built: initial freezing, and growth if `step` is past it."""
         if self.plan.freeze:
-            freeze_policy(model, self.plan.freeze)
+            freeze(model, self.plan.freeze, key="grow.freeze")
         if step >= self.plan.at_step:
             self._grow(model)
 
@@ -186,7 +144,7 @@ class Growth:
     def _grow(self, model: nn.Module) -> None:
         grow_layers(model, self.plan.target_layers, self.plan.placement, self.plan.seed)
         if self.plan.freeze_after:
-            freeze_policy(model, self.plan.freeze_after)
+            freeze(model, self.plan.freeze_after, key="grow.freeze_after")
         self.grown = True
 
 

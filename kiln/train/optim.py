@@ -7,7 +7,6 @@ but the step.
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from typing import Callable, Iterable
 
@@ -15,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from kiln.errors import ConfigError
+from kiln.train.freeze import freeze  # re-exported: kiln.train.trainer imports it from here
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
@@ -65,20 +64,3 @@ def set_lr(optimizer: torch.optim.Optimizer, base_lrs: Iterable[float], factor: 
     for group, base in zip(optimizer.param_groups, base_lrs):
         group["lr"] = lr = base * factor
     return lr
-
-
-def freeze(model: nn.Module, patterns: list[str]) -> list[str]:
-    """requires_grad=False for parameters whose name starts with, or glob-matches, a pattern."""
-    def hit(name: str, pat: str) -> bool:
-        return name == pat or name.startswith(pat.rstrip(".") + ".") or fnmatch.fnmatchcase(name, pat)
-
-    names = [n for n, _ in model.named_parameters()]
-    unmatched = [pat for pat in patterns if not any(hit(n, pat) for n in names)]
-    if unmatched:
-        raise ConfigError(f"train.freeze: {unmatched} match no parameter name (names look like {names[0]!r})")
-    frozen = []
-    for name, p in model.named_parameters():
-        if any(hit(name, pat) for pat in patterns):
-            p.requires_grad_(False)
-            frozen.append(name)
-    return frozen

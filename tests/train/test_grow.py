@@ -14,8 +14,8 @@ from kiln.errors import ConfigError
 from kiln.models import AutoConfig
 from kiln.models.auto import from_config
 from kiln.models.hpn import PrototypeModel
-from kiln.train.grow import (GrowthCallback, GrowthPlan, find_layers, freeze_policy, grow_layers, new_layer_slots,
-                             regroup_optimizer)
+from kiln.train.freeze import freeze
+from kiln.train.grow import GrowthCallback, GrowthPlan, find_layers, grow_layers, new_layer_slots, regroup_optimizer
 from kiln.train.multiobjective import GradientCombiner, losses_step
 from kiln.train.optim import param_groups
 from kiln.train.trainer import Trainer
@@ -53,7 +53,7 @@ def test_loss_is_unchanged_at_growth_for_each_placement(placement, slots):
 
 def test_frozen_parameters_do_not_change_across_steps():
     model = _mamba(layers=3)
-    frozen = set(freeze_policy(model, ["first:1", "layers:2", "embeddings"]))
+    frozen = set(freeze(model, ["first:1", "layers:2", "embeddings"]))
     assert "model.embeddings.weight" in frozen and "model.layers.0.mixer.A_log" in frozen
     assert not any(n.startswith("model.layers.1.") for n in frozen)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -136,8 +136,8 @@ def test_user_errors_name_the_setting():
         new_layer_slots("specific:1,1", 2, 4)
     with pytest.raises(ConfigError, match=r"target_layers \(2\) must exceed base_layers \(2\)"):
         new_layer_slots("append", 2, 2)
-    with pytest.raises(ConfigError, match=r"freeze policy 'last:5' is not valid for 2 layers"):
-        freeze_policy(_mamba(), ["last:5"])
+    with pytest.raises(ConfigError, match=r"grow.freeze: freeze policy 'last:5' is not valid for 2 layers"):
+        freeze(_mamba(), ["last:5"], key="grow.freeze")
     bert = from_config(AutoConfig.for_model("bert", vocab_size=30, hidden_size=16, num_hidden_layers=1,
                                             num_attention_heads=2, intermediate_size=20), task="base", seed=0)
     with pytest.raises(ConfigError, match=r"EncoderLayer does not"):
