@@ -114,7 +114,7 @@ def verify_matrix(cells: Optional[Path] = typer.Option(None, "--cells", help="JS
         grid.add_row(fam, *row)
     out.print(grid)
     # Tallies per kind of row: encoder families (five heads each) and causal LMs.
-    for kind, heads in (("encoder", ENCODER_HEADS), ("causal-lm", (BASE, CAUSAL_LM))):
+    for kind, heads in (("encoder", ENCODER_HEADS), (CAUSAL_LM, (BASE, CAUSAL_LM))):
         cells = [c for c in results if c.head in heads and
                  set(heads) <= {x.head for x in results if x.family == c.family}]
         if cells:

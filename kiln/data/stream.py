@@ -41,7 +41,7 @@ from kiln.constants import IGNORE_INDEX
 from kiln.data.shards import ShardSet
 from kiln.errors import KilnError
 
-IGNORE = IGNORE_INDEX  # the old name, still imported by kiln/train/pretrain.py
+
 Batch = dict[str, torch.Tensor]
 # (rows, lengths, sizes): rows (N, T+1) of window tokens in the shards' dtype, padded with EOS;
 # lengths (N,) real tokens per row (0 = filler row); sizes: rows per batch, in order, summing to N

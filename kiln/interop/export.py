@@ -8,7 +8,8 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 from kiln.models.auto import load_pretrained
-from kiln.models.pretrained import TASKS, PreTrainedModel
+from kiln.models.pretrained import PreTrainedModel
+from kiln.models.tasks import TASKS
 
 
 def export_model(src: str | os.PathLike | PreTrainedModel, out: str | os.PathLike, head: str | None = None,

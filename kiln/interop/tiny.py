@@ -16,6 +16,7 @@ from tokenizers import decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import WordPiece
 
 from kiln.models.auto import family_for
+from kiln.models.tasks import get_task
 
 # Hybrid DeltaNet decoders: a Gated DeltaNet layer (2 key heads serving 4 value heads) then a gated attention
 # layer whose rotary turns 4 of its 16 dims; Qwen3-Next and Qwen3.5-MoE route over 4 experts plus the gated
@@ -183,7 +184,7 @@ def make_tiny(model_type: str, task: str, out_dir: str | os.PathLike, seed: int 
     family = family_for(model_type)
     arch = family.tasks[task].architecture
     kwargs = {**TINY[model_type], **overrides}
-    if task in ("sequence-classification", "token-classification"):
+    if get_task(task).label_kind is not None:
         kwargs.setdefault("num_labels", 3)
     config = transformers.AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)

@@ -25,6 +25,7 @@ from kiln.models.heads import (BaseModel, ForMaskedLM, ForQuestionAnswering, For
                                ForTokenClassification, MLMHead, PooledClassifier)
 from kiln.models.keymap import KeyMap
 from kiln.models.pretrained import Family, TaskSpec
+from kiln.models.tasks import BASE, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
 
 
 @dataclass
@@ -136,22 +137,22 @@ FAMILY = Family(
     base_keys=BASE_KEYS,
     extra_keys=(r"embeddings\.position_ids", r"embeddings\.token_type_ids"),  # buffers older checkpoints carry
     tasks={
-        "base": TaskSpec("AlbertModel", lambda c: BaseModel(AlbertEncoder(c, pooler=True))),
-        "sequence-classification": TaskSpec(
+        BASE: TaskSpec("AlbertModel", lambda c: BaseModel(AlbertEncoder(c, pooler=True))),
+        SEQUENCE_CLASSIFICATION: TaskSpec(
             "AlbertForSequenceClassification",
             lambda c: ForSequenceClassification(AlbertEncoder(c, pooler=True),
                                                 PooledClassifier(c.hidden_size, c.num_labels, c.head_dropout)),
             KeyMap([("head.classifier", "classifier")])),
-        "token-classification": TaskSpec(
+        TOKEN_CLASSIFICATION: TaskSpec(
             "AlbertForTokenClassification",
             lambda c: ForTokenClassification(AlbertEncoder(c, pooler=False), c.hidden_size, c.num_labels,
                                              c.head_dropout),
             KeyMap([("classifier", "classifier")])),
-        "question-answering": TaskSpec(
+        QUESTION_ANSWERING: TaskSpec(
             "AlbertForQuestionAnswering",
             lambda c: ForQuestionAnswering(AlbertEncoder(c, pooler=False), c.hidden_size),
             KeyMap([("qa_outputs", "qa_outputs")])),
-        "masked-lm": TaskSpec(
+        MASKED_LM: TaskSpec(
             "AlbertForMaskedLM", lambda c: ForMaskedLM(AlbertEncoder(c, pooler=False), mlm_head(c)), MLM_KEYS),
     },
 )

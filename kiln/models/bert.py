@@ -15,6 +15,7 @@ from kiln.models.heads import (BaseModel, ForMaskedLM, ForQuestionAnswering, For
                                ForTokenClassification, MLMHead, PooledClassifier)
 from kiln.models.keymap import KeyMap
 from kiln.models.pretrained import Family, TaskSpec
+from kiln.models.tasks import BASE, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
 
 
 @dataclass
@@ -101,21 +102,21 @@ FAMILY = Family(
     base_keys=BASE_KEYS,
     extra_keys=EXTRA_KEYS,
     tasks={
-        "base": TaskSpec("BertModel", lambda c: BaseModel(backbone(c, pooler=True))),
-        "sequence-classification": TaskSpec(
+        BASE: TaskSpec("BertModel", lambda c: BaseModel(backbone(c, pooler=True))),
+        SEQUENCE_CLASSIFICATION: TaskSpec(
             "BertForSequenceClassification",
             lambda c: ForSequenceClassification(backbone(c, pooler=True),
                                                 PooledClassifier(c.hidden_size, c.num_labels, c.head_dropout)),
             KeyMap([("head.classifier", "classifier")])),
-        "token-classification": TaskSpec(
+        TOKEN_CLASSIFICATION: TaskSpec(
             "BertForTokenClassification",
             lambda c: ForTokenClassification(backbone(c, pooler=False), c.hidden_size, c.num_labels, c.head_dropout),
             KeyMap([("classifier", "classifier")])),
-        "question-answering": TaskSpec(
+        QUESTION_ANSWERING: TaskSpec(
             "BertForQuestionAnswering",
             lambda c: ForQuestionAnswering(backbone(c, pooler=False), c.hidden_size),
             KeyMap([("qa_outputs", "qa_outputs")])),
-        "masked-lm": TaskSpec(
+        MASKED_LM: TaskSpec(
             "BertForMaskedLM", lambda c: ForMaskedLM(backbone(c, pooler=False), mlm_head(c)), MLM_KEYS),
     },
 )

@@ -33,6 +33,7 @@ from kiln.models.heads import (BaseModel, ForMaskedLM, ForQuestionAnswering, For
                                ForTokenClassification, MLMHead, ModelOutput)
 from kiln.models.keymap import KeyMap
 from kiln.models.pretrained import Family, TaskSpec
+from kiln.models.tasks import BASE, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
 
 # Keys HF reads with getattr(config, key, default): written back only when set, since a null would not
 # read back as the default.
@@ -443,20 +444,20 @@ FAMILY = Family(
     base_keys=BASE_KEYS,
     extra_keys=(r"embeddings\.position_ids",),  # a buffer older checkpoints carry
     tasks={
-        "base": TaskSpec("DebertaV2Model", lambda c: BaseModel(DebertaEncoder(c))),
-        "sequence-classification": TaskSpec(
+        BASE: TaskSpec("DebertaV2Model", lambda c: BaseModel(DebertaEncoder(c))),
+        SEQUENCE_CLASSIFICATION: TaskSpec(
             "DebertaV2ForSequenceClassification",
             lambda c: DebertaForSequenceClassification(DebertaEncoder(c), ContextPoolerClassifier(c)),
             KeyMap([("head.pooler.dense", "pooler.dense"), ("head.classifier", "classifier")])),
-        "token-classification": TaskSpec(
+        TOKEN_CLASSIFICATION: TaskSpec(
             "DebertaV2ForTokenClassification",
             lambda c: ForTokenClassification(DebertaEncoder(c), c.hidden_size, c.num_labels, c.hidden_dropout_prob),
             KeyMap([("classifier", "classifier")])),
-        "question-answering": TaskSpec(
+        QUESTION_ANSWERING: TaskSpec(
             "DebertaV2ForQuestionAnswering",
             lambda c: ForQuestionAnswering(DebertaEncoder(c), c.hidden_size),
             KeyMap([("qa_outputs", "qa_outputs")])),
-        "masked-lm": TaskSpec(
+        MASKED_LM: TaskSpec(
             "DebertaV2ForMaskedLM", lambda c: ForMaskedLM(DebertaEncoder(c), mlm_head(c)), MLM_KEYS),
     },
 )

@@ -20,6 +20,7 @@ from kiln.models.common.rope import RotaryEmbedding, rope_parameters
 from kiln.models.config import FamilyConfig
 from kiln.models.keymap import KeyMap, Rule
 from kiln.models.pretrained import Family, TaskSpec
+from kiln.models.tasks import BASE, CAUSAL_LM
 
 __all__ = ["CausalLMOutput", "DecoderConfig", "DecoderModel", "ForCausalLM", "base_attention", "build_decoder",
            "decoder_family"]
@@ -113,7 +114,7 @@ def decoder_family(model_type: str, config_cls: type[DecoderConfig], arch: str, 
         hf_prefix="model",
         base_keys=KeyMap(list(rules or []) + IDENTITY_KEYS),
         tasks={
-            "base": TaskSpec(f"{arch}Model", lambda c: DecoderModel(build_decoder(c, attention, mlp))),
-            "causal-lm": TaskSpec(f"{arch}ForCausalLM", causal_lm, KeyMap([("lm_head", "lm_head")])),
+            BASE: TaskSpec(f"{arch}Model", lambda c: DecoderModel(build_decoder(c, attention, mlp))),
+            CAUSAL_LM: TaskSpec(f"{arch}ForCausalLM", causal_lm, KeyMap([("lm_head", "lm_head")])),
         },
     )

@@ -20,6 +20,7 @@ from kiln.models.heads import (BaseModel, FirstTokenClassifier, ForMaskedLM, For
                                ForSequenceClassification, ForTokenClassification, MLMHead)
 from kiln.models.keymap import KeyMap
 from kiln.models.pretrained import Family, TaskSpec
+from kiln.models.tasks import BASE, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
 
 EPS = 1e-12
 
@@ -101,21 +102,21 @@ FAMILY = Family(
     base_keys=BASE_KEYS,
     extra_keys=(r"embeddings\.position_ids",),
     tasks={
-        "base": TaskSpec("DistilBertModel", lambda c: BaseModel(backbone(c))),
-        "sequence-classification": TaskSpec(
+        BASE: TaskSpec("DistilBertModel", lambda c: BaseModel(backbone(c))),
+        SEQUENCE_CLASSIFICATION: TaskSpec(
             "DistilBertForSequenceClassification",
             lambda c: ForSequenceClassification(backbone(c), FirstTokenClassifier(
                 c.dim, c.num_labels, c.seq_classif_dropout, act="relu", dropout_first=False)),
             KeyMap([("head.dense", "pre_classifier"), ("head.out_proj", "classifier")])),
-        "token-classification": TaskSpec(
+        TOKEN_CLASSIFICATION: TaskSpec(
             "DistilBertForTokenClassification",
             lambda c: ForTokenClassification(backbone(c), c.dim, c.num_labels, c.dropout),
             KeyMap([("classifier", "classifier")])),
-        "question-answering": TaskSpec(
+        QUESTION_ANSWERING: TaskSpec(
             "DistilBertForQuestionAnswering",
             lambda c: ForQuestionAnswering(backbone(c), c.dim, dropout=c.qa_dropout),
             KeyMap([("qa_outputs", "qa_outputs")])),
-        "masked-lm": TaskSpec(
+        MASKED_LM: TaskSpec(
             "DistilBertForMaskedLM",
             lambda c: ForMaskedLM(backbone(c), MLMHead(c.dim, c.vocab_size, c.activation, EPS,
                                                        tied=c.tie_word_embeddings)),

@@ -15,6 +15,7 @@ from torch.nn import functional as F
 from kiln.errors import KilnError
 from kiln.models.common.activations import activation
 from kiln.models.pretrained import PreTrainedModel
+from kiln.models.tasks import BASE, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
 
 
 @dataclass
@@ -91,7 +92,7 @@ def _backbone_inputs(kwargs: dict) -> dict:
 
 
 class BaseModel(PreTrainedModel):
-    default_task = "base"
+    default_task = BASE
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -115,7 +116,7 @@ class BaseModel(PreTrainedModel):
 
 
 class ForSequenceClassification(PreTrainedModel):
-    default_task = "sequence-classification"
+    default_task = SEQUENCE_CLASSIFICATION
 
     def __init__(self, model: nn.Module, head: nn.Module):
         super().__init__()
@@ -152,7 +153,7 @@ class ForSequenceClassification(PreTrainedModel):
 
 
 class ForTokenClassification(PreTrainedModel):
-    default_task = "token-classification"
+    default_task = TOKEN_CLASSIFICATION
 
     def __init__(self, model: nn.Module, dim: int, num_labels: int, dropout: float,
                  transform: nn.Module | None = None):
@@ -173,7 +174,7 @@ class ForTokenClassification(PreTrainedModel):
 
 
 class ForQuestionAnswering(PreTrainedModel):
-    default_task = "question-answering"
+    default_task = QUESTION_ANSWERING
 
     def __init__(self, model: nn.Module, dim: int, dropout: float = 0.0, transform: nn.Module | None = None):
         super().__init__()
@@ -202,7 +203,7 @@ class ForQuestionAnswering(PreTrainedModel):
 
 
 class ForMaskedLM(PreTrainedModel):
-    default_task = "masked-lm"
+    default_task = MASKED_LM
 
     def __init__(self, model: nn.Module, head: MLMHead):
         super().__init__()

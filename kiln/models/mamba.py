@@ -28,6 +28,7 @@ from kiln.models.common.ssm import SCANS, causal_conv1d
 from kiln.models.config import FamilyConfig
 from kiln.models.keymap import KeyMap
 from kiln.models.pretrained import Family, TaskSpec
+from kiln.models.tasks import BASE, CAUSAL_LM
 
 
 @dataclass
@@ -206,8 +207,8 @@ FAMILY = Family(
     hf_prefix="backbone",
     base_keys=BASE_KEYS,
     tasks={
-        "base": TaskSpec("MambaModel", lambda c: DecoderModel(MambaBackbone(c))),
-        "causal-lm": TaskSpec(
+        BASE: TaskSpec("MambaModel", lambda c: DecoderModel(MambaBackbone(c))),
+        CAUSAL_LM: TaskSpec(
             "MambaForCausalLM",
             # Mamba: the head reads the hidden state in its own dtype and returns float32 logits
             lambda c: ForCausalLM(MambaBackbone(c), c.hidden_size, c.vocab_size, c.tie_word_embeddings,

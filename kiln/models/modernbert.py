@@ -28,6 +28,7 @@ from kiln.models.heads import (BaseModel, ForMaskedLM, ForQuestionAnswering, For
                                ForTokenClassification, ModelOutput)
 from kiln.models.keymap import KeyMap
 from kiln.models.pretrained import Family, TaskSpec
+from kiln.models.tasks import BASE, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _DEFAULT_THETA = {"full_attention": 160_000.0, "sliding_attention": 10_000.0}
@@ -341,22 +342,22 @@ FAMILY = Family(
     hf_prefix="model",
     base_keys=BASE_KEYS,
     tasks={
-        "base": TaskSpec("ModernBertModel", lambda c: BaseModel(ModernBertEncoder(c))),
-        "sequence-classification": TaskSpec(
+        BASE: TaskSpec("ModernBertModel", lambda c: BaseModel(ModernBertEncoder(c))),
+        SEQUENCE_CLASSIFICATION: TaskSpec(
             "ModernBertForSequenceClassification",
             lambda c: ForSequenceClassification(ModernBertEncoder(c, pool=True), PooledHead(c)),
             KeyMap([("head.transform", "head"), ("head.classifier", "classifier")])),
-        "token-classification": TaskSpec(
+        TOKEN_CLASSIFICATION: TaskSpec(
             "ModernBertForTokenClassification",
             lambda c: ForTokenClassification(ModernBertEncoder(c), c.hidden_size, c.num_labels, c.classifier_dropout,
                                              transform=PredictionHead(c)),
             KeyMap([("transform", "head"), ("classifier", "classifier")])),
-        "question-answering": TaskSpec(
+        QUESTION_ANSWERING: TaskSpec(
             "ModernBertForQuestionAnswering",
             lambda c: ForQuestionAnswering(ModernBertEncoder(c), c.hidden_size, c.classifier_dropout,
                                            transform=PredictionHead(c)),
             KeyMap([("transform", "head"), ("qa_outputs", "classifier")])),
-        "masked-lm": TaskSpec(
+        MASKED_LM: TaskSpec(
             "ModernBertForMaskedLM", lambda c: ModernBertForMaskedLM(ModernBertEncoder(c), MaskedLMHead(c)), MLM_KEYS),
     },
 )

@@ -20,8 +20,8 @@ from kiln.errors import ConfigError, WeightsError
 from kiln.hub import Tokenizer, load_weights, read_config, save_weights, write_config
 from kiln.models.config import FamilyConfig
 from kiln.models.keymap import KeyMap
+from kiln.models.tasks import BASE
 
-TASKS = ("base", "sequence-classification", "token-classification", "question-answering", "masked-lm", "causal-lm")
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Family:
     extra_keys: tuple[str, ...] = ()   # regexes of HF base keys kept verbatim (buffers like position_ids)
 
     def keymap(self, task: str) -> KeyMap:
-        prefix = "" if task == "base" else self.hf_prefix
+        prefix = "" if task == BASE else self.hf_prefix
         return self.base_keys.prefixed("model", prefix) + self.tasks[task].keys
 
     def task_of(self, architecture: str) -> str | None:
@@ -104,7 +104,7 @@ class PreTrainedModel(nn.Module):
         # LoRA adapters are not base weights: save_pretrained writes them apart, in PEFT format
         hf, unmatched = keymap.to_hf({k: v for k, v in self.state_dict().items() if ".lora_" not in k})
         assert not unmatched, f"kiln keys without an HF name: {unmatched}"
-        prefix = "" if self.task == "base" else self.family.hf_prefix + "."
+        prefix = "" if self.task == BASE else self.family.hf_prefix + "."
         for name, tensor in self.hf_extras.items():
             hf[prefix + name] = tensor
         return hf
@@ -151,7 +151,7 @@ class PreTrainedModel(nn.Module):
             if is_base and any(re.fullmatch(p, bare) for p in family.extra_keys):
                 extras[bare] = v
             elif is_base:
-                normalised[bare if self.task == "base" else prefix + bare] = v
+                normalised[bare if self.task == BASE else prefix + bare] = v
             else:
                 normalised[k] = v
         keymap = family.keymap(self.task)

@@ -14,6 +14,7 @@ from kiln.models.heads import (BaseModel, FirstTokenClassifier, ForMaskedLM, For
                                ForSequenceClassification, ForTokenClassification, MLMHead)
 from kiln.models.keymap import KeyMap
 from kiln.models.pretrained import Family, TaskSpec
+from kiln.models.tasks import BASE, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
 
 
 @dataclass
@@ -39,21 +40,21 @@ def family(model_type: str, config_cls: type, hf_prefix: str, arch: str) -> Fami
         base_keys=bert.BASE_KEYS,
         extra_keys=bert.EXTRA_KEYS,
         tasks={
-            "base": TaskSpec(f"{arch}Model", lambda c: BaseModel(backbone(c, pooler=True))),
-            "sequence-classification": TaskSpec(
+            BASE: TaskSpec(f"{arch}Model", lambda c: BaseModel(backbone(c, pooler=True))),
+            SEQUENCE_CLASSIFICATION: TaskSpec(
                 f"{arch}ForSequenceClassification",
                 lambda c: ForSequenceClassification(
                     backbone(c, pooler=False), FirstTokenClassifier(c.hidden_size, c.num_labels, c.head_dropout)),
                 KeyMap([("head.dense", "classifier.dense"), ("head.out_proj", "classifier.out_proj")])),
-            "token-classification": TaskSpec(
+            TOKEN_CLASSIFICATION: TaskSpec(
                 f"{arch}ForTokenClassification",
                 lambda c: ForTokenClassification(backbone(c, pooler=False), c.hidden_size, c.num_labels, c.head_dropout),
                 KeyMap([("classifier", "classifier")])),
-            "question-answering": TaskSpec(
+            QUESTION_ANSWERING: TaskSpec(
                 f"{arch}ForQuestionAnswering",
                 lambda c: ForQuestionAnswering(backbone(c, pooler=False), c.hidden_size),
                 KeyMap([("qa_outputs", "qa_outputs")])),
-            "masked-lm": TaskSpec(
+            MASKED_LM: TaskSpec(
                 f"{arch}ForMaskedLM",
                 lambda c: ForMaskedLM(backbone(c, pooler=False), MLMHead(
                     c.hidden_size, c.vocab_size, "gelu", c.layer_norm_eps, tied=c.tie_word_embeddings)),

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from kiln.errors import KilnError
 from kiln.hub.config import write_config
+from kiln.models.tasks import BASE
 
 
 def _is_main() -> bool:
@@ -93,7 +94,7 @@ def export_sharded(path: str | os.PathLike, out: str | os.PathLike, max_shard_by
         raise KilnError(f"{path}: sharded checkpoint without model/config.json; it cannot say which model it holds")
     family, config, task = load_config(path / "model")
     with torch.device("meta"):
-        model = family.build(config, task or "base")
+        model = family.build(config, task or BASE)
     model.to_empty(device="cpu")  # storage for every tensor, filled below; no init work wasted
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=True)

@@ -1,13 +1,14 @@
 """The Trainer: loop, backward, accumulation, clipping, optimizer step, eval, checkpoints, resume.
 
     from kiln.models.auto import AutoConfig, from_config
+    from kiln.models.tasks import SEQUENCE_CLASSIFICATION
     from kiln.train import Trainer
     import torch
 
     cfg = AutoConfig.for_model("bert", vocab_size=99, hidden_size=32, num_hidden_layers=2,
                                num_attention_heads=4, intermediate_size=37, max_position_embeddings=64)
     cfg.set_labels(3)
-    model = from_config(cfg, task="sequence-classification", seed=0)
+    model = from_config(cfg, task=SEQUENCE_CLASSIFICATION, seed=0)
     data = [{"input_ids": torch.randint(1, 99, (12,)), "labels": torch.tensor(i % 3)} for i in range(64)]
     Trainer(model, data, steps=20, batch_size=8, lr=1e-3, out_dir="/tmp/kiln-doc-run",
             progress=False).fit()

@@ -174,7 +174,7 @@ def test_verify_matrix_has_base_and_causal_lm_rows_for_decoders():
 
 
 def test_trainer_step_adds_moe_aux_loss_as_transformers_does(tiny_factory):
-    from kiln.train.tasks import default_step
+    from kiln.train.steps import default_step
 
     src = tiny_factory("qwen3_moe", "causal-lm")
     hf = transformers.AutoModelForCausalLM.from_pretrained(src, output_router_logits=True).eval()

@@ -21,6 +21,7 @@ from kiln.models.common.decoder import KVCache
 from kiln.models.common.loss import causal_lm_loss
 from kiln.models.common.moe import load_balancing_loss
 from kiln.models.pretrained import PreTrainedModel
+from kiln.models.tasks import BASE, CAUSAL_LM
 
 
 @dataclass
@@ -41,7 +42,7 @@ def _router_logits(backbone: nn.Module) -> tuple[torch.Tensor, ...]:
 
 class DecoderModel(PreTrainedModel):
     """The backbone alone (HF's `{Arch}Model`): returns the last hidden state."""
-    default_task = "base"
+    default_task = BASE
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -60,7 +61,7 @@ class ForCausalLM(PreTrainedModel):
     `embedding` names the backbone's input embedding (the tied head); `fp32_logits` casts the
     hidden state to the head's dtype and returns float32 logits, as transformers' Mamba does.
     """
-    default_task = "causal-lm"
+    default_task = CAUSAL_LM
 
     def __init__(self, model: nn.Module, hidden_size: int, vocab_size: int, tied: bool,
                  embedding: str = "embed_tokens", fp32_logits: bool = False):
