@@ -156,6 +156,9 @@ class SharedExpertMoEBlock(MoEBlock):
         B, T, C = x.shape
         flat = x.view(-1, C)  # (N, C)
         shared = self.shared_expert(flat)
-        routed = super().forward(x).view(-1, C)
+        # one view of x feeds every branch, so its gradient adds up in transformers' order
+        logits, weights, index = self.gate(flat)
+        self.router_logits = logits  # (N, E)
+        routed = self.experts(flat, index, weights)
         shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared  # (N, 1) gate per token
         return (routed + shared).reshape(B, T, C)

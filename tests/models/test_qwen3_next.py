@@ -1,0 +1,297 @@
+"""Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (text and image-text checkpoints): HF -> kiln -> HF bit for bit on the
+exact delta rule (logits, loss, gradients, greedy decoding with both caches); the fast chunked rule within
+1e-5 of it, gradients included, on 64, 1000 and 4096 tokens; packed rows restart the DeltaNet state per
+sample; vision tower and MTP tensors round-trip; LoRA on the DeltaNet projections loads in PEFT."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from kiln.errors import ConfigError
+from kiln.interop.export import export_model
+from kiln.interop.verify import verify_export
+from kiln.models import AutoConfig, AutoModel, AutoModelForCausalLM
+from kiln.models.auto import from_config
+from kiln.models.common import delta_rule
+from kiln.models.common.hybrid import HybridCache
+
+from causal_cases import batches, same
+
+transformers.logging.set_verbosity_error()
+HYBRIDS = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"]
+TEXT_ONLY = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"]
+IMAGE_TEXT = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+
+
+def hf_name(names: set[str], kiln_name: str) -> str:
+    """kiln parameter name -> the transformers model's (ForConditionalGeneration nests the text model)."""
+    nested = "model.language_model." + kiln_name[len("model."):]
+    return nested if kiln_name not in names and nested in names else kiln_name
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+
+
+@pytest.mark.parametrize("model_type", HYBRIDS)
+def test_causal_lm_logits_and_loss_bit_identical_both_ways(model_type, tiny_factory, tmp_path):
+    src = tiny_factory(model_type, "causal-lm")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    ours = AutoModelForCausalLM.from_pretrained(src)
+    assert ours.load_report.ignored == [] and ours.load_report.initialized == []
+    assert hasattr(ours.model.layers[0], "linear_attn") and hasattr(ours.model.layers[1], "self_attn")
+    with torch.no_grad():
+        for i, batch in enumerate(batches()):
+            a, b = ours(**batch), hf(**batch)
+            same(a.logits, b.logits, f"batch {i} logits")
+            if "labels" in batch:
+                same(a.loss, b.loss, f"batch {i} loss")
+    out = export_model(ours, tmp_path / "export")
+    checks = verify_export(out, source=src)
+    assert all(c.ok for c in checks), [c.line() for c in checks if not c.ok]
+
+
+@pytest.mark.parametrize("model_type", TEXT_ONLY)
+def test_base_model_hidden_states_bit_identical(model_type, tiny_factory):
+    src = tiny_factory(model_type, "base")
+    hf = transformers.AutoModel.from_pretrained(src).eval()
+    ours = AutoModel.from_pretrained(src)
+    batch = {k: v for k, v in batches()[2].items() if k != "labels"}
+    with torch.no_grad():
+        same(ours(**batch).last_hidden_state, hf(**batch).last_hidden_state, "last_hidden_state")
+
+
+@pytest.mark.parametrize("model_type", HYBRIDS)
+def test_training_gradients_bit_identical(model_type, tiny_factory):
+    src = tiny_factory(model_type, "causal-lm")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src).train()
+    ours = AutoModelForCausalLM.from_pretrained(src).train()
+    batch = batches()[2]
+    same(ours(**batch).loss, hf(**batch).loss, "train-mode loss")
+    ours(**batch).loss.backward()
+    hf(**batch).loss.backward()
+    theirs = dict(hf.named_parameters())
+    names = [n for n, _ in ours.named_parameters()]
+    assert any("linear_attn.A_log" in n for n in names) and any("shared_expert_gate" in n or "mlp.up_proj" in n
+                                                                for n in names)
+    for name, p in ours.named_parameters():
+        same(p.grad, theirs[hf_name(set(theirs), name)].grad, f"grad {name}")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text", "qwen3_5_moe"])
+def test_greedy_generation_equals_transformers_with_both_caches(model_type, tiny_factory):
+    src = tiny_factory(model_type, "causal-lm")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    ours = AutoModelForCausalLM.from_pretrained(src)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(4, 99, (2, 7), generator=g)
+    attn = torch.ones_like(ids)
+    attn[1, :3] = 0  # a left-padded row in the batch
+    for kw in ({"input_ids": ids[:1]}, {"input_ids": ids[:1, :2]}, {"input_ids": ids, "attention_mask": attn}):
+        a = ours.generate(**kw, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
+        b = hf.generate(**kw, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert a.shape == (kw["input_ids"].shape[0], kw["input_ids"].shape[1] + 20)
+        assert torch.equal(a, b), (a.tolist(), b.tolist())
+    # the cached steps themselves are bit-identical: one token (conv window + recurrent state), then three
+    from transformers import DynamicCache
+
+    cache, hf_cache = ours.model.new_cache(), DynamicCache(config=hf.config)
+    assert isinstance(cache, HybridCache)
+    with torch.no_grad():
+        for i, (s, e) in enumerate([(0, 3), (3, 4), (4, 7)]):
+            a = ours(ids[:1, s:e], cache=cache).logits
+            b = hf(ids[:1, s:e], past_key_values=hf_cache, use_cache=True).logits
+            same(a, b, f"step {i} logits")
+    assert cache.conv_states[0].shape[-1] == 4 and cache.recurrent_states[0].shape == (1, 4, 8, 8)
+    assert len(cache) == 7 and cache.keys[0] is None and cache.keys[1].shape[-2] == 7
+
+
+def _fast_vs_reference(src, T: int, vocab: int) -> None:
+    ref = AutoModelForCausalLM.from_pretrained(src).train()
+    fast = delta_rule.set_fast(AutoModelForCausalLM.from_pretrained(src).train())
+    assert all(m.fast_delta_rule for m in fast.modules() if hasattr(m, "fast_delta_rule"))
+    ids = torch.randint(0, vocab, (2, T), generator=torch.Generator().manual_seed(T))
+    attn = torch.ones_like(ids)
+    attn[1, :5] = 0  # left padding in one row
+    a, b = ref(input_ids=ids, attention_mask=attn, labels=ids), fast(input_ids=ids, attention_mask=attn, labels=ids)
+    assert rel(b.logits, a.logits) < 1e-5, f"T={T} logits rel diff {rel(b.logits, a.logits):.2e}"
+    assert abs(a.loss.item() - b.loss.item()) <= 1e-5 * abs(a.loss.item())
+    a.loss.backward()
+    b.loss.backward()
+    grads = dict(fast.named_parameters())
+    for name, p in ref.named_parameters():
+        r = rel(grads[name].grad, p.grad)
+        assert r < 1e-5, f"T={T} {name} grad rel diff {r:.2e}"
+
+
+@pytest.mark.parametrize("T", [64, 1000])
+def test_fast_delta_rule_matches_reference_with_gradients(T, tiny_factory):
+    _fast_vs_reference(tiny_factory("qwen3_next", "causal-lm"), T, 99)
+
+
+@pytest.mark.slow
+def test_fast_delta_rule_matches_reference_at_4096_tokens(tiny_factory):
+    src = tiny_factory("qwen3_5_text", "causal-lm", seed=1, hidden_size=16, intermediate_size=16,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, linear_key_head_dim=8,
+                       linear_value_head_dim=8, linear_num_key_heads=1, linear_num_value_heads=2,
+                       max_position_embeddings=4096)
+    _fast_vs_reference(src, 4096, 99)
+
+
+def test_fast_rule_restarts_and_initial_state_against_a_token_loop():
+    """The kernel alone, in float64: analytic backward vs autograd's numbers; restarts = separate sequences."""
+    g = torch.Generator().manual_seed(0)
+    N, T, L = 2, 13, 4
+    q, v = torch.randn(N, T, 3, generator=g, dtype=torch.float64), torch.randn(N, T, 2, generator=g, dtype=torch.float64)
+    k = torch.nn.functional.normalize(torch.randn(N, T, 3, generator=g, dtype=torch.float64), dim=-1)
+    beta, decay = torch.rand(N, T, generator=g, dtype=torch.float64), -torch.rand(N, T, generator=g, dtype=torch.float64)
+    s0 = torch.randn(N, 3, 2, generator=g, dtype=torch.float64)
+    resets = torch.zeros(1, T, dtype=torch.bool)
+    resets[0, [5, 8]] = True  # samples [0, 5), [5, 8), [8, 13)
+    out, final = delta_rule._ChunkedDeltaRule.apply(q, k, v, beta, decay, s0, resets, N, L)
+    for n in range(N):  # the recurrence token by token, the state zeroed where a sample starts
+        s = s0[n].clone()
+        for t in range(T):
+            s = torch.zeros_like(s) if resets[0, t] else s
+            s = decay[n, t].exp() * s
+            s = s + torch.outer(k[n, t], beta[n, t] * (v[n, t] - s.T @ k[n, t]))
+            torch.testing.assert_close(out[n, t], s.T @ q[n, t])
+        torch.testing.assert_close(final[n], s)
+    inputs = [x.clone().requires_grad_() for x in (q, k, v, beta, decay, s0)]
+    assert torch.autograd.gradcheck(lambda *x: delta_rule._ChunkedDeltaRule.apply(*x, resets, N, L), inputs)
+
+
+def test_reference_rules_are_transformers_fallbacks_bit_for_bit():
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, 150, 2, 8, generator=g), torch.randn(2, 150, 2, 8, generator=g)
+    v = torch.randn(2, 150, 4, 6, generator=g)
+    decay, beta = -torch.rand(2, 150, 4, generator=g), torch.rand(2, 150, 4, generator=g)
+    s0 = torch.randn(2, 4, 8, 6, generator=g)
+    kw = dict(initial_state=s0, output_final_state=True)
+    for ours, theirs in ((delta_rule.chunk_reference, hf.torch_chunk_gated_delta_rule),
+                         (delta_rule.recurrent_reference, hf.torch_recurrent_gated_delta_rule)):
+        a, b = ours(q, k, v, decay, beta, **kw), theirs(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True, **kw)
+        same(a[0], b[0], f"{ours.__name__} out")
+        same(a[1], b[1], f"{ours.__name__} state")
+    fast, ref = delta_rule.chunk_fast(q, k, v, decay, beta, **kw), delta_rule.chunk_reference(q, k, v, decay, beta, **kw)
+    assert rel(fast[0], ref[0]) < 1e-5 and rel(fast[1], ref[1]) < 1e-5
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_packed_rows_give_each_sample_its_own_loss(fast, tiny_factory):
+    model = AutoModelForCausalLM.from_pretrained(tiny_factory("qwen3_5_moe_text", "causal-lm"))
+    delta_rule.set_fast(model, fast)
+    g = torch.Generator().manual_seed(2)
+    samples = [torch.randint(4, 99, (n,), generator=g) for n in (9, 3, 14)]  # 3 < the conv window
+    packed = torch.cat(samples)[None]
+    positions = torch.cat([torch.arange(len(s)) for s in samples])[None]
+    with torch.no_grad():
+        together = model(input_ids=packed, position_ids=positions).logits[0]
+        unrestarted = model(input_ids=packed).logits[0]
+        start = 0
+        for s in samples:
+            alone = model(input_ids=s[None], labels=s[None])
+            part = together[start:start + len(s)]
+            assert rel(part, alone.logits[0]) < 1e-5
+            loss = torch.nn.functional.cross_entropy(part[:-1], s[1:])
+            assert abs(loss.item() - alone.loss.item()) <= 1e-5 * alone.loss.item()
+            start += len(s)
+    # control: without restarting positions the later samples see the earlier ones
+    assert rel(unrestarted[9:12], together[9:12]) > 1e-3
+
+
+@pytest.mark.parametrize("model_type", list(IMAGE_TEXT))
+def test_image_text_checkpoint_round_trips_vision_and_mtp(model_type, tiny_factory, tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_factory(model_type, "causal-lm"), src)
+    weights = load_file(str(src / "model.safetensors"))
+    weights["mtp.fc.weight"] = torch.randn(32, 64)  # multi-token-prediction layers ship beside the model
+    weights["mtp.norm.weight"] = torch.randn(32).to(torch.bfloat16)
+    save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
+    ours = AutoModelForCausalLM.from_pretrained(src)
+    assert ours.task == "causal-lm" and ours.load_report.ignored == []
+    assert set(ours.hf_passthrough) == {k for k in weights if k.startswith(("model.visual.", "mtp."))}
+    out = export_model(ours, tmp_path / "export")
+    back = load_file(str(out / "model.safetensors"))
+    assert set(back) == set(weights)
+    for k, v in weights.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+    cfg = json.loads((out / "config.json").read_text())
+    src_cfg = json.loads((src / "config.json").read_text())
+    assert cfg["architectures"] == [IMAGE_TEXT[model_type]] and cfg["vision_config"] == src_cfg["vision_config"]
+    assert cfg["text_config"]["model_type"] == src_cfg["text_config"]["model_type"]
+    hf, info = getattr(transformers, IMAGE_TEXT[model_type]).from_pretrained(out, output_loading_info=True)
+    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
+    batch = batches()[2]
+    with torch.no_grad():
+        a, b = ours(**batch), hf.eval()(**batch)
+    same(a.logits, b.logits, "ForConditionalGeneration logits")
+    same(a.loss, b.loss, "ForConditionalGeneration loss")
+
+
+def test_multimodal_rotary_matches_transformers_on_3d_positions(tiny_factory):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_factory("qwen3_5_text", "causal-lm"))
+    ours = AutoModelForCausalLM.from_pretrained(tiny_factory("qwen3_5_text", "causal-lm"))
+    x = torch.zeros(2, 5, 32)
+    pos = torch.randint(0, 50, (3, 2, 5), generator=torch.Generator().manual_seed(0))
+    for got, want in zip(ours.model.rotary_emb(x, pos), hf.model.rotary_emb(x, pos)):
+        same(got, want, "mrope cos/sin")
+    text = pos[0]
+    for got, want in zip(ours.model.rotary_emb(x, text), hf.model.rotary_emb(x, text)):
+        same(got, want, "text-position cos/sin")
+    assert ours.model.rotary_emb(x, text)[0].shape == (2, 5, 4)  # partial rotary: 0.25 of head_dim 16
+
+
+def test_lora_on_deltanet_projections_loads_in_peft(tiny_factory, tmp_path):
+    import peft
+
+    from kiln.models.common.lora import LoraConfig, apply_lora, save_adapter
+
+    src = tiny_factory("qwen3_next", "causal-lm")
+    ours = AutoModelForCausalLM.from_pretrained(src)
+    chosen = apply_lora(ours, LoraConfig(r=2, alpha=4, targets=["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj"]))
+    assert chosen == ["model.layers.0.linear_attn.in_proj_qkvz", "model.layers.0.linear_attn.in_proj_ba",
+                      "model.layers.0.linear_attn.out_proj", "model.layers.1.self_attn.q_proj"]
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(n)))
+    save_adapter(ours, tmp_path / "adapter")
+    hf = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(src), tmp_path / "adapter")
+    batch = batches()[1]
+    with torch.no_grad():
+        a, b = ours.eval()(**batch), hf.eval()(**batch)
+    assert rel(a.logits, b.logits) < 1e-6, rel(a.logits, b.logits)
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(src)(**batch).logits
+    assert rel(a.logits, base) > 1e-4  # the adapters change the output
+
+
+def test_from_config_init_and_config_errors():
+    cfg = AutoConfig.for_model("qwen3_next", vocab_size=50, hidden_size=16, num_hidden_layers=4, num_attention_heads=2,
+                               num_key_value_heads=1, head_dim=8, linear_num_key_heads=1, linear_num_value_heads=2,
+                               linear_key_head_dim=4, linear_value_head_dim=4, num_experts=2, num_experts_per_tok=1,
+                               moe_intermediate_size=8, shared_expert_intermediate_size=8, full_attention_interval=2)
+    assert cfg.layer_types == ["linear_attention", "full_attention"] * 2 and "full_attention_interval" not in cfg.extra
+    model = from_config(cfg, task="causal-lm", seed=0)
+    layer = model.model.layers[0]
+    assert torch.equal(layer.input_layernorm.weight, torch.zeros(16))  # zero-centred: scale 1 + w starts at 1
+    assert torch.equal(layer.linear_attn.norm.weight, torch.ones(4)) and torch.equal(layer.linear_attn.dt_bias,
+                                                                                      torch.ones(2))
+    assert bool((layer.linear_attn.A_log.exp() >= 0.0099).all() and (layer.linear_attn.A_log.exp() <= 16).all())
+    assert torch.isfinite(model(input_ids=torch.arange(10)[None], labels=torch.arange(10)[None]).loss)
+    with pytest.raises(ConfigError, match=r"layer_types has 2 entries but num_hidden_layers is 3"):
+        AutoConfig.for_model("qwen3_5_text", num_hidden_layers=3, layer_types=["linear_attention", "full_attention"])
+    with pytest.raises(ConfigError, match=r"layer_types has unsupported kind\(s\) \['sliding_attention'\]"):
+        AutoConfig.for_model("qwen3_5_text", num_hidden_layers=1, layer_types=["sliding_attention"])
+    with pytest.raises(ConfigError, match=r"linear_num_value_heads \(6\) must be a multiple of linear_num_key_heads \(4\)"):
+        AutoConfig.for_model("qwen3_next", linear_num_key_heads=4, linear_num_value_heads=6)
