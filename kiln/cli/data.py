@@ -9,7 +9,8 @@ import typer
 
 def tokenize(inputs: list[Path] = typer.Argument(..., help="Files or directories (.txt = one document per file, "
                                                             ".jsonl, .parquet, .arrow)."),
-             tokenizer: Path = typer.Option(..., "--tokenizer", "-t", help="An HF directory or a tokenizer.json."),
+             tokenizer: Path = typer.Option(..., "--tokenizer", "-t",
+                                            help="An HF directory, a tokenizer.json, or a Hub repo id."),
              out: Path = typer.Option(..., "--out", "-o", help="The shard directory to write."),
              text_field: str = typer.Option("text", "--text-field", help="The JSONL field / table column with the text."),
              val_fraction: float = typer.Option(0.0, "--val-fraction", help="Share of documents held out for validation."),
@@ -25,13 +26,14 @@ def tokenize(inputs: list[Path] = typer.Argument(..., help="Files or directories
     """Tokenize documents into .npy token shards (EOS after each document) plus manifest.json."""
     from kiln.data.tokenize import TokenizeOptions, tokenize_to_shards
     from kiln.errors import KilnError
+    from kiln.hub.resolve import resolve_model_dir
 
     if encoding_errors not in ("strict", "replace"):
         raise KilnError(f"--encoding-errors must be strict or replace, got {encoding_errors!r}")
     options = TokenizeOptions(text_field=text_field, val_fraction=val_fraction, seed=seed, shard_tokens=shard_tokens,
                               workers=workers, dtype=dtype, eos=eos, encoding_errors=encoding_errors,
                               overwrite=overwrite, progress=progress)
-    m = tokenize_to_shards(inputs, tokenizer, out, options)
+    m = tokenize_to_shards(inputs, resolve_model_dir(tokenizer), out, options)  # a path, or org/name[@rev]
     parts = [f"{name}: {s['documents']:,} documents, {s['tokens']:,} tokens in {len(s['shards'])} shard(s)"
              for name, s in m["splits"].items() if s["shards"]]
     typer.echo(f"{out}: {m['dtype']}, vocab {m['vocab_size']:,}, eos {m['eos_token']!r} = {m['eos_id']}; "

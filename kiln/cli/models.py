@@ -15,13 +15,15 @@ from kiln.errors import KilnError
 out = Console()
 
 
-def inspect_dir(model_dir: Path = typer.Argument(..., help="An HF model directory."),
+def inspect_dir(model_dir: Path = typer.Argument(..., help="An HF model directory, or a Hub repo id org/name[@rev]."),
                 tensors: bool = typer.Option(False, "--tensors", help="List every tensor.")) -> None:
     """What is in a model directory: family, head, parameters, dtypes, tensors, tokenizer."""
     from kiln.hub import Tokenizer, load_weights, read_config, weight_files
+    from kiln.hub.resolve import resolve_model_dir
     from kiln.models.auto import load_config
     from kiln.models.tasks import get_task
 
+    model_dir = resolve_model_dir(model_dir)  # a repo id: its snapshot in the HF cache
     raw = read_config(model_dir)
     family, config, task = load_config(model_dir)
     weights = load_weights(model_dir)
@@ -84,9 +86,10 @@ def export(src: Optional[Path] = typer.Argument(None, help="An HF model director
 def verify_export_cmd(model_dir: Path = typer.Argument(..., help="An exported HF directory."),
                       source: Optional[Path] = typer.Option(None, "--source", help="Also check tensors equal SRC's.")) -> None:
     """Load DIR into transformers and kiln, run fixed inputs, require max abs diff = 0 everywhere."""
+    from kiln.hub.resolve import resolve_model_dir
     from kiln.interop.verify import verify_export
 
-    checks = verify_export(model_dir, source=source)
+    checks = verify_export(resolve_model_dir(model_dir), source=None if source is None else resolve_model_dir(source))
     for c in checks:
         out.print(("[green]" if c.ok else "[red]") + c.line(), highlight=False)
     failed = [c for c in checks if not c.ok]

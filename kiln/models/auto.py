@@ -15,6 +15,7 @@ import torch
 
 from kiln.errors import ConfigError
 from kiln.hub import Tokenizer, load_weights, read_config
+from kiln.hub.resolve import resolve_model_dir
 from kiln.models import (albert, bert, deberta_v2, distilbert, llama, mamba, modernbert, qwen2, qwen3, qwen3_moe,
                          roberta, xlm_roberta)
 from kiln.models import deepseek_v3, deepseek_v32, glm_moe_dsa
@@ -66,7 +67,8 @@ def task_of_architecture(architecture: str) -> tuple[Family, str] | None:
 
 
 def load_config(path: str | os.PathLike) -> tuple[Family, FamilyConfig, str | None]:
-    """(family, typed config, task named by `architectures` or None) for a model directory."""
+    """(family, typed config, task named by `architectures` or None) for a model directory or Hub repo id."""
+    path = resolve_model_dir(path)
     raw = read_config(path)
     source = str(Path(path) / "config.json")
     if "model_type" not in raw:
@@ -96,10 +98,12 @@ def load_pretrained(path: str | os.PathLike, task: str | None = None, dtype: tor
                     seed: int | None = None, **changes: Any) -> PreTrainedModel:
     """Load an HF directory into kiln's own model code, keeping the stored dtypes.
 
-    `seed` makes the initial values of tensors the checkpoint lacks (a new head) reproducible.
+    `path` may also be a Hub repo id, `org/name[@revision]`, read through the HF cache. `seed` makes
+    the initial values of tensors the checkpoint lacks (a new head) reproducible.
     """
     if seed is not None:
         torch.manual_seed(seed)
+    path = resolve_model_dir(path)
     family, config, source_task = load_config(path)
     task = task or source_task or "base"
     config = apply_changes(config, dict(changes))
