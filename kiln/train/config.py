@@ -106,10 +106,16 @@ class TrainSection(Section):
     non_finite: Literal["skip", "fail"] = "skip"
     device: str = "auto"                  # auto, cpu, cuda, cuda:1, mps
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    freeze: list[str] = []                # parameter name prefixes or globs ("model.embeddings*")
+    freeze: list[str] = []                # name prefixes or globs ("model.embeddings*"), first:N, last:N,
+                                          # layers:i,j, embeddings (kiln.train.freeze)
     log_every: int = 1
     progress: bool = True
     tensorboard: bool = False
+
+    @field_validator("freeze")
+    @classmethod
+    def _freeze(cls, value: list[str]) -> list[str]:
+        return check_freeze_specs(value)
 
     @model_validator(mode="after")
     def _check(self) -> "TrainSection":
@@ -125,6 +131,16 @@ class TrainSection(Section):
         if self.early_stopping_patience and not self.best_metric:
             raise ValueError("train.early_stopping_patience needs train.best_metric to watch")
         return self
+
+
+def check_freeze_specs(specs: list[str]) -> list[str]:
+    """Freeze specs whose form is wrong fail at load (their fit to the model is checked once it is built)."""
+    from kiln.train.freeze import spec_error
+
+    problems = [e for e in map(spec_error, specs) if e]
+    if problems:
+        raise ValueError(problems[0])
+    return specs
 
 
 class LoraSection(Section):

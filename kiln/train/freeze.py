@@ -23,6 +23,16 @@ _POLICY = re.compile(r"(first|last|layers):(.*)")
 USAGE = "first:N, last:N, layers:i,j,..., embeddings, or a parameter name prefix or glob"
 
 
+def spec_error(spec: str) -> str | None:
+    """Why `spec` cannot be a freeze spec whatever the model (None when its form is fine): a check
+    for config loading, before any model exists."""
+    if ":" not in spec:
+        return None
+    if re.fullmatch(r"(first|last):\d+|layers:\d+(,\d+)*", spec):
+        return None
+    return f"{spec!r} is not a freeze spec; use {USAGE}"
+
+
 def find_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """(qualified name, the ModuleList) of the model's one layer stack named `layers`."""
     found = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and n.split(".")[-1] == "layers"]

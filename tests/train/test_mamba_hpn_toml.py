@@ -160,7 +160,7 @@ def test_override_and_toml_keys_fail_with_the_same_message(tmp_path, shards):
     for args, expected in ((["--placement", "middle"], f"command line: {msg}"),
                            (["--set", "grow.placement=middle"], f"command line: {msg}"),
                            (["--freeze-after", "top:1"], "command line: grow.freeze_after: 'top:1' is not a freeze "
-                                                         "policy: use first:N, last:N, layers:i,j,... or embeddings"),
+                                                         "spec; use first:N, last:N, layers:i,j,..., embeddings"),
                            (["--prototype-mode", "spinning"], "command line: hpn.mode: Input should be 'fixed' or "
                                                               "'learnable'"),
                            (["--scale", "big"], "command line: hpn.scale: Input should be a valid number"),

@@ -8,13 +8,12 @@ from typing import Any
 
 from pydantic import field_validator, model_validator
 
-from kiln.train.config import Section
+from kiln.train.config import Section, check_freeze_specs
 from kiln.train.recipes.base import Extension, RunParts, Shortcut
 
-# The shapes of grow.placement and the freeze policies; kiln.train.grow checks the indices against
-# the layer counts, which only the built model knows. Checked here so a typo fails before step 1.
+# The shape of grow.placement; kiln.train.grow checks the indices against the layer count, which only
+# the built model knows. Checked here so a typo fails before step 1.
 _PLACEMENT = re.compile(r"append|prepend|insert:\d+|specific:\d+(,\d+)*")
-_FREEZE = re.compile(r"embeddings|(first|last):\d+|layers:\d+(,\d+)*")
 
 
 class GrowSection(Section):
@@ -22,8 +21,8 @@ class GrowSection(Section):
     at_step: int
     target_layers: int
     placement: str = "append"          # append, prepend, insert:N, specific:i,j,...
-    freeze: list[str] = []             # from the start: first:N, last:N, layers:i,j, embeddings
-    freeze_after: list[str] = []       # applied to the grown stack
+    freeze: list[str] = []             # from the start; the train.freeze language (first:N, last:N,
+    freeze_after: list[str] = []       # layers:i,j, embeddings, name prefixes/globs); _after: on the grown stack
 
     @field_validator("placement")
     @classmethod
@@ -35,10 +34,7 @@ class GrowSection(Section):
     @field_validator("freeze", "freeze_after")
     @classmethod
     def _freeze(cls, value: list[str]) -> list[str]:
-        bad = [v for v in value if not _FREEZE.fullmatch(v)]
-        if bad:
-            raise ValueError(f"{bad[0]!r} is not a freeze policy: use first:N, last:N, layers:i,j,... or embeddings")
-        return value
+        return check_freeze_specs(value)
 
     @model_validator(mode="after")
     def _check(self) -> "GrowSection":
