@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast bench clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,6 +21,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/kiln verify-matrix
 	$(BIN)/python -m pytest tests
+
+# Everything but the tests marked slow (spawned process groups, SIGKILL + resume, real checkpoints).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests -m "not slow"
 
 bench: $(STAMP)
 	for f in benchmarks/bench_*.py; do $(BIN)/python $$f || exit 1; done

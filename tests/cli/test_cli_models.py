@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from kiln.cli.main import app
@@ -12,6 +13,7 @@ from kiln.cli.main import app
 runner = CliRunner()  # stdout and stderr mixed into .output
 
 
+@pytest.mark.slow
 def test_inspect_export_verify_on_minilm(minilm_dir, tmp_path):
     r = runner.invoke(app, ["inspect", str(minilm_dir)], terminal_width=200)
     assert r.exit_code == 0, r.output

@@ -52,6 +52,7 @@ def _curve(run: Path) -> list[tuple]:
     return [tuple(sorted((k, v) for k, v in r.items() if not k.endswith("_per_s"))) for r in read_metrics(run / "metrics.jsonl")]
 
 
+@pytest.mark.slow
 def test_kiln_train_sigkilled_and_resumed_reads_the_same_windows(tmp_path, tok_dir, shard_dir):
     ref = tmp_path / "ref"
     kiln("train", "--config", str(write_run(tmp_path / "ref.toml", tok_dir, shard_dir, ref)))

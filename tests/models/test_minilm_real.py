@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 
@@ -13,6 +14,7 @@ SENTENCES = ["A man is eating food.", "A man is riding a horse on a sunny day in
              "The new movie is awesome", "Paris"]
 
 
+@pytest.mark.slow
 def test_embeddings_equal_transformers(minilm_dir):
     model = AutoModel.from_pretrained(minilm_dir)
     hf = transformers.AutoModel.from_pretrained(minilm_dir).eval()
@@ -33,6 +35,7 @@ def test_embeddings_equal_transformers(minilm_dir):
     assert sims[0, 1] > sims[0, 3]  # two sentences about a man doing something are closer than to "Paris"
 
 
+@pytest.mark.slow
 def test_export_and_verify_export_pass(minilm_dir, tmp_path):
     out = export_model(minilm_dir, tmp_path / "minilm")
     checks = verify_export(out, source=minilm_dir)

@@ -63,6 +63,7 @@ def race(tmp_path_factory) -> dict:
     return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
 
 
+@pytest.mark.slow
 def test_slow_rank_race(race):
     """What holds however loaded the machine: counts, bounds and the loss, never a wall-clock ratio."""
     lock, fast, grads = race["lockstep-rank0"], race["adaptive-rank0"], race["adaptive-grads-rank0"]
@@ -96,6 +97,7 @@ def test_slow_rank_race(race):
     assert grads["held_out"] < 0.5 * grads["initial"]
 
 
+@pytest.mark.slow
 def test_lockstep_is_one_batch_per_rank_with_averaged_gradients(race):
     """max_batch_diff = 0: three steps equal one process stepping on the mean gradient of both ranks' batches."""
     net = cw.model()

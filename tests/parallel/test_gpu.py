@@ -10,6 +10,7 @@ from spawn import spawn
 import workers
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("keys", [{"fsdp": True}, {"tp": 2}, {"fsdp": True, "param_dtype": "bf16"}],

@@ -102,12 +102,14 @@ def _same_as_one_process(run: Path, ref: Path, tmp: Path) -> None:
     ("tp", "qwen3", GLOBAL_BATCH, {"tp": 2, "activation_checkpointing": "block"}),
     ("ep", "qwen3_moe", GLOBAL_BATCH // 2, {"ep": 2}),  # ep ranks split the batch
 ], ids=["tp2", "ep2"])
+@pytest.mark.slow
 def test_kiln_train_plan_equals_one_process(setup, references, tmp_path, name, family, batch_size, parallel):
     p = _launch(_toml(setup, name, family, batch_size, parallel))
     assert p.returncode == 0, p.stderr[-3000:]
     _same_as_one_process(setup / name, references[family], tmp_path)
 
 
+@pytest.mark.slow
 def test_fsdp_killed_and_resumed_equals_uninterrupted_and_one_process(setup, references, tmp_path):
     # 2 ranks x 2 micro-batches of 1 row: FSDP skips the gradient reduce-scatter on the first micro-batch
     straight = _toml(setup, "fsdp", "qwen3", 1, {"fsdp": True}, grad_accum=2)

@@ -52,6 +52,7 @@ def _compare(got: dict, want: dict) -> None:
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,family,keys", JOBS_2 + JOBS_4, ids=[j[0] for j in JOBS_2 + JOBS_4])
 def test_plan_equals_one_process(results, references, name, family, keys):
     assert name in results, f"rank 0 wrote no result for {name}"

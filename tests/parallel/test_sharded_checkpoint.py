@@ -25,6 +25,7 @@ def run(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_resume_from_sharded_checkpoint_is_exact(run):
     straight = torch.load(run / "straight.pt", weights_only=True)
     resumed = torch.load(run / "resume.pt", weights_only=True)
@@ -34,6 +35,7 @@ def test_resume_from_sharded_checkpoint_is_exact(run):
     assert any(not torch.equal(straight["at_two"][n], w) for n, w in straight["end"].items())
 
 
+@pytest.mark.slow
 def test_export_gathers_an_hf_directory_that_verifies(run, tmp_path):
     out = export_sharded(run / "ckpt-2", tmp_path / "hf")
     checks = verify_export(out)

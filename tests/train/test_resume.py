@@ -26,6 +26,7 @@ def _weights(ckpt: Path) -> dict:
     return load_file(str(ckpt / "model" / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_sigkill_anywhere_then_resume_matches_uninterrupted(tmp_path, tiny_dir, data_files):
     train, eval_ = data_files
     ref = write_toml(tmp_path / "ref.toml", tiny_dir, train, eval_, tmp_path / "ref")
