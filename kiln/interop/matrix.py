@@ -14,11 +14,6 @@ from kiln.interop.tiny import SPECIALS, TINY, make_tiny
 from kiln.interop.verify import verify_export
 from kiln.models.auto import REGISTRY
 
-ENCODER_HEADS = ("base", "sequence-classification", "token-classification", "question-answering", "masked-lm")
-SHORT = {"base": "base", "sequence-classification": "seqcls", "token-classification": "tokcls",
-         "question-answering": "qa", "masked-lm": "mlm", "causal-lm": "clm"}
-
-
 @dataclass
 class Cell:
     family: str
