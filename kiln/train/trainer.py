@@ -66,7 +66,15 @@ class Callback:
 
     def on_setup(self, trainer: "Trainer", step: int) -> None:
         """Before weights load and the optimizer exists (`step`: the resumed step, 0 when fresh); may reshape the model."""
-    def on_step(self, trainer: "Trainer", record: dict[str, Any]) -> None: ...
+    def take_step(self, trainer: "Trainer") -> dict[str, Any] | None:
+        """Take this step some other way (no backprop, no optimizer step): return its metrics record,
+        having drawn its batches from `trainer.loader`; None lets the Trainer take it as usual."""
+        return None
+
+    def before_update(self, trainer: "Trainer") -> None:
+        """Gradients hold the mean over every unit of the window (before clipping): a last change to them."""
+    def on_step(self, trainer: "Trainer", record: dict[str, Any]) -> None:
+        """After each step; keys added to `record` go into its metrics.jsonl line."""
     def on_eval(self, trainer: "Trainer", metrics: dict[str, float]) -> None: ...
     def on_save(self, trainer: "Trainer", path: Path) -> None: ...
     def on_end(self, trainer: "Trainer") -> None: ...
@@ -205,12 +213,16 @@ class Trainer:
         bar = ProgressBar(self.total_steps, self.step, a.progress and self.world.main)
         try:
             while self.step < self.total_steps and not self.stopped_early:
-                record = self._train_step()
+                record = next((r for r in (cb.take_step(self) for cb in self.callbacks) if r is not None), None)
+                if record is not None:
+                    self.step += 1
+                else:
+                    record = self._train_step()
+                for cb in self.callbacks:  # before the log line is written: callbacks may add to the record
+                    cb.on_step(self, record)
                 if self.step % a.log_every == 0 or self.step == self.total_steps:
                     self.metrics.log(record)
-                for cb in self.callbacks:
-                    cb.on_step(self, record)
-                bar.update(self.step, f"loss {record['loss']:.4f} lr {record['lr']:.2e}")
+                bar.update(self.step, "  ".join(f"{k} {record[k]:.4g}" for k in ("loss", "ff_loss", "lr") if k in record))
                 ckpt.fault_point("step", self.step)
                 last = self.step == self.total_steps
                 improved = False
@@ -226,13 +238,16 @@ class Trainer:
             cb.on_end(self)
         return self
 
-    # One optimizer step = grad_accum micro-steps, then reduce-and-clip, then the guarded update.
+    # One optimizer step = grad_accum micro-steps, then reduce, clip, and the guarded update.
     def _train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         window = _Window(self.device)
         for micro in range(self.args.grad_accum):
             self._micro_step(window, last=micro == self.args.grad_accum - 1)
-        loss, grad_norm = self._reduce_and_clip(window)
+        loss = self._reduce(window)
+        for cb in self.callbacks:
+            cb.before_update(self)
+        grad_norm = self._clip()
         lr = set_lr(self.optimizer, self.base_lrs, lr_factor(self.step, self.total_steps, self.args.warmup_steps,
                                                              self.args.schedule, self.args.min_lr_ratio))
         self._update(loss, grad_norm)
@@ -274,8 +289,8 @@ class Trainer:
         total.backward()
         return total.detach()
 
-    def _reduce_and_clip(self, window: "_Window") -> tuple[float, float]:
-        """Sum the window over ranks, turn gradients into the mean over every unit, clip; (loss, grad norm)."""
+    def _reduce(self, window: "_Window") -> float:
+        """Sum the window over ranks and turn gradients into the mean over every unit; the mean loss."""
         if self.plan is not None:
             self.plan.sync_gradients()  # tp with dp > 1, and ep: neither DDP nor FSDP averages these
         # tp ranks add identical copies of their group's sums: loss_sum / count is unchanged by them.
@@ -292,10 +307,14 @@ class Trainer:
                 p.grad.mul_(scale)
         else:
             torch._foreach_mul_([p.grad for p in params], scale)
+        return loss
+
+    def _clip(self) -> float:
+        """Clip the gradients to train.clip_grad_norm (DTensor-aware when sharded); their norm before clipping."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.args.clip_grad_norm if self.args.clip_grad_norm else float("inf")
-        grad_norm = float(dist_clip_grad_norm(params, clip) if self.sharded
-                          else torch.nn.utils.clip_grad_norm_(params, clip))
-        return loss, grad_norm
+        return float(dist_clip_grad_norm(params, clip) if self.sharded
+                     else torch.nn.utils.clip_grad_norm_(params, clip))
 
     def _update(self, loss: float, grad_norm: float) -> None:
         """The optimizer step, unless the guard finds the loss or the gradient non-finite."""
