@@ -4,6 +4,14 @@ Epoch e visits the examples in `randperm(n, seed + e)` order, global batch after
 (batch_size x world_size, the last partial one dropped); rank r takes its slice of each global
 batch. The whole position is two integers (epoch, cursor), so a checkpoint stores it exactly and
 a resumed run sees the very batches an uninterrupted run would.
+
+With `group_by_length` (fine-tuning data of varied lengths) the epoch's permutation is regrouped so
+batches hold examples of similar length and dynamic padding wastes little: the shuffled order is cut
+into mega-batches of `MEGA` optimizer steps, each sorted by length (stable, longest first) and cut
+into steps (`window` global batches: one optimizer step's micro-batches together, so grad_accum
+k x b and one batch of k*b see the same examples), whose order is then shuffled. It is still a pure
+function of (seed, epoch), so the cursor resumes it exactly, and it covers the same examples per epoch.
+`take_pad_fraction()` reports the share of padded slots in the batches drawn since its last call.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from kiln.errors import KilnError
 
 Batch = dict[str, torch.Tensor]
 PAD_VALUES = {"labels": -100, "attention_mask": 0, "token_type_ids": 0}
+MEGA = 50  # optimizer steps per length-sorted mega-batch: long enough to group well, short enough to stay random
 
 
 def pad_collate(examples: Sequence[dict[str, torch.Tensor]], pad_id: int = 0) -> Batch:
@@ -48,12 +57,16 @@ class Loader:
     """Batches of `dataset` for one rank, with `state_dict()` / `load_state_dict()` for exact resume."""
 
     def __init__(self, dataset: Sequence[Any], batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 shuffle: bool = True, collate: Callable[[list[Any]], Any] | None = None, pad_id: int = 0):
+                 shuffle: bool = True, collate: Callable[[list[Any]], Any] | None = None, pad_id: int = 0,
+                 group_by_length: bool = False, window: int = 1):
         self.dataset, self.batch_size, self.seed = dataset, batch_size, seed
         self.rank, self.world_size, self.shuffle = rank, world_size, shuffle
         self.collate = collate or (lambda exs: pad_collate(exs, pad_id))
+        self.group_by_length, self.window = group_by_length and shuffle, window  # window: micro-batches per step
         self.epoch, self.cursor = 0, 0   # cursor: examples of this epoch consumed by all ranks together
         self._order: tuple[int, torch.Tensor] | None = None
+        self._lengths: torch.Tensor | None = None
+        self._padding = [0, 0]  # padded slots, all slots: since the last take_pad_fraction()
 
     def check_size(self) -> None:
         """Training needs at least one full global batch per epoch."""
@@ -75,10 +88,31 @@ class Loader:
             if self.shuffle:
                 g = torch.Generator().manual_seed(self.seed + self.epoch)
                 order = torch.randperm(n, generator=g)
+                if self.group_by_length:
+                    order = self._grouped(order, g)
             else:
                 order = torch.arange(n)
             self._order = (self.epoch, order)
         return self._order[1]
+
+    def lengths(self) -> torch.Tensor:
+        """Tokens per example (input_ids length; 1 for examples without them), read once."""
+        if self._lengths is None:
+            self._lengths = torch.tensor([_length(ex) for ex in self.dataset], dtype=torch.long)
+        return self._lengths
+
+    def _grouped(self, order: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        """`order` regrouped: mega-batches sorted by length, cut into steps, steps shuffled within each."""
+        step = self.global_batch * self.window
+        lengths = self.lengths()
+        out = []
+        for mega in order.split(step * MEGA):
+            mega = mega[torch.sort(lengths[mega], descending=True, stable=True).indices]
+            full = len(mega) // step
+            steps = list(mega[: full * step].split(step))
+            out += [steps[i] for i in torch.randperm(full, generator=g).tolist()]
+            out.append(mega[full * step:])  # a partial step stays last, so step boundaries stay aligned
+        return torch.cat(out)
 
     def next_batch(self) -> Any:
         """The next batch for this rank, rolling over to the next epoch when this one runs out."""
@@ -88,7 +122,17 @@ class Loader:
         start = self.cursor + self.rank * self.batch_size
         idx = order[start: start + self.batch_size].tolist()
         self.cursor += self.global_batch
-        return self.collate([self.dataset[i] for i in idx])
+        examples = [self.dataset[i] for i in idx]
+        sizes = [_length(ex) for ex in examples]
+        self._padding[0] += len(sizes) * max(sizes) - sum(sizes)
+        self._padding[1] += len(sizes) * max(sizes)
+        return self.collate(examples)
+
+    def take_pad_fraction(self) -> float | None:
+        """Padded share of the token slots of the batches drawn since the last call (None: none drawn)."""
+        pad, slots = self._padding
+        self._padding = [0, 0]
+        return pad / slots if slots else None
 
     def __iter__(self) -> Iterator[Any]:
         """One pass over everything, in order, this rank's share only, the last batch possibly short (eval)."""
@@ -104,3 +148,8 @@ class Loader:
             raise KilnError(f"the data loader state is for {state['size']} examples with seed {state['seed']}; "
                             f"this data has {len(self.dataset)} examples with seed {self.seed}")
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+
+
+def _length(example: Any) -> int:
+    ids = example.get("input_ids") if isinstance(example, dict) else None
+    return int(ids.shape[0]) if isinstance(ids, torch.Tensor) and ids.dim() == 1 else 1

@@ -121,6 +121,10 @@ class TokenLevel(Task):
             return super().loss(model, batch)
         out = model(**self.inputs(batch))
         loss_sum, count = lm_loss_sum(out.logits, self.targets(batch["labels"]))  # over (B, T) targets
+        return self._with_aux(model, out, loss_sum, count)
+
+    @staticmethod
+    def _with_aux(model, out, loss_sum, count):
         aux = getattr(out, "aux_loss", None)
         if aux is not None:  # MoE load balancing (output_router_logits): weighted per token like the loss it joins
             loss_sum = loss_sum + _inner(model).config.router_aux_loss_coef * aux * count
@@ -164,6 +168,14 @@ class CausalLM(TokenLevel):
 
     def targets(self, labels):
         return shift_labels(labels)  # token t predicts t+1
+
+    def loss(self, model, batch):
+        """A model that sums over targets itself (ForCausalLM: `targets=`) gets them, so on its fast path
+        the head runs only where a target is (kiln.models.common.causal_lm); others go through logits."""
+        if "labels" not in batch or not getattr(_inner(model), "sums_targets", False):
+            return super().loss(model, batch)
+        out = model(**self.inputs(batch), targets=self.targets(batch["labels"]))
+        return self._with_aux(model, out, out.loss_sum, out.loss_count)
 
     def encode(self, records, tokenizer, labels, data, name="train"):
         from kiln.data.sft import encode_sft

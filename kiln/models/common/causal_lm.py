@@ -6,6 +6,11 @@ keyword; one that decodes incrementally makes its cache with `new_cache()` (None
 re-reads the whole sequence each step). The head is HF's `lm_head`, or with tied embeddings the
 input embedding matrix itself (no tensor of its own). What differs between families is data
 given to the constructor: where the embedding sits, and whether logits come back in float32.
+
+Training asks for the loss summed over next-token `targets` (`forward(..., targets=)`: `loss_sum`,
+`loss_count`). With `fast` on (kiln.models.common.fast.set_fast; the Trainer's default) the head
+runs only where a target is, fused with the cross entropy chunk by chunk (common/loss.py), and no
+logits come back; off, it is the exact path, bit-identical to transformers.
 """
 
 from __future__ import annotations
@@ -15,10 +20,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from kiln.models.common.decoder import KVCache
-from kiln.models.common.loss import causal_lm_loss
+from kiln.models.common.loss import causal_lm_loss, fast_lm_loss_sum, lm_loss_sum, shift_labels
 from kiln.models.common.moe import load_balancing_loss
 from kiln.models.pretrained import PreTrainedModel
 from kiln.models.tasks import BASE, CAUSAL_LM
@@ -32,6 +38,8 @@ class CausalLMOutput:
     aux_loss: torch.Tensor | None = None
     router_logits: tuple[torch.Tensor, ...] | None = None
     cache: Any = None
+    loss_sum: torch.Tensor | None = None     # for targets=: fp32 cross entropy summed over the real targets
+    loss_count: torch.Tensor | None = None   # ... and how many there were
 
 
 def _router_logits(backbone: nn.Module) -> tuple[torch.Tensor, ...]:
@@ -62,6 +70,7 @@ class ForCausalLM(PreTrainedModel):
     hidden state to the head's dtype and returns float32 logits, as transformers' Mamba does.
     """
     default_task = CAUSAL_LM
+    sums_targets = True  # forward takes targets= and returns loss_sum / loss_count (kiln.models.tasks)
 
     def __init__(self, model: nn.Module, hidden_size: int, vocab_size: int, tied: bool,
                  embedding: str = "embed_tokens", fp32_logits: bool = False):
@@ -69,23 +78,50 @@ class ForCausalLM(PreTrainedModel):
         self.model = model
         self.lm_head = None if tied else nn.Linear(hidden_size, vocab_size, bias=False)
         self.embedding, self.fp32_logits = embedding, fp32_logits
+        self.fast = False  # the exact path until set_fast: verify-export and parity tests rely on it
 
     @property
     def output_weight(self) -> torch.Tensor:
         return getattr(self.model, self.embedding).weight if self.lm_head is None else self.lm_head.weight
 
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits (..., V) for hidden states (..., C)."""
+        if self.fp32_logits:
+            hidden = hidden.to(self.output_weight.dtype)
+        logits = self.lm_head(hidden) if self.lm_head is not None else F.linear(hidden, self.output_weight)
+        return logits.float() if self.fp32_logits else logits
+
+    def _fused_head(self) -> bool:
+        # A tensor-parallel head holds a vocabulary slice (a DTensor): it keeps the exact path.
+        return self.fast and not isinstance(self.output_weight, DTensor)
+
+    def head_loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 cross entropy summed over targets != IGNORE_INDEX, their count) for hidden (B, T, C) and
+        shifted targets (B, T): fused and chunked when fast, else through the full logits."""
+        if not self._fused_head():
+            return lm_loss_sum(self.head(hidden), targets)
+        if self.fp32_logits:
+            hidden = hidden.to(self.output_weight.dtype)
+        return fast_lm_loss_sum(hidden, self.output_weight, targets)
+
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                cache: Any = None, logits_to_keep: int = 0,
-                output_router_logits: bool | None = None) -> CausalLMOutput:
+                cache: Any = None, logits_to_keep: int = 0, output_router_logits: bool | None = None,
+                targets: torch.Tensor | None = None) -> CausalLMOutput:
+        """`labels` (B, T) as transformers takes them (`.loss`, their mean); `targets` (B, T) already
+        shifted (`.loss_sum`, `.loss_count`). With `fast` on and either given, no logits come back."""
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             inputs_embeds=inputs_embeds, cache=cache)  # (B, T, C)
-        h = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
-        if self.fp32_logits:
-            h = h.to(self.output_weight.dtype)
-        logits = self.lm_head(h) if self.lm_head is not None else F.linear(h, self.output_weight)  # (B, T, V)
-        if self.fp32_logits:
-            logits = logits.float()
-        loss = causal_lm_loss(logits, labels) if labels is not None else None
+        logits = loss = loss_sum = count = None
+        if self._fused_head() and not logits_to_keep and (labels is not None or targets is not None):
+            loss_sum, count = self.head_loss_sum(hidden, targets if targets is not None else
+                                                 shift_labels(labels).to(hidden.device))
+            if labels is not None:
+                loss = loss_sum / count
+        else:
+            logits = self.head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)  # (B, T, V)
+            loss = causal_lm_loss(logits, labels) if labels is not None else None
+            if targets is not None:
+                loss_sum, count = lm_loss_sum(logits, targets)
         if output_router_logits is None:
             output_router_logits = bool(getattr(self.config, "output_router_logits", False))
         router, aux = None, None
@@ -97,7 +133,24 @@ class ForCausalLM(PreTrainedModel):
                 if loss is not None:
                     loss = loss + c.router_aux_loss_coef * aux
         return CausalLMOutput(logits=logits, loss=loss, last_hidden_state=hidden, aux_loss=aux, router_logits=router,
-                              cache=cache)
+                              cache=cache, loss_sum=loss_sum, loss_count=count)
+
+    @torch.no_grad()
+    def packs_samples(self) -> bool:
+        """Whether a packed row (samples side by side, positions restarting at each) gives every sample
+        the hidden states it gets alone: asked of the backbone itself on a 5-token row of two samples."""
+        p = next(self.parameters())
+        ids = torch.tensor([[1, 2, 3, 4, 5]], device=p.device) % self.config.vocab_size
+        positions = torch.tensor([[0, 1, 2, 0, 1]], device=p.device)
+        was_training = self.training
+        self.eval()
+        try:
+            packed = self.model(input_ids=ids, position_ids=positions)[:, 3:].float()  # (1, 2, C)
+            alone = self.model(input_ids=ids[:, 3:], position_ids=positions[:, 3:]).float()
+        finally:
+            self.train(was_training)
+        tol = 1e-4 if p.dtype == torch.float32 else 2e-2
+        return bool(torch.allclose(packed, alone, rtol=tol, atol=tol * float(alone.abs().max().clamp(min=1))))
 
     def new_cache(self) -> Any:
         """An empty decoding cache for `generate`: the backbone's own, else a KV cache per layer."""

@@ -5,6 +5,11 @@ t+1; the last position predicts nothing). `lm_loss_sum` is what training accumul
 cross entropy summed over the non-ignored targets, and their count, so micro-batches and ranks
 add up to one exact mean. `causal_lm_loss` is the mean a task model returns as `.loss` for
 `labels=`, computed in the same order as transformers' causal-LM loss so the two are bit-identical.
+
+The fast path (training, unless `[train] exact = true`): `fast_lm_loss_sum` takes the hidden states
+and the head weight instead of logits, keeps only the positions with a target, and
+`linear_cross_entropy` runs head and loss a chunk of rows at a time, forward and backward together,
+so (tokens x vocab) fp32 logits never exist. Within fp32 rounding of the exact path.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from torch.nn import functional as F
 
 from kiln.constants import IGNORE_INDEX
 
-__all__ = ["IGNORE_INDEX", "causal_lm_loss", "lm_loss_sum", "shift_labels"]
+__all__ = ["IGNORE_INDEX", "causal_lm_loss", "fast_lm_loss_sum", "linear_cross_entropy", "lm_loss_sum", "shift_labels"]
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -37,3 +42,86 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """
     targets = shift_labels(labels).view(-1).to(logits.device)  # (B*T,)
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets, ignore_index=IGNORE_INDEX)
+
+
+# ---- fast path: the head and the loss together, chunk by chunk ---------------------------------
+# Rows per chunk are chosen so one chunk's fp32 logits stay near this many elements (128 MiB).
+CHUNK_ELEMENTS = 1 << 25
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum_i CE(h_i W^T (+ b), t_i) over rows that all carry a target, never holding (rows x vocab) logits.
+
+    Each chunk's logits are made, reduced to their log-sum-exp, and turned into their gradient at once
+    (softmax minus one-hot), which goes straight into dL/dh (this chunk's rows) and dL/dW, dL/db
+    (accumulated in fp32). The backward only scales what the forward kept by the incoming gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, rows, need_h, need_w, need_b):  # h (N, C), weight (V, C), targets (N,)
+        with torch.autocast(h.device.type, enabled=False):  # dtypes were settled by the caller
+            total = torch.zeros((), dtype=torch.float32, device=h.device)
+            grad_h = torch.empty_like(h) if need_h else None
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
+            grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if need_b else None
+            for s in range(0, h.shape[0], rows):
+                hc, tc = h[s:s + rows], targets[s:s + rows]  # (n, C), (n,)
+                logits = F.linear(hc, weight, bias).float()  # (n, V)
+                lse = torch.logsumexp(logits, dim=-1)  # (n,)
+                total += (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
+                if not (need_h or need_w or need_b):
+                    continue
+                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                probs[torch.arange(tc.shape[0], device=tc.device), tc] -= 1.0  # d CE / d logits
+                g = probs.to(weight.dtype)
+                if need_h:
+                    grad_h[s:s + rows] = g @ weight  # (n, C)
+                if need_w and g.dtype == torch.float32:
+                    grad_w.addmm_(g.t(), hc)  # (V, C), no temporary of the weight's size
+                elif need_w:
+                    grad_w += (g.t() @ hc).float()
+                if need_b:
+                    grad_b += probs.sum(0)
+        ctx.save_for_backward(*(x for x in (grad_h, grad_w, grad_b) if x is not None))
+        ctx.needs = (need_h, need_w, need_b)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = iter(ctx.saved_tensors)
+        need_h, need_w, need_b = ctx.needs
+        grad_h = next(saved) * grad_out.to(ctx.dtypes[0]) if need_h else None
+        grad_w = (next(saved) * grad_out).to(ctx.dtypes[0]) if need_w else None
+        grad_b = (next(saved) * grad_out).to(ctx.dtypes[1]) if need_b else None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         bias: torch.Tensor | None = None, chunk_rows: int | None = None) -> torch.Tensor:
+    """fp32 sum over rows of cross_entropy(h W^T + b, targets) for h (N, C), weight (V, C), targets (N,)
+    with no ignored entries, chunk by chunk: within fp32 rounding of `lm_loss_sum` on the full logits.
+
+    Under autocast the matmuls run in the autocast dtype, as `nn.Linear` would; the loss is fp32.
+    """
+    if h.shape[0] == 0:
+        return (h.sum() * 0.0 + weight.sum() * 0.0).float()  # no targets: a zero that still reaches the graph
+    kind = h.device.type
+    if torch.is_autocast_enabled(kind):
+        dtype = torch.get_autocast_dtype(kind)
+        h, weight = h.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    elif h.dtype != weight.dtype:
+        h = h.to(weight.dtype)
+    rows = chunk_rows or max(1, min(h.shape[0], CHUNK_ELEMENTS // weight.shape[0]))
+    grad = torch.is_grad_enabled()
+    return _LinearCrossEntropy.apply(h, weight, bias, targets, rows, grad and h.requires_grad,
+                                     grad and weight.requires_grad, grad and bias is not None and bias.requires_grad)
+
+
+def fast_lm_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lm_loss_sum` from the hidden states (B, T, C) and the head weight (V, C): logits only at the
+    positions whose target is not IGNORE_INDEX, and those a chunk at a time (`linear_cross_entropy`)."""
+    keep = targets != IGNORE_INDEX  # (B, T)
+    return linear_cross_entropy(hidden[keep], weight, targets[keep], bias), keep.sum()
