@@ -26,10 +26,18 @@ def tokenize(inputs: list[Path] = typer.Argument(..., help="Files or directories
     """Tokenize documents into .npy token shards (EOS after each document) plus manifest.json."""
     from kiln.data.tokenize import TokenizeOptions, tokenize_to_shards
     from kiln.errors import KilnError
+    from kiln.hub.outdir import describe, holdings
     from kiln.hub.resolve import resolve_model_dir
 
     if encoding_errors not in ("strict", "replace"):
         raise KilnError(f"--encoding-errors must be strict or replace, got {encoding_errors!r}")
+    if out.exists() and not out.is_dir():
+        raise KilnError(f"--out {out}: is a file, not a directory; choose a directory for the shards")
+    # shards already there are kiln.data.tokenize's to refuse (or replace); a model, tokenizer or run is not
+    found = {k: v for k, v in holdings(out).items() if "shards" not in k}
+    if found and not overwrite:
+        raise KilnError(f"--out {out}: already holds {describe(found)}; choose another directory, or pass "
+                        "--overwrite to write shards beside them")
     options = TokenizeOptions(text_field=text_field, val_fraction=val_fraction, seed=seed, shard_tokens=shard_tokens,
                               workers=workers, dtype=dtype, eos=eos, encoding_errors=encoding_errors,
                               overwrite=overwrite, progress=progress)

@@ -6,25 +6,25 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
 
+from kiln.cli.common import ALLOW_MISSING, ALLOW_UNUSED, check_range, load_for_prediction
+from kiln.cli.output import out
 from kiln.errors import KilnError
 
-out = Console()
 
-
-def _sampling(temperature: float, top_k: int, top_p: float, seed: Optional[int]) -> dict:
+def _sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: Optional[int]) -> dict:
+    check_range("--max-new-tokens", max_new_tokens, 0)
+    check_range("--temperature", temperature, 0)
+    check_range("--top-k", top_k, 0)
+    check_range("--top-p", top_p, 0, 1, low_open=True)
     return dict(do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0, top_k=top_k,
                 top_p=top_p, seed=seed)
 
 
-def _load(model_dir: Path):
-    from kiln.models import AutoModelForCausalLM
+def _load(model_dir: Path, allow_missing: bool, allow_unused: bool):
+    from kiln.models.tasks import CAUSAL_LM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    if model.tokenizer is None:
-        raise KilnError(f"{model_dir}: no tokenizer files (tokenizer.json) next to the model")
-    return model
+    return load_for_prediction(model_dir, CAUSAL_LM, allow_missing, allow_unused)
 
 
 def generate(model_dir: Path = typer.Argument(..., help="An HF causal-LM directory."),
@@ -32,12 +32,14 @@ def generate(model_dir: Path = typer.Argument(..., help="An HF causal-LM directo
              max_new_tokens: int = typer.Option(40, "--max-new-tokens", "-n"),
              temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy."),
              top_k: int = typer.Option(0, "--top-k"), top_p: float = typer.Option(1.0, "--top-p"),
-             seed: Optional[int] = typer.Option(None, "--seed")) -> None:
+             seed: Optional[int] = typer.Option(None, "--seed"),
+             allow_missing: bool = ALLOW_MISSING, allow_unused: bool = ALLOW_UNUSED) -> None:
     """Continue PROMPT with the model (KV cache; greedy unless --temperature > 0); stops at EOS."""
     from kiln.pipelines import generate as run
 
-    text = run(_load(model_dir), prompt, max_new_tokens, temperature, top_k, top_p, seed)
-    out.print(prompt + text, highlight=False)
+    _sampling(max_new_tokens, temperature, top_k, top_p, seed)  # every flag checked before the model loads
+    text = run(_load(model_dir, allow_missing, allow_unused), prompt, max_new_tokens, temperature, top_k, top_p, seed)
+    out.print(prompt + text)
 
 
 def chat(model_dir: Path = typer.Argument(..., help="An HF causal-LM directory with a chat template."),
@@ -45,13 +47,15 @@ def chat(model_dir: Path = typer.Argument(..., help="An HF causal-LM directory w
          max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
          temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy."),
          top_k: int = typer.Option(0, "--top-k"), top_p: float = typer.Option(1.0, "--top-p"),
-         seed: Optional[int] = typer.Option(None, "--seed")) -> None:
+         seed: Optional[int] = typer.Option(None, "--seed"),
+         allow_missing: bool = ALLOW_MISSING, allow_unused: bool = ALLOW_UNUSED) -> None:
     """Talk to the model turn by turn through its chat template. An empty line or Ctrl-D ends."""
     import torch
 
     from kiln.data.sft import chat_prompt_ids
 
-    model = _load(model_dir)
+    sampling = _sampling(max_new_tokens, temperature, top_k, top_p, seed)
+    model = _load(model_dir, allow_missing, allow_unused)
     model.tokenizer.chat()  # fail now, not after the first question, if there is no template
     messages = [{"role": "system", "content": system}] if system else []
     while True:
@@ -63,9 +67,9 @@ def chat(model_dir: Path = typer.Argument(..., help="An HF causal-LM directory w
             break
         messages.append({"role": "user", "content": line})
         ids = torch.tensor([chat_prompt_ids(model.tokenizer, messages)])
-        new = model.generate(ids, max_new_tokens=max_new_tokens, **_sampling(temperature, top_k, top_p, seed))
+        new = model.generate(ids, max_new_tokens=max_new_tokens, **sampling)
         reply = model.tokenizer.decode(new[0, ids.size(1):].tolist()).strip()
-        out.print(f"bot> {reply}", highlight=False)
+        out.print(f"bot> {reply}")
         messages.append({"role": "assistant", "content": reply})
 
 
@@ -78,11 +82,24 @@ def tokenizer_train(files: List[Path] = typer.Argument(..., help=".txt (a text p
                     vocab_size: int = typer.Option(4096, "--vocab-size"),
                     min_frequency: int = typer.Option(2, "--min-frequency"),
                     text_field: str = typer.Option("text", "--text-field", help="JSONL field with plain text."),
-                    max_length: int = typer.Option(2048, "--model-max-length")) -> None:
+                    max_length: int = typer.Option(2048, "--model-max-length"),
+                    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a tokenizer already in --out.")) -> None:
     """Train a byte-level BPE tokenizer with ChatML special tokens and chat template."""
-    from kiln.data.bpe import train_bpe
+    from kiln.data.bpe import CHAT_TOKENS, iter_texts, train_bpe
+    from kiln.hub.outdir import check_out_dir, staged_dir
 
-    tok = train_bpe(files, out_dir, vocab_size, min_frequency, text_field, max_length)
+    check_range("--min-frequency", min_frequency, 1)
+    check_range("--model-max-length", max_length, 1)
+    check_out_dir(out_dir, overwrite)
+    # one pass before training: a file that is missing, not UTF-8 or bad JSON fails here, and empty input
+    # (which would give a tokenizer of bare bytes without one merge) is refused
+    if not any(t.strip() for t in iter_texts(files, text_field)):
+        raise KilnError(f"no text to learn from in {', '.join(map(str, files))} (empty, or only blank lines)")
+    with staged_dir(out_dir) as tmp:
+        tok = train_bpe(files, tmp, vocab_size, min_frequency, text_field, max_length)
+        if tok.vocab_size <= 256 + len(CHAT_TOKENS):  # bytes and specials only: it would not compress anything
+            raise KilnError(f"no merges learned: no pair of symbols in the text occurs --min-frequency "
+                            f"{min_frequency} times; give more text or lower --min-frequency")
     out.print(f"wrote {out_dir}: vocab {tok.vocab_size}, specials {', '.join(f'{k}={v}' for k, v in tok.specials.items())}")
 
 

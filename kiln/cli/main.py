@@ -1,7 +1,8 @@
-"""Entry point of the `kiln` console script.
+"""Entry point of the `kiln` console script, and its one error boundary.
 
-Each command module exposes `register(app)`. A `KilnError` (or any ValueError/OSError from bad
-input) is printed as one message, without a traceback, and the exit status is 1.
+Each command module exposes `register(app)`. A user error (kiln.cli.boundary) raised by any
+command is printed as `kiln: <message>` with exit status 1 and no traceback; any other exception is
+a bug and keeps its traceback. KILN_DEBUG=1 shows tracebacks always.
 """
 
 from __future__ import annotations
@@ -10,10 +11,9 @@ import importlib
 import os
 
 import typer
-from rich.console import Console
 from typer.core import TyperGroup
 
-from kiln.errors import KilnError
+from kiln.cli.boundary import report, user_message
 
 # Command groups, in help order. A new group is one module with `register(app)` and one line here.
 COMMAND_MODULES = [
@@ -24,8 +24,6 @@ COMMAND_MODULES = [
     "kiln.cli.data",
 ]
 
-err = Console(stderr=True)
-
 
 class _KilnGroup(TyperGroup):
     """Turns a user error raised by any command into one printed message and exit status 1."""
@@ -33,8 +31,15 @@ class _KilnGroup(TyperGroup):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except (KilnError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
-            err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        except (typer.Exit, typer.Abort):
+            raise
+        except BrokenPipeError:  # `kiln ... | head`: the reader left; nothing to say
+            raise typer.Exit(1) from None
+        except Exception as e:
+            message = user_message(e)
+            if message is None or os.environ.get("KILN_DEBUG", "") not in ("", "0"):
+                raise
+            report(message)
             raise typer.Exit(1) from None
 
 

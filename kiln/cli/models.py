@@ -1,4 +1,4 @@
-"""Model-directory commands: inspect, export, verify-export, verify-matrix, fill-mask."""
+"""Model-directory commands: inspect, export, verify-export, verify-matrix, fill-mask, classify."""
 
 from __future__ import annotations
 
@@ -7,12 +7,11 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from kiln.cli.common import ALLOW_MISSING, ALLOW_UNUSED, check_range, fit_length, load_for_prediction
+from kiln.cli.output import note, out, styled
 from kiln.errors import KilnError
-
-out = Console()
 
 
 def inspect_dir(model_dir: Path = typer.Argument(..., help="An HF model directory, or a Hub repo id org/name[@rev]."),
@@ -55,31 +54,66 @@ def inspect_dir(model_dir: Path = typer.Argument(..., help="An HF model director
         out.print(t)
 
 
-def _checkpoint_model_dir(ckpt: Path) -> Path:
-    for cand in (ckpt / "model", ckpt):
-        if (cand / "config.json").is_file():
-            return cand
-    raise KilnError(f"{ckpt}: not a kiln checkpoint (no model/config.json inside)")
+def checkpoint_dir(ckpt: Path) -> Path:
+    """A run checkpoint (RUN/ckpt-N, or its model/ folder), checked against its manifest as a resume checks it."""
+    from kiln.train.checkpoint import CKPT_RE, list_paths, verify_checkpoint
+
+    if not ckpt.is_dir():
+        raise KilnError(f"--checkpoint {ckpt}: no such checkpoint directory")
+    if ckpt.name == "model" and CKPT_RE.match(ckpt.parent.name):
+        ckpt = ckpt.parent  # the manifest that covers model/ sits one level up
+    if not (ckpt / "manifest.json").is_file():
+        found = [p.name for p in list_paths(ckpt)]
+        if found:
+            raise KilnError(f"--checkpoint {ckpt}: is a run directory; name one of its checkpoints, e.g. "
+                            + ", ".join(str(ckpt / n) for n in found[-2:]))
+        if not CKPT_RE.match(ckpt.name):
+            raise KilnError(f"--checkpoint {ckpt}: not a kiln checkpoint (no manifest.json); to export a model "
+                            "directory give it as SRC")
+    problem = verify_checkpoint(ckpt)
+    if problem is not None:
+        raise KilnError(f"--checkpoint {ckpt}: not a usable checkpoint: {problem}")
+    if not (ckpt / "model" / "config.json").is_file():
+        raise KilnError(f"--checkpoint {ckpt}: no model/config.json inside")
+    return ckpt
 
 
 def export(src: Optional[Path] = typer.Argument(None, help="An HF model directory."),
            out_dir: Path = typer.Option(..., "--out", help="Directory to write."),
            checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="A run checkpoint, RUN_DIR/ckpt-N."),
            head: Optional[str] = typer.Option(None, "--head", help="Re-target to this head (base, masked-lm, ...)."),
-           max_shard_mb: Optional[int] = typer.Option(None, "--max-shard-mb", help="Shard weights past this size.")) -> None:
+           max_shard_mb: Optional[int] = typer.Option(None, "--max-shard-mb", help="Shard weights past this size."),
+           overwrite: bool = typer.Option(False, "--overwrite", help="Replace the model or tokenizer already in --out."),
+           allow_missing: bool = ALLOW_MISSING, allow_unused: bool = ALLOW_UNUSED) -> None:
     """Write an HF directory (config.json, model.safetensors, tokenizer) from a directory or checkpoint."""
+    from kiln.hub.outdir import check_out_dir, staged_dir
     from kiln.interop.export import export_model
 
     if (src is None) == (checkpoint is None):
         raise KilnError("give exactly one of SRC or --checkpoint RUN_DIR/ckpt-N")
+    if max_shard_mb is not None:
+        check_range("--max-shard-mb", max_shard_mb, 1)
+    if src is not None:
+        from kiln.hub.resolve import resolve_model_dir
+
+        src = resolve_model_dir(src)  # a local directory, or a Hub repo id's cached snapshot
+        if not src.is_dir():
+            raise KilnError(f"{src}: no such model directory")
+    shard_bytes = max_shard_mb * 2**20 if max_shard_mb else None
     from kiln.parallel.checkpoint import export_sharded, is_sharded
 
-    if checkpoint is not None and is_sharded(checkpoint):  # FSDP/TP/EP shards: gathered in this process's CPU memory
-        path = export_sharded(checkpoint, out_dir, max_shard_bytes=max_shard_mb * 2**20 if max_shard_mb else None)
-        out.print(f"exported {checkpoint} (sharded) -> {path}")
+    ckpt = checkpoint_dir(checkpoint) if checkpoint is not None else None
+    if ckpt is not None and is_sharded(ckpt):  # FSDP/TP/EP shards: gathered in this process's CPU memory
+        if head is not None:
+            raise KilnError("--head cannot re-target a sharded checkpoint; export it first, then re-head the export")
+        check_out_dir(out_dir, overwrite)
+        with staged_dir(out_dir) as tmp:
+            export_sharded(ckpt, tmp, max_shard_bytes=shard_bytes)
+        out.print(f"exported {ckpt} (sharded) -> {out_dir}")
         return
-    source = _checkpoint_model_dir(checkpoint) if checkpoint is not None else src
-    path = export_model(source, out_dir, head=head, max_shard_bytes=max_shard_mb * 2**20 if max_shard_mb else None)
+    source = ckpt / "model" if ckpt is not None else src
+    path = export_model(source, out_dir, head=head, max_shard_bytes=shard_bytes, overwrite=overwrite,
+                        allow_missing=allow_missing, allow_unused=allow_unused, on_note=note)
     out.print(f"exported {source} -> {path}")
 
 
@@ -91,12 +125,12 @@ def verify_export_cmd(model_dir: Path = typer.Argument(..., help="An exported HF
 
     checks = verify_export(resolve_model_dir(model_dir), source=None if source is None else resolve_model_dir(source))
     for c in checks:
-        out.print(("[green]" if c.ok else "[red]") + c.line(), highlight=False)
+        out.print(styled(c.line(), "green" if c.ok else "red"))
     failed = [c for c in checks if not c.ok]
     if failed:
-        out.print(f"[red]{len(failed)} of {len(checks)} checks failed")
+        out.print(styled(f"{len(failed)} of {len(checks)} checks failed", "red"))
         raise typer.Exit(1)
-    out.print(f"[green]all {len(checks)} checks passed")
+    out.print(styled(f"all {len(checks)} checks passed", "green"))
 
 
 def verify_matrix(cells: Optional[Path] = typer.Option(None, "--cells", help="JSON list of {family, head, path}.")) -> None:
@@ -106,14 +140,15 @@ def verify_matrix(cells: Optional[Path] = typer.Option(None, "--cells", help="JS
 
     todo = read_cells(str(cells)) if cells else default_cells()
     results = run_matrix(todo, on_cell=lambda c: out.print(
-        f"{'PASS' if c.ok else 'FAIL'} {c.family:>12} {_short(c.head):>6}", highlight=False))
+        f"{'PASS' if c.ok else 'FAIL'} {c.family:>12} {_short(c.head):>6}"))
     heads = list(dict.fromkeys(c.head for c in results))
     grid = Table("family", *[_short(h) for h in heads])
     for fam in dict.fromkeys(c.family for c in results):
         row = []
         for h in heads:
             cell = next((c for c in results if c.family == fam and c.head == h), None)
-            row.append("[dim]n/a[/]" if cell is None else (f"[green]PASS[/] {cell.max_diff:g}" if cell.ok else "[red]FAIL"))
+            row.append(styled("n/a", "dim") if cell is None else
+                       (styled(f"PASS {cell.max_diff:g}", "green") if cell.ok else styled("FAIL", "red")))
         grid.add_row(fam, *row)
     out.print(grid)
     # Tallies per kind of row: encoder families (five heads each) and causal LMs.
@@ -121,14 +156,14 @@ def verify_matrix(cells: Optional[Path] = typer.Option(None, "--cells", help="JS
         cells = [c for c in results if c.head in heads and
                  set(heads) <= {x.head for x in results if x.family == c.family}]
         if cells:
-            out.print(f"{kind} families x heads: {sum(c.ok for c in cells)}/{len(cells)} PASS", highlight=False)
+            out.print(f"{kind} families x heads: {sum(c.ok for c in cells)}/{len(cells)} PASS")
     failed = [c for c in results if not c.ok]
     if failed:
         for c in failed:
-            out.print(f"[red]FAIL {c.family} {c.head}: {c.detail}", highlight=False)
-        out.print(f"[red]{len(failed)} of {len(results)} cells failed")
+            out.print(styled(f"FAIL {c.family} {c.head}: {c.detail}", "red"))
+        out.print(styled(f"{len(failed)} of {len(results)} cells failed", "red"))
         raise typer.Exit(1)
-    out.print(f"[green]all {len(results)} cells passed")
+    out.print(styled(f"all {len(results)} cells passed", "green"))
 
 
 def _short(head: str) -> str:
@@ -139,24 +174,37 @@ def _short(head: str) -> str:
 
 def fill_mask(model_dir: Path = typer.Argument(..., help="An HF masked-LM directory."),
               text: str = typer.Argument(..., help="Text with the model's mask token, e.g. [MASK] or <mask>."),
-              k: int = typer.Option(5, "-k", "--top-k", help="How many candidates.")) -> None:
+              k: int = typer.Option(5, "-k", "--top-k", help="How many candidates."),
+              allow_missing: bool = ALLOW_MISSING, allow_unused: bool = ALLOW_UNUSED) -> None:
     """Top-k tokens for the mask, with probabilities, like transformers' fill-mask pipeline."""
+    from kiln.models.tasks import MASKED_LM
     from kiln.pipelines import fill_mask as run
 
+    check_range("-k", k, 1)
+    model = load_for_prediction(model_dir, MASKED_LM, allow_missing, allow_unused)
+    check_range("-k", k, 1, model.config.vocab_size)
+    fit_length(model, model.tokenizer.encode([text])["input_ids"].shape[1], "the text", cut=False)
     table = Table("position", "token", "score", "sequence")
-    for r in run(model_dir, text, k=k):
+    for r in run(model, text, k=k):
         table.add_row(str(r["position"]), r["token"], f"{r['score']:.4f}", r["sequence"])
     out.print(table)
 
 
 def classify(model_dir: Path = typer.Argument(..., help="An HF sequence-classification directory."),
              texts: List[str] = typer.Argument(..., help="One or more texts."),
-             top: int = typer.Option(3, "--top", help="How many labels to show per text.")) -> None:
+             top: int = typer.Option(3, "--top", help="How many labels to show per text."),
+             allow_missing: bool = ALLOW_MISSING, allow_unused: bool = ALLOW_UNUSED) -> None:
     """Label each text with the model's classes and their probabilities."""
+    from kiln.models.tasks import SEQUENCE_CLASSIFICATION
     from kiln.pipelines import classify as run
 
+    check_range("--top", top, 1)
+    model = load_for_prediction(model_dir, SEQUENCE_CLASSIFICATION, allow_missing, allow_unused)
+    lengths = model.tokenizer.encode(list(texts))["attention_mask"].sum(-1).tolist()
+    cut = [fit_length(model, n, f"text {i + 1}", cut=True) for i, n in enumerate(lengths)]
+    limit = min((c for c in cut if c is not None), default=None)
     table = Table("text", "label", "score")
-    for text, scores in zip(texts, run(model_dir, list(texts))):
+    for text, scores in zip(texts, run(model, list(texts), **({"max_length": limit} if limit else {}))):
         for i, s in enumerate(scores[:top]):
             table.add_row(text[:60] if i == 0 else "", s["label"], f"{s['score']:.4f}")
     out.print(table)

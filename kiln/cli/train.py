@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import inspect
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import typer
 
+from kiln.cli.boundary import ERROR_DIR_ENV
 from kiln.errors import KilnError
 
 
@@ -91,7 +94,12 @@ def launch(ctx: typer.Context,
     if not command:
         raise KilnError("nothing to launch; put the kiln command after --, e.g. "
                         "kiln launch --nproc-per-node 2 -- train --config run.toml")
-    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
+    if not (nproc_per_node in ("gpu", "cpu", "auto") or (nproc_per_node.isdigit() and int(nproc_per_node) > 0)):
+        raise KilnError(f"--nproc-per-node must be a number >= 1, gpu, cpu or auto, got {nproc_per_node!r}")
+    for flag, value in (("--node-rank", node_rank), ("--max-restarts", max_restarts)):
+        if value is not None and value < 0:
+            raise KilnError(f"{flag} must be >= 0, got {value}")
+    argv = [sys.executable, "-m", "kiln.cli.torchrun", f"--nproc-per-node={nproc_per_node}"]
     values = locals()
     for name in _TORCHRUN_FLAGS:
         if values[name] is not None:
@@ -99,7 +107,19 @@ def launch(ctx: typer.Context,
     if nnodes is None and rdzv_endpoint is None and master_port is None:
         argv.append("--standalone")  # one node: torchrun picks a free port itself
     argv += ["-m", "kiln.cli.main", *command]
-    code = subprocess.call(argv)
+    with tempfile.TemporaryDirectory(prefix="kiln-launch-") as errors:
+        # each rank leaves its user error here instead of printing it; shown once below
+        code = subprocess.call(argv, env={**os.environ, ERROR_DIR_ENV: errors})
+        messages = {p.stem.removeprefix("rank-").lstrip("0") or "0": p.read_text(encoding="utf-8")
+                    for p in sorted(Path(errors).glob("rank-*.txt"))}
+    if messages:
+        distinct = list(dict.fromkeys(messages.values()))
+        if len(distinct) == 1:
+            typer.echo(f"kiln: {distinct[0]}", err=True)
+        else:
+            for rank, message in messages.items():
+                typer.echo(f"kiln: rank {rank}: {message}", err=True)
+        raise typer.Exit(1)
     if code != 0:
         raise typer.Exit(code)
 

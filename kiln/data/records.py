@@ -52,13 +52,17 @@ def read_records(path: str | os.PathLike, fmt: str = "auto") -> list[Record]:
     else:
         with open(path, encoding="utf-8", newline="") as f:
             reader = csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
-            if not reader.fieldnames:
-                raise KilnError(f"{path}: empty CSV (no header row)")
-            for row in reader:
-                # DictReader's line_num is the physical line just read (rows may span lines).
-                if None in row:
-                    raise KilnError(f"{path}:{reader.line_num}: more values than header columns")
-                records.append(Record(dict(row), f"{path}:{reader.line_num}"))
+            try:
+                if not reader.fieldnames:
+                    raise KilnError(f"{path}: empty CSV (no header row)")
+                for row in reader:
+                    # DictReader's line_num is the physical line just read (rows may span lines).
+                    if None in row:
+                        raise KilnError(f"{path}:{reader.line_num}: more values than header columns")
+                    records.append(Record(dict(row), f"{path}:{reader.line_num}"))
+            except UnicodeDecodeError as e:  # the file is decoded in blocks: the line is the one after the last read
+                raise KilnError(f"{path}: not valid UTF-8 near line {reader.line_num + 1} ({e.reason}); "
+                                "re-encode the file as UTF-8") from None
     if not records:
         raise KilnError(f"{path}: no rows")
     return records

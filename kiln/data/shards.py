@@ -7,7 +7,8 @@
 
 Any numpy reads a shard: `np.load(path, mmap_mode="r")`. Shards end on document boundaries.
 Opening a split checks every shard's header and size against the manifest (cheap); `verify`
-also checks the sha256 (reads everything).
+also checks the sha256 (reads everything), and `start_verify` does that at once for a small split or
+on a background thread for a large one, reported by the next `raise_if_corrupt()`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,6 +168,7 @@ class ShardSet:
         self.lengths = np.array([e["tokens"] for e in self.entries], dtype=np.int64)
         self.paths = [self.root / e["file"] for e in self.entries]
         self._maps: dict[int, np.ndarray] = {}
+        self._problem: str | None = None  # what a background sha256 check found
         for i in range(len(self.paths)):
             self._check(i)
 
@@ -207,6 +210,34 @@ class ShardSet:
         for path, entry in zip(self.paths, self.entries):
             if file_sha256(path) != entry["sha256"]:
                 raise ShardError(f"{path}: contents do not match the sha256 in {MANIFEST}")
+
+    def start_verify(self, inline_bytes: int = 1 << 28) -> None:
+        """Check the sha256 of every shard once: now when the split is under `inline_bytes`, else on a
+        daemon thread whose finding `raise_if_corrupt()` raises (the training loop polls it)."""
+        if sum(int(e.get("bytes", 0)) for e in self.entries) <= inline_bytes:
+            self.verify()
+            return
+
+        def work() -> None:
+            try:
+                self.verify()
+            except (ShardError, OSError) as e:
+                self._problem = str(e)
+
+        threading.Thread(target=work, name="kiln-shard-sha256", daemon=True).start()
+
+    def raise_if_corrupt(self) -> None:
+        if self._problem is not None:
+            raise ShardError(self._problem)
+
+    def check_ids(self, tokens: np.ndarray) -> None:
+        """Refuse token ids past the manifest's vocabulary (altered shards), naming the shard that changed."""
+        self.raise_if_corrupt()
+        if tokens.size and int(tokens.max()) >= self.vocab_size:
+            self.verify()  # names the altered file, if its checksum shows it
+            raise ShardError(f"{self.root}: split {self.split!r} holds token id {int(tokens.max())}, past the "
+                             f"vocabulary of {self.vocab_size} in {MANIFEST}; the shards were altered after "
+                             "`kiln tokenize` wrote them")
 
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader workers get the lengths and paths; each opens its own memmaps.

@@ -232,10 +232,12 @@ class PackLoader:
         extra: dict[str, Any] = {"prefetch_factor": 1} if num_workers > 0 else {}
         self.loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, collate_fn=_as_is, **extra)
         self.eos_id, self.within_doc = dataset.windows.shards.eos_id, dataset.windows.within_doc
+        self.shards = dataset.windows.shards
         self.pin_memory = pin_memory
 
     def __iter__(self) -> Iterator[Batch]:
         for pack in self.loader:
+            self.shards.check_ids(pack[0])  # an altered shard stops here with a message, not in the embedding
             yield from unpack(pack, self.eos_id, self.within_doc, self.pin_memory)
 
 

@@ -1,38 +1,58 @@
-"""Export an HF directory from a kiln model or a model directory."""
+"""Export an HF directory from a kiln model or a model directory.
+
+Nothing is written over a directory that already holds a model, tokenizer or run unless
+`overwrite`; the export is written beside `out` and moved in whole, so a failure leaves `out` as
+it was. A load that dropped or made up tensors is refused unless allowed (kiln.interop.load_report).
+"""
 
 from __future__ import annotations
 
 import copy
 import os
 from pathlib import Path
+from typing import Callable
 
 from kiln.errors import KilnError
-from kiln.models.auto import load_pretrained
+from kiln.hub.outdir import check_out_dir, staged_dir
+from kiln.models.auto import load_config, load_pretrained
 from kiln.models.pretrained import PreTrainedModel
 from kiln.models.tasks import TASKS
 
 
 def export_model(src: str | os.PathLike | PreTrainedModel, out: str | os.PathLike, head: str | None = None,
-                 max_shard_bytes: int | None = None) -> Path:
+                 max_shard_bytes: int | None = None, overwrite: bool = False, allow_missing: bool = False,
+                 allow_unused: bool = False, on_note: Callable[[str], None] | None = None) -> Path:
     """Write `src` (a kiln model or an HF directory) to `out` as config.json + safetensors + tokenizer.
 
     `head` re-targets a directory to another task (e.g. `masked-lm` -> `base`); the written
-    `architectures` always names the head that was built.
+    `architectures` always names the head that was built. Tensors dropped or initialised on the way
+    are reported to `on_note`; unexpected ones raise unless allowed.
     """
+    from kiln.interop.load_report import check_load
+
     if head is not None and head not in TASKS:
         raise KilnError(f"unknown head {head!r}; choose one of: {', '.join(TASKS)}")
+    out_path = Path(out)
     if isinstance(src, PreTrainedModel):
         model = src
         if head is not None and head != model.task:
             raise KilnError(f"cannot re-head a model in memory ({model.task} -> {head}); export its directory instead")
+        check_out_dir(out_path, overwrite)
     else:
         src_path = Path(src)
-        out_path = Path(out)
-        if out_path.exists() and src_path.resolve() == out_path.resolve():
+        if out_path.exists() and src_path.exists() and src_path.resolve() == out_path.resolve():
             raise KilnError(f"--out {out} is the source directory; choose another directory")
+        check_out_dir(out_path, overwrite)
+        source_task = load_config(src_path)[2]
         model = load_pretrained(src_path, task=head)
+        notes = check_load(model, str(src_path), source_task, allow_missing=allow_missing,
+                           allow_unused=allow_unused, new_head_asked=head is not None and head != source_task)
+        for n in notes:
+            (on_note or print)(n)
     if getattr(model, "lora_config", None) is not None:  # an HF directory is plain weights: fold LoRA in
         from kiln.models.common.lora import merge_lora
 
         model = merge_lora(copy.deepcopy(model)) if isinstance(src, PreTrainedModel) else merge_lora(model)
-    return model.save_pretrained(out, max_shard_bytes=max_shard_bytes)
+    with staged_dir(out_path) as tmp:
+        model.save_pretrained(tmp, max_shard_bytes=max_shard_bytes)
+    return out_path

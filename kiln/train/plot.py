@@ -1,4 +1,9 @@
-"""`kiln plot RUN_DIR`: loss, learning rate and eval curves from metrics.jsonl, as one PNG."""
+"""`kiln plot RUN_DIR`: loss, learning rate and eval curves from metrics.jsonl, as one PNG.
+
+Records are plotted by what they hold: a run logged by other tools (no lr, no loss) still gets the
+panels it has data for; a record without a numeric step, or with a value that is not a number, is
+an error naming its line.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +18,18 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
     """Write RUN_DIR/curves.png (or `out`): training loss, lr, and every eval_* metric by step."""
     run_dir = Path(run_dir)
     log = run_dir / "metrics.jsonl"
-    records = [r for _, r, _ in iter_jsonl(log, torn_tail=True)] if log.is_file() else []
+    if not run_dir.is_dir():
+        raise KilnError(f"{run_dir}: no such run directory: no metrics.jsonl records to plot")
+    records = []
+    for no, r, _ in iter_jsonl(log, torn_tail=True) if log.is_file() else ():
+        if not isinstance(r.get("step"), (int, float)):
+            raise KilnError(f"{log}:{no}: a record without a numeric 'step'")
+        records.append((no, r))
     if not records:
         raise KilnError(f"{run_dir}: no metrics.jsonl records to plot")
+    out_path = Path(out) if out is not None else run_dir / "curves.png"
+    if out_path.is_dir():
+        raise KilnError(f"--out {out_path}: is a directory; give a file name such as curves.png")
     try:
         import matplotlib
     except ImportError:
@@ -23,24 +37,34 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
     matplotlib.use("Agg")  # files only; never open a window
     import matplotlib.pyplot as plt
 
-    train = [r for r in records if "loss" in r]
-    evals = [r for r in records if any(k.startswith("eval_") for k in r)]
-    eval_keys = sorted({k for r in evals for k in r if k.startswith("eval_")})
-    panels = 2 + len(eval_keys)
-    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.4))
-    axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], lw=1)
-    axes[0].set_title("train loss")
-    axes[1].plot([r["step"] for r in train], [r["lr"] for r in train], lw=1, color="tab:orange")
-    axes[1].set_title("learning rate")
-    for ax, key in zip(axes[2:], eval_keys):
-        pts = [(r["step"], r[key]) for r in evals if key in r]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color="tab:green")
-        ax.set_title(key)
-    for ax in axes:
+    suffix = out_path.suffix.lower().lstrip(".")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix not in formats:
+        raise KilnError(f"--out {out_path}: cannot tell an image format from {out_path.suffix or 'no suffix'!r}; "
+                        f"use one of .{', .'.join(sorted(formats))}")
+    eval_keys = sorted({k for _, r in records for k in r if k.startswith("eval_")})
+    panels = [(key, title) for key, title in (("loss", "train loss"), ("lr", "learning rate"))
+              if any(key in r for _, r in records)] + [(k, k) for k in eval_keys]
+    if not panels:
+        raise KilnError(f"{log}: no loss, lr or eval_* values to plot")
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    for ax, (key, title) in zip(axes[0], panels):
+        pts = [(r["step"], _number(r[key], log, no, key)) for no, r in records if key in r]
+        style = {"marker": "o", "color": "tab:green"} if key.startswith("eval_") else \
+            {"lw": 1, "color": "tab:orange" if key == "lr" else None}
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], **style)
+        ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    out_path = Path(out) if out is not None else run_dir / "curves.png"
     fig.savefig(out_path, dpi=110)
     plt.close(fig)
     return out_path
+
+
+def _number(value: object, log: Path, no: int, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise KilnError(f"{log}:{no}: {key!r} is {value!r}, not a number")
+    return float(value)

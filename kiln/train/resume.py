@@ -47,3 +47,49 @@ def check_fingerprint(path: Path, old: dict[str, Any], new: dict[str, Any]) -> N
                         "(the data order depends on it)")
     if problems:
         raise KilnError(f"cannot resume from {path}: " + "; ".join(problems))
+
+
+# ---- settings changed between the run and its resume ------------------------------------------
+# [train] keys that decide what the run computes (data order, precision, which weights train, which
+# checkpoint is best): changing them mid-run gives a run that matches neither the old nor a new one.
+_EXACT_TRAIN = {"precision", "seed", "batch_size", "freeze", "best_metric", "best_mode"}
+# Outside [train] every key shapes the model or the data, except these, which only change speed.
+_SPEED_ONLY = {"data.num_workers", "data.prefetch", "parallel.activation_checkpointing", "parallel.checkpoint_every"}
+_IGNORED = {"train.out_dir"}  # --resume RUN_DIR replaces it
+
+
+def breaks_exactness(key: str) -> bool:
+    section, _, rest = key.partition(".")
+    if section == "train":
+        return rest.split(".")[0] in _EXACT_TRAIN
+    return key not in _SPEED_ONLY
+
+
+def _show(value: Any) -> str:
+    return "unset" if value is None else repr(value)
+
+
+def _diff(old: Any, new: Any, path: str = ""):
+    if isinstance(old, dict) and isinstance(new, dict):
+        # keys on one side only come from another kiln version's schema, not from the user
+        for key in sorted(set(old) & set(new)):
+            yield from _diff(old[key], new[key], f"{path}.{key}" if path else key)
+    elif old != new and path not in _IGNORED:
+        yield f"{path} {_show(old)} -> {_show(new)}", breaks_exactness(path)
+
+
+def config_changes(path: Path, old: dict[str, Any] | None, new: dict[str, Any]) -> list[str]:
+    """Every key whose value differs between the checkpoint's run config and this one. Keys that break
+    exactness (model, data, precision, seed, batch size, ...) raise a KilnError listing all changes;
+    the rest (lr, steps, eval and save cadence, ...) are returned, one line each, for a note."""
+    if not old:
+        return []
+    changes = list(_diff(old, new))
+    refused = [line for line, bad in changes if bad]
+    if refused:
+        allowed = [line for line, bad in changes if not bad]
+        raise KilnError(f"cannot resume from {path}: the run config changed in ways that would break the run "
+                        f"(model, data, precision, seed, batch size, ...): {'; '.join(refused)}"
+                        + (f" (also changed, which would be fine: {'; '.join(allowed)})" if allowed else "")
+                        + ". Undo them, or start a new run in another train.out_dir")
+    return [line for line, _ in changes]

@@ -9,12 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kiln.train.checks import check_out_dir, check_train_args
 from kiln.train.recipes import active_extensions, recipe_for
 from kiln.train.trainer import Trainer
 
 
 def build_trainer(cfg: Any, resume: str | Path | None = None) -> Trainer:
     """The Trainer for a run config (`kiln.train.config.load_run_config`); with `resume`, for RUN_DIR."""
+    check_train_args(cfg.train)  # before any model or data work
+    if resume is None:
+        check_out_dir(cfg.train.out_dir)
     recipe = recipe_for(cfg)
     extensions = active_extensions(cfg)
     for ext in extensions:

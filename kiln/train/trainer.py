@@ -43,9 +43,10 @@ from kiln.parallel.world import World, all_reduce_sum, barrier, gather_objects, 
 from kiln.train import checkpoint as ckpt
 from kiln.train import plans
 from kiln.train.config import ParallelSection, TrainSection
+from kiln.train.checks import check_train_args
 from kiln.train.metrics import MetricsLog, ProgressBar
 from kiln.train.optim import OptimizerFactory, adamw, freeze, lr_factor, param_groups, set_lr
-from kiln.train.resume import check_fingerprint, model_fingerprint
+from kiln.train.resume import check_fingerprint, config_changes, model_fingerprint
 from kiln.train.steps import StepFn, as_sum_and_count, default_evaluate, default_step
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -93,6 +94,7 @@ class Trainer:
             self.args = TrainSection(**{**(args.model_dump() if args else {}), **overrides})
         except ValidationError as e:
             raise ConfigError("; ".join(f"train.{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())) from None
+        check_train_args(self.args)
         self._model_arg, self.data, self.eval_data = model, data, eval_data
         self.optimizer_factory = optimizer
         self.step_fn = step or default_step
@@ -140,6 +142,8 @@ class Trainer:
             self.total_steps = max(1, math.ceil(a.epochs * self.loader.batches_per_epoch / a.grad_accum))
         start = self._find_resume()
         resumed = ckpt.read_trainer_state(start) if start is not None else None
+        # changed settings: those that break exactness refuse here, before any work; the rest are noted
+        self.config_notes = config_changes(start, resumed.get("run_config"), self.run_config) if resumed else []
         for cb in self.callbacks:  # e.g. layer growth: the model takes its resumed shape before anything reads it
             cb.on_setup(self, resumed["step"] if resumed else 0)
         self.fingerprint = {"model": model_fingerprint(self.model), "data": self.data_fingerprint,
@@ -160,6 +164,10 @@ class Trainer:
         self.metrics = MetricsLog(self.out_dir, enabled=self.world.main, tensorboard=a.tensorboard)
         if start is not None:
             self._restore(start)
+            if self.config_notes and self.world.main:
+                note = "resumed with changed settings: " + "; ".join(self.config_notes)
+                print(f"resume: {note}")
+                self.metrics.log({"step": self.step, "note": note})
         if self.world.active and (self.plan is None or self.plan.wrap_ddp):
             self.model = DistributedDataParallel(self.model, device_ids=[self.device.index]
                                                  if self.device.type == "cuda" else None)
@@ -183,10 +191,18 @@ class Trainer:
 
     def _restore(self, path: Path) -> None:
         state = ckpt.read_trainer_state(path)
+        # the checkpoint's param groups carry the old hyperparameters; this run's config wins (lr is set per step)
+        current = [{k: g[k] for k in ("weight_decay", "betas", "eps") if k in g} for g in self.optimizer.param_groups]
         if self.sharded or plans.is_sharded(path):  # the weights too: each rank reads its own shards
             plans.load_sharded_checkpoint(path, self.model, self.optimizer, self.sharded)
         else:
-            self.optimizer.load_state_dict(ckpt.load_optimizer_state(path))
+            try:
+                self.optimizer.load_state_dict(ckpt.load_optimizer_state(path))
+            except ValueError as e:  # torch's words for param groups of other sizes
+                raise KilnError(f"cannot resume from {path}: its optimizer state does not fit this run's trainable "
+                                f"parameters ({e}); did train.freeze, [lora] or the optimizer change?") from None
+        for group, values in zip(self.optimizer.param_groups, current):
+            group.update(values)
         self.step, self.skipped = state["step"], state["skipped"]
         if state.get("objectives") and self.objectives is not None:
             self.objectives.load_state_dict(state["objectives"])

@@ -11,6 +11,7 @@ from kiln.errors import ConfigError, KilnError
 from kiln.hub.files import file_sha256
 from kiln.models.auto import load_config
 from kiln.models.tasks import Task, get_task
+from kiln.train.checks import check_examples, check_model_tokenizer
 from kiln.train.recipes.base import Recipe, RunParts, build_model
 
 
@@ -43,6 +44,10 @@ class FineTune(Recipe):
         return {"train": str(d.train), "train_sha256": file_sha256(d.train), "max_length": d.max_length,
                 "labels": labels}
 
+    def empty_hint(self, cfg: Any) -> str:
+        """Where to look when the encoded data has nothing to learn."""
+        return f"labels of tokens past data.max_length = {cfg.data.max_length} are cut off"
+
     def build(self, cfg: Any, on_model: Callable[[Any], None]) -> RunParts:
         d = cfg.data
         task = get_task(cfg.model.task, "model.task")
@@ -53,6 +58,7 @@ class FineTune(Recipe):
         on_model(model)
         if model.tokenizer is None:
             raise KilnError(f"{cfg.model.path}: no tokenizer files (tokenizer.json or vocab.txt) in the model directory")
+        check_model_tokenizer(model, d.max_length, cfg.model.path or cfg.model.family, cfg.train.precision)
         if cfg.lora is not None:
             from kiln.models.common.lora import LoraConfig, apply_lora
 
@@ -60,6 +66,9 @@ class FineTune(Recipe):
             apply_lora(model, LoraConfig(lora.r, lora.alpha, lora.dropout, lora.targets, lora.use_rslora))
         train = task.encode(train_records, model.tokenizer, labels, d, "train")
         evals = task.encode(eval_records, model.tokenizer, labels, d, "eval") if eval_records else None
+        check_examples(train, model, task, f"data.train {d.train}", self.empty_hint(cfg))
+        if evals is not None:
+            check_examples(evals, model, task, f"data.eval {d.eval}", self.empty_hint(cfg))
         return RunParts(model, train, eval_data=evals, fingerprint=self.fingerprint(cfg, labels))
 
 

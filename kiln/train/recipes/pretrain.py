@@ -31,6 +31,7 @@ from kiln.hub.files import file_sha256
 from kiln.models.common.loss import lm_loss_sum
 from kiln.models.tasks import CAUSAL_LM
 from kiln.parallel.world import all_reduce_sum
+from kiln.train.checks import check_model_tokenizer
 from kiln.train.plans import data_shard
 from kiln.train.recipes.base import Recipe, RunParts, Shortcut, build_model
 
@@ -75,8 +76,10 @@ def evaluate_windows(trainer: Any, windows: Windows, batch_size: int) -> dict[st
 
 
 def _open(path: str, split: str, digest: str, source: str, vocab_size: int) -> ShardSet:
-    shards = ShardSet(path, split)
+    shards = ShardSet(path, split)  # every shard's header and size checked against the manifest
     check_tokenizer(path, shards.manifest, digest, source)
+    if int(os.environ.get("RANK", "0")) == 0:  # sha256 too, once per run: now if small, else in the background
+        shards.start_verify()
     if shards.vocab_size > vocab_size:
         raise ConfigError(f"{Path(path) / MANIFEST}: token ids go up to {shards.vocab_size - 1} but the model's "
                           f"vocab_size is {vocab_size}; set model.config.vocab_size >= {shards.vocab_size}")
@@ -110,6 +113,7 @@ class Pretrain(Recipe):
         vocab = model.config.vocab_size
         train = Windows(_open(d.train, d.train_split, digest, source, vocab), d.max_length, seed=cfg.train.seed,
                         within_doc=d.within_doc)
+        check_model_tokenizer(model, d.max_length, cfg.model.path or cfg.model.family, cfg.train.precision)
         rank, shards = data_shard(cfg.parallel, int(os.environ.get("RANK", "0")),
                                   int(os.environ.get("WORLD_SIZE", "1")))
         loader = StreamLoader(train, cfg.train.batch_size, rank=rank, world_size=shards, num_workers=d.num_workers,
