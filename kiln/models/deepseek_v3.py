@@ -154,10 +154,11 @@ class MLAForCausalLM(KeepsMtpLayers, ForCausalLM):
     """Backbone + LM head; the LM loss alone (no aux loss), router logits on request."""
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                cache: Any = None, logits_to_keep: int = 0, output_router_logits: bool | None = None):
+                cache: Any = None, logits_to_keep: int = 0, output_router_logits: bool | None = None,
+                targets: torch.Tensor | None = None):
         out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               inputs_embeds=inputs_embeds, labels=labels, cache=cache, logits_to_keep=logits_to_keep,
-                              output_router_logits=False)
+                              output_router_logits=False, targets=targets)
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
         if output_router_logits:

@@ -5,7 +5,9 @@ Choices: the wrapped model is untouched (its HF round trip keeps working through
 LM shifts labels as transformers does (token t predicts t+1, -100 ignored); classification pools
 the first token (encoders) or the last real token (decoders, SSMs). When the wrapped model computes
 a loss of its own from `labels` (e.g. MambaForCausalLM's LM loss) it is kept as a second objective:
-`losses = {"prototype": ..., "lm": ...}` for a multi-objective step; `loss` is their sum.
+`losses = {"prototype": ..., "lm": ...}` for a multi-objective step; `loss` is their sum. With `fast`
+on (kiln.models.common.fast.set_fast) both losses come from hidden states at the labelled positions and
+no (B, T, vocab) logits are made; within fp32 rounding of the exact path.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kiln.errors import ConfigError
-from kiln.models.common.loss import IGNORE_INDEX, shift_labels
+from kiln.models.common.loss import IGNORE_INDEX, linear_cross_entropy, shift_labels
 from kiln.models.common.prototypes import PrototypeHead
 from kiln.models.heads import ModelOutput
 from kiln.models.tasks import CAUSAL_LM, SEQUENCE_CLASSIFICATION
@@ -52,6 +54,7 @@ class PrototypeModel(nn.Module):
         self.head = PrototypeHead(hidden_size or _hidden_size(inner), num_classes, **head)
         self.task, self.pooling, self.lm_loss = task, pooling, lm_loss
         self.config = getattr(inner, "config", None)
+        self.fast = False  # set_fast: losses from hidden states, no (B, T, vocab) logits on either head
 
     def _pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         if self.pooling == "first":
@@ -61,8 +64,22 @@ class PrototypeModel(nn.Module):
         last = attention_mask.long().cumsum(1).argmax(1)  # index of the last real token, also under left padding
         return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # (B, C)
 
+    def _fast_prototype_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The prototype loss from hidden states (B, T, C), scored only where a target is; `ce` through the
+        fused chunked cross entropy, `cosine` from each target's own prototype. Within fp32 rounding of
+        `head.loss(head(hidden), targets)`."""
+        head, keep = self.head, targets != IGNORE_INDEX
+        z = F.normalize(head.proj(hidden[keep]), dim=-1)  # (n, P)
+        p = F.normalize(head.prototypes, dim=-1)  # (K, P)
+        t = targets[keep]
+        if head.loss_kind == "ce":
+            return linear_cross_entropy(head.scale * z, p, t) / keep.sum()
+        return ((1.0 - (z * p[t]).sum(-1)) ** 2).mean()
+
     def forward(self, input_ids=None, attention_mask=None, labels=None, targets=None, **inputs) -> PrototypeOutput:
         """`labels` as transformers takes them (shifted inside); `targets` already aligned (token-shard windows)."""
+        if self.fast and self.task == CAUSAL_LM and (targets is not None or labels is not None):
+            return self._fast_forward(input_ids, attention_mask, labels, targets, inputs)
         inner_labels = labels if (self.lm_loss and self.task == CAUSAL_LM) else None
         kwargs = {"labels": inner_labels} if inner_labels is not None else {}
         inputs = {k: v for k, v in inputs.items() if v is not None}
@@ -84,3 +101,19 @@ class PrototypeModel(nn.Module):
                 losses["lm"] = F.cross_entropy(out.logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
         loss = sum(losses.values()) if losses else None
         return PrototypeOutput(logits=logits, loss=loss, last_hidden_state=hidden, losses=losses)
+
+    def _fast_forward(self, input_ids, attention_mask, labels, targets, inputs) -> PrototypeOutput:
+        """Causal LM with targets on the fast path: no logits; the inner LM's loss fused too where it can."""
+        if targets is None:
+            targets = shift_labels(labels)  # token t predicts t+1
+        inputs = {k: v for k, v in inputs.items() if v is not None}
+        sums = self.lm_loss and getattr(self.inner, "sums_targets", False)
+        out = self.inner(input_ids=input_ids, attention_mask=attention_mask, **inputs,
+                         **({"targets": targets} if sums else {}))
+        losses = {"prototype": self._fast_prototype_loss(out.last_hidden_state, targets)}
+        if sums:
+            losses["lm"] = out.loss_sum / out.loss_count
+        elif self.lm_loss and getattr(out, "logits", None) is not None:
+            losses["lm"] = F.cross_entropy(out.logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+        return PrototypeOutput(logits=None, loss=sum(losses.values()), last_hidden_state=out.last_hidden_state,
+                               losses=losses)

@@ -66,7 +66,8 @@ class DataSection(Section):
     answers_field: str = "answers"
     max_length: int = 128
     train_on: Literal["assistant", "all"] = "assistant"  # causal-lm SFT: loss on replies (+ EOS) or on all
-    pack: bool = False                   # causal-lm SFT: several samples per row, attention kept per sample
+    pack: bool = True                    # causal-lm SFT: several samples per row, attention kept per sample
+                                         # (where the model cannot keep them apart, rows stay one sample each)
     # Pre-training, when train (and eval) are `kiln tokenize` directories; max_length is the window's seq_len.
     train_split: str = "train"
     eval_split: str = "val"
@@ -111,6 +112,8 @@ class TrainSection(Section):
     log_every: int = 1
     progress: bool = True
     tensorboard: bool = False
+    exact: bool = False                   # true: bit-exact with transformers; false: the fast path (within fp32 rounding)
+    group_by_length: bool = True          # fine-tuning data: batches of similar lengths, padded to their longest
 
     @field_validator("freeze")
     @classmethod

@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from kiln.data.loader import Loader
 from kiln.errors import ConfigError, KilnError
 from kiln.hub.config import write_json_atomic
+from kiln.models.common.fast import set_fast
 from kiln.parallel.grads import clip_grad_norm as dist_clip_grad_norm
 from kiln.parallel.world import World, all_reduce_sum, barrier, gather_objects, init_world, pick_device
 from kiln.train import checkpoint as ckpt
@@ -134,7 +135,8 @@ class Trainer:
         # A Loader, or anything with its protocol (kiln.data.stream.StreamLoader): used as given.
         self.loader = self.data if hasattr(self.data, "next_batch") else Loader(
             self.data, a.batch_size, seed=a.seed, rank=self.data_rank, world_size=self.data_shards,
-            pad_id=getattr(getattr(model, "config", None), "pad_token_id", 0) or 0)
+            pad_id=getattr(getattr(model, "config", None), "pad_token_id", 0) or 0,
+            group_by_length=a.group_by_length, window=a.grad_accum)
         self.loader.check_size()
         if a.steps is not None:
             self.total_steps = a.steps
@@ -146,6 +148,7 @@ class Trainer:
         self.config_notes = config_changes(start, resumed.get("run_config"), self.run_config) if resumed else []
         for cb in self.callbacks:  # e.g. layer growth: the model takes its resumed shape before anything reads it
             cb.on_setup(self, resumed["step"] if resumed else 0)
+        set_fast(self.model, not a.exact)  # the model has its final modules: each fast/exact switch flips
         self.fingerprint = {"model": model_fingerprint(self.model), "data": self.data_fingerprint,
                             "precision": a.precision, "world_size": self.world.size}
         if start is not None:
@@ -349,8 +352,10 @@ class Trainer:
     def _record(self, window: "_Window", loss: float, grad_norm: float, lr: float, dt: float) -> dict[str, Any]:
         a = self.args
         samples = a.batch_size * a.grad_accum * self.data_shards  # tp ranks of a group read the same batch
+        pad = getattr(self.loader, "take_pad_fraction", lambda: None)()  # this rank's padded share of its slots
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "epoch": self.loader.epoch,
                 "samples_per_s": samples / dt, "tokens_per_s": window.tokens * self.data_shards / dt,
+                **({"pad_fraction": pad} if pad is not None else {}),
                 "skipped": self.skipped, **{f"loss_{k}": v / a.grad_accum for k, v in sorted(window.objectives.items())}}
 
     def _non_finite(self, loss: float, grad_norm: float) -> None:

@@ -41,9 +41,15 @@ def is_shard_dir(path: str | None) -> bool:
 
 
 def lm_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed next-token cross entropy, number of real targets) for one stream batch."""
-    out = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"))
-    return lm_loss_sum(out.logits, batch["targets"])  # targets (B, T) are already shifted
+    """(summed next-token cross entropy, number of real targets) for one stream batch.
+
+    A causal LM that sums over targets itself (ForCausalLM) is given them, so on its fast path the head
+    and the loss run fused, chunk by chunk; any other model (a prototype head) is scored on its logits."""
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch.get("position_ids")}
+    if getattr(getattr(model, "module", model), "sums_targets", False):
+        out = model(**inputs, targets=batch["targets"])  # targets (B, T) are already shifted
+        return out.loss_sum, out.loss_count
+    return lm_loss_sum(model(**inputs).logits, batch["targets"])
 
 
 @torch.no_grad()
