@@ -20,9 +20,12 @@ from kiln.models import (albert, bert, deberta_v2, distilbert, llama, mamba, mod
                          roberta, xlm_roberta)
 from kiln.models import deepseek_v3, deepseek_v32, glm_moe_dsa
 from kiln.models import qwen3_5, qwen3_next
+from kiln.hub.fp8 import scheme_from_config
+from kiln.models.common.fp8 import prepare_fp8
 from kiln.models.common.lora import has_adapter, load_adapter
 from kiln.models.config import FamilyConfig
 from kiln.models.pretrained import Family, PreTrainedModel
+from kiln.models.tasks import BASE, CAUSAL_LM, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
 
 REGISTRY: dict[str, Family] = {
     # encoders
@@ -95,21 +98,27 @@ def apply_changes(config: FamilyConfig, changes: dict[str, Any]) -> FamilyConfig
 
 
 def load_pretrained(path: str | os.PathLike, task: str | None = None, dtype: torch.dtype | None = None,
-                    seed: int | None = None, **changes: Any) -> PreTrainedModel:
+                    seed: int | None = None, fp8: str = "dequantize", **changes: Any) -> PreTrainedModel:
     """Load an HF directory into kiln's own model code, keeping the stored dtypes.
 
     `path` may also be a Hub repo id, `org/name[@revision]`, read through the HF cache. `seed` makes
-    the initial values of tensors the checkpoint lacks (a new head) reproducible.
+    the initial values of tensors the checkpoint lacks (a new head) reproducible. A block-scaled FP8
+    directory is dequantized to `dtype` (default: its non-FP8 tensors' dtype), or with `fp8="keep"`
+    held in FP8 modules (kiln.models.common.fp8).
     """
     if seed is not None:
         torch.manual_seed(seed)
     path = resolve_model_dir(path)
     family, config, source_task = load_config(path)
-    task = task or source_task or "base"
+    task = task or source_task or BASE
     config = apply_changes(config, dict(changes))
     with torch.device("meta"):
         model = family.build(config, task)
-    model.load_hf_state_dict(load_weights(path), source=str(path), source_task=source_task)
+    weights = load_weights(path)
+    scheme = scheme_from_config(config.extra, str(Path(path) / "config.json"))
+    if scheme is not None:
+        weights = prepare_fp8(model, weights, scheme, fp8, dtype, str(path))
+    model.load_hf_state_dict(weights, source=str(path), source_task=source_task)
     if has_adapter(path):  # a PEFT LoRA adapter saved beside the base weights (kiln LoRA checkpoints)
         load_adapter(model, path)
     if dtype is not None:
@@ -120,7 +129,7 @@ def load_pretrained(path: str | os.PathLike, task: str | None = None, dtype: tor
     return model.eval()
 
 
-def from_config(config: FamilyConfig, task: str = "base", seed: int | None = None) -> PreTrainedModel:
+def from_config(config: FamilyConfig, task: str = BASE, seed: int | None = None) -> PreTrainedModel:
     """A freshly initialised model (HF-style init) for a typed config."""
     family = family_for(config.model_type)
     if seed is not None:
@@ -150,31 +159,31 @@ class _AutoTask:
 
     @classmethod
     def from_config(cls, config: FamilyConfig, seed: int | None = None):
-        return from_config(config, task=cls.task or "base", seed=seed)
+        return from_config(config, task=cls.task or BASE, seed=seed)
 
 
 class AutoModel(_AutoTask):
-    task = "base"
+    task = BASE
 
 
 class AutoModelForSequenceClassification(_AutoTask):
-    task = "sequence-classification"
+    task = SEQUENCE_CLASSIFICATION
 
 
 class AutoModelForTokenClassification(_AutoTask):
-    task = "token-classification"
+    task = TOKEN_CLASSIFICATION
 
 
 class AutoModelForQuestionAnswering(_AutoTask):
-    task = "question-answering"
+    task = QUESTION_ANSWERING
 
 
 class AutoModelForMaskedLM(_AutoTask):
-    task = "masked-lm"
+    task = MASKED_LM
 
 
 class AutoModelForCausalLM(_AutoTask):
-    task = "causal-lm"
+    task = CAUSAL_LM
 
 
 class AutoModelForTask(_AutoTask):

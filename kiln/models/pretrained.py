@@ -20,6 +20,7 @@ from kiln.errors import ConfigError, WeightsError
 from kiln.hub import Tokenizer, load_weights, read_config, save_weights, write_config
 from kiln.models.config import FamilyConfig
 from kiln.models.keymap import KeyMap
+from kiln.models.parallel_plan import ParallelPlan
 from kiln.models.tasks import BASE
 
 
@@ -39,10 +40,13 @@ class Family:
     base_keys: KeyMap     # kiln backbone names (under `model.`) <-> HF base names (no prefix)
     tasks: dict[str, TaskSpec]
     extra_keys: tuple[str, ...] = ()   # regexes of HF base keys kept verbatim (buffers like position_ids)
+    parallel_plan: ParallelPlan | None = None  # how kiln.parallel may split it (None: blocks found by size, no TP/EP)
 
     def keymap(self, task: str) -> KeyMap:
+        from kiln.models.common.fp8 import with_scale_stacks  # FP8 experts' scales stack like their weights
+
         prefix = "" if task == BASE else self.hf_prefix
-        return self.base_keys.prefixed("model", prefix) + self.tasks[task].keys
+        return with_scale_stacks(self.base_keys.prefixed("model", prefix) + self.tasks[task].keys)
 
     def task_of(self, architecture: str) -> str | None:
         for task, spec in self.tasks.items():
@@ -107,6 +111,8 @@ class PreTrainedModel(nn.Module):
         prefix = "" if self.task == BASE else self.family.hf_prefix + "."
         for name, tensor in self.hf_extras.items():
             hf[prefix + name] = tensor
+        if getattr(self, "fp8_state", None) is not None:  # loaded from FP8: back to FP8 + scales (common/fp8.py)
+            hf = self.fp8_state.export(hf)
         return hf
 
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor], source: str = "checkpoint",
@@ -118,7 +124,9 @@ class PreTrainedModel(nn.Module):
         used, extras, fresh, report = self._match_hf(hf, source, source_task)
         self.load_state_dict(used, strict=False, assign=True)
         if fresh:
-            dtype = next(iter(used.values())).dtype if used else torch.float32
+            # the load's compute dtype (FP8 weights and their scales say nothing about it)
+            dtype = next((v.dtype for k, v in used.items() if v.dtype.is_floating_point and v.element_size() > 1
+                          and not k.endswith("_scale_inv")), torch.float32)
             self._materialise_fresh(dtype)
             keymap = self.family.keymap(self.task)
             report.initialized = [keymap.hf_name(k) or k for k in fresh]
@@ -139,21 +147,11 @@ class PreTrainedModel(nn.Module):
     def _match_hf(self, hf: dict[str, torch.Tensor], source: str, source_task: str | None
                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[str], LoadReport]:
         """HF names -> this model's names, checked: (tensors to load, verbatim extras, fresh names, report)."""
-        family, prefix = self.family, self.family.hf_prefix + "."
-        has_prefix = any(k.startswith(prefix) for k in hf)
+        family = self.family
         normalised: dict[str, torch.Tensor] = {}
         extras: dict[str, torch.Tensor] = {}
-        for k, v in hf.items():
-            # A checkpoint saved from a task model has the base under `prefix`; one saved from the
-            # base model has no prefix and nothing else.
-            is_base = k.startswith(prefix) or not has_prefix
-            bare = k[len(prefix):] if has_prefix and is_base else k
-            if is_base and any(re.fullmatch(p, bare) for p in family.extra_keys):
-                extras[bare] = v
-            elif is_base:
-                normalised[bare if self.task == BASE else prefix + bare] = v
-            else:
-                normalised[k] = v
+        for k, (name, is_extra) in self.normalise_hf_names(hf).items():
+            (extras if is_extra else normalised)[name] = hf[k]
         keymap = family.keymap(self.task)
         kiln_sd, unmatched = keymap.to_kiln(normalised)
         expected = dict(self.state_dict(keep_vars=True))
@@ -168,6 +166,24 @@ class PreTrainedModel(nn.Module):
                                        lambda k: keymap.hf_name(k) or k)
         report = LoadReport(ignored=sorted(unmatched) + [keymap.hf_name(k) or k for k in ignored])
         return {k: v for k, v in kiln_sd.items() if k in expected}, extras, fresh, report
+
+    def normalise_hf_names(self, keys) -> dict[str, tuple[str, bool]]:
+        """Checkpoint key -> (its name for this head, whether it is an extra kept verbatim, named bare)."""
+        prefix = self.family.hf_prefix + "."
+        has_prefix = any(k.startswith(prefix) for k in keys)
+        out = {}
+        for k in keys:
+            # A checkpoint saved from a task model has the base under `prefix`; one saved from the
+            # base model has no prefix and nothing else.
+            is_base = k.startswith(prefix) or not has_prefix
+            bare = k[len(prefix):] if has_prefix and is_base else k
+            if is_base and any(re.fullmatch(p, bare) for p in self.family.extra_keys):
+                out[k] = (bare, True)
+            elif is_base:
+                out[k] = (bare if self.task == BASE else prefix + bare, False)
+            else:
+                out[k] = (k, False)
+        return out
 
     def _materialise_fresh(self, dtype: torch.dtype) -> None:
         std = getattr(self.config, "initializer_range", 0.02)

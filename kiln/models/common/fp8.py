@@ -1,0 +1,270 @@
+"""FP8 checkpoint weights inside a kiln model: dequantized at load, or kept FP8 and dequantized per matmul.
+
+Two modes for a block-scaled FP8 directory (kiln.hub.fp8):
+- "dequantize": every FP8 weight becomes a compute-dtype tensor at load; the FP8 pairs read are
+  kept (`Fp8State.originals`, ~1 byte per weight) so an export writes unchanged weights back byte
+  for byte and re-quantizes changed ones.
+- "keep": Linear layers become `FP8Linear` (float8 weight + `weight_scale_inv`, ~1 byte per weight),
+  stacked experts become `Fp8Experts`; both dequantize when they compute. The weights are frozen.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from kiln.errors import KilnError
+from kiln.hub.fp8 import (FP8, SCALE_SUFFIX, Fp8Scheme, dequantize, dequantize_state, fp8_pairs, quantize,
+                          requantize_state, scale_grid)
+from kiln.models.common.moe import Experts
+from kiln.models.keymap import KeyMap, Stack
+from kiln.models.tasks import BASE
+
+MODES = ("dequantize", "keep")
+
+
+def with_scale_stacks(keymap: KeyMap) -> KeyMap:
+    """`keymap` plus, for each stacked-experts rule, the same rule for the experts' scales."""
+    if not keymap.stacks:
+        return keymap
+    return keymap + KeyMap([Stack(s.kiln + SCALE_SUFFIX, tuple(h + SCALE_SUFFIX for h in s.hf), s.dim)
+                            for s in keymap.stacks])
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+class _KeepsFp8Storage:
+    """A dtype cast of the model (`.to(bfloat16)`) leaves FP8 weights and their scales as stored."""
+
+    def _apply(self, fn, recurse=True):
+        kept = {n: t for n, t in itertools.chain(self._parameters.items(), self._buffers.items())
+                if t is not None and (t.dtype == FP8 or n.endswith(SCALE_SUFFIX))}
+        super()._apply(fn, recurse)
+        for n, old in kept.items():
+            new = self._parameters[n] if n in self._parameters else self._buffers[n]
+            if new.dtype != old.dtype:  # fp8 -> wider is exact, so the weight comes back unchanged
+                restored = new.data.to(old.dtype) if old.dtype == FP8 else old.to(new.device)
+                if n in self._parameters:
+                    new.data = restored
+                else:
+                    self._buffers[n] = restored
+        return self
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    """y = x W^T + b with W dequantized from FP8; saves only the FP8 weight, re-dequantized for dx."""
+
+    @staticmethod
+    def forward(ctx, x, q, s, block, bias):
+        ctx.save_for_backward(q, s)
+        ctx.block, ctx.x_dtype, ctx.bias_grad = block, x.dtype, bias is not None and bias.requires_grad
+        return F.linear(x, dequantize(q, s, block, _autocast_dtype(x)), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, s = ctx.saved_tensors
+        gx = (grad @ dequantize(q, s, ctx.block, grad.dtype)).to(ctx.x_dtype)
+        gb = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_grad else None
+        return gx, None, None, None, gb
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block, bias: torch.Tensor | None) -> torch.Tensor:
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return _Fp8LinearFn.apply(x, q, s, block, bias)
+    return F.linear(x, dequantize(q, s, block, _autocast_dtype(x)), bias)
+
+
+class FP8Linear(_KeepsFp8Storage, nn.Linear):
+    """A frozen Linear stored as float8_e4m3fn `weight` (out, in) + block `weight_scale_inv`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, block: tuple[int, int] | None,
+                 scale_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = in_features, out_features
+        self.block, self.compute_dtype = block, compute_dtype
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8, device=device),
+                                   requires_grad=False)
+        self.register_buffer("weight_scale_inv", torch.empty(scale_grid((out_features, in_features), block),
+                                                             dtype=scale_dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=compute_dtype, device=device)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
+
+    def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize(self.weight, self.weight_scale_inv, self.block, dtype or self.compute_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8 blocks {list(self.block) if self.block else 'per-tensor'}"
+
+
+def dequantize_parts(q: torch.Tensor, s: torch.Tensor, block, parts: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantize a stacked (E, R, C) expert tensor whose `parts` (cat along `dim` of R, C) each have a scale grid."""
+    if parts == 1:
+        return dequantize(q, s, block, dtype)
+    return torch.cat([dequantize(qp, sp, block, dtype) for qp, sp in
+                      zip(q.chunk(parts, dim=1 + dim), s.chunk(parts, dim=1 + dim))], dim=1 + dim)
+
+
+class Fp8Experts(_KeepsFp8Storage, Experts):
+    """Stacked experts whose weights stay FP8 with per-expert (and per-part) scales.
+
+    `gate_up_proj` / `down_proj` read as the dequantized tensors, so the grouped matmuls of
+    `Experts.forward` run unchanged; under autograd the dequantized copy lives until backward.
+    """
+    fp8_layout: dict[str, tuple[int, int]]  # name -> (parts, cat dim within an expert)
+
+    def _weight(self, name: str) -> torch.Tensor:
+        q = self._parameters[name]
+        if q.dtype != FP8:
+            return q
+        parts, dim = self.fp8_layout[name]
+        return dequantize_parts(q, self._buffers[name + SCALE_SUFFIX], self.fp8_block, parts, dim, self.compute_dtype)
+
+    gate_up_proj = property(lambda self: self._weight("gate_up_proj"))
+    down_proj = property(lambda self: self._weight("down_proj"))
+
+    @classmethod
+    def convert(cls, experts: Experts, name: str, parts: int, dim: int, block, scale_dtype: torch.dtype,
+                compute_dtype: torch.dtype) -> None:
+        """Make `experts.<name>` an FP8 parameter (on the meta device) with its stacked scale buffer."""
+        if not isinstance(experts, cls):
+            experts.__class__ = cls
+            experts.fp8_layout, experts.fp8_block, experts.compute_dtype = {}, block, compute_dtype
+        shape = tuple(experts._parameters[name].shape)
+        experts._parameters[name] = nn.Parameter(torch.empty(shape, dtype=FP8, device="meta"), requires_grad=False)
+        part = list(shape)
+        part[1 + dim] //= parts
+        grid = list(scale_grid(tuple(part), block))
+        if block is not None:
+            grid[1 + dim] *= parts
+        experts.register_buffer(name + SCALE_SUFFIX, torch.empty(grid, dtype=scale_dtype, device="meta"))
+        experts.fp8_layout[name] = (parts, dim)
+
+
+@dataclass
+class Fp8State:
+    """What a model loaded from an FP8 directory needs to write one back."""
+    scheme: Fp8Scheme
+    originals: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # HF name -> pair read
+    mode: str = "dequantize"
+
+    def export(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Weights held dequantized go back to FP8 (byte-identical when unchanged); FP8 modules are as stored."""
+        return requantize_state(hf, self.scheme, self.originals)
+
+
+def compute_dtype_of(state: dict[str, torch.Tensor]) -> torch.dtype:
+    """The checkpoint's own high-precision dtype: the commonest among its non-FP8 floating tensors."""
+    counts = Counter(v.dtype for k, v in state.items()
+                     if v.dtype.is_floating_point and v.dtype != FP8 and v.element_size() > 1
+                     and not k.endswith(SCALE_SUFFIX))
+    return counts.most_common(1)[0][0] if counts else torch.float32
+
+
+def prepare_fp8(model: nn.Module, state: dict[str, torch.Tensor], scheme: Fp8Scheme, mode: str = "dequantize",
+                dtype: torch.dtype | None = None, source: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """Ready a (meta-device) model and its HF state dict for loading an FP8 checkpoint; returns the state to load.
+
+    "keep" swaps the Linears and experts that hold FP8 weights for FP8 modules (their scales then
+    load with them); FP8 tensors no FP8 module can hold are dequantized, as in "dequantize".
+    """
+    if mode not in MODES:
+        raise KilnError(f"fp8 mode {mode!r} is not one of: {', '.join(MODES)}")
+    dtype = dtype or compute_dtype_of(state)
+    pairs = fp8_pairs(state, scheme, source)
+    names = model.normalise_hf_names(state)
+    prefix = "" if model.task == BASE else model.family.hf_prefix + "."
+    # checkpoint name -> the name hf_state_dict writes it under (extras: bare, under the head's prefix)
+    out_name = {k: prefix + name if extra else name for k, (name, extra) in names.items()}
+    kept: set[str] = set()
+    if mode == "keep":
+        kept = _swap_modules(model, {k: names[k][0] for k in pairs if not names[k][1]}, scheme, dtype,
+                             {k: s for k, (_, s) in pairs.items()})
+    rest = {k: v for k, v in state.items() if k not in kept and not (k.endswith(SCALE_SUFFIX)
+                                                                  and k[:-len(SCALE_SUFFIX)] in kept)}
+    loaded, read = dequantize_state(rest, scheme, dtype, source)
+    loaded.update({k: v for k, v in state.items() if k not in rest})
+    model.fp8_state = Fp8State(scheme, {out_name[k]: pair for k, pair in read.items()}, mode)
+    return loaded
+
+
+def _swap_modules(model: nn.Module, names: dict[str, str], scheme: Fp8Scheme, dtype: torch.dtype,
+                  scales: dict[str, torch.Tensor]) -> set[str]:
+    """Put FP8 modules where the checkpoint's FP8 weights land (`names`: checkpoint -> normalised HF name).
+
+    Returns the checkpoint names they hold."""
+    keymap = model.family.keymap(model.task)
+    params = dict(model.named_parameters())
+    by_kiln: dict[str, list[str]] = {}
+    hf_of = {}
+    for name, hf in names.items():
+        kiln = keymap.kiln_name(hf)
+        if kiln in params:
+            by_kiln.setdefault(kiln, []).append(name)
+            hf_of[name] = hf
+    held = set()
+    for kiln, hf_names in by_kiln.items():
+        module_name, _, attr = kiln.rpartition(".")
+        module = model.get_submodule(module_name)
+        scale_dtype = scales[hf_names[0]].dtype
+        if isinstance(module, nn.Linear) and attr == "weight" and len(hf_names) == 1:
+            parent_name, _, leaf = module_name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, leaf, FP8Linear(module.in_features, module.out_features, module.bias is not None,
+                                            scheme.block, scale_dtype, dtype, device="meta"))
+        elif isinstance(module, Experts) and attr in ("gate_up_proj", "down_proj"):
+            stack = next(s for s in keymap.stacks if any(_fits(t, hf_of[hf_names[0]]) for t in s.hf))
+            Fp8Experts.convert(module, attr, len(stack.hf), stack.dim, scheme.block, scale_dtype, dtype)
+        else:
+            continue  # no FP8 module for it: dequantized at load
+        held.update(hf_names)
+    return held
+
+
+def _fits(template: str, name: str) -> bool:
+    """Whether HF tensor `name` is an instance of a key-map template (`{}` = an index)."""
+    return re.fullmatch(r"(\d+)".join(re.escape(p) for p in template.split("{}")), name) is not None
+
+
+@torch.no_grad()
+def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """Drop FP8 from a model: FP8 modules become plain ones, `quantization_config` leaves its config.
+
+    Its weights then save in `dtype` (default: each module's compute dtype) with no scales.
+    """
+    for name, module in list(model.named_modules()):
+        if isinstance(module, FP8Linear):
+            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                              device=module.weight.device, dtype=dtype or module.compute_dtype)
+            plain.weight.copy_(module.dequantized(plain.weight.dtype))
+            if module.bias is not None:
+                plain.bias.copy_(module.bias)
+            parent_name, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, leaf, plain)
+        elif isinstance(module, Fp8Experts):
+            weights = {n: module._weight(n).to(dtype or module.compute_dtype) for n in module.fp8_layout}
+            for n, w in weights.items():
+                del module._buffers[n + SCALE_SUFFIX]
+                module._parameters[n] = nn.Parameter(w)
+            module.__class__ = Experts
+    model.fp8_state = None
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.extra.pop("quantization_config", None)
+        for key in ("dtype", "torch_dtype"):  # what transformers' "auto" dtype reads
+            if dtype is not None and key in config.extra:
+                config.extra[key] = str(dtype).removeprefix("torch.")
+    if dtype is not None:
+        model.to(dtype)
+    return model
