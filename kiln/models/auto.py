@@ -25,6 +25,7 @@ from kiln.models.common.fp8 import prepare_fp8
 from kiln.models.common.lora import has_adapter, load_adapter
 from kiln.models.config import FamilyConfig
 from kiln.models.pretrained import Family, PreTrainedModel
+from kiln.models.tasks import BASE, CAUSAL_LM, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
 
 REGISTRY: dict[str, Family] = {
     # encoders
@@ -109,7 +110,7 @@ def load_pretrained(path: str | os.PathLike, task: str | None = None, dtype: tor
         torch.manual_seed(seed)
     path = resolve_model_dir(path)
     family, config, source_task = load_config(path)
-    task = task or source_task or "base"
+    task = task or source_task or BASE
     config = apply_changes(config, dict(changes))
     with torch.device("meta"):
         model = family.build(config, task)
@@ -128,7 +129,7 @@ def load_pretrained(path: str | os.PathLike, task: str | None = None, dtype: tor
     return model.eval()
 
 
-def from_config(config: FamilyConfig, task: str = "base", seed: int | None = None) -> PreTrainedModel:
+def from_config(config: FamilyConfig, task: str = BASE, seed: int | None = None) -> PreTrainedModel:
     """A freshly initialised model (HF-style init) for a typed config."""
     family = family_for(config.model_type)
     if seed is not None:
@@ -158,31 +159,31 @@ class _AutoTask:
 
     @classmethod
     def from_config(cls, config: FamilyConfig, seed: int | None = None):
-        return from_config(config, task=cls.task or "base", seed=seed)
+        return from_config(config, task=cls.task or BASE, seed=seed)
 
 
 class AutoModel(_AutoTask):
-    task = "base"
+    task = BASE
 
 
 class AutoModelForSequenceClassification(_AutoTask):
-    task = "sequence-classification"
+    task = SEQUENCE_CLASSIFICATION
 
 
 class AutoModelForTokenClassification(_AutoTask):
-    task = "token-classification"
+    task = TOKEN_CLASSIFICATION
 
 
 class AutoModelForQuestionAnswering(_AutoTask):
-    task = "question-answering"
+    task = QUESTION_ANSWERING
 
 
 class AutoModelForMaskedLM(_AutoTask):
-    task = "masked-lm"
+    task = MASKED_LM
 
 
 class AutoModelForCausalLM(_AutoTask):
-    task = "causal-lm"
+    task = CAUSAL_LM
 
 
 class AutoModelForTask(_AutoTask):
