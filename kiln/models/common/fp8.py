@@ -258,6 +258,11 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
                 del module._buffers[n + SCALE_SUFFIX]
                 module._parameters[n] = nn.Parameter(w)
             module.__class__ = Experts
+        elif isinstance(module, nn.Linear) and module.weight.dtype == FP8:  # a LoRA layer over an FP8 base
+            w = dequantize(module.weight, module._buffers.pop("weight_scale_inv"), module.block,
+                           dtype or module.compute_dtype)
+            module.weight = nn.Parameter(w, requires_grad=False)
+            module.fp8 = False
     model.fp8_state = None
     config = getattr(model, "config", None)
     if config is not None:
@@ -268,3 +273,17 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
     if dtype is not None:
         model.to(dtype)
     return model
+
+
+@torch.no_grad()
+def merged_fp8_linear(module: nn.Linear, delta: torch.Tensor, ue8m0: bool) -> FP8Linear:
+    """An FP8Linear holding quantize(dequantized weight + delta) in the module's blocks (a LoRA merge)."""
+    merged = dequantize(module.weight, module.weight_scale_inv, module.block, torch.float32) + delta.float()
+    q, s = quantize(merged, module.block, ue8m0, module.weight_scale_inv.dtype)
+    out = FP8Linear(module.in_features, module.out_features, module.bias is not None, module.block, s.dtype,
+                    module.compute_dtype, device=q.device)
+    out.weight = nn.Parameter(q, requires_grad=False)
+    out.weight_scale_inv = s
+    if module.bias is not None:
+        out.bias = nn.Parameter(module.bias.detach().clone())
+    return out

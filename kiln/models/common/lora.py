@@ -8,7 +8,8 @@ matches itself or any `...<name>` path) or "all-linear" (every Linear but the LM
 
 On disk (PEFT): adapter_config.json + adapter_model.safetensors with keys
 `base_model.model.<HF module name>.lora_A.weight`; PEFT's `PeftModel.from_pretrained` loads it on
-the transformers model and kiln loads PEFT's adapters. `merge_lora` folds B A * scaling into W.
+the transformers model and kiln loads PEFT's adapters. `merge_lora` folds B A * scaling into W. On an FP8 base (`FP8Linear`) the weight stays FP8 and frozen
+and the adapters train in its compute dtype; merging re-quantizes W + B A * scaling in its blocks.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kiln.errors import KilnError
+from kiln.models.common.fp8 import FP8Linear, fp8_linear, merged_fp8_linear
 from kiln.models.tasks import task_of
 
 PEFT_PREFIX = "base_model.model."
@@ -53,8 +55,13 @@ class LoraLinear(nn.Linear):
         self.weight.requires_grad_(False)
         if self.bias is not None:
             self.bias.requires_grad_(False)
+        # an FP8 base (common/fp8.FP8Linear) stays FP8; the adapters take its compute dtype
+        self.fp8 = isinstance(base, FP8Linear)
+        if self.fp8:
+            self.register_buffer("weight_scale_inv", base.weight_scale_inv)
+            self.block, self.compute_dtype = base.block, base.compute_dtype
         self.r, self.alpha, self.scaling = r, alpha, scaling
-        kw = dict(device=base.weight.device, dtype=base.weight.dtype)
+        kw = dict(device=base.weight.device, dtype=base.compute_dtype if self.fp8 else base.weight.dtype)
         self.lora_A = nn.Linear(self.in_features, r, bias=False, **kw)   # (r, in)
         self.lora_B = nn.Linear(r, self.out_features, bias=False, **kw)  # (out, r)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -66,7 +73,8 @@ class LoraLinear(nn.Linear):
         nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        result = super().forward(x)
+        result = (fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias) if self.fp8
+                  else super().forward(x))
         dtype = result.dtype
         x = x.to(self.lora_A.weight.dtype)
         return (result + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling).to(dtype)
@@ -208,8 +216,13 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> nn.Module:
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight (W += B A * scaling) and put plain Linears back."""
+    fp8_state = getattr(model, "fp8_state", None)
     for name, module in list(model.named_modules()):
-        if isinstance(module, LoraLinear):
+        if isinstance(module, LoraLinear) and module.fp8:  # W + B A * scaling, quantized again in its blocks
+            plain = merged_fp8_linear(module, module.delta_weight(), fp8_state.scheme.ue8m0 if fp8_state else False)
+            parent_name, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, leaf, plain)
+        elif isinstance(module, LoraLinear):
             plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
                               device=module.weight.device, dtype=module.weight.dtype)
             plain.weight.copy_(module.weight + module.delta_weight().to(module.weight.dtype))
@@ -218,7 +231,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
             parent_name, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, leaf, plain)
     for p in model.parameters():
-        p.requires_grad_(True)
+        p.requires_grad_(p.dtype != torch.float8_e4m3fn)  # FP8 weights stay frozen
     for attr in ("lora_config", "lora_targets"):
         if hasattr(model, attr):
             delattr(model, attr)
