@@ -19,11 +19,12 @@ from kiln.models.common.decoder import AttentionSpec, Decoder
 from kiln.models.common.rope import RotaryEmbedding, rope_parameters
 from kiln.models.config import FamilyConfig
 from kiln.models.keymap import KeyMap, Rule
+from kiln.models.parallel_plan import ParallelPlan
 from kiln.models.pretrained import Family, TaskSpec
 from kiln.models.tasks import BASE, CAUSAL_LM
 
-__all__ = ["CausalLMOutput", "DecoderConfig", "DecoderModel", "ForCausalLM", "base_attention", "build_decoder",
-           "decoder_family"]
+__all__ = ["CausalLMOutput", "DECODER_PLAN", "DecoderConfig", "DecoderModel", "ForCausalLM", "base_attention",
+           "build_decoder", "decoder_family"]
 
 
 @dataclass
@@ -102,8 +103,22 @@ def base_attention(c: DecoderConfig, **switches: Any) -> AttentionSpec:
 IDENTITY_KEYS = [("embed_tokens", "embed_tokens"), ("layers.{}", "layers.{}"), ("norm", "norm")]
 
 
+# Megatron-style tensor parallelism over HF's module names: q/k/v and gate/up split by output
+# columns (whole heads, a slice of the hidden units per rank), o_proj and down_proj by input rows.
+DECODER_PLAN = ParallelPlan(
+    blocks="model.layers",
+    colwise=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+    rowwise=("self_attn.o_proj", "mlp.down_proj"),
+    norms=("input_layernorm", "post_attention_layernorm"),
+    gathered=(("self_attn", 4), ("mlp", 1)),  # Attention(x, rope, mask, cache), MLP(x)
+    embedding="model.embed_tokens", final_norm="model.norm", lm_head="lm_head",
+    tp_divides=(("num_attention_heads", "num_attention_heads"), ("num_key_value_heads", "kv_heads"),
+                ("intermediate_size", "intermediate_size")),
+)
+
+
 def decoder_family(model_type: str, config_cls: type[DecoderConfig], arch: str, attention: AttentionFn,
-                   mlp: MlpFn, rules: list[Rule] | None = None) -> Family:
+                   mlp: MlpFn, rules: list[Rule] | None = None, parallel_plan: ParallelPlan = DECODER_PLAN) -> Family:
     """A Family with `base` ({arch}Model) and `causal-lm` ({arch}ForCausalLM) heads."""
     def causal_lm(c):
         return ForCausalLM(build_decoder(c, attention, mlp), c.hidden_size, c.vocab_size, c.tie_word_embeddings)
@@ -113,6 +128,7 @@ def decoder_family(model_type: str, config_cls: type[DecoderConfig], arch: str, 
         config_cls=config_cls,
         hf_prefix="model",
         base_keys=KeyMap(list(rules or []) + IDENTITY_KEYS),
+        parallel_plan=parallel_plan,
         tasks={
             BASE: TaskSpec(f"{arch}Model", lambda c: DecoderModel(build_decoder(c, attention, mlp))),
             CAUSAL_LM: TaskSpec(f"{arch}ForCausalLM", causal_lm, KeyMap([("lm_head", "lm_head")])),

@@ -27,6 +27,7 @@ from kiln.models.common.norms import RMSNorm
 from kiln.models.common.ssm import SCANS, causal_conv1d
 from kiln.models.config import FamilyConfig
 from kiln.models.keymap import KeyMap
+from kiln.models.parallel_plan import ParallelPlan
 from kiln.models.pretrained import Family, TaskSpec
 from kiln.models.tasks import BASE, CAUSAL_LM
 
@@ -206,6 +207,7 @@ FAMILY = Family(
     config_cls=MambaConfig,
     hf_prefix="backbone",
     base_keys=BASE_KEYS,
+    parallel_plan=ParallelPlan(blocks="model.layers"),  # FSDP units and checkpointing only: no TP plan
     tasks={
         BASE: TaskSpec("MambaModel", lambda c: DecoderModel(MambaBackbone(c))),
         CAUSAL_LM: TaskSpec(

@@ -20,6 +20,7 @@ from kiln.errors import ConfigError, WeightsError
 from kiln.hub import Tokenizer, load_weights, read_config, save_weights, write_config
 from kiln.models.config import FamilyConfig
 from kiln.models.keymap import KeyMap
+from kiln.models.parallel_plan import ParallelPlan
 from kiln.models.tasks import BASE
 
 
@@ -39,6 +40,7 @@ class Family:
     base_keys: KeyMap     # kiln backbone names (under `model.`) <-> HF base names (no prefix)
     tasks: dict[str, TaskSpec]
     extra_keys: tuple[str, ...] = ()   # regexes of HF base keys kept verbatim (buffers like position_ids)
+    parallel_plan: ParallelPlan | None = None  # how kiln.parallel may split it (None: blocks found by size, no TP/EP)
 
     def keymap(self, task: str) -> KeyMap:
         from kiln.models.common.fp8 import with_scale_stacks  # FP8 experts' scales stack like their weights

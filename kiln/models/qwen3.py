@@ -6,10 +6,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kiln.models.common.mlp import GatedMLP
-from kiln.models.decoder_lm import DecoderConfig, base_attention, decoder_family
+from kiln.models.decoder_lm import DECODER_PLAN, DecoderConfig, base_attention, decoder_family
 
 
 @dataclass
@@ -32,4 +32,7 @@ def mlp(c: Qwen3Config, layer: int) -> GatedMLP:
     return GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
 
 
-FAMILY = decoder_family("qwen3", Qwen3Config, "Qwen3", attention, mlp)
+# Qwen3: the q/k norms see only a rank's heads under tensor parallelism
+PARALLEL_PLAN = replace(DECODER_PLAN, head_norms=("self_attn.q_norm", "self_attn.k_norm"))
+
+FAMILY = decoder_family("qwen3", Qwen3Config, "Qwen3", attention, mlp, parallel_plan=PARALLEL_PLAN)

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
@@ -77,4 +77,5 @@ EXPERT_KEYS = [
     Stack("layers.{}.mlp.experts.down_proj", ("layers.{}.mlp.experts.{}.down_proj.weight",)),
 ]
 
-FAMILY = decoder_family("qwen3_moe", Qwen3MoeConfig, "Qwen3Moe", qwen3.attention, mlp, EXPERT_KEYS)
+FAMILY = decoder_family("qwen3_moe", Qwen3MoeConfig, "Qwen3Moe", qwen3.attention, mlp, EXPERT_KEYS,
+                        parallel_plan=replace(qwen3.PARALLEL_PLAN, experts="mlp.experts"))  # Qwen3-MoE: experts

@@ -60,9 +60,7 @@ def parallelize(model: nn.Module, parallel: Any, world_size: int | None = None,
     """Apply the plans a ParallelSection asks for to a built model (on its device), in place."""
     world_size = world_size if world_size is not None else (dist.get_world_size() if dist.is_initialized() else 1)
     degrees = resolve_degrees(parallel, world_size)
-    config = getattr(model, "config", None)
-    if config is not None:
-        check_model(degrees, config, fsdp=parallel.fsdp)
+    check_model(degrees, model, fsdp=parallel.fsdp)
     device_type = (device or next(model.parameters()).device).type
     needs_mesh = degrees.tp > 1 or degrees.ep > 1 or parallel.fsdp
     mesh = build_mesh(degrees, device_type) if needs_mesh and world_size > 1 else None

@@ -1,5 +1,8 @@
 """Per-block switches: find a model's repeated blocks, checkpoint their activations, compile them.
 
+The blocks are where the family's parallel plan says (`Family.parallel_plan.blocks`); a model
+without a plan (an encoder family, a plain nn.Module) has them found as its largest ModuleList.
+
 Both switches replace a block's `forward` on the instance, never its class or its place in the
 module tree, so parameter names (and with them checkpoints and HF key maps) stay unchanged.
 
@@ -20,6 +23,8 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from kiln.errors import ConfigError
+from kiln.models.parallel_plan import ParallelPlan
+from kiln.models.pretrained import PreTrainedModel
 
 _aten = torch.ops.aten
 # Ops whose outputs selective checkpointing keeps: recomputing them costs as much as the forward.
@@ -32,8 +37,31 @@ if hasattr(_aten, "_grouped_mm"):
     SAVED_OPS.add(_aten._grouped_mm.default)
 
 
+def plan_of(model: nn.Module) -> ParallelPlan | None:
+    """The parallel plan the model's family declares, or None."""
+    return model.family.parallel_plan if isinstance(model, PreTrainedModel) else None
+
+
+def model_name(model: nn.Module) -> str:
+    """What to call the model in a message: its model_type, else its class."""
+    return model.family.model_type if isinstance(model, PreTrainedModel) else type(model).__name__
+
+
+def part(module: nn.Module, path: str | None) -> nn.Module | None:
+    """The submodule at a plan path, or None where this model has none (no such head, a dense layer)."""
+    if path is None:
+        return None
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
+
+
 def find_blocks(model: nn.Module) -> nn.ModuleList:
-    """The model's repeated blocks: the ModuleList holding the most parameters (a decoder's or encoder's layers)."""
+    """The model's repeated blocks: where its plan says, else the ModuleList holding the most parameters."""
+    plan = plan_of(model)
+    if plan is not None:
+        return model.get_submodule(plan.blocks)
     best, best_n = None, -1
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module):

@@ -1,5 +1,7 @@
 """Expert parallelism for stacked-expert MoE layers (qwen3_moe): experts split over the ep ranks.
 
+The experts are where the family's parallel plan says (`experts`, per block; dense blocks have none).
+
 Each ep rank keeps E/ep experts (the stacked weights become DTensors sharded on the expert axis,
 so checkpoints and `full_tensor()` still see the whole stack) and its own tokens. Per MoE layer:
 
@@ -22,6 +24,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from kiln.errors import ConfigError
 from kiln.models.common.moe import Experts, grouped_linear
+from kiln.parallel.blocks import model_name, part, plan_of
 
 
 class _AllToAll(torch.autograd.Function):
@@ -87,13 +90,26 @@ class ExpertParallelExperts(Experts):
         return ys[back].view(N, k, -1).sum(dim=1).to(x.dtype)  # (N, C)
 
 
+def expert_modules(model: nn.Module) -> list[Experts]:
+    """The stacked-expert modules the model's plan points at, in block order ([] without any)."""
+    plan = plan_of(model)
+    if plan is None or plan.experts is None:
+        return []
+    found = [m for m in (part(block, plan.experts) for block in model.get_submodule(plan.blocks)) if m is not None]
+    for m in found:
+        if not isinstance(m, Experts):
+            raise ConfigError(f"{model_name(model)}: its plan's experts ({plan.experts}) is a {type(m).__name__}, "
+                              f"not stacked Experts; expert parallelism cannot split it")
+    return found
+
+
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Split every `Experts` module of `model` over the 1-D ep `mesh` in place; returns the model."""
+    """Split the model's planned expert modules over the 1-D ep `mesh` in place; returns the model."""
     size = mesh.size()
-    found = 0
-    for module in model.modules():
-        if not isinstance(module, Experts):
-            continue
+    experts = expert_modules(model)
+    if not experts:
+        raise ConfigError(f"parallel.ep = {size}: {model_name(model)} has no mixture-of-experts layer to split")
+    for module in experts:
         if module.num_experts % size:
             raise ConfigError(f"parallel.ep = {size} does not divide the model's num_experts ({module.num_experts})")
         for name in ("gate_up_proj", "down_proj"):
@@ -102,7 +118,4 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
             setattr(module, name, nn.Parameter(shard, requires_grad=p.requires_grad))
         module.__class__ = ExpertParallelExperts
         module.ep_group, module.ep_size = mesh.get_group(), size
-        found += 1
-    if not found:
-        raise ConfigError(f"parallel.ep = {size}: {type(model).__name__} has no mixture-of-experts layer to split")
     return model

@@ -11,9 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from kiln.errors import ConfigError
+from kiln.parallel.blocks import model_name
+from kiln.parallel.ep import expert_modules
+from kiln.parallel.tp import tensor_plan
 
 DIMS = ("dp", "ep", "tp")
 
@@ -48,28 +52,18 @@ def resolve_degrees(parallel: Any, world_size: int) -> Degrees:
     return Degrees(dp=dp, ep=ep, tp=tp)
 
 
-def check_model(degrees: Degrees, config: Any, fsdp: bool = False) -> None:
-    """Refuse degrees the model's shapes cannot be split by, naming the key and the numbers."""
+def check_model(degrees: Degrees, model: nn.Module, fsdp: bool = False) -> None:
+    """Refuse degrees the model's plan or shapes cannot be split by, naming the key and the numbers."""
     tp, ep = degrees.tp, degrees.ep
     if tp > 1:
-        heads = getattr(config, "num_attention_heads", None)
-        if heads is None or not hasattr(config, "kv_heads"):
-            raise ConfigError(f"parallel.tp = {tp}: tensor parallelism has a plan for the decoder families only "
-                              f"(llama, qwen2, qwen3, qwen3_moe), not {getattr(config, 'model_type', '?')}")
-        for key, n in (("num_attention_heads", heads), ("num_key_value_heads", config.kv_heads),
-                       ("intermediate_size", config.intermediate_size)):
-            if n % tp:
-                raise ConfigError(f"parallel.tp = {tp} does not divide the model's {key} ({n}); "
-                                  f"choose a tp that divides it")
-        if getattr(config, "num_experts", 0):
-            raise ConfigError("parallel.tp > 1 with a MoE model is not supported; split its experts with parallel.ep")
+        tensor_plan(model, tp)
     if ep > 1:
-        experts = getattr(config, "num_experts", 0)
+        experts = expert_modules(model)
         if not experts:
-            raise ConfigError(f"parallel.ep = {ep} needs a mixture-of-experts model (num_experts > 0); "
-                              f"{getattr(config, 'model_type', 'this model')} has no experts")
-        if experts % ep:
-            raise ConfigError(f"parallel.ep = {ep} does not divide the model's num_experts ({experts}); "
+            raise ConfigError(f"parallel.ep = {ep} needs a mixture-of-experts model; {model_name(model)} has no experts")
+        n = experts[0].num_experts
+        if n % ep:
+            raise ConfigError(f"parallel.ep = {ep} does not divide the model's num_experts ({n}); "
                               f"choose an ep that divides it")
         if fsdp or tp > 1:
             raise ConfigError("parallel.ep > 1 combines with plain data parallelism only (fsdp = false, tp = 1)")

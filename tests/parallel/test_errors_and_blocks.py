@@ -5,10 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.parallel.apply import parallelize
-from kiln.parallel.blocks import apply_activation_checkpointing, compile_blocks
-from kiln.parallel.mesh import Degrees, check_model, resolve_degrees
 from kiln.errors import ConfigError
+from kiln.interop.tiny import TINY
+from kiln.models import REGISTRY, AutoConfig
+from kiln.models.auto import from_config
+from kiln.parallel.apply import parallelize
+from kiln.parallel.blocks import apply_activation_checkpointing, compile_blocks, find_blocks, part
+from kiln.parallel.ep import expert_modules
+from kiln.parallel.mesh import Degrees, check_model, resolve_degrees
 from kiln.train.config import ParallelSection, parse_run_config
 
 import workers
@@ -23,19 +27,60 @@ def test_degrees_must_multiply_to_the_world_size():
 
 
 def test_tp_must_divide_the_heads():
-    cfg = workers.build("qwen3").config  # 4 heads, 2 kv heads
+    model = workers.build("qwen3")  # 4 heads, 2 kv heads
     with pytest.raises(ConfigError, match=r"parallel.tp = 3 does not divide the model's num_attention_heads \(4\)"):
-        check_model(Degrees(tp=3), cfg)
+        check_model(Degrees(tp=3), model)
     with pytest.raises(ConfigError, match=r"parallel.tp = 4 does not divide the model's num_key_value_heads \(2\)"):
-        check_model(Degrees(tp=4), cfg)
+        check_model(Degrees(tp=4), model)
 
 
 def test_ep_must_divide_the_experts():
-    cfg = workers.build("qwen3_moe").config  # 4 experts
+    model = workers.build("qwen3_moe")  # 4 experts
     with pytest.raises(ConfigError, match=r"parallel.ep = 3 does not divide the model's num_experts \(4\)"):
-        check_model(Degrees(ep=3), cfg)
-    with pytest.raises(ConfigError, match=r"parallel.ep = 2 needs a mixture-of-experts model"):
-        check_model(Degrees(ep=2), workers.build("qwen3").config)
+        check_model(Degrees(ep=3), model)
+    with pytest.raises(ConfigError, match=r"parallel.ep = 2 needs a mixture-of-experts model; qwen3 has no experts"):
+        check_model(Degrees(ep=2), workers.build("qwen3"))
+    with pytest.raises(ConfigError, match=r"parallel.tp > 1 with a MoE model is not supported"):
+        check_model(Degrees(tp=2), model)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_moe", "mamba"])
+@pytest.mark.parametrize("task", ["base", "causal-lm"])
+def test_every_path_of_a_declared_plan_is_in_the_built_model(model_type, task):
+    cfg = AutoConfig.for_model(model_type, **{**TINY[model_type], "tie_word_embeddings": False})
+    with torch.device("meta"):
+        model = REGISTRY[model_type].build(cfg, task)
+    plan = model.family.parallel_plan
+    blocks = model.get_submodule(plan.blocks)
+    assert isinstance(blocks, torch.nn.ModuleList) and find_blocks(model) is blocks
+    for block in blocks:
+        moe = part(block, plan.experts) is not None  # a MoE block has no dense MLP (tp refuses MoE models)
+        for path in plan.colwise + plan.rowwise:
+            assert isinstance(part(block, path), torch.nn.Linear) or (moe and part(block, path) is None), path
+        for path in plan.head_norms + plan.norms + tuple(name for name, _ in plan.gathered):
+            block.get_submodule(path)
+    for path in (plan.embedding, plan.final_norm):
+        if path is not None:
+            model.get_submodule(path)
+    assert (plan.lm_head is not None and task == "causal-lm") == (part(model, plan.lm_head) is not None)
+    assert bool(expert_modules(model)) == (model_type == "qwen3_moe")
+
+
+def test_families_without_a_tensor_plan_are_refused_by_name():
+    bert = from_config(AutoConfig.for_model("bert", **TINY["bert"]), task="base", seed=0)
+    with pytest.raises(ConfigError, match=r"parallel.tp = 2: bert declares no tensor-parallel plan"):
+        check_model(Degrees(tp=2), bert)
+    with pytest.raises(ConfigError, match=r"parallel.ep = 2 needs a mixture-of-experts model; bert has no experts"):
+        check_model(Degrees(ep=2), bert)
+    with pytest.raises(ConfigError, match=r"parallel.tp = 2: mamba declares no tensor-parallel plan"):
+        check_model(Degrees(tp=2), from_config(AutoConfig.for_model("mamba", **TINY["mamba"]), seed=0))
+    with pytest.raises(ConfigError, match=r"parallel.tp = 2: Linear declares no tensor-parallel plan"):
+        check_model(Degrees(tp=2), torch.nn.Linear(2, 2))
+    tied = from_config(AutoConfig.for_model("qwen3", **{**workers.DENSE, "tie_word_embeddings": True}),
+                       task="causal-lm", seed=0)
+    with pytest.raises(ConfigError, match=r"tie_word_embeddings = true is not supported"):
+        check_model(Degrees(tp=2), tied)
+    assert len(find_blocks(bert)) == TINY["bert"]["num_hidden_layers"]  # no plan: the largest ModuleList
 
 
 def test_parallelize_checks_the_model_before_anything_else():
