@@ -70,7 +70,7 @@ def ff_loss_and_grad(D: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, eps:
 
     loss = torch.relu(1.0 - (goodness(pos.float()) - goodness(neg.float())))
     (grad,) = torch.autograd.grad(loss, d)
-    return float(loss), grad
+    return float(loss.detach()), grad
 
 
 def surgery(g_bp: torch.Tensor, g_ff: torch.Tensor, method: str, cfg: FFSection, step: int) -> torch.Tensor:
