@@ -61,14 +61,6 @@ def family_for(model_type: Any, source: str = "config.json") -> Family:
     return REGISTRY[model_type]
 
 
-def task_of_architecture(architecture: str) -> tuple[Family, str] | None:
-    for family in REGISTRY.values():
-        task = family.task_of(architecture)
-        if task is not None:
-            return family, task
-    return None
-
-
 def load_config(path: str | os.PathLike) -> tuple[Family, FamilyConfig, str | None]:
     """(family, typed config, task named by `architectures` or None) for a model directory or Hub repo id."""
     path = resolve_model_dir(path)
@@ -123,7 +115,6 @@ def load_pretrained(path: str | os.PathLike, task: str | None = None, dtype: tor
         load_adapter(model, path)
     if dtype is not None:
         model.to(dtype)
-        model.hf_extras = {k: v for k, v in model.hf_extras.items()}
     if Tokenizer.present(path):
         model.tokenizer = Tokenizer.from_dir(path)
     return model.eval()

@@ -170,12 +170,6 @@ class MambaBackbone(nn.Module):
         self.layers = nn.ModuleList(MambaBlock(c) for _ in range(c.num_hidden_layers))
         self.norm_f = RMSNorm(c.hidden_size, eps=c.layer_norm_epsilon)
 
-    def set_scan(self, scan: str) -> None:
-        if scan not in SCANS:
-            raise ConfigError(f"scan {scan!r} is not one of: {', '.join(SCANS)}")
-        for layer in self.layers:
-            layer.mixer.scan = scan
-
     def new_cache(self) -> None:
         """No incremental-decoding state: generation feeds the whole sequence each step."""
         return None

@@ -1,8 +1,9 @@
 """What every kiln model shares: its family spec, HF-format load and save, weight init.
 
 A `Family` describes one model_type: its typed config, how to build each task model, and the
-key map between kiln's module names and HF's. `PreTrainedModel` turns that into
-`from_pretrained` / `save_pretrained` with checks that name the tensor at fault.
+key map between kiln's module names and HF's. `PreTrainedModel` turns that into HF state-dict
+loading (`load_hf_state_dict`, used by `kiln.models.auto.load_pretrained`) and `save_pretrained`,
+with checks that name the tensor at fault.
 """
 
 from __future__ import annotations
@@ -202,15 +203,7 @@ class PreTrainedModel(nn.Module):
         init_module(self, getattr(self.config, "initializer_range", 0.02))
         self.tie_weights()
 
-    # ---- loading and saving --------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, task: str | None = None, dtype: torch.dtype | None = None,
-                        **config_changes: Any) -> "PreTrainedModel":
-        """Load an HF model directory. `task` defaults to this class's task, else `architectures`."""
-        from kiln.models.auto import load_pretrained  # the registry sits above the family files
-
-        return load_pretrained(path, task=task or getattr(cls, "default_task", None), dtype=dtype, **config_changes)
-
+    # ---- saving --------------------------------------------------------------------------
     def save_pretrained(self, path: str | os.PathLike, max_shard_bytes: int | None = None,
                         save_tokenizer: bool = True) -> Path:
         """Write config.json + model.safetensors (+ tokenizer files) that transformers loads as is."""

@@ -27,7 +27,6 @@ from kiln.models.common.decoder import KVCache
 from kiln.models.common.loss import causal_lm_loss, fast_lm_loss_sum, lm_loss_sum, shift_labels
 from kiln.models.common.moe import load_balancing_loss
 from kiln.models.pretrained import PreTrainedModel
-from kiln.models.tasks import BASE, CAUSAL_LM
 
 
 @dataclass
@@ -50,7 +49,6 @@ def _router_logits(backbone: nn.Module) -> tuple[torch.Tensor, ...]:
 
 class DecoderModel(PreTrainedModel):
     """The backbone alone (HF's `{Arch}Model`): returns the last hidden state."""
-    default_task = BASE
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -69,7 +67,6 @@ class ForCausalLM(PreTrainedModel):
     `embedding` names the backbone's input embedding (the tied head); `fp32_logits` casts the
     hidden state to the head's dtype and returns float32 logits, as transformers' Mamba does.
     """
-    default_task = CAUSAL_LM
     sums_targets = True  # forward takes targets= and returns loss_sum / loss_count (kiln.models.tasks)
 
     def __init__(self, model: nn.Module, hidden_size: int, vocab_size: int, tied: bool,
