@@ -45,6 +45,11 @@ def user_message(e: BaseException) -> str | None:
         return _os_message(e)
     if isinstance(e, ValidationError):
         return _validation_message(e)
+    from safetensors import SafetensorError
+
+    if isinstance(e, SafetensorError):  # the Rust library's I/O and format errors (a full disk, a torn file)
+        hint = "; free some space and run the command again" if "os error 28" in str(e) else ""
+        return f"a .safetensors file could not be read or written: {e}{hint}"
     import torch
 
     if isinstance(e, torch.OutOfMemoryError):

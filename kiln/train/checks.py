@@ -46,11 +46,15 @@ def check_train_args(args: Any) -> None:
 
 
 def check_out_dir(out_dir: str | Path) -> None:
-    """train.out_dir may hold a run (resume decides about that), but not a model, tokenizer or shard set."""
+    """A new run's train.out_dir: no run there (that is a resume), nor a model, tokenizer or shard set."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"train.out_dir {out}: is a file, not a directory")
-    found = {k: v for k, v in holdings(out).items() if k != "a training run"}
+    found = holdings(out)
+    run = found.pop("a training run", None)
+    if run:
+        raise ConfigError(f"train.out_dir {out} already holds a run ({', '.join(run[:3])}); continue it with "
+                          "--resume, or choose another train.out_dir")
     if found:
         raise ConfigError(f"train.out_dir {out}: already holds {describe(found)}; a run writes checkpoints and "
                           "metrics there, so choose an empty or new directory")
