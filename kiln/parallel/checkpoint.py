@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from kiln.errors import KilnError
 from kiln.hub.config import write_config
+from kiln.hub.jsonio import read_json
 from kiln.models.tasks import BASE
 
 
@@ -75,7 +76,7 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
         state = {"model": model.state_dict()}
         dcp.load(state, checkpoint_id=str(path / "dcp"))  # DTensors and plain tensors are filled in place
     trainer = path / "trainer.json"
-    return json.loads(trainer.read_text()) if trainer.is_file() else {}
+    return read_json(trainer, want=dict) if trainer.is_file() else {}
 
 
 def is_sharded(path: str | os.PathLike) -> bool:
