@@ -40,7 +40,8 @@ def make_data() -> None:
     articles = sorted(BBC.rglob("*.txt"))
     text = "\n".join(p.read_bytes().decode("utf-8", errors="replace") for p in articles)
     (data / "tokenizer_text.txt").write_text(text, encoding="utf-8")
-    kiln("tokenizer", "train", "data/tokenizer_text.txt", "--out", "data/tokenizer", "--vocab-size", "2048")
+    kiln("tokenizer", "train", "data/tokenizer_text.txt", "--out", "data/tokenizer", "--vocab-size", "2048",
+         "--overwrite")
     kiln("tokenize", str(BBC), "--tokenizer", "data/tokenizer", "--out", "data/shards", "--eos", "<|endoftext|>",
          "--val-fraction", "0.02", "--shard-tokens", "131072", "--workers", "2", "--encoding-errors", "replace",
          "--overwrite", "--no-progress")

@@ -56,6 +56,7 @@ def inspect_dir(model_dir: Path = typer.Argument(..., help="An HF model director
 
 def checkpoint_dir(ckpt: Path) -> Path:
     """A run checkpoint (RUN/ckpt-N, or its model/ folder), checked against its manifest as a resume checks it."""
+    from kiln.parallel.checkpoint import is_sharded
     from kiln.train.checkpoint import CKPT_RE, list_paths, verify_checkpoint
 
     if not ckpt.is_dir():
@@ -67,6 +68,8 @@ def checkpoint_dir(ckpt: Path) -> Path:
         if found:
             raise KilnError(f"--checkpoint {ckpt}: is a run directory; name one of its checkpoints, e.g. "
                             + ", ".join(str(ckpt / n) for n in found[-2:]))
+        if is_sharded(ckpt) and not CKPT_RE.match(ckpt.name):
+            return ckpt  # torch.distributed.checkpoint shards saved outside a run: no manifest to check
         if not CKPT_RE.match(ckpt.name):
             raise KilnError(f"--checkpoint {ckpt}: not a kiln checkpoint (no manifest.json); to export a model "
                             "directory give it as SRC")

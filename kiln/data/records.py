@@ -60,10 +60,20 @@ def read_records(path: str | os.PathLike, fmt: str = "auto") -> list[Record]:
                     if None in row:
                         raise KilnError(f"{path}:{reader.line_num}: more values than header columns")
                     records.append(Record(dict(row), f"{path}:{reader.line_num}"))
-            except UnicodeDecodeError as e:  # the file is decoded in blocks: the line is the one after the last read
-                raise KilnError(f"{path}: not valid UTF-8 near line {reader.line_num + 1} ({e.reason}); "
-                                "re-encode the file as UTF-8") from None
+            except UnicodeDecodeError as e:  # decoded in blocks, so the reader's line is not the bad one
+                raise KilnError(f"{_first_bad_line(path)}: not valid UTF-8 ({e.reason}); re-encode the file as "
+                                "UTF-8") from None
     if not records:
         raise KilnError(f"{path}: no rows")
     return records
 
+
+def _first_bad_line(path: Path) -> str:
+    """`path:line` of the first line that is not UTF-8, with the byte's column (for the message)."""
+    with open(path, "rb") as f:
+        for no, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return f"{path}:{no} (byte {e.start + 1} of the line)"
+    return str(path)

@@ -81,6 +81,7 @@ class World:
     lm: Path          # tiny Qwen3 causal LM, vocab 99, no chat template
     layers: Path      # mlm with num_hidden_layers 1 over 2-layer weights
     extra: Path       # mlm plus a tensor no module has
+    half: Path        # cls with its weights stored in float16
     tok: Path         # byte-level BPE tokenizer (vocab ~300, ChatML template), trained by kiln
     chat_lm: Path     # tiny Qwen3 with that tokenizer
     bigtok_lm: Path   # lm (vocab 99) with the 300-token tokenizer
@@ -109,6 +110,9 @@ def build_world(root: Path, elsewhere: Path, tiny_factory) -> World:
     state = load_file(str(extra / "model.safetensors"))
     state["bert.encoder.extra.weight"] = torch.zeros(3)
     save_file(state, str(extra / "model.safetensors"), metadata={"format": "pt"})
+    half = copy(cls, "half")
+    state = load_file(str(half / "model.safetensors"))
+    save_file({k: v.half() for k, v in state.items()}, str(half / "model.safetensors"), metadata={"format": "pt"})
 
     data = root / "data"
     data.mkdir()
@@ -158,5 +162,5 @@ def build_world(root: Path, elsewhere: Path, tiny_factory) -> World:
     flip_byte(run_tampered / "ckpt-000002" / "model" / "model.safetensors")
     run_partial = copy(run, "run_partial")
     (run_partial / "ckpt-000002" / "manifest.json").unlink()
-    return World(root, elsewhere, mlm, cls, lm, layers, extra, tok, chat_lm, bigtok_lm, shards, shards_sha,
+    return World(root, elsewhere, mlm, cls, lm, layers, extra, half, tok, chat_lm, bigtok_lm, shards, shards_sha,
                  shards_ids, run, run_tampered, run_partial, data)

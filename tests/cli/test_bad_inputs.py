@@ -163,6 +163,8 @@ CASES = [
     C("fill-mask-k-past-vocab", lambda w: ["fill-mask", w.mlm, MASKED, "-k", "1000"], 1, "<= 99, got 1000"),
     C("fill-mask-untrained-head", lambda w: ["fill-mask", w.cls, MASKED], 1, "--allow-missing"),
     C("fill-mask-fewer-layers", lambda w: ["fill-mask", w.layers, MASKED], 1, "--allow-unused"),
+    C("fill-mask-extra-allowed", lambda w: ["fill-mask", w.extra, MASKED, "-k", "1", "--allow-unused"], 0,
+      "dropped 1 unused tensor(s): bert.encoder.extra.weight"),
     C("fill-mask-too-long", lambda w: ["fill-mask", w.mlm, LONG + " [MASK]"], 1, "more than the model's 64 positions"),
     C("classify-masked-lm", lambda w: ["classify", w.mlm, "a text"], 1,
       "is a masked-lm checkpoint; the sequence-classification head needs"),
@@ -253,7 +255,7 @@ CASES = [
       1, "e.jsonl: no rows"),
     C("train-data-not-utf8-csv", lambda w: ["train", "--config", run_config(
         w, "latin1csv", data={"train": put(w, "latin1.csv", b"text,label\nok,LABEL_0\ncaf\xe9,LABEL_1\n")})], 1,
-      "latin1.csv: not valid UTF-8"),
+      "latin1.csv:3 (byte 4 of the line): not valid UTF-8"),
     C("train-data-not-utf8-jsonl", lambda w: ["train", "--config", run_config(
         w, "latin1jsonl", data={"train": put(w, "latin1-rows.jsonl", b'{"text": "caf\xe9", "label": "LABEL_0"}\n')})],
       1, "latin1-rows.jsonl:1: not valid UTF-8"),
@@ -274,6 +276,12 @@ CASES = [
         w, "sftcut", [{"messages": [{"role": "user", "content": "hi " * 40}, {"role": "assistant",
                                                                              "content": "hello"}]}] * 4)], 1,
       "nothing to learn"),
+    C("train-sft-eval-nothing-to-learn", lambda w: ["train", "--config", sft_config(
+        w, "sfteval", CHAT, eval=put(w, "sfteval-eval.jsonl", jsonl([{"messages": [{"role": "user",
+                                                                                   "content": "hi"}]}] * 2)))],
+      1, "sfteval-eval.jsonl: nothing to learn"),
+    C("train-fp16-weights-fp16-precision", lambda w: ["train", "--config", run_config(
+        w, "half", model={"path": w.half}, train={"precision": "fp16"})], 1, "needs fp32 weights"),
     C("train-out-dir-holds-a-run", lambda w: ["train", "--config", run_config(w, "again",
                                                                             train={"out_dir": w.run})], 1,
       "already holds a run"),
