@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 import transformers
+from torch.nn import functional as F
 from safetensors.torch import load_file, save_file
 
 from kiln.errors import ConfigError
@@ -127,6 +128,32 @@ def test_greedy_generation_with_latent_cache_equals_transformers(model_type, ckp
                  hf(ids[:1, t:t + 1], past_key_values=hf_cache, use_cache=True).logits, "decode-step logits")
     c = ours.config
     assert cache.keys[0].shape == (1, 1, 7, c.kv_lora_rank) and cache.values[0].shape == (1, 1, 7, c.qk_rope_head_dim)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_absorbed_decode_fast_path_within_rounding_and_skips_kv_expansion(model_type, ckpt):
+    from kiln.models.common.mla import absorb_decode
+
+    ours, _ = _pair(ckpt(model_type), eos=False)
+    ids = torch.randint(4, 99, (2, 9), generator=torch.Generator().manual_seed(6))
+    attn = torch.ones_like(ids)
+    attn[1, :2] = 0
+    exact = ours.generate(ids, attention_mask=attn, max_new_tokens=12)
+    expansions = []
+    hook = ours.model.layers[0].self_attn.kv_b_proj.register_forward_hook(lambda *a: expansions.append(1))
+    fast = absorb_decode(ours).generate(ids, attention_mask=attn, max_new_tokens=12)
+    hook.remove()
+    assert torch.equal(fast, exact) and len(expansions) == 1  # only the prefill expanded the latent
+    caches = ours.new_cache(), ours.new_cache()
+    step = {"input_ids": ids[:, -1:], "attention_mask": F.pad(attn, (0, 1), value=1),
+            "position_ids": attn.sum(-1, keepdim=True)}
+    with torch.no_grad():
+        ours(ids, attention_mask=attn, cache=caches[0])
+        ours(ids, attention_mask=attn, cache=caches[1])
+        a = ours(**step, cache=caches[0]).logits
+        b = absorb_decode(ours, False)(**step, cache=caches[1]).logits
+    assert not torch.equal(a, b)  # another summation order ...
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # ... of the same maths
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
