@@ -20,6 +20,19 @@ def _compile_works() -> str:
         return f"no ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
 
 
+def _fp8(device: str) -> str:
+    """Whether FP8 matmuls run here, by running one tiny `torch._scaled_mm` (not by the device's name)."""
+    import torch
+
+    try:
+        a = torch.ones(16, 32, device=device).to(torch.float8_e4m3fn)
+        got = torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1, device=device),
+                               scale_b=torch.full((1, 16), 2.0, device=device), out_dtype=torch.float32)
+        return "yes (_scaled_mm)" if bool(torch.all(got == 64.0)) else "no (_scaled_mm gave a wrong result)"
+    except Exception as e:  # any failure means "not usable here"; say why
+        return f"no, emulated ({type(e).__name__}: {str(e).splitlines()[0][:60] if str(e) else ''})"
+
+
 def probe(compile_check: bool = typer.Option(True, "--compile/--no-compile", help="Try torch.compile once.")) -> None:
     """Report Python, torch, accelerators (memory, bf16/fp8), distributed backends, torch.compile."""
     import torch
@@ -29,13 +42,14 @@ def probe(compile_check: bool = typer.Option(True, "--compile/--no-compile", hel
     table.add_row("python", platform.python_version())
     table.add_row("torch", torch.__version__)
     table.add_row("cpu threads", str(torch.get_num_threads()))
+    table.add_row("cpu fp8", _fp8("cpu"))
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
             cap = torch.cuda.get_device_capability(i)
             table.add_row(f"cuda:{i}", f"{p.name}, {p.total_memory / 2**30:.1f} GiB, capability {cap[0]}.{cap[1]}, "
                                        f"bf16 {'yes' if torch.cuda.is_bf16_supported() else 'no'}, "
-                                       f"fp8 {'yes' if cap >= (8, 9) else 'no'}")
+                                       f"fp8 {_fp8(f'cuda:{i}')}")
     else:
         table.add_row("cuda", "not available")
     mps = getattr(torch.backends, "mps", None)

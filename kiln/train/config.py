@@ -106,7 +106,8 @@ class TrainSection(Section):
     early_stopping_patience: int = 0      # evals without improvement of best_metric; 0 = off
     non_finite: Literal["skip", "fail"] = "skip"
     device: str = "auto"                  # auto, cpu, cuda, cuda:1, mps
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"   # fp8: the blocks' Linears in block-scaled FP8,
+    fp8_recipe: Literal["blockwise", "torchao"] = "blockwise"     # the rest in bf16 (models/common/fp8_train.py)
     freeze: list[str] = []                # name prefixes or globs ("model.embeddings*"), first:N, last:N,
                                           # layers:i,j, embeddings (kiln.train.freeze)
     log_every: int = 1

@@ -42,6 +42,7 @@ from kiln.models.common.fast import set_fast
 from kiln.parallel.grads import clip_grad_norm as dist_clip_grad_norm
 from kiln.parallel.world import World, all_reduce_sum, barrier, gather_objects, init_world, pick_device
 from kiln.train import checkpoint as ckpt
+from kiln.train.fp8 import swap_fp8
 from kiln.train import plans
 from kiln.train.config import ParallelSection, TrainSection
 from kiln.train.checks import check_train_args
@@ -50,7 +51,7 @@ from kiln.train.optim import OptimizerFactory, adamw, freeze, lr_factor, param_g
 from kiln.train.resume import check_fingerprint, config_changes, model_fingerprint
 from kiln.train.steps import StepFn, as_sum_and_count, default_evaluate, default_step
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # fp8: bf16 outside the FP8 matmuls
 
 
 class _Window:
@@ -129,6 +130,8 @@ class Trainer:
         model = self._model_arg(self.device) if callable(self._model_arg) and not isinstance(
             self._model_arg, nn.Module) else self._model_arg
         self.model: nn.Module = model.to(self.device)
+        if a.precision == "fp8":  # before any plan wraps the blocks: their Linears run FP8 matmuls
+            swap_fp8(self.model, a.fp8_recipe)
         torch.manual_seed(a.seed + self.data_rank)  # dropout differs between replicas, as in one big batch
         if a.freeze:
             freeze(self.model, a.freeze)

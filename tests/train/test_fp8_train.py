@@ -1,0 +1,112 @@
+"""`[train] precision = "fp8"`: the blocks' Linears train in block-scaled FP8 (bf16 elsewhere), track a bf16
+run on a tiny pre-training task, and survive SIGKILL + resume exactly."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kiln.errors import ConfigError
+from kiln.models.auto import AutoConfig, from_config
+from kiln.models.common.fp8_train import Fp8TrainLinear
+from kiln.train import Trainer
+from kiln.train.fp8 import swap_fp8
+from kiln.train.metrics import read_metrics
+
+from train_helpers import kiln, write_toml
+
+VOCAB = 64
+
+
+def _bigram_data(n: int, length: int = 33, seed: int = 0) -> list[dict]:
+    """Sequences from a fixed low-entropy bigram table (each token has two likely successors): learnable."""
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randint(0, VOCAB, (VOCAB, 2), generator=g)
+    rows = []
+    for _ in range(n):
+        t = [int(torch.randint(0, VOCAB, (1,), generator=g))]
+        for _ in range(length - 1):
+            t.append(int(table[t[-1], int(torch.rand(1, generator=g) < 0.3)]))
+        ids = torch.tensor(t)
+        rows.append({"input_ids": ids, "labels": ids.clone()})
+    return rows
+
+
+def _pretrain(precision: str) -> tuple[list[float], torch.nn.Module]:
+    """200 AdamW steps as the Trainer takes them under `precision` (bf16 autocast; fp8 also swaps the blocks'
+    Linears through kiln.train.fp8.swap_fp8, as Trainer setup does). A plain loop: the Trainer's own per-step
+    bookkeeping would cost more than this tiny model."""
+    cfg = AutoConfig.for_model("qwen3", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    model = from_config(cfg, task="causal-lm", seed=0)
+    if precision == "fp8":
+        swap_fp8(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.stack([r["input_ids"] for r in _bigram_data(256, length=17)])
+    losses = []
+    for step in range(200):
+        batch = ids[(step * 8) % 256:(step * 8) % 256 + 8]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model
+
+
+def test_fp8_pretraining_tracks_bf16():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: a second thread only waits (and on a loaded machine, long)
+    try:
+        start = time.perf_counter()
+        bf16, _ = _pretrain("bf16")
+        fp8, model = _pretrain("fp8")
+        seconds = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
+    swapped = [m for m in model.modules() if isinstance(m, Fp8TrainLinear)]
+    assert len(swapped) == 2 * 7  # q, k, v, o, gate, up, down per block; embeddings and lm_head stay
+    first, last_bf16, last_fp8 = bf16[0], sum(bf16[-10:]) / 10, sum(fp8[-10:]) / 10
+    assert last_bf16 < 0.5 * first  # it learned (ln 64 = 4.16 at the start)
+    assert abs(last_fp8 - last_bf16) / last_bf16 < 0.03, (last_fp8, last_bf16)
+    assert fp8 != bf16  # the control: the FP8 run did not compute the bf16 one
+    print(f"final loss (mean of the last 10 of 200 steps) bf16 {last_bf16:.4f}, fp8 {last_fp8:.4f} "
+          f"({(last_fp8 / last_bf16 - 1) * 100:+.2f}%), both runs {seconds:.1f} s")
+
+
+def test_fp8_recipe_without_torchao_is_named(tmp_path):
+    pytest.importorskip("torch")
+    try:
+        import torchao  # noqa: F401
+        pytest.skip("torchao is installed here")
+    except ImportError:
+        pass
+    cfg = AutoConfig.for_model("qwen3", vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    t = Trainer(from_config(cfg, task="causal-lm", seed=0), _bigram_data(8), steps=1, batch_size=2, precision="fp8",
+                fp8_recipe="torchao", out_dir=str(tmp_path / "ao"), progress=False)
+    with pytest.raises(ConfigError, match="fp8_recipe 'torchao' needs torchao"):
+        t.fit()
+
+
+@pytest.mark.slow
+def test_fp8_sigkill_then_resume_matches_uninterrupted(tmp_path, tiny_dir, data_files):
+    train, eval_ = data_files
+    kiln("train", "--config", str(write_toml(tmp_path / "ref.toml", tiny_dir, train, eval_, tmp_path / "ref",
+                                             precision="fp8")))
+    cfg = write_toml(tmp_path / "run.toml", tiny_dir, train, eval_, tmp_path / "run", precision="fp8")
+    p = kiln("train", "--config", str(cfg), env={"KILN_FAULT": "step:6"}, check=False)
+    assert p.returncode == -9, p.stderr
+    kiln("train", "--config", str(cfg), "--resume", str(tmp_path / "run"))
+    for step in (4, 8, 12):
+        a = load_file(str(tmp_path / "ref" / f"ckpt-{step:06d}" / "model" / "model.safetensors"))
+        b = load_file(str(tmp_path / "run" / f"ckpt-{step:06d}" / "model" / "model.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"weights differ at step {step}"
+    curve = [{k: v for k, v in r.items() if not k.endswith("_per_s")} for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    ref = [{k: v for k, v in r.items() if not k.endswith("_per_s")} for r in read_metrics(tmp_path / "ref" / "metrics.jsonl")]
+    assert curve == ref and len([r for r in curve if "loss" in r]) == 12
