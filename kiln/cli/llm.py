@@ -83,7 +83,8 @@ def tokenizer_train(files: List[Path] = typer.Argument(..., help=".txt (a text p
                     min_frequency: int = typer.Option(2, "--min-frequency"),
                     text_field: str = typer.Option("text", "--text-field", help="JSONL field with plain text."),
                     max_length: int = typer.Option(2048, "--model-max-length"),
-                    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a tokenizer already in --out.")) -> None:
+                    overwrite: bool = typer.Option(False, "--overwrite",
+                                                   help="Replace a tokenizer already in --out.")) -> None:
     """Train a byte-level BPE tokenizer with ChatML special tokens and chat template."""
     from kiln.data.bpe import CHAT_TOKENS, iter_texts, train_bpe
     from kiln.hub.outdir import check_out_dir, staged_dir
@@ -100,7 +101,8 @@ def tokenizer_train(files: List[Path] = typer.Argument(..., help=".txt (a text p
         if tok.vocab_size <= 256 + len(CHAT_TOKENS):  # bytes and specials only: it would not compress anything
             raise KilnError(f"no merges learned: no pair of symbols in the text occurs --min-frequency "
                             f"{min_frequency} times; give more text or lower --min-frequency")
-    out.print(f"wrote {out_dir}: vocab {tok.vocab_size}, specials {', '.join(f'{k}={v}' for k, v in tok.specials.items())}")
+    specials = ", ".join(f"{k}={v}" for k, v in tok.specials.items())
+    out.print(f"wrote {out_dir}: vocab {tok.vocab_size}, specials {specials}")
 
 
 def register(app: typer.Typer) -> None:

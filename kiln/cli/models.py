@@ -86,7 +86,8 @@ def export(src: Optional[Path] = typer.Argument(None, help="An HF model director
            checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="A run checkpoint, RUN_DIR/ckpt-N."),
            head: Optional[str] = typer.Option(None, "--head", help="Re-target to this head (base, masked-lm, ...)."),
            max_shard_mb: Optional[int] = typer.Option(None, "--max-shard-mb", help="Shard weights past this size."),
-           overwrite: bool = typer.Option(False, "--overwrite", help="Replace the model or tokenizer already in --out."),
+           overwrite: bool = typer.Option(False, "--overwrite",
+                                          help="Replace the model or tokenizer already in --out."),
            allow_missing: bool = ALLOW_MISSING, allow_unused: bool = ALLOW_UNUSED) -> None:
     """Write an HF directory (config.json, model.safetensors, tokenizer) from a directory or checkpoint."""
     from kiln.hub.outdir import check_out_dir, staged_dir

@@ -5,8 +5,9 @@ from __future__ import annotations
 import platform
 
 import typer
-from rich.console import Console
 from rich.table import Table
+
+from kiln.cli.output import out
 
 
 def _compile_works() -> str:
@@ -59,7 +60,7 @@ def probe(compile_check: bool = typer.Option(True, "--compile/--no-compile", hel
     table.add_row("distributed", ", ".join(backends) or "none")
     if compile_check:
         table.add_row("torch.compile", _compile_works())
-    Console().print(table)
+    out.print(table)
 
 
 def register(app: typer.Typer) -> None:

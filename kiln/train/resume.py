@@ -52,9 +52,11 @@ def check_fingerprint(path: Path, old: dict[str, Any], new: dict[str, Any]) -> N
 # ---- settings changed between the run and its resume ------------------------------------------
 # [train] keys that decide what the run computes (data order, precision, which weights train, which
 # checkpoint is best): changing them mid-run gives a run that matches neither the old nor a new one.
-_EXACT_TRAIN = {"precision", "seed", "batch_size", "freeze", "best_metric", "best_mode"}
-# Outside [train] every key shapes the model or the data, except these, which only change speed.
-_SPEED_ONLY = {"data.num_workers", "data.prefetch", "parallel.activation_checkpointing", "parallel.checkpoint_every"}
+_EXACT_TRAIN = {"precision", "seed", "batch_size", "freeze", "best_metric", "best_mode", "group_by_length", "exact"}
+# Outside [train] every key shapes the model or the data, except these: speed knobs, and where the starting
+# weights came from (a resume reads them from the checkpoint; the fingerprint still checks their shapes).
+_HARMLESS = {"data.num_workers", "data.prefetch", "parallel.activation_checkpointing", "parallel.checkpoint_every",
+             "model.path"}
 _IGNORED = {"train.out_dir"}  # --resume RUN_DIR replaces it
 
 
@@ -62,7 +64,7 @@ def breaks_exactness(key: str) -> bool:
     section, _, rest = key.partition(".")
     if section == "train":
         return rest.split(".")[0] in _EXACT_TRAIN
-    return key not in _SPEED_ONLY
+    return key not in _HARMLESS
 
 
 def _show(value: Any) -> str:

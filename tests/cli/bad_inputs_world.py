@@ -14,9 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from kiln.cli.main import app
+from kiln.hub.files import file_sha256
+from kiln.interop.tiny import make_tiny
 
 LINES = ["the cat sat on the mat", "a dog runs in the park", "red and blue make purple", "the king and the queen",
          "paris is the capital of france", "london is a big city", "the river runs to the sea", "good day and night"]
@@ -98,15 +103,13 @@ def build_world(root: Path, elsewhere: Path, tiny_factory) -> World:
     def copy(src: Path, name: str) -> Path:
         return Path(shutil.copytree(src, root / name))
 
-    mlm, cls, lm = (copy(tiny_factory("bert", "masked-lm"), "mlm"), copy(tiny_factory("bert", "sequence-classification"), "cls"),
-                    copy(tiny_factory("qwen3", "causal-lm"), "lm"))
+    mlm = copy(tiny_factory("bert", "masked-lm"), "mlm")
+    cls = copy(tiny_factory("bert", "sequence-classification"), "cls")
+    lm = copy(tiny_factory("qwen3", "causal-lm"), "lm")
     layers = copy(mlm, "layers")
     cfg = json.loads((layers / "config.json").read_text())
     (layers / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1}))
     extra = copy(mlm, "extra")
-    from safetensors.torch import load_file, save_file
-    import torch
-
     state = load_file(str(extra / "model.safetensors"))
     state["bert.encoder.extra.weight"] = torch.zeros(3)
     save_file(state, str(extra / "model.safetensors"), metadata={"format": "pt"})
@@ -121,8 +124,6 @@ def build_world(root: Path, elsewhere: Path, tiny_factory) -> World:
                                              for i, line in enumerate(LINES * 5)))
     tok = root / "tok"
     ok("tokenizer", "train", data / "text.txt", "--out", tok, "--vocab-size", "300", "--min-frequency", "1")
-    from kiln.interop.tiny import make_tiny
-
     chat_lm = make_tiny("qwen3", "causal-lm", root / "chat_lm", tokenizer=False, vocab_size=300, eos_token_id=2,
                         pad_token_id=0)
     bigtok_lm = copy(lm, "bigtok_lm")
@@ -136,16 +137,12 @@ def build_world(root: Path, elsewhere: Path, tiny_factory) -> World:
     shards_sha = copy(shards, "shards_sha")
     flip_byte(shards_sha / "train-00000.npy")
     shards_ids = copy(shards, "shards_ids")
-    import numpy as np
-
     ids = np.load(shards_ids / "train-00000.npy")
     ids[3] = 65000
     np.save(shards_ids / "train-00000.npy", ids)
     manifest = json.loads((shards_ids / "manifest.json").read_text())
     for entry in manifest["splits"]["train"]["shards"]:
         if entry["file"] == "train-00000.npy":
-            from kiln.hub.files import file_sha256
-
             entry["sha256"] = file_sha256(shards_ids / "train-00000.npy")
     (shards_ids / "manifest.json").write_text(json.dumps(manifest))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -247,11 +248,13 @@ CASES = [
       "train.betas must be two numbers within [0, 1)"),
     C("train-warmup-past-steps", lambda w: ["train", "--config", run_config(w, "warm", train={"warmup_steps": 9})], 1,
       "train.warmup_steps must be at most train.steps"),
-    C("train-epochs-zero", lambda w: ["train", "--config", run_config(w, "ep0", train={"steps": None})
-                                      ] + ["--set", "train.epochs=0.0"], 1, "train.epochs must be a finite number > 0"),
-    C("train-data-missing", lambda w: ["train", "--config", run_config(w, "nodata", data={"train": w.data / "x.jsonl"})],
+    C("train-epochs-zero", lambda w: ["train", "--config", run_config(w, "ep0", train={"steps": None}), "--set",
+                                      "train.epochs=0.0"], 1, "train.epochs must be a finite number > 0"),
+    C("train-data-missing", lambda w: ["train", "--config", run_config(w, "nodata",
+                                                                       data={"train": w.data / "x.jsonl"})],
       1, "x.jsonl: data file not found"),
-    C("train-data-empty", lambda w: ["train", "--config", run_config(w, "empty", data={"train": put(w, "e.jsonl", "")})],
+    C("train-data-empty", lambda w: ["train", "--config", run_config(w, "empty",
+                                                                     data={"train": put(w, "e.jsonl", "")})],
       1, "e.jsonl: no rows"),
     C("train-data-not-utf8-csv", lambda w: ["train", "--config", run_config(
         w, "latin1csv", data={"train": put(w, "latin1.csv", b"text,label\nok,LABEL_0\ncaf\xe9,LABEL_1\n")})], 1,
@@ -336,8 +339,6 @@ def _dir(w: World, name: str, files: dict[str, str]) -> Path:
 
 
 def _model_copy(w: World, name: str) -> Path:
-    import shutil
-
     d = w.data / name
     if not d.exists():
         shutil.copytree(w.lm, d)
@@ -363,8 +364,6 @@ def _metrics(w: World, name: str, text: str) -> Path:
 
 def _only_partial(w: World) -> Path:
     """A run folder whose one checkpoint never got its manifest."""
-    import shutil
-
     d = w.data / "partial-run"
     if not d.exists():
         d.mkdir()
