@@ -18,6 +18,7 @@ from typing import Any, Literal, Sequence
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model, field_validator, model_validator
 
 from kiln.errors import ConfigError
+from kiln.hub.resolve import parse_repo_id
 from kiln.models.tasks import SEQUENCE_CLASSIFICATION, get_task
 
 
@@ -294,7 +295,8 @@ def load_run_config(path: str | os.PathLike, overrides: Sequence[tuple[str, Any]
     """Read and validate a run TOML, with `overrides` ((dotted key, value), e.g. from `kiln train --set`)
     applied on top; relative model/data paths resolve against the file's folder (so a config travels
     with its data), those given as overrides against the working directory; out_dir stays relative
-    to the working directory."""
+    to the working directory. A model.path that is no such path but reads as a Hub repo id (org/name[@rev])
+    stays as it is."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no such run config file")
@@ -310,6 +312,10 @@ def load_run_config(path: str | os.PathLike, overrides: Sequence[tuple[str, Any]
         obj = getattr(cfg, section)
         value = getattr(obj, key)
         base = Path.cwd() if f"{section}.{key}" in overridden else path.resolve().parent
-        if value is not None and not os.path.isabs(value):
-            setattr(obj, key, str(base / value))
+        if value is None or os.path.isabs(value):
+            continue
+        joined = base / value
+        if key == "path" and not joined.exists() and parse_repo_id(value) is not None:
+            continue  # model.path = "org/name": a Hub repo id, resolved through the HF cache when loaded
+        setattr(obj, key, str(joined))
     return cfg
