@@ -70,7 +70,7 @@ def test_logits_loss_router_logits_bit_identical_both_ways(model_type, ckpt, tmp
             assert len(a.router_logits) == len(b.router_logits) == 1  # layer 0 is dense (first_k_dense_replace=1)
             same(a.router_logits[0], b.router_logits[0], f"batch {i} router logits")
     out = export_model(ours, tmp_path / "export")
-    checks = verify_export(out, source=src)  # transformers loads it: no missing/unexpected keys, equal outputs and bytes
+    checks = verify_export(out, source=src)  # transformers loads it: no missing/unexpected keys, same outputs, bytes
     assert all(c.ok for c in checks), [c.line() for c in checks if not c.ok]
 
 
@@ -132,7 +132,7 @@ def test_greedy_generation_with_latent_cache_equals_transformers(model_type, ckp
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_absorbed_decode_fast_path_within_rounding_and_skips_kv_expansion(model_type, ckpt):
-    from kiln.models.common.mla import absorb_decode
+    from kiln.models.common.fast import set_fast
 
     ours, _ = _pair(ckpt(model_type), eos=False)
     ids = torch.randint(4, 99, (2, 9), generator=torch.Generator().manual_seed(6))
@@ -141,7 +141,7 @@ def test_absorbed_decode_fast_path_within_rounding_and_skips_kv_expansion(model_
     exact = ours.generate(ids, attention_mask=attn, max_new_tokens=12)
     expansions = []
     hook = ours.model.layers[0].self_attn.kv_b_proj.register_forward_hook(lambda *a: expansions.append(1))
-    fast = absorb_decode(ours).generate(ids, attention_mask=attn, max_new_tokens=12)
+    fast = set_fast(ours).generate(ids, attention_mask=attn, max_new_tokens=12)
     hook.remove()
     assert torch.equal(fast, exact) and len(expansions) == 1  # only the prefill expanded the latent
     caches = ours.new_cache(), ours.new_cache()
@@ -151,7 +151,7 @@ def test_absorbed_decode_fast_path_within_rounding_and_skips_kv_expansion(model_
         ours(ids, attention_mask=attn, cache=caches[0])
         ours(ids, attention_mask=attn, cache=caches[1])
         a = ours(**step, cache=caches[0]).logits
-        b = absorb_decode(ours, False)(**step, cache=caches[1]).logits
+        b = set_fast(ours, False)(**step, cache=caches[1]).logits
     assert not torch.equal(a, b)  # another summation order ...
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # ... of the same maths
 

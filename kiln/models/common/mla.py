@@ -11,10 +11,10 @@ Softmax scale: (nope + rope)**-0.5, times mscale(factor, mscale_all_dim)**2 unde
 With a sparse-attention indexer (dsa.py) each query keeps only its top-k keys; GLM-5 layers may
 reuse the previous layer's choice instead of running their own indexer.
 
-Decoding has an opt-in fast path (`absorb_decode`): kv_b_proj is folded into the query and the
-output, so a one-token step attends over the cached latent directly instead of re-expanding every
-cached token into per-head keys and values through kv_b_proj (the exact path, as transformers does).
-Same maths in another summation order: within float rounding of the exact path, not bit-equal.
+Decoding has a fast path (`fast`, flipped with the others by common/fast.py set_fast): kv_b_proj
+is folded into the query and the output, so a one-token step attends over the cached latent
+directly instead of re-expanding every cached token into per-head keys and values (the exact path,
+as transformers does). Same maths in another summation order: within float rounding, not bit-equal.
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ class MLAttention(nn.Module):
     def __init__(self, s: MLASpec, layer_idx: int):
         super().__init__()
         self.layer_idx, self.scaling, self.dropout, self.sparse = layer_idx, s.scaling, s.dropout, s.sparse
-        self.absorb = False  # the fast decode path (see absorb_decode)
-        self.nope, self.rope_dim, self.v_dim, self.rank = s.qk_nope_head_dim, s.qk_rope_head_dim, s.v_head_dim, s.kv_lora_rank
+        self.fast = False  # on: one-token decode attends over the latent (_absorbed); off: the exact path
+        self.nope, self.rope_dim, self.v_dim = s.qk_nope_head_dim, s.qk_rope_head_dim, s.v_head_dim
+        self.rank = s.kv_lora_rank
         self.qk_head_dim = s.qk_nope_head_dim + s.qk_rope_head_dim
         self.rope_fn = apply_rope_interleaved if s.interleave else apply_rope
         q_out = s.num_heads * self.qk_head_dim
@@ -141,13 +142,14 @@ class MLAttention(nn.Module):
             topk = shared_topk
         if topk is not None:
             mask = restrict_mask(mask, topk)
-        if self.absorb and T == 1 and not self.training and type(self.kv_b_proj) is nn.Linear:
+        if self.fast and T == 1 and not self.training and type(self.kv_b_proj) is nn.Linear:
             y = self._absorbed(q_pass, q_rot, latent, k_rot, mask)
         else:
             q = torch.cat((q_pass, q_rot), dim=-1)
             k, v = self.expand_kv(latent, k_rot)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, is_causal=T > 1 and mask is None,
-                                               dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, v)
+            dropout = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scaling,
+                                               is_causal=T > 1 and mask is None)  # (B, H, T, v)
         y = y.transpose(1, 2).contiguous().reshape(B, T, -1).contiguous()
         return self.o_proj(y), topk
 
@@ -162,14 +164,6 @@ class MLAttention(nn.Module):
             scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(latent.dtype)
         return torch.einsum("bhtr,hvr->bhtv", probs @ latent, w[:, self.nope:])  # (B, H, T, v)
-
-
-def absorb_decode(model: nn.Module, on: bool = True) -> nn.Module:
-    """Switch the fast (absorbed) one-token decode path of every MLA layer in `model` on or off."""
-    for m in model.modules():
-        if isinstance(m, MLAttention):
-            m.absorb = on
-    return model
 
 
 class MLADecoderLayer(nn.Module):
