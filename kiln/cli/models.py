@@ -88,7 +88,9 @@ def export(src: Optional[Path] = typer.Argument(None, help="An HF model director
            max_shard_mb: Optional[int] = typer.Option(None, "--max-shard-mb", help="Shard weights past this size."),
            overwrite: bool = typer.Option(False, "--overwrite",
                                           help="Replace the model or tokenizer already in --out."),
-           allow_missing: bool = ALLOW_MISSING, allow_unused: bool = ALLOW_UNUSED) -> None:
+           allow_missing: bool = ALLOW_MISSING, allow_unused: bool = ALLOW_UNUSED,
+           dtype: Optional[str] = typer.Option(None, "--dtype", help="Write every weight as bf16, fp16 or fp32 "
+                                               "(an FP8 source: dequantized, quantization_config dropped).")) -> None:
     """Write an HF directory (config.json, model.safetensors, tokenizer) from a directory or checkpoint."""
     from kiln.hub.outdir import check_out_dir, staged_dir
     from kiln.interop.export import export_model
@@ -116,8 +118,14 @@ def export(src: Optional[Path] = typer.Argument(None, help="An HF model director
         out.print(f"exported {ckpt} (sharded) -> {out_dir}")
         return
     source = ckpt / "model" if ckpt is not None else src
+    import torch
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if dtype is not None and dtype not in dtypes:
+        raise KilnError(f"--dtype {dtype!r}: choose one of {', '.join(dtypes)}")
     path = export_model(source, out_dir, head=head, max_shard_bytes=shard_bytes, overwrite=overwrite,
-                        allow_missing=allow_missing, allow_unused=allow_unused, on_note=note)
+                        allow_missing=allow_missing, allow_unused=allow_unused, on_note=note,
+                        dtype=dtypes[dtype] if dtype else None)
     out.print(f"exported {source} -> {path}")
 
 

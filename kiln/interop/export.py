@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from kiln.errors import KilnError
 from kiln.hub.outdir import check_out_dir, staged_dir
 from kiln.models.auto import load_config, load_pretrained
@@ -21,12 +23,15 @@ from kiln.models.tasks import TASKS
 
 def export_model(src: str | os.PathLike | PreTrainedModel, out: str | os.PathLike, head: str | None = None,
                  max_shard_bytes: int | None = None, overwrite: bool = False, allow_missing: bool = False,
-                 allow_unused: bool = False, on_note: Callable[[str], None] | None = None) -> Path:
+                 allow_unused: bool = False, on_note: Callable[[str], None] | None = None,
+                 dtype: torch.dtype | None = None) -> Path:
     """Write `src` (a kiln model or an HF directory) to `out` as config.json + safetensors + tokenizer.
 
     `head` re-targets a directory to another task (e.g. `masked-lm` -> `base`); the written
     `architectures` always names the head that was built. Tensors dropped or initialised on the way
-    are reported to `on_note`; unexpected ones raise unless allowed.
+    are reported to `on_note`; unexpected ones raise unless allowed. An FP8 source is written back
+    FP8 (unchanged weights byte for byte); `dtype` writes every weight in that dtype instead, FP8
+    dequantized and `quantization_config` dropped.
     """
     from kiln.interop.load_report import check_load
 
@@ -53,6 +58,10 @@ def export_model(src: str | os.PathLike | PreTrainedModel, out: str | os.PathLik
         from kiln.models.common.lora import merge_lora
 
         model = merge_lora(copy.deepcopy(model)) if isinstance(src, PreTrainedModel) else merge_lora(model)
+    if dtype is not None:  # plain weights in one dtype: FP8 dequantized (before a merge would re-quantize)
+        from kiln.models.common.fp8 import dequantize_model
+
+        model = dequantize_model(copy.deepcopy(model) if model is src else model, dtype)
     with staged_dir(out_path) as tmp:
         model.save_pretrained(tmp, max_shard_bytes=max_shard_bytes)
     return out_path

@@ -15,6 +15,8 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.hub import Tokenizer, load_weights
+from kiln.hub.fp8 import scheme_from_config
+from kiln.interop.fp8_verify import load_transformers_fp8
 from kiln.models.auto import load_config, load_pretrained
 from kiln.models.tasks import Task, get_task
 
@@ -114,9 +116,15 @@ def verify_export(model_dir: str | os.PathLike, source: str | os.PathLike | None
     auto = getattr(transformers, task.hf_auto)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    hf_model, info = auto.from_pretrained(str(model_dir), output_loading_info=True)
+    scheme = scheme_from_config(config.extra, str(model_dir / "config.json"))
+    if scheme is None:
+        hf_model, info = auto.from_pretrained(str(model_dir), output_loading_info=True)
+        how = ""
+    else:  # block-scaled FP8: both sides compute with transformers' dequantization (kiln.interop.fp8_verify)
+        hf_model, info, how = load_transformers_fp8(auto, model_dir, scheme)
+        how = f" (FP8 dequantized by {how})"
     hf_model.eval()
-    checks = [Check(f"transformers loads {type(hf_model).__name__}",
+    checks = [Check(f"transformers loads {type(hf_model).__name__}{how}",
                     not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]),
                     f"missing {sorted(info['missing_keys'])[:5] or 0}, unexpected {sorted(info['unexpected_keys'])[:5] or 0}, "
                     f"mismatched {sorted(info['mismatched_keys'])[:5] or 0}")]

@@ -98,6 +98,9 @@ def test_merge_requantizes_and_base_memory_is_half_of_bf16(dirs, tmp_path):
     def base_bytes(m):  # the frozen Linear weights of the blocks, with their scales
         return sum(t.numel() * t.element_size() for n, t in m.state_dict().items()
                    if ".layers." in n and ("proj.weight" in n or n.endswith("_scale_inv")))
-    fp8_base, bf16_base = base_bytes(load_pretrained(fp8_dir, fp8="keep")), base_bytes(
-        load_pretrained(fp8_dir, dtype=torch.bfloat16))
+    kept = load_pretrained(fp8_dir, fp8="keep", dtype=torch.bfloat16)  # a dtype cast leaves FP8 weights as stored
+    assert kept.model.layers[0].mlp.up_proj.weight.dtype == torch.float8_e4m3fn
+    assert kept.model.layers[0].mlp.up_proj.weight_scale_inv.dtype == torch.float8_e8m0fnu
+    assert kept.model.norm.weight.dtype == torch.bfloat16
+    fp8_base, bf16_base = base_bytes(kept), base_bytes(load_pretrained(fp8_dir, dtype=torch.bfloat16))
     assert 0.5 <= fp8_base / bf16_base < 0.52, (fp8_base, bf16_base)

@@ -46,7 +46,8 @@ class _KeepsFp8Storage:
     """A dtype cast of the model (`.to(bfloat16)`) leaves FP8 weights and their scales as stored."""
 
     def _apply(self, fn, recurse=True):
-        kept = {n: t for n, t in itertools.chain(self._parameters.items(), self._buffers.items())
+        # the tensors themselves: a cast may swap a Parameter's .data in place
+        kept = {n: t.data for n, t in itertools.chain(self._parameters.items(), self._buffers.items())
                 if t is not None and (t.dtype == FP8 or n.endswith(SCALE_SUFFIX))}
         super()._apply(fn, recurse)
         for n, old in kept.items():

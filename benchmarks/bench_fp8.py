@@ -1,0 +1,157 @@
+"""FP8 against bf16: training throughput of one Linear and of one gated MLP block, and the memory of a
+frozen FP8 base under LoRA.
+
+Throughput: forward + backward of kiln's Fp8TrainLinear (1x128 activation tiles, 128x128 weight blocks)
+through `torch._scaled_mm` and through the exact emulation, against nn.Linear under bf16 autocast, on the
+same inputs, rounds interleaved. On a CPU there are no FP8 matrix units: `_scaled_mm` widens to float32
+and the scaling and quantization are extra work, so FP8 is *slower* here; the ratio says how much. On an
+H100 the same code runs FP8 tensor cores.
+
+Memory: a Qwen3-shaped model stored as block-scaled FP8, loaded once kept FP8 (fp8="keep") and once
+dequantized to bf16, LoRA on every Linear, one training step; each in its own process, peak RSS above
+the process's baseline.
+
+    .venv/bin/python benchmarks/bench_fp8.py [--tokens 1024 --dim 1024 --hidden 2816 --rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import peak_mb_above, rss_kb, setup_torch  # noqa: E402
+
+from kiln.models.common.fp8_train import scaled_mm_works, swap_fp8_linears  # noqa: E402
+from kiln.models.common.mlp import GatedMLP  # noqa: E402
+
+
+def _step_time(module: nn.Module, x: torch.Tensor, bf16: bool) -> float:
+    start = time.perf_counter()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        y = module(x)
+    y.float().sum().backward()
+    return time.perf_counter() - start
+
+
+def _variants(build) -> dict[str, tuple[nn.Module, bool]]:
+    torch.manual_seed(0)
+    base = build()
+    out = {"bf16": (base, True)}
+    for name, use in (("fp8 _scaled_mm", True), ("fp8 emulated", False)):
+        m = build()
+        m.load_state_dict(base.state_dict())
+        swap_fp8_linears(nn.ModuleList([m]), use_scaled_mm=use)
+        out[name] = (m, True)
+    return out
+
+
+def throughput(title: str, build, tokens: int, dim: int, flops: float, rounds: int) -> dict[str, float]:
+    x = torch.randn(tokens, dim, requires_grad=True)
+    variants = _variants(build)
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for module, bf16 in variants.values():
+        _step_time(module, x, bf16)  # warm-up
+    for _ in range(rounds):
+        for name, (module, bf16) in variants.items():
+            times[name].append(_step_time(module, x, bf16))
+    print(f"\n{title}: {tokens} tokens, forward + backward")
+    rates = {}
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        rates[name] = tokens / med
+        print(f"  {name:16s} {med * 1e3:9.2f} ms  {tokens / med:12,.0f} tokens/s  {flops / med / 1e9:8.1f} GFLOP/s")
+    return rates
+
+
+def _lora_child(model_dir: str, mode: str) -> None:
+    """One LoRA training step on the FP8 directory, kept FP8 or dequantized to bf16; prints JSON."""
+    setup_torch()
+    base = rss_kb()
+    from kiln.models.auto import load_pretrained
+    from kiln.models.common.lora import LoraConfig, apply_lora
+
+    model = load_pretrained(model_dir, fp8="keep", dtype=torch.bfloat16) if mode == "fp8" else \
+        load_pretrained(model_dir, dtype=torch.bfloat16)
+    loaded = peak_mb_above(base)
+    apply_lora(model, LoraConfig(r=16, alpha=32, targets="all-linear"))
+    ids = torch.randint(0, 1000, (2, 128))
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    weights = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if ".lora_" not in n)
+    print(json.dumps({"loaded_mb": loaded, "peak_mb": peak_mb_above(base), "weights_mb": weights / 2**20}))
+
+
+def lora_memory(layers: int, dim: int, hidden: int) -> dict[str, dict]:
+    from kiln.hub.fp8 import quantize
+    from kiln.models.auto import AutoConfig, from_config
+
+    cfg = AutoConfig.for_model("qwen3", vocab_size=1000, hidden_size=dim, intermediate_size=hidden,
+                               num_hidden_layers=layers, num_attention_heads=dim // 64, num_key_value_heads=dim // 128,
+                               head_dim=64)
+    tmp = Path(tempfile.mkdtemp())
+    model = from_config(cfg, task="causal-lm", seed=0)
+    model.save_pretrained(tmp)
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(tmp / "model.safetensors"))
+    out = {}
+    for k, v in state.items():
+        if ".layers." in k and k.endswith("proj.weight"):
+            out[k], out[k + "_scale_inv"] = quantize(v, (128, 128))
+        else:
+            out[k] = v.to(torch.bfloat16)
+    save_file(out, str(tmp / "model.safetensors"))
+    c = json.loads((tmp / "config.json").read_text())
+    c["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    (tmp / "config.json").write_text(json.dumps(c))
+    result = {}
+    for mode in ("bf16", "fp8"):
+        p = subprocess.run([sys.executable, __file__, "--lora-child", str(tmp), mode], capture_output=True, text=True,
+                           check=True)
+        result[mode] = json.loads(p.stdout.strip().splitlines()[-1])
+    print(f"\nLoRA (r=16, all Linears) on a {layers}-layer Qwen3-shaped model, hidden {dim}, one training step:")
+    for mode, r in result.items():
+        print(f"  base {mode:5s} weights {r['weights_mb']:8.1f} MB   loaded {r['loaded_mb']:8.1f} MB   "
+              f"peak {r['peak_mb']:8.1f} MB")
+    return result
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--lora-child":
+        return _lora_child(sys.argv[2], sys.argv[3])
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--hidden", type=int, default=2816)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=4)
+    args = ap.parse_args()
+    setup_torch()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
+          f"_scaled_mm on cpu: {'runs' if scaled_mm_works('cpu') else 'refused (emulation only)'}")
+    t, d, h = args.tokens, args.dim, args.hidden
+    lin = throughput("Linear", lambda: nn.Linear(d, d, bias=False), t, d, 3 * 2 * t * d * d, args.rounds)
+    mlp = throughput("Gated MLP block", lambda: GatedMLP(d, h), t, d, 3 * 2 * t * 3 * d * h, args.rounds)
+    mem = lora_memory(args.layers, d, h)
+    print("\nratios (fp8 / bf16; > 1 means FP8 is ahead):")
+    for title, r in (("Linear", lin), ("MLP block", mlp)):
+        print(f"  {title:10s} throughput  _scaled_mm {r['fp8 _scaled_mm'] / r['bf16']:.2f}x   "
+              f"emulated {r['fp8 emulated'] / r['bf16']:.2f}x")
+    print(f"  LoRA base weights {mem['fp8']['weights_mb'] / mem['bf16']['weights_mb']:.2f}x   "
+          f"peak memory {mem['fp8']['peak_mb'] / mem['bf16']['peak_mb']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""The transformers side of verify-export for a block-scaled FP8 directory.
+
+transformers computes FP8 layers with GPU kernels; on a CPU it refuses to keep them FP8 and
+dequantizes while loading (`FineGrainedFP8Config(dequantize=True)`, which verify asks for everywhere so
+both sides compute with the same dequantized weights). That loader derives each block size from the
+scale grid (rows // scale rows), which is right only where every weight dimension is a multiple of
+the block or fits in one block; with partial blocks it refuses the shape or, where the grid happens
+to divide it, reads other blocks. There verify dequantizes each weight with transformers' own
+block-true `finegrained_fp8._dequantize_fp8_weight` into a plain float copy and loads that instead,
+and says so in the check's name.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.hub import load_weights, save_weights
+from kiln.hub.fp8 import FP8, SCALE_SUFFIX, Fp8Scheme
+from kiln.models.common.fp8 import compute_dtype_of
+
+
+def loader_reads_blocks(state: dict[str, torch.Tensor], block: tuple[int, int] | None) -> bool:
+    """Whether transformers' grid-derived block size equals the real one for every FP8 weight here."""
+    if block is None:
+        return True
+    return all(all(n % b == 0 or n <= b for n, b in zip(t.shape[-2:], block))
+               for t in state.values() if t.dtype == FP8)
+
+
+def load_transformers_fp8(auto: Any, model_dir: Path, scheme: Fp8Scheme) -> tuple[Any, dict, str]:
+    """(transformers model with dequantized weights, its loading info, how it was dequantized)."""
+    from transformers import FineGrainedFP8Config
+
+    state = load_weights(model_dir)
+    dtype = compute_dtype_of(state)
+    if loader_reads_blocks(state, scheme.block):
+        q = FineGrainedFP8Config(dequantize=True, weight_block_size=scheme.block, scale_fmt=scheme.scale_fmt,
+                                 modules_to_not_convert=list(scheme.modules_to_not_convert) or None)
+        model, info = auto.from_pretrained(str(model_dir), dtype=dtype, quantization_config=q,
+                                           output_loading_info=True)
+        return model, info, "its FP8 loader, dequantizing"
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    block = list(scheme.block)
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = Path(tmp)
+        for f in model_dir.iterdir():
+            if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
+                shutil.copy(f, plain / f.name)
+        cfg = json.loads((model_dir / "config.json").read_text())
+        cfg.pop("quantization_config")
+        (plain / "config.json").write_text(json.dumps(cfg))
+        weights = {k: _dequantize_fp8_weight(v, state[k + SCALE_SUFFIX], block, dtype) if v.dtype == FP8 else v
+                   for k, v in state.items() if not (k.endswith(SCALE_SUFFIX) and k[:-len(SCALE_SUFFIX)] in state)}
+        save_weights(plain, weights)
+        model, info = auto.from_pretrained(str(plain), dtype=dtype, output_loading_info=True)
+    return model, info, "finegrained_fp8._dequantize_fp8_weight (its loader cannot read partial blocks)"

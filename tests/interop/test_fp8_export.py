@@ -1,0 +1,48 @@
+"""`kiln export` / `kiln verify-export` on block-scaled FP8 directories: written back FP8 byte for byte,
+or as plain bf16 on request; transformers' side dequantizes (its loader where it reads the blocks,
+its own block-true dequantization where the shapes leave partial blocks)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+from fp8_cases import make_fp8  # noqa: E402
+
+from kiln.cli.main import app
+
+
+def _run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], terminal_width=200)
+
+
+@pytest.mark.parametrize("block,loader", [((16, 16), "_dequantize_fp8_weight"), ((128, 128), "its FP8 loader")])
+def test_export_and_verify_fp8(tiny_factory, tmp_path, block, loader):
+    src = make_fp8(tiny_factory("deepseek_v3", "causal-lm"), tmp_path / "fp8", "DeepseekV3ForCausalLM", block=block,
+                   scale_fmt="ue8m0")
+    r = _run("export", src, "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    r = _run("verify-export", tmp_path / "out", "--source", src)
+    assert r.exit_code == 0, r.output
+    assert f"FP8 dequantized by {loader}" in r.output.replace("finegrained_fp8.", "") and "names/dtypes/bytes identical" in r.output
+    assert "FAIL" not in r.output
+
+    if block == (16, 16):  # on request: plain bf16, quantization_config dropped, an ordinary checkpoint
+        r = _run("export", src, "--out", tmp_path / "bf16", "--dtype", "bf16")
+        assert r.exit_code == 0, r.output
+        cfg = json.loads((tmp_path / "bf16" / "config.json").read_text())
+        weights = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+        assert "quantization_config" not in cfg and not any(k.endswith("_scale_inv") for k in weights)
+        # every weight bf16 (the router's correction bias stays float32, as transformers keeps it)
+        assert {v.dtype for k, v in weights.items() if k.endswith(".weight")} == {torch.bfloat16}
+        r = _run("verify-export", tmp_path / "bf16")
+        assert r.exit_code == 0 and "FAIL" not in r.output, r.output
+        r = _run("export", src, "--out", tmp_path / "x", "--dtype", "fp4")
+        assert r.exit_code == 1 and "--dtype 'fp4': choose one of bf16, fp16, fp32" in r.output
