@@ -26,8 +26,9 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -m "not slow"
 
+# Every workload of the results table, then benchmarks/RESULTS.md rewritten from this run (benchmarks/run_all.py).
 bench: $(STAMP)
-	for f in benchmarks/bench_*.py; do $(BIN)/python $$f || exit 1; done
+	$(BIN)/python benchmarks/run_all.py
 
 clean:
 	rm -rf $(VENV) demo-out runs

@@ -16,6 +16,8 @@ Activation checkpointing modes:
 from __future__ import annotations
 
 import functools
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -100,8 +102,16 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1) 
     return changed
 
 
+# Inductor's compiled kernels and graphs go to a cache that outlives /tmp, so the cold start (minutes on a
+# small CPU) is paid once per model shape and torch version, not once per run; TORCHINDUCTOR_CACHE_DIR wins.
+COMPILE_CACHE = Path.home() / ".cache" / "kiln" / "inductor"
+
+
 def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
-    """torch.compile each block in place (one graph per block type, reused by every layer)."""
+    """torch.compile each block in place (one graph per block type, reused by every layer).
+
+    Off by default (parallel.compile): on CPU it did not win for a BERT-base train step (benchmarks/RESULTS.md)."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE))
     blocks = find_blocks(model)
     for block in blocks:
         block.compile(backend=backend, fullgraph=False)

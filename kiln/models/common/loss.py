@@ -91,9 +91,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         saved = iter(ctx.saved_tensors)
         need_h, need_w, need_b = ctx.needs
-        grad_h = next(saved) * grad_out.to(ctx.dtypes[0]) if need_h else None
-        grad_w = (next(saved) * grad_out).to(ctx.dtypes[0]) if need_w else None
-        grad_b = (next(saved) * grad_out).to(ctx.dtypes[1]) if need_b else None
+        # A summed loss is backpropagated with gradient 1: hand the kept gradients over as they are (autograd
+        # copies what it keeps), so no second (vocab x hidden) buffer exists at the peak.
+        one = float(grad_out) == 1.0
+
+        def scaled(g, dtype):
+            return (g if one else g * grad_out).to(dtype)
+
+        grad_h = scaled(next(saved), ctx.dtypes[0]) if need_h else None
+        grad_w = scaled(next(saved), ctx.dtypes[0]) if need_w else None
+        grad_b = scaled(next(saved), ctx.dtypes[1]) if need_b else None
         return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
