@@ -19,6 +19,7 @@ from torch import nn
 from kiln.constants import IGNORE_INDEX
 from kiln.errors import ConfigError, KilnError
 from kiln.hub.outdir import describe, holdings
+from kiln.train.trackers import check_trackers
 
 
 def check_train_args(args: Any) -> None:
@@ -43,6 +44,7 @@ def check_train_args(args: Any) -> None:
             bad(name, getattr(args, name), ">= 0")
     if args.steps is not None and args.warmup_steps > args.steps:
         bad("warmup_steps", args.warmup_steps, f"at most train.steps ({args.steps})")
+    check_trackers(args.report_to)  # a missing tracker library is named now, not at the first log line
 
 
 def check_out_dir(out_dir: str | Path) -> None:

@@ -113,7 +113,9 @@ class TrainSection(Section):
                                           # layers:i,j, embeddings (kiln.train.freeze)
     log_every: int = 1
     progress: bool = True
-    tensorboard: bool = False
+    report_to: list[Literal["tensorboard", "wandb", "trackio"]] = []  # experiment trackers (kiln.train.trackers)
+    project: str = "kiln"                 # the W&B / Trackio project; the run is named after out_dir's folder
+    tensorboard: bool = False             # deprecated: report_to = ["tensorboard"]
     exact: bool = False                   # true: bit-exact with transformers; false: the fast path (within fp32 rounding)
     group_by_length: bool = True          # fine-tuning data: batches of similar lengths, padded to their longest
 
@@ -135,6 +137,8 @@ class TrainSection(Section):
             raise ValueError(f"train.min_lr_ratio must be within [0, 1], got {self.min_lr_ratio}")
         if self.early_stopping_patience and not self.best_metric:
             raise ValueError("train.early_stopping_patience needs train.best_metric to watch")
+        if self.tensorboard and "tensorboard" not in self.report_to:  # the old switch, kept as an alias
+            self.report_to = [*self.report_to, "tensorboard"]
         return self
 
 

@@ -1,5 +1,5 @@
 """Run metrics: metrics.jsonl (one JSON object per logged step or eval), a rich progress bar with
-ETA, and TensorBoard scalars when tensorboard is installed and asked for.
+ETA, and the same scalars sent to the experiment trackers of `train.report_to` (kiln.train.trackers).
 
 On resume the log is cut back to the checkpoint's step, so a killed-and-resumed run ends with
 exactly the lines an uninterrupted one writes.
@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from kiln.train.trackers import open_trackers, scalars
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -30,19 +32,15 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 class MetricsLog:
-    """Appends records to RUN_DIR/metrics.jsonl (rank 0 only), mirrored to TensorBoard if enabled."""
+    """Appends records to RUN_DIR/metrics.jsonl (rank 0 only), their scalars mirrored to each tracker of
+    `report_to` (opened here, with `config` as the run's hyper-parameters)."""
 
-    def __init__(self, run_dir: str | os.PathLike, enabled: bool = True, tensorboard: bool = False):
+    def __init__(self, run_dir: str | os.PathLike, enabled: bool = True, report_to: Sequence[str] = (),
+                 config: dict[str, Any] | None = None, project: str = "kiln"):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
         self._file = None
-        self._tb = None
-        if enabled and tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
-            except ImportError:
-                print("tensorboard is not installed; metrics go to metrics.jsonl only")
+        self._trackers = open_trackers(list(report_to), run_dir, project, config or {}) if enabled else []
 
     def truncate_after(self, step: int) -> None:
         """Keep only records up to `step` (a resume from the checkpoint at `step`)."""
@@ -64,10 +62,10 @@ class MetricsLog:
             self._file = open(self.path, "a", encoding="utf-8")
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self._tb.add_scalar(k, v, record["step"])
+        values = scalars(record)
+        if values:
+            for tracker in self._trackers:
+                tracker.log(record["step"], values)
 
     def sync(self) -> None:
         """fsync before a checkpoint, so every line up to its step survives a crash."""
@@ -78,8 +76,9 @@ class MetricsLog:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
 
 
 class ProgressBar:

@@ -167,7 +167,8 @@ class Trainer:
         for g, lr in zip(self.optimizer.param_groups, self.base_lrs):
             g["initial_lr"] = lr
         self.scaler = torch.amp.GradScaler(self.device.type) if a.precision == "fp16" else None
-        self.metrics = MetricsLog(self.out_dir, enabled=self.world.main, tensorboard=a.tensorboard)
+        self.metrics = MetricsLog(self.out_dir, enabled=self.world.main, report_to=a.report_to,
+                                  config=self.run_config, project=a.project)
         if start is not None:
             self._restore(start)
             if self.config_notes and self.world.main:
