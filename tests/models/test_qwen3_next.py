@@ -1,6 +1,6 @@
 """Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (text and image-text checkpoints): HF -> kiln -> HF bit for bit on the
 exact delta rule (logits, loss, gradients, greedy decoding with both caches); the fast chunked rule within
-1e-5 of it, gradients included, on 64, 1000 and 4096 tokens; packed rows restart the DeltaNet state per
+1e-5 of it (of float64 for gradients) on 64, 1000 and 4096 tokens; packed rows restart the DeltaNet state per
 sample; vision tower and MTP tensors round-trip; LoRA on the DeltaNet projections loads in PEFT."""
 
 from __future__ import annotations
@@ -111,59 +111,70 @@ def test_greedy_generation_equals_transformers_with_both_caches(model_type, tiny
     assert len(cache) == 7 and cache.keys[0] is None and cache.keys[1].shape[-2] == 7
 
 
-def _fast_vs_reference(src, T: int, vocab: int) -> None:
-    ref = AutoModelForCausalLM.from_pretrained(src).train()
-    fast = delta_rule.set_fast(AutoModelForCausalLM.from_pretrained(src).train())
-    assert all(m.fast_delta_rule for m in fast.modules() if hasattr(m, "fast_delta_rule"))
-    ids = torch.randint(0, vocab, (2, T), generator=torch.Generator().manual_seed(T))
+def _run(src, T: int, fast: bool, dtype: torch.dtype = torch.float32):
+    """Logits, loss and gradients (as float64) of a training step on 2 rows of T tokens, one left-padded."""
+    model = delta_rule.set_fast(AutoModelForCausalLM.from_pretrained(src).train().to(dtype), fast)
+    assert all(m.fast_delta_rule == fast for m in model.modules() if hasattr(m, "fast_delta_rule"))
+    ids = torch.randint(0, 99, (2, T), generator=torch.Generator().manual_seed(T))
     attn = torch.ones_like(ids)
-    attn[1, :5] = 0  # left padding in one row
-    a, b = ref(input_ids=ids, attention_mask=attn, labels=ids), fast(input_ids=ids, attention_mask=attn, labels=ids)
-    assert rel(b.logits, a.logits) < 1e-5, f"T={T} logits rel diff {rel(b.logits, a.logits):.2e}"
-    assert abs(a.loss.item() - b.loss.item()) <= 1e-5 * abs(a.loss.item())
-    a.loss.backward()
-    b.loss.backward()
-    grads = dict(fast.named_parameters())
-    for name, p in ref.named_parameters():
-        r = rel(grads[name].grad, p.grad)
-        assert r < 1e-5, f"T={T} {name} grad rel diff {r:.2e}"
+    attn[1, :5] = 0
+    out = model(input_ids=ids, attention_mask=attn, labels=ids)
+    out.loss.backward()
+    return out.logits.double(), out.loss.double(), {n: p.grad.double() for n, p in model.named_parameters()}
+
+
+def _within(got, want, tol: float, what: str) -> None:
+    logits, loss, grads = got
+    assert rel(logits, want[0]) < tol, f"{what}: logits rel diff {rel(logits, want[0]):.2e}"
+    assert rel(loss, want[1]) < tol, f"{what}: loss rel diff {rel(loss, want[1]):.2e}"
+    for name, g in grads.items():
+        assert rel(g, want[2][name]) < tol, f"{what}: {name} grad rel diff {rel(g, want[2][name]):.2e}"
 
 
 @pytest.mark.parametrize("T", [64, 1000])
 def test_fast_delta_rule_matches_reference_with_gradients(T, tiny_factory):
-    _fast_vs_reference(tiny_factory("qwen3_next", "causal-lm"), T, 99)
+    src = tiny_factory("qwen3_next", "causal-lm")
+    ref, fast = _run(src, T, fast=False), _run(src, T, fast=True)
+    _within(fast[:2] + ({},), ref, 1e-5, f"T={T}")
+    # gradients: two fp32 roundings of the same sums; at T=1000 the exact (transformers) path is itself
+    # ~1.5e-5 from float64 on some tensors while the fast path stays within 1e-5 of it (next test)
+    _within(fast, ref, 2e-5, f"T={T}")
 
 
-@pytest.mark.slow
-def test_fast_delta_rule_matches_reference_at_4096_tokens(tiny_factory):
-    src = tiny_factory("qwen3_5_text", "causal-lm", seed=1, hidden_size=16, intermediate_size=16,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, linear_key_head_dim=8,
-                       linear_value_head_dim=8, linear_num_key_heads=1, linear_num_value_heads=2,
-                       max_position_embeddings=4096)
-    _fast_vs_reference(src, 4096, 99)
+@pytest.mark.parametrize("T", [1000, pytest.param(4096, marks=pytest.mark.slow)])
+def test_fast_delta_rule_within_fp32_rounding_of_float64(T, tiny_factory):
+    """Against the exact rule run in float64: the fast path in float32 is within 1e-5, gradients included."""
+    narrow = {} if T < 4096 else dict(hidden_size=16, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
+                                      head_dim=8, linear_num_key_heads=1, linear_num_value_heads=2)
+    src = tiny_factory("qwen3_5_text", "causal-lm", max_position_embeddings=4096, **narrow)
+    _within(_run(src, T, fast=True), _run(src, T, fast=False, dtype=torch.float64), 1e-5, f"T={T} fast vs float64")
 
 
 def test_fast_rule_restarts_and_initial_state_against_a_token_loop():
-    """The kernel alone, in float64: analytic backward vs autograd's numbers; restarts = separate sequences."""
+    """The fast rule in float64 (chunks of 4, 2 q/k heads over 4 value heads): equal to the recurrence token by
+    token with the state zeroed where a packed sample starts; its analytic backward passes gradcheck."""
     g = torch.Generator().manual_seed(0)
-    N, T, L = 2, 13, 4
-    q, v = torch.randn(N, T, 3, generator=g, dtype=torch.float64), torch.randn(N, T, 2, generator=g, dtype=torch.float64)
-    k = torch.nn.functional.normalize(torch.randn(N, T, 3, generator=g, dtype=torch.float64), dim=-1)
-    beta, decay = torch.rand(N, T, generator=g, dtype=torch.float64), -torch.rand(N, T, generator=g, dtype=torch.float64)
-    s0 = torch.randn(N, 3, 2, generator=g, dtype=torch.float64)
-    resets = torch.zeros(1, T, dtype=torch.bool)
-    resets[0, [5, 8]] = True  # samples [0, 5), [5, 8), [8, 13)
-    out, final = delta_rule._ChunkedDeltaRule.apply(q, k, v, beta, decay, s0, resets, N, L)
-    for n in range(N):  # the recurrence token by token, the state zeroed where a sample starts
-        s = s0[n].clone()
-        for t in range(T):
-            s = torch.zeros_like(s) if resets[0, t] else s
-            s = decay[n, t].exp() * s
-            s = s + torch.outer(k[n, t], beta[n, t] * (v[n, t] - s.T @ k[n, t]))
-            torch.testing.assert_close(out[n, t], s.T @ q[n, t])
-        torch.testing.assert_close(final[n], s)
-    inputs = [x.clone().requires_grad_() for x in (q, k, v, beta, decay, s0)]
-    assert torch.autograd.gradcheck(lambda *x: delta_rule._ChunkedDeltaRule.apply(*x, resets, N, L), inputs)
+    B, T = 2, 13
+    q, k = torch.randn(B, T, 2, 3, generator=g, dtype=torch.float64), torch.randn(B, T, 2, 3, generator=g, dtype=torch.float64)
+    v = torch.randn(B, T, 4, 2, generator=g, dtype=torch.float64)
+    decay, beta = -torch.rand(B, T, 4, generator=g, dtype=torch.float64), torch.rand(B, T, 4, generator=g, dtype=torch.float64)
+    s0 = torch.randn(B, 4, 3, 2, generator=g, dtype=torch.float64)
+    resets = torch.zeros(B, T, dtype=torch.bool)
+    resets[0, [5, 8]] = True  # row 0: samples [0, 5), [5, 8), [8, 13); row 1: one sample
+    out, final = delta_rule.chunk_fast(q, k, v, decay, beta, s0, True, resets, chunk_size=4)
+    qn, kn = delta_rule.l2norm(q) * 3**-0.5, delta_rule.l2norm(k)
+    for b in range(B):
+        for h in range(4):
+            s = s0[b, h].clone()
+            for t in range(T):
+                s = torch.zeros_like(s) if resets[b, t] else s
+                s = decay[b, t, h].exp() * s
+                kt = kn[b, t, h // 2]
+                s = s + torch.outer(kt, beta[b, t, h] * (v[b, t, h] - s.T @ kt))
+                torch.testing.assert_close(out[b, t, h], s.T @ qn[b, t, h // 2], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(final[b, h], s, rtol=1e-5, atol=1e-6)
+    inputs = [x.clone().requires_grad_() for x in (q, k, v, decay, beta, s0)]
+    assert torch.autograd.gradcheck(lambda *x: delta_rule.chunk_fast(*x[:5], x[5], True, resets, chunk_size=4), inputs)
 
 
 def test_reference_rules_are_transformers_fallbacks_bit_for_bit():

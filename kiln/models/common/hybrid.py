@@ -97,17 +97,25 @@ def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: 
     return act(out).to(x.dtype)
 
 
-def segment_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 act: Callable[[torch.Tensor], torch.Tensor], resets: torch.Tensor) -> torch.Tensor:
-    """Causal depthwise conv x (B, C, T) whose window never reaches back past a sample start (`resets` (B, T))."""
+def tap_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             act: Callable[[torch.Tensor], torch.Tensor], resets: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal depthwise conv x (B, C, T) as K shifted multiply-adds (fast path and packed rows).
+
+    Its backward is K elementwise products, where torch's CPU depthwise conv1d backward takes seconds.
+    With `resets` (B, T) the window never reaches back past the start of a packed sample.
+    """
     T, K = x.shape[-1], weight.shape[-1]
-    idx = torch.arange(T, device=x.device)
-    offset = idx - torch.where(resets, idx, 0).cummax(-1).values  # (B, T) steps since the sample began
     xp = F.pad(x.to(weight.dtype), (K - 1, 0))
-    out = torch.zeros_like(xp[..., :T])
+    seen = None
+    if resets is not None:
+        idx = torch.arange(T, device=x.device)
+        seen = idx - torch.where(resets, idx, 0).cummax(-1).values  # (B, T) steps since the sample began
+    out = None
     for j in range(K):  # tap j looks K-1-j steps back
-        seen = (offset >= K - 1 - j)[:, None, :].to(xp.dtype)
-        out = out + weight[:, 0, j, None] * xp[..., j:j + T] * seen
+        tap = xp[..., j:j + T]
+        if seen is not None:
+            tap = tap * (seen >= K - 1 - j)[:, None, :].to(xp.dtype)
+        out = tap * weight[:, 0, j, None] if out is None else torch.addcmul(out, tap, weight[:, 0, j, None])
     if bias is not None:
         out = out + bias[:, None]
     return act(out).to(x.dtype)
@@ -182,10 +190,10 @@ class GatedDeltaNet(nn.Module):
                 if conv_state is None and qkv.shape[-1] < K:
                     qkv = F.pad(qkv, (K - qkv.shape[-1], 0))
                 cache.conv_states[i] = qkv[..., -K:].clone()
-            if resets is None:
+            if resets is None and not self.fast_delta_rule:
                 qkv = causal_conv1d(qkv, weight, bias, self.act)
             else:
-                qkv = segment_conv(qkv, weight, bias, self.act, resets)
+                qkv = tap_conv(qkv, weight, bias, self.act, resets)
             if cache is not None:
                 qkv = qkv[:, :, -T:]
         q, k, v = torch.split(qkv.transpose(1, 2), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
