@@ -110,3 +110,18 @@ def test_fp8_sigkill_then_resume_matches_uninterrupted(tmp_path, tiny_dir, data_
     curve = [{k: v for k, v in r.items() if not k.endswith("_per_s")} for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
     ref = [{k: v for k, v in r.items() if not k.endswith("_per_s")} for r in read_metrics(tmp_path / "ref" / "metrics.jsonl")]
     assert curve == ref and len([r for r in curve if "loss" in r]) == 12
+
+
+def test_torchao_recipe_where_torchao_installs():
+    """torchao's float8 training as the second recipe (torchao 0.18 runs its tensorwise recipe on CPU)."""
+    pytest.importorskip("torchao.float8")
+    cfg = AutoConfig.for_model("qwen3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = from_config(cfg, task="causal-lm", seed=0)
+    names = swap_fp8(model, "torchao")
+    assert len(names) == 7 and all(type(model.get_submodule("model.layers." + n)).__name__ == "Float8Linear"
+                                   for n in names)
+    ids = torch.stack([r["input_ids"] for r in _bigram_data(4, length=9)])
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and model.model.layers[0].mlp.up_proj.weight.grad is not None
