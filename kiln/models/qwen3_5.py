@@ -15,6 +15,7 @@ Deltas from Qwen3-Next (`qwen3_next.py`):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -121,9 +122,18 @@ class Qwen3_5MoeConfig(ImageTextConfig, Qwen3_5MoeTextConfig):
     text_tie_word_embeddings: bool | None = None
 
 
+_PER_EXPERT = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+_FUSED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
 class ImageTextForCausalLM(ForCausalLM):
     """The text model + LM head of an image-text checkpoint; tensors it does not use (vision tower,
-    MTP layers) are held in `hf_passthrough` and saved back byte for byte."""
+    MTP layers) are held in `hf_passthrough` and saved back byte for byte.
+
+    Released Qwen3.5-MoE checkpoints store each layer's experts fused (gate_up_proj (E, 2I, C),
+    down_proj (E, C, I), kiln's own layout); transformers writes one tensor per expert. Both load,
+    and the export keeps the layout it was read in.
+    """
 
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor], source: str = "checkpoint",
                            source_task: str | None = None):
@@ -131,10 +141,16 @@ class ImageTextForCausalLM(ForCausalLM):
         other = {k: v for k, v in hf.items() if keymap.kiln_name(k) is None}
         report = super().load_hf_state_dict({k: v for k, v in hf.items() if k not in other}, source, source_task)
         self.hf_passthrough = other
+        self.fused_experts = any(k.startswith(self.family.hf_prefix + ".") and k.endswith(_FUSED) for k in hf)
         return report
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         hf = super().hf_state_dict()
+        if getattr(self, "fused_experts", False):
+            hf = {k: v for k, v in hf.items() if not _PER_EXPERT.match(k)}
+            for k, v in self.state_dict().items():  # kiln "model.layers..." -> "model.language_model.layers..."
+                if k.endswith(_FUSED):
+                    hf[self.family.hf_prefix + k[len("model"):]] = v
         hf.update(getattr(self, "hf_passthrough", {}))
         return hf
 

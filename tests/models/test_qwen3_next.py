@@ -249,6 +249,32 @@ def test_image_text_checkpoint_round_trips_vision_and_mtp(model_type, tiny_facto
     same(a.loss, b.loss, "ForConditionalGeneration loss")
 
 
+def test_released_moe_layout_with_fused_experts_loads_and_exports_fused(tiny_factory, tmp_path):
+    """Qwen3.5-MoE releases store experts fused per layer: gate_up_proj (E, 2I, C), down_proj (E, C, I)."""
+    import shutil
+
+    src = tmp_path / "fused"
+    shutil.copytree(tiny_factory("qwen3_5_moe", "causal-lm"), src)
+    per_expert = load_file(str(src / "model.safetensors"))
+    fused = {k: v for k, v in per_expert.items() if ".experts." not in k}
+    for layer in range(2):
+        p = f"model.language_model.layers.{layer}.mlp.experts"
+        fused[f"{p}.gate_up_proj"] = torch.stack([torch.cat([per_expert[f"{p}.{e}.gate_proj.weight"],
+                                                             per_expert[f"{p}.{e}.up_proj.weight"]]) for e in range(4)])
+        fused[f"{p}.down_proj"] = torch.stack([per_expert[f"{p}.{e}.down_proj.weight"] for e in range(4)])
+    save_file(fused, str(src / "model.safetensors"), metadata={"format": "pt"})
+    ours = AutoModelForCausalLM.from_pretrained(src)
+    hf = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(src).eval()
+    batch = batches()[2]
+    with torch.no_grad():
+        same(ours(**batch).logits, hf(**batch).logits, "logits from fused experts")
+    out = export_model(ours, tmp_path / "export")
+    back = load_file(str(out / "model.safetensors"))
+    assert set(back) == set(fused) and all(torch.equal(back[k], v) for k, v in fused.items())
+    _, info = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
+
+
 def test_multimodal_rotary_matches_transformers_on_3d_positions(tiny_factory):
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_factory("qwen3_5_text", "causal-lm"))
     ours = AutoModelForCausalLM.from_pretrained(tiny_factory("qwen3_5_text", "causal-lm"))
