@@ -1,4 +1,5 @@
-"""Rows in: JSONL and CSV files read into dicts, each remembering the file:line it came from.
+"""Rows in: JSONL and CSV files read into dicts, each remembering the file:line it came from; HF datasets
+sources (a save_to_disk folder, parquet, arrow, a JSON array) through kiln.data.hfdata, as file:row N.
 
 Errors name the file and line (a JSONL line that is not JSON, a row missing a field), so a user
 can open the file at the spot.
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kiln.data.hfdata import is_hf_source, iter_rows
 from kiln.errors import KilnError
 from kiln.hub.jsonio import iter_jsonl
 
@@ -31,23 +33,27 @@ class Record:
 def detect_format(path: Path, fmt: str = "auto") -> str:
     if fmt != "auto":
         return fmt
+    if is_hf_source(path):
+        return "datasets"
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json", ".ndjson"):
         return "jsonl"
     if suffix in (".csv", ".tsv"):
         return "csv"
-    raise KilnError(f"{path}: cannot tell the format from the extension {suffix!r}; "
-                    "use .jsonl or .csv, or set data.format")
+    raise KilnError(f"{path}: cannot tell the format from the extension {suffix!r}; use .jsonl, .csv, .parquet, "
+                    ".arrow, .json or a datasets save_to_disk folder, or set data.format")
 
 
 def read_records(path: str | os.PathLike, fmt: str = "auto") -> list[Record]:
-    """All rows of a JSONL or CSV file. Blank JSONL lines are skipped."""
+    """All rows of a JSONL or CSV file, or of an HF datasets source. Blank JSONL lines are skipped."""
     path = Path(path)
-    if not path.is_file():
+    if not path.is_file() and not (path.is_dir() and fmt in ("auto", "datasets")):
         raise KilnError(f"{path}: data file not found")
     fmt = detect_format(path, fmt)
     records: list[Record] = []
-    if fmt == "jsonl":
+    if fmt == "datasets":
+        records = [Record(row, where) for where, row in iter_rows(path)]
+    elif fmt == "jsonl":
         records = [Record(row, f"{path}:{no}") for no, row, _ in iter_jsonl(path)]
     else:
         with open(path, encoding="utf-8", newline="") as f:

@@ -1,7 +1,8 @@
 """Text in, token shards out: what `kiln tokenize` runs.
 
-Inputs are text files (one document per file), JSONL (one document per line, in a text field)
-and parquet / arrow files (a text column); directories are walked for those suffixes, in sorted
+Inputs are text files (one document per file), JSONL (one document per line, in a text field),
+parquet / arrow files (a text column) and HF datasets save_to_disk folders or JSON-array files (read
+through kiln.data.hfdata); directories are walked for those suffixes, in sorted
 order. Documents are read in the main process and tokenized in batches by worker processes;
 results are taken back in submission order, so the shards are the same for any worker count.
 A document goes to the validation split when a hash of (seed, its index) says so: the split is
@@ -21,6 +22,7 @@ from typing import Iterator
 import numpy as np
 
 from kiln.data.shards import MANIFEST, ShardError, ShardWriter, dtype_for_vocab, tokenizer_digest, write_manifest
+from kiln.data.hfdata import is_hf_source, iter_rows
 from kiln.errors import KilnError
 from kiln.hub.jsonio import iter_jsonl
 
@@ -42,7 +44,9 @@ def input_files(paths: list[str | os.PathLike]) -> list[Path]:
     out: list[Path] = []
     known = TEXT_SUFFIXES + JSONL_SUFFIXES + TABLE_SUFFIXES
     for p in map(Path, paths):
-        if p.is_dir():
+        if is_hf_source(p):  # a datasets save_to_disk folder or a JSON array: read whole by kiln.data.hfdata
+            out.append(p)
+        elif p.is_dir():
             found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in known)
             if not found:
                 raise KilnError(f"{p}: no {', '.join(known)} files in this directory")
@@ -110,11 +114,21 @@ def _table_docs(path: Path, field: str) -> Iterator[Doc]:
             yield Doc(value, f"{path}:row {row}", share if i == 0 else 0)
 
 
+def _dataset_docs(path: Path, field: str) -> Iterator[Doc]:
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
+    for i, (where, row) in enumerate(iter_rows(path, need=field)):
+        if not isinstance(row[field], str):
+            raise KilnError(f"{where}: column {field!r} is {type(row[field]).__name__}, not a string")
+        yield Doc(row[field], where, size if i == 0 else 0)
+
+
 def read_documents(files: list[Path], text_field: str = "text", errors: str = "strict") -> Iterator[Doc]:
     """Every document of every file, in order."""
     for path in files:
         suffix = path.suffix.lower()
-        if suffix in TEXT_SUFFIXES:
+        if suffix not in TABLE_SUFFIXES and is_hf_source(path):
+            yield from _dataset_docs(path, text_field)
+        elif suffix in TEXT_SUFFIXES:
             raw = path.read_bytes()
             yield Doc(_decode(raw, str(path), errors), str(path), len(raw))
         elif suffix in JSONL_SUFFIXES:

@@ -57,7 +57,7 @@ class ModelSection(Section):
 class DataSection(Section):
     train: str
     eval: str | None = None
-    format: Literal["auto", "jsonl", "csv"] = "auto"
+    format: Literal["auto", "jsonl", "csv", "datasets"] = "auto"   # datasets: parquet, arrow, JSON, save_to_disk
     text_field: str = "text"
     text_pair_field: str | None = None   # second segment for pair classification
     label_field: str = "label"           # a label name (or list of tag names for token classification)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from kiln.data import read_records
+from kiln.data.hfdata import source_sha256
 from kiln.errors import ConfigError, KilnError
-from kiln.hub.files import file_sha256
 from kiln.models.auto import load_config
 from kiln.models.tasks import Task, get_task
 from kiln.train.checks import check_examples, check_model_tokenizer
@@ -41,7 +41,7 @@ class FineTune(Recipe):
 
     def fingerprint(self, cfg: Any, labels: list[str] | None) -> dict:
         d = cfg.data
-        return {"train": str(d.train), "train_sha256": file_sha256(d.train), "max_length": d.max_length,
+        return {"train": str(d.train), "train_sha256": source_sha256(d.train), "max_length": d.max_length,
                 "labels": labels}
 
     def empty_hint(self, cfg: Any) -> str:
