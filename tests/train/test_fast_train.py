@@ -127,3 +127,13 @@ def test_sft_packing_asked_for_is_refused_for_such_a_model(chat_dir):
     r = CliRunner().invoke(app, ["train", "--config", str(cfg)])
     assert r.exit_code != 0
     assert "data.pack = true" in r.output and "does not keep packed samples apart" in r.output
+
+
+def test_adamw_is_fused_where_torch_has_it_else_foreach():
+    from kiln.train.optim import adamw, param_groups
+
+    model = torch.nn.Linear(4, 3)
+    opt = adamw(param_groups(model, 0.01), 1e-3)
+    assert opt.defaults["fused"] is True and not opt.defaults["foreach"]
+    opt64 = adamw(param_groups(torch.nn.Linear(4, 3).double(), 0.01), 1e-3)  # no fused kernel for float64
+    assert opt64.defaults["foreach"] is True and not opt64.defaults["fused"]
