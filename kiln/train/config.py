@@ -75,11 +75,17 @@ class DataSection(Section):
     within_doc: bool = False             # attention kept inside each document of a packed window
     num_workers: int = 0                 # DataLoader worker processes reading the shards
     prefetch: int = 2                    # batches each worker may hold ready
+    # Pre-training from raw token ids (kiln.data.raw): train is a .npy/.bin file or a folder of them (no manifest).
+    dtype: Literal["uint16", "int32", "uint32", "int64"] | None = None  # of .bin files (a .npy says its own)
+    extension: str = ".bin"              # a folder's token files end with this
+    val_fraction: float = 0.0            # held out at train time: a flat file's tail, or a folder's last shards
 
     @model_validator(mode="after")
     def _check(self) -> "DataSection":
         if self.max_length < 1 or self.num_workers < 0 or self.prefetch < 1:
             raise ValueError("data.max_length and data.prefetch must be >= 1, data.num_workers >= 0")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must be within [0, 1), got {self.val_fraction}")
         return self
 
 
@@ -99,6 +105,7 @@ class TrainSection(Section):
     min_lr_ratio: float = 0.0             # the schedule's floor, as a fraction of lr
     clip_grad_norm: float | None = 1.0
     eval_every: int = 0                   # 0: only at the end (when there is eval data)
+    eval_batches: int | None = None       # at most this many batches per evaluation; None: all of the eval data
     save_every: int = 0                   # 0: only at the end
     save_at_end: bool = True
     keep_last: int = 3
@@ -128,6 +135,8 @@ class TrainSection(Section):
     def _check(self) -> "TrainSection":
         if self.steps is None and self.epochs is None:
             raise ValueError("set train.steps or train.epochs")
+        if self.eval_batches is not None and self.eval_batches < 1:
+            raise ValueError(f"train.eval_batches must be >= 1 (unset: all of the eval data), got {self.eval_batches}")
         for name in ("batch_size", "grad_accum", "keep_last", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")

@@ -24,6 +24,7 @@ the fields of `TrainSection`, given as `args=` and/or keyword overrides; `parall
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import time
@@ -384,7 +385,8 @@ class Trainer:
             else self.eval_data
         # Every rank evaluates its share; default_evaluate sums the counts over ranks.
         eval_loader.rank, eval_loader.world_size = self.data_rank, self.data_shards
-        return default_evaluate(self.model, eval_loader, self.device, self.world, self.autocast)
+        batches = itertools.islice(eval_loader, self.args.eval_batches)  # train.eval_batches caps it (None: all)
+        return default_evaluate(self.model, batches, self.device, self.world, self.autocast)
 
     def _evaluate(self) -> bool:
         metrics = self.run_eval()

@@ -72,8 +72,9 @@ class Extension:
         raise NotImplementedError
 
 
-def build_model(cfg: Any, labels: list[str] | None) -> Any:
-    """The [model] section's model: loaded from model.path, or built from model.family + config."""
+def build_model(cfg: Any, labels: list[str] | None, need_tokenizer: bool = True) -> Any:
+    """The [model] section's model: loaded from model.path, or built from model.family + config (with
+    model.tokenizer, unless `need_tokenizer` is False: data that is token ids already)."""
     m = cfg.model
     changes: dict[str, Any] = {"labels": labels} if labels else {}
     if m.path is not None:
@@ -82,6 +83,8 @@ def build_model(cfg: Any, labels: list[str] | None) -> Any:
     if labels:
         config.set_labels(labels)
     model = from_config(config, task=m.task, seed=m.init_seed)
+    if m.tokenizer is None and not need_tokenizer:
+        return model
     if m.tokenizer is None:
         raise ConfigError("model.family builds a model from scratch; set model.tokenizer to a directory "
                           "with tokenizer.json or vocab.txt")

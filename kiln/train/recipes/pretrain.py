@@ -1,8 +1,10 @@
 """pretrain: next-token loss on packed windows of `kiln tokenize` shards, held-out loss and perplexity.
 
-`kiln train` runs it when `data.train` is a shard directory. From Python:
+`kiln train` runs it when `data.train` is a shard directory, or raw token ids (a .npy/.bin file or a folder
+of them, kiln.data.raw; data.val_fraction holds out a part at train time). From Python:
 
-    from kiln.data.shards import ShardSet
+    from kiln.data.raw import RawTokens, raw_files
+from kiln.data.shards import ShardSet
     from kiln.data.stream import StreamLoader, Windows
     from kiln.train import Trainer
     from kiln.train.recipes.pretrain import lm_step
@@ -16,6 +18,7 @@ and in RUN_DIR/run_state.json; a resumed run reads exactly the windows an uninte
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from pathlib import Path
@@ -24,6 +27,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from kiln.data.raw import RawTokens, raw_files
 from kiln.data.shards import MANIFEST, ShardSet, check_tokenizer, tokenizer_digest
 from kiln.data.stream import EpochStream, StreamLoader, Windows, data_loader
 from kiln.errors import ConfigError
@@ -38,6 +42,10 @@ from kiln.train.recipes.base import Recipe, RunParts, Shortcut, build_model
 
 def is_shard_dir(path: str | None) -> bool:
     return path is not None and (Path(path) / MANIFEST).is_file()
+
+
+def _raw(cfg: Any) -> list[Path] | None:
+    return None if cfg.data.train is None else raw_files(cfg.data.train, cfg.data.extension)
 
 
 def lm_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +74,8 @@ def evaluate_windows(trainer: Any, windows: Windows, batch_size: int) -> dict[st
     model.eval()
     sums = torch.zeros(len(scored), 2, dtype=torch.float64)
     # tp ranks of one group read the same windows; their duplicate sums leave the ratio unchanged
-    for batch in data_loader(EpochStream(windows, batch_size, trainer.data_rank, trainer.data_shards)):
+    batches = data_loader(EpochStream(windows, batch_size, trainer.data_rank, trainer.data_shards))
+    for batch in itertools.islice(batches, trainer.args.eval_batches):  # train.eval_batches caps it (None: all)
         batch = {k: v.to(trainer.device) for k, v in batch.items()}
         for i, m in enumerate(scored.values()):
             with trainer.autocast():
@@ -101,10 +110,13 @@ class Pretrain(Recipe):
                  Shortcut("layers", "model.config.num_hidden_layers"))
 
     def matches(self, cfg: Any) -> bool:
-        return is_shard_dir(cfg.data.train)
+        return is_shard_dir(cfg.data.train) or _raw(cfg) is not None
 
     def build(self, cfg: Any, on_model: Callable[[Any], None]) -> RunParts:
         d = cfg.data
+        raw = _raw(cfg)
+        if raw is not None:
+            return self._build_raw(cfg, raw, on_model)
         if cfg.model.task != CAUSAL_LM:
             raise ConfigError(f"data.train {d.train} is a token shard directory, which only model.task = "
                               f"{CAUSAL_LM!r} reads (not {cfg.model.task!r})")
@@ -131,6 +143,41 @@ class Pretrain(Recipe):
             evaluate = lambda trainer: evaluate_windows(trainer, held_out, cfg.train.batch_size)  # noqa: E731
         fingerprint = {"train": str(d.train), "manifest_sha256": file_sha256(Path(d.train) / MANIFEST),
                        "split": d.train_split, "seq_len": d.max_length, "within_doc": d.within_doc}
+        return RunParts(model, loader, step=lm_step, evaluate=evaluate, fingerprint=fingerprint)
+
+    def _build_raw(self, cfg: Any, files: list[Path], on_model: Callable[[Any], None]) -> RunParts:
+        """Raw token ids: no tokenizer or manifest; ids checked against the model's vocabulary."""
+        d = cfg.data
+        if cfg.model.task != CAUSAL_LM:
+            raise ConfigError(f"data.train {d.train} holds raw token ids, which only model.task = {CAUSAL_LM!r} "
+                              f"reads (not {cfg.model.task!r})")
+        if cfg.lora is not None:
+            raise ConfigError("[lora] is for fine-tuning; pre-training from token ids trains every weight")
+        eval_files = raw_files(d.eval, d.extension) if d.eval is not None else None
+        if d.eval is not None and eval_files is None:
+            raise ConfigError(f"data.eval {d.eval} must hold raw token ids too (data.train does)")
+        if eval_files is not None and d.val_fraction > 0:
+            raise ConfigError("set data.eval or data.val_fraction, not both (each gives the held-out data)")
+        model = build_model(cfg, None, need_tokenizer=False)
+        on_model(model)
+        vocab = model.config.vocab_size
+        eos = getattr(model.config, "eos_token_id", None)
+        eos = int(eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0  # pads short windows
+        train_ids = RawTokens(files, "train", vocab, eos, d.dtype, d.val_fraction)
+        train = Windows(train_ids, d.max_length, seed=cfg.train.seed, within_doc=d.within_doc)
+        check_model_tokenizer(model, d.max_length, cfg.model.path or cfg.model.family, cfg.train.precision)
+        rank, shards = data_shard(cfg.parallel, int(os.environ.get("RANK", "0")),
+                                  int(os.environ.get("WORLD_SIZE", "1")))
+        loader = StreamLoader(train, cfg.train.batch_size, rank=rank, world_size=shards, num_workers=d.num_workers,
+                              prefetch=d.prefetch)
+        evaluate = None
+        if eval_files is not None or d.val_fraction > 0:
+            held_ids = (RawTokens(eval_files, "train", vocab, eos, d.dtype) if eval_files is not None
+                        else RawTokens(files, "val", vocab, eos, d.dtype, d.val_fraction))
+            held_out = Windows(held_ids, d.max_length, shuffle=False, within_doc=d.within_doc)
+            evaluate = lambda trainer: evaluate_windows(trainer, held_out, cfg.train.batch_size)  # noqa: E731
+        fingerprint = {"train": str(d.train), **train_ids.fingerprint(), "val_fraction": d.val_fraction,
+                       "seq_len": d.max_length, "within_doc": d.within_doc}
         return RunParts(model, loader, step=lm_step, evaluate=evaluate, fingerprint=fingerprint)
 
 
