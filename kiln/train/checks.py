@@ -53,10 +53,12 @@ def check_out_dir(out_dir: str | Path) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"train.out_dir {out}: is a file, not a directory")
     found = holdings(out)
-    run = found.pop("a training run", None)
-    if run:
-        raise ConfigError(f"train.out_dir {out} already holds a run ({', '.join(run[:3])}); continue it with "
-                          "--resume, or choose another train.out_dir")
+    if found.pop("a training run", None):
+        from kiln.train.checkpoint import list_paths
+
+        used = [p.name for p in (out / "metrics.jsonl", *list_paths(out)) if p.exists()]
+        raise ConfigError(f"{out} already holds a run ({', '.join(used[:3]) or 'run_state.json'}); continue it "
+                          "with --resume, or choose another train.out_dir")
     if found:
         raise ConfigError(f"train.out_dir {out}: already holds {describe(found)}; a run writes checkpoints and "
                           "metrics there, so choose an empty or new directory")

@@ -1,7 +1,9 @@
 """What a resume must not change, and the message when it did.
 
-A checkpoint records a fingerprint: every parameter's shape and dtype, the data source, the
-precision and the world size. Resuming with a different one is refused, naming what changed.
+A checkpoint records a fingerprint (every parameter's shape and dtype, the data source, the
+precision, the world size) and the run config. Resuming with a different fingerprint, or a config
+changed in a key that breaks exactness, is refused naming every change; other changed keys (lr,
+steps, cadences) are allowed and returned for a note.
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ def _shape_changes(old: dict[str, list], new: dict[str, list]) -> list[str]:
     return out
 
 
-def check_fingerprint(path: Path, old: dict[str, Any], new: dict[str, Any]) -> None:
-    """Raise a KilnError listing each difference between a checkpoint's fingerprint and this run's."""
+def check_fingerprint(path: Path, old: dict[str, Any], new: dict[str, Any],
+                      settings: tuple[list[str], list[str]] = ([], [])) -> None:
+    """Raise a KilnError listing each difference between a checkpoint's fingerprint and this run's, and
+    the run-config `settings` changes (refused, allowed; from `config_changes`)."""
+    refused, allowed = settings
     problems = []
     shapes = _shape_changes(old["model"]["shapes"], new["model"]["shapes"])
     if shapes:
@@ -45,8 +50,13 @@ def check_fingerprint(path: Path, old: dict[str, Any], new: dict[str, Any]) -> N
     if old["world_size"] != new["world_size"]:
         problems.append(f"world size changed: {old['world_size']} -> {new['world_size']} processes "
                         "(the data order depends on it)")
+    if refused:
+        problems.append("changed settings that would break the run (model, data, precision, seed, batch size, "
+                        f"...): {'; '.join(refused)}")
     if problems:
-        raise KilnError(f"cannot resume from {path}: " + "; ".join(problems))
+        raise KilnError(f"cannot resume from {path}: " + "; ".join(problems)
+                        + (f" (also changed, which would be fine: {'; '.join(allowed)})" if allowed else "")
+                        + ". Undo them, or start a new run in another train.out_dir")
 
 
 # ---- settings changed between the run and its resume ------------------------------------------
@@ -80,18 +90,9 @@ def _diff(old: Any, new: Any, path: str = ""):
         yield f"{path} {_show(old)} -> {_show(new)}", breaks_exactness(path)
 
 
-def config_changes(path: Path, old: dict[str, Any] | None, new: dict[str, Any]) -> list[str]:
-    """Every key whose value differs between the checkpoint's run config and this one. Keys that break
-    exactness (model, data, precision, seed, batch size, ...) raise a KilnError listing all changes;
-    the rest (lr, steps, eval and save cadence, ...) are returned, one line each, for a note."""
-    if not old:
-        return []
-    changes = list(_diff(old, new))
-    refused = [line for line, bad in changes if bad]
-    if refused:
-        allowed = [line for line, bad in changes if not bad]
-        raise KilnError(f"cannot resume from {path}: the run config changed in ways that would break the run "
-                        f"(model, data, precision, seed, batch size, ...): {'; '.join(refused)}"
-                        + (f" (also changed, which would be fine: {'; '.join(allowed)})" if allowed else "")
-                        + ". Undo them, or start a new run in another train.out_dir")
-    return [line for line, _ in changes]
+def config_changes(old: dict[str, Any] | None, new: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(refused, allowed): one line per key whose value differs between the checkpoint's run config and
+    this one. Refused keys break exactness (model, data, precision, seed, batch size, ...);
+    `check_fingerprint` raises on them. Allowed ones (lr, steps, eval and save cadence, ...) are noted."""
+    changes = list(_diff(old, new)) if old else []
+    return [line for line, bad in changes if bad], [line for line, bad in changes if not bad]

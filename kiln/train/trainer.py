@@ -148,15 +148,15 @@ class Trainer:
             self.total_steps = max(1, math.ceil(a.epochs * self.loader.batches_per_epoch / a.grad_accum))
         start = self._find_resume()
         resumed = ckpt.read_trainer_state(start) if start is not None else None
-        # changed settings: those that break exactness refuse here, before any work; the rest are noted
-        self.config_notes = config_changes(start, resumed.get("run_config"), self.run_config) if resumed else []
         for cb in self.callbacks:  # e.g. layer growth: the model takes its resumed shape before anything reads it
             cb.on_setup(self, resumed["step"] if resumed else 0)
         set_fast(self.model, not a.exact)  # the model has its final modules: each fast/exact switch flips
         self.fingerprint = {"model": model_fingerprint(self.model), "data": self.data_fingerprint,
                             "precision": a.precision, "world_size": self.world.size}
-        if start is not None:
-            check_fingerprint(start, resumed["fingerprint"], self.fingerprint)
+        self.config_notes: list[str] = []
+        if start is not None:  # changed settings that break exactness are refused with it; the rest are noted
+            refused, self.config_notes = config_changes(resumed.get("run_config"), self.run_config)
+            check_fingerprint(start, resumed["fingerprint"], self.fingerprint, (refused, self.config_notes))
         if self.parallel is not None:  # the model's final shape is known: shard it before the optimizer sees it
             self.plan = plans.apply_plans(self.model, self.parallel, self.world.size, self.device)
         self.sharded = plans.is_sharded_run(self.plan)

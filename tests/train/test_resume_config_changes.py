@@ -7,10 +7,12 @@ from pathlib import Path
 import pytest
 
 from kiln.errors import KilnError
-from kiln.train.resume import breaks_exactness, config_changes
+from kiln.train.resume import breaks_exactness, check_fingerprint, config_changes
 
 OLD = {"model": {"path": "/m", "config": {"hidden_size": 32}}, "data": {"train": "/d", "num_workers": 0},
        "train": {"out_dir": "runs/a", "lr": 1e-3, "steps": 10, "seed": 1, "eval_every": 0}, "lora": None}
+PRINT = {"model": {"shapes": {"w": [2, 2]}, "dtypes": ["float32"]}, "data": {"train": "/d"}, "precision": "fp32",
+         "world_size": 1}
 
 
 def changed(**sections) -> dict:
@@ -24,24 +26,25 @@ def changed(**sections) -> dict:
 def test_allowed_changes_are_listed_and_out_dir_is_ignored():
     new = changed(train={"out_dir": "elsewhere", "lr": 2e-3, "steps": 20}, data={"num_workers": 2},
                   model={"path": "/moved"})
-    assert config_changes(Path("ckpt"), OLD, new) == ["data.num_workers 0 -> 2", "model.path '/m' -> '/moved'",
-                                                      "train.lr 0.001 -> 0.002", "train.steps 10 -> 20"]
-    assert config_changes(Path("ckpt"), OLD, OLD) == []
-    assert config_changes(Path("ckpt"), None, OLD) == []  # a checkpoint from before run configs were saved
+    refused, allowed = config_changes(OLD, new)
+    assert refused == [] and allowed == ["data.num_workers 0 -> 2", "model.path '/m' -> '/moved'",
+                                         "train.lr 0.001 -> 0.002", "train.steps 10 -> 20"]
+    check_fingerprint(Path("ckpt"), PRINT, PRINT, (refused, allowed))  # allowed changes alone: no error
+    assert config_changes(OLD, OLD) == ([], [])
+    assert config_changes(None, OLD) == ([], [])  # a checkpoint from before run configs were saved
 
 
 def test_changes_that_break_the_run_are_refused_with_all_changes_named():
     new = changed(model={"config": {"hidden_size": 64}}, train={"seed": 2, "lr": 5e-4}, lora={"r": 8})
     with pytest.raises(KilnError) as e:
-        config_changes(Path("run/ckpt-000004"), OLD, new)
+        check_fingerprint(Path("run/ckpt-000004"), PRINT, {**PRINT, "precision": "bf16"}, config_changes(OLD, new))
     text = str(e.value)
-    assert "cannot resume from run/ckpt-000004" in text
+    assert text.startswith("cannot resume from run/ckpt-000004: precision changed: fp32 -> bf16; ")
     assert "lora unset -> {'r': 8}; model.config.hidden_size 32 -> 64; train.seed 1 -> 2" in text
     assert "(also changed, which would be fine: train.lr 0.001 -> 0.0005)" in text
 
 
 def test_keys_only_one_side_has_are_another_versions_schema_not_a_change():
-    new = changed(train={"group_by_length": True})
-    assert config_changes(Path("ckpt"), OLD, new) == []
+    assert config_changes(OLD, changed(train={"group_by_length": True})) == ([], [])
     assert breaks_exactness("train.group_by_length") and not breaks_exactness("train.eval_every")
     assert breaks_exactness("data.max_length") and not breaks_exactness("data.prefetch")
