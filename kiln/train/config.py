@@ -36,6 +36,8 @@ class ModelSection(Section):
     num_labels: int | None = None
     labels: list[str] | None = None    # label names; default: read from the training data, sorted
     init_seed: int = 0                 # seed for freshly initialised weights (heads, scratch models)
+    fp8: Literal["dequantize", "keep"] = "dequantize"  # an FP8 block-scaled model.path: dequantized on load, or
+                                       # kept FP8 in memory (frozen base, e.g. under [lora]; ~1 byte per weight)
 
     @field_validator("task")
     @classmethod

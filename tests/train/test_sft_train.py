@@ -98,3 +98,41 @@ def test_unknown_sft_key_and_bad_target_are_named(sft_setup):
     cfg.write_text(_toml(d, "", "run-bad").replace("pack = true", "pack = true\npacking = 1"))
     r = CliRunner().invoke(app, ["train", "--config", str(cfg)])
     assert r.exit_code == 1 and "unknown key 'data.packing'" in r.output
+
+
+def test_lora_sft_on_an_fp8_base_keeps_the_base_fp8(sft_setup, tmp_path):
+    """model.fp8 = "keep": the base stays float8 (frozen) through a [lora] run; the checkpoint writes it back as read."""
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from kiln.hub import Tokenizer
+    from kiln.models.auto import AutoConfig, from_config
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+    from fp8_cases import make_fp8
+
+    d = sft_setup
+    config = AutoConfig.for_model("qwen3", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                                  pad_token_id=0, eos_token_id=2)
+    model = from_config(config, task="causal-lm", seed=0)
+    model.tokenizer = Tokenizer.from_dir(d / "tok")
+    model.save_pretrained(tmp_path / "plain")
+    fp8_dir = make_fp8(tmp_path / "plain", tmp_path / "fp8", "Qwen3ForCausalLM")
+    toml = _toml(d, '[lora]\nr = 4\nalpha = 8\ntargets = "all-linear"', "run-fp8")
+    toml = toml.replace('family = "qwen3"', f'path = "{fp8_dir}"\nfp8 = "keep"').replace('tokenizer = "tok"\n', "")
+    toml = toml[:toml.index("[model.config]")] + toml[toml.index("[data]"):]
+    (d / "fp8.toml").write_text(toml)
+    r = CliRunner().invoke(app, ["train", "--config", str(d / "fp8.toml")])
+    assert r.exit_code == 0, r.output
+    losses = _losses(d / "run-fp8")
+    assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
+    ckpt = sorted((d / "run-fp8").glob("ckpt-*"))[-1] / "model"
+    assert (ckpt / "adapter_model.safetensors").is_file()
+    saved, source = load_file(str(ckpt / "model.safetensors")), load_file(str(fp8_dir / "model.safetensors"))
+    fp8_keys = [k for k, v in source.items() if v.dtype == torch.float8_e4m3fn]
+    assert fp8_keys and all(saved[k].dtype == torch.float8_e4m3fn and torch.equal(saved[k].view(torch.uint8),
+                                                                                   source[k].view(torch.uint8))
+                            for k in fp8_keys)

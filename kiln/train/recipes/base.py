@@ -78,7 +78,7 @@ def build_model(cfg: Any, labels: list[str] | None, need_tokenizer: bool = True)
     m = cfg.model
     changes: dict[str, Any] = {"labels": labels} if labels else {}
     if m.path is not None:
-        return load_pretrained(m.path, task=m.task, seed=m.init_seed, **changes)
+        return load_pretrained(m.path, task=m.task, seed=m.init_seed, fp8=m.fp8, **changes)
     config = AutoConfig.for_model(m.family, **m.config)
     if labels:
         config.set_labels(labels)
