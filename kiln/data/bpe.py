@@ -11,7 +11,6 @@ Input: `.txt` (one text per line) or `.jsonl` (a `text` field, `messages` conten
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Iterator
@@ -24,6 +23,7 @@ from tokenizers.trainers import BpeTrainer
 from kiln.errors import KilnError
 from kiln.hub import CHATML_TEMPLATE, Tokenizer
 from kiln.hub.config import write_json_atomic
+from kiln.hub.jsonio import iter_jsonl
 
 # role -> token text; pad doubles as the document separator, <|im_end|> ends every chat turn (the EOS)
 SPECIALS = {"pad_token": "<|endoftext|>", "eos_token": "<|im_end|>"}
@@ -52,6 +52,10 @@ def iter_texts(paths: list[str | os.PathLike], text_field: str = "text") -> Iter
         if not path.is_file():
             raise KilnError(f"{path}: no such file")
         suffix = path.suffix.lower()
+        if suffix in (".jsonl", ".json", ".ndjson"):
+            for no, obj, _ in iter_jsonl(path, objects=False):
+                yield from _texts_of(obj, f"{path}:{no}", text_field)
+            continue
         with open(path, "rb") as f:
             for no, raw in enumerate(f, 1):
                 try:
@@ -59,15 +63,7 @@ def iter_texts(paths: list[str | os.PathLike], text_field: str = "text") -> Iter
                 except UnicodeDecodeError as e:
                     raise KilnError(f"{path}:{no}: not valid UTF-8 (byte {e.start} of the line); "
                                     "re-encode the file as UTF-8") from None
-                if not line.strip():
-                    continue
-                if suffix in (".jsonl", ".json", ".ndjson"):
-                    try:
-                        obj = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise KilnError(f"{path}:{no}: not valid JSON ({e.msg} at column {e.colno})") from None
-                    yield from _texts_of(obj, f"{path}:{no}", text_field)
-                else:
+                if line.strip():
                     yield line.rstrip("\n")
 
 

@@ -20,10 +20,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from kiln.constants import IGNORE_INDEX
 from kiln.errors import KilnError
 
 Batch = dict[str, torch.Tensor]
-PAD_VALUES = {"labels": -100, "attention_mask": 0, "token_type_ids": 0}
+PAD_VALUES = {"labels": IGNORE_INDEX, "attention_mask": 0, "token_type_ids": 0}
 MEGA = 50  # optimizer steps per length-sorted mega-batch: long enough to group well, short enough to stay random
 
 

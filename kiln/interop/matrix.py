@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
 from kiln.errors import KilnError
+from kiln.hub.jsonio import read_json
 from kiln.interop.export import export_model
 from kiln.interop.tiny import SPECIALS, TINY, make_tiny
 from kiln.interop.verify import verify_export
@@ -43,10 +43,7 @@ def missing_tiny(model_type: str) -> str | None:
 
 def read_cells(path: str) -> list[tuple[str, str, str | None]]:
     """A JSON list of {"family", "head", "path"} naming real directories to verify."""
-    try:
-        items = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise KilnError(f"{path}: cannot read the cells list ({e})") from None
+    items = read_json(path, want=list)
     cells = []
     for i, item in enumerate(items):
         if not isinstance(item, dict) or not {"family", "head", "path"} <= item.keys():

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kiln.constants import IGNORE_INDEX
 from kiln.errors import ConfigError
 from kiln.models.common.activations import activation
 from kiln.models.common.attention import bidirectional_mask, sliding_window_mask
@@ -66,7 +67,7 @@ class ModernBertConfig(FamilyConfig):
     classifier_bias: bool = False
     classifier_activation: str = "gelu"
     sparse_prediction: bool = False
-    sparse_pred_ignore_index: int = -100
+    sparse_pred_ignore_index: int = IGNORE_INDEX
 
     @property
     def head_dim(self) -> int:

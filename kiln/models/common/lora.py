@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kiln.errors import KilnError
+from kiln.hub.jsonio import read_json
 from kiln.models.common.fp8 import FP8Linear, fp8_linear, merged_fp8_linear
 from kiln.models.tasks import task_of
 
@@ -159,10 +160,7 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> LoraConfig:
     path = Path(adapter_dir) / "adapter_config.json"
     if not path.is_file():
         raise KilnError(f"{adapter_dir}: no adapter_config.json; is it a PEFT adapter directory?")
-    try:
-        raw: dict[str, Any] = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise KilnError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    raw: dict[str, Any] = read_json(path, want=dict)
     if raw.get("peft_type", "LORA") != "LORA":
         raise KilnError(f"{path}: peft_type {raw.get('peft_type')!r} is not LORA")
     for key in ("use_dora", "lora_bias", "fan_in_fan_out"):
