@@ -29,6 +29,7 @@ class Parallelized:
     degrees: Degrees
     mesh: DeviceMesh | None
     fsdp: bool
+    cadence: bool = False  # [parallel.cadence] averages at its own syncs: no DDP
 
     @property
     def data_rank(self) -> int:
@@ -44,7 +45,7 @@ class Parallelized:
     @property
     def wrap_ddp(self) -> bool:
         """Plain data parallelism: the caller wraps the model in DDP."""
-        return self.mesh is None and self.degrees.dp > 1
+        return self.mesh is None and self.degrees.dp > 1 and not self.cadence
 
     def sync_gradients(self) -> None:
         """Average gradients where neither DDP nor FSDP does it (tp with dp > 1, ep)."""
@@ -73,4 +74,5 @@ def parallelize(model: nn.Module, parallel: Any, world_size: int | None = None,
         compile_blocks(model, parallel.compile_backend)
     if mesh is not None and parallel.fsdp:
         apply_fsdp(model, mesh["dp"], parallel.param_dtype, parallel.reduce_dtype, parallel.offload)
-    return Parallelized(model, degrees, mesh, fsdp=bool(parallel.fsdp and mesh is not None))
+    return Parallelized(model, degrees, mesh, fsdp=bool(parallel.fsdp and mesh is not None),
+                        cadence=getattr(parallel, "cadence", None) is not None)

@@ -8,7 +8,8 @@ compile); this module is the little the Trainer needs around them:
 - runs whose weights are DTensors (fsdp, tp or ep on several processes) save sharded DCP
   checkpoints, sealed like every other checkpoint: written to `.ckpt-N.tmp`, a manifest of
   checksums last, then renamed, so resume skips a half-written one by name;
-- combinations the Trainer cannot run are refused here, naming the keys.
+- combinations the Trainer cannot run are refused here, naming the keys;
+- [parallel.cadence] adds the callback that runs each step as a cadence round (kiln.parallel.cadence_loop).
 """
 
 from __future__ import annotations
@@ -41,10 +42,6 @@ def data_shard(parallel: ParallelSection | None, rank: int, world_size: int) -> 
 def check_plan(parallel: ParallelSection, precision: str, reshaping: list[str], world_size: int) -> None:
     """Refuse what the Trainer cannot run with these plans (before any model work); `reshaping` names the
     callbacks that may change the model's shape in `on_setup` (layer growth)."""
-    if parallel.cadence is not None:
-        raise ConfigError("parallel.cadence: the adaptive cadence runs its own loop (each rank a different number "
-                          "of batches between syncs), which `kiln train` does not run; call "
-                          "kiln.parallel.cadence.train_adaptive from Python, or remove [parallel.cadence]")
     degrees = resolve_degrees(parallel, world_size)
     sharded = world_size > 1 and (parallel.fsdp or degrees.tp > 1 or degrees.ep > 1)
     if sharded and precision == "fp16":
@@ -53,6 +50,15 @@ def check_plan(parallel: ParallelSection, precision: str, reshaping: list[str], 
     if reshaping and (sharded or parallel.compile or parallel.activation_checkpointing != "none"):
         raise ConfigError(f"{', '.join(reshaping)} reshapes the model during the run, which the [parallel] plans "
                           f"(fsdp, tp, ep, activation_checkpointing, compile) cannot follow; remove [grow] or them")
+
+
+def loop_callbacks(parallel: ParallelSection) -> list[Any]:
+    """Callbacks that take the Trainer's steps their own way: [parallel.cadence] runs cadence rounds."""
+    if parallel.cadence is None:
+        return []
+    from kiln.parallel.cadence_loop import CadenceCallback  # imports the Trainer: not at module level
+
+    return [CadenceCallback(parallel.cadence)]
 
 
 def apply_plans(model: nn.Module, parallel: ParallelSection, world_size: int, device: torch.device) -> Parallelized:

@@ -77,6 +77,12 @@ class Callback:
 
     def before_update(self, trainer: "Trainer") -> None:
         """Gradients hold the mean over every unit of the window (before clipping): a last change to them."""
+    def state_dict(self, trainer: "Trainer") -> dict[str, Any] | None:
+        """Called on every rank at each save (may be collective); rank 0's result goes into the checkpoint."""
+        return None
+
+    def load_state_dict(self, trainer: "Trainer", state: dict[str, Any]) -> None:
+        """On resume, every rank gets what `state_dict` saved (after the Trainer's own state is restored)."""
     def on_step(self, trainer: "Trainer", record: dict[str, Any]) -> None:
         """After each step; keys added to `record` go into its metrics.jsonl line."""
     def on_eval(self, trainer: "Trainer", metrics: dict[str, float]) -> None: ...
@@ -123,6 +129,7 @@ class Trainer:
         self.device = pick_device(a.device, int(os.environ.get("LOCAL_RANK", "0")))
         self.world: World = init_world(self.device)
         if self.parallel is not None:
+            self.callbacks += plans.loop_callbacks(self.parallel)  # [parallel.cadence] takes the steps
             reshaping = [type(cb).__name__ for cb in self.callbacks if type(cb).on_setup is not Callback.on_setup]
             plans.check_plan(self.parallel, a.precision, reshaping, self.world.size)
         # tp ranks of one group hold slices of one replica: they read the same data (and draw the same dropout)
@@ -216,6 +223,9 @@ class Trainer:
             self.objectives.load_state_dict(state["objectives"])
         self.best, self.evals_since_best = state["best"], state["evals_since_best"]
         self.loader.load_state_dict(state["data"])
+        for cb in self.callbacks:
+            if type(cb).__name__ in state.get("callbacks", {}):
+                cb.load_state_dict(self, state["callbacks"][type(cb).__name__])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         ckpt.set_rng_state(ckpt.read_rng_states(path)[self.world.rank])
@@ -238,22 +248,26 @@ class Trainer:
         try:
             while self.step < self.total_steps and not self.stopped_early:
                 record = next((r for r in (cb.take_step(self) for cb in self.callbacks) if r is not None), None)
-                if record is not None:
-                    self.step += 1
+                before = self.step
+                if record is not None:  # a step taken another way may cover several steps (a cadence round)
+                    self.step = max(self.step + 1, int(record.get("step", self.step + 1)))
                 else:
                     record = self._train_step()
                 for cb in self.callbacks:  # before the log line is written: callbacks may add to the record
                     cb.on_step(self, record)
-                if self.step % a.log_every == 0 or self.step == self.total_steps:
+                def due(every: int) -> bool:  # a multiple of `every` reached since the last step
+                    return bool(every) and self.step // every > before // every
+
+                if due(a.log_every) or self.step == self.total_steps:
                     self.metrics.log(record)
                 bar.update(self.step, "  ".join(f"{k} {record[k]:.4g}" for k in ("loss", "ff_loss", "lr") if k in record))
                 ckpt.fault_point("step", self.step)
                 last = self.step == self.total_steps
                 improved = False
-                if self._has_eval() and ((a.eval_every and self.step % a.eval_every == 0) or last):
+                if self._has_eval() and (due(a.eval_every) or last):
                     improved = self._evaluate()
                 at_end = (last or self.stopped_early) and a.save_at_end
-                if (a.save_every and self.step % a.save_every == 0) or at_end or improved:
+                if due(a.save_every) or at_end or improved:
                     self.save()
         finally:
             bar.close()
@@ -420,6 +434,7 @@ class Trainer:
     def save(self) -> Path:
         """Checkpoint now (rank 0 writes; every rank contributes its RNG state and waits)."""
         rngs = gather_objects(ckpt.rng_state(), self.world)
+        extra = {type(cb).__name__: s for cb in self.callbacks if (s := cb.state_dict(self)) is not None}
         path = self.out_dir / ckpt.ckpt_name(self.step)
         state: dict[str, Any] | None = None
         if self.world.main:
@@ -428,7 +443,8 @@ class Trainer:
                      "evals_since_best": self.evals_since_best, "data": self.loader.state_dict(),
                      "epoch": self.loader.epoch, "fingerprint": self.fingerprint, "run_config": self.run_config,
                      "scaler": self.scaler.state_dict() if self.scaler else None, "eval": self.last_eval,
-                     "objectives": self.objectives.state_dict() if self.objectives is not None else None}
+                     "objectives": self.objectives.state_dict() if self.objectives is not None else None,
+                     **({"callbacks": extra} if extra else {})}
         if self.sharded:  # every rank writes its own shards
             path = plans.save_sharded_checkpoint(self.out_dir, self.step, self.model, self.optimizer, state, rngs)
         if self.world.main:
