@@ -109,6 +109,15 @@ def test_greedy_generation_equals_transformers_with_both_caches(model_type, tiny
             same(a, b, f"step {i} logits")
     assert cache.conv_states[0].shape[-1] == 4 and cache.recurrent_states[0].shape == (1, 4, 8, 8)
     assert len(cache) == 7 and cache.keys[0] is None and cache.keys[1].shape[-2] == 7
+    # the fast rule also serves prefill and multi-token continuation from a cached state
+    fast = delta_rule.set_fast(AutoModelForCausalLM.from_pretrained(src))
+    kw = {"input_ids": ids, "attention_mask": attn}
+    assert torch.equal(fast.generate(**kw, max_new_tokens=20, eos_token_id=None, pad_token_id=0),
+                       ours.generate(**kw, max_new_tokens=20, eos_token_id=None, pad_token_id=0))
+    cache_fast = fast.model.new_cache()
+    with torch.no_grad():
+        parts = [fast(ids[:1, s:e], cache=cache_fast).logits for s, e in [(0, 3), (3, 4), (4, 7)]]
+    assert rel(torch.cat(parts, 1), ours(ids[:1]).logits) < 1e-5
 
 
 def _run(src, T: int, fast: bool, dtype: torch.dtype = torch.float32):

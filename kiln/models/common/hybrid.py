@@ -99,25 +99,26 @@ def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: 
 
 def tap_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              act: Callable[[torch.Tensor], torch.Tensor], resets: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal depthwise conv x (B, C, T) as K shifted multiply-adds (fast path and packed rows).
+    """Causal depthwise conv over time-major x (B, T, C) as K shifted multiply-adds (fast path, packed rows).
 
-    Its backward is K elementwise products, where torch's CPU depthwise conv1d backward takes seconds.
-    With `resets` (B, T) the window never reaches back past the start of a packed sample.
+    No transposes, and a backward of K elementwise products (torch's CPU depthwise conv1d wants (B, C, T)
+    and its backward is slow). With `resets` (B, T) no window reaches back past a packed sample's start.
     """
-    T, K = x.shape[-1], weight.shape[-1]
-    xp = F.pad(x.to(weight.dtype), (K - 1, 0))
+    T, K = x.shape[1], weight.shape[-1]
+    xp = F.pad(x.to(weight.dtype), (0, 0, K - 1, 0))  # (B, T + K - 1, C)
+    w = weight[:, 0, :].t()  # (K, C)
     seen = None
     if resets is not None:
         idx = torch.arange(T, device=x.device)
-        seen = idx - torch.where(resets, idx, 0).cummax(-1).values  # (B, T) steps since the sample began
+        seen = (idx - torch.where(resets, idx, 0).cummax(-1).values)[..., None]  # (B, T, 1) steps into the sample
     out = None
     for j in range(K):  # tap j looks K-1-j steps back
-        tap = xp[..., j:j + T]
+        tap = xp[:, j:j + T]
         if seen is not None:
-            tap = tap * (seen >= K - 1 - j)[:, None, :].to(xp.dtype)
-        out = tap * weight[:, 0, j, None] if out is None else torch.addcmul(out, tap, weight[:, 0, j, None])
+            tap = tap * (seen >= K - 1 - j).to(xp.dtype)
+        out = tap * w[j] if out is None else torch.addcmul(out, tap, w[j])
     if bias is not None:
-        out = out + bias[:, None]
+        out = out + bias
     return act(out).to(x.dtype)
 
 
@@ -178,25 +179,26 @@ class GatedDeltaNet(nn.Module):
         i = self.layer_idx
         conv_state = cache.conv_states[i] if cache is not None else None
         state = cache.recurrent_states[i] if cache is not None else None
-        qkv, z, b, a = self.project(x)
-        qkv = qkv.transpose(1, 2)  # (B, Cc, T)
+        qkv, z, b, a = self.project(x)  # qkv (B, T, Cc)
         weight, bias = self.conv1d.weight, self.conv1d.bias
-        if conv_state is not None and T == 1:
-            qkv = conv_step(qkv, conv_state, weight, bias, self.act)
-        else:
-            if cache is not None:  # keep the last K inputs (zero-padded on the left) for the next step
-                K = weight.shape[-1]
-                qkv = qkv if conv_state is None else torch.cat([conv_state, qkv], dim=-1)
-                if conv_state is None and qkv.shape[-1] < K:
-                    qkv = F.pad(qkv, (K - qkv.shape[-1], 0))
-                cache.conv_states[i] = qkv[..., -K:].clone()
-            if resets is None and not self.fast_delta_rule:
-                qkv = causal_conv1d(qkv, weight, bias, self.act)
+        if cache is None and (self.fast_delta_rule or resets is not None):
+            qkv = tap_conv(qkv, weight, bias, self.act, resets)
+        else:  # transformers' layout and ops, bit for bit
+            qkv = qkv.transpose(1, 2)  # (B, Cc, T)
+            if conv_state is not None and T == 1:
+                qkv = conv_step(qkv, conv_state, weight, bias, self.act)
             else:
-                qkv = tap_conv(qkv, weight, bias, self.act, resets)
-            if cache is not None:
-                qkv = qkv[:, :, -T:]
-        q, k, v = torch.split(qkv.transpose(1, 2), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+                if cache is not None:  # keep the last K inputs (zero-padded on the left) for the next step
+                    K = weight.shape[-1]
+                    qkv = qkv if conv_state is None else torch.cat([conv_state, qkv], dim=-1)
+                    if conv_state is None and qkv.shape[-1] < K:
+                        qkv = F.pad(qkv, (K - qkv.shape[-1], 0))
+                    cache.conv_states[i] = qkv[..., -K:].clone()
+                qkv = causal_conv1d(qkv, weight, bias, self.act)
+                if cache is not None:
+                    qkv = qkv[:, :, -T:]
+            qkv = qkv.transpose(1, 2)
+        q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(B, T, -1, self.head_k_dim)
         k = k.reshape(B, T, -1, self.head_k_dim)
         v = v.reshape(B, T, -1, self.head_v_dim)
