@@ -117,3 +117,34 @@ def test_cadence_refuses_what_it_cannot_run(tmp_path):
                       parallel=ParallelSection(cadence={}))
     with pytest.raises(ConfigError, match=r"parallel.cadence .*train.grad_accum must be 1, got 2"):
         trainer.fit()
+
+
+def _linear_run(out: Path, cadence: dict | None, steps: int = 6, resume: Path | None = None):
+    from kiln.train import Trainer
+    from kiln.train.config import ParallelSection
+
+    torch.manual_seed(0)
+    data = [{"x": torch.randn(3), "labels": torch.randn(1)} for _ in range(16)]
+    model = torch.nn.Linear(3, 1)
+    return Trainer(model, data, step=lambda m, b: ((m(b["x"]) - b["labels"]) ** 2).mean(), steps=steps,
+                   batch_size=4, lr=0.05, save_every=2, out_dir=str(out), progress=False, resume=resume,
+                   parallel=ParallelSection(cadence=cadence) if cadence is not None else None).fit()
+
+
+def test_lockstep_cadence_in_one_process_equals_the_plain_trainer_and_resumes(tmp_path):
+    """max_batch_diff = 0 is lockstep: one batch a round, the mean gradient, one optimizer step."""
+    plain = _linear_run(tmp_path / "plain", None)
+    lock = _linear_run(tmp_path / "lock", {"max_batch_diff": 0})
+    rounds = _records(tmp_path / "lock")
+    assert [r["batches"] for r in rounds] == [[1]] * 6 and [r["step"] for r in rounds] == list(range(1, 7))
+    for a, b in zip(plain.model.parameters(), lock.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close([r["loss"] for r in rounds], [r["loss"] for r in _records(tmp_path / "plain")])
+
+    import shutil
+    shutil.copytree(tmp_path / "lock", tmp_path / "again")
+    for late in ("ckpt-000006", "ckpt-000004"):
+        shutil.rmtree(tmp_path / "again" / late)
+    again = _linear_run(tmp_path / "again", {"max_batch_diff": 0}, resume=tmp_path / "again")
+    assert all(torch.equal(a, b) for a, b in zip(lock.model.parameters(), again.model.parameters()))
+    assert [r["loss"] for r in _records(tmp_path / "again") if "batches" in r] == [r["loss"] for r in rounds]
