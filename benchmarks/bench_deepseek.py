@@ -1,0 +1,160 @@
+"""DeepSeek-V3-shaped model on CPU: kiln vs transformers, same weights, same inputs, one process.
+
+A random DeepSeek-V3 (64 routed experts, top 6 of 8 groups keeping 4, 2 shared experts, hidden
+512, MLA with a query latent, 3 layers of which the first is dense, yarn rope) is built by
+transformers, saved once and loaded by both. Measured, with rounds interleaved (peer, kiln,
+peer, kiln, ...) after warm-up, min and median over rounds, wall clock and process CPU time:
+- one MoE block (layer 1), forward + backward on a (B, T, C) input;
+- one full training step (forward, LM loss, backward, AdamW step);
+- greedy decoding after a long prompt, the decode steps alone (a 1-token generate is timed in
+  the same round and subtracted, so the shared prefill cancels), with each side's cache (both
+  hold the compressed latent): kiln exact (bit-identical; re-expands the cached latent every
+  step, as transformers does) and kiln with the absorbed fast path (`set_fast`: attends over the
+  latent; float rounding apart).
+Outputs are checked first (bit-identical logits, same greedy tokens on every path). The
+kiln/transformers speed ratios are printed last (> 1 means kiln is faster).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+SIZE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+            num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=8, num_key_value_heads=8,
+            q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+            n_routed_experts=64, num_experts_per_tok=6, n_group=8, topk_group=4, n_shared_experts=2,
+            max_position_embeddings=2048, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                               mscale=1.0, mscale_all_dim=1.0,
+                                                               original_max_position_embeddings=512))
+BATCH, LENGTH = 2, 256
+PROMPT, NEW = 768, 16
+WARMUP, ROUNDS = 1, int(os.environ.get("BENCH_ROUNDS", 5))
+
+
+def _time(fn) -> tuple[float, float]:
+    t0, c0 = time.perf_counter(), time.process_time()
+    own = fn()  # a step may time itself (decode minus prefill)
+    return own if own is not None else (time.perf_counter() - t0, time.process_time() - c0)
+
+
+def _interleave(peer, kiln) -> dict[str, dict[str, list[float]]]:
+    """Warm both, then alternate rounds; returns {side: {"wall": [...], "cpu": [...]}}."""
+    for _ in range(WARMUP):
+        peer()
+        kiln()
+    out = {"peer": {"wall": [], "cpu": []}, "kiln": {"wall": [], "cpu": []}}
+    for _ in range(ROUNDS):
+        for side, fn in (("peer", peer), ("kiln", kiln)):
+            wall, cpu = _time(fn)
+            out[side]["wall"].append(wall)
+            out[side]["cpu"].append(cpu)
+    return out
+
+
+def _decode_only(generate, prompt, kw):
+    """Run generate(NEW tokens) then generate(1 token); hand back the difference as this round's time."""
+    def run():
+        t0, c0 = time.perf_counter(), time.process_time()
+        generate(prompt, max_new_tokens=1, **kw)
+        t1, c1 = time.perf_counter(), time.process_time()
+        generate(prompt, max_new_tokens=NEW, **kw)
+        t2, c2 = time.perf_counter(), time.process_time()
+        return (t2 - t1) - (t1 - t0), (c2 - c1) - (c1 - c0)
+    return run
+
+
+def _moe_step(block, x: torch.Tensor):
+    def run():
+        block.zero_grad(set_to_none=True)
+        y = block(x)
+        y.float().pow(2).mean().backward()
+    return run
+
+
+def _train_step(model, batch, opt, **kw):
+    def run():
+        loss = model(**batch, **kw).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return run
+
+
+def main() -> None:
+    import transformers
+
+    from kiln.models import AutoModelForCausalLM
+    from kiln.models.common.fast import set_fast
+
+    transformers.logging.set_verbosity_error()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, SIZE["vocab_size"], (BATCH, LENGTH), generator=g)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        config = transformers.DeepseekV3Config(**SIZE)
+        built = transformers.DeepseekV3ForCausalLM(config)
+        with torch.no_grad():
+            for name, buf in built.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buf.normal_(0.0, 0.05)  # a trained-looking balancing bias
+        built.save_pretrained(tmp)
+        n_params = sum(p.numel() for p in built.parameters())
+        del built
+        peer = transformers.AutoModelForCausalLM.from_pretrained(tmp)
+        ours = AutoModelForCausalLM.from_pretrained(tmp)
+
+    with torch.no_grad():
+        same = torch.equal(peer.eval()(**batch).logits, ours.eval()(**batch).logits)
+    prompt = torch.randint(3, SIZE["vocab_size"], (1, PROMPT), generator=g)  # (1, PROMPT)
+    kw = dict(eos_token_id=None, pad_token_id=0)
+    peer.generation_config.eos_token_id = None
+    ours.config.eos_token_id = None
+    reference = peer.generate(prompt, do_sample=False, max_new_tokens=NEW, **kw)
+    tokens_equal = torch.equal(reference, ours.generate(prompt, max_new_tokens=NEW, **kw))
+    fast_equal = torch.equal(reference, set_fast(ours).generate(prompt, max_new_tokens=NEW, **kw))
+    set_fast(ours, False)
+
+    x = torch.randn(BATCH, LENGTH, SIZE["hidden_size"], generator=g)
+    results = {"MoE block fwd+bwd": _interleave(_moe_step(peer.model.layers[1].mlp.train(), x),
+                                                _moe_step(ours.model.layers[1].mlp.train(), x))}
+    peer.train(), ours.train()
+    opt_p = torch.optim.AdamW(peer.parameters(), lr=1e-5)
+    opt_k = torch.optim.AdamW(ours.parameters(), lr=1e-5)
+    results["train step"] = _interleave(_train_step(peer, batch, opt_p, use_cache=False),
+                                        _train_step(ours, batch, opt_k))
+    peer.eval(), ours.eval()
+    hf_generate = _decode_only(lambda p, **a: peer.generate(p, do_sample=False, **a), prompt, kw)
+    results["decode exact"] = _interleave(hf_generate, _decode_only(ours.generate, prompt, kw))
+    set_fast(ours)
+    results["decode absorbed"] = _interleave(hf_generate, _decode_only(ours.generate, prompt, kw))
+
+    print(f"DeepSeek-V3-shaped: {n_params / 1e6:.1f}M params, {SIZE['num_hidden_layers']} layers "
+          f"({SIZE['n_routed_experts']} experts top {SIZE['num_experts_per_tok']}, {SIZE['n_shared_experts']} shared), "
+          f"hidden {SIZE['hidden_size']}; batch {BATCH} x {LENGTH}; decode {PROMPT} + {NEW} tokens; "
+          f"{ROUNDS} rounds after {WARMUP} warm-up; torch threads {torch.get_num_threads()}")
+    print(f"check: logits bit-identical {same}; greedy tokens equal: exact {tokens_equal}, absorbed {fast_equal}")
+    ratios = []
+    for what, r in results.items():
+        for side, label in (("peer", "transformers"), ("kiln", "kiln")):
+            w, c = r[side]["wall"], r[side]["cpu"]
+            line = f"{what:>24} {label:>12}: min {min(w) * 1e3:8.1f} ms  median {statistics.median(w) * 1e3:8.1f} ms  " \
+                   f"(CPU min {min(c) * 1e3:8.1f} ms)"
+            if what.startswith("decode"):
+                line += f"  {(NEW - 1) / min(w):7.1f} tokens/s"
+            print(line)
+        ratios.append((what, min(r["peer"]["wall"]) / min(r["kiln"]["wall"]),
+                       statistics.median(r["peer"]["wall"]) / statistics.median(r["kiln"]["wall"]),
+                       min(r["peer"]["cpu"]) / min(r["kiln"]["cpu"])))
+    for what, by_min, by_median, by_cpu in ratios:
+        print(f"ratio kiln/transformers (speed) {what}: {by_min:.3f} (min), {by_median:.3f} (median), "
+              f"{by_cpu:.3f} (CPU time)")
+
+
+if __name__ == "__main__":
+    main()
