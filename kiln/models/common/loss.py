@@ -45,8 +45,9 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 # ---- fast path: the head and the loss together, chunk by chunk ---------------------------------
-# Rows per chunk are chosen so one chunk's fp32 logits stay near this many elements (128 MiB).
-CHUNK_ELEMENTS = 1 << 25
+# Rows per chunk are chosen so one chunk's fp32 logits stay near this many elements (64 MiB): large enough
+# that each chunk's matmuls run at full speed, small beside the (vocab x hidden) gradient of a trained head.
+CHUNK_ELEMENTS = 1 << 24
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -67,11 +68,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for s in range(0, h.shape[0], rows):
                 hc, tc = h[s:s + rows], targets[s:s + rows]  # (n, C), (n,)
                 logits = F.linear(hc, weight, bias).float()  # (n, V)
-                lse = torch.logsumexp(logits, dim=-1)  # (n,)
-                total += (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
+                picked = logits.gather(1, tc[:, None]).squeeze(1)  # (n,) the targets' logits
+                top = logits.amax(dim=-1)  # (n,)
+                probs = logits.sub_(top[:, None]).exp_()  # exp(logit - max), in place: no second (n, V) buffer
+                norm = probs.sum(dim=-1)  # (n,)
+                total += (top + norm.log() - picked).sum()  # log-sum-exp minus the target's logit
                 if not (need_h or need_w or need_b):
                     continue
-                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                probs.div_(norm[:, None])  # softmax
                 probs[torch.arange(tc.shape[0], device=tc.device), tc] -= 1.0  # d CE / d logits
                 g = probs.to(weight.dtype)
                 if need_h:
