@@ -163,7 +163,8 @@ def image_text_family(model_type: str, config_cls: type, arch: str, text: Family
 
     return Family(model_type=model_type, config_cls=config_cls, hf_prefix="model.language_model",
                   base_keys=text.base_keys,
-                  tasks={"causal-lm": TaskSpec(f"{arch}ForConditionalGeneration", build, KeyMap([("lm_head", "lm_head")]))})
+                  tasks={"causal-lm": TaskSpec(f"{arch}ForConditionalGeneration", build,
+                                               KeyMap([("lm_head", "lm_head")]))})
 
 
 FAMILY = image_text_family("qwen3_5", Qwen3_5Config, "Qwen3_5", TEXT, dense_mlp)

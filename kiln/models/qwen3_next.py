@@ -68,7 +68,8 @@ class HybridConfig(DecoderConfig):
                               f"{self.num_hidden_layers}")
         bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if bad:
-            raise ConfigError(f"{source}: layer_types has unsupported kind(s) {bad}; supported: {', '.join(LAYER_TYPES)}")
+            raise ConfigError(f"{source}: layer_types has unsupported kind(s) {bad}; "
+                              f"supported: {', '.join(LAYER_TYPES)}")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ConfigError(f"{source}: linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
                               f"linear_num_key_heads ({self.linear_num_key_heads})")

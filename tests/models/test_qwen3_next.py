@@ -153,8 +153,9 @@ def test_fast_delta_rule_matches_reference_with_gradients(T, tiny_factory):
 @pytest.mark.parametrize("T", [1000, pytest.param(4096, marks=pytest.mark.slow)])
 def test_fast_delta_rule_within_fp32_rounding_of_float64(T, tiny_factory):
     """Against the exact rule run in float64: the fast path in float32 is within 1e-5, gradients included."""
-    narrow = {} if T < 4096 else dict(hidden_size=16, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
-                                      head_dim=8, linear_num_key_heads=1, linear_num_value_heads=2)
+    narrow = {} if T < 4096 else dict(hidden_size=16, intermediate_size=16, num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=8, linear_num_key_heads=1,
+                                      linear_num_value_heads=2)
     src = tiny_factory("qwen3_5_text", "causal-lm", max_position_embeddings=4096, **narrow)
     _within(_run(src, T, fast=True), _run(src, T, fast=False, dtype=torch.float64), 1e-5, f"T={T} fast vs float64")
 
@@ -164,10 +165,10 @@ def test_fast_rule_restarts_and_initial_state_against_a_token_loop():
     token with the state zeroed where a packed sample starts; its analytic backward passes gradcheck."""
     g = torch.Generator().manual_seed(0)
     B, T = 2, 13
-    q, k = torch.randn(B, T, 2, 3, generator=g, dtype=torch.float64), torch.randn(B, T, 2, 3, generator=g, dtype=torch.float64)
-    v = torch.randn(B, T, 4, 2, generator=g, dtype=torch.float64)
-    decay, beta = -torch.rand(B, T, 4, generator=g, dtype=torch.float64), torch.rand(B, T, 4, generator=g, dtype=torch.float64)
-    s0 = torch.randn(B, 4, 3, 2, generator=g, dtype=torch.float64)
+    f64 = dict(generator=g, dtype=torch.float64)
+    q, k, v = torch.randn(B, T, 2, 3, **f64), torch.randn(B, T, 2, 3, **f64), torch.randn(B, T, 4, 2, **f64)
+    decay, beta = -torch.rand(B, T, 4, **f64), torch.rand(B, T, 4, **f64)
+    s0 = torch.randn(B, 4, 3, 2, **f64)
     resets = torch.zeros(B, T, dtype=torch.bool)
     resets[0, [5, 8]] = True  # row 0: samples [0, 5), [5, 8), [8, 13); row 1: one sample
     out, final = delta_rule.chunk_fast(q, k, v, decay, beta, s0, True, resets, chunk_size=4)
@@ -200,7 +201,8 @@ def test_reference_rules_are_transformers_fallbacks_bit_for_bit():
         a, b = ours(q, k, v, decay, beta, **kw), theirs(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True, **kw)
         same(a[0], b[0], f"{ours.__name__} out")
         same(a[1], b[1], f"{ours.__name__} state")
-    fast, ref = delta_rule.chunk_fast(q, k, v, decay, beta, **kw), delta_rule.chunk_reference(q, k, v, decay, beta, **kw)
+    fast = delta_rule.chunk_fast(q, k, v, decay, beta, **kw)
+    ref = delta_rule.chunk_reference(q, k, v, decay, beta, **kw)
     assert rel(fast[0], ref[0]) < 1e-5 and rel(fast[1], ref[1]) < 1e-5
 
 
@@ -339,5 +341,6 @@ def test_from_config_init_and_config_errors():
         AutoConfig.for_model("qwen3_5_text", num_hidden_layers=3, layer_types=["linear_attention", "full_attention"])
     with pytest.raises(ConfigError, match=r"layer_types has unsupported kind\(s\) \['sliding_attention'\]"):
         AutoConfig.for_model("qwen3_5_text", num_hidden_layers=1, layer_types=["sliding_attention"])
-    with pytest.raises(ConfigError, match=r"linear_num_value_heads \(6\) must be a multiple of linear_num_key_heads \(4\)"):
+    with pytest.raises(ConfigError, match=r"linear_num_value_heads \(6\) must be a multiple of "
+                                          r"linear_num_key_heads \(4\)"):
         AutoConfig.for_model("qwen3_next", linear_num_key_heads=4, linear_num_value_heads=6)

@@ -262,7 +262,8 @@ def chunk_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     masks = None if resets is None else _chunk_masks(resets, B * H, C, L, H)
     out, state = _ChunkedDeltaRule.apply(chunks(q), chunks(k), chunks(v), chunks(beta), chunks(g), s0, masks)
     out = out.view(C, B, H, L, Dv).permute(1, 0, 3, 2, 4).reshape(B, C * L, H, Dv)[:, :T]
-    return out.to(dtype, memory_format=torch.contiguous_format), state.view(B, H, Dk, Dv) if output_final_state else None
+    out = out.to(dtype, memory_format=torch.contiguous_format)
+    return out, state.view(B, H, Dk, Dv) if output_final_state else None
 
 
 def set_fast(model: nn.Module, fast: bool = True) -> nn.Module:
