@@ -7,7 +7,7 @@ by default (`set_fast`, plus per-block torch.compile when parallel.compile is on
 fast piece differs from the exact path, so the two kiln rows measure the same code twice (a noise
 floor). All three run in one process, step by step interleaved, after one warm-up step each.
 
-    python benchmarks/bench_bert_step.py [--batch 2] [--seq 128] [--rounds 2]
+    python benchmarks/bench_bert_step.py [--batch 2] [--seq 128] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     setup_torch()
     transformers.logging.set_verbosity_error()
@@ -63,8 +63,9 @@ def main() -> None:
     for name in sides:
         step(name)  # warm-up
     rates: dict[str, list[float]] = {name: [] for name in sides}
-    for _ in range(a.rounds):
-        for name in sides:
+    names = list(sides)
+    for r in range(a.rounds):
+        for name in names[r % 3:] + names[:r % 3]:  # who goes first rotates: load drifts within a round
             rates[name].append(a.batch / step(name))
     print(f"BERT-base, 2-way head, batch {a.batch} x {a.seq}, fused AdamW; kiln exact "
           f"{max(rates['exact']):.2f} samples/s, kiln fast {max(rates['fast']):.2f}, "

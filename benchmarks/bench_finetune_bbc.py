@@ -103,7 +103,7 @@ def main() -> None:
     a = ap.parse_args()
     res: dict[str, list[dict]] = {"hf": [], "kiln": []}
     for r in range(a.rounds):
-        for side in res:
+        for side in list(res)[:: 1 if r % 2 == 0 else -1]:  # who goes first alternates
             out = run_child(__file__, "--child", side, str(a.steps), str(a.warmup))
             res[side].append(out)
             print(f"round {r + 1} {side:>4}: {out['samples_per_s']:6.2f} samples/s, peak +{out['peak_mb']:.0f} MB",

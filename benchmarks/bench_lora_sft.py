@@ -172,7 +172,7 @@ def main() -> None:
         prepare(Path(tmp))
         res: dict[str, list[dict]] = {"peer": [], "kiln": []}
         for r in range(a.rounds):
-            for side in ("peer", "kiln"):
+            for side in ("peer", "kiln")[:: 1 if r % 2 == 0 else -1]:  # who goes first alternates
                 out = run_child(__file__, "--child", side, tmp, mode, str(a.steps), str(a.warmup))
                 res[side].append(out)
                 print(f"round {r + 1} {side:>4}: {out['tokens_per_s']:8.1f} tokens/s, peak +{out['peak_mb']:.0f} MB",

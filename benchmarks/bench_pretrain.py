@@ -120,7 +120,7 @@ def main() -> None:
         prepare(Path(tmp))
         shards(Path(tmp))
         for r in range(a.rounds):
-            for side in res:
+            for side in list(res)[:: 1 if r % 2 == 0 else -1]:  # who goes first alternates
                 out = run_child(__file__, "--child", side, tmp, *args)
                 res[side].append(out)
                 print(f"round {r + 1} {side:>4}: {out['tokens_per_s']:8.1f} tokens/s, peak +{out['peak_mb']:.0f} MB",
