@@ -30,8 +30,10 @@ from kiln.models.common.moe_routing import SharedExpertMoE
 from kiln.models.common.rope import RotaryEmbedding
 from kiln.models.decoder_lm import IDENTITY_KEYS, DecoderConfig, DecoderModel, ForCausalLM
 from kiln.models.keymap import KeyMap
+from kiln.models.parallel_plan import ParallelPlan
 from kiln.models.pretrained import Family, TaskSpec
 from kiln.models.qwen3_moe import EXPERT_KEYS  # transformers maps DeepSeek experts as Qwen2/3-MoE's
+from kiln.models.tasks import BASE, CAUSAL_LM
 
 
 @dataclass
@@ -170,6 +172,11 @@ class MLAForCausalLM(KeepsMtpLayers, ForCausalLM):
         return self.model.new_cache()
 
 
+# Routed experts split over ep ranks (shared experts and the dense first layers replicated); no TP plan
+# for MLA's latent projections yet, so tp is refused by name.
+MLA_PLAN = ParallelPlan(blocks="model.layers", experts="mlp.experts")
+
+
 def mla_family(model_type: str, config_cls: type[MLAConfig], arch: str,
                backbone: Callable[[Any], MLADecoder] = build_backbone) -> Family:
     """A Family with `base` ({arch}Model) and `causal-lm` ({arch}ForCausalLM) heads over an MLA backbone."""
@@ -178,9 +185,10 @@ def mla_family(model_type: str, config_cls: type[MLAConfig], arch: str,
         config_cls=config_cls,
         hf_prefix="model",
         base_keys=KeyMap(EXPERT_KEYS + IDENTITY_KEYS),
+        parallel_plan=MLA_PLAN,
         tasks={
-            "base": TaskSpec(f"{arch}Model", lambda c: MLAModel(backbone(c))),
-            "causal-lm": TaskSpec(f"{arch}ForCausalLM",
+            BASE: TaskSpec(f"{arch}Model", lambda c: MLAModel(backbone(c))),
+            CAUSAL_LM: TaskSpec(f"{arch}ForCausalLM",
                                   lambda c: MLAForCausalLM(backbone(c), c.hidden_size, c.vocab_size,
                                                            c.tie_word_embeddings),
                                   KeyMap([("lm_head", "lm_head")])),

@@ -95,8 +95,4 @@ class AuxFreeBalance(Callback):
             update_biases([r for _, r in found], loads, self.speed)
         self.last = stats
         self.history.append({"step": trainer.step, **stats})
-        record.update(stats)
-        # The Trainer logs `record` before calling on_step, so the statistics get a line of their own.
-        a = trainer.args
-        if trainer.world.main and (trainer.step % a.log_every == 0 or trainer.step == trainer.total_steps):
-            trainer.metrics.log({"step": trainer.step, **stats})
+        record.update(stats)  # the Trainer writes the step's metrics line after its callbacks' on_step

@@ -21,7 +21,7 @@ from kiln.models.auto import AutoConfig, from_config
 
 DENSE = {**TINY["qwen3"], "intermediate_size": 40}
 MOE = {**TINY["qwen3_moe"], "mlp_only_layers": []}
-MODELS = {"qwen3": DENSE, "qwen3_moe": MOE}
+MODELS = {"qwen3": DENSE, "qwen3_moe": MOE, "deepseek_v3": TINY["deepseek_v3"]}  # deepseek: EP over routed experts
 LR = 1e-2
 
 
