@@ -15,21 +15,18 @@ Deltas from Qwen3-Next (`qwen3_next.py`):
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import torch
 from torch import nn
 
 from kiln.models.common.mlp import GatedMLP
 from kiln.models.common.moe import SharedExpertMoEBlock
 from kiln.models.common.rope import MRotaryEmbedding
-from kiln.models.decoder_lm import ForCausalLM
 from kiln.models.keymap import KeyMap
 from kiln.models.pretrained import Family, TaskSpec
 from kiln.models.qwen3_moe import EXPERT_KEYS
-from kiln.models.qwen3_next import HybridConfig, attention, build_hybrid, deltanet, hybrid_family
+from kiln.models.qwen3_next import HybridConfig, HybridForCausalLM, attention, build_hybrid, deltanet, hybrid_family
 
 
 @dataclass
@@ -122,43 +119,10 @@ class Qwen3_5MoeConfig(ImageTextConfig, Qwen3_5MoeTextConfig):
     text_tie_word_embeddings: bool | None = None
 
 
-_PER_EXPERT = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
-_FUSED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
-
-
-class ImageTextForCausalLM(ForCausalLM):
-    """The text model + LM head of an image-text checkpoint; tensors it does not use (vision tower,
-    MTP layers) are held in `hf_passthrough` and saved back byte for byte.
-
-    Released Qwen3.5-MoE checkpoints store each layer's experts fused (gate_up_proj (E, 2I, C),
-    down_proj (E, C, I), kiln's own layout); transformers writes one tensor per expert. Both load,
-    and the export keeps the layout it was read in.
-    """
-
-    def load_hf_state_dict(self, hf: dict[str, torch.Tensor], source: str = "checkpoint",
-                           source_task: str | None = None):
-        keymap = self.family.keymap(self.task)
-        other = {k: v for k, v in hf.items() if keymap.kiln_name(k) is None}
-        report = super().load_hf_state_dict({k: v for k, v in hf.items() if k not in other}, source, source_task)
-        self.hf_passthrough = other
-        self.fused_experts = any(k.startswith(self.family.hf_prefix + ".") and k.endswith(_FUSED) for k in hf)
-        return report
-
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        hf = super().hf_state_dict()
-        if getattr(self, "fused_experts", False):
-            hf = {k: v for k, v in hf.items() if not _PER_EXPERT.match(k)}
-            for k, v in self.state_dict().items():  # kiln "model.layers..." -> "model.language_model.layers..."
-                if k.endswith(_FUSED):
-                    hf[self.family.hf_prefix + k[len("model"):]] = v
-        hf.update(getattr(self, "hf_passthrough", {}))
-        return hf
-
-
 def image_text_family(model_type: str, config_cls: type, arch: str, text: Family, mlp) -> Family:
     """Only the causal-LM head ({arch}ForConditionalGeneration): the text model under `model.language_model`."""
     def build(c):
-        return ImageTextForCausalLM(build_hybrid(c, mixer, mlp, MRotaryEmbedding), c.hidden_size, c.vocab_size,
+        return HybridForCausalLM(build_hybrid(c, mixer, mlp, MRotaryEmbedding), c.hidden_size, c.vocab_size,
                                     c.tie_word_embeddings)
 
     return Family(model_type=model_type, config_cls=config_cls, hf_prefix="model.language_model",

@@ -8,11 +8,13 @@ Deltas from Qwen3-MoE:
 - DeltaNet projections are fused per key head: in_proj_qkvz holds [q | k | v | z] for each of the
   `linear_num_key_heads` groups (its value heads' v and z side by side), in_proj_ba likewise [b | a];
 - sparse layers add `shared_expert` (a gated MLP of `shared_expert_intermediate_size`) scaled by
-  sigmoid(`shared_expert_gate`); the router renormalises its top-k (`norm_topk_prob`, on by default).
+  sigmoid(`shared_expert_gate`); the router renormalises its top-k (`norm_topk_prob`, on by default);
+- multi-token-prediction tensors (`mtp.*`), which transformers ignores, ride along to the export verbatim.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -125,6 +127,39 @@ class FusedGatedDeltaNet(GatedDeltaNet):
                 a.reshape(B, T, self.num_v_heads))
 
 
+_PER_EXPERT = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+_FUSED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+class HybridForCausalLM(ForCausalLM):
+    """Hybrid decoder + LM head; checkpoint tensors it does not use (multi-token-prediction layers `mtp.*`,
+    an image-text checkpoint's vision tower) are held in `hf_passthrough` and saved back byte for byte.
+
+    Released Qwen3.5-MoE checkpoints store each layer's experts fused (gate_up_proj (E, 2I, C),
+    down_proj (E, C, I), kiln's own layout); transformers writes one tensor per expert. Both load,
+    and the export keeps the layout it was read in.
+    """
+
+    def load_hf_state_dict(self, hf: dict[str, torch.Tensor], source: str = "checkpoint",
+                           source_task: str | None = None):
+        keymap = self.family.keymap(self.task)
+        other = {k: v for k, v in hf.items() if keymap.kiln_name(k) is None}
+        report = super().load_hf_state_dict({k: v for k, v in hf.items() if k not in other}, source, source_task)
+        self.hf_passthrough = other
+        self.fused_experts = any(k.startswith(self.family.hf_prefix + ".") and k.endswith(_FUSED) for k in hf)
+        return report
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        hf = super().hf_state_dict()
+        if getattr(self, "fused_experts", False):
+            hf = {k: v for k, v in hf.items() if not _PER_EXPERT.match(k)}
+            for k, v in self.state_dict().items():  # kiln "model.layers..." -> "model.language_model.layers..."
+                if k.endswith(_FUSED):
+                    hf[self.family.hf_prefix + k[len("model"):]] = v
+        hf.update(getattr(self, "hf_passthrough", {}))
+        return hf
+
+
 MixerFn = Callable[[Any, int], nn.Module]
 MlpFn = Callable[[Any, int], nn.Module]
 
@@ -173,8 +208,8 @@ def hybrid_family(model_type: str, config_cls: type[HybridConfig], archs: tuple[
         base_keys=KeyMap(list(rules or []) + IDENTITY_KEYS),
         tasks={
             "base": TaskSpec(archs[0], lambda c: DecoderModel(build(c))),
-            "causal-lm": TaskSpec(archs[1], lambda c: ForCausalLM(build(c), c.hidden_size, c.vocab_size,
-                                                                   c.tie_word_embeddings),
+            "causal-lm": TaskSpec(archs[1], lambda c: HybridForCausalLM(build(c), c.hidden_size, c.vocab_size,
+                                                                         c.tie_word_embeddings),
                                   KeyMap([("lm_head", "lm_head")])),
         },
     )

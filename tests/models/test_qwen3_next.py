@@ -260,6 +260,21 @@ def test_image_text_checkpoint_round_trips_vision_and_mtp(model_type, tiny_facto
     same(a.loss, b.loss, "ForConditionalGeneration loss")
 
 
+def test_text_checkpoint_mtp_layers_round_trip(tiny_factory, tmp_path):
+    """Qwen3-Next releases carry `mtp.*` tensors transformers ignores: kiln keeps and writes them back."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_factory("qwen3_next", "causal-lm"), src)
+    weights = load_file(str(src / "model.safetensors"))
+    weights["mtp.layers.0.mlp.experts.0.up_proj.weight"] = torch.randn(16, 32).to(torch.bfloat16)
+    save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
+    ours = AutoModelForCausalLM.from_pretrained(src)
+    assert ours.load_report.ignored == [] and list(ours.hf_passthrough) == ["mtp.layers.0.mlp.experts.0.up_proj.weight"]
+    checks = verify_export(export_model(ours, tmp_path / "export"), source=src)  # includes: bytes equal the source
+    assert all(c.ok for c in checks), [c.line() for c in checks if not c.ok]
+
+
 def test_released_moe_layout_with_fused_experts_loads_and_exports_fused(tiny_factory, tmp_path):
     """Qwen3.5-MoE releases store experts fused per layer: gate_up_proj (E, 2I, C), down_proj (E, C, I)."""
     import shutil
