@@ -9,7 +9,7 @@ compile); this module is the little the Trainer needs around them:
   checkpoints, sealed like every other checkpoint: written to `.ckpt-N.tmp`, a manifest of
   checksums last, then renamed, so resume skips a half-written one by name;
 - combinations the Trainer cannot run are refused here, naming the keys;
-- [parallel.cadence] adds the callback that runs each step as a cadence round (kiln.parallel.cadence_loop).
+- [parallel.cadence] adds the callback that runs each step as a cadence round (kiln.train.cadence_loop).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def loop_callbacks(parallel: ParallelSection) -> list[Any]:
     """Callbacks that take the Trainer's steps their own way: [parallel.cadence] runs cadence rounds."""
     if parallel.cadence is None:
         return []
-    from kiln.parallel.cadence_loop import CadenceCallback  # imports the Trainer: not at module level
+    from kiln.train.cadence_loop import CadenceCallback  # imports the Trainer: not at module level
 
     return [CadenceCallback(parallel.cadence)]
 
