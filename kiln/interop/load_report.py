@@ -15,6 +15,7 @@ import torch
 
 from kiln.errors import WeightsError
 from kiln.models.pretrained import PreTrainedModel
+from kiln.models.tasks import BASE
 
 
 def _names(items: list[str], limit: int = 8) -> str:
@@ -33,7 +34,7 @@ def _source_names(model: PreTrainedModel, source_task: str | None) -> set[str]:
     """HF names (family prefix stripped) of every tensor the source architecture has under this config."""
     family = model.family
     with torch.device("meta"):
-        source = family.build(model.config, source_task or "base")
+        source = family.build(model.config, source_task or BASE)
     prefix = family.hf_prefix + "."
     return {n.removeprefix(prefix) for n in source.hf_state_dict()}
 

@@ -27,6 +27,7 @@ from kiln.models.keymap import KeyMap
 from kiln.models.pretrained import Family, TaskSpec
 from kiln.models.qwen3_moe import EXPERT_KEYS
 from kiln.models.qwen3_next import HybridConfig, HybridForCausalLM, attention, build_hybrid, deltanet, hybrid_family
+from kiln.models.tasks import CAUSAL_LM
 
 
 @dataclass
@@ -127,7 +128,7 @@ def image_text_family(model_type: str, config_cls: type, arch: str, text: Family
 
     return Family(model_type=model_type, config_cls=config_cls, hf_prefix="model.language_model",
                   base_keys=text.base_keys,
-                  tasks={"causal-lm": TaskSpec(f"{arch}ForConditionalGeneration", build,
+                  tasks={CAUSAL_LM: TaskSpec(f"{arch}ForConditionalGeneration", build,
                                                KeyMap([("lm_head", "lm_head")]))})
 
 

@@ -30,6 +30,7 @@ from kiln.models.decoder_lm import IDENTITY_KEYS, DecoderConfig, DecoderModel, F
 from kiln.models.keymap import KeyMap
 from kiln.models.pretrained import Family, TaskSpec
 from kiln.models.qwen3_moe import EXPERT_KEYS
+from kiln.models.tasks import BASE, CAUSAL_LM
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -207,8 +208,8 @@ def hybrid_family(model_type: str, config_cls: type[HybridConfig], archs: tuple[
         hf_prefix="model",
         base_keys=KeyMap(list(rules or []) + IDENTITY_KEYS),
         tasks={
-            "base": TaskSpec(archs[0], lambda c: DecoderModel(build(c))),
-            "causal-lm": TaskSpec(archs[1], lambda c: HybridForCausalLM(build(c), c.hidden_size, c.vocab_size,
+            BASE: TaskSpec(archs[0], lambda c: DecoderModel(build(c))),
+            CAUSAL_LM: TaskSpec(archs[1], lambda c: HybridForCausalLM(build(c), c.hidden_size, c.vocab_size,
                                                                          c.tie_word_embeddings),
                                   KeyMap([("lm_head", "lm_head")])),
         },
