@@ -6,7 +6,7 @@ The same articles (title + body, real lengths, truncated to 256 tokens by the mo
 same weights, batch 8 (transformers' default), lr 5e-5, linear schedule, no eval, no saving; each side in its own process,
 rounds interleaved, the warm-up steps untimed. Ratios last.
 
-    python benchmarks/bench_finetune_bbc.py [--steps 3] [--warmup 1] [--rounds 2]
+    python benchmarks/bench_finetune_bbc.py [--steps 3] [--warmup 1] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     res: dict[str, list[dict]] = {"hf": [], "kiln": []}
     for r in range(a.rounds):
