@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import report, setup_torch  # noqa: E402
 
-BATCH, STEPS, WARMUP, LENGTH, LR, ROUNDS = 16, 6, 2, 32, 5e-5, 2
+BATCH, STEPS, WARMUP, LENGTH, LR, ROUNDS = 16, 16, 2, 32, 5e-5, 3
 
 
 def _model_dir() -> Path:
