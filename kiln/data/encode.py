@@ -7,8 +7,9 @@ answers are located through the tokenizer's character offsets.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -68,22 +69,29 @@ def _tensors(enc: Any) -> Example:
             "token_type_ids": torch.tensor(enc.type_ids, dtype=torch.long)}
 
 
+@contextlib.contextmanager
+def _truncating(tokenizer: Tokenizer, max_length: int, **how: Any) -> Iterator[Any]:
+    """The tokenizer's backend truncating to `max_length` inside the block, as it was after it."""
+    backend = tokenizer.backend
+    backend.enable_truncation(max_length, **how)
+    try:
+        yield backend
+    finally:
+        backend.no_truncation()
+
+
 def encode_sequence_classification(records: list[Record], tokenizer: Tokenizer, labels: list[str] | None,
                                    fields: Fields, max_length: int) -> list[Example]:
     """Text (and text pair) -> ids, the record's label name -> its index in `labels`."""
     label2id = {name: i for i, name in enumerate(labels or [])}
-    backend = tokenizer.backend
-    backend.enable_truncation(max_length)
     out: list[Example] = []
-    try:
+    with _truncating(tokenizer, max_length) as backend:
         for r in records:
             text = str(r.get(fields.text))
             e = backend.encode(text, str(r.get(fields.text_pair))) if fields.text_pair else backend.encode(text)
             ex = _tensors(e)
             ex["labels"] = torch.tensor(_label_id(r.get(fields.label), label2id, r.where))
             out.append(ex)
-    finally:
-        backend.no_truncation()
     return out
 
 
@@ -91,10 +99,8 @@ def encode_token_classification(records: list[Record], tokenizer: Tokenizer, lab
                                 fields: Fields, max_length: int) -> list[Example]:
     """Pre-split words and one tag per word; each word's first sub-token carries its tag, the rest are ignored."""
     label2id = {name: i for i, name in enumerate(labels or [])}
-    backend = tokenizer.backend
-    backend.enable_truncation(max_length)
     out: list[Example] = []
-    try:
+    with _truncating(tokenizer, max_length) as backend:
         for r in records:
             words = [str(w) for w in _as_list(r.get(fields.tokens), r.where, fields.tokens)]
             tags = _as_list(r.get(fields.label), r.where, fields.label)
@@ -109,20 +115,14 @@ def encode_token_classification(records: list[Record], tokenizer: Tokenizer, lab
                 prev = wid
             ex["labels"] = torch.tensor(lab, dtype=torch.long)
             out.append(ex)
-    finally:
-        backend.no_truncation()
     return out
 
 
 def encode_question_answering(records: list[Record], tokenizer: Tokenizer, fields: Fields,
                               max_length: int) -> list[Example]:
     """Question + context -> ids; the answer's character span -> start/end token positions."""
-    backend = tokenizer.backend
-    backend.enable_truncation(max_length, strategy="only_second")
-    try:
+    with _truncating(tokenizer, max_length, strategy="only_second") as backend:
         return [_encode_qa(r, backend, fields) for r in records]
-    finally:
-        backend.no_truncation()
 
 
 def _encode_qa(r: Record, backend: Any, fields: Fields) -> Example:

@@ -101,6 +101,21 @@ def _open(path: str, split: str, digest: str, source: str, vocab_size: int) -> S
     return shards
 
 
+def _stream(cfg: Any, model: Any, train_ids: Any, held_ids: Any | None) -> tuple[StreamLoader, Callable | None]:
+    """This rank's loader over packed windows of `train_ids` (a ShardSet or RawTokens), and the held-out
+    evaluation over `held_ids` (None: no eval); the model is checked against data.max_length first."""
+    d = cfg.data
+    check_model_tokenizer(model, d.max_length, cfg.model.path or cfg.model.family, cfg.train.precision)
+    train = Windows(train_ids, d.max_length, seed=cfg.train.seed, within_doc=d.within_doc)
+    rank, shards = data_shard(cfg.parallel, int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+    loader = StreamLoader(train, cfg.train.batch_size, rank=rank, world_size=shards, num_workers=d.num_workers,
+                          prefetch=d.prefetch)
+    if held_ids is None:
+        return loader, None
+    held_out = Windows(held_ids, d.max_length, shuffle=False, within_doc=d.within_doc)
+    return loader, lambda trainer: evaluate_windows(trainer, held_out, cfg.train.batch_size)
+
+
 class Pretrain(Recipe):
     name = "pretrain"
     summary = "a causal LM (or Mamba) on `kiln tokenize` token shards"
@@ -129,18 +144,8 @@ class Pretrain(Recipe):
         source = cfg.model.tokenizer or cfg.model.path
         digest = tokenizer_digest(model.tokenizer.backend.to_str())
         vocab = model.config.vocab_size
-        train = Windows(_open(d.train, d.train_split, digest, source, vocab), d.max_length, seed=cfg.train.seed,
-                        within_doc=d.within_doc)
-        check_model_tokenizer(model, d.max_length, cfg.model.path or cfg.model.family, cfg.train.precision)
-        rank, shards = data_shard(cfg.parallel, int(os.environ.get("RANK", "0")),
-                                  int(os.environ.get("WORLD_SIZE", "1")))
-        loader = StreamLoader(train, cfg.train.batch_size, rank=rank, world_size=shards, num_workers=d.num_workers,
-                              prefetch=d.prefetch)
-        evaluate = None
-        if d.eval is not None:
-            held_out = Windows(_open(d.eval, d.eval_split, digest, source, vocab), d.max_length, shuffle=False,
-                               within_doc=d.within_doc)
-            evaluate = lambda trainer: evaluate_windows(trainer, held_out, cfg.train.batch_size)  # noqa: E731
+        held_out = _open(d.eval, d.eval_split, digest, source, vocab) if d.eval is not None else None
+        loader, evaluate = _stream(cfg, model, _open(d.train, d.train_split, digest, source, vocab), held_out)
         fingerprint = {"train": str(d.train), "manifest_sha256": file_sha256(Path(d.train) / MANIFEST),
                        "split": d.train_split, "seq_len": d.max_length, "within_doc": d.within_doc}
         return RunParts(model, loader, step=lm_step, evaluate=evaluate, fingerprint=fingerprint)
@@ -164,18 +169,9 @@ class Pretrain(Recipe):
         eos = getattr(model.config, "eos_token_id", None)
         eos = int(eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0  # pads short windows
         train_ids = RawTokens(files, "train", vocab, eos, d.dtype, d.val_fraction)
-        train = Windows(train_ids, d.max_length, seed=cfg.train.seed, within_doc=d.within_doc)
-        check_model_tokenizer(model, d.max_length, cfg.model.path or cfg.model.family, cfg.train.precision)
-        rank, shards = data_shard(cfg.parallel, int(os.environ.get("RANK", "0")),
-                                  int(os.environ.get("WORLD_SIZE", "1")))
-        loader = StreamLoader(train, cfg.train.batch_size, rank=rank, world_size=shards, num_workers=d.num_workers,
-                              prefetch=d.prefetch)
-        evaluate = None
-        if eval_files is not None or d.val_fraction > 0:
-            held_ids = (RawTokens(eval_files, "train", vocab, eos, d.dtype) if eval_files is not None
-                        else RawTokens(files, "val", vocab, eos, d.dtype, d.val_fraction))
-            held_out = Windows(held_ids, d.max_length, shuffle=False, within_doc=d.within_doc)
-            evaluate = lambda trainer: evaluate_windows(trainer, held_out, cfg.train.batch_size)  # noqa: E731
+        held_ids = (RawTokens(eval_files, "train", vocab, eos, d.dtype) if eval_files is not None
+                    else RawTokens(files, "val", vocab, eos, d.dtype, d.val_fraction) if d.val_fraction > 0 else None)
+        loader, evaluate = _stream(cfg, model, train_ids, held_ids)
         fingerprint = {"train": str(d.train), **train_ids.fingerprint(), "val_fraction": d.val_fraction,
                        "seq_len": d.max_length, "within_doc": d.within_doc}
         return RunParts(model, loader, step=lm_step, evaluate=evaluate, fingerprint=fingerprint)
