@@ -28,6 +28,7 @@ from kiln.models.common.moe import SharedExpertMoEBlock
 from kiln.models.common.rope import RotaryEmbedding
 from kiln.models.decoder_lm import IDENTITY_KEYS, DecoderConfig, DecoderModel, ForCausalLM
 from kiln.models.keymap import KeyMap
+from kiln.models.parallel_plan import ParallelPlan
 from kiln.models.pretrained import Family, TaskSpec
 from kiln.models.qwen3_moe import EXPERT_KEYS
 from kiln.models.tasks import BASE, CAUSAL_LM
@@ -196,6 +197,10 @@ def build_hybrid(c: HybridConfig, mixer: MixerFn, mlp: MlpFn, rope_cls: type[Rot
     return HybridDecoder(c.vocab_size, c.hidden_size, layers, rope, c.rms_norm_eps, c.pad_token_id)
 
 
+# Routed experts split over ep ranks (shared expert, gates, DeltaNet and attention replicated); no TP plan yet.
+HYBRID_PLAN = ParallelPlan(blocks="model.layers", experts="mlp.experts")
+
+
 def hybrid_family(model_type: str, config_cls: type[HybridConfig], archs: tuple[str, str], mixer: MixerFn,
                   mlp: MlpFn, rules: list | None = None, rope_cls: type[RotaryEmbedding] = RotaryEmbedding) -> Family:
     """A Family with `base` and `causal-lm` heads (HF class names `archs`) over the hybrid decoder."""
@@ -207,6 +212,7 @@ def hybrid_family(model_type: str, config_cls: type[HybridConfig], archs: tuple[
         config_cls=config_cls,
         hf_prefix="model",
         base_keys=KeyMap(list(rules or []) + IDENTITY_KEYS),
+        parallel_plan=HYBRID_PLAN,
         tasks={
             BASE: TaskSpec(archs[0], lambda c: DecoderModel(build(c))),
             CAUSAL_LM: TaskSpec(archs[1], lambda c: HybridForCausalLM(build(c), c.hidden_size, c.vocab_size,

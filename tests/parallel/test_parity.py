@@ -19,10 +19,12 @@ JOBS_2 = [("fsdp-2", "qwen3", {"fsdp": True}),
           ("tp-nosp-2", "qwen3", {"tp": 2, "sequence_parallel": False}),
           ("ep-2", "qwen3_moe", {"ep": 2}),
           ("ep-2-deepseek", "deepseek_v3", {"ep": 2}),
+          ("ep-2-qwen3-next", "qwen3_next", {"ep": 2}),
           ("fsdp-ac-2", "qwen3", {"fsdp": True, "activation_checkpointing": "block"})]
 JOBS_4 = [("fsdp-4", "qwen3", {"fsdp": True}),
           ("ep-4", "qwen3_moe", {"ep": 4}),
           ("ep-4-deepseek", "deepseek_v3", {"ep": 4}),
+          ("ep-4-qwen3-next", "qwen3_next", {"ep": 4}),
           ("fsdp-tp-2x2", "qwen3", {"fsdp": True, "tp": 2, "dp": 2}),
           ("tp-dp-2x2", "qwen3", {"tp": 2, "dp": 2}),
           ("ep-dp-2x2", "qwen3_moe", {"ep": 2, "dp": 2})]

@@ -21,7 +21,8 @@ from kiln.models.auto import AutoConfig, from_config
 
 DENSE = {**TINY["qwen3"], "intermediate_size": 40}
 MOE = {**TINY["qwen3_moe"], "mlp_only_layers": []}
-MODELS = {"qwen3": DENSE, "qwen3_moe": MOE, "deepseek_v3": TINY["deepseek_v3"]}  # deepseek: EP over routed experts
+MODELS = {"qwen3": DENSE, "qwen3_moe": MOE, "deepseek_v3": TINY["deepseek_v3"],  # EP over routed experts
+          "qwen3_next": {**TINY["qwen3_next"], "mlp_only_layers": []}}
 LR = 1e-2
 
 
