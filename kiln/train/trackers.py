@@ -9,6 +9,7 @@ Trackio keeps a local SQLite store (TRACKIO_DIR).
 
 from __future__ import annotations
 
+import abc
 import importlib.util
 import json
 import os
@@ -38,14 +39,16 @@ def flat_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-class Tracker:
+class Tracker(abc.ABC):
     """One destination for metrics; opened on rank 0 only."""
 
+    @abc.abstractmethod
     def log(self, step: int, values: dict[str, float]) -> None:
-        raise NotImplementedError
+        """Send one metrics line's scalars at `step`."""
 
+    @abc.abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Flush and finish the run."""
 
 
 class TensorBoardTracker(Tracker):

@@ -147,6 +147,20 @@ class Attention(nn.Module):
         return self.o_proj(y.reshape(B, T, -1).contiguous())
 
 
+def positions_and_mask(x: torch.Tensor, cache, attention_mask: torch.Tensor | None,
+                       position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(position ids, attention mask) for the hidden states x (B, T, C) following `len(cache)` cached ones.
+
+    Without position ids, positions count on from the cache; given ones (packed rows restarting at 0)
+    also keep the samples apart in the mask, except while decoding from a cache."""
+    B, T = x.shape[:2]
+    past = len(cache) if cache is not None else 0
+    mask = causal_mask(B, T, past, attention_mask, position_ids if cache is None else None, x.device)
+    if position_ids is None:
+        position_ids = (torch.arange(T, device=x.device) + past).unsqueeze(0)  # (1, T)
+    return position_ids, mask
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, spec: AttentionSpec, mlp: nn.Module, layer_idx: int):
         super().__init__()
@@ -176,12 +190,7 @@ class Decoder(nn.Module):
                 position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, C)
-        B, T = x.shape[:2]
-        past = len(cache) if cache is not None else 0
-        mask_positions = position_ids
-        if position_ids is None:
-            position_ids = (torch.arange(T, device=x.device) + past).unsqueeze(0)  # (1, T)
-        mask = causal_mask(B, T, past, attention_mask, mask_positions if cache is None else None, x.device)
+        position_ids, mask = positions_and_mask(x, cache, attention_mask, position_ids)
         rope = self.rotary_emb(x, position_ids)
         for layer in self.layers:
             x = layer(x, rope, mask, cache)

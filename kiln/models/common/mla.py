@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kiln.errors import KilnError
-from kiln.models.common.decoder import KVCache, causal_mask
+from kiln.models.common.decoder import KVCache, positions_and_mask
 from kiln.models.common.dsa import Indexer, restrict_mask
 from kiln.models.common.norms import RMSNorm
 from kiln.models.common.rope import RotaryEmbedding, apply_rope, apply_rope_interleaved, yarn_mscale
@@ -205,13 +205,10 @@ class MLADecoder(nn.Module):
                 position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 cache: MLACache | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, C)
-        B, T = x.shape[:2]
-        past = len(cache) if cache is not None else 0
-        mask_positions = position_ids
-        if position_ids is None:
-            position_ids = (torch.arange(T, device=x.device) + past).unsqueeze(0)  # (1, T)
-        mask = causal_mask(B, T, past, attention_mask, mask_positions if cache is None else None, x.device)
+        position_ids, mask = positions_and_mask(x, cache, attention_mask, position_ids)
         if mask is None and self.always_mask:
+            B, T = x.shape[:2]
+            past = len(cache) if cache is not None else 0
             q_idx = torch.arange(T, device=x.device)[:, None] + past
             mask = (torch.arange(past + T, device=x.device)[None, :] <= q_idx).expand(B, 1, T, past + T)
         rope = self.rotary_emb(x, position_ids)

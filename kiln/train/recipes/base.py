@@ -10,6 +10,7 @@ swaps the step, adds callbacks). Both may contribute `kiln train` flags (`Shortc
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -40,20 +41,21 @@ class RunParts:
     fingerprint: dict = field(default_factory=dict)  # what a resume must find unchanged about the data
 
 
-class Recipe:
+class Recipe(abc.ABC):
     name = ""
     summary = ""
     shortcuts: tuple[Shortcut, ...] = ()
 
+    @abc.abstractmethod
     def matches(self, cfg: Any) -> bool:
-        raise NotImplementedError
+        """Whether this recipe runs `cfg` (recipes are asked in registry order)."""
 
+    @abc.abstractmethod
     def build(self, cfg: Any, on_model: Callable[[Any], None]) -> RunParts:
         """Model (call `on_model(model)` as soon as it exists, before data work) and data for `cfg`."""
-        raise NotImplementedError
 
 
-class Extension:
+class Extension(abc.ABC):
     section = ""                              # the TOML table it owns
     schema: type[Section] = Section
     summary = ""
@@ -68,8 +70,9 @@ class Extension:
     def on_model(self, cfg: Any, model: Any) -> None:
         """The built model, before any data is read: refuse what cannot work on it."""
 
+    @abc.abstractmethod
     def extend(self, cfg: Any, parts: RunParts) -> None:
-        raise NotImplementedError
+        """Change the run's parts: wrap the model, swap the step, add callbacks."""
 
 
 def build_model(cfg: Any, labels: list[str] | None, need_tokenizer: bool = True) -> Any:
