@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from kiln.errors import ConfigError
 from kiln.parallel.blocks import apply_activation_checkpointing, compile_blocks
 from kiln.parallel.ep import apply_expert_parallel
 from kiln.parallel.fsdp import apply_fsdp
@@ -63,6 +64,8 @@ def parallelize(model: nn.Module, parallel: Any, world_size: int | None = None,
     degrees = resolve_degrees(parallel, world_size)
     check_model(degrees, model, fsdp=parallel.fsdp)
     device_type = (device or next(model.parameters()).device).type
+    if degrees.pp > 1 or degrees.cp > 1:
+        raise ConfigError("parallel.pp and parallel.cp are not implemented yet")
     needs_mesh = degrees.tp > 1 or degrees.ep > 1 or parallel.fsdp
     mesh = build_mesh(degrees, device_type) if needs_mesh and world_size > 1 else None
     if mesh is not None and degrees.tp > 1:

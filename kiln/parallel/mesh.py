@@ -1,12 +1,15 @@
 """Parallel degrees from the [parallel] table, checked against the world size and the model, and the mesh.
 
-The mesh has three named dimensions, outermost first: ("dp", "ep", "tp"). Ranks next to each other
-share a tensor-parallel group (the chattiest traffic stays closest); expert-parallel ranks also split
-the batch, so the ranks that read different data are dp * ep of them ("batch" below).
+The mesh has five named dimensions, outermost first: ("pp", "dp", "cp", "ep", "tp"). Ranks next to
+each other share a tensor-parallel group (the chattiest traffic stays closest); pipeline stages are
+the outermost (their traffic is one activation per micro-batch). Expert-parallel ranks also split
+the batch, so the ranks that read different data are dp * ep of them ("batch" below); context-
+parallel ranks read the same rows and split their sequence; pipeline stages read the same rows too.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +22,7 @@ from kiln.parallel.blocks import model_name
 from kiln.parallel.ep import expert_modules
 from kiln.parallel.tp import tensor_plan
 
-DIMS = ("dp", "ep", "tp")
+DIMS = ("pp", "dp", "cp", "ep", "tp")
 
 
 @dataclass(frozen=True)
@@ -27,29 +30,48 @@ class Degrees:
     dp: int = 1
     ep: int = 1
     tp: int = 1
+    pp: int = 1
+    cp: int = 1
 
     @property
     def world(self) -> int:
-        return self.dp * self.ep * self.tp
+        return self.pp * self.dp * self.cp * self.ep * self.tp
 
     @property
     def batch(self) -> int:
         """How many ranks read different batches (data-parallel and expert-parallel ranks)."""
         return self.dp * self.ep
 
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index along each mesh dimension (the mesh is laid out row-major over the ranks)."""
+        out = {}
+        for name in reversed(DIMS):
+            size = getattr(self, name)
+            out[name] = rank % size
+            rank //= size
+        return {name: out[name] for name in DIMS}
+
+    def data_shard(self, rank: int) -> int:
+        """Which of the `batch` data shards this rank reads."""
+        c = self.coords(rank)
+        return c["dp"] * self.ep + c["ep"]
+
 
 def resolve_degrees(parallel: Any, world_size: int) -> Degrees:
-    """dp, ep, tp from a ParallelSection (dp 0 = what is left), required to multiply to `world_size`."""
-    tp, ep, dp = int(parallel.tp), int(parallel.ep), int(parallel.dp)
+    """The degrees of a ParallelSection (dp 0 = what is left), required to multiply to `world_size`."""
+    given = {name: int(getattr(parallel, name, 1)) for name in ("pp", "cp", "ep", "tp")}
+    named = " x ".join(f"{name} ({n})" for name, n in given.items() if n > 1) or "1"
+    rest = math.prod(given.values())
+    dp = int(parallel.dp)
     if dp == 0:
-        if world_size % (tp * ep):
-            raise ConfigError(f"parallel.tp ({tp}) x parallel.ep ({ep}) = {tp * ep} does not divide the world size "
-                              f"({world_size} processes); choose degrees whose product divides it")
-        dp = world_size // (tp * ep)
-    if dp * tp * ep != world_size:
-        raise ConfigError(f"parallel degrees dp ({dp}) x ep ({ep}) x tp ({tp}) = {dp * ep * tp}, but the world size "
-                          f"is {world_size} processes; they must multiply to the world size (or set parallel.dp = 0)")
-    return Degrees(dp=dp, ep=ep, tp=tp)
+        if world_size % rest:
+            raise ConfigError(f"parallel degrees {named} = {rest} do not divide the world size ({world_size} "
+                              f"processes); choose degrees whose product divides it")
+        dp = world_size // rest
+    if dp * rest != world_size:
+        raise ConfigError(f"parallel degrees dp ({dp}) x {named} = {dp * rest}, but the world size is {world_size} "
+                          f"processes; they must multiply to the world size (or set parallel.dp = 0)")
+    return Degrees(dp=dp, **given)
 
 
 def check_model(degrees: Degrees, model: nn.Module, fsdp: bool = False) -> None:
@@ -70,8 +92,8 @@ def check_model(degrees: Degrees, model: nn.Module, fsdp: bool = False) -> None:
 
 
 def build_mesh(degrees: Degrees, device_type: str) -> DeviceMesh:
-    """The ("dp", "ep", "tp") mesh over the default process group (joined already)."""
-    return init_device_mesh(device_type, (degrees.dp, degrees.ep, degrees.tp), mesh_dim_names=DIMS)
+    """The ("pp", "dp", "cp", "ep", "tp") mesh over the default process group (joined already)."""
+    return init_device_mesh(device_type, tuple(getattr(degrees, name) for name in DIMS), mesh_dim_names=DIMS)
 
 
 def batch_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -196,6 +196,11 @@ class ParallelSection(Section):
     dp: int = 0          # 0: the world size / (tp * ep)
     tp: int = 1          # tensor parallel: attention heads and MLP columns split over tp ranks
     ep: int = 1          # expert parallel: MoE experts split over ep ranks (which also split the batch)
+    pp: int = 1          # pipeline parallel: the blocks split into pp stages, one per rank group
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    microbatches: int = 0                # pp: micro-batches per batch (0: 2 x pp)
+    pp_stages: list[int] | None = None   # pp: blocks per stage (None: as even as the blocks allow)
+    cp: int = 1          # context parallel: each sequence split over cp ranks (load-balanced causal chunks)
     fsdp: bool = False   # shard parameters, gradients and optimizer state over the dp ranks (FSDP2)
     offload: bool = False                # fsdp: keep sharded parameters and optimizer state in CPU memory
     param_dtype: Literal["fp32", "bf16", "fp16"] | None = None   # fsdp compute dtype; None: the parameters' own (autocast still applies train.precision)
@@ -209,15 +214,24 @@ class ParallelSection(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "ParallelSection":
-        for name in ("tp", "ep", "checkpoint_every"):
+        for name in ("tp", "ep", "pp", "cp", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         if self.dp < 0:
             raise ValueError(f"parallel.dp must be >= 0 (0: the rest of the world size), got {self.dp}")
         if self.offload and not self.fsdp:
             raise ValueError("parallel.offload needs parallel.fsdp = true (it offloads FSDP's shards)")
-        if self.cadence is not None and (self.tp > 1 or self.ep > 1 or self.fsdp):
-            raise ValueError("parallel.cadence is a data-parallel mode; it cannot be combined with tp, ep or fsdp")
+        if self.cadence is not None and (self.tp > 1 or self.ep > 1 or self.pp > 1 or self.cp > 1 or self.fsdp):
+            raise ValueError("parallel.cadence is a data-parallel mode; it cannot be combined with tp, ep, pp, cp "
+                             "or fsdp")
+        if self.microbatches < 0:
+            raise ValueError(f"parallel.microbatches must be >= 0 (0: 2 x pp), got {self.microbatches}")
+        if self.pp_stages is not None:
+            if len(self.pp_stages) != self.pp:
+                raise ValueError(f"parallel.pp_stages has {len(self.pp_stages)} entries but parallel.pp = {self.pp}; "
+                                 f"give one block count per stage")
+            if min(self.pp_stages) < 1:
+                raise ValueError(f"parallel.pp_stages {self.pp_stages}: every stage needs at least one block")
         return self
 
 

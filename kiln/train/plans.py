@@ -31,12 +31,11 @@ from kiln.train.config import ParallelSection
 
 
 def data_shard(parallel: ParallelSection | None, rank: int, world_size: int) -> tuple[int, int]:
-    """(this rank's data shard, number of shards). The mesh is ("dp", "ep", "tp") laid out row-major
-    over the ranks, so the tp ranks of one group are neighbours and share rank // tp."""
+    """(this rank's data shard, number of shards): tp, cp and pp ranks of one group read the same rows."""
     if parallel is None:
         return rank, world_size
     degrees = resolve_degrees(parallel, world_size)
-    return rank // degrees.tp, degrees.batch
+    return degrees.data_shard(rank), degrees.batch
 
 
 def check_plan(parallel: ParallelSection, precision: str, reshaping: list[str], world_size: int) -> None:

@@ -20,10 +20,20 @@ import workers
 
 def test_degrees_must_multiply_to_the_world_size():
     assert resolve_degrees(ParallelSection(tp=2), 4) == Degrees(dp=2, ep=1, tp=2)
-    with pytest.raises(ConfigError, match=r"dp \(3\) x ep \(1\) x tp \(2\) = 6, but the world size is 4"):
+    assert resolve_degrees(ParallelSection(pp=2, cp=2), 8) == Degrees(dp=2, pp=2, cp=2)
+    with pytest.raises(ConfigError, match=r"dp \(3\) x tp \(2\) = 6, but the world size is 4"):
         resolve_degrees(ParallelSection(dp=3, tp=2), 4)
-    with pytest.raises(ConfigError, match=r"parallel.tp \(3\) x parallel.ep \(1\) = 3 does not divide the world size \(4"):
+    with pytest.raises(ConfigError, match=r"degrees tp \(3\) = 3 do not divide the world size \(4"):
         resolve_degrees(ParallelSection(tp=3), 4)
+    with pytest.raises(ConfigError, match=r"dp \(1\) x pp \(2\) x cp \(2\) = 4, but the world size is 2"):
+        resolve_degrees(ParallelSection(dp=1, pp=2, cp=2), 2)
+
+
+def test_every_rank_knows_its_data_shard():
+    d = Degrees(dp=2, pp=2, cp=2, tp=2)  # 16 ranks: tp innermost, pp outermost
+    assert d.coords(13) == {"pp": 1, "dp": 1, "cp": 0, "ep": 0, "tp": 1}
+    # the tp and cp neighbours of one dp rank, on every stage, read the same rows
+    assert [d.data_shard(r) for r in range(16)] == [0, 0, 0, 0, 1, 1, 1, 1] * 2
 
 
 def test_tp_must_divide_the_heads():
@@ -95,7 +105,11 @@ def test_parallelize_checks_the_model_before_anything_else():
     ({"cadence": {"anchor": 20, "max_staleness": 8}}, "parallel.cadence.anchor must be within 1..max_staleness (8)"),
     ({"cadence": {"target_sync_share": 1.5}}, "parallel.cadence.target_sync_share must be within (0, 1)"),
     ({"activation_checkpointing": "some"}, "parallel.activation_checkpointing"),
-    ({"pp": 2}, "unknown key 'parallel.pp'"),
+    ({"pipeline": 2}, "unknown key 'parallel.pipeline'"),
+    ({"pp": 2, "pp_stages": [3]}, "parallel.pp_stages has 1 entries but parallel.pp = 2"),
+    ({"pp": 2, "pp_stages": [3, 0]}, "every stage needs at least one block"),
+    ({"cp": 0}, "parallel.cp must be >= 1"),
+    ({"pp": 2, "cadence": {}}, "cannot be combined with tp, ep, pp, cp or fsdp"),
 ])
 def test_bad_parallel_table(table, message):
     data = {"model": {"path": "x"}, "data": {"train": "t.jsonl"}, "train": {"steps": 1}, "parallel": table}
@@ -142,4 +156,4 @@ def test_kiln_train_checks_degrees_against_the_launched_world(tmp_path):
     run.write_text('[model]\npath = "m"\n[data]\ntrain = "t.jsonl"\n[train]\nsteps = 1\n[parallel]\ndp = 2\ntp = 2\n')
     p = kiln_cli("train", "--config", str(run), env={"WORLD_SIZE": "2"})
     assert p.returncode == 1
-    assert "dp (2) x ep (1) x tp (2) = 4, but the world size is 2 processes" in p.stderr
+    assert "dp (2) x tp (2) = 4, but the world size is 2 processes" in p.stderr
