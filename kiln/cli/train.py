@@ -82,11 +82,13 @@ _TORCHRUN_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_ba
 def launch(ctx: typer.Context,
            nproc_per_node: str = typer.Option("1", "--nproc-per-node", help="Processes on this node (or 'gpu')."),
            nnodes: Optional[str] = typer.Option(None, "--nnodes", help="Nodes, or MIN:MAX for elastic runs."),
-           node_rank: Optional[int] = typer.Option(None, "--node-rank"),
+           node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This node's rank, 0 .. nnodes-1 "
+                                                    "(node 0 holds global rank 0, which writes the run files)."),
            master_addr: Optional[str] = typer.Option(None, "--master-addr"),
            master_port: Optional[int] = typer.Option(None, "--master-port"),
            rdzv_backend: Optional[str] = typer.Option(None, "--rdzv-backend"),
-           rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint"),
+           rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT on node 0 where the "
+                                                        "nodes meet; the same on every node."),
            rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id"),
            max_restarts: Optional[int] = typer.Option(None, "--max-restarts")) -> None:
     """Run a kiln command in N processes per node via torch.distributed.run: `kiln launch --nproc-per-node 2 -- train --config run.toml`."""
@@ -99,12 +101,13 @@ def launch(ctx: typer.Context,
     for flag, value in (("--node-rank", node_rank), ("--max-restarts", max_restarts)):
         if value is not None and value < 0:
             raise KilnError(f"{flag} must be >= 0, got {value}")
+    _check_nodes(nnodes, node_rank, master_addr, rdzv_endpoint, rdzv_backend)
     argv = [sys.executable, "-m", "kiln.cli.torchrun", f"--nproc-per-node={nproc_per_node}"]
     values = locals()
     for name in _TORCHRUN_FLAGS:
         if values[name] is not None:
             argv.append(f"--{name.replace('_', '-')}={values[name]}")
-    if nnodes is None and rdzv_endpoint is None and master_port is None:
+    if nnodes in (None, "1") and rdzv_endpoint is None and master_port is None:
         argv.append("--standalone")  # one node: torchrun picks a free port itself
     argv += ["-m", "kiln.cli.main", *command]
     with tempfile.TemporaryDirectory(prefix="kiln-launch-") as errors:
@@ -122,6 +125,32 @@ def launch(ctx: typer.Context,
         raise typer.Exit(1)
     if code != 0:
         raise typer.Exit(code)
+
+
+def _check_nodes(nnodes: str | None, node_rank: int | None, master_addr: str | None,
+                 rdzv_endpoint: str | None, rdzv_backend: str | None) -> None:
+    """Multi-node flags that torchrun would accept and then hang on (or fail deep inside) are refused here."""
+    if nnodes is not None:
+        parts = nnodes.split(":")
+        if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts) or int(parts[0]) > int(parts[-1]):
+            raise KilnError(f"--nnodes must be a number >= 1 or MIN:MAX (MIN <= MAX), got {nnodes!r}")
+        fixed = len(parts) == 1
+        if fixed and node_rank is not None and node_rank >= int(nnodes):
+            raise KilnError(f"--node-rank {node_rank} is out of range for --nnodes {nnodes}: node ranks run "
+                            f"from 0 to {int(nnodes) - 1}")
+        if int(parts[-1]) > 1 and rdzv_endpoint is None and master_addr is None:
+            raise KilnError(f"--nnodes {nnodes} needs a meeting point every node can reach: --rdzv-endpoint HOST:PORT "
+                            "(node rank 0's host and a free port), the same on every node")
+        # the static rendezvous (torchrun's default) numbers ranks by node rank; c10d assigns them itself
+        if fixed and int(nnodes) > 1 and node_rank is None and rdzv_backend in (None, "static"):
+            raise KilnError(f"--nnodes {nnodes} needs --node-rank on each node (0 on the node that hosts "
+                            "the rendezvous and global rank 0)")
+    elif node_rank:
+        raise KilnError(f"--node-rank {node_rank} without --nnodes: say how many nodes take part")
+    if rdzv_endpoint is not None:
+        host, _, port = rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise KilnError(f"--rdzv-endpoint must be HOST:PORT (e.g. node0.cluster:29500), got {rdzv_endpoint!r}")
 
 
 def plot(run_dir: Path = typer.Argument(..., help="A run directory with metrics.jsonl."),
