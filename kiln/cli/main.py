@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 import typer
+from typer._click import exceptions as click_errors  # typer vendors its own click
 from typer.core import TyperGroup
 
 from kiln.cli.boundary import report, user_message
@@ -27,7 +29,25 @@ COMMAND_MODULES = [
 
 
 class _KilnGroup(TyperGroup):
-    """Turns a user error raised by any command into one printed message and exit status 1."""
+    """Turns a user error raised by any command into one printed message and exit status 1, and a
+    usage error (unknown option, missing value) into one plain line and exit status 2."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click_errors.UsageError as e:
+            hint = f" (try '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+            typer.echo(f"kiln: {e.format_message()}{hint}", err=True)
+            sys.exit(e.exit_code)
+        except click_errors.ClickException as e:
+            typer.echo(f"kiln: {e.format_message()}", err=True)
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            typer.echo("kiln: aborted", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
 
     def invoke(self, ctx):
         try:

@@ -34,6 +34,18 @@ def test_a_bug_keeps_its_traceback_and_a_user_error_does_not(monkeypatch, tmp_pa
     assert isinstance(r.exception, KilnError)  # KILN_DEBUG: the traceback, not the one-liner
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--bogus"], "kiln: No such option: --bogus (try 'kiln train --help')"),
+    (["train"], "kiln: Missing option '--config' / '-c'."),
+    (["nosuch"], "kiln: No such command 'nosuch'."),
+])
+def test_a_usage_error_is_one_plain_line_and_exit_status_2(argv, message):
+    r = CliRunner().invoke(app, argv, prog_name="kiln")
+    assert r.exit_code == 2
+    assert r.output.startswith(message) and len(r.output.strip().splitlines()) == 1, r.output
+    assert "╭" not in r.output and "Traceback" not in r.output
+
+
 def test_output_into_a_pipe_is_not_wrapped(tiny_factory):
     prompt = "word " * 60 + "[end]"  # 305 characters: past any 80-column wrap
     r = CliRunner().invoke(app, ["generate", str(tiny_factory("qwen3", "causal-lm")), prompt, "-n", "0"])
