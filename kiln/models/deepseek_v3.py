@@ -172,9 +172,22 @@ class MLAForCausalLM(KeepsMtpLayers, ForCausalLM):
         return self.model.new_cache()
 
 
-# Routed experts split over ep ranks (shared experts and the dense first layers replicated); no TP plan
-# for MLA's latent projections yet, so tp is refused by name.
-MLA_PLAN = ParallelPlan(blocks="model.layers", experts="mlp.experts")
+# Tensor parallel by heads: q_proj / q_b_proj and kv_b_proj split by output columns, o_proj by input rows;
+# the latent projections (q_a_proj, kv_a_proj_with_mqa), their norms and the V3.2/GLM-5 indexer replicated.
+# Dense MLPs and the shared experts column/row split; routed experts expert-parallel (or replicated over tp).
+MLA_PLAN = ParallelPlan(
+    blocks="model.layers",
+    colwise=("self_attn.q_proj", "self_attn.q_b_proj", "self_attn.kv_b_proj", "mlp.gate_proj", "mlp.up_proj",
+             "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"),
+    rowwise=("self_attn.o_proj", "mlp.down_proj", "mlp.shared_experts.down_proj"),
+    shared_by_heads=(("self_attn.kv_a_proj_with_mqa", "kv_lora_rank"),),  # [latent | k_rope]: k_rope feeds every head
+    norms=("input_layernorm", "post_attention_layernorm"),
+    gathered=(("self_attn", 5), ("mlp", 1)),  # MLAttention(x, rope, mask, cache, shared_topk), MLP(x)
+    embedding="model.embed_tokens", final_norm="model.norm", lm_head="lm_head",
+    experts="mlp.experts",
+    tp_divides=(("num_attention_heads", "num_attention_heads"), ("intermediate_size", "intermediate_size"),
+                ("moe_intermediate_size", "moe_intermediate_size")),
+)
 
 
 def mla_family(model_type: str, config_cls: type[MLAConfig], arch: str,

@@ -17,6 +17,9 @@ class ParallelPlan:
     colwise: tuple[str, ...] = ()                # Linears split by output features: whole heads / hidden units per rank
     rowwise: tuple[str, ...] = ()                # Linears split by input features; partial sums meet in one reduction
     head_norms: tuple[str, ...] = ()             # norms over head_dim that see only the local heads
+    # replicated Linears whose output columns from config.<attr> on feed every head (MLA's shared rope key):
+    # each rank's heads give only part of those columns' gradient, so it is summed over the tp ranks
+    shared_by_heads: tuple[tuple[str, str], ...] = ()
     # ---- sequence parallel, per block: residual-stream norms, and the modules whose first input is
     # gathered from sequence shards, with how many positional inputs they take
     norms: tuple[str, ...] = ()

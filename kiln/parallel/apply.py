@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from kiln.errors import ConfigError
 from kiln.parallel.blocks import apply_activation_checkpointing, compile_blocks
@@ -53,8 +54,14 @@ class Parallelized:
         if self.mesh is None or self.fsdp or self.degrees.batch == 1:
             return
         batch_group = batch_mesh(self.mesh).get_group() if self.degrees.ep > 1 else self.mesh.get_group("dp")
-        average_gradients(self.model.parameters(), batch_group, self.degrees.batch,
-                          sharded_group=self.mesh.get_group("dp"))
+        # ep-sharded experts hold their ep group's sum already: summed over dp; everything else (tp shards
+        # included) over every rank that read different data
+        params = list(self.model.parameters())
+        experts = [p for p in params if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())]
+        rest = [p for p in params if not any(p is e for e in experts)]
+        dp_group = self.mesh.get_group("dp")
+        average_gradients(rest, batch_group, self.degrees.batch, sharded_group=batch_group)
+        average_gradients(experts, dp_group, self.degrees.batch, sharded_group=dp_group)
 
 
 def parallelize(model: nn.Module, parallel: Any, world_size: int | None = None,

@@ -87,8 +87,9 @@ def check_model(degrees: Degrees, model: nn.Module, fsdp: bool = False) -> None:
         if n % ep:
             raise ConfigError(f"parallel.ep = {ep} does not divide the model's num_experts ({n}); "
                               f"choose an ep that divides it")
-        if fsdp or tp > 1:
-            raise ConfigError("parallel.ep > 1 combines with plain data parallelism only (fsdp = false, tp = 1)")
+        if fsdp:
+            raise ConfigError("parallel.ep > 1 with parallel.fsdp = true is not supported: experts are sharded "
+                              "by ep already; use ep with dp and/or tp (fsdp = false)")
 
 
 def build_mesh(degrees: Degrees, device_type: str) -> DeviceMesh:

@@ -1,27 +1,40 @@
 """Tensor parallelism: DTensor plans applied to a built model, from its family's declared parallel plan.
 
-Per block (Megatron style): the plan's column-parallel Linears (q/k/v, gate/up) are split by output
-columns, so each rank holds whole heads and a slice of the MLP's hidden units; the row-parallel
-ones (o_proj, down_proj) by input rows, their partial sums meeting in one reduction. Per-head
-norms (Qwen3's q/k norms) see only local heads, so their (replicated) weight is applied to inputs
-marked sharded along the head axis, which makes autograd sum its gradient over the ranks.
+Per block (Megatron style): the plan's column-parallel Linears (q/k/v, gate/up; MLA's q_b_proj and
+kv_b_proj) are split by output columns, so each rank holds whole heads and a slice of the MLP's
+hidden units; the row-parallel ones (o_proj, down_proj) by input rows, their partial sums meeting
+in one reduction. Per-head norms (Qwen3's q/k norms) see only local heads, so their (replicated)
+weight is applied to inputs marked sharded along the head axis, which makes autograd sum its
+gradient over the ranks. MLA's latent projections stay replicated; the rope key they make is shared
+by every head, so the part of their gradient that comes back through it is summed over the ranks.
 
 With `sequence_parallel`, the residual stream between blocks stays split along the sequence: the
 plan's norms run on T/tp rows each, the inputs of its gathered modules (attention, MLP) are
 all-gathered, and the row-parallel outputs are reduce-scattered back to sequence shards. The
 embedding is split by vocabulary rows and the LM head by vocabulary columns; the logits come back
-whole, so the loss code is unchanged.
+whole, so the loss code is unchanged. A tied head is the embedding's own (vocabulary-sharded)
+DTensor, so it stays tied: each rank makes the logits of its vocabulary slice, then they are gathered.
+
+Mixture-of-experts blocks: the router and the routed experts see whole tokens. The MoE module's
+input is the gathered (or replicated) sequence, every tp rank routes the same tokens, and its output
+is cut back to this rank's sequence shard. The experts are replicated over tp, or split by expert
+parallelism over the ranks that share a tp rank (the "ep" mesh dimension; see ep.py), so the tp
+ranks of one group run the same expert work: simple and exact, at tp times the expert compute. A
+dense shared expert inside the MoE module is column/row split like an MLP, its output all-reduced
+so it can be added to the routed output.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
 
 from kiln.errors import ConfigError
 from kiln.models.parallel_plan import ParallelPlan
@@ -29,50 +42,100 @@ from kiln.parallel.blocks import model_name, part, plan_of
 
 
 def tensor_plan(model: nn.Module, tp: int) -> ParallelPlan:
-    """The model's plan, refusing what tensor parallelism cannot split: no plan, shapes tp does not
-    divide, tied embeddings, experts."""
+    """The model's plan, refusing what tensor parallelism cannot split: no plan, shapes tp does not divide."""
     plan = plan_of(model)
     if plan is None or not plan.tensor_parallel:
         raise ConfigError(f"parallel.tp = {tp}: {model_name(model)} declares no tensor-parallel plan; tensor "
-                          f"parallelism is planned for the decoder families (llama, qwen2, qwen3)")
-    if any(part(block, plan.experts) is not None for block in model.get_submodule(plan.blocks)):
-        raise ConfigError("parallel.tp > 1 with a MoE model is not supported; split its experts with parallel.ep")
+                          f"parallelism is planned for the llama/qwen decoders, qwen3_moe and the MLA families "
+                          f"(deepseek_v3, deepseek_v32, glm_moe_dsa)")
     config = model.config
     for key, attr in plan.tp_divides:
         n = getattr(config, attr)
         if n % tp:
             raise ConfigError(f"parallel.tp = {tp} does not divide the model's {key} ({n}); choose a tp that divides it")
-    if config.tie_word_embeddings:
-        raise ConfigError("parallel.tp > 1 with tie_word_embeddings = true is not supported: the tied head would "
-                          "need vocabulary-parallel logits; untie the head or use fsdp")
     return plan
 
 
-def layer_plan(plan: ParallelPlan, sequence_parallel: bool) -> dict[str, Any]:
-    """The DTensor styles for one block, keyed by submodule name."""
+class _SumGradTail(torch.autograd.Function):
+    """Identity forward; backward sums the gradient's last columns from `start` on over `group`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, start: int, group) -> torch.Tensor:
+        ctx.start, ctx.group = start, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        tail = grad[..., ctx.start:].contiguous()
+        dist.all_reduce(tail, group=ctx.group)
+        grad[..., ctx.start:] = tail
+        return grad, None, None
+
+
+def _sum_shared_columns(module: nn.Module, start: int, group) -> None:
+    module.register_forward_hook(lambda m, args, out: _SumGradTail.apply(out, start, group))
+
+
+def _moe_path(plan: ParallelPlan, block: nn.Module) -> str | None:
+    """The path of the block's MoE module (the experts' parent), None for a dense block."""
+    if plan.experts is None or part(block, plan.experts) is None:
+        return None
+    return plan.experts.rpartition(".")[0]
+
+
+def layer_plan(plan: ParallelPlan, sequence_parallel: bool, block: nn.Module | None = None) -> dict[str, Any]:
+    """The DTensor styles for one block, keyed by submodule name (paths the block lacks are left out)."""
+    has = (lambda name: True) if block is None else (lambda name: part(block, name) is not None)
+    moe = _moe_path(plan, block) if block is not None else None
+    inside_moe = (lambda name: moe is not None and name.startswith(moe + "."))
     residual = Shard(1) if sequence_parallel else Replicate()  # (B, T, C): the sequence axis
-    styles: dict[str, Any] = {name: ColwiseParallel() for name in plan.colwise}
-    for name in plan.rowwise:
-        styles[name] = RowwiseParallel(output_layouts=residual, use_local_output=not sequence_parallel)
-    for name in plan.head_norms:
+    styles: dict[str, Any] = {name: ColwiseParallel() for name in plan.colwise if has(name)}
+    for name in filter(has, plan.rowwise):
+        if inside_moe(name):  # a shared expert adds to the routed output, which every tp rank holds whole
+            styles[name] = RowwiseParallel(output_layouts=Replicate(), use_local_output=True)
+        else:
+            styles[name] = RowwiseParallel(output_layouts=residual, use_local_output=not sequence_parallel)
+    for name in filter(has, plan.head_norms):
         # (B, T, H/tp, D): the head axis is sharded; the norm's weight is replicated
         styles[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if sequence_parallel:
-        for name in plan.norms:
+        for name in filter(has, plan.norms):
             styles[name] = SequenceParallel()
         for name, inputs in plan.gathered:
             # all-gather the sequence before the column-parallel projections; other inputs (rope, mask) pass through
             rest = (None,) * (inputs - 1)
-            styles[name] = PrepareModuleInput(input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest),
-                                              use_local_output=True)
+            if name == moe:  # the router sees whole tokens; the output goes back to this rank's sequence shard
+                styles[name] = PrepareModuleInputOutput(
+                    input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest), use_local_input=True,
+                    output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False)
+            elif has(name):
+                styles[name] = PrepareModuleInput(input_layouts=(Shard(1), *rest),
+                                                  desired_input_layouts=(Replicate(), *rest), use_local_output=True)
     return styles
+
+
+def _tie_head(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Logits against the vocabulary-sharded embedding itself: (B, T, V/tp) per rank, then gathered whole."""
+    head = model.head  # the family's own head, bound before it is shadowed on the instance
+
+    def vocab_parallel_head(hidden: torch.Tensor) -> torch.Tensor:
+        if not isinstance(hidden, DTensor):  # without sequence parallelism every rank holds the whole hidden state
+            hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
+        logits = head(hidden.redistribute(mesh, [Replicate()]))  # a DTensor sharded on the vocabulary axis
+        return logits.full_tensor()
+
+    model.head = vocab_parallel_head
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True) -> nn.Module:
     """Split `model` (a base or causal-LM model whose family plans it) over the 1-D `mesh` in place; returns it."""
     plan = tensor_plan(model, mesh.size())
     for block in model.get_submodule(plan.blocks):
-        parallelize_module(block, mesh, layer_plan(plan, sequence_parallel))
+        parallelize_module(block, mesh, layer_plan(plan, sequence_parallel, block))
+        for name, attr in plan.shared_by_heads:
+            if part(block, name) is not None:
+                _sum_shared_columns(block.get_submodule(name), getattr(model.config, attr), mesh.get_group())
     residual = Shard(1) if sequence_parallel else Replicate()
     top: dict[str, Any] = {
         plan.embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=residual,
@@ -83,4 +146,6 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     if part(model, plan.lm_head) is not None:  # the causal-LM head (a base model has none)
         top[plan.lm_head] = ColwiseParallel(input_layouts=residual, output_layouts=Replicate(), use_local_output=True)
     parallelize_module(model, mesh, top)
+    if part(model, plan.lm_head) is None and callable(getattr(model, "head", None)):  # tied to the embedding
+        _tie_head(model, mesh)
     return model

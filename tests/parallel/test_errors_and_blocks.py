@@ -42,6 +42,11 @@ def test_tp_must_divide_the_heads():
         check_model(Degrees(tp=3), model)
     with pytest.raises(ConfigError, match=r"parallel.tp = 4 does not divide the model's num_key_value_heads \(2\)"):
         check_model(Degrees(tp=4), model)
+    mla = workers.build("deepseek_v3")  # 4 heads, dense MLP 48, experts 8 x 16
+    with pytest.raises(ConfigError, match=r"parallel.tp = 3 does not divide the model's num_attention_heads \(4\)"):
+        check_model(Degrees(tp=3, ep=2), mla)
+    with pytest.raises(ConfigError, match=r"parallel.ep = 3 does not divide the model's num_experts \(8\)"):
+        check_model(Degrees(tp=2, ep=3), mla)
 
 
 def test_ep_must_divide_the_experts():
@@ -50,30 +55,47 @@ def test_ep_must_divide_the_experts():
         check_model(Degrees(ep=3), model)
     with pytest.raises(ConfigError, match=r"parallel.ep = 2 needs a mixture-of-experts model; qwen3 has no experts"):
         check_model(Degrees(ep=2), workers.build("qwen3"))
-    with pytest.raises(ConfigError, match=r"parallel.tp > 1 with a MoE model is not supported"):
-        check_model(Degrees(tp=2), model)
+    check_model(Degrees(tp=2, ep=2), model)  # TP x EP: attention tensor-parallel, experts expert-parallel
+    with pytest.raises(ConfigError, match=r"parallel.ep > 1 with parallel.fsdp = true is not supported"):
+        check_model(Degrees(ep=2), model, fsdp=True)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_moe", "mamba"])
-@pytest.mark.parametrize("task", ["base", "causal-lm"])
-def test_every_path_of_a_declared_plan_is_in_the_built_model(model_type, task):
+# The MLA plan names q_proj and q_b_proj (without / with a query latent): each family's tiny config has one
+PLAN_COVERED_BY = {"deepseek_v3": ("deepseek_v3", "deepseek_v32"), "deepseek_v32": ("deepseek_v3", "deepseek_v32"),
+                   "glm_moe_dsa": ("deepseek_v3", "glm_moe_dsa")}
+
+
+def _meta_model(model_type: str, task: str):
     cfg = AutoConfig.for_model(model_type, **{**TINY[model_type], "tie_word_embeddings": False})
     with torch.device("meta"):
-        model = REGISTRY[model_type].build(cfg, task)
+        return REGISTRY[model_type].build(cfg, task)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_moe", "mamba", "deepseek_v3", "deepseek_v32",
+                                        "glm_moe_dsa"])
+@pytest.mark.parametrize("task", ["base", "causal-lm"])
+def test_every_path_of_a_declared_plan_is_in_the_built_model(model_type, task):
+    model = _meta_model(model_type, task)
     plan = model.family.parallel_plan
     blocks = model.get_submodule(plan.blocks)
     assert isinstance(blocks, torch.nn.ModuleList) and find_blocks(model) is blocks
+    seen = set()
+    for other in PLAN_COVERED_BY.get(model_type, (model_type,)):
+        for block in _meta_model(other, task).get_submodule(plan.blocks):
+            # a block lacks what its kind has not (a MoE block no dense MLP, a dense block no shared experts)
+            for path in plan.colwise + plan.rowwise + tuple(name for name, _ in plan.shared_by_heads):
+                found = part(block, path)
+                assert found is None or isinstance(found, torch.nn.Linear), path
+                seen.update([path] if found is not None else [])
+    assert seen == set(plan.colwise + plan.rowwise + tuple(name for name, _ in plan.shared_by_heads))
     for block in blocks:
-        moe = part(block, plan.experts) is not None  # a MoE block has no dense MLP (tp refuses MoE models)
-        for path in plan.colwise + plan.rowwise:
-            assert isinstance(part(block, path), torch.nn.Linear) or (moe and part(block, path) is None), path
         for path in plan.head_norms + plan.norms + tuple(name for name, _ in plan.gathered):
             block.get_submodule(path)
     for path in (plan.embedding, plan.final_norm):
         if path is not None:
             model.get_submodule(path)
     assert (plan.lm_head is not None and task == "causal-lm") == (part(model, plan.lm_head) is not None)
-    assert bool(expert_modules(model)) == (model_type == "qwen3_moe")
+    assert bool(expert_modules(model)) == (model_type not in ("llama", "qwen2", "qwen3", "mamba"))
 
 
 def test_families_without_a_tensor_plan_are_refused_by_name():
@@ -88,8 +110,7 @@ def test_families_without_a_tensor_plan_are_refused_by_name():
         check_model(Degrees(tp=2), torch.nn.Linear(2, 2))
     tied = from_config(AutoConfig.for_model("qwen3", **{**workers.DENSE, "tie_word_embeddings": True}),
                        task="causal-lm", seed=0)
-    with pytest.raises(ConfigError, match=r"tie_word_embeddings = true is not supported"):
-        check_model(Degrees(tp=2), tied)
+    check_model(Degrees(tp=2), tied)  # the tied head stays the (vocabulary-sharded) embedding
     assert len(find_blocks(bert)) == TINY["bert"]["num_hidden_layers"]  # no plan: the largest ModuleList
 
 

@@ -20,14 +20,21 @@ JOBS_2 = [("fsdp-2", "qwen3", {"fsdp": True}),
           ("ep-2", "qwen3_moe", {"ep": 2}),
           ("ep-2-deepseek", "deepseek_v3", {"ep": 2}),
           ("ep-2-qwen3-next", "qwen3_next", {"ep": 2}),
-          ("fsdp-ac-2", "qwen3", {"fsdp": True, "activation_checkpointing": "block"})]
+          ("fsdp-ac-2", "qwen3", {"fsdp": True, "activation_checkpointing": "block"}),
+          ("tp-2-moe", "qwen3_moe", {"tp": 2}),  # experts replicated over tp: the router sees whole tokens
+          ("tp-2-tied", "llama", {"tp": 2}),  # the head is the vocabulary-sharded embedding itself
+          ("tp-2-deepseek", "deepseek_v3", {"tp": 2}),  # MLA by heads, shared experts column/row split
+          ("tp-nosp-2-glm", "glm_moe_dsa", {"tp": 2, "sequence_parallel": False})]  # query latent, indexer
 JOBS_4 = [("fsdp-4", "qwen3", {"fsdp": True}),
           ("ep-4", "qwen3_moe", {"ep": 4}),
           ("ep-4-deepseek", "deepseek_v3", {"ep": 4}),
           ("ep-4-qwen3-next", "qwen3_next", {"ep": 4}),
           ("fsdp-tp-2x2", "qwen3", {"fsdp": True, "tp": 2, "dp": 2}),
           ("tp-dp-2x2", "qwen3", {"tp": 2, "dp": 2}),
-          ("ep-dp-2x2", "qwen3_moe", {"ep": 2, "dp": 2})]
+          ("ep-dp-2x2", "qwen3_moe", {"ep": 2, "dp": 2}),
+          ("tp-ep-2x2", "qwen3_moe", {"tp": 2, "ep": 2}),  # attention tensor-parallel, experts expert-parallel
+          ("tp-ep-2x2-deepseek", "deepseek_v3", {"tp": 2, "ep": 2}),
+          ("tp-dp-2x2-tied", "llama", {"tp": 2, "dp": 2})]
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +57,9 @@ def _compare(got: dict, want: dict) -> None:
         torch.testing.assert_close(got["grads"][name], want["grads"][name], rtol=1e-4, atol=1e-6,
                                    msg=lambda m: f"grad {name}: {m}")
     for name in want["weights"]:
-        # AdamW's first step is about lr * sign(grad): gradients near zero turn rounding into ~1e-6 moves
-        torch.testing.assert_close(got["weights"][name], want["weights"][name], rtol=1e-4, atol=1e-5,
+        # AdamW's first step is about lr * sign(grad): for gradients near its eps (1e-8), rounding of ~1e-9 moves
+        # the weight by up to ~lr * 1e-9 / 1e-8 = 1e-3 (seen: 3e-5); the gradients above are held to 1e-6
+        torch.testing.assert_close(got["weights"][name], want["weights"][name], rtol=1e-4, atol=1e-4,
                                    msg=lambda m: f"weight {name}: {m}")
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
 
@@ -61,7 +69,7 @@ def _compare(got: dict, want: dict) -> None:
 def test_plan_equals_one_process(results, references, name, family, keys):
     assert name in results, f"rank 0 wrote no result for {name}"
     _compare(results[name], references[family])
-    # the step moved the weights: equal-to-reference is not equal-to-initial
+    # the step moved the weights: equal-to-reference is not equal-to-initial (the indexer takes no gradient)
     start = workers.build(family)
     moved = [n for n, p in start.named_parameters() if not torch.equal(p, results[name]["weights"][n])]
-    assert len(moved) == len(list(start.parameters()))
+    assert sorted(moved) == sorted(references[family]["grads"])

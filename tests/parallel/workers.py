@@ -20,9 +20,11 @@ from kiln.interop.tiny import TINY
 from kiln.models.auto import AutoConfig, from_config
 
 DENSE = {**TINY["qwen3"], "intermediate_size": 40}
-MOE = {**TINY["qwen3_moe"], "mlp_only_layers": []}
+MOE = {**TINY["qwen3_moe"], "mlp_only_layers": [], "intermediate_size": 40}  # tp checks the (unused) dense size
 MODELS = {"qwen3": DENSE, "qwen3_moe": MOE, "deepseek_v3": TINY["deepseek_v3"],  # EP over routed experts
-          "qwen3_next": {**TINY["qwen3_next"], "mlp_only_layers": []}}
+          "qwen3_next": {**TINY["qwen3_next"], "mlp_only_layers": []},
+          "llama": {**TINY["llama"], "intermediate_size": 40},  # tie_word_embeddings = true: TP ties the head
+          "glm_moe_dsa": TINY["glm_moe_dsa"]}  # MLA with a query latent and the (replicated) indexer
 LR = 1e-2
 
 
@@ -52,7 +54,7 @@ def step(model, ids: torch.Tensor, sync=lambda: None) -> dict:
     loss = model(ids, labels=ids).loss
     loss.backward()
     sync()
-    grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+    grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}  # the indexer has none
     norm = clip_grad_norm(list(model.parameters()), 1e9)
     opt.step()
     weights = {n: _full(p) for n, p in model.named_parameters()}
