@@ -80,6 +80,19 @@ TINY: dict[str, dict[str, Any]] = {
                         index_topk=5, index_head_dim=16, index_n_heads=2, indexer_types=["full", "shared"],
                         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=2.0, mscale=1.0,
                                              mscale_all_dim=1.0, original_max_position_embeddings=32)),
+    # DeepSeek-V4: one layer of each attention kind (sliding only, CSA every 2 tokens with an indexer keeping 3
+    # entries, HCA every 4), a window of 4 keys (shorter than the test rows), hash routing then top-k, 3 residual
+    # streams, YaRN on the compress rope, a swiglu_limit low enough to clamp
+    "deepseek_v4": dict(vocab_size=99, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=1, head_dim=16, partial_rotary_factor=0.5,
+                        q_lora_rank=24, o_groups=2, o_lora_rank=8, n_routed_experts=8, num_experts_per_tok=2,
+                        layer_types=["sliding_attention", "compressed_sparse_attention",
+                                     "heavily_compressed_attention"],
+                        mlp_layer_types=["hash_moe", "moe", "moe"],
+                        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+                        index_n_heads=2, index_head_dim=8, index_topk=3, sliding_window=4, hc_mult=3,
+                        hc_sinkhorn_iters=3, swiglu_limit=1.0, max_position_embeddings=64,
+                        rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)),
     # expand 2 -> 64 channels, 8 states, rank-2 dt, kernel 4; untied and biased variants are covered by tests.
     "mamba": dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, state_size=8, conv_kernel=4),
     # ALBERT: two groups of two inner layers over three layer steps, so sharing and the schedule both show
@@ -118,7 +131,7 @@ SPECIALS: dict[str, dict[str, str]] = {
        for t in ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
                  "qwen3_5", "qwen3_5_moe")},
     **{t: {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
-       for t in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")},  # bos 0, eos 1 as their configs' defaults
+       for t in ("deepseek_v3", "deepseek_v32", "deepseek_v4", "glm_moe_dsa")},  # bos 0, eos 1: configs' defaults
     "mamba": {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},  # pad id 0
     "albert": {"pad_token": "<pad>", "unk_token": "<unk>", "cls_token": "[CLS]", "sep_token": "[SEP]",
                "mask_token": "[MASK]"},  # pad 0, bos [CLS] 2, eos [SEP] 3 as AlbertConfig's defaults

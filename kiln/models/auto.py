@@ -18,7 +18,7 @@ from kiln.hub import Tokenizer, load_weights, read_config
 from kiln.hub.resolve import resolve_model_dir
 from kiln.models import (albert, bert, deberta_v2, distilbert, llama, mamba, modernbert, qwen2, qwen3, qwen3_moe,
                          roberta, xlm_roberta)
-from kiln.models import deepseek_v3, deepseek_v32, glm_moe_dsa
+from kiln.models import deepseek_v3, deepseek_v32, deepseek_v4, glm_moe_dsa
 from kiln.models import qwen3_5, qwen3_next
 from kiln.hub.fp8 import scheme_from_config
 from kiln.models.common.fp8 import prepare_fp8
@@ -43,6 +43,7 @@ REGISTRY: dict[str, Family] = {
     "qwen3_moe": qwen3_moe.FAMILY,
     "deepseek_v3": deepseek_v3.FAMILY,
     "deepseek_v32": deepseek_v32.FAMILY,
+    "deepseek_v4": deepseek_v4.FAMILY,
     "glm_moe_dsa": glm_moe_dsa.FAMILY,
     "qwen3_next": qwen3_next.FAMILY,
     "qwen3_5_text": qwen3_5.TEXT,

@@ -81,8 +81,8 @@ class ExpertParallelExperts(Experts):
         by_expert = torch.sort(local_e, stable=True).indices
         offsets = torch.cumsum(recv_counts.view(P, local_experts).sum(0), dim=0, dtype=torch.int32)
         h = xr[by_expert]
-        gate, up = grouped_linear(h, _local(self.gate_up_proj), offsets).chunk(2, dim=-1)  # (R, I) each
-        y = grouped_linear(self.act_fn(gate) * up, _local(self.down_proj), offsets)  # (R, C)
+        y = grouped_linear(self.glu(grouped_linear(h, _local(self.gate_up_proj), offsets)), _local(self.down_proj),
+                           offsets)  # (R, C)
         y = y[torch.argsort(by_expert)]  # back to the received order
         ys = all_to_all(y, send, recv, self.ep_group) * ws.unsqueeze(-1)  # (S, C), in our sorted order
         back = torch.empty_like(order)

@@ -68,12 +68,20 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
 
 
 class Experts(nn.Module):
-    def __init__(self, dim: int, hidden: int, num_experts: int, act: str = "silu"):
+    def __init__(self, dim: int, hidden: int, num_experts: int, act: str = "silu", limit: float | None = None):
         super().__init__()
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim))  # (E, 2I, C): [gate; up]
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))         # (E, C, I)
         self.act_fn = activation(act)
+        self.limit = limit  # DeepSeek-V4: gate clamped above, up clamped both ways (swiglu_limit)
+
+    def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up for the fused (S, 2I) projection."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.limit is not None:
+            gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+        return self.act_fn(gate) * up
 
     def reset_parameters_hf(self, std: float) -> None:
         nn.init.normal_(self.gate_up_proj, 0.0, std)
@@ -88,8 +96,7 @@ class Experts(nn.Module):
         counts_in = expert_of.float() if x.device.type in ("cpu", "mps") else expert_of.int()
         counts = torch.histc(counts_in, bins=self.num_experts, min=0, max=self.num_experts - 1)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        gate, up = grouped_linear(xs, self.gate_up_proj, offsets).chunk(2, dim=-1)  # (S, I) each
-        ys = grouped_linear(self.act_fn(gate) * up, self.down_proj, offsets)  # (S, C)
+        ys = grouped_linear(self.glu(grouped_linear(xs, self.gate_up_proj, offsets)), self.down_proj, offsets)  # (S, C)
         ys = ys * ws.unsqueeze(-1)
         back = torch.empty_like(order)
         back[order] = torch.arange(order.size(0), device=x.device)

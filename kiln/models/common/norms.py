@@ -68,3 +68,32 @@ class GatedRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class Fp32ScaleRMSNorm(RMSNorm):
+    """RMSNorm whose weight multiplies the float32 normalised value, cast once at the end (DeepSeek-V4).
+
+    Same numbers as RMSNorm in float32; in bf16 the product is taken before the rounding, not after.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * h).to(x.dtype)
+
+
+class UnweightedRMSNorm(nn.Module):
+    """x / rms(x) with no scale (DeepSeek-V4's per-head query norm and hyper-connection input norm).
+
+    The statistic is taken in float32 and cast to x's dtype before the product, as transformers does.
+    """
+
+    def __init__(self, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + self.eps).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}, unweighted"

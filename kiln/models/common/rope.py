@@ -186,3 +186,37 @@ class MRotaryEmbedding(RotaryEmbedding):
         cos = merge(freqs.cos() * self.attention_scaling)
         sin = merge(freqs.sin() * self.attention_scaling)
         return cos.to(x.dtype), sin.to(x.dtype)
+
+
+class PairRotaryEmbedding(RotaryEmbedding):
+    """position_ids (B, T) -> cos, sin (B, T, rope_dim / 2): one angle per interleaved pair (DeepSeek-V4).
+
+    The tables are not doubled; `apply_rope_tail` expands them next to the rotation.
+    """
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self._on.get(x.device)
+        if inv_freq is None:
+            inv_freq = self._on[x.device] = self.inv_freq.to(x.device)
+        freqs = position_ids[..., None].float() * inv_freq  # (B, T, rope_dim / 2)
+        return (freqs.cos() * self.attention_scaling).to(x.dtype), (freqs.sin() * self.attention_scaling).to(x.dtype)
+
+
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...): each adjacent pair turned by 90 degrees."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def apply_rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1) -> torch.Tensor:
+    """Rotate the trailing 2 * cos.shape[-1] dims of x as adjacent pairs (heads laid out [nope | rope]).
+
+    Half-size tables from `PairRotaryEmbedding`; the rotation runs in float32 and is cast back, the
+    leading dims pass through. Calling it with -sin undoes it (DeepSeek-V4 de-rotates its attention output).
+    """
+    cos = cos.repeat_interleave(2, dim=-1).unsqueeze(unsqueeze_dim)
+    sin = sin.repeat_interleave(2, dim=-1).unsqueeze(unsqueeze_dim)
+    d = cos.shape[-1]
+    rope = x[..., -d:]
+    turned = ((rope.float() * cos) + (_rotate_pairs(rope).float() * sin)).to(x.dtype)
+    return torch.cat([x[..., :-d], turned], dim=-1)

@@ -1,0 +1,362 @@
+"""DeepSeek-V4: hyper-connected residual streams, sink attention over a sliding window + compressed KV, hash/top-k MoE.
+
+Deltas from the DeepSeek-V3 decoder (`deepseek_v3.py`):
+- the residual is `hc_mult` streams (B, T, n, C); each block reads and writes them through
+  manifold-constrained hyper-connections (`common/hyper.py`), a hyper head collapses them at the end;
+- attention (`common/sink_attention.py`) is shared-KV multi-query with a learned sink per head, a
+  sliding window of `sliding_window` keys, a low-rank query with an unweighted per-head norm, and a
+  grouped output projection; `layer_types[i]` adds a compressor (`common/compressor.py`):
+  "compressed_sparse_attention" (overlapping windows of compress_rates[...] tokens, a lightning indexer
+  keeping `index_topk` entries per query) or "heavily_compressed_attention" (non-overlapping windows);
+- rope on the trailing rope dims as adjacent pairs: "main" on sliding-only layers, "compress" (its own
+  theta, optionally YaRN) on the others and their compressors;
+- every layer is MoE (`common/hash_moe.py`): `mlp_layer_types[i]` "hash_moe" picks experts by token id
+  (tid2eid), "moe" by sqrt-softplus scores + the aux-loss-free bias; routed and shared experts clamp
+  their SwiGLU at `swiglu_limit`;
+- checkpoint tensors of the multi-token-prediction module (`mtp.*`), which transformers does not load,
+  are kept and written back byte for byte under their own names.
+On disk the names are transformers' saved names (`attn.wq_a`, `ffn.experts.{e}.w1`, `hc_attn_fn`, ...).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.errors import ConfigError
+from kiln.models.common.causal_lm import DecoderModel, ForCausalLM
+from kiln.models.common.compressor import CSACompressor, HCACompressor, SlidingCompressedCache
+from kiln.models.common.hash_moe import HashOrTopKMoE, score_fn
+from kiln.models.common.hyper import HyperConnection, HyperHead
+from kiln.models.common.norms import Fp32ScaleRMSNorm
+from kiln.models.common.rope import PairRotaryEmbedding, rope_parameters
+from kiln.models.common.sink_attention import SinkAttention, window_mask
+from kiln.models.decoder_lm import DecoderConfig
+from kiln.models.keymap import KeyMap, Stack
+from kiln.models.parallel_plan import ParallelPlan
+from kiln.models.pretrained import Family, TaskSpec
+from kiln.models.tasks import BASE, CAUSAL_LM
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+MLP_KINDS = ("hash_moe", "moe")
+
+
+@dataclass
+class DeepseekV4Config(DecoderConfig):
+    model_type = "deepseek_v4"
+
+    vocab_size: int = 129280
+    hidden_size: int = 4096
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 43
+    num_attention_heads: int = 64
+    num_key_value_heads: int | None = 1
+    head_dim: int | None = 512
+    q_lora_rank: int = 1024
+    num_experts_per_tok: int = 6
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    scoring_func: str = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    max_position_embeddings: int = 1048576
+    rope_theta: float = 10000.0
+    layer_types: list[str] | None = None
+    compress_rates: dict[str, int] | None = None
+    compress_rope_theta: float = 160000.0
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    mlp_layer_types: list[str] | None = None
+    swiglu_limit: float = 10.0
+    sliding_window: int = 128
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    num_nextn_predict_layers: int = 1
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
+    partial_rotary_factor: float | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 1
+
+    @property
+    def num_experts(self) -> int:  # the name the shared aux-loss code reads
+        return self.n_routed_experts
+
+    @property
+    def rope_dim(self) -> int:
+        legacy = self.extra.get("qk_rope_head_dim")
+        factor = self.partial_rotary_factor
+        if factor is None:
+            factor = legacy / self.dim_head if legacy is not None else 64 / 512
+        return int(self.dim_head * factor)
+
+    def rates(self) -> dict[str, int]:
+        rates = dict(self.compress_rates or {CSA: 4, HCA: 128})
+        for kind, legacy in ((CSA, "compress_rate_csa"), (HCA, "compress_rate_hca")):
+            if legacy in self.extra:
+                rates[kind] = self.extra[legacy]
+        return rates
+
+    def attention_kinds(self) -> list[str]:
+        """`layer_types`, else legacy per-layer `compress_ratios`, else transformers' default schedule."""
+        n = self.num_hidden_layers
+        if self.layer_types is not None:
+            return list(self.layer_types[:n])
+        if self.extra.get("compress_ratios") is not None:
+            return [{0: SLIDING, 4: CSA, 128: HCA}[r] for r in self.extra["compress_ratios"]][:n]
+        return [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+
+    def mlp_kinds(self) -> list[str]:
+        n = self.num_hidden_layers
+        if self.mlp_layer_types is not None:
+            return list(self.mlp_layer_types[:n])
+        hashed = self.extra.get("num_hash_layers", 3)
+        return ["hash_moe"] * min(n, hashed) + ["moe"] * max(0, n - hashed)
+
+    def ropes(self, source: str = "config.json") -> dict[str, dict[str, Any]]:
+        """{"main": plain rope at rope_theta, "compress": compress_rope_theta, YaRN when configured}."""
+        rp = dict(self.rope_parameters or {})
+        if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+            main, compress = dict(rp["main"]), dict(rp["compress"])
+        else:  # a flat (legacy) dict describes the compress rope's scaling, as transformers reads it
+            scaling = {k: v for k, v in (rp or self.extra.get("rope_scaling") or {}).items()
+                       if k not in ("main", "compress")}
+            main = {"rope_type": "default", "rope_theta": self.rope_theta}
+            compress = {**scaling, "rope_theta": self.compress_rope_theta}
+            compress.setdefault("rope_type", compress.pop("type", "default"))
+            if compress["rope_type"] == "yarn":
+                compress.setdefault("attention_factor", 1.0)  # V4 never scales cos/sin by YaRN's mscale
+        out = {}
+        for name, p in (("main", main), ("compress", compress)):
+            p = rope_parameters(p, {}, self.max_position_embeddings, self.rope_theta, source)
+            if p["rope_type"] not in ("default", "yarn"):
+                raise ConfigError(f"{source}: rope_parameters.{name}.rope_type {p['rope_type']!r} is not supported "
+                                  "for deepseek_v4; choose default or yarn")
+            out[name] = p
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out.pop("intermediate_size", None)  # transformers reads it as moe_intermediate_size (attribute_map)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config.json") -> "DeepseekV4Config":
+        data = dict(data)
+        if "num_local_experts" in data:
+            data.setdefault("n_routed_experts", data.pop("num_local_experts"))
+        data.pop("intermediate_size", None)
+        return super().from_dict(data, source)
+
+    def validate(self, source: str = "config.json") -> None:
+        n = self.num_hidden_layers
+        for name, kinds, allowed in (("layer_types", self.attention_kinds(), (SLIDING, CSA, HCA)),
+                                     ("mlp_layer_types", self.mlp_kinds(), MLP_KINDS)):
+            if len(kinds) != n or set(kinds) - set(allowed):
+                raise ConfigError(f"{source}: {name} must list {n} entries (num_hidden_layers) from {allowed}, "
+                                  f"got {kinds!r}")
+        if self.kv_heads != 1:
+            raise ConfigError(f"{source}: num_key_value_heads must be 1 for deepseek_v4 (one key = value head shared "
+                              f"by every query head), got {self.num_key_value_heads}")
+        if (self.num_attention_heads * self.dim_head) % self.o_groups:
+            raise ConfigError(f"{source}: o_groups ({self.o_groups}) must divide num_attention_heads * head_dim "
+                              f"({self.num_attention_heads * self.dim_head})")
+        r = self.rope_dim
+        if r < 2 or r % 2 or r > min(self.dim_head, self.index_head_dim):
+            raise ConfigError(f"{source}: the rope dims (head_dim * partial_rotary_factor = {r}) must be even and at "
+                              f"most head_dim ({self.dim_head}) and index_head_dim ({self.index_head_dim})")
+        for kind, rate in self.rates().items():
+            if not isinstance(rate, int) or rate < 1:
+                raise ConfigError(f"{source}: compress_rates[{kind!r}] must be a positive integer, got {rate!r}")
+        if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
+            raise ConfigError(f"{source}: num_experts_per_tok ({self.num_experts_per_tok}) must be within "
+                              f"1..n_routed_experts ({self.n_routed_experts})")
+        if self.hc_mult < 1 or self.hc_sinkhorn_iters < 1:
+            raise ConfigError(f"{source}: hc_mult ({self.hc_mult}) and hc_sinkhorn_iters ({self.hc_sinkhorn_iters}) "
+                              "must be >= 1")
+        score_fn(self.scoring_func)
+        self.ropes(source)
+
+
+def attention(c: DeepseekV4Config, i: int) -> SinkAttention:
+    kind, ropes, rates = c.attention_kinds()[i], c.ropes(), c.rates()
+    common = dict(eps=c.rms_norm_eps, rope=ropes["compress"], max_positions=c.max_position_embeddings,
+                  rope_dim=c.rope_dim)
+    compressor = None
+    if kind == HCA:
+        compressor = HCACompressor(c.hidden_size, c.dim_head, rates[HCA], **common)
+    elif kind == CSA:
+        compressor = CSACompressor(c.hidden_size, c.dim_head, rates[CSA], **common, q_lora_rank=c.q_lora_rank,
+                                   index_heads=c.index_n_heads, index_head_dim=c.index_head_dim,
+                                   index_topk=c.index_topk)
+    return SinkAttention(c.hidden_size, c.num_attention_heads, c.dim_head, c.q_lora_rank, c.o_groups, c.o_lora_rank,
+                         c.rms_norm_eps, i, "main" if kind == SLIDING else "compress", compressor,
+                         c.attention_dropout)
+
+
+class V4DecoderLayer(nn.Module):
+    """Attention then MoE, each between a hyper-connection read (`*_hc`) and its write-back."""
+
+    def __init__(self, c: DeepseekV4Config, i: int):
+        super().__init__()
+        self.self_attn = attention(c, i)
+        self.mlp = HashOrTopKMoE(c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok,
+                                 c.routed_scaling_factor, c.scoring_func, c.hidden_act, c.swiglu_limit,
+                                 c.mlp_kinds()[i] == "hash_moe", c.vocab_size)
+        self.input_layernorm = Fp32ScaleRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = Fp32ScaleRMSNorm(c.hidden_size, c.rms_norm_eps)
+        hc = (c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        self.attn_hc, self.ffn_hc = HyperConnection(*hc), HyperConnection(*hc)
+
+    def forward(self, streams: torch.Tensor, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor,
+                position_ids: torch.Tensor, input_ids: torch.Tensor | None = None,
+                cache: SlidingCompressedCache | None = None) -> torch.Tensor:
+        post, comb, x = self.attn_hc(streams)  # streams (B, T, n, C) -> the block input x (B, T, C)
+        h = self.self_attn(self.input_layernorm(x), ropes, mask, position_ids, cache)
+        streams = HyperConnection.merge(streams, h, post, comb)
+        post, comb, x = self.ffn_hc(streams)
+        h = self.mlp(self.post_attention_layernorm(x), input_ids)
+        return HyperConnection.merge(streams, h, post, comb)
+
+
+class V4Decoder(nn.Module):
+    """Embeddings -> n copies of each token's vector -> layers -> hyper head -> RMSNorm: (B, T, C)."""
+
+    def __init__(self, c: DeepseekV4Config):
+        super().__init__()
+        self.hc_mult, self.window = c.hc_mult, c.sliding_window
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, padding_idx=c.pad_token_id)
+        self.layers = nn.ModuleList(V4DecoderLayer(c, i) for i in range(c.num_hidden_layers))
+        self.norm = Fp32ScaleRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps)
+        ropes = c.ropes()
+        self.rotary = {name: PairRotaryEmbedding(c.rope_dim, p, c.max_position_embeddings) for name, p in ropes.items()}
+        kinds = c.attention_kinds()
+        self._series = [() if k == SLIDING else ("compressor",) if k == HCA else ("compressor", "indexer")
+                        for k in kinds]
+
+    def new_cache(self) -> SlidingCompressedCache:
+        return SlidingCompressedCache(len(self.layers), self.window, self._series)
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                cache: SlidingCompressedCache | None = None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, C)
+        B, T = x.shape[:2]
+        past, kept = (len(cache), cache.kept()) if cache is not None else (0, 0)
+        if position_ids is None:
+            position_ids = (torch.arange(T, device=x.device) + past).unsqueeze(0)  # (1, T)
+        mask = window_mask(B, T, past, kept, self.window, attention_mask, position_ids if cache is None else None,
+                           x.dtype, x.device)
+        ropes = {name: rope(x, position_ids) for name, rope in self.rotary.items()}
+        streams = x.unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()  # (B, T, n, C)
+        for layer in self.layers:
+            streams = layer(streams, ropes, mask, position_ids, input_ids, cache)
+        if cache is not None:
+            cache.advance(T)
+        return self.norm(self.hc_head(streams))
+
+
+_MTP = re.compile(r"(^|\.)mtp\.")
+
+
+class KeepsMtp:
+    """Checkpoint tensors of the MTP module (`mtp.*`), which transformers skips, are written back as read."""
+
+    def load_hf_state_dict(self, hf: dict[str, torch.Tensor], source: str = "checkpoint",
+                           source_task: str | None = None):
+        mtp = {k: v for k, v in hf.items() if _MTP.search(k)}
+        report = super().load_hf_state_dict({k: v for k, v in hf.items() if k not in mtp}, source, source_task)
+        self.mtp_tensors = mtp
+        return report
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return {**super().hf_state_dict(), **getattr(self, "mtp_tensors", {})}
+
+
+class V4Model(KeepsMtp, DecoderModel):
+    pass
+
+
+class V4ForCausalLM(KeepsMtp, ForCausalLM):
+    pass
+
+
+def _layer(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [(f"layers.{{}}.{k}", f"layers.{{}}.{h}") for k, h in pairs]
+
+
+# kiln (HF module) names -> the names transformers writes to disk for V4
+V4_KEYS = [
+    Stack("layers.{}.mlp.experts.gate_up_proj",
+          ("layers.{}.ffn.experts.{}.w1.weight", "layers.{}.ffn.experts.{}.w3.weight")),
+    Stack("layers.{}.mlp.experts.down_proj", ("layers.{}.ffn.experts.{}.w2.weight",)),
+    *_layer([
+        ("self_attn.compressor.indexer.scorer.weights_proj", "attn.indexer.weights_proj"),
+        ("self_attn.compressor.indexer.q_b_proj", "attn.indexer.wq_b"),
+        ("self_attn.compressor.indexer.position_bias", "attn.indexer.compressor.ape"),
+        ("self_attn.compressor.indexer.kv_proj", "attn.indexer.compressor.wkv"),
+        ("self_attn.compressor.indexer.gate_proj", "attn.indexer.compressor.wgate"),
+        ("self_attn.compressor.indexer.kv_norm", "attn.indexer.compressor.norm"),
+        ("self_attn.compressor.position_bias", "attn.compressor.ape"),
+        ("self_attn.compressor.kv_proj", "attn.compressor.wkv"),
+        ("self_attn.compressor.gate_proj", "attn.compressor.wgate"),
+        ("self_attn.compressor.kv_norm", "attn.compressor.norm"),
+        ("self_attn.sinks", "attn.attn_sink"),
+        ("self_attn.q_a_proj", "attn.wq_a"),
+        ("self_attn.q_a_norm", "attn.q_norm"),
+        ("self_attn.q_b_proj", "attn.wq_b"),
+        ("self_attn.kv_proj", "attn.wkv"),
+        ("self_attn.kv_norm", "attn.norm"),
+        ("self_attn.o_a_proj", "attn.wo_a"),
+        ("self_attn.o_b_proj", "attn.wo_b"),
+        ("mlp.gate.e_score_correction_bias", "ffn.gate.bias"),
+        ("mlp.gate", "ffn.gate"),
+        ("mlp.shared_experts.gate_proj", "ffn.shared_experts.w1"),
+        ("mlp.shared_experts.down_proj", "ffn.shared_experts.w2"),
+        ("mlp.shared_experts.up_proj", "ffn.shared_experts.w3"),
+        ("input_layernorm", "attn_norm"),
+        ("post_attention_layernorm", "ffn_norm"),
+        ("attn_hc.fn", "hc_attn_fn"), ("attn_hc.base", "hc_attn_base"), ("attn_hc.scale", "hc_attn_scale"),
+        ("ffn_hc.fn", "hc_ffn_fn"), ("ffn_hc.base", "hc_ffn_base"), ("ffn_hc.scale", "hc_ffn_scale"),
+    ]),
+    ("norm", "norm"),
+]
+
+# The embedding and the hyper head are named apart per head, as transformers writes them: a bare model in
+# DeepSeek's own names (`embed`, `hc_head_fn`), a causal LM under `model.` in its module names. The later
+# rules of each list are read-only aliases, so either layout loads (DeepSeek's own checkpoints included).
+_HC_HEAD = ("hc_fn", "hc_base", "hc_scale")
+BASE_KEYS = [("model.embed_tokens", "embed"), *((f"model.hc_head.{p}", f"hc_head_{p[3:]}") for p in _HC_HEAD),
+             ("model.embed_tokens", "embed_tokens"), ("model.hc_head", "hc_head")]
+CAUSAL_KEYS = [("lm_head", "head"), ("model.embed_tokens", "model.embed_tokens"), ("model.hc_head", "model.hc_head"),
+               ("model.embed_tokens", "model.embed"),
+               *((f"model.hc_head.{p}", f"model.hc_head_{p[3:]}") for p in _HC_HEAD), ("lm_head", "model.head")]
+
+# Routed experts split over ep ranks (router, shared expert and attention replicated); no TP plan: one KV
+# head feeds every query head, so heads cannot be split without copying it (transformers keeps it whole too).
+V4_PLAN = ParallelPlan(blocks="model.layers", experts="mlp.experts")
+
+FAMILY = Family(
+    model_type="deepseek_v4",
+    config_cls=DeepseekV4Config,
+    hf_prefix="model",
+    base_keys=KeyMap(V4_KEYS),
+    parallel_plan=V4_PLAN,
+    tasks={
+        BASE: TaskSpec("DeepseekV4Model", lambda c: V4Model(V4Decoder(c)), KeyMap(BASE_KEYS)),
+        CAUSAL_LM: TaskSpec("DeepseekV4ForCausalLM",
+                            lambda c: V4ForCausalLM(V4Decoder(c), c.hidden_size, c.vocab_size, c.tie_word_embeddings),
+                            KeyMap(CAUSAL_KEYS)),
+    },
+)

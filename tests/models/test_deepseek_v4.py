@@ -1,0 +1,247 @@
+"""DeepSeek-V4: bit-identical to transformers (fp32, CPU) in logits, loss, router logits and every gradient, both
+load directions, on a tiny config with a sliding-only, a CSA (indexer) and an HCA layer, hash and top-k routing
+and three hyper-connected streams; cached greedy and sampled generation across prompts longer than the window;
+MTP tensors kept byte for byte; LoRA loads in PEFT; config errors named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from kiln.errors import ConfigError, KilnError
+from kiln.interop.export import export_model
+from kiln.interop.verify import compare_weights, verify_export
+from kiln.models import AutoModel, AutoModelForCausalLM
+from kiln.models.common.compressor import SlidingCompressedCache
+from kiln.models.common.hash_moe import HashRouter, ScoredTopKRouter
+
+from causal_cases import batches, same
+
+transformers.logging.set_verbosity_error()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_factory, tmp_path_factory):
+    """make(task): the tiny checkpoint with random balancing biases and a random hash table (distinct experts per
+    token), so a bias or table that is dropped or misread changes which experts are picked."""
+    cache: dict = {}
+
+    def make(task: str = "causal-lm"):
+        if task not in cache:
+            dst = tmp_path_factory.mktemp(f"deepseek_v4-{task}-routed")
+            shutil.copytree(tiny_factory("deepseek_v4", task), dst, dirs_exist_ok=True)
+            weights = load_file(str(dst / "model.safetensors"))
+            g = torch.Generator().manual_seed(11)
+            for k, v in weights.items():
+                if k.endswith("ffn.gate.bias"):
+                    weights[k] = torch.randn(v.shape, generator=g) * 0.3
+                elif k.endswith("tid2eid"):
+                    weights[k] = torch.stack([torch.randperm(8, generator=g)[:v.shape[1]] for _ in range(v.shape[0])])
+            save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+            cache[task] = dst
+        return cache[task]
+
+    return make
+
+
+def _pair(src, eos: bool = True):
+    ours, hf = AutoModelForCausalLM.from_pretrained(src), transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    if not eos:  # generate the full length in both: the random tiny model emits the EOS id early
+        ours.config.eos_token_id = hf.generation_config.eos_token_id = None
+    return ours, hf
+
+
+def test_tiny_config_switches_every_layer_kind_on(ckpt):
+    ours = AutoModelForCausalLM.from_pretrained(ckpt())
+    c = ours.config
+    assert c.attention_kinds() == ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+    assert [type(layer.mlp.gate) for layer in ours.model.layers] == [HashRouter, ScoredTopKRouter, ScoredTopKRouter]
+    assert c.hc_mult == 3 and c.ropes()["compress"]["rope_type"] == "yarn"
+    assert c.sliding_window < batches()[1]["input_ids"].shape[1]  # the test rows outgrow the window
+    assert c.index_topk < batches()[1]["input_ids"].shape[1] // c.rates()["compressed_sparse_attention"]
+
+
+def test_logits_loss_router_logits_bit_identical_both_ways(ckpt, tmp_path):
+    src = ckpt()
+    ours, hf = _pair(src)
+    assert ours.load_report.ignored == [] and ours.load_report.initialized == []
+    with torch.no_grad():
+        for i, batch in enumerate(batches()):
+            a, b = ours(**batch, output_router_logits=True), hf(**batch, output_router_logits=True)
+            same(a.logits, b.logits, f"batch {i} logits")
+            if "labels" in batch:
+                same(a.loss, b.loss, f"batch {i} loss (with the aux loss)")
+            same(a.aux_loss, b.aux_loss, f"batch {i} aux loss")
+            assert len(a.router_logits) == len(b.router_logits) == 2  # the hash layer records none
+            for x, y in zip(a.router_logits, b.router_logits):
+                same(x, y, f"batch {i} router logits")
+    out = export_model(ours, tmp_path / "export")
+    checks = verify_export(out, source=src)  # transformers loads it: no missing/unexpected keys, same outputs, bytes
+    assert all(c.ok for c in checks), [c.line() for c in checks if not c.ok]
+
+
+def test_base_model_hidden_states_bit_identical(ckpt):
+    src = ckpt("base")
+    ours, hf = AutoModel.from_pretrained(src), transformers.AutoModel.from_pretrained(src).eval()
+    batch = {k: v for k, v in batches()[2].items() if k != "labels"}
+    with torch.no_grad():
+        same(ours(**batch).last_hidden_state, hf(**batch).last_hidden_state, "last_hidden_state")
+
+
+def test_gradients_bit_identical_in_training_mode(ckpt):
+    ours, hf = _pair(ckpt())
+    ours.train(), hf.train()  # training mode: the top-k routers also count expert load, which must change nothing
+    batch = batches()[2]
+    a, b = ours(**batch), hf(**batch)
+    same(a.loss, b.loss, "loss")
+    a.loss.backward()
+    b.loss.backward()
+    theirs = dict(hf.named_parameters())
+    assert set(dict(ours.named_parameters())) == set(theirs)  # the same in-memory names
+    for name, p in ours.named_parameters():
+        q = theirs[name]
+        assert (p.grad is None) == (q.grad is None), name  # the indexer picks entries: no gradient in either
+        if p.grad is not None:
+            same(p.grad, q.grad, f"grad {name}")
+    assert ours.model.layers[1].self_attn.compressor.indexer.q_b_proj.weight.grad is None
+    assert ours.model.layers[1].attn_hc.fn.grad is not None and ours.model.hc_head.hc_fn.grad is not None
+    loads = [layer.mlp.gate.expert_load for layer in ours.model.layers[1:]]
+    assert all(int(load.sum()) == batch["input_ids"].numel() * ours.config.num_experts_per_tok for load in loads)
+
+
+def test_greedy_generation_with_sliding_and_compressed_caches_equals_transformers(ckpt):
+    ours, hf = _pair(ckpt(), eos=False)
+    ids = torch.randint(4, 99, (2, 11), generator=torch.Generator().manual_seed(5))  # 11 > window 4
+    for kw in ({"input_ids": ids[:1]}, {"input_ids": ids}):
+        a = ours.generate(**kw, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
+        b = hf.generate(**kw, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert a.shape == (kw["input_ids"].shape[0], 31)
+        assert torch.equal(a, b), (a.tolist(), b.tolist())
+    from transformers import DynamicCache
+
+    cache, hf_cache = ours.new_cache(), DynamicCache(config=hf.config)
+    assert isinstance(cache, SlidingCompressedCache)
+    with torch.no_grad():
+        same(ours(ids[:, :9], cache=cache).logits, hf(ids[:, :9], past_key_values=hf_cache, use_cache=True).logits,
+             "prefill logits")
+        for t in range(9, 11):  # one step closes a CSA window, the next an HCA window
+            same(ours(ids[:, t:t + 1], cache=cache).logits,
+                 hf(ids[:, t:t + 1], past_key_values=hf_cache, use_cache=True).logits, f"decode step {t}")
+    w = ours.config.sliding_window
+    assert cache.keys[0].shape[2] == w - 1  # only the window is kept
+    assert cache.states[1]["compressor"].entries.shape[1] == 11 // 2 and cache.states[2]["compressor"].count == 2
+    assert cache.states[0] is None and cache.states[2]["compressor"].buffer_kv.shape[1] == 11 % 4
+
+
+def test_sampled_generation_equals_transformers(ckpt):
+    ours, hf = _pair(ckpt(), eos=False)
+    ids = torch.randint(4, 99, (1, 9), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=20, temperature=1.3, top_k=30, top_p=0.9, eos_token_id=None, pad_token_id=0)
+    for seed in (3, 4):
+        a = ours.generate(ids, do_sample=True, seed=seed, **kw)
+        torch.manual_seed(seed)  # transformers draws from the global generator; kiln from its own, seeded alike
+        b = hf.generate(ids, do_sample=True, **kw)
+        assert torch.equal(a, b), (a.tolist(), b.tolist())
+
+
+def test_mtp_and_unknown_tensors_kept_and_written_back_byte_identical(ckpt, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(ckpt(), src)
+    weights = load_file(str(src / "model.safetensors"))
+    g = torch.Generator().manual_seed(9)
+    mtp = {"mtp.0.attn.wq_a.weight": torch.randn(24, 32, generator=g).bfloat16(),
+           "mtp.0.e_proj.weight": torch.randn(32, 32, generator=g).to(torch.float8_e4m3fn),
+           "mtp.0.e_proj.scale": torch.rand(1, 1, generator=g),
+           "mtp.0.hc_head_fn": torch.randn(3, 96, generator=g)}
+    save_file({**weights, **mtp}, str(src / "model.safetensors"), metadata={"format": "pt"})
+    ours = AutoModelForCausalLM.from_pretrained(src)
+    assert sorted(ours.mtp_tensors) == sorted(mtp) and ours.load_report.ignored == []
+    ours.save_pretrained(tmp_path / "out")
+    check = compare_weights(tmp_path / "out", src)  # every tensor: same name, dtype and bytes
+    assert check.ok, check.detail
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]  # transformers skips mtp.* by design
+    with torch.no_grad():
+        same(ours(**batches()[2]).logits, hf.eval()(**batches()[2]).logits, "logits beside MTP tensors")
+
+
+def test_deepseek_layout_without_model_prefix_loads_like_transformers(ckpt, tmp_path):
+    """DeepSeek's own checkpoints: no `model.` prefix, `embed`, `hc_head_fn`, `head`. Both libraries read them."""
+    shutil.copytree(ckpt(), tmp_path / "own")
+    weights = load_file(str(tmp_path / "own" / "model.safetensors"))
+    renamed = {}
+    for k, v in weights.items():
+        k = k.removeprefix("model.").replace("embed_tokens.", "embed.")
+        renamed[k.replace("hc_head.hc_", "hc_head_")] = v
+    assert "hc_head_fn" in renamed and "embed.weight" in renamed and "head.weight" in renamed
+    save_file(renamed, str(tmp_path / "own" / "model.safetensors"), metadata={"format": "pt"})
+    ours, hf = _pair(tmp_path / "own")
+    assert ours.load_report.ignored == []
+    with torch.no_grad():
+        same(ours(**batches()[2]).logits, hf(**batches()[2]).logits, "logits from DeepSeek's layout")
+
+
+def test_lora_on_attention_and_shared_expert_loads_in_peft_with_identical_logits(ckpt, tmp_path):
+    import peft
+
+    from kiln.models.common.lora import LoraConfig, apply_lora, save_adapter
+
+    src = ckpt()
+    ours = AutoModelForCausalLM.from_pretrained(src)
+    chosen = apply_lora(ours, LoraConfig(r=4, alpha=8, targets=["q_a_proj", "q_b_proj", "kv_proj", "o_b_proj",
+                                                                "gate_proj", "up_proj", "down_proj"]))
+    assert "model.layers.0.self_attn.q_a_proj" in chosen and "model.layers.2.mlp.shared_experts.down_proj" in chosen
+    assert not any("o_a_proj" in n or "experts.gate_up" in n for n in chosen)  # grouped / stacked: not Linears
+    opt = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=0.05)
+    for _ in range(2):
+        ours(**batches()[1]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    save_adapter(ours.eval(), tmp_path / "adapter", base_model_name_or_path=str(src))
+    base = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    with torch.no_grad():
+        untuned = base(**batches()[2]).logits
+    hf = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        tuned = ours(**batches()[2]).logits
+        same(tuned, hf(**batches()[2]).logits, "LoRA logits")
+    assert not torch.equal(tuned, untuned)
+
+
+def test_hash_layer_needs_token_ids(ckpt):
+    ours = AutoModelForCausalLM.from_pretrained(ckpt())
+    embeds = ours.model.embed_tokens(batches()[0]["input_ids"])
+    with pytest.raises(KilnError, match="hash-routed MoE layer picks experts by token id"):
+        ours(inputs_embeds=embeds)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_key_value_heads": 2}, r"num_key_value_heads must be 1 for deepseek_v4"),
+    ({"layer_types": ["sliding_attention"]}, r"layer_types must list 3 entries"),
+    ({"mlp_layer_types": ["moe", "dense", "moe"]}, r"mlp_layer_types must list 3 entries"),
+    ({"o_groups": 3}, r"o_groups \(3\) must divide num_attention_heads \* head_dim \(64\)"),
+    ({"scoring_func": "softmax"}, r"scoring_func 'softmax' is not supported"),
+    ({"index_head_dim": 4}, r"at most head_dim \(16\) and index_head_dim \(4\)"),
+])
+def test_config_errors_are_named(change, message, tiny_factory, tmp_path):
+    shutil.copytree(tiny_factory("deepseek_v4", "causal-lm"), tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    cfg.update(change)
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=message):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "d")
+
+
+def test_default_schedules_derived_like_transformers():
+    from kiln.models.deepseek_v4 import DeepseekV4Config
+
+    for extra in ({}, {"num_hash_layers": 1}, {"compress_ratios": [0, 4, 128, 4, 0, 128]}):
+        ours = DeepseekV4Config.from_dict({"num_hidden_layers": 6, **extra})
+        theirs = transformers.DeepseekV4Config(num_hidden_layers=6, **extra)
+        assert ours.attention_kinds() == theirs.layer_types and ours.mlp_kinds() == theirs.mlp_layer_types, extra
+        assert ours.rope_dim == theirs.qk_rope_head_dim
