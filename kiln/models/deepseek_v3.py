@@ -10,12 +10,14 @@ Deltas from the Llama-style decoder (`decoder_lm`):
 - no auxiliary loss joins the LM loss (transformers adds none); `output_router_logits` returns
   the float32 router logits of each MoE layer;
 - multi-token-prediction layers (`model.layers.{num_hidden_layers}` and up), which transformers
-  ignores, are kept verbatim in `hf_extras` and written back byte for byte.
+  ignores, are kept verbatim in `hf_extras` and written back byte for byte, unless training turns
+  them into a live MTP layer (`enable_mtp`, common/mtp.py: depth 1, its loss apart in `mtp_loss_parts`).
 Experts are stacked in kiln and one tensor per expert on disk, as transformers writes them.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -23,15 +25,17 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, KilnError
+from kiln.models.common.loss import shift_labels
 from kiln.models.common.mla import MLADecoder, MLADecoderLayer, MLASpec, softmax_scale
 from kiln.models.common.mlp import GatedMLP
 from kiln.models.common.moe_routing import SharedExpertMoE
+from kiln.models.common.mtp import MTPLayer, mtp_targets, next_inputs
 from kiln.models.common.rope import RotaryEmbedding
 from kiln.models.decoder_lm import IDENTITY_KEYS, DecoderConfig, DecoderModel, ForCausalLM
 from kiln.models.keymap import KeyMap
 from kiln.models.parallel_plan import ParallelPlan
-from kiln.models.pretrained import Family, TaskSpec
+from kiln.models.pretrained import Family, TaskSpec, check_tensors, init_module
 from kiln.models.qwen3_moe import EXPERT_KEYS  # transformers maps DeepSeek experts as Qwen2/3-MoE's
 from kiln.models.tasks import BASE, CAUSAL_LM
 
@@ -69,6 +73,11 @@ class MLAConfig(DecoderConfig):
 
     def is_sparse(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
+
+    @property
+    def mtp_depth(self) -> int:
+        """How many multi-token-prediction layers config.json declares (`num_nextn_predict_layers`; 0 if absent)."""
+        return int(self.extra.get("num_nextn_predict_layers", self.extra.get("num_mtp_layers", 0)) or 0)
 
     def sparse_attention(self, layer: int) -> str | None:
         """None (dense attention), "full" (the layer's own indexer) or "shared" (the previous choice)."""
@@ -119,6 +128,13 @@ def mlp(c: MLAConfig, layer: int) -> nn.Module:
     return GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
 
 
+def mtp_layer(c: MLAConfig) -> MTPLayer:
+    """The depth-1 MTP layer: attention and MLP of the last main layer's kind (an indexer of its own where
+    the model attends sparsely: it has no earlier choice to share)."""
+    n = c.num_hidden_layers
+    return MTPLayer(mla_spec(c, 0), mlp(c, n - 1), n, c.rms_norm_eps)
+
+
 def build_backbone(c: MLAConfig) -> MLADecoder:
     layers = [MLADecoderLayer(mla_spec(c, i), mlp(c, i), i, c.rms_norm_eps) for i in range(c.num_hidden_layers)]
     rope = RotaryEmbedding(c.qk_rope_head_dim, c.rope(), c.max_position_embeddings)
@@ -152,8 +168,70 @@ class MLAModel(KeepsMtpLayers, DecoderModel):
     pass
 
 
+# The checkpoint's copies of the main embedding and head inside the MTP layer (shared, not trained apart).
+_MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
+
+
 class MLAForCausalLM(KeepsMtpLayers, ForCausalLM):
-    """Backbone + LM head; the LM loss alone (no aux loss), router logits on request."""
+    """Backbone + LM head; the LM loss alone (no aux loss), router logits on request.
+
+    With a live MTP layer (`enable_mtp`), a training forward given labels or targets also leaves
+    `mtp_loss_parts` = (cross entropy summed over the t+2 targets, their count); `.loss` is unchanged."""
+
+    mtp_loss_parts: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def mtp(self) -> MTPLayer | None:
+        layers = self.model.layers
+        return layers[self.model.num_main_layers] if len(layers) > self.model.num_main_layers else None
+
+    def enable_mtp(self, source: str = "the model", fresh: bool = False) -> MTPLayer:
+        """Make the depth-1 MTP layer live from the checkpoint's tensors kept in `hf_extras`; with `fresh`
+        (a model built from scratch) freshly initialised where the config declares num_nextn_predict_layers
+        >= 1. Its tensors leave hf_extras (they are parameters now, saved under the same names)."""
+        if self.mtp is not None:
+            return self.mtp
+        c = self.config
+        n = c.num_hidden_layers
+        found = {k: v for k, v in self.hf_extras.items() if k.startswith(f"layers.{n}.")}
+        if not found and not fresh:
+            raise ConfigError(f"{source}: the checkpoint has no multi-token-prediction tensors (no "
+                              f"model.layers.{n}.* beside its {n} layers) to train")
+        if not found and c.mtp_depth < 1:
+            raise ConfigError(f"{source}: {c.model_type} built from scratch declares num_nextn_predict_layers = "
+                              f"{c.mtp_depth}; set model.config.num_nextn_predict_layers = 1 for an MTP layer")
+        if any(int(m.group(1)) > n for k in self.hf_extras if (m := _LAYER.match(k))) or c.mtp_depth > 1:
+            raise ConfigError(f"{source}: MTP depth {max(c.mtp_depth, 2)} is declared; kiln trains depth 1 only")
+        ref = self.model.embed_tokens.weight
+        layer = mtp_layer(c).to(device=ref.device, dtype=ref.dtype)
+        if found:
+            own = {k: v for k, v in found.items() if k.removeprefix(f"layers.{n}.") not in _MTP_SHARED}
+            kiln_sd, unmatched = self.family.keymap(self.task).to_kiln({f"model.{k}": v for k, v in own.items()})
+            prefix = f"model.layers.{n}."
+            tensors = {k.removeprefix(prefix): v for k, v in kiln_sd.items()}
+            expected = layer.state_dict()
+            ignored, _ = check_tensors(expected, tensors, set(expected), source, "its MTP layer",
+                                       lambda k: f"model.layers.{n}.{k}")
+            if ignored or unmatched:
+                raise ConfigError(f"{source}: MTP tensor(s) this {c.model_type} MTP layer has no place for: "
+                                  f"{', '.join(sorted(prefix + k for k in ignored) + sorted(unmatched))[:300]}")
+            with torch.no_grad():
+                for k, v in layer.state_dict().items():
+                    v.copy_(tensors[k])
+            for k in found:
+                del self.hf_extras[k]
+        else:
+            init_module(layer, c.initializer_range)
+        self.model.layers.append(layer)
+        return layer
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        hf = super().hf_state_dict()
+        if self.mtp is not None:  # the checkpoint's copies of the shared embedding and head, as DeepSeek ships them
+            n = self.config.num_hidden_layers
+            for name, t in zip(_MTP_SHARED, (self.model.embed_tokens.weight, self.output_weight)):
+                hf[f"model.layers.{n}.{name}"] = t.detach().clone()
+        return hf
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 cache: Any = None, logits_to_keep: int = 0, output_router_logits: bool | None = None,
@@ -164,9 +242,26 @@ class MLAForCausalLM(KeepsMtpLayers, ForCausalLM):
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
         if output_router_logits:
-            out.router_logits = tuple(layer.mlp.router_logits for layer in self.model.layers
-                                      if isinstance(layer.mlp, SharedExpertMoE))
+            main = itertools.islice(self.model.layers, self.model.num_main_layers)
+            out.router_logits = tuple(layer.mlp.router_logits for layer in main if isinstance(layer.mlp, SharedExpertMoE))
+        if self.mtp is not None and self.training and (labels is not None or targets is not None):
+            if input_ids is None:
+                raise KilnError("the MTP loss embeds the next input token: pass input_ids, not inputs_embeds")
+            targets = targets if targets is not None else shift_labels(labels).to(input_ids.device)
+            self.mtp_loss_parts = self.mtp_loss_sum(out.last_hidden_state, input_ids, targets, attention_mask,
+                                                    position_ids)
         return out
+
+    def mtp_loss_sum(self, hidden: torch.Tensor, input_ids: torch.Tensor, targets: torch.Tensor,
+                     attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cross entropy of the MTP layer's t+2 predictions summed over real targets, their count).
+
+        hidden (B, T, C): the main model's last hidden state; targets (B, T): next-token targets."""
+        layer = self.mtp
+        next_embeds = self.model.embed_tokens(next_inputs(input_ids))  # (B, T, C)
+        rope, mask = self.model.rope_and_mask(next_embeds, attention_mask, position_ids)
+        return self.head_loss_sum(layer.predict(hidden, next_embeds, rope, mask), mtp_targets(targets))
 
     def new_cache(self):
         return self.model.new_cache()

@@ -13,6 +13,10 @@ resumed run continues exactly. A step the Trainer skipped (non-finite loss) move
 
 Per step it returns, for metrics, each MoE layer's max and mean tokens per expert and
 `moe_imbalance`, the mean over layers of max / mean (1.0 = perfectly even).
+
+The alternative, `sequence_aux_loss`, is DeepSeek-V3's complementary sequence-wise balance loss
+(report eq. 17-20): a differentiable penalty added to the training loss (the `[moe]` extension,
+kiln.train.recipes.moe, does both from a run config).
 """
 
 from __future__ import annotations
@@ -56,6 +60,49 @@ def update_biases(found: list[GroupLimitedRouter], loads: torch.Tensor, speed: f
     for router, load in zip(found, loads):
         load = load.to(router.e_score_correction_bias.device, torch.float32)
         router.e_score_correction_bias.add_(torch.sign(load.mean() - load), alpha=speed)
+
+
+def segment_ids(input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(N,) = (B*T,) sequence id of every token for the balance loss; -1 for padding.
+
+    Packed rows (position_ids restarting at 0 where a sample starts) give one id per sample; without
+    position ids each row is one sequence."""
+    B, T = input_ids.shape
+    starts = torch.zeros(B, T, dtype=torch.bool, device=input_ids.device)
+    if position_ids is not None:
+        starts = position_ids.expand(B, T) == 0
+    starts[:, 0] = True
+    ids = torch.cumsum(starts.long(), dim=1) - 1 + torch.arange(B, device=input_ids.device)[:, None] * T  # (B, T)
+    if attention_mask is not None:
+        ids = ids.masked_fill(attention_mask == 0, -1)
+    return ids.reshape(-1)
+
+
+def sequence_aux_loss(router_logits: torch.Tensor, index: torch.Tensor, top_k: int,
+                      segments: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss of one MoE layer, averaged over sequences (without alpha).
+
+    router_logits (N, E) float32, index (N, k) the picked experts, segments (N,) a sequence id per token
+    (-1: left out). Per sequence of T tokens, with s' the sigmoid affinities normalised over all E experts:
+        f_i = E / (k T) * #tokens that picked expert i,   P_i = mean over tokens of s'_i,   loss = sum_i f_i P_i
+    (1.0 when the load and the affinities are both even). Only P carries gradients."""
+    E = router_logits.shape[-1]
+    keep = segments >= 0
+    seg = torch.unique(segments[keep], return_inverse=True)[1]  # (n,) 0..S-1
+    if seg.numel() == 0:
+        return router_logits.sum() * 0.0
+    scores = router_logits[keep].sigmoid()
+    scores = scores / scores.sum(-1, keepdim=True)  # (n, E) s'
+    S = int(seg.max()) + 1
+    tokens = torch.bincount(seg, minlength=S).to(scores.dtype)[:, None]  # (S, 1)
+    picked = index[keep]
+    counts = torch.zeros(S, E, dtype=scores.dtype, device=scores.device)
+    counts.index_put_((seg[:, None].expand_as(picked), picked), torch.ones_like(picked, dtype=scores.dtype),
+                      accumulate=True)
+    f = counts * (E / top_k) / tokens
+    P = torch.zeros(S, E, dtype=scores.dtype, device=scores.device).index_add(0, seg, scores) / tokens
+    return (f * P).sum(-1).mean()
 
 
 class AuxFreeBalance(Callback):

@@ -6,7 +6,10 @@ As transformers 5 computes it (DeepseekV32Indexer; GLM-MoE-DSA differs only in i
   score[s, t] = sum_h w[s, h] * relu(q[s, h] . k[t] * D**-0.5), w = weights_proj(x) * H**-0.5,
   all in float32; masked keys score -inf; the top min(index_topk, T) keys are kept.
 The attention then masks every key outside that set. The indexer runs without gradients (its
-weights are trained apart in DeepSeek's recipe, never through the LM loss), as in transformers.
+weights are trained apart in DeepSeek's recipe, never through the LM loss), as in transformers, and
+its parameters are built frozen (requires_grad False). `train_kl` (set by the `[moe] indexer = "kl"`
+training switch) makes the attention score the indexer on detached inputs, with gradients, against
+its own distribution (`indexer_kl`), so the indexer learns from that loss alone.
 """
 
 from __future__ import annotations
@@ -29,11 +32,24 @@ class Indexer(nn.Module):
         self.k_norm = nn.LayerNorm(head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(hidden_size, num_heads, bias=False)
         self.softmax_scale = head_dim**-0.5
+        self.requires_grad_(False)  # the LM loss never reaches it (top-k is not differentiable); see train_kl
+        self.train_kl = False
+        self.loss: torch.Tensor | None = None  # the last training forward's KL, when train_kl
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 mask: torch.Tensor, cache=None, layer_idx: int = 0) -> torch.Tensor:
         """x (B, T, C), q_resid (B, T, q_lora_rank), mask (B, T, K) bool -> key indices (B, T, k) int32."""
+        return self.pick(self.scores(x, q_resid, rope, mask, cache, layer_idx))
+
+    def pick(self, index_scores: torch.Tensor) -> torch.Tensor:
+        """The top min(index_topk, K) keys of each query (B, T, k) int32."""
+        k_keep = min(self.topk, index_scores.shape[-1])
+        return index_scores.detach().topk(k_keep, dim=-1).indices.to(torch.int32)
+
+    def scores(self, x: torch.Tensor, q_resid: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               mask: torch.Tensor, cache=None, layer_idx: int = 0) -> torch.Tensor:
+        """Index scores (B, T, K) float32, -inf where `mask` (B, T, K) forbids a key."""
         B, T, _ = x.shape
         split = [self.rope_dim, self.head_dim - self.rope_dim]
         q = self.wq_b(q_resid).view(B, T, self.num_heads, self.head_dim)  # (B, T, H, D)
@@ -49,9 +65,20 @@ class Indexer(nn.Module):
         scores = F.relu(scores)
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.num_heads**-0.5)  # (B, T, H)
         index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # (B, T, K)
-        index_scores = index_scores.masked_fill(~mask, float("-inf"))  # padding and the future never win
-        k_keep = min(self.topk, index_scores.shape[-1])
-        return index_scores.topk(k_keep, dim=-1).indices.to(torch.int32)
+        return index_scores.masked_fill(~mask, float("-inf"))  # padding and the future never win
+
+
+def indexer_kl(index_scores: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over queries of KL(target || softmax(index_scores)) over the keys `mask` allows.
+
+    index_scores (B, T, K) (-inf outside `mask`), target (B, T, K) a distribution over the allowed
+    keys (the main attention's, summed over heads and renormalised), mask (B, T, K) bool. Queries
+    with no allowed key (padding) are left out."""
+    log_q = torch.log_softmax(index_scores.float(), dim=-1).masked_fill(~mask, 0.0)
+    p = target.float().masked_fill(~mask, 0.0)
+    per_query = (torch.xlogy(p, p) - p * log_q).sum(-1)  # (B, T); 0 * log 0 = 0
+    rows = mask.any(-1)
+    return per_query[rows].sum() / rows.sum().clamp(min=1)
 
 
 def restrict_mask(mask: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ as transformers does). Same maths in another summation order: within float round
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,7 @@ from torch.nn import functional as F
 
 from kiln.errors import KilnError
 from kiln.models.common.decoder import KVCache, positions_and_mask
-from kiln.models.common.dsa import Indexer, restrict_mask
+from kiln.models.common.dsa import Indexer, indexer_kl, restrict_mask
 from kiln.models.common.norms import RMSNorm
 from kiln.models.common.rope import RotaryEmbedding, apply_rope, apply_rope_interleaved, yarn_mscale
 
@@ -132,8 +133,12 @@ class MLAttention(nn.Module):
         q_rot, k_rot = self.rope_fn(q_rot, k_rot, *rope)
         if cache is not None:  # the compressed latent is what is cached
             latent, k_rot = cache.update(self.layer_idx, latent, k_rot)
-        topk = None
-        if self.sparse == "full":
+        topk = index_scores = None
+        if self.sparse == "full" and self.indexer.train_kl and self.training:
+            # scored with gradients on detached inputs: only the indexer loss reaches the indexer
+            index_scores = self.indexer.scores(x.detach(), q_resid.detach(), rope, mask[:, 0], cache, self.layer_idx)
+            topk = self.indexer.pick(index_scores)
+        elif self.sparse == "full":
             topk = self.indexer(x, q_resid, rope, mask[:, 0], cache, self.layer_idx)
         elif self.sparse == "shared":
             if shared_topk is None:
@@ -150,9 +155,22 @@ class MLAttention(nn.Module):
             dropout = self.dropout if self.training else 0.0
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scaling,
                                                is_causal=T > 1 and mask is None)  # (B, H, T, v)
+            if index_scores is not None:
+                self.indexer.loss = self._indexer_loss(q, k, mask, index_scores)
         y = y.transpose(1, 2).contiguous().reshape(B, T, -1).contiguous()
         return self.o_proj(y), topk
 
+
+    def _indexer_loss(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, index_scores: torch.Tensor
+                      ) -> torch.Tensor:
+        """KL from this attention's distribution (detached, summed over heads, renormalised) to the
+        indexer's softmax, over the keys each query attends to (DeepSeek-V3.2's indexer loss)."""
+        with torch.no_grad():
+            scores = (q.float() @ k.float().transpose(-1, -2)) * self.scaling  # (B, H, T, K)
+            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
+            target = probs.sum(1)  # (B, T, K)
+            target = target / target.sum(-1, keepdim=True).clamp(min=1e-20)
+        return indexer_kl(index_scores, target, mask[:, 0])
 
     def _absorbed(self, q_pass: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
                   mask: torch.Tensor | None) -> torch.Tensor:
@@ -197,22 +215,30 @@ class MLADecoder(nn.Module):
         self.norm = RMSNorm(hidden_size, eps)
         self.rotary_emb = rope
         self.always_mask = always_mask
+        # Layers past this count are multi-token-prediction layers (common/mtp.py): they sit in `layers`
+        # under their checkpoint index, but the main forward never runs them.
+        self.num_main_layers = len(layers)
 
     def new_cache(self) -> MLACache:
-        return MLACache(len(self.layers))
+        return MLACache(self.num_main_layers)
 
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
-                cache: MLACache | None = None) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, C)
+    def rope_and_mask(self, x: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                      cache: MLACache | None = None) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+        """The rotary (cos, sin) and the attention mask (or None: SDPA's is_causal) for x (B, T, C)."""
         position_ids, mask = positions_and_mask(x, cache, attention_mask, position_ids)
         if mask is None and self.always_mask:
             B, T = x.shape[:2]
             past = len(cache) if cache is not None else 0
             q_idx = torch.arange(T, device=x.device)[:, None] + past
             mask = (torch.arange(past + T, device=x.device)[None, :] <= q_idx).expand(B, 1, T, past + T)
-        rope = self.rotary_emb(x, position_ids)
+        return self.rotary_emb(x, position_ids), mask
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                cache: MLACache | None = None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, C)
+        rope, mask = self.rope_and_mask(x, attention_mask, position_ids, cache)
         topk = None
-        for layer in self.layers:
+        for layer in itertools.islice(self.layers, self.num_main_layers):
             x, topk = layer(x, rope, mask, cache, topk)
         return self.norm(x)

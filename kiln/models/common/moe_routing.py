@@ -12,7 +12,9 @@ As transformers 5 computes it (DeepseekV3TopkRouter / DeepseekV3MoE):
   (one gated MLP of n_shared_experts * moe_intermediate_size).
 
 In training mode the router also counts tokens per expert (`expert_load`) for aux-loss-free
-balancing (`kiln.train.moe_balance`); the count never changes an output.
+balancing (`kiln.train.moe_balance`); the count never changes an output. The MoE block keeps the
+last forward's router logits and picks (`router_logits`, `router_index`) for the sequence-wise
+auxiliary loss (`kiln.train.moe_balance.sequence_aux_loss`).
 """
 
 from __future__ import annotations
@@ -93,13 +95,14 @@ class SharedExpertMoE(nn.Module):
         self.gate = GroupLimitedRouter(dim, num_experts, top_k, n_group, topk_group, norm_topk_prob,
                                        routed_scaling_factor)
         self.shared_experts = GatedMLP(dim, hidden * n_shared_experts, act)
-        self.router_logits: torch.Tensor | None = None
+        self.router_logits: torch.Tensor | None = None  # (N, E) float32, with gradients in training
+        self.router_index: torch.Tensor | None = None   # (N, k) the experts picked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         # Router and experts each take their own view of x, as transformers does: x's gradient then sums
         # the same three parts (router, experts, shared experts) in the same order, bit for bit.
         logits, weights, index = self.gate(x.view(-1, C))
-        self.router_logits = logits  # (N, E)
+        self.router_logits, self.router_index = logits, index  # (N, E), (N, k)
         routed = self.experts(x.view(-1, C), index, weights).view(B, T, C)
         return routed + self.shared_experts(x)

@@ -6,12 +6,12 @@ the run-config schema (its TOML table) and `build_trainer` pick it up from here.
 
 from __future__ import annotations
 
-from kiln.train.recipes import ff, finetune, grow, hpn, pretrain, sft
+from kiln.train.recipes import ff, finetune, grow, hpn, moe, pretrain, sft
 from kiln.train.recipes.base import Extension, Recipe, RunParts, Shortcut
 
 # Tried in order; the first that matches a run config runs it (fine-tune is the fallback).
 RECIPES: dict[str, Recipe] = {r.name: r for r in (pretrain.RECIPE, sft.RECIPE, finetune.RECIPE)}
-EXTENSIONS: dict[str, Extension] = {e.section: e for e in (hpn.EXTENSION, grow.EXTENSION, ff.EXTENSION)}
+EXTENSIONS: dict[str, Extension] = {e.section: e for e in (hpn.EXTENSION, grow.EXTENSION, ff.EXTENSION, moe.EXTENSION)}
 
 
 def recipe_for(cfg) -> Recipe:

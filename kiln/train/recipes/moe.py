@@ -1,0 +1,171 @@
+"""[moe]: DeepSeek-V3 / V3.2 / GLM-5 training switches for any recipe (pretrain, sft, fine-tune).
+
+    [moe]
+    balance = "aux_free"        # DeepSeek-V3's bias steps (kiln.train.moe_balance.AuxFreeBalance);
+                                # "seq_aux": the sequence-wise balance loss instead; "none"
+    bias_update_speed = 1e-3    # aux_free: the bias step per optimizer step
+    seq_aux_alpha = 1e-4        # seq_aux: the loss weight alpha
+    mtp_weight = 0.0            # > 0: train the depth-1 multi-token-prediction layer with this weight
+    indexer = "frozen"          # "kl": train the sparse-attention indexer on its KL loss
+    indexer_loss_weight = 1.0
+
+The extra losses join the step's loss per unit (loss = LM + seq_aux_alpha * balance loss + mtp_weight *
+MTP cross entropy + indexer_loss_weight * indexer KL) and are logged apart in metrics.jsonl:
+`moe_aux_loss` (alpha included, summed over MoE layers), `mtp_loss` and `indexer_loss` (unweighted;
+the indexer's averaged over its layers), `lm_loss` (the step's own loss alone). The balance loss is
+per packed sample where position_ids mark where samples start, else per row. Expert-load statistics
+(`moe_max_load.<layer>`, `moe_mean_load.<layer>`, `moe_imbalance`) are logged whatever `balance` is;
+only "aux_free" moves the biases. The indexer's inputs are detached, so its loss trains the indexer
+alone and the LM loss never reaches it (its top-k choice is not differentiable).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from pydantic import model_validator
+from torch import nn
+
+from kiln.errors import ConfigError, KilnError
+from kiln.models.common.dsa import Indexer
+from kiln.models.common.moe_routing import SharedExpertMoE
+from kiln.parallel.world import all_reduce_sum
+from kiln.train.config import Section
+from kiln.train.moe_balance import AuxFreeBalance, routers, segment_ids, sequence_aux_loss
+from kiln.train.recipes.base import Extension, RunParts, Shortcut
+from kiln.train.steps import as_sum_and_count, default_step
+from kiln.train.trainer import Callback
+
+
+class MoeSection(Section):
+    """Load balancing, multi-token prediction and indexer training for DeepSeek-style MoE models."""
+    balance: Literal["aux_free", "seq_aux", "none"] = "aux_free"
+    bias_update_speed: float = 1e-3
+    seq_aux_alpha: float = 1e-4
+    mtp_weight: float = 0.0
+    indexer: Literal["frozen", "kl"] = "frozen"
+    indexer_loss_weight: float = 1.0
+
+    @model_validator(mode="after")
+    def _check(self) -> "MoeSection":
+        for name in ("bias_update_speed", "seq_aux_alpha", "indexer_loss_weight"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"moe.{name} must be > 0, got {getattr(self, name)}")
+        if not self.mtp_weight >= 0:
+            raise ValueError(f"moe.mtp_weight must be >= 0 (0 = off), got {self.mtp_weight}")
+        return self
+
+
+def _model_type(model: nn.Module) -> str:
+    return getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+
+
+class MoeLosses(Callback):
+    """Runs the extra losses beside the step's own and writes their means into the step's metrics line."""
+
+    def __init__(self, cfg: MoeSection, inner):
+        self.cfg, self.inner = cfg, inner
+        self.sums: dict[str, float] = {}
+        self.micro = 0
+
+    def step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The wrapped step: (its loss sum + the weighted extra losses per unit, its count)."""
+        result = self.inner(model, batch)
+        if isinstance(result, dict):
+            raise KilnError("[moe] adds its losses to a step with one loss; this run's step returns several "
+                            f"({', '.join(result)})")
+        loss_sum, count = as_sum_and_count(result, batch)
+        m, c = getattr(model, "module", model), self.cfg
+        parts = {"lm_loss": loss_sum.detach().float() / count.clamp(min=1).to(loss_sum.device)}
+        extra = loss_sum.new_zeros(())
+        if c.balance == "seq_aux":
+            aux = self._balance_loss(m, batch) * c.seq_aux_alpha
+            parts["moe_aux_loss"], extra = aux.detach(), extra + aux
+        if c.mtp_weight > 0:
+            found = getattr(m, "mtp_loss_parts", None)
+            if found is None:
+                raise KilnError("[moe] mtp_weight > 0 but the forward left no MTP loss (does the step pass labels "
+                                "or targets to the model?)")
+            mtp = found[0] / found[1].clamp(min=1)
+            m.mtp_loss_parts = None
+            parts["mtp_loss"], extra = mtp.detach(), extra + c.mtp_weight * mtp
+        if c.indexer == "kl":
+            losses = [ix.loss for ix in m.modules() if isinstance(ix, Indexer) and ix.loss is not None]
+            for ix in m.modules():
+                if isinstance(ix, Indexer):
+                    ix.loss = None
+            if losses:
+                kl = torch.stack(losses).mean()
+                parts["indexer_loss"], extra = kl.detach(), extra + c.indexer_loss_weight * kl
+        for k, v in parts.items():
+            self.sums[k] = self.sums.get(k, 0.0) + float(v)
+        self.micro += 1
+        return loss_sum + extra * count.to(extra.device, extra.dtype), count
+
+    @staticmethod
+    def _balance_loss(m: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        ids = batch["input_ids"]
+        segments = segment_ids(ids, batch.get("position_ids"), batch.get("attention_mask"))
+        total = None
+        for moe in m.modules():
+            if isinstance(moe, SharedExpertMoE) and moe.router_logits is not None:
+                part = sequence_aux_loss(moe.router_logits, moe.router_index, moe.gate.top_k, segments)
+                total = part if total is None else total + part
+                moe.router_logits = moe.router_index = None  # this forward's; free the graph they hold
+        if total is None:
+            raise KilnError("[moe] balance = 'seq_aux': no MoE layer routed this batch")
+        return total
+
+    def on_step(self, trainer: Any, record: dict[str, Any]) -> None:
+        if not self.micro:
+            return
+        names = sorted(self.sums)
+        totals = torch.tensor([self.sums[k] for k in names] + [float(self.micro)], dtype=torch.float64)
+        device = trainer.device if trainer.world.active and trainer.device.type == "cuda" else torch.device("cpu")
+        totals = all_reduce_sum(totals.to(device), trainer.world).cpu()  # every rank's micro-batches
+        for k, v in zip(names, totals[:-1].tolist()):
+            record[k] = v / float(totals[-1])
+        self.sums, self.micro = {}, 0
+
+
+class Moe(Extension):
+    section = "moe"
+    schema = MoeSection
+    summary = "DeepSeek-style MoE training: aux-free or sequence-wise balancing, MTP loss, indexer KL loss"
+    recipes = ("pretrain", "sft", "fine-tune")
+    shortcuts = (Shortcut("balance", "moe.balance"), Shortcut("mtp_weight", "moe.mtp_weight"),
+                 Shortcut("indexer", "moe.indexer"))
+
+    def on_model(self, cfg: Any, model: nn.Module) -> None:
+        c, kind = cfg.moe, _model_type(model)
+        if c.balance != "none" and not routers(model):
+            raise ConfigError(f"[moe] balance = {c.balance!r} balances sigmoid-routed MoE layers (DeepSeek-V3 style, "
+                              f"with e_score_correction_bias); a {kind} model has none; set balance = \"none\"")
+        if c.mtp_weight > 0:
+            if not hasattr(model, "enable_mtp"):
+                raise ConfigError(f"[moe] mtp_weight = {c.mtp_weight}: a {kind} {getattr(model, 'task', '')} model has "
+                                  "no multi-token-prediction layer (deepseek_v3 / deepseek_v32 / glm_moe_dsa causal "
+                                  "LMs do)")
+            model.enable_mtp(f"[moe] mtp_weight = {c.mtp_weight}: {cfg.model.path or cfg.model.family}",
+                             fresh=cfg.model.path is None)
+        if c.indexer == "kl" and not any(isinstance(m, Indexer) for m in model.modules()):
+            raise ConfigError(f"[moe] indexer = \"kl\" trains a sparse-attention indexer (deepseek_v32, glm_moe_dsa); "
+                              f"a {kind} model has none")
+
+    def extend(self, cfg: Any, parts: RunParts) -> None:
+        c = cfg.moe
+        if routers(parts.model):  # load statistics whatever the balancing; only aux_free moves the biases
+            parts.callbacks.append(AuxFreeBalance(c.bias_update_speed, update=c.balance == "aux_free"))
+        if c.indexer == "kl":  # after [lora] froze the base: the indexer trains on its own loss
+            for ix in parts.model.modules():
+                if isinstance(ix, Indexer):
+                    ix.train_kl = True
+                    ix.requires_grad_(True)
+        if c.balance == "seq_aux" or c.mtp_weight > 0 or c.indexer == "kl":
+            losses = MoeLosses(c, parts.step or default_step)
+            parts.step = losses.step
+            parts.callbacks.append(losses)
+
+
+EXTENSION = Moe()
