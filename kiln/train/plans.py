@@ -69,8 +69,9 @@ def apply_plans(model: nn.Module, parallel: ParallelSection, world_size: int, de
 
 
 def is_sharded_run(par: Parallelized | None) -> bool:
-    """Weights are DTensors (a mesh was built): checkpoints go through DCP, each rank its own shards."""
-    return par is not None and par.mesh is not None
+    """Weights are DTensors (a mesh was built): checkpoints go through DCP, each rank its own shards.
+    A cp mesh under DDP keeps whole weights: plain checkpoints."""
+    return par is not None and par.mesh is not None and not par.wrap_ddp
 
 
 def save_sharded_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,

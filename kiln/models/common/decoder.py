@@ -106,6 +106,10 @@ def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    # The seam for parallel plans: a callable (q, k, v, scale, dropout_p) -> y that replaces the
+    # scaled-dot-product core (context parallelism attends over the whole sequence's keys with it).
+    core: Callable[..., torch.Tensor] | None = None
+
     def __init__(self, spec: AttentionSpec, layer_idx: int):
         super().__init__()
         s = spec
@@ -131,6 +135,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, k, *rope)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, KVH, S, D)
+        if self.core is not None:  # it masks by itself: `mask` was made for this rank's tokens alone
+            y = self.core(q, k, v, self.scaling, self.dropout if self.training else 0.0)  # (B, H, T, D)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
         extra = {}
         if self.groups > 1:
             # transformers' choice: native GQA when unmasked; a single query folds its head groups

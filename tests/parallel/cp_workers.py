@@ -1,0 +1,106 @@
+"""What each spawned rank runs in the context-parallel tests: one Trainer-contract step on a split batch.
+
+Every rank reads its data shard's full rows (cp ranks of one dp rank read the same ones); the model's
+CP hook keeps this rank's chunks. The step follows the Trainer: backward of the local loss sum,
+DDP / FSDP averaging over all ranks, then gradients times world / (global token count), so they
+are the gradient of the global token mean. Rank 0 writes the loss, full gradients and updated weights.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from kiln.constants import IGNORE_INDEX
+from kiln.models.auto import AutoConfig, from_config
+from kiln.parallel.apply import parallelize
+from kiln.parallel.grads import clip_grad_norm
+
+import workers
+
+LLAMA = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rope_parameters={"rope_type": "default",
+                                                                                   "rope_theta": 10000.0})
+
+
+def build(family: str):
+    if family == "llama":
+        return from_config(AutoConfig.for_model("llama", **LLAMA), task="causal-lm", seed=0)
+    return workers.build(family)
+
+
+def batch(kind: str) -> dict[str, torch.Tensor]:
+    """The global batch (4 rows): plain, packed (positions restart per sample), or right-padded to 14."""
+    ids = workers.batch()  # (4, 16)
+    if kind == "plain":
+        return {"input_ids": ids, "labels": ids}
+    if kind == "packed":
+        starts = [[0, 5], [0, 9, 12], [0], [0, 3, 4, 11]]
+        pos = torch.zeros_like(ids)
+        labels = ids.clone()
+        for row, s in enumerate(starts):
+            for a, b in zip(s, s[1:] + [ids.shape[1]]):
+                pos[row, a:b] = torch.arange(b - a)
+                labels[row, a] = IGNORE_INDEX  # nothing predicts a sample's first token from the one before
+        return {"input_ids": ids, "labels": labels, "position_ids": pos}
+    assert kind == "padded"
+    ids = ids[:, :14].clone()
+    lengths = torch.tensor([14, 9, 12, 5])
+    mask = (torch.arange(14)[None] < lengths[:, None]).long()
+    ids[mask == 0] = 0
+    labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def reference(family: str, kind: str) -> dict:
+    """One process, the whole batch: the mean loss over every target, its gradients, one AdamW step."""
+    model = build(family)
+    opt = _adamw(model)
+    return _finish(model, opt, model(**batch(kind)).loss, lambda: None)
+
+
+def _adamw(model) -> torch.optim.Optimizer:
+    # before any forward: FSDP keeps the last block unsharded after it, and parameters() would hand those over
+    return torch.optim.AdamW(model.parameters(), lr=workers.LR, weight_decay=0.0)
+
+
+def _finish(model, opt, loss: torch.Tensor, scale_grads) -> dict:
+    loss.backward()
+    scale_grads()
+    grads = {n: workers._full(p.grad) for n, p in model.named_parameters()}
+    norm = clip_grad_norm(list(model.parameters()), 1e9)
+    opt.step()
+    weights = {n: workers._full(p) for n, p in model.named_parameters()}
+    return {"loss": loss.detach(), "grads": grads, "weights": weights, "grad_norm": norm}
+
+
+def run_cp(rank: int, world: int, out: str, name: str, family: str, kind: str, keys: dict) -> None:
+    model = build(family)
+    par = parallelize(model, workers.plan(**keys))
+    wrapped = DistributedDataParallel(model) if par.wrap_ddp else model
+    opt = _adamw(model)
+    full = batch(kind)
+    mine = {k: v.chunk(par.data_shards)[par.data_rank] for k, v in full.items()}
+    result = wrapped(**mine)
+    totals = torch.stack([result.loss_sum.detach().double(), result.loss_count.double()])
+    dist.all_reduce(totals)
+    share = result.loss.detach().clone()  # .loss: this rank's share of its cp group's mean
+    dist.all_reduce(share)
+
+    def scale_grads() -> None:  # the Trainer's _reduce: DDP/FSDP averaged over the world; to the token mean
+        for p in model.parameters():
+            p.grad.mul_(world / float(totals[1]))
+
+    out_ = _finish(model, opt, result.loss_sum, scale_grads)
+    out_["loss"] = (totals[0] / totals[1]).float()
+    out_["shares"] = (share / par.data_shards).float()  # mean over dp shards of each cp group's summed shares
+    if rank == 0:
+        torch.save(out_, os.path.join(out, f"{name}.pt"))
+
+
+def run_many(rank: int, world: int, out: str, jobs: list) -> None:
+    for name, family, kind, keys in jobs:
+        run_cp(rank, world, out, name, family, kind, keys)

@@ -1,0 +1,113 @@
+"""Context parallelism ([parallel] cp) on gloo/CPU: the load-balanced split, and cp = 2 and 4 (alone, with DP
+and with FSDP over dp x cp) equal to one process on the same global batch within fp32 rounding: loss,
+gradients and the AdamW-updated weights, for plain, packed and right-padded rows. Bad input by message.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spawn import spawn
+
+import cp_workers
+import workers
+from kiln.constants import IGNORE_INDEX
+from kiln.errors import ConfigError, KilnError
+from kiln.models.common.loss import shift_labels
+from kiln.parallel.context import chunk_index, check_model, gather_sequence
+
+JOBS_2 = [("cp-2", "qwen3", "plain", {"cp": 2}),
+          ("cp-2-llama", "llama", "plain", {"cp": 2}),
+          ("cp-2-packed", "qwen3", "packed", {"cp": 2}),
+          ("cp-2-padded", "qwen3", "padded", {"cp": 2}),
+          ("cp-fsdp-2", "qwen3", "plain", {"cp": 2, "fsdp": True})]
+JOBS_4 = [("cp-4", "qwen3", "plain", {"cp": 4}),
+          ("cp-4-packed", "qwen3", "packed", {"cp": 4}),
+          ("cp-dp-2x2", "qwen3", "plain", {"cp": 2, "dp": 2}),
+          ("cp-dp-2x2-padded", "llama", "padded", {"cp": 2, "dp": 2}),
+          ("cp-fsdp-2x2", "qwen3", "packed", {"cp": 2, "dp": 2, "fsdp": True}),
+          ("cp-4-ac", "qwen3", "plain", {"cp": 4, "activation_checkpointing": "block"})]
+JOBS = JOBS_2 + JOBS_4
+
+
+def test_chunks_are_load_balanced_and_cover_the_row():
+    got = [chunk_index(16, 2, r).tolist() for r in range(2)]
+    assert got == [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]
+    parts = torch.cat([chunk_index(24, 3, r) for r in range(3)])
+    assert sorted(parts.tolist()) == list(range(24))
+    # causal work (keys each query sees, summed) is the same on every rank
+    work = [int((chunk_index(24, 3, r) + 1).sum()) for r in range(3)]
+    assert len(set(work)) == 1
+
+
+def test_sequence_length_not_divisible_is_refused_by_message():
+    with pytest.raises(KilnError, match=r"parallel.cp = 3 splits each sequence into 2 \* cp = 6 .*multiple of 6; "
+                                        r"got a sequence of 16 tokens"):
+        chunk_index(16, 3, 0)
+
+
+def test_models_cp_cannot_serve_are_refused_by_message():
+    from kiln.interop.tiny import TINY
+    from kiln.models.auto import AutoConfig, from_config
+
+    for family in ("mamba", "qwen3_next", "deepseek_v3"):
+        model = from_config(AutoConfig.for_model(family, **TINY[family]), task="causal-lm", seed=0)
+        with pytest.raises(ConfigError, match=rf"parallel.cp = 2: {family} \(\w+\) cannot be split over the sequence"):
+            check_model(model, 2)
+    check_model(workers.build("qwen3"), 2)  # the shared attention decoder passes
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("cp")
+    spawn(cp_workers.run_many, 2, (str(out), JOBS_2))
+    spawn(cp_workers.run_many, 4, (str(out), JOBS_4))
+    return {p.stem: torch.load(p, weights_only=True) for p in out.glob("*.pt")}
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    return {(family, kind): cp_workers.reference(family, kind) for _, family, kind, _ in JOBS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,family,kind,keys", JOBS, ids=[j[0] for j in JOBS])
+def test_cp_equals_one_process(results, references, name, family, kind, keys):
+    assert name in results, f"rank 0 wrote no result for {name}"
+    got, want = results[name], references[family, kind]
+    torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-5, atol=1e-6)
+    if keys.get("dp", 1) == 1:  # .loss of labels=: the cp ranks' shares add up to the mean
+        torch.testing.assert_close(got["shares"], want["loss"], rtol=1e-5, atol=1e-6)
+    for n in want["grads"]:
+        torch.testing.assert_close(got["grads"][n], want["grads"][n], rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {n}: {m}")
+    for n in want["weights"]:
+        # AdamW's first step is lr * g / (|g| + eps): a gradient near 1e-8 turns rounding into ~1e-5 moves
+        torch.testing.assert_close(got["weights"][n], want["weights"][n], rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"weight {n}: {m}")
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_wrong_split_would_be_caught(references):
+    """Control: targets shifted after the split (each chunk on its own) give another loss than one process."""
+    model = cp_workers.build("qwen3")
+    b = cp_workers.batch("plain")
+    idx = [chunk_index(16, 2, r) for r in range(2)]
+    total, count = 0.0, 0
+    for i in idx:
+        ids = b["input_ids"][:, i]
+        out = model(ids, position_ids=i[None], targets=shift_labels(ids))  # positions right, labels shifted late
+        total, count = total + float(out.loss_sum.detach()), count + int(out.loss_count)
+    assert abs(total / count - float(references["qwen3", "plain"]["loss"])) > 1e-3
+
+
+def test_padding_tail_is_ignored():
+    """The split pads rows to a multiple of 2*cp like pad_collate: masked keys, ignored targets."""
+    from kiln.parallel.context import _pad_rows
+
+    rows = {"input_ids": torch.ones(2, 5, dtype=torch.long), "attention_mask": torch.ones(2, 5, dtype=torch.long),
+            "targets": torch.ones(2, 5, dtype=torch.long), "position_ids": torch.arange(5)[None]}
+    out = _pad_rows(rows, 5, 4)
+    assert out["input_ids"].shape == (2, 8) and out["attention_mask"][:, 5:].sum() == 0
+    assert (out["targets"][:, 5:] == IGNORE_INDEX).all() and out["position_ids"][0, 5:].tolist() == [0, 1, 2]
