@@ -12,6 +12,12 @@ so checkpoints and `full_tensor()` still see the whole stack) and its own tokens
 
 Both all-to-alls are differentiable (the backward is the same exchange reversed). gloo on CPU
 supports `all_to_all_single` with uneven splits in torch 2.13, so CPU tests use the real path.
+
+With tensor parallelism (the ("ep", "tp") dimensions of one mesh) an ep group is the ranks that share a
+tp rank. The tp ranks of a group route the same whole tokens (tp.py gathers the sequence before the
+router) and each exchanges them with its own ep peers, so they hold equal expert shards and gradients.
+With fsdp, each expert shard is an FSDP unit of its own over dp (`shard_experts`); the rest of the
+model is sharded over dp x ep, the ranks that read different data.
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from kiln.errors import ConfigError
 from kiln.models.common.moe import Experts, grouped_linear
 from kiln.parallel.blocks import model_name, part, plan_of
+from kiln.parallel.fsdp import DTYPES
 
 
 class _AllToAll(torch.autograd.Function):
@@ -119,3 +127,20 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         module.__class__ = ExpertParallelExperts
         module.ep_group, module.ep_size = mesh.get_group(), size
     return model
+
+
+def shard_experts(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: str | None = None,
+                  reduce_dtype: str = "fp32", offload: bool = False) -> None:
+    """FSDP units of their own for the expert-parallel experts, sharded over `dp_mesh` (before `apply_fsdp`).
+
+    The rest of the model is sharded over every rank that reads different data (dp x ep), but an
+    expert shard is replicated over dp only: FSDP averages its gradient over dp, and since that
+    gradient already sums its ep group's tokens (the all-to-all brought them), the caller divides it
+    by ep after the backward (`Parallelized.sync_gradients`; a gradient divide factor would need a
+    pre-multiplied reduce-scatter, which gloo lacks).
+    """
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype] if param_dtype else None,
+                                  reduce_dtype=DTYPES[reduce_dtype])
+    placement: OffloadPolicy = CPUOffloadPolicy() if offload else OffloadPolicy()
+    for module in expert_modules(model):
+        fully_shard(module, mesh=dp_mesh, mp_policy=policy, offload_policy=placement)

@@ -24,7 +24,8 @@ JOBS_2 = [("fsdp-2", "qwen3", {"fsdp": True}),
           ("tp-2-moe", "qwen3_moe", {"tp": 2}),  # experts replicated over tp: the router sees whole tokens
           ("tp-2-tied", "llama", {"tp": 2}),  # the head is the vocabulary-sharded embedding itself
           ("tp-2-deepseek", "deepseek_v3", {"tp": 2}),  # MLA by heads, shared experts column/row split
-          ("tp-nosp-2-glm", "glm_moe_dsa", {"tp": 2, "sequence_parallel": False})]  # query latent, indexer
+          ("tp-nosp-2-glm", "glm_moe_dsa", {"tp": 2, "sequence_parallel": False}),  # query latent, indexer
+          ("fsdp-ep-2-deepseek", "deepseek_v3", {"fsdp": True, "ep": 2})]  # experts over ep, the rest over dp x ep
 JOBS_4 = [("fsdp-4", "qwen3", {"fsdp": True}),
           ("ep-4", "qwen3_moe", {"ep": 4}),
           ("ep-4-deepseek", "deepseek_v3", {"ep": 4}),
@@ -34,7 +35,9 @@ JOBS_4 = [("fsdp-4", "qwen3", {"fsdp": True}),
           ("ep-dp-2x2", "qwen3_moe", {"ep": 2, "dp": 2}),
           ("tp-ep-2x2", "qwen3_moe", {"tp": 2, "ep": 2}),  # attention tensor-parallel, experts expert-parallel
           ("tp-ep-2x2-deepseek", "deepseek_v3", {"tp": 2, "ep": 2}),
-          ("tp-dp-2x2-tied", "llama", {"tp": 2, "dp": 2})]
+          ("tp-dp-2x2-tied", "llama", {"tp": 2, "dp": 2}),
+          ("fsdp-ep-dp-2x2", "qwen3_moe", {"fsdp": True, "ep": 2, "dp": 2}),  # expert shards FSDP over dp
+          ("fsdp-tp-ep-2x2-deepseek", "deepseek_v3", {"fsdp": True, "tp": 2, "ep": 2})]
 
 
 @pytest.fixture(scope="module")
