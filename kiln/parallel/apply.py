@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from kiln.errors import ConfigError
 from kiln.parallel.blocks import apply_activation_checkpointing, compile_blocks
+from kiln.parallel.context import apply_context_parallel
 from kiln.parallel.ep import apply_expert_parallel, shard_experts
 from kiln.parallel.fsdp import apply_fsdp
 from kiln.parallel.grads import average_gradients
@@ -53,7 +54,9 @@ class Parallelized:
     @property
     def wrap_ddp(self) -> bool:
         """Plain data parallelism: the caller wraps the model in DDP."""
-        return self.mesh is None and self.degrees.dp > 1 and not self.cadence
+        # cp ranks too: their loss sums add up to one replica's, so gradients average over dp x cp like dp's
+        d = self.degrees
+        return not self.cadence and not self.fsdp and d.tp == 1 and d.ep == 1 and d.pp == 1 and d.dp * d.cp > 1
 
     def sync_gradients(self) -> None:
         """Average gradients where neither DDP nor FSDP does it (tp with dp > 1, ep)."""
@@ -62,7 +65,7 @@ class Parallelized:
             for p in _ep_sharded(self.model.parameters()):
                 if p.grad is not None:
                     p.grad.div_(self.degrees.ep)
-        if self.mesh is None or self.fsdp or self.degrees.batch == 1:
+        if self.mesh is None or self.fsdp or self.wrap_ddp or self.degrees.batch == 1:
             return
         batch_group = batch_mesh(self.mesh).get_group() if self.degrees.ep > 1 else self.mesh.get_group("dp")
         # ep-sharded experts hold their ep group's sum already: summed over dp; everything else (tp shards
@@ -82,21 +85,22 @@ def parallelize(model: nn.Module, parallel: Any, world_size: int | None = None,
     degrees = resolve_degrees(parallel, world_size)
     check_model(degrees, model, fsdp=parallel.fsdp)
     device_type = (device or next(model.parameters()).device).type
-    if degrees.cp > 1:
-        raise ConfigError("parallel.cp is not implemented yet")
     if degrees.pp > 1:
         return _pipelined(model, parallel, degrees, device or next(model.parameters()).device)
-    needs_mesh = degrees.tp > 1 or degrees.ep > 1 or parallel.fsdp
+    needs_mesh = degrees.tp > 1 or degrees.ep > 1 or degrees.cp > 1 or parallel.fsdp
     mesh = build_mesh(degrees, device_type) if needs_mesh and world_size > 1 else None
     if mesh is not None and degrees.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], parallel.sequence_parallel)
     if mesh is not None and degrees.ep > 1:
         apply_expert_parallel(model, mesh["ep"])
+    if mesh is not None and degrees.cp > 1:
+        apply_context_parallel(model, mesh.get_group("cp"))
     apply_activation_checkpointing(model, parallel.activation_checkpointing, parallel.checkpoint_every)
     if parallel.compile:
         compile_blocks(model, parallel.compile_backend)
     if mesh is not None and parallel.fsdp:
-        shard_mesh = mesh["dp"]
+        # with cp, shards span dp x cp: every rank holds one slice, and gradients average over all of them
+        shard_mesh = mesh["dp", "cp"]._flatten("dp_cp") if degrees.cp > 1 else mesh["dp"]
         if degrees.ep > 1:  # experts shard over dp (ep splits them already), the rest over dp x ep
             shard_experts(model, mesh["dp"], parallel.param_dtype, parallel.reduce_dtype, parallel.offload)
             shard_mesh = batch_mesh(mesh)

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from kiln.errors import ConfigError
 from kiln.parallel.blocks import model_name
+from kiln.parallel.context import check_model as check_context_model
 from kiln.parallel.ep import expert_modules
 from kiln.parallel.tp import tensor_plan
 
@@ -77,6 +78,10 @@ def resolve_degrees(parallel: Any, world_size: int) -> Degrees:
 def check_model(degrees: Degrees, model: nn.Module, fsdp: bool = False) -> None:
     """Refuse degrees the model's plan or shapes cannot be split by, naming the key and the numbers."""
     tp, ep = degrees.tp, degrees.ep
+    if degrees.cp > 1:
+        if tp > 1 or ep > 1 or degrees.pp > 1:
+            raise ConfigError(f"parallel.cp = {degrees.cp} combines with dp and fsdp only (tp, ep and pp = 1)")
+        check_context_model(model, degrees.cp)
     if tp > 1:
         tensor_plan(model, tp)
     if ep > 1:

@@ -24,7 +24,7 @@ from torch import nn
 
 from kiln.parallel.apply import Parallelized, parallelize
 from kiln.parallel.checkpoint import is_sharded, load_sharded, save_sharded
-from kiln.parallel.mesh import resolve_degrees
+from kiln.parallel.mesh import DIMS, resolve_degrees
 from kiln.errors import ConfigError, KilnError
 from kiln.train import checkpoint as ckpt
 from kiln.train.config import ParallelSection
@@ -65,6 +65,9 @@ def apply_plans(model: nn.Module, parallel: ParallelSection, world_size: int, de
     par = parallelize(model, parallel, world_size=world_size, device=device)
     rank = dist.get_rank() if dist.is_initialized() else 0
     assert (par.data_rank, par.data_shards) == data_shard(parallel, rank, world_size), "mesh layout changed"
+    if rank == 0 and world_size > 1:  # what the run is split by, in the log of every multi-process run
+        split = " x ".join(f"{n} {getattr(par.degrees, n)}" for n in DIMS if getattr(par.degrees, n) > 1)
+        print(f"parallel: {split}" + (" (FSDP)" if par.fsdp else " (DDP)" if par.wrap_ddp else ""))
     return par
 
 

@@ -111,3 +111,20 @@ def test_padding_tail_is_ignored():
     out = _pad_rows(rows, 5, 4)
     assert out["input_ids"].shape == (2, 8) and out["attention_mask"][:, 5:].sum() == 0
     assert (out["targets"][:, 5:] == IGNORE_INDEX).all() and out["position_ids"][0, 5:].tolist() == [0, 1, 2]
+
+
+def test_the_split_refuses_or_pads_lengths_by_what_the_batch_says():
+    """Plain rows (no mask, no positions) of a length 2*cp does not divide are refused by message; padded or
+    packed rows are padded to a multiple, as the loader pads them. (The split itself needs no process group.)"""
+    from kiln.parallel.context import ContextParallel
+
+    model = workers.build("qwen3")
+    split = ContextParallel(None, 2, 1).split
+    ids = torch.randint(1, 99, (2, 15))
+    with pytest.raises(KilnError, match=r"parallel.cp = 2 .* multiple of 4; got a sequence of 15 tokens"):
+        split(model, (ids,), {"labels": ids})
+    _, kw = split(model, (ids,), {"attention_mask": torch.ones_like(ids), "labels": ids})
+    assert kw["input_ids"].shape == (2, 8) and kw["attention_mask"] is None and "labels" not in kw
+    assert kw["position_ids"][0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]  # rank 1 holds chunks 1 and 2 of 4
+    # targets were shifted on the whole row: position 7 (end of chunk 1) predicts token 8 (start of chunk 2)
+    assert kw["targets"][0, 3] == ids[0, 8]

@@ -1,0 +1,86 @@
+"""`kiln launch` with [parallel] cp = 2: the Trainer's run equals one process on the same batches (loss curve and
+weights within fp32 rounding), and a run whose whole group is SIGKILLed and resumed ends bit-identical to the
+uninterrupted one. Tiny qwen3 SFT from config on packed chat rows, whose lengths vary by batch (the split pads
+them to a multiple of 2 * cp).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.hub import load_weights
+from kiln.train.config import load_run_config
+from kiln.train.run import build_trainer
+
+from kiln_cli import kiln_cli
+
+CHATS = [[{"role": "user", "content": f"what is {a} times {b}?"}, {"role": "assistant", "content": f"{a * b}."}]
+         for a in range(6) for b in range(4)]
+MODEL = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, eos_token_id=2,
+             tie_word_embeddings=False)
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> Path:
+    from kiln.data.bpe import train_bpe
+
+    d = tmp_path_factory.mktemp("cp-train")
+    data = d / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS))
+    train_bpe([data], d / "tok", vocab_size=300, min_frequency=1)
+    return d
+
+
+def _toml(d: Path, name: str, parallel: dict) -> Path:
+    body = (f'[model]\nfamily = "qwen3"\ntask = "causal-lm"\ntokenizer = "{d / "tok"}"\n[model.config]\n'
+            + "".join(f"{k} = {json.dumps(v)}\n" for k, v in MODEL.items())
+            + f'[data]\ntrain = "{d / "chat.jsonl"}"\nmax_length = 45\npack = true\n'
+            + f'[train]\nout_dir = "{d / name}"\nsteps = {STEPS}\nbatch_size = 4\nlr = 1e-2\n'
+            + "weight_decay = 0.0\nwarmup_steps = 1\nclip_grad_norm = 1.0\nsave_every = 2\nkeep_last = 5\n"
+            + "progress = false\nlog_every = 1\nseed = 5\n"
+            + "[parallel]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in parallel.items()))
+    path = d / f"{name}.toml"
+    path.write_text(body)
+    return path
+
+
+def _losses(run: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def _launch(cfg: Path, *extra: str, env: dict | None = None):
+    return kiln_cli("launch", "--nproc-per-node", "2", "--", "train", "--config", str(cfg), *extra, env=env)
+
+
+@pytest.mark.slow
+def test_cp_run_equals_one_process_and_resumes_exactly_after_sigkill(setup):
+    build_trainer(load_run_config(_toml(setup, "one", {}))).fit()
+    one, cp = setup / "one", setup / "cp"
+    p = _launch(_toml(setup, "cp", {"cp": 2}))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "parallel: cp 2 (DDP)" in p.stdout  # the split ran (two ranks on one batch would match one process too)
+    assert len(_losses(cp)) == STEPS
+    torch.testing.assert_close(torch.tensor(_losses(cp)), torch.tensor(_losses(one)), rtol=1e-5, atol=1e-6)
+    end = f"ckpt-{STEPS:06d}"
+    got, want = load_weights(cp / end / "model"), load_weights(one / end / "model")  # cp under DDP: plain saves
+    start = load_weights(one / "ckpt-000002" / "model")
+    assert any(not torch.equal(want[k], start[k]) for k in want)  # the run moved the weights
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+    cfg, killed = _toml(setup, "cp-killed", {"cp": 2}), setup / "cp-killed"
+    p = _launch(cfg, env={"KILN_FAULT": "step:3"})  # rank 0 SIGKILLed after step 3: torchrun ends the group
+    assert p.returncode != 0
+    assert (killed / "ckpt-000002").is_dir() and not (killed / end).exists()
+    p = _launch(cfg, "--resume", str(killed))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "from ckpt-000002" in p.stdout
+    assert _losses(killed) == _losses(cp)  # bit for bit, not within rounding
+    a, b = load_weights(cp / end / "model"), load_weights(killed / end / "model")
+    assert all(torch.equal(a[k], b[k]) for k in a)
