@@ -20,6 +20,7 @@ JOBS_2 = [("fsdp-2", "qwen3", {"fsdp": True}),
           ("ep-2", "qwen3_moe", {"ep": 2}),
           ("ep-2-deepseek", "deepseek_v3", {"ep": 2}),
           ("ep-2-qwen3-next", "qwen3_next", {"ep": 2}),
+          ("ep-2-deepseek-v4", "deepseek_v4", {"ep": 2}),  # hash-routed and top-k layers' experts split alike
           ("fsdp-ac-2", "qwen3", {"fsdp": True, "activation_checkpointing": "block"}),
           ("tp-2-moe", "qwen3_moe", {"tp": 2}),  # experts replicated over tp: the router sees whole tokens
           ("tp-2-tied", "llama", {"tp": 2}),  # the head is the vocabulary-sharded embedding itself

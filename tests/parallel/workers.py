@@ -24,7 +24,8 @@ MOE = {**TINY["qwen3_moe"], "mlp_only_layers": [], "intermediate_size": 40}  # t
 MODELS = {"qwen3": DENSE, "qwen3_moe": MOE, "deepseek_v3": TINY["deepseek_v3"],  # EP over routed experts
           "qwen3_next": {**TINY["qwen3_next"], "mlp_only_layers": []},
           "llama": {**TINY["llama"], "intermediate_size": 40},  # tie_word_embeddings = true: TP ties the head
-          "glm_moe_dsa": TINY["glm_moe_dsa"]}  # MLA with a query latent and the (replicated) indexer
+          "glm_moe_dsa": TINY["glm_moe_dsa"],  # MLA with a query latent and the (replicated) indexer
+          "deepseek_v4": TINY["deepseek_v4"]}  # hyper-connected streams, compressors, hash + top-k routed experts
 LR = 1e-2
 
 
