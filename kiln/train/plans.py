@@ -42,9 +42,9 @@ def check_plan(parallel: ParallelSection, precision: str, reshaping: list[str], 
     """Refuse what the Trainer cannot run with these plans (before any model work); `reshaping` names the
     callbacks that may change the model's shape in `on_setup` (layer growth)."""
     degrees = resolve_degrees(parallel, world_size)
-    sharded = world_size > 1 and (parallel.fsdp or degrees.tp > 1 or degrees.ep > 1)
+    sharded = world_size > 1 and (parallel.fsdp or degrees.tp > 1 or degrees.ep > 1 or degrees.pp > 1)
     if sharded and precision == "fp16":
-        raise ConfigError("train.precision = 'fp16' with parallel.fsdp / tp / ep is not supported (the loss "
+        raise ConfigError("train.precision = 'fp16' with parallel.fsdp / tp / ep / pp is not supported (the loss "
                           "scaler does not handle sharded gradients); use 'bf16'")
     if reshaping and (sharded or parallel.compile or parallel.activation_checkpointing != "none"):
         raise ConfigError(f"{', '.join(reshaping)} reshapes the model during the run, which the [parallel] plans "
@@ -53,6 +53,10 @@ def check_plan(parallel: ParallelSection, precision: str, reshaping: list[str], 
 
 def loop_callbacks(parallel: ParallelSection) -> list[Any]:
     """Callbacks that take the Trainer's steps their own way: [parallel.cadence] runs cadence rounds."""
+    if parallel.pp > 1:
+        from kiln.train.pipeline_loop import PipelineCallback  # imports the Trainer: not at module level
+
+        return [PipelineCallback()]
     if parallel.cadence is None:
         return []
     from kiln.train.cadence_loop import CadenceCallback  # imports the Trainer: not at module level
