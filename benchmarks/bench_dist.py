@@ -1,11 +1,12 @@
-"""Data, fully sharded and tensor parallel training on one decoder: tokens/s and peak memory per rank.
+"""Data, fully sharded, tensor and pipeline parallel training on one decoder: tokens/s and peak memory per rank.
 
     python benchmarks/bench_dist.py            # CPU, gloo, world size 2 (and 1 for scaling)
     python benchmarks/bench_dist.py --gpu      # CUDA, nccl, one process per GPU (needs 2 GPUs)
 
 Each mode runs in fresh processes on the same qwen3-shaped decoder and the same per-step global
 batch, so peak memory is the mode's own. DDP and FSDP2 split the batch over the ranks; TP gives
-every rank the whole batch and splits the layers. Tokens/s counts each global token once. Peak
+every rank the whole batch and splits the layers; PP gives both stages the whole batch in 4
+micro-batches (1F1B) and splits the blocks 2 + 2. Tokens/s counts each global token once. Peak
 memory is the rise of max RSS over the process's start on CPU, max allocated on CUDA. Ratios
 print last.
 """
@@ -38,7 +39,8 @@ BATCH, SEQ, WARMUP, STEPS = 8, 128, 2, 6  # global batch per step
 
 
 def _plan(mode: str) -> SimpleNamespace:
-    return SimpleNamespace(dp=0, tp=2 if mode == "tp" else 1, ep=1, fsdp=mode == "fsdp", offload=False,
+    return SimpleNamespace(dp=0, tp=2 if mode == "tp" else 1, ep=1, fsdp=mode == "fsdp", offload=False, cp=1,
+                           pp=2 if mode == "pp" else 1, pp_schedule="1f1b", microbatches=4, pp_stages=None,
                            param_dtype=None, reduce_dtype="fp32", sequence_parallel=True,
                            activation_checkpointing="none", checkpoint_every=1, compile=False,
                            compile_backend="inductor")
@@ -66,9 +68,13 @@ def worker(rank: int, world: int, mode: str, gpu: bool, out: str) -> None:
         if gpu:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        par.sync_gradients()
+        if par.pipeline is not None:  # the schedule runs forward and backward; gradients hold loss sums
+            _, count = par.pipeline.train_batch({"input_ids": ids, "labels": ids})
+            par.pipeline.finish_gradients(float(count))
+        else:
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            par.sync_gradients()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if gpu:
@@ -89,7 +95,7 @@ def main() -> None:
         sys.exit("--gpu needs 2 CUDA devices")
     backend = "nccl" if args.gpu else "gloo"
     out = tempfile.mkdtemp()
-    runs = [("ddp", 1), ("ddp", 2), ("fsdp", 2), ("tp", 2)]
+    runs = [("ddp", 1), ("ddp", 2), ("fsdp", 2), ("tp", 2), ("pp", 2)]
     for mode, world in runs:
         spawn(worker, world, (mode, args.gpu, out), backend=backend, threads=args.threads)
     res = {}
@@ -101,8 +107,10 @@ def main() -> None:
     ddp = res["ddp", 2]
     print(f"ratio fsdp2/ddp tokens/s: {res['fsdp', 2]['tps'] / ddp['tps']:.3f}")
     print(f"ratio tp/ddp tokens/s: {res['tp', 2]['tps'] / ddp['tps']:.3f}")
+    print(f"ratio pp/ddp tokens/s: {res['pp', 2]['tps'] / ddp['tps']:.3f}")
     print(f"ratio fsdp2/ddp peak memory: {res['fsdp', 2]['mem'] / ddp['mem']:.3f}")
     print(f"ratio tp/ddp peak memory: {res['tp', 2]['mem'] / ddp['mem']:.3f}")
+    print(f"ratio pp/ddp peak memory: {res['pp', 2]['mem'] / ddp['mem']:.3f}")
     print(f"ratio ddp 2 processes / 1 process tokens/s (scaling): {ddp['tps'] / res['ddp', 1]['tps']:.3f}")
 
 
