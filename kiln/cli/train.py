@@ -38,6 +38,8 @@ def train(config: Path = typer.Option(..., "--config", "-c", help="The run TOML.
             overrides.append(parse_override(f"{s.key}={value}"))
     cfg = load_run_config(config, overrides)
     _check_parallel(cfg.parallel)
+    if resume is not None and not any(key == "train.batch_size" for key, _ in overrides):
+        cfg = _keep_global_batch(cfg, resume)  # on another number of processes: the batch that keeps the global one
     trainer = build_trainer(cfg, resume=resume).fit()
     if trainer.world.main:
         line = f"done: step {trainer.step}"
@@ -73,6 +75,14 @@ def _check_parallel(parallel) -> None:
     from kiln.parallel.mesh import resolve_degrees
 
     resolve_degrees(parallel, int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def _keep_global_batch(cfg, resume: Path):
+    from kiln.train.plans import data_shard
+    from kiln.train.resume import keep_global_batch
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return keep_global_batch(cfg, resume, world, data_shard(cfg.parallel, 0, world)[1])[0]
 
 
 _TORCHRUN_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint",

@@ -9,6 +9,10 @@ No rank ever gathers the whole model: saving and resuming move only local shards
 runs in one process without a process group: it builds the model from model/config.json on the
 meta device, materialises it in CPU memory and has DCP read every shard straight into it, then
 writes an ordinary HF directory.
+
+Resharding: DCP records each tensor's whole shape and the pieces every rank wrote, so `load_sharded`
+reads a checkpoint into another layout (more or fewer processes, or one plain process); a plain
+checkpoint's whole optimizer state goes into a sharded run through `load_full_optimizer`.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, get_state_dict,
+                                                     set_optimizer_state_dict, set_state_dict)
 
 from kiln.errors import KilnError
 from kiln.hub.config import write_config
@@ -67,16 +72,42 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
     path = Path(path)
     if not (path / "dcp" / ".metadata").is_file():
         raise KilnError(f"{path}: not a sharded checkpoint (no dcp/.metadata inside)")
+    # DCP stores every tensor whole-shaped with the pieces each rank wrote, and reads whatever pieces this
+    # layout asks for: another number of processes, or one plain process without a group (no_dist)
+    single = not dist.is_initialized()
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=single)
+        own = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        # Pipeline stages list different parameters in their param groups, and DCP keeps one copy of each group
+        # entry: a stage whose groups did not come back would fall to the optimizer's defaults (fused off, ...).
+        for group, mine in zip(optimizer.param_groups, own):
+            for k, v in mine.items():
+                if group.get(k) is None:
+                    group[k] = v
     else:
         state = {"model": model.state_dict()}
-        dcp.load(state, checkpoint_id=str(path / "dcp"))  # DTensors and plain tensors are filled in place
+        dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=single)  # DTensors and plain tensors filled in place
     trainer = path / "trainer.json"
     return read_json(trainer, want=dict) if trainer.is_file() else {}
+
+
+def load_full_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Whole optimizer state (torch's own format: parameters numbered in param-group order, as a plain
+    checkpoint holds it) into an optimizer over sharded parameters: every rank keeps its own shard of each
+    tensor. Collective: every rank calls it, with the same `state`."""
+    # torch's names for the parameters, in the optimizer's order (wrappers such as activation checkpointing
+    # stripped, as DCP names them)
+    names = [fqn for group in get_optimizer_state_dict(model, optimizer)["param_groups"] for fqn in group["params"]]
+    numbered = [i for group in state["param_groups"] for i in group["params"]]
+    if len(numbered) != len(names):
+        raise KilnError(f"the checkpoint's optimizer state covers {len(numbered)} parameters, this run's optimizer "
+                        f"{len(names)}; did train.freeze, [lora] or the optimizer change?")
+    by_name = {"state": {names[int(i)]: v for i, v in state["state"].items()},
+               "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 
 def is_sharded(path: str | os.PathLike) -> bool:

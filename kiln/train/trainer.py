@@ -40,6 +40,7 @@ from kiln.data.loader import Loader
 from kiln.errors import ConfigError, KilnError
 from kiln.hub.config import write_json_atomic
 from kiln.models.common.fast import set_fast
+from kiln.parallel.checkpoint import load_full_optimizer
 from kiln.parallel.grads import clip_grad_norm as dist_clip_grad_norm
 from kiln.parallel.world import World, all_reduce_sum, barrier, gather_objects, init_world, pick_device
 from kiln.train import checkpoint as ckpt
@@ -49,7 +50,7 @@ from kiln.train.config import ParallelSection, TrainSection
 from kiln.train.checks import check_train_args
 from kiln.train.metrics import MetricsLog, ProgressBar
 from kiln.train.optim import OptimizerFactory, adamw, freeze, lr_factor, param_groups, set_lr
-from kiln.train.resume import check_fingerprint, config_changes, model_fingerprint
+from kiln.train.resume import check_resume, model_fingerprint, reseed
 from kiln.train.steps import StepFn, as_sum_and_count, default_evaluate, default_step
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # fp8: bf16 outside the FP8 matmuls
@@ -161,14 +162,15 @@ class Trainer:
         self.fingerprint = {"model": model_fingerprint(self.model), "data": self.data_fingerprint,
                             "precision": a.precision, "world_size": self.world.size}
         self.config_notes: list[str] = []
+        self.reshard = None  # set when resuming on another world size (kiln.train.resume.Reshard)
         if start is not None:  # changed settings that break exactness are refused with it; the rest are noted
-            refused, self.config_notes = config_changes(resumed.get("run_config"), self.run_config)
-            check_fingerprint(start, resumed["fingerprint"], self.fingerprint, (refused, self.config_notes))
+            self.reshard, self.config_notes = check_resume(start, resumed, self.fingerprint, self.run_config,
+                                                           self.data_shards)
+        if start is not None and not plans.is_sharded(start):  # whole weights: in before any plan shards them
+            ckpt.load_model_weights(start, self.model)
         if self.parallel is not None:  # the model's final shape is known: shard it before the optimizer sees it
             self.plan = plans.apply_plans(self.model, self.parallel, self.world.size, self.device)
         self.sharded = plans.is_sharded_run(self.plan)
-        if start is not None and not self.sharded:
-            ckpt.load_model_weights(start, self.model)
         groups = param_groups(self.model, a.weight_decay)
         self.optimizer = (self.optimizer_factory or (lambda g: adamw(g, a.lr, a.betas, a.eps)))(groups)
         self.base_lrs = [g.get("initial_lr", g["lr"]) for g in self.optimizer.param_groups]
@@ -179,6 +181,9 @@ class Trainer:
                                   config=self.run_config, project=a.project)
         if start is not None:
             self._restore(start)
+            if self.reshard is not None and self.world.main:
+                print(f"resume: {self.reshard.line()}")
+                self.metrics.log({"step": self.step, "note": self.reshard.line()})
             if self.config_notes and self.world.main:
                 note = "resumed with changed settings: " + "; ".join(self.config_notes)
                 print(f"resume: {note}")
@@ -208,8 +213,13 @@ class Trainer:
         state = ckpt.read_trainer_state(path)
         # the checkpoint's param groups carry the old hyperparameters; this run's config wins (lr is set per step)
         current = [{k: g[k] for k in ("weight_decay", "betas", "eps") if k in g} for g in self.optimizer.param_groups]
-        if self.sharded or plans.is_sharded(path):  # the weights too: each rank reads its own shards
-            plans.load_sharded_checkpoint(path, self.model, self.optimizer, self.sharded)
+        if self.reshard is not None and self.sharded and not plans.is_sharded(path):
+            # a plain checkpoint (DDP, or one process) into sharded parameters: each rank keeps its shards
+            load_full_optimizer(self.model, self.optimizer, ckpt.load_optimizer_state(path))
+        elif self.sharded or plans.is_sharded(path):  # the weights too: each rank reads its own shards
+            # resharded, a DCP checkpoint loads into whatever layout this run has (plain on one process too)
+            plans.load_sharded_checkpoint(path, self.model, self.optimizer,
+                                          self.sharded or (self.reshard is not None and plans.is_sharded(path)))
         else:
             try:
                 self.optimizer.load_state_dict(ckpt.load_optimizer_state(path))
@@ -228,7 +238,10 @@ class Trainer:
                 cb.load_state_dict(self, state["callbacks"][type(cb).__name__])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-        ckpt.set_rng_state(ckpt.read_rng_states(path)[self.world.rank])
+        if self.reshard is None:
+            ckpt.set_rng_state(ckpt.read_rng_states(path)[self.world.rank])
+        else:
+            reseed(self.args.seed, self.step, self.data_rank)
         self.last_checkpoint = path
         if self.world.main:
             self.metrics.truncate_after(self.step)
