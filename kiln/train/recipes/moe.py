@@ -12,7 +12,8 @@
 The extra losses join the step's loss per unit (loss = LM + seq_aux_alpha * balance loss + mtp_weight *
 MTP cross entropy + indexer_loss_weight * indexer KL) and are logged apart in metrics.jsonl:
 `moe_aux_loss` (alpha included, summed over MoE layers), `mtp_loss` and `indexer_loss` (unweighted;
-the indexer's averaged over its layers), `lm_loss` (the step's own loss alone). The balance loss is
+the indexer's averaged over its layers), `lm_loss` (the step's own loss alone); each is a mean per unit
+over the step's micro-batches and processes, so loss = lm_loss + the weighted others. The balance loss is
 per packed sample where position_ids mark where samples start, else per row. Expert-load statistics
 (`moe_max_load.<layer>`, `moe_mean_load.<layer>`, `moe_imbalance`) are logged whatever `balance` is;
 only "aux_free" moves the biases. The indexer's inputs are detached, so its loss trains the indexer
@@ -66,8 +67,8 @@ class MoeLosses(Callback):
 
     def __init__(self, cfg: MoeSection, inner):
         self.cfg, self.inner = cfg, inner
-        self.sums: dict[str, float] = {}
-        self.micro = 0
+        self.sums: dict[str, float] = {}   # name -> sum over this step's micro-batches of (mean x units)
+        self.units = 0.0
 
     def step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The wrapped step: (its loss sum + the weighted extra losses per unit, its count)."""
@@ -98,9 +99,10 @@ class MoeLosses(Callback):
             if losses:
                 kl = torch.stack(losses).mean()
                 parts["indexer_loss"], extra = kl.detach(), extra + c.indexer_loss_weight * kl
+        units = float(count)  # each part weighs in per unit, as it joins the loss: loss = lm_loss + the weighted rest
         for k, v in parts.items():
-            self.sums[k] = self.sums.get(k, 0.0) + float(v)
-        self.micro += 1
+            self.sums[k] = self.sums.get(k, 0.0) + float(v) * units
+        self.units += units
         return loss_sum + extra * count.to(extra.device, extra.dtype), count
 
     @staticmethod
@@ -118,15 +120,15 @@ class MoeLosses(Callback):
         return total
 
     def on_step(self, trainer: Any, record: dict[str, Any]) -> None:
-        if not self.micro:
+        if not self.units:
             return
         names = sorted(self.sums)
-        totals = torch.tensor([self.sums[k] for k in names] + [float(self.micro)], dtype=torch.float64)
+        totals = torch.tensor([self.sums[k] for k in names] + [self.units], dtype=torch.float64)
         device = trainer.device if trainer.world.active and trainer.device.type == "cuda" else torch.device("cpu")
         totals = all_reduce_sum(totals.to(device), trainer.world).cpu()  # every rank's micro-batches
         for k, v in zip(names, totals[:-1].tolist()):
             record[k] = v / float(totals[-1])
-        self.sums, self.micro = {}, 0
+        self.sums, self.units = {}, 0.0
 
 
 class Moe(Extension):
