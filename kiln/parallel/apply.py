@@ -94,7 +94,7 @@ def parallelize(model: nn.Module, parallel: Any, world_size: int | None = None,
     if mesh is not None and degrees.ep > 1:
         apply_expert_parallel(model, mesh["ep"])
     if mesh is not None and degrees.cp > 1:
-        apply_context_parallel(model, mesh.get_group("cp"))
+        apply_context_parallel(model, mesh.get_group("cp"), getattr(parallel, "cp_method", "allgather"))
     apply_activation_checkpointing(model, parallel.activation_checkpointing, parallel.checkpoint_every)
     if parallel.compile:
         compile_blocks(model, parallel.compile_backend)

@@ -35,6 +35,7 @@ from kiln.errors import ConfigError, KilnError
 from kiln.models.common.decoder import Attention, Decoder, segment_ids
 from kiln.models.common.loss import shift_labels
 from kiln.parallel.blocks import model_name
+from kiln.parallel.ring import ring_attention
 
 # Row-aligned (B, T) inputs the split cuts, and what pads them to a multiple of 2*cp (pad_collate's values).
 _ROW_KEYS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "targets")
@@ -105,9 +106,10 @@ def gather_sequence(x: torch.Tensor, group, cp: int) -> torch.Tensor:
 class ContextParallel:
     """The cp group's split of each forward's inputs and the attention core over the gathered keys."""
 
-    def __init__(self, group, cp: int, rank: int):
-        self.group, self.cp, self.rank = group, cp, rank
+    def __init__(self, group, cp: int, rank: int, method: str = "allgather"):
+        self.group, self.cp, self.rank, self.method = group, cp, rank, method
         self.mask: torch.Tensor | None = None  # (B or 1, 1, T/cp, T) for the forward under way
+        self.blocks: list[torch.Tensor] = []   # row positions each cp rank holds, for the ring
         self._labels = False                   # that forward was given labels= (it reports .loss)
 
     # ---- the split -------------------------------------------------------------------------
@@ -131,7 +133,8 @@ class ContextParallel:
         device = ref.device
         if T % (2 * self.cp) and ("attention_mask" in rows or "position_ids" in rows):
             rows, T = _pad_rows(rows, T, 2 * self.cp), T + (-T) % (2 * self.cp)
-        idx = chunk_index(T, self.cp, self.rank, device)  # (L,)
+        self.blocks = [chunk_index(T, self.cp, r, device) for r in range(self.cp)]
+        idx = self.blocks[self.rank]  # (L,)
         positions = rows.get("position_ids")
         if positions is None:
             positions = torch.arange(T, device=device)[None]  # (1, T)
@@ -155,7 +158,10 @@ class ContextParallel:
     # ---- the attention core ----------------------------------------------------------------
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   dropout_p: float) -> torch.Tensor:
-        """q (B, H, T/cp, D) against the whole row's k, v (B, KVH, T, D) gathered from the cp ranks."""
+        """q (B, H, T/cp, D) against the whole row's k, v (B, KVH, T, D) gathered from the cp ranks
+        (or, method "ring", passed around them: kiln.parallel.ring)."""
+        if self.method == "ring":
+            return ring_attention(q, k, v, self.mask, self.blocks, scale, dropout_p, self.group)
         kv = gather_sequence(torch.stack([k, v]), self.group, self.cp)  # (2, B, KVH, T, D)
         k, v = kv[0], kv[1]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, dropout_p=dropout_p, scale=scale,
@@ -193,11 +199,12 @@ def _global_mask(idx: torch.Tensor, T: int, attention_mask: torch.Tensor | None,
     return mask[:, None]
 
 
-def apply_context_parallel(model: nn.Module, group) -> ContextParallel:
-    """Split `model`'s inputs over the cp `group` and swap its attention cores, in place (hooks, no new modules)."""
+def apply_context_parallel(model: nn.Module, group, method: str = "allgather") -> ContextParallel:
+    """Split `model`'s inputs over the cp `group` and swap its attention cores, in place (hooks, no new modules);
+    `method` "allgather" or "ring" (parallel.cp_method)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     check_model(model, cp)
-    ctx = ContextParallel(group, cp, rank)
+    ctx = ContextParallel(group, cp, rank, method)
     for module in model.modules():
         if isinstance(module, Attention):
             module.core = ctx.attention

@@ -201,6 +201,7 @@ class ParallelSection(Section):
     microbatches: int = 0                # pp: micro-batches per batch (0: 2 x pp)
     pp_stages: list[int] | None = None   # pp: blocks per stage (None: as even as the blocks allow)
     cp: int = 1          # context parallel: each sequence split over cp ranks (load-balanced causal chunks)
+    cp_method: Literal["allgather", "ring"] = "allgather"  # cp: keys/values all-gathered, or passed around a ring
     fsdp: bool = False   # shard parameters, gradients and optimizer state over the dp ranks (FSDP2)
     offload: bool = False                # fsdp: keep sharded parameters and optimizer state in CPU memory
     param_dtype: Literal["fp32", "bf16", "fp16"] | None = None   # fsdp compute dtype; None: the parameters' own (autocast still applies train.precision)

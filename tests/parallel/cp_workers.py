@@ -80,6 +80,8 @@ def _finish(model, opt, loss: torch.Tensor, scale_grads) -> dict:
 def run_cp(rank: int, world: int, out: str, name: str, family: str, kind: str, keys: dict) -> None:
     model = build(family)
     par = parallelize(model, workers.plan(**keys))
+    methods = {m.core.__self__.method for m in model.modules() if getattr(m, "core", None) is not None}
+    assert methods == {keys.get("cp_method", "allgather")}, methods  # every attention runs the asked-for core
     wrapped = DistributedDataParallel(model) if par.wrap_ddp else model
     opt = _adamw(model)
     full = batch(kind)

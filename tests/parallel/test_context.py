@@ -18,6 +18,7 @@ from kiln.models.common.loss import shift_labels
 from kiln.parallel.context import chunk_index, check_model, gather_sequence
 
 JOBS_2 = [("cp-2", "qwen3", "plain", {"cp": 2}),
+          ("cp-2-ring-packed", "qwen3", "packed", {"cp": 2, "cp_method": "ring"}),
           ("cp-2-llama", "llama", "plain", {"cp": 2}),
           ("cp-2-packed", "qwen3", "packed", {"cp": 2}),
           ("cp-2-padded", "qwen3", "padded", {"cp": 2}),
@@ -27,7 +28,9 @@ JOBS_4 = [("cp-4", "qwen3", "plain", {"cp": 4}),
           ("cp-dp-2x2", "qwen3", "plain", {"cp": 2, "dp": 2}),
           ("cp-dp-2x2-padded", "llama", "padded", {"cp": 2, "dp": 2}),
           ("cp-fsdp-2x2", "qwen3", "packed", {"cp": 2, "dp": 2, "fsdp": True}),
-          ("cp-4-ac", "qwen3", "plain", {"cp": 4, "activation_checkpointing": "block"})]
+          ("cp-4-ac", "qwen3", "plain", {"cp": 4, "activation_checkpointing": "block"}),
+          ("cp-4-ring", "llama", "padded", {"cp": 4, "cp_method": "ring"}),
+          ("cp-dp-2x2-ring", "qwen3", "plain", {"cp": 2, "dp": 2, "cp_method": "ring"})]
 JOBS = JOBS_2 + JOBS_4
 
 
@@ -128,3 +131,17 @@ def test_the_split_refuses_or_pads_lengths_by_what_the_batch_says():
     assert kw["position_ids"][0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]  # rank 1 holds chunks 1 and 2 of 4
     # targets were shifted on the whole row: position 7 (end of chunk 1) predicts token 8 (start of chunk 2)
     assert kw["targets"][0, 3] == ids[0, 8]
+
+
+def test_cp_method_is_validated_and_ring_refuses_dropout():
+    from pydantic import ValidationError
+
+    from kiln.parallel.ring import ring_attention
+    from kiln.train.config import ParallelSection
+
+    assert ParallelSection(cp=2, cp_method="ring").cp_method == "ring"
+    with pytest.raises(ValidationError, match="cp_method"):
+        ParallelSection(cp=2, cp_method="ulysses")
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(KilnError, match=r"cp_method = 'ring' runs attention without dropout"):
+        ring_attention(q, q, q, torch.ones(1, 1, 4, 8, dtype=torch.bool), [], 1.0, 0.1, None)
