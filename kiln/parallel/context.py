@@ -11,9 +11,11 @@ mask, packed-row segments and causal order become one (B, 1, T/cp, T) mask built
 Attention is the one place tokens meet across ranks: each decoder `Attention` gets this module's
 `attention` as its core (`Attention.core`, the seam in models/common/decoder.py), which all-gathers
 keys and values over the cp group (an autograd function whose backward is a reduce-scatter: every
-rank's queries add to every key's gradient) and runs SDPA with the global mask. The loss comes back
-as each rank's share: `loss_sum` / `loss_count` over its chunks (they add up over the cp ranks), and
-for `labels=` a `.loss` of local sum / the cp group's count, whose sum over the cp ranks is the mean.
+rank's queries add to every key's gradient) and runs SDPA with the global mask; with
+`parallel.cp_method = "ring"` the keys and values pass rank to rank instead (kiln.parallel.ring), so
+no rank holds the whole sequence's keys. The loss comes back as each rank's share: `loss_sum` /
+`loss_count` over its chunks (they add up over the cp ranks), and for `labels=` a `.loss` of local
+sum / the cp group's count, whose sum over the cp ranks is the mean.
 
 torch's own `torch.distributed.tensor.experimental.context_parallel` is not used: in torch 2.13 it
 has no sharding rule for the CPU SDPA kernel (`_scaled_dot_product_flash_attention_for_cpu`), so it
