@@ -1,4 +1,5 @@
-"""`kiln train` with FSDP2 (alone and with ep = 2) on the DeepSeek-V3 and GLM-5 families equals one process.
+"""`kiln train` with FSDP2 (alone and with ep = 2), and with tp = 2, on the DeepSeek-V3 and GLM-5 families
+equals one process.
 
 Tiny MLA + MoE SFT runs built from config over 2 gloo processes under `kiln launch`: the losses of every
 step and the final (sharded) checkpoint's weights match one process on the same global batch within fp32
@@ -88,9 +89,13 @@ def _same_as_one_process(run: Path, ref: Path, tmp: Path) -> None:
     ("deepseek_v3", {"fsdp": True, "ep": 2}),
     ("glm_moe_dsa", {"fsdp": True}),
     ("glm_moe_dsa", {"fsdp": True, "ep": 2}),
-], ids=["deepseek_v3-fsdp2", "deepseek_v3-fsdp2-ep2", "glm_moe_dsa-fsdp2", "glm_moe_dsa-fsdp2-ep2"])
-def test_kiln_train_fsdp_on_mla_equals_one_process(setup, references, tmp_path, family, parallel):
+    # MLA by heads through the Trainer, blocks recomputed in the backward (the rope-key hook runs again)
+    ("deepseek_v3", {"tp": 2, "activation_checkpointing": "block"}),
+], ids=["deepseek_v3-fsdp2", "deepseek_v3-fsdp2-ep2", "glm_moe_dsa-fsdp2", "glm_moe_dsa-fsdp2-ep2",
+        "deepseek_v3-tp2-ac"])
+def test_kiln_train_plan_on_mla_equals_one_process(setup, references, tmp_path, family, parallel):
     name = f"{family}-" + "-".join(f"{k}{v}" for k, v in parallel.items())
-    p = _launch(_toml(setup, name, family, GLOBAL_BATCH // 2, parallel))  # fsdp (and ep) ranks split the batch
+    split = 1 if parallel.get("tp", 1) > 1 else 2  # fsdp (and ep) ranks split the batch; tp ranks read the same rows
+    p = _launch(_toml(setup, name, family, GLOBAL_BATCH // split, parallel))
     assert p.returncode == 0, p.stderr[-3000:]
     _same_as_one_process(setup / name, references[family], tmp_path)
