@@ -243,6 +243,30 @@ def test_mtp_trained_from_scratch_and_exported(tmp_path, ids_file):
     assert torch.equal(reloaded.hf_extras["layers.2.eh_proj.weight"], t.model.mtp.eh_proj.weight.detach())
 
 
+@pytest.mark.slow
+def test_sigkill_then_resume_with_mtp_and_aux_free_matches_uninterrupted(tmp_path, ids_file):
+    """The live MTP layer and the moved biases are checkpoint state: a killed, resumed run ends bit-equal."""
+    from kiln_cli import kiln
+
+    moe = 'balance = "aux_free"\nbias_update_speed = 0.01\nmtp_weight = 0.3'
+    ref = _toml(tmp_path / "ref", ids_file, "deepseek_v3", moe, steps=6, lr=3e-3, num_nextn_predict_layers=1)
+    cfg = _toml(tmp_path / "cut", ids_file, "deepseek_v3", moe, steps=6, lr=3e-3, num_nextn_predict_layers=1)
+    for path in (ref, cfg):
+        path.write_text(path.read_text().replace("save_every = 6", "save_every = 2"))
+    kiln("train", "--config", str(ref))
+    p = kiln("train", "--config", str(cfg), env={"KILN_FAULT": "step:5"}, check=False)
+    assert p.returncode == -9, p.stderr
+    kiln("train", "--config", str(cfg), "--resume", str(tmp_path / "cut" / "run"))
+    a = load_file(str(tmp_path / "ref" / "run" / "ckpt-000006" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "cut" / "run" / "ckpt-000006" / "model" / "model.safetensors"))
+    assert a.keys() == b.keys() and "model.layers.2.eh_proj.weight" in a
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
+    curve = [(r["step"], r["loss"], r["mtp_loss"]) for r in read_metrics(tmp_path / "ref" / "run" / "metrics.jsonl")
+             if "loss" in r]
+    assert curve == [(r["step"], r["loss"], r["mtp_loss"])
+                     for r in read_metrics(tmp_path / "cut" / "run" / "metrics.jsonl") if "loss" in r]
+
+
 # ---- the sparse-attention indexer ---------------------------------------------------------------------
 def test_indexer_frozen_by_default_and_outputs_unchanged_by_kl_mode():
     model = from_config(AutoConfig.for_model("deepseek_v32", **TINY["deepseek_v32"]), task="causal-lm", seed=0)
