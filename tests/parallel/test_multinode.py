@@ -34,7 +34,7 @@ def test_two_nodes_train_as_one_run_and_only_rank_0_writes(tmp_path):
     run = d / "nodes"
     assert sorted(p.name for p in run.iterdir()) == ["ckpt-000002", "ckpt-000004", "metrics.jsonl", "run_state.json"]
     assert not (d / "node-1").exists()
-    assert losses(run) == pytest.approx(losses(d / "single"), rel=1e-6)
+    assert losses(run) == losses(d / "single")  # the same two gloo ranks: bit for bit
     assert len(losses(run)) == 4
 
 
