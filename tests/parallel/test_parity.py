@@ -37,6 +37,7 @@ JOBS_4 = [("fsdp-4", "qwen3", {"fsdp": True}),
           ("tp-ep-2x2", "qwen3_moe", {"tp": 2, "ep": 2}),  # attention tensor-parallel, experts expert-parallel
           ("tp-ep-2x2-deepseek", "deepseek_v3", {"tp": 2, "ep": 2}),
           ("tp-dp-2x2-tied", "llama", {"tp": 2, "dp": 2}),
+          ("fsdp-tp-2x2-tied", "llama", {"fsdp": True, "tp": 2, "dp": 2}),  # the tied DTensor in the root unit
           ("fsdp-ep-dp-2x2", "qwen3_moe", {"fsdp": True, "ep": 2, "dp": 2}),  # expert shards FSDP over dp
           ("fsdp-tp-ep-2x2-deepseek", "deepseek_v3", {"fsdp": True, "tp": 2, "ep": 2})]
 
