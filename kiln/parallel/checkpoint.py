@@ -80,7 +80,14 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=single)
         own = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        own = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        # Pipeline stages list different parameters in their param groups, and DCP keeps one copy of each group
+        # entry: a stage whose groups did not come back would fall to the optimizer's defaults (fused off, ...).
+        for group, mine in zip(optimizer.param_groups, own):
+            for k, v in mine.items():
+                if group.get(k) is None:
+                    group[k] = v
         # Pipeline stages list different parameters in their param groups, and DCP keeps one copy of each group
         # entry: a stage whose groups did not come back would fall to the optimizer's defaults (fused off, ...).
         for group, mine in zip(optimizer.param_groups, own):

@@ -92,12 +92,9 @@ def test_pp_train_equals_one_process_resumes_exactly_and_exports(setup, tmp_path
     assert _records(run, "loss") == _records(pp, "loss")  # bit for bit
     assert _records(run, "eval_loss") == _records(pp, "eval_loss")
     again = load_weights(export_sharded(run / end, tmp_path / "gathered-again"))
-    assert again.keys() == got.keys()
-    # Known gap: the first update after resume moves stage 0's decayed weights by up to 1 ulp (~4e-9 here) from the
-    # uninterrupted run's, while every logged loss and the optimizer moments stay bit-identical; suspected cause:
-    # the per-stage optimizer param_groups (different parameter lists per pp rank) share one DCP key.
-    for k in got:
-        torch.testing.assert_close(again[k], got[k], rtol=0, atol=2e-8, msg=lambda m: f"{k}: {m}")
+    # bit for bit: each stage keeps its own optimizer hyperparameters through the resume (fused AdamW and the
+    # plain one differ in the last bit, which is how a stage that lost them showed)
+    assert again.keys() == got.keys() and all(torch.equal(again[k], got[k]) for k in got)
     out = tmp_path / "export"
     p = kiln_cli("export", "--checkpoint", str(run / end), "--out", str(out))
     assert p.returncode == 0, p.stderr
