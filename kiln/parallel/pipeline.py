@@ -15,7 +15,9 @@ rotary tables and the causal mask itself. The last stage applies the final norm 
 returns the cross entropy SUMMED over its micro-batch's targets; gradients therefore accumulate
 sums, and the caller divides by the global target count, the Trainer's (sum, count) contract.
 
-Tied input/output embeddings are refused: the head's weight would live on two stages.
+Tied input/output embeddings: the rank of the last stage keeps a copy of the embedding (under its usual
+name) for the head; after each step the two copies' gradients are summed between the first and the last
+stage of each dp group, so both take the same update and stay identical (the norm counts it once).
 """
 
 from __future__ import annotations
@@ -69,10 +71,6 @@ def _parts(model: nn.Module) -> tuple[nn.Module, str, str, str]:
     if plan is None or plan.embedding is None or plan.final_norm is None or plan.lm_head is None:
         raise ConfigError(f"parallel.pp needs a family whose parallel plan names its blocks, embedding, final norm "
                           f"and lm_head; {name}'s does not")
-    if getattr(model, "lm_head", None) is None:
-        raise ConfigError(f"parallel.pp: {name} ties its output head to the input embedding "
-                          f"(tie_word_embeddings), which would live on the first and the last stage; untie it "
-                          f"(model.config.tie_word_embeddings = false) or train without pp")
     if output_router := getattr(getattr(model, "config", None), "output_router_logits", False):
         raise ConfigError(f"parallel.pp does not add the MoE router's auxiliary loss (output_router_logits = "
                           f"{output_router}); set it false or train without pp")
@@ -89,10 +87,12 @@ def _parts(model: nn.Module) -> tuple[nn.Module, str, str, str]:
 class Stage(nn.Module):
     """One pipeline stage: a view of the backbone holding only its blocks, plus the head on the last stage."""
 
-    def __init__(self, view: nn.Module, lm: nn.Module, first: bool, last: bool, dtype: torch.dtype):
+    def __init__(self, view: nn.Module, lm: nn.Module, first: bool, last: bool, dtype: torch.dtype,
+                 tied_embedding: nn.Module | None = None):
         super().__init__()
         self.model = view
         self.lm_head = lm.lm_head if last else None
+        self.tied_embedding = tied_embedding  # the head's weight when tied: registered here for FSDP to shard
         self.first, self.last, self.dtype = first, last, dtype
         self.head_loss_sum = lm.head_loss_sum  # a bound method, not a submodule: lm's head is self.lm_head
 
@@ -135,6 +135,9 @@ class Pipeline:
     device: torch.device
     dtype: torch.dtype
     hidden_size: int
+    tie_group: Any = None                    # first and last stage of this dp group, when embeddings are tied
+    tied_copy: nn.Parameter | None = None    # the last stage's copy of the embedding (counted once in the norm)
+    embedding_weight: nn.Parameter | None = None  # the first stage's, when tied
 
     def __post_init__(self) -> None:
         self.group = self.mesh.get_group("pp")
@@ -213,11 +216,13 @@ class Pipeline:
 
     def finish_gradients(self, units: float) -> None:
         """Sum the gradients over the dp replicas of each stage, then divide by the global unit count."""
-        grads = [p.grad for p in self.params() if p.grad is not None]
         if self.fsdp:  # FSDP reduce-scattered them already, as the mean over dp
+            self._sum_tied()
+            grads = [p.grad for p in self.params() if p.grad is not None]
             for g in grads:
                 g.mul_(self.dp / units)
             return
+        grads = [p.grad for p in self.params() if p.grad is not None]
         if self.dp > 1 and grads:
             flat = torch.cat([g.reshape(-1) for g in grads])  # one collective, not one per tensor
             dist.all_reduce(flat, group=self.mesh.get_group("dp"))
@@ -225,8 +230,20 @@ class Pipeline:
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
+        self._sum_tied()  # after dp's reduction: both copies then hold the very same bits
+        grads = [p.grad for p in self.params() if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, 1.0 / units)
+
+    def _sum_tied(self) -> None:
+        """Tied embeddings: the first stage's gradient plus the head copy's, on both ranks."""
+        if self.tie_group is None:
+            return
+        weight = self.tied_copy if self.tied_copy is not None else self.embedding_weight
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        grad = weight.grad
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.tie_group)
 
     @torch.no_grad()
     def clip(self, max_norm: float) -> float:
@@ -234,6 +251,8 @@ class Pipeline:
         grads = [p.grad for p in self.params() if p.grad is not None]
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for g in grads:
+            if self.tied_copy is not None and g is self.tied_copy.grad:
+                continue  # the same gradient as the first stage's embedding
             local = g.to_local() if isinstance(g, DTensor) else g
             total += torch.linalg.vector_norm(local, dtype=torch.float32).double() ** 2
         # stages hold different parameters; FSDP shards are different pieces too, plain dp replicas are copies
@@ -320,6 +339,18 @@ def check_microbatches(microbatches: int, rows: int) -> None:
                           f"(train.batch_size); choose a batch size that is a multiple of it")
 
 
+def _tie_group(mesh: DeviceMesh) -> Any:
+    """The group of the first and the last pp rank of this rank's dp group (every rank creates every group)."""
+    layout = mesh.mesh.reshape(mesh.mesh.shape[0], -1)  # (pp, dp): cp, ep and tp are 1 with pp
+    mine = None
+    for d in range(layout.shape[1]):
+        ranks = [int(layout[0, d]), int(layout[-1, d])]
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine if mesh.get_local_rank("pp") in (0, layout.shape[0] - 1) else None
+
+
 def apply_pipeline(model: nn.Module, parallel: Any, mesh: DeviceMesh, device: torch.device) -> Pipeline:
     """Cut `model` down to this rank's stages in place and build them; returns the Pipeline."""
     sizes = check_pipeline(model, parallel)
@@ -332,6 +363,7 @@ def apply_pipeline(model: nn.Module, parallel: Any, mesh: DeviceMesh, device: to
     pp_rank = mesh.get_local_rank("pp")
     indices = [i for i in range(len(sizes)) if i % pp == pp_rank]
     first, last = 0 in indices, len(sizes) - 1 in indices
+    tied = getattr(model, "lm_head", None) is None
     param = next(model.parameters())
     dtype = DTYPES[parallel.param_dtype] if parallel.fsdp and parallel.param_dtype else param.dtype
 
@@ -340,13 +372,14 @@ def apply_pipeline(model: nn.Module, parallel: Any, mesh: DeviceMesh, device: to
         blocks = [all_blocks[b] for b in range(starts[index], starts[index] + sizes[index])]
         view = _view(backbone, blocks_attr, blocks, embed_attr, norm_attr, index == 0, index == len(sizes) - 1,
                      main_layers)
-        stages.append(Stage(view, model, index == 0, index == len(sizes) - 1, dtype))
+        head_copy = getattr(backbone, embed_attr) if tied and index == len(sizes) - 1 else None
+        stages.append(Stage(view, model, index == 0, index == len(sizes) - 1, dtype, head_copy))
     # the rank's own model keeps only what its stages hold, under the original names
     owned = {str(b) for i in indices for b in range(starts[i], starts[i] + sizes[i])}
     kept = nn.ModuleDict({str(b): all_blocks[b] for b in range(len(all_blocks))
                           if str(b) in owned or (b >= num_blocks and last)})  # MTP layers stay with the head
     setattr(backbone, blocks_attr, kept)
-    if not first:
+    if not first and not (last and tied):  # a tied head keeps the embedding on the last stage too
         setattr(backbone, embed_attr, None)
     if not last:
         setattr(backbone, norm_attr, None)
@@ -362,5 +395,12 @@ def apply_pipeline(model: nn.Module, parallel: Any, mesh: DeviceMesh, device: to
     microbatches = parallel.microbatches or 2 * pp
     pipe = Pipeline(stages, indices, len(sizes), parallel.pp_schedule, microbatches, mesh, bool(parallel.fsdp),
                     device, dtype, int(model.config.hidden_size))
+    if tied:
+        pipe.tie_group = _tie_group(mesh)
+        embedding = getattr(backbone, embed_attr)
+        if first:
+            pipe.embedding_weight = embedding.weight
+        elif last:
+            pipe.tied_copy = embedding.weight
     model.forward = _eval_forward(pipe)  # on the instance: evaluation calls the model as ever
     return pipe

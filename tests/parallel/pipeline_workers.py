@@ -41,9 +41,9 @@ def plan(**keys) -> SimpleNamespace:
     return SimpleNamespace(**{**base, **keys})
 
 
-def reference() -> dict:
+def reference(**model_keys) -> dict:
     """One process, the whole batch: the mean loss over every target, its gradients and their norm."""
-    model = build()
+    model = build(**model_keys)
     ids, labels = batch()
     out = model(ids, targets=shift_labels(labels))
     loss = out.loss_sum / out.loss_count
@@ -58,7 +58,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_pipeline(rank: int, world: int, out: str, name: str, keys: dict) -> None:
-    model = build()
+    keys = dict(keys)
+    model = build(**keys.pop("model", {}))
     par = parallelize(model, plan(**keys))
     pipe = par.pipeline
     ids, labels = batch()

@@ -1,6 +1,7 @@
 """Pipeline parallelism on gloo/CPU: every schedule at 2 and 4 stages, given stage sizes, and PP x DP 2x2
 (plain and FSDP) equal one process on the same global batch within fp32 rounding (loss, every
-parameter's gradient gathered from the stages, the global gradient norm); bad splits refused by message.
+parameter's gradient gathered from the stages, the global gradient norm), tied embeddings too (a copy on
+the last stage, gradients summed with the first's); bad splits refused by message.
 
 An 8-block tiny qwen3 (interleaved at 4 stages needs 8 virtual stages); one spawn per world size.
 """
@@ -20,12 +21,16 @@ JOBS_2 = [("gpipe-2", {"pp": 2, "pp_schedule": "gpipe"}),
           ("1f1b-2", {"pp": 2}),
           ("interleaved-2", {"pp": 2, "pp_schedule": "interleaved"}),
           ("stages-5-3", {"pp": 2, "pp_stages": [5, 3], "microbatches": 2}),
+          ("tied-2", {"pp": 2, "model": {"tie_word_embeddings": True}}),
           ("bad-microbatches", {"pp": 2, "microbatches": 3})]
 JOBS_4 = [("gpipe-4", {"pp": 4, "pp_schedule": "gpipe"}),
           ("1f1b-4", {"pp": 4}),
           ("interleaved-4", {"pp": 4, "pp_schedule": "interleaved"}),
           ("pp-dp-2x2", {"pp": 2, "dp": 2, "microbatches": 2}),
-          ("pp-fsdp-2x2", {"pp": 2, "dp": 2, "fsdp": True, "microbatches": 2})]
+          ("pp-fsdp-2x2", {"pp": 2, "dp": 2, "fsdp": True, "microbatches": 2}),
+          ("tied-interleaved-4", {"pp": 4, "pp_schedule": "interleaved", "model": {"tie_word_embeddings": True}}),
+          ("tied-fsdp-2x2", {"pp": 2, "dp": 2, "fsdp": True, "microbatches": 2,
+                             "model": {"tie_word_embeddings": True}})]
 PARITY = [j for j in JOBS_2 + JOBS_4 if not j[0].startswith("bad")]
 
 
@@ -42,10 +47,17 @@ def reference() -> dict:
     return workers.reference()
 
 
+@pytest.fixture(scope="module")
+def tied_reference() -> dict:
+    return workers.reference(tie_word_embeddings=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [j[0] for j in PARITY])
-def test_pipeline_equals_one_process(results, reference, name):
+def test_pipeline_equals_one_process(results, reference, tied_reference, name):
+    """Tied embeddings: the last stage's copy and the first stage's gradient summed give the one tensor's."""
     got = results[name]
+    reference = tied_reference if name.startswith("tied") else reference
     torch.testing.assert_close(got["loss"], reference["loss"], rtol=1e-6, atol=1e-6)
     assert set(got["grads"]) == set(reference["grads"])  # every parameter came back from some stage
     for n, want in reference["grads"].items():
@@ -79,8 +91,3 @@ def test_bad_splits_are_refused_by_message(keys, message):
     world = keys["pp"] * keys.get("tp", 1)
     with pytest.raises(ConfigError, match=message):
         parallelize(workers.build(), workers.plan(**keys), world_size=world)
-
-
-def test_tied_embeddings_are_refused():
-    with pytest.raises(ConfigError, match=r"ties its output head .*tie_word_embeddings = false"):
-        parallelize(workers.build(tie_word_embeddings=True), workers.plan(pp=2), world_size=2)
