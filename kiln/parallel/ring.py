@@ -7,9 +7,10 @@ softmax). No rank ever holds the whole sequence's keys: per-rank memory for them
 all-gather's, at the price of cp sequential hops (each overlapped with a block's compute).
 
 The backward runs the ring again: each block travels with the gradient of its keys/values, which
-every rank adds its queries' share to, and one last hop brings it home. Scores are recomputed per
-block from the saved log-sum-exp (as flash attention does), so nothing of size (queries x keys) is kept.
-Attention math in fp32, whatever the inputs' dtype; no dropout.
+every rank adds its queries' share to, and one last hop brings it home. A block's gradient is the
+flash-attention backward given the *merged* output and log-sum-exp, so nothing of size (queries x keys)
+is kept. On CPU each block runs torch's fused CPU flash kernel and its backward (the ops SDPA itself
+calls there); elsewhere a plain fp32 math version of the same. Partial results merge in fp32; no dropout.
 """
 
 from __future__ import annotations
@@ -29,6 +30,41 @@ def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float) 
 def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """exp(s - lse) with rows that see nothing (lse = -inf) at zero instead of NaN."""
     return torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
+
+
+def _fused(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _additive(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A boolean mask as the additive one the fused CPU kernel takes (0 or -inf, in the queries' dtype)."""
+    return torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill_(~mask, float("-inf"))
+
+
+def _block_forward(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 output (B, H, L, D), log-sum-exp (B, H, L)) of q against one block of keys (k, v have H heads);
+    rows that see no key of the block get output 0 and log-sum-exp -inf."""
+    if _fused(q):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=_additive(mask, q), scale=scale)
+        sees = mask.any(-1).expand(lse.shape)  # the kernel reports 0, not -inf, for a row that sees nothing
+        return out.float(), torch.where(sees, lse.float(), float("-inf"))
+    s = _scores(q, k, mask, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(_probs(s, lse), v.float()), lse
+
+
+def _block_backward(g, q, k, v, out, lse, mask, scale) -> tuple[torch.Tensor, ...]:
+    """This block's share of (dq, dk, dv) given the merged output and log-sum-exp of all blocks."""
+    if _fused(q):
+        lse = torch.where(torch.isneginf(lse), float("inf"), lse)  # a row that sees nothing: zero weights, not NaN
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g.to(q.dtype), q, k, v, out.to(q.dtype), lse, 0.0, False, attn_mask=_additive(mask, q), scale=scale)
+    g = g.float()
+    p = _probs(_scores(q, k, mask, scale), lse)  # (B, H, L, S)
+    ds = p * (torch.matmul(g, v.float().transpose(-1, -2)) - (g * out).sum(-1, keepdim=True))
+    return (torch.matmul(ds, k.float()) * scale, torch.matmul(ds.transpose(-1, -2), q.float()) * scale,
+            torch.matmul(p.transpose(-1, -2), g))
 
 
 def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -66,9 +102,8 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])
         for hop in range(cp):
             pending = ring.start(kv) if hop < cp - 1 else None  # the next block is on its way while this one runs
-            s = _scores(q, _expand(kv[0], groups), mask_blocks[hop], scale)
-            block_lse = torch.logsumexp(s, dim=-1)
-            block_out = torch.matmul(_probs(s, block_lse), _expand(kv[1], groups).float())
+            block_out, block_lse = _block_forward(q, _expand(kv[0], groups), _expand(kv[1], groups),
+                                                  mask_blocks[hop], scale)
             new = torch.logaddexp(lse, block_lse)
             keep, add = (torch.where(torch.isneginf(new), 0.0, torch.exp(x - new))[..., None] for x in (lse, block_lse))
             out, lse = out * keep + block_out * add, new
@@ -85,18 +120,16 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse, *mask_blocks = ctx.saved_tensors
         scale, cp, groups = ctx.scale, ctx.cp, q.shape[1] // k.shape[1]
         ring = _Ring(ctx.group)
-        g = grad_out.float()
-        delta = (g * out).sum(-1, keepdim=True)  # (B, H, L, 1): rowsum(dO * O)
+        g = grad_out.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with its block
         for hop in range(cp):
-            kb, vb = _expand(kv[0], groups), _expand(kv[1], groups)
-            p = _probs(_scores(q, kb, mask_blocks[hop], scale), lse)  # (B, H, L, S)
-            ds = p * (torch.matmul(g, vb.float().transpose(-1, -2)) - delta)
-            dq += torch.matmul(ds, kb.float()) * scale
-            dkv[0] += _fold(torch.matmul(ds.transpose(-1, -2), q.float()) * scale, groups)
-            dkv[1] += _fold(torch.matmul(p.transpose(-1, -2), g), groups)
+            bq, bk, bv = _block_backward(g, q, _expand(kv[0], groups), _expand(kv[1], groups), out, lse,
+                                         mask_blocks[hop], scale)
+            dq += bq
+            dkv[0] += _fold(bk.float(), groups)
+            dkv[1] += _fold(bv.float(), groups)
             # pass the block on with its gradient; after cp hops each gradient is one hop short of home
             works, bufs = ring.start(kv, dkv) if hop < cp - 1 else ring.start(dkv)
             for w in works:

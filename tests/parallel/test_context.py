@@ -145,3 +145,23 @@ def test_cp_method_is_validated_and_ring_refuses_dropout():
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(KilnError, match=r"cp_method = 'ring' runs attention without dropout"):
         ring_attention(q, q, q, torch.ones(1, 1, 4, 8, dtype=torch.bool), [], 1.0, 0.1, None)
+
+
+def test_ring_blocks_fused_cpu_kernel_and_math_fallback_agree(monkeypatch):
+    """The ring's per-block forward/backward: torch's fused CPU kernel and the fp32 math used on other devices."""
+    from kiln.parallel import ring
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=g) for _ in range(3))
+    mask = torch.rand(2, 1, 6, 6, generator=g) > 0.4
+    mask[0, 0, 2] = False  # a row that sees none of this block's keys
+    grad = torch.randn(2, 4, 6, 8, generator=g)
+    fused_out, fused_lse = ring._block_forward(q, k, v, mask, 0.3)
+    fused_grads = ring._block_backward(grad, q, k, v, fused_out, fused_lse, mask, 0.3)
+    monkeypatch.setattr(ring, "_fused", lambda q: False)
+    out, lse = ring._block_forward(q, k, v, mask, 0.3)
+    assert torch.isneginf(lse[0, :, 2]).all() and torch.isneginf(fused_lse[0, :, 2]).all()
+    torch.testing.assert_close(fused_out, out)
+    torch.testing.assert_close(fused_lse, lse)
+    for a, b in zip(fused_grads, ring._block_backward(grad, q, k, v, out, lse, mask, 0.3)):
+        torch.testing.assert_close(a.float(), b)
