@@ -150,91 +150,153 @@ def _mm(a: torch.Tensor, b: torch.Tensor, add: torch.Tensor | None = None, alpha
     return out.view(*a.shape[:2], *out.shape[1:])
 
 
+def _to_chunks(x: torch.Tensor, L: int, rep: int = 1, factor: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T, h, ...) -> chunk-major (C, B*h*rep, L, ...) in one pass: each head repeated `rep` times (GVA),
+    times `factor` (B, T, h, 1) if given, the last chunk zero-padded."""
+    if x.dim() == 3:  # (B, T, h): per-position scalars
+        return _to_chunks(x[..., None], L, rep)[..., 0]
+    B, T, h, D = x.shape
+    C, full = -(-T // L), T // L
+    out = (x.new_empty if full == C else x.new_zeros)(C, B, h, rep, L, D)
+    tail = T - full * L
+    for n, t0, span, dst in ((full, 0, L, out[:full]), (1 if tail else 0, full * L, tail, out[full:, :, :, :, :tail])):
+        if n == 0:
+            continue
+
+        def view(t: torch.Tensor) -> torch.Tensor:  # (B, T, h, d) -> (n, B, h, 1, span, d) over [t0, t0 + n*span)
+            return t[:, t0:t0 + n * span].view(B, n, span, h, -1).permute(1, 0, 3, 2, 4).unsqueeze(3)
+
+        if factor is None:
+            dst.copy_(view(x).expand_as(dst))
+        else:
+            torch.mul(view(x).expand_as(dst), view(factor).expand(*dst.shape[:-1], 1), out=dst)
+    return out.view(C, B * h * rep, L, D)
+
+
+def _from_chunks(x: torch.Tensor, B: int, T: int, h: int, rep: int = 1) -> torch.Tensor:
+    """The inverse of `_to_chunks` for gradients: (C, B*h*rep, L, ...) -> (B, T, h, ...), summed over repeats."""
+    C, _, L = x.shape[:3]
+    rest = x.shape[3:]
+    x = x.view(C, B, h, rep, L, *rest)
+    x = x[:, :, :, 0] if rep == 1 else x.sum(3)  # (C, B, h, L, ...)
+    x = x.permute(1, 0, 3, 2, *range(4, x.dim())).reshape(B, C * L, h, *rest)
+    return x[:, :T]
+
+
+def _l2norm_backward(x: torch.Tensor, r: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """y = x * r with r = c / |x| (as rsqrt(|x|^2 + eps), times a constant c): dL/dx from dL/dy."""
+    c2 = (x * x).sum(-1, keepdim=True).add_(1e-6).mul_(r * r)  # c^2 as the forward computed it
+    dot = (x * dy).sum(-1, keepdim=True)
+    return torch.addcmul(dy * r, x, dot.mul_(r.pow(3)).div_(c2), value=-1.0)
+
+
 class _ChunkedDeltaRule(torch.autograd.Function):
-    """Chunk-major inputs (C, N, L, D) float32 (q, k normalised, q scaled), beta and g (C, N, L), packed-row
-    masks or None; returns (out (C, N, L, Dv), final state (N, Dk, Dv)). Chunk-major so that each step of
-    the loop over chunks reads contiguous blocks."""
+    """The whole fast rule as one node: raw q, k (B, T, Hk, Dk), v (B, T, H, Dv), g, beta (B, T, H) float32,
+    the state s0 (N, Dk, Dv) or None, packed-row masks or None, the chunk size -> (out (B, T, H, Dv),
+    final state (N, Dk, Dv)). The L2 norms, the head repeat and the chunk-major layout (C, N, L, D), in which
+    each step of the loop over chunks reads contiguous blocks, are inside it, so the backward writes each
+    gradient in one pass instead of autograd chaining copies."""
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, g, s0, masks):
-        C, N, L, Dk = k.shape
-        Dv = v.shape[-1]
+    def forward(ctx, q, k, v, g, beta, s0, masks, L):
+        B, T, Hk, Dk = k.shape
+        H, Dv = v.shape[-2:]
+        rep = H // Hk
+        rq = torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * Dk**-0.5  # q: unit length, then scaled
+        rk = torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        qn, kn = _to_chunks(q, L, rep, rq), _to_chunks(k, L, rep, rk)  # (C, N, L, Dk)
+        vc, bc, gc = _to_chunks(v, L), _to_chunks(beta, L), _to_chunks(g, L)  # (C, N, L, Dv), (C, N, L)
+        C, N = qn.shape[:2]
         same, carry, tail = masks if masks is not None else (None, None, None)
         lower = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-        strict = lower.tril(-1)  # strictly lower: the system's unit diagonal is implied
         keep = lower if same is None else lower & same
-        cum = g.cumsum(-1)  # (C, N, L)
-        decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~keep, float("-inf")).exp()  # (C, N, L, L)
+        strict = keep & ~torch.eye(L, dtype=torch.bool, device=q.device)  # the system's unit diagonal is implied
+        cum = gc.cumsum(-1)  # (C, N, L)
+        decay = (cum[..., :, None] - cum[..., None, :]).masked_fill_(~keep, float("-inf")).exp_()  # (C, N, L, L)
         e_q = cum.exp() if carry is None else cum.exp() * carry          # reads of the chunk-start state
         e_k = (cum[..., -1:] - cum).exp() if tail is None else (cum[..., -1:] - cum).exp() * tail
         gamma = e_q[..., -1].contiguous()                                 # (C, N) decay of the state over a chunk
-        kb, vb = k * beta[..., None], v * beta[..., None]
-        kbe = kb * e_q[..., None]
-        attn = _mm(q, k.transpose(-1, -2)) * decay                                   # (C, N, L, L) lower
-        n_sys = (_mm(kb, k.transpose(-1, -2)) * decay).masked_fill(~strict, 0.0)  # strictly lower
-        t_inv = _unit_lower_inverse(n_sys)
-        u, w = _mm(t_inv, vb), _mm(t_inv, kbe)     # (C, N, L, Dv), (C, N, L, Dk)
-        qe, ke = q * e_q[..., None], k * e_k[..., None]
-        ke_t = ke.transpose(-1, -2).contiguous()   # (C, N, Dk, L)
-        states = q.new_empty(C, N, Dk, Dv)         # the state entering each chunk
+        attn = _mm(qn, kn.transpose(-1, -2)).mul_(decay)                   # (C, N, L, L) lower
+        kkd = _mm(kn, kn.transpose(-1, -2)).mul_(decay).masked_fill_(~strict, 0.0)  # strictly lower
+        t_inv = _unit_lower_inverse(kkd * bc[..., :, None])               # (I + diag(beta) kkd)^-1
+        tb = t_inv * bc[..., None, :]
+        u = _mm(tb, vc)                                   # T diag(beta) v            (C, N, L, Dv)
+        w = _mm(tb.mul_(e_q[..., None, :]), kn)           # T diag(beta e_q) k        (C, N, L, Dk)
+        ke_t = torch.mul(kn.transpose(-1, -2), e_k[..., None, :], out=q.new_empty(C, N, Dk, L))
+        states = q.new_empty(C + 1, N, Dk, Dv)    # the state entering each chunk, then the final one
+        if s0 is None:
+            states[0].zero_()
+        else:
+            states[0].copy_(s0)
         v_new = torch.empty_like(u)
-        s = q.new_zeros(N, Dk, Dv) if s0 is None else s0.to(q.dtype).clone()
         for c in range(C):  # the only sequential part: two small matmuls per chunk
-            states[c] = s
-            torch.baddbmm(u[c], w[c], s, alpha=-1, out=v_new[c])
-            s = torch.baddbmm(s * gamma[c, :, None, None], ke_t[c], v_new[c])
-        out = _mm(qe, states, add=_mm(attn, v_new))  # qe S + attn v_new
-        ctx.save_for_backward(q, k, v, beta, kb, kbe, decay, t_inv, u, w, attn, qe, ke, e_q, e_k, gamma,
-                              states, v_new, n_sys)
-        ctx.meta = (s0 is not None, strict, keep)
-        return out, s
+            torch.baddbmm(u[c], w[c], states[c], alpha=-1, out=v_new[c])
+            torch.mul(states[c], gamma[c, :, None, None], out=states[c + 1]).baddbmm_(ke_t[c], v_new[c])
+        final = states[C]
+        states = states[:C]
+        out = _mm(attn, v_new, add=_mm(qn, states).mul_(e_q[..., None]))  # e_q * (q S) + attn v_new
+        ctx.save_for_backward(q, k, rq, rk, qn, kn, vc, bc, e_q, e_k, gamma, decay, attn, kkd, t_inv, w, ke_t,
+                              states, v_new)
+        ctx.meta = (s0 is not None, keep, strict, B, T, Hk, H)
+        return _from_chunks(out, B, T, H), final.clone()
 
     @staticmethod
     def backward(ctx, d_out, d_final):
-        (q, k, v, beta, kb, kbe, decay, t_inv, u, w, attn, qe, ke, e_q, e_k, gamma, states, v_new,
-         n_sys) = ctx.saved_tensors
-        has_s0, strict, keep = ctx.meta
-        C, N, L, Dk = k.shape
-        Dv = v.shape[-1]
-        do = d_out.contiguous()
+        (q, k, rq, rk, qn, kn, vc, bc, e_q, e_k, gamma, decay, attn, kkd, t_inv, w, ke_t, states,
+         v_new) = ctx.saved_tensors
+        has_s0, keep, strict, B, T, Hk, H = ctx.meta
+        C, N, L, Dk = kn.shape
+        Dv = vc.shape[-1]
+        do = _to_chunks(d_out, L)                     # (C, N, L, Dv)
+        doe = do * e_q[..., None]
         # reverse loop: dL/dS leaving chunk c -> the new-value gradients and dL/dS entering chunk c
-        part_vn = _mm(attn.transpose(-1, -2), do)    # (C, N, L, Dv)
-        part_s = _mm(qe.transpose(-1, -2), do)       # (C, N, Dk, Dv)
-        ds = q.new_zeros(N, Dk, Dv) if d_final is None else d_final.clone()
+        part_vn = _mm(attn.transpose(-1, -2), do)     # (C, N, L, Dv)
+        part_s = _mm(qn.transpose(-1, -2), doe)       # (C, N, Dk, Dv)
+        ds = q.new_empty(C + 1, N, Dk, Dv)            # ds[c + 1]: dL/dS leaving chunk c; ds[0]: dL/ds0
+        if d_final is None:
+            ds[C].zero_()
+        else:
+            ds[C].copy_(d_final)
         d_vn = torch.empty_like(v_new)
-        ds_after = torch.empty_like(states)          # dL/dS leaving each chunk
-        w_t = w.transpose(-1, -2).contiguous()
         for c in range(C - 1, -1, -1):
-            ds_after[c] = ds
-            torch.baddbmm(part_vn[c], ke[c], ds, out=d_vn[c])
-            ds = torch.baddbmm(torch.addcmul(part_s[c], ds, gamma[c, :, None, None]), w_t[c], d_vn[c], alpha=-1)
-        # everything else at once over all chunks
+            torch.baddbmm(part_vn[c], ke_t[c].transpose(-1, -2), ds[c + 1], out=d_vn[c])
+            torch.addcmul(part_s[c], ds[c + 1], gamma[c, :, None, None], out=ds[c]).baddbmm_(
+                w[c].transpose(-1, -2), d_vn[c], alpha=-1)
+        d_s0, ds = ds[0], ds[1:]
+        # everything else at once over all chunks. v_new = T (v beta - k beta e_q S), so with d_vb = T^T d_vn
+        # the system and the k-side gradients are d_vb times v_new^T and S^T (no separate u, w terms)
         states_t = states.transpose(-1, -2)
-        d_qe, d_w = _mm(do, states_t), _mm(d_vn, states_t, alpha=-1)
-        d_attn = _mm(do, v_new.transpose(-1, -2)).masked_fill(~keep, 0.0)
-        d_ke = _mm(v_new, ds_after.transpose(-1, -2))
-        d_gamma = (states * ds_after).sum((-1, -2))
-        t_inv_t = t_inv.transpose(-1, -2)
-        d_vb, d_kbe = _mm(t_inv_t, d_vn), _mm(t_inv_t, d_w)
-        d_n = _mm(d_kbe, w.transpose(-1, -2), add=_mm(d_vb, u.transpose(-1, -2)), alpha=-1, beta=-1)
-        d_n = d_n.masked_fill(~strict, 0.0)
-        # cum enters through decay (i - j), e_q (+i), e_k (last - i) and gamma (last)
-        e_attn, e_n = d_attn * attn, d_n * n_sys
-        d_cum = e_attn.sum(-1) - e_attn.sum(-2) + e_n.sum(-1) - e_n.sum(-2)
-        d_cum = d_cum + (d_qe * qe).sum(-1) + (d_kbe * kbe).sum(-1)
-        f = (d_ke * ke).sum(-1)
-        d_cum = d_cum - f
-        d_cum[..., -1] += f.sum(-1) + d_gamma * gamma
-        d_attn, d_n = d_attn * decay, d_n * decay  # through the decay factor of each score
-        d_q = _mm(d_attn, k, add=d_qe * e_q[..., None])
-        d_kb = _mm(d_n, k, add=d_kbe * e_q[..., None])
-        d_k = _mm(d_n.transpose(-1, -2), kb, add=_mm(d_attn.transpose(-1, -2), q, add=d_ke * e_k[..., None]))
-        d_k = torch.addcmul(d_k, d_kb, beta[..., None])
-        d_v = d_vb * beta[..., None]
-        d_beta = (d_vb * v).sum(-1) + (d_kb * k).sum(-1)
-        d_g = d_cum.flip(-1).cumsum(-1).flip(-1)     # cum = cumsum(g)
-
-        return d_q, d_k, d_v, d_beta, d_g, ds if has_s0 else None, None
+        d_attn = _mm(do, v_new.transpose(-1, -2)).masked_fill_(~keep, 0.0)
+        d_ke = _mm(v_new, ds.transpose(-1, -2))                   # (C, N, L, Dk)
+        d_gamma = (states * ds).sum((-1, -2))
+        d_vb = _mm(t_inv.transpose(-1, -2), d_vn)                 # (C, N, L, Dv)
+        d_kbe = _mm(d_vb, states_t, alpha=-1)                     # (C, N, L, Dk)
+        d_n = _mm(d_vb, v_new.transpose(-1, -2), alpha=-1).masked_fill_(~strict, 0.0)  # wrt diag(beta) kkd
+        d_qn = _mm(doe, states_t)                                 # e_q * (dL/dout S^T)
+        # g_t enters cum_i for i >= t: through e_q (cum_i), e_k (cum_last - cum_i), gamma (cum_last) and each
+        # decay (cum_i - cum_j), which holds g_t exactly when i >= t > j. Summed that way, not as differences
+        # of row and column totals, so the large decay terms never cancel in float32.
+        dnk = d_n * kkd
+        d_beta = dnk.sum(-1)
+        e_dec = dnk.mul_(bc[..., :, None]).add_(d_attn * attn)   # dL/d(decay exponent) per score
+        below = e_dec.flip(-2).cumsum(-2).flip(-2).cumsum(-1)     # [t, s]: rows i >= t, columns j <= s
+        p_kbe = (d_kbe * kn).sum(-1)                              # dL/d(beta e_q) per position
+        f = (d_ke * kn).sum(-1).mul_(e_k)
+        d_e = (d_qn * qn).sum(-1) + p_kbe * bc * e_q
+        d_g = d_e.flip(-1).cumsum(-1).flip(-1) + (f.cumsum(-1) - f) + (d_gamma * gamma)[..., None]
+        d_g[..., 1:] += below.diagonal(-1, -2, -1)
+        d_beta += (d_vb * vc).sum(-1) + p_kbe * e_q
+        d_attn.mul_(decay)                                        # through the decay factor of each score
+        sym = d_n.mul_(decay).mul_(bc[..., :, None])              # dL/d(k k^T) from the system, both ways
+        sym = sym + sym.transpose(-1, -2)
+        d_qn = _mm(d_attn, kn, add=d_qn)
+        d_kn = _mm(sym, kn, add=_mm(d_attn.transpose(-1, -2), qn, add=d_ke.mul_(e_k[..., None])))
+        d_kn.addcmul_(d_kbe, (bc * e_q)[..., None])
+        d_q = _l2norm_backward(q, rq, _from_chunks(d_qn, B, T, Hk, H // Hk))
+        d_k = _l2norm_backward(k, rk, _from_chunks(d_kn, B, T, Hk, H // Hk))
+        d_v = _from_chunks(d_vb.mul_(bc[..., None]), B, T, H)
+        return (d_q, d_k, d_v, _from_chunks(d_g, B, T, H), _from_chunks(d_beta, B, T, H),
+                d_s0 if has_s0 else None, None, None)
 
 
 def chunk_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -243,25 +305,14 @@ def chunk_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     """`chunk_reference`'s arguments and results (to fp32 rounding), plus `resets` (B, T) bool: True where a
     packed row starts a new sample, so the state restarts from zero there."""
     dtype = q.dtype
-    B, T, hk, Dk = k.shape
+    B, T, _, Dk = k.shape
     H, Dv = v.shape[-2:]
-    if hk != H:  # each q/k head serves H // hk consecutive value heads
-        q, k = q.repeat_interleave(H // hk, dim=2), k.repeat_interleave(H // hk, dim=2)
     work = torch.float64 if dtype == torch.float64 else torch.float32  # float64 only for gradcheck
-    q = l2norm(q.to(work)) * Dk**-0.5
-    k = l2norm(k.to(work))
     L = chunk_size
     C = -(-T // L)
-
-    def chunks(x: torch.Tensor) -> torch.Tensor:  # (B, T, H, ...) -> (C, B*H, L, ...), one copy
-        x = F.pad(x.to(work), (0, 0) * (x.dim() - 2) + (0, C * L - T))
-        x = x.view(B, C, L, H, *x.shape[3:]).permute(1, 0, 3, 2, *range(4, x.dim() + 1))  # (C, B, H, L, ...)
-        return x.reshape(C, B * H, L, *x.shape[4:])
-
     s0 = None if initial_state is None else initial_state.to(work).reshape(B * H, Dk, Dv)
     masks = None if resets is None else _chunk_masks(resets, B * H, C, L, H)
-    out, state = _ChunkedDeltaRule.apply(chunks(q), chunks(k), chunks(v), chunks(beta), chunks(g), s0, masks)
-    out = out.view(C, B, H, L, Dv).permute(1, 0, 3, 2, 4).reshape(B, C * L, H, Dv)[:, :T]
+    out, state = _ChunkedDeltaRule.apply(q.to(work), k.to(work), v.to(work), g.to(work), beta.to(work), s0, masks, L)
     out = out.to(dtype, memory_format=torch.contiguous_format)
     return out, state.view(B, H, Dk, Dv) if output_final_state else None
 
