@@ -6,6 +6,8 @@ Choices, as transformers 5.23 computes them (default `grouped_mm` experts path):
   are sorted by expert and run as two grouped matmuls (no Python loop over tokens);
 - each pair's output is scaled by its routing weight, put back in token order and summed over the
   k slots (a reshape + sum, not index_add_), which fixes the accumulation order.
+`Experts.fast` (set_fast) swaps this op sequence for one autograd node with a written-out backward
+(moe_fast.py): the same function within fp32 rounding, for training.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from kiln.models.common.activations import activation
+from kiln.models.common.grouped import grouped_linear
 from kiln.models.common.mlp import GatedMLP
+from kiln.models.common.moe_fast import GradBuffer, routed_experts
 
 
 class Router(nn.Module):
@@ -36,37 +40,6 @@ class Router(nn.Module):
         return logits, top.to(logits.dtype), index
 
 
-def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether torch's grouped_mm kernel runs here (transformers makes the same call); else per-expert mm.
-
-    Its CPU backward needs 16-byte-aligned strides, so training with odd sizes takes the fallback.
-    """
-    if not hasattr(F, "grouped_mm"):
-        return False
-    if w.device.type == "cuda":
-        return torch.cuda.get_device_capability(w.device) >= (8, 0)
-    if w.device.type != "cpu":
-        return False
-    if torch.is_grad_enabled() and (w.requires_grad or x.requires_grad):
-        return all((n * w.element_size()) % 16 == 0 for n in (w.shape[-1], w.shape[-2], x.shape[-1]))
-    return True
-
-
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Rows of `x` (S, in), sorted by expert with cumulative `offsets` (E,), times weight[e]^T (E, out, in)."""
-    w = weight.transpose(-2, -1)  # (E, in, out)
-    x = x.to(w.dtype)
-    if _grouped_mm_ok(x, w):
-        return F.grouped_mm(x, w, offs=offsets)
-    out = torch.zeros(x.size(0), w.size(2), device=x.device, dtype=x.dtype)  # (S, out)
-    start = 0
-    for e, end in enumerate(offsets.tolist()):  # one host sync; a loop over experts, not tokens
-        if end > start:
-            out[start:end] = torch.mm(x[start:end], w[e])
-        start = end
-    return out
-
-
 class Experts(nn.Module):
     def __init__(self, dim: int, hidden: int, num_experts: int, act: str = "silu", limit: float | None = None):
         super().__init__()
@@ -75,6 +48,8 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))         # (E, C, I)
         self.act_fn = activation(act)
         self.limit = limit  # DeepSeek-V4: gate clamped above, up clamped both ways (swiglu_limit)
+        self.fast = False  # on (set_fast): SiLU experts run as one autograd node (moe_fast.py)
+        self.grad_buffers = (GradBuffer(), GradBuffer())  # the fast path's gate_up_proj / down_proj gradients
 
     def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """act(gate) * up for the fused (S, 2I) projection."""
@@ -88,6 +63,8 @@ class Experts(nn.Module):
         nn.init.normal_(self.down_proj, 0.0, std)
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.fast and type(self.act_fn) is nn.SiLU and self.limit is None and x.size(0):
+            return routed_experts(x, index, weights, self.gate_up_proj, self.down_proj, self.grad_buffers)
         N, k = index.shape  # x (N, C); index, weights (N, k)
         expert_of, order = torch.sort(index.reshape(-1))  # (S,) pairs grouped by expert
         xs = x[order // k]  # (S, C)

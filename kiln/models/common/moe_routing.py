@@ -35,6 +35,7 @@ class GroupLimitedRouter(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.num_experts, self.top_k, self.n_group, self.topk_group = num_experts, top_k, n_group, topk_group
         self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
+        self.fast = False  # on (set_fast): `_pick`, fewer ops, the same experts
         self.expert_load: torch.Tensor | None = None  # (E,) tokens routed per expert since the last take_load()
 
     def reset_parameters_hf(self, std: float) -> None:
@@ -55,6 +56,10 @@ class GroupLimitedRouter(nn.Module):
         """x (N, C) -> router logits (N, E) float32, weights (N, k) float32, expert ids (N, k)."""
         E, G = self.num_experts, self.n_group
         logits = F.linear(x.float(), self.weight.float())  # (N, E)
+        if self.fast:
+            index = self._pick(logits.detach())
+            weights = logits.gather(1, index).sigmoid()  # the same numbers; sigmoid's backward on (N, k) only
+            return self._finish(logits, weights, index)
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias
         group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)  # (N, G)
@@ -63,13 +68,27 @@ class GroupLimitedRouter(nn.Module):
         eligible = group_mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)  # (N, E)
         choice = choice.masked_fill(~eligible.bool(), float("-inf"))
         index = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]  # (N, k)
-        weights = scores.gather(1, index)
+        return self._finish(logits, scores.gather(1, index), index)
+
+    def _finish(self, logits: torch.Tensor, weights: torch.Tensor, index: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         weights = weights * self.routed_scaling_factor
         if self.training:
             self._count(index)
         return logits, weights, index
+
+    @torch.no_grad()
+    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """The fast path's group-limited top-k (N, k): the same experts as the exact path (ties apart), found
+        by gathering the kept groups' candidates instead of masking every other expert to -inf."""
+        G, n = self.n_group, self.num_experts // self.n_group
+        choice = (logits.sigmoid() + self.e_score_correction_bias).view(-1, G, n)  # (N, G, n)
+        groups = choice.topk(2, dim=-1)[0].sum(dim=-1).topk(self.topk_group, dim=-1, sorted=False)[1]  # (N, g)
+        kept = choice.gather(1, groups.unsqueeze(-1).expand(-1, -1, n)).flatten(1)  # (N, g * n)
+        at = kept.topk(self.top_k, dim=-1, sorted=False)[1]  # (N, k) positions among the kept
+        return groups.gather(1, at.div(n, rounding_mode="floor")) * n + at % n
 
     @torch.no_grad()
     def _count(self, index: torch.Tensor) -> None:
