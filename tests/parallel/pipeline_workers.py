@@ -41,12 +41,13 @@ def plan(**keys) -> SimpleNamespace:
     return SimpleNamespace(**{**base, **keys})
 
 
-def reference(**model_keys) -> dict:
-    """One process, the whole batch: the mean loss over every target, its gradients and their norm."""
+def reference(lengths: tuple[int, ...] = (16,), **model_keys) -> dict:
+    """One process, the whole batch (cut to each of `lengths` in turn, accumulated): the mean loss over every
+    target, its gradients and their norm."""
     model = build(**model_keys)
     ids, labels = batch()
-    out = model(ids, targets=shift_labels(labels))
-    loss = out.loss_sum / out.loss_count
+    outs = [model(ids[:, :n], targets=shift_labels(labels[:, :n])) for n in lengths]
+    loss = sum(o.loss_sum for o in outs) / sum(o.loss_count for o in outs)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     norm = float(torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1e9))
@@ -60,11 +61,15 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def run_pipeline(rank: int, world: int, out: str, name: str, keys: dict) -> None:
     keys = dict(keys)
     model = build(**keys.pop("model", {}))
+    lengths = keys.pop("lengths", (16,))  # several batches accumulated: one schedule per sequence length
     par = parallelize(model, plan(**keys))
     pipe = par.pipeline
     ids, labels = batch()
     rows = slice(par.data_rank * 8 // par.data_shards, (par.data_rank + 1) * 8 // par.data_shards)
-    loss_sum, count = pipe.train_batch({"input_ids": ids[rows], "labels": labels[rows]})
+    loss_sum = count = torch.zeros((), dtype=torch.float64)
+    for n in lengths:
+        part, units = pipe.train_batch({"input_ids": ids[rows, :n], "labels": labels[rows, :n]})
+        loss_sum, count = loss_sum + part, count + units
     totals = torch.stack([loss_sum if pipe.has_last else torch.zeros((), dtype=torch.float64),
                           count if pipe.has_first else torch.zeros((), dtype=torch.float64)])
     dist.all_reduce(totals)
