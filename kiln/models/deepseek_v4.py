@@ -268,27 +268,42 @@ class V4Decoder(nn.Module):
 
 
 _MTP = re.compile(r"(^|\.)mtp\.")
+# Parameters transformers keeps in float32 under a half-precision model (its _keep_in_fp32_modules_strict);
+# the routers' balancing bias keeps itself (moe_routing.GroupLimitedRouter).
+_FP32 = re.compile(r"attn_hc|ffn_hc|hc_head|sinks|position_bias|norm")
 
 
-class KeepsMtp:
-    """Checkpoint tensors of the MTP module (`mtp.*`), which transformers skips, are written back as read."""
+class V4TaskModel:
+    """What both heads add: `mtp.*` checkpoint tensors (transformers skips them) written back as read, and the
+    hyper-connection, sink, position-bias and norm parameters held in float32 whatever dtype the rest takes."""
 
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor], source: str = "checkpoint",
                            source_task: str | None = None):
         mtp = {k: v for k, v in hf.items() if _MTP.search(k)}
         report = super().load_hf_state_dict({k: v for k, v in hf.items() if k not in mtp}, source, source_task)
         self.mtp_tensors = mtp
+        for name, p in self.named_parameters():
+            if _FP32.search(name) and p.dtype in (torch.float16, torch.bfloat16):  # stored in half precision
+                p.data = p.data.float()
         return report
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return {**super().hf_state_dict(), **getattr(self, "mtp_tensors", {})}
 
+    def _apply(self, fn, recurse: bool = True):
+        kept = {n: p.data for n, p in self.named_parameters() if _FP32.search(n) and p.dtype == torch.float32}
+        super()._apply(fn, recurse)
+        for name, p in self.named_parameters():
+            if name in kept and p.is_floating_point() and p.dtype != torch.float32:
+                p.data = kept[name].to(p.device)  # the float32 values themselves, not a round trip through half
+        return self
 
-class V4Model(KeepsMtp, DecoderModel):
+
+class V4Model(V4TaskModel, DecoderModel):
     pass
 
 
-class V4ForCausalLM(KeepsMtp, ForCausalLM):
+class V4ForCausalLM(V4TaskModel, ForCausalLM):
     pass
 
 

@@ -114,10 +114,30 @@ def test_gradients_bit_identical_in_training_mode(ckpt):
     assert all(int(load.sum()) == batch["input_ids"].numel() * ours.config.num_experts_per_tok for load in loads)
 
 
+def test_bfloat16_keeps_the_same_parts_float32_and_stays_bit_identical(ckpt):
+    src = ckpt()
+    ours = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    theirs = dict(hf.named_parameters())
+    assert {n: p.dtype for n, p in ours.named_parameters()} == {n: p.dtype for n, p in theirs.items()}
+    assert ours.model.layers[0].attn_hc.fn.dtype == torch.float32 and ours.lm_head.weight.dtype == torch.bfloat16
+    ours.train(), hf.train()
+    batch = batches()[2]
+    a, b = ours(**batch), hf(**batch)
+    same(a.logits, b.logits, "bf16 logits")
+    a.loss.backward()
+    b.loss.backward()
+    for name, p in ours.named_parameters():
+        if p.grad is not None:
+            same(p.grad, theirs[name].grad, f"bf16 grad {name}")
+
+
 def test_greedy_generation_with_sliding_and_compressed_caches_equals_transformers(ckpt):
     ours, hf = _pair(ckpt(), eos=False)
     ids = torch.randint(4, 99, (2, 11), generator=torch.Generator().manual_seed(5))  # 11 > window 4
-    for kw in ({"input_ids": ids[:1]}, {"input_ids": ids}):
+    attn = torch.ones_like(ids)
+    attn[1, :3] = 0  # a left-padded row: its pads are pooled into compressed entries, as in transformers
+    for kw in ({"input_ids": ids[:1]}, {"input_ids": ids}, {"input_ids": ids, "attention_mask": attn}):
         a = ours.generate(**kw, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
         b = hf.generate(**kw, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert a.shape == (kw["input_ids"].shape[0], 31)
