@@ -97,29 +97,75 @@ def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: 
     return act(out).to(x.dtype)
 
 
+def _window_masks(resets: torch.Tensor | None, K: int, dtype: torch.dtype) -> list[torch.Tensor | None]:
+    """Per look-back s (0..K-1): (B, T, 1) 1 where the tap s steps back stays inside the packed sample, or None."""
+    if resets is None:
+        return [None] * K
+    idx = torch.arange(resets.shape[-1], device=resets.device)
+    seen = (idx - torch.where(resets, idx, 0).cummax(-1).values)[..., None]  # (B, T, 1) steps into the sample
+    return [None] + [(seen >= s).to(dtype) for s in range(1, K)]
+
+
 def tap_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              act: Callable[[torch.Tensor], torch.Tensor], resets: torch.Tensor | None = None) -> torch.Tensor:
     """Causal depthwise conv over time-major x (B, T, C) as K shifted multiply-adds (fast path, packed rows).
 
     No transposes, and a backward of K elementwise products (torch's CPU depthwise conv1d wants (B, C, T)
     and its backward is slow). With `resets` (B, T) no window reaches back past a packed sample's start.
+    With SiLU (the Gated DeltaNet's) conv and activation are one autograd node that writes in place.
     """
-    T, K = x.shape[1], weight.shape[-1]
+    K = weight.shape[-1]
+    w = weight[:, 0, :].t()  # (K, C); column K-1-s is the tap s steps back
+    keep = _window_masks(resets, K, weight.dtype)
+    if isinstance(act, nn.SiLU):
+        return _SiluTapConv.apply(x.to(weight.dtype), w, bias, *keep[1:]).to(x.dtype)
+    T = x.shape[1]
     xp = F.pad(x.to(weight.dtype), (0, 0, K - 1, 0))  # (B, T + K - 1, C)
-    w = weight[:, 0, :].t()  # (K, C)
-    seen = None
-    if resets is not None:
-        idx = torch.arange(T, device=x.device)
-        seen = (idx - torch.where(resets, idx, 0).cummax(-1).values)[..., None]  # (B, T, 1) steps into the sample
     out = None
     for j in range(K):  # tap j looks K-1-j steps back
-        tap = xp[:, j:j + T]
-        if seen is not None:
-            tap = tap * (seen >= K - 1 - j).to(xp.dtype)
+        tap = xp[:, j:j + T] if keep[K - 1 - j] is None else xp[:, j:j + T] * keep[K - 1 - j]
         out = tap * w[j] if out is None else torch.addcmul(out, tap, w[j])
     if bias is not None:
         out = out + bias
     return act(out).to(x.dtype)
+
+
+class _SiluTapConv(torch.autograd.Function):
+    """silu(sum_s w[K-1-s] * x[t - s] + bias) over (B, T, C), each tap added in place into one buffer; the
+    backward recomputes nothing but silu's derivative and reuses one scratch buffer for the weight sums."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, *keep):
+        T, K = x.shape[1], w.shape[0]
+        pre = x * w[K - 1]
+        for s in range(1, min(K, T)):
+            src = x[:, :T - s] if keep[s - 1] is None else x[:, :T - s] * keep[s - 1][:, s:]
+            pre[:, s:].addcmul_(src, w[K - 1 - s])
+        if bias is not None:
+            pre += bias
+        ctx.save_for_backward(x, w, pre, *[m for m in keep if m is not None])
+        ctx.has_bias, ctx.masked = bias is not None, keep[0] is not None if keep else False
+        return F.silu(pre)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, pre, *keep = ctx.saved_tensors
+        T, K = x.shape[1], w.shape[0]
+        d_pre = torch.ops.aten.silu_backward(dy, pre)
+        d_x = d_pre * w[K - 1]
+        d_w = torch.empty_like(w)
+        scratch = torch.mul(d_pre, x)
+        d_w[K - 1] = scratch.sum((0, 1))
+        for s in range(1, K):
+            if s >= T:
+                d_w[K - 1 - s] = 0
+                continue
+            grad = d_pre[:, s:] if not ctx.masked else d_pre[:, s:] * keep[s - 1][:, s:]
+            d_x[:, :T - s].addcmul_(grad, w[K - 1 - s])
+            part = scratch[:, :T - s]
+            d_w[K - 1 - s] = torch.mul(grad, x[:, :T - s], out=part).sum((0, 1))
+        d_bias = d_pre.sum((0, 1)) if ctx.has_bias else None
+        return (d_x, d_w, d_bias) + (None,) * (K - 1)
 
 
 def _samples(resets: torch.Tensor) -> list[tuple[int, int, int]]:
