@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from kiln.errors import ConfigError
 from kiln.parallel.blocks import apply_activation_checkpointing, compile_blocks
 from kiln.parallel.context import apply_context_parallel
-from kiln.parallel.ep import apply_expert_parallel, shard_experts
+from kiln.parallel.ep import apply_expert_parallel, expert_modules, shard_experts
 from kiln.parallel.fsdp import apply_fsdp
 from kiln.parallel.grads import average_gradients
 from kiln.parallel.mesh import Degrees, batch_mesh, build_mesh, check_model, resolve_degrees
@@ -60,6 +60,11 @@ class Parallelized:
 
     def sync_gradients(self) -> None:
         """Average gradients where neither DDP nor FSDP does it (tp with dp > 1, ep)."""
+        if self.mesh is not None and self.degrees.tp > 1:
+            # each tp rank ran the routed experts on its share of the tokens (tp.py): sum their gradients over tp
+            tp_group = self.mesh.get_group("tp")
+            average_gradients([p for m in expert_modules(self.model) for p in m.parameters()], tp_group, 1,
+                              sharded_group=tp_group)
         if self.mesh is not None and self.fsdp and self.degrees.ep > 1:
             # FSDP averaged the expert shards over dp; each also sums its ep group's tokens: divide by ep
             for p in _ep_sharded(self.model.parameters()):

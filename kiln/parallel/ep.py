@@ -15,7 +15,8 @@ supports `all_to_all_single` with uneven splits in torch 2.13, so CPU tests use 
 
 With tensor parallelism (the ("ep", "tp") dimensions of one mesh) an ep group is the ranks that share a
 tp rank. The tp ranks of a group route the same whole tokens (tp.py gathers the sequence before the
-router) and each exchanges them with its own ep peers, so they hold equal expert shards and gradients.
+router); each sends its 1/tp share of them to its own ep peers, so the tp ranks hold equal expert
+shards whose gradients are partial sums, added up over tp after the backward.
 With fsdp, each expert shard is an FSDP unit of its own over dp (`shard_experts`); the rest of the
 model is sharded over dp x ep, the ranks that read different data.
 """

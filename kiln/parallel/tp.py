@@ -15,13 +15,14 @@ embedding is split by vocabulary rows and the LM head by vocabulary columns; the
 whole, so the loss code is unchanged. A tied head is the embedding's own (vocabulary-sharded)
 DTensor, so it stays tied: each rank makes the logits of its vocabulary slice, then they are gathered.
 
-Mixture-of-experts blocks: the router and the routed experts see whole tokens. The MoE module's
-input is the gathered (or replicated) sequence, every tp rank routes the same tokens, and its output
-is cut back to this rank's sequence shard. The experts are replicated over tp, or split by expert
-parallelism over the ranks that share a tp rank (the "ep" mesh dimension; see ep.py), so the tp
-ranks of one group run the same expert work: simple and exact, at tp times the expert compute. A
-dense shared expert inside the MoE module is column/row split like an MLP, its output all-reduced
-so it can be added to the routed output.
+Mixture-of-experts blocks: the router sees whole tokens. The MoE module's input is the gathered (or
+replicated) sequence, every tp rank routes the same tokens, and its output is cut back to this rank's
+sequence shard. The routed experts are replicated over tp, or split by expert parallelism over the
+ranks that share a tp rank (the "ep" mesh dimension; see ep.py); either way each tp rank runs them on
+its 1/tp share of the routed tokens only and the outputs are all-gathered, so the expert work is split
+tp ways too. Their gradients are then partial sums, which `Parallelized.sync_gradients` adds up over
+tp. A dense shared expert inside the MoE module is column/row split like an MLP, its output
+all-reduced so it can be added to the routed output.
 """
 
 from __future__ import annotations
@@ -75,6 +76,65 @@ class _SumGradTail(torch.autograd.Function):
 
 def _sum_shared_columns(module: nn.Module, start: int, group) -> None:
     module.register_forward_hook(lambda m, args, out: _SumGradTail.apply(out, start, group))
+
+
+def _row_sizes(n: int, size: int) -> list[int]:
+    """How many of n rows each of `size` ranks takes (the first n % size one more)."""
+    base, extra = divmod(n, size)
+    return [base + (i < extra) for i in range(size)]
+
+
+def _gather_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Every rank's rows of x, in rank order (padded to one size for the collective, trimmed after)."""
+    buf = x.new_zeros((max(sizes),) + tuple(x.shape[1:]))
+    buf[:x.shape[0]] = x
+    parts = [torch.empty_like(buf) for _ in sizes]
+    dist.all_gather(parts, buf, group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+
+class _TakeRows(torch.autograd.Function):
+    """Forward: this rank's share of the rows of x (N, ...). Backward: the shares' gradients gathered whole."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sizes: list[int], rank: int, group) -> torch.Tensor:
+        ctx.sizes, ctx.group = sizes, group
+        start = sum(sizes[:rank])
+        return x[start:start + sizes[rank]].clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_rows(grad.contiguous(), ctx.sizes, ctx.group), None, None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: every rank's rows, whole. Backward: this rank's rows of a gradient every rank holds whole."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sizes: list[int], rank: int, group) -> torch.Tensor:
+        ctx.start, ctx.n = sum(sizes[:rank]), sizes[rank]
+        return _gather_rows(x.contiguous(), sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[ctx.start:ctx.start + ctx.n].contiguous(), None, None, None
+
+
+def _share_expert_tokens(experts: nn.Module, mesh: DeviceMesh) -> None:
+    """The routed experts of a tp group see whole tokens, but each tp rank runs them on its share of the
+    tokens only (Experts(x (N, C), index, weights (N, k)) -> (N, C)); the outputs are gathered whole. Their
+    parameters then hold partial gradients, summed over tp by `Parallelized.sync_gradients`."""
+    group, rank, size = mesh.get_group(), mesh.get_local_rank(), mesh.size()
+
+    def take(module: nn.Module, args: tuple) -> tuple:
+        x, index, weights = args
+        sizes = module.tp_rows = _row_sizes(x.shape[0], size)
+        start = sum(sizes[:rank])
+        return (_TakeRows.apply(x, sizes, rank, group), index[start:start + sizes[rank]],
+                _TakeRows.apply(weights, sizes, rank, group))
+
+    experts.register_forward_pre_hook(take)
+    experts.register_forward_hook(lambda module, args, out: _GatherRows.apply(out, module.tp_rows, rank, group))
 
 
 def _moe_path(plan: ParallelPlan, block: nn.Module) -> str | None:
@@ -136,6 +196,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
         for name, attr in plan.shared_by_heads:
             if part(block, name) is not None:
                 _sum_shared_columns(block.get_submodule(name), getattr(model.config, attr), mesh.get_group())
+        if part(block, plan.experts) is not None:
+            _share_expert_tokens(block.get_submodule(plan.experts), mesh)
     residual = Shard(1) if sequence_parallel else Replicate()
     top: dict[str, Any] = {
         plan.embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=residual,
