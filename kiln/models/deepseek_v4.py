@@ -88,6 +88,10 @@ class DeepseekV4Config(DecoderConfig):
     bos_token_id: int | None = 0
     eos_token_id: int | list[int] | None = 1
 
+    def __post_init__(self) -> None:
+        # transformers reads intermediate_size as moe_intermediate_size (attribute_map); never written back
+        self.intermediate_size = self.moe_intermediate_size
+
     @property
     def num_experts(self) -> int:  # the name the shared aux-loss code reads
         return self.n_routed_experts

@@ -28,6 +28,15 @@ def test_block_checkpointing_recomputes_the_streams_exactly():
         assert torch.equal(got["grads"][name], grad), name
 
 
+def test_tensor_parallel_is_refused_by_name():
+    from kiln.errors import ConfigError
+    from kiln.parallel.tp import tensor_plan
+
+    # one key = value head feeds every query head: transformers keeps V4's attention whole under TP too
+    with pytest.raises(ConfigError, match="parallel.tp = 2: deepseek_v4 declares no tensor-parallel plan"):
+        tensor_plan(workers.build("deepseek_v4"), 2)
+
+
 @pytest.mark.slow
 def test_fsdp_with_block_checkpointing_equals_one_process(tmp_path):
     spawn(workers.run_many, 2, (str(tmp_path), JOBS))
