@@ -85,6 +85,35 @@ def test_logits_loss_router_logits_bit_identical_both_ways(ckpt, tmp_path):
     assert all(c.ok for c in checks), [c.line() for c in checks if not c.ok]
 
 
+@pytest.mark.parametrize("overrides", [
+    # other rates (windows of 4 and 8 over 13 tokens: partial windows left over), sigmoid scores, plain rope,
+    # two streams, two CSA layers (the second after HCA), every layer top-k, an indexer keeping one entry
+    dict(compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, scoring_func="sigmoid",
+         rope_parameters=None, hc_mult=2, num_hidden_layers=4, index_topk=1, sliding_window=6,
+         layer_types=["compressed_sparse_attention", "heavily_compressed_attention", "compressed_sparse_attention",
+                      "sliding_attention"], mlp_layer_types=["moe"] * 4),
+    # one stream, windows longer than some rows, DeepSeek's legacy per-layer compress_ratios / num_hash_layers
+    dict(hc_mult=1, hc_sinkhorn_iters=1, layer_types=None, mlp_layer_types=None, compress_ratios=[128, 4, 0],
+         num_hash_layers=2, compress_rates=None, compress_rate_csa=4, compress_rate_hca=16),
+], ids=["rates-4-8-sigmoid", "legacy-keys-one-stream"])
+def test_other_schedules_bit_identical_with_gradients(overrides, tmp_path):
+    from kiln.interop.tiny import make_tiny
+
+    src = make_tiny("deepseek_v4", "causal-lm", tmp_path / "m", tokenizer=False, **overrides)
+    ours, hf = _pair(src)
+    assert ours.config.attention_kinds() == hf.config.layer_types and ours.config.rates() == hf.config.compress_rates
+    ours.train(), hf.train()
+    for batch in batches()[1:]:
+        a, b = ours(**batch), hf(**batch)
+        same(a.logits, b.logits, "logits")
+        a.loss.backward()
+        b.loss.backward()
+    theirs = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        if p.grad is not None:
+            same(p.grad, theirs[name].grad, f"grad {name}")
+
+
 def test_base_model_hidden_states_bit_identical(ckpt):
     src = ckpt("base")
     ours, hf = AutoModel.from_pretrained(src), transformers.AutoModel.from_pretrained(src).eval()
