@@ -329,8 +329,18 @@ def _eval_forward(pipe: Pipeline):
 def check_pipeline(model: nn.Module, parallel: Any) -> list[int]:
     """Refuse a model or [parallel] table pp cannot run (before any process group work); blocks per stage."""
     backbone, blocks_attr, _, _ = _parts(model)
-    num_blocks = int(getattr(backbone, "num_main_layers", len(getattr(backbone, blocks_attr))))
-    return stage_sizes(num_blocks, parallel.pp, parallel.pp_schedule, parallel.pp_stages, model_name(model))
+    blocks = getattr(backbone, blocks_attr)
+    num_blocks = int(getattr(backbone, "num_main_layers", len(blocks)))
+    sizes = stage_sizes(num_blocks, parallel.pp, parallel.pp_schedule, parallel.pp_stages, model_name(model))
+    start = 0
+    for i, n in enumerate(sizes):
+        # only hidden states cross a boundary: a layer reusing its predecessor's sparse-attention keys cannot open one
+        if getattr(getattr(blocks[start], "self_attn", None), "sparse", None) == "shared":
+            raise ConfigError(f"parallel.pp: stage {i} would start at layer {start} of {model_name(model)}, which "
+                              f"reuses the previous layer's sparse-attention choice (indexer_types 'shared'); give "
+                              f"parallel.pp_stages so that every stage starts at a layer with its own indexer")
+        start += n
+    return sizes
 
 
 def check_microbatches(microbatches: int, rows: int) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,10 +20,13 @@ from kiln.models.common.loss import shift_labels
 from kiln.parallel.apply import parallelize
 
 CONFIG = {**TINY["qwen3"], "num_hidden_layers": 8, "tie_word_embeddings": False, "intermediate_size": 40}
+CONFIGS = {"qwen3": CONFIG,
+           "qwen3_moe": {**TINY["qwen3_moe"], "num_hidden_layers": 4, "mlp_only_layers": [2]},
+           "deepseek_v3": {**TINY["deepseek_v3"], "num_hidden_layers": 4}}  # MLA; layer 0 dense, the rest MoE
 
 
-def build(**overrides):
-    cfg = AutoConfig.for_model("qwen3", **{**CONFIG, **overrides})
+def build(family: str = "qwen3", **overrides):
+    cfg = AutoConfig.for_model(family, **{**CONFIGS[family], **overrides})
     return from_config(cfg, task="causal-lm", seed=0)
 
 
@@ -41,7 +45,7 @@ def plan(**keys) -> SimpleNamespace:
     return SimpleNamespace(**{**base, **keys})
 
 
-def reference(lengths: tuple[int, ...] = (16,), **model_keys) -> dict:
+def reference(lengths: tuple[int, ...] = (16,), **model_keys: Any) -> dict:
     """One process, the whole batch (cut to each of `lengths` in turn, accumulated): the mean loss over every
     target, its gradients and their norm."""
     model = build(**model_keys)

@@ -23,6 +23,8 @@ JOBS_2 = [("gpipe-2", {"pp": 2, "pp_schedule": "gpipe"}),
           ("stages-5-3", {"pp": 2, "pp_stages": [5, 3], "microbatches": 2}),
           ("tied-2", {"pp": 2, "model": {"tie_word_embeddings": True}}),
           ("lengths-2", {"pp": 2, "lengths": (16, 12, 16)}),
+          ("moe-2", {"pp": 2, "model": {"family": "qwen3_moe"}}),
+          ("mla-moe-2", {"pp": 2, "pp_stages": [1, 3], "microbatches": 2, "model": {"family": "deepseek_v3"}}),
           ("bad-microbatches", {"pp": 2, "microbatches": 3})]
 JOBS_4 = [("gpipe-4", {"pp": 4, "pp_schedule": "gpipe"}),
           ("1f1b-4", {"pp": 4}),
@@ -44,29 +46,25 @@ def results(tmp_path_factory) -> dict:
     return {p.stem: torch.load(p, weights_only=True) for p in out.glob("*.pt")}
 
 
+def _reference_of(keys: dict) -> dict:
+    """One process on the job's model and batches."""
+    return workers.reference(lengths=keys.get("lengths", (16,)), **keys.get("model", {}))
+
+
 @pytest.fixture(scope="module")
 def reference() -> dict:
     return workers.reference()
 
 
-@pytest.fixture(scope="module")
-def tied_reference() -> dict:
-    return workers.reference(tie_word_embeddings=True)
-
-
-@pytest.fixture(scope="module")
-def lengths_reference() -> dict:
-    return workers.reference(lengths=(16, 12, 16))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [j[0] for j in PARITY])
-def test_pipeline_equals_one_process(results, reference, tied_reference, lengths_reference, name):
+def test_pipeline_equals_one_process(results, name):
     """Tied embeddings: the last stage's copy and the first stage's gradient summed give the one tensor's.
     lengths-*: three batches accumulated, one of another sequence length (a schedule of its own; FSDP's
-    setup of it must not drop the gradients accumulated so far)."""
+    setup of it must not drop the gradients accumulated so far). moe / mla-moe: Qwen3-MoE and DeepSeek-V3
+    (MLA, dense first layer) stages run their own backbone forward."""
     got = results[name]
-    reference = {"tied": tied_reference, "lengths": lengths_reference}.get(name.split("-")[0], reference)
+    reference = _reference_of(dict(PARITY)[name])
     torch.testing.assert_close(got["loss"], reference["loss"], rtol=1e-6, atol=1e-6)
     assert set(got["grads"]) == set(reference["grads"])  # every parameter came back from some stage
     for n, want in reference["grads"].items():
@@ -87,6 +85,18 @@ def test_pipeline_control_a_wrong_count_fails(results, reference):
 def test_microbatches_must_divide_the_batch(results):
     assert "parallel.microbatches = 3 does not divide the batch of 8 rows (train.batch_size)" in \
         results["bad-microbatches"]["error"]
+
+
+def test_a_stage_cannot_open_on_a_shared_indexer_layer():
+    from kiln.interop.tiny import TINY
+    from kiln.models.auto import AutoConfig, from_config
+
+    cfg = AutoConfig.for_model("glm_moe_dsa", **{**TINY["glm_moe_dsa"], "num_hidden_layers": 4,
+                                                 "indexer_types": ["full", "shared", "full", "shared"]})
+    with pytest.raises(ConfigError, match=r"stage 1 would start at layer 1 of glm_moe_dsa, which reuses"):
+        parallelize(from_config(cfg, task="causal-lm", seed=0), workers.plan(pp=2, pp_stages=[1, 3]), world_size=2)
+    with pytest.raises(ConfigError, match=r"stage 1 would start at layer 3"):  # even: [2, 2] is fine, [3, 1] not
+        parallelize(from_config(cfg, task="causal-lm", seed=0), workers.plan(pp=2, pp_stages=[3, 1]), world_size=2)
 
 
 @pytest.mark.parametrize("keys,message", [
