@@ -39,7 +39,7 @@ def train(config: Path = typer.Option(..., "--config", "-c", help="The run TOML.
     cfg = load_run_config(config, overrides)
     _check_parallel(cfg.parallel)
     if resume is not None and not any(key == "train.batch_size" for key, _ in overrides):
-        cfg = _keep_global_batch(cfg, resume)  # on another number of processes: the batch that keeps the global one
+        cfg = _keep_global_batch(cfg, resume)  # the per-process batch that keeps the checkpoint's global one
     trainer = build_trainer(cfg, resume=resume).fit()
     if trainer.world.main:
         line = f"done: step {trainer.step}"
@@ -82,7 +82,10 @@ def _keep_global_batch(cfg, resume: Path):
     from kiln.train.resume import keep_global_batch
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    return keep_global_batch(cfg, resume, world, data_shard(cfg.parallel, 0, world)[1])[0]
+    cfg, note = keep_global_batch(cfg, resume, world, data_shard(cfg.parallel, 0, world)[1])
+    if note and os.environ.get("RANK", "0") == "0":
+        typer.echo(f"resume: {note}")
+    return cfg
 
 
 _TORCHRUN_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint",

@@ -199,10 +199,13 @@ def check_resume(path: Path, state: dict[str, Any], fingerprint: dict[str, Any],
     return reshard, allowed
 
 
-def keep_global_batch(cfg: Any, resume: Path, world_size: int, data_shards: int) -> tuple[Any, Reshard | None]:
-    """A run config whose train.batch_size keeps the global batch of RUN_DIR's newest checkpoint on
-    `world_size` processes (for `kiln train --resume`, before any data is built; any other batch size
-    would be refused). Unchanged when the world size is the checkpoint's."""
+def keep_global_batch(cfg: Any, resume: Path, world_size: int, data_shards: int) -> tuple[Any, str | None]:
+    """The run config with the train.batch_size a resume of RUN_DIR's newest checkpoint needs on
+    `world_size` processes (for `kiln train --resume`, before any data is built): the checkpoint's
+    global batch over this run's data-parallel processes. Any other value would be refused, and after a
+    reshard the run's TOML still holds the batch size of the world size it started on. Returns a note
+    when the world size is the checkpoint's and the TOML's batch size was overridden (a reshard says
+    its own)."""
     from kiln.train.checkpoint import latest_checkpoint, read_trainer_state
 
     found = latest_checkpoint(resume, report=lambda _: None) if resume.is_dir() else None
@@ -210,10 +213,15 @@ def keep_global_batch(cfg: Any, resume: Path, world_size: int, data_shards: int)
         return cfg, None  # the Trainer says what is missing
     state = read_trainer_state(found)
     reshard = plan_reshard(found, state, cfg.model_dump(mode="json"), world_size, data_shards)
-    if reshard is None or cfg.train.batch_size == reshard.batch_size:
-        return cfg, reshard
-    train = cfg.train.model_copy(update={"batch_size": reshard.batch_size})
-    return cfg.model_copy(update={"train": train}), reshard
+    saved = ((state.get("run_config") or {}).get("train") or {}).get("batch_size")
+    want = reshard.batch_size if reshard is not None else saved
+    if want is None or cfg.train.batch_size == want:
+        return cfg, None
+    note = None if reshard is not None else (
+        f"train.batch_size {cfg.train.batch_size} -> {want} per process, as {found.name} was trained "
+        f"(its global batch of {want * data_shards} rows); --set train.batch_size=N to ask for another")
+    train = cfg.train.model_copy(update={"batch_size": want})
+    return cfg.model_copy(update={"train": train}), note
 
 
 def reseed(seed: int, step: int, rank: int) -> None:

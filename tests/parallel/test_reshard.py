@@ -3,7 +3,8 @@
 An FSDP run on 2 gloo processes, SIGKILLed after step 3 (ckpt-000002 the newest), resumes on 1 and on 4
 processes: DCP reads the sharded model and optimizer state into the new layout, the per-process batch
 changes so the global batch keeps its rows, and the losses equal the uninterrupted 2-process run within
-fp32 rounding. A plain (DDP) checkpoint does the same. What cannot reshard is refused by message.
+fp32 rounding; the 1-process continuation resumes again on 1 process and on 4 (its plain checkpoint into
+FSDP shards). A plain (DDP) checkpoint does the same. What cannot reshard is refused by message.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def _killed_and_straight(d: Path, name: str, parallel: dict) -> tuple[Path, Path
 
 def _resume_on(n: int, cfg: Path, killed: Path, run: Path, from_step: int = 2):
     shutil.copytree(killed, run)
+    for late in (p for p in run.glob("ckpt-*") if int(p.name.removeprefix("ckpt-")) > from_step):
+        shutil.rmtree(late)  # a finished run: continue it from `from_step`
     p = _launch(n, cfg, "--resume", str(run))
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"from ckpt-{from_step:06d}" in p.stdout
@@ -76,10 +79,14 @@ def test_fsdp_checkpoint_from_2_processes_resumes_on_1_and_on_4(tmp_path):
         notes = [r["note"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "note" in r]
         assert any(line in note for note in notes)
         _continues(run, straight, tmp_path)
-    # the 1-process run saved plain checkpoints; scaled back up to 4 FSDP processes from its step 4
-    shutil.rmtree(d / "fsdp-on-1" / f"ckpt-{STEPS:06d}")
+    # the 1-process run saved plain checkpoints of 4 rows per process; run.toml still says 2 (for 2 processes)
+    p = _resume_on(1, cfg, d / "fsdp-on-1", d / "fsdp-1-again", from_step=4)
+    assert "resume: train.batch_size 2 -> 4 per process, as ckpt-000004 was trained" in p.stdout
+    assert "resharding" not in p.stdout
+    _continues(d / "fsdp-1-again", straight, tmp_path)
+    # and scaled back up to 4 FSDP processes from its step 4: whole weights and optimizer state into shards
     p = _resume_on(4, cfg, d / "fsdp-on-1", d / "fsdp-1-then-4", from_step=4)
-    assert "resharding checkpoint from 1 to 4 processes" in p.stdout
+    assert "resharding checkpoint from 1 to 4 processes: train.batch_size 4 -> 1 per process" in p.stdout
     _continues(d / "fsdp-1-then-4", straight, tmp_path)
 
 
