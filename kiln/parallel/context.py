@@ -112,6 +112,7 @@ class ContextParallel:
         self.group, self.cp, self.rank, self.method = group, cp, rank, method
         self.mask: torch.Tensor | None = None  # (B or 1, 1, T/cp, T) for the forward under way
         self.blocks: list[torch.Tensor] = []   # row positions each cp rank holds, for the ring
+        self._bias: dict[torch.dtype, torch.Tensor] = {}  # self.mask as SDPA's additive mask, per dtype
         self._labels = False                   # that forward was given labels= (it reports .loss)
 
     # ---- the split -------------------------------------------------------------------------
@@ -141,6 +142,7 @@ class ContextParallel:
         if positions is None:
             positions = torch.arange(T, device=device)[None]  # (1, T)
         self.mask = _global_mask(idx, T, rows.get("attention_mask"), rows.get("position_ids"), B)
+        self._bias = {}
         for k, v in rows.items():
             if k not in ("attention_mask", "position_ids"):
                 given[k] = v[:, idx]
@@ -166,8 +168,16 @@ class ContextParallel:
             return ring_attention(q, k, v, self.mask, self.blocks, scale, dropout_p, self.group)
         kv = gather_sequence(torch.stack([k, v]), self.group, self.cp)  # (2, B, KVH, T, D)
         k, v = kv[0], kv[1]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, dropout_p=dropout_p, scale=scale,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self._additive(q.dtype), dropout_p=dropout_p,
+                                              scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+    def _additive(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as 0 / -inf in the queries' dtype, made once per forward: SDPA would convert a boolean one in
+        every layer and keep each copy for its backward; one tensor shared by all layers is kept once."""
+        if dtype not in self._bias:
+            self._bias[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
+                ~self.mask, float("-inf"))
+        return self._bias[dtype]
 
 
 def _pad_rows(rows: dict[str, torch.Tensor], T: int, multiple: int) -> dict[str, torch.Tensor]:

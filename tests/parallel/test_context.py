@@ -22,7 +22,8 @@ JOBS_2 = [("cp-2", "qwen3", "plain", {"cp": 2}),
           ("cp-2-llama", "llama", "plain", {"cp": 2}),
           ("cp-2-packed", "qwen3", "packed", {"cp": 2}),
           ("cp-2-padded", "qwen3", "padded", {"cp": 2}),
-          ("cp-fsdp-2", "qwen3", "plain", {"cp": 2, "fsdp": True})]
+          ("cp-fsdp-2", "qwen3", "plain", {"cp": 2, "fsdp": True}),
+          ("cp-2-compile", "qwen3", "packed", {"cp": 2, "compile": True, "compile_backend": "aot_eager"})]
 JOBS_4 = [("cp-4", "qwen3", "plain", {"cp": 4}),
           ("cp-4-packed", "qwen3", "packed", {"cp": 4}),
           ("cp-dp-2x2", "qwen3", "plain", {"cp": 2, "dp": 2}),
