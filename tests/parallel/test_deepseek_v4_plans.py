@@ -1,5 +1,6 @@
 """DeepSeek-V4's blocks carry hc_mult residual streams (B, T, n, C), a rope dict and token ids: per-block activation
-checkpointing recomputes them bit for bit, and FSDP2 with it equals one process (spawned, gloo)."""
+checkpointing recomputes them bit for bit; FSDP2 with it, and FSDP2 with expert parallelism, equal one process
+(spawned, gloo); tensor parallelism is refused by name."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from spawn import spawn
 
 import workers
 
-JOBS = [("fsdp-ac-2-deepseek-v4", "deepseek_v4", {"fsdp": True, "activation_checkpointing": "block"})]
+JOBS = [("fsdp-ac-2-deepseek-v4", "deepseek_v4", {"fsdp": True, "activation_checkpointing": "block"}),
+        ("fsdp-ep-2-deepseek-v4", "deepseek_v4", {"fsdp": True, "ep": 2})]  # expert shards: FSDP units of their own
 
 
 def test_block_checkpointing_recomputes_the_streams_exactly():
@@ -37,11 +39,17 @@ def test_tensor_parallel_is_refused_by_name():
         tensor_plan(workers.build("deepseek_v4"), 2)
 
 
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("v4-plans")
+    spawn(workers.run_many, 2, (str(out), JOBS))
+    return {p.stem: torch.load(p, weights_only=True) for p in out.glob("*.pt")}
+
+
 @pytest.mark.slow
-def test_fsdp_with_block_checkpointing_equals_one_process(tmp_path):
-    spawn(workers.run_many, 2, (str(tmp_path), JOBS))
-    got = torch.load(tmp_path / f"{JOBS[0][0]}.pt", weights_only=True)
-    want = workers.reference("deepseek_v4")
+@pytest.mark.parametrize("name", [j[0] for j in JOBS])
+def test_fsdp_plans_equal_one_process(results, name):
+    got, want = results[name], workers.reference("deepseek_v4")
     torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-5, atol=1e-6)
     # gradients only: the hyper-connection weights get gradients far below AdamW's eps (~1e-9), where the
     # first step's size follows the fp32 rounding of FSDP's reduction, so updated weights are not comparable
