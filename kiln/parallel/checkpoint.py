@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +79,7 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=single)
-        own = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        _dcp_load(state, path, no_dist=single)
         own = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         # Pipeline stages list different parameters in their param groups, and DCP keeps one copy of each group
@@ -88,15 +88,9 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
             for k, v in mine.items():
                 if group.get(k) is None:
                     group[k] = v
-        # Pipeline stages list different parameters in their param groups, and DCP keeps one copy of each group
-        # entry: a stage whose groups did not come back would fall to the optimizer's defaults (fused off, ...).
-        for group, mine in zip(optimizer.param_groups, own):
-            for k, v in mine.items():
-                if group.get(k) is None:
-                    group[k] = v
     else:
         state = {"model": model.state_dict()}
-        dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=single)  # DTensors and plain tensors filled in place
+        _dcp_load(state, path, no_dist=single)  # DTensors and plain tensors are filled in place
     trainer = path / "trainer.json"
     return read_json(trainer, want=dict) if trainer.is_file() else {}
 
@@ -115,6 +109,12 @@ def load_full_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stat
     by_name = {"state": {names[int(i)]: v for i, v in state["state"].items()},
                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+
+
+def _dcp_load(state: dict, path: Path, no_dist: bool) -> None:
+    with warnings.catch_warnings():  # torch warns on every single-process load, even one asked for
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=no_dist)
 
 
 def is_sharded(path: str | os.PathLike) -> bool:
@@ -136,7 +136,7 @@ def export_sharded(path: str | os.PathLike, out: str | os.PathLike, max_shard_by
         model = family.build(config, task or BASE)
     model.to_empty(device="cpu")  # storage for every tensor, filled below; no init work wasted
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=True)
+    _dcp_load(state, path, no_dist=True)
     model.tie_weights()
     if Tokenizer.present(path / "model"):
         model.tokenizer = Tokenizer.from_dir(path / "model")
