@@ -59,7 +59,8 @@ class Parallelized:
         return not self.cadence and not self.fsdp and d.tp == 1 and d.ep == 1 and d.pp == 1 and d.dp * d.cp > 1
 
     def sync_gradients(self) -> None:
-        """Average gradients where neither DDP nor FSDP does it (tp with dp > 1, ep)."""
+        """Average gradients where neither DDP nor FSDP does it (tp with dp > 1, ep), and add up the partial
+        expert gradients of tp ranks that each ran the experts on their share of the tokens."""
         if self.mesh is not None and self.degrees.tp > 1:
             # each tp rank ran the routed experts on its share of the tokens (tp.py): sum their gradients over tp
             tp_group = self.mesh.get_group("tp")

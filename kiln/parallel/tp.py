@@ -144,11 +144,16 @@ def _moe_path(plan: ParallelPlan, block: nn.Module) -> str | None:
     return plan.experts.rpartition(".")[0]
 
 
-def layer_plan(plan: ParallelPlan, sequence_parallel: bool, block: nn.Module | None = None) -> dict[str, Any]:
+def layer_plan(plan: ParallelPlan, sequence_parallel: bool, block: nn.Module) -> dict[str, Any]:
     """The DTensor styles for one block, keyed by submodule name (paths the block lacks are left out)."""
-    has = (lambda name: True) if block is None else (lambda name: part(block, name) is not None)
-    moe = _moe_path(plan, block) if block is not None else None
-    inside_moe = (lambda name: moe is not None and name.startswith(moe + "."))
+    def has(name: str) -> bool:
+        return part(block, name) is not None
+
+    moe = _moe_path(plan, block)
+
+    def inside_moe(name: str) -> bool:
+        return moe is not None and name.startswith(moe + ".")
+
     residual = Shard(1) if sequence_parallel else Replicate()  # (B, T, C): the sequence axis
     styles: dict[str, Any] = {name: ColwiseParallel() for name in plan.colwise if has(name)}
     for name in filter(has, plan.rowwise):
