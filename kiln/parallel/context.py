@@ -39,7 +39,7 @@ from kiln.models.common.loss import shift_labels
 from kiln.parallel.blocks import model_name
 from kiln.parallel.ring import ring_attention
 
-# Row-aligned (B, T) inputs the split cuts, and what pads them to a multiple of 2*cp (pad_collate's values).
+# Row-aligned (B, T, ...) inputs the split cuts (and pads to a multiple of 2*cp when they are padded or packed rows).
 _ROW_KEYS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "targets")
 
 
@@ -96,7 +96,7 @@ class _GatherSequence(torch.autograd.Function):
         return out, None
 
 
-def gather_sequence(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """Each rank's (..., T/cp, D) chunk pair -> the whole (..., T, D) in row order, autograd-aware."""
     g = _GatherSequence.apply(x, group)  # (cp, ..., 2c, D)
     g = g.unflatten(-2, (2, -1))         # (cp, ..., 2, c, D)
@@ -166,7 +166,7 @@ class ContextParallel:
         (or, method "ring", passed around them: kiln.parallel.ring)."""
         if self.method == "ring":
             return ring_attention(q, k, v, self.mask, self.blocks, scale, dropout_p, self.group)
-        kv = gather_sequence(torch.stack([k, v]), self.group, self.cp)  # (2, B, KVH, T, D)
+        kv = gather_sequence(torch.stack([k, v]), self.group)  # (2, B, KVH, T, D)
         k, v = kv[0], kv[1]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self._additive(q.dtype), dropout_p=dropout_p,
                                               scale=scale, enable_gqa=q.shape[1] != k.shape[1])

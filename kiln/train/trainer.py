@@ -344,11 +344,13 @@ class Trainer:
         """Sum the window over ranks and turn gradients into the mean over every unit; the mean loss."""
         if self.plan is not None:
             self.plan.sync_gradients()  # tp with dp > 1, and ep: neither DDP nor FSDP averages these
-        # tp ranks add identical copies of their group's sums: loss_sum / count is unchanged by them.
+        # tp ranks add identical copies of their group's sums: loss_sum / count is unchanged by them; cp ranks
+        # each add the sums over their own chunks of the rows (kiln.parallel.context), which make the rows' sums.
         totals = all_reduce_sum(torch.stack([window.loss_sum, window.count]), self.world)
         loss = float(totals[0] / totals[1])
         # Gradients now hold the mean over the data shards of each shard's summed-unit gradient; turn that
-        # into the mean over every unit. totals[1] counts every unit tp times, and world = shards * tp.
+        # into the mean over every unit. totals[1] counts every unit tp times, and world = shards * tp. Under cp,
+        # DDP / FSDP average over the dp x cp ranks, each unit is counted once, and world = dp * cp: the same scale.
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.scaler:
             self.scaler.unscale_(self.optimizer)

@@ -166,3 +166,14 @@ def test_ring_blocks_fused_cpu_kernel_and_math_fallback_agree(monkeypatch):
     torch.testing.assert_close(fused_lse, lse)
     for a, b in zip(fused_grads, ring._block_backward(grad, q, k, v, out, lse, mask, 0.3)):
         torch.testing.assert_close(a.float(), b)
+
+
+def test_gathered_chunks_come_back_in_row_order(monkeypatch):
+    """The all-gather stacks each rank's (early, late) chunk pair; gather_sequence puts the row back in order."""
+    from kiln.parallel import context
+
+    T, cp = 12, 3
+    row = torch.arange(T, dtype=torch.float32)[None, None, :, None]  # (1, 1, T, 1)
+    per_rank = torch.stack([row[:, :, chunk_index(T, cp, r)] for r in range(cp)])  # what the collective returns
+    monkeypatch.setattr(context._GatherSequence, "apply", lambda x, group: per_rank)
+    assert torch.equal(gather_sequence(per_rank[0], None), row)
