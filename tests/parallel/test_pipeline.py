@@ -23,6 +23,7 @@ JOBS_2 = [("gpipe-2", {"pp": 2, "pp_schedule": "gpipe"}),
           ("stages-5-3", {"pp": 2, "pp_stages": [5, 3], "microbatches": 2}),
           ("tied-2", {"pp": 2, "model": {"tie_word_embeddings": True}}),
           ("lengths-2", {"pp": 2, "lengths": (16, 12, 16)}),
+          ("checkpointed-2", {"pp": 2, "activation_checkpointing": "block"}),  # blocks recomputed in the backward
           ("moe-2", {"pp": 2, "model": {"family": "qwen3_moe"}}),
           ("mla-moe-2", {"pp": 2, "pp_stages": [1, 3], "microbatches": 2, "model": {"family": "deepseek_v3"}}),
           ("bad-microbatches", {"pp": 2, "microbatches": 3})]
