@@ -240,6 +240,8 @@ class Pipeline:
         if self.tie_group is None:
             return
         weight = self.tied_copy if self.tied_copy is not None else self.embedding_weight
+        if not weight.requires_grad:  # frozen (LoRA): nothing to keep in step
+            return
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         grad = weight.grad
