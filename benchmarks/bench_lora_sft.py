@@ -51,6 +51,15 @@ def prepare(tmp: Path) -> None:
     """The chat JSONL, the tokenizer and the random model directory (once per benchmark run)."""
     import torch
     import transformers
+
+    prepare_data(tmp)
+    transformers.utils.logging.disable_progress_bar()
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SIZE)).save_pretrained(tmp / "model")
+
+
+def prepare_data(tmp: Path) -> None:
+    """The chat JSONL and the tokenizer (in tmp/model, where the model directory goes)."""
     from kiln.data.bpe import train_bpe
 
     arts = bbc_articles()
@@ -64,13 +73,10 @@ def prepare(tmp: Path) -> None:
             {"role": "user", "content": f"Continue this BBC News {topic} article.\n\n{title}\n\n{' '.join(words[:cut])}"},
             {"role": "assistant", "content": " ".join(words[cut:cut + 220])}]})
     (tmp / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    transformers.utils.logging.disable_progress_bar()
-    torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SIZE)).save_pretrained(tmp / "model")
 
 
-def toml(tmp: Path, full: bool, steps: int) -> Path:
-    lora = "" if full else f"[lora]\nr = 16\nalpha = 32\ntargets = {json.dumps(TARGETS)}\n"
+def toml(tmp: Path, full: bool, steps: int, targets: list[str] = TARGETS) -> Path:
+    lora = "" if full else f"[lora]\nr = 16\nalpha = 32\ntargets = {json.dumps(targets)}\n"
     out = tmp / f"run-{time.time_ns()}"
     path = tmp / f"{out.name}.toml"
     path.write_text(f"""[model]
@@ -90,7 +96,7 @@ progress = false
     return path
 
 
-def run_kiln(tmp: Path, full: bool, steps: int, warmup: int) -> dict:
+def run_kiln(tmp: Path, full: bool, steps: int, warmup: int, targets: list[str] = TARGETS) -> dict:
     import torch  # noqa: F401  (imported before the baseline, as on the peer side)
     from kiln.train import Callback
     from kiln.train.config import load_run_config
@@ -107,7 +113,7 @@ def run_kiln(tmp: Path, full: bool, steps: int, warmup: int) -> dict:
             real = record["tokens_per_s"] * seconds * (1 - record.get("pad_fraction", 0.0) if packed else 1.0)
             stamps.append((time.perf_counter(), real))
 
-    cfg = toml(tmp, full, steps + warmup)
+    cfg = toml(tmp, full, steps + warmup, targets)
     trainer = build_trainer(load_run_config(cfg))
     trainer.callbacks.append(Clock())
     trainer.fit()
@@ -118,7 +124,8 @@ def run_kiln(tmp: Path, full: bool, steps: int, warmup: int) -> dict:
             "rows_packed": "position_ids" in trainer.data[0]}
 
 
-def run_peer(tmp: Path, full: bool, steps: int, warmup: int) -> dict:
+def run_peer(tmp: Path, full: bool, steps: int, warmup: int, targets: list[str] = TARGETS,
+             pad_id: int = SIZE["pad_token_id"]) -> dict:
     import torch
     import transformers
     from kiln.data.records import read_records
@@ -134,7 +141,7 @@ def run_peer(tmp: Path, full: bool, steps: int, warmup: int) -> dict:
     if not full:
         import peft
 
-        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS,
+        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets,
                                                            lora_dropout=0.0, task_type="CAUSAL_LM"))
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
@@ -143,7 +150,7 @@ def run_peer(tmp: Path, full: bool, steps: int, warmup: int) -> dict:
     for step in range(steps + warmup):
         rows = [examples[i] for i in order[step * BATCH:(step + 1) * BATCH]]
         width = max(len(r["input_ids"]) for r in rows)
-        ids = torch.full((len(rows), width), SIZE["pad_token_id"])
+        ids = torch.full((len(rows), width), pad_id)
         labels = torch.full((len(rows), width), -100)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, r in enumerate(rows):
