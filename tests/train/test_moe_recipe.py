@@ -268,8 +268,9 @@ def test_sigkill_then_resume_with_mtp_and_aux_free_matches_uninterrupted(tmp_pat
 
 
 # ---- the sparse-attention indexer ---------------------------------------------------------------------
-def test_indexer_frozen_by_default_and_outputs_unchanged_by_kl_mode():
-    model = from_config(AutoConfig.for_model("deepseek_v32", **TINY["deepseek_v32"]), task="causal-lm", seed=0)
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_indexer_frozen_by_default_and_outputs_unchanged_by_kl_mode(model_type):
+    model = from_config(AutoConfig.for_model(model_type, **TINY[model_type]), task="causal-lm", seed=0)
     indexers = [m for m in model.modules() if isinstance(m, Indexer)]
     assert indexers and not any(p.requires_grad for ix in indexers for p in ix.parameters())
     ids = torch.randint(2, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
