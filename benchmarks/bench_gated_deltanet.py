@@ -5,10 +5,14 @@ transformers' Qwen3_5GatedDeltaNet (no flash-linear-attention / causal-conv1d in
 `fast_delta_rule = True` run out.sum().backward() on the same input at each length. Both are warmed up
 first, then timed in interleaved rounds (machine noise hits both); min and median per side are printed,
 with the largest relative gradient difference (the fast rule must agree to ~1e-5). The delta rule alone
-(after projections and conv) is timed the same way. kiln/transformers ratios (> 1 = kiln faster) come last.
+(after projections and conv), the causal conv + SiLU and the gated output norm are timed the same way.
+kiln/transformers ratios (> 1 = kiln faster) come last.
 
-    python benchmarks/bench_gated_deltanet.py [--seqs 1024,4096] [--hidden 256] [--k-heads 4] [--v-heads 8]
-                                              [--head-dim 64] [--batch 1] [--rounds 5] [--threads N]
+The default heads are Qwen3.5's shape at a small width: heads of 128 (every released Qwen3-Next / Qwen3.5
+model), twice as many value heads as q/k heads, q/k width = hidden, value width = 2 x hidden.
+
+    python benchmarks/bench_gated_deltanet.py [--seqs 1024,4096] [--hidden 256] [--k-heads 2] [--v-heads 4]
+                                              [--head-dim 128] [--batch 1] [--rounds 5] [--threads N]
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import transformers
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen3_5
 
 from kiln.models.common import delta_rule
-from kiln.models.common.hybrid import GatedDeltaNet
+from kiln.models.common.hybrid import GatedDeltaNet, tap_conv
 
 
 def fwd_bwd(layer, x: torch.Tensor) -> float:
@@ -63,9 +67,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", default="1024,4096")
     ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--k-heads", type=int, default=4)
-    ap.add_argument("--v-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--k-heads", type=int, default=2)
+    ap.add_argument("--v-heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -88,7 +92,7 @@ def main() -> None:
     delta_rule.set_fast(ours)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, hidden {args.hidden}, "
           f"heads {args.k_heads} q/k x {args.v_heads} v of dim {args.head_dim}, batch {args.batch}")
-    layer_ratio, rule_ratio = {}, {}
+    layer_ratio, rule_ratio, part_ratio = {}, {}, {}
     for T in (int(s) for s in args.seqs.split(",")):
         g = torch.Generator().manual_seed(T)
         x = torch.randn(args.batch, T, args.hidden, generator=g).requires_grad_()
@@ -112,8 +116,23 @@ def main() -> None:
                            "transformers": lambda: rule_fwd_bwd(hf_rule, rule_in)}, args.rounds)
         rule_ratio[T] = (min(t["transformers"]) / min(t["kiln fast"]),
                          statistics.median(t["transformers"]) / statistics.median(t["kiln fast"]))
+        # the non-rule parts that differ (the projections are the same Linears on both sides)
+        mixed = torch.randn(args.batch, T, ours.conv1d.weight.shape[0], generator=g).requires_grad_()
+        w = ours.conv1d.weight
+        hf_conv = (lambda x: hf_qwen3_5.causal_conv1d_fn(x.transpose(1, 2), w.squeeze(1), None,
+                                                          activation="silu").transpose(1, 2))
+        t = timed("conv", {"kiln fast": lambda: rule_fwd_bwd(lambda x: (tap_conv(x, w, None, ours.act),), [mixed]),
+                           "transformers": lambda: rule_fwd_bwd(lambda x: (hf_conv(x),), [mixed])}, args.rounds)
+        part_ratio.setdefault("conv", {})[T] = min(t["transformers"]) / min(t["kiln fast"])
+        o, z = (torch.randn(args.batch * T * H, D, generator=g).requires_grad_() for _ in range(2))
+        t = timed("norm", {"kiln fast": lambda: rule_fwd_bwd(lambda *a: (ours.norm(*a),), [o, z]),
+                           "transformers": lambda: rule_fwd_bwd(lambda *a: (theirs.norm(*a),), [o, z])}, args.rounds)
+        part_ratio.setdefault("norm", {})[T] = min(t["transformers"]) / min(t["kiln fast"])
     print("kiln/transformers speed, Gated DeltaNet layer fwd+bwd (min, median): "
           + "  ".join(f"T={T}: {a:.2f}x, {b:.2f}x" for T, (a, b) in layer_ratio.items()))
+    print("kiln/transformers speed (min), causal conv + SiLU: " + "  ".join(
+        f"T={T}: {r:.2f}x" for T, r in part_ratio["conv"].items()) + ";  gated output norm: " + "  ".join(
+        f"T={T}: {r:.2f}x" for T, r in part_ratio["norm"].items()))
     print("kiln/transformers speed, gated delta rule alone fwd+bwd (min, median): "
           + "  ".join(f"T={T}: {a:.2f}x, {b:.2f}x" for T, (a, b) in rule_ratio.items()))
 
