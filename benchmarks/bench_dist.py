@@ -6,7 +6,10 @@
 Each mode runs in fresh processes on the same qwen3-shaped decoder and the same per-step global
 batch, so peak memory is the mode's own. DDP and FSDP2 split the batch over the ranks; TP gives
 every rank the whole batch and splits the layers; PP gives both stages the whole batch in 4
-micro-batches (1F1B) and splits the blocks 2 + 2. Tokens/s counts each global token once. Peak
+micro-batches (1F1B) and splits the blocks 2 + 2. CP rows take long sequences (LONG rows of LONG_SEQ
+tokens): DDP splits the rows over the ranks, CP (all-gathered K/V, or the ring) gives both ranks every
+row and splits each sequence in 4 load-balanced chunks; same tokens per rank. The "-xl" rows take a single
+row of XL_SEQ tokens, on one process and split over cp = 2. Tokens/s counts each global token once. Peak
 memory is the rise of max RSS over the process's start on CPU, max allocated on CUDA. Ratios
 print last.
 """
@@ -34,12 +37,16 @@ from spawn import spawn  # noqa: E402
 from kiln.models.auto import AutoConfig, from_config  # noqa: E402
 
 SIZE = dict(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
-            num_key_value_heads=4, head_dim=32, max_position_embeddings=256)
+            num_key_value_heads=4, head_dim=32, max_position_embeddings=4096)
 BATCH, SEQ, WARMUP, STEPS = 8, 128, 2, 6  # global batch per step
+LONG, LONG_SEQ = 2, 2048  # the long-sequence rows' global batch: DDP vs CP
+XL_SEQ = 4096             # one row this long: one process vs the row split over cp = 2 (what DDP cannot split)
+CP_MODES = {"cp": "allgather", "cp-ring": "ring"}
 
 
 def _plan(mode: str) -> SimpleNamespace:
-    return SimpleNamespace(dp=0, tp=2 if mode == "tp" else 1, ep=1, fsdp=mode == "fsdp", offload=False, cp=1,
+    return SimpleNamespace(dp=0, tp=2 if mode == "tp" else 1, ep=1, fsdp=mode == "fsdp", offload=False,
+                           cp=2 if mode in CP_MODES else 1, cp_method=CP_MODES.get(mode, "allgather"),
                            pp=2 if mode == "pp" else 1, pp_schedule="1f1b", microbatches=4, pp_stages=None,
                            param_dtype=None, reduce_dtype="fp32", sequence_parallel=True,
                            activation_checkpointing="none", checkpoint_every=1, compile=False,
@@ -56,14 +63,17 @@ def worker(rank: int, world: int, mode: str, gpu: bool, out: str) -> None:
     device = torch.device("cuda", rank) if gpu else torch.device("cpu")
     start_mb = _peak_mb(device)  # the process before the model: imports, the forked server's pages
     model = from_config(AutoConfig.for_model("qwen3", **SIZE), task="causal-lm", seed=0).to(device)
-    par = parallelize(model, _plan(mode), world_size=world, device=device)
+    par = parallelize(model, _plan(mode.removesuffix("-long").removesuffix("-xl")), world_size=world, device=device)
+    rows, seq = (LONG, LONG_SEQ) if mode.endswith("-long") or mode in CP_MODES else (BATCH, SEQ)
+    if mode.endswith("-xl"):
+        rows, seq = 1, XL_SEQ
     if par.wrap_ddp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if gpu else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
     seconds = 0.0
     for step in range(WARMUP + STEPS):
-        ids = torch.randint(0, SIZE["vocab_size"], (BATCH, SEQ), generator=g)
+        ids = torch.randint(0, SIZE["vocab_size"], (rows, seq), generator=g)
         ids = ids.chunk(par.data_shards)[par.data_rank].to(device)
         if gpu:
             torch.cuda.synchronize()
@@ -82,7 +92,7 @@ def worker(rank: int, world: int, mode: str, gpu: bool, out: str) -> None:
         dist.barrier()
         if step >= WARMUP:
             seconds += time.perf_counter() - t0
-    result = {"tokens_per_s": BATCH * SEQ * STEPS / seconds, "peak_mb": _peak_mb(device) - start_mb}
+    result = {"tokens_per_s": rows * seq * STEPS / seconds, "peak_mb": _peak_mb(device) - start_mb}
     Path(out, f"{mode}-{world}-rank{rank}.json").write_text(json.dumps(result))
 
 
@@ -95,15 +105,16 @@ def main() -> None:
         sys.exit("--gpu needs 2 CUDA devices")
     backend = "nccl" if args.gpu else "gloo"
     out = tempfile.mkdtemp()
-    runs = [("ddp", 1), ("ddp", 2), ("fsdp", 2), ("tp", 2), ("pp", 2)]
+    runs = [("ddp", 1), ("ddp", 2), ("fsdp", 2), ("tp", 2), ("pp", 2), ("ddp-long", 2), ("cp", 2), ("cp-ring", 2),
+            ("ddp-xl", 1), ("cp-xl", 2)]
     for mode, world in runs:
         spawn(worker, world, (mode, args.gpu, out), backend=backend, threads=args.threads)
     res = {}
-    print(f"{'mode':6s} {'world':>5s} {'tokens/s':>10s}  peak MB per rank ({'CUDA allocated' if args.gpu else 'max RSS rise'})")
+    print(f"{'mode':8s} {'world':>5s} {'tokens/s':>10s}  peak MB per rank ({'CUDA allocated' if args.gpu else 'max RSS rise'})")
     for mode, world in runs:
         ranks = [json.loads(Path(out, f"{mode}-{world}-rank{r}.json").read_text()) for r in range(world)]
         res[mode, world] = {"tps": min(r["tokens_per_s"] for r in ranks), "mem": max(r["peak_mb"] for r in ranks)}
-        print(f"{mode:6s} {world:5d} {res[mode, world]['tps']:10.0f}  " + ", ".join(f"{r['peak_mb']:.0f}" for r in ranks))
+        print(f"{mode:8s} {world:5d} {res[mode, world]['tps']:10.0f}  " + ", ".join(f"{r['peak_mb']:.0f}" for r in ranks))
     ddp = res["ddp", 2]
     print(f"ratio fsdp2/ddp tokens/s: {res['fsdp', 2]['tps'] / ddp['tps']:.3f}")
     print(f"ratio tp/ddp tokens/s: {res['tp', 2]['tps'] / ddp['tps']:.3f}")
@@ -112,6 +123,13 @@ def main() -> None:
     print(f"ratio tp/ddp peak memory: {res['tp', 2]['mem'] / ddp['mem']:.3f}")
     print(f"ratio pp/ddp peak memory: {res['pp', 2]['mem'] / ddp['mem']:.3f}")
     print(f"ratio ddp 2 processes / 1 process tokens/s (scaling): {ddp['tps'] / res['ddp', 1]['tps']:.3f}")
+    long = res["ddp-long", 2]  # CP against DDP on the same long rows
+    for mode in CP_MODES:
+        print(f"ratio {mode}/ddp tokens/s at {LONG_SEQ} tokens: {res[mode, 2]['tps'] / long['tps']:.3f}")
+        print(f"ratio {mode}/ddp peak memory at {LONG_SEQ} tokens: {res[mode, 2]['mem'] / long['mem']:.3f}")
+    print(f"ratio cp 2 / 1 process peak memory per rank, one {XL_SEQ}-token row: "
+          f"{res['cp-xl', 2]['mem'] / res['ddp-xl', 1]['mem']:.3f}")
+    print(f"ratio cp 2 / 1 process tokens/s, one {XL_SEQ}-token row: {res['cp-xl', 2]['tps'] / res['ddp-xl', 1]['tps']:.3f}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Each cp rank keeps its queries; the cp blocks of keys/values (one per rank, in t
 chunk layout of kiln.parallel.context) pass around the ring, one hop per step, while each rank attends
 its queries to the block it holds and merges the partial results by their log-sum-exp (online
 softmax). No rank ever holds the whole sequence's keys: per-rank memory for them is 1/cp of the
-all-gather's, at the price of cp sequential hops (each overlapped with a block's compute).
+all-gather's, at the price of cp sequential hops (in the forward each overlaps a block's compute).
 
 The backward runs the ring again: each block travels with the gradient of its keys/values, which
 every rank adds its queries' share to, and one last hop brings it home. A block's gradient is the

@@ -84,3 +84,24 @@ def test_cp_run_equals_one_process_and_resumes_exactly_after_sigkill(setup):
     assert _losses(killed) == _losses(cp)  # bit for bit, not within rounding
     a, b = load_weights(cp / end / "model"), load_weights(killed / end / "model")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_cp_with_fsdp_over_dp_x_cp_saves_sharded_checkpoints_that_resume(setup):
+    """cp = 2 with fsdp: shards span the flattened dp x cp mesh and save as DCP; the run equals one process."""
+    from kiln.parallel.checkpoint import export_sharded, is_sharded
+
+    one = setup / "one-fsdp"
+    build_trainer(load_run_config(_toml(setup, "one-fsdp", {}))).fit()
+    cfg, run = _toml(setup, "cp-fsdp", {"cp": 2, "fsdp": True}), setup / "cp-fsdp"
+    p = _launch(cfg, env={"KILN_FAULT": "step:3"})
+    assert p.returncode != 0 and "parallel: cp 2 (FSDP)" in p.stdout
+    p = _launch(cfg, "--resume", str(run))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "from ckpt-000002" in p.stdout
+    torch.testing.assert_close(torch.tensor(_losses(run)), torch.tensor(_losses(one)), rtol=1e-5, atol=1e-6)
+    end = f"ckpt-{STEPS:06d}"
+    assert is_sharded(run / end)
+    got, want = load_weights(export_sharded(run / end, setup / "cp-fsdp-export")), load_weights(one / end / "model")
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
