@@ -1,14 +1,16 @@
 """Sharded checkpoints (torch.distributed.checkpoint) for FSDP2 / TP / EP models, and their HF export.
 
     CKPT/
-      model/     config.json (+ tokenizer files): what the weights are, written by rank 0, no weights
+      model/     config.json (+ tokenizer files, lora.json for a LoRA run): what the weights are, written
+                 by rank 0, no weights
       dcp/       every rank writes its own shards of the model and optimizer state (DCP format)
       trainer.json   step and whatever else the caller keeps (rank 0)
 
 No rank ever gathers the whole model: saving and resuming move only local shards. `export_sharded`
 runs in one process without a process group: it builds the model from model/config.json on the
-meta device, materialises it in CPU memory and has DCP read every shard straight into it, then
-writes an ordinary HF directory.
+meta device (with the run's LoRA adapters where the shards hold some), materialises it in CPU memory
+and has DCP read every shard straight into it, then writes an ordinary HF directory, adapters merged
+as `kiln export` merges a plain LoRA checkpoint's.
 
 Resharding: DCP records each tensor's whole shape and the pieces every rank wrote, so `load_sharded`
 reads a checkpoint into another layout (more or fewer processes, or one plain process); a plain
@@ -17,6 +19,7 @@ checkpoint's whole optimizer state goes into a sharded run through `load_full_op
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -33,7 +36,11 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
 from kiln.errors import KilnError
 from kiln.hub.config import write_config
 from kiln.hub.jsonio import read_json
+from kiln.models.common.lora import LoraConfig, apply_lora, linear_names, merge_lora
 from kiln.models.tasks import BASE
+
+
+LORA_FILE = "lora.json"  # a LoRA run's adapter settings (kiln's LoraConfig fields), beside model/config.json
 
 
 def _is_main() -> bool:
@@ -52,6 +59,8 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
             write_config(path / "model", cfg)
             if getattr(model, "tokenizer", None) is not None:
                 model.tokenizer.save(path / "model")
+            if getattr(model, "lora_config", None) is not None:  # alpha and rslora are in no tensor's shape
+                (path / "model" / LORA_FILE).write_text(json.dumps(dataclasses.asdict(model.lora_config)) + "\n")
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
@@ -122,7 +131,12 @@ def is_sharded(path: str | os.PathLike) -> bool:
 
 
 def export_sharded(path: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: int | None = None) -> Path:
-    """Gather a sharded checkpoint into one HF directory, in CPU memory of this one process."""
+    """Gather a sharded checkpoint into one HF directory, in CPU memory of this one process.
+
+    A LoRA run's adapters are rebuilt on the modules that hold them in the shards and merged into their
+    base weights, as `kiln export` writes a plain LoRA checkpoint. Every model tensor in the shards must
+    find its place in the built model (same name, same shape), else nothing is written.
+    """
     from kiln.hub import Tokenizer
     from kiln.models.auto import load_config
 
@@ -132,12 +146,62 @@ def export_sharded(path: str | os.PathLike, out: str | os.PathLike, max_shard_by
     if not (path / "model" / "config.json").is_file():
         raise KilnError(f"{path}: sharded checkpoint without model/config.json; it cannot say which model it holds")
     family, config, task = load_config(path / "model")
+    saved = _saved_model_shapes(path)
+    lora = _lora_config(path, saved)
     with torch.device("meta"):
         model = family.build(config, task or BASE)
+        if lora is not None:  # adapters on modules this model lacks stay out: reported by name just below
+            present = set(linear_names(model))
+            lora.targets = [m for m in lora.targets if m in present]
+            apply_lora(model, lora)
+    _check_placed(path, saved, {k: tuple(v.shape) for k, v in model.state_dict().items()})
     model.to_empty(device="cpu")  # storage for every tensor, filled below; no init work wasted
     state = {"model": model.state_dict()}
     _dcp_load(state, path, no_dist=True)
     model.tie_weights()
+    if lora is not None:  # an HF directory holds plain weights: W + B A * scaling
+        merge_lora(model)
     if Tokenizer.present(path / "model"):
         model.tokenizer = Tokenizer.from_dir(path / "model")
     return model.save_pretrained(out, max_shard_bytes=max_shard_bytes)
+
+
+def _saved_model_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
+    """Every model entry of a sharded checkpoint by its name in the model, with its whole shape (None: not a tensor)."""
+    meta = dcp.FileSystemReader(str(path / "dcp")).read_metadata()
+    return {k[len("model."):]: tuple(v.size) if hasattr(v, "size") else None
+            for k, v in meta.state_dict_metadata.items() if k.startswith("model.")}
+
+
+def _lora_config(path: Path, saved: dict[str, tuple[int, ...] | None]) -> LoraConfig | None:
+    """The LoRA adapters the shards hold, on exactly the modules that hold them (None when there are none).
+
+    The scaling is in no shape: it comes from model/lora.json, or for checkpoints written before that
+    file from the run config in trainer.json (`kiln train`'s [lora] table)."""
+    modules = sorted({k.removesuffix(".lora_A.weight") for k in saved if k.endswith(".lora_A.weight")})
+    if not modules:
+        return None
+    settings = None
+    if (path / "model" / LORA_FILE).is_file():
+        settings = read_json(path / "model" / LORA_FILE, want=dict)
+    elif (path / "trainer.json").is_file():
+        settings = (read_json(path / "trainer.json", want=dict).get("run_config") or {}).get("lora")
+    if not isinstance(settings, dict) or "r" not in settings or "alpha" not in settings:
+        raise KilnError(f"{path}: the shards hold LoRA adapters ({modules[0]}.lora_A.weight and "
+                        f"{2 * len(modules) - 1} more) but neither model/{LORA_FILE} nor trainer.json's run_config "
+                        f"has their r and alpha; without the scaling they cannot be merged")
+    return LoraConfig(r=int(settings["r"]), alpha=settings["alpha"], dropout=settings.get("dropout", 0.0),
+                      targets=modules, use_rslora=bool(settings.get("use_rslora", False)))
+
+
+def _check_placed(path: Path, saved: dict[str, tuple[int, ...] | None], built: dict[str, tuple[int, ...]]) -> None:
+    """Every model tensor in the shards has a slot of its shape in the built model: none is silently dropped."""
+    unplaced = sorted(set(saved) - set(built))
+    if unplaced:
+        more = f" and {len(unplaced) - 8} more" if len(unplaced) > 8 else ""
+        raise KilnError(f"{path}: the shards hold {len(unplaced)} tensor(s) that the model built from "
+                        f"model/config.json has no place for: {', '.join(unplaced[:8])}{more}; nothing exported")
+    for k, shape in saved.items():
+        if shape is not None and shape != built[k]:
+            raise KilnError(f"{path}: tensor {k} has shape {shape} in the shards, the model built from "
+                            f"model/config.json expects {built[k]}")
