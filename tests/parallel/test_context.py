@@ -177,3 +177,13 @@ def test_gathered_chunks_come_back_in_row_order(monkeypatch):
     per_rank = torch.stack([row[:, :, chunk_index(T, cp, r)] for r in range(cp)])  # what the collective returns
     monkeypatch.setattr(context._GatherSequence, "apply", lambda x, group: per_rank)
     assert torch.equal(gather_sequence(per_rank[0], None), row)
+
+
+def test_cp_with_tp_ep_or_pp_is_refused_by_message():
+    from kiln.parallel.mesh import Degrees, check_model as check_degrees
+
+    model = workers.build("qwen3")
+    for other in ({"tp": 2}, {"pp": 2}):
+        with pytest.raises(ConfigError, match=r"parallel.cp = 2 combines with dp and fsdp only"):
+            check_degrees(Degrees(cp=2, **other), model)
+    check_degrees(Degrees(cp=2, dp=2), model)
