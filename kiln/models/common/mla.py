@@ -9,7 +9,8 @@ interleaved). The cache holds the normalised latent and the rotated k_rope (B, 1
 kv_lora_rank + qk_rope_head_dim numbers per token and layer, never per-head keys and values.
 Softmax scale: (nope + rope)**-0.5, times mscale(factor, mscale_all_dim)**2 under YaRN.
 With a sparse-attention indexer (dsa.py) each query keeps only its top-k keys; GLM-5 layers may
-reuse the previous layer's choice instead of running their own indexer.
+reuse the previous layer's choice instead of running their own indexer. When the indexer trains
+(`train_kl`), a training forward also leaves its KL loss against this attention's distribution.
 
 Decoding has a fast path (`fast`, flipped with the others by common/fast.py set_fast): kv_b_proj
 is folded into the query and the output, so a one-token step attends over the cached latent
@@ -159,7 +160,6 @@ class MLAttention(nn.Module):
                 self.indexer.loss = self._indexer_loss(q, k, mask, index_scores)
         y = y.transpose(1, 2).contiguous().reshape(B, T, -1).contiguous()
         return self.o_proj(y), topk
-
 
     def _indexer_loss(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, index_scores: torch.Tensor
                       ) -> torch.Tensor:
