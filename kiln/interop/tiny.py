@@ -82,7 +82,8 @@ TINY: dict[str, dict[str, Any]] = {
                                              mscale_all_dim=1.0, original_max_position_embeddings=32)),
     # DeepSeek-V4: one layer of each attention kind (sliding only, CSA every 2 tokens with an indexer keeping 3
     # entries, HCA every 4), a window of 4 keys (shorter than the test rows), hash routing then top-k, 3 residual
-    # streams, YaRN on the compress rope, a swiglu_limit low enough to clamp
+    # streams, YaRN on the compress rope, a swiglu_limit low enough to clamp; built from config (fast-path and
+    # parallel tests) an init std of 0.2 keeps the hyper-connection gradients well above fp32 rounding noise
     "deepseek_v4": dict(vocab_size=99, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3,
                         num_attention_heads=4, num_key_value_heads=1, head_dim=16, partial_rotary_factor=0.5,
                         q_lora_rank=24, o_groups=2, o_lora_rank=8, n_routed_experts=8, num_experts_per_tok=2,
@@ -91,7 +92,7 @@ TINY: dict[str, dict[str, Any]] = {
                         mlp_layer_types=["hash_moe", "moe", "moe"],
                         compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
                         index_n_heads=2, index_head_dim=8, index_topk=3, sliding_window=4, hc_mult=3,
-                        hc_sinkhorn_iters=3, swiglu_limit=1.0, max_position_embeddings=64,
+                        hc_sinkhorn_iters=3, swiglu_limit=1.0, max_position_embeddings=64, initializer_range=0.2,
                         rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)),
     # expand 2 -> 64 channels, 8 states, rank-2 dt, kernel 4; untied and biased variants are covered by tests.
     "mamba": dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, state_size=8, conv_kernel=4),

@@ -71,7 +71,12 @@ class HashRouter(nn.Module):
 
     def reset_parameters_hf(self, std: float) -> None:
         nn.init.normal_(self.weight, 0.0, std)
-        self.tid2eid.zero_()
+        # A fresh table spreads token ids over the experts round robin, k distinct experts per token (transformers
+        # leaves zeros, every token on expert 0, the checkpoint's table being what counts there)
+        V, k = self.tid2eid.shape
+        E = self.weight.shape[0]
+        tokens, slots = torch.arange(V)[:, None], torch.arange(k)[None, :]
+        self.tid2eid.copy_((tokens + slots * (E // k)) % E)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor,
                                                                                  torch.Tensor]:
