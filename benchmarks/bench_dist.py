@@ -9,9 +9,12 @@ every rank the whole batch and splits the layers; PP gives both stages the whole
 micro-batches (1F1B) and splits the blocks 2 + 2. CP rows take long sequences (LONG rows of LONG_SEQ
 tokens): DDP splits the rows over the ranks, CP (all-gathered K/V, or the ring) gives both ranks every
 row and splits each sequence in 4 load-balanced chunks; same tokens per rank. The "-xl" rows take a single
-row of XL_SEQ tokens, on one process and split over cp = 2. Tokens/s counts each global token once. Peak
-memory is the rise of max RSS over the process's start on CPU, max allocated on CUDA. Ratios
-print last.
+row of XL_SEQ tokens, on one process and split over cp = 2. The "-slow" rows slow rank 1 down (after each of its
+batches it sleeps as long as one step of the plain 2-process DDP row took) and run the same batches in
+lockstep DDP and under the adaptive cadence ([parallel.cadence]'s defaults through kiln.parallel.cadence:
+the fast rank runs more batches between syncs, parameters averaged).
+Tokens/s counts each global token once. Peak memory is the rise of max RSS over the process's start on
+CPU, max allocated on CUDA. Ratios print last.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ BATCH, SEQ, WARMUP, STEPS = 8, 128, 2, 6  # global batch per step
 LONG, LONG_SEQ = 2, 2048  # the long-sequence rows' global batch: DDP vs CP
 XL_SEQ = 4096             # one row this long: one process vs the row split over cp = 2 (what DDP cannot split)
 CP_MODES = {"cp": "allgather", "cp-ring": "ring"}
+SLOWED = 1                # the rank the "-slow" rows slow down
 
 
 def _plan(mode: str) -> SimpleNamespace:
@@ -59,11 +63,45 @@ def _peak_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def worker(rank: int, world: int, mode: str, gpu: bool, out: str) -> None:
+def cadence(rank: int, world: int, model: torch.nn.Module, device: torch.device, delay: float) -> dict:
+    """[parallel.cadence] with its default settings: each rank draws its own rows, the global budget of batches
+    is the DDP rows' (STEPS steps x world); a first untimed run of WARMUP x world batches lets the planner
+    measure both ranks' speeds."""
+    from kiln.parallel.cadence import CadencePlanner, train_adaptive
+    from kiln.train.config import CadenceSection
+
+    s = CadenceSection()
+    planner = CadencePlanner(world, anchor=s.anchor, target_sync_share=s.target_sync_share,
+                             max_staleness=s.max_staleness, max_batch_diff=s.max_batch_diff)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(rank)
+    rows = BATCH // world  # per rank and batch, as DDP's share of the global batch
+
+    def loss_fn(m: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        if rank == SLOWED:
+            time.sleep(delay)
+        return m(ids, labels=ids).loss
+
+    def next_batch() -> torch.Tensor:
+        return torch.randint(0, SIZE["vocab_size"], (rows, SEQ), generator=g).to(device)
+
+    train_adaptive(model, opt, next_batch, loss_fn, WARMUP * world, planner, average=s.average)
+    stats = train_adaptive(model, opt, next_batch, loss_fn, STEPS * world, planner, average=s.average)
+    return {"tokens_per_s": sum(stats.batches) * rows * SEQ / stats.wall_seconds, "batches": stats.batches,
+            "rounds": stats.rounds}
+
+
+def worker(rank: int, world: int, mode: str, gpu: bool, out: str, delay: float = 0.0) -> None:
     device = torch.device("cuda", rank) if gpu else torch.device("cpu")
     start_mb = _peak_mb(device)  # the process before the model: imports, the forked server's pages
     model = from_config(AutoConfig.for_model("qwen3", **SIZE), task="causal-lm", seed=0).to(device)
-    par = parallelize(model, _plan(mode.removesuffix("-long").removesuffix("-xl")), world_size=world, device=device)
+    if mode == "cadence-slow":
+        result = cadence(rank, world, model, device, delay)
+        result["peak_mb"] = _peak_mb(device) - start_mb
+        Path(out, f"{mode}-{world}-rank{rank}.json").write_text(json.dumps(result))
+        return
+    par = parallelize(model, _plan(mode.removesuffix("-long").removesuffix("-xl").removesuffix("-slow")),
+                      world_size=world, device=device)
     rows, seq = (LONG, LONG_SEQ) if mode.endswith("-long") or mode in CP_MODES else (BATCH, SEQ)
     if mode.endswith("-xl"):
         rows, seq = 1, XL_SEQ
@@ -87,6 +125,8 @@ def worker(rank: int, world: int, mode: str, gpu: bool, out: str) -> None:
             par.sync_gradients()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if rank == SLOWED and mode.endswith("-slow"):
+            time.sleep(delay)
         if gpu:
             torch.cuda.synchronize()
         dist.barrier()
@@ -109,12 +149,19 @@ def main() -> None:
             ("ddp-xl", 1), ("cp-xl", 2)]
     for mode, world in runs:
         spawn(worker, world, (mode, args.gpu, out), backend=backend, threads=args.threads)
+    ddp_step = BATCH * SEQ / min(json.loads(Path(out, f"ddp-2-rank{r}.json").read_text())["tokens_per_s"]
+                                 for r in range(2))
+    for mode in ("ddp-slow", "cadence-slow"):  # the slowed rank sleeps one plain DDP step per batch
+        spawn(worker, 2, (mode, args.gpu, out, ddp_step), backend=backend, threads=args.threads)
+    runs += [("ddp-slow", 2), ("cadence-slow", 2)]
     res = {}
-    print(f"{'mode':8s} {'world':>5s} {'tokens/s':>10s}  peak MB per rank ({'CUDA allocated' if args.gpu else 'max RSS rise'})")
+    print(f"{'mode':12s} {'world':>5s} {'tokens/s':>10s}  "
+          f"peak MB per rank ({'CUDA allocated' if args.gpu else 'max RSS rise'})")
     for mode, world in runs:
         ranks = [json.loads(Path(out, f"{mode}-{world}-rank{r}.json").read_text()) for r in range(world)]
         res[mode, world] = {"tps": min(r["tokens_per_s"] for r in ranks), "mem": max(r["peak_mb"] for r in ranks)}
-        print(f"{mode:8s} {world:5d} {res[mode, world]['tps']:10.0f}  " + ", ".join(f"{r['peak_mb']:.0f}" for r in ranks))
+        print(f"{mode:12s} {world:5d} {res[mode, world]['tps']:10.0f}  "
+              + ", ".join(f"{r['peak_mb']:.0f}" for r in ranks))
     ddp = res["ddp", 2]
     print(f"ratio fsdp2/ddp tokens/s: {res['fsdp', 2]['tps'] / ddp['tps']:.3f}")
     print(f"ratio tp/ddp tokens/s: {res['tp', 2]['tps'] / ddp['tps']:.3f}")
@@ -130,6 +177,11 @@ def main() -> None:
     print(f"ratio cp 2 / 1 process peak memory per rank, one {XL_SEQ}-token row: "
           f"{res['cp-xl', 2]['mem'] / res['ddp-xl', 1]['mem']:.3f}")
     print(f"ratio cp 2 / 1 process tokens/s, one {XL_SEQ}-token row: {res['cp-xl', 2]['tps'] / res['ddp-xl', 1]['tps']:.3f}")
+    batches = json.loads(Path(out, "cadence-slow-2-rank0.json").read_text())["batches"]
+    print(f"cadence, rank {SLOWED} slowed: batches per rank {batches} (DDP: {STEPS} each)")
+    slow = res["ddp-slow", 2]
+    print(f"ratio cadence/ddp tokens/s, rank {SLOWED} slowed: {res['cadence-slow', 2]['tps'] / slow['tps']:.3f}")
+    print(f"ratio cadence/ddp peak memory, rank {SLOWED} slowed: {res['cadence-slow', 2]['mem'] / slow['mem']:.3f}")
 
 
 if __name__ == "__main__":
