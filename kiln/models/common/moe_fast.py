@@ -23,8 +23,10 @@ from torch.nn import functional as F
 from kiln.models.common.grouped import grouped_linear
 
 
-def _storage_refs(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+def _storage_refs(t: torch.Tensor) -> int | None:
+    """How many references hold t's storage (None where this torch cannot tell: then never reuse)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else count(t.untyped_storage()._cdata)
 
 
 class GradBuffer:
@@ -34,18 +36,21 @@ class GradBuffer:
     (or accumulated into and dropped) only this object holds the storage again, and the next backward
     writes into it instead of faulting in fresh pages. While anything else holds it (a `.grad` still
     set, a tensor from `torch.autograd.grad`), a fresh buffer is taken, so no live tensor is overwritten.
-    Off CPU the device's caching allocator already reuses memory: every call allocates.
+    The price: the experts' gradient memory stays allocated between steps, even under
+    `zero_grad(set_to_none=True)`. Off CPU the device's caching allocator already reuses memory:
+    every call allocates.
     """
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
-        self.free_refs = 0  # the storage's use count when only `buf` holds it
+        self.free_refs: int | None = 0  # the storage's use count when only `buf` holds it
 
     def take(self, shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
         if like.device.type != "cpu":
             return torch.empty(shape, dtype=like.dtype, device=like.device)
         b = self.buf
-        if b is None or b.shape != shape or b.dtype != like.dtype or _storage_refs(b) > self.free_refs:
+        refs = None if b is None else _storage_refs(b)
+        if b is None or b.shape != shape or b.dtype != like.dtype or refs is None or refs > self.free_refs:
             b = torch.empty(shape, dtype=like.dtype, device=like.device)
             self.buf, self.free_refs = b, _storage_refs(b)
         return b.detach()  # a new tensor on the same storage: autograd may adopt it as `.grad`
