@@ -228,13 +228,14 @@ class _ChunkedDeltaRule(torch.autograd.Function):
             states[0].zero_()
         else:
             states[0].copy_(s0)
-        v_new = torch.empty_like(u)
-        for c in range(C):  # the only sequential part: two small matmuls per chunk
+        v_new, out = torch.empty_like(u), torch.empty_like(u)
+        for c in range(C):  # the sequential part, each state read while it is in cache
             torch.baddbmm(u[c], w[c], states[c], alpha=-1, out=v_new[c])
+            torch.bmm(qn[c], states[c], out=out[c])
             torch.mul(states[c], gamma[c, :, None, None], out=states[c + 1]).baddbmm_(ke_t[c], v_new[c])
         final = states[C]
         states = states[:C]
-        out = _mm(attn, v_new, add=_mm(qn, states).mul_(e_q[..., None]))  # e_q * (q S) + attn v_new
+        out = _mm(attn, v_new, add=out.mul_(e_q[..., None]))  # e_q * (q S) + attn v_new
         ctx.save_for_backward(q, k, rq, rk, qn, kn, vc, bc, e_q, e_k, gamma, decay, attn, kkd, t_inv, w, ke_t,
                               states, v_new)
         ctx.meta = (s0 is not None, keep, strict, B, T, Hk, H)
@@ -249,30 +250,27 @@ class _ChunkedDeltaRule(torch.autograd.Function):
         Dv = vc.shape[-1]
         do = _to_chunks(d_out, L)                     # (C, N, L, Dv)
         doe = do * e_q[..., None]
-        # reverse loop: dL/dS leaving chunk c -> the new-value gradients and dL/dS entering chunk c
+        # reverse loop over chunks carrying ds = dL/dS leaving chunk c; every product with a state or with ds
+        # happens here, on blocks still in cache (no (C, N, Dk, Dv) gradient buffer). v_new = T (v beta -
+        # k beta e_q S), so with d_vb = T^T d_vn the k-side gradient is -d_vb S^T and the system's d_vb v_new^T
         part_vn = _mm(attn.transpose(-1, -2), do)     # (C, N, L, Dv)
-        part_s = _mm(qn.transpose(-1, -2), doe)       # (C, N, Dk, Dv)
-        ds = q.new_empty(C + 1, N, Dk, Dv)            # ds[c + 1]: dL/dS leaving chunk c; ds[0]: dL/ds0
-        if d_final is None:
-            ds[C].zero_()
-        else:
-            ds[C].copy_(d_final)
-        d_vn = torch.empty_like(v_new)
+        ds = q.new_zeros(N, Dk, Dv) if d_final is None else d_final.clone()
+        d_vn, d_vb = torch.empty_like(v_new), torch.empty_like(v_new)
+        d_ke, m_kbe, d_qn = torch.empty_like(kn), torch.empty_like(kn), torch.empty_like(kn)
+        d_gamma = q.new_empty(C, N)
         for c in range(C - 1, -1, -1):
-            torch.baddbmm(part_vn[c], ke_t[c].transpose(-1, -2), ds[c + 1], out=d_vn[c])
-            torch.addcmul(part_s[c], ds[c + 1], gamma[c, :, None, None], out=ds[c]).baddbmm_(
-                w[c].transpose(-1, -2), d_vn[c], alpha=-1)
-        d_s0, ds = ds[0], ds[1:]
-        # everything else at once over all chunks. v_new = T (v beta - k beta e_q S), so with d_vb = T^T d_vn
-        # the system and the k-side gradients are d_vb times v_new^T and S^T (no separate u, w terms)
-        states_t = states.transpose(-1, -2)
+            s, s_t = states[c], states[c].transpose(-1, -2)
+            torch.baddbmm(part_vn[c], ke_t[c].transpose(-1, -2), ds, out=d_vn[c])
+            torch.bmm(v_new[c], ds.transpose(-1, -2), out=d_ke[c])
+            torch.sum(s * ds, (-1, -2), out=d_gamma[c])
+            torch.bmm(t_inv[c].transpose(-1, -2), d_vn[c], out=d_vb[c])
+            torch.bmm(d_vb[c], s_t, out=m_kbe[c])    # minus dL/d(k beta e_q)
+            torch.bmm(doe[c], s_t, out=d_qn[c])      # e_q * (dL/dout S^T)
+            part = torch.bmm(qn[c].transpose(-1, -2), doe[c])
+            ds = torch.addcmul(part, ds, gamma[c, :, None, None]).baddbmm_(w[c].transpose(-1, -2), d_vn[c], alpha=-1)
+        d_s0 = ds
         d_attn = _mm(do, v_new.transpose(-1, -2)).masked_fill_(~keep, 0.0)
-        d_ke = _mm(v_new, ds.transpose(-1, -2))                   # (C, N, L, Dk)
-        d_gamma = (states * ds).sum((-1, -2))
-        d_vb = _mm(t_inv.transpose(-1, -2), d_vn)                 # (C, N, L, Dv)
-        d_kbe = _mm(d_vb, states_t, alpha=-1)                     # (C, N, L, Dk)
         d_n = _mm(d_vb, v_new.transpose(-1, -2), alpha=-1).masked_fill_(~strict, 0.0)  # wrt diag(beta) kkd
-        d_qn = _mm(doe, states_t)                                 # e_q * (dL/dout S^T)
         # g_t enters cum_i for i >= t: through e_q (cum_i), e_k (cum_last - cum_i), gamma (cum_last) and each
         # decay (cum_i - cum_j), which holds g_t exactly when i >= t > j. Summed that way, not as differences
         # of row and column totals, so the large decay terms never cancel in float32.
@@ -280,7 +278,7 @@ class _ChunkedDeltaRule(torch.autograd.Function):
         d_beta = dnk.sum(-1)
         e_dec = dnk.mul_(bc[..., :, None]).add_(d_attn * attn)   # dL/d(decay exponent) per score
         below = e_dec.flip(-2).cumsum(-2).flip(-2).cumsum(-1)     # [t, s]: rows i >= t, columns j <= s
-        p_kbe = (d_kbe * kn).sum(-1)                              # dL/d(beta e_q) per position
+        p_kbe = -(m_kbe * kn).sum(-1)                             # dL/d(beta e_q) per position
         f = (d_ke * kn).sum(-1).mul_(e_k)
         d_e = (d_qn * qn).sum(-1) + p_kbe * bc * e_q
         d_g = d_e.flip(-1).cumsum(-1).flip(-1) + (f.cumsum(-1) - f) + (d_gamma * gamma)[..., None]
@@ -291,7 +289,7 @@ class _ChunkedDeltaRule(torch.autograd.Function):
         sym = sym + sym.transpose(-1, -2)
         d_qn = _mm(d_attn, kn, add=d_qn)
         d_kn = _mm(sym, kn, add=_mm(d_attn.transpose(-1, -2), qn, add=d_ke.mul_(e_k[..., None])))
-        d_kn.addcmul_(d_kbe, (bc * e_q)[..., None])
+        d_kn.addcmul_(m_kbe, (bc * e_q)[..., None], value=-1.0)
         d_q = _l2norm_backward(q, rq, _from_chunks(d_qn, B, T, Hk, H // Hk))
         d_k = _l2norm_backward(k, rk, _from_chunks(d_kn, B, T, Hk, H // Hk))
         d_v = _from_chunks(d_vb.mul_(bc[..., None]), B, T, H)

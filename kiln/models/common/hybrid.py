@@ -137,9 +137,9 @@ class _SiluTapConv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, bias, *keep):
         T, K = x.shape[1], w.shape[0]
-        pre = x * w[K - 1]
-        for s in range(1, min(K, T)):
-            src = x[:, :T - s] if keep[s - 1] is None else x[:, :T - s] * keep[s - 1][:, s:]
+        pre = torch.zeros_like(x)
+        for s in range(min(K, T) - 1, -1, -1):  # the farthest tap first, as the generic path sums
+            src = x[:, :T - s] if s == 0 or keep[s - 1] is None else x[:, :T - s] * keep[s - 1][:, s:]
             pre[:, s:].addcmul_(src, w[K - 1 - s])
         if bias is not None:
             pre += bias
