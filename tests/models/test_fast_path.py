@@ -146,7 +146,8 @@ def test_set_fast_reaches_every_switch():
 
 def test_every_family_but_mamba_keeps_packed_samples_apart():
     keeps = {mt: _model(mt).packs_samples() for mt in CAUSAL}
-    assert [mt for mt, ok in keeps.items() if not ok] == ["mamba"], keeps
+    # and DeepSeek-V4, whose compressors pool windows of tokens across sample boundaries (as in transformers)
+    assert sorted(mt for mt, ok in keeps.items() if not ok) == ["deepseek_v4", "mamba"], keeps
 
 
 @pytest.mark.parametrize("loss", ["ce", "cosine"])
