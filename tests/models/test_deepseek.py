@@ -290,6 +290,29 @@ def test_lora_on_dense_and_shared_expert_mlps_trains_reloads_and_merges(ckpt, tm
         torch.testing.assert_close(merged(**batches()[2]).logits, tuned, rtol=1e-5, atol=1e-5)
 
 
+def test_adapter_names_a_module_whose_leaf_name_is_shared_by_unadapted_ones(ckpt, tmp_path):
+    """Only the shared experts' gate_proj adapted: the dense layer's mlp.gate_proj is not, so the adapter
+    config says `shared_experts.gate_proj` (PEFT matches a name or a '.'-suffix of it) and kiln's reload
+    adapts exactly that module. (PEFT itself cannot load it on this model type: its v4 -> v5 conversion
+    re-targets gate_proj to the routed experts, see the test above.)"""
+    import json
+
+    from kiln.models.common.lora import load_adapter, save_adapter
+
+    src = ckpt("deepseek_v3")
+    ours = AutoModelForCausalLM.from_pretrained(src)
+    assert _train_lora(ours, ["shared_experts.gate_proj", "o_proj"]) == [
+        "model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj",
+        "model.layers.1.mlp.shared_experts.gate_proj"]
+    save_adapter(ours.eval(), tmp_path / "adapter", base_model_name_or_path=str(src))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["o_proj", "shared_experts.gate_proj"]
+    again = load_adapter(AutoModelForCausalLM.from_pretrained(src), tmp_path / "adapter").eval()
+    assert sorted(again.lora_targets) == sorted(ours.lora_targets)
+    with torch.no_grad():
+        same(again(**batches()[2]).logits, ours(**batches()[2]).logits, "kiln reload")
+
+
 @pytest.mark.parametrize("model_type, change, message", [
     ("deepseek_v3", {"n_group": 3}, r"n_routed_experts \(8\) must split into n_group \(3\)"),
     ("deepseek_v3", {"num_key_value_heads": 2}, r"num_key_value_heads \(2\) must equal num_attention_heads \(4\)"),

@@ -134,6 +134,27 @@ def _hf_name(model: nn.Module, kiln_key: str) -> str:
     return name
 
 
+def _hf_module(model: nn.Module, kiln_module: str) -> str:
+    return _hf_name(model, kiln_module + ".weight").removesuffix(".weight")
+
+
+def peft_targets(model: nn.Module) -> list[str]:
+    """`target_modules` for PEFT: per adapted module the shortest trailing part of its HF name that
+    selects no Linear left without an adapter (PEFT matches a name or a '.'-suffix of it). Leaf names
+    when they suffice (q_proj); `shared_experts.gate_proj` where another `gate_proj` is not adapted."""
+    chosen = {_hf_module(model, n) for n in model.lora_targets}
+    others = {_hf_module(model, n) for n in linear_names(model)} - chosen
+    out = set()
+    for name in chosen:
+        parts = name.split(".")
+        for k in range(1, len(parts) + 1):
+            suffix = ".".join(parts[-k:])
+            if not any(_matches(o, suffix) for o in others):
+                out.add(suffix)
+                break
+    return sorted(out)
+
+
 def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_or_path: str | None = None) -> Path:
     """Write adapter_model.safetensors + adapter_config.json as PEFT writes them."""
     config: LoraConfig | None = getattr(model, "lora_config", None)
@@ -143,7 +164,7 @@ def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_o
     out.mkdir(parents=True, exist_ok=True)
     tensors = {PEFT_PREFIX + _hf_name(model, k): v.detach().contiguous().cpu() for k, v in lora_state_dict(model).items()}
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    targets = sorted({n.rsplit(".", 1)[-1] for n in model.lora_targets})
+    targets = peft_targets(model)
     peft_config = {
         "peft_type": "LORA", "task_type": getattr(task_of(model), "peft_type", None),
         "base_model_name_or_path": base_model_name_or_path, "r": config.r, "lora_alpha": config.alpha,
@@ -191,12 +212,18 @@ def has_adapter(model_dir: str | os.PathLike) -> bool:
 def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> nn.Module:
     """Apply a PEFT LoRA adapter (config + weights) to a kiln model, in place."""
     config = read_adapter_config(adapter_dir)
-    apply_lora(model, config)
     path = Path(adapter_dir) / "adapter_model.safetensors"
     keymap = model.family.keymap(model.task)
+    tensors = read_adapter_tensors(adapter_dir)
+    # the modules holding tensors are the ones to adapt: target_modules may be leaf names that also
+    # match Linears the adapter never touched (PEFT gives those zero adapters; kiln leaves them plain)
+    held = sorted({name.rsplit(".lora_", 1)[0] for k in tensors if (name := keymap.kiln_name(k)) and ".lora_" in name})
+    if held:
+        config = LoraConfig(config.r, config.alpha, config.dropout, held, config.use_rslora)
+    apply_lora(model, config)
     expected = lora_state_dict(model)
     loaded = {}
-    for k, v in read_adapter_tensors(adapter_dir).items():
+    for k, v in tensors.items():
         name = keymap.kiln_name(k)
         if name not in expected:
             raise KilnError(f"{path}: tensor {k!r} does not belong to any targeted module of this model")
