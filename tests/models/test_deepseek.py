@@ -237,6 +237,11 @@ def test_mtp_layers_kept_and_written_back_byte_identical(model_type, ckpt, tmp_p
     assert all(k.startswith(f"model.layers.{n}.") for k in info["unexpected_keys"])
     with torch.no_grad():
         same(ours(**batches()[2]).logits, hf.eval()(**batches()[2]).logits, "logits beside MTP tensors")
+    from kiln.interop.verify import verify_export
+
+    checks = verify_export(tmp_path / "out", src)  # the MTP layer is not a missing/unexpected-keys failure
+    assert all(c.ok for c in checks), [(c.name, c.detail) for c in checks if not c.ok]
+    assert "multi-token-prediction tensors past the last layer kept" in checks[0].detail
 
 
 def _train_lora(model, targets):
