@@ -134,18 +134,14 @@ def _hf_name(model: nn.Module, kiln_key: str) -> str:
     return name
 
 
-def _hf_module(model: nn.Module, kiln_module: str) -> str:
-    return _hf_name(model, kiln_module + ".weight").removesuffix(".weight")
-
-
 def peft_targets(model: nn.Module) -> list[str]:
-    """`target_modules` for PEFT: per adapted module the shortest trailing part of its HF name that
-    selects no Linear left without an adapter (PEFT matches a name or a '.'-suffix of it). Leaf names
-    when they suffice (q_proj); `shared_experts.gate_proj` where another `gate_proj` is not adapted."""
-    chosen = {_hf_module(model, n) for n in model.lora_targets}
-    others = {_hf_module(model, n) for n in linear_names(model)} - chosen
+    """`target_modules` for PEFT: per adapted module the shortest trailing part of its name that selects
+    no Linear left without an adapter (PEFT matches a name or a '.'-suffix of it). Leaf names when they
+    suffice (q_proj); `shared_experts.gate_proj` where another `gate_proj` is not adapted. kiln's module
+    names are transformers' in-memory ones, which is what PEFT matches (not the names on disk)."""
+    others = set(linear_names(model)) - set(model.lora_targets)
     out = set()
-    for name in chosen:
+    for name in model.lora_targets:
         parts = name.split(".")
         for k in range(1, len(parts) + 1):
             suffix = ".".join(parts[-k:])
