@@ -7,10 +7,11 @@ with q, k L2-normalised and q scaled by d_k^-0.5.
 - `chunk_reference` / `recurrent_reference`: transformers' PyTorch fallbacks op for op (chunks of 64
   solved with a triangular solve, then a loop over chunks; token by token for decoding), so logits
   and gradients are bit-identical to it. Used by verify-export and the parity tests.
-- `chunk_fast`: the same chunk-parallel WY form, but the whole rule is one autograd node whose
-  backward is written out (a reverse loop over chunks carrying dL/dS, everything else batched over
-  all chunks at once). Within fp32 rounding of the reference; for training. It also restarts the
-  state where a packed row starts a new sample (`resets`), which the reference gets by slicing.
+- `chunk_fast`: the same chunk-parallel WY form, but the whole rule (L2 norms and layout included) is
+  one autograd node whose backward is written out: the products with each chunk's state happen in
+  the loops over chunks (forward, and reverse carrying dL/dS), the intra-chunk work batched over all
+  chunks at once. Within fp32 rounding of the reference; for training. It also restarts the state
+  where a packed row starts a new sample (`resets`), which the reference gets by slicing.
 
 `set_fast(model, True)` switches every Gated DeltaNet layer of a model to the fast path.
 """
