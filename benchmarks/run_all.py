@@ -30,7 +30,8 @@ from common import machine, matmul_peak_gflops, threads  # noqa: E402
 # (script, arguments): the table's workloads, then the scan benchmark whose cold start once skewed it.
 WORKLOADS = [("bench_lora_sft.py", []), ("bench_lora_sft.py", ["--full"]), ("bench_finetune_bbc.py", []),
              ("bench_bert_step.py", []), ("bench_moe.py", []), ("bench_pretrain.py", []), ("bench_trainer.py", []),
-             ("bench_deepseek_v4.py", []), ("bench_qwen35_sft.py", []), ("bench_mamba_scan.py", [])]
+             ("bench_deepseek.py", []), ("bench_deepseek_v4.py", []), ("bench_qwen35_sft.py", []),
+             ("bench_mamba_scan.py", [])]
 NOTES = "## Notes"
 
 

@@ -62,10 +62,14 @@ def _compare(got: dict, want: dict) -> None:
         torch.testing.assert_close(got["grads"][name], want["grads"][name], rtol=1e-4, atol=1e-6,
                                    msg=lambda m: f"grad {name}: {m}")
     for name in want["weights"]:
-        # AdamW's first step is about lr * sign(grad): for gradients near its eps (1e-8), rounding of ~1e-9 moves
-        # the weight by up to ~lr * 1e-9 / 1e-8 = 1e-3 (seen: 3e-5); the gradients above are held to 1e-6
-        torch.testing.assert_close(got["weights"][name], want["weights"][name], rtol=1e-4, atol=1e-4,
-                                   msg=lambda m: f"weight {name}: {m}")
+        # AdamW's first step moves a weight by lr * g / (|g| + 1e-8): where |g| is near that eps, fp32 rounding
+        # of g (held to 1e-6 above) flips the step between +-lr. The weights say something only where the
+        # gradient is well above it; there they must agree closely.
+        got_w, want_w = got["weights"][name], want["weights"][name]
+        if name in want["grads"]:
+            keep = want["grads"][name].abs() >= 1e-5
+            got_w, want_w = got_w[keep], want_w[keep]
+        torch.testing.assert_close(got_w, want_w, rtol=1e-4, atol=1e-5, msg=lambda m: f"weight {name}: {m}")
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
 
 
