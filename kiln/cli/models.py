@@ -108,21 +108,21 @@ def export(src: Optional[Path] = typer.Argument(None, help="An HF model director
     shard_bytes = max_shard_mb * 2**20 if max_shard_mb else None
     from kiln.parallel.checkpoint import export_sharded, is_sharded
 
-    ckpt = checkpoint_dir(checkpoint) if checkpoint is not None else None
-    if ckpt is not None and is_sharded(ckpt):  # FSDP/TP/EP shards: gathered in this process's CPU memory
-        if head is not None:
-            raise KilnError("--head cannot re-target a sharded checkpoint; export it first, then re-head the export")
-        check_out_dir(out_dir, overwrite)
-        with staged_dir(out_dir) as tmp:
-            export_sharded(ckpt, tmp, max_shard_bytes=shard_bytes)
-        out.print(f"exported {ckpt} (sharded) -> {out_dir}")
-        return
-    source = ckpt / "model" if ckpt is not None else src
     import torch
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     if dtype is not None and dtype not in dtypes:
         raise KilnError(f"--dtype {dtype!r}: choose one of {', '.join(dtypes)}")
+    ckpt = checkpoint_dir(checkpoint) if checkpoint is not None else None
+    if ckpt is not None and is_sharded(ckpt):  # FSDP/TP/EP/PP shards: gathered in this process's CPU memory
+        if head is not None:
+            raise KilnError("--head cannot re-target a sharded checkpoint; export it first, then re-head the export")
+        check_out_dir(out_dir, overwrite)
+        with staged_dir(out_dir) as tmp:
+            export_sharded(ckpt, tmp, max_shard_bytes=shard_bytes, dtype=dtypes[dtype] if dtype else None)
+        out.print(f"exported {ckpt} (sharded) -> {out_dir}")
+        return
+    source = ckpt / "model" if ckpt is not None else src
     path = export_model(source, out_dir, head=head, max_shard_bytes=shard_bytes, overwrite=overwrite,
                         allow_missing=allow_missing, allow_unused=allow_unused, on_note=note,
                         dtype=dtypes[dtype] if dtype else None)

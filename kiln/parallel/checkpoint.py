@@ -130,8 +130,10 @@ def is_sharded(path: str | os.PathLike) -> bool:
     return (Path(path) / "dcp" / ".metadata").is_file()
 
 
-def export_sharded(path: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: int | None = None) -> Path:
-    """Gather a sharded checkpoint into one HF directory, in CPU memory of this one process.
+def export_sharded(path: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: int | None = None,
+                   dtype: torch.dtype | None = None) -> Path:
+    """Gather a sharded checkpoint into one HF directory, in CPU memory of this one process; `dtype`
+    writes every weight in it (as `kiln export --dtype` does for a plain checkpoint).
 
     A LoRA run's adapters are rebuilt on the modules that hold them in the shards and merged into their
     base weights, as `kiln export` writes a plain LoRA checkpoint. Every model tensor in the shards must
@@ -161,6 +163,10 @@ def export_sharded(path: str | os.PathLike, out: str | os.PathLike, max_shard_by
     model.tie_weights()
     if lora is not None:  # an HF directory holds plain weights: W + B A * scaling
         merge_lora(model)
+    if dtype is not None:
+        from kiln.models.common.fp8 import dequantize_model
+
+        model = dequantize_model(model, dtype)
     if Tokenizer.present(path / "model"):
         model.tokenizer = Tokenizer.from_dir(path / "model")
     return model.save_pretrained(out, max_shard_bytes=max_shard_bytes)

@@ -49,6 +49,10 @@ def test_export_gathers_an_hf_directory_that_verifies(run, tmp_path):
     p = kiln_cli("export", "--checkpoint", str(run / "ckpt-2"), "--out", str(tmp_path / "cli"))
     assert p.returncode == 0, p.stderr
     assert all(torch.equal(load_weights(tmp_path / "cli")[k], v) for k, v in hf.items())
+    p = kiln_cli("export", "--checkpoint", str(run / "ckpt-2"), "--out", str(tmp_path / "bf16"), "--dtype", "bf16")
+    assert p.returncode == 0, p.stderr
+    half = load_weights(tmp_path / "bf16")
+    assert set(half) == set(hf) and all(torch.equal(half[k], v.to(torch.bfloat16)) for k, v in hf.items())
 
 
 def test_not_a_sharded_checkpoint(tmp_path):
