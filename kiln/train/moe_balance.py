@@ -126,6 +126,9 @@ class AuxFreeBalance(Callback):
         return found
 
     def on_setup(self, trainer: "Trainer", step: int) -> None:
+        if getattr(trainer.parallel, "pp", 1) > 1:  # (the plans are applied after on_setup)
+            raise KilnError("expert-load balancing ([moe]) with parallel.pp > 1 is not supported: each pipeline "
+                            "stage holds different MoE layers; use dp, fsdp, tp or ep")
         for _, router in self._found(trainer):
             router.take_load()  # counts start with the first step of this run (resumed or not)
 
@@ -134,6 +137,8 @@ class AuxFreeBalance(Callback):
         loads = torch.stack([r.take_load().cpu() for _, r in found])  # (L, E) int64
         device = trainer.device if trainer.world.active and trainer.device.type == "cuda" else torch.device("cpu")
         loads = all_reduce_sum(loads.to(device), trainer.world).cpu()  # every rank then moves its biases alike
+        if trainer.plan is not None and trainer.plan.degrees.tp > 1:
+            loads = loads // trainer.plan.degrees.tp  # a tp group's ranks all route the same (whole) tokens
         if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
             return  # the Trainer skipped this optimizer step (non-finite): the bias stays too
         names = [name.removesuffix(".gate").removesuffix(".mlp") for name, _ in found]

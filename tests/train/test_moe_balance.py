@@ -104,3 +104,24 @@ def test_model_without_sigmoid_router_is_named(tiny_factory, tmp_path):
     with pytest.raises(KilnError, match="no sigmoid-routed MoE layer"):
         Trainer(model, _data(), callbacks=[AuxFreeBalance()], steps=1, batch_size=4, out_dir=str(tmp_path),
                 progress=False, device="cpu").fit()
+
+
+def test_tp_ranks_count_their_group_once_and_pp_is_refused():
+    """Under tp every rank of a group routes the same whole tokens: the summed counts are divided by tp, so the
+    statistics read as one process's. Pipeline stages hold different layers: refused by message."""
+    from types import SimpleNamespace
+
+    model = _skewed_model()
+    world = SimpleNamespace(active=False)
+    trainer = SimpleNamespace(unwrapped=lambda: model, device=torch.device("cpu"), world=world, step=1,
+                              parallel=SimpleNamespace(pp=1), plan=SimpleNamespace(degrees=SimpleNamespace(tp=2)))
+    balance = AuxFreeBalance(update=False)
+    balance.on_setup(trainer, 0)
+    model(input_ids=torch.stack([d["input_ids"] for d in _data()[:2]]))  # 32 tokens, top-3 of 8 experts
+    model(input_ids=torch.stack([d["input_ids"] for d in _data()[:2]]))  # what the tp peer would add
+    record = {"loss": 1.0, "grad_norm": 1.0}
+    balance.on_step(trainer, record)
+    assert record["moe_mean_load.model.layers.1"] == 32 * 3 / 8  # one copy of the group's tokens
+    trainer.parallel = SimpleNamespace(pp=2)
+    with pytest.raises(KilnError, match=r"\[moe\]\) with parallel.pp > 1 is not supported"):
+        balance.on_setup(trainer, 0)
