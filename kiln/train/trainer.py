@@ -254,7 +254,8 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=_DTYPES[self.args.precision])
 
     def fit(self) -> "Trainer":
-        """Train to `steps` (or `epochs`), evaluating and saving on schedule; returns self."""
+        """Train to `steps` (or `epochs`), evaluating and saving on schedule; returns self, its model back on
+        the exact path (training ran the fast one unless `train.exact`)."""
         self._setup()
         a = self.args
         bar = ProgressBar(self.total_steps, self.step, a.progress and self.world.main)
@@ -285,6 +286,7 @@ class Trainer:
         finally:
             bar.close()
             self.metrics.close()
+        set_fast(self.model, False)  # the trained model goes back on its bit-exact path (as loaded models start)
         for cb in self.callbacks:
             cb.on_end(self)
         return self

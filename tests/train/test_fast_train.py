@@ -17,7 +17,7 @@ from kiln.interop.tiny import make_tiny
 from kiln.models import AutoModelForCausalLM
 from kiln.models.common.fast import fast_state
 from kiln.models.common.loss import lm_loss_sum, shift_labels
-from kiln.train import Trainer
+from kiln.train import Callback, Trainer
 
 
 def _examples(n: int = 12) -> list[dict]:
@@ -59,8 +59,15 @@ def test_exact_true_takes_transformers_step_bit_for_bit(tmp_path):
     for k, v in ours.items():
         assert torch.equal(v, theirs[k]), k
     # a control that can fail: the fast path (the default) is on and lands within rounding, not necessarily on it
-    fast = _sgd_step(tmp_path, src, data)
-    assert all(fast_state(fast.unwrapped()).values())
+    seen = []
+
+    class During(Callback):
+        def on_step(self, trainer, record):
+            seen.append(all(fast_state(trainer.unwrapped()).values()))
+
+    fast = _sgd_step(tmp_path, src, data, callbacks=[During()])
+    assert seen == [True]  # trained on the fast path...
+    assert not any(fast_state(fast.unwrapped()).values())  # ...and handed back on the exact one
     for k, v in fast.unwrapped().hf_state_dict().items():
         torch.testing.assert_close(v, theirs[k], rtol=1e-5, atol=1e-6)
 
