@@ -57,7 +57,12 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> flo
         if isinstance(n, DTensor):  # a partial norm over a shard: full_tensor() reduces it over the mesh
             n = n.full_tensor()
         total += n.double().cpu() ** 2
-    norm = math.sqrt(float(total))
+    return scale_to_norm(grads, math.sqrt(float(total)), max_norm)
+
+
+@torch.no_grad()
+def scale_to_norm(grads: list[torch.Tensor], norm: float, max_norm: float) -> float:
+    """Scale `grads`, whose global 2-norm is `norm`, down to `max_norm` (a non-finite norm: left alone); the norm."""
     if math.isfinite(norm) and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         for g in grads:

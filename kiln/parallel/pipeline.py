@@ -40,6 +40,7 @@ from kiln.models.common.causal_lm import CausalLMOutput
 from kiln.models.common.loss import shift_labels
 from kiln.parallel.blocks import apply_activation_checkpointing, model_name, plan_of
 from kiln.parallel.fsdp import DTYPES, apply_fsdp
+from kiln.parallel.grads import scale_to_norm
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
@@ -260,12 +261,7 @@ class Pipeline:
         # stages hold different parameters; FSDP shards are different pieces too, plain dp replicas are copies
         group = None if self.fsdp else self.group
         dist.all_reduce(total, group=group)
-        norm = math.sqrt(float(total))
-        if math.isfinite(norm) and norm > max_norm:
-            scale = max_norm / (norm + 1e-6)
-            for g in grads:
-                g.mul_(scale)
-        return norm
+        return scale_to_norm(grads, math.sqrt(float(total)), max_norm)
 
     # ---- forward only (eval): stage by stage, plain send/recv, any batch shape ----------------
     @torch.no_grad()

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kiln_cli import REPO
+from kiln_cli import REPO, kiln_cli
 
 CHATS = [[{"role": "user", "content": f"what is {a} plus {b}?"}, {"role": "assistant", "content": f"{a + b}."}]
          for a in range(6) for b in range(4)]
@@ -22,27 +22,52 @@ DENSE = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_la
              tie_word_embeddings=False)
 
 
-def make_data(d: Path) -> Path:
-    """The chat JSONL and a BPE tokenizer trained on it, under `d`."""
+def make_data(d: Path, chats: list = CHATS, held_out: list | None = None) -> Path:
+    """The chat JSONL (and an eval JSONL of `held_out`) and a BPE tokenizer trained on it, under `d`."""
     from kiln.data.bpe import train_bpe
 
     data = d / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS))
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    if held_out is not None:
+        (d / "eval.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in held_out))
     train_bpe([data], d / "tok", vocab_size=300, min_frequency=1)
     return d
 
 
-def write_toml(d: Path, name: str, batch_size: int, parallel: dict, steps: int = 4, save_every: int = 2) -> Path:
-    body = (f'[model]\nfamily = "qwen3"\ntask = "causal-lm"\ntokenizer = "{d / "tok"}"\n[model.config]\n'
-            + "".join(f"{k} = {json.dumps(v)}\n" for k, v in DENSE.items())
-            + f'[data]\ntrain = "{d / "chat.jsonl"}"\nmax_length = 48\npack = true\n'
-            + f'[train]\nout_dir = "{d / name}"\nsteps = {steps}\nbatch_size = {batch_size}\nlr = 1e-2\n'
-            + f"weight_decay = 0.0\nwarmup_steps = 1\nclip_grad_norm = 1.0\nsave_every = {save_every}\n"
-            + "keep_last = 10\nprogress = false\nlog_every = 1\nseed = 5\n"
-            + "[parallel]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in parallel.items()))
+def _value(v) -> str:
+    """A TOML value: inline tables for dicts, JSON's spelling for the rest (the two agree there)."""
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_value(x)}" for k, x in v.items()) + " }"
+    return json.dumps(v)
+
+
+def _table(name: str, keys: dict) -> str:
+    return f"[{name}]\n" + "".join(f"{k} = {_value(v)}\n" for k, v in keys.items())
+
+
+def run_toml(d: Path, name: str, parallel: dict, *, family: str = "qwen3", config: dict = DENSE,
+             data: dict | None = None, train: dict | None = None) -> Path:
+    """`d/name.toml`: a from-config SFT run on `make_data(d)`'s chats writing to `d/name`; `data` and `train`
+    keys override the defaults here (4 steps of 4 rows, a checkpoint every 2)."""
+    data = {"train": str(d / "chat.jsonl"), "max_length": 48, "pack": True, **(data or {})}
+    train = {"out_dir": str(d / name), "steps": 4, "batch_size": 4, "lr": 1e-2, "weight_decay": 0.0,
+             "warmup_steps": 1, "clip_grad_norm": 1.0, "save_every": 2, "keep_last": 10, "progress": False,
+             "log_every": 1, "seed": 5, **(train or {})}
+    body = (_table("model", {"family": family, "task": "causal-lm", "tokenizer": str(d / "tok")})
+            + _table("model.config", config) + _table("data", data) + _table("train", train)
+            + _table("parallel", parallel))
     path = d / f"{name}.toml"
     path.write_text(body)
     return path
+
+
+def write_toml(d: Path, name: str, batch_size: int, parallel: dict, steps: int = 4, save_every: int = 2) -> Path:
+    return run_toml(d, name, parallel, train={"batch_size": batch_size, "steps": steps, "save_every": save_every})
+
+
+def launch(cfg: Path, *extra: str, env: dict | None = None, nproc: int = 2):
+    """`kiln launch --nproc-per-node N -- train --config CFG EXTRA`, waited for."""
+    return kiln_cli("launch", "--nproc-per-node", str(nproc), "--", "train", "--config", str(cfg), *extra, env=env)
 
 
 def losses(run: Path) -> list[float]:

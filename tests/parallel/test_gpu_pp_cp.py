@@ -4,7 +4,6 @@ is in test_kiln_train_pipeline.py and test_kiln_train_cp.py, whose run files the
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from kiln.train.run import build_trainer
 
 import test_kiln_train_cp as cp_run
 import test_kiln_train_pipeline as pp_run
+from sft_runs import losses as _losses, make_data
 
 RUNS = [("pp-1f1b", pp_run, {"pp": 2}), ("pp-interleaved", pp_run, {"pp": 2, "pp_schedule": "interleaved"}),
         ("cp-allgather", cp_run, {"cp": 2}), ("cp-ring", cp_run, {"cp": 2, "cp_method": "ring"}),
@@ -23,17 +23,7 @@ RUNS = [("pp-1f1b", pp_run, {"pp": 2}), ("pp-interleaved", pp_run, {"pp": 2, "pp
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    from kiln.data.bpe import train_bpe
-
-    d = tmp_path_factory.mktemp("gpu-runs")
-    for name, chats in (("chat", pp_run.CHATS), ("eval", pp_run.HELD_OUT)):
-        (d / f"{name}.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
-    train_bpe([d / "chat.jsonl"], d / "tok", vocab_size=300, min_frequency=1)
-    return d
-
-
-def _losses(run: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    return make_data(tmp_path_factory.mktemp("gpu-runs"), pp_run.CHATS, pp_run.HELD_OUT)
 
 
 @pytest.mark.slow

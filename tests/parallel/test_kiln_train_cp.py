@@ -6,7 +6,6 @@ them to a multiple of 2 * cp).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -16,46 +15,20 @@ from kiln.hub import load_weights
 from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
 
-from kiln_cli import kiln_cli
+from sft_runs import launch as _launch, losses as _losses, make_data, run_toml
 
 CHATS = [[{"role": "user", "content": f"what is {a} times {b}?"}, {"role": "assistant", "content": f"{a * b}."}]
          for a in range(6) for b in range(4)]
-MODEL = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, eos_token_id=2,
-             tie_word_embeddings=False)
 STEPS = 4
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> Path:
-    from kiln.data.bpe import train_bpe
-
-    d = tmp_path_factory.mktemp("cp-train")
-    data = d / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS))
-    train_bpe([data], d / "tok", vocab_size=300, min_frequency=1)
-    return d
+    return make_data(tmp_path_factory.mktemp("cp-train"), CHATS)
 
 
 def _toml(d: Path, name: str, parallel: dict) -> Path:
-    body = (f'[model]\nfamily = "qwen3"\ntask = "causal-lm"\ntokenizer = "{d / "tok"}"\n[model.config]\n'
-            + "".join(f"{k} = {json.dumps(v)}\n" for k, v in MODEL.items())
-            + f'[data]\ntrain = "{d / "chat.jsonl"}"\nmax_length = 45\npack = true\n'
-            + f'[train]\nout_dir = "{d / name}"\nsteps = {STEPS}\nbatch_size = 4\nlr = 1e-2\n'
-            + "weight_decay = 0.0\nwarmup_steps = 1\nclip_grad_norm = 1.0\nsave_every = 2\nkeep_last = 5\n"
-            + "progress = false\nlog_every = 1\nseed = 5\n"
-            + "[parallel]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in parallel.items()))
-    path = d / f"{name}.toml"
-    path.write_text(body)
-    return path
-
-
-def _losses(run: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-
-
-def _launch(cfg: Path, *extra: str, env: dict | None = None):
-    return kiln_cli("launch", "--nproc-per-node", "2", "--", "train", "--config", str(cfg), *extra, env=env)
+    return run_toml(d, name, parallel, data={"max_length": 45}, train={"steps": STEPS, "keep_last": 5})
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ rounding. With ep, the experts are FSDP units over dp of their own and the rest 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from kiln.parallel.checkpoint import is_sharded
 from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
 
+from sft_runs import make_data, run_toml
 from test_kiln_train_plans import _launch, _losses, _weights
 
 # the query latent on (q_lora_rank), as the released DeepSeek-V3 has it; vocabulary of the BPE tokenizer
@@ -28,37 +28,14 @@ SPECIAL = dict(vocab_size=300, pad_token_id=0, bos_token_id=1, eos_token_id=2, t
 STEPS, GLOBAL_BATCH = 4, 4
 
 
-def _value(v) -> str:
-    """A TOML value: inline tables for dicts, JSON's spelling for the rest (the two agree there)."""
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{k} = {_value(x)}" for k, x in v.items()) + " }"
-    return json.dumps(v)
-
-
 def _toml(d: Path, name: str, family: str, batch_size: int, parallel: dict) -> Path:
-    config = {**MLA[family], **SPECIAL}
-    body = (f'[model]\nfamily = "{family}"\ntask = "causal-lm"\ntokenizer = "{d / "tok"}"\n[model.config]\n'
-            + "".join(f"{k} = {_value(v)}\n" for k, v in config.items())
-            + f'[data]\ntrain = "{d / "chat.jsonl"}"\nmax_length = 48\npack = true\n'
-            + f'[train]\nout_dir = "{d / name}"\nsteps = {STEPS}\nbatch_size = {batch_size}\nlr = 1e-2\n'
-            + "weight_decay = 0.0\nwarmup_steps = 1\nclip_grad_norm = 1.0\nsave_every = 2\nkeep_last = 5\n"
-            + "progress = false\nlog_every = 1\nseed = 5\n"
-            + "[parallel]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in parallel.items()))
-    path = d / f"{name}.toml"
-    path.write_text(body)
-    return path
+    return run_toml(d, name, parallel, family=family, config={**MLA[family], **SPECIAL},
+                    train={"steps": STEPS, "batch_size": batch_size, "keep_last": 5})
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> Path:
-    from kiln.data.bpe import train_bpe
-    from test_kiln_train_plans import CHATS
-
-    d = tmp_path_factory.mktemp("mla-plans")
-    data = d / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS))
-    train_bpe([data], d / "tok", vocab_size=300, min_frequency=1)
-    return d
+    return make_data(tmp_path_factory.mktemp("mla-plans"))
 
 
 @pytest.fixture(scope="module")

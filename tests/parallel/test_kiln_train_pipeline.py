@@ -21,42 +21,21 @@ from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
 
 from kiln_cli import kiln_cli
+from sft_runs import CHATS, DENSE as TWO_BLOCKS, launch as _launch, make_data, run_toml
 
-CHATS = [[{"role": "user", "content": f"what is {a} plus {b}?"}, {"role": "assistant", "content": f"{a + b}."}]
-         for a in range(6) for b in range(4)]
 HELD_OUT = CHATS[:6]
-DENSE = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, eos_token_id=2,
-             tie_word_embeddings=False)
+DENSE = {**TWO_BLOCKS, "num_hidden_layers": 4}
 STEPS = 4
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> Path:
-    from kiln.data.bpe import train_bpe
-
-    d = tmp_path_factory.mktemp("pp")
-    for name, chats in (("chat", CHATS), ("eval", HELD_OUT)):
-        (d / f"{name}.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
-    train_bpe([d / "chat.jsonl"], d / "tok", vocab_size=300, min_frequency=1)
-    return d
+    return make_data(tmp_path_factory.mktemp("pp"), CHATS, HELD_OUT)
 
 
 def _toml(d: Path, name: str, parallel: dict) -> Path:
-    body = (f'[model]\nfamily = "qwen3"\ntask = "causal-lm"\ntokenizer = "{d / "tok"}"\n[model.config]\n'
-            + "".join(f"{k} = {json.dumps(v)}\n" for k, v in DENSE.items())
-            + f'[data]\ntrain = "{d / "chat.jsonl"}"\neval = "{d / "eval.jsonl"}"\nmax_length = 48\npack = true\n'
-            + f'[train]\nout_dir = "{d / name}"\nsteps = {STEPS}\nbatch_size = 4\ngrad_accum = 2\nlr = 1e-2\n'
-            + "weight_decay = 0.0\nwarmup_steps = 1\nclip_grad_norm = 1.0\nsave_every = 2\nkeep_last = 5\n"
-            + "eval_every = 2\nprogress = false\nlog_every = 1\nseed = 5\n"
-            + ("[parallel]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in parallel.items()) if parallel else ""))
-    path = d / f"{name}.toml"
-    path.write_text(body)
-    return path
-
-
-def _launch(cfg: Path, *extra: str, env: dict | None = None):
-    return kiln_cli("launch", "--nproc-per-node", "2", "--", "train", "--config", str(cfg), *extra, env=env)
+    return run_toml(d, name, parallel, config=DENSE, data={"eval": str(d / "eval.jsonl")},
+                    train={"steps": STEPS, "grad_accum": 2, "keep_last": 5, "eval_every": 2})
 
 
 def _records(run: Path, key: str) -> list[float]:
