@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+from typing import Callable
+
 import torch
+from safetensors.torch import load_file, save_file
 
 
 def batches() -> list[dict]:
@@ -23,3 +28,30 @@ def same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     """Bit-identical: same shape, dtype and values (rtol = atol = 0)."""
     assert a.shape == b.shape and a.dtype == b.dtype, what
     torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
+
+
+def changed_copy(src: Path, dst: Path, change: Callable[[str, torch.Tensor, torch.Generator], torch.Tensor | None]) -> Path:
+    """A copy of the checkpoint `src` at `dst` in which `change(name, tensor, generator)` replaces tensors
+    (None: kept); one seeded generator serves every call, in the file's order."""
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    weights = load_file(str(dst / "model.safetensors"))
+    g = torch.Generator().manual_seed(11)
+    for k, v in weights.items():
+        new = change(k, v, g)
+        if new is not None:
+            weights[k] = new
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def model_pair(src: Path, eos: bool = True):
+    """(kiln, transformers) causal LMs loaded from `src`; eos=False: both generate the full length (random
+    tiny models emit the EOS id early)."""
+    import transformers
+
+    from kiln.models import AutoModelForCausalLM
+
+    ours, hf = AutoModelForCausalLM.from_pretrained(src), transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    if not eos:
+        ours.config.eos_token_id = hf.generation_config.eos_token_id = None
+    return ours, hf

@@ -20,7 +20,7 @@ from kiln.models import AutoModel, AutoModelForCausalLM
 from kiln.models.common.mla import MLACache
 from kiln.models.common.moe_routing import SharedExpertMoE
 
-from causal_cases import batches, same
+from causal_cases import batches, changed_copy, model_pair, same
 
 FAMILIES = ["deepseek_v3", "deepseek_v32", "glm_moe_dsa"]
 transformers.logging.set_verbosity_error()
@@ -35,25 +35,18 @@ def ckpt(tiny_factory, tmp_path_factory):
     def make(model_type: str, task: str = "causal-lm", **overrides):
         key = (model_type, task, tuple(sorted(overrides.items())))
         if key not in cache:
-            dst = tmp_path_factory.mktemp(f"{model_type}-{task}-biased")
-            shutil.copytree(tiny_factory(model_type, task, **overrides), dst, dirs_exist_ok=True)
-            weights = load_file(str(dst / "model.safetensors"))
-            g = torch.Generator().manual_seed(11)
-            for k, v in weights.items():
-                if k.endswith("e_score_correction_bias"):
-                    weights[k] = torch.randn(v.shape, generator=g) * 0.3
-            save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
-            cache[key] = dst
+            cache[key] = changed_copy(tiny_factory(model_type, task, **overrides),
+                                      tmp_path_factory.mktemp(f"{model_type}-{task}-biased"), _random_bias)
         return cache[key]
 
     return make
 
 
-def _pair(src, eos: bool = True):
-    ours, hf = AutoModelForCausalLM.from_pretrained(src), transformers.AutoModelForCausalLM.from_pretrained(src).eval()
-    if not eos:  # generate the full length in both: the random tiny models emit the EOS id early
-        ours.config.eos_token_id = hf.generation_config.eos_token_id = None
-    return ours, hf
+def _random_bias(name: str, tensor: torch.Tensor, g: torch.Generator) -> torch.Tensor | None:
+    return torch.randn(tensor.shape, generator=g) * 0.3 if name.endswith("e_score_correction_bias") else None
+
+
+_pair = model_pair
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

@@ -20,7 +20,7 @@ from kiln.models import AutoModel, AutoModelForCausalLM
 from kiln.models.common.compressor import SlidingCompressedCache
 from kiln.models.common.hash_moe import HashRouter, ScoredTopKRouter
 
-from causal_cases import batches, same
+from causal_cases import batches, changed_copy, model_pair, same
 
 transformers.logging.set_verbosity_error()
 
@@ -33,27 +33,22 @@ def ckpt(tiny_factory, tmp_path_factory):
 
     def make(task: str = "causal-lm"):
         if task not in cache:
-            dst = tmp_path_factory.mktemp(f"deepseek_v4-{task}-routed")
-            shutil.copytree(tiny_factory("deepseek_v4", task), dst, dirs_exist_ok=True)
-            weights = load_file(str(dst / "model.safetensors"))
-            g = torch.Generator().manual_seed(11)
-            for k, v in weights.items():
-                if k.endswith("ffn.gate.bias"):
-                    weights[k] = torch.randn(v.shape, generator=g) * 0.3
-                elif k.endswith("tid2eid"):
-                    weights[k] = torch.stack([torch.randperm(8, generator=g)[:v.shape[1]] for _ in range(v.shape[0])])
-            save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
-            cache[task] = dst
+            cache[task] = changed_copy(tiny_factory("deepseek_v4", task),
+                                       tmp_path_factory.mktemp(f"deepseek_v4-{task}-routed"), _random_routing)
         return cache[task]
 
     return make
 
 
-def _pair(src, eos: bool = True):
-    ours, hf = AutoModelForCausalLM.from_pretrained(src), transformers.AutoModelForCausalLM.from_pretrained(src).eval()
-    if not eos:  # generate the full length in both: the random tiny model emits the EOS id early
-        ours.config.eos_token_id = hf.generation_config.eos_token_id = None
-    return ours, hf
+def _random_routing(name: str, tensor: torch.Tensor, g: torch.Generator) -> torch.Tensor | None:
+    if name.endswith("ffn.gate.bias"):
+        return torch.randn(tensor.shape, generator=g) * 0.3
+    if name.endswith("tid2eid"):
+        return torch.stack([torch.randperm(8, generator=g)[:tensor.shape[1]] for _ in range(tensor.shape[0])])
+    return None
+
+
+_pair = model_pair
 
 
 def test_tiny_config_switches_every_layer_kind_on(ckpt):
