@@ -54,6 +54,17 @@ def pad_collate(examples: Sequence[dict[str, torch.Tensor]], pad_id: int = 0) ->
     return batch
 
 
+def batch_tokens(batch: dict[str, torch.Tensor], loader: Any) -> int:
+    """Real tokens in a batch just drawn from `loader`: what the loader counted (a packed row's padding tail
+    left out), else the attention mask's, else every input id (token streams have no padding)."""
+    counted = getattr(loader, "last_tokens", None)
+    if counted is not None:
+        return int(counted)
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    return batch["input_ids"].numel() if "input_ids" in batch else 0
+
+
 class Loader:
     """Batches of `dataset` for one rank, with `state_dict()` / `load_state_dict()` for exact resume."""
 
@@ -127,6 +138,7 @@ class Loader:
         sizes = [_length(ex) for ex in examples]
         self._padding[0] += len(sizes) * max(sizes) - sum(sizes)
         self._padding[1] += len(sizes) * max(sizes)
+        self.last_tokens = sum(sizes)  # real tokens of this batch (a packed row's padding tail left out)
         return self.collate(examples)
 
     def take_pad_fraction(self) -> float | None:

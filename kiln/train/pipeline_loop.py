@@ -16,16 +16,11 @@ from typing import Any
 
 import torch
 
+from kiln.data.loader import batch_tokens
 from kiln.parallel.pipeline import check_microbatches
 from kiln.parallel.world import all_reduce_sum
 from kiln.train.optim import lr_factor, set_lr
 from kiln.train.trainer import Callback, _Window
-
-
-def _tokens(batch: dict[str, torch.Tensor]) -> int:
-    if "attention_mask" in batch:
-        return int(batch["attention_mask"].sum())
-    return batch["input_ids"].numel()  # packed rows: no padding
 
 
 class PipelineCallback(Callback):
@@ -44,7 +39,7 @@ class PipelineCallback(Callback):
         window = _Window(trainer.device)
         for _ in range(a.grad_accum):
             batch = {k: v.to(trainer.device, non_blocking=True) for k, v in trainer.loader.next_batch().items()}
-            window.tokens += _tokens(batch)
+            window.tokens += batch_tokens(batch, trainer.loader)
             with trainer.autocast():
                 loss_sum, count = pipe.train_batch(batch)
             window.loss_sum += loss_sum.to(trainer.device)

@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from kiln.data.loader import Loader
+from kiln.data.loader import Loader, batch_tokens
 from kiln.errors import ConfigError, KilnError
 from kiln.hub.config import write_json_atomic
 from kiln.models.common.fast import set_fast
@@ -319,8 +319,7 @@ class Trainer:
     def _micro_step(self, window: "_Window", last: bool) -> None:
         """Forward and backward of one micro-batch, under the right sync context; sums into `window`."""
         batch = {k: v.to(self.device, non_blocking=True) for k, v in self.loader.next_batch().items()}
-        window.tokens += int(batch["attention_mask"].sum()) if "attention_mask" in batch else \
-            batch["input_ids"].numel() if "input_ids" in batch else 0  # packed rows: no padding
+        window.tokens += batch_tokens(batch, self.loader)
         with self._sync_context(last), self.autocast():
             result = self.step_fn(self.model, batch)
         if isinstance(result, dict):  # several objectives: combine their gradients (one unit per micro-batch)

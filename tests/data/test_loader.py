@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.data.loader import Loader, pad_collate
+from kiln.data.loader import Loader, batch_tokens, pad_collate
 from kiln.errors import KilnError
 
 
@@ -57,3 +57,17 @@ def test_pad_collate_pads_ids_labels_and_builds_the_mask():
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert batch["labels"].tolist() == [[1, 2, 3], [4, -100, -100]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_batch_tokens_leave_a_packed_row_padding_tail_out():
+    # packed rows carry position_ids and no attention_mask: the collated tail looks like one more sample
+    rows = [{"input_ids": torch.arange(1, n + 1), "labels": torch.arange(1, n + 1),
+             "position_ids": torch.arange(n)} for n in (7, 3, 5, 2)]
+    loader = Loader(rows, batch_size=2, seed=0)
+    batch = loader.next_batch()
+    real = int((batch["input_ids"] != 0).sum())  # ids count from 1: the tail is the pad id 0
+    assert "attention_mask" not in batch and batch["input_ids"].numel() > real
+    assert batch_tokens(batch, loader) == real
+    # without a loader's count: the mask, else every id
+    assert batch_tokens({"input_ids": torch.ones(2, 4), "attention_mask": torch.tensor([[1, 1, 0, 0]] * 2)}, None) == 4
+    assert batch_tokens({"input_ids": torch.ones(2, 4)}, None) == 8
