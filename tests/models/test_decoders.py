@@ -13,7 +13,7 @@ from kiln.interop.verify import verify_export
 from kiln.models import AutoModel, AutoModelForCausalLM
 from kiln.models.keymap import KeyMap, Stack
 
-from causal_cases import batches, same
+from causal_cases import batches, same, same_greedy_tokens
 
 DECODERS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
 transformers.logging.set_verbosity_error()
@@ -56,11 +56,7 @@ def test_greedy_generation_equals_transformers(model_type, tiny_factory):
     ids = torch.randint(4, 99, (2, 7), generator=g)
     attn = torch.ones_like(ids)
     attn[1, :3] = 0  # a left-padded row in the batch
-    for kw in ({"input_ids": ids[:1]}, {"input_ids": ids, "attention_mask": attn}):
-        a = ours.generate(**kw, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
-        b = hf.generate(**kw, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert a.shape == (kw["input_ids"].shape[0], 27)
-        assert torch.equal(a, b), (a.tolist(), b.tolist())
+    same_greedy_tokens(ours, hf, [{"input_ids": ids[:1]}, {"input_ids": ids, "attention_mask": attn}])
     # the cached decode step itself is bit-identical, not only its argmax
     from transformers import DynamicCache
 

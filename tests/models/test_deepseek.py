@@ -20,7 +20,7 @@ from kiln.models import AutoModel, AutoModelForCausalLM
 from kiln.models.common.mla import MLACache
 from kiln.models.common.moe_routing import SharedExpertMoE
 
-from causal_cases import batches, changed_copy, model_pair, same
+from causal_cases import batches, changed_copy, model_pair, same, same_greedy_tokens
 
 FAMILIES = ["deepseek_v3", "deepseek_v32", "glm_moe_dsa"]
 transformers.logging.set_verbosity_error()
@@ -103,11 +103,7 @@ def test_greedy_generation_with_latent_cache_equals_transformers(model_type, ckp
     ids = torch.randint(4, 99, (2, 7), generator=g)
     attn = torch.ones_like(ids)
     attn[1, :3] = 0  # a left-padded row
-    for kw in ({"input_ids": ids[:1]}, {"input_ids": ids, "attention_mask": attn}):
-        a = ours.generate(**kw, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
-        b = hf.generate(**kw, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert a.shape == (kw["input_ids"].shape[0], 27)
-        assert torch.equal(a, b), (a.tolist(), b.tolist())
+    same_greedy_tokens(ours, hf, [{"input_ids": ids[:1]}, {"input_ids": ids, "attention_mask": attn}])
     # the cached decode step is bit-identical, and the cache holds the latent, not per-head keys and values
     from transformers import DynamicCache
 

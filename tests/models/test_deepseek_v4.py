@@ -20,7 +20,7 @@ from kiln.models import AutoModel, AutoModelForCausalLM
 from kiln.models.common.compressor import SlidingCompressedCache
 from kiln.models.common.hash_moe import HashRouter, ScoredTopKRouter
 
-from causal_cases import batches, changed_copy, model_pair, same
+from causal_cases import batches, changed_copy, model_pair, same, same_greedy_tokens
 
 transformers.logging.set_verbosity_error()
 
@@ -161,11 +161,8 @@ def test_greedy_generation_with_sliding_and_compressed_caches_equals_transformer
     ids = torch.randint(4, 99, (2, 11), generator=torch.Generator().manual_seed(5))  # 11 > window 4
     attn = torch.ones_like(ids)
     attn[1, :3] = 0  # a left-padded row: its pads are pooled into compressed entries, as in transformers
-    for kw in ({"input_ids": ids[:1]}, {"input_ids": ids}, {"input_ids": ids, "attention_mask": attn}):
-        a = ours.generate(**kw, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
-        b = hf.generate(**kw, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert a.shape == (kw["input_ids"].shape[0], 31)
-        assert torch.equal(a, b), (a.tolist(), b.tolist())
+    same_greedy_tokens(ours, hf, [{"input_ids": ids[:1]}, {"input_ids": ids},
+                                  {"input_ids": ids, "attention_mask": attn}])
     from transformers import DynamicCache
 
     cache, hf_cache = ours.new_cache(), DynamicCache(config=hf.config)

@@ -20,7 +20,7 @@ from kiln.models.auto import from_config
 from kiln.models.common import delta_rule
 from kiln.models.common.hybrid import HybridCache
 
-from causal_cases import batches, same
+from causal_cases import batches, same, same_greedy_tokens
 
 transformers.logging.set_verbosity_error()
 HYBRIDS = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"]
@@ -92,11 +92,8 @@ def test_greedy_generation_equals_transformers_with_both_caches(model_type, tiny
     ids = torch.randint(4, 99, (2, 7), generator=g)
     attn = torch.ones_like(ids)
     attn[1, :3] = 0  # a left-padded row in the batch
-    for kw in ({"input_ids": ids[:1]}, {"input_ids": ids[:1, :2]}, {"input_ids": ids, "attention_mask": attn}):
-        a = ours.generate(**kw, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
-        b = hf.generate(**kw, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert a.shape == (kw["input_ids"].shape[0], kw["input_ids"].shape[1] + 20)
-        assert torch.equal(a, b), (a.tolist(), b.tolist())
+    same_greedy_tokens(ours, hf, [{"input_ids": ids[:1]}, {"input_ids": ids[:1, :2]},
+                                  {"input_ids": ids, "attention_mask": attn}])
     # the cached steps themselves are bit-identical: one token (conv window + recurrent state), then three
     from transformers import DynamicCache
 
