@@ -27,14 +27,13 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import report, setup_torch  # noqa: E402
+from common import loaded_pair, report, setup_torch  # noqa: E402
 
 SIZE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
             num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=8, num_key_value_heads=8,
@@ -112,7 +111,6 @@ def _train_step(model, batch, opt, **kw):
 def main() -> None:
     import transformers
 
-    from kiln.models import AutoModelForCausalLM
     from kiln.models.common.fast import set_fast
 
     transformers.logging.set_verbosity_error()
@@ -121,19 +119,15 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, SIZE["vocab_size"], (BATCH, LENGTH), generator=g)
     batch = {"input_ids": ids, "labels": ids.clone()}
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.manual_seed(0)
-        config = transformers.DeepseekV3Config(**SIZE)
-        built = transformers.DeepseekV3ForCausalLM(config)
-        with torch.no_grad():
-            for name, buf in built.named_buffers():
-                if name.endswith("e_score_correction_bias"):
-                    buf.normal_(0.0, 0.05)  # a trained-looking balancing bias
-        built.save_pretrained(tmp)
-        n_params = sum(p.numel() for p in built.parameters())
-        del built
-        peer = transformers.AutoModelForCausalLM.from_pretrained(tmp)
-        ours = AutoModelForCausalLM.from_pretrained(tmp)
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(**SIZE)
+    built = transformers.DeepseekV3ForCausalLM(config)
+    with torch.no_grad():
+        for name, buf in built.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, 0.05)  # a trained-looking balancing bias
+    peer, ours, n_params = loaded_pair(built)
+    del built
 
     with torch.no_grad():
         same = torch.equal(peer.eval()(**batch).logits, ours.eval()(**batch).logits)

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import report, setup_torch  # noqa: E402
+from common import loaded_pair, report, setup_torch  # noqa: E402
 
 SIZE = dict(vocab_size=8192, hidden_size=512, moe_intermediate_size=256, num_hidden_layers=4,
             num_attention_heads=8, num_key_value_heads=1, head_dim=64, partial_rotary_factor=0.25, q_lora_rank=192,
@@ -73,28 +72,23 @@ def _decode_only(generate, prompt, kw):
 def main() -> None:
     import transformers
 
-    from kiln.models import AutoModelForCausalLM
 
     setup_torch()
     transformers.logging.set_verbosity_error()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, SIZE["vocab_size"], (BATCH, LENGTH), generator=g)
     batch = {"input_ids": ids, "labels": ids.clone()}
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.manual_seed(0)
-        built = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**SIZE))
-        with torch.no_grad():
-            for name, buf in built.named_buffers():
-                if name.endswith("e_score_correction_bias"):
-                    buf.normal_(0.0, 0.05)  # a trained-looking balancing bias
-                elif name.endswith("tid2eid"):  # a hash table spreading tokens over the experts
-                    buf.copy_(torch.stack([torch.randperm(SIZE["n_routed_experts"], generator=g)[:buf.shape[1]]
-                                           for _ in range(buf.shape[0])]))
-        built.save_pretrained(tmp)
-        n_params = sum(p.numel() for p in built.parameters())
-        del built
-        peer = transformers.AutoModelForCausalLM.from_pretrained(tmp)
-        ours = AutoModelForCausalLM.from_pretrained(tmp)
+    torch.manual_seed(0)
+    built = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**SIZE))
+    with torch.no_grad():
+        for name, buf in built.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, 0.05)  # a trained-looking balancing bias
+            elif name.endswith("tid2eid"):  # a hash table spreading tokens over the experts
+                buf.copy_(torch.stack([torch.randperm(SIZE["n_routed_experts"], generator=g)[:buf.shape[1]]
+                                       for _ in range(buf.shape[0])]))
+    peer, ours, n_params = loaded_pair(built)
+    del built
 
     with torch.no_grad():
         same = torch.equal(peer.eval()(**batch).logits, ours.eval()(**batch).logits)

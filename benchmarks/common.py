@@ -18,6 +18,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -124,3 +125,16 @@ def report(workload: str, peer: str, unit: str, kiln: list[float], theirs: list[
         with open(os.environ["BENCH_JSON"], "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
     return row
+
+
+def loaded_pair(built: Any) -> tuple[Any, Any, int]:
+    """(transformers model, kiln model, parameter count): `built` (a transformers model) saved once and loaded
+    by both, so the two run the same weights from the same files."""
+    import transformers
+
+    from kiln.models import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        built.save_pretrained(tmp)
+        n_params = sum(p.numel() for p in built.parameters())
+        return transformers.AutoModelForCausalLM.from_pretrained(tmp), AutoModelForCausalLM.from_pretrained(tmp), n_params
