@@ -40,6 +40,8 @@ def train(config: Path = typer.Option(..., "--config", "-c", help="The run TOML.
     _check_parallel(cfg.parallel)
     if resume is not None and not any(key == "train.batch_size" for key, _ in overrides):
         cfg = _keep_global_batch(cfg, resume)  # the per-process batch that keeps the checkpoint's global one
+    from kiln.parallel.world import leave_world
+
     trainer = build_trainer(cfg, resume=resume).fit()
     if trainer.world.main:
         line = f"done: step {trainer.step}"
@@ -50,6 +52,7 @@ def train(config: Path = typer.Option(..., "--config", "-c", help="The run TOML.
         if trainer.best:
             line += f"; best {trainer.best['checkpoint']}"
         typer.echo(f"{line}; checkpoints in {trainer.out_dir}")
+    leave_world()
 
 
 def _with_recipe_flags(fn: Callable) -> Callable:

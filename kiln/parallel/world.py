@@ -42,6 +42,15 @@ def init_world(device: torch.device) -> World:
     return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def leave_world() -> None:
+    """Leave the process group cleanly once every rank is done (a barrier, then destroy it). Left to the
+    interpreter's exit, gloo's threads are sometimes torn down mid-flight and a rank aborts ("terminate
+    called without an active exception") after its run finished."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def all_reduce_sum(t: torch.Tensor, world: World) -> torch.Tensor:
     if world.active:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
