@@ -11,8 +11,8 @@ tokens): DDP splits the rows over the ranks, CP (all-gathered K/V, or the ring) 
 row and splits each sequence in 4 load-balanced chunks; same tokens per rank. The "-xl" rows take a single
 row of XL_SEQ tokens, on one process and split over cp = 2. The "-slow" rows slow rank 1 down (after each of its
 batches it sleeps as long as one step of the plain 2-process DDP row took) and run the same batches in
-lockstep DDP and under the adaptive cadence ([parallel.cadence]'s defaults through kiln.parallel.cadence:
-the fast rank runs more batches between syncs, parameters averaged).
+lockstep DDP and under the adaptive cadence ([parallel.cadence]'s defaults through the Trainer's cadence
+engine, as `kiln train` runs it: the fast rank runs more batches between syncs, parameters averaged).
 Tokens/s counts each global token once. Peak memory is the rise of max RSS over the process's start on
 CPU, max allocated on CUDA. Ratios print last.
 """
@@ -63,32 +63,57 @@ def _peak_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+class _Ids:
+    """Random token rows, each rank its own stream (the Trainer's data protocol)."""
+    epoch = 0
+
+    def __init__(self, rank: int, rows: int):
+        self.g, self.rows = torch.Generator().manual_seed(rank), rows
+
+    def next_batch(self) -> dict:
+        ids = torch.randint(0, SIZE["vocab_size"], (self.rows, SEQ), generator=self.g)
+        return {"input_ids": ids, "labels": ids}
+
+    def check_size(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+
 def cadence(rank: int, world: int, model: torch.nn.Module, device: torch.device, delay: float) -> dict:
-    """[parallel.cadence] with its default settings: each rank draws its own rows, the global budget of batches
-    is the DDP rows' (STEPS steps x world); a first untimed run of WARMUP x world batches lets the planner
-    measure both ranks' speeds."""
-    from kiln.parallel.cadence import CadencePlanner, train_adaptive
-    from kiln.train.config import CadenceSection
+    """`kiln train`'s [parallel.cadence] with its default settings: the Trainer and its cadence engine. Each rank
+    draws its own rows; the budget is the DDP rows' (WARMUP + STEPS steps x world batches); the first WARMUP
+    steps (where the planner measures both ranks' speeds) are not timed."""
+    from kiln.train import Callback, Trainer
+    from kiln.train.config import CadenceSection, ParallelSection
 
-    s = CadenceSection()
-    planner = CadencePlanner(world, anchor=s.anchor, target_sync_share=s.target_sync_share,
-                             max_staleness=s.max_staleness, max_batch_diff=s.max_batch_diff)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    g = torch.Generator().manual_seed(rank)
-    rows = BATCH // world  # per rank and batch, as DDP's share of the global batch
+    class Clock(Callback):
+        def __init__(self) -> None:
+            self.start, self.batches, self.rounds = None, [0] * world, 0
 
-    def loss_fn(m: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        def on_step(self, trainer: Trainer, record: dict) -> None:
+            if self.start is None:  # the warm-up rounds end here
+                if trainer.step >= WARMUP:
+                    self.start = time.perf_counter()
+                return
+            self.batches = [b + c for b, c in zip(self.batches, record["batches"])]
+            self.rounds += 1
+
+    def step(m: torch.nn.Module, batch: dict) -> torch.Tensor:
         if rank == SLOWED:
             time.sleep(delay)
-        return m(ids, labels=ids).loss
+        return m(batch["input_ids"], labels=batch["labels"]).loss
 
-    def next_batch() -> torch.Tensor:
-        return torch.randint(0, SIZE["vocab_size"], (rows, SEQ), generator=g).to(device)
-
-    train_adaptive(model, opt, next_batch, loss_fn, WARMUP * world, planner, average=s.average)
-    stats = train_adaptive(model, opt, next_batch, loss_fn, STEPS * world, planner, average=s.average)
-    return {"tokens_per_s": sum(stats.batches) * rows * SEQ / stats.wall_seconds, "batches": stats.batches,
-            "rounds": stats.rounds}
+    clock = Clock()
+    rows = BATCH // world  # per rank and batch, as DDP's share of the global batch
+    Trainer(model, _Ids(rank, rows), step=step, parallel=ParallelSection(cadence=CadenceSection()),
+            callbacks=[clock], steps=WARMUP + STEPS, batch_size=rows, lr=1e-4, weight_decay=0.0,
+            schedule="constant", clip_grad_norm=None, device=device.type, save_at_end=False, progress=False,
+            out_dir=tempfile.mkdtemp()).fit()
+    seconds = time.perf_counter() - clock.start
+    return {"tokens_per_s": sum(clock.batches) * rows * SEQ / seconds, "batches": clock.batches,
+            "rounds": clock.rounds}
 
 
 def worker(rank: int, world: int, mode: str, gpu: bool, out: str, delay: float = 0.0) -> None:

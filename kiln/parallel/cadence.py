@@ -5,7 +5,7 @@ number of batches between two syncs: the slowest rank runs `anchor` batches, a r
 faster about k * anchor (capped by `max_batch_diff` above the anchor and by `max_staleness`), so
 all of them reach the sync at about the same moment. At a sync the ranks average either their
 parameters (local SGD; each rank stepped its optimizer after every batch) or their summed
-gradients (then one optimizer step), weighted by the batches each one ran.
+gradients (then one optimizer step), weighted by the loss units (tokens, rows) each one ran.
 
 The anchor tunes itself: with s the seconds one sync costs and c the slowest rank's seconds per
 batch, sync takes s / (anchor * c + s) of the time, so the smallest anchor that keeps that share
@@ -13,19 +13,16 @@ under the target is ceil(s * (1 - target) / (target * c)). It never exceeds `max
 `max_batch_diff = 0` is lockstep: one batch per rank, gradients averaged every step (DDP's math).
 
 Works with any model and any backend (gloo on CPU included): a sync is one small all_gather of
-timings (which is also where ranks wait for each other) and one flat all_reduce.
+timings (which is also where ranks wait for each other) and one flat all_reduce. The round itself
+runs in the Trainer, as its step engine (kiln.train.cadence_loop); this module is the planning.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
 
 @dataclass
@@ -81,98 +78,15 @@ def fit_to_budget(counts: list[int], remaining: int) -> list[int]:
     return scaled
 
 
-@dataclass
-class CadenceStats:
-    rounds: int = 0
-    batches: list[int] = field(default_factory=list)   # per rank, whole run
-    plans: list[list[int]] = field(default_factory=list)
-    anchors: list[int] = field(default_factory=list)
-    sync_seconds: float = 0.0                          # time in the averaging all_reduce (this rank)
-    wait_seconds: float = 0.0                          # time waiting for the others at the timing gather
-    wall_seconds: float = 0.0
-
-    @property
-    def sync_share(self) -> float:
-        return self.sync_seconds / self.wall_seconds if self.wall_seconds else 0.0
-
-
-def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One fp32 vector of `tensors` (for one all_reduce)."""
     return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
 
 
-def _unflat(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+def unflat(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy `flat` back into `tensors`, in order."""
     offset = 0
     for t in tensors:
         n = t.numel()
         t.copy_(flat[offset:offset + n].view_as(t))
         offset += n
-
-
-def train_adaptive(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: Callable[[], Any],
-                   loss_fn: Callable[[nn.Module, Any], torch.Tensor], total_batches: int, planner: CadencePlanner,
-                   average: str = "params", group: Any = None) -> CadenceStats:
-    """Run `total_batches` batches over all ranks (about: the last round is trimmed) with the adaptive cadence.
-
-    `loss_fn(model, batch)` returns the batch's mean loss. Every rank starts from the same weights
-    and ends with the same (averaged) weights. Returns this rank's statistics.
-    """
-    if average not in ("params", "grads"):
-        raise ValueError(f"parallel.cadence.average must be 'params' or 'grads', got {average!r}")
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    rank = dist.get_rank(group) if dist.is_initialized() else 0
-    params = [p for p in model.parameters() if p.requires_grad]
-    by_grads = average == "grads" or planner.lockstep
-    stats = CadenceStats(batches=[0] * world)
-    if by_grads:  # every parameter takes part in the flat all_reduce, used in a batch or not
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-    done, last_sync = 0, 0.0
-    start = time.perf_counter()
-    while done < total_batches:
-        counts = fit_to_budget(planner.plan(), total_batches - done)
-        stats.plans.append(counts)
-        stats.anchors.append(planner.anchor)
-        t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=False)
-        for _ in range(counts[rank]):
-            loss = loss_fn(model, next_batch())
-            loss.backward()
-            if not by_grads:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=False)
-        per_batch = (time.perf_counter() - t0) / max(counts[rank], 1)
-        # The timing gather is also where fast ranks wait for slow ones. It carries the previous
-        # sync's cost too, so every rank feeds the planner the same numbers and plans the same round.
-        t1 = time.perf_counter()
-        timing = torch.tensor([per_batch, last_sync], dtype=torch.float64)
-        gathered = [torch.zeros_like(timing) for _ in range(world)]
-        if world > 1:
-            dist.all_gather(gathered, timing, group=group)
-        else:
-            gathered = [timing]
-        planner.observe([float(g[0]) for g in gathered], max(float(g[1]) for g in gathered))
-        t2 = time.perf_counter()
-        weight = counts[rank] / sum(counts)
-        if by_grads:  # sum of per-batch gradients over all batches / number of batches = the mean gradient
-            grads = [p.grad for p in params]
-            flat = _flat(grads) / sum(counts)
-        else:
-            flat = _flat(params) * weight
-        if world > 1:
-            dist.all_reduce(flat, group=group)
-        with torch.no_grad():
-            _unflat(flat, grads if by_grads else params)
-        t3 = time.perf_counter()
-        last_sync = t3 - t2
-        if by_grads:
-            optimizer.step()
-        stats.wait_seconds += t2 - t1
-        stats.sync_seconds += t3 - t2
-        stats.rounds += 1
-        for r, c in enumerate(counts):
-            stats.batches[r] += c
-        done += sum(counts)
-    optimizer.zero_grad(set_to_none=True)
-    stats.wall_seconds = time.perf_counter() - start
-    return stats

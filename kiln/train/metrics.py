@@ -54,6 +54,11 @@ class MetricsLog:
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
 
+    def clear(self) -> None:
+        """Drop every record (a restart from step 0 of a run that saved no checkpoint)."""
+        if self.enabled and self.path.exists():
+            self.path.unlink()
+
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return

@@ -9,7 +9,7 @@ compile); this module is the little the Trainer needs around them:
   checkpoints, sealed like every other checkpoint: written to `.ckpt-N.tmp`, a manifest of
   checksums last, then renamed, so resume skips a half-written one by name;
 - combinations the Trainer cannot run are refused here, naming the keys;
-- [parallel.cadence] adds the callback that runs each step as a cadence round (kiln.train.cadence_loop).
+- which step engine takes the steps: the pipeline schedule, cadence rounds, or plain data parallel.
 """
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ from kiln.parallel.checkpoint import is_sharded, load_sharded, save_sharded
 from kiln.parallel.mesh import DIMS, resolve_degrees
 from kiln.errors import ConfigError, KilnError
 from kiln.train import checkpoint as ckpt
+from kiln.train.cadence_loop import CadenceEngine
 from kiln.train.config import ParallelSection
+from kiln.train.engine import DataParallel, StepEngine
+from kiln.train.pipeline_loop import PipelineEngine
 
 
 def data_shard(parallel: ParallelSection | None, rank: int, world_size: int) -> tuple[int, int]:
@@ -51,17 +54,14 @@ def check_plan(parallel: ParallelSection, precision: str, reshaping: list[str], 
                           f"(fsdp, tp, ep, activation_checkpointing, compile) cannot follow; remove [grow] or them")
 
 
-def loop_callbacks(parallel: ParallelSection) -> list[Any]:
-    """Callbacks that take the Trainer's steps their own way: [parallel.cadence] runs cadence rounds."""
-    if parallel.pp > 1:
-        from kiln.train.pipeline_loop import PipelineCallback  # imports the Trainer: not at module level
-
-        return [PipelineCallback()]
-    if parallel.cadence is None:
-        return []
-    from kiln.train.cadence_loop import CadenceCallback  # imports the Trainer: not at module level
-
-    return [CadenceCallback(parallel.cadence)]
+def step_engine(parallel: ParallelSection | None) -> StepEngine:
+    """How the Trainer's steps get their gradients: the pipeline schedule (pp > 1), cadence rounds
+    ([parallel.cadence]), or plain data parallel micro-batches (everything else)."""
+    if parallel is not None and parallel.pp > 1:
+        return PipelineEngine()
+    if parallel is not None and parallel.cadence is not None:
+        return CadenceEngine(parallel.cadence)
+    return DataParallel()
 
 
 def apply_plans(model: nn.Module, parallel: ParallelSection, world_size: int, device: torch.device) -> Parallelized:

@@ -36,34 +36,24 @@ from pydantic import ValidationError
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from kiln.data.loader import Loader, batch_tokens
+from kiln.data.loader import Loader
 from kiln.errors import ConfigError, KilnError
 from kiln.hub.config import write_json_atomic
 from kiln.models.common.fast import set_fast
 from kiln.parallel.checkpoint import load_full_optimizer
-from kiln.parallel.grads import clip_grad_norm as dist_clip_grad_norm
-from kiln.parallel.world import World, all_reduce_sum, barrier, gather_objects, init_world, pick_device
+from kiln.parallel.world import World, barrier, gather_objects, init_world, pick_device
 from kiln.train import checkpoint as ckpt
 from kiln.train.fp8 import swap_fp8
 from kiln.train import plans
 from kiln.train.config import ParallelSection, TrainSection
 from kiln.train.checks import check_train_args
+from kiln.train.engine import StepEngine
 from kiln.train.metrics import MetricsLog, ProgressBar
 from kiln.train.optim import OptimizerFactory, adamw, freeze, lr_factor, param_groups, set_lr
 from kiln.train.resume import check_resume, model_fingerprint, reseed
-from kiln.train.steps import StepFn, as_sum_and_count, default_evaluate, default_step
+from kiln.train.steps import StepFn, default_evaluate, default_step
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # fp8: bf16 outside the FP8 matmuls
-
-
-class _Window:
-    """What one optimizer step's micro-batches add up: loss sum, unit count, tokens, per-objective losses."""
-
-    def __init__(self, device: torch.device):
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.count = torch.zeros((), dtype=torch.float64, device=device)
-        self.tokens = 0
-        self.objectives: dict[str, float] = {}
 
 
 class Callback:
@@ -71,10 +61,9 @@ class Callback:
 
     def on_setup(self, trainer: "Trainer", step: int) -> None:
         """Before weights load and the optimizer exists (`step`: the resumed step, 0 when fresh); may reshape the model."""
-    def take_step(self, trainer: "Trainer") -> dict[str, Any] | None:
-        """Take this step some other way (no backprop, no optimizer step): return its metrics record,
-        having drawn its batches from `trainer.loader`; None lets the Trainer take it as usual."""
-        return None
+    def wrap_engine(self, trainer: "Trainer", engine: StepEngine) -> StepEngine:
+        """The engine that takes this run's steps (kiln.train.engine): return `engine`, or one wrapping it."""
+        return engine
 
     def before_update(self, trainer: "Trainer") -> None:
         """Gradients hold the mean over every unit of the window (before clipping): a last change to them."""
@@ -123,14 +112,17 @@ class Trainer:
         self.evals_since_best = 0
         self.last_checkpoint: Path | None = None
         self.last_eval: dict[str, float] = {}
+        self._restarted: str | None = None  # --resume of a run that saved no checkpoint yet: why it starts at 0
 
     # ---- setup ------------------------------------------------------------------------------
     def _setup(self) -> None:
         a = self.args
         self.device = pick_device(a.device, int(os.environ.get("LOCAL_RANK", "0")))
         self.world: World = init_world(self.device)
+        self.engine: StepEngine = plans.step_engine(self.parallel)  # how a step's gradients come to be
+        for cb in self.callbacks:  # e.g. [ff]: its local steps between the engine's backprop steps
+            self.engine = cb.wrap_engine(self, self.engine)
         if self.parallel is not None:
-            self.callbacks += plans.loop_callbacks(self.parallel)  # [parallel.cadence] takes the steps
             reshaping = [type(cb).__name__ for cb in self.callbacks if type(cb).on_setup is not Callback.on_setup]
             plans.check_plan(self.parallel, a.precision, reshaping, self.world.size)
         # tp ranks of one group hold slices of one replica: they read the same data (and draw the same dropout)
@@ -179,6 +171,9 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type) if a.precision == "fp16" else None
         self.metrics = MetricsLog(self.out_dir, enabled=self.world.main, report_to=a.report_to,
                                   config=self.run_config, project=a.project)
+        if self._restarted and self.world.main:  # the lost attempt's partial metrics are replaced
+            print(f"resume: {self.out_dir} {self._restarted}; starting from step 0")
+            self.metrics.clear()
         if start is not None:
             self._restore(start)
             if self.reshard is not None and self.world.main:
@@ -200,11 +195,18 @@ class Trainer:
                 raise KilnError(f"{self.out_dir} already holds a run ({', '.join(used[:3])}); "
                                 "continue it with --resume, or choose another train.out_dir")
             return None
+        own = self.resume.resolve() == self.out_dir.resolve()
+        if own and not self.resume.is_dir():  # stopped before it wrote anything: nothing to resume yet
+            self._restarted = "holds nothing yet"
+            return None
         notes: list[str] = []
         found = ckpt.latest_checkpoint(self.resume, notes.append)
         if self.world.main:
             for n in notes:
                 print(f"resume: {n}")
+        if found is None and own:  # the same restart command works before and after the first save
+            self._restarted = "holds no complete checkpoint yet"
+            return None
         if found is None:
             raise KilnError(f"{self.resume}: no complete checkpoint to resume from")
         return found
@@ -236,6 +238,8 @@ class Trainer:
         for cb in self.callbacks:
             if type(cb).__name__ in state.get("callbacks", {}):
                 cb.load_state_dict(self, state["callbacks"][type(cb).__name__])
+        if state.get("engine") is not None:
+            self.engine.load_state_dict(self, state["engine"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if self.reshard is None:
@@ -261,12 +265,8 @@ class Trainer:
         bar = ProgressBar(self.total_steps, self.step, a.progress and self.world.main)
         try:
             while self.step < self.total_steps and not self.stopped_early:
-                record = next((r for r in (cb.take_step(self) for cb in self.callbacks) if r is not None), None)
                 before = self.step
-                if record is not None:  # a step taken another way may cover several steps (a cadence round)
-                    self.step = max(self.step + 1, int(record.get("step", self.step + 1)))
-                else:
-                    record = self._train_step()
+                record = self._train_step()
                 for cb in self.callbacks:  # before the log line is written: callbacks may add to the record
                     cb.on_step(self, record)
                 def due(every: int) -> bool:  # a multiple of `every` reached since the last step
@@ -286,92 +286,40 @@ class Trainer:
         finally:
             bar.close()
             self.metrics.close()
+        self.optimizer.zero_grad(set_to_none=True)  # an engine that keeps zeroed gradients leaves none behind
         set_fast(self.model, False)  # the trained model goes back on its bit-exact path (as loaded models start)
         for cb in self.callbacks:
             cb.on_end(self)
         return self
 
-    # One optimizer step = grad_accum micro-steps, then reduce, clip, and the guarded update.
+    # One step: the engine brings the gradients (kiln.train.engine); the rest happens here, for every mode.
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """The loader's next batch, on this run's device."""
+        return {k: v.to(self.device, non_blocking=True) for k, v in self.loader.next_batch().items()}
+
     def _train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
-        window = _Window(self.device)
-        for micro in range(self.args.grad_accum):
-            self._micro_step(window, last=micro == self.args.grad_accum - 1)
-        loss = self._reduce(window)
-        for cb in self.callbacks:
-            cb.before_update(self)
-        grad_norm = self._clip()
         lr = set_lr(self.optimizer, self.base_lrs, lr_factor(self.step, self.total_steps, self.args.warmup_steps,
                                                              self.args.schedule, self.args.min_lr_ratio))
-        self._update(loss, grad_norm)
-        self.step += 1
-        return self._record(window, loss, grad_norm, lr, time.perf_counter() - t0)
+        out = self.engine.gradients(self)
+        grad_norm = out.grad_norm
+        if out.update:
+            for cb in self.callbacks:
+                cb.before_update(self)
+            grad_norm = self.update(out.loss)
+        self.step += out.steps
+        dt = time.perf_counter() - t0
+        pad = getattr(self.loader, "take_pad_fraction", lambda: None)()  # this rank's padded share of its slots
+        return {"step": self.step, "loss": out.loss, "lr": lr if out.lr is None else out.lr, "grad_norm": grad_norm,
+                "epoch": self.loader.epoch, "samples_per_s": out.samples / dt, "tokens": out.tokens,
+                "tokens_per_s": out.tokens / dt, **({"pad_fraction": pad} if pad is not None else {}),
+                "skipped": self.skipped, **out.extra}
 
-    def _sync_context(self, last: bool) -> contextlib.AbstractContextManager:
-        """Only the window's last micro-batch reduces gradients (DDP, FSDP); the others accumulate locally."""
-        sync = last or not self.world.active
-        if self.plan is not None and self.plan.fsdp:
-            self.model.set_requires_gradient_sync(sync)
-        if not sync and isinstance(self.model, DistributedDataParallel):
-            return self.model.no_sync()
-        return contextlib.nullcontext()
-
-    def _micro_step(self, window: "_Window", last: bool) -> None:
-        """Forward and backward of one micro-batch, under the right sync context; sums into `window`."""
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in self.loader.next_batch().items()}
-        window.tokens += batch_tokens(batch, self.loader)
-        with self._sync_context(last), self.autocast():
-            result = self.step_fn(self.model, batch)
-        if isinstance(result, dict):  # several objectives: combine their gradients (one unit per micro-batch)
-            part, n = self._backward_objectives(result, window), torch.ones((), dtype=torch.float64)
-        else:
-            part, n = as_sum_and_count(result, batch)
-            (self.scaler.scale(part) if self.scaler else part).backward()
-        window.loss_sum += part.detach().to(torch.float64)
-        window.count += n.to(self.device)
-
-    def _backward_objectives(self, losses: dict[str, torch.Tensor], window: "_Window") -> torch.Tensor:
-        if self.scaler is not None or self.world.active:
-            raise KilnError("a step returning several losses supports neither fp16 nor several processes yet")
-        for name, value in losses.items():
-            window.objectives[name] = window.objectives.get(name, 0.0) + float(value.detach())
-        if self.objectives is not None:
-            return self.objectives.backward(losses, list(self.model.parameters()), self.step)
-        total = sum(losses[name] for name in sorted(losses))
-        total.backward()
-        return total.detach()
-
-    def _reduce(self, window: "_Window") -> float:
-        """Sum the window over ranks and turn gradients into the mean over every unit; the mean loss."""
-        if self.plan is not None:
-            self.plan.sync_gradients()  # tp with dp > 1, and ep: neither DDP nor FSDP averages these
-        # tp ranks add identical copies of their group's sums: loss_sum / count is unchanged by them; cp ranks
-        # each add the sums over their own chunks of the rows (kiln.parallel.context), which make the rows' sums.
-        totals = all_reduce_sum(torch.stack([window.loss_sum, window.count]), self.world)
-        loss = float(totals[0] / totals[1])
-        # Gradients now hold the mean over the data shards of each shard's summed-unit gradient; turn that
-        # into the mean over every unit. totals[1] counts every unit tp times, and world = shards * tp. Under cp,
-        # DDP / FSDP average over the dp x cp ranks, each unit is counted once, and world = dp * cp: the same scale.
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        scale = self.world.size / float(totals[1])
-        if self.sharded:
-            for p in params:  # DTensor gradients: foreach ops would need one mesh for all of them
-                p.grad.mul_(scale)
-        else:
-            torch._foreach_mul_([p.grad for p in params], scale)
-        return loss
-
-    def _clip(self) -> float:
-        """Clip the gradients to train.clip_grad_norm (DTensor-aware when sharded); their norm before clipping."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        clip = self.args.clip_grad_norm if self.args.clip_grad_norm else float("inf")
-        return float(dist_clip_grad_norm(params, clip) if self.sharded
-                     else torch.nn.utils.clip_grad_norm_(params, clip))
-
-    def _update(self, loss: float, grad_norm: float) -> None:
-        """The optimizer step, unless the guard finds the loss or the gradient non-finite."""
+    def update(self, loss: float) -> float:
+        """Clip to train.clip_grad_norm, then the optimizer step unless the guard finds the loss or the gradient
+        non-finite; gradients are cleared. Returns the norm before clipping. The one optimizer update of kiln:
+        the Trainer's step calls it, and so do engines that take local steps (a cadence round)."""
+        grad_norm = self.engine.clip(self, self.args.clip_grad_norm or float("inf"))
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite or (self.scaler is not None and math.isfinite(loss)):
             # fp16 overflow with a finite loss is the scaler's business: it skips and lowers the scale.
@@ -382,16 +330,8 @@ class Trainer:
                 self.optimizer.step()
         else:
             self._non_finite(loss, grad_norm)
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def _record(self, window: "_Window", loss: float, grad_norm: float, lr: float, dt: float) -> dict[str, Any]:
-        a = self.args
-        samples = a.batch_size * a.grad_accum * self.data_shards  # tp ranks of a group read the same batch
-        pad = getattr(self.loader, "take_pad_fraction", lambda: None)()  # this rank's padded share of its slots
-        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "epoch": self.loader.epoch,
-                "samples_per_s": samples / dt, "tokens_per_s": window.tokens * self.data_shards / dt,
-                **({"pad_fraction": pad} if pad is not None else {}),
-                "skipped": self.skipped, **{f"loss_{k}": v / a.grad_accum for k, v in sorted(window.objectives.items())}}
+        self.optimizer.zero_grad(set_to_none=not self.engine.keep_grads)
+        return grad_norm
 
     def _non_finite(self, loss: float, grad_norm: float) -> None:
         what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}"
@@ -451,6 +391,7 @@ class Trainer:
         """Checkpoint now (rank 0 writes; every rank contributes its RNG state and waits)."""
         rngs = gather_objects(ckpt.rng_state(), self.world)
         extra = {type(cb).__name__: s for cb in self.callbacks if (s := cb.state_dict(self)) is not None}
+        engine_state = self.engine.state_dict(self)
         path = self.out_dir / ckpt.ckpt_name(self.step)
         state: dict[str, Any] | None = None
         if self.world.main:
@@ -460,7 +401,7 @@ class Trainer:
                      "epoch": self.loader.epoch, "fingerprint": self.fingerprint, "run_config": self.run_config,
                      "scaler": self.scaler.state_dict() if self.scaler else None, "eval": self.last_eval,
                      "objectives": self.objectives.state_dict() if self.objectives is not None else None,
-                     **({"callbacks": extra} if extra else {})}
+                     **({"callbacks": extra} if extra else {}), "engine": engine_state}
         if self.sharded:  # every rank writes its own shards
             path = plans.save_sharded_checkpoint(self.out_dir, self.step, self.model, self.optimizer, state, rngs)
         if self.world.main:

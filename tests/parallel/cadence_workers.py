@@ -1,4 +1,5 @@
-"""Spawned ranks for the cadence tests: a small MLP regression, one rank slowed by a sleep per batch."""
+"""Spawned ranks for the cadence tests: a small MLP regression, one rank slowed by a sleep per batch, trained by
+the Trainer under [parallel.cadence] (the engine `kiln train` ships)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import time
 import torch
 from torch import nn
 
-from kiln.parallel.cadence import CadencePlanner, train_adaptive
+from kiln.train import Callback, Trainer
+from kiln.train.config import CadenceSection, ParallelSection
 
 DIM, BATCH = 16, 32
 
@@ -28,35 +30,69 @@ def model() -> nn.Module:
     return nn.Sequential(nn.Linear(DIM, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
 
 
+class Stream:
+    """Each rank its own stream of random rows (the Trainer's data protocol); counts what it really drew."""
+    epoch = 0
+
+    def __init__(self, rank: int):
+        self.x, self.y = data(seed=10 + rank, n=8192)  # each rank its own stream of training rows
+        self.g = torch.Generator().manual_seed(rank)
+        self.drawn = 0
+
+    def next_batch(self) -> dict:
+        self.drawn += 1
+        idx = torch.randint(0, self.x.shape[0], (BATCH,), generator=self.g)
+        return {"x": self.x[idx], "y": self.y[idx]}
+
+    def check_size(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"drawn": self.drawn}
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError("these runs do not resume")
+
+
+class Rounds(Callback):
+    """Every round's record, on every rank (only rank 0 writes metrics.jsonl)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def on_step(self, trainer: Trainer, record: dict) -> None:
+        self.records.append(record)
+
+
 def run(rank: int, world: int, out: str, name: str, planner_keys: dict, average: str, total_batches: int,
         slow_rank: int, delay: float) -> None:
+    """The adaptive cadence as `kiln train` runs it: the Trainer with [parallel.cadence], Adam, no clipping."""
     net = model()
-    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
-    x, y = data(seed=10 + rank, n=8192)  # each rank its own stream of training rows
-    g = torch.Generator().manual_seed(rank)
-    drawn = [0]  # batches this rank really drew, counted here rather than trusted from the stats
+    stream, rounds = Stream(rank), Rounds()
 
-    def next_batch():
-        drawn[0] += 1
-        idx = torch.randint(0, x.shape[0], (BATCH,), generator=g)
-        return x[idx], y[idx]
-
-    def loss_fn(net, batch):
+    def step(net: nn.Module, batch: dict) -> torch.Tensor:
         if rank == slow_rank:
             time.sleep(delay)  # the artificially slow device
-        xb, yb = batch
-        return nn.functional.mse_loss(net(xb), yb)
+        return nn.functional.mse_loss(net(batch["x"]), batch["y"])
 
     hx, hy = data(seed=999, n=2048)  # held out
     with torch.no_grad():
         initial = float(nn.functional.mse_loss(net(hx), hy))
-    planner = CadencePlanner(world=world, **planner_keys)
-    stats = train_adaptive(net, opt, next_batch, loss_fn, total_batches, planner, average=average)
+    parallel = ParallelSection(cadence=CadenceSection(average=average, **planner_keys))
+    trainer = Trainer(net, stream, step=step, optimizer=lambda groups: torch.optim.Adam(groups, lr=3e-3),
+                      parallel=parallel, callbacks=[rounds], steps=total_batches // world, batch_size=BATCH,
+                      lr=3e-3, weight_decay=0.0, schedule="constant", clip_grad_norm=None, device="cpu",
+                      save_at_end=False, progress=False, out_dir=os.path.join(out, f"{name}-run{rank}"))
+    start = time.perf_counter()
+    trainer.fit()
+    wall = time.perf_counter() - start
     with torch.no_grad():
         held_out = float(nn.functional.mse_loss(net(hx), hy))
         digest = float(sum(p.double().sum() for p in net.parameters()))
-    result = {"wall": stats.wall_seconds, "rounds": stats.rounds, "batches": stats.batches,
-              "plans": stats.plans, "anchors": stats.anchors, "drawn": drawn[0], "sync_share": stats.sync_share,
+    plans = [r["batches"] for r in rounds.records]
+    result = {"wall": wall, "rounds": len(plans), "batches": [sum(col) for col in zip(*plans)],
+              "plans": plans, "anchors": [r["anchor"] for r in rounds.records], "drawn": stream.drawn,
+              "sync_share": sum(r["sync_share"] for r in rounds.records) / len(plans),
               "held_out": held_out, "initial": initial, "digest": digest,
               "weights": [p.detach().flatten().tolist() for p in net.parameters()]}
     with open(os.path.join(out, f"{name}-rank{rank}.json"), "w") as f:

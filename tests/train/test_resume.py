@@ -56,6 +56,36 @@ def test_sigkill_anywhere_then_resume_matches_uninterrupted(tmp_path, tiny_dir, 
     assert len([r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]) == 12
 
 
+@pytest.mark.slow
+def test_resume_before_the_first_save_starts_at_step_zero_and_says_so(tmp_path, tiny_dir, data_files):
+    """One restart command for every crash: killed before its first checkpoint, `--resume` starts over."""
+    train, eval_ = data_files
+    ref = write_toml(tmp_path / "ref.toml", tiny_dir, train, eval_, tmp_path / "ref", steps=6)
+    kiln("train", "--config", str(ref))
+    cfg = write_toml(tmp_path / "run.toml", tiny_dir, train, eval_, tmp_path / "run", steps=6)
+    run = tmp_path / "run"
+    p = kiln("train", "--config", str(cfg), env={"KILN_FAULT": "step:3"}, check=False)
+    assert p.returncode == -9, p.stderr
+    assert latest_checkpoint(run, lambda _: None) is None and len(read_metrics(run / "metrics.jsonl")) >= 3
+    p = kiln("train", "--config", str(cfg), "--resume", str(run))
+    assert f"resume: {run} holds no complete checkpoint yet; starting from step 0" in p.stdout
+    assert _curve(run) == _curve(tmp_path / "ref")  # the lost attempt's lines are gone, none doubled
+
+
+def test_resume_from_another_directory_without_a_checkpoint_is_refused(tmp_path):
+    """Only the run's own out_dir restarts from step 0; a Trainer pointed at some other directory is refused."""
+    import torch
+
+    from kiln.train import Trainer
+
+    (tmp_path / "other").mkdir()
+    data = [{"x": torch.randn(3), "labels": torch.randn(1)} for _ in range(8)]
+    trainer = Trainer(torch.nn.Linear(3, 1), data, step=lambda m, b: ((m(b["x"]) - b["labels"]) ** 2).mean(),
+                      steps=2, batch_size=4, out_dir=str(tmp_path / "run"), resume=tmp_path / "other", progress=False)
+    with pytest.raises(KilnError, match="other: no complete checkpoint to resume from"):
+        trainer.fit()
+
+
 def test_corrupt_newest_checkpoint_is_named_and_previous_used(tmp_path, tiny_dir, data_files):
     train, eval_ = data_files
     cfg = load_run_config(write_toml(tmp_path / "run.toml", tiny_dir, train, eval_, tmp_path / "run", steps=8))

@@ -8,7 +8,8 @@ goodness contrast over the layer's SSM input u (B, T, I):
   goodness g(h)     = <h / std(h), D / |D|>;   ff_loss = max(0, 1 - (g(p) - g(n))).
 A step that is not a backprop step (all but every `bp_cadence_steps`-th) is only that: D -= ff_lr *
 d ff_loss / dD, by plain SGD, no optimizer step, no other weight moves; its batches are drawn from the
-loader as usual, so the data cursor advances every step. On a backprop step the FF gradient of each D,
+loader as usual, so the data cursor advances every step (`FFEngine`, wrapping the run's own engine;
+its record's grad_norm is the norm of the FF gradients over all D, its lr is ff_lr). On a backprop step the FF gradient of each D,
 scaled by ff_lr / lr, is combined with the backprop gradient by gradient surgery (`surgery`: sum,
 pcgrad, gradnorm, cagrad) before clipping and the optimizer step; `conflict_layers` counts the layers
 whose two gradients point against each other. How this differs from plain backprop: D also moves on
@@ -23,13 +24,15 @@ import torch
 from pydantic import model_validator
 from torch import nn
 
+from kiln.data.loader import batch_tokens
 from kiln.errors import ConfigError
 from kiln.models.mamba import MambaMixer
 from kiln.train.config import Section
 from kiln.train.multiobjective import cagrad, pcgrad
 from kiln.train.recipes.base import Extension, RunParts
+from kiln.train.engine import StepContext, StepEngine, StepOutcome
 from kiln.train.steps import as_sum_and_count
-from kiln.train.trainer import Callback
+from kiln.train.trainer import Callback, Trainer
 
 
 class FFSection(Section):
@@ -95,7 +98,7 @@ class FFCallback(Callback):
         self.capturing = False
         self.conflicts: int | None = None
 
-    def on_setup(self, trainer: Any, step: int) -> None:
+    def on_setup(self, trainer: Trainer, step: int) -> None:
         if trainer.world.active:
             raise ConfigError("[ff] runs on one process (its local updates are not synchronised across ranks)")
         self.mixers = [m for m in trainer.unwrapped().modules() if isinstance(m, MambaMixer)]
@@ -126,32 +129,10 @@ class FFCallback(Callback):
         self.sums, self.capturing = {}, False
         return out
 
-    def _is_bp_step(self, trainer: Any) -> bool:
-        return (trainer.step + 1) % self.cfg.bp_cadence_steps == 0
+    def wrap_engine(self, trainer: Trainer, engine: StepEngine) -> StepEngine:
+        return FFEngine(engine, self)
 
-    def take_step(self, trainer: Any) -> dict[str, Any] | None:
-        self.capturing, self.sums, self.conflicts = True, {}, None
-        if self._is_bp_step(trainer):
-            return None  # the Trainer's own step; the hooks gather this step's summaries for before_update
-        model, loss_sum, count = trainer.model, 0.0, 0.0
-        with torch.no_grad():
-            for _ in range(trainer.args.grad_accum):
-                batch = {k: v.to(trainer.device) for k, v in trainer.loader.next_batch().items()}
-                with trainer.autocast():
-                    result = trainer.step_fn(model, batch)
-                if isinstance(result, dict):
-                    result = sum(result[k] for k in sorted(result))
-                part, n = as_sum_and_count(result, batch)
-                loss_sum, count = loss_sum + float(part), count + float(n)
-        grads = self._ff_grads()
-        with torch.no_grad():
-            for mixer, _, grad in grads:
-                mixer.D.sub_(self.cfg.ff_lr * grad.to(mixer.D.dtype))
-        ff_loss = sum(loss for _, loss, _ in grads) / max(len(grads), 1)
-        return {"step": trainer.step + 1, "loss": loss_sum / max(count, 1.0), "ff_loss": ff_loss,
-                "lr": self.cfg.ff_lr, "epoch": trainer.loader.epoch, "skipped": trainer.skipped}
-
-    def before_update(self, trainer: Any) -> None:
+    def before_update(self, trainer: Trainer) -> None:
         grads = self._ff_grads()
         lr = trainer.args.lr  # the base lr: the schedule moves both sides alike
         conflicts = 0
@@ -162,10 +143,52 @@ class FFCallback(Callback):
             mixer.D.grad = surgery(g_bp, scaled, self.cfg.surgery, self.cfg, trainer.step).to(mixer.D.dtype)
         self.conflicts = conflicts
 
-    def on_step(self, trainer: Any, record: dict[str, Any]) -> None:
+    def on_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
         if self.conflicts is not None:
             record["conflict_layers"] = self.conflicts
             self.conflicts = None
+
+
+class FFEngine(StepEngine):
+    """Every `bp_cadence_steps`-th step is the wrapped engine's backprop step; the others are FF local steps."""
+
+    def __init__(self, inner: StepEngine, ff: FFCallback):
+        self.inner, self.ff = inner, ff
+        self.keep_grads = inner.keep_grads
+
+    def gradients(self, run: StepContext) -> StepOutcome:
+        ff = self.ff
+        ff.capturing, ff.sums, ff.conflicts = True, {}, None
+        if (run.step + 1) % ff.cfg.bp_cadence_steps == 0:
+            return self.inner.gradients(run)  # the hooks gather this step's summaries for before_update
+        loss_sum, count, tokens = 0.0, 0.0, 0
+        with torch.no_grad():
+            for _ in range(run.args.grad_accum):
+                batch = run.next_batch()
+                tokens += batch_tokens(batch, run.loader)
+                with run.autocast():
+                    result = run.step_fn(run.model, batch)
+                if isinstance(result, dict):
+                    result = sum(result[k] for k in sorted(result))
+                part, n = as_sum_and_count(result, batch)
+                loss_sum, count = loss_sum + float(part), count + float(n)
+        grads = ff._ff_grads()
+        with torch.no_grad():  # the FF rule is plain SGD on D: no optimizer step, no other weight moves
+            for mixer, _, grad in grads:
+                mixer.D.sub_(ff.cfg.ff_lr * grad.to(mixer.D.dtype))
+        ff_loss = sum(loss for _, loss, _ in grads) / max(len(grads), 1)
+        norm = float(torch.stack([g.norm() for _, _, g in grads]).norm()) if grads else 0.0
+        return StepOutcome(loss_sum / max(count, 1.0), tokens, run.args.batch_size * run.args.grad_accum,
+                           update=False, grad_norm=norm, lr=ff.cfg.ff_lr, extra={"ff_loss": ff_loss})
+
+    def clip(self, run: StepContext, max_norm: float) -> float:
+        return self.inner.clip(run, max_norm)
+
+    def state_dict(self, run: StepContext) -> dict[str, Any] | None:
+        return self.inner.state_dict(run)
+
+    def load_state_dict(self, run: StepContext, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(run, state)
 
 
 class FF(Extension):
