@@ -178,7 +178,7 @@ def latest_checkpoint(run_dir: str | os.PathLike, report: Callable[[str], None] 
     """The newest complete checkpoint; partial and corrupt ones are reported by name and skipped."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise KilnError(f"{run_dir}: no such run directory to resume")
+        raise KilnError(f"{run_dir}: no such run directory to resume (a run that stopped before it began writes none: start it without --resume)")
     for tmp in sorted(run_dir.glob(".ckpt-*.tmp")):
         report(f"{tmp.name}: partial checkpoint write (the run stopped while saving); ignored")
     for _, path in reversed(list_checkpoints(run_dir)):

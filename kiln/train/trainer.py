@@ -112,7 +112,8 @@ class Trainer:
         self.evals_since_best = 0
         self.last_checkpoint: Path | None = None
         self.last_eval: dict[str, float] = {}
-        self._restarted: str | None = None  # --resume of a run that saved no checkpoint yet: why it starts at 0
+        self._restarted: str | None = None
+        self._made_dir: Path | None = None  # the outermost folder this run created for out_dir  # --resume of a run that saved no checkpoint yet: why it starts at 0
 
     # ---- setup ------------------------------------------------------------------------------
     def _setup(self) -> None:
@@ -147,6 +148,10 @@ class Trainer:
         else:
             self.total_steps = max(1, math.ceil(a.epochs * self.loader.batches_per_epoch / a.grad_accum))
         start = self._find_resume()
+        if self.world.main and not self.out_dir.exists():
+            # a kill from here on leaves a directory that `--resume` restarts from step 0; an error removes it
+            self._made_dir = next(p for p in (self.out_dir, *self.out_dir.parents) if p.parent.exists())
+            self.out_dir.mkdir(parents=True)
         resumed = ckpt.read_trainer_state(start) if start is not None else None
         for cb in self.callbacks:  # e.g. layer growth: the model takes its resumed shape before anything reads it
             cb.on_setup(self, resumed["step"] if resumed else 0)
@@ -196,9 +201,6 @@ class Trainer:
                                 "continue it with --resume, or choose another train.out_dir")
             return None
         own = self.resume.resolve() == self.out_dir.resolve()
-        if own and not self.resume.is_dir():  # stopped before it wrote anything: nothing to resume yet
-            self._restarted = "holds nothing yet"
-            return None
         notes: list[str] = []
         found = ckpt.latest_checkpoint(self.resume, notes.append)
         if self.world.main:
@@ -260,7 +262,11 @@ class Trainer:
     def fit(self) -> "Trainer":
         """Train to `steps` (or `epochs`), evaluating and saving on schedule; returns self, its model back on
         the exact path (training ran the fast one unless `train.exact`)."""
-        self._setup()
+        try:
+            self._setup()
+        except BaseException:
+            self._remove_empty_dir()
+            raise
         a = self.args
         bar = ProgressBar(self.total_steps, self.step, a.progress and self.world.main)
         try:
@@ -283,6 +289,9 @@ class Trainer:
                 at_end = (last or self.stopped_early) and a.save_at_end
                 if due(a.save_every) or at_end or improved:
                     self.save()
+        except BaseException:
+            self._remove_empty_dir()
+            raise
         finally:
             bar.close()
             self.metrics.close()
@@ -291,6 +300,17 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_end(self)
         return self
+
+    def _remove_empty_dir(self) -> None:
+        """A run that failed before writing anything leaves no trace (bad input loses and changes nothing)."""
+        if self._made_dir is None:
+            return
+        for d in (self.out_dir, *self.out_dir.parents):  # up to the first folder this run created
+            if not d.is_dir() or any(d.iterdir()):
+                return
+            d.rmdir()
+            if d == self._made_dir:
+                return
 
     # One step: the engine brings the gradients (kiln.train.engine); the rest happens here, for every mode.
     def next_batch(self) -> dict[str, torch.Tensor]:

@@ -295,8 +295,6 @@ CASES = [
                                               "--resume", w.run], 1, "train.seed 42 -> 7"),
     C("train-resume-changed-max-length", lambda w: ["train", "--config", run_config(
         w, "ml", data={"max_length": 12}), "--resume", w.run], 1, "data.max_length 16 -> 12"),
-    C("train-resume-nothing-complete", lambda w: ["train", "--config", run_config(w, "partial"), "--resume",
-                                                  _only_partial(w)], 1, "no complete checkpoint"),
     C("train-resume-missing-run", lambda w: ["train", "--config", run_config(w, "norun"), "--resume",
                                              w.root / "nope"], 1, "no such run directory"),
     C("train-pretrain-tampered-shard", lambda w: ["train", "--config", pretrain_config(w, "sha", w.shards_sha)], 1,
@@ -359,15 +357,6 @@ def _metrics(w: World, name: str, text: str) -> Path:
     if not d.exists():
         d.mkdir()
         (d / "metrics.jsonl").write_text(text)
-    return d
-
-
-def _only_partial(w: World) -> Path:
-    """A run folder whose one checkpoint never got its manifest."""
-    d = w.data / "partial-run"
-    if not d.exists():
-        d.mkdir()
-        shutil.copytree(w.run_partial / "ckpt-000002", d / "ckpt-000002")
     return d
 
 
