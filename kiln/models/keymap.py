@@ -163,6 +163,13 @@ class KeyMap:
         hit = self._apply(hf_key, self._to_kiln, "kiln")
         return None if hit is None else hit[0]
 
+    def is_plain(self, hf_key: str) -> bool:
+        """The HF tensor becomes a kiln tensor as it is: one rule, no tensor step, not part of a stack."""
+        if self.stacks and self._stack_hit(hf_key) is not None:
+            return False
+        hit = self._apply(hf_key, self._to_kiln, "kiln")
+        return hit is not None and hit[1].step is None
+
     def hf_name(self, kiln_key: str) -> str | None:
         for pat, stack in self._stack_kiln:
             m = pat.match(kiln_key)

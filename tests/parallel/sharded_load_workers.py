@@ -1,0 +1,45 @@
+"""Spawned ranks for the sharded-load tests: the same checkpoint loaded whole then sharded, and built on meta,
+sharded, then read slice by slice; every tensor this rank holds is compared."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from kiln.models.auto import load_pretrained
+from kiln.parallel.apply import parallelize
+from kiln.parallel.sharded_load import empty_pretrained, loaded_bytes, read_shards
+from kiln.train.config import ParallelSection
+
+MODES = {"fsdp": dict(fsdp=True), "tp": dict(tp=2), "ep": dict(ep=2), "tp-fsdp": dict(tp=2, fsdp=True),
+         "ep-fsdp": dict(ep=2, fsdp=True)}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def compare(rank: int, world: int, model_dir: str, mode: str, out: str) -> None:
+    parallel = ParallelSection(**MODES[mode])
+    whole = load_pretrained(model_dir, task="causal-lm")
+    parallelize(whole, parallel, world_size=world, device=torch.device("cpu"))
+    lean = empty_pretrained(model_dir, task="causal-lm")
+    parallelize(lean, parallel, world_size=world, device=torch.device("cpu"))
+    read_shards(lean, model_dir)
+    a, b = whole.state_dict(), lean.state_dict()
+    problems = [k for k in a if k not in b] + [k for k in b if k not in a]
+    for k in a.keys() & b.keys():
+        x, y = _local(a[k]), _local(b[k])
+        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
+            problems.append(f"{k}: {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)}")
+        if isinstance(a[k], DTensor) != isinstance(b[k], DTensor) or (
+                isinstance(a[k], DTensor) and a[k].placements != b[k].placements):
+            problems.append(f"{k}: placements differ")
+    with open(os.path.join(out, f"{mode}-rank{rank}.json"), "w") as f:
+        json.dump({"problems": sorted(problems), "tensors": len(a), "bytes": loaded_bytes(lean),
+                   "whole_bytes": sum(t.nbytes for t in load_pretrained(model_dir).state_dict().values()),
+                   "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}, f)
