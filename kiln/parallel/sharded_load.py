@@ -111,23 +111,56 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
         groups, extras = _sources(model, list(where))
         # named_parameters / named_buffers list a tied tensor once (under the name the checkpoint holds)
         expected = [n for n, _ in (*model.named_parameters(), *model.named_buffers())]
-        absent = [k for k in expected if k not in groups and ".lora_" not in k]
+        absent = [k for k in expected if k not in groups and not _real(model, k)]
         if absent:
             raise WeightsError(f"{path}: tensor(s) {', '.join(map(repr, absent[:4]))} are not in the checkpoint; "
                                "a sharded read cannot initialise new tensors yet: load the model whole")
+        # tensors that are real already (LoRA adapters, see `init_adapters`) survive to_empty
+        kept = {n: _local(t).detach().clone() for n, t in (*model.named_parameters(), *model.named_buffers())
+                if not t.is_meta}
         model.to_empty(device=device)
         for name, target in (*model.named_parameters(), *model.named_buffers()):
-            if name not in groups:
-                continue  # LoRA adapters: the caller initialises them
-            _fill(name, target, groups[name], where, keymap, path)
+            if name in kept:
+                with torch.no_grad():
+                    _local(target).copy_(kept[name])
+            elif name in groups:
+                _fill(name, target, groups[name], where, keymap, path)
         model.hf_extras = {model.normalise_hf_names([k])[k][0]: where[k].get_tensor(k) for k in extras}
     model.tie_weights()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _real(model: nn.Module, name: str) -> bool:
+    t = model.get_parameter(name) if name in dict(model.named_parameters()) else model.get_buffer(name)
+    return not t.is_meta
+
+
+def init_adapters(model: nn.Module, device: torch.device | str, seed: int | None) -> int:
+    """Materialise and initialise the LoRA adapters of a model built on meta, before any plan shards them,
+    drawing exactly what `apply_lora` draws on a loaded model right after `load_pretrained(seed=seed)`
+    (a checkpoint without new tensors draws nothing before). Returns how many modules it initialised."""
+    from kiln.models.common.lora import LoraLinear
+
+    adapters = [m for m in model.modules() if isinstance(m, LoraLinear) and m.lora_A.weight.is_meta]
+    if seed is not None:
+        torch.manual_seed(seed)
+    for m in adapters:
+        m.lora_A.to_empty(device=device)
+        m.lora_B.to_empty(device=device)
+        # the draws of LoraLinear.__init__ on a real base: each nn.Linear's own init, then reset_lora
+        m.lora_A.reset_parameters()
+        m.lora_B.reset_parameters()
+        m.reset_lora()
+    return len(adapters)
 
 
 def _fill(name: str, target: torch.Tensor, sources: list[tuple[str, str]], where: dict, keymap: Any,
           path: Path) -> None:
     """Copy this rank's piece of kiln tensor `name` into `target` (a DTensor's local shard, or a plain tensor)."""
-    local = target.to_local() if isinstance(target, DTensor) else target
+    local = _local(target)
     piece = _slice_dim(target)
     if len(sources) == 1 and piece is not None and keymap.is_plain(sources[0][1]):
         key = sources[0][0]

@@ -11,11 +11,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from kiln.models.auto import load_pretrained
+from kiln.models.common.lora import LoraConfig, apply_lora
 from kiln.parallel.apply import parallelize
-from kiln.parallel.sharded_load import empty_pretrained, loaded_bytes, read_shards
+from kiln.parallel.sharded_load import empty_pretrained, init_adapters, loaded_bytes, read_shards
 from kiln.train.config import ParallelSection
 
-MODES = {"fsdp": dict(fsdp=True), "tp": dict(tp=2), "ep": dict(ep=2), "tp-fsdp": dict(tp=2, fsdp=True),
+MODES = {"fsdp": dict(fsdp=True), "fsdp-lora": dict(fsdp=True), "tp": dict(tp=2), "ep": dict(ep=2), "tp-fsdp": dict(tp=2, fsdp=True),
          "ep-fsdp": dict(ep=2, fsdp=True)}
 
 
@@ -25,9 +26,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def compare(rank: int, world: int, model_dir: str, mode: str, out: str) -> None:
     parallel = ParallelSection(**MODES[mode])
-    whole = load_pretrained(model_dir, task="causal-lm")
+    lora = LoraConfig(r=4, alpha=8, dropout=0.0, targets=["q_proj", "v_proj", "gate_proj"]) \
+        if mode.endswith("-lora") else None
+    whole = load_pretrained(model_dir, task="causal-lm", seed=5)
+    if lora:
+        apply_lora(whole, lora)
     parallelize(whole, parallel, world_size=world, device=torch.device("cpu"))
     lean = empty_pretrained(model_dir, task="causal-lm")
+    if lora:
+        apply_lora(lean, lora)
+        torch.manual_seed(123)  # init_adapters draws from its own seed, whatever happened since
+        init_adapters(lean, "cpu", seed=5)
     parallelize(lean, parallel, world_size=world, device=torch.device("cpu"))
     read_shards(lean, model_dir)
     a, b = whole.state_dict(), lean.state_dict()

@@ -65,7 +65,7 @@ def test_an_index_naming_a_missing_file_is_named(dirs, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,name", [("fsdp", "qwen3"), ("tp", "qwen3"), ("tp-fsdp", "qwen3"), ("ep", "moe"),
+@pytest.mark.parametrize("mode,name", [("fsdp", "qwen3"), ("tp", "qwen3"), ("fsdp-lora", "qwen3"), ("tp-fsdp", "qwen3"), ("ep", "moe"),
                                        ("ep-fsdp", "moe"), ("fsdp", "tied")])
 def test_each_rank_reads_what_a_whole_load_then_shard_gives(dirs, tmp_path, mode, name):
     world = 4 if mode in ("tp-fsdp", "ep-fsdp") else 2
