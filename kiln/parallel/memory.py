@@ -1,0 +1,499 @@
+"""Predicted peak memory of each rank of a run, from the checkpoint's headers, config.json and the run settings.
+
+A pure function (`plan_memory`): no torch, no weights. Its inputs are the tensors' shapes and dtypes
+(kiln.hub.headers), the model's dimensions (`ModelDims`, from config.json) and the run (`RunSettings`,
+from the run TOML); its output a `MemoryPlan` whose `RankMemory` rows list the terms of one rank:
+
+- weights: the tensors this rank holds, in their stored dtypes (LoRA adapters in the base's compute dtype),
+  divided as the plans divide them: FSDP2 over dp (x cp; x ep for the non-expert tensors), tp by columns
+  or rows (embedding and head by vocabulary), ep by experts, pp by stage (embedding on the first, head last);
+- gradients and optimizer state: for trainable tensors only, sharded like their weights. kiln's AdamW
+  steps the parameters in their own dtype: two moments of the parameter's dtype plus a 4-byte step per
+  tensor, and no fp32 master copy (torch.optim.AdamW keeps its state in the parameter's dtype);
+- activations: the tensors autograd saves for the backward, per token and block, from the formula in
+  `block_activation_bytes` (derived op by op for kiln's decoder blocks and checked against a count of the
+  saved tensors in tests/parallel/test_memory_plan.py), times the tokens and blocks in flight, with
+  activation checkpointing as configured; plus the loss path;
+- communication: DDP's gradient buckets (a second copy of the gradients), FSDP2's gathered blocks (the
+  current and the prefetched one, and the root's embedding and head for the whole forward) and one
+  block's unsharded gradients in the reduce dtype, tp/ep/pp exchange buffers;
+- autocast: train.precision bf16/fp16 over fp32 weights keeps a half-precision copy of every Linear
+  weight for the forward;
+- load: the transient of reading the checkpoint. In the sharded-load design one tensor at a time; in
+  today's loader (every rank reads all of it, `today=True`) every tensor copied out plus the file mapped
+  while it is read;
+- runtime: the interpreter, torch and kiln themselves (host), or the CUDA context (device).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping
+
+from kiln.errors import ConfigError, WeightsError
+
+GiB = 1024 ** 3
+MiB = 1024 ** 2
+# Measured on this machine: the RSS of `kiln train` with a 2-layer, 32-wide model (python, torch, kiln,
+# tokenizer, data loader), i.e. what a run costs before any real weights. See the module's tests.
+RUNTIME_CPU = 420 * MiB
+CUDA_CONTEXT = 512 * MiB              # a CUDA context and cuBLAS workspaces on an H100 (order of magnitude)
+LOSS_CHUNK = 64 * MiB                 # kiln.models.common.loss: fp32 logits of one chunk of rows
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# The Linears a tensor-parallel plan splits (column: q/k/v, gate/up; row: o, down); experts are not split by tp.
+_TP_LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_b_proj",
+               "kv_b_proj", "embed_tokens", "lm_head"}
+_MLP_TARGETS = {"gate_proj", "up_proj"}
+_QKV_TARGETS = {"q_proj", "k_proj", "v_proj"}
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What the activation formula needs from config.json."""
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
+    shared_intermediate: int = 0
+    qk_norm: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any], source: str = "config.json") -> "ModelDims":
+        cfg = dict(cfg.get("text_config") or {}, **{k: v for k, v in cfg.items() if k != "text_config"}) \
+            if isinstance(cfg.get("text_config"), dict) else dict(cfg)
+
+        def get(*names: str, default: Any = None) -> Any:
+            for n in names:
+                if cfg.get(n) is not None:
+                    return cfg[n]
+            if default is None:
+                raise ConfigError(f"{source}: no {' / '.join(names)}; kiln plan needs it for the activation estimate")
+            return default
+
+        hidden = int(get("hidden_size", "d_model", "dim"))
+        heads = int(get("num_attention_heads", "n_heads"))
+        return cls(hidden=hidden, layers=int(get("num_hidden_layers", "n_layers")), heads=heads,
+                   kv_heads=int(get("num_key_value_heads", default=heads)),
+                   head_dim=int(get("head_dim", default=hidden // heads)),
+                   intermediate=int(get("intermediate_size", "hidden_dim", default=4 * hidden)),
+                   vocab=int(get("vocab_size")),
+                   experts=int(get("num_experts", "n_routed_experts", "num_local_experts", default=0)),
+                   top_k=int(get("num_experts_per_tok", default=0)),
+                   moe_intermediate=int(get("moe_intermediate_size", default=0)),
+                   shared_intermediate=int(get("shared_expert_intermediate_size", default=0)))
+
+
+@dataclass(frozen=True)
+class Param:
+    """One tensor the run holds: a checkpoint tensor or a LoRA adapter."""
+    name: str
+    numel: int
+    itemsize: int
+    trainable: bool
+    block: int | None = None      # its layer index, None outside the blocks
+    expert: bool = False          # a routed expert's (split by ep)
+    tp: bool = False              # split by tensor parallelism
+    module: str = ""              # the Linear it belongs to (leaf name), for the LoRA activation terms
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    nproc: int = 1
+    device: str = "cpu"                       # cpu or cuda
+    batch_size: int = 1                       # per process, per micro-batch
+    seq_len: int = 128
+    precision: str = "fp32"
+    exact: bool = False
+    lora_r: int | None = None                 # None: full fine-tune
+    lora_targets: tuple[str, ...] | str = ("q_proj", "v_proj")
+    dp: int = 0
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    cp: int = 1
+    fsdp: bool = False
+    offload: bool = False
+    param_dtype: str | None = None
+    reduce_dtype: str = "fp32"
+    sequence_parallel: bool = True
+    activation_checkpointing: str = "none"
+    checkpoint_every: int = 1
+    microbatches: int = 0
+    pp_schedule: str = "1f1b"
+    pp_stages: tuple[int, ...] | None = None
+
+    def degrees(self) -> dict[str, int]:
+        rest = self.tp * self.ep * self.pp * self.cp
+        dp = self.dp or (self.nproc // rest if self.nproc % rest == 0 else 0)
+        if dp < 1 or dp * rest != self.nproc:
+            raise ConfigError(f"parallel degrees dp ({self.dp}) x tp ({self.tp}) x ep ({self.ep}) x pp ({self.pp}) x "
+                             f"cp ({self.cp}) do not multiply to --nproc {self.nproc}")
+        return {"dp": dp, "tp": self.tp, "ep": self.ep, "pp": self.pp, "cp": self.cp}
+
+    def describe(self) -> str:
+        d = self.degrees()
+        parts = [f"{k}={v}" for k, v in d.items() if v > 1 or k == "dp"]
+        if self.fsdp:
+            parts.append("fsdp" + (" +offload" if self.offload else ""))
+        if self.activation_checkpointing != "none":
+            parts.append(f"ac={self.activation_checkpointing}")
+        return " ".join(parts)
+
+
+TERMS = ("weights", "gradients", "optimizer", "activations", "communication", "autocast", "load", "runtime")
+
+
+@dataclass
+class RankMemory:
+    """One rank's predicted peak, by term (bytes); `host` holds what FSDP offload keeps off the device."""
+    rank: str
+    terms: dict[str, int] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.terms.values())
+
+    @property
+    def largest(self) -> str:
+        return max(self.terms, key=self.terms.get)
+
+
+@dataclass
+class MemoryPlan:
+    settings: RunSettings
+    ranks: list[RankMemory]
+    checkpoint_bytes: int
+
+    @property
+    def peak(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.total)
+
+
+# ---- parameters from headers ------------------------------------------------------------------------
+def _module_of(name: str) -> str:
+    parts = name.split(".")
+    return parts[-2] if len(parts) >= 2 else parts[0]
+
+
+def _lora_match(name: str, targets: tuple[str, ...] | str) -> bool:
+    """kiln.models.common.lora's rule: a target matches a module name or its '.'-suffix; all-linear: every
+    Linear but the LM head (2-D weights here, the embedding excluded)."""
+    module = name.rsplit(".", 1)[0]
+    if targets == "all-linear" or targets == ("all-linear",):
+        return _module_of(name) not in ("lm_head", "embed_tokens") and not module.endswith("embeddings")
+    return any(module == t or module.endswith("." + t) for t in targets)
+
+
+def params_from_headers(tensors: Iterable[Any], settings: RunSettings) -> list[Param]:
+    """The run's parameters: every checkpoint tensor (`TensorHeader`-like: name, shape, dtype, nbytes, numel),
+    trainable when the run is a full fine-tune, plus LoRA A (r, in) and B (out, r) for each targeted weight
+    (in the base's compute dtype: an FP8 base's adapters are bf16), everything else frozen under LoRA."""
+    from kiln.hub.headers import FLOAT_DTYPES  # kiln.hub: below parallel in the layers
+
+    out: list[Param] = []
+    lora = settings.lora_r is not None
+    for t in tensors:
+        m = _LAYER.search(t.name)
+        block = int(m.group(1)) if m else None
+        module = _module_of(t.name)
+        expert = ".experts." in t.name
+        is_float = t.dtype in FLOAT_DTYPES
+        item = t.nbytes // max(t.numel, 1)
+        weight2d = t.name.endswith(".weight") and len(t.shape) == 2
+        out.append(Param(t.name, t.numel, item, trainable=is_float and not lora, block=block, expert=expert,
+                         tp=module in _TP_LINEARS and not expert, module=module))
+        if lora and weight2d and _lora_match(t.name, settings.lora_targets):
+            rows, cols = t.shape
+            adapter_item = item if item >= 2 else 2
+            stem = t.name[: -len(".weight")]
+            out.append(Param(stem + ".lora_A.weight", settings.lora_r * cols, adapter_item, True, block, expert,
+                             tp=False, module=module))
+            out.append(Param(stem + ".lora_B.weight", rows * settings.lora_r, adapter_item, True, block, expert,
+                             tp=False, module=module))
+    return out
+
+
+def check_shapes(tensors: Mapping[str, Any], dims: ModelDims, source: str = "config.json") -> ModelDims:
+    """The headers' shapes against config.json (embedding, head, attention and MLP Linears, layer count);
+    returns `dims` with what only the headers say (per-head q/k norms). A disagreement is a WeightsError
+    naming the tensor, its file, both shapes and the config fields behind the expected one."""
+    q, kv, h = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.hidden
+    cfg = f"hidden_size={h}, num_attention_heads={dims.heads}, num_key_value_heads={dims.kv_heads}, " \
+          f"head_dim={dims.head_dim}"
+    expect: dict[str, tuple[tuple[int, ...], str]] = {
+        "embed_tokens": ((dims.vocab, h), f"vocab_size={dims.vocab}, hidden_size={h}"),
+        "lm_head": ((dims.vocab, h), f"vocab_size={dims.vocab}, hidden_size={h}"),
+        "q_proj": ((q, h), cfg), "k_proj": ((kv, h), cfg), "v_proj": ((kv, h), cfg), "o_proj": ((h, q), cfg)}
+    for name, t in tensors.items():
+        if not name.endswith(".weight"):
+            continue
+        module = _module_of(name)
+        want = expect.get(module)
+        if module in ("gate_proj", "up_proj", "down_proj"):
+            inter, field_ = dims.intermediate, f"intermediate_size={dims.intermediate}"
+            if ".experts." in name:
+                inter, field_ = dims.moe_intermediate, f"moe_intermediate_size={dims.moe_intermediate}"
+            elif ".shared_expert." in name:
+                inter, field_ = dims.shared_intermediate, f"shared_expert_intermediate_size={dims.shared_intermediate}"
+            if inter:
+                want = ((h, inter) if module == "down_proj" else (inter, h), f"hidden_size={h}, {field_}")
+        if want is not None and tuple(t.shape) != want[0]:
+            raise WeightsError(f"{t.file}: tensor {name} has shape {list(t.shape)} but {source} ({want[1]}) "
+                               f"implies {list(want[0])}")
+    layers = {int(m.group(1)) for name in tensors if (m := _LAYER.search(name))}
+    if layers and max(layers) + 1 < dims.layers:
+        raise WeightsError(f"the checkpoint holds {max(layers) + 1} layers (model.layers.0..{max(layers)}) but "
+                           f"{source} says num_hidden_layers={dims.layers}")
+    return replace(dims, qk_norm=any(_module_of(n) == "q_norm" for n in tensors))
+
+
+# ---- activations ------------------------------------------------------------------------------------
+def block_activation_bytes(d: ModelDims, cb: int, full: bool, targets: set[str], r: int,
+                           moe: bool = False) -> int:
+    """Bytes autograd saves per token in one decoder block, by the ops of kiln's blocks.
+
+    `cb` is the compute dtype's bytes; the norms keep their input in fp32 (4 bytes) and their rstd.
+    Full fine-tune (every weight trainable): per RMSNorm its fp32 input, the normalized tensor (for the
+    weight's gradient) and its output (for the Linears' weight gradients); q/k norms the same per head;
+    the rotary outputs and SDPA's output and log-sum-exp; v; gate, up, SiLU(gate) and their product.
+    Frozen base (LoRA): no weight gradients, so the norms keep only their input, and their output where
+    a LoRA A reads it; the MLP's product only where down_proj has an adapter; each adapter keeps its
+    A output (r values) for B's gradient.
+    """
+    q, kv, i = d.heads * d.head_dim, d.kv_heads * d.head_dim, d.intermediate
+    if moe:  # routed experts on top_k copies of the token, the shared expert, and the router's fp32 scores
+        i = d.top_k * d.moe_intermediate + d.shared_intermediate
+    norm_in = 4
+    qn = (norm_in + (cb if full else 0)) if d.qk_norm else 0     # q_norm / k_norm input (+ normalized)
+    b = 2 * 4                                                     # the two norms' rstd
+    b += d.heads * (4 + (4 if d.qk_norm else 0)) + d.kv_heads * (4 if d.qk_norm else 0)  # lse; q/k rstd
+    b += q * (qn + 2 * cb)                                        # (q_norm), rope out, SDPA out
+    b += kv * (qn + cb) + kv * cb                                 # k: (k_norm), rope out; v
+    if full:
+        b += d.hidden * 2 * (norm_in + 2 * cb)                    # two norms: input, normalized, output
+        b += 4 * cb * i                                           # gate, up, silu(gate), product
+    else:
+        b += d.hidden * (2 * norm_in + cb * bool(targets & _QKV_TARGETS) + cb * bool(targets & _MLP_TARGETS))
+        b += 3 * cb * i + cb * i * ("down_proj" in targets)
+        b += r * cb * len(targets)
+    if moe:
+        b += d.experts * 4 * 2 + d.top_k * d.hidden * cb * 2      # router softmax in/out; tokens dispatched, combined
+    return b
+
+
+# ---- the plan ---------------------------------------------------------------------------------------
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def _stage_blocks(layers: int, pp: int, stages: tuple[int, ...] | None) -> list[range]:
+    sizes = list(stages) if stages else [layers // pp + (1 if s < layers % pp else 0) for s in range(pp)]
+    out, start = [], 0
+    for n in sizes:
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, file_sizes: Mapping[str, int],
+                today: bool = False, runtime: int | None = None) -> MemoryPlan:
+    """Each distinct rank's predicted peak (pp stages differ; the ranks of one stage are alike).
+
+    `today` predicts kiln's current loader (every rank reads the whole checkpoint, then the plans shard it)
+    instead of the sharded-load design. `runtime` overrides the runtime term (bytes)."""
+    s = settings
+    deg = s.degrees()
+    dp, tp, ep, pp, cp = deg["dp"], deg["tp"], deg["ep"], deg["pp"], deg["cp"]
+    lora = s.lora_r is not None
+    ckpt_bytes = sum(file_sizes.values())
+    # the compute dtype: autocast's, else the stored weights' (an FP8 base computes in bf16)
+    stored = max((p.itemsize for p in params if p.name.endswith(".weight") and p.itemsize <= 4), default=4)
+    cb = 2 if s.precision in ("bf16", "fp16", "fp8") else max(2, min(stored, 4))
+    if s.fsdp and s.param_dtype:
+        cb = _DTYPE_BYTES[s.param_dtype] if s.precision == "fp32" else cb
+    targets = set()
+    if lora:
+        targets = {p.module for p in params if p.name.endswith("lora_A.weight") and p.block is not None}
+    moe_blocks = {p.block for p in params if p.expert and p.block is not None}
+    stages = _stage_blocks(dims.layers, pp, s.pp_stages)
+    micro = s.microbatches or (2 * pp if pp > 1 else 1)
+    rows = s.batch_size / micro if pp > 1 else s.batch_size
+    tokens = rows * s.seq_len / cp
+    sharded_fsdp = s.fsdp and dp * cp * (ep if ep > 1 else 1) > 1
+
+    def share(p: Param, stage: int) -> float:
+        """The fraction of `p` one rank of `stage` holds."""
+        if pp > 1:
+            if p.block is not None and p.block not in stages[stage] and p.block < dims.layers:
+                return 0.0
+            if p.block is None and p.module == "embed_tokens" and stage != 0:
+                return 0.0
+            if p.block is None and p.module != "embed_tokens" and stage != pp - 1:
+                return 0.0
+        f = 1.0
+        if p.tp and tp > 1:
+            f /= tp
+        if p.expert and ep > 1:
+            f /= ep
+        if s.fsdp:
+            f /= dp * cp if (p.expert or ep == 1) else dp * cp * ep
+        return f
+
+    ranks = []
+    for stage in range(pp):
+        shares = [(p, share(p, stage)) for p in params]
+        weights = sum(p.nbytes * f for p, f in shares)
+        trainable = [(p, f) for p, f in shares if p.trainable and f > 0]
+        grads = sum(p.nbytes * f for p, f in trainable)
+        optim = sum(2 * p.nbytes * f + 4 for p, f in trainable)
+        # activations: the tokens in flight times the blocks of this stage
+        blocks = list(stages[stage])
+        per_block = {}
+        for b in blocks:
+            a = block_activation_bytes(dims, cb, not lora, targets, s.lora_r or 0, moe=b in moe_blocks)
+            if tp > 1:  # heads and MLP columns split; the norms' rows only with sequence parallelism
+                norm_part = dims.hidden * (2 * 4 + (2 * (4 + 2 * cb) if not lora else 0))
+                a = (a - norm_part) / tp + (norm_part / tp if s.sequence_parallel else norm_part)
+            per_block[b] = a * tokens
+        in_flight = 1
+        if pp > 1:
+            in_flight = micro if s.pp_schedule == "gpipe" else min(micro, pp - stage)
+        if s.activation_checkpointing == "block":
+            kept = [b for i, b in enumerate(blocks) if i % s.checkpoint_every == 0]
+            saved = sum(v for b, v in per_block.items() if b not in kept) + len(kept) * tokens * dims.hidden * cb
+            acts = saved * in_flight + max(per_block.values(), default=0)  # one block recomputed in the backward
+        elif s.activation_checkpointing == "selective":
+            # matmul and attention outputs kept, elementwise work recomputed
+            q, kv = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
+            sel = cb * (2 * q + 2 * kv + 3 * dims.hidden + 2 * dims.intermediate) + 4 * dims.heads
+            acts = sel * tokens * len(blocks) * in_flight + max(per_block.values(), default=0)
+        else:
+            acts = sum(per_block.values()) * in_flight
+        last = stage == pp - 1
+        head = [p for p in params if p.block is None and p.module in ("lm_head", "embed_tokens")]
+        head_trained = any(p.trainable for p in head)
+        if last:
+            vocab_local = dims.vocab / (tp if tp > 1 else 1)
+            acts += tokens * 16 + tokens * dims.hidden * (4 + (2 * cb if not lora else 0))  # ids, labels; final norm
+            if s.exact:  # the whole logits and their fp32 copy
+                acts += tokens * dims.vocab * (cb + 4)
+            else:  # the head's fp32 weight gradient made in the forward; one chunk's logits and their gradient
+                acts += (4 * vocab_local * dims.hidden if head_trained else 0) + \
+                    2 * min(LOSS_CHUNK, tokens * vocab_local * 4)
+        # communication buffers
+        comm = 0.0
+        if s.fsdp and sharded_fsdp:
+            gather = cb if s.param_dtype else None
+            by_block: dict[int, list[Param]] = {}
+            for p in params:
+                if p.block is not None and (pp == 1 or p.block in stages[stage]):
+                    by_block.setdefault(p.block, []).append(p)
+            def unsharded(ps: list[Param], train: bool = False) -> float:
+                return sum(p.numel * (gather or p.itemsize) * (share(p, stage) * dp * cp * (1 if p.expert or ep == 1
+                           else ep)) for p in ps if (p.trainable or not train))
+            biggest = max((unsharded(ps) for ps in by_block.values()), default=0)
+            root = [p for p in params if p.block is None and share(p, stage) > 0]
+            red = _DTYPE_BYTES[s.reduce_dtype]
+            grad_block = max((sum(p.numel * (share(p, stage) * dp * cp) * (p.itemsize + red)
+                                  for p in ps if p.trainable) for ps in [*by_block.values(), root]), default=0)
+            comm += 2 * biggest + unsharded(root) + grad_block
+        elif dp * cp > 1 and tp == 1 and ep == 1 and pp == 1 and not s.fsdp:
+            comm += grads  # DDP's buckets: a flat copy of every gradient
+        if tp > 1:
+            comm += 2 * tokens * dims.hidden * cb
+        if ep > 1:
+            comm += 2 * tokens * dims.top_k * dims.hidden * cb
+        if pp > 1:
+            comm += 2 * rows * s.seq_len * dims.hidden * cb
+        # autocast's half-precision copies of the Linear weights (fp32 weights, bf16/fp16 compute)
+        autocast = 0.0
+        if s.precision in ("bf16", "fp16") and not (s.fsdp and s.param_dtype):
+            autocast = sum(p.numel * f * 2 for p, f in shares
+                           if p.itemsize == 4 and p.name.endswith(".weight") and p.module.endswith("proj"))
+        # load: the sharded design reads one tensor at a time; today every rank reads all of it
+        biggest_tensor = max((p.nbytes * f for p, f in shares), default=0)
+        load = biggest_tensor
+        r = RankMemory(f"stage {stage}" if pp > 1 else "every rank")
+        r.terms = {"weights": weights, "gradients": grads, "optimizer": optim, "activations": acts,
+                   "communication": comm, "autocast": autocast, "load": load,
+                   "runtime": runtime if runtime is not None else (RUNTIME_CPU if s.device == "cpu" else CUDA_CONTEXT)}
+        if today:
+            full = sum(p.nbytes for p in params if not p.name.endswith(("lora_A.weight", "lora_B.weight")))
+            r = _today(r, params, file_sizes, full, sharded=weights < full)
+        if s.offload and s.fsdp and s.device != "cpu":
+            r.host = {k: r.terms.pop(k) for k in ("weights", "gradients", "optimizer")}
+        r.terms = {k: int(round(v)) for k, v in r.terms.items()}
+        r.host = {k: int(round(v)) for k, v in r.host.items()}
+        ranks.append(r)
+    return MemoryPlan(s, ranks, ckpt_bytes)
+
+
+def _today(r: RankMemory, params: list[Param], file_sizes: Mapping[str, int], full_bytes: int,
+           sharded: bool) -> RankMemory:
+    """kiln's loader today: each rank copies every tensor out of each file while that file is mapped
+    (hub/weights.load_weights, files in sorted order), then builds the whole model and shards it. The peak
+    is the largest of: the read (tensors so far + the mapped file), the sharding (whole model + this
+    rank's shards) and training; the load term is what the first two add above training."""
+    read, done = 0, 0
+    for name in sorted(file_sizes):
+        read = max(read, done + file_sizes[name])  # the mapped file's pages beside what was copied before it
+        done += file_sizes[name]
+    train = r.total - r.terms["load"] - r.terms["runtime"]
+    sharding = full_bytes + (r.terms["weights"] if sharded else 0)
+    r.terms["load"] = max(0, read - train, sharding - train)
+    r.rank += " (today's loader)"
+    return r
+
+
+def alternatives(params: list[Param], dims: ModelDims, settings: RunSettings, file_sizes: Mapping[str, int],
+                 limit: int, runtime: int | None = None, experts: int = 0) -> list[MemoryPlan]:
+    """The [parallel] settings over the same process count whose plan fits `limit` bytes, smallest peak first."""
+    n = settings.nproc
+    divisors = [k for k in range(1, n + 1) if n % k == 0]
+    found = []
+    for tp in divisors:
+        if dims.heads % tp or dims.kv_heads % tp:
+            continue
+        for ep in divisors:
+            if ep > 1 and (not experts or experts % ep):
+                continue
+            for pp in divisors:
+                if tp * ep * pp > n or n % (tp * ep * pp) or pp > dims.layers or (pp > 1 and (tp > 1 or ep > 1)):
+                    continue
+                for fsdp in (False, True):
+                    for ac in ("none", "selective", "block"):
+                        for offload in ((False, True) if fsdp and settings.device != "cpu" else (False,)):
+                            alt = replace(settings, dp=0, tp=tp, ep=ep, pp=pp, cp=1, fsdp=fsdp, offload=offload,
+                                          activation_checkpointing=ac, checkpoint_every=1, pp_stages=None)
+                            plan = plan_memory(params, dims, alt, file_sizes, runtime=runtime)
+                            if plan.peak.total <= limit:
+                                found.append(plan)
+    return sorted(found, key=lambda p: p.peak.total)
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if abs(n) >= 0.1 * GiB else f"{n / MiB:.1f} MiB"
+
+
+def parse_size(text: str) -> int:
+    """'80GiB', '80 GB', '512MiB', '1e9' -> bytes (GB = 10^9, GiB = 2^30)."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B?|B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ConfigError(f"--gpu-memory {text!r}: expected a size such as 80GiB, 80GB or 512MiB")
+    value, unit = float(m.group(1)), (m.group(2) or "B").upper().removesuffix("B") or ""
+    scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2 ** 10, "MI": 2 ** 20, "GI": 2 ** 30,
+             "TI": 2 ** 40}[unit]
+    return int(math.floor(value * scale))
