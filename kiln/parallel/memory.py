@@ -424,8 +424,9 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
             autocast = sum(p.numel * f * 2 for p, f in shares
                            if p.itemsize == 4 and p.name.endswith(".weight") and p.module.endswith("proj"))
         # load: the sharded design reads one tensor at a time; today every rank reads all of it
+        # (what it adds above the training peak: the load happens before any gradient or activation exists)
         biggest_tensor = max((p.nbytes * f for p, f in shares), default=0)
-        load = biggest_tensor
+        load = max(0.0, biggest_tensor - (grads + optim + acts + comm + autocast))
         r = RankMemory(f"stage {stage}" if pp > 1 else "every rank")
         r.terms = {"weights": weights, "gradients": grads, "optimizer": optim, "activations": acts,
                    "communication": comm, "autocast": autocast, "load": load,
