@@ -390,9 +390,14 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
             acts += tokens * 16 + tokens * dims.hidden * (4 + (2 * cb if not lora else 0))  # ids, labels; final norm
             if s.exact:  # the whole logits and their fp32 copy
                 acts += tokens * dims.vocab * (cb + 4)
-            else:  # the head's fp32 weight gradient made in the forward; one chunk's logits and their gradient
-                acts += (4 * vocab_local * dims.hidden if head_trained else 0) + \
-                    2 * min(LOSS_CHUNK, tokens * vocab_local * 4)
+            else:  # kiln.models.common.loss.linear_cross_entropy, which makes the gradients in the forward:
+                rows_ = min(tokens, LOSS_CHUNK // 4 // vocab_local)
+                # one chunk's logits (compute dtype, then fp32) and their gradient cast back to the compute dtype
+                chunk = rows_ * vocab_local * (4 + (2 * cb if cb < 4 else 0))
+                if head_trained:  # the head's fp32 weight gradient, and (half-precision head) each chunk's
+                    acts += 4 * vocab_local * dims.hidden  # product in its dtype and its fp32 copy
+                    chunk += vocab_local * dims.hidden * (cb + 4) if cb < 4 else 0
+                acts += chunk
         # communication buffers
         comm = 0.0
         if s.fsdp and sharded_fsdp:

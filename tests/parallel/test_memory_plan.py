@@ -69,7 +69,7 @@ def test_activations_from_the_formula():
     # + 4 * 4 + norms 8 * 2 * (4 + 8) + MLP 4 * 4 * 12 = 8 + 16 + 4 + 128 + 64 + 192 + 192 = 604 bytes
     assert block_activation_bytes(DIMS, 4, True, set(), 0) == 604
     tokens = 2 * 8
-    outside = tokens * 16 + tokens * 8 * (4 + 8) + 4 * 16 * 8 + 2 * tokens * 16 * 4  # ids; norm; head dW; chunk
+    outside = tokens * 16 + tokens * 8 * (4 + 8) + 4 * 16 * 8 + tokens * 16 * 4  # ids; norm; head dW; fp32 logits
     assert plan(RunSettings(batch_size=2, seq_len=8)).ranks[0].terms["activations"] == 2 * 604 * tokens + outside
     # block checkpointing keeps each block's input (8 fp32 values per token) and recomputes one block
     ac = plan(RunSettings(batch_size=2, seq_len=8, activation_checkpointing="block")).ranks[0].terms
