@@ -78,6 +78,7 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
         if any(term in r.terms for r in columns):
             typer.echo(term.ljust(15) + "".join(fmt_bytes(r.terms.get(term, 0)).rjust(width) for r in columns))
     typer.echo("total".ljust(15) + "".join(fmt_bytes(r.total).rjust(width) for r in columns))
+    typer.echo("(gradients and activations never peak together: the total counts the larger of the two)")
     if any(r.host for r in designed.ranks):
         host = designed.peak.host
         typer.echo(f"offloaded to host memory per rank: {fmt_bytes(sum(host.values()))} "
