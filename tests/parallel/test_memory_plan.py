@@ -71,6 +71,10 @@ def test_activations_from_the_formula():
     tokens = 2 * 8
     outside = tokens * 16 + tokens * 8 * (4 + 8) + 4 * 16 * 8 + tokens * 16 * 4  # ids; norm; head dW; fp32 logits
     assert plan(RunSettings(batch_size=2, seq_len=8)).ranks[0].terms["activations"] == 2 * 604 * tokens + outside
+    # bf16 weights: each chunk's logits in bf16 and fp32 and their bf16 gradient; the head's product in bf16 + fp32
+    bf = plan(RunSettings(batch_size=2, seq_len=8), dtype="BF16").ranks[0].terms
+    outside_bf = tokens * 16 + tokens * 8 * (4 + 4) + 4 * 16 * 8 + tokens * 16 * (4 + 4) + 16 * 8 * (2 + 4)
+    assert bf["activations"] == 2 * block_activation_bytes(DIMS, 2, True, set(), 0) * tokens + outside_bf
     # block checkpointing keeps each block's input (8 fp32 values per token) and recomputes one block
     ac = plan(RunSettings(batch_size=2, seq_len=8, activation_checkpointing="block")).ranks[0].terms
     assert ac["activations"] == 2 * tokens * 8 * 4 + 604 * tokens + outside
@@ -117,6 +121,15 @@ def test_expert_parallel_splits_experts():
     ep2 = RunSettings(nproc=2, ep=2)
     two = plan_memory(params_from_headers(moe.values(), ep2), dims, ep2, {}, runtime=0)
     assert one.ranks[0].terms["weights"] - two.ranks[0].terms["weights"] == expert_bytes / 2
+
+
+def test_total_counts_the_larger_of_gradients_and_activations():
+    r = plan(RunSettings(batch_size=2, seq_len=8)).ranks[0]
+    t = r.terms
+    assert r.total == sum(t.values()) - min(t["gradients"], t["activations"])
+    assert t["allocator"] == round(0.35 * t["activations"]) and t["runtime"] == 0
+    gpu = plan(RunSettings(batch_size=2, seq_len=8, device="cuda")).ranks[0].terms
+    assert gpu["allocator"] == 0  # the caching allocator's reserve is not modelled; glibc's heap is
 
 
 def test_ddp_buckets_and_autocast_copy():
