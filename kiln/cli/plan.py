@@ -57,7 +57,7 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
         param_dtype=par.param_dtype, reduce_dtype=par.reduce_dtype, sequence_parallel=par.sequence_parallel,
         activation_checkpointing=par.activation_checkpointing, checkpoint_every=par.checkpoint_every,
         microbatches=par.microbatches, pp_schedule=par.pp_schedule,
-        pp_stages=tuple(par.pp_stages) if par.pp_stages else None)
+        pp_stages=tuple(par.pp_stages) if par.pp_stages else None, keep_grads=par.cadence is not None)
     params = params_from_headers(tensors.values(), settings)
     designed = plan_memory(params, dims, settings, sizes)
     today = plan_memory(params, dims, settings, sizes, today=True)
@@ -78,7 +78,8 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
         if any(term in r.terms for r in columns):
             typer.echo(term.ljust(15) + "".join(fmt_bytes(r.terms.get(term, 0)).rjust(width) for r in columns))
     typer.echo("total".ljust(15) + "".join(fmt_bytes(r.total).rjust(width) for r in columns))
-    typer.echo("(gradients and activations never peak together: the total counts the larger of the two)")
+    if not settings.keep_grads:
+        typer.echo("(gradients and activations never peak together: the total counts the larger of the two)")
     if any(r.host for r in designed.ranks):
         host = designed.peak.host
         typer.echo(f"offloaded to host memory per rank: {fmt_bytes(sum(host.values()))} "

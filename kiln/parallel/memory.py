@@ -141,6 +141,7 @@ class RunSettings:
     microbatches: int = 0
     pp_schedule: str = "1f1b"
     pp_stages: tuple[int, ...] | None = None
+    keep_grads: bool = False                  # [parallel.cadence]: gradients zeroed, not freed, between steps
 
     def degrees(self) -> dict[str, int]:
         rest = self.tp * self.ep * self.pp * self.cp
@@ -170,14 +171,15 @@ class RankMemory:
     rank: str
     terms: dict[str, int] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)
+    keep_grads: bool = False
 
     @property
     def total(self) -> int:
         """The peak: every term, but gradients and activations do not peak together (kiln zeroes gradients
         with set_to_none, and the backward frees each block's activations as it makes its gradients), so
-        only the larger of the two counts."""
+        only the larger of the two counts (both where the engine keeps zeroed gradients: cadence)."""
         t = self.terms
-        return sum(t.values()) - min(t.get("activations", 0), t.get("gradients", 0))
+        return sum(t.values()) - (0 if self.keep_grads else min(t.get("activations", 0), t.get("gradients", 0)))
 
     @property
     def largest(self) -> str:
@@ -412,21 +414,23 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
                 acts += chunk
         # communication buffers
         comm = 0.0
-        if s.fsdp and sharded_fsdp:
+        if s.fsdp and sharded_fsdp:  # FSDP2: one block gathered and the next prefetched, the root (embedding,
+            # head) gathered through the whole forward, and the largest unit's unsharded gradients in the reduce dtype
             gather = cb if s.param_dtype else None
             by_block: dict[int, list[Param]] = {}
             for p in params:
                 if p.block is not None and (pp == 1 or p.block in stages[stage]):
                     by_block.setdefault(p.block, []).append(p)
-            def unsharded(ps: list[Param], train: bool = False) -> float:
-                return sum(p.numel * (gather or p.itemsize) * (share(p, stage) * dp * cp * (1 if p.expert or ep == 1
-                           else ep)) for p in ps if (p.trainable or not train))
-            biggest = max((unsharded(ps) for ps in by_block.values()), default=0)
             root = [p for p in params if p.block is None and share(p, stage) > 0]
+
+            def whole(p: Param) -> float:  # this rank's tp/ep piece of `p`, before FSDP splits it
+                return p.numel * share(p, stage) * dp * cp * (1 if p.expert or ep == 1 else ep)
+
+            biggest = max((sum(whole(p) * (gather or p.itemsize) for p in ps) for ps in by_block.values()), default=0)
             red = _DTYPE_BYTES[s.reduce_dtype]
-            grad_block = max((sum(p.numel * (share(p, stage) * dp * cp) * (p.itemsize + red)
-                                  for p in ps if p.trainable) for ps in [*by_block.values(), root]), default=0)
-            comm += 2 * biggest + unsharded(root) + grad_block
+            grad_unit = max((sum(whole(p) * (p.itemsize + red) for p in ps if p.trainable)
+                             for ps in [*by_block.values(), root]), default=0)
+            comm += 2 * biggest + sum(whole(p) * (gather or p.itemsize) for p in root) + grad_unit
         elif dp * cp > 1 and tp == 1 and ep == 1 and pp == 1 and not s.fsdp:
             comm += grads  # DDP's buckets: a flat copy of every gradient
         if tp > 1:
@@ -443,10 +447,11 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
         # load: the sharded design reads one tensor at a time; today every rank reads all of it
         # (what it adds above the training peak: the load happens before any gradient or activation exists)
         biggest_tensor = max((p.nbytes * f for p, f in shares), default=0)
-        load = max(0.0, biggest_tensor - (max(grads, acts) + optim + comm + autocast))
+        load = max(0.0, biggest_tensor - ((grads + acts if s.keep_grads else max(grads, acts)) + optim + comm
+                                          + autocast))
         # glibc keeps freed heap memory: the many small activation tensors leave ~35% of their bytes resident
         allocator = ALLOCATOR_SHARE * acts if s.device == "cpu" else 0.0
-        r = RankMemory(f"stage {stage}" if pp > 1 else "every rank")
+        r = RankMemory(f"stage {stage}" if pp > 1 else "every rank", keep_grads=s.keep_grads)
         r.terms = {"weights": weights, "gradients": grads, "optimizer": optim, "activations": acts,
                    "communication": comm, "autocast": autocast, "load": load, "allocator": allocator,
                    "runtime": runtime if runtime is not None else (RUNTIME_CPU if s.device == "cpu" else CUDA_CONTEXT)}

@@ -104,6 +104,16 @@ def test_sharding_divisions(nproc, kw, weights):
     assert p["gradients"] == round(weights)
 
 
+def test_fsdp_buffers():
+    # a block gathered and one prefetched (504 fp32 values each), the root gathered (264), and one block's
+    # unsharded gradients with their fp32 reduce copy (504 * (4 + 4))
+    p = plan(RunSettings(nproc=2, fsdp=True, batch_size=2, seq_len=8)).ranks[0].terms
+    assert p["communication"] == 2 * 504 * 4 + 264 * 4 + 504 * 8
+    bf = plan(RunSettings(nproc=2, fsdp=True, batch_size=2, seq_len=8, param_dtype="bf16", reduce_dtype="bf16")
+              ).ranks[0].terms
+    assert bf["communication"] == 2 * 504 * 2 + 264 * 2 + 504 * (4 + 2)
+
+
 def test_pipeline_stages_hold_their_blocks():
     stages = plan(RunSettings(nproc=2, pp=2, batch_size=4, seq_len=8)).ranks
     assert [r.terms["weights"] for r in stages] == [(128 + N_LAYER) * 4, (N_LAYER + 8 + 128) * 4]
@@ -128,6 +138,8 @@ def test_total_counts_the_larger_of_gradients_and_activations():
     t = r.terms
     assert r.total == sum(t.values()) - min(t["gradients"], t["activations"])
     assert t["allocator"] == round(0.35 * t["activations"]) and t["runtime"] == 0
+    kept = plan(RunSettings(batch_size=2, seq_len=8, keep_grads=True)).ranks[0]  # cadence: zeroed, kept
+    assert kept.total == sum(kept.terms.values())
     gpu = plan(RunSettings(batch_size=2, seq_len=8, device="cuda")).ranks[0].terms
     assert gpu["allocator"] == 0  # the caching allocator's reserve is not modelled; glibc's heap is
 
