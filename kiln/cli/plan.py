@@ -80,6 +80,8 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
     typer.echo("total".ljust(15) + "".join(fmt_bytes(r.total).rjust(width) for r in columns))
     if not settings.keep_grads:
         typer.echo("(gradients and activations never peak together: the total counts the larger of the two)")
+    typer.echo(f"while loading: {fmt_bytes(designed.peak.load_peak)} per rank reading only its share; today's loader "
+               f"{fmt_bytes(today.peak.load_peak)} (every rank reads all {fmt_bytes(designed.checkpoint_bytes)})")
     if any(r.host for r in designed.ranks):
         host = designed.peak.host
         typer.echo(f"offloaded to host memory per rank: {fmt_bytes(sum(host.values()))} "

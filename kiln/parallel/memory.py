@@ -172,6 +172,7 @@ class RankMemory:
     terms: dict[str, int] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)
     keep_grads: bool = False
+    load_peak: int = 0            # the peak while the checkpoint is read, before training (runtime included)
 
     @property
     def total(self) -> int:
@@ -455,9 +456,10 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
         r.terms = {"weights": weights, "gradients": grads, "optimizer": optim, "activations": acts,
                    "communication": comm, "autocast": autocast, "load": load, "allocator": allocator,
                    "runtime": runtime if runtime is not None else (RUNTIME_CPU if s.device == "cpu" else CUDA_CONTEXT)}
+        r.load_peak = int(r.terms["runtime"] + weights + biggest_tensor)
         if today:
             full = sum(p.nbytes for p in params if not p.name.endswith(("lora_A.weight", "lora_B.weight")))
-            r = _today(r, params, file_sizes, full, sharded=weights < full)
+            r = _today(r, file_sizes, full, biggest_tensor if weights < full else 0)
         if s.offload and s.fsdp and s.device != "cpu":
             r.host = {k: r.terms.pop(k) for k in ("weights", "gradients", "optimizer")}
         r.terms = {k: int(round(v)) for k, v in r.terms.items()}
@@ -466,19 +468,19 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
     return MemoryPlan(s, ranks, ckpt_bytes)
 
 
-def _today(r: RankMemory, params: list[Param], file_sizes: Mapping[str, int], full_bytes: int,
-           sharded: bool) -> RankMemory:
+def _today(r: RankMemory, file_sizes: Mapping[str, int], full_bytes: int, piece: float) -> RankMemory:
     """kiln's loader today: each rank copies every tensor out of each file while that file is mapped
     (hub/weights.load_weights, files in sorted order), then builds the whole model and shards it. The peak
-    is the largest of: the read (tensors so far + the mapped file), the sharding (whole model + this
-    rank's shards) and training; the load term is what the first two add above training."""
+    is the largest of: the read (tensors so far + the mapped file), the sharding (whole model + one
+    tensor's share: measured, FSDP2 frees each whole tensor as it makes its shard) and training; the load term is what the first two add above training."""
     read, done = 0, 0
     for name in sorted(file_sizes):
         read = max(read, done + file_sizes[name])  # the mapped file's pages beside what was copied before it
         done += file_sizes[name]
     train = r.total - r.terms["load"] - r.terms["runtime"]
-    sharding = full_bytes + (r.terms["weights"] if sharded else 0)
+    sharding = full_bytes + piece  # the plans shard tensor by tensor: the whole model + one tensor's share
     r.terms["load"] = max(0, read - train, sharding - train)
+    r.load_peak = int(r.terms["runtime"] + max(read, sharding))
     r.rank += " (today's loader)"
     return r
 
