@@ -22,7 +22,8 @@ def _host_memory() -> int:
 
 
 def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."),
-         nproc: int = typer.Option(1, "--nproc", help="Processes the run is launched on (kiln launch --nproc-per-node)."),
+         nproc: int = typer.Option(1, "--nproc", help="Processes the run is launched on "
+                                                      "(kiln launch --nproc-per-node)."),
          gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="Memory of one GPU, e.g. 80GiB; "
                                                   "the plan is then for device cuda."),
          set_: list[str] = typer.Option([], "--set", help="Override a run-config key: section.key=value; "

@@ -459,7 +459,7 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
         r.load_peak = int(r.terms["runtime"] + weights + biggest_tensor)
         if today:
             full = sum(p.nbytes for p in params if not p.name.endswith(("lora_A.weight", "lora_B.weight")))
-            r = _today(r, file_sizes, full, biggest_tensor if weights < full else 0)
+            r = _today(r, file_sizes, full, biggest_tensor, host=s.device == "cpu")
         if s.offload and s.fsdp and s.device != "cpu":
             r.host = {k: r.terms.pop(k) for k in ("weights", "gradients", "optimizer")}
         r.terms = {k: int(round(v)) for k, v in r.terms.items()}
@@ -468,15 +468,18 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
     return MemoryPlan(s, ranks, ckpt_bytes)
 
 
-def _today(r: RankMemory, file_sizes: Mapping[str, int], full_bytes: int, piece: float) -> RankMemory:
+def _today(r: RankMemory, file_sizes: Mapping[str, int], full_bytes: int, piece: float, host: bool) -> RankMemory:
     """kiln's loader today: each rank copies every tensor out of each file while that file is mapped
     (hub/weights.load_weights, files in sorted order), then builds the whole model and shards it. The peak
-    is the largest of: the read (tensors so far + the mapped file), the sharding (whole model + one
-    tensor's share: measured, FSDP2 frees each whole tensor as it makes its shard) and training; the load term is what the first two add above training."""
+    is the largest of: the read (tensors so far + the mapped file; host memory), the sharding (whole model
+    + one tensor's share: measured, FSDP2 frees each whole tensor as it makes its shard) and training; the
+    load term is what the first two add above training."""
     read, done = 0, 0
     for name in sorted(file_sizes):
         read = max(read, done + file_sizes[name])  # the mapped file's pages beside what was copied before it
         done += file_sizes[name]
+    if not host:  # the file is read into host memory; the device sees the whole model moved onto it
+        read = 0
     train = r.total - r.terms["load"] - r.terms["runtime"]
     sharding = full_bytes + piece  # the plans shard tensor by tensor: the whole model + one tensor's share
     r.terms["load"] = max(0, read - train, sharding - train)
@@ -487,7 +490,7 @@ def _today(r: RankMemory, file_sizes: Mapping[str, int], full_bytes: int, piece:
 
 def alternatives(params: list[Param], dims: ModelDims, settings: RunSettings, file_sizes: Mapping[str, int],
                  limit: int, runtime: int | None = None, experts: int = 0) -> list[MemoryPlan]:
-    """The [parallel] settings over the same process count whose plan fits `limit` bytes, smallest peak first."""
+    """The [parallel] settings over the same process count whose plan fits `limit` bytes, the simplest first."""
     n = settings.nproc
     divisors = [k for k in range(1, n + 1) if n % k == 0]
     found = []
@@ -508,7 +511,12 @@ def alternatives(params: list[Param], dims: ModelDims, settings: RunSettings, fi
                             plan = plan_memory(params, dims, alt, file_sizes, runtime=runtime)
                             if plan.peak.total <= limit:
                                 found.append(plan)
-    return sorted(found, key=lambda p: p.peak.total)
+    def change(p: MemoryPlan) -> int:  # the simplest changes first: fsdp, checkpointing, then tp/ep, pp, offload
+        a = p.settings
+        return (a.fsdp + (a.activation_checkpointing != "none") + 2 * (a.tp > 1) + 2 * (a.ep > 1) + 3 * (a.pp > 1)
+                + 4 * a.offload)
+
+    return sorted(found, key=lambda p: (change(p), p.peak.total))
 
 
 def fmt_bytes(n: float) -> str:

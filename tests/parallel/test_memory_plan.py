@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from kiln.errors import WeightsError
+from kiln.errors import ConfigError, WeightsError
 from kiln.hub.headers import TensorHeader, read_headers
 from kiln.parallel.memory import (ModelDims, RunSettings, alternatives, block_activation_bytes, check_shapes,
                                   params_from_headers, parse_size, plan_memory)
@@ -210,7 +210,10 @@ def test_alternatives_that_fit():
 
 
 def test_parse_size():
-    assert parse_size("80GiB") == 80 * 2 ** 30 and parse_size("80GB") == 80 * 10 ** 9 and parse_size("512MiB") == 2 ** 29
+    assert parse_size("80GiB") == 80 * 2 ** 30 and parse_size("80GB") == 80 * 10 ** 9
+    assert parse_size("512MiB") == 2 ** 29
+    with pytest.raises(ConfigError, match="--gpu-memory 'lots'"):
+        parse_size("lots")
 
 
 # ---- files and the CLI ------------------------------------------------------------------------------
@@ -243,6 +246,10 @@ def test_headers_only(tmp_path):
     assert {k: t.shape for k, t in tensors.items()} == tiny_shapes()
     assert {t.dtype for t in tensors.values()} == {"BF16"} and len(sizes) == 2
     assert sum(sizes.values()) > sum(t.nbytes for t in tensors.values())  # headers on top of the data
+    torn = model / "model-00001-of-00002.safetensors"
+    torn.write_bytes((10 ** 9).to_bytes(8, "little") + b"{}")  # a header length past the end of the file
+    with pytest.raises(WeightsError, match="model-00001-of-00002.safetensors: header length 1000000000"):
+        read_headers(model)
 
 
 def test_cli_table_and_no_fit(tmp_path):
