@@ -58,7 +58,8 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
         param_dtype=par.param_dtype, reduce_dtype=par.reduce_dtype, sequence_parallel=par.sequence_parallel,
         activation_checkpointing=par.activation_checkpointing, checkpoint_every=par.checkpoint_every,
         microbatches=par.microbatches, pp_schedule=par.pp_schedule,
-        pp_stages=tuple(par.pp_stages) if par.pp_stages else None, keep_grads=par.cadence is not None)
+        pp_stages=tuple(par.pp_stages) if par.pp_stages else None, keep_grads=par.cadence is not None,
+        fp8=cfg.model.fp8)
     params = params_from_headers(tensors.values(), settings)
     designed = plan_memory(params, dims, settings, sizes)
     today = plan_memory(params, dims, settings, sizes, today=True)

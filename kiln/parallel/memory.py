@@ -39,9 +39,9 @@ from kiln.errors import ConfigError, WeightsError
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
-# Measured on this machine: the RSS of `kiln train` with a 2-layer, 32-wide model (python, torch, kiln,
-# tokenizer, data loader), i.e. what a run costs before any real weights. See the module's tests.
-RUNTIME_CPU = 420 * MiB
+# What a run costs before any real weights (python, torch, kiln, tokenizer, data, loader): the peak RSS of
+# `kiln train` (2 steps of 4 x 256 tokens) on a 2-layer, 32-wide Qwen3 here was 399 MiB (full), 408 MiB (LoRA).
+RUNTIME_CPU = 408 * MiB
 CUDA_CONTEXT = 512 * MiB              # a CUDA context and cuBLAS workspaces on an H100 (order of magnitude)
 LOSS_CHUNK = 64 * MiB                 # kiln.models.common.loss: fp32 logits of one chunk of rows
 # Peak RSS beyond the live bytes on a CPU run, as a share of the activations: glibc's heap keeps what the
@@ -142,6 +142,7 @@ class RunSettings:
     pp_schedule: str = "1f1b"
     pp_stages: tuple[int, ...] | None = None
     keep_grads: bool = False                  # [parallel.cadence]: gradients zeroed, not freed, between steps
+    fp8: str = "dequantize"                   # model.fp8: an FP8 checkpoint dequantized to bf16, or kept FP8
 
     def degrees(self) -> dict[str, int]:
         rest = self.tp * self.ep * self.pp * self.cp
@@ -221,15 +222,23 @@ def params_from_headers(tensors: Iterable[Any], settings: RunSettings) -> list[P
 
     out: list[Param] = []
     lora = settings.lora_r is not None
+    tensors = list(tensors)
+    fp8 = any(t.dtype.startswith("F8") and t.name.endswith(".weight") for t in tensors)
     for t in tensors:
+        if fp8 and settings.fp8 == "dequantize" and t.name.endswith("_scale_inv"):
+            continue  # dequantized on load: the block scales are folded into the weights and dropped
         m = _LAYER.search(t.name)
         block = int(m.group(1)) if m else None
         module = _module_of(t.name)
         expert = ".experts." in t.name
         is_float = t.dtype in FLOAT_DTYPES
         item = t.nbytes // max(t.numel, 1)
+        if t.dtype.startswith("F8") and settings.fp8 == "dequantize":
+            item = 2  # to the checkpoint's other dtype (bf16 in the FP8 releases)
         weight2d = t.name.endswith(".weight") and len(t.shape) == 2
-        out.append(Param(t.name, t.numel, item, trainable=is_float and not lora, block=block, expert=expert,
+        kept_fp8 = item == 1 and is_float  # an FP8 weight kept FP8 (model.fp8 = "keep") is a frozen base
+        out.append(Param(t.name, t.numel, item, trainable=is_float and not lora and not kept_fp8, block=block,
+                         expert=expert,
                          tp=module in _TP_LINEARS and not expert, module=module))
         if lora and weight2d and _lora_match(t.name, settings.lora_targets):
             rows, cols = t.shape

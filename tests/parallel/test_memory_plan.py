@@ -92,6 +92,19 @@ def test_lora_adapters_and_frozen_base():
     assert len(names) == 2 * 7 * 2 and not any("lm_head" in n or "embed" in n for n in names)
 
 
+def test_fp8_checkpoint_dequantized_or_kept():
+    fp8 = {k: TensorHeader(k, t.shape, "F8_E4M3" if t.name.endswith("proj.weight") else "BF16", t.file)
+           for k, t in headers().items()}
+    scale = "model.layers.0.self_attn.q_proj.weight_scale_inv"
+    fp8[scale] = TensorHeader(scale, (1, 1), "F32", "model.safetensors")
+    deq = params_from_headers(fp8.values(), RunSettings())
+    assert scale not in {q.name for q in deq} and sum(q.nbytes for q in deq) == N_ALL * 2
+    kept = params_from_headers(fp8.values(), RunSettings(fp8="keep", lora_r=2))
+    linears = 2 * (64 + 32 + 32 + 64 + 3 * 96)
+    assert sum(q.nbytes for q in kept if not q.trainable) == linears + (N_ALL - linears) * 2 + 4
+    assert {q.itemsize for q in kept if q.trainable} == {2}  # the adapters in the compute dtype
+
+
 @pytest.mark.parametrize("nproc, kw, weights", [
     (4, dict(fsdp=True), N_ALL * 4 / 4),
     # tp=2 halves the Linears, the embedding and the head; norms (2 * (8 + 8 + 4 + 4) + 8 = 56) stay whole
