@@ -73,6 +73,8 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
                f"in {len(sizes)} file(s); {'LoRA r=' + str(lora.r) if lora else 'full fine-tune'}, batch "
                f"{settings.batch_size} x {settings.seq_len} tokens, precision {settings.precision}, device {device}")
     typer.echo(f"plan: {settings.describe()} on {nproc} process(es)")
+    if cfg.train.freeze and lora is None:
+        typer.echo(f"note: train.freeze {cfg.train.freeze} is not modelled: counted as a full fine-tune (an upper bound)")
     columns = [*designed.ranks, *today.ranks]
     width = max(14, *(len(r.rank) + 2 for r in columns))
     typer.echo("term".ljust(15) + "".join(r.rank.rjust(width) for r in columns))
