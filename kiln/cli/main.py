@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "kiln.cli.probe",
     "kiln.cli.models",
     "kiln.cli.train",
+    "kiln.cli.plan",
     "kiln.cli.llm",
     "kiln.cli.data",
     "kiln.cli.init",

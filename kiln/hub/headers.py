@@ -1,0 +1,113 @@
+"""Safetensors headers without the weights: each tensor's name, shape, dtype and file, from the 8-byte
+header length and the JSON header of every file a model directory's index names (nothing is mapped).
+
+This is what `kiln plan` reads: a 700 GB checkpoint's headers are a few megabytes. No torch import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from kiln.errors import WeightsError
+from kiln.hub.jsonio import read_json
+
+SAFE_SINGLE = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+
+# Bytes per element of each safetensors dtype name (the format's own spelling).
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+               "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+# A header this large is a corrupt length field, not a header (safetensors itself caps it at 100 MB).
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorHeader:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str           # safetensors spelling: BF16, F32, F8_E4M3 ...
+    file: str            # the file's name inside the model directory
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES[self.dtype]
+
+
+def safetensors_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a model directory: those its index names (all present), or model.safetensors."""
+    model_dir = Path(model_dir)
+    index = model_dir / SAFE_INDEX
+    if index.is_file():
+        weight_map = read_json(index, error=WeightsError, want=dict).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise WeightsError(f"{index}: not a valid shard index (no weight_map object)")
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (model_dir / f).is_file()]
+        if missing:
+            raise WeightsError(f"{index}: names shard file(s) that are not in the directory: {', '.join(missing)}")
+        return [model_dir / f for f in files]
+    if (model_dir / SAFE_SINGLE).is_file():
+        return [model_dir / SAFE_SINGLE]
+    others = [p.name for p in model_dir.glob("*.bin")] if model_dir.is_dir() else []
+    hint = f" (found {', '.join(others)}: pickled weights have no header to read; convert to safetensors)" \
+        if others else ""
+    raise WeightsError(f"{model_dir}: no safetensors weights ({SAFE_SINGLE} or {SAFE_INDEX}){hint}")
+
+
+def read_header(path: str | os.PathLike) -> dict[str, TensorHeader]:
+    """The tensors one safetensors file holds, from its header alone (reads 8 + header-length bytes)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise WeightsError(f"{path}: {len(head)} bytes, too short for a safetensors file")
+            (length,) = struct.unpack("<Q", head)
+            if length > min(_MAX_HEADER, size - 8):
+                raise WeightsError(f"{path}: header length {length} does not fit the file ({size} bytes); "
+                                   f"is it truncated or another format?")
+            raw = f.read(length)
+    except OSError as e:
+        raise WeightsError(f"{path}: cannot read ({e})") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WeightsError(f"{path}: the safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise WeightsError(f"{path}: the safetensors header is not a JSON object")
+    out: dict[str, TensorHeader] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict) or info.get("dtype") not in DTYPE_BYTES or \
+                not isinstance(info.get("shape"), list):
+            raise WeightsError(f"{path}: tensor {name!r} has no readable dtype/shape in the header ({info!r})")
+        out[name] = TensorHeader(name, tuple(int(d) for d in info["shape"]), info["dtype"], path.name)
+    return out
+
+
+def read_headers(model_dir: str | os.PathLike) -> tuple[dict[str, TensorHeader], dict[str, int]]:
+    """(every tensor of a model directory by name, each file's size in bytes), from headers only."""
+    tensors: dict[str, TensorHeader] = {}
+    sizes: dict[str, int] = {}
+    for path in safetensors_files(model_dir):
+        part = read_header(path)
+        dup = tensors.keys() & part.keys()
+        if dup:
+            raise WeightsError(f"{path}: tensor(s) already present in another shard: {sorted(dup)[:5]}")
+        tensors.update(part)
+        sizes[path.name] = path.stat().st_size
+    return tensors, sizes

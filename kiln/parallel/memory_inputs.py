@@ -1,0 +1,210 @@
+"""The inputs of `kiln plan` (kiln.parallel.memory): the model's dimensions from config.json, the run's
+settings, and the parameters a run holds, made from the checkpoint's safetensors headers (no weights),
+whose shapes are checked against config.json. No torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Mapping
+
+from kiln.errors import ConfigError, WeightsError
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# The Linears a tensor-parallel plan splits (column: q/k/v, gate/up; row: o, down); experts are not split by tp.
+_TP_LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_b_proj",
+               "kv_b_proj", "embed_tokens", "lm_head"}
+MLP_TARGETS = {"gate_proj", "up_proj"}
+QKV_TARGETS = {"q_proj", "k_proj", "v_proj"}
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What the activation formula needs from config.json."""
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
+    shared_intermediate: int = 0
+    qk_norm: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any], source: str = "config.json") -> "ModelDims":
+        cfg = dict(cfg.get("text_config") or {}, **{k: v for k, v in cfg.items() if k != "text_config"}) \
+            if isinstance(cfg.get("text_config"), dict) else dict(cfg)
+
+        def get(*names: str, default: Any = None) -> Any:
+            for n in names:
+                if cfg.get(n) is not None:
+                    return cfg[n]
+            if default is None:
+                raise ConfigError(f"{source}: no {' / '.join(names)}; kiln plan needs it for the activation estimate")
+            return default
+
+        hidden = int(get("hidden_size", "d_model", "dim"))
+        heads = int(get("num_attention_heads", "n_heads"))
+        return cls(hidden=hidden, layers=int(get("num_hidden_layers", "n_layers")), heads=heads,
+                   kv_heads=int(get("num_key_value_heads", default=heads)),
+                   head_dim=int(get("head_dim", default=hidden // heads)),
+                   intermediate=int(get("intermediate_size", "hidden_dim", default=4 * hidden)),
+                   vocab=int(get("vocab_size")),
+                   experts=int(get("num_experts", "n_routed_experts", "num_local_experts", default=0)),
+                   top_k=int(get("num_experts_per_tok", default=0)),
+                   moe_intermediate=int(get("moe_intermediate_size", default=0)),
+                   shared_intermediate=int(get("shared_expert_intermediate_size", default=0)))
+
+
+@dataclass(frozen=True)
+class Param:
+    """One tensor the run holds: a checkpoint tensor or a LoRA adapter."""
+    name: str
+    numel: int
+    itemsize: int
+    trainable: bool
+    block: int | None = None      # its layer index, None outside the blocks
+    expert: bool = False          # a routed expert's (split by ep)
+    tp: bool = False              # split by tensor parallelism
+    module: str = ""              # the Linear it belongs to (leaf name), for the LoRA activation terms
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    nproc: int = 1
+    device: str = "cpu"                       # cpu or cuda
+    batch_size: int = 1                       # per process, per micro-batch
+    seq_len: int = 128
+    precision: str = "fp32"
+    exact: bool = False
+    lora_r: int | None = None                 # None: full fine-tune
+    lora_targets: tuple[str, ...] | str = ("q_proj", "v_proj")
+    dp: int = 0
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    cp: int = 1
+    fsdp: bool = False
+    offload: bool = False
+    param_dtype: str | None = None
+    reduce_dtype: str = "fp32"
+    sequence_parallel: bool = True
+    activation_checkpointing: str = "none"
+    checkpoint_every: int = 1
+    microbatches: int = 0
+    pp_schedule: str = "1f1b"
+    pp_stages: tuple[int, ...] | None = None
+    keep_grads: bool = False                  # [parallel.cadence]: gradients zeroed, not freed, between steps
+    fp8: str = "dequantize"                   # model.fp8: an FP8 checkpoint dequantized to bf16, or kept FP8
+
+    def degrees(self) -> dict[str, int]:
+        rest = self.tp * self.ep * self.pp * self.cp
+        dp = self.dp or (self.nproc // rest if self.nproc % rest == 0 else 0)
+        if dp < 1 or dp * rest != self.nproc:
+            raise ConfigError(f"parallel degrees dp ({self.dp}) x tp ({self.tp}) x ep ({self.ep}) x pp ({self.pp}) x "
+                             f"cp ({self.cp}) do not multiply to --nproc {self.nproc}")
+        return {"dp": dp, "tp": self.tp, "ep": self.ep, "pp": self.pp, "cp": self.cp}
+
+    def describe(self) -> str:
+        d = self.degrees()
+        parts = [f"{k}={v}" for k, v in d.items() if v > 1 or k == "dp"]
+        if self.fsdp:
+            parts.append("fsdp" + (" +offload" if self.offload else ""))
+        if self.activation_checkpointing != "none":
+            parts.append(f"ac={self.activation_checkpointing}")
+        return " ".join(parts)
+
+
+# ---- parameters from headers ------------------------------------------------------------------------
+def _module_of(name: str) -> str:
+    parts = name.split(".")
+    return parts[-2] if len(parts) >= 2 else parts[0]
+
+
+def _lora_match(name: str, targets: tuple[str, ...] | str) -> bool:
+    """kiln.models.common.lora's rule: a target matches a module name or its '.'-suffix; all-linear: every
+    Linear but the LM head (2-D weights here, the embedding excluded)."""
+    module = name.rsplit(".", 1)[0]
+    if targets == "all-linear" or targets == ("all-linear",):
+        return _module_of(name) not in ("lm_head", "embed_tokens") and not module.endswith("embeddings")
+    return any(module == t or module.endswith("." + t) for t in targets)
+
+
+def params_from_headers(tensors: Iterable[Any], settings: RunSettings) -> list[Param]:
+    """The run's parameters: every checkpoint tensor (`TensorHeader`-like: name, shape, dtype, nbytes, numel),
+    trainable when the run is a full fine-tune, plus LoRA A (r, in) and B (out, r) for each targeted weight
+    (in the base's compute dtype: an FP8 base's adapters are bf16), everything else frozen under LoRA."""
+    from kiln.hub.headers import FLOAT_DTYPES  # kiln.hub: below parallel in the layers
+
+    out: list[Param] = []
+    lora = settings.lora_r is not None
+    tensors = list(tensors)
+    fp8 = any(t.dtype.startswith("F8") and t.name.endswith(".weight") for t in tensors)
+    for t in tensors:
+        if fp8 and settings.fp8 == "dequantize" and t.name.endswith("_scale_inv"):
+            continue  # dequantized on load: the block scales are folded into the weights and dropped
+        m = _LAYER.search(t.name)
+        block = int(m.group(1)) if m else None
+        module = _module_of(t.name)
+        expert = ".experts." in t.name
+        is_float = t.dtype in FLOAT_DTYPES
+        item = t.nbytes // max(t.numel, 1)
+        if t.dtype.startswith("F8") and settings.fp8 == "dequantize":
+            item = 2  # to the checkpoint's other dtype (bf16 in the FP8 releases)
+        weight2d = t.name.endswith(".weight") and len(t.shape) == 2
+        kept_fp8 = item == 1 and is_float  # an FP8 weight kept FP8 (model.fp8 = "keep") is a frozen base
+        out.append(Param(t.name, t.numel, item, trainable=is_float and not lora and not kept_fp8, block=block,
+                         expert=expert,
+                         tp=module in _TP_LINEARS and not expert, module=module))
+        if lora and weight2d and _lora_match(t.name, settings.lora_targets):
+            rows, cols = t.shape
+            adapter_item = item if item >= 2 else 2
+            stem = t.name[: -len(".weight")]
+            out.append(Param(stem + ".lora_A.weight", settings.lora_r * cols, adapter_item, True, block, expert,
+                             tp=False, module=module))
+            out.append(Param(stem + ".lora_B.weight", rows * settings.lora_r, adapter_item, True, block, expert,
+                             tp=False, module=module))
+    return out
+
+
+def check_shapes(tensors: Mapping[str, Any], dims: ModelDims, source: str = "config.json") -> ModelDims:
+    """The headers' shapes against config.json (embedding, head, attention and MLP Linears, layer count);
+    returns `dims` with what only the headers say (per-head q/k norms). A disagreement is a WeightsError
+    naming the tensor, its file, both shapes and the config fields behind the expected one."""
+    q, kv, h = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.hidden
+    cfg = f"hidden_size={h}, num_attention_heads={dims.heads}, num_key_value_heads={dims.kv_heads}, " \
+          f"head_dim={dims.head_dim}"
+    expect: dict[str, tuple[tuple[int, ...], str]] = {
+        "embed_tokens": ((dims.vocab, h), f"vocab_size={dims.vocab}, hidden_size={h}"),
+        "lm_head": ((dims.vocab, h), f"vocab_size={dims.vocab}, hidden_size={h}"),
+        "q_proj": ((q, h), cfg), "k_proj": ((kv, h), cfg), "v_proj": ((kv, h), cfg), "o_proj": ((h, q), cfg)}
+    for name, t in tensors.items():
+        if not name.endswith(".weight"):
+            continue
+        module = _module_of(name)
+        want = expect.get(module)
+        if module in ("gate_proj", "up_proj", "down_proj"):
+            inter, field_ = dims.intermediate, f"intermediate_size={dims.intermediate}"
+            if ".experts." in name:
+                inter, field_ = dims.moe_intermediate, f"moe_intermediate_size={dims.moe_intermediate}"
+            elif ".shared_expert." in name:
+                inter, field_ = dims.shared_intermediate, f"shared_expert_intermediate_size={dims.shared_intermediate}"
+            if inter:
+                want = ((h, inter) if module == "down_proj" else (inter, h), f"hidden_size={h}, {field_}")
+        if want is not None and tuple(t.shape) != want[0]:
+            raise WeightsError(f"{t.file}: tensor {name} has shape {list(t.shape)} but {source} ({want[1]}) "
+                               f"implies {list(want[0])}")
+    layers = {int(m.group(1)) for name in tensors if (m := _LAYER.search(name))}
+    if layers and max(layers) + 1 < dims.layers:
+        raise WeightsError(f"the checkpoint holds {max(layers) + 1} layers (model.layers.0..{max(layers)}) but "
+                           f"{source} says num_hidden_layers={dims.layers}")
+    return replace(dims, qk_norm=any(_module_of(n) == "q_norm" for n in tensors))

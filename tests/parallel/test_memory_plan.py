@@ -1,0 +1,296 @@
+"""kiln plan: header reading, the memory terms by hand, the sharding divisions, the activation formula
+against autograd's own count of saved tensors, and the CLI's messages."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from kiln.errors import ConfigError, WeightsError
+from kiln.hub.headers import TensorHeader, read_headers
+from kiln.parallel.memory import (ModelDims, RunSettings, alternatives, block_activation_bytes, check_shapes,
+                                  params_from_headers, parse_size, plan_memory)
+
+# A tiny Qwen3-shaped model: hidden 8, 2 layers, 2 heads of 4 over 1 kv head, MLP 12, vocab 16, untied head.
+CONFIG = dict(model_type="qwen3", hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+              head_dim=4, intermediate_size=12, vocab_size=16, tie_word_embeddings=False,
+              max_position_embeddings=64, rms_norm_eps=1e-6, torch_dtype="float32")
+
+
+def tiny_shapes(layers: int = 2) -> dict[str, tuple[int, ...]]:
+    shapes = {"model.embed_tokens.weight": (16, 8), "model.norm.weight": (8,), "lm_head.weight": (16, 8)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (8,), p + "post_attention_layernorm.weight": (8,),
+                       p + "self_attn.q_proj.weight": (8, 8), p + "self_attn.k_proj.weight": (4, 8),
+                       p + "self_attn.v_proj.weight": (4, 8), p + "self_attn.o_proj.weight": (8, 8),
+                       p + "self_attn.q_norm.weight": (4,), p + "self_attn.k_norm.weight": (4,),
+                       p + "mlp.gate_proj.weight": (12, 8), p + "mlp.up_proj.weight": (12, 8),
+                       p + "mlp.down_proj.weight": (8, 12)})
+    return shapes
+
+
+def headers(dtype: str = "F32") -> dict[str, TensorHeader]:
+    return {k: TensorHeader(k, v, dtype, "model.safetensors") for k, v in tiny_shapes().items()}
+
+
+# Hand counts for the tiny model: per layer 64 + 32 + 32 + 64 (attention) + 4 + 4 (q/k norms) + 3 * 96 (MLP)
+# + 8 + 8 (norms) = 504 elements; outside the layers 128 (embedding) + 8 (norm) + 128 (head) = 264.
+N_LAYER, N_OUTSIDE, N_TENSORS = 504, 264, 3 + 2 * 11
+N_ALL = 2 * N_LAYER + N_OUTSIDE  # 1272
+DIMS = check_shapes(headers(), ModelDims.from_config(CONFIG))
+
+
+def plan(settings: RunSettings, dtype: str = "F32", **kw):
+    params = params_from_headers(headers(dtype).values(), settings)
+    return plan_memory(params, DIMS, settings, {"model.safetensors": N_ALL * 4 + 1000}, runtime=0, **kw)
+
+
+def test_full_finetune_weights_grads_optimizer_exact():
+    p = plan(RunSettings(batch_size=2, seq_len=8)).ranks[0].terms
+    assert p["weights"] == N_ALL * 4 == 5088
+    assert p["gradients"] == N_ALL * 4
+    assert p["optimizer"] == 2 * N_ALL * 4 + 4 * N_TENSORS  # two fp32 moments, one 4-byte step per tensor
+    assert p["communication"] == 0 and p["autocast"] == 0
+    bf16 = plan(RunSettings(batch_size=2, seq_len=8), dtype="BF16").ranks[0].terms
+    assert bf16["weights"] == N_ALL * 2 and bf16["optimizer"] == 2 * N_ALL * 2 + 4 * N_TENSORS  # moments in bf16
+
+
+def test_activations_from_the_formula():
+    # fp32, full: per token and block 8 (two rstd) + 2 heads * 8 + 1 kv head * 4 + q 8 * (8 + 8) + k/v 4 * (8 + 4)
+    # + 4 * 4 + norms 8 * 2 * (4 + 8) + MLP 4 * 4 * 12 = 8 + 16 + 4 + 128 + 64 + 192 + 192 = 604 bytes
+    assert block_activation_bytes(DIMS, 4, True, set(), 0) == 604
+    tokens = 2 * 8
+    outside = tokens * 16 + tokens * 8 * (4 + 8) + 4 * 16 * 8 + tokens * 16 * 4  # ids; norm; head dW; fp32 logits
+    assert plan(RunSettings(batch_size=2, seq_len=8)).ranks[0].terms["activations"] == 2 * 604 * tokens + outside
+    # bf16 weights: each chunk's logits in bf16 and fp32 and their bf16 gradient; the head's product in bf16 + fp32
+    bf = plan(RunSettings(batch_size=2, seq_len=8), dtype="BF16").ranks[0].terms
+    outside_bf = tokens * 16 + tokens * 8 * (4 + 4) + 4 * 16 * 8 + tokens * 16 * (4 + 4) + 16 * 8 * (2 + 4)
+    assert bf["activations"] == 2 * block_activation_bytes(DIMS, 2, True, set(), 0) * tokens + outside_bf
+    # block checkpointing keeps each block's input (8 fp32 values per token) and recomputes one block
+    ac = plan(RunSettings(batch_size=2, seq_len=8, activation_checkpointing="block")).ranks[0].terms
+    assert ac["activations"] == 2 * tokens * 8 * 4 + 604 * tokens + outside
+
+
+def test_lora_adapters_and_frozen_base():
+    s = RunSettings(batch_size=2, seq_len=8, lora_r=2, lora_targets=("q_proj", "v_proj"))
+    p = plan(s).ranks[0].terms
+    adapters = 2 * (2 * (8 + 8) + 2 * (8 + 4))  # per layer A (r, in) + B (out, r) for q (8x8) and v (4x8)
+    assert p["weights"] == (N_ALL + adapters) * 4
+    assert p["gradients"] == adapters * 4
+    assert p["optimizer"] == 2 * adapters * 4 + 4 * 8  # 8 adapter tensors
+    everything = RunSettings(lora_r=2, lora_targets="all-linear")
+    names = [q.name for q in params_from_headers(headers().values(), everything) if q.trainable]
+    assert len(names) == 2 * 7 * 2 and not any("lm_head" in n or "embed" in n for n in names)
+
+
+def test_fp8_checkpoint_dequantized_or_kept():
+    fp8 = {k: TensorHeader(k, t.shape, "F8_E4M3" if t.name.endswith("proj.weight") else "BF16", t.file)
+           for k, t in headers().items()}
+    scale = "model.layers.0.self_attn.q_proj.weight_scale_inv"
+    fp8[scale] = TensorHeader(scale, (1, 1), "F32", "model.safetensors")
+    deq = params_from_headers(fp8.values(), RunSettings())
+    assert scale not in {q.name for q in deq} and sum(q.nbytes for q in deq) == N_ALL * 2
+    kept = params_from_headers(fp8.values(), RunSettings(fp8="keep", lora_r=2))
+    linears = 2 * (64 + 32 + 32 + 64 + 3 * 96)
+    assert sum(q.nbytes for q in kept if not q.trainable) == linears + (N_ALL - linears) * 2 + 4
+    assert {q.itemsize for q in kept if q.trainable} == {2}  # the adapters in the compute dtype
+
+
+@pytest.mark.parametrize("nproc, kw, weights", [
+    (4, dict(fsdp=True), N_ALL * 4 / 4),
+    # tp=2 halves the Linears, the embedding and the head; norms (2 * (8 + 8 + 4 + 4) + 8 = 56) stay whole
+    (2, dict(tp=2), (N_ALL - 56) * 4 / 2 + 56 * 4),
+    (4, dict(tp=2, fsdp=True), ((N_ALL - 56) / 2 + 56) * 4 / 2),
+])
+def test_sharding_divisions(nproc, kw, weights):
+    p = plan(RunSettings(nproc=nproc, batch_size=2, seq_len=8, **kw)).ranks[0].terms
+    assert p["weights"] == round(weights)
+    assert p["gradients"] == round(weights)
+
+
+def test_fsdp_buffers():
+    # a block gathered and one prefetched (504 fp32 values each), the root gathered (264), and one block's
+    # unsharded gradients with their fp32 reduce copy (504 * (4 + 4))
+    p = plan(RunSettings(nproc=2, fsdp=True, batch_size=2, seq_len=8)).ranks[0].terms
+    assert p["communication"] == 2 * 504 * 4 + 264 * 4 + 504 * 8
+    bf = plan(RunSettings(nproc=2, fsdp=True, batch_size=2, seq_len=8, param_dtype="bf16", reduce_dtype="bf16")
+              ).ranks[0].terms
+    assert bf["communication"] == 2 * 504 * 2 + 264 * 2 + 504 * (4 + 2)
+
+
+def test_pipeline_stages_hold_their_blocks():
+    stages = plan(RunSettings(nproc=2, pp=2, batch_size=4, seq_len=8)).ranks
+    assert [r.terms["weights"] for r in stages] == [(128 + N_LAYER) * 4, (N_LAYER + 8 + 128) * 4]
+
+
+def test_expert_parallel_splits_experts():
+    moe = dict(headers())
+    for e in range(4):
+        for name, shape in (("gate_proj", (6, 8)), ("up_proj", (6, 8)), ("down_proj", (8, 6))):
+            k = f"model.layers.0.mlp.experts.{e}.{name}.weight"
+            moe[k] = TensorHeader(k, shape, "F32", "model.safetensors")
+    dims = replace(DIMS, experts=4, top_k=2, moe_intermediate=6)
+    expert_bytes = 4 * 3 * 48 * 4
+    one = plan_memory(params_from_headers(moe.values(), RunSettings()), dims, RunSettings(), {}, runtime=0)
+    ep2 = RunSettings(nproc=2, ep=2)
+    two = plan_memory(params_from_headers(moe.values(), ep2), dims, ep2, {}, runtime=0)
+    assert one.ranks[0].terms["weights"] - two.ranks[0].terms["weights"] == expert_bytes / 2
+
+
+def test_total_counts_the_larger_of_gradients_and_activations():
+    r = plan(RunSettings(batch_size=2, seq_len=8)).ranks[0]
+    t = r.terms
+    assert r.total == sum(t.values()) - min(t["gradients"], t["activations"])
+    assert t["allocator"] == round(0.35 * t["activations"]) and t["runtime"] == 0
+    kept = plan(RunSettings(batch_size=2, seq_len=8, keep_grads=True)).ranks[0]  # cadence: zeroed, kept
+    assert kept.total == sum(kept.terms.values())
+    gpu = plan(RunSettings(batch_size=2, seq_len=8, device="cuda")).ranks[0].terms
+    assert gpu["allocator"] == 0  # the caching allocator's reserve is not modelled; glibc's heap is
+
+
+def test_ddp_buckets_and_autocast_copy():
+    ddp = plan(RunSettings(nproc=2, batch_size=2, seq_len=8)).ranks[0].terms
+    assert ddp["communication"] == N_ALL * 4  # a flat copy of every gradient
+    bf = plan(RunSettings(batch_size=2, seq_len=8, precision="bf16")).ranks[0].terms
+    assert bf["autocast"] == 2 * 2 * (64 + 32 + 32 + 64 + 3 * 96)  # bf16 copies of the block Linears
+
+
+def test_todays_loader_reads_everything_on_every_rank():
+    s = RunSettings(nproc=4, fsdp=True, batch_size=1, seq_len=1)
+    params = params_from_headers(headers().values(), s)
+    files = {"a.safetensors": 3000, "b.safetensors": 2088}
+    design = plan_memory(params, DIMS, s, files, runtime=0).ranks[0]
+    today = plan_memory(params, DIMS, s, files, today=True, runtime=0).ranks[0]
+    train = design.total - design.terms["load"]
+    # read peak: a's 3000 bytes copied + b's 2088 mapped and copied; sharding: the whole model + a quarter of its
+    # largest tensor (16 x 8 fp32 / 4)
+    assert today.total == max(train, 3000 + 2 * 2088, N_ALL * 4 + 16 * 8)
+    assert today.load_peak == 3000 + 2 * 2088 and design.load_peak == N_ALL + 16 * 8  # shards + largest piece
+
+
+def test_block_formula_matches_autograd_saved_tensors():
+    """block_activation_bytes against the bytes autograd really saves in one of kiln's Qwen3 blocks (a middle
+    one: the difference of a 3- and a 2-layer model), full and LoRA, fp32 and bf16: equal to the byte."""
+    from kiln.models.auto import AutoConfig, from_config
+    from kiln.models.common.fast import set_fast
+    from kiln.models.common.lora import LoraConfig, apply_lora
+
+    def saved(layers: int, dtype: torch.dtype, lora: bool) -> int:
+        cfg = AutoConfig.for_model("qwen3", vocab_size=40, hidden_size=24, intermediate_size=40,
+                                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=8, max_position_embeddings=64)
+        model = from_config(cfg, task="causal-lm", seed=0).to(dtype)
+        if lora:
+            apply_lora(model, LoraConfig(4, 8, 0.0, ["q_proj", "v_proj"]))
+        set_fast(model, True)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        ids = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(0))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, labels=ids)
+        return sum(seen.values())
+
+    dims = ModelDims(hidden=24, layers=2, heads=4, kv_heads=2, head_dim=8, intermediate=40, vocab=40, qk_norm=True)
+    for dtype, cb in ((torch.float32, 4), (torch.bfloat16, 2)):
+        for lora in (False, True):
+            per_block = (saved(3, dtype, lora) - saved(2, dtype, lora)) / 32
+            want = block_activation_bytes(dims, cb, not lora, {"q_proj", "v_proj"} if lora else set(), 4)
+            assert per_block == want, (dtype, lora)
+
+
+def test_alternatives_that_fit():
+    s = RunSettings(nproc=4, batch_size=2, seq_len=8)
+    params = params_from_headers(headers().values(), s)
+    base = plan_memory(params, DIMS, s, {}, runtime=0).peak.total
+    fits = alternatives(params, DIMS, s, {}, limit=base - 1, runtime=0)
+    assert fits and all(p.peak.total < base for p in fits)
+    assert any(p.settings.fsdp for p in fits)
+    assert alternatives(params, DIMS, s, {}, limit=1000, runtime=0) == []  # control: nothing fits 1000 bytes
+
+
+def test_parse_size():
+    assert parse_size("80GiB") == 80 * 2 ** 30 and parse_size("80GB") == 80 * 10 ** 9
+    assert parse_size("512MiB") == 2 ** 29
+    with pytest.raises(ConfigError, match="--gpu-memory 'lots'"):
+        parse_size("lots")
+
+
+# ---- files and the CLI ------------------------------------------------------------------------------
+def write_checkpoint(d: Path, shards: int = 2, bad: dict | None = None) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(CONFIG))
+    shapes = {**tiny_shapes(), **(bad or {})}
+    names = sorted(shapes)
+    weight_map = {}
+    for i in range(shards):
+        part = names[i::shards]
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: torch.zeros(shapes[k], dtype=torch.bfloat16) for k in part}, str(d / fname))
+        weight_map.update({k: fname for k in part})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return d
+
+
+def write_run(d: Path, model: Path, extra: str = "") -> Path:
+    (d / "train.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    cfg = d / "run.toml"
+    cfg.write_text(f'[model]\npath = "{model}"\ntask = "causal-lm"\n[data]\ntrain = "train.jsonl"\n'
+                   f'max_length = 8\n[train]\nsteps = 1\nbatch_size = 2\n{extra}')
+    return cfg
+
+
+def test_headers_only(tmp_path):
+    model = write_checkpoint(tmp_path / "m")
+    tensors, sizes = read_headers(model)
+    assert {k: t.shape for k, t in tensors.items()} == tiny_shapes()
+    assert {t.dtype for t in tensors.values()} == {"BF16"} and len(sizes) == 2
+    assert sum(sizes.values()) > sum(t.nbytes for t in tensors.values())  # headers on top of the data
+    torn = model / "model-00001-of-00002.safetensors"
+    torn.write_bytes((10 ** 9).to_bytes(8, "little") + b"{}")  # a header length past the end of the file
+    with pytest.raises(WeightsError, match="model-00001-of-00002.safetensors: header length 1000000000"):
+        read_headers(model)
+
+
+def test_cli_table_and_no_fit(tmp_path):
+    from kiln.cli.main import app
+
+    cfg = write_run(tmp_path, write_checkpoint(tmp_path / "m"))
+    ok = CliRunner().invoke(app, ["plan", "--config", str(cfg), "--nproc", "2", "--gpu-memory", "80GiB"])
+    assert ok.exit_code == 0, ok.output
+    assert "weights" in ok.output and "optimizer" in ok.output and "fits" in ok.output
+    r = CliRunner().invoke(app, ["plan", "--config", str(cfg), "--nproc", "2", "--gpu-memory", "100KiB"])
+    assert r.exit_code == 1
+    assert "largest term is runtime" in r.output and "does NOT fit" in r.output
+
+
+def test_cli_missing_shard_and_bad_shape(tmp_path):
+    from kiln.cli.main import app
+
+    model = write_checkpoint(tmp_path / "m")
+    (model / "model-00002-of-00002.safetensors").unlink()
+    r = CliRunner().invoke(app, ["plan", "--config", str(write_run(tmp_path, model))])
+    assert r.exit_code == 1 and "model-00002-of-00002.safetensors" in r.output and "not in the directory" in r.output
+    bad = write_checkpoint(tmp_path / "bad", bad={"model.layers.1.mlp.up_proj.weight": (10, 8)})
+    r = CliRunner().invoke(app, ["plan", "--config", str(write_run(tmp_path, bad))])
+    assert r.exit_code == 1
+    assert "model.layers.1.mlp.up_proj.weight has shape [10, 8]" in r.output and "intermediate_size=12" in r.output
+
+
+def test_cli_module_imports_no_torch():
+    code = "import sys, kiln.cli.plan; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
