@@ -54,6 +54,16 @@ def assert_within(got: torch.Tensor, want: torch.Tensor, e: float, what: str, ag
                           f"estimate {e:.3g}; max |want| {scale:.3g})")
 
 
+def assert_all_within(got: dict, ref: dict, ref64: dict, n: int, what: str, against_float64: bool = False) -> None:
+    """Each tensor of `got` within the estimate from the exact path in float32 (`ref`) and float64 (`ref64`),
+    compared with `ref64` or with `ref`; the three dicts share their names."""
+    if not got.keys() == ref.keys() == ref64.keys():
+        raise AssertionError(f"{what}: different tensors: {sorted(got.keys() ^ ref.keys())}")
+    for name in ref:
+        e = rounding_error(ref[name], ref64[name], n)
+        assert_within(got[name], ref64[name] if against_float64 else ref[name], e, f"{what}: {name}", against_float64)
+
+
 @pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}")
 def threads(request) -> int:
     """Run a test with 1 and with 2 intra-op threads (another reduction split), restoring the setting."""

@@ -22,7 +22,7 @@ from kiln.models.common import delta_rule
 from kiln.models.common.hybrid import HybridCache
 
 from causal_cases import batches, same, same_greedy_tokens
-from rounding import assert_within, rounding_error, threads  # noqa: F401 (threads: a fixture)
+from rounding import assert_all_within, assert_within, rounding_error, threads  # noqa: F401 (threads: a fixture)
 
 transformers.logging.set_verbosity_error()
 HYBRIDS = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"]
@@ -134,21 +134,11 @@ def _run(src, T: int, fast: bool, dtype: torch.dtype = torch.float32):
             **{f"grad {n}": p.grad.double() for n, p in model.named_parameters()}}
 
 
-def _within(got: dict, ref: dict, ref64: dict, n: int, what: str, against_float64: bool) -> None:
-    """Each tensor of `got` within the rounding estimate (tests/models/rounding.py) of the exact path in
-    float32 (`ref`) and float64 (`ref64`), n tokens in the batch; compared with ref64 or with ref."""
-    assert got.keys() == ref.keys() == ref64.keys()
-    for name in ref:
-        e = rounding_error(ref[name], ref64[name], n)
-        assert_within(got[name], ref64[name] if against_float64 else ref[name], e, f"{what}: {name}",
-                      against_float64)
-
-
 @pytest.mark.parametrize("T", [64, 1000])
 def test_fast_delta_rule_matches_reference_with_gradients(T, tiny_factory, threads):
     src = tiny_factory("qwen3_next", "causal-lm")
     ref, ref64, fast = _run(src, T, fast=False), _run(src, T, False, torch.float64), _run(src, T, fast=True)
-    _within(fast, ref, ref64, 2 * T, f"T={T}", against_float64=False)
+    assert_all_within(fast, ref, ref64, 2 * T, f"T={T}", against_float64=False)
 
 
 @pytest.mark.parametrize("T", [1000, pytest.param(4096, marks=pytest.mark.slow)])
@@ -161,13 +151,13 @@ def test_fast_delta_rule_within_fp32_rounding_of_float64(T, tiny_factory, thread
                                       linear_num_value_heads=2)
     src = tiny_factory("qwen3_5_text", "causal-lm", max_position_embeddings=4096, **narrow)
     ref, ref64, fast = _run(src, T, fast=False), _run(src, T, False, torch.float64), _run(src, T, fast=True)
-    _within(fast, ref, ref64, 2 * T, f"T={T} fast vs float64", against_float64=True)
+    assert_all_within(fast, ref, ref64, 2 * T, f"T={T} fast vs float64", against_float64=True)
     # a control that can fail: one gradient off by 1e-3 of its largest entry (a wrong term is far more)
     bad = dict(fast)
     name = "grad model.layers.0.linear_attn.dt_bias"
     bad[name] = fast[name] + 1e-3 * ref64[name].abs().max()
     with pytest.raises(AssertionError, match="dt_bias"):
-        _within(bad, ref, ref64, 2 * T, "control", against_float64=True)
+        assert_all_within(bad, ref, ref64, 2 * T, "control", against_float64=True)
 
 
 def test_fast_rule_restarts_and_initial_state_against_a_token_loop():
