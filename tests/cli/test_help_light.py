@@ -15,7 +15,7 @@ import pytest
 import typer
 
 from kiln.cli.main import app
-from tests.kiln_cli import REPO
+from kiln_cli import REPO
 
 HEAVY = ("torch", "transformers")
 

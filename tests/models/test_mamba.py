@@ -17,7 +17,7 @@ from kiln.models.auto import from_config
 from kiln.models.common.ssm import LinearRecurrence, recurrence
 
 from causal_cases import batches, same
-from rounding import assert_all_within
+from rounding import assert_all_within, threads  # noqa: F401 (threads: a fixture)
 
 transformers.logging.set_verbosity_error()
 VARIANTS = {"tied": {}, "untied-biased": dict(tie_word_embeddings=False, use_bias=True, use_conv_bias=False,
@@ -83,7 +83,7 @@ def test_state_spaces_embedding_name_is_read(tiny_factory, tmp_path):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_fast_scan_matches_reference_with_gradients(variant, tiny_factory):
+def test_fast_scan_matches_reference_with_gradients(variant, tiny_factory, threads):
     src = tiny_factory("mamba", "causal-lm", **VARIANTS[variant])
     batch = batches()[2]
 
