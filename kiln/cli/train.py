@@ -57,7 +57,7 @@ def train(config: Path = typer.Option(..., "--config", "-c", help="The run TOML.
 
 def _with_recipe_flags(fn: Callable) -> Callable:
     """`train` with one option per recipe shortcut (kiln.train.recipes): typer reads the signature."""
-    from kiln.train.recipes import shortcuts
+    from kiln.cli.recipe_flags import shortcuts  # the recipes' table, without importing torch
 
     params = [p for p in inspect.signature(fn).parameters.values() if p.kind is not p.VAR_KEYWORD]
     for s in shortcuts():
