@@ -29,12 +29,37 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from kiln.errors import WeightsError
+from kiln.hub import Tokenizer
 from kiln.hub.fp8 import scheme_from_config
 from kiln.hub.resolve import resolve_model_dir
 from kiln.hub.weights import weight_files
 from kiln.models.auto import apply_changes, load_config
 from kiln.models.pretrained import PreTrainedModel
 from kiln.models.tasks import BASE
+
+
+def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None, **changes: Any
+                    ) -> PreTrainedModel | None:
+    """`empty_pretrained` when this checkpoint can be read shard by shard (safetensors, not FP8, no adapter
+    beside it, every tensor of the model in it); else None, and the caller loads it whole. The model
+    carries `pending_read` (the directory) and `pending_seed` for the Trainer (`read_shards`, `init_adapters`)."""
+    from kiln.models.common.lora import has_adapter
+
+    path = resolve_model_dir(path)
+    family, config, source_task = load_config(path)
+    if scheme_from_config(config.extra, str(Path(path) / "config.json")) is not None or has_adapter(path) \
+            or any(f.suffix != ".safetensors" for f in weight_files(path)):
+        return None
+    model = empty_pretrained(path, task, **changes)
+    with ExitStack() as stack:
+        keys = [k for f in _safetensors(path) for k in stack.enter_context(safe_open(str(f), framework="pt")).keys()]
+    groups, _ = _sources(model, keys)
+    if any(n not in groups for n, _ in (*model.named_parameters(), *model.named_buffers())):
+        return None  # a new head: its fresh init is the whole load's business
+    model.pending_read, model.pending_seed = path, seed
+    if Tokenizer.present(path):
+        model.tokenizer = Tokenizer.from_dir(path)
+    return model
 
 
 def empty_pretrained(path: str | os.PathLike, task: str | None = None, **changes: Any) -> PreTrainedModel:
@@ -127,6 +152,7 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
                 _fill(name, target, groups[name], where, keymap, path)
         model.hf_extras = {model.normalise_hf_names([k])[k][0]: where[k].get_tensor(k) for k in extras}
     model.tie_weights()
+    model.pending_read = None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ from kiln.errors import ConfigError, KilnError
 from kiln.hub.config import write_json_atomic
 from kiln.models.common.fast import set_fast
 from kiln.parallel.checkpoint import load_full_optimizer
+from kiln.parallel.sharded_load import init_adapters, read_shards
 from kiln.parallel.world import World, barrier, gather_objects, init_world, pick_device
 from kiln.train import checkpoint as ckpt
 from kiln.train.fp8 import swap_fp8
@@ -131,7 +132,11 @@ class Trainer:
         torch.manual_seed(a.seed)  # same initial weights on every rank
         model = self._model_arg(self.device) if callable(self._model_arg) and not isinstance(
             self._model_arg, nn.Module) else self._model_arg
-        self.model: nn.Module = model.to(self.device)
+        # a model built on meta (kiln.parallel.sharded_load): each rank reads its share once the plans are applied
+        self.pending_read = getattr(model, "pending_read", None)
+        self.model: nn.Module = model if self.pending_read else model.to(self.device)
+        if self.pending_read:
+            init_adapters(self.model, self.device, getattr(model, "pending_seed", None))
         if a.precision == "fp8":  # before any plan wraps the blocks: their Linears run FP8 matmuls
             swap_fp8(self.model, a.fp8_recipe)
         torch.manual_seed(a.seed + self.data_rank)  # dropout differs between replicas, as in one big batch
@@ -163,10 +168,15 @@ class Trainer:
         if start is not None:  # changed settings that break exactness are refused with it; the rest are noted
             self.reshard, self.config_notes = check_resume(start, resumed, self.fingerprint, self.run_config,
                                                            self.data_shards)
-        if start is not None and not plans.is_sharded(start):  # whole weights: in before any plan shards them
+        whole = start is not None and not plans.is_sharded(start)
+        if self.pending_read and (whole or self.parallel is None):  # weights needed before (or without) the plans
+            read_shards(self.model, self.pending_read, self.device)
+        if whole:  # whole weights: in before any plan shards them
             ckpt.load_model_weights(start, self.model)
         if self.parallel is not None:  # the model's final shape is known: shard it before the optimizer sees it
             self.plan = plans.apply_plans(self.model, self.parallel, self.world.size, self.device)
+        if getattr(self.model, "pending_read", None):  # this rank's slices, straight from the files
+            read_shards(self.model, self.pending_read, self.device)
         self.sharded = plans.is_sharded_run(self.plan)
         groups = param_groups(self.model, a.weight_decay)
         self.optimizer = (self.optimizer_factory or (lambda g: adamw(g, a.lr, a.betas, a.eps)))(groups)

@@ -17,6 +17,7 @@ from typing import Any, Callable
 from kiln.errors import ConfigError
 from kiln.hub import Tokenizer
 from kiln.models.auto import AutoConfig, from_config, load_pretrained
+from kiln.parallel.sharded_load import lean_pretrained
 from kiln.train.config import Section
 
 
@@ -75,12 +76,31 @@ class Extension(abc.ABC):
         """Change the run's parts: wrap the model, swap the step, add callbacks."""
 
 
+def shards_weights(cfg: Any) -> bool:
+    """This run splits the weights over its processes (fsdp, tp or ep with several of them, no pp, no FP8
+    training): its model is built on meta and each rank reads only its share."""
+    import os
+
+    from kiln.parallel.mesh import resolve_degrees
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    p = cfg.parallel
+    if p is None or world < 2 or cfg.train.precision == "fp8":
+        return False
+    d = resolve_degrees(p, world)
+    return d.pp == 1 and (p.fsdp or d.tp > 1 or d.ep > 1)
+
+
 def build_model(cfg: Any, labels: list[str] | None, need_tokenizer: bool = True) -> Any:
     """The [model] section's model: loaded from model.path, or built from model.family + config (with
     model.tokenizer, unless `need_tokenizer` is False: data that is token ids already)."""
     m = cfg.model
     changes: dict[str, Any] = {"labels": labels} if labels else {}
     if m.path is not None:
+        if shards_weights(cfg):  # each rank reads its share once the plans are applied (kiln.parallel.sharded_load)
+            lean = lean_pretrained(m.path, m.task, m.init_seed, **changes)
+            if lean is not None:
+                return lean
         return load_pretrained(m.path, task=m.task, seed=m.init_seed, fp8=m.fp8, **changes)
     config = AutoConfig.for_model(m.family, **m.config)
     if labels:
