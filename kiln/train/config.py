@@ -169,8 +169,8 @@ class RunSchema(Protocol):
     def model_for(self, table: Mapping[str, Any]) -> type[RunConfig]:
         """The model (core tables, the matching recipe's [data] schema, the extensions' tables) for `table`."""
 
-    def misplaced(self, model: type[RunConfig], key: str) -> str | None:
-        """For a dotted `key` that `model` does not know: which recipe it belongs to, if any, as a hint."""
+    def misplaced(self, table: Mapping[str, Any], model: type[RunConfig], key: str) -> str | None:
+        """For a dotted `key` of `table` that `model` does not know: which recipe it belongs to, if any, as a hint."""
 
 
 _schema: RunSchema | None = None
@@ -248,7 +248,7 @@ def parse_run_config(data: dict[str, Any], source: str = "run config", text: str
             if any(key == o or key.startswith(o + ".") or o.startswith(key + ".") for o in overridden):
                 where = "command line"  # the TOML line holds the value the flag replaced, not the bad one
             if err["type"] == "extra_forbidden":
-                hint = schema.misplaced(model, key)
+                hint = schema.misplaced(data, model, key)
                 problems.append(f"{where}: unknown key {key!r}" + (f" ({hint})" if hint else ""))
             elif err["type"] == "missing":
                 problems.append(f"{where}: missing key {key!r}")

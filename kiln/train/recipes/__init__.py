@@ -10,6 +10,7 @@ kiln.train.config below, so that module imports no recipe).
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any, Mapping
 
 from pydantic import create_model
@@ -62,7 +63,7 @@ class _Schema:
         task = task if isinstance(task, str) else ModelSection.model_fields["task"].default
         return run_config_model(select_recipe(task, data if isinstance(data, Mapping) else {}).name)
 
-    def misplaced(self, model: type[RunConfig], key: str) -> str | None:
+    def misplaced(self, table: Mapping[str, Any], model: type[RunConfig], key: str) -> str | None:
         section, _, leaf = key.partition(".")
         if section != "data" or "." in leaf or model.recipe not in RECIPES:
             return None
@@ -70,8 +71,13 @@ class _Schema:
         if not owners:
             return None
         mine = RECIPES[model.recipe]
-        where = "; ".join(f"the {r.name} recipe's, which runs when {r.when}" for r in owners)
-        return f"a key of {where}; this run config is a {mine.name} run ({mine.when}), which has no data.{leaf}"
+        where = " and ".join(f"the {r.name} recipe ({r.when})" for r in owners)
+        hint = f"this run config runs the {mine.name} recipe ({mine.when}); data.{leaf} belongs to {where}"
+        data = table.get("data")
+        train = data.get("train") if isinstance(data, Mapping) else None
+        if isinstance(train, str) and not Path(train).exists():  # the recipe is chosen by what data.train holds
+            hint += f"; data.train {train} does not exist, so what it holds could not decide"
+        return hint
 
 
 SCHEMA = _Schema()

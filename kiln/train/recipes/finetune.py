@@ -12,7 +12,7 @@ from kiln.data import read_records
 from kiln.data.hfdata import source_sha256
 from kiln.errors import ConfigError, KilnError
 from kiln.models.auto import load_config
-from kiln.models.tasks import Task, get_task
+from kiln.models.tasks import CAUSAL_LM, Task, get_task
 from kiln.parallel.world import World
 from kiln.train.checks import check_examples, check_model_tokenizer
 from kiln.train.config import DataSection, RunConfig
@@ -55,7 +55,7 @@ def label_set(cfg: RunConfig, task: Task, train_records: list) -> list[str] | No
 class FineTune(Recipe):
     name = "fine-tune"
     summary = "a task head on labelled records (classification, token tags, QA)"
-    when = "any other run: a task head on records"
+    when = f"a task head on records: model.task other than {CAUSAL_LM!r}"
     data_schema: type[DataSection] = FineTuneData
 
     def matches(self, task: str, data: Mapping[str, Any]) -> bool:

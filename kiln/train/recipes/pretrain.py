@@ -152,7 +152,7 @@ def _stream(cfg: RunConfig, model: nn.Module, train_ids: ShardSet | RawTokens, h
 class Pretrain(Recipe):
     name = "pretrain"
     summary = "a causal LM (or Mamba) on `kiln tokenize` token shards"
-    when = "data.train is a `kiln tokenize` shard directory or raw token ids (.npy/.bin)"
+    when = "data.train is a `kiln tokenize` directory or raw token ids"
     data_schema: type[DataSection] = PretrainData
     # Sizes of a model built from scratch (model.family + model.config), the usual knobs of a pre-training sweep.
     shortcuts = (Shortcut("d_model", "model.config.hidden_size"), Shortcut("d_state", "model.config.state_size"),

@@ -28,7 +28,7 @@ class SFTData(RecordsData):
 class SFT(FineTune):
     name = "sft"
     summary = "a causal LM on chat JSONL, loss on the replies, optional packing and LoRA"
-    when = f"model.task = {CAUSAL_LM!r} on records (chat JSONL)"
+    when = f"model.task = {CAUSAL_LM!r} on records"
     data_schema: type[DataSection] = SFTData
 
     def matches(self, task: str, data: Mapping[str, Any]) -> bool:
