@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
 
 import torch
-from torch import nn
-
 from pydantic import model_validator
+from torch import nn
 
 from kiln.data.raw import RawTokens, raw_files
 from kiln.data.shards import MANIFEST, ShardSet, check_tokenizer, tokenizer_digest
