@@ -37,12 +37,11 @@ def train(config: Path = typer.Option(..., "--config", "-c", help="The run TOML.
         elif value is not None:
             overrides.append(parse_override(f"{s.key}={value}"))
     cfg = load_run_config(config, overrides)
-    _check_parallel(cfg.parallel)
-    if resume is not None and not any(key == "train.batch_size" for key, _ in overrides):
-        cfg = _keep_global_batch(cfg, resume)  # the per-process batch that keeps the checkpoint's global one
     from kiln.parallel.world import leave_world
 
-    trainer = build_trainer(cfg, resume=resume).fit()
+    # a resume keeps the checkpoint's global batch, unless the command line names the batch size
+    rescale = not any(key == "train.batch_size" for key, _ in overrides)
+    trainer = build_trainer(cfg, resume=resume, keep_global_batch=rescale).fit()
     if trainer.world.main:
         line = f"done: step {trainer.step}"
         if trainer.last_eval:
@@ -68,27 +67,6 @@ def _with_recipe_flags(fn: Callable) -> Callable:
                                         annotation=list[str] if s.multiple else Optional[str]))
     fn.__signature__ = inspect.Signature(params)
     return fn
-
-
-def _check_parallel(parallel) -> None:
-    """Degrees against the world size torchrun gave us, before any model or data work (the Trainer
-    applies the plans and refuses the combinations it cannot run)."""
-    import os
-
-    from kiln.parallel.mesh import resolve_degrees
-
-    resolve_degrees(parallel, int(os.environ.get("WORLD_SIZE", "1")))
-
-
-def _keep_global_batch(cfg, resume: Path):
-    from kiln.train.plans import data_shard
-    from kiln.train.resume import keep_global_batch
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg, note = keep_global_batch(cfg, resume, world, data_shard(cfg.parallel, 0, world)[1])
-    if note and os.environ.get("RANK", "0") == "0":
-        typer.echo(f"resume: {note}")
-    return cfg
 
 
 _TORCHRUN_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint",

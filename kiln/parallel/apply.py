@@ -1,4 +1,4 @@
-"""From the [parallel] table to a parallelized model: the one entry point the Trainer and tests call.
+"""From the [parallel] table (kiln.parallel.config.ParallelSection) to a parallelized model: the one entry point the Trainer and tests call.
 
 Order matters and is fixed: tensor parallel, expert parallel, activation checkpointing, compile,
 FSDP (the last must see the blocks as they will run). Plain data parallelism (no fsdp/tp/ep) is
@@ -8,7 +8,6 @@ left to DDP; `Parallelized.wrap_ddp` says when.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,11 +17,13 @@ from torch.distributed.tensor import DTensor
 
 from kiln.errors import ConfigError
 from kiln.parallel.blocks import apply_activation_checkpointing, compile_blocks
+from kiln.parallel.config import ParallelSection
 from kiln.parallel.context import apply_context_parallel
 from kiln.parallel.ep import apply_expert_parallel, expert_modules, shard_experts
 from kiln.parallel.fsdp import apply_fsdp
 from kiln.parallel.grads import average_gradients
 from kiln.parallel.mesh import Degrees, batch_mesh, build_mesh, check_model, resolve_degrees
+from kiln.parallel.pipeline import Pipeline, apply_pipeline, check_pipeline
 from kiln.parallel.tp import apply_tensor_parallel
 
 
@@ -38,7 +39,7 @@ class Parallelized:
     mesh: DeviceMesh | None
     fsdp: bool
     cadence: bool = False  # [parallel.cadence] averages at its own syncs: no DDP
-    pipeline: Any = None   # kiln.parallel.pipeline.Pipeline when pp > 1: the Trainer's pp step runs it
+    pipeline: Pipeline | None = None  # pp > 1: the Trainer's pp step runs it
 
     @property
     def data_rank(self) -> int:
@@ -84,7 +85,7 @@ class Parallelized:
         average_gradients(experts, dp_group, self.degrees.batch, sharded_group=dp_group)
 
 
-def parallelize(model: nn.Module, parallel: Any, world_size: int | None = None,
+def parallelize(model: nn.Module, parallel: ParallelSection, world_size: int | None = None,
                 device: torch.device | None = None) -> Parallelized:
     """Apply the plans a ParallelSection asks for to a built model (on its device), in place."""
     world_size = world_size if world_size is not None else (dist.get_world_size() if dist.is_initialized() else 1)
@@ -100,7 +101,7 @@ def parallelize(model: nn.Module, parallel: Any, world_size: int | None = None,
     if mesh is not None and degrees.ep > 1:
         apply_expert_parallel(model, mesh["ep"])
     if mesh is not None and degrees.cp > 1:
-        apply_context_parallel(model, mesh.get_group("cp"), getattr(parallel, "cp_method", "allgather"))
+        apply_context_parallel(model, mesh.get_group("cp"), parallel.cp_method)
     apply_activation_checkpointing(model, parallel.activation_checkpointing, parallel.checkpoint_every)
     if parallel.compile:
         compile_blocks(model, parallel.compile_backend)
@@ -112,13 +113,11 @@ def parallelize(model: nn.Module, parallel: Any, world_size: int | None = None,
             shard_mesh = batch_mesh(mesh)
         apply_fsdp(model, shard_mesh, parallel.param_dtype, parallel.reduce_dtype, parallel.offload)
     return Parallelized(model, degrees, mesh, fsdp=bool(parallel.fsdp and mesh is not None),
-                        cadence=getattr(parallel, "cadence", None) is not None)
+                        cadence=parallel.cadence is not None)
 
 
-def _pipelined(model: nn.Module, parallel: Any, degrees: Degrees, device: torch.device) -> Parallelized:
+def _pipelined(model: nn.Module, parallel: ParallelSection, degrees: Degrees, device: torch.device) -> Parallelized:
     """pp > 1: this rank keeps its stages (kiln.parallel.pipeline), sharded by FSDP over dp when asked."""
-    from kiln.parallel.pipeline import apply_pipeline, check_pipeline
-
     if degrees.tp > 1 or degrees.ep > 1 or degrees.cp > 1:
         raise ConfigError(f"parallel.pp = {degrees.pp} combines with dp (and fsdp) only; got tp = {degrees.tp}, "
                           f"ep = {degrees.ep}, cp = {degrees.cp}")

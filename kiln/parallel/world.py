@@ -32,6 +32,15 @@ class World:
         return self.size > 1
 
 
+def launched_world() -> World:
+    """This process's place as torchrun's environment gives it, without joining the process group (for
+    work before the Trainer joins it, e.g. which part of the data a rank reads)."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return World()
+    return World(int(os.environ.get("RANK", "0")), size, int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def init_world(device: torch.device) -> World:
     """Join the process group described by torchrun's environment (once), or stay single."""
     size = int(os.environ.get("WORLD_SIZE", "1"))

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from kiln.data.loader import batch_tokens
 from kiln.errors import ConfigError, KilnError
 from kiln.parallel.cadence import CadencePlanner, fit_to_budget, flat, unflat
-from kiln.train.config import CadenceSection
+from kiln.parallel.config import CadenceSection
 from kiln.train.engine import StepContext, StepEngine, StepOutcome
 from kiln.train.steps import as_sum_and_count
 

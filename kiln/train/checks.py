@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -19,12 +19,14 @@ from torch import nn
 from kiln.constants import IGNORE_INDEX
 from kiln.errors import ConfigError, KilnError
 from kiln.hub.outdir import describe, holdings
+from kiln.models.tasks import Task
+from kiln.train.config import TrainSection
 from kiln.train.trackers import check_trackers
 
 
-def check_train_args(args: Any) -> None:
+def check_train_args(args: TrainSection) -> None:
     """The [train] numbers that would make the optimizer or the schedule misbehave without an error."""
-    def bad(name: str, value: Any, want: str) -> None:
+    def bad(name: str, value: object, want: str) -> None:
         raise ConfigError(f"train.{name} must be {want}, got {value}")
 
     for name in ("lr", "weight_decay"):
@@ -107,7 +109,7 @@ def check_model_tokenizer(model: nn.Module, max_length: int | None, source: str,
                               "weights to fp32")
 
 
-def _targets(task: Any, example: dict) -> int:
+def _targets(task: Task, example: dict) -> int:
     """How many units of `example` carry a loss (token-level labels: those not ignored, after the task's shift)."""
     n = 0
     shift = getattr(task, "targets", None)  # token-level tasks map labels to the targets the loss sees
@@ -121,7 +123,7 @@ def _targets(task: Any, example: dict) -> int:
     return n
 
 
-def check_examples(examples: Sequence[dict], model: nn.Module, task: Any, what: str, hint: str = "") -> None:
+def check_examples(examples: Sequence[dict], model: nn.Module, task: Task, what: str, hint: str = "") -> None:
     """Encoded examples: something to learn, ids inside the vocabulary, token types and lengths the model has."""
     if not examples:
         raise KilnError(f"{what}: no examples after encoding")

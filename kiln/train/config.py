@@ -1,30 +1,32 @@
 """The run config: one TOML file, every key validated by pydantic (`extra="forbid"`).
 
-The core sections are [model], [data], [train], [lora] and [parallel]; each recipe extension adds its
-own table ([hpn], [grow], ...: kiln.train.recipes), joined into the schema by `run_config_model()`.
-An unknown or mistyped key, a wrong type or a bad value is a `ConfigError` naming the file, the
+The core sections are [model], [data] (the keys every recipe reads), [train], [lora] and [parallel]
+(kiln.parallel.config). Each recipe adds its own [data] keys and each recipe extension its own table
+([hpn], [grow], ...); the recipe registry (kiln.train.recipes) assembles the full model per recipe and
+installs itself here (`use_run_schema`), so this module knows no recipe. An unknown or mistyped key
+(or a key of another recipe), a wrong type or a bad value is a `ConfigError` naming the file, the
 section.key and, for unknown keys, the line it sits on.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, ClassVar, Literal, Mapping, Protocol, Sequence
 
-from pydantic import BaseModel, ConfigDict, ValidationError, create_model, field_validator, model_validator
+from pydantic import SerializeAsAny, ValidationError, field_validator, model_validator
 
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, KilnError
 from kiln.hub.resolve import parse_repo_id
 from kiln.models.tasks import SEQUENCE_CLASSIFICATION, get_task
+# The [parallel] table lives beside the plans it configures; re-exported as part of the run config.
+from kiln.parallel.config import CadenceSection, ParallelSection, Section
 
-
-class Section(BaseModel):
-    """A TOML table: unknown keys are errors, assignments are validated."""
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+__all__ = ["Section", "ModelSection", "DataSection", "TrainSection", "LoraSection", "ParallelSection",
+           "CadenceSection", "RunConfig", "RunSchema", "use_run_schema", "load_run_config", "parse_run_config",
+           "parse_override", "apply_overrides", "check_freeze_specs"]
 
 
 class ModelSection(Section):
@@ -57,37 +59,16 @@ class ModelSection(Section):
 
 
 class DataSection(Section):
-    train: str
+    """The [data] keys every recipe reads. A recipe's own keys (SFT's pack and train_on, pre-training's
+    within_doc, dtype, val_fraction, ...) live in its data schema, a subclass of this (kiln.train.recipes)."""
+    train: str                           # records, a `kiln tokenize` directory or raw token ids: the recipe says
     eval: str | None = None
-    format: Literal["auto", "jsonl", "csv", "datasets"] = "auto"   # datasets: parquet, arrow, JSON, save_to_disk
-    text_field: str = "text"
-    text_pair_field: str | None = None   # second segment for pair classification
-    label_field: str = "label"           # a label name (or list of tag names for token classification)
-    tokens_field: str = "tokens"         # token classification: pre-split words
-    question_field: str = "question"     # question answering (SQuAD layout)
-    context_field: str = "context"
-    answers_field: str = "answers"
-    max_length: int = 128
-    train_on: Literal["assistant", "all"] = "assistant"  # causal-lm SFT: loss on replies (+ EOS) or on all
-    pack: bool = True                    # causal-lm SFT: several samples per row, attention kept per sample
-                                         # (where the model cannot keep them apart, rows stay one sample each)
-    # Pre-training, when train (and eval) are `kiln tokenize` directories; max_length is the window's seq_len.
-    train_split: str = "train"
-    eval_split: str = "val"
-    within_doc: bool = False             # attention kept inside each document of a packed window
-    num_workers: int = 0                 # DataLoader worker processes reading the shards
-    prefetch: int = 2                    # batches each worker may hold ready
-    # Pre-training from raw token ids (kiln.data.raw): train is a .npy/.bin file or a folder of them (no manifest).
-    dtype: Literal["uint16", "int32", "uint32", "int64"] | None = None  # of .bin files (a .npy says its own)
-    extension: str = ".bin"              # a folder's token files end with this
-    val_fraction: float = 0.0            # held out at train time: a flat file's tail, or a folder's last shards
+    max_length: int = 128                # tokens per example (pre-training: per window)
 
     @model_validator(mode="after")
     def _check(self) -> "DataSection":
-        if self.max_length < 1 or self.num_workers < 0 or self.prefetch < 1:
-            raise ValueError("data.max_length and data.prefetch must be >= 1, data.num_workers >= 0")
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"data.val_fraction must be within [0, 1), got {self.val_fraction}")
+        if self.max_length < 1:
+            raise ValueError(f"data.max_length must be >= 1, got {self.max_length}")
         return self
 
 
@@ -171,87 +152,40 @@ class LoraSection(Section):
     use_rslora: bool = False             # scaling alpha / sqrt(r) instead of alpha / r
 
 
-class CadenceSection(Section):
-    """Adaptive sync cadence for mixed devices (kiln.parallel.cadence); present = on."""
-    anchor: int = 1                      # batches per sync of the slowest rank, to start with; then tuned
-    target_sync_share: float = 0.1       # the anchor grows until syncing takes at most this share of the time
-    max_staleness: int = 16              # no rank runs more batches than this between two syncs
-    max_batch_diff: int = 8              # a fast rank runs at most this many batches more than the anchor; 0 = lockstep
-    average: Literal["params", "grads"] = "params"  # what is averaged (weighted by batches done) at a sync
-
-    @model_validator(mode="after")
-    def _check(self) -> "CadenceSection":
-        if not 1 <= self.anchor <= self.max_staleness:
-            raise ValueError(f"parallel.cadence.anchor must be within 1..max_staleness ({self.max_staleness}), "
-                             f"got {self.anchor}")
-        if not 0.0 < self.target_sync_share < 1.0:
-            raise ValueError(f"parallel.cadence.target_sync_share must be within (0, 1), got {self.target_sync_share}")
-        if self.max_batch_diff < 0:
-            raise ValueError(f"parallel.cadence.max_batch_diff must be >= 0, got {self.max_batch_diff}")
-        return self
-
-
-class ParallelSection(Section):
-    """Degrees multiply to the world size (dp 0 = what is left); kiln.parallel.mesh checks them at launch."""
-    dp: int = 0          # 0: the world size / (tp * ep)
-    tp: int = 1          # tensor parallel: attention heads and MLP columns split over tp ranks
-    ep: int = 1          # expert parallel: MoE experts split over ep ranks (which also split the batch)
-    pp: int = 1          # pipeline parallel: the blocks split into pp stages, one per rank group
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
-    microbatches: int = 0                # pp: micro-batches per batch (0: 2 x pp)
-    pp_stages: list[int] | None = None   # pp: blocks per stage (None: as even as the blocks allow)
-    cp: int = 1          # context parallel: each sequence split over cp ranks (load-balanced causal chunks)
-    cp_method: Literal["allgather", "ring"] = "allgather"  # cp: keys/values all-gathered, or passed around a ring
-    fsdp: bool = False   # shard parameters, gradients and optimizer state over the dp ranks (FSDP2)
-    offload: bool = False                # fsdp: keep sharded parameters and optimizer state in CPU memory
-    param_dtype: Literal["fp32", "bf16", "fp16"] | None = None   # fsdp compute dtype; None: the parameters' own (autocast still applies train.precision)
-    reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"       # fsdp gradient reduction dtype
-    sequence_parallel: bool = True       # tp: norms and residuals sharded along the sequence
-    activation_checkpointing: Literal["none", "block", "selective"] = "none"
-    checkpoint_every: int = 1            # block: checkpoint every n-th block (1 = all of them)
-    compile: bool = False                # torch.compile each block
-    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"  # aot_eager: no codegen (tests)
-    cadence: CadenceSection | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> "ParallelSection":
-        for name in ("tp", "ep", "pp", "cp", "checkpoint_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
-        if self.dp < 0:
-            raise ValueError(f"parallel.dp must be >= 0 (0: the rest of the world size), got {self.dp}")
-        if self.offload and not self.fsdp:
-            raise ValueError("parallel.offload needs parallel.fsdp = true (it offloads FSDP's shards)")
-        if self.cadence is not None and (self.tp > 1 or self.ep > 1 or self.pp > 1 or self.cp > 1 or self.fsdp):
-            raise ValueError("parallel.cadence is a data-parallel mode; it cannot be combined with tp, ep, pp, cp "
-                             "or fsdp")
-        if self.microbatches < 0:
-            raise ValueError(f"parallel.microbatches must be >= 0 (0: 2 x pp), got {self.microbatches}")
-        if self.pp_stages is not None:
-            if len(self.pp_stages) != self.pp:
-                raise ValueError(f"parallel.pp_stages has {len(self.pp_stages)} entries but parallel.pp = {self.pp}; "
-                                 f"give one block count per stage")
-            if min(self.pp_stages) < 1:
-                raise ValueError(f"parallel.pp_stages {self.pp_stages}: every stage needs at least one block")
-        return self
-
-
 class RunConfig(Section):
-    """The core tables; `run_config_model()` adds one optional table per recipe extension."""
+    """The core tables. The recipe registry subclasses it once per recipe (`recipe` names it): `data` typed
+    as that recipe's data schema, plus one optional table per recipe extension."""
+    recipe: ClassVar[str] = ""           # the recipe whose data schema `data` holds; "" for the core model
     model: ModelSection
-    data: DataSection
+    data: SerializeAsAny[DataSection]    # dumped with the recipe's own keys, which a resume compares
     train: TrainSection
     lora: LoraSection | None = None
     parallel: ParallelSection = ParallelSection()
 
 
-@functools.cache
-def run_config_model() -> type[RunConfig]:
-    """RunConfig plus an optional table for each registered extension (kiln.train.recipes.EXTENSIONS)."""
-    from kiln.train.recipes import EXTENSIONS
+class RunSchema(Protocol):
+    """What turns a parsed TOML table into a run-config model: kiln.train.recipes.SCHEMA."""
 
-    tables: dict[str, Any] = {name: (ext.schema | None, None) for name, ext in EXTENSIONS.items()}
-    return create_model("RunConfig", __base__=RunConfig, __module__=__name__, **tables)
+    def model_for(self, table: Mapping[str, Any]) -> type[RunConfig]:
+        """The model (core tables, the matching recipe's [data] schema, the extensions' tables) for `table`."""
+
+    def misplaced(self, table: Mapping[str, Any], model: type[RunConfig], key: str) -> str | None:
+        """For a dotted `key` of `table` that `model` does not know: which recipe it belongs to, if any, as a hint."""
+
+
+_schema: RunSchema | None = None
+
+
+def use_run_schema(schema: RunSchema) -> None:
+    """Install the registry that assembles run-config models (kiln.train.recipes does, on import)."""
+    global _schema
+    _schema = schema
+
+
+def _run_schema() -> RunSchema:
+    if _schema is None:  # kiln/train/__init__.py imports the registry, so any import of kiln.train installs it
+        raise KilnError("no run-config schema installed: import kiln.train.recipes (the recipe registry) first")
+    return _schema
 
 
 def _line_of(text: str, section: str | None, key: str) -> int | None:
@@ -296,11 +230,13 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[tuple[str, Any]]) 
 
 
 def parse_run_config(data: dict[str, Any], source: str = "run config", text: str = "",
-                     overridden: Sequence[str] = ()) -> RunConfig:
-    """Validate a parsed run config; errors name `source` (or the command line for `overridden` keys),
-    the key and (given `text`) its line."""
+                     overridden: Sequence[str] = (), schema: RunSchema | None = None) -> RunConfig:
+    """Validate a parsed run config against the model `schema` (default: the recipe registry's) picks for
+    it; errors name `source` (or the command line for `overridden` keys), the key and (given `text`) its line."""
+    schema = schema or _run_schema()
+    model = schema.model_for(data)
     try:
-        return run_config_model().model_validate(data)
+        return model.model_validate(data)
     except ValidationError as e:
         problems = []
         for err in e.errors():
@@ -312,7 +248,8 @@ def parse_run_config(data: dict[str, Any], source: str = "run config", text: str
             if any(key == o or key.startswith(o + ".") or o.startswith(key + ".") for o in overridden):
                 where = "command line"  # the TOML line holds the value the flag replaced, not the bad one
             if err["type"] == "extra_forbidden":
-                problems.append(f"{where}: unknown key {key!r}")
+                hint = schema.misplaced(data, model, key)
+                problems.append(f"{where}: unknown key {key!r}" + (f" ({hint})" if hint else ""))
             elif err["type"] == "missing":
                 problems.append(f"{where}: missing key {key!r}")
             else:
@@ -337,15 +274,15 @@ def load_run_config(path: str | os.PathLike, overrides: Sequence[tuple[str, Any]
         raise ConfigError(f"{path}: not valid TOML ({e})") from None
     apply_overrides(data, overrides)
     overridden = [k for k, _ in overrides]
-    cfg = parse_run_config(data, str(path), text, overridden)
+    # Before validation: which recipe runs (and so which [data] keys are valid) depends on what data.train is.
     for section, key in (("model", "path"), ("model", "tokenizer"), ("data", "train"), ("data", "eval")):
-        obj = getattr(cfg, section)
-        value = getattr(obj, key)
+        table = data.get(section)
+        value = table.get(key) if isinstance(table, dict) else None
+        if not isinstance(value, str) or os.path.isabs(value):
+            continue  # unset, absolute, or not a string (validation names the bad type)
         base = Path.cwd() if f"{section}.{key}" in overridden else path.resolve().parent
-        if value is None or os.path.isabs(value):
-            continue
         joined = base / value
         if key == "path" and not joined.exists() and parse_repo_id(value) is not None:
             continue  # model.path = "org/name": a Hub repo id, resolved through the HF cache when loaded
-        setattr(obj, key, str(joined))
-    return cfg
+        table[key] = str(joined)
+    return parse_run_config(data, str(path), text, overridden)

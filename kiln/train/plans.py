@@ -24,11 +24,11 @@ from torch import nn
 
 from kiln.parallel.apply import Parallelized, parallelize
 from kiln.parallel.checkpoint import is_sharded, load_sharded, save_sharded
+from kiln.parallel.config import ParallelSection
 from kiln.parallel.mesh import DIMS, resolve_degrees
 from kiln.errors import ConfigError, KilnError
 from kiln.train import checkpoint as ckpt
 from kiln.train.cadence_loop import CadenceEngine
-from kiln.train.config import ParallelSection
 from kiln.train.engine import DataParallel, StepEngine
 from kiln.train.pipeline_loop import PipelineEngine
 

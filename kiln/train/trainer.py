@@ -41,12 +41,13 @@ from kiln.errors import ConfigError, KilnError
 from kiln.hub.config import write_json_atomic
 from kiln.models.common.fast import set_fast
 from kiln.parallel.checkpoint import load_full_optimizer
+from kiln.parallel.config import ParallelSection
 from kiln.parallel.sharded_load import init_adapters, read_shards
 from kiln.parallel.world import World, barrier, gather_objects, init_world, pick_device
 from kiln.train import checkpoint as ckpt
 from kiln.train.fp8 import swap_fp8
 from kiln.train import plans
-from kiln.train.config import ParallelSection, TrainSection
+from kiln.train.config import TrainSection
 from kiln.train.checks import check_train_args
 from kiln.train.engine import StepEngine
 from kiln.train.metrics import MetricsLog, ProgressBar

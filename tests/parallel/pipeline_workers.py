@@ -6,7 +6,6 @@ stages and FSDP shards) and the global gradient norm to OUT/<name>.pt.
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -18,6 +17,7 @@ from kiln.interop.tiny import TINY
 from kiln.models.auto import AutoConfig, from_config
 from kiln.models.common.loss import shift_labels
 from kiln.parallel.apply import parallelize
+from kiln.parallel.config import ParallelSection
 
 CONFIG = {**TINY["qwen3"], "num_hidden_layers": 8, "tie_word_embeddings": False, "intermediate_size": 40}
 CONFIGS = {"qwen3": CONFIG,
@@ -38,11 +38,11 @@ def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-def plan(**keys) -> SimpleNamespace:
+def plan(**keys) -> ParallelSection:
     base = dict(dp=0, tp=1, ep=1, cp=1, pp=1, pp_schedule="1f1b", microbatches=0, pp_stages=None, fsdp=False,
                 offload=False, param_dtype=None, reduce_dtype="fp32", sequence_parallel=True,
                 activation_checkpointing="none", checkpoint_every=1, compile=False, compile_backend="aot_eager")
-    return SimpleNamespace(**{**base, **keys})
+    return ParallelSection(**{**base, **keys})  # typed, as kiln train passes it
 
 
 def reference(lengths: tuple[int, ...] = (16,), **model_keys: Any) -> dict:

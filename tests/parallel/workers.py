@@ -8,13 +8,13 @@ process running the same global batch.
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from kiln.parallel.apply import parallelize
+from kiln.parallel.config import ParallelSection
 from kiln.parallel.grads import clip_grad_norm
 from kiln.interop.tiny import TINY
 from kiln.models.auto import AutoConfig, from_config
@@ -38,11 +38,11 @@ def batch(seed: int = 1) -> torch.Tensor:
     return torch.randint(1, 99, (4, 16), generator=torch.Generator().manual_seed(seed))  # (B, T)
 
 
-def plan(**keys) -> SimpleNamespace:
+def plan(**keys) -> ParallelSection:
     base = dict(dp=0, tp=1, ep=1, fsdp=False, offload=False, param_dtype=None, reduce_dtype="fp32",
                 sequence_parallel=True, activation_checkpointing="none", checkpoint_every=1, compile=False,
                 compile_backend="aot_eager")
-    return SimpleNamespace(**{**base, **keys})
+    return ParallelSection(**{**base, **keys})  # typed, as kiln train passes it
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,21 @@
 """The kinds of runs `kiln train` knows, and the extensions a run config may switch on.
 
 A new recipe (or extension) is one file in this folder and one line below; `kiln train --help`,
-the run-config schema (its TOML table) and `build_trainer` pick it up from here.
+the run-config schema and `build_trainer` pick it up from here. The registry builds the schema: per
+recipe, the core tables (kiln.train.config) with [data] typed as the recipe's own data schema, plus an
+optional table per extension; `SCHEMA` picks the model for a parsed TOML (installed into
+kiln.train.config below, so that module imports no recipe).
 """
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+from typing import Any, Mapping
+
+from pydantic import create_model
+
+from kiln.train.config import ModelSection, RunConfig, use_run_schema
 from kiln.train.recipes import ff, finetune, grow, hpn, moe, pretrain, sft
 from kiln.train.recipes.base import Extension, Recipe, RunParts, Shortcut
 
@@ -14,11 +24,19 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (pretrain.RECIPE, sft.RECIPE, f
 EXTENSIONS: dict[str, Extension] = {e.section: e for e in (hpn.EXTENSION, grow.EXTENSION, ff.EXTENSION, moe.EXTENSION)}
 
 
-def recipe_for(cfg) -> Recipe:
-    return next(r for r in RECIPES.values() if r.matches(cfg))
+def select_recipe(task: str, data: Mapping[str, Any]) -> Recipe:
+    """The recipe that runs model.task `task` on the [data] table `data` (as written, paths resolved)."""
+    return next(r for r in RECIPES.values() if r.matches(task, data))
 
 
-def active_extensions(cfg) -> list[Extension]:
+def recipe_for(cfg: RunConfig) -> Recipe:
+    """The recipe of a validated run config: the one its model was assembled for."""
+    if type(cfg).recipe in RECIPES:
+        return RECIPES[type(cfg).recipe]
+    return select_recipe(cfg.model.task, cfg.data.model_dump())  # a core RunConfig built by hand
+
+
+def active_extensions(cfg: RunConfig) -> list[Extension]:
     return [e for e in EXTENSIONS.values() if getattr(cfg, e.section, None) is not None]
 
 
@@ -26,5 +44,44 @@ def shortcuts() -> list[Shortcut]:
     return [s for r in (*RECIPES.values(), *EXTENSIONS.values()) for s in r.shortcuts]
 
 
-__all__ = ["Extension", "Recipe", "RunParts", "Shortcut", "RECIPES", "EXTENSIONS", "recipe_for",
-           "active_extensions", "shortcuts"]
+@functools.cache
+def run_config_model(recipe: str) -> type[RunConfig]:
+    """RunConfig for `recipe` runs: [data] as its data schema, an optional table per extension."""
+    tables: dict[str, Any] = {name: (ext.schema | None, None) for name, ext in EXTENSIONS.items()}
+    model = create_model("RunConfig", __base__=RunConfig, __module__=RunConfig.__module__,
+                         data=(RECIPES[recipe].data_schema, ...), **tables)
+    model.recipe = recipe
+    return model
+
+
+class _Schema:
+    """kiln.train.config.RunSchema over this registry."""
+
+    def model_for(self, table: Mapping[str, Any]) -> type[RunConfig]:
+        model, data = table.get("model"), table.get("data")
+        task = model.get("task") if isinstance(model, Mapping) else None
+        task = task if isinstance(task, str) else ModelSection.model_fields["task"].default
+        return run_config_model(select_recipe(task, data if isinstance(data, Mapping) else {}).name)
+
+    def misplaced(self, table: Mapping[str, Any], model: type[RunConfig], key: str) -> str | None:
+        section, _, leaf = key.partition(".")
+        if section != "data" or "." in leaf or model.recipe not in RECIPES:
+            return None
+        owners = [r for r in RECIPES.values() if leaf in r.data_schema.model_fields]
+        if not owners:
+            return None
+        mine = RECIPES[model.recipe]
+        where = " and ".join(f"the {r.name} recipe ({r.when})" for r in owners)
+        hint = f"this run config runs the {mine.name} recipe ({mine.when}); data.{leaf} belongs to {where}"
+        data = table.get("data")
+        train = data.get("train") if isinstance(data, Mapping) else None
+        if isinstance(train, str) and not Path(train).exists():  # the recipe is chosen by what data.train holds
+            hint += f"; data.train {train} does not exist, so what it holds could not decide"
+        return hint
+
+
+SCHEMA = _Schema()
+use_run_schema(SCHEMA)
+
+__all__ = ["Extension", "Recipe", "RunParts", "Shortcut", "RECIPES", "EXTENSIONS", "SCHEMA", "recipe_for",
+           "select_recipe", "active_extensions", "shortcuts", "run_config_model"]

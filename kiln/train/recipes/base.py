@@ -1,24 +1,38 @@
 """What a recipe is: the plug-in shape every kind of run (`fine-tune`, `sft`, `pretrain`) and every
 recipe extension (`[hpn]`, `[grow]`, ...) takes.
 
-A `Recipe` turns a validated run config into `RunParts` (model, data, step, eval, callbacks,
-fingerprint); exactly one recipe runs, the first whose `matches(cfg)` is true. An `Extension` owns
-one TOML table (present = on), may check the built model, and then changes the parts (wraps the model,
-swaps the step, adds callbacks). Both may contribute `kiln train` flags (`Shortcut`s for `--set`).
-`kiln.train.run.build_trainer` is the only caller; the Trainer, the core config and the CLI name none.
+A `Recipe` owns its part of the [data] schema (`data_schema`, a subclass of the core `DataSection`) and
+turns a validated run config into `RunParts` (model, data, step, eval, callbacks, fingerprint); exactly
+one recipe runs, the first whose `matches(task, data)` is true. An `Extension` owns one TOML table
+(present = on), may check the built model, and then changes the parts (wraps the model, swaps the step,
+adds callbacks). Both may contribute `kiln train` flags (`Shortcut`s for `--set`). Both are Protocols: a
+plug-in subclasses them (for the defaults) or just has their shape. `kiln.train.run.build_trainer` is
+the only caller; the Trainer, the core config and the CLI name none.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
+import torch
+from torch import nn
+
+from kiln.data.stream import StreamLoader
 from kiln.errors import ConfigError
 from kiln.hub import Tokenizer
 from kiln.models.auto import AutoConfig, from_config, load_pretrained
+from kiln.parallel.mesh import resolve_degrees
 from kiln.parallel.sharded_load import lean_pretrained
-from kiln.train.config import Section
+from kiln.parallel.world import World, launched_world
+from kiln.train.config import DataSection, RunConfig, Section
+from kiln.train.multiobjective import GradientCombiner
+from kiln.train.steps import StepFn
+from kiln.train.trainer import Callback, Trainer
+
+Examples = Sequence[dict[str, torch.Tensor]]    # encoded examples; the Trainer batches them (kiln.data.loader)
+Evaluate = Callable[[Trainer], dict[str, float]]  # a run's own evaluation, given the Trainer
 
 
 @dataclass(frozen=True)
@@ -32,58 +46,58 @@ class Shortcut:
 @dataclass
 class RunParts:
     """Everything the Trainer is made from; extensions may change any of it."""
-    model: Any
-    data: Any
-    eval_data: Any = None
-    step: Callable | None = None                   # None: the task's own loss
-    evaluate: Callable | None = None               # None: the task's eval over eval_data
-    callbacks: list = field(default_factory=list)
-    objectives: Any = None                         # combines a step's several losses (None: their sum)
-    fingerprint: dict = field(default_factory=dict)  # what a resume must find unchanged about the data
+    model: nn.Module
+    data: Examples | StreamLoader                  # examples (batched by the Trainer) or a ready loader
+    eval_data: Examples | None = None
+    step: StepFn | None = None                     # None: the task's own loss
+    evaluate: Evaluate | None = None               # None: the task's eval over eval_data
+    callbacks: list[Callback] = field(default_factory=list)
+    objectives: GradientCombiner | None = None     # combines a step's several losses (None: their sum)
+    fingerprint: dict[str, Any] = field(default_factory=dict)  # what a resume must find unchanged about the data
 
 
-class Recipe(abc.ABC):
-    name = ""
-    summary = ""
+class Recipe(Protocol):
+    name: str
+    summary: str = ""
+    when: str = ""                          # when it runs, for messages ("model.task = 'causal-lm' on records")
+    data_schema: type[DataSection]          # its [data] keys: the core ones and its own
     shortcuts: tuple[Shortcut, ...] = ()
 
     @abc.abstractmethod
-    def matches(self, cfg: Any) -> bool:
-        """Whether this recipe runs `cfg` (recipes are asked in registry order)."""
+    def matches(self, task: str, data: Mapping[str, Any]) -> bool:
+        """Whether this recipe runs a config of model.task `task` and [data] table `data` (as written,
+        paths resolved; its schema is this answer's to choose). Recipes are asked in registry order."""
 
     @abc.abstractmethod
-    def build(self, cfg: Any, on_model: Callable[[Any], None]) -> RunParts:
-        """Model (call `on_model(model)` as soon as it exists, before data work) and data for `cfg`."""
+    def build(self, cfg: RunConfig, on_model: Callable[[nn.Module], None], world: World) -> RunParts:
+        """Model (call `on_model(model)` as soon as it exists, before data work) and data for `cfg`, this
+        process being `world`'s rank (which part of the data it reads, who verifies files)."""
 
 
-class Extension(abc.ABC):
-    section = ""                              # the TOML table it owns
-    schema: type[Section] = Section
-    summary = ""
+class Extension(Protocol):
+    section: str                            # the TOML table it owns
+    schema: type[Section]
+    summary: str = ""
     shortcuts: tuple[Shortcut, ...] = ()
-    recipes: tuple[str, ...] = ()             # the recipes it can extend
+    recipes: tuple[str, ...] = ()           # the recipes it can extend
 
-    def check(self, cfg: Any, recipe: Recipe) -> None:
+    def check(self, cfg: RunConfig, recipe: Recipe) -> None:
         if recipe.name not in self.recipes:
             raise ConfigError(f"[{self.section}] extends the {' / '.join(self.recipes)} recipe(s); this run config "
                               f"is a {recipe.name} run")
 
-    def on_model(self, cfg: Any, model: Any) -> None:
+    def on_model(self, cfg: RunConfig, model: nn.Module) -> None:
         """The built model, before any data is read: refuse what cannot work on it."""
 
     @abc.abstractmethod
-    def extend(self, cfg: Any, parts: RunParts) -> None:
+    def extend(self, cfg: RunConfig, parts: RunParts) -> None:
         """Change the run's parts: wrap the model, swap the step, add callbacks."""
 
 
-def shards_weights(cfg: Any) -> bool:
+def shards_weights(cfg: RunConfig) -> bool:
     """This run splits the weights over its processes (fsdp, tp or ep with several of them, no pp, no FP8
     training): its model is built on meta and each rank reads only its share."""
-    import os
-
-    from kiln.parallel.mesh import resolve_degrees
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launched_world().size
     p = cfg.parallel
     if p is None or world < 2 or cfg.train.precision == "fp8":
         return False
@@ -91,7 +105,7 @@ def shards_weights(cfg: Any) -> bool:
     return d.pp == 1 and (p.fsdp or d.tp > 1 or d.ep > 1)
 
 
-def build_model(cfg: Any, labels: list[str] | None, need_tokenizer: bool = True) -> Any:
+def build_model(cfg: RunConfig, labels: list[str] | None, need_tokenizer: bool = True) -> nn.Module:
     """The [model] section's model: loaded from model.path, or built from model.family + config (with
     model.tokenizer, unless `need_tokenizer` is False: data that is token ids already)."""
     m = cfg.model

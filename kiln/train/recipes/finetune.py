@@ -4,18 +4,38 @@ the source checkpoint's head, or the data (sorted)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Literal, Mapping
+
+from torch import nn
 
 from kiln.data import read_records
 from kiln.data.hfdata import source_sha256
 from kiln.errors import ConfigError, KilnError
 from kiln.models.auto import load_config
-from kiln.models.tasks import Task, get_task
+from kiln.models.tasks import CAUSAL_LM, Task, get_task
+from kiln.parallel.world import World
 from kiln.train.checks import check_examples, check_model_tokenizer
+from kiln.train.config import DataSection, RunConfig
 from kiln.train.recipes.base import Recipe, RunParts, build_model
 
 
-def label_set(cfg: Any, task: Task, train_records: list) -> list[str] | None:
+class RecordsData(DataSection):
+    """[data] of the recipes that read records (fine-tune, sft)."""
+    format: Literal["auto", "jsonl", "csv", "datasets"] = "auto"   # datasets: parquet, arrow, JSON, save_to_disk
+
+
+class FineTuneData(RecordsData):
+    """[data] of a fine-tune run: which record fields the task reads."""
+    text_field: str = "text"
+    text_pair_field: str | None = None   # second segment for pair classification
+    label_field: str = "label"           # a label name (or list of tag names for token classification)
+    tokens_field: str = "tokens"         # token classification: pre-split words
+    question_field: str = "question"     # question answering (SQuAD layout)
+    context_field: str = "context"
+    answers_field: str = "answers"
+
+
+def label_set(cfg: RunConfig, task: Task, train_records: list) -> list[str] | None:
     """The labels a run trains: model.labels, else the source head's own (same task), else the data's."""
     if task.label_kind is None:
         return None
@@ -35,21 +55,24 @@ def label_set(cfg: Any, task: Task, train_records: list) -> list[str] | None:
 class FineTune(Recipe):
     name = "fine-tune"
     summary = "a task head on labelled records (classification, token tags, QA)"
+    when = f"a task head on records: model.task other than {CAUSAL_LM!r}"
+    data_schema: type[DataSection] = FineTuneData
 
-    def matches(self, cfg: Any) -> bool:
+    def matches(self, task: str, data: Mapping[str, Any]) -> bool:
         return True  # the fallback: records in, the task's own encoding
 
-    def fingerprint(self, cfg: Any, labels: list[str] | None) -> dict:
+    def fingerprint(self, cfg: RunConfig, labels: list[str] | None) -> dict[str, Any]:
         d = cfg.data
         return {"train": str(d.train), "train_sha256": source_sha256(d.train), "max_length": d.max_length,
                 "labels": labels}
 
-    def empty_hint(self, cfg: Any) -> str:
+    def empty_hint(self, cfg: RunConfig) -> str:
         """Where to look when the encoded data has nothing to learn."""
         return f"labels of tokens past data.max_length = {cfg.data.max_length} are cut off"
 
-    def build(self, cfg: Any, on_model: Callable[[Any], None]) -> RunParts:
+    def build(self, cfg: RunConfig, on_model: Callable[[nn.Module], None], world: World) -> RunParts:
         d = cfg.data
+        assert isinstance(d, RecordsData), f"{self.name} builds from its own [data] schema, got {type(d).__name__}"
         task = get_task(cfg.model.task, "model.task")
         train_records = read_records(d.train, d.format)
         eval_records = read_records(d.eval, d.format) if d.eval else None

@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import re
-from typing import Any
-
 from pydantic import field_validator, model_validator
+from torch import nn
 
-from kiln.train.config import Section, check_freeze_specs
+from kiln.train.config import RunConfig, Section, check_freeze_specs
 from kiln.train.recipes.base import Extension, RunParts, Shortcut
 
 # The shape of grow.placement; kiln.train.grow checks the indices against the layer count, which only
@@ -53,12 +52,12 @@ class Grow(Extension):
                  Shortcut("grow_at", "grow.at_step"), Shortcut("freeze", "grow.freeze", multiple=True),
                  Shortcut("freeze_after", "grow.freeze_after", multiple=True))
 
-    def on_model(self, cfg: Any, model: Any) -> None:
+    def on_model(self, cfg: RunConfig, model: nn.Module) -> None:
         from kiln.train.grow import find_layers, new_layer_slots
 
         new_layer_slots(cfg.grow.placement, len(find_layers(model)[1]), cfg.grow.target_layers)
 
-    def extend(self, cfg: Any, parts: RunParts) -> None:
+    def extend(self, cfg: RunConfig, parts: RunParts) -> None:
         from kiln.train.grow import GrowthCallback, GrowthPlan
 
         parts.callbacks.append(GrowthCallback(GrowthPlan(**cfg.grow.model_dump(), seed=cfg.train.seed)))

@@ -4,13 +4,13 @@ multi-objective settings say (sum, PCGrad, GradNorm, CAGrad; kiln.train.multiobj
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import model_validator
 from torch import nn
 
-from kiln.train.config import Section
+from kiln.train.config import RunConfig, Section
 from kiln.train.recipes.base import Extension, RunParts, Shortcut
 
 
@@ -48,7 +48,7 @@ class Hpn(Extension):
     shortcuts = (Shortcut("scale", "hpn.scale"), Shortcut("prototype_mode", "hpn.mode"),
                  Shortcut("proto_dim", "hpn.proto_dim"), Shortcut("objectives", "hpn.objectives"))
 
-    def extend(self, cfg: Any, parts: RunParts) -> None:
+    def extend(self, cfg: RunConfig, parts: RunParts) -> None:
         from kiln.models.hpn import PrototypeModel
         from kiln.train.multiobjective import GradientCombiner
 

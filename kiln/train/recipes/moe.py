@@ -32,11 +32,11 @@ from kiln.errors import ConfigError, KilnError
 from kiln.models.common.dsa import Indexer
 from kiln.models.common.moe_routing import SharedExpertMoE
 from kiln.parallel.world import all_reduce_sum
-from kiln.train.config import Section
+from kiln.train.config import RunConfig, Section
 from kiln.train.moe_balance import AuxFreeBalance, routers, segment_ids, sequence_aux_loss
 from kiln.train.recipes.base import Extension, RunParts, Shortcut
-from kiln.train.steps import as_sum_and_count, default_step
-from kiln.train.trainer import Callback
+from kiln.train.steps import StepFn, as_sum_and_count, default_step
+from kiln.train.trainer import Callback, Trainer
 
 
 class MoeSection(Section):
@@ -65,7 +65,7 @@ def _model_type(model: nn.Module) -> str:
 class MoeLosses(Callback):
     """Runs the extra losses beside the step's own and writes their means into the step's metrics line."""
 
-    def __init__(self, cfg: MoeSection, inner):
+    def __init__(self, cfg: MoeSection, inner: StepFn):
         self.cfg, self.inner = cfg, inner
         self.sums: dict[str, float] = {}   # name -> sum over this step's micro-batches of (mean x units)
         self.units = 0.0
@@ -119,7 +119,7 @@ class MoeLosses(Callback):
             raise KilnError("[moe] balance = 'seq_aux': no MoE layer routed this batch")
         return total
 
-    def on_step(self, trainer: Any, record: dict[str, Any]) -> None:
+    def on_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
         if not self.units:
             return
         names = sorted(self.sums)
@@ -139,7 +139,7 @@ class Moe(Extension):
     shortcuts = (Shortcut("balance", "moe.balance"), Shortcut("mtp_weight", "moe.mtp_weight"),
                  Shortcut("indexer", "moe.indexer"))
 
-    def on_model(self, cfg: Any, model: nn.Module) -> None:
+    def on_model(self, cfg: RunConfig, model: nn.Module) -> None:
         c, kind = cfg.moe, _model_type(model)
         if c.balance != "none" and not routers(model):
             raise ConfigError(f"[moe] balance = {c.balance!r} balances sigmoid-routed MoE layers (DeepSeek-V3 style, "
@@ -155,7 +155,7 @@ class Moe(Extension):
             raise ConfigError(f"[moe] indexer = \"kl\" trains a sparse-attention indexer (deepseek_v32, glm_moe_dsa); "
                               f"a {kind} model has none")
 
-    def extend(self, cfg: Any, parts: RunParts) -> None:
+    def extend(self, cfg: RunConfig, parts: RunParts) -> None:
         c = cfg.moe
         if routers(parts.model):  # load statistics whatever the balancing; only aux_free moves the biases
             parts.callbacks.append(AuxFreeBalance(c.bias_update_speed, update=c.balance == "aux_free"))

@@ -3,8 +3,7 @@
 `kiln train` runs it when `data.train` is a shard directory, or raw token ids (a .npy/.bin file or a folder
 of them, kiln.data.raw; data.val_fraction holds out a part at train time). From Python:
 
-    from kiln.data.raw import RawTokens, raw_files
-from kiln.data.shards import ShardSet
+    from kiln.data.shards import ShardSet
     from kiln.data.stream import StreamLoader, Windows
     from kiln.train import Trainer
     from kiln.train.recipes.pretrain import lm_step
@@ -20,11 +19,11 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal, Mapping
 
 import torch
+from pydantic import model_validator
 from torch import nn
 
 from kiln.data.raw import RawTokens, raw_files
@@ -34,18 +33,50 @@ from kiln.errors import ConfigError
 from kiln.hub.files import file_sha256
 from kiln.models.common.loss import lm_loss_sum
 from kiln.models.tasks import CAUSAL_LM
-from kiln.parallel.world import all_reduce_sum
+from kiln.parallel.world import World, all_reduce_sum
 from kiln.train.checks import check_model_tokenizer
+from kiln.train.config import DataSection, RunConfig
 from kiln.train.plans import data_shard
-from kiln.train.recipes.base import Recipe, RunParts, Shortcut, build_model
+from kiln.train.recipes.base import Evaluate, Recipe, RunParts, Shortcut, build_model
+from kiln.train.trainer import Trainer
+
+
+class PretrainData(DataSection):
+    """[data] of a pretrain run: data.train (and eval) are `kiln tokenize` directories or raw token ids;
+    max_length is the window's seq_len."""
+    train_split: str = "train"
+    eval_split: str = "val"
+    within_doc: bool = False             # attention kept inside each document of a packed window
+    num_workers: int = 0                 # DataLoader worker processes reading the shards
+    prefetch: int = 2                    # batches each worker may hold ready
+    # Raw token ids (kiln.data.raw): train is a .npy/.bin file or a folder of them (no manifest).
+    dtype: Literal["uint16", "int32", "uint32", "int64"] | None = None  # of .bin files (a .npy says its own)
+    extension: str = ".bin"              # a folder's token files end with this
+    val_fraction: float = 0.0            # held out at train time: a flat file's tail, or a folder's last shards
+
+    @model_validator(mode="after")
+    def _check_stream(self) -> "PretrainData":
+        if self.num_workers < 0 or self.prefetch < 1:
+            raise ValueError("data.prefetch must be >= 1, data.num_workers >= 0")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must be within [0, 1), got {self.val_fraction}")
+        return self
 
 
 def is_shard_dir(path: str | None) -> bool:
     return path is not None and (Path(path) / MANIFEST).is_file()
 
 
-def _raw(cfg: Any) -> list[Path] | None:
-    return None if cfg.data.train is None else raw_files(cfg.data.train, cfg.data.extension)
+def _raw(train: object, extension: object) -> list[Path] | None:
+    """The raw token files data.train names (None: it names none); `extension` as written, if a string."""
+    if not isinstance(train, str):
+        return None
+    return raw_files(train, extension if isinstance(extension, str) else PretrainData.model_fields["extension"].default)
+
+
+def _data(cfg: RunConfig) -> PretrainData:
+    assert isinstance(cfg.data, PretrainData), f"pretrain builds from its own [data] schema, got {type(cfg.data)}"
+    return cfg.data
 
 
 def lm_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +92,7 @@ def lm_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
 
 
 @torch.no_grad()
-def evaluate_windows(trainer: Any, windows: Windows, batch_size: int) -> dict[str, float]:
+def evaluate_windows(trainer: Trainer, windows: Windows, batch_size: int) -> dict[str, float]:
     """Loss per target token over one pass of `windows` (all ranks together) and its perplexity.
 
     A model wrapping an LM (`.inner`, e.g. PrototypeModel) is scored on its own logits (eval_loss) and on
@@ -90,10 +121,10 @@ def evaluate_windows(trainer: Any, windows: Windows, batch_size: int) -> dict[st
     return out
 
 
-def _open(path: str, split: str, digest: str, source: str, vocab_size: int) -> ShardSet:
+def _open(path: str, split: str, digest: str, source: str, vocab_size: int, world: World) -> ShardSet:
     shards = ShardSet(path, split)  # every shard's header and size checked against the manifest
     check_tokenizer(path, shards.manifest, digest, source)
-    if int(os.environ.get("RANK", "0")) == 0:  # sha256 too, once per run: now if small, else in the background
+    if world.main:  # sha256 too, once per run: now if small, else in the background
         shards.start_verify()
     if shards.vocab_size > vocab_size:
         raise ConfigError(f"{Path(path) / MANIFEST}: token ids go up to {shards.vocab_size - 1} but the model's "
@@ -101,13 +132,14 @@ def _open(path: str, split: str, digest: str, source: str, vocab_size: int) -> S
     return shards
 
 
-def _stream(cfg: Any, model: Any, train_ids: Any, held_ids: Any | None) -> tuple[StreamLoader, Callable | None]:
-    """This rank's loader over packed windows of `train_ids` (a ShardSet or RawTokens), and the held-out
-    evaluation over `held_ids` (None: no eval); the model is checked against data.max_length first."""
-    d = cfg.data
+def _stream(cfg: RunConfig, model: nn.Module, train_ids: ShardSet | RawTokens, held_ids: ShardSet | RawTokens | None,
+            world: World) -> tuple[StreamLoader, Evaluate | None]:
+    """`world`'s rank's loader over packed windows of `train_ids`, and the held-out evaluation over
+    `held_ids` (None: no eval); the model is checked against data.max_length first."""
+    d = _data(cfg)
     check_model_tokenizer(model, d.max_length, cfg.model.path or cfg.model.family, cfg.train.precision)
     train = Windows(train_ids, d.max_length, seed=cfg.train.seed, within_doc=d.within_doc)
-    rank, shards = data_shard(cfg.parallel, int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+    rank, shards = data_shard(cfg.parallel, world.rank, world.size)
     loader = StreamLoader(train, cfg.train.batch_size, rank=rank, world_size=shards, num_workers=d.num_workers,
                           prefetch=d.prefetch)
     if held_ids is None:
@@ -119,19 +151,22 @@ def _stream(cfg: Any, model: Any, train_ids: Any, held_ids: Any | None) -> tuple
 class Pretrain(Recipe):
     name = "pretrain"
     summary = "a causal LM (or Mamba) on `kiln tokenize` token shards"
+    when = "data.train is a `kiln tokenize` directory or raw token ids"
+    data_schema: type[DataSection] = PretrainData
     # Sizes of a model built from scratch (model.family + model.config), the usual knobs of a pre-training sweep.
     shortcuts = (Shortcut("d_model", "model.config.hidden_size"), Shortcut("d_state", "model.config.state_size"),
                  Shortcut("d_conv", "model.config.conv_kernel"), Shortcut("expand", "model.config.expand"),
                  Shortcut("layers", "model.config.num_hidden_layers"))
 
-    def matches(self, cfg: Any) -> bool:
-        return is_shard_dir(cfg.data.train) or _raw(cfg) is not None
+    def matches(self, task: str, data: Mapping[str, Any]) -> bool:
+        train = data.get("train")
+        return (isinstance(train, str) and is_shard_dir(train)) or _raw(train, data.get("extension")) is not None
 
-    def build(self, cfg: Any, on_model: Callable[[Any], None]) -> RunParts:
-        d = cfg.data
-        raw = _raw(cfg)
+    def build(self, cfg: RunConfig, on_model: Callable[[nn.Module], None], world: World) -> RunParts:
+        d = _data(cfg)
+        raw = _raw(d.train, d.extension)
         if raw is not None:
-            return self._build_raw(cfg, raw, on_model)
+            return self._build_raw(cfg, raw, on_model, world)
         if cfg.model.task != CAUSAL_LM:
             raise ConfigError(f"data.train {d.train} is a token shard directory, which only model.task = "
                               f"{CAUSAL_LM!r} reads (not {cfg.model.task!r})")
@@ -144,15 +179,17 @@ class Pretrain(Recipe):
         source = cfg.model.tokenizer or cfg.model.path
         digest = tokenizer_digest(model.tokenizer.backend.to_str())
         vocab = model.config.vocab_size
-        held_out = _open(d.eval, d.eval_split, digest, source, vocab) if d.eval is not None else None
-        loader, evaluate = _stream(cfg, model, _open(d.train, d.train_split, digest, source, vocab), held_out)
+        held_out = _open(d.eval, d.eval_split, digest, source, vocab, world) if d.eval is not None else None
+        loader, evaluate = _stream(cfg, model, _open(d.train, d.train_split, digest, source, vocab, world), held_out,
+                                   world)
         fingerprint = {"train": str(d.train), "manifest_sha256": file_sha256(Path(d.train) / MANIFEST),
                        "split": d.train_split, "seq_len": d.max_length, "within_doc": d.within_doc}
         return RunParts(model, loader, step=lm_step, evaluate=evaluate, fingerprint=fingerprint)
 
-    def _build_raw(self, cfg: Any, files: list[Path], on_model: Callable[[Any], None]) -> RunParts:
+    def _build_raw(self, cfg: RunConfig, files: list[Path], on_model: Callable[[nn.Module], None],
+                   world: World) -> RunParts:
         """Raw token ids: no tokenizer or manifest; ids checked against the model's vocabulary."""
-        d = cfg.data
+        d = _data(cfg)
         if cfg.model.task != CAUSAL_LM:
             raise ConfigError(f"data.train {d.train} holds raw token ids, which only model.task = {CAUSAL_LM!r} "
                               f"reads (not {cfg.model.task!r})")
@@ -171,7 +208,7 @@ class Pretrain(Recipe):
         train_ids = RawTokens(files, "train", vocab, eos, d.dtype, d.val_fraction)
         held_ids = (RawTokens(eval_files, "train", vocab, eos, d.dtype) if eval_files is not None
                     else RawTokens(files, "val", vocab, eos, d.dtype, d.val_fraction) if d.val_fraction > 0 else None)
-        loader, evaluate = _stream(cfg, model, train_ids, held_ids)
+        loader, evaluate = _stream(cfg, model, train_ids, held_ids, world)
         fingerprint = {"train": str(d.train), **train_ids.fingerprint(), "val_fraction": d.val_fraction,
                        "seq_len": d.max_length, "within_doc": d.within_doc}
         return RunParts(model, loader, step=lm_step, evaluate=evaluate, fingerprint=fingerprint)

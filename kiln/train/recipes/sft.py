@@ -6,25 +6,40 @@ otherwise rows stay one sample each (a message says so), or, when pack = true wa
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Literal, Mapping
+
+from torch import nn
 
 from kiln.errors import ConfigError
 from kiln.models.tasks import CAUSAL_LM
+from kiln.parallel.world import World
+from kiln.train.config import DataSection, RunConfig
 from kiln.train.recipes.base import RunParts
-from kiln.train.recipes.finetune import FineTune
+from kiln.train.recipes.finetune import FineTune, RecordsData
+
+
+class SFTData(RecordsData):
+    """[data] of an sft run: what the loss sees and how samples share rows."""
+    train_on: Literal["assistant", "all"] = "assistant"  # loss on replies (+ EOS) or on all tokens
+    pack: bool = True                    # several samples per row, attention kept per sample
+                                         # (where the model cannot keep them apart, rows stay one sample each)
 
 
 class SFT(FineTune):
     name = "sft"
     summary = "a causal LM on chat JSONL, loss on the replies, optional packing and LoRA"
+    when = f"model.task = {CAUSAL_LM!r} on records"
+    data_schema: type[DataSection] = SFTData
 
-    def matches(self, cfg: Any) -> bool:
-        return cfg.model.task == CAUSAL_LM
+    def matches(self, task: str, data: Mapping[str, Any]) -> bool:
+        return task == CAUSAL_LM
 
-    def build(self, cfg: Any, on_model: Callable[[Any], None]) -> RunParts:
-        def check_packing(model: Any) -> None:
+    def build(self, cfg: RunConfig, on_model: Callable[[nn.Module], None], world: World) -> RunParts:
+        d = cfg.data
+        assert isinstance(d, SFTData), f"sft builds from its own [data] schema, got {type(d).__name__}"
+
+        def check_packing(model: nn.Module) -> None:
             on_model(model)
-            d = cfg.data
             if not d.pack or getattr(model, "packs_samples", lambda: True)():
                 return
             name = cfg.model.path or cfg.model.family
@@ -34,13 +49,16 @@ class SFT(FineTune):
             print(f"data.pack: {name} does not keep packed samples apart, so each row holds one sample")
             d.pack = False
 
-        return super().build(cfg, check_packing)
+        return super().build(cfg, check_packing, world)
 
-    def fingerprint(self, cfg: Any, labels: list[str] | None) -> dict:
-        return {**super().fingerprint(cfg, labels), "train_on": cfg.data.train_on, "pack": cfg.data.pack}
-
-    def empty_hint(self, cfg: Any) -> str:
+    def fingerprint(self, cfg: RunConfig, labels: list[str] | None) -> dict[str, Any]:
         d = cfg.data
+        assert isinstance(d, SFTData)
+        return {**super().fingerprint(cfg, labels), "train_on": d.train_on, "pack": d.pack}
+
+    def empty_hint(self, cfg: RunConfig) -> str:
+        d = cfg.data
+        assert isinstance(d, SFTData)
         if d.train_on == "assistant":
             return (f"data.train_on = 'assistant' learns only assistant replies: check the messages have role "
                     f"'assistant' and that replies start within data.max_length = {d.max_length} tokens")
