@@ -124,26 +124,47 @@ def save_weights(
     for stale in (SAFE_SINGLE, SAFE_INDEX):
         (model_dir / stale).unlink(missing_ok=True)
 
-    total = sum(v.numel() * v.element_size() for v in clean.values())
-    if max_shard_bytes is None or total <= max_shard_bytes:
-        path = model_dir / SAFE_SINGLE
-        _write_safetensors(path, clean, metadata)
-        return [path]
+    groups = shard_plan([(k, v.numel() * v.element_size()) for k, v in clean.items()], max_shard_bytes)
+    names = shard_names(len(groups))
+    for name, group in zip(names, groups):
+        _write_safetensors(model_dir / name, {k: clean[k] for k in group}, metadata)
+    if len(groups) > 1:
+        write_index(model_dir, sum(v.numel() * v.element_size() for v in clean.values()),
+                    {k: name for name, group in zip(names, groups) for k in group})
+    return [model_dir / name for name in names]
 
-    shards: list[dict[str, torch.Tensor]] = [{}]
+
+def shard_plan(sizes: list[tuple[str, int]], max_shard_bytes: int | None) -> list[list[str]]:
+    """Tensor names per output file, in order: one file, or a new file whenever the next tensor would pass
+    `max_shard_bytes` (the split `save_weights` writes; `kiln export` of sharded checkpoints streams it)."""
+    total = sum(n for _, n in sizes)
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        return [[k for k, _ in sizes]]
+    groups: list[list[str]] = [[]]
     size = 0
-    for k, v in clean.items():
-        nbytes = v.numel() * v.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
+    for k, nbytes in sizes:
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
             size = 0
-        shards[-1][k] = v
+        groups[-1].append(k)
         size += nbytes
-    paths, weight_map = [], {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        _write_safetensors(model_dir / name, shard, metadata)
-        weight_map.update({k: name for k in shard})
-        paths.append(model_dir / name)
-    write_json_atomic(model_dir / SAFE_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    return paths
+    return groups
+
+
+def shard_names(count: int) -> list[str]:
+    """The file names transformers gives `count` weight files."""
+    if count == 1:
+        return [SAFE_SINGLE]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def write_shard(model_dir: str | os.PathLike, name: str, tensors: dict[str, torch.Tensor],
+                metadata: dict[str, str] | None = None) -> Path:
+    """One weight file of a directory being written file by file (atomic, as every kiln write)."""
+    path = Path(model_dir) / name
+    _write_safetensors(path, tensors, {"format": "pt", **(metadata or {})})
+    return path
+
+
+def write_index(model_dir: str | os.PathLike, total: int, weight_map: dict[str, str]) -> None:
+    write_json_atomic(Path(model_dir) / SAFE_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})

@@ -8,9 +8,9 @@
 
 No rank ever gathers the whole model: saving and resuming move only local shards. `export_sharded`
 runs in one process without a process group: it builds the model from model/config.json on the
-meta device (with the run's LoRA adapters where the shards hold some), materialises it in CPU memory
-and has DCP read every shard straight into it, then writes an ordinary HF directory, adapters merged
-as `kiln export` merges a plain LoRA checkpoint's.
+meta device (with the run's LoRA adapters where the shards hold some) and writes an ordinary HF
+directory output file by output file, materialising only the modules whose tensors go into that
+file (DCP reads just them), adapters merged as `kiln export` merges a plain LoRA checkpoint's.
 
 Resharding: DCP records each tensor's whole shape and the pieces every rank wrote, so `load_sharded`
 reads a checkpoint into another layout (more or fewer processes, or one plain process); a plain
@@ -131,9 +131,11 @@ def is_sharded(path: str | os.PathLike) -> bool:
 
 
 def export_sharded(path: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: int | None = None,
-                   dtype: torch.dtype | None = None) -> Path:
-    """Gather a sharded checkpoint into one HF directory, in CPU memory of this one process; `dtype`
-    writes every weight in it (as `kiln export --dtype` does for a plain checkpoint).
+                   dtype: torch.dtype | None = None, stream: bool = True, stats: dict | None = None) -> Path:
+    """Write a sharded checkpoint as one HF directory from this one process, output file by output file
+    (`stream`; the whole model at once when False, or for an FP8 base); `dtype` writes every weight in it
+    (as `kiln export --dtype` does for a plain checkpoint). `stats`, when given, receives the files
+    written and the most bytes of weights held at once (`peak_bytes`) beside the whole model's.
 
     A LoRA run's adapters are rebuilt on the modules that hold them in the shards and merged into their
     base weights, as `kiln export` writes a plain LoRA checkpoint. Every model tensor in the shards must
@@ -157,9 +159,18 @@ def export_sharded(path: str | os.PathLike, out: str | os.PathLike, max_shard_by
             lora.targets = [m for m in lora.targets if m in present]
             apply_lora(model, lora)
     _check_placed(path, saved, {k: tuple(v.shape) for k, v in model.state_dict().items()})
+    if Tokenizer.present(path / "model"):
+        model.tokenizer = Tokenizer.from_dir(path / "model")
+    if not stream or any(t.dtype == torch.float8_e4m3fn for t in model.state_dict().values()):
+        return _export_whole(model, path, out, lora, max_shard_bytes, dtype)
+    return _export_streaming(model, path, Path(out), saved, max_shard_bytes, dtype, stats)
+
+
+def _export_whole(model: nn.Module, path: Path, out: str | os.PathLike, lora: LoraConfig | None,
+                  max_shard_bytes: int | None, dtype: torch.dtype | None) -> Path:
+    """The whole model in this process's memory, then one save (FP8 bases: their merge re-quantizes blocks)."""
     model.to_empty(device="cpu")  # storage for every tensor, filled below; no init work wasted
-    state = {"model": model.state_dict()}
-    _dcp_load(state, path, no_dist=True)
+    _dcp_load({"model": model.state_dict()}, path, no_dist=True)
     model.tie_weights()
     if lora is not None:  # an HF directory holds plain weights: W + B A * scaling
         merge_lora(model)
@@ -167,9 +178,83 @@ def export_sharded(path: str | os.PathLike, out: str | os.PathLike, max_shard_by
         from kiln.models.common.fp8 import dequantize_model
 
         model = dequantize_model(model, dtype)
-    if Tokenizer.present(path / "model"):
-        model.tokenizer = Tokenizer.from_dir(path / "model")
     return model.save_pretrained(out, max_shard_bytes=max_shard_bytes)
+
+
+def _export_streaming(model: nn.Module, path: Path, out: Path, saved: dict[str, tuple[int, ...] | None],
+                      max_shard_bytes: int | None, dtype: torch.dtype | None, stats: dict | None) -> Path:
+    """Write the HF directory output file by output file: for each, only the modules whose tensors it holds
+    are read from the shards (and merged, and cast), then freed. Same files, same split, same bytes as a
+    whole-model export (`save_pretrained` after `merge_lora`); peak: about one output file."""
+    from kiln.hub.config import write_config
+    from kiln.hub.weights import SAFE_INDEX, SAFE_SINGLE, shard_names, shard_plan, write_index, write_shard
+    from kiln.models.common.fp8 import dequantize_model
+    from kiln.models.common.lora import LoraLinear
+
+    keymap = model.family.keymap(model.task)
+    cast = (lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+    meta = {k: cast(v) for k, v in model.state_dict().items() if ".lora_" not in k}
+    hf_meta, unmatched = keymap.to_hf(meta)
+    assert not unmatched, f"kiln keys without an HF name: {unmatched}"
+    groups = shard_plan([(k, v.numel() * v.element_size()) for k, v in hf_meta.items()], max_shard_bytes)
+    names = shard_names(len(groups))
+    owners = dict(model.named_modules())
+    aliases = _aliases(model, saved)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in (SAFE_SINGLE, SAFE_INDEX):
+        (out / stale).unlink(missing_ok=True)
+    peak = 0
+    for name, group in zip(names, groups):
+        wanted = list(dict.fromkeys(keymap.kiln_name(h) for h in group))
+        modules = list(dict.fromkeys(k.rpartition(".")[0] for k in wanted))
+        for m in modules:
+            owners[m].to_empty(device="cpu")
+        local = {f"{m}.{k}" if m else k: v for m in modules for k, v in owners[m].state_dict().items()}
+        # a tied tensor the shards hold under its partner's name is read from there
+        _dcp_load({"model": {aliases.get(k, k): v for k, v in local.items()}}, path, no_dist=True)
+        tensors = {}
+        for k in wanted:
+            module = owners[k.rpartition(".")[0]]
+            if isinstance(module, LoraLinear) and k.endswith(".weight"):  # W + B A * scaling, as merge_lora
+                tensors[k] = module.weight + module.delta_weight().to(module.weight.dtype)
+            else:
+                tensors[k] = local[k]
+        hf, _ = keymap.to_hf({k: cast(v) for k, v in tensors.items()})
+        write_shard(out, name, {h: hf[h] for h in group})
+        peak = max(peak, sum(t.nbytes for t in model.state_dict().values() if not t.is_meta))
+        for m in modules:
+            owners[m].to_empty(device="meta")
+    if len(groups) > 1:
+        write_index(out, sum(v.numel() * v.element_size() for v in hf_meta.values()),
+                    {h: name for name, group in zip(names, groups) for h in group})
+    if stats is not None:
+        stats.update(files=len(names), peak_bytes=peak,
+                     model_bytes=sum(t.numel() * t.element_size() for t in model.state_dict().values()))
+    for attr in ("lora_config", "lora_targets"):
+        if hasattr(model, attr):
+            delattr(model, attr)
+    if dtype is not None:  # the config as a dtype export writes it (dequantize_model on the meta model: free)
+        dequantize_model(model, dtype)
+    cfg = model.config.to_dict()
+    cfg["architectures"] = [model.family.tasks[model.task].architecture]
+    write_config(out, cfg)
+    if getattr(model, "tokenizer", None) is not None:
+        model.tokenizer.save(out)
+    return out
+
+
+def _aliases(model: nn.Module, saved: dict[str, tuple[int, ...] | None]) -> dict[str, str]:
+    """Tied names the shards lack -> the name of the same tensor that they hold."""
+    by_id: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(n)
+    out = {}
+    for group in by_id.values():
+        held = [n for n in group if n in saved]
+        for n in group:
+            if n not in saved and held:
+                out[n] = held[0]
+    return out
 
 
 def _saved_model_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:

@@ -1,7 +1,7 @@
 """Build on meta, shard, then read: each process holds and reads only its share of a checkpoint.
 
     model = empty_pretrained(path, task="causal-lm")      # on the meta device: no memory
-    parallelize(model, parallel, world_size, device)      # FSDP2 / TP / EP plans, applied on meta
+    parallelize(model, parallel, world_size, device)      # FSDP2 / TP / EP / PP plans, applied on meta
     read_shards(model, path, device)                      # each rank: its slices, from the files
 
 `read_shards` materialises the model's (possibly sharded, DTensor) parameters on `device` and fills

@@ -16,7 +16,8 @@ from kiln.parallel.apply import parallelize
 from kiln.parallel.sharded_load import empty_pretrained, init_adapters, loaded_bytes, read_shards
 from kiln.train.config import ParallelSection
 
-MODES = {"fsdp": dict(fsdp=True), "fsdp-lora": dict(fsdp=True), "tp": dict(tp=2), "ep": dict(ep=2), "tp-fsdp": dict(tp=2, fsdp=True),
+MODES = {"fsdp": dict(fsdp=True), "fsdp-lora": dict(fsdp=True), "pp": dict(pp=2, microbatches=2),
+         "pp-fsdp": dict(pp=2, microbatches=2, fsdp=True), "tp": dict(tp=2), "ep": dict(ep=2), "tp-fsdp": dict(tp=2, fsdp=True),
          "ep-fsdp": dict(ep=2, fsdp=True)}
 
 

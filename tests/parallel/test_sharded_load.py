@@ -66,12 +66,13 @@ def test_an_index_naming_a_missing_file_is_named(dirs, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,name", [("fsdp", "qwen3"), ("tp", "qwen3"), ("fsdp-lora", "qwen3"), ("tp-fsdp", "qwen3"), ("ep", "moe"),
-                                       ("ep-fsdp", "moe"), ("fsdp", "tied")])
+                                       ("ep-fsdp", "moe"), ("fsdp", "tied"), ("pp", "qwen3"),
+                                       ("pp", "tied"), ("pp-fsdp", "qwen3")])
 def test_each_rank_reads_what_a_whole_load_then_shard_gives(dirs, tmp_path, mode, name):
-    world = 4 if mode in ("tp-fsdp", "ep-fsdp") else 2
+    world = 4 if mode in ("tp-fsdp", "ep-fsdp", "pp-fsdp") else 2
     spawn(sw.compare, world, (str(dirs[name]), mode, str(tmp_path)))
     for rank in range(world):
         r = json.loads((tmp_path / f"{mode}-rank{rank}.json").read_text())
         assert r["problems"] == [], (rank, r["problems"][:5])
-        if mode == "fsdp":  # every tensor split over 2 ranks: about half the model each (rows round up)
+        if mode in ("fsdp", "pp"):  # every tensor split over 2 ranks, or 2 stages: about half the model each
             assert r["bytes"] <= 0.6 * r["whole_bytes"], r

@@ -110,3 +110,18 @@ def test_what_the_shards_hold_is_placed_or_refused_by_name(runs, tmp_path):
                                         r"shards, the model built from model/config\.json expects \(48, 32\)"):
         export_sharded(ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["stored", "bf16"])
+def test_streaming_export_writes_the_whole_exports_bytes_one_file_at_a_time(runs, tmp_path, dtype):
+    ckpt = runs / "fsdp" / f"ckpt-{STEPS:06d}"
+    whole = export_sharded(ckpt, tmp_path / "whole", max_shard_bytes=10_000, dtype=dtype, stream=False)
+    stats: dict = {}
+    streamed = export_sharded(ckpt, tmp_path / "streamed", max_shard_bytes=10_000, dtype=dtype, stats=stats)
+    files = sorted(p.name for p in whole.iterdir())
+    assert files == sorted(p.name for p in streamed.iterdir()) and len(stats and files) > 4, files
+    for name in files:  # weights, index, config and tokenizer: the same bytes
+        assert (whole / name).read_bytes() == (streamed / name).read_bytes(), name
+    # at most one output file's modules in memory at a time: a few files' worth, far from the whole model
+    assert stats["files"] > 4 and stats["peak_bytes"] < stats["model_bytes"] / 2, stats

@@ -95,14 +95,14 @@ class Extension(Protocol):
 
 
 def shards_weights(cfg: RunConfig) -> bool:
-    """This run splits the weights over its processes (fsdp, tp or ep with several of them, no pp, no FP8
+    """This run splits the weights over its processes (fsdp, tp, ep or pp with several of them; not FP8
     training): its model is built on meta and each rank reads only its share."""
     world = launched_world().size
     p = cfg.parallel
     if p is None or world < 2 or cfg.train.precision == "fp8":
         return False
     d = resolve_degrees(p, world)
-    return d.pp == 1 and (p.fsdp or d.tp > 1 or d.ep > 1)
+    return bool(p.fsdp) or d.tp > 1 or d.ep > 1 or d.pp > 1
 
 
 def build_model(cfg: RunConfig, labels: list[str] | None, need_tokenizer: bool = True) -> nn.Module:
