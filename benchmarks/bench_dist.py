@@ -15,6 +15,9 @@ lockstep DDP and under the adaptive cadence ([parallel.cadence]'s defaults throu
 engine, as `kiln train` runs it: the fast rank runs more batches between syncs, parameters averaged).
 Tokens/s counts each global token once. Peak memory is the rise of max RSS over the process's start on
 CPU, max allocated on CUDA. Ratios print last.
+
+Run by hand (not in `make bench`): it starts several process groups of 2 ranks (about 6 minutes on 2 CPU
+cores), its rows are not kiln-vs-peer rows of the results table, and `--gpu` needs 2 GPUs.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ taking the best rep of each (the least disturbed one on a shared machine).
 Prints kiln/transformers ratios last (> 1.0 means kiln is faster).
 
     python benchmarks/bench_encoders.py [--families bert,deberta-v2] [--layers 12] [--seq 128] [--batch 8]
+
+Run by hand (not in `make bench`): forward-only and per-family rows are not in the results table, whose
+encoder training step is bench_bert_step.py.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ dequantized to bf16, LoRA on every Linear, one training step; each in its own pr
 the process's baseline.
 
     .venv/bin/python benchmarks/bench_fp8.py [--tokens 1024 --dim 1024 --hidden 2816 --rounds 5]
+
+Run by hand (not in `make bench`): it needs a GPU with FP8 matrix units (H100) to measure FP8 itself; on a
+CPU `_scaled_mm` widens to float32, so the ratio only says how much slower the emulation is.
 """
 
 from __future__ import annotations

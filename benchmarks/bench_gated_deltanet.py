@@ -13,6 +13,9 @@ model), twice as many value heads as q/k heads, q/k width = hidden, value width 
 
     python benchmarks/bench_gated_deltanet.py [--seqs 1024,4096] [--hidden 256] [--k-heads 2] [--v-heads 4]
                                               [--head-dim 128] [--batch 1] [--rounds 5] [--threads N]
+
+Run by hand (not in `make bench`): one layer, not a workload; the table's Qwen3.5 row (bench_qwen35_sft.py)
+times the same rule inside a training step.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ not the data, sets the pace.
 
 The shards are synthetic (random ids of a 2,048-token vocabulary in documents of 50-800 tokens,
 16 shards, 4M tokens), written once to a temp directory.
+
+Run by hand (not in `make bench`): it measures the data loader alone against the model's consumption, not a
+kiln-vs-peer workload of the results table.
 """
 
 from __future__ import annotations

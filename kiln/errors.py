@@ -11,3 +11,7 @@ class ConfigError(KilnError):
 
 class WeightsError(KilnError):
     """A weights file that is missing, unreadable, or does not fit the model."""
+
+
+class NonFiniteError(KilnError):
+    """Training stopped on a non-finite loss or gradient (train.non_finite = "fail"); `kiln train` exits 3."""

@@ -8,13 +8,49 @@ dropped or initialised is said on stderr.
 
 from __future__ import annotations
 
+import functools
 import math
+import traceback
 from pathlib import Path
+from typing import Any, Callable
 
 import typer
 
 from kiln.cli.output import note
 from kiln.errors import KilnError
+
+# Exit codes of `kiln train` (README, "Exit codes"): what a scheduler script needs to decide on a requeue.
+# 2 is a command-line usage error (typer); a second SIGTERM / SIGINT ends the process by that signal (128 + N).
+EXIT_OK = 0
+EXIT_USER_ERROR = 1      # bad config, data or paths: the message says what to fix; rerunning as is fails again
+EXIT_NON_FINITE = 3      # non-finite loss or gradient with train.non_finite = "fail"
+EXIT_INTERNAL = 70       # a bug in kiln (traceback printed); EX_SOFTWARE of sysexits.h
+EXIT_STOPPED = 75        # stopped by SIGTERM / SIGINT or train.max_time, checkpoint written: requeue with --resume
+                         # (EX_TEMPFAIL of sysexits.h)
+
+
+def exit_codes(command: Callable[..., Any]) -> Callable[..., Any]:
+    """`command` with kiln train's exit codes: a non-finite abort exits EXIT_NON_FINITE with its message, a bug
+    EXIT_INTERNAL with its traceback; user errors are left to the CLI's boundary (exit 1)."""
+    from kiln.cli.boundary import report, user_message
+    from kiln.errors import NonFiniteError
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except NonFiniteError as e:
+            report(str(e))
+            raise typer.Exit(EXIT_NON_FINITE) from None
+        except (typer.Exit, typer.Abort):
+            raise
+        except Exception as e:
+            if user_message(e) is not None:
+                raise
+            traceback.print_exc()
+            raise typer.Exit(EXIT_INTERNAL) from None
+    return run
+
 
 ALLOW_MISSING = typer.Option(False, "--allow-missing", help="Use tensors the directory lacks (e.g. a head) "
                                                             "freshly initialised, instead of refusing.")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -13,9 +15,12 @@ from typing import Any, Callable, Optional
 import typer
 
 from kiln.cli.boundary import ERROR_DIR_ENV
+from kiln.cli.common import EXIT_STOPPED, exit_codes
+from kiln.constants import LAUNCH_DIR_ENV
 from kiln.errors import KilnError
 
 
+@exit_codes
 def train(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."),
           resume: Optional[Path] = typer.Option(None, "--resume", help="A run directory to continue from its "
                                                                         "newest complete checkpoint."),
@@ -42,6 +47,9 @@ def train(config: Path = typer.Option(..., "--config", "-c", help="The run TOML.
     # a resume keeps the checkpoint's global batch, unless the command line names the batch size
     rescale = not any(key == "train.batch_size" for key, _ in overrides)
     trainer = build_trainer(cfg, resume=resume, keep_global_batch=rescale).fit()
+    if trainer.stopped_by is not None:  # the trainer said where it stopped and how to resume
+        leave_world()
+        raise typer.Exit(EXIT_STOPPED)
     if trainer.world.main:
         line = f"done: step {trainer.step}"
         if trainer.last_eval:
@@ -106,7 +114,7 @@ def launch(ctx: typer.Context,
     argv += ["-m", "kiln.cli.main", *command]
     with tempfile.TemporaryDirectory(prefix="kiln-launch-") as errors:
         # each rank leaves its user error here instead of printing it; shown once below
-        code = subprocess.call(argv, env={**os.environ, ERROR_DIR_ENV: errors})
+        code = _run_passing_signals(argv, {**os.environ, ERROR_DIR_ENV: errors, LAUNCH_DIR_ENV: errors}, Path(errors))
         messages = {p.stem.removeprefix("rank-").lstrip("0") or "0": p.read_text(encoding="utf-8")
                     for p in sorted(Path(errors).glob("rank-*.txt"))}
     if messages:
@@ -116,9 +124,34 @@ def launch(ctx: typer.Context,
         else:
             for rank, message in messages.items():
                 typer.echo(f"kiln: rank {rank}: {message}", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(code or 1)
     if code != 0:
         raise typer.Exit(code)
+
+
+def _run_passing_signals(argv: list[str], env: dict[str, str], folder: Path) -> int:
+    """Run torchrun in a session of its own (a terminal's Ctrl-C reaches this process alone) and pass each
+    SIGINT / SIGTERM on once to every rank that has its handlers in place (their pids in `folder`,
+    kiln.train.preempt): they agree on a step, save and exit 75. Before any rank is ready, torchrun gets it."""
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+
+    def pass_on(signum: int, frame: Any) -> None:
+        pids = []
+        for f in folder.glob("pid-*"):
+            with contextlib.suppress(OSError, ValueError):
+                pids.append(int(f.read_text()))
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+        if not pids:
+            proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, pass_on) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _check_nodes(nnodes: str | None, node_rank: int | None, master_addr: str | None,

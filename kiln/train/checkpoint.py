@@ -43,10 +43,11 @@ def ckpt_name(step: int) -> str:
 
 
 def fault_point(kind: str, step: int) -> None:
-    """Testing hook: KILN_FAULT="kind:step" SIGKILLs this process here (crash-safety tests)."""
+    """Testing hook: KILN_FAULT="kind:step" SIGKILLs this process here (crash-safety tests); KILN_FAULT_SIGNAL
+    names another signal to send (SIGTERM: the graceful stop of kiln.train.preempt, mid-checkpoint)."""
     spec = os.environ.get("KILN_FAULT", "")
     if spec and spec == f"{kind}:{step}" and int(os.environ.get("RANK", "0")) == int(os.environ.get("KILN_FAULT_RANK", "0")):
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), getattr(signal, os.environ.get("KILN_FAULT_SIGNAL", "SIGKILL")))
 
 
 # ---- files ----------------------------------------------------------------------------------

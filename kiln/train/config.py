@@ -108,6 +108,8 @@ class TrainSection(Section):
     tensorboard: bool = False             # deprecated: report_to = ["tensorboard"]
     exact: bool = False                   # true: bit-exact with transformers; false: the fast path (within fp32 rounding)
     group_by_length: bool = True          # fine-tuning data: batches of similar lengths, padded to their longest
+    stop_save: bool = True                # SIGTERM / SIGINT / max_time: checkpoint the step where the run stops
+    max_time: str | None = None           # "3h50m": stop cleanly before this much wall clock (kiln.train.preempt)
 
     @field_validator("freeze")
     @classmethod
@@ -129,6 +131,10 @@ class TrainSection(Section):
             raise ValueError(f"train.min_lr_ratio must be within [0, 1], got {self.min_lr_ratio}")
         if self.early_stopping_patience and not self.best_metric:
             raise ValueError("train.early_stopping_patience needs train.best_metric to watch")
+        if self.max_time is not None:
+            from kiln.train.preempt import parse_duration
+
+            parse_duration(self.max_time)  # refused here, naming train.max_time, not hours into the run
         if self.tensorboard and "tensorboard" not in self.report_to:  # the old switch, kept as an alias
             self.report_to = [*self.report_to, "tensorboard"]
         return self

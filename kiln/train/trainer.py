@@ -37,7 +37,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from kiln.data.loader import Loader
-from kiln.errors import ConfigError, KilnError
+from kiln.errors import ConfigError, KilnError, NonFiniteError
 from kiln.hub.config import write_json_atomic
 from kiln.models.common.fast import set_fast
 from kiln.parallel.checkpoint import load_full_optimizer
@@ -46,7 +46,7 @@ from kiln.parallel.sharded_load import init_adapters, read_shards
 from kiln.parallel.world import World, barrier, gather_objects, init_world, pick_device
 from kiln.train import checkpoint as ckpt
 from kiln.train.fp8 import swap_fp8
-from kiln.train import plans
+from kiln.train import lock, plans, preempt
 from kiln.train.config import TrainSection
 from kiln.train.checks import check_train_args
 from kiln.train.engine import StepEngine
@@ -113,6 +113,7 @@ class Trainer:
         self.best: dict[str, Any] | None = None   # {"value", "checkpoint", "step"}
         self.evals_since_best = 0
         self.last_checkpoint: Path | None = None
+        self.stopped_by: str | None = None  # SIGTERM, SIGINT or max_time (kiln.train.preempt)
         self.last_eval: dict[str, float] = {}
         self._restarted: str | None = None
         self._made_dir: Path | None = None  # the outermost folder this run created for out_dir  # --resume of a run that saved no checkpoint yet: why it starts at 0
@@ -205,6 +206,7 @@ class Trainer:
         self.model.train()
 
     def _find_resume(self) -> Path | None:
+        self.run_lock = lock.hold(self)  # before anything is written or read: one writer per run directory
         if self.resume is None:
             used = [p.name for p in (self.out_dir / "metrics.jsonl", *ckpt.list_paths(self.out_dir)) if p.exists()]
             if used:
@@ -276,10 +278,12 @@ class Trainer:
         try:
             self._setup()
         except BaseException:
+            lock.release(self, undo=True)  # a refused setup leaves the lock file as it was, and free
             self._remove_empty_dir()
             raise
         a = self.args
         bar = ProgressBar(self.total_steps, self.step, a.progress and self.world.main)
+        stop = preempt.Stop(self).install()  # SIGTERM / SIGINT caught while the loop runs
         try:
             while self.step < self.total_steps and not self.stopped_early:
                 before = self.step
@@ -300,10 +304,15 @@ class Trainer:
                 at_end = (last or self.stopped_early) and a.save_at_end
                 if due(a.save_every) or at_end or improved:
                     self.save()
+                if stop.requested():  # a signal or max_time, agreed on every rank: saved, said, stop here
+                    break
         except BaseException:
+            lock.release(self, undo=True)  # a failed run leaves the lock file as it found it
             self._remove_empty_dir()
             raise
         finally:
+            stop.uninstall()
+            lock.release(self)
             bar.close()
             self.metrics.close()
         self.optimizer.zero_grad(set_to_none=True)  # an engine that keeps zeroed gradients leaves none behind
@@ -368,8 +377,8 @@ class Trainer:
         what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}"
         if self.args.non_finite == "fail":
             last = self.last_checkpoint.name if self.last_checkpoint else "none saved yet"
-            raise KilnError(f"non-finite {what} at step {self.step + 1}; stopping (train.non_finite = 'fail'). "
-                            f"Last good checkpoint: {last}")
+            raise NonFiniteError(f"non-finite {what} at step {self.step + 1}; stopping (train.non_finite = 'fail'). "
+                                 f"Last good checkpoint: {last}")
         self.skipped += 1
         if self.world.main:
             print(f"step {self.step + 1}: non-finite {what}; optimizer step skipped ({self.skipped} so far)")
