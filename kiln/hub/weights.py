@@ -6,7 +6,9 @@ Writes go to a temp file, are fsynced, then renamed.
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 from pathlib import Path
 
 import torch
@@ -45,31 +47,54 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
     )
 
 
-def _copy_keeping_alignment(t: torch.Tensor) -> torch.Tensor:
-    """A copy in ordinary memory whose address has the same phase mod 64 as the mapped original.
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                 "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
+                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu}
+
+
+def _read_into_alignment(f, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """The tensor stored at `offset`, read into ordinary memory whose address has the phase mod 64 the file
+    mapping would give it (offset mod 64: mappings start on a page).
 
     MKL picks GEMV/small-GEMM kernels by operand alignment, and the kernels round differently:
-    transformers reads mapped weights, so a plain (64-byte aligned) clone made a single-row
-    Linear (poolers, classifiers) differ from transformers in the last bit.
+    transformers reads mapped weights, so a plain (64-byte aligned) copy made a single-row Linear
+    (poolers, classifiers) differ from transformers in the last bit. Read, not mapped: mapped pages of
+    the file would count in the process's memory beside the copy until the file closes, and kernels
+    reading weights from mapped pages measured ~40% slower in training (benchmarks/bench_encoders.py).
     """
-    nbytes = t.numel() * t.element_size()
-    if nbytes == 0:
-        return t.clone()
     buf = torch.empty(nbytes + 64, dtype=torch.uint8)
-    start = (t.data_ptr() - buf.data_ptr()) % 64
-    out = buf[start:start + nbytes].view(t.dtype).view(t.shape)
-    out.copy_(t)
-    return out
+    start = (offset - buf.data_ptr()) % 64
+    out = buf[start:start + nbytes]
+    view, done = memoryview(out.numpy()), 0
+    f.seek(offset)
+    while done < nbytes:
+        n = f.readinto(view[done:])
+        if not n:
+            raise WeightsError(f"{f.name}: ends inside a tensor; is it truncated?")
+        done += n
+    return out.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
-        with safe_open(str(path), framework="pt") as f:
-            # Copy out of the file mapping: kernels reading weights from mapped pages measured
-            # ~40% slower in training (benchmarks/bench_encoders.py).
-            return {k: _copy_keeping_alignment(f.get_tensor(k)) for k in f.keys()}
+        with safe_open(str(path), framework="pt") as f:  # checks the header and the offsets against the file
+            keys = list(f.keys())
+        with open(path, "rb", buffering=0) as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+            base = 8 + length
+            out = {}
+            for k in keys:
+                info = header[k]
+                begin, end = info["data_offsets"]
+                out[k] = _read_into_alignment(f, base + begin, end - begin, _TORCH_DTYPES[info["dtype"]],
+                                              info["shape"])
+            return out
     except SafetensorError as e:
         raise WeightsError(f"{path}: not a readable safetensors file ({e}); is it truncated or another format?") from None
+    except KeyError as e:
+        raise WeightsError(f"{path}: dtype {e} is not one kiln reads") from None
     except OSError as e:
         raise WeightsError(f"{path}: cannot read ({e})") from None
 
