@@ -45,19 +45,24 @@ class TensorHeader:
         return self.numel * DTYPE_BYTES[self.dtype]
 
 
+def index_files(index: Path) -> list[Path]:
+    """The weight files a shard index (`*.index.json`) names, each checked to be beside it."""
+    weight_map = read_json(index, error=WeightsError, want=dict).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise WeightsError(f"{index}: not a valid shard index (no weight_map object)")
+    files = sorted(set(weight_map.values()))
+    missing = [f for f in files if not (index.parent / f).is_file()]
+    if missing:
+        raise WeightsError(f"{index}: names shard file(s) that are not in the directory: {', '.join(missing)}")
+    return [index.parent / f for f in files]
+
+
 def safetensors_files(model_dir: str | os.PathLike) -> list[Path]:
     """The safetensors files of a model directory: those its index names (all present), or model.safetensors."""
     model_dir = Path(model_dir)
     index = model_dir / SAFE_INDEX
     if index.is_file():
-        weight_map = read_json(index, error=WeightsError, want=dict).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise WeightsError(f"{index}: not a valid shard index (no weight_map object)")
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (model_dir / f).is_file()]
-        if missing:
-            raise WeightsError(f"{index}: names shard file(s) that are not in the directory: {', '.join(missing)}")
-        return [model_dir / f for f in files]
+        return index_files(index)
     if (model_dir / SAFE_SINGLE).is_file():
         return [model_dir / SAFE_SINGLE]
     others = [p.name for p in model_dir.glob("*.bin")] if model_dir.is_dir() else []

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from kiln.errors import WeightsError
 from kiln.hub.config import write_json_atomic
+from kiln.hub.headers import index_files
 from kiln.hub.jsonio import read_json
 
 SAFE_SINGLE = "model.safetensors"
@@ -31,14 +32,7 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
     for index_name in (SAFE_INDEX, BIN_INDEX):
         index = model_dir / index_name
         if index.is_file():
-            weight_map = read_json(index, error=WeightsError, want=dict).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise WeightsError(f"{index}: not a valid shard index (no weight_map object)")
-            files = sorted(set(weight_map.values()))
-            missing = [f for f in files if not (model_dir / f).is_file()]
-            if missing:
-                raise WeightsError(f"{index}: names shard(s) that are not in the directory: {', '.join(missing)}")
-            return [model_dir / f for f in files]
+            return index_files(index)
     for single in (SAFE_SINGLE, BIN_SINGLE):
         if (model_dir / single).is_file():
             return [model_dir / single]

@@ -60,7 +60,7 @@ def test_an_index_naming_a_missing_file_is_named(dirs, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(dirs["qwen3"], broken)
     next(broken.glob("model-00002-*.safetensors")).unlink()
-    with pytest.raises(WeightsError, match="names shard\\(s\\) that are not in the directory: model-00002"):
+    with pytest.raises(WeightsError, match="names shard file\\(s\\) that are not in the directory: model-00002"):
         empty_pretrained(broken, task="causal-lm")
 
 
