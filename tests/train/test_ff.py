@@ -204,6 +204,20 @@ def test_d_init_normal_starts_D_small_and_the_hinge_engages(tmp_path, shards):  
     assert r.exit_code == 1 and "from-scratch" in " ".join(r.output.split())
 
 
+def test_d_init_normal_starts_grown_layers_D_at_zero(tmp_path, shards):  # noqa: F811
+    tok, shard_dir = shards
+    # ff_lr = 0: FF steps leave D where it is, so the checkpoint shows the initial values
+    ff = ("[ff]\nff_lr = 0.0\nbp_cadence_steps = 8\nd_init = \"normal\"\n"
+          "[grow]\nat_step = 1\ntarget_layers = 3\nplacement = \"insert:1\"\n")
+    cfg = _run_toml(tmp_path / "run.toml", tok, shard_dir, tmp_path / "run", ff, steps=2, scratch=True)
+    r = CliRunner().invoke(app, ["train", "--config", str(cfg)])
+    assert r.exit_code == 0, r.output
+    s1 = load_file(str(tmp_path / "run" / "ckpt-000002" / "model" / "model.safetensors"))
+    D = [s1[f"backbone.layers.{i}.mixer.D"] for i in range(3)]
+    assert torch.equal(D[1], torch.zeros_like(D[1]))  # the grown layer (slot 1)
+    assert all(0 < float(d.abs().max()) < 0.1 for d in (D[0], D[2]))  # the old layers keep their N(0, 0.02)
+
+
 @pytest.mark.slow
 def test_ff_sigkill_then_resume_is_exact(tmp_path, shards):  # noqa: F811
     tok, shard_dir = shards
