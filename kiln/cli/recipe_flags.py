@@ -35,6 +35,9 @@ _FLAGS = (
     Flag("grow_at", "grow.at_step"),
     Flag("freeze", "grow.freeze", multiple=True),
     Flag("freeze_after", "grow.freeze_after", multiple=True),
+    Flag("ff_lr", "ff.ff_lr"),  # [ff]
+    Flag("bp_cadence_steps", "ff.bp_cadence_steps"),
+    Flag("gradient_surgery_method", "ff.surgery"),
     Flag("balance", "moe.balance"),  # [moe]
     Flag("mtp_weight", "moe.mtp_weight"),
     Flag("indexer", "moe.indexer"),

@@ -1,4 +1,7 @@
-"""Raw token ids as pre-training data: a flat .npy / .bin file, or a folder of such shards without a manifest.
+"""Raw token ids as pre-training data: a flat .npy / .bin / .txt file, or a folder of such shards without a manifest.
+
+A .txt file holds whitespace-separated integer ids (the seed research trainer's token files); it is read
+whole into memory, and a token that is not a non-negative integer is named by file:line.
 
 `RawTokens` offers what `Windows` reads from a `ShardSet` (lengths, dtype, eos_id, tokens(i), check_ids), so
 raw ids stream exactly as `kiln tokenize` output does: the same windows, the same resumable cursor. Every id is
@@ -19,7 +22,7 @@ from kiln.data.shards import MANIFEST, ShardError
 
 # token id dtypes kiln reads; float, bool and 8-bit arrays are not token ids
 ID_DTYPES = ("uint16", "int32", "uint32", "int64")
-RAW_SUFFIXES = (".npy", ".bin")
+RAW_SUFFIXES = (".npy", ".bin", ".txt")
 _CHUNK = 1 << 22  # ids scanned at a time by the vocabulary check
 
 
@@ -35,8 +38,54 @@ def raw_files(path: str | os.PathLike, extension: str = ".bin") -> list[Path] | 
     return found or None
 
 
+_TEXT: dict[tuple[str, int, int], np.ndarray] = {}  # parsed token text files, by (path, mtime, size): parsed once
+
+
+def _text_ids(path: Path) -> np.ndarray:
+    """The whitespace-separated integer ids of a token text file (int64, read-only); a bad token by file:line."""
+    st = path.stat()
+    key = (str(path), st.st_mtime_ns, st.st_size)
+    if key not in _TEXT:
+        _TEXT[key] = _parse_text(path)
+    return _TEXT[key]
+
+
+def _parse_text(path: Path) -> np.ndarray:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ShardError(f"{path}: cannot read the token text file ({e})") from None
+    try:
+        ids = np.array(text.split(), dtype=np.int64)
+    except (ValueError, OverflowError):
+        ids = None
+    if ids is None or (len(ids) and ids.min() < 0):  # find the first offender's line (the slow path, once)
+        for n, line in enumerate(text.splitlines(), 1):
+            for token in line.split():
+                if not (token.isascii() and token.isdigit()) or int(token) >= 2 ** 63:
+                    raise ShardError(f"{path}:{n}: {token!r} is not a token id (token text files hold "
+                                     "whitespace-separated non-negative integers)")
+        ids = np.array([int(t) for t in text.split()], dtype=np.int64)  # numpy refused a spelling int() takes
+    if len(ids) == 0:
+        raise ShardError(f"{path}: the token text file holds no token ids")
+    ids.flags.writeable = False
+    return ids
+
+
+def max_id(files: list[Path], dtype: str | None) -> int:
+    """The largest token id in `files` (a from-scratch model's vocabulary is this + 1)."""
+    top = -1
+    for f in files:
+        ids = _open(f, dtype)
+        for start in range(0, len(ids), _CHUNK):
+            top = max(top, int(np.asarray(ids[start:start + _CHUNK]).max()))
+    return top
+
+
 def _open(path: Path, dtype: str | None) -> np.ndarray:
-    """A read-only 1-D memmap of a token file; odd dtypes and shapes refused by name."""
+    """A read-only 1-D memmap (an in-memory array for .txt) of a token file; odd dtypes and shapes refused by name."""
+    if path.suffix.lower() == ".txt":
+        return _text_ids(path)
     if path.suffix.lower() == ".npy":
         try:
             ids = np.load(path, mmap_mode="r")

@@ -2,7 +2,7 @@
 
 A spec is one of
 - a layer policy over the model's one layer stack (the `nn.ModuleList` named `layers`):
-  `first:N`, `last:N`, `layers:i,j,...`;
+  `first:N`, `last:N`, `layers:i,j,...` (also spelled `indices:i,j,...`, the seed research trainer's word);
 - `embeddings`: every `nn.Embedding` of the model;
 - a parameter name prefix (`model.embeddings`) or glob (`model.layers.0.*`), which must match
   at least one parameter.
@@ -19,7 +19,7 @@ from torch import nn
 
 from kiln.errors import ConfigError
 
-_POLICY = re.compile(r"(first|last|layers):(.*)")
+_POLICY = re.compile(r"(first|last|layers|indices):(.*)")
 USAGE = "first:N, last:N, layers:i,j,..., embeddings, or a parameter name prefix or glob"
 
 
@@ -28,7 +28,7 @@ def spec_error(spec: str) -> str | None:
     for config loading, before any model exists."""
     if ":" not in spec:
         return None
-    if re.fullmatch(r"(first|last):\d+|layers:\d+(,\d+)*", spec):
+    if re.fullmatch(r"(first|last):\d+|(layers|indices):\d+(,\d+)*", spec):
         return None
     return f"{spec!r} is not a freeze spec; use {USAGE}"
 
@@ -47,7 +47,7 @@ def _name_hit(name: str, pattern: str) -> bool:
 
 
 def _policy_layers(model: nn.Module, spec: str, key: str) -> list[nn.Module]:
-    """`first:N` / `last:N` / `layers:i,j` -> the layers it picks from the model's stack."""
+    """`first:N` / `last:N` / `layers:i,j` (`indices:i,j`) -> the layers it picks from the model's stack."""
     kind, arg = _POLICY.fullmatch(spec).groups()
     _, stack = find_layers(model)
     n = len(stack)
@@ -57,7 +57,7 @@ def _policy_layers(model: nn.Module, spec: str, key: str) -> list[nn.Module]:
         values = []
     if kind in ("first", "last") and len(values) == 1 and 0 <= values[0] <= n:
         picked = range(values[0]) if kind == "first" else range(n - values[0], n)
-    elif kind == "layers" and values and all(0 <= v < n for v in values):
+    elif kind in ("layers", "indices") and values and all(0 <= v < n for v in values):
         picked = values
     else:
         raise ConfigError(f"{key}: freeze policy {spec!r} is not valid for {n} layers: use first:N, last:N "

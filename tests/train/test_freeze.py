@@ -8,7 +8,7 @@ import pytest
 from kiln.errors import ConfigError
 from kiln.models import AutoConfig
 from kiln.models.auto import from_config
-from kiln.train.freeze import freeze
+from kiln.train.freeze import freeze, spec_error
 
 
 def _qwen3(layers: int = 3):
@@ -36,11 +36,14 @@ def test_layer_policies_count_from_either_end():
     assert layers(["first:2"]) == [0, 1]
     assert layers(["layers:3,1"]) == [1, 3]
     assert layers(["last:0", "first:0"]) == []
+    assert layers(["indices:0,2"]) == [0, 2]  # the seed research trainer's spelling of layers:i,j
+    assert spec_error("indices:0,2,5") is None and spec_error("indices:0,x") is not None
 
 
 @pytest.mark.parametrize("spec,key,message", [
     ("last:4", "grow.freeze", r"grow.freeze: freeze policy 'last:4' is not valid for 3 layers"),
     ("layers:1,x", "train.freeze", r"train.freeze: freeze policy 'layers:1,x' is not valid for 3 layers"),
+    ("indices:0,3", "train.freeze", r"train.freeze: freeze policy 'indices:0,3' is not valid for 3 layers"),
     ("middle:1", "grow.freeze_after", r"grow.freeze_after: 'middle:1' is not a freeze spec; use first:N"),
     ("model.encoder", "train.freeze", r"train.freeze: \['model.encoder'\] match no parameter name "
                                       r"\(names look like 'model.embed_tokens.weight'\)"),

@@ -26,7 +26,7 @@ import torch
 from pydantic import model_validator
 from torch import nn
 
-from kiln.data.raw import RawTokens, raw_files
+from kiln.data.raw import RawTokens, max_id, raw_files
 from kiln.data.shards import MANIFEST, ShardSet, check_tokenizer, tokenizer_digest
 from kiln.data.stream import EpochStream, StreamLoader, Windows, data_loader
 from kiln.errors import ConfigError
@@ -51,7 +51,8 @@ class PretrainData(DataSection):
     prefetch: int = 2                    # batches each worker may hold ready
     # Raw token ids (kiln.data.raw): train is a .npy/.bin file or a folder of them (no manifest).
     dtype: Literal["uint16", "int32", "uint32", "int64"] | None = None  # of .bin files (a .npy says its own)
-    extension: str = ".bin"              # a folder's token files end with this
+    extension: str = ".bin"              # a folder's token files end with this (".txt": token text files)
+    shuffle_shards: bool = True          # false: every epoch reads the token shards / files in their sorted order
     val_fraction: float = 0.0            # held out at train time: a flat file's tail, or a folder's last shards
 
     @model_validator(mode="after")
@@ -138,7 +139,7 @@ def _stream(cfg: RunConfig, model: nn.Module, train_ids: ShardSet | RawTokens, h
     `held_ids` (None: no eval); the model is checked against data.max_length first."""
     d = _data(cfg)
     check_model_tokenizer(model, d.max_length, cfg.model.path or cfg.model.family, cfg.train.precision)
-    train = Windows(train_ids, d.max_length, seed=cfg.train.seed, within_doc=d.within_doc)
+    train = Windows(train_ids, d.max_length, seed=cfg.train.seed, shuffle=d.shuffle_shards, within_doc=d.within_doc)
     rank, shards = data_shard(cfg.parallel, world.rank, world.size)
     loader = StreamLoader(train, cfg.train.batch_size, rank=rank, world_size=shards, num_workers=d.num_workers,
                           prefetch=d.prefetch)
@@ -200,6 +201,11 @@ class Pretrain(Recipe):
             raise ConfigError(f"data.eval {d.eval} must hold raw token ids too (data.train does)")
         if eval_files is not None and d.val_fraction > 0:
             raise ConfigError("set data.eval or data.val_fraction, not both (each gives the held-out data)")
+        if cfg.model.path is None and "vocab_size" not in cfg.model.config:  # from scratch: max id + 1, as the seed
+            cfg.model.config["vocab_size"] = max_id(files + (eval_files or []), d.dtype) + 1
+            if world.main:
+                print(f"data: model.config.vocab_size = {cfg.model.config['vocab_size']}, inferred from the data "
+                      f"(largest token id + 1)")
         model = build_model(cfg, None, need_tokenizer=False)
         on_model(model)
         vocab = model.config.vocab_size
