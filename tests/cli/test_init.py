@@ -5,15 +5,12 @@ examples that exist in the repository."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kiln_cli import REPO, kiln, kiln_cli  # noqa: E402
+from tests.kiln_cli import REPO, kiln, kiln_cli
 
-from kiln.cli.init import EXAMPLES  # noqa: E402
+from kiln.cli.init import EXAMPLES
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from kiln.models.tasks import get_task
 from kiln.models import load_pretrained
 from kiln.models.auto import AutoConfig
 
-from encoder_cases import HEADS, batches, run_both
+from tests.models.encoder_cases import HEADS, batches, run_both
 
 # The tiny default (2 groups x 2 inner layers over 3 steps) and the classic one-block-for-all-layers shape.
 CONFIGS = {"groups": {}, "one-block": {"num_hidden_groups": 1, "inner_group_num": 1, "num_hidden_layers": 4}}

@@ -15,7 +15,7 @@ from kiln.models.tasks import get_task
 from kiln.models import load_pretrained
 from kiln.models.auto import AutoConfig
 
-from encoder_cases import HEADS, batches, labels_for, run_both
+from tests.models.encoder_cases import HEADS, batches, labels_for, run_both
 
 CONFIGS = {
     # the tiny default: v3 style (8 log buckets, share_att_key, p2c + c2p, LayerNorm'd table, no abs positions)

@@ -13,7 +13,7 @@ from kiln.interop.verify import verify_export
 from kiln.models import AutoModel, AutoModelForCausalLM
 from kiln.models.keymap import KeyMap, Stack
 
-from causal_cases import batches, same, same_greedy_tokens
+from tests.models.causal_cases import batches, same, same_greedy_tokens
 
 DECODERS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
 transformers.logging.set_verbosity_error()

@@ -21,8 +21,8 @@ from kiln.models import AutoModel, AutoModelForCausalLM
 from kiln.models.common.mla import MLACache
 from kiln.models.common.moe_routing import SharedExpertMoE
 
-from causal_cases import batches, changed_copy, model_pair, same, same_greedy_tokens
-from rounding import assert_within, rounding_error
+from tests.models.causal_cases import batches, changed_copy, model_pair, same, same_greedy_tokens
+from tests.models.rounding import assert_within, rounding_error
 
 FAMILIES = ["deepseek_v3", "deepseek_v32", "glm_moe_dsa"]
 transformers.logging.set_verbosity_error()

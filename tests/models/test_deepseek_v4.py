@@ -20,7 +20,7 @@ from kiln.models import AutoModel, AutoModelForCausalLM
 from kiln.models.common.compressor import SlidingCompressedCache
 from kiln.models.common.hash_moe import HashRouter, ScoredTopKRouter
 
-from causal_cases import batches, changed_copy, model_pair, same, same_greedy_tokens
+from tests.models.causal_cases import batches, changed_copy, model_pair, same, same_greedy_tokens
 
 transformers.logging.set_verbosity_error()
 

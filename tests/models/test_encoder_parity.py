@@ -9,7 +9,7 @@ import transformers
 from kiln.models.tasks import get_task
 from kiln.models import load_pretrained
 
-from encoder_cases import HEADS, run_both
+from tests.models.encoder_cases import HEADS, run_both
 
 FAMILIES = ["bert", "roberta", "xlm-roberta", "distilbert"]
 

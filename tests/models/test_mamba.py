@@ -16,8 +16,8 @@ from kiln.models import AutoConfig, AutoModel, AutoModelForCausalLM
 from kiln.models.auto import from_config
 from kiln.models.common.ssm import LinearRecurrence, recurrence
 
-from causal_cases import batches, same
-from rounding import assert_all_within, threads  # noqa: F401 (threads: a fixture)
+from tests.models.causal_cases import batches, same
+from tests.models.rounding import assert_all_within, threads  # noqa: F401 (threads: a fixture)
 
 transformers.logging.set_verbosity_error()
 VARIANTS = {"tied": {}, "untied-biased": dict(tie_word_embeddings=False, use_bias=True, use_conv_bias=False,

@@ -19,7 +19,7 @@ from kiln.models.tasks import get_task
 from kiln.models import AutoModelForMaskedLM, load_pretrained
 from kiln.models.auto import AutoConfig
 
-from encoder_cases import HEADS, assert_same, batches, labels_for, run_both
+from tests.models.encoder_cases import HEADS, assert_same, batches, labels_for, run_both
 
 CONFIGS = {
     # the tiny default: global / local / global layers, window |i - j| <= 4, no biases, CLS pooling, tied decoder

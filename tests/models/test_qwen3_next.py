@@ -21,8 +21,8 @@ from kiln.models.auto import from_config
 from kiln.models.common import delta_rule
 from kiln.models.common.hybrid import HybridCache
 
-from causal_cases import batches, same, same_greedy_tokens
-from rounding import assert_all_within, assert_within, rounding_error, threads  # noqa: F401 (threads: a fixture)
+from tests.models.causal_cases import batches, same, same_greedy_tokens
+from tests.models.rounding import assert_all_within, assert_within, rounding_error, threads  # noqa: F401 (threads: a fixture)
 
 transformers.logging.set_verbosity_error()
 HYBRIDS = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"]

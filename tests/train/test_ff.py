@@ -16,8 +16,8 @@ from kiln.train.metrics import read_metrics
 from kiln.train.multiobjective import pcgrad
 from kiln.train.recipes.ff import FFSection, ff_loss_and_grad, summaries, surgery
 
-from kiln_cli import kiln
-from test_mamba_hpn_toml import shards  # noqa: F401  (the module-scoped fixture: tokenizer + token shards)
+from tests.kiln_cli import kiln
+from tests.train.test_mamba_hpn_toml import shards  # noqa: F401  (the module-scoped fixture: tokenizer + token shards)
 
 
 def _by_hand(u: torch.Tensor, D: torch.Tensor, eps: float) -> tuple[float, list[float]]:
