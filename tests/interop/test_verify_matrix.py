@@ -1,7 +1,8 @@
 """The verify matrix machinery: the grid, keeping going past a failing cell, the exit status, and every
 registered family having a tiny config (one without is a failed row, never a missing one).
 
-The full matrix (every family x head) runs in CI as `kiln verify-matrix` from `make test`.
+The full matrix (every family x head) runs cell by cell in tests/models/test_parity.py (fast tier) and as
+`kiln verify-matrix` from `make test`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ def test_default_cells_cover_every_encoder_family_and_head():
     for family in ("bert", "roberta", "xlm-roberta", "distilbert"):
         for head in ("base", "sequence-classification", "token-classification", "question-answering", "masked-lm"):
             assert (family, head) in cells
+
+
+def test_default_cells_are_each_family_with_exactly_its_heads():
+    """Rows carry only the heads a family has (no masked-lm cell for a decoder), every one of them."""
+    cells = [(f, h) for f, h, _ in default_cells()]
+    assert cells == [(t, h) for t, family in REGISTRY.items() for h in family.tasks]
+    assert ("llama", "causal-lm") in cells and ("llama", "masked-lm") not in cells
 
 
 def test_every_registered_family_has_a_tiny_config():
