@@ -73,9 +73,8 @@ def test_greedy_generation_and_cached_steps(model_type, variant, tiny_factory):
     prompts = [{"input_ids": ids[:1]}, {"input_ids": ids[:1, :2]}, {"input_ids": ids}]  # 2 < a conv window
     if "left-padded generation" not in tiny.skips:
         prompts.append({"input_ids": ids, "attention_mask": attn})
-    same_greedy_tokens(ours, hf, prompts)
-    generated = ours.generate(ids, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
+    generated = same_greedy_tokens(ours, hf, prompts)
+    with torch.no_grad():  # and a plain forward over the last generated rows
         same(ours(generated).logits, hf(generated).logits, "logits over the generated rows")
     # the cached steps themselves are bit-identical, not only their argmax: a prefill, one token, then several
     cache = ours.new_cache()
@@ -92,7 +91,8 @@ def test_greedy_generation_and_cached_steps(model_type, variant, tiny_factory):
 
 @pytest.mark.parametrize("model_type, head", [pytest.param(t, h, id=f"{t}-{h}") for t, f in REGISTRY.items()
                                               for h in f.tasks])
-def test_verify_matrix_cell(model_type, head, tmp_path):
-    """The `kiln verify-matrix` cell: built by transformers, exported by kiln, verified in transformers."""
-    cell = run_cell(model_type, head, None, tmp_path)
+def test_verify_matrix_cell(model_type, head, tiny_factory, tmp_path):
+    """The `kiln verify-matrix` cell: built by transformers (make_tiny, as the command builds it; here the
+    session's copy), exported by kiln, verified in transformers."""
+    cell = run_cell(model_type, head, str(tiny_factory(model_type, head)), tmp_path)
     assert cell.ok and cell.max_diff == 0.0, cell.detail
