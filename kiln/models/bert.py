@@ -95,7 +95,9 @@ MLM_KEYS = KeyMap([
     ("head.decoder", "cls.predictions.decoder"),
 ])
 
-SPECIALS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]", "mask_token": "[MASK]"}  # pad id 0 as BertConfig's default
+# Tiny test tokenizers of the BERT-style families: pad id 0 as BertConfig's default
+SPECIALS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+            "mask_token": "[MASK]"}
 
 # The smallest config that still takes every path (2 layers, several heads, two token types).
 TINY = Tiny(dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
