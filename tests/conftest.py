@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -29,7 +30,7 @@ def tiny_factory(tmp_path_factory):
     cache: dict = {}
 
     def make(model_type: str, task: str, seed: int = 0, **overrides) -> Path:
-        key = (model_type, task, seed, tuple(sorted(overrides.items())))
+        key = (model_type, task, seed, json.dumps(overrides, sort_keys=True))  # lists and dicts too
         if key not in cache:
             out = tmp_path_factory.mktemp(f"{model_type}-{task}")
             cache[key] = make_tiny(model_type, task, out, seed=seed, **overrides)

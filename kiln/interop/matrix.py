@@ -10,9 +10,10 @@ from typing import Callable, Iterable
 from kiln.errors import KilnError
 from kiln.hub.jsonio import read_json
 from kiln.interop.export import export_model
-from kiln.interop.tiny import SPECIALS, TINY, make_tiny
+from kiln.interop.tiny import make_tiny, missing_tiny_message
 from kiln.interop.verify import verify_export
 from kiln.models.auto import REGISTRY
+
 
 @dataclass
 class Cell:
@@ -33,12 +34,8 @@ def default_cells() -> list[tuple[str, str, str | None]]:
 
 
 def missing_tiny(model_type: str) -> str | None:
-    """Why `model_type` cannot be built tiny (no TINY config or no SPECIALS tokens), or None."""
-    lacks = [name for name, table in (("TINY", TINY), ("SPECIALS", SPECIALS)) if model_type not in table]
-    if not lacks:
-        return None
-    return (f"registered family {model_type!r} has no entry in kiln/interop/tiny.py "
-            f"{' and '.join(lacks)}: add one so the matrix and the parity tests can build it")
+    """Why registered `model_type` cannot be built tiny (its Family declares no `tiny`), or None."""
+    return missing_tiny_message(model_type) if REGISTRY[model_type].tiny is None else None
 
 
 def read_cells(path: str) -> list[tuple[str, str, str | None]]:

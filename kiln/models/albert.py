@@ -24,7 +24,7 @@ from kiln.models.config import FamilyConfig
 from kiln.models.heads import (BaseModel, ForMaskedLM, ForQuestionAnswering, ForSequenceClassification,
                                ForTokenClassification, MLMHead, PooledClassifier)
 from kiln.models.keymap import KeyMap
-from kiln.models.pretrained import Family, TaskSpec
+from kiln.models.pretrained import Family, TaskSpec, Tiny
 from kiln.models.tasks import BASE, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
 
 
@@ -130,6 +130,15 @@ MLM_KEYS = KeyMap([
     ("head.decoder", "predictions.decoder"),
 ])
 
+# ALBERT: two groups of two inner layers over three layer steps, so sharing and the schedule both show; parity
+# also runs the classic one-block-for-all-layers shape. Pad 0, bos [CLS] 2, eos [SEP] 3 as AlbertConfig's defaults.
+TINY = Tiny(dict(vocab_size=99, embedding_size=16, hidden_size=32, num_hidden_layers=3, num_hidden_groups=2,
+                 inner_group_num=2, num_attention_heads=4, intermediate_size=37, max_position_embeddings=64,
+                 type_vocab_size=2),
+            specials={"pad_token": "<pad>", "unk_token": "<unk>", "cls_token": "[CLS]", "sep_token": "[SEP]",
+                      "mask_token": "[MASK]"},
+            variants={"one-block": {"num_hidden_groups": 1, "inner_group_num": 1, "num_hidden_layers": 4}})
+
 FAMILY = Family(
     model_type="albert",
     config_cls=AlbertConfig,
@@ -155,4 +164,5 @@ FAMILY = Family(
         MASKED_LM: TaskSpec(
             "AlbertForMaskedLM", lambda c: ForMaskedLM(AlbertEncoder(c, pooler=False), mlm_head(c)), MLM_KEYS),
     },
+    tiny=TINY,
 )

@@ -14,7 +14,7 @@ from kiln.models.config import FamilyConfig
 from kiln.models.heads import (BaseModel, ForMaskedLM, ForQuestionAnswering, ForSequenceClassification,
                                ForTokenClassification, MLMHead, PooledClassifier)
 from kiln.models.keymap import KeyMap
-from kiln.models.pretrained import Family, TaskSpec
+from kiln.models.pretrained import Family, TaskSpec, Tiny
 from kiln.models.tasks import BASE, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
 
 
@@ -95,6 +95,15 @@ MLM_KEYS = KeyMap([
     ("head.decoder", "cls.predictions.decoder"),
 ])
 
+# Tiny test tokenizers of the BERT-style families: pad id 0 as BertConfig's default
+SPECIALS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+            "mask_token": "[MASK]"}
+
+# The smallest config that still takes every path (2 layers, several heads, two token types).
+TINY = Tiny(dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                 max_position_embeddings=64, type_vocab_size=2),
+            specials=SPECIALS)
+
 FAMILY = Family(
     model_type="bert",
     config_cls=BertConfig,
@@ -119,4 +128,5 @@ FAMILY = Family(
         MASKED_LM: TaskSpec(
             "BertForMaskedLM", lambda c: ForMaskedLM(backbone(c, pooler=False), mlm_head(c)), MLM_KEYS),
     },
+    tiny=TINY,
 )

@@ -32,7 +32,7 @@ from kiln.models.config import FamilyConfig
 from kiln.models.heads import (BaseModel, ForMaskedLM, ForQuestionAnswering, ForSequenceClassification,
                                ForTokenClassification, MLMHead, ModelOutput)
 from kiln.models.keymap import KeyMap
-from kiln.models.pretrained import Family, TaskSpec
+from kiln.models.pretrained import Family, TaskSpec, Tiny
 from kiln.models.tasks import BASE, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
 
 # Keys HF reads with getattr(config, key, default): written back only when set, since a null would not
@@ -437,6 +437,24 @@ MLM_KEYS = KeyMap([
     ("head.lm_head.bias", "lm_predictions.lm_head.bias"),
 ])
 
+# DeBERTa-v3 style: log buckets (8) under 64 relative positions, shared keys, both relative terms, LayerNorm'd
+# relative table, no absolute positions; token types on so they are exercised. Pad 0 as DebertaV2Config's default.
+TINY = Tiny(dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                 max_position_embeddings=64, type_vocab_size=2, relative_attention=True, position_buckets=8,
+                 max_relative_positions=64, share_att_key=True, pos_att_type=["p2c", "c2p"],
+                 norm_rel_ebd="layer_norm", position_biased_input=False),
+            specials={"pad_token": "[PAD]", "cls_token": "[CLS]", "sep_token": "[SEP]", "unk_token": "[UNK]",
+                      "mask_token": "[MASK]"},
+            long_rows=True,  # distances past the relative-position buckets
+            variants={
+                # v2 style: no buckets, 16 relative positions (clamped on the long rows), own pos projections, the
+                # conv after layer 0, absolute positions, and embedding_size lifted by embed_proj
+                "v2-conv": {"position_buckets": -1, "max_relative_positions": 16, "share_att_key": False,
+                            "pos_att_type": "c2p|p2c", "norm_rel_ebd": "none", "position_biased_input": True,
+                            "conv_kernel_size": 3, "conv_act": "gelu", "embedding_size": 24},
+                # no relative attention, no token types: what remains is BERT with DeBERTa's mask handling
+                "absolute": {"relative_attention": False, "type_vocab_size": 0, "position_biased_input": True}})
+
 FAMILY = Family(
     model_type="deberta-v2",
     config_cls=DebertaV2Config,
@@ -460,4 +478,5 @@ FAMILY = Family(
         MASKED_LM: TaskSpec(
             "DebertaV2ForMaskedLM", lambda c: ForMaskedLM(DebertaEncoder(c), mlm_head(c)), MLM_KEYS),
     },
+    tiny=TINY,
 )

@@ -23,8 +23,8 @@ from kiln.models.parallel_plan import ParallelPlan
 from kiln.models.pretrained import Family, TaskSpec
 from kiln.models.tasks import BASE, CAUSAL_LM
 
-__all__ = ["CausalLMOutput", "DECODER_PLAN", "DecoderConfig", "DecoderModel", "ForCausalLM", "base_attention",
-           "build_decoder", "decoder_family"]
+__all__ = ["CausalLMOutput", "DECODER_PLAN", "DecoderConfig", "DecoderModel", "ForCausalLM", "SPECIALS",
+           "base_attention", "build_decoder", "decoder_family"]
 
 
 @dataclass
@@ -97,6 +97,10 @@ def build_decoder(c: DecoderConfig, attention: AttentionFn, mlp: MlpFn) -> Decod
 def base_attention(c: DecoderConfig, **switches: Any) -> AttentionSpec:
     return AttentionSpec(c.hidden_size, c.num_attention_heads, c.kv_heads, c.dim_head, eps=c.rms_norm_eps,
                          dropout=c.attention_dropout, **switches)
+
+
+# Tiny test tokenizers of the decoders: ids 0-3 (llama: bos 1, eos 2 as LlamaConfig's defaults)
+SPECIALS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 
 # Module names are HF's: the base map is the identity over the three top-level parts.

@@ -35,7 +35,7 @@ from kiln.models.common.rope import RotaryEmbedding
 from kiln.models.decoder_lm import IDENTITY_KEYS, DecoderConfig, DecoderModel, ForCausalLM
 from kiln.models.keymap import KeyMap
 from kiln.models.parallel_plan import ParallelPlan
-from kiln.models.pretrained import Family, TaskSpec, check_tensors, init_module
+from kiln.models.pretrained import Family, TaskSpec, Tiny, check_tensors, init_module
 from kiln.models.qwen3_moe import EXPERT_KEYS  # transformers maps DeepSeek experts as Qwen2/3-MoE's
 from kiln.models.tasks import BASE, CAUSAL_LM
 
@@ -304,4 +304,24 @@ def mla_family(model_type: str, config_cls: type[MLAConfig], arch: str,
     )
 
 
-FAMILY = mla_family("deepseek_v3", DeepseekV3Config, "DeepseekV3")
+# Tiny test tokenizers of the MLA families: bos 0, eos 1 as their configs' defaults
+SPECIALS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+
+
+def random_bias(name: str, tensor: torch.Tensor, g: torch.Generator) -> torch.Tensor | None:
+    """Balancing biases drawn at random (transformers starts them at zero), so a bias dropped or added in the
+    wrong place changes which experts are picked."""
+    return torch.randn(tensor.shape, generator=g) * 0.3 if name.endswith("e_score_correction_bias") else None
+
+
+# MLA + group-limited sigmoid MoE: no query latent (q_proj), yarn rope with mscale on the softmax scale, 4 expert
+# groups (2 kept), 2 shared experts, layer 0 dense
+TINY = Tiny(dict(vocab_size=99, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+                 qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+                 topk_group=2, n_shared_experts=2, first_k_dense_replace=1, max_position_embeddings=64,
+                 rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.8,
+                                      mscale_all_dim=1.0, original_max_position_embeddings=16)),
+            specials=SPECIALS, randomize=random_bias, router_layers=1)
+
+FAMILY = mla_family("deepseek_v3", DeepseekV3Config, "DeepseekV3").with_tiny(TINY)

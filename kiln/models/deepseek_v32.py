@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.errors import ConfigError
-from kiln.models.deepseek_v3 import MLAConfig, mla_family
+from kiln.models.deepseek_v3 import SPECIALS, MLAConfig, mla_family, random_bias
+from kiln.models.pretrained import Tiny
 
 LAYER_KINDS = ("dense", "sparse")
 
@@ -55,4 +56,12 @@ class DeepseekV32Config(MLAConfig):
                               f"{LAYER_KINDS}, got {types!r}")
 
 
-FAMILY = mla_family("deepseek_v32", DeepseekV32Config, "DeepseekV32")
+# with a query latent and an indexer keeping 4 keys (fewer than the test rows)
+TINY = Tiny(dict(vocab_size=99, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+                 qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                 topk_group=1, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=64,
+                 index_topk=4, index_head_dim=16, index_n_heads=2),
+            specials=SPECIALS, randomize=random_bias, router_layers=1)
+
+FAMILY = mla_family("deepseek_v32", DeepseekV32Config, "DeepseekV32").with_tiny(TINY)

@@ -36,9 +36,10 @@ from kiln.models.common.norms import Fp32ScaleRMSNorm
 from kiln.models.common.rope import PairRotaryEmbedding, rope_parameters
 from kiln.models.common.sink_attention import SinkAttention, window_mask
 from kiln.models.decoder_lm import DecoderConfig
+from kiln.models.deepseek_v3 import SPECIALS
 from kiln.models.keymap import KeyMap, Stack
 from kiln.models.parallel_plan import ParallelPlan
-from kiln.models.pretrained import Family, TaskSpec
+from kiln.models.pretrained import Family, TaskSpec, Tiny
 from kiln.models.tasks import BASE, CAUSAL_LM
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -366,6 +367,31 @@ CAUSAL_KEYS = [("lm_head", "head"), ("model.embed_tokens", "model.embed_tokens")
 # head feeds every query head, so heads cannot be split without copying it (transformers keeps it whole too).
 V4_PLAN = ParallelPlan(blocks="model.layers", experts="mlp.experts")
 
+def random_routing(name: str, tensor: torch.Tensor, g: torch.Generator) -> torch.Tensor | None:
+    """Balancing biases at random and a random hash table (distinct experts per token), so a bias or table that
+    is dropped or misread changes which experts are picked."""
+    if name.endswith("ffn.gate.bias"):
+        return torch.randn(tensor.shape, generator=g) * 0.3
+    if name.endswith("tid2eid"):
+        return torch.stack([torch.randperm(8, generator=g)[:tensor.shape[1]] for _ in range(tensor.shape[0])])
+    return None
+
+
+# One layer of each attention kind (sliding only, CSA every 2 tokens with an indexer keeping 3 entries, HCA every
+# 4), a window of 4 keys (shorter than the test rows), hash routing then top-k, 3 residual streams, YaRN on the
+# compress rope, a swiglu_limit low enough to clamp; built from config (fast-path and parallel tests) an init std
+# of 0.2 keeps the hyper-connection gradients well above fp32 rounding noise
+TINY = Tiny(dict(vocab_size=99, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=1, head_dim=16, partial_rotary_factor=0.5, q_lora_rank=24, o_groups=2,
+                 o_lora_rank=8, n_routed_experts=8, num_experts_per_tok=2,
+                 layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+                 mlp_layer_types=["hash_moe", "moe", "moe"],
+                 compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+                 index_n_heads=2, index_head_dim=8, index_topk=3, sliding_window=4, hc_mult=3, hc_sinkhorn_iters=3,
+                 swiglu_limit=1.0, max_position_embeddings=64, initializer_range=0.2,
+                 rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)),
+            specials=SPECIALS, randomize=random_routing, router_layers=2)  # the hash layer records no router logits
+
 FAMILY = Family(
     model_type="deepseek_v4",
     config_cls=DeepseekV4Config,
@@ -378,4 +404,5 @@ FAMILY = Family(
                             lambda c: V4ForCausalLM(V4Decoder(c), c.hidden_size, c.vocab_size, c.tie_word_embeddings),
                             KeyMap(CAUSAL_KEYS)),
     },
+    tiny=TINY,
 )

@@ -19,8 +19,9 @@ from kiln.models.config import FamilyConfig
 from kiln.models.heads import (BaseModel, FirstTokenClassifier, ForMaskedLM, ForQuestionAnswering,
                                ForSequenceClassification, ForTokenClassification, MLMHead)
 from kiln.models.keymap import KeyMap
-from kiln.models.pretrained import Family, TaskSpec
+from kiln.models.pretrained import Family, TaskSpec, Tiny
 from kiln.models.tasks import BASE, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
+from kiln.models import bert
 
 EPS = 1e-12
 
@@ -95,6 +96,9 @@ BASE_KEYS = KeyMap([
     ("layers.{}.mlp_norm", "transformer.layer.{}.output_layer_norm"),
 ])
 
+TINY = Tiny(dict(vocab_size=99, dim=32, n_layers=2, n_heads=4, hidden_dim=37, max_position_embeddings=64),
+            specials=bert.SPECIALS)
+
 FAMILY = Family(
     model_type="distilbert",
     config_cls=DistilBertConfig,
@@ -124,4 +128,5 @@ FAMILY = Family(
             KeyMap([("head.dense", "vocab_transform"), ("head.norm", "vocab_layer_norm"),
                     ("head.bias", "vocab_projector.bias"), ("head.decoder", "vocab_projector")])),
     },
+    tiny=TINY,
 )

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from kiln.errors import ConfigError
 from kiln.models.deepseek_v32 import DeepseekV32Config
-from kiln.models.deepseek_v3 import mla_family
+from kiln.models.deepseek_v3 import SPECIALS, mla_family, random_bias
+from kiln.models.pretrained import Tiny
 
 INDEXER_KINDS = ("full", "shared")
 
@@ -65,4 +66,14 @@ class GlmMoeDsaConfig(DeepseekV32Config):
                               f"got {types!r}")
 
 
-FAMILY = mla_family("glm_moe_dsa", GlmMoeDsaConfig, "GlmMoeDsa")
+# GLM-5: a shared-indexer layer after a full one, interleaved indexer rope
+TINY = Tiny(dict(vocab_size=99, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+                 qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                 first_k_dense_replace=1, max_position_embeddings=64, index_topk=5, index_head_dim=16,
+                 index_n_heads=2, indexer_types=["full", "shared"],
+                 rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=2.0, mscale=1.0,
+                                      mscale_all_dim=1.0, original_max_position_embeddings=32)),
+            specials=SPECIALS, randomize=random_bias, router_layers=1)
+
+FAMILY = mla_family("glm_moe_dsa", GlmMoeDsaConfig, "GlmMoeDsa").with_tiny(TINY)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.models.common.mlp import GatedMLP
-from kiln.models.decoder_lm import DecoderConfig, base_attention, decoder_family
+from kiln.models.decoder_lm import SPECIALS, DecoderConfig, base_attention, decoder_family
+from kiln.models.pretrained import Tiny
 
 
 @dataclass
@@ -32,4 +33,11 @@ def mlp(c: LlamaConfig, layer: int) -> GatedMLP:
     return GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, bias=c.mlp_bias)
 
 
-FAMILY = decoder_family("llama", LlamaConfig, "Llama", attention, mlp)
+# grouped-query attention (4 heads over 2 kv heads), tied embeddings and llama3 rope
+TINY = Tiny(dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+                 rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                                      high_freq_factor=4.0, original_max_position_embeddings=16)),
+            specials=SPECIALS)
+
+FAMILY = decoder_family("llama", LlamaConfig, "Llama", attention, mlp).with_tiny(TINY)

@@ -28,7 +28,7 @@ from kiln.models.common.ssm import SCANS, causal_conv1d
 from kiln.models.config import FamilyConfig
 from kiln.models.keymap import KeyMap
 from kiln.models.parallel_plan import ParallelPlan
-from kiln.models.pretrained import Family, TaskSpec
+from kiln.models.pretrained import Family, TaskSpec, Tiny
 from kiln.models.tasks import BASE, CAUSAL_LM
 
 
@@ -196,6 +196,12 @@ BASE_KEYS = KeyMap([
     ("norm_f", "norm_f"),
 ])
 
+# expand 2 -> 64 channels, 8 states, rank-2 dt, kernel 4, tied; parity also runs an untied, biased variant.
+TINY = Tiny(dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, state_size=8, conv_kernel=4),
+            specials={"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},  # pad 0
+            variants={"untied-biased": dict(tie_word_embeddings=False, use_bias=True, use_conv_bias=False,
+                                            time_step_rank=3, expand=3, residual_in_fp32=False)})
+
 FAMILY = Family(
     model_type="mamba",
     config_cls=MambaConfig,
@@ -211,4 +217,5 @@ FAMILY = Family(
                                   embedding="embeddings", fp32_logits=True),
             KeyMap([("lm_head", "lm_head")])),
     },
+    tiny=TINY,
 )

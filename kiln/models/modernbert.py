@@ -28,8 +28,9 @@ from kiln.models.config import FamilyConfig
 from kiln.models.heads import (BaseModel, ForMaskedLM, ForQuestionAnswering, ForSequenceClassification,
                                ForTokenClassification, ModelOutput)
 from kiln.models.keymap import KeyMap
-from kiln.models.pretrained import Family, TaskSpec
+from kiln.models.pretrained import Family, TaskSpec, Tiny
 from kiln.models.tasks import BASE, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
+from kiln.models import bert
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _DEFAULT_THETA = {"full_attention": 160_000.0, "sliding_attention": 10_000.0}
@@ -337,6 +338,24 @@ MLM_KEYS = KeyMap([
     ("head.transform", "head"),
 ])
 
+# ModernBERT: global, local, global; a local window of |i - j| <= 4, shorter than the long test rows; no biases,
+# CLS pooling, tied decoder. Pad 0, cls/bos 2, sep/eos 3.
+TINY = Tiny(dict(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
+                 max_position_embeddings=64, global_attn_every_n_layers=2, local_attention=8, pad_token_id=0,
+                 bos_token_id=2, cls_token_id=2, eos_token_id=3, sep_token_id=3),
+            specials=bert.SPECIALS,
+            long_rows=True,
+            variants={
+                # every bias on, mean pooling, no decoder bias, explicit layer_types (local first) and rope thetas
+                # per type, a window (|i - j| <= 8) longer than the short row: the unmasked SDPA path on the local layer
+                "biased-mean": {"attention_bias": True, "mlp_bias": True, "norm_bias": True, "classifier_bias": True,
+                                "decoder_bias": False, "classifier_pooling": "mean", "local_attention": 16,
+                                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                                "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5000.0},
+                                                    "sliding_attention": {"rope_type": "default",
+                                                                          "rope_theta": 300.0}},
+                                "hidden_activation": "gelu_pytorch_tanh", "classifier_activation": "silu"}})
+
 FAMILY = Family(
     model_type="modernbert",
     config_cls=ModernBertConfig,
@@ -361,4 +380,5 @@ FAMILY = Family(
         MASKED_LM: TaskSpec(
             "ModernBertForMaskedLM", lambda c: ModernBertForMaskedLM(ModernBertEncoder(c), MaskedLMHead(c)), MLM_KEYS),
     },
+    tiny=TINY,
 )

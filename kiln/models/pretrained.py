@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,6 +34,26 @@ class TaskSpec:
 
 
 @dataclass(frozen=True)
+class Tiny:
+    """A family's smallest test model and how the parity tests treat it.
+
+    kiln.interop.tiny builds it with transformers (random weights, a word-list tokenizer); the parity
+    harness (tests/models/test_parity.py) and the verify matrix read it from the registry, so a new
+    family is tested by declaring this beside its config.
+    """
+    config: dict[str, Any]          # transformers config kwargs: the smallest shape that takes every path
+    specials: dict[str, str]        # tokenizer special tokens, in id order from 0 (pad/bos/eos ids as the config's)
+    unigram: bool = False           # a SentencePiece (Unigram) tokenizer, as the family's checkpoints ship one
+    # tensors transformers initialises to constants (balancing biases, hash tables), drawn at random in the saved
+    # checkpoint so one that is dropped or misread changes outputs: (name, tensor, generator) -> new or None
+    randomize: Callable[[str, torch.Tensor, torch.Generator], torch.Tensor | None] | None = None
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)  # other configs parity runs: name -> overrides
+    long_rows: bool = False         # encoders: parity also over 40-token rows (relative positions, local windows)
+    router_layers: int = 0          # MoE layers that report router logits: compared (with the aux loss) when > 0
+    skips: dict[str, str] = field(default_factory=dict)  # parity check -> why this family cannot run it
+
+
+@dataclass(frozen=True)
 class Family:
     model_type: str
     config_cls: type[FamilyConfig]
@@ -42,6 +62,10 @@ class Family:
     tasks: dict[str, TaskSpec]
     extra_keys: tuple[str, ...] = ()   # regexes of HF base keys kept verbatim (buffers like position_ids)
     parallel_plan: ParallelPlan | None = None  # how kiln.parallel may split it (None: blocks found by size, no TP/EP)
+    tiny: Tiny | None = None  # its tiny test model (None: the verify matrix and parity tests fail it by name)
+
+    def with_tiny(self, tiny: Tiny) -> "Family":
+        return replace(self, tiny=tiny)
 
     def keymap(self, task: str) -> KeyMap:
         from kiln.models.common.fp8 import with_scale_stacks  # FP8 experts' scales stack like their weights

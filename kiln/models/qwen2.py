@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.models.common.mlp import GatedMLP
-from kiln.models.decoder_lm import DecoderConfig, base_attention, decoder_family
+from kiln.models.decoder_lm import SPECIALS, DecoderConfig, base_attention, decoder_family
+from kiln.models.pretrained import Tiny
 
 
 @dataclass
@@ -30,4 +31,11 @@ def mlp(c: Qwen2Config, layer: int) -> GatedMLP:
     return GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
 
 
-FAMILY = decoder_family("qwen2", Qwen2Config, "Qwen2", attention, mlp)
+# grouped-query attention (4 heads over 2 kv heads), yarn rope
+TINY = Tiny(dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64,
+                 rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                      original_max_position_embeddings=16)),
+            specials=SPECIALS)
+
+FAMILY = decoder_family("qwen2", Qwen2Config, "Qwen2", attention, mlp).with_tiny(TINY)

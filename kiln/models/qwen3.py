@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kiln.models.common.mlp import GatedMLP
-from kiln.models.decoder_lm import DECODER_PLAN, DecoderConfig, base_attention, decoder_family
+from kiln.models.decoder_lm import DECODER_PLAN, SPECIALS, DecoderConfig, base_attention, decoder_family
+from kiln.models.pretrained import Tiny
 
 
 @dataclass
@@ -35,4 +36,9 @@ def mlp(c: Qwen3Config, layer: int) -> GatedMLP:
 # Qwen3: the q/k norms see only a rank's heads under tensor parallelism
 PARALLEL_PLAN = replace(DECODER_PLAN, head_norms=("self_attn.q_norm", "self_attn.k_norm"))
 
-FAMILY = decoder_family("qwen3", Qwen3Config, "Qwen3", attention, mlp, parallel_plan=PARALLEL_PLAN)
+# grouped-query attention (4 heads over 2 kv heads), head_dim != hidden / heads
+TINY = Tiny(dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=64),
+            specials=SPECIALS)
+
+FAMILY = decoder_family("qwen3", Qwen3Config, "Qwen3", attention, mlp, parallel_plan=PARALLEL_PLAN).with_tiny(TINY)

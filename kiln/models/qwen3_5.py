@@ -24,9 +24,11 @@ from kiln.models.common.mlp import GatedMLP
 from kiln.models.common.moe import SharedExpertMoEBlock
 from kiln.models.common.rope import MRotaryEmbedding
 from kiln.models.keymap import KeyMap
-from kiln.models.pretrained import Family, TaskSpec
+from kiln.models.decoder_lm import SPECIALS
+from kiln.models.pretrained import Family, TaskSpec, Tiny
 from kiln.models.qwen3_moe import EXPERT_KEYS
-from kiln.models.qwen3_next import HybridConfig, HybridForCausalLM, attention, build_hybrid, deltanet, hybrid_family
+from kiln.models.qwen3_next import (TINY_HYBRID, TINY_HYBRID_MOE, HybridConfig, HybridForCausalLM, attention,
+                                   build_hybrid, deltanet, hybrid_family)
 from kiln.models.tasks import CAUSAL_LM
 
 
@@ -69,9 +71,10 @@ def moe_mlp(c: Qwen3_5MoeTextConfig, layer: int) -> nn.Module:
 
 
 TEXT = hybrid_family("qwen3_5_text", Qwen3_5TextConfig, ("Qwen3_5TextModel", "Qwen3_5ForCausalLM"), mixer, dense_mlp,
-                     rope_cls=MRotaryEmbedding)
+                     rope_cls=MRotaryEmbedding).with_tiny(Tiny(TINY_HYBRID, specials=SPECIALS))
 MOE_TEXT = hybrid_family("qwen3_5_moe_text", Qwen3_5MoeTextConfig, ("Qwen3_5MoeTextModel", "Qwen3_5MoeForCausalLM"),
-                         mixer, moe_mlp, EXPERT_KEYS, rope_cls=MRotaryEmbedding)
+                         mixer, moe_mlp, EXPERT_KEYS, rope_cls=MRotaryEmbedding).with_tiny(Tiny(TINY_HYBRID_MOE,
+                                                                                                specials=SPECIALS))
 
 
 # ---- image-text checkpoints ---------------------------------------------------------------------
@@ -132,5 +135,13 @@ def image_text_family(model_type: str, config_cls: type, arch: str, text: Family
                                                KeyMap([("lm_head", "lm_head")]))})
 
 
-FAMILY = image_text_family("qwen3_5", Qwen3_5Config, "Qwen3_5", TEXT, dense_mlp)
-MOE_FAMILY = image_text_family("qwen3_5_moe", Qwen3_5MoeConfig, "Qwen3_5Moe", MOE_TEXT, moe_mlp)
+# Tiny image-text checkpoints: the tiny text model plus a one-block vision tower
+TINY_VISION = dict(vision_config=dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2, patch_size=4,
+                                      spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32,
+                                      num_position_embeddings=16),
+                   image_token_id=95, video_token_id=96, vision_start_token_id=97, vision_end_token_id=98)
+
+FAMILY = image_text_family("qwen3_5", Qwen3_5Config, "Qwen3_5", TEXT, dense_mlp).with_tiny(
+    Tiny(dict(TINY_VISION, text_config=TINY_HYBRID), specials=SPECIALS))
+MOE_FAMILY = image_text_family("qwen3_5_moe", Qwen3_5MoeConfig, "Qwen3_5Moe", MOE_TEXT, moe_mlp).with_tiny(
+    Tiny(dict(TINY_VISION, text_config=TINY_HYBRID_MOE), specials=SPECIALS))

@@ -18,8 +18,9 @@ from kiln.errors import ConfigError
 from kiln.models import qwen3
 from kiln.models.common.mlp import GatedMLP
 from kiln.models.common.moe import MoEBlock
-from kiln.models.decoder_lm import decoder_family
+from kiln.models.decoder_lm import SPECIALS, decoder_family
 from kiln.models.keymap import Stack
+from kiln.models.pretrained import Tiny
 
 
 @dataclass
@@ -77,5 +78,12 @@ EXPERT_KEYS = [
     Stack("layers.{}.mlp.experts.down_proj", ("layers.{}.mlp.experts.{}.down_proj.weight",)),
 ]
 
+# a MoE layer (4 experts, top 2) beside a dense one
+TINY = Tiny(dict(vocab_size=99, hidden_size=32, intermediate_size=37, moe_intermediate_size=16, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_experts=4,
+                 num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1]),
+            specials=SPECIALS, router_layers=1)
+
 FAMILY = decoder_family("qwen3_moe", Qwen3MoeConfig, "Qwen3Moe", qwen3.attention, mlp, EXPERT_KEYS,
-                        parallel_plan=replace(qwen3.PARALLEL_PLAN, experts="mlp.experts"))  # Qwen3-MoE: experts
+                        parallel_plan=replace(qwen3.PARALLEL_PLAN, experts="mlp.experts")  # Qwen3-MoE: experts
+                        ).with_tiny(TINY)

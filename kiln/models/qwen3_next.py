@@ -26,10 +26,10 @@ from kiln.models.common.hybrid import GatedAttention, GatedDeltaNet, HybridDecod
 from kiln.models.common.mlp import GatedMLP
 from kiln.models.common.moe import SharedExpertMoEBlock
 from kiln.models.common.rope import RotaryEmbedding
-from kiln.models.decoder_lm import IDENTITY_KEYS, DecoderConfig, DecoderModel, ForCausalLM
+from kiln.models.decoder_lm import IDENTITY_KEYS, SPECIALS, DecoderConfig, DecoderModel, ForCausalLM
 from kiln.models.keymap import KeyMap
 from kiln.models.parallel_plan import ParallelPlan
-from kiln.models.pretrained import Family, TaskSpec
+from kiln.models.pretrained import Family, TaskSpec, Tiny
 from kiln.models.qwen3_moe import EXPERT_KEYS
 from kiln.models.tasks import BASE, CAUSAL_LM
 
@@ -222,5 +222,17 @@ def hybrid_family(model_type: str, config_cls: type[HybridConfig], archs: tuple[
     )
 
 
+# Tiny hybrid decoders (Qwen3-Next, Qwen3.5): a Gated DeltaNet layer (2 key heads serving 4 value heads) then a gated
+# attention layer whose rotary turns 4 of its 16 dims; the MoE ones route over 4 experts plus the gated shared
+# expert (Qwen3-Next's layer 1 dense).
+TINY_HYBRID = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                   layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+TINY_HYBRID_MOE = dict(TINY_HYBRID, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4,
+                       num_experts_per_tok=2)
+
+TINY = Tiny(dict(TINY_HYBRID_MOE, mlp_only_layers=[1]), specials=SPECIALS)
+
 FAMILY = hybrid_family("qwen3_next", Qwen3NextConfig, ("Qwen3NextModel", "Qwen3NextForCausalLM"), mixer, mlp,
-                       EXPERT_KEYS)
+                       EXPERT_KEYS).with_tiny(TINY)

@@ -13,7 +13,7 @@ from kiln.models import bert
 from kiln.models.heads import (BaseModel, FirstTokenClassifier, ForMaskedLM, ForQuestionAnswering,
                                ForSequenceClassification, ForTokenClassification, MLMHead)
 from kiln.models.keymap import KeyMap
-from kiln.models.pretrained import Family, TaskSpec
+from kiln.models.pretrained import Family, TaskSpec, Tiny
 from kiln.models.tasks import BASE, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
 
 
@@ -64,4 +64,11 @@ def family(model_type: str, config_cls: type, hf_prefix: str, arch: str) -> Fami
     )
 
 
-FAMILY = family("roberta", RobertaConfig, "roberta", "Roberta")
+SPECIALS = {"bos_token": "<s>", "pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>", "mask_token": "<mask>"}
+
+# positions start after the padding id, so max_position_embeddings keeps room for it
+TINY = Tiny(dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                 max_position_embeddings=72, type_vocab_size=1),
+            specials=SPECIALS)
+
+FAMILY = family("roberta", RobertaConfig, "roberta", "Roberta").with_tiny(TINY)

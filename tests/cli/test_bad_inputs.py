@@ -16,9 +16,9 @@ from typing import Callable
 import pytest
 from typer.testing import CliRunner
 
-from bad_inputs_world import World, build_world, snapshot, write_toml
+from tests.cli.bad_inputs_world import World, build_world, snapshot, write_toml
 from kiln.cli.main import app
-from kiln_cli import kiln_cli
+from tests.kiln_cli import kiln_cli
 
 
 @pytest.fixture(scope="module")

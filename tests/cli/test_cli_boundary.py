@@ -10,7 +10,7 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from bad_inputs_world import write_toml
+from tests.cli.bad_inputs_world import write_toml
 from kiln.cli.main import app
 from kiln.errors import KilnError
 

@@ -15,7 +15,7 @@ import pytest
 import typer
 
 from kiln.cli.main import app
-from kiln_cli import REPO
+from tests.kiln_cli import REPO
 
 HEAVY = ("torch", "transformers")
 

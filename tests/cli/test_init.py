@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kiln_cli import REPO, kiln, kiln_cli  # noqa: E402
+from tests.kiln_cli import REPO, kiln, kiln_cli
 
-from kiln.cli.init import EXAMPLES  # noqa: E402
+from kiln.cli.init import EXAMPLES
 
 
 # The extras (pyproject's optional dependencies) and the data / model packages only a dev install has.

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tokdata import make_tokenizer_dir
+from tests.data.tokdata import make_tokenizer_dir
 
 
 @pytest.fixture(scope="session")

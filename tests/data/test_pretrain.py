@@ -22,7 +22,7 @@ from kiln.train.config import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.run import build_trainer
 
-from tokdata import kiln, make_docs, make_tokenizer_dir
+from tests.data.tokdata import kiln, make_docs, make_tokenizer_dir
 
 TINY_QWEN3 = {"vocab_size": 300, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,

@@ -12,7 +12,7 @@ import pytest
 from kiln.data.shards import ShardError, ShardSet
 from kiln.data.stream import StreamLoader, Windows
 from kiln.hub.files import file_sha256
-from tokdata import write_synthetic_shards
+from tests.data.tokdata import write_synthetic_shards
 
 
 def _flip_last_byte(path):

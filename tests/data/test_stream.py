@@ -14,7 +14,7 @@ from kiln.data.shards import ShardSet
 from kiln.data.stream import EpochStream, StreamLoader, Windows, data_loader
 from kiln.errors import KilnError
 
-from tokdata import write_synthetic_shards
+from tests.data.tokdata import write_synthetic_shards
 
 LENGTHS = [50, 37, 64, 11, 90, 23]   # 275 tokens, shards of uneven size
 T, B = 16, 3

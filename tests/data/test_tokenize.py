@@ -17,7 +17,7 @@ from kiln.data.tokenize import TokenizeOptions, tokenize_to_shards
 from kiln.errors import KilnError
 from kiln.hub import Tokenizer
 
-from tokdata import kiln, make_docs
+from tests.data.tokdata import kiln, make_docs
 
 
 def _split_docs(root, split, eos):
@@ -130,7 +130,7 @@ def test_empty_and_truncated_shards(shard_dir):
 
 
 def test_manifest_of_another_tokenizer_is_refused(shard_dir, tmp_path):
-    from tokdata import make_tokenizer_dir
+    from tests.data.tokdata import make_tokenizer_dir
 
     other = Tokenizer.from_dir(make_tokenizer_dir(tmp_path / "other", vocab_size=280))
     with pytest.raises(ShardError, match=r"tokenized with .*bpe .*not with the run's tokenizer other .*re-run `kiln tokenize`"):

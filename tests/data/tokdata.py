@@ -12,7 +12,7 @@ from tokenizers import decoders, pre_tokenizers
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
-from kiln_cli import kiln  # noqa: F401  (re-exported for the tests here)
+from tests.kiln_cli import kiln  # noqa: F401  (re-exported for the tests here)
 from kiln.data.shards import ShardWriter, write_manifest
 
 WORDS = ("the cat sat on a mat while dogs ran past red houses and blue cars in the rain; birds flew over "

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,8 +12,7 @@ from safetensors.torch import load_file, save_file
 from kiln.errors import ConfigError, KilnError, WeightsError
 from kiln.hub import fp8
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from fp8_cases import quantize_reference  # noqa: E402
+from tests.models.fp8_cases import quantize_reference
 
 E8M0 = torch.float8_e8m0fnu
 
@@ -132,7 +129,7 @@ def test_bad_pairs_by_message():
 def test_bad_checkpoint_through_load_pretrained(tiny_factory, tmp_path):
     """A block size that does not fit the stored scales, and a missing scale, name the tensor and shapes."""
     from kiln.models.auto import load_pretrained
-    from fp8_cases import make_fp8
+    from tests.models.fp8_cases import make_fp8
 
     src = make_fp8(tiny_factory("qwen3", "causal-lm"), tmp_path / "fp8", "Qwen3ForCausalLM")
     cfg = json.loads((src / "config.json").read_text())

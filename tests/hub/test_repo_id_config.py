@@ -4,13 +4,11 @@ the config's folder) when no such path exists there, and `kiln train` loads it f
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from kiln.train.config import load_run_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_resolve import hub_cache  # noqa: E402,F401  (the fake-cache fixture)
+from tests.hub.test_resolve import hub_cache  # noqa: F401  (the fake-cache fixture)
 
 
 

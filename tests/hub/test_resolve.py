@@ -15,8 +15,7 @@ from kiln.errors import KilnError
 from kiln.hub.resolve import parse_repo_id, resolve_model_dir
 from kiln.models import load_pretrained
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kiln_cli import kiln_cli  # noqa: E402
+from tests.kiln_cli import kiln_cli
 
 MAIN = "a" * 40   # commit of refs/main
 OLD = "b" * 40    # an older commit, also tagged v1

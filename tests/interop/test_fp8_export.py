@@ -5,16 +5,13 @@ its own block-true dequantization where the shapes leave partial blocks)."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from fp8_cases import make_fp8  # noqa: E402
+from tests.models.fp8_cases import make_fp8
 
 from kiln.cli.main import app
 

@@ -1,11 +1,13 @@
 """The verify matrix machinery: the grid, keeping going past a failing cell, the exit status, and every
 registered family having a tiny config (one without is a failed row, never a missing one).
 
-The full matrix (every family x head) runs in CI as `kiln verify-matrix` from `make test`.
+The full matrix (every family x head) runs cell by cell in tests/models/test_parity.py (fast tier) and as
+`kiln verify-matrix` from `make test`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -14,7 +16,6 @@ from typer.testing import CliRunner
 from kiln.cli.main import app
 from kiln.interop import matrix
 from kiln.interop.matrix import default_cells, missing_tiny
-from kiln.interop.tiny import TINY
 from kiln.models.auto import REGISTRY
 
 
@@ -25,23 +26,29 @@ def test_default_cells_cover_every_encoder_family_and_head():
             assert (family, head) in cells
 
 
+def test_default_cells_are_each_family_with_exactly_its_heads():
+    """Rows carry only the heads a family has (no masked-lm cell for a decoder), every one of them."""
+    cells = [(f, h) for f, h, _ in default_cells()]
+    assert cells == [(t, h) for t, family in REGISTRY.items() for h in family.tasks]
+    assert ("llama", "causal-lm") in cells and ("llama", "masked-lm") not in cells
+
+
 def test_every_registered_family_has_a_tiny_config():
-    """A family in the registry without TINY (and SPECIALS) entries cannot be parity-tested or verified."""
+    """A family in the registry without a `Tiny` cannot be parity-tested or verified."""
     missing = [why for why in map(missing_tiny, REGISTRY) if why]
     assert not missing, "\n".join(missing)
 
 
 def test_family_without_a_tiny_config_is_a_failed_row(monkeypatch):
     """Not silently absent from the grid: every head of the family is a FAIL cell naming what is missing."""
-    monkeypatch.setattr(matrix, "REGISTRY", {"distilbert": REGISTRY["distilbert"]})
-    monkeypatch.delitem(TINY, "distilbert")
+    monkeypatch.setattr(matrix, "REGISTRY", {"distilbert": dataclasses.replace(REGISTRY["distilbert"], tiny=None)})
     heads = list(REGISTRY["distilbert"].tasks)
     assert [(f, h) for f, h, _ in default_cells()] == [("distilbert", h) for h in heads]
     r = CliRunner().invoke(app, ["verify-matrix"], terminal_width=200)
     assert r.exit_code == 1, r.output
     text = " ".join(r.output.split())
     assert re.search(r"│ distilbert( │ FAIL){%d} │" % len(heads), text), text  # the grid row
-    assert text.count("registered family 'distilbert' has no entry in kiln/interop/tiny.py TINY") == len(heads)
+    assert text.count("registered family 'distilbert' declares no tiny test model") == len(heads)
     assert f"{len(heads)} of {len(heads)} cells failed" in text
 
 

@@ -57,10 +57,12 @@ def model_pair(src: Path, eos: bool = True):
     return ours, hf
 
 
-def same_greedy_tokens(ours, hf, inputs: list[dict], new: int = 20) -> None:
-    """`new` greedy tokens (no EOS stop) from kiln's and transformers' generate are equal, for each input."""
+def same_greedy_tokens(ours, hf, inputs: list[dict], new: int = 20) -> torch.Tensor:
+    """`new` greedy tokens (no EOS stop) from kiln's and transformers' generate are equal, for each input;
+    returns the last input's generated rows."""
     for kw in inputs:
         a = ours.generate(**kw, max_new_tokens=new, eos_token_id=None, pad_token_id=0)
         b = hf.generate(**kw, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert a.shape == (kw["input_ids"].shape[0], kw["input_ids"].shape[1] + new)
         assert torch.equal(a, b), (a.tolist(), b.tolist())
+    return a

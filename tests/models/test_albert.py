@@ -1,4 +1,4 @@
-"""ALBERT x five heads: HF -> kiln and kiln -> HF bit for bit (fp32, CPU), layer sharing, fill-mask."""
+"""ALBERT: layer sharing, the untied decoder, fill-mask (both-ways parity x five heads: tests/models/test_parity.py)."""
 
 from __future__ import annotations
 
@@ -10,29 +10,10 @@ from typer.testing import CliRunner
 from kiln.cli.main import app
 from kiln.errors import ConfigError
 from kiln.interop.verify import verify_export
-from kiln.models.tasks import get_task
 from kiln.models import load_pretrained
 from kiln.models.auto import AutoConfig
 
-from encoder_cases import HEADS, batches, run_both
-
-# The tiny default (2 groups x 2 inner layers over 3 steps) and the classic one-block-for-all-layers shape.
-CONFIGS = {"groups": {}, "one-block": {"num_hidden_groups": 1, "inner_group_num": 1, "num_hidden_layers": 4}}
-
-
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("task", HEADS)
-def test_round_trip_bit_exact(task, config, tiny_factory, tmp_path):
-    src = tiny_factory("albert", task, **CONFIGS[config])
-    hf = getattr(transformers, get_task(task).hf_auto).from_pretrained(src).eval()
-    ours = load_pretrained(src)
-    assert ours.family.model_type == "albert" and ours.task == task
-    run_both(ours, hf, task, token_types=True)
-    # kiln's export loads back into transformers with zero missing/unexpected keys and equal outputs
-    out = ours.save_pretrained(tmp_path / "export")
-    checks = verify_export(out, source=src)
-    assert all(ch.ok for ch in checks), [ch.line() for ch in checks if not ch.ok]
-
+from tests.models.encoder_cases import batches
 
 def test_untied_decoder_keeps_its_own_bias(tiny_factory, tmp_path):
     """tie_word_embeddings=false: HF's decoder has its own weight and bias; predictions.bias goes unused."""

@@ -1,5 +1,5 @@
-"""DeBERTa-v2/v3 x five heads: HF -> kiln and kiln -> HF bit for bit (fp32, CPU), DeBERTa's seqcls loss,
-the lm_predictions head, fill-mask."""
+"""DeBERTa-v2/v3 (both-ways parity x five heads x its Tiny variants: tests/models/test_parity.py): DeBERTa's
+seqcls loss, gradients through disentangled attention, the lm_predictions head, fill-mask."""
 
 from __future__ import annotations
 
@@ -11,36 +11,12 @@ from typer.testing import CliRunner
 from kiln.cli.main import app
 from kiln.errors import ConfigError
 from kiln.interop.verify import verify_export
-from kiln.models.tasks import get_task
-from kiln.models import load_pretrained
+from kiln.models import deberta_v2, load_pretrained
 from kiln.models.auto import AutoConfig
 
-from encoder_cases import HEADS, batches, labels_for, run_both
+from tests.models.encoder_cases import batches, labels_for, run_both
 
-CONFIGS = {
-    # the tiny default: v3 style (8 log buckets, share_att_key, p2c + c2p, LayerNorm'd table, no abs positions)
-    "v3": {},
-    # v2 style: no buckets, 16 relative positions (clamped in the longer batch), own pos projections, the conv
-    # after layer 0, absolute positions, and embedding_size lifted by embed_proj
-    "v2-conv": {"position_buckets": -1, "max_relative_positions": 16, "share_att_key": False,
-                "pos_att_type": "c2p|p2c", "norm_rel_ebd": "none", "position_biased_input": True,
-                "conv_kernel_size": 3, "conv_act": "gelu", "embedding_size": 24},
-    # no relative attention, no token types: what remains is BERT with DeBERTa's mask handling
-    "absolute": {"relative_attention": False, "type_vocab_size": 0, "position_biased_input": True},
-}
-
-
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("task", HEADS)
-def test_round_trip_bit_exact(task, config, tiny_factory, tmp_path):
-    src = tiny_factory("deberta-v2", task, **CONFIGS[config])
-    hf = getattr(transformers, get_task(task).hf_auto).from_pretrained(src).eval()
-    ours = load_pretrained(src)
-    assert ours.family.model_type == "deberta-v2" and ours.task == task
-    run_both(ours, hf, task, token_types=hf.config.type_vocab_size > 0, long=True)
-    # kiln's export loads back into transformers with zero missing/unexpected keys and equal outputs
-    checks = verify_export(ours.save_pretrained(tmp_path / "export"), source=src)
-    assert all(ch.ok for ch in checks), [ch.line() for ch in checks if not ch.ok]
+CONFIGS = {"v3": {}, **deberta_v2.TINY.variants}  # the tiny default and the variants (kiln/models/deberta_v2.py)
 
 
 @pytest.mark.parametrize("overrides", [{"legacy": False}, {"tie_word_embeddings": False, "embedding_size": 24}],

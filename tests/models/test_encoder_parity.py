@@ -1,37 +1,12 @@
-"""BERT, RoBERTa, XLM-R, DistilBERT x five heads: HF -> kiln and kiln -> HF, bit for bit (fp32, CPU)."""
+"""Encoder behaviour beyond the both-ways parity (tests/models/test_parity.py): a head loaded from another head's
+checkpoint, problem types, a seeded new head."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import transformers
 
-from kiln.models.tasks import get_task
 from kiln.models import load_pretrained
-
-from encoder_cases import HEADS, run_both
-
-FAMILIES = ["bert", "roberta", "xlm-roberta", "distilbert"]
-
-
-@pytest.mark.parametrize("task", HEADS)
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_round_trip_bit_exact(model_type, task, tiny_factory, tmp_path):
-    src = tiny_factory(model_type, task)
-    auto = getattr(transformers, get_task(task).hf_auto)
-    hf = auto.from_pretrained(src).eval()
-    ours = load_pretrained(src)
-    assert ours.task == task and ours.family.model_type == model_type
-    token_types = model_type == "bert"  # the families with more than one token type in their tiny config
-
-    run_both(ours, hf, task, token_types)  # HF -> kiln
-
-    out = tmp_path / "export"
-    ours.save_pretrained(out)
-    back, info = auto.from_pretrained(out, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    assert type(back).__name__ == type(hf).__name__
-    run_both(ours, back.eval(), task, token_types)  # kiln -> HF
 
 
 def test_backbone_loads_from_task_checkpoint_and_head_is_initialised(tiny_factory):

@@ -19,7 +19,8 @@ from kiln.models.common.loss import fast_lm_loss_sum, linear_cross_entropy, lm_l
 from kiln.models.tasks import CAUSAL_LM
 from kiln.train.recipes.pretrain import lm_step
 
-from rounding import U_FP32, assert_all_within, assert_within, rounding_error, threads  # noqa: F401 (a fixture)
+from tests.models.rounding import (U_FP32, assert_all_within, assert_within, rounding_error,  # noqa: F401
+                                  threads)  # (threads: a fixture)
 
 CAUSAL = [mt for mt in TINY if CAUSAL_LM in REGISTRY[mt].tasks]
 

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from kiln.interop.verify import compare_weights
 from kiln.models.auto import REGISTRY, load_pretrained
 from kiln.models.common.fp8 import FP8Linear, Fp8Experts, dequantize_model
-from causal_cases import same
-from fp8_cases import make_fp8, transformers_dequantized
+from tests.models.causal_cases import same
+from tests.models.fp8_cases import make_fp8, transformers_dequantized
 
 # family, head, scale format; block (16, 16) against hidden 32 / intermediate 37 / experts 16 leaves
 # partial blocks in most weights

@@ -3,16 +3,13 @@ model gives the same logits; merging re-quantizes the changed weights in their b
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).parent))
-from causal_cases import same  # noqa: E402
-from fp8_cases import make_fp8, transformers_dequantized  # noqa: E402
+from tests.models.causal_cases import same
+from tests.models.fp8_cases import make_fp8, transformers_dequantized
 
 from kiln.hub.fp8 import dequantize, quantize
 from kiln.models.auto import load_pretrained

@@ -14,7 +14,7 @@ from kiln.models.auto import from_config
 from kiln.models.common.prototypes import PrototypeHead, min_pairwise_angle, simplex_angle, spread_prototypes
 from kiln.models.hpn import PrototypeModel
 
-from rounding import assert_all_within
+from tests.models.rounding import assert_all_within
 
 
 def _reference_loss(h, W, P, labels, scale, kind):

@@ -1,6 +1,6 @@
-"""Mamba: HF -> kiln and kiln -> HF bit for bit with the reference scan (fp32, CPU); the fast scan within the
-float32 rounding of it (tests/models/rounding.py), gradients included; the recurrence kernels' analytic
-backward; config errors."""
+"""Mamba: HF -> kiln and kiln -> HF bit for bit with the reference scan (fp32, CPU; tests/models/test_parity.py);
+the fast scan within the float32 rounding of it (tests/models/rounding.py), gradients included; the recurrence
+kernels' analytic backward; config errors."""
 
 from __future__ import annotations
 
@@ -9,61 +9,21 @@ import torch
 import transformers
 
 from kiln.errors import ConfigError
-from kiln.interop.export import export_model
-from kiln.interop.matrix import run_cell
-from kiln.interop.verify import verify_export
-from kiln.models import AutoConfig, AutoModel, AutoModelForCausalLM
+from kiln.models import AutoConfig, AutoModelForCausalLM
+from kiln.models import mamba
 from kiln.models.auto import from_config
 from kiln.models.common.ssm import LinearRecurrence, recurrence
 
-from causal_cases import batches, same
-from rounding import assert_all_within, threads  # noqa: F401 (threads: a fixture)
+from tests.models.causal_cases import batches, same
+from tests.models.rounding import assert_all_within, threads  # noqa: F401 (threads: a fixture)
 
 transformers.logging.set_verbosity_error()
-VARIANTS = {"tied": {}, "untied-biased": dict(tie_word_embeddings=False, use_bias=True, use_conv_bias=False,
-                                              time_step_rank=3, expand=3, residual_in_fp32=False)}
+VARIANTS = {"tied": {}, **mamba.TINY.variants}  # the configs the parity harness runs (kiln/models/mamba.py)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_causal_lm_reference_scan_bit_identical_both_ways(variant, tiny_factory, tmp_path):
-    src = tiny_factory("mamba", "causal-lm", **VARIANTS[variant])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
-    ours = AutoModelForCausalLM.from_pretrained(src)
-    assert ours.config.scan == "reference"
-    assert ours.load_report.ignored == [] and ours.load_report.initialized == []
-    with torch.no_grad():
-        for i, batch in enumerate(batches()):
-            a, b = ours(**batch), hf(**batch)
-            same(a.logits, b.logits, f"batch {i} logits")
-            if "labels" in batch:
-                same(a.loss, b.loss, f"batch {i} loss")
-    out = export_model(ours, tmp_path / "export")
-    checks = verify_export(out, source=src)
-    assert all(c.ok for c in checks), [c.line() for c in checks if not c.ok]
-
-
-def test_base_model_and_training_mode_gradients_bit_identical(tiny_factory):
-    src = tiny_factory("mamba", "causal-lm")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(src).train()
-    ours = AutoModelForCausalLM.from_pretrained(src).train()
-    batch = batches()[2]
-    ours(**batch).loss.backward()
-    hf(**batch).loss.backward()
-    hf_params = dict(hf.named_parameters())
-    for name, p in ours.named_parameters():
-        same(p.grad, hf_params["backbone." + name[len("model."):]].grad, f"grad {name}")
-    base_src = tiny_factory("mamba", "base")
-    with torch.no_grad():
-        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-        a = AutoModel.from_pretrained(base_src)(**inputs).last_hidden_state
-        b = transformers.AutoModel.from_pretrained(base_src)(**inputs).last_hidden_state
-    same(a, b, "base last_hidden_state")
-
-
-@pytest.mark.parametrize("head", ["base", "causal-lm"])
-def test_verify_matrix_rows(head, tmp_path):
-    cell = run_cell("mamba", head, None, tmp_path)
-    assert cell.ok and cell.max_diff == 0.0, cell.detail
+def test_checkpoints_load_with_the_reference_scan(tiny_factory):
+    """The scan the parity harness (tests/models/test_parity.py) holds bit-identical to transformers."""
+    assert AutoModelForCausalLM.from_pretrained(tiny_factory("mamba", "causal-lm")).config.scan == "reference"
 
 
 def test_state_spaces_embedding_name_is_read(tiny_factory, tmp_path):
@@ -129,17 +89,3 @@ def test_from_config_init_and_config_errors():
         model()
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_greedy_generation_equals_transformers(variant, tiny_factory):
-    # kiln's Mamba keeps no decoding cache: each step re-reads the sequence; transformers steps its
-    # recurrent state. The tokens must be the same, and so must a forward over the generated rows.
-    src = tiny_factory("mamba", "causal-lm", **VARIANTS[variant])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
-    ours = AutoModelForCausalLM.from_pretrained(src)
-    ids = torch.randint(4, 99, (2, 6), generator=torch.Generator().manual_seed(5))
-    a = ours.generate(ids, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
-    b = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                    eos_token_id=None, pad_token_id=0)
-    assert a.shape == (2, 18) and torch.equal(a, b), (a.tolist(), b.tolist())
-    with torch.no_grad():
-        same(ours(a).logits, hf(a).logits, "logits over the generated sequence")

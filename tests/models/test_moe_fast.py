@@ -17,7 +17,8 @@ from kiln.models.common.moe import MoEBlock, SharedExpertMoEBlock
 from kiln.models.common.moe_routing import GroupLimitedRouter, SharedExpertMoE
 from kiln.models.tasks import CAUSAL_LM
 
-from rounding import U_BF16, assert_all_within, assert_within, rounding_error, threads  # noqa: F401 (a fixture)
+from tests.models.rounding import (U_BF16, assert_all_within, assert_within, rounding_error,  # noqa: F401
+                                  threads)  # (threads: a fixture)
 
 
 def _block(kind: str, dim: int, hidden: int, experts: int) -> torch.nn.Module:

@@ -1,10 +1,8 @@
-"""tests/parallel: spawned gloo process groups on CPU; workers live in workers.py (importable by the children)."""
+"""tests/parallel: spawned gloo process groups on CPU; workers live in workers.py, imported as
+tests.parallel.workers by the children (pytest puts the repository root on sys.path; forkserver children inherit it)."""
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -19,7 +19,7 @@ from kiln.models.auto import AutoConfig, from_config
 from kiln.parallel.apply import parallelize
 from kiln.parallel.grads import clip_grad_norm
 
-import workers
+from tests.parallel import workers
 
 LLAMA = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, rope_parameters={"rope_type": "default",

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kiln_cli import REPO, kiln_cli
+from tests.kiln_cli import REPO, kiln_cli
 
 CHATS = [[{"role": "user", "content": f"what is {a} plus {b}?"}, {"role": "assistant", "content": f"{a + b}."}]
          for a in range(6) for b in range(4)]

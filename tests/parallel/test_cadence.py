@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from kiln.parallel.cadence import CadencePlanner, fit_to_budget
-from spawn import spawn
+from tests.spawn import spawn
 
-import cadence_workers as cw
+from tests.parallel import cadence_workers as cw
 
 TOTAL, DELAY = 200, 0.02
 # max_staleness below anchor + max_batch_diff, so the staleness bound is what caps the fast rank

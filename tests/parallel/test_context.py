@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spawn import spawn
+from tests.spawn import spawn
 
-import cp_workers
-import workers
+from tests.parallel import cp_workers
+from tests.parallel import workers
 from kiln.constants import IGNORE_INDEX
 from kiln.errors import ConfigError, KilnError
 from kiln.models.common.loss import shift_labels

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spawn import spawn
+from tests.spawn import spawn
 
-import workers
+from tests.parallel import workers
 
 JOBS = [("fsdp-ac-2-deepseek-v4", "deepseek_v4", {"fsdp": True, "activation_checkpointing": "block"}),
         ("fsdp-ep-2-deepseek-v4", "deepseek_v4", {"fsdp": True, "ep": 2})]  # expert shards: FSDP units of their own

@@ -15,7 +15,7 @@ from kiln.parallel.ep import expert_modules
 from kiln.parallel.mesh import Degrees, check_model, resolve_degrees
 from kiln.train.config import ParallelSection, parse_run_config
 
-import workers
+from tests.parallel import workers
 
 
 def test_degrees_must_multiply_to_the_world_size():
@@ -170,7 +170,7 @@ def test_compiled_blocks_keep_loss_and_grads():
 
 
 def test_kiln_train_checks_degrees_against_the_launched_world(tmp_path):
-    from kiln_cli import kiln_cli
+    from tests.kiln_cli import kiln_cli
 
     run = tmp_path / "run.toml"
     run.write_text('[model]\npath = "m"\n[data]\ntrain = "t.jsonl"\n[train]\nsteps = 1\n[parallel]\ndp = 2\ntp = 2\n')

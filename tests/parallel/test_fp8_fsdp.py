@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from spawn import spawn
+from tests.spawn import spawn
 
 
 def _model() -> nn.Module:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spawn import spawn
+from tests.spawn import spawn
 
-import workers
+from tests.parallel import workers
 
 
 @pytest.mark.slow

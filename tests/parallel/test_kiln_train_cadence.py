@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kiln.hub import load_weights
-from kiln_cli import kiln_cli
+from tests.kiln_cli import kiln_cli
 
 CHATS = [[{"role": "user", "content": f"what is {a} plus {b}?"}, {"role": "assistant", "content": f"{a + b}."}]
          for a in range(8) for b in range(5)]

@@ -15,7 +15,7 @@ from kiln.hub import load_weights
 from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
 
-from sft_runs import launch as _launch, losses as _losses, make_data, run_toml
+from tests.parallel.sft_runs import launch as _launch, losses as _losses, make_data, run_toml
 
 CHATS = [[{"role": "user", "content": f"what is {a} times {b}?"}, {"role": "assistant", "content": f"{a * b}."}]
          for a in range(6) for b in range(4)]

@@ -18,8 +18,8 @@ from kiln.parallel.checkpoint import is_sharded
 from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
 
-from sft_runs import make_data, run_toml
-from test_kiln_train_plans import _launch, _losses, _weights
+from tests.parallel.sft_runs import make_data, run_toml
+from tests.parallel.test_kiln_train_plans import _launch, _losses, _weights
 
 # the query latent on (q_lora_rank), as the released DeepSeek-V3 has it; vocabulary of the BPE tokenizer
 MLA = {"deepseek_v3": {**TINY["deepseek_v3"], "q_lora_rank": 24},

@@ -20,8 +20,8 @@ from kiln.parallel.checkpoint import export_sharded, is_sharded
 from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
 
-from kiln_cli import kiln_cli
-from sft_runs import CHATS, DENSE as TWO_BLOCKS, launch as _launch, make_data, run_toml
+from tests.kiln_cli import kiln_cli
+from tests.parallel.sft_runs import CHATS, DENSE as TWO_BLOCKS, launch as _launch, make_data, run_toml
 
 HELD_OUT = CHATS[:6]
 DENSE = {**TWO_BLOCKS, "num_hidden_layers": 4}

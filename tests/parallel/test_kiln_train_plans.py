@@ -20,7 +20,7 @@ from kiln.train.checkpoint import verify_checkpoint
 from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
 
-from kiln_cli import kiln_cli
+from tests.kiln_cli import kiln_cli
 
 CHATS = [[{"role": "user", "content": f"what is {a} plus {b}?"}, {"role": "assistant", "content": f"{a + b}."}]
          for a in range(6) for b in range(4)]

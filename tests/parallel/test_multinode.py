@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kiln.cli.main import app
-from kiln_cli import kiln_cli
-from sft_runs import free_port, losses, make_data, popen_kiln, write_toml
+from tests.kiln_cli import kiln_cli
+from tests.parallel.sft_runs import free_port, losses, make_data, popen_kiln, write_toml
 
 
 @pytest.mark.slow

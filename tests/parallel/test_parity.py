@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spawn import spawn
+from tests.spawn import spawn
 
-import workers
+from tests.parallel import workers
 
 JOBS_2 = [("fsdp-2", "qwen3", {"fsdp": True}),
           ("tp-2", "qwen3", {"tp": 2}),

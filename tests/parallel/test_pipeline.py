@@ -13,9 +13,9 @@ import torch
 
 from kiln.errors import ConfigError
 from kiln.parallel.apply import parallelize
-from spawn import spawn
+from tests.spawn import spawn
 
-import pipeline_workers as workers
+from tests.parallel import pipeline_workers as workers
 
 JOBS_2 = [("gpipe-2", {"pp": 2, "pp_schedule": "gpipe"}),
           ("1f1b-2", {"pp": 2}),

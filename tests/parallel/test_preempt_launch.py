@@ -24,7 +24,7 @@ from kiln.hub import load_weights
 from kiln.parallel.checkpoint import export_sharded, is_sharded
 from kiln.train import lock
 
-from kiln_cli import REPO, kiln_cli
+from tests.kiln_cli import REPO, kiln_cli
 
 CHATS = [[{"role": "user", "content": f"what is {a} plus {b}?"}, {"role": "assistant", "content": f"{a + b}."}]
          for a in range(6) for b in range(4)]

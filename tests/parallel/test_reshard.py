@@ -20,8 +20,8 @@ from kiln.errors import KilnError
 from kiln.hub import load_weights
 from kiln.parallel.checkpoint import export_sharded, is_sharded
 from kiln.train.resume import check_resume, plan_reshard
-from kiln_cli import kiln_cli
-from sft_runs import losses, make_data, write_toml
+from tests.kiln_cli import kiln_cli
+from tests.parallel.sft_runs import losses, make_data, write_toml
 
 STEPS, GLOBAL_BATCH = 6, 4
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from kiln.parallel.checkpoint import export_sharded, load_sharded
-from spawn import spawn
+from tests.spawn import spawn
 from kiln.errors import KilnError
 from kiln.hub import load_weights
 from kiln.interop.verify import verify_export
 
-import workers
+from tests.parallel import workers
 
-from kiln_cli import kiln_cli
+from tests.kiln_cli import kiln_cli
 
 
 @pytest.fixture(scope="module")

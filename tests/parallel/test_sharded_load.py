@@ -11,9 +11,9 @@ import torch
 from kiln.errors import WeightsError
 from kiln.models.auto import AutoConfig, from_config, load_pretrained
 from kiln.parallel.sharded_load import empty_pretrained, read_shards
-from spawn import spawn
+from tests.spawn import spawn
 
-import sharded_load_workers as sw
+from tests.parallel import sharded_load_workers as sw
 
 QWEN3 = dict(vocab_size=99, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=64)

@@ -20,9 +20,9 @@ from kiln.interop.export import export_model
 from kiln.parallel.checkpoint import export_sharded, is_sharded
 from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
-from kiln_cli import kiln_cli
-from sft_runs import make_data, write_toml
-from spawn import spawn
+from tests.kiln_cli import kiln_cli
+from tests.parallel.sft_runs import make_data, write_toml
+from tests.spawn import spawn
 
 STEPS = 2
 LORA = '[lora]\nr = 4\nalpha = 8\ntargets = ["q_proj", "v_proj", "down_proj"]\n'

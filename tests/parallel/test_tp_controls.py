@@ -14,9 +14,9 @@ import os
 import pytest
 import torch
 
-from spawn import spawn
+from tests.spawn import spawn
 
-import workers
+from tests.parallel import workers
 
 
 def _without_shared_key(rank: int, world: int, out: str) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from train_helpers import make_model_dir, make_rows, write_jsonl
+from tests.train.train_helpers import make_model_dir, make_rows, write_jsonl
 
 
 @pytest.fixture(scope="session")

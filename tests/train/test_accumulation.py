@@ -9,7 +9,7 @@ from kiln.data.loader import Loader
 from kiln.models.auto import from_config
 from kiln.train import Trainer
 
-from train_helpers import tiny_config
+from tests.train.train_helpers import tiny_config
 
 
 def _token_data(n: int = 16) -> list[dict]:

@@ -9,7 +9,7 @@ import pytest
 from kiln.errors import ConfigError, KilnError
 from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
-from train_helpers import write_toml
+from tests.train.train_helpers import write_toml
 
 
 def test_resume_from_python_keeps_the_checkpoints_global_batch(tmp_path, tiny_dir, data_files, capsys):

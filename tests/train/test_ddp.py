@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from kiln.train.metrics import read_metrics
 
-from train_helpers import kiln, write_toml
+from tests.train.train_helpers import kiln, write_toml
 
 
 def _losses(run) -> list[float]:

@@ -14,8 +14,8 @@ from kiln.cli.main import app
 from kiln.interop.tiny import TINY
 from kiln.train.metrics import read_metrics
 
-from test_sft_train import CHATS
-from train_helpers import kiln
+from tests.train.test_sft_train import CHATS
+from tests.train.train_helpers import kiln
 
 V4 = {**TINY["deepseek_v4"], "vocab_size": 300, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 # attention (kv_proj also names the compressors' own) and the shared expert's up/down (the routed experts are

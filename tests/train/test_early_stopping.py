@@ -11,7 +11,7 @@ from kiln.models.auto import from_config
 from kiln.train import Trainer
 from kiln.train.metrics import read_metrics
 
-from train_helpers import tiny_config
+from tests.train.train_helpers import tiny_config
 
 
 def _data() -> list[dict]:

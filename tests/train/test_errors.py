@@ -8,7 +8,7 @@ from kiln.errors import ConfigError, KilnError
 from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
 
-from train_helpers import kiln, make_rows, write_jsonl, write_toml
+from tests.train.train_helpers import kiln, make_rows, write_jsonl, write_toml
 
 
 def test_unknown_key_names_key_file_and_line_on_the_cli(tmp_path, tiny_dir, data_files):

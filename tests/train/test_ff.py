@@ -17,8 +17,8 @@ from kiln.errors import ConfigError
 from kiln.train.metrics import read_metrics
 from kiln.train.recipes.ff import FFSection, ff_loss_and_grad, goodness, summaries, surgery
 
-from kiln_cli import kiln
-from test_mamba_hpn_toml import shards  # noqa: F401  (the module-scoped fixture: tokenizer + token shards)
+from tests.kiln_cli import kiln
+from tests.train.test_mamba_hpn_toml import shards  # noqa: F401  (the module-scoped fixture: tokenizer + token shards)
 
 EPS = 1e-5  # the seed's goodness epsilon
 

@@ -17,7 +17,7 @@ from kiln.train import Trainer
 from kiln.train.fp8 import swap_fp8
 from kiln.train.metrics import read_metrics
 
-from train_helpers import kiln, write_toml
+from tests.train.train_helpers import kiln, write_toml
 
 VOCAB = 64
 

@@ -14,7 +14,7 @@ from kiln.train.checkpoint import verify_checkpoint
 from kiln.train.metrics import read_metrics
 from kiln.train.steps import default_step
 
-from train_helpers import tiny_config
+from tests.train.train_helpers import tiny_config
 
 
 def _data() -> list[dict]:

@@ -16,8 +16,8 @@ from kiln.errors import KilnError
 from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
 
-from test_sft_train import CHATS, _toml, sft_setup  # noqa: F401  (fixture)
-from train_helpers import LABELS, make_rows, write_jsonl, write_toml
+from tests.train.test_sft_train import CHATS, _toml, sft_setup  # noqa: F401  (fixture)
+from tests.train.train_helpers import LABELS, make_rows, write_jsonl, write_toml
 
 datasets = pytest.importorskip("datasets")
 

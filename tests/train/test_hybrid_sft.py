@@ -21,7 +21,7 @@ from kiln.cli.main import app
 from kiln.interop.tiny import TINY
 from kiln.train.metrics import read_metrics
 
-from test_sft_train import CHATS
+from tests.train.test_sft_train import CHATS
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 DELTANET = {"qwen3_next": ["in_proj_qkvz", "in_proj_ba", "out_proj"],

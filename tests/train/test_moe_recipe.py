@@ -246,7 +246,7 @@ def test_mtp_trained_from_scratch_and_exported(tmp_path, ids_file):
 @pytest.mark.slow
 def test_sigkill_then_resume_with_mtp_and_aux_free_matches_uninterrupted(tmp_path, ids_file):
     """The live MTP layer and the moved biases are checkpoint state: a killed, resumed run ends bit-equal."""
-    from kiln_cli import kiln
+    from tests.kiln_cli import kiln
 
     moe = 'balance = "aux_free"\nbias_update_speed = 0.01\nmtp_weight = 0.3'
     ref = _toml(tmp_path / "ref", ids_file, "deepseek_v3", moe, steps=6, lr=3e-3, num_nextn_predict_layers=1)

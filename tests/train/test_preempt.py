@@ -23,8 +23,8 @@ from kiln.train.config import TrainSection
 from kiln.train.metrics import read_metrics
 from kiln.train.plot import plot_run
 
-from kiln_cli import REPO
-from train_helpers import kiln, write_toml
+from tests.kiln_cli import REPO
+from tests.train.train_helpers import kiln, write_toml
 
 STOPPED = 75
 LINE = re.compile(r"^stopped by (SIG\w+|train\.max_time \([^)]*\)) at step (\d+); checkpoint (ckpt-\d+); "

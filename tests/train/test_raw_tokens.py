@@ -19,7 +19,7 @@ from kiln.train.config import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.run import build_trainer
 
-from train_helpers import kiln
+from tests.train.train_helpers import kiln
 
 VOCAB = 64
 

@@ -14,7 +14,7 @@ from kiln.train.config import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.run import build_trainer
 
-from train_helpers import TINY, kiln, make_rows, write_jsonl, write_toml
+from tests.train.train_helpers import TINY, kiln, make_rows, write_jsonl, write_toml
 
 
 def _curve(run: Path) -> list[tuple]:

@@ -10,7 +10,7 @@ from kiln.models.auto import from_config
 from kiln.train.optim import freeze, lr_factor, param_groups
 from kiln.train.plot import plot_run
 
-from train_helpers import kiln, tiny_config
+from tests.train.train_helpers import kiln, tiny_config
 
 
 def test_warmup_then_cosine_to_floor():

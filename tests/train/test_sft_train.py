@@ -102,16 +102,12 @@ def test_unknown_sft_key_and_bad_target_are_named(sft_setup):
 
 def test_lora_sft_on_an_fp8_base_keeps_the_base_fp8(sft_setup, tmp_path):
     """model.fp8 = "keep": the base stays float8 (frozen) through a [lora] run; the checkpoint writes it back as read."""
-    import sys
-    from pathlib import Path
-
     from safetensors.torch import load_file
 
     from kiln.hub import Tokenizer
     from kiln.models.auto import AutoConfig, from_config
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-    from fp8_cases import make_fp8
+    from tests.models.fp8_cases import make_fp8
 
     d = sft_setup
     config = AutoConfig.for_model("qwen3", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

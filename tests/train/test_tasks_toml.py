@@ -15,7 +15,7 @@ from kiln.train.config import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.run import build_trainer
 
-from train_helpers import WORDS, tiny_config, write_jsonl
+from tests.train.train_helpers import WORDS, tiny_config, write_jsonl
 
 
 @pytest.fixture(scope="module")

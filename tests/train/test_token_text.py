@@ -18,8 +18,8 @@ from kiln.train.config import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.run import build_trainer
 
-from test_raw_tokens import VOCAB, _ids, _snapshot
-from train_helpers import kiln
+from tests.train.test_raw_tokens import VOCAB, _ids, _snapshot
+from tests.train.train_helpers import kiln
 
 
 def _write(path: Path, ids: np.ndarray, per_line: int = 13) -> Path:

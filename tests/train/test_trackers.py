@@ -16,7 +16,7 @@ from kiln.train.metrics import read_metrics
 from kiln.train.run import build_trainer
 from kiln.train.trackers import scalars
 
-from train_helpers import kiln, write_toml
+from tests.train.train_helpers import kiln, write_toml
 
 
 def _expected(run: Path) -> dict[str, dict[int, float]]:

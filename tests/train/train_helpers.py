@@ -9,7 +9,7 @@ import json
 import random
 from pathlib import Path
 
-from kiln_cli import kiln  # noqa: F401  (re-exported for the tests here)
+from tests.kiln_cli import kiln  # noqa: F401  (re-exported for the tests here)
 from kiln.hub import Tokenizer
 from kiln.models.auto import AutoConfig, from_config
 
