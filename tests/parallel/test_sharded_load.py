@@ -76,3 +76,10 @@ def test_each_rank_reads_what_a_whole_load_then_shard_gives(dirs, tmp_path, mode
         assert r["problems"] == [], (rank, r["problems"][:5])
         if mode in ("fsdp", "pp"):  # every tensor split over 2 ranks, or 2 stages: about half the model each
             assert r["bytes"] <= 0.6 * r["whole_bytes"], r
+
+
+def test_a_model_built_on_meta_answers_the_packing_question(dirs):
+    """SFT asks `packs_samples` before any weight is read: a meta-built model asks its family's tiny model."""
+    lean = empty_pretrained(dirs["qwen3"], task="causal-lm")
+    assert next(lean.parameters()).is_meta
+    assert lean.packs_samples() == load_pretrained(dirs["qwen3"], task="causal-lm").packs_samples() is True

@@ -137,6 +137,14 @@ class ForCausalLM(PreTrainedModel):
         """Whether a packed row (samples side by side, positions restarting at each) gives every sample
         the hidden states it gets alone: asked of the backbone itself on a 5-token row of two samples."""
         p = next(self.parameters())
+        if p.is_meta:  # built on meta for a sharded read (no weights yet): asked of the family's tiny model
+            tiny = getattr(self.family, "tiny", None)
+            if tiny is None:
+                return False
+            from kiln.models.auto import AutoConfig, from_config
+
+            config = AutoConfig.for_model(self.family.model_type, **tiny.config)
+            return from_config(config, task=self.task, seed=0).packs_samples()
         ids = torch.tensor([[1, 2, 3, 4, 5]], device=p.device) % self.config.vocab_size
         positions = torch.tensor([[0, 1, 2, 0, 1]], device=p.device)
         was_training = self.training
