@@ -32,7 +32,8 @@ def test_two_nodes_train_as_one_run_and_only_rank_0_writes(tmp_path):
     assert "done: step 4" in outs[0][0] and "done: step 4" not in outs[1][0]  # node 1 holds no rank 0
 
     run = d / "nodes"
-    assert sorted(p.name for p in run.iterdir()) == ["ckpt-000002", "ckpt-000004", "metrics.jsonl", "run_state.json"]
+    assert sorted(p.name for p in run.iterdir()) == ["ckpt-000002", "ckpt-000004", "kiln.lock", "metrics.jsonl",
+                                                     "run_state.json"]
     assert not (d / "node-1").exists()
     assert losses(run) == losses(d / "single")  # the same two gloo ranks: bit for bit
     assert len(losses(run)) == 4
