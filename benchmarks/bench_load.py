@@ -120,8 +120,9 @@ def checkpoint_bytes(path: Path) -> int:
 
 
 def write_chats(d: Path) -> Path:
-    rows = [{"messages": [{"role": "user", "content": f"{title}\n\n{' '.join(body.split()[:40])}"},
-                          {"role": "assistant", "content": " ".join(body.split()[40:120])}]}
+    # a short prompt (the title) so each reply starts well within MAX_LENGTH tokens
+    rows = [{"messages": [{"role": "user", "content": title},
+                          {"role": "assistant", "content": " ".join(body.split()[:80])}]}
             for _, title, body in bbc_articles(16)]
     path = d / "chats.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
@@ -263,9 +264,9 @@ def run_kiln(run: Run, model: Path, chats: Path, work: Path, pythonpath: str = s
             "hook_ranks": sum(1 for k in at_exit if wanted(k))}
 
 
-def predicted(cfg_path: Path, nproc: int) -> list[tuple[str, int]]:
+def predicted(cfg_path: Path, nproc: int, today: bool = False) -> list[tuple[str, int]]:
     """`kiln plan --config cfg_path --nproc nproc`'s per-rank totals (rank label, bytes), from the same
-    functions the CLI calls."""
+    functions the CLI calls; `today`: its column for a loader that reads the whole checkpoint on every rank."""
     from kiln.hub.config import read_config
     from kiln.hub.headers import read_headers
     from kiln.parallel.memory import ModelDims, RunSettings, check_shapes, params_from_headers, plan_memory
@@ -286,7 +287,7 @@ def predicted(cfg_path: Path, nproc: int) -> list[tuple[str, int]]:
                     checkpoint_every=par.checkpoint_every, microbatches=par.microbatches, pp_schedule=par.pp_schedule,
                     pp_stages=tuple(par.pp_stages) if par.pp_stages else None, keep_grads=par.cadence is not None,
                     fp8=cfg.model.fp8)
-    plan = plan_memory(params_from_headers(tensors.values(), s), dims, s, sizes)
+    plan = plan_memory(params_from_headers(tensors.values(), s), dims, s, sizes, today=today)
     return [(r.rank, r.total) for r in plan.ranks]
 
 
@@ -339,6 +340,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="run only the memory runs whose name contains this")
     ap.add_argument("--skip-ttfs", action="store_true", help="no time-to-first-step comparison")
     ap.add_argument("--rounds", type=int, default=1, help="time-to-first-step rounds (interleaved)")
+    ap.add_argument("--kiln-root", default=str(ROOT), help="the kiln checkout the runs import (e.g. a worktree of an "
+                    "older commit, to measure its loader); rows are written only for this checkout's own")
     a = ap.parse_args()
     t_start = time.time()
     ckpt = {k: build_checkpoint(k) for k in ("dense", "moe")}
@@ -356,9 +359,9 @@ def main() -> None:
             if a.only and a.only.lower() not in run.name.lower():
                 continue
             cfg = write_toml(work, run, ckpt[run.kind], chats)
-            plan = predicted(cfg, run.nproc)
+            plan = predicted(cfg, run.nproc, today=Path(a.kiln_root).resolve() != ROOT)
             before = load()
-            res = run_kiln(run, ckpt[run.kind], chats, work)
+            res = run_kiln(run, ckpt[run.kind], chats, work, a.kiln_root)
             floor = (FLOOR_BYTES_PER_PARAM * n_params[run.kind] / run.nproc if run.targets is None
                      else size[run.kind])
             worst = max(res["peaks"])
@@ -386,6 +389,9 @@ def main() -> None:
                     print(f"time to first step, round {r + 1}, {side}: {got['first_step_s']:.1f} s "
                           f"({before} -> {load()})", flush=True)
             ttfs = (kiln_s, peer_s, load())
+    if Path(a.kiln_root).resolve() != ROOT:
+        print(f"(runs imported kiln from {a.kiln_root}: no rows written)")
+        return
     print(f"\nbenchmark wall time {(time.time() - t_start) / 60:.1f} min; {load()}")
     for run, res, plan_peak, floor, before in rows:
         worst = max(res["peaks"])
