@@ -7,8 +7,9 @@ Qwen3-MoE-shaped one (~1.12B, 32 experts top 4). They are cached (KILN_BENCH_CAC
 ~/.cache/kiln-bench/load) so reruns skip building them.
 
 Each run is the real command: `kiln train --config X.toml` for one process, `kiln launch
---nproc-per-node N -- train --config X.toml` for several; 2 steps of batch 1 x 64 tokens (packed SFT rows
-of BBC text). Each rank's peak RSS is its VmHWM (from /proc/self/status) read at interpreter exit by a
+--nproc-per-node N -- train --config X.toml` for several; 2 steps of batch 1 x 64 tokens per rank (SFT rows of
+BBC text, each a title and the start of its article truncated to 64 tokens; data.pack = false: packing asks
+the model a forward pass before the weights are read, which a model built on meta cannot answer). Each rank's peak RSS is its VmHWM (from /proc/self/status) read at interpreter exit by a
 sitecustomize hook that this benchmark puts first on the ranks' PYTHONPATH (VmHWM, not getrusage's
 ru_maxrss: ru_maxrss survives exec, so a rank forked from torchrun's agent would inherit the agent's
 peak); a poller reads the same field every 0.2 s as a fallback for a rank that dies before its exit hook.
@@ -158,6 +159,7 @@ task = "causal-lm"
 [data]
 train = "{chats}"
 max_length = {MAX_LENGTH}
+pack = false
 [train]
 out_dir = "{out}"
 steps = {steps}
