@@ -388,8 +388,9 @@ def main() -> None:
                     else:
                         got = run_peer(ckpt["dense"], ALL_LINEAR)
                         peer_s.append(got["first_step_s"])
-                    print(f"time to first step, round {r + 1}, {side}: {got['first_step_s']:.1f} s "
-                          f"({before} -> {load()})", flush=True)
+                    peak = max(got["peaks"]) if side == "kiln" else got["peak"]
+                    print(f"time to first step, round {r + 1}, {side}: {got['first_step_s']:.1f} s, peak RSS "
+                          f"{gib(peak)} ({before} -> {load()})", flush=True)
             ttfs = (kiln_s, peer_s, load())
     if Path(a.kiln_root).resolve() != ROOT:
         print(f"(runs imported kiln from {a.kiln_root}: no rows written)")
