@@ -8,8 +8,8 @@ Qwen3-MoE-shaped one (~1.12B, 32 experts top 4). They are cached (KILN_BENCH_CAC
 
 Each run is the real command: `kiln train --config X.toml` for one process, `kiln launch
 --nproc-per-node N -- train --config X.toml` for several; 2 steps of batch 1 x 64 tokens per rank (SFT rows of
-BBC text, each a title and the start of its article truncated to 64 tokens; data.pack = false: packing asks
-the model a forward pass before the weights are read, which a model built on meta cannot answer). Each rank's peak RSS is its VmHWM (from /proc/self/status) read at interpreter exit by a
+BBC text, each a title and the start of its article truncated to 64 tokens, one sample per row: data.pack =
+false, so every run and the peer see the same 64-token rows). Each rank's peak RSS is its VmHWM (from /proc/self/status) read at interpreter exit by a
 sitecustomize hook that this benchmark puts first on the ranks' PYTHONPATH (VmHWM, not getrusage's
 ru_maxrss: ru_maxrss survives exec, so a rank forked from torchrun's agent would inherit the agent's
 peak); a poller reads the same field every 0.2 s as a fallback for a rank that dies before its exit hook.
