@@ -19,9 +19,9 @@ new head), `.bin` weights.
 from __future__ import annotations
 
 import os
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
@@ -130,29 +130,42 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
     path = resolve_model_dir(path)
     files = _safetensors(path)
     keymap = model.family.keymap(model.task)
-    with ExitStack() as stack:
-        handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
-        where = {k: h for h in handles for k in h.keys()}
-        groups, extras = _sources(model, list(where))
-        # named_parameters / named_buffers list a tied tensor once (under the name the checkpoint holds)
-        expected = [n for n, _ in (*model.named_parameters(), *model.named_buffers())]
-        absent = [k for k in expected if k not in groups and not _real(model, k)]
-        if absent:
-            raise WeightsError(f"{path}: tensor(s) {', '.join(map(repr, absent[:4]))} are not in the checkpoint; "
-                               "a sharded read cannot initialise new tensors yet: load the model whole")
-        # tensors that are real already (LoRA adapters, see `init_adapters`) survive to_empty
-        kept = {n: _local(t).detach().clone() for n, t in (*model.named_parameters(), *model.named_buffers())
-                if not t.is_meta}
-        model.to_empty(device=device)
-        for name, target in (*model.named_parameters(), *model.named_buffers()):
-            if name in kept:
-                with torch.no_grad():
-                    _local(target).copy_(kept[name])
-            elif name in groups:
-                _fill(name, target, groups[name], where, keymap, path)
-        model.hf_extras = {model.normalise_hf_names([k])[k][0]: where[k].get_tensor(k) for k in extras}
+    where: dict[str, Path] = {}  # key -> its file; a file is mapped only while one of its tensors is read
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            where.update(dict.fromkeys(h.keys(), f))
+    groups, extras = _sources(model, list(where))
+    # named_parameters / named_buffers list a tied tensor once (under the name the checkpoint holds)
+    expected = [n for n, _ in (*model.named_parameters(), *model.named_buffers())]
+    absent = [k for k in expected if k not in groups and not _real(model, k)]
+    if absent:
+        raise WeightsError(f"{path}: tensor(s) {', '.join(map(repr, absent[:4]))} are not in the checkpoint; "
+                           "a sharded read cannot initialise new tensors yet: load the model whole")
+    # tensors that are real already (LoRA adapters, see `init_adapters`) survive to_empty
+    kept = {n: _local(t).detach().clone() for n, t in (*model.named_parameters(), *model.named_buffers())
+            if not t.is_meta}
+    model.to_empty(device=device)
+    for name, target in (*model.named_parameters(), *model.named_buffers()):
+        if name in kept:
+            with torch.no_grad():
+                _local(target).copy_(kept[name])
+        elif name in groups:
+            # the pages a mapping touched count in this process's RSS until it is closed: map the files
+            # of one tensor at a time, so the read never holds more than its shards plus one tensor
+            with _mapped(where, [k for k, _ in groups[name]]) as handles:
+                _fill(name, target, groups[name], handles, keymap, path)
+    with _mapped(where, extras) as handles:
+        model.hf_extras = {model.normalise_hf_names([k])[k][0]: handles[k].get_tensor(k) for k in extras}
     model.tie_weights()
     model.pending_read = None
+
+
+@contextmanager
+def _mapped(where: dict[str, Path], keys: list[str]) -> Iterator[dict[str, Any]]:
+    """key -> an open safe_open handle of its file, for `keys`; the files are unmapped on exit."""
+    with ExitStack() as stack:
+        files = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in {where[k] for k in keys}}
+        yield {k: files[where[k]] for k in keys}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
