@@ -48,6 +48,10 @@ def train(config: Path = typer.Option(..., "--config", "-c", help="The run TOML.
     rescale = not any(key == "train.batch_size" for key, _ in overrides)
     trainer = build_trainer(cfg, resume=resume, keep_global_batch=rescale).fit()
     if trainer.stopped_by is not None:  # the trainer said where it stopped and how to resume
+        folder = os.environ.get(LAUNCH_DIR_ENV)
+        if folder:  # the stop is complete (checkpoint sealed): the launcher exits 75 however teardown goes
+            with contextlib.suppress(OSError):
+                (Path(folder) / f"stopped-{trainer.world.rank:05d}").write_text(str(trainer.step))
         leave_world()
         raise typer.Exit(EXIT_STOPPED)
     if trainer.world.main:
@@ -117,6 +121,10 @@ def launch(ctx: typer.Context,
         code = _run_passing_signals(argv, {**os.environ, ERROR_DIR_ENV: errors, LAUNCH_DIR_ENV: errors}, Path(errors))
         messages = {p.stem.removeprefix("rank-").lstrip("0") or "0": p.read_text(encoding="utf-8")
                     for p in sorted(Path(errors).glob("rank-*.txt"))}
+        # a rank that stopped on a signal did so only after every rank agreed and the checkpoint was sealed; a
+        # rank torn down after that (torchrun ends the others, gloo may abort at exit) changes nothing
+        if code != 0 and not messages and any(Path(errors).glob("stopped-*")):
+            code = EXIT_STOPPED
     if messages:
         distinct = list(dict.fromkeys(messages.values()))
         if len(distinct) == 1:
@@ -124,7 +132,9 @@ def launch(ctx: typer.Context,
         else:
             for rank, message in messages.items():
                 typer.echo(f"kiln: rank {rank}: {message}", err=True)
-        raise typer.Exit(code or 1)
+        # a user error (or a non-finite abort, 3) said its message; ranks that lost their peer over it exit
+        # 70 or by a signal, which would hide the cause: the launch exits as the message says
+        raise typer.Exit(code if code == 3 else 1)
     if code != 0:
         raise typer.Exit(code)
 
