@@ -134,11 +134,14 @@ def test_second_signal_stops_at_once():
 
 
 @pytest.mark.slow
+STEPS_FOREVER = 1_000_000
+
+
 def test_max_time_stops_and_saves(tmp_path, tiny_dir, data_files):
-    # 4000 steps cannot finish in 25 s (the tiny run took 0.16 s a step on 2 shared cores, ~0.02 s at best: 80 s);
-    # the stop must come before the limit, with the save (it stopped at step 40 after 22 s there).
-    cfg = write_toml(tmp_path / "run.toml", tiny_dir, *data_files, tmp_path / "run", steps=4000, save_every=0,
-                     eval_every=0, max_time="25s")
+    # a million steps cannot finish in 25 s on any CPU (an idle 2-core machine ran 4000 of these tiny steps in
+    # under 25 s); the stop must come before the limit, with the save (it stopped at step 40 after 22 s under load).
+    cfg = write_toml(tmp_path / "run.toml", tiny_dir, *data_files, tmp_path / "run", steps=STEPS_FOREVER,
+                     save_every=0, eval_every=0, max_time="25s")
     started = time.time()
     p = kiln("train", "--config", str(cfg), check=False)
     took = time.time() - started
@@ -147,7 +150,7 @@ def test_max_time_stops_and_saves(tmp_path, tiny_dir, data_files):
     assert m and m.group(1) == "train.max_time (25s)", p.stdout
     assert took < 25 + 5, took  # the process's end, a little after its clock's (this one started first)
     step = int(m.group(2))
-    assert 0 < step < 4000 and (tmp_path / "run" / f"ckpt-{step:06d}" / "manifest.json").is_file()
+    assert 0 < step < STEPS_FOREVER and (tmp_path / "run" / f"ckpt-{step:06d}" / "manifest.json").is_file()
 
 
 @pytest.mark.parametrize("stop_save", [True, False])

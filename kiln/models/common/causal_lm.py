@@ -141,10 +141,12 @@ class ForCausalLM(PreTrainedModel):
             tiny = getattr(self.family, "tiny", None)
             if tiny is None:
                 return False
-            from kiln.models.auto import AutoConfig, from_config
-
-            config = AutoConfig.for_model(self.family.model_type, **tiny.config)
-            return from_config(config, task=self.task, seed=0).packs_samples()
+            config = self.family.config_cls.from_dict(tiny.config, source=f"{self.family.model_type} tiny config")
+            with torch.random.fork_rng(devices=[]):  # the question draws nothing from the run's generator
+                torch.manual_seed(0)
+                small = self.family.build(config, self.task)
+                small.init_weights()
+                return small.packs_samples()
         ids = torch.tensor([[1, 2, 3, 4, 5]], device=p.device) % self.config.vocab_size
         positions = torch.tensor([[0, 1, 2, 0, 1]], device=p.device)
         was_training = self.training
