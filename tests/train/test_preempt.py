@@ -133,10 +133,10 @@ def test_second_signal_stops_at_once():
     assert p.returncode == -signal.SIGTERM
 
 
-@pytest.mark.slow
 STEPS_FOREVER = 1_000_000
 
 
+@pytest.mark.slow
 def test_max_time_stops_and_saves(tmp_path, tiny_dir, data_files):
     # a million steps cannot finish in 25 s on any CPU (an idle 2-core machine ran 4000 of these tiny steps in
     # under 25 s); the stop must come before the limit, with the save (it stopped at step 40 after 22 s under load).
