@@ -18,6 +18,7 @@ a `StepOutcome`. Engines:
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import math
 from dataclasses import dataclass, field
@@ -101,12 +102,13 @@ class Window:
                    torch.zeros((), dtype=torch.float64, device=device))
 
 
-class StepEngine:
+class StepEngine(abc.ABC):
     """Base of the engines: how a step's gradients come to be (see the module docstring)."""
     keep_grads = False   # True: gradients are zeroed, not freed, after an update (flat all-reduces need them all)
 
+    @abc.abstractmethod
     def gradients(self, run: StepContext) -> StepOutcome:
-        raise NotImplementedError
+        """Draw the step's batches, run forward and backward, reduce: `.grad` holds the step's mean gradient."""
 
     def clip(self, run: StepContext, max_norm: float) -> float:
         """Clip the gradients to `max_norm` (DTensor-aware when sharded); their norm before clipping."""
