@@ -1,0 +1,196 @@
+"""Values stay what they are (issue 32), as tables in the bad-input suite's form: each case runs the CLI in
+this process and asserts the exit code, the message, no traceback, and that nothing under the world's root
+changed (sha256 + mtime of every file). Cases that succeed on purpose (1 and 1.0 one class, a regression
+head on float labels, a CSV with a BOM) write only outside the root, and then assert what they wrote.
+
+Classes: data values by kind (labels, text, chat turns, CSV BOM); config strictness; run state on resume;
+tracebacks and permissions.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from typer.testing import CliRunner
+
+from kiln.cli.main import app
+from tests.cli.bad_inputs_world import World, build_world, snapshot, write_toml
+
+
+@pytest.fixture(scope="module")
+def w(tmp_path_factory, tiny_factory) -> World:
+    return build_world(tmp_path_factory.mktemp("world"), tmp_path_factory.mktemp("elsewhere"), tiny_factory)
+
+
+def put(w: World, name: str, content: str | bytes) -> Path:
+    """A data file in the world (written before the case's snapshot)."""
+    path = w.data / name
+    if not path.exists():
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+    return path
+
+
+def jsonl(rows: list[dict]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def rows(labels: list, text: object = "a text") -> str:
+    """Eight records of `text` cycling through `labels` (enough for two batches of four)."""
+    return jsonl([{"text": text, "label": labels[i % len(labels)]} for i in range(8)])
+
+
+def fine_tune(w: World, name: str, train: str | Path, model: dict | None = None, out: Path | None = None,
+              **train_keys: object) -> Path:
+    """A fine-tune run config: a new classification head on the tiny masked LM, so the label set comes from
+    the data (as `kiln init --template classify` has it); `train` is a data file's text (written to
+    <name>.jsonl) or a path; the run goes to elsewhere/ (cases that should fail never get that far)."""
+    data = train if isinstance(train, Path) else put(w, f"{name}.jsonl", train)
+    return write_toml(w.data / f"{name}.toml", {
+        "model": {"path": w.mlm, "task": "sequence-classification", **(model or {})},
+        "data": {"train": data, "max_length": 16},
+        "train": {"out_dir": out or w.elsewhere / name, "steps": 2, "batch_size": 4, "progress": False,
+                  "device": "cpu", **train_keys}})
+
+
+def sft(w: World, name: str, records: list[dict]) -> Path:
+    return write_toml(w.data / f"{name}.toml", {
+        "model": {"path": w.chat_lm, "task": "causal-lm"},
+        "data": {"train": put(w, f"{name}.jsonl", jsonl(records)), "max_length": 32},
+        "train": {"out_dir": w.elsewhere / name, "steps": 2, "batch_size": 2, "progress": False, "device": "cpu"}})
+
+
+def written_config(w: World, name: str) -> dict:
+    return json.loads((w.elsewhere / name / "ckpt-000002" / "model" / "config.json").read_text())
+
+
+@dataclass
+class Case:
+    id: str
+    args: Callable[[World], list]
+    code: int
+    says: str                                   # must appear in the output (whitespace folded)
+    after: Callable[[World], None] | None = None  # more checks once it ran (what a success wrote)
+    patch: Callable | None = None               # (monkeypatch, world) -> None
+
+
+C = Case
+LABEL = "must be a class label (a string or an integer), got"
+
+DATA = [
+    C("label-null", lambda w: ["train", "--config", fine_tune(w, "lnull", rows(["a", None]))], 1,
+      f"lnull.jsonl:2: field 'label' {LABEL} null"),
+    C("label-list", lambda w: ["train", "--config", fine_tune(w, "llist", rows(["pos", ["pos", "sport"]]))], 1,
+      f"llist.jsonl:2: field 'label' {LABEL} a list (['pos', 'sport'])"),
+    C("label-object", lambda w: ["train", "--config", fine_tune(w, "lobj", rows([{"name": "pos"}]))], 1,
+      f"lobj.jsonl:1: field 'label' {LABEL} an object"),
+    C("label-fraction", lambda w: ["train", "--config", fine_tune(w, "lhalf", rows([0, 0.5, 1.5]))], 1,
+      f"lhalf.jsonl:2: field 'label' {LABEL} the number 0.5; a number to regress on needs a regression head: "
+      "model.num_labels = 1"),
+    C("label-nan", lambda w: ["train", "--config", fine_tune(w, "lnan", '{"text": "a", "label": NaN}\n' * 8)], 1,
+      f"lnan.jsonl:1: field 'label' {LABEL} NaN"),
+    C("label-infinity", lambda w: ["train", "--config", fine_tune(w, "linf", '{"text": "a", "label": 1}\n'
+                                                                   '{"text": "a", "label": Infinity}\n' * 4)], 1,
+      f"linf.jsonl:2: field 'label' {LABEL} Infinity"),
+    C("label-boolean", lambda w: ["train", "--config", fine_tune(w, "lbool", rows([True, False]))], 1,
+      f"lbool.jsonl:1: field 'label' {LABEL} the boolean true"),
+    C("label-one-and-one-point-zero", lambda w: ["train", "--config", fine_tune(
+        w, "lint", rows([1, 1.0, 2, 2.0]), model={"num_labels": 2})], 0, "",
+      after=lambda w: _labels_are(w, "lint", ["1", "2"])),
+    C("label-null-in-eval-set-labels", lambda w: ["train", "--config", fine_tune(
+        w, "lset", rows([None]), model={"labels": ["LABEL_0", "LABEL_1"]})], 1, f"lset.jsonl:1: field 'label' {LABEL} null"),
+    C("text-null", lambda w: ["train", "--config", fine_tune(w, "tnull", jsonl(
+        [{"text": "a", "label": "LABEL_0"}, {"text": None, "label": "LABEL_1"}] * 4))], 1,
+      "tnull.jsonl:2: field 'text' must be a string, got null"),
+    C("text-number", lambda w: ["train", "--config", fine_tune(w, "tnum", rows(["LABEL_0"], text=42))], 1,
+      "tnum.jsonl:1: field 'text' must be a string, got the number 42"),
+    C("sft-response-null", lambda w: ["train", "--config", sft(w, "rnull", [{"prompt": "hi", "response": None}] * 4)],
+      1, "rnull.jsonl:1: field 'response' must be a string, got null"),
+    C("sft-prompt-number", lambda w: ["train", "--config", sft(w, "pnum", [{"prompt": 3, "response": "ok"}] * 4)],
+      1, "pnum.jsonl:1: field 'prompt' must be a string, got int"),
+    C("sft-content-null", lambda w: ["train", "--config", sft(w, "cnull", [{"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}] * 4)], 1,
+      "cnull.jsonl:1: messages[1] must be an object with string 'role' and 'content' (content null only in an "
+      "assistant turn with tool_calls)"),
+    C("regression-float-labels-train", lambda w: ["train", "--config", fine_tune(
+        w, "reg", rows([0.5, 1.5, -2.25, 3]), model={"num_labels": 1})], 0, "",
+      after=lambda w: _regression_trained(w, "reg")),
+    C("regression-csv-numbers-train", lambda w: ["train", "--config", fine_tune(
+        w, "regcsv", put(w, "regcsv.csv", "text,label\n" + "a text,0.5\nb text,1.25\n" * 4), model={"num_labels": 1})],
+      0, "", after=lambda w: _regression_trained(w, "regcsv")),
+    C("regression-label-not-a-number", lambda w: ["train", "--config", fine_tune(
+        w, "regtxt", rows([0.5, "high"]), model={"num_labels": 1})], 1,
+      "regtxt.jsonl:2: field 'label' must be a finite number for this regression head (num_labels = 1), got 'high'"),
+    C("regression-label-nan", lambda w: ["train", "--config", fine_tune(
+        w, "regnan", '{"text": "a", "label": NaN}\n' * 8, model={"num_labels": 1})], 1,
+      "regnan.jsonl:1: field 'label' must be a finite number for this regression head (num_labels = 1), got NaN"),
+    C("csv-bom", lambda w: ["train", "--config", fine_tune(
+        w, "bom", put(w, "bom.csv", "\ufefftext,label\n" + "a text,LABEL_0\nb text,LABEL_1\n" * 4))], 0, "",
+      after=lambda w: _labels_are(w, "bom", ["LABEL_0", "LABEL_1"])),
+]
+
+
+def _labels_are(w: World, name: str, labels: list[str]) -> None:
+    id2label = written_config(w, name).get("id2label", {"0": "LABEL_0", "1": "LABEL_1"})  # absent: HF's default two
+    assert [id2label[str(i)] for i in range(len(id2label))] == labels
+
+
+def _regression_trained(w: World, name: str) -> None:
+    """The head has one output (transformers reads num_labels = 1 as regression) and the loss it logged is
+    the mean squared error of float targets: finite, and not the 0 a one-class cross entropy would give."""
+    cfg = written_config(w, name)
+    assert len(cfg["id2label"]) == 1 and cfg.get("problem_type") in (None, "regression")
+    losses = [r["loss"] for r in map(json.loads, (w.elsewhere / name / "metrics.jsonl").read_text().splitlines())
+              if "loss" in r]
+    assert losses and all(0 < x < 1e3 for x in losses), losses
+
+
+CASES = DATA
+
+
+def run_case(case: Case, w: World, monkeypatch) -> None:
+    args = [str(a) for a in case.args(w)]
+    before = snapshot(w.root)
+    if case.patch is not None:
+        case.patch(monkeypatch, w)
+    r = CliRunner().invoke(app, args)
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise r.exception
+    assert r.exit_code == case.code, r.output
+    assert case.says in " ".join(r.output.split()), r.output
+    assert "Traceback" not in r.output, r.output
+    if case.code == 1:
+        assert "kiln: " in r.output, r.output
+    assert snapshot(w.root) == before, "the case changed files under the world's root"
+    assert not list(w.elsewhere.glob(".*kiln-tmp*")), "a staging folder was left behind"
+    if case.after is not None:
+        case.after(w)
+
+
+@pytest.mark.parametrize("case", DATA, ids=[c.id for c in DATA])
+def test_data_values(case: Case, w: World, monkeypatch):
+    run_case(case, w, monkeypatch)
+
+
+def test_case_ids_are_unique():
+    assert len({c.id for c in CASES}) == len(CASES)
+
+
+def test_tool_call_turn_may_have_null_content():
+    """The one null content a chat record may hold: an assistant turn that carries tool calls (transformers'
+    templates render those from tool_calls); the same turn without them is refused (control)."""
+    from kiln.data.records import Record
+    from kiln.data.sft import conversation
+    from kiln.errors import KilnError
+
+    call = {"type": "function", "function": {"name": "now", "arguments": {}}}
+    turns = [{"role": "user", "content": "time?"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    assert conversation(Record({"messages": turns}, "t.jsonl:1"))[1] == {"role": "assistant", "content": None,
+                                                                         "tool_calls": [call]}
+    with pytest.raises(KilnError, match=r"t.jsonl:2: messages\[1\] must be an object with string 'role'"):
+        conversation(Record({"messages": [turns[0], {"role": "assistant", "content": None}]}, "t.jsonl:2"))
+    with pytest.raises(KilnError, match=r"t.jsonl:3: messages\[0\] must be"):  # a user turn: tool_calls do not count
+        conversation(Record({"messages": [{"role": "user", "content": None, "tool_calls": [call]}]}, "t.jsonl:3"))
