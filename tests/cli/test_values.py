@@ -49,10 +49,11 @@ def fine_tune(w: World, name: str, train: str | Path, model: dict | None = None,
     the data (as `kiln init --template classify` has it); `train` is a data file's text (written to
     <name>.jsonl) or a path; the run goes to elsewhere/ (cases that should fail never get that far)."""
     data = train if isinstance(train, Path) else put(w, f"{name}.jsonl", train)
+    out = train_keys.pop("out_dir", out or w.elsewhere / name)
     return write_toml(w.data / f"{name}.toml", {
         "model": {"path": w.mlm, "task": "sequence-classification", **(model or {})},
         "data": {"train": data, "max_length": 16},
-        "train": {"out_dir": out or w.elsewhere / name, "steps": 2, "batch_size": 4, "progress": False,
+        "train": {"out_dir": out, "steps": 2, "batch_size": 4, "progress": False,
                   "device": "cpu", **train_keys}})
 
 
@@ -148,7 +149,49 @@ def _regression_trained(w: World, name: str) -> None:
     assert losses and all(0 < x < 1e3 for x in losses), losses
 
 
-CASES = DATA
+def _dropout_applied(w: World, name: str) -> None:
+    """The override reached the model (the checkpoint's config.json), the untouched keys kept the stored values."""
+    cfg = written_config(w, name)
+    stored = json.loads((w.cls / "config.json").read_text())
+    assert stored["hidden_dropout_prob"] == 0.1 and cfg["hidden_dropout_prob"] == 0.0
+    assert cfg["attention_probs_dropout_prob"] == stored["attention_probs_dropout_prob"]
+    assert cfg["num_hidden_layers"] == stored["num_hidden_layers"]
+
+
+def classifier(w: World, name: str, model: dict | None = None, **train_keys: object) -> Path:
+    """A fine-tune config continuing the tiny classifier's own head on the world's labelled data."""
+    return fine_tune(w, name, w.data / "train.jsonl", model={"path": w.cls, **(model or {})}, **train_keys)
+
+
+RESHAPE = "beside model.path: changes the shape of weights stored in"
+CONFIG = [
+    C("config-dropout-applied", lambda w: ["train", "--config", classifier(
+        w, "drop", model={"config": {"hidden_dropout_prob": 0.0}})], 0, "",
+      after=lambda w: _dropout_applied(w, "drop")),
+    C("config-layers-beside-path", lambda w: ["train", "--config", classifier(
+        w, "lay", model={"config": {"num_hidden_layers": 6}})], 1, f"model.config.num_hidden_layers = 6 {RESHAPE}"),
+    C("config-layers-flag-beside-path", lambda w: ["train", "--config", classifier(w, "layflag"), "--layers", "6"], 1,
+      f"model.config.num_hidden_layers = 6 {RESHAPE}"),
+    C("config-hidden-size-beside-path", lambda w: ["train", "--config", classifier(
+        w, "hid", model={"config": {"hidden_size": 64}})], 1, f"model.config.hidden_size = 64 {RESHAPE}"),
+    C("config-unknown-field-beside-path", lambda w: ["train", "--config", classifier(
+        w, "unk", model={"config": {"drop_out": 0.0}})], 1, "'drop_out' is not a config field of model_type 'bert'"),
+    C("config-wrong-kind-beside-path", lambda w: ["train", "--config", classifier(
+        w, "kind", model={"config": {"hidden_dropout_prob": "none"}})], 1,
+      "config.json has hidden_dropout_prob = 0.1; a str cannot replace it"),
+    C("config-steps-true", lambda w: ["train", "--config", classifier(w, "stepstrue", steps=True)], 1,
+      "stepstrue.toml:11: train.steps: a boolean (true) is not a number"),
+    C("config-steps-true-set", lambda w: ["train", "--config", classifier(w, "stepsset"), "--set", "train.steps=true"],
+      1, "command line: train.steps: a boolean (true) is not a number"),
+    C("config-lr-text", lambda w: ["train", "--config", classifier(w, "lrtext", lr="1e-3")], 1,
+      "train.lr: expected a number, got the text '1e-3'"),
+    C("config-betas-boolean", lambda w: ["train", "--config", classifier(w, "betasb", betas=[0.9, True])], 1,
+      "train.betas: a boolean (true) is not a number"),
+    C("config-out-dir-empty", lambda w: ["train", "--config", classifier(w, "outempty", out_dir="")], 1,
+      "outempty.toml:10: train.out_dir: must be a folder path, got ''"),
+]
+
+CASES = DATA + CONFIG
 
 
 def run_case(case: Case, w: World, monkeypatch) -> None:
@@ -172,6 +215,11 @@ def run_case(case: Case, w: World, monkeypatch) -> None:
 
 @pytest.mark.parametrize("case", DATA, ids=[c.id for c in DATA])
 def test_data_values(case: Case, w: World, monkeypatch):
+    run_case(case, w, monkeypatch)
+
+
+@pytest.mark.parametrize("case", CONFIG, ids=[c.id for c in CONFIG])
+def test_config_values(case: Case, w: World, monkeypatch):
     run_case(case, w, monkeypatch)
 
 
