@@ -10,6 +10,7 @@ tracebacks and permissions.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -18,6 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kiln.cli.main import app
+from kiln.hub.files import file_sha256
 from tests.cli.bad_inputs_world import World, build_world, snapshot, write_toml
 
 
@@ -191,7 +193,95 @@ CONFIG = [
       "outempty.toml:10: train.out_dir: must be a folder path, got ''"),
 ]
 
-CASES = DATA + CONFIG
+def resume_config(w: World, name: str, model: Path | None = None, eval_file: Path | None = None, out: Path | None = None,
+                  **train_keys: object) -> Path:
+    """The world's finished run's own config (bad_inputs_world.build_world), with the given changes."""
+    return write_toml(w.data / f"{name}.toml", {
+        "model": {"path": model or w.cls, "task": "sequence-classification"},
+        "data": {"train": w.data / "train.jsonl", "max_length": 16, "eval": eval_file},
+        "train": {"out_dir": out or w.root / "run", "steps": 2, "batch_size": 4, "save_every": 1, "lr": 1e-3,
+                  "progress": False, "device": "cpu", **train_keys}})
+
+
+def run_copy(w: World, name: str) -> Path:
+    """A copy of the world's finished run outside the root (a resume writes into its run)."""
+    dst = w.elsewhere / name
+    if not dst.exists():
+        shutil.copytree(w.run, dst)
+    return dst
+
+
+def _bad_metrics_line(w: World) -> Path:
+    run = run_copy(w, "badline")
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run / "metrics.jsonl").write_text(lines[0] + "{oops\n" + "".join(lines[1:]))
+    return run
+
+
+def _metrics_kept(w: World) -> None:
+    run = w.elsewhere / "badline"
+    steps = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert steps == [1, 2, 3], steps  # step 2's record, after the bad line, survived the resume
+    assert json.loads((run / "metrics.rejected.jsonl").read_text()) == {"line": 2, "text": "{oops"}
+
+
+def _retokenized(w: World) -> Path:
+    """The classifier with a tokenizer of the same size whose ids differ: two vocabulary entries swapped."""
+    d = w.data / "retok"
+    if not d.exists():
+        shutil.copytree(w.cls, d)
+        tok = json.loads((d / "tokenizer.json").read_text())
+        vocab = tok["model"]["vocab"]
+        a, b = sorted(vocab, key=vocab.get)[-2:]
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+        (d / "tokenizer.json").write_text(json.dumps(tok))
+    return d
+
+
+def _eval_changed(w: World) -> list:
+    """A run with an eval file, then the eval file's contents changed (same name) before its resume."""
+    ev = w.data / "eval-a.jsonl"
+    ev.write_text((w.data / "train.jsonl").read_text())
+    out = w.elsewhere / "evalrun"
+    r = CliRunner().invoke(app, ["train", "--config", str(resume_config(w, "evalrun", eval_file=ev, out=out))])
+    assert r.exit_code == 0, r.output
+    ev.write_text("".join(reversed((w.data / "train.jsonl").read_text().splitlines(keepends=True)))[:-1] + "\n")
+    return ["train", "--config", resume_config(w, "evalrun2", eval_file=ev, out=out, steps=3), "--resume", out]
+
+
+def _truncated_optimizer(w: World) -> Path:
+    """ckpt-000002's optimizer file cut short and its manifest updated to match: checksums pass, loading fails."""
+    run = run_copy(w, "truncopt")
+    ck = run / "ckpt-000002"
+    opt = ck / "optimizer.safetensors"
+    opt.write_bytes(opt.read_bytes()[:-64])
+    manifest = json.loads((ck / "manifest.json").read_text())
+    manifest["files"]["optimizer.safetensors"] = {"sha256": file_sha256(opt), "bytes": opt.stat().st_size}
+    (ck / "manifest.json").write_text(json.dumps(manifest))
+    return run
+
+
+STATE = [
+    C("resume-metrics-bad-line-kept", lambda w: ["train", "--config", resume_config(w, "rbad", steps=3), "--resume",
+                                                 _bad_metrics_line(w)], 0,
+      "line(s) 2 hold no metrics record (not JSON, or no numeric step); kept aside in metrics.rejected.jsonl",
+      after=_metrics_kept),
+    C("resume-changed-tokenizer", lambda w: ["train", "--config", resume_config(w, "rtok", model=_retokenized(w)),
+                                             "--resume", w.run], 1,
+      "tokenizer changed: its vocabulary, merges, special tokens or chat template differ from the run's"),
+    C("resume-changed-eval-data", _eval_changed, 1, "eval data changed: data.eval's contents differ from the run's"),
+    C("resume-checkpoint-folder", lambda w: ["train", "--config", resume_config(w, "rck", steps=3), "--resume",
+                                             run_copy(w, "ckfolder") / "ckpt-000002"], 0, "resume: from ckpt-000002 (step 2)",
+      after=lambda w: (w.elsewhere / "ckfolder" / "ckpt-000003" / "manifest.json").is_file() or pytest.fail("no step 3")),
+    C("resume-older-checkpoint-folder", lambda w: ["train", "--config", resume_config(w, "rold", steps=3), "--resume",
+                                                   w.run / "ckpt-000001"], 1,
+      "holds newer checkpoints (ckpt-000002); a resume continues from the newest"),
+    C("resume-unreadable-checkpoint-falls-back", lambda w: ["train", "--config", resume_config(w, "rtrunc"), "--resume",
+                                                            _truncated_optimizer(w)], 0,
+      "ckpt-000002: optimizer.safetensors cannot be read"),
+]
+
+CASES = DATA + CONFIG + STATE
 
 
 def run_case(case: Case, w: World, monkeypatch) -> None:
@@ -220,6 +310,11 @@ def test_data_values(case: Case, w: World, monkeypatch):
 
 @pytest.mark.parametrize("case", CONFIG, ids=[c.id for c in CONFIG])
 def test_config_values(case: Case, w: World, monkeypatch):
+    run_case(case, w, monkeypatch)
+
+
+@pytest.mark.parametrize("case", STATE, ids=[c.id for c in STATE])
+def test_state_values(case: Case, w: World, monkeypatch):
     run_case(case, w, monkeypatch)
 
 
