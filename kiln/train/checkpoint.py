@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from kiln.errors import KilnError
 from kiln.hub import load_weights
 from kiln.hub.config import write_json_atomic
-from kiln.hub.files import file_sha256, fsync_dir, fsync_file
+from kiln.hub.files import as_umask_allows, file_sha256, fsync_dir, fsync_file
 from kiln.hub.jsonio import read_json
 from kiln.models.common.lora import has_adapter, read_adapter_tensors
 from kiln.models.pretrained import PreTrainedModel, copy_state_dict
@@ -117,8 +117,10 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
         (tmp / "model").mkdir()
         save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
                   str(tmp / "model" / "model.safetensors"))
+        as_umask_allows(tmp / "model" / "model.safetensors")
     tensors, meta = _optimizer_files(optimizer.state_dict())
     save_file(tensors, str(tmp / "optimizer.safetensors"))
+    as_umask_allows(tmp / "optimizer.safetensors")  # safetensors writes 0600
     _write_json(tmp / "optimizer.json", meta)
     fault_point("ckpt", step)  # crash-safety tests kill here: weights on disk, no manifest yet
     return seal_checkpoint(run_dir, tmp, step, trainer_state, rng_states)

@@ -10,12 +10,15 @@ tracebacks and permissions.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from kiln.cli.main import app
@@ -281,7 +284,65 @@ STATE = [
       "ckpt-000002: optimizer.safetensors cannot be read"),
 ]
 
-CASES = DATA + CONFIG + STATE
+def _int32_weight(w: World) -> Path:
+    """The classifier with one float weight (the head's) stored as int32 under its own name."""
+    d = w.data / "int32"
+    if not d.exists():
+        shutil.copytree(w.cls, d)
+        state = load_file(str(d / "model.safetensors"))
+        state["classifier.weight"] = state["classifier.weight"].round().to(torch.int32)
+        save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+def unreadable(monkeypatch, w: World) -> None:
+    """Opening the classifier's weights fails as it does for a file this user may not read (tests run as root,
+    which reads anything, so the refusal is injected where kiln opens the file)."""
+    import builtins
+    import errno
+
+    def deny(file, *args, **kwargs):
+        if str(file) == str(w.cls / "model.safetensors"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return builtins.open(file, *args, **kwargs)
+
+    monkeypatch.setattr("kiln.hub.weights.open", deny, raising=False)
+
+
+def _exported_modes(w: World, name: str, mode: int) -> None:
+    files = [f for f in (w.elsewhere / name).iterdir() if f.is_file()]
+    assert {f.name for f in files} >= {"model.safetensors", "config.json"}
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in files} == {f.name: oct(mode) for f in files}
+
+
+_RESTORE: list[int] = []  # umasks to put back after a case
+
+
+def umask(value: int) -> Callable:
+    """The process umask set to `value` for the case (kiln reads it from /proc, as any run would)."""
+    def patch(monkeypatch, w: World) -> None:
+        _RESTORE.append(os.umask(value))
+    return patch
+
+
+DTYPE = "is stored as int32 (integer), but"
+TRACEBACKS = [
+    C("inspect-int32-weight", lambda w: ["inspect", _int32_weight(w)], 1, f"tensor 'classifier.weight' {DTYPE} a bert "
+      "model holds it as floating-point (float32)"),
+    C("classify-int32-weight", lambda w: ["classify", _int32_weight(w), "a text"], 1, f"'classifier.weight' {DTYPE}"),
+    C("export-int32-weight", lambda w: ["export", _int32_weight(w), "--out", w.elsewhere / "i32"], 1,
+      f"'classifier.weight' {DTYPE}"),
+    C("train-int32-weight", lambda w: ["train", "--config", classifier(w, "i32run", model={"path": _int32_weight(w)})],
+      1, f"'classifier.weight' {DTYPE}"),
+    C("weights-permission-denied", lambda w: ["classify", w.cls, "a text"], 1,
+      "model.safetensors: permission denied: this user may not read the file", patch=unreadable),
+    C("export-mode-follows-umask-022", lambda w: ["export", w.cls, "--out", w.elsewhere / "m022"], 0, "",
+      patch=umask(0o022), after=lambda w: _exported_modes(w, "m022", 0o644)),
+    C("export-mode-follows-umask-027", lambda w: ["export", w.cls, "--out", w.elsewhere / "m027"], 0, "",
+      patch=umask(0o027), after=lambda w: _exported_modes(w, "m027", 0o640)),
+]
+
+CASES = DATA + CONFIG + STATE + TRACEBACKS
 
 
 def run_case(case: Case, w: World, monkeypatch) -> None:
@@ -318,6 +379,15 @@ def test_state_values(case: Case, w: World, monkeypatch):
     run_case(case, w, monkeypatch)
 
 
+@pytest.mark.parametrize("case", TRACEBACKS, ids=[c.id for c in TRACEBACKS])
+def test_no_traceback(case: Case, w: World, monkeypatch):
+    try:
+        run_case(case, w, monkeypatch)
+    finally:
+        while _RESTORE:
+            os.umask(_RESTORE.pop())
+
+
 def test_case_ids_are_unique():
     assert len({c.id for c in CASES}) == len(CASES)
 
@@ -337,3 +407,47 @@ def test_tool_call_turn_may_have_null_content():
         conversation(Record({"messages": [turns[0], {"role": "assistant", "content": None}]}, "t.jsonl:2"))
     with pytest.raises(KilnError, match=r"t.jsonl:3: messages\[0\] must be"):  # a user turn: tool_calls do not count
         conversation(Record({"messages": [{"role": "user", "content": None, "tool_calls": [call]}]}, "t.jsonl:3"))
+
+
+def test_sigterm_removes_the_staging_folder(tmp_path):
+    """A process killed by SIGTERM while writing through staged_dir leaves no hidden .kiln-tmp folder and no
+    output, and still dies by the signal (what a shell or scheduler sees). The control: SIGKILL, which nothing
+    can catch, does leave the folder, so the check can fail."""
+    import signal
+    import subprocess
+    import sys
+
+    script = ("import os, signal, sys, time\n"
+              "from kiln.hub.outdir import staged_dir\n"
+              "with staged_dir(sys.argv[1]) as tmp:\n"
+              "    (tmp / 'model.safetensors').write_bytes(b'x' * 1000)\n"
+              "    os.kill(os.getpid(), int(sys.argv[2]))\n"
+              "    time.sleep(30)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    for sig, left in ((signal.SIGTERM, []), (signal.SIGKILL, [".out-kill.kiln-tmp"])):
+        out = tmp_path / ("out" if sig == signal.SIGTERM else "out-kill")
+        p = subprocess.run([sys.executable, "-c", script, str(out), str(int(sig))], env=env, timeout=120,
+                           capture_output=True, text=True)
+        assert p.returncode == -sig, (p.returncode, p.stderr)
+        assert "Traceback" not in p.stderr, p.stderr
+        assert [f.name.rsplit("-", 1)[0] for f in tmp_path.glob(f".{out.name}.kiln-tmp-*")] == left
+        assert not out.exists()
+
+
+def test_dcp_shard_missing_names_the_shard(tmp_path):
+    """A sharded checkpoint with a shard file removed (and nothing else to say so) loads as a KilnError
+    naming the missing file, not torch's CheckpointException traceback."""
+    import torch.distributed.checkpoint as dcp
+
+    from kiln.errors import KilnError
+    from kiln.parallel.checkpoint import _dcp_load
+
+    model = torch.nn.Linear(4, 3)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    fresh = {"model": torch.nn.Linear(4, 3).state_dict()}
+    _dcp_load(fresh, tmp_path, no_dist=True)  # the control: whole, it loads
+    assert torch.equal(fresh["model"]["weight"], model.weight.detach())
+    shard = next((tmp_path / "dcp").glob("*.distcp"))
+    shard.unlink()
+    with pytest.raises(KilnError, match=rf"a shard of this sharded checkpoint cannot be read \(rank 0: .*{shard.name}"):
+        _dcp_load({"model": torch.nn.Linear(4, 3).state_dict()}, tmp_path, no_dist=True)
