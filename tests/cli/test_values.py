@@ -451,3 +451,43 @@ def test_dcp_shard_missing_names_the_shard(tmp_path):
     shard.unlink()
     with pytest.raises(KilnError, match=rf"a shard of this sharded checkpoint cannot be read \(rank 0: .*{shard.name}"):
         _dcp_load({"model": torch.nn.Linear(4, 3).state_dict()}, tmp_path, no_dist=True)
+
+
+def test_threads_share_the_cores(monkeypatch, tmp_path):
+    """The default thread count divides the cores over the kiln processes running here (their entries, this
+    command's own processes included) and says so; entries of processes that are gone do not count (the
+    control: a dead pid's entry is removed, not counted); OMP_NUM_THREADS wins, silently."""
+    import subprocess
+    import sys
+
+    from kiln.cli import common
+
+    monkeypatch.setattr(common, "_REGISTRY", tmp_path / "reg")
+    monkeypatch.setattr(common.os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
+    monkeypatch.setattr(common.atexit, "register", lambda *a, **k: None)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    said: list[str] = []
+    monkeypatch.setattr(common, "note", said.append)
+    (tmp_path / "reg").mkdir()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    try:
+        (tmp_path / "reg" / str(sleeper.pid)).write_text(f"{common._start_time(sleeper.pid)} 2")  # a 2-rank launch
+        (tmp_path / "reg" / dead.stdout.strip()).write_text("123 1")
+        assert common.share_cores() == 12 // 3
+        assert "4 per process (12 cores over this process and 2 other kiln process(es) running here)" in said[-1]
+        assert not (tmp_path / "reg" / dead.stdout.strip()).exists()
+        assert common.share_cores(3) == 12 // 5  # a launch of 3 ranks beside the sleeper's 2
+        common.share_cores_for(["inspect", "x"])  # only a train takes a share at the entry point
+        assert len(said) == 2
+        before = torch.get_num_threads()
+        try:
+            common.share_cores_for(["train", "--config", "x.toml"])
+            assert torch.get_num_threads() == 12 // 3 and len(said) == 3
+        finally:
+            torch.set_num_threads(before)
+        monkeypatch.setenv("OMP_NUM_THREADS", "7")
+        assert common.share_cores() is None and len(said) == 3
+    finally:
+        sleeper.kill()
+        sleeper.wait()
