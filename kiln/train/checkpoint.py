@@ -10,7 +10,9 @@
 A save goes to `.ckpt-000200.tmp`, every file fsynced, then renamed; a directory without a valid
 manifest is partial or corrupt and is skipped (by name) on resume, and so is one whose files match
 their manifest but cannot be read (a safetensors header that does not cover its file, JSON that does
-not parse): the resume falls back to the previous checkpoint, naming the file. Nothing here unpickles.
+not parse, a DCP shard its metadata names that is gone): the resume falls back to the previous
+checkpoint, naming the file. Nothing here unpickles, except torch's own reader of a sharded checkpoint's
+dcp/.metadata, which a load of that checkpoint runs on the same file anyway.
 `--resume` takes a run directory or one of its checkpoints (`resume_target`).
 """
 
@@ -170,7 +172,23 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
         problem = _unreadable(path / rel)
         if problem is not None:
             return f"{rel} cannot be read ({problem})"
-    return None
+    return _dcp_missing(path)
+
+
+def _dcp_missing(path: Path) -> str | None:
+    """For a sharded checkpoint: a shard file its DCP metadata names that is not there (a manifest edited to
+    match the loss would pass the checksums), or None."""
+    if not (path / "dcp" / ".metadata").is_file():
+        return None
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        meta = FileSystemReader(str(path / "dcp")).read_metadata()
+    except Exception as e:  # torch's reader: a torn or foreign .metadata
+        return f"dcp/.metadata cannot be read ({type(e).__name__}: {e})"
+    named = sorted({info.relative_path for info in (meta.storage_data or {}).values()})
+    missing = [rel for rel in named if not (path / "dcp" / rel).is_file()]
+    return f"dcp/{missing[0]} is missing (dcp/.metadata names it)" if missing else None
 
 
 def _unreadable(f: Path) -> str | None:

@@ -491,3 +491,27 @@ def test_threads_share_the_cores(monkeypatch, tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_dcp_shard_missing_from_manifest_too(tmp_path):
+    """A sharded checkpoint whose shard was removed and its manifest edited to match: verify_checkpoint (what a
+    resume uses to pick a checkpoint, and export to accept one) names the missing shard, so a resume falls back
+    to the previous checkpoint. The control: the same checkpoint whole verifies clean."""
+    import torch.distributed.checkpoint as dcp
+
+    from kiln.train.checkpoint import verify_checkpoint
+
+    ck = tmp_path / "ckpt-000001"
+    dcp.save({"model": torch.nn.Linear(4, 3).state_dict()}, checkpoint_id=str(ck / "dcp"), no_dist=True)
+
+    def manifest() -> None:
+        files = {str(f.relative_to(ck)): {"sha256": file_sha256(f), "bytes": f.stat().st_size}
+                 for f in sorted((ck / "dcp").iterdir()) if f.is_file()}
+        (ck / "manifest.json").write_text(json.dumps({"format": 1, "step": 1, "files": files}))
+
+    manifest()
+    assert verify_checkpoint(ck) is None
+    shard = next((ck / "dcp").glob("*.distcp"))
+    shard.unlink()
+    manifest()
+    assert verify_checkpoint(ck) == f"dcp/{shard.name} is missing (dcp/.metadata names it)"
