@@ -332,7 +332,7 @@ def _miscast(model: type[BaseModel], data: Any, prefix: str = "") -> list[tuple[
                                               "number itself"))
                 break
             if isinstance(item, str) and numbers_only:
-                out.append((f"{prefix}{key}", f"expected a number, got the text {item!r} (drop the quotes)"))
+                out.append((f"{prefix}{key}", f"Input should be a valid number, not text: got {item!r} (drop the quotes)"))
                 break
     return out
 

@@ -189,7 +189,7 @@ CONFIG = [
     C("config-steps-true-set", lambda w: ["train", "--config", classifier(w, "stepsset"), "--set", "train.steps=true"],
       1, "command line: train.steps: a boolean (true) is not a number"),
     C("config-lr-text", lambda w: ["train", "--config", classifier(w, "lrtext", lr="1e-3")], 1,
-      "train.lr: expected a number, got the text '1e-3'"),
+      "train.lr: Input should be a valid number, not text: got '1e-3' (drop the quotes)"),
     C("config-betas-boolean", lambda w: ["train", "--config", classifier(w, "betasb", betas=[0.9, True])], 1,
       "train.betas: a boolean (true) is not a number"),
     C("config-out-dir-empty", lambda w: ["train", "--config", classifier(w, "outempty", out_dir="")], 1,
