@@ -23,8 +23,11 @@ def _os_message(e: OSError) -> str:
     what = e.strerror or str(e) or type(e).__name__
     if e.errno == errno.ENOSPC:
         what += "; free some space and run the command again"
-    elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+    elif e.errno == errno.EROFS:
         what += "; choose a location you can write to"
+    elif e.errno in (errno.EACCES, errno.EPERM):  # said as what it is, not as a missing file
+        what = f"permission denied ({what}): this user may not use it; check its permissions (ls -l) or " \
+               "choose a location you can use"
     names = [str(n) for n in (e.filename, e.filename2) if n is not None]
     return f"{' -> '.join(names)}: {what}" if names else what
 

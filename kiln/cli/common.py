@@ -4,12 +4,20 @@ A model loaded for prediction must hold what it predicts with: a head the direct
 (classify on a masked-LM directory) or weights its config.json does not describe are refused
 (kiln.interop.load_report) unless --allow-missing / --allow-unused say otherwise, and whatever was
 dropped or initialised is said on stderr.
+
+`share_cores` sets the default torch thread count of a compute command: this process's share of the cores
+it may run on, counting the other kiln processes of this user running on the machine (and the ranks a
+launch starts), so two runs side by side do not each spin a thread per core. OMP_NUM_THREADS, when set,
+wins and nothing is said. A process that started earlier keeps the count it chose.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import math
+import os
+import tempfile
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -100,3 +108,84 @@ def fit_length(model, n_tokens: int, what: str, cut: bool) -> int | None:
         raise KilnError(f"{what} is {n_tokens} tokens, more than the model's {limit} positions; shorten it")
     note(f"{what} is {n_tokens} tokens; the model reads the first {limit}, the rest is cut off")
     return limit
+
+
+# ---- threads ------------------------------------------------------------------------------------
+# One file per running kiln compute process: RUN/<pid> holding "<start time> <processes it stands for>".
+_REGISTRY = Path(tempfile.gettempdir()) / f"kiln-{getattr(os, 'getuid', lambda: 0)()}-processes"
+
+
+def _start_time(pid: int) -> str | None:
+    """A process's start time (clock ticks after boot), which tells a live entry from a reused pid; None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[19]  # field 22 counts from the pid; the name may hold spaces
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "?"  # no /proc: alive, start unknown
+
+
+def _others() -> int:
+    """Processes the other live entries stand for; entries of processes that are gone are removed."""
+    total = 0
+    for entry in _REGISTRY.glob("[0-9]*") if _REGISTRY.is_dir() else []:
+        try:
+            pid = int(entry.name)
+            start, weight = entry.read_text().split()
+        except (OSError, ValueError):
+            continue
+        if pid == os.getpid():
+            continue
+        now = _start_time(pid)
+        if now is None or (now != "?" and start != "?" and now != start):
+            entry.unlink(missing_ok=True)  # gone (or its pid reused): not running kiln
+            continue
+        total += max(1, int(weight)) if weight.isdigit() else 1
+    return total
+
+
+def _register(weight: int) -> None:
+    try:
+        _REGISTRY.mkdir(parents=True, exist_ok=True)
+        entry = _REGISTRY / str(os.getpid())
+        tmp = _REGISTRY / f".{os.getpid()}.tmp"
+        tmp.write_text(f"{_start_time(os.getpid()) or '?'} {weight}")
+        tmp.replace(entry)
+        atexit.register(entry.unlink, missing_ok=True)
+    except OSError:
+        pass  # a temp folder we cannot write: this process is not counted by others; nothing breaks
+
+
+def share_cores(processes: int = 1) -> int | None:
+    """This command's thread count per process, when OMP_NUM_THREADS does not set it: the cores this process
+    may run on over every kiln process of this user running here, this command's `processes` included;
+    registers this command for the ones that start later and says what it chose. None when the user chose."""
+    if os.environ.get("OMP_NUM_THREADS", "").strip():
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    others = _others()
+    _register(processes)
+    threads = max(1, cores // (others + processes))
+    who = f"{processes} process(es) of this command" if processes > 1 else "this process"
+    note(f"torch threads: {threads} per process ({cores} cores over {who}"
+         + (f" and {others} other kiln process(es) running here" if others else "")
+         + "); set OMP_NUM_THREADS to choose")
+    return threads
+
+
+def share_cores_for(argv: list[str]) -> None:
+    """At the entry point (`kiln` / `python -m kiln.cli.main`, not an in-process call): a `kiln train`
+    process (or launch rank) takes its share of the cores as torch's thread count."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command != "train" or "--help" in argv or "-h" in argv:  # help stays light (no torch)
+        return
+    threads = share_cores(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)

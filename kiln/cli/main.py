@@ -16,6 +16,7 @@ from typer._click import exceptions as click_errors  # typer vendors its own cli
 from typer.core import TyperGroup
 
 from kiln.cli.boundary import report, user_message
+from kiln.cli.common import share_cores_for
 
 # Command groups, in help order. A new group is one module with `register(app)` and one line here.
 COMMAND_MODULES = [
@@ -74,6 +75,7 @@ for _name in COMMAND_MODULES:
 
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    share_cores_for(sys.argv[1:] if argv is None else argv)  # a train beside other kiln runs: its share of the cores
     app(args=argv)
 
 

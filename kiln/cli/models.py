@@ -52,6 +52,15 @@ def inspect_dir(model_dir: Path = typer.Argument(..., help="An HF model director
         for k, v in weights.items():
             t.add_row(k, str(tuple(v.shape)), str(v.dtype).replace("torch.", ""))
         out.print(t)
+    import torch
+
+    from kiln.errors import WeightsError
+    from kiln.models.pretrained import stored_dtype_problems
+
+    with torch.device("meta"):  # what a load would refuse (an int32 under a float weight's name), said here too
+        problems = stored_dtype_problems(family.build(config, get_task(task)), weights, str(model_dir))
+    if problems:
+        raise WeightsError("; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""))
 
 
 def checkpoint_dir(ckpt: Path) -> Path:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import typer
 
 from kiln.cli.boundary import ERROR_DIR_ENV
-from kiln.cli.common import EXIT_STOPPED, exit_codes
+from kiln.cli.common import EXIT_STOPPED, exit_codes, share_cores
 from kiln.constants import LAUNCH_DIR_ENV
 from kiln.errors import KilnError
 
@@ -116,9 +116,13 @@ def launch(ctx: typer.Context,
     if nnodes in (None, "1") and rdzv_endpoint is None and master_port is None:
         argv.append("--standalone")  # one node: torchrun picks a free port itself
     argv += ["-m", "kiln.cli.main", *command]
+    env = dict(os.environ)
+    threads = share_cores(int(nproc_per_node)) if nproc_per_node.isdigit() else None
+    if threads is not None:  # each rank's share (torchrun would give every rank 1, or all cores to each)
+        env["OMP_NUM_THREADS"] = str(threads)
     with tempfile.TemporaryDirectory(prefix="kiln-launch-") as errors:
         # each rank leaves its user error here instead of printing it; shown once below
-        code = _run_passing_signals(argv, {**os.environ, ERROR_DIR_ENV: errors, LAUNCH_DIR_ENV: errors}, Path(errors))
+        code = _run_passing_signals(argv, {**env, ERROR_DIR_ENV: errors, LAUNCH_DIR_ENV: errors}, Path(errors))
         messages = {p.stem.removeprefix("rank-").lstrip("0") or "0": p.read_text(encoding="utf-8")
                     for p in sorted(Path(errors).glob("rank-*.txt"))}
         # a rank that stopped on a signal did so only after every rank agreed and the checkpoint was sealed; a

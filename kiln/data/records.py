@@ -56,7 +56,7 @@ def read_records(path: str | os.PathLike, fmt: str = "auto") -> list[Record]:
     elif fmt == "jsonl":
         records = [Record(row, f"{path}:{no}") for no, row, _ in iter_jsonl(path)]
     else:
-        with open(path, encoding="utf-8", newline="") as f:
+        with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: a BOM (Excel's "CSV UTF-8") is not part of the first header
             reader = csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
             try:
                 if not reader.fieldnames:

@@ -47,13 +47,24 @@ def conversation(record: Record) -> list[dict[str, str]]:
         msgs = f["messages"]
         if not isinstance(msgs, list) or not msgs:
             raise KilnError(f"{record.where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        out = []
         for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise KilnError(f"{record.where}: messages[{i}] must be an object with string 'role' and 'content'")
-        return [{"role": m["role"], "content": m["content"]} for m in msgs]
+            # content null only where transformers' templates expect it: an assistant turn that calls tools
+            calls = isinstance(m, dict) and m.get("role") == "assistant" and bool(m.get("tool_calls"))
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not (
+                    isinstance(m.get("content"), str) or (calls and m.get("content") is None)):
+                raise KilnError(f"{record.where}: messages[{i}] must be an object with string 'role' and 'content'"
+                                " (content null only in an assistant turn with tool_calls)")
+            out.append({"role": m["role"], "content": m["content"],
+                        **({"tool_calls": m["tool_calls"]} if calls else {})})
+        return out
     if "prompt" in f and "response" in f:
-        msgs = [{"role": "system", "content": str(f["system"])}] if f.get("system") else []
-        return msgs + [{"role": "user", "content": str(f["prompt"])}, {"role": "assistant", "content": str(f["response"])}]
+        for key in ("prompt", "response") + (("system",) if f.get("system") is not None else ()):
+            if not isinstance(f[key], str):  # never the text "None" as a reply to learn
+                raise KilnError(f"{record.where}: field {key!r} must be a string, got "
+                                f"{'null' if f[key] is None else type(f[key]).__name__}")
+        msgs = [{"role": "system", "content": f["system"]}] if f.get("system") else []
+        return msgs + [{"role": "user", "content": f["prompt"]}, {"role": "assistant", "content": f["response"]}]
     have = ", ".join(sorted(f)) or "none"
     raise KilnError(f"{record.where}: needs 'messages' or 'prompt' and 'response' (fields here: {have})")
 

@@ -1,5 +1,7 @@
 """Output directories: never write over a model, tokenizer, run or shard set unless told to, and
 write through a staging folder so a failed write (full disk, no permission) leaves the target as it was.
+The staging folder is removed on any error, on Ctrl-C, and on SIGTERM (the process then dies by the signal,
+as it would have without kiln), unless something else already handles SIGTERM.
 
     check_out_dir(out, overwrite)        # refuses a file, or a folder that holds a model/tokenizer/run
     with staged_dir(out) as tmp:         # write into tmp; on success its files replace out's
@@ -11,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -72,11 +76,40 @@ def staged_dir(out: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        yield tmp
-        _publish(tmp, out)
+        with _sigterm_raises():
+            yield tmp
+            _publish(tmp, out)
+    except _Terminated:
+        shutil.rmtree(tmp, ignore_errors=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)  # die by the signal, as an uncaught SIGTERM does
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived while a staging folder existed."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """Inside: SIGTERM raises _Terminated (so the staging folder goes, as on Ctrl-C), where its action is the
+    default one and this is the main thread; a handler someone else installed (a trainer's stop) is left be."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def terminated(signum: int, frame: object) -> None:
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _publish(tmp: Path, out: Path) -> None:

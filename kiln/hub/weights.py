@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from kiln.errors import WeightsError
 from kiln.hub.config import write_json_atomic
+from kiln.hub.files import as_umask_allows
 from kiln.hub.headers import index_files
 from kiln.hub.jsonio import read_json
 
@@ -72,6 +73,13 @@ def _read_into_alignment(f, offset: int, nbytes: int, dtype: torch.dtype, shape:
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
+        open(path, "rb").close()  # safetensors reports a file it may not read as "No such file or directory"
+    except PermissionError:
+        raise WeightsError(f"{path}: permission denied: this user may not read the file; ask its owner to make "
+                           "it readable (chmod a+r) or copy it somewhere you can read") from None
+    except OSError as e:
+        raise WeightsError(f"{path}: cannot read ({e})") from None
+    try:
         with safe_open(str(path), framework="pt") as f:  # checks the header and the offsets against the file
             keys = list(f.keys())
         with open(path, "rb", buffering=0) as f:
@@ -120,6 +128,7 @@ def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: d
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
+    as_umask_allows(tmp)  # safetensors makes it 0600
     os.replace(tmp, path)
 
 

@@ -249,18 +249,47 @@ class PreTrainedModel(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+def dtype_kind(dtype: torch.dtype) -> str:
+    """What a tensor holds, as a load compares it: floating point (any width, FP8 too), integers, booleans."""
+    if dtype == torch.bool:
+        return "boolean"
+    return "floating-point" if dtype.is_floating_point or dtype.is_complex else "integer"
+
+
+def dtype_message(source: str, name: str, got: torch.dtype, want: torch.dtype, model: str = "the model") -> str:
+    """A stored tensor of another kind than the model's (an int32 under a float weight's name)."""
+    return (f"{source}: tensor {name!r} is stored as {str(got).removeprefix('torch.')} ({dtype_kind(got)}), but "
+            f"{model} holds it as {dtype_kind(want)} ({str(want).removeprefix('torch.')}); the file was written "
+            "wrong or holds another tensor under this name")
+
+
+def stored_dtype_problems(model: "PreTrainedModel", hf: dict[str, torch.Tensor], source: str) -> list[str]:
+    """One message per stored tensor (by its HF name) whose kind differs from what `model` (built on meta is
+    enough) holds under that name: what a load refuses, for `kiln inspect` to say without loading."""
+    normalised = {name: hf[k] for k, (name, extra) in model.normalise_hf_names(hf).items() if not extra}
+    keymap = model.family.keymap(model.task)
+    kiln_sd, _ = keymap.to_kiln(normalised)
+    expected = model.state_dict()
+    return [dtype_message(source, keymap.hf_name(k) or k, v.dtype, expected[k].dtype,
+                          f"a {model.family.model_type} model") for k, v in kiln_sd.items()
+            if k in expected and dtype_kind(v.dtype) != dtype_kind(expected[k].dtype)]
+
+
 def check_tensors(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], owed: set[str], source: str,
                   model: str = "the model", name: Callable[[str], str] = str) -> tuple[list[str], list[str]]:
     """Check tensors to load (`got`) against a model's own (`expected`), both under the model's names.
 
     Returns (ignored: names in `got` the model lacks, fresh: the model's names absent from `got`
     and not `owed`). A wrong shape, or an owed tensor that is absent, raises a WeightsError that
-    names the tensor (as `name(k)`, e.g. its HF name) and both shapes.
+    names the tensor (as `name(k)`, e.g. its HF name) and both shapes; so does a tensor of another kind
+    (integers stored where the model holds floating-point weights, or the reverse; widths may differ).
     """
     for k, v in got.items():
         if k in expected and tuple(v.shape) != tuple(expected[k].shape):
             raise WeightsError(f"{source}: tensor {name(k)!r} has shape {tuple(v.shape)}, "
                                f"but {model} expects {tuple(expected[k].shape)}")
+        if k in expected and dtype_kind(v.dtype) != dtype_kind(expected[k].dtype):
+            raise WeightsError(dtype_message(source, name(k), v.dtype, expected[k].dtype, model))
     absent = [name(k) for k in expected if k not in got and k in owed]
     if absent:
         raise WeightsError(f"{source}: missing tensor(s) {', '.join(repr(n) for n in absent[:6])}"

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, get_state_dict,
                                                      set_optimizer_state_dict, set_state_dict)
@@ -123,7 +124,13 @@ def load_full_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stat
 def _dcp_load(state: dict, path: Path, no_dist: bool) -> None:
     with warnings.catch_warnings():  # torch warns on every single-process load, even one asked for
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=no_dist)
+        try:
+            dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=no_dist)
+        except CheckpointException as e:  # a BaseException holding each rank's error: said as the file at fault
+            why = "; ".join(f"rank {rank}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                            for rank, (exc, _) in sorted(e.failures.items()))
+            raise KilnError(f"{path / 'dcp'}: a shard of this sharded checkpoint cannot be read ({why}); the "
+                            "checkpoint is incomplete: resume from or export another one") from None
 
 
 def is_sharded(path: str | os.PathLike) -> bool:

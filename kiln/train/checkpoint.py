@@ -8,7 +8,12 @@
       manifest.json        sha256 and size of every file above; written last
 
 A save goes to `.ckpt-000200.tmp`, every file fsynced, then renamed; a directory without a valid
-manifest is partial or corrupt and is skipped (by name) on resume. Nothing here unpickles.
+manifest is partial or corrupt and is skipped (by name) on resume, and so is one whose files match
+their manifest but cannot be read (a safetensors header that does not cover its file, JSON that does
+not parse, a DCP shard its metadata names that is gone): the resume falls back to the previous
+checkpoint, naming the file. Nothing here unpickles, except torch's own reader of a sharded checkpoint's
+dcp/.metadata, which a load of that checkpoint runs on the same file anyway.
+`--resume` takes a run directory or one of its checkpoints (`resume_target`).
 """
 
 from __future__ import annotations
@@ -24,12 +29,13 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from kiln.errors import KilnError
 from kiln.hub import load_weights
 from kiln.hub.config import write_json_atomic
-from kiln.hub.files import file_sha256, fsync_dir, fsync_file
+from kiln.hub.files import as_umask_allows, file_sha256, fsync_dir, fsync_file
 from kiln.hub.jsonio import read_json
 from kiln.models.common.lora import has_adapter, read_adapter_tensors
 from kiln.models.pretrained import PreTrainedModel, copy_state_dict
@@ -113,8 +119,10 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
         (tmp / "model").mkdir()
         save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
                   str(tmp / "model" / "model.safetensors"))
+        as_umask_allows(tmp / "model" / "model.safetensors")
     tensors, meta = _optimizer_files(optimizer.state_dict())
     save_file(tensors, str(tmp / "optimizer.safetensors"))
+    as_umask_allows(tmp / "optimizer.safetensors")  # safetensors writes 0600
     _write_json(tmp / "optimizer.json", meta)
     fault_point("ckpt", step)  # crash-safety tests kill here: weights on disk, no manifest yet
     return seal_checkpoint(run_dir, tmp, step, trainer_state, rng_states)
@@ -160,7 +168,62 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
             return f"{rel} is missing"
         if f.stat().st_size != info["bytes"] or file_sha256(f) != info["sha256"]:
             return f"{rel} does not match its checksum"
+    for rel in files:  # checksums can match a file written wrong (or a manifest rewritten to match it)
+        problem = _unreadable(path / rel)
+        if problem is not None:
+            return f"{rel} cannot be read ({problem})"
+    return _dcp_missing(path)
+
+
+def _dcp_missing(path: Path) -> str | None:
+    """For a sharded checkpoint: a shard file its DCP metadata names that is not there (a manifest edited to
+    match the loss would pass the checksums), or None."""
+    if not (path / "dcp" / ".metadata").is_file():
+        return None
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        meta = FileSystemReader(str(path / "dcp")).read_metadata()
+    except Exception as e:  # torch's reader: a torn or foreign .metadata
+        return f"dcp/.metadata cannot be read ({type(e).__name__}: {e})"
+    named = sorted({info.relative_path for info in (meta.storage_data or {}).values()})
+    missing = [rel for rel in named if not (path / "dcp" / rel).is_file()]
+    return f"dcp/{missing[0]} is missing (dcp/.metadata names it)" if missing else None
+
+
+def _unreadable(f: Path) -> str | None:
+    """Why a checkpoint file cannot be read, or None: a safetensors header must parse and cover the file
+    exactly; a JSON file must parse. Headers only: no tensor is read."""
+    try:
+        if f.suffix == ".safetensors":
+            with safe_open(str(f), framework="pt") as st:
+                st.keys()
+        elif f.suffix == ".json":
+            json.loads(f.read_text(encoding="utf-8"))
+    except PermissionError:
+        return "permission denied"
+    except Exception as e:  # safetensors' own error type, JSON, encoding: any of them means "cannot load"
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
     return None
+
+
+def resume_target(path: str | os.PathLike) -> Path:
+    """The run directory for `--resume PATH`: PATH itself, or the run holding PATH when PATH is one of its
+    checkpoints (`RUN/ckpt-000004`) and the newest complete one there. A resume continues the run, so an
+    older checkpoint with newer ones beside it is refused, naming them, rather than overwritten."""
+    path = Path(path)
+    if not (CKPT_RE.match(path.name) and path.is_dir()):
+        return path
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise KilnError(f"{path}: not a usable checkpoint to resume from: {problem}")
+    newer = [p.name for step, p in list_checkpoints(path.parent)
+             if step > int(CKPT_RE.match(path.name).group(1)) and verify_checkpoint(p) is None]
+    if newer:
+        raise KilnError(f"{path}: the run {path.parent} holds newer checkpoints ({', '.join(newer)}); a resume "
+                        f"continues from the newest (--resume {path.parent}); to branch off {path.name}, copy the "
+                        "run without the newer ones and resume that")
+    return path.parent
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:

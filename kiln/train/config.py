@@ -6,17 +6,26 @@ The core sections are [model], [data] (the keys every recipe reads), [train], [l
 installs itself here (`use_run_schema`), so this module knows no recipe. An unknown or mistyped key
 (or a key of another recipe), a wrong type or a bad value is a `ConfigError` naming the file, the
 section.key and, for unknown keys, the line it sits on.
+
+Values keep their kind: a boolean is not a number (`steps = true` is refused, not one step) and text
+is not a number (`lr = "1e-3"` is refused), whatever pydantic's lax mode would coerce. `model.config`
+beside `model.path` applies only keys that leave every stored weight's shape as it is (dropout, eps,
+...), as transformers' `from_pretrained(path, **kwargs)` does; a key that would reshape a weight is
+refused (`model_config_overrides`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import tomllib
+import types
+import typing
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Mapping, Protocol, Sequence
 
-from pydantic import SerializeAsAny, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from kiln.errors import ConfigError, KilnError
 from kiln.hub.resolve import parse_repo_id
@@ -26,7 +35,7 @@ from kiln.parallel.config import CadenceSection, ParallelSection, Section
 
 __all__ = ["Section", "ModelSection", "DataSection", "TrainSection", "LoraSection", "ParallelSection",
            "CadenceSection", "RunConfig", "RunSchema", "use_run_schema", "load_run_config", "parse_run_config",
-           "parse_override", "apply_overrides", "check_freeze_specs"]
+           "parse_override", "apply_overrides", "check_freeze_specs", "model_config_overrides"]
 
 
 class ModelSection(Section):
@@ -110,6 +119,13 @@ class TrainSection(Section):
     group_by_length: bool = True          # fine-tuning data: batches of similar lengths, padded to their longest
     stop_save: bool = True                # SIGTERM / SIGINT / max_time: checkpoint the step where the run stops
     max_time: str | None = None           # "3h50m": stop cleanly before this much wall clock (kiln.train.preempt)
+
+    @field_validator("out_dir")
+    @classmethod
+    def _out_dir(cls, value: str) -> str:
+        if not value.strip():  # "" would train into the working directory
+            raise ValueError(f"must be a folder path, got {value!r}")
+        return value
 
     @field_validator("freeze")
     @classmethod
@@ -242,6 +258,10 @@ def parse_run_config(data: dict[str, Any], source: str = "run config", text: str
     schema = schema or _run_schema()
     model = schema.model_for(data)
     try:
+        miscast = _miscast(model, data)
+        if miscast:
+            raise ConfigError("; ".join(f"{_where(source, text, key, overridden)}: {key}: {why}"
+                                        for key, why in miscast))
         return model.model_validate(data)
     except ValidationError as e:
         problems = []
@@ -262,6 +282,103 @@ def parse_run_config(data: dict[str, Any], source: str = "run config", text: str
                 msg = err["msg"].removeprefix("Value error, ")
                 problems.append(f"{where}: {key + ': ' if key else ''}{msg}")
         raise ConfigError("; ".join(problems)) from None
+
+
+def _where(source: str, text: str, key: str, overridden: Sequence[str]) -> str:
+    if any(key == o or key.startswith(o + ".") for o in overridden):
+        return "command line"
+    section, _, leaf = key.rpartition(".")
+    line = _line_of(text, section.split(".")[0] if section else None, leaf) if text else None
+    return f"{source}:{line}" if line else source
+
+
+def _leaf_types(annotation: Any) -> set[Any]:
+    """The plain types a field annotation admits (through Optional, unions, lists, Literal)."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return {type(a) for a in typing.get_args(annotation)}
+    if origin in (typing.Union, types.UnionType, list, tuple, set, dict) or (
+            origin is not None and typing.get_args(annotation)):
+        out: set[Any] = set()
+        for a in typing.get_args(annotation):
+            if a is not Ellipsis:
+                out |= _leaf_types(a)
+        return out
+    return {annotation}
+
+
+def _miscast(model: type[BaseModel], data: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """(key, why) for each value pydantic's lax mode would quietly convert: a boolean where the field takes
+    no boolean (true would be 1), text where it takes only numbers ("1e-3" would be 0.001)."""
+    if not isinstance(data, dict):
+        return []
+    out: list[tuple[str, str]] = []
+    for key, value in data.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            continue  # unknown keys are validation's to name
+        leaves = _leaf_types(field.annotation)
+        if Any in leaves or typing.Any in leaves:
+            continue
+        sub = [t for t in leaves if isinstance(t, type) and issubclass(t, BaseModel)]
+        if isinstance(value, dict) and sub:
+            out += _miscast(sub[0], value, f"{prefix}{key}.")
+            continue
+        items = value if isinstance(value, list) else [value]
+        numbers_only = bool(leaves) and leaves <= {int, float, type(None)}
+        for item in items:
+            if isinstance(item, bool) and bool not in leaves and leaves & {int, float}:
+                out.append((f"{prefix}{key}", f"a boolean ({str(item).lower()}) is not a number; write the "
+                                              "number itself"))
+                break
+            if isinstance(item, str) and numbers_only:
+                out.append((f"{prefix}{key}", f"Input should be a valid number, not text: got {item!r} (drop the quotes)"))
+                break
+    return out
+
+
+def model_config_overrides(m: ModelSection) -> dict[str, Any]:
+    """`model.config` beside `model.path`: the keys a load applies on top of the stored config.json, as
+    transformers' from_pretrained(path, **kwargs) does, when each changes no stored weight's shape
+    (dropout, eps, ...). A key that is no field of the family, holds a value of another kind, or would
+    reshape a weight (layers, sizes, vocabulary: the stored weights could not load) is a ConfigError
+    naming it and why."""
+    if m.path is None or not m.config:
+        return {}
+    import torch
+
+    from kiln.models.auto import apply_changes, load_config
+
+    family, config, _ = load_config(m.path)
+    fields = {f.name for f in dataclasses.fields(config)} - {"extra"}
+
+    def shapes(c: Any) -> dict[str, tuple[int, ...]]:
+        with torch.device("meta"):
+            built = family.build(c, m.task)
+        return {k: tuple(v.shape) for k, v in built.state_dict().items()}
+
+    base = shapes(config)
+    for key, value in m.config.items():
+        where = f"model.config.{key} = {value!r} beside model.path"
+        if key not in fields:
+            raise ConfigError(f"{where}: {key!r} is not a config field of model_type {config.model_type!r}")
+        stored = getattr(config, key)
+        kinds = [(bool,), (int, float), (str,), (list, tuple), (dict,)]
+        kind = next((k for k in kinds if isinstance(stored, k)), None)
+        if stored is not None and kind is not None and (not isinstance(value, kind) or (
+                isinstance(value, bool) and bool not in kind)):
+            raise ConfigError(f"{where}: {m.path}/config.json has {key} = {stored!r}; a {type(value).__name__} "
+                              "cannot replace it")
+        try:
+            changed = apply_changes(config, {key: value})
+        except (ConfigError, ValueError, TypeError) as e:
+            raise ConfigError(f"{where}: {e}") from None
+        if shapes(changed) != base:
+            raise ConfigError(f"{where}: changes the shape of weights stored in {m.path} ({key} is {stored!r} "
+                              "there), so they could not load; a load applies only keys that keep every weight's "
+                              "shape (dropout, eps, ...). Build a different architecture from model.family + "
+                              "model.config, or grow this one with the grow recipe")
+    return dict(m.config)
 
 
 def load_run_config(path: str | os.PathLike, overrides: Sequence[tuple[str, Any]] = ()) -> RunConfig:

@@ -2,7 +2,8 @@
 ETA, and the same scalars sent to the experiment trackers of `train.report_to` (kiln.train.trackers).
 
 On resume the log is cut back to the checkpoint's step, so a killed-and-resumed run ends with
-exactly the lines an uninterrupted one writes.
+exactly the lines an uninterrupted one writes. A line that is no record (not JSON, no numeric step)
+never costs the valid records after it: it is named and kept aside in metrics.rejected.jsonl.
 """
 
 from __future__ import annotations
@@ -10,25 +11,50 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kiln.train.trackers import open_trackers, scalars
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl; a torn last line (killed mid-write) is dropped."""
+REJECTED = "metrics.rejected.jsonl"
+
+
+def _record(line: str) -> dict[str, Any] | None:
+    """A metrics record (a JSON object with a numeric step), or None."""
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    step = value.get("step") if isinstance(value, dict) else None
+    return value if isinstance(step, (int, float)) and not isinstance(step, bool) else None
+
+
+def split_metrics(path: str | os.PathLike) -> tuple[list[dict[str, Any]], list[tuple[int, str]]]:
+    """(records, bad lines as (line number, text)) of a metrics.jsonl. A torn last line (no newline: the
+    writer was killed mid-line) is dropped, as the run that wrote it never finished that record."""
     path = Path(path)
     if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return out
+        return [], []
+    records: list[dict[str, Any]] = []
+    bad: list[tuple[int, str]] = []
+    raw = path.read_bytes().decode("utf-8", errors="replace")
+    lines = raw.split("\n")
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        record = _record(line)
+        if record is not None:
+            records.append(record)
+        elif no < len(lines):  # the last piece after the final newline is a torn tail
+            bad.append((no, line))
+    return records, bad
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl, past any line that is no record; a torn last line is dropped."""
+    return split_metrics(path)[0]
 
 
 class MetricsLog:
@@ -42,11 +68,22 @@ class MetricsLog:
         self._file = None
         self._trackers = open_trackers(list(report_to), run_dir, project, config or {}) if enabled else []
 
-    def truncate_after(self, step: int) -> None:
-        """Keep only records up to `step` (a resume from the checkpoint at `step`)."""
+    def truncate_after(self, step: int, report: Callable[[str], None] = print) -> None:
+        """Keep only records up to `step` (a resume from the checkpoint at `step`). A line that is no record
+        is appended to metrics.rejected.jsonl (as {"line": N, "text": ...}) and `report`ed, never lost."""
         if not self.enabled:
             return
-        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
+        records, bad = split_metrics(self.path)
+        if bad:
+            rejected = self.path.with_name(REJECTED)
+            with open(rejected, "a", encoding="utf-8") as f:
+                f.writelines(json.dumps({"line": no, "text": text}) + "\n" for no, text in bad)
+                f.flush()
+                os.fsync(f.fileno())
+            shown = ", ".join(str(no) for no, _ in bad[:5]) + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else "")
+            report(f"resume: {self.path}: line(s) {shown} hold no metrics record (not JSON, or no numeric step); "
+                   f"kept aside in {rejected.name}; the {len(records)} valid record(s) stay")
+        kept = [r for r in records if r["step"] <= step]
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in kept)

@@ -1,7 +1,8 @@
 """What a resume must not change, and the message when it did.
 
 A checkpoint records a fingerprint (every parameter's shape and dtype, the data source, the
-precision, the world size) and the run config. Resuming with a different fingerprint, or a config
+content digests of the tokenizer and of the eval data, the precision, the world size) and the run
+config. Resuming with a different fingerprint, or a config
 changed in a key that breaks exactness, is refused naming every change; other changed keys (lr,
 steps, cadences) are allowed and returned for a note.
 
@@ -13,6 +14,8 @@ hand out the very rows an uninterrupted run would have trained on.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +26,7 @@ import torch
 
 from torch import nn
 
+from kiln.data.hfdata import source_sha256
 from kiln.errors import KilnError
 
 
@@ -37,6 +41,35 @@ def _shape_changes(old: dict[str, list], new: dict[str, list]) -> list[str]:
         a, b = old.get(name), new.get(name)
         if a != b:
             out.append(f"{name} {tuple(a) if a is not None else 'absent'} -> {tuple(b) if b is not None else 'absent'}")
+    return out
+
+
+# Content digests in the data fingerprint, and what their change means.
+_DIGESTS = {
+    "tokenizer_sha256": "tokenizer changed: its vocabulary, merges, special tokens or chat template differ from "
+                        "the run's, so the same text would train on other token ids",
+    "eval_sha256": "eval data changed: data.eval's contents differ from the run's, so evaluations (and the best "
+                   "checkpoint) would compare different sets",
+}
+
+
+def tokenizer_digest(tokenizer: Any) -> str:
+    """sha256 over what decides token ids: the backend's whole definition (vocabulary, merges, normalizer,
+    added tokens), the special tokens by role and the chat template; the file layout does not count."""
+    h = hashlib.sha256(tokenizer.backend.to_str().encode())
+    h.update(json.dumps(dict(tokenizer.specials), sort_keys=True).encode())
+    h.update((getattr(tokenizer, "chat_template", None) or "").encode())
+    return h.hexdigest()
+
+
+def content_digests(model: nn.Module, eval_source: str | None) -> dict[str, str]:
+    """The digests a resume compares beside the recipe's fingerprint: the model's tokenizer and the eval data."""
+    out: dict[str, str] = {}
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is not None and hasattr(tokenizer, "backend"):
+        out["tokenizer_sha256"] = tokenizer_digest(tokenizer)
+    if eval_source and Path(eval_source).exists():
+        out["eval_sha256"] = source_sha256(eval_source)
     return out
 
 
@@ -56,8 +89,12 @@ def check_fingerprint(path: Path, old: dict[str, Any], new: dict[str, Any],
     if old["precision"] != new["precision"]:
         problems.append(f"precision changed: {old['precision']} -> {new['precision']}")
     for key in sorted(set(old["data"]) | set(new["data"])):
+        if key in _DIGESTS and key not in old["data"]:
+            continue  # a checkpoint written before kiln recorded this digest
         if old["data"].get(key) != new["data"].get(key):
-            problems.append(f"data source changed: {key} {old['data'].get(key)!r} -> {new['data'].get(key)!r}")
+            a, b = old["data"].get(key), new["data"].get(key)
+            problems.append(f"{_DIGESTS[key]} (sha256 {str(a)[:12]} -> {str(b)[:12]})" if key in _DIGESTS
+                            else f"data source changed: {key} {a!r} -> {b!r}")
     if old["world_size"] != new["world_size"] and not reshard:
         problems.append(f"world size changed: {old['world_size']} -> {new['world_size']} processes "
                         "(the data order depends on it)")

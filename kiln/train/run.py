@@ -18,11 +18,12 @@ from torch import nn
 from kiln.errors import ConfigError
 from kiln.parallel.mesh import resolve_degrees
 from kiln.parallel.world import World, launched_world
+from kiln.train.checkpoint import resume_target
 from kiln.train.checks import check_out_dir, check_train_args
 from kiln.train.config import RunConfig
 from kiln.train.plans import data_shard
 from kiln.train.recipes import active_extensions, recipe_for
-from kiln.train.resume import keep_global_batch as global_batch_on
+from kiln.train.resume import content_digests, keep_global_batch as global_batch_on
 from kiln.train.trainer import Trainer
 
 
@@ -42,6 +43,8 @@ def build_trainer(cfg: RunConfig, resume: str | Path | None = None, *, keep_glob
     continues the newest complete checkpoint there, and (`keep_global_batch`, as `kiln train --resume`
     unless given --set train.batch_size) with the per-process batch size that keeps its global batch."""
     world = launched_world()
+    if resume is not None:
+        resume = resume_target(resume)  # RUN/ckpt-N (the newest there) stands for RUN
     resolve_degrees(cfg.parallel, world.size)  # the degrees against torchrun's world, before any model or data work
     if resume is not None and keep_global_batch:
         cfg = resumed_batch_size(cfg, resume, world)
@@ -67,5 +70,5 @@ def build_trainer(cfg: RunConfig, resume: str | Path | None = None, *, keep_glob
     args = cfg.train if resume is None else cfg.train.model_copy(update={"out_dir": str(resume)})
     return Trainer(parts.model, parts.data, eval_data=parts.eval_data, step=parts.step, evaluate=parts.evaluate,
                    callbacks=parts.callbacks, objectives=parts.objectives, args=args, resume=resume,
-                   run_config=cfg.model_dump(mode="json"), data_fingerprint=parts.fingerprint,
+                   run_config=cfg.model_dump(mode="json"), data_fingerprint={**parts.fingerprint, **content_digests(parts.model, cfg.data.eval)},
                    parallel=cfg.parallel)

@@ -57,8 +57,8 @@ def test_csv_and_numeric_labels(tmp_path, tok):
     assert collect_labels(recs, "label") == ["2", "10"]
     exs = encode_sequence_classification(recs, tok, ["2", "10"], Fields(), 32)
     assert [int(e["labels"]) for e in exs] == [1, 0]
-    with pytest.raises(KilnError, match=r"d.csv:3: label '2' is not in the label set \[10\]"):
-        encode_sequence_classification(recs, tok, ["10"], Fields(), 32)
+    with pytest.raises(KilnError, match=r"d.csv:3: label '2' is not in the label set \[10, 3\]"):
+        encode_sequence_classification(recs, tok, ["10", "3"], Fields(), 32)  # (one label: a regression head)
 
 
 def test_non_object_jsonl_line(tmp_path):

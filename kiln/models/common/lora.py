@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kiln.errors import KilnError
+from kiln.hub.files import as_umask_allows
 from kiln.hub.jsonio import read_json
 from kiln.models.common.fp8 import FP8Linear, fp8_linear, merged_fp8_linear
 from kiln.models.tasks import task_of
@@ -160,6 +161,7 @@ def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_o
     out.mkdir(parents=True, exist_ok=True)
     tensors = {PEFT_PREFIX + _hf_name(model, k): v.detach().contiguous().cpu() for k, v in lora_state_dict(model).items()}
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    as_umask_allows(out / "adapter_model.safetensors")  # safetensors writes 0600
     targets = peft_targets(model)
     peft_config = {
         "peft_type": "LORA", "task_type": getattr(task_of(model), "peft_type", None),

@@ -26,7 +26,7 @@ from kiln.models.auto import AutoConfig, from_config, load_pretrained
 from kiln.parallel.mesh import resolve_degrees
 from kiln.parallel.sharded_load import lean_pretrained
 from kiln.parallel.world import World, launched_world
-from kiln.train.config import DataSection, RunConfig, Section
+from kiln.train.config import DataSection, RunConfig, Section, model_config_overrides
 from kiln.train.multiobjective import GradientCombiner
 from kiln.train.steps import StepFn
 from kiln.train.trainer import Callback, Trainer
@@ -111,6 +111,7 @@ def build_model(cfg: RunConfig, labels: list[str] | None, need_tokenizer: bool =
     m = cfg.model
     changes: dict[str, Any] = {"labels": labels} if labels else {}
     if m.path is not None:
+        changes.update(model_config_overrides(m))  # dropout and the like; a key that reshapes a weight is refused
         if shards_weights(cfg):  # each rank reads its share once the plans are applied (kiln.parallel.sharded_load)
             lean = lean_pretrained(m.path, m.task, m.init_seed, **changes)
             if lean is not None:

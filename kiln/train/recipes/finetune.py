@@ -39,13 +39,15 @@ def label_set(cfg: RunConfig, task: Task, train_records: list) -> list[str] | No
     """The labels a run trains: model.labels, else the source head's own (same task), else the data's."""
     if task.label_kind is None:
         return None
-    found = task.collect_labels(train_records, cfg.data.label_field)
     if cfg.model.labels is not None:
         return list(cfg.model.labels)  # data labels outside this set are reported per line when encoding
     if cfg.model.path is not None and cfg.model.num_labels is None:
         _, config, source_task = load_config(cfg.model.path)
         if source_task == task and config.id2label:
             return config.labels  # continuing a trained head: keep its label set and order
+    if cfg.model.num_labels == 1 and task.label_kind == "sequence":
+        return ["LABEL_0"]  # one output is a regression head (as transformers reads it): float labels, no classes
+    found = task.collect_labels(train_records, cfg.data.label_field)
     if cfg.model.num_labels is not None and cfg.model.num_labels != len(found):
         raise ConfigError(f"model.num_labels is {cfg.model.num_labels} but {cfg.data.train} uses "
                           f"{len(found)} labels: {', '.join(found)}; set model.labels to name them")
