@@ -145,6 +145,8 @@ def verify_export(model_dir: str | os.PathLike, source: str | os.PathLike | None
     kiln_model = load_pretrained(model_dir, task=task)
     use_types = getattr(config, "type_vocab_size", 0) > 1
     batches = _batches(kiln_model.tokenizer, config.vocab_size, use_types)
+    if hasattr(kiln_model, "example_image_batch"):  # an image-text model: images go through both towers too
+        batches.append(kiln_model.example_image_batch())
     checks += compare_models(kiln_model, hf_model, task, config, batches)
     if source is not None:
         checks.append(compare_weights(model_dir, source))

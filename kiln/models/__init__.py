@@ -1,9 +1,10 @@
 """kiln's own model code: one file per family on shared blocks, one registry in `auto`."""
 
-from kiln.models.auto import (REGISTRY, AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM,
+from kiln.models.auto import (REGISTRY, AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText,
+                              AutoModelForMaskedLM,
                               AutoModelForQuestionAnswering, AutoModelForSequenceClassification, AutoModelForTask,
                               AutoModelForTokenClassification, load_pretrained)
 
-__all__ = ["REGISTRY", "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM",
+__all__ = ["REGISTRY", "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModelForMaskedLM",
            "AutoModelForQuestionAnswering", "AutoModelForSequenceClassification", "AutoModelForTask",
            "AutoModelForTokenClassification", "load_pretrained"]

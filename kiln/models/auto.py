@@ -178,6 +178,27 @@ class AutoModelForCausalLM(_AutoTask):
     task = CAUSAL_LM
 
 
+class AutoModelForImageTextToText(_AutoTask):
+    """Image-text models (transformers' `...ForConditionalGeneration` of qwen3_5, qwen3_5_moe): the causal-LM
+    head of a family whose model takes images (`pixel_values`, `image_grid_thw`)."""
+    task = CAUSAL_LM
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | None = None, **changes: Any):
+        return _takes_images(super().from_pretrained(path, dtype=dtype, **changes), str(path))
+
+    @classmethod
+    def from_config(cls, config: FamilyConfig, seed: int | None = None):
+        return _takes_images(super().from_config(config, seed=seed), f"{config.model_type} config")
+
+
+def _takes_images(model: PreTrainedModel, source: str) -> PreTrainedModel:
+    if not getattr(model, "takes_images", False):
+        raise ConfigError(f"{source}: model_type {model.config.model_type!r} has no vision tower; image-text model "
+                          f"types: qwen3_5, qwen3_5_moe")
+    return model
+
+
 class AutoModelForTask(_AutoTask):
     """The head named by the directory's `architectures` (base model when it names none)."""
     task = None

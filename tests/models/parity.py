@@ -130,6 +130,8 @@ def same_gradients(ours, hf, family: Family, head: str, what: str) -> None:
     names = set(theirs)
     matched = set()
     for name, p in ours.named_parameters():
+        if p.grad is None and name.startswith("visual.") and not any(n.startswith("model.visual.") for n in names):
+            continue  # an image-text checkpoint read by transformers' text-only class: no tower on its side
         q = theirs[hf_param_name(name, family, head, names)]
         matched.add(id(q))
         assert (p.grad is None) == (q.grad is None), f"{what}: grad of {name} is None on one side only"
