@@ -324,6 +324,10 @@ class ImageTextForCausalLM(HybridForCausalLM):
         return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels, "image_grid_thw": grids,
                 "mm_token_type_ids": token_types(ids, self.image_token_id, self.video_token_id) * mask}
 
+    def verify_batches(self, text_batches: list[dict]) -> list[dict]:
+        """verify-export's inputs: the text batches and an image batch."""
+        return text_batches + [self.example_image_batch()]
+
     def embed_images(self, input_ids: torch.Tensor, inputs_embeds: torch.Tensor | None, pixel_values: torch.Tensor,
                      image_grid_thw: torch.Tensor) -> torch.Tensor:
         """Token embeddings (B, T, C) with the images' merged features at their placeholders, in order."""

@@ -40,7 +40,10 @@ def is_causal(family: Family) -> bool:
 def inputs(family: Family, tiny: Tiny, head: str, hf_config) -> list[dict]:
     """The batches a family x head is compared on: causal rows (one short, padded right and left, labels) for
     the causal families; for encoders short and right-padded rows (and long ones, and token types where the
-    family has them), each without and with the head's labels."""
+    family has them), each without and with the head's labels; a family's own (`Tiny.inputs`) where it takes
+    no token ids."""
+    if tiny.inputs is not None:
+        return tiny.inputs(head, hf_config)
     if is_causal(family):
         rows = causal_cases.batches()
         return [{k: v for k, v in b.items() if k != "labels"} for b in rows] if head == BASE else rows
@@ -54,6 +57,8 @@ def inputs(family: Family, tiny: Tiny, head: str, hf_config) -> list[dict]:
 
 def grad_batch(family: Family, tiny: Tiny, head: str, hf_config) -> dict:
     """One padded batch with the head's labels (the longest one an encoder family is tested on)."""
+    if tiny.inputs is not None:
+        return tiny.inputs(head, hf_config)[-1]
     if is_causal(family):
         return inputs(family, tiny, head, hf_config)[2]
     c = hf_config
