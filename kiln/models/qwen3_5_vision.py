@@ -356,7 +356,8 @@ class ImageTextForCausalLM(HybridForCausalLM):
                     input_ids, self.image_token_id, self.video_token_id)
                 position_ids, self.rope_deltas = image_positions(input_ids, types, image_grid_thw, attention_mask,
                                                                  self.visual.spatial_merge_size)
-            input_ids = None
+            if inputs_embeds is not None:
+                input_ids = None
         elif decoding and self.rope_deltas is not None and position_ids is not None and position_ids.dim() == 2:
             position_ids = (position_ids + self.rope_deltas.to(position_ids.device))[None]  # (1, B, T): all axes
         elif not decoding:
