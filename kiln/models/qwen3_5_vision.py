@@ -324,6 +324,23 @@ class ImageTextForCausalLM(HybridForCausalLM):
         return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels, "image_grid_thw": grids,
                 "mm_token_type_ids": token_types(ids, self.image_token_id, self.video_token_id) * mask}
 
+    def image_prompt(self, images: list, processor: Any = None) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """For images (paths or PIL images): the prompt ids that stand for them (per image: vision start, one
+        placeholder per merged patch, vision end) and the processor's pixel inputs. `processor` defaults to the
+        Qwen-VL processor on this tower's patch sizes (kiln.data.images.QwenImageProcessor)."""
+        from kiln.data.images import QwenImageProcessor
+
+        c = self.visual.config
+        processor = processor or QwenImageProcessor(patch_size=c.patch_size, temporal_patch_size=c.temporal_patch_size,
+                                                    merge_size=c.spatial_merge_size)
+        inputs = processor(images)
+        start, end = self.config.outer.get("vision_start_token_id"), self.config.outer.get("vision_end_token_id")
+        ids: list[int] = []
+        for grid in inputs["image_grid_thw"].tolist():
+            ids += ([start] if start is not None else []) + [self.image_token_id] * processor.tokens_for(grid) + (
+                [end] if end is not None else [])
+        return ids, inputs
+
     def verify_batches(self, text_batches: list[dict]) -> list[dict]:
         """verify-export's inputs: the text batches and an image batch."""
         return text_batches + [self.example_image_batch()]

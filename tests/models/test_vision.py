@@ -119,3 +119,31 @@ def test_greedy_generation_with_images_equals_transformers(model_type, tiny_fact
                               eos_token_id=None, pad_token_id=0,
                               prompt_inputs={k: v for k, v in images.items() if k != "pixel_values"})
     assert not torch.equal(text_only, a)
+
+
+def test_kiln_generate_with_an_image(tiny_factory, tmp_path):
+    from PIL import Image
+    from typer.testing import CliRunner
+
+    from kiln.cli.main import app
+    from kiln.data.images import QwenImageProcessor
+    from kiln.pipelines import generate
+
+    src, ours, hf = _pair("qwen3_5", tiny_factory)
+    rng = torch.Generator().manual_seed(1)
+    Image.fromarray((torch.rand(20, 28, 3, generator=rng) * 255).byte().numpy()).save(tmp_path / "photo.png")
+    r = CliRunner().invoke(app, ["generate", str(src), "the cat", "--image", str(tmp_path / "photo.png"), "-n", "6"])
+    assert r.exit_code == 0, r.output
+    assert r.output.strip() == ("the cat" + generate(ours, "the cat", 6, images=[tmp_path / "photo.png"])).strip()
+    # the same prompt through transformers: the tokens kiln generated
+    ids, inputs = ours.image_prompt([tmp_path / "photo.png"], QwenImageProcessor(patch_size=4, merge_size=2,
+                                                                                   min_pixels=8 * 8))
+    assert inputs["image_grid_thw"].tolist() == [[1, 4, 8]]  # 20x28 -> 16x32 (round half to even): 4x8 patches
+    prompt = torch.tensor([ids + ours.tokenizer.backend.encode("the cat", add_special_tokens=False).ids])
+    a = ours.generate(prompt, max_new_tokens=6, eos_token_id=None, prompt_inputs=inputs)
+    types = (prompt == ours.image_token_id).long()  # as transformers' processor writes them (kiln reads the ids)
+    b = hf.eval().generate(input_ids=prompt, **inputs, mm_token_type_ids=types, max_new_tokens=6, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    assert torch.equal(a, b)
+    r = CliRunner().invoke(app, ["generate", str(src), "the cat", "--image", str(tmp_path / "none.png")])
+    assert r.exit_code != 0 and "none.png does not exist" in r.output
