@@ -59,12 +59,8 @@ def generate(src: Source, prompt: str, max_new_tokens: int = 40, temperature: fl
     if images:
         if not hasattr(model, "image_prompt"):
             raise KilnError(f"model_type {model.config.model_type!r} takes no images (it has no vision tower)")
-        processor = image_processor
-        if processor is None and not isinstance(src, torch.nn.Module):
-            from kiln.data.images import QwenImageProcessor
-
-            processor = QwenImageProcessor.for_model(src, model.config.outer.get("vision_config"))
-        image_ids, kwargs["prompt_inputs"] = model.image_prompt(images, processor)
+        model_dir = None if isinstance(src, torch.nn.Module) else src
+        image_ids, kwargs["prompt_inputs"] = model.image_prompt(images, image_processor, model_dir)
         ids = image_ids + ids
     ids = torch.tensor([ids])
     if ids.numel() == 0:

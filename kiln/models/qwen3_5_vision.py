@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kiln.data.images import QwenImageProcessor
 from kiln.errors import ConfigError, KilnError
 from kiln.models.common.activations import activation
 from kiln.models.common.causal_lm import CausalLMOutput
@@ -324,13 +325,14 @@ class ImageTextForCausalLM(HybridForCausalLM):
         return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels, "image_grid_thw": grids,
                 "mm_token_type_ids": token_types(ids, self.image_token_id, self.video_token_id) * mask}
 
-    def image_prompt(self, images: list, processor: Any = None) -> tuple[list[int], dict[str, torch.Tensor]]:
+    def image_prompt(self, images: list, processor: Any = None, model_dir: Any = None
+                     ) -> tuple[list[int], dict[str, torch.Tensor]]:
         """For images (paths or PIL images): the prompt ids that stand for them (per image: vision start, one
         placeholder per merged patch, vision end) and the processor's pixel inputs. `processor` defaults to the
-        Qwen-VL processor on this tower's patch sizes (kiln.data.images.QwenImageProcessor)."""
-        from kiln.data.images import QwenImageProcessor
-
+        Qwen-VL processor of `model_dir`'s preprocessor_config.json, else on this tower's patch sizes."""
         c = self.visual.config
+        if processor is None and model_dir is not None:
+            processor = QwenImageProcessor.for_model(model_dir, self.config.outer.get("vision_config"))
         processor = processor or QwenImageProcessor(patch_size=c.patch_size, temporal_patch_size=c.temporal_patch_size,
                                                     merge_size=c.spatial_merge_size)
         inputs = processor(images)
