@@ -147,3 +147,32 @@ def test_kiln_generate_with_an_image(tiny_factory, tmp_path):
     assert torch.equal(a, b)
     r = CliRunner().invoke(app, ["generate", str(src), "the cat", "--image", str(tmp_path / "none.png")])
     assert r.exit_code != 0 and "none.png does not exist" in r.output
+
+
+def test_lora_on_the_tower_and_freezing_it(tiny_factory):
+    """LoRA reaches the vision tower's Linears by name (`qkv`, the merger's fc), and `train.freeze = ["visual"]`
+    keeps the whole tower fixed while the language model trains on image rows."""
+    from kiln.models.common.lora import LoraConfig, apply_lora
+    from kiln.train.freeze import freeze
+
+    src, ours, _ = _pair("qwen3_5", tiny_factory)
+    chosen = apply_lora(ours, LoraConfig(r=2, alpha=4, targets=["qkv", "linear_fc2", "q_proj"]))
+    assert "visual.blocks.0.attn.qkv" in chosen and "visual.merger.linear_fc2" in chosen
+    assert "model.layers.1.self_attn.q_proj" in chosen
+    batch = _batch(ours)
+    ours.train()(**batch).loss.backward()
+    tower = {n: p for n, p in ours.named_parameters() if n.startswith("visual.") and p.requires_grad}
+    assert tower and all(".lora_" in n and p.grad is not None and bool(p.grad.abs().sum() > 0)
+                         for n, p in tower.items() if "lora_B" in n), sorted(tower)
+
+    model = AutoModelForImageTextToText.from_pretrained(src)
+    frozen = freeze(model, ["visual"])
+    assert frozen and all(n.startswith("visual.") for n in frozen)
+    assert {n for n, p in model.named_parameters() if not p.requires_grad} == {n for n, _ in
+                                                                                model.visual.named_parameters(prefix="visual")}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model.train()(**batch).loss.backward()
+    opt.step()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and not any(n.startswith("visual.") for n in changed)
