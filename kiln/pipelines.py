@@ -49,10 +49,20 @@ def embed(src: Source, texts: list[str], normalize: bool = True) -> torch.Tensor
 
 
 def generate(src: Source, prompt: str, max_new_tokens: int = 40, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int | None = None, **kwargs: Any) -> str:
-    """The continuation of `prompt` (greedy when temperature is 0), stopping at EOS."""
+             top_p: float = 1.0, seed: int | None = None, images: list | None = None, image_processor: Any = None,
+             **kwargs: Any) -> str:
+    """The continuation of `prompt` (greedy when temperature is 0), stopping at EOS. `images` (paths or PIL
+    images) go before the prompt, for an image-text model (processed as its directory's preprocessor_config.json
+    says, or `image_processor`)."""
     model = _model(src, AutoModelForCausalLM)
-    ids = torch.tensor([model.tokenizer.backend.encode(prompt, add_special_tokens=False).ids])
+    ids = model.tokenizer.backend.encode(prompt, add_special_tokens=False).ids
+    if images:
+        if not hasattr(model, "image_prompt"):
+            raise KilnError(f"model_type {model.config.model_type!r} takes no images (it has no vision tower)")
+        model_dir = None if isinstance(src, torch.nn.Module) else src
+        image_ids, kwargs["prompt_inputs"] = model.image_prompt(images, image_processor, model_dir)
+        ids = image_ids + ids
+    ids = torch.tensor([ids])
     if ids.numel() == 0:
         raise KilnError("the prompt is empty after tokenization")
     sampling = dict(do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0,

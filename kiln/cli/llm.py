@@ -33,12 +33,24 @@ def generate(model_dir: Path = typer.Argument(..., help="An HF causal-LM directo
              temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy."),
              top_k: int = typer.Option(0, "--top-k"), top_p: float = typer.Option(1.0, "--top-p"),
              seed: Optional[int] = typer.Option(None, "--seed"),
+             image: Optional[List[Path]] = typer.Option(None, "--image", help="An image before the prompt "
+                                                        "(image-text models; repeatable)."),
              allow_missing: bool = ALLOW_MISSING, allow_unused: bool = ALLOW_UNUSED) -> None:
     """Continue PROMPT with the model (KV cache; greedy unless --temperature > 0); stops at EOS."""
     from kiln.pipelines import generate as run
 
     _sampling(max_new_tokens, temperature, top_k, top_p, seed)  # every flag checked before the model loads
-    text = run(_load(model_dir, allow_missing, allow_unused), prompt, max_new_tokens, temperature, top_k, top_p, seed)
+    for path in image or []:
+        if not path.is_file():
+            raise KilnError(f"--image: image file {path} does not exist")
+    model = _load(model_dir, allow_missing, allow_unused)
+    processor = None
+    if image and hasattr(model, "image_prompt"):  # the directory's preprocessor_config.json, when it has one
+        from kiln.data.images import QwenImageProcessor
+
+        processor = QwenImageProcessor.for_model(model_dir, model.config.outer.get("vision_config"))
+    text = run(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, images=list(image or []) or None,
+               image_processor=processor)
     out.print(prompt + text)
 
 

@@ -37,7 +37,7 @@ def pad_collate(examples: Sequence[dict[str, torch.Tensor]], pad_id: int = 0) ->
     batch: Batch = {}
     for key in examples[0]:
         values = [ex[key] for ex in examples]
-        if values[0].dim() == 0:
+        if values[0].dim() == 0 or values[0].dim() > 1:  # scalars; images (C, H, W) of one size
             batch[key] = torch.stack(values)
             continue
         width = max(v.size(0) for v in values)

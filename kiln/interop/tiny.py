@@ -126,7 +126,7 @@ def make_tiny(model_type: str, task: str, out_dir: str | os.PathLike, seed: int 
     model.save_pretrained(out)
     if tiny.randomize is not None:
         _randomize(out / "model.safetensors", tiny.randomize)
-    if tokenizer:
+    if tokenizer and tiny.specials:  # a family without text (ViT) declares no special tokens: no tokenizer
         specials = tiny.specials
         build = tiny_unigram_tokenizer if tiny.unigram else tiny_tokenizer
         build(specials, config.get_text_config().vocab_size).save(str(out / "tokenizer.json"))  # image-text: nested

@@ -144,7 +144,9 @@ def verify_export(model_dir: str | os.PathLike, source: str | os.PathLike | None
                        f"load them)" if mtp else ""))]
     kiln_model = load_pretrained(model_dir, task=task)
     use_types = getattr(config, "type_vocab_size", 0) > 1
-    batches = _batches(kiln_model.tokenizer, config.vocab_size, use_types)
+    batches = _batches(kiln_model.tokenizer, config.vocab_size, use_types) if hasattr(config, "vocab_size") else []
+    if hasattr(kiln_model, "verify_batches"):  # a model that takes images: its own (or more) inputs
+        batches = kiln_model.verify_batches(batches)
     checks += compare_models(kiln_model, hf_model, task, config, batches)
     if source is not None:
         checks.append(compare_weights(model_dir, source))

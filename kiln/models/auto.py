@@ -19,13 +19,14 @@ from kiln.hub.resolve import resolve_model_dir
 from kiln.models import (albert, bert, deberta_v2, distilbert, llama, mamba, modernbert, qwen2, qwen3, qwen3_moe,
                          roberta, xlm_roberta)
 from kiln.models import deepseek_v3, deepseek_v32, deepseek_v4, glm_moe_dsa
-from kiln.models import qwen3_5, qwen3_next
+from kiln.models import qwen3_5, qwen3_next, vit
 from kiln.hub.fp8 import scheme_from_config
 from kiln.models.common.fp8 import prepare_fp8
 from kiln.models.common.lora import has_adapter, load_adapter
 from kiln.models.config import FamilyConfig
 from kiln.models.pretrained import Family, PreTrainedModel
-from kiln.models.tasks import BASE, CAUSAL_LM, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
+from kiln.models.tasks import (BASE, CAUSAL_LM, IMAGE_CLASSIFICATION, MASKED_LM, QUESTION_ANSWERING,
+                              SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION)
 
 REGISTRY: dict[str, Family] = {
     # encoders
@@ -52,6 +53,8 @@ REGISTRY: dict[str, Family] = {
     "qwen3_5_moe": qwen3_5.MOE_FAMILY,
     # state-space models
     "mamba": mamba.FAMILY,
+    # vision
+    "vit": vit.FAMILY,
 }
 
 
@@ -176,6 +179,31 @@ class AutoModelForMaskedLM(_AutoTask):
 
 class AutoModelForCausalLM(_AutoTask):
     task = CAUSAL_LM
+
+
+class AutoModelForImageClassification(_AutoTask):
+    task = IMAGE_CLASSIFICATION
+
+
+class AutoModelForImageTextToText(_AutoTask):
+    """Image-text models (transformers' `...ForConditionalGeneration` of qwen3_5, qwen3_5_moe): the causal-LM
+    head of a family whose model takes images (`pixel_values`, `image_grid_thw`)."""
+    task = CAUSAL_LM
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | None = None, **changes: Any):
+        return _takes_images(super().from_pretrained(path, dtype=dtype, **changes), str(path))
+
+    @classmethod
+    def from_config(cls, config: FamilyConfig, seed: int | None = None):
+        return _takes_images(super().from_config(config, seed=seed), f"{config.model_type} config")
+
+
+def _takes_images(model: PreTrainedModel, source: str) -> PreTrainedModel:
+    if not getattr(model, "takes_images", False):
+        raise ConfigError(f"{source}: model_type {model.config.model_type!r} has no vision tower; image-text model "
+                          f"types: qwen3_5, qwen3_5_moe")
+    return model
 
 
 class AutoModelForTask(_AutoTask):

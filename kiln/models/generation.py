@@ -38,8 +38,10 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
              do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              seed: int | None = None, eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
-             on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
-    """Prompt ids (B, T) -> (B, T + n) with n <= max_new_tokens; `on_token` sees each new (B,) column."""
+             on_token: Callable[[torch.Tensor], None] | None = None,
+             prompt_inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """Prompt ids (B, T) -> (B, T + n) with n <= max_new_tokens; `on_token` sees each new (B,) column.
+    `prompt_inputs` (an image-text model's pixel_values, image_grid_thw, ...) go with the prompt's pass."""
     if input_ids.dim() != 2 or input_ids.size(1) == 0:
         raise KilnError(f"input_ids must be (batch, length>0), got shape {tuple(input_ids.shape)}")
     config = model.config
@@ -58,8 +60,11 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     unfinished = torch.ones(input_ids.size(0), dtype=torch.bool, device=device)
     try:
         for _ in range(max_new_tokens):
-            logits = model(step_ids, attention_mask=mask, position_ids=positions, cache=cache,
-                           logits_to_keep=1).logits[:, -1, :].to(dtype=torch.float32)  # (B, V)
+            extra = {} if prompt_inputs is None or (cache is not None and step_ids is not input_ids) else (
+                prompt_inputs if step_ids is input_ids else  # no cache: the whole sequence with its images again
+                {k: v for k, v in prompt_inputs.items() if k != "mm_token_type_ids"})
+            logits = model(step_ids, attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1,
+                           **extra).logits[:, -1, :].to(dtype=torch.float32)  # (B, V)
             if do_sample:
                 probs = filter_logits(logits, temperature, top_k, top_p).softmax(-1)
                 token = torch.multinomial(probs, 1, generator=gen).squeeze(1)

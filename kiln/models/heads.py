@@ -137,19 +137,20 @@ class ForSequenceClassification(PreTrainedModel):
                 inputs_embeds=None, labels=None) -> ModelOutput:
         hidden, pooled = self.model(**_backbone_inputs(locals()))
         logits = self.head(hidden, pooled)  # (B, num_labels)
-        loss = None
-        if labels is not None:
-            kind, n = self.problem_type(labels), self.config.num_labels
-            if kind == "regression":
-                loss = F.mse_loss(logits.squeeze(), labels.squeeze()) if n == 1 else F.mse_loss(logits, labels)
-            elif kind == "single_label_classification":
-                loss = F.cross_entropy(logits.view(-1, n), labels.view(-1))
-            elif kind == "multi_label_classification":
-                loss = F.binary_cross_entropy_with_logits(logits, labels)
-            else:
-                raise KilnError(f"config problem_type {kind!r} is not one of regression, "
-                                "single_label_classification, multi_label_classification")
-        return ModelOutput(logits=logits, loss=loss, last_hidden_state=hidden)
+        return ModelOutput(logits=logits, loss=None if labels is None else self.loss(logits, labels),
+                           last_hidden_state=hidden)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """transformers' sequence-classification loss for the config's (or the labels') problem type."""
+        kind, n = self.problem_type(labels), self.config.num_labels
+        if kind == "regression":
+            return F.mse_loss(logits.squeeze(), labels.squeeze()) if n == 1 else F.mse_loss(logits, labels)
+        if kind == "single_label_classification":
+            return F.cross_entropy(logits.view(-1, n), labels.view(-1))
+        if kind == "multi_label_classification":
+            return F.binary_cross_entropy_with_logits(logits, labels)
+        raise KilnError(f"config problem_type {kind!r} is not one of regression, "
+                        "single_label_classification, multi_label_classification")
 
 
 class ForTokenClassification(PreTrainedModel):

@@ -51,6 +51,8 @@ class Tiny:
     long_rows: bool = False         # encoders: parity also over 40-token rows (relative positions, local windows)
     router_layers: int = 0          # MoE layers that report router logits: compared (with the aux loss) when > 0
     skips: dict[str, str] = field(default_factory=dict)  # parity check -> why this family cannot run it
+    # (head, transformers config) -> the batches parity compares on, for a family whose inputs are not token ids
+    inputs: Callable[[str, Any], list[dict]] | None = None
 
 
 @dataclass(frozen=True)

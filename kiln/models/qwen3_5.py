@@ -8,9 +8,10 @@ Deltas from Qwen3-Next (`qwen3_next.py`):
   sparse with the sigmoid-gated shared expert, top-k always renormalised;
 - released checkpoints are image-text models (`qwen3_5`, `qwen3_5_moe`): config.json nests the
   text model's fields under `text_config`, the text weights sit under `model.language_model.`, next
-  to the vision tower (`model.visual.`) and multi-token-prediction layers (`mtp.`). kiln reads such
-  a directory as a causal LM over the text model and writes every other tensor back untouched,
-  so the export loads in transformers' `...ForConditionalGeneration` as the source did.
+  to the vision tower (`model.visual.`, kiln's `visual`: qwen3_5_vision.py) and multi-token-prediction
+  layers (`mtp.`). kiln reads such a directory as an image-text causal LM (text alone works as before)
+  and writes the `mtp.` tensors back untouched, so the export loads in transformers'
+  `...ForConditionalGeneration` as the source did.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
+from kiln.errors import ConfigError
 from kiln.models.common.mlp import GatedMLP
 from kiln.models.common.moe import SharedExpertMoEBlock
 from kiln.models.common.rope import MRotaryEmbedding
@@ -27,7 +29,8 @@ from kiln.models.keymap import KeyMap
 from kiln.models.decoder_lm import SPECIALS
 from kiln.models.pretrained import Family, TaskSpec, Tiny
 from kiln.models.qwen3_moe import EXPERT_KEYS
-from kiln.models.qwen3_next import (TINY_HYBRID, TINY_HYBRID_MOE, HybridConfig, HybridForCausalLM, attention,
+from kiln.models.qwen3_5_vision import ImageTextForCausalLM, VisionConfig
+from kiln.models.qwen3_next import (TINY_HYBRID, TINY_HYBRID_MOE, HybridConfig, attention,
                                    build_hybrid, deltanet, hybrid_family)
 from kiln.models.tasks import CAUSAL_LM
 
@@ -124,15 +127,21 @@ class Qwen3_5MoeConfig(ImageTextConfig, Qwen3_5MoeTextConfig):
 
 
 def image_text_family(model_type: str, config_cls: type, arch: str, text: Family, mlp) -> Family:
-    """Only the causal-LM head ({arch}ForConditionalGeneration): the text model under `model.language_model`."""
+    """Only the causal-LM head ({arch}ForConditionalGeneration): the text model under `model.language_model`,
+    the vision tower under `model.visual`."""
     def build(c):
-        return HybridForCausalLM(build_hybrid(c, mixer, mlp, MRotaryEmbedding), c.hidden_size, c.vocab_size,
-                                    c.tie_word_embeddings)
+        vision = VisionConfig.from_dict(c.outer.get("vision_config"), "config.json (vision_config)")
+        if vision.out_hidden_size != c.hidden_size:
+            raise ConfigError(f"config.json: vision_config.out_hidden_size ({vision.out_hidden_size}) must equal "
+                              f"text_config.hidden_size ({c.hidden_size})")
+        return ImageTextForCausalLM(build_hybrid(c, mixer, mlp, MRotaryEmbedding), c.hidden_size, c.vocab_size,
+                                    c.tie_word_embeddings, vision, c.outer.get("image_token_id", 248056),
+                                    c.outer.get("video_token_id", 248057))
 
     return Family(model_type=model_type, config_cls=config_cls, hf_prefix="model.language_model",
                   base_keys=text.base_keys,
                   tasks={CAUSAL_LM: TaskSpec(f"{arch}ForConditionalGeneration", build,
-                                               KeyMap([("lm_head", "lm_head")]))})
+                                               KeyMap([("lm_head", "lm_head"), ("visual", "model.visual")]))})
 
 
 # Tiny image-text checkpoints: the tiny text model plus a one-block vision tower

@@ -107,6 +107,21 @@ class SequenceClassification(Task):
         return {"labels": torch.randint(0, 2, (B, n), generator=g).float()}
 
 
+class ImageClassification(SequenceClassification):
+    """A label per image (`pixel_values` (B, C, H, W)); records are encoded by the image-classification recipe."""
+    hf_auto = "AutoModelForImageClassification"
+    peft_type = None
+    short = "imgcls"
+    encoder_head = False
+
+    def encode(self, records, tokenizer, labels, data, name="train"):
+        raise ConfigError(f"task {self!r} reads images: its records are encoded by the image-classification recipe "
+                          f"([data] image_field)")
+
+    def verify_labels(self, batch, config, g):
+        return {"labels": torch.randint(0, config.num_labels, (batch["pixel_values"].shape[0],), generator=g)}
+
+
 class TokenLevel(Task):
     """Heads whose loss is cross entropy per token, summed over the tokens whose label is not ignored."""
 
@@ -212,9 +227,10 @@ TOKEN_CLASSIFICATION = TokenClassification("token-classification")
 QUESTION_ANSWERING = QuestionAnswering("question-answering")
 MASKED_LM = MaskedLM("masked-lm")
 CAUSAL_LM = CausalLM("causal-lm")
+IMAGE_CLASSIFICATION = ImageClassification("image-classification")
 
 TASKS: dict[str, Task] = {t: t for t in (BASE, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, QUESTION_ANSWERING,
-                                          MASKED_LM, CAUSAL_LM)}
+                                          MASKED_LM, CAUSAL_LM, IMAGE_CLASSIFICATION)}
 ENCODER_HEADS: tuple[Task, ...] = tuple(t for t in TASKS.values() if t.encoder_head)
 
 

@@ -1,0 +1,108 @@
+"""image-classification: a label per image, from an image folder (one sub-folder per class, its name the label)
+or records (JSONL/CSV) of an image path (relative to the records file) and a label. Images are resized to the
+model's square input and normalised (kiln.data.images.ImageClassifierProcessor); the label set comes from the
+config, the source head or the data (sorted, numbers in numeric order)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from kiln.data import read_records
+from kiln.data.hfdata import source_sha256
+from kiln.data.images import ImageClassifierProcessor
+from kiln.data.records import Record
+from kiln.errors import ConfigError, KilnError
+from kiln.models.tasks import IMAGE_CLASSIFICATION, get_task
+from kiln.parallel.world import World
+from kiln.train.config import DataSection, RunConfig
+from kiln.train.recipes.base import RunParts, build_model
+from kiln.train.recipes.finetune import FineTune, RecordsData, label_set
+
+SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+
+
+class ImageData(RecordsData):
+    """[data] of an image-classification run."""
+    image_field: str = "image"          # records: the image's path, relative to the records file
+    label_field: str = "label"
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    max_image_pixels: int | None = None  # refuse source images larger than this (width x height)
+
+
+def read_image_records(path: str, d: ImageData) -> list[Record]:
+    """Records {image_field: absolute path, label_field: label} from a class-per-folder tree or a records file."""
+    root = Path(path)
+    if root.is_dir() and any(p.is_dir() for p in root.iterdir()):
+        rows = [Record({d.image_field: str(f), d.label_field: cls.name}, str(f))
+                for cls in sorted(p for p in root.iterdir() if p.is_dir())
+                for f in sorted(cls.iterdir()) if f.suffix.lower() in SUFFIXES]
+        if not rows:
+            raise KilnError(f"{root}: no images ({', '.join(SUFFIXES)}) in its class folders")
+        return rows
+    out = []
+    for r in read_records(path, d.format):
+        image = r.get(d.image_field)
+        if not isinstance(image, str):
+            raise KilnError(f"{r.where}: {d.image_field!r} must be an image path, got {type(image).__name__}")
+        out.append(Record({**r.fields, d.image_field: str(root.parent / image)}, r.where))
+    return out
+
+
+def encode_images(records: list[Record], labels: list[str], processor: ImageClassifierProcessor,
+                  d: ImageData) -> list[dict[str, torch.Tensor]]:
+    label2id = {name: i for i, name in enumerate(labels)}
+    out = []
+    for r in records:
+        label = str(r.get(d.label_field))
+        if label not in label2id:
+            raise KilnError(f"{r.where}: label {label!r} is not in the label set [{', '.join(label2id)}]")
+        pixels = processor([r.get(d.image_field)], what=r.where)[0]
+        out.append({"pixel_values": pixels, "labels": torch.tensor(label2id[label])})
+    return out
+
+
+class ImageClassificationRecipe(FineTune):
+    name = "image-classification"
+    summary = "an image classifier (ViT) on an image folder or records of image path + label"
+    when = f"model.task = {IMAGE_CLASSIFICATION!r}"
+    data_schema: type[DataSection] = ImageData
+
+    def matches(self, task: str, data: Mapping[str, Any]) -> bool:
+        return task == IMAGE_CLASSIFICATION
+
+    def fingerprint(self, cfg: RunConfig, labels: list[str] | None) -> dict[str, Any]:
+        d = cfg.data
+        sha = source_sha256(d.train) if Path(d.train).is_file() else None
+        return {"train": str(d.train), "train_sha256": sha, "labels": labels}
+
+    def build(self, cfg: RunConfig, on_model: Callable[[nn.Module], None], world: World) -> RunParts:
+        d = cfg.data
+        assert isinstance(d, ImageData), f"{self.name} builds from its own [data] schema, got {type(d).__name__}"
+        task = get_task(cfg.model.task, "model.task")
+        train_records = read_image_records(d.train, d)
+        eval_records = read_image_records(d.eval, d) if d.eval else None
+        labels = label_set(cfg, task, train_records)
+        model = build_model(cfg, labels, need_tokenizer=False)
+        on_model(model)
+        size = getattr(model.config, "image_size", None)
+        if size is None:
+            raise ConfigError(f"model.task = {IMAGE_CLASSIFICATION!r} needs an image model (config image_size); "
+                              f"{model.config.model_type!r} has none")
+        if cfg.lora is not None:
+            from kiln.models.common.lora import LoraConfig, apply_lora
+
+            lora = cfg.lora
+            apply_lora(model, LoraConfig(lora.r, lora.alpha, lora.dropout, lora.targets, lora.use_rslora))
+        processor = ImageClassifierProcessor(size=size, image_mean=tuple(d.image_mean), image_std=tuple(d.image_std),
+                                             max_input_pixels=d.max_image_pixels)
+        train = encode_images(train_records, labels, processor, d)
+        evals = encode_images(eval_records, labels, processor, d) if eval_records else None
+        return RunParts(model, train, eval_data=evals, fingerprint=self.fingerprint(cfg, labels))
+
+
+RECIPE = ImageClassificationRecipe()
