@@ -28,6 +28,7 @@ from torch import nn
 from kiln.errors import KilnError
 from kiln.hub.jsonio import read_json
 from kiln.models.common.fp8 import FP8Linear, fp8_linear, merged_fp8_linear
+from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS, KeepsQuantState, dequantized, is_4bit, linear4
 from kiln.models.tasks import task_of
 
 PEFT_PREFIX = "base_model.model."
@@ -46,7 +47,7 @@ class LoraConfig:
         return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
 
 
-class LoraLinear(nn.Linear):
+class LoraLinear(KeepsQuantState, nn.Linear):
     """A Linear with a trainable low-rank update; the base weight and bias are frozen."""
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float, scaling: float):
@@ -61,8 +62,16 @@ class LoraLinear(nn.Linear):
         if self.fp8:
             self.register_buffer("weight_scale_inv", base.weight_scale_inv)
             self.block, self.compute_dtype = base.block, base.compute_dtype
+        # a 4-bit base (common/quant4.Linear4, QLoRA) stays packed; the adapters take its compute dtype
+        self.q4 = getattr(base, "q4", None)
+        if self.q4 is not None:
+            for name in Q4_BUFFERS:
+                if name in base._buffers:
+                    self.register_buffer(name, base._buffers[name])
+            self.compute_dtype = base.compute_dtype
         self.r, self.alpha, self.scaling = r, alpha, scaling
-        kw = dict(device=base.weight.device, dtype=base.compute_dtype if self.fp8 else base.weight.dtype)
+        quantized = self.fp8 or self.q4 is not None
+        kw = dict(device=base.weight.device, dtype=base.compute_dtype if quantized else base.weight.dtype)
         self.lora_A = nn.Linear(self.in_features, r, bias=False, **kw)   # (r, in)
         self.lora_B = nn.Linear(r, self.out_features, bias=False, **kw)  # (out, r)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -74,8 +83,12 @@ class LoraLinear(nn.Linear):
         nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        result = (fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias) if self.fp8
-                  else super().forward(x))
+        if self.q4 is not None:
+            result = linear4(x, self)
+        elif self.fp8:
+            result = fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
+        else:
+            result = super().forward(x)
         dtype = result.dtype
         x = x.to(self.lora_A.weight.dtype)
         return (result + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling).to(dtype)
@@ -244,15 +257,17 @@ def merge_lora(model: nn.Module) -> nn.Module:
             parent_name, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, leaf, plain)
         elif isinstance(module, LoraLinear):
+            # a 4-bit base: dequantized to the dtype it was quantized from, then W + B A * scaling
+            weight = dequantized(module, module.q4.dtype) if is_4bit(module) else module.weight
             plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                              device=module.weight.device, dtype=module.weight.dtype)
-            plain.weight.copy_(module.weight + module.delta_weight().to(module.weight.dtype))
+                              device=weight.device, dtype=weight.dtype)
+            plain.weight.copy_(weight + module.delta_weight().to(weight.dtype))
             if module.bias is not None:
                 plain.bias.copy_(module.bias)
             parent_name, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, leaf, plain)
     for p in model.parameters():
-        p.requires_grad_(p.dtype != torch.float8_e4m3fn)  # FP8 weights stay frozen
+        p.requires_grad_(p.dtype not in (torch.float8_e4m3fn, torch.uint8))  # FP8 and 4-bit weights stay frozen
     for attr in ("lora_config", "lora_targets"):
         if hasattr(model, attr):
             delattr(model, attr)
