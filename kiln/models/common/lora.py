@@ -9,7 +9,9 @@ matches itself or any `...<name>` path) or "all-linear" (every Linear but the LM
 On disk (PEFT): adapter_config.json + adapter_model.safetensors with keys
 `base_model.model.<HF module name>.lora_A.weight`; PEFT's `PeftModel.from_pretrained` loads it on
 the transformers model and kiln loads PEFT's adapters. `merge_lora` folds B A * scaling into W. On an FP8 base (`FP8Linear`) the weight stays FP8 and frozen
-and the adapters train in its compute dtype; merging re-quantizes W + B A * scaling in its blocks.
+and the adapters train in its compute dtype; merging re-quantizes W + B A * scaling in its blocks. Over a
+4-bit base (`quant4.Linear4`, QLoRA) the packed weight stays frozen and the adapters are float32 (PEFT's
+default there); merging dequantizes W to the dtype it was quantized from first.
 """
 
 from __future__ import annotations
@@ -70,8 +72,9 @@ class LoraLinear(KeepsQuantState, nn.Linear):
                     self.register_buffer(name, base._buffers[name])
             self.compute_dtype = base.compute_dtype
         self.r, self.alpha, self.scaling = r, alpha, scaling
-        quantized = self.fp8 or self.q4 is not None
-        kw = dict(device=base.weight.device, dtype=base.compute_dtype if quantized else base.weight.dtype)
+        # adapters over a 4-bit base are float32, as PEFT makes them over bitsandbytes' Linear4bit
+        dtype = torch.float32 if self.q4 is not None else base.compute_dtype if self.fp8 else base.weight.dtype
+        kw = dict(device=base.weight.device, dtype=dtype)
         self.lora_A = nn.Linear(self.in_features, r, bias=False, **kw)   # (r, in)
         self.lora_B = nn.Linear(r, self.out_features, bias=False, **kw)  # (out, r)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
