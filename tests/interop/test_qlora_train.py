@@ -109,3 +109,18 @@ targets = "all-linear"
     # the control: the trained adapter moved the logits by far more than the bound
     untrained = transformers_model(hf_dir)
     assert (logits(untrained, ids).float() - want).abs().max() > 4 * bound
+
+    # merged export: dequantized, merged, written bf16 with no quantization left; or re-quantized on request
+    r = CliRunner().invoke(app, ["export", "--checkpoint", str(ckpt.parent), "--out", str(d / "merged")])
+    assert r.exit_code == 0, r.output
+    cfg = json.loads((d / "merged" / "config.json").read_text())
+    assert "quantization_config" not in cfg and not (d / "merged" / "adapter_config.json").exists()
+    merged = load_pretrained(d / "merged")
+    assert {p.dtype for p in merged.parameters()} == {torch.bfloat16}
+    assert (logits(merged, ids).float() - got).abs().max() <= bound
+    r = CliRunner().invoke(app, ["export", "--checkpoint", str(ckpt.parent), "--out", str(d / "merged4"),
+                                 "--quantize", "nf4"])
+    assert r.exit_code == 0, r.output
+    requantized = load_pretrained(d / "merged4")
+    assert requantized.model.layers[1].self_attn.o_proj.weight.dtype == torch.uint8
+    assert torch.equal(logits(transformers_model(d / "merged4"), ids), logits(requantized, ids))
