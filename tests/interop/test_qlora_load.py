@@ -106,3 +106,21 @@ def test_bad_input_is_named(dirs, tmp_path):
     with pytest.raises(WeightsError, match=r"model\.layers\.0\.mlp\.up_proj\.weight\.quant_state\.bitsandbytes__nf4"):
         load_pretrained(broken)
     assert bnb4.QUANT_TYPES == ("nf4", "fp4")
+
+
+def test_base_stays_4bit_through_a_dtype_cast_and_takes_a_quarter_of_bf16(dirs):
+    def nbytes(m, parts):  # the blocks' Linear weights, with the named parts of their quant state
+        return sum(t.numel() * t.element_size() for n, t in m.state_dict().items()
+                   if ".layers." in n and n.rsplit(".", 2)[-2].endswith("_proj") and n.rsplit(".", 1)[-1] in parts)
+    q = load_pretrained(dirs["nf4"], dtype=torch.float32)  # a model-wide cast leaves the quant state as stored
+    down = q.model.layers[0].mlp.down_proj
+    assert down.weight.dtype == torch.uint8 and down.weight_nested_absmax.dtype == torch.float32
+    assert q.model.norm.weight.dtype == torch.float32
+    assert torch.equal(down.weight_nested_absmax, load_file(str(dirs["nf4"] / "model.safetensors"))[
+        "model.layers.0.mlp.down_proj.weight.nested_absmax"])
+    bf16 = nbytes(load_pretrained(dirs["src"]), {"weight"})
+    per_weight = nbytes(q, {"weight", "weight_absmax", "weight_nested_absmax"}) / bf16
+    # 4 bits + one absmax byte per 64 weights, against 16 bits (+ one float32 per tensor of <= 256 blocks here)
+    assert abs(per_weight - (0.5 + 1 / 64) / 2) < 1e-3, per_weight
+    tables = nbytes(q, {"weight_quant_map", "weight_nested_quant_map", "weight_quant_state"}) / 14
+    assert tables < 64 + 1024 + 200, tables  # per tensor: the two codes and the JSON, whatever its size
