@@ -94,7 +94,10 @@ class LoraLinear(KeepsQuantState, nn.Linear):
             result = super().forward(x)
         dtype = result.dtype
         x = x.to(self.lora_A.weight.dtype)
-        return (result + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling).to(dtype)
+        update = self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        if self.q4 is not None and not torch.is_autocast_enabled(x.device.type):
+            return result + update.to(dtype)  # PEFT over bitsandbytes' Linear4bit rounds the update, then adds
+        return (result + update).to(dtype)
 
     def delta_weight(self) -> torch.Tensor:
         return (self.lora_B.weight @ self.lora_A.weight) * self.scaling  # (out, in)
