@@ -99,7 +99,9 @@ def export(src: Optional[Path] = typer.Argument(None, help="An HF model director
                                           help="Replace the model or tokenizer already in --out."),
            allow_missing: bool = ALLOW_MISSING, allow_unused: bool = ALLOW_UNUSED,
            dtype: Optional[str] = typer.Option(None, "--dtype", help="Write every weight as bf16, fp16 or fp32 "
-                                               "(an FP8 source: dequantized, quantization_config dropped).")) -> None:
+                                               "(an FP8 source: dequantized, quantization_config dropped)."),
+           quantize: Optional[str] = typer.Option(None, "--quantize", help="Write the Linears 4-bit, nf4 or fp4 "
+                                                  "(a bitsandbytes-4bit directory; after any LoRA merge).")) -> None:
     """Write an HF directory (config.json, model.safetensors, tokenizer) from a directory or checkpoint."""
     from kiln.hub.outdir import check_out_dir, staged_dir
     from kiln.interop.export import export_model
@@ -134,7 +136,7 @@ def export(src: Optional[Path] = typer.Argument(None, help="An HF model director
     source = ckpt / "model" if ckpt is not None else src
     path = export_model(source, out_dir, head=head, max_shard_bytes=shard_bytes, overwrite=overwrite,
                         allow_missing=allow_missing, allow_unused=allow_unused, on_note=note,
-                        dtype=dtypes[dtype] if dtype else None)
+                        dtype=dtypes[dtype] if dtype else None, quantize=quantize)
     out.print(f"exported {source} -> {path}")
 
 

@@ -24,14 +24,16 @@ from kiln.models.tasks import TASKS
 def export_model(src: str | os.PathLike | PreTrainedModel, out: str | os.PathLike, head: str | None = None,
                  max_shard_bytes: int | None = None, overwrite: bool = False, allow_missing: bool = False,
                  allow_unused: bool = False, on_note: Callable[[str], None] | None = None,
-                 dtype: torch.dtype | None = None) -> Path:
+                 dtype: torch.dtype | None = None, quantize: str | None = None) -> Path:
     """Write `src` (a kiln model or an HF directory) to `out` as config.json + safetensors + tokenizer.
 
     `head` re-targets a directory to another task (e.g. `masked-lm` -> `base`); the written
     `architectures` always names the head that was built. Tensors dropped or initialised on the way
     are reported to `on_note`; unexpected ones raise unless allowed. An FP8 source is written back
     FP8 (unchanged weights byte for byte); `dtype` writes every weight in that dtype instead, FP8
-    dequantized and `quantization_config` dropped.
+    dequantized and `quantization_config` dropped. A 4-bit (bitsandbytes) source is written back 4-bit,
+    byte for byte, unless `dtype` or a LoRA merge dequantizes it; `quantize` ("nf4" | "fp4") writes the
+    Linears as a bitsandbytes-4bit directory (after any merge).
     """
     from kiln.interop.load_report import check_load
 
@@ -54,6 +56,11 @@ def export_model(src: str | os.PathLike | PreTrainedModel, out: str | os.PathLik
                            allow_unused=allow_unused, new_head_asked=head is not None and head != source_task)
         for n in notes:
             (on_note or print)(n)
+    from kiln.models.common.quant4 import dequantize_bnb4_model, is_4bit, quantize_model
+
+    if (dtype is not None or getattr(model, "lora_config", None) is not None) and any(map(is_4bit, model.modules())):
+        # a merged or plain-dtype export of a 4-bit base: every weight dequantized (re-quantized below if asked)
+        model = dequantize_bnb4_model(copy.deepcopy(model) if model is src else model, dtype)
     if getattr(model, "lora_config", None) is not None:  # an HF directory is plain weights: fold LoRA in
         from kiln.models.common.lora import merge_lora
 
@@ -62,6 +69,9 @@ def export_model(src: str | os.PathLike | PreTrainedModel, out: str | os.PathLik
         from kiln.models.common.fp8 import dequantize_model
 
         model = dequantize_model(copy.deepcopy(model) if model is src else model, dtype)
+    if quantize is not None:  # refused on a model still 4-bit: it is written 4-bit as it is
+        model = copy.deepcopy(model) if model is src else model
+        quantize_model(model, quantize, source="this model" if isinstance(src, PreTrainedModel) else str(src))
     with staged_dir(out_path) as tmp:
         model.save_pretrained(tmp, max_shard_bytes=max_shard_bytes)
     return out_path

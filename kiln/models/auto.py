@@ -20,8 +20,10 @@ from kiln.models import (albert, bert, deberta_v2, distilbert, llama, mamba, mod
                          roberta, xlm_roberta)
 from kiln.models import deepseek_v3, deepseek_v32, deepseek_v4, glm_moe_dsa
 from kiln.models import qwen3_5, qwen3_next, vit
+from kiln.hub.bnb4 import bnb4_scheme_from_config
 from kiln.hub.fp8 import scheme_from_config
 from kiln.models.common.fp8 import prepare_fp8
+from kiln.models.common.quant4 import prepare_bnb4, quantize_model
 from kiln.models.common.lora import has_adapter, load_adapter
 from kiln.models.config import FamilyConfig
 from kiln.models.pretrained import Family, PreTrainedModel
@@ -94,13 +96,15 @@ def apply_changes(config: FamilyConfig, changes: dict[str, Any]) -> FamilyConfig
 
 
 def load_pretrained(path: str | os.PathLike, task: str | None = None, dtype: torch.dtype | None = None,
-                    seed: int | None = None, fp8: str = "dequantize", **changes: Any) -> PreTrainedModel:
+                    seed: int | None = None, fp8: str = "dequantize", quantize: str | None = None,
+                    **changes: Any) -> PreTrainedModel:
     """Load an HF directory into kiln's own model code, keeping the stored dtypes.
 
     `path` may also be a Hub repo id, `org/name[@revision]`, read through the HF cache. `seed` makes
     the initial values of tensors the checkpoint lacks (a new head) reproducible. A block-scaled FP8
     directory is dequantized to `dtype` (default: its non-FP8 tensors' dtype), or with `fp8="keep"`
-    held in FP8 modules (kiln.models.common.fp8).
+    held in FP8 modules (kiln.models.common.fp8). A bitsandbytes-4bit directory loads 4-bit as it is;
+    `quantize` ("nf4" or "fp4") quantizes a plain one's Linears at load (kiln.models.common.quant4).
     """
     if seed is not None:
         torch.manual_seed(seed)
@@ -111,10 +115,15 @@ def load_pretrained(path: str | os.PathLike, task: str | None = None, dtype: tor
     with torch.device("meta"):
         model = family.build(config, task)
     weights = load_weights(path)
-    scheme = scheme_from_config(config.extra, str(Path(path) / "config.json"))
+    q4 = bnb4_scheme_from_config(config.extra, str(Path(path) / "config.json"))
+    scheme = None if q4 is not None else scheme_from_config(config.extra, str(Path(path) / "config.json"))
     if scheme is not None:
         weights = prepare_fp8(model, weights, scheme, fp8, dtype, str(path))
+    if q4 is not None:
+        weights = prepare_bnb4(model, weights, q4, str(path))
     model.load_hf_state_dict(weights, source=str(path), source_task=source_task)
+    if quantize is not None:  # before an adapter is put over the Linears
+        quantize_model(model, quantize, source=str(path))
     if has_adapter(path):  # a PEFT LoRA adapter saved beside the base weights (kiln LoRA checkpoints)
         load_adapter(model, path)
     if dtype is not None:

@@ -140,6 +140,8 @@ class PreTrainedModel(nn.Module):
             hf[prefix + name] = tensor
         if getattr(self, "fp8_state", None) is not None:  # loaded from FP8: back to FP8 + scales (common/fp8.py)
             hf = self.fp8_state.export(hf)
+        if getattr(self, "bnb4_state", None) is not None:  # 4-bit base: bitsandbytes' tensor names (common/quant4.py)
+            hf = self.bnb4_state.export(hf)
         return hf
 
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor], source: str = "checkpoint",

@@ -49,6 +49,8 @@ class ModelSection(Section):
     init_seed: int = 0                 # seed for freshly initialised weights (heads, scratch models)
     fp8: Literal["dequantize", "keep"] = "dequantize"  # an FP8 block-scaled model.path: dequantized on load, or
                                        # kept FP8 in memory (frozen base, e.g. under [lora]; ~1 byte per weight)
+    quantize: str | None = None        # "nf4" | "fp4": a bf16/fp32 model.path's Linears held 4-bit (QLoRA base;
+                                       # bitsandbytes' bytes, double-quantized absmax); a 4-bit directory needs none
 
     @field_validator("task")
     @classmethod

@@ -9,7 +9,9 @@ matches itself or any `...<name>` path) or "all-linear" (every Linear but the LM
 On disk (PEFT): adapter_config.json + adapter_model.safetensors with keys
 `base_model.model.<HF module name>.lora_A.weight`; PEFT's `PeftModel.from_pretrained` loads it on
 the transformers model and kiln loads PEFT's adapters. `merge_lora` folds B A * scaling into W. On an FP8 base (`FP8Linear`) the weight stays FP8 and frozen
-and the adapters train in its compute dtype; merging re-quantizes W + B A * scaling in its blocks.
+and the adapters train in its compute dtype; merging re-quantizes W + B A * scaling in its blocks. Over a
+4-bit base (`quant4.Linear4`, QLoRA) the packed weight stays frozen and the adapters are float32 (PEFT's
+default there); merging dequantizes W to the dtype it was quantized from first.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kiln.errors import KilnError
 from kiln.hub.files import as_umask_allows
 from kiln.hub.jsonio import read_json
 from kiln.models.common.fp8 import FP8Linear, fp8_linear, merged_fp8_linear
+from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS, KeepsQuantState, dequantized, is_4bit, linear4
 from kiln.models.tasks import task_of
 
 PEFT_PREFIX = "base_model.model."
@@ -47,7 +50,7 @@ class LoraConfig:
         return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
 
 
-class LoraLinear(nn.Linear):
+class LoraLinear(KeepsQuantState, nn.Linear):
     """A Linear with a trainable low-rank update; the base weight and bias are frozen."""
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float, scaling: float):
@@ -62,8 +65,17 @@ class LoraLinear(nn.Linear):
         if self.fp8:
             self.register_buffer("weight_scale_inv", base.weight_scale_inv)
             self.block, self.compute_dtype = base.block, base.compute_dtype
+        # a 4-bit base (common/quant4.Linear4, QLoRA) stays packed; the adapters take its compute dtype
+        self.q4 = getattr(base, "q4", None)
+        if self.q4 is not None:
+            for name in Q4_BUFFERS:
+                if name in base._buffers:
+                    self.register_buffer(name, base._buffers[name])
+            self.compute_dtype = base.compute_dtype
         self.r, self.alpha, self.scaling = r, alpha, scaling
-        kw = dict(device=base.weight.device, dtype=base.compute_dtype if self.fp8 else base.weight.dtype)
+        # adapters over a 4-bit base are float32, as PEFT makes them over bitsandbytes' Linear4bit
+        dtype = torch.float32 if self.q4 is not None else base.compute_dtype if self.fp8 else base.weight.dtype
+        kw = dict(device=base.weight.device, dtype=dtype)
         self.lora_A = nn.Linear(self.in_features, r, bias=False, **kw)   # (r, in)
         self.lora_B = nn.Linear(r, self.out_features, bias=False, **kw)  # (out, r)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -75,11 +87,18 @@ class LoraLinear(nn.Linear):
         nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        result = (fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias) if self.fp8
-                  else super().forward(x))
+        if self.q4 is not None:
+            result = linear4(x, self)
+        elif self.fp8:
+            result = fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
+        else:
+            result = super().forward(x)
         dtype = result.dtype
         x = x.to(self.lora_A.weight.dtype)
-        return (result + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling).to(dtype)
+        update = self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        if self.q4 is not None and not torch.is_autocast_enabled(x.device.type):
+            return result + update.to(dtype)  # PEFT over bitsandbytes' Linear4bit rounds the update, then adds
+        return (result + update).to(dtype)
 
     def delta_weight(self) -> torch.Tensor:
         return (self.lora_B.weight @ self.lora_A.weight) * self.scaling  # (out, in)
@@ -246,15 +265,17 @@ def merge_lora(model: nn.Module) -> nn.Module:
             parent_name, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, leaf, plain)
         elif isinstance(module, LoraLinear):
+            # a 4-bit base: dequantized to the dtype it was quantized from, then W + B A * scaling
+            weight = dequantized(module, module.q4.dtype) if is_4bit(module) else module.weight
             plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                              device=module.weight.device, dtype=module.weight.dtype)
-            plain.weight.copy_(module.weight + module.delta_weight().to(module.weight.dtype))
+                              device=weight.device, dtype=weight.dtype)
+            plain.weight.copy_(weight + module.delta_weight().to(weight.dtype))
             if module.bias is not None:
                 plain.bias.copy_(module.bias)
             parent_name, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, leaf, plain)
     for p in model.parameters():
-        p.requires_grad_(p.dtype != torch.float8_e4m3fn)  # FP8 weights stay frozen
+        p.requires_grad_(p.dtype not in (torch.float8_e4m3fn, torch.uint8))  # FP8 and 4-bit weights stay frozen
     for attr in ("lora_config", "lora_targets"):
         if hasattr(model, attr):
             delattr(model, attr)

@@ -116,7 +116,7 @@ def build_model(cfg: RunConfig, labels: list[str] | None, need_tokenizer: bool =
             lean = lean_pretrained(m.path, m.task, m.init_seed, **changes)
             if lean is not None:
                 return lean
-        return load_pretrained(m.path, task=m.task, seed=m.init_seed, fp8=m.fp8, **changes)
+        return load_pretrained(m.path, task=m.task, seed=m.init_seed, fp8=m.fp8, quantize=m.quantize, **changes)
     config = AutoConfig.for_model(m.family, **m.config)
     if labels:
         config.set_labels(labels)
