@@ -19,7 +19,7 @@ from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
 
 from tests.parallel.sft_runs import make_data, run_toml
-from tests.parallel.test_kiln_train_plans import _launch, _losses, _weights
+from tests.parallel.sft_runs import launch, losses, weights
 
 # the query latent on (q_lora_rank), as the released DeepSeek-V3 has it; vocabulary of the BPE tokenizer
 MLA = {"deepseek_v3": {**TINY["deepseek_v3"], "q_lora_rank": 24},
@@ -47,11 +47,11 @@ def references(setup) -> dict[str, Path]:
 
 
 def _same_as_one_process(run: Path, ref: Path, tmp: Path) -> None:
-    torch.testing.assert_close(torch.tensor(_losses(run)), torch.tensor(_losses(ref)), rtol=1e-5, atol=1e-6)
-    assert len(_losses(run)) == STEPS
+    torch.testing.assert_close(torch.tensor(losses(run)), torch.tensor(losses(ref)), rtol=1e-5, atol=1e-6)
+    assert len(losses(run)) == STEPS
     end = f"ckpt-{STEPS:06d}"
     assert is_sharded(run / end)
-    got, want, start = _weights(run / end, tmp), _weights(ref / end, tmp), _weights(ref / "ckpt-000002", tmp)
+    got, want, start = weights(run / end, tmp), weights(ref / end, tmp), weights(ref / "ckpt-000002", tmp)
     assert got.keys() == want.keys()
     assert any(not torch.equal(want[k], start[k]) for k in want)  # the run moved the weights
     for k in want:
@@ -73,6 +73,6 @@ def _same_as_one_process(run: Path, ref: Path, tmp: Path) -> None:
 def test_kiln_train_plan_on_mla_equals_one_process(setup, references, tmp_path, family, parallel):
     name = f"{family}-" + "-".join(f"{k}{v}" for k, v in parallel.items())
     split = 1 if parallel.get("tp", 1) > 1 else 2  # fsdp (and ep) ranks split the batch; tp ranks read the same rows
-    p = _launch(_toml(setup, name, family, GLOBAL_BATCH // split, parallel))
+    p = launch(_toml(setup, name, family, GLOBAL_BATCH // split, parallel))
     assert p.returncode == 0, p.stderr[-3000:]
     _same_as_one_process(setup / name, references[family], tmp_path)

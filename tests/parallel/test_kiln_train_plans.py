@@ -20,7 +20,7 @@ from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
 
 from tests.kiln_cli import kiln_cli
-from tests.parallel.sft_runs import DENSE, losses, make_data, run_toml, weights
+from tests.parallel.sft_runs import DENSE, launch, losses, make_data, run_toml, weights
 
 MOE = {**DENSE, "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
        "mlp_only_layers": []}
@@ -35,10 +35,6 @@ def setup(tmp_path_factory) -> Path:
 def _toml(d: Path, name: str, family: str, batch_size: int, parallel: dict, grad_accum: int = 1) -> Path:
     return run_toml(d, name, parallel, family=family, config=DENSE if family == "qwen3" else MOE,
                     train={"steps": STEPS, "batch_size": batch_size, "grad_accum": grad_accum, "keep_last": 5})
-
-
-def _launch(cfg: Path, *extra: str, env: dict | None = None):
-    return kiln_cli("launch", "--nproc-per-node", "2", "--", "train", "--config", str(cfg), *extra, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +68,7 @@ def _same_as_one_process(run: Path, ref: Path, tmp: Path) -> None:
 ], ids=["tp2", "ep2"])
 @pytest.mark.slow
 def test_kiln_train_plan_equals_one_process(setup, references, tmp_path, name, family, batch_size, parallel):
-    p = _launch(_toml(setup, name, family, batch_size, parallel))
+    p = launch(_toml(setup, name, family, batch_size, parallel))
     assert p.returncode == 0, p.stderr[-3000:]
     _same_as_one_process(setup / name, references[family], tmp_path)
 
@@ -81,15 +77,15 @@ def test_kiln_train_plan_equals_one_process(setup, references, tmp_path, name, f
 def test_fsdp_killed_and_resumed_equals_uninterrupted_and_one_process(setup, references, tmp_path):
     # 2 ranks x 2 micro-batches of 1 row: FSDP skips the gradient reduce-scatter on the first micro-batch
     straight = _toml(setup, "fsdp", "qwen3", 1, {"fsdp": True}, grad_accum=2)
-    p = _launch(straight)
+    p = launch(straight)
     assert p.returncode == 0, p.stderr[-3000:]
     _same_as_one_process(setup / "fsdp", references["qwen3"], tmp_path)
 
     cfg, run = _toml(setup, "fsdp-killed", "qwen3", 1, {"fsdp": True}, grad_accum=2), setup / "fsdp-killed"
-    p = _launch(cfg, env={"KILN_FAULT": "step:3"})  # rank 0 SIGKILLed after step 3; ckpt-000002 is the newest
+    p = launch(cfg, env={"KILN_FAULT": "step:3"})  # rank 0 SIGKILLed after step 3; ckpt-000002 is the newest
     assert p.returncode != 0
     assert (run / "ckpt-000002").is_dir() and not (run / "ckpt-000004").exists()
-    p = _launch(cfg, "--resume", str(run))
+    p = launch(cfg, "--resume", str(run))
     assert p.returncode == 0, p.stderr[-3000:]
     assert "from ckpt-000002" in p.stdout
     assert losses(run) == losses(setup / "fsdp")  # bit for bit, not within rounding
