@@ -10,6 +10,7 @@ its names (`reasoning_content`, `thinking`, `reasoning`), whichever the template
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from typing import Any
 
@@ -82,3 +83,34 @@ class ChatTemplate:
                                         add_generation_prompt=add_generation_prompt, **{**self.specials, **extra})
         except jinja2.exceptions.TemplateError as e:
             raise KilnError(f"{self.source}: {e.message or e}") from None
+
+
+_THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_reply(text: str) -> dict[str, Any]:
+    """An assistant message from generated text in the Hermes/Qwen layout: a leading `<think>...</think>` as
+    `reasoning_content`, each `<tool_call>{"name", "arguments"}</tool_call>` as a tool call, the rest as
+    `content`. A tool-call block that is not such JSON stays in the content as written (shown, not lost)."""
+    message: dict[str, Any] = {"role": "assistant"}
+    think = _THINK.match(text)
+    if think:
+        message["reasoning_content"] = think.group(1).strip()
+        text = text[think.end():]
+    calls, kept, at = [], [], 0
+    for m in _TOOL_CALL.finditer(text):
+        try:
+            call = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            continue
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+            continue
+        kept.append(text[at:m.start()])
+        at = m.end()
+        calls.append({"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}})
+    kept.append(text[at:])
+    message["content"] = "".join(kept).strip()
+    if calls:
+        message["tool_calls"] = calls
+    return message
