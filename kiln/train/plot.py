@@ -1,6 +1,7 @@
 """`kiln plot RUN_DIR`: loss, learning rate and eval curves from metrics.jsonl, as one PNG.
 
-Records are plotted by what they hold: a run logged by other tools (no lr, no loss) still gets the
+Training and eval loss share the first panel (one scale, so over-fitting shows as the curves parting);
+the learning rate and every other eval_* metric get a panel each. Records are plotted by what they hold: a run logged by other tools (no lr, no loss) still gets the
 panels it has data for; a record without a numeric step, or with a value that is not a number, is
 an error naming its line.
 """
@@ -12,6 +13,19 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 from kiln.hub.jsonio import iter_jsonl
+
+
+_LABELS = {"loss": "train", "eval_loss": "eval"}
+
+
+def panels(records: list[dict]) -> list[tuple[str, list[str]]]:
+    """(title, keys) per panel: train and eval loss together, then lr, then each other eval_* metric."""
+    have = {k for r in records for k in r}
+    loss = [k for k in ("loss", "eval_loss") if k in have]
+    out = [("loss" if len(loss) == 2 else {"loss": "train loss"}.get(loss[0], loss[0]), loss)] if loss else []
+    if "lr" in have:
+        out.append(("learning rate", ["lr"]))
+    return out + [(k, [k]) for k in sorted(have) if k.startswith("eval_") and k != "eval_loss"]
 
 
 def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
@@ -44,17 +58,18 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
     if suffix not in formats:
         raise KilnError(f"--out {out_path}: cannot tell an image format from {out_path.suffix or 'no suffix'!r}; "
                         f"use one of .{', .'.join(sorted(formats))}")
-    eval_keys = sorted({k for _, r in records for k in r if k.startswith("eval_")})
-    panels = [(key, title) for key, title in (("loss", "train loss"), ("lr", "learning rate"))
-              if any(key in r for _, r in records)] + [(k, k) for k in eval_keys]
-    if not panels:
+    layout = panels([r for _, r in records])
+    if not layout:
         raise KilnError(f"{log}: no loss, lr or eval_* values to plot")
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-    for ax, (key, title) in zip(axes[0], panels):
-        pts = [(r["step"], _number(r[key], log, no, key)) for no, r in records if key in r]
-        style = {"marker": "o", "color": "tab:green"} if key.startswith("eval_") else \
-            {"lw": 1, "color": "tab:orange" if key == "lr" else None}
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], **style)
+    fig, axes = plt.subplots(1, len(layout), figsize=(4.2 * len(layout), 3.4), squeeze=False)
+    for ax, (title, keys) in zip(axes[0], layout):
+        for key in keys:
+            pts = [(r["step"], _number(r[key], log, no, key)) for no, r in records if key in r]
+            style = {"marker": "o", "color": "tab:green"} if key.startswith("eval_") else \
+                {"lw": 1, "color": "tab:orange" if key == "lr" else "tab:blue"}
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=_LABELS.get(key, key), **style)
+        if len(keys) > 1:
+            ax.legend()
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
