@@ -168,7 +168,13 @@ def evaluate(model: Any, tasks: list[str], include: list[str | os.PathLike] | No
         from lm_eval.tasks import TaskManager
     except ImportError:
         raise KilnError("kiln eval needs lm-evaluation-harness: pip install 'kiln[eval]'") from None
-    manager = TaskManager(include_path=[str(p) for p in include] if include else None)
+    paths = [str(p) for p in include] if include else None
+    manager = None
+    if paths:  # indexing lm-eval's thousands of built-in YAMLs takes long: skip it when the local ones suffice
+        manager = TaskManager(include_path=paths, include_defaults=False)
+        if not set(tasks) <= set(manager.all_tasks):
+            manager = None
+    manager = manager or TaskManager(include_path=paths)
     known = set(manager.all_tasks)
     missing = [t for t in tasks if t not in known]
     if missing:

@@ -78,6 +78,7 @@ def test_kiln_eval_equals_lm_eval_hf_backend(eval_setup, tmp_path):
     assert ours["kiln_tiny_gen"]["exact_match,none"] == theirs["kiln_tiny_gen"]["exact_match,none"]
 
 
+@pytest.mark.slow  # an unknown name makes lm-eval index its thousands of built-in task YAMLs
 def test_kiln_eval_refuses_unknown_task(eval_setup):
     _, model, tasks = eval_setup
     r = CliRunner().invoke(app, ["eval", str(model), "--tasks", "no_such_task", "--include", str(tasks)])
