@@ -1,4 +1,5 @@
-"""`kiln plot RUN_DIR`: loss, learning rate and eval curves from metrics.jsonl, as one PNG.
+"""`kiln plot RUN_DIR`: loss, learning rate and eval curves from metrics.jsonl (and `kiln eval` scores from
+lm_eval_results.json when the run has them), as one PNG.
 
 Training and eval loss share the first panel (one scale, so over-fitting shows as the curves parting);
 the learning rate and every other eval_* metric get a panel each. Records are plotted by what they hold: a run logged by other tools (no lr, no loss) still gets the
@@ -8,6 +9,7 @@ an error naming its line.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -26,6 +28,20 @@ def panels(records: list[dict]) -> list[tuple[str, list[str]]]:
     if "lr" in have:
         out.append(("learning rate", ["lr"]))
     return out + [(k, [k]) for k in sorted(have) if k.startswith("eval_") and k != "eval_loss"]
+
+
+def harness_scores(run_dir: Path) -> list[tuple[str, float]]:
+    """(task metric, value) from the run's lm_eval_results.json (`kiln eval`), stderr left out; [] if none."""
+    path = run_dir / "lm_eval_results.json"
+    if not path.is_file():
+        return []
+    try:
+        results = json.loads(path.read_text(encoding="utf-8")).get("results", {})
+    except (OSError, json.JSONDecodeError, AttributeError) as e:
+        raise KilnError(f"{path}: not a kiln eval results file ({e})") from None
+    return [(f"{task} {key.split(',')[0]}", float(v)) for task, metrics in sorted(results.items())
+            for key, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and "stderr" not in key]
 
 
 def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
@@ -61,7 +77,14 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
     layout = panels([r for _, r in records])
     if not layout:
         raise KilnError(f"{log}: no loss, lr or eval_* values to plot")
-    fig, axes = plt.subplots(1, len(layout), figsize=(4.2 * len(layout), 3.4), squeeze=False)
+    bars = harness_scores(run_dir)
+    fig, axes = plt.subplots(1, len(layout) + bool(bars), figsize=(4.2 * (len(layout) + bool(bars)), 3.4),
+                             squeeze=False)
+    if bars:  # `kiln eval` results beside the run: one bar per task metric
+        ax = axes[0][-1]
+        ax.barh([name for name, _ in bars], [v for _, v in bars], color="tab:purple")
+        ax.set_title("lm-eval")
+        ax.grid(alpha=0.3, axis="x")
     for ax, (title, keys) in zip(axes[0], layout):
         for key in keys:
             pts = [(r["step"], _number(r[key], log, no, key)) for no, r in records if key in r]

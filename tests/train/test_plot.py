@@ -15,3 +15,14 @@ def test_plot_puts_train_and_eval_loss_on_one_panel(tmp_path):
     assert panels([{"step": 1, "eval_loss": 1.0}]) == [("eval_loss", ["eval_loss"])]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert plot_run(tmp_path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_adds_the_runs_lm_eval_scores(tmp_path):
+    from kiln.train.plot import harness_scores
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    assert harness_scores(tmp_path) == []
+    (tmp_path / "lm_eval_results.json").write_text(json.dumps({"results": {"mc": {
+        "alias": "mc", "acc,none": 0.25, "acc_stderr,none": "N/A", "acc_norm,none": 0.5}}}))
+    assert harness_scores(tmp_path) == [("mc acc", 0.25), ("mc acc_norm", 0.5)]
+    assert plot_run(tmp_path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
