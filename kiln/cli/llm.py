@@ -54,35 +54,76 @@ def generate(model_dir: Path = typer.Argument(..., help="An HF causal-LM directo
     out.print(prompt + text)
 
 
+def _read_tools(path: Optional[Path]) -> Optional[list]:
+    """The --tools file: a JSON list of OpenAI function schemas."""
+    if path is None:
+        return None
+    import json
+
+    try:
+        tools = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise KilnError(f"--tools {path}: cannot read a JSON list of function schemas ({e})") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise KilnError(f"--tools {path}: want a JSON list of function schemas "
+                        '([{"type": "function", "function": {"name", "description", "parameters"}}, ...])')
+    return tools
+
+
+def show_reply(message: dict) -> list[str]:
+    """How an assistant message is shown: its reasoning, each tool call as name(arguments), then its text."""
+    import json
+
+    lines = [f"think> {message['reasoning_content']}"] if message.get("reasoning_content") else []
+    for call in message.get("tool_calls", []):
+        fn = call["function"]
+        args = fn["arguments"] if isinstance(fn["arguments"], str) else json.dumps(fn["arguments"], ensure_ascii=False)
+        lines.append(f"call> {fn['name']}({args})")
+    if message["content"] or not message.get("tool_calls"):
+        lines.append(f"bot> {message['content']}")
+    return lines
+
+
 def chat(model_dir: Path = typer.Argument(..., help="An HF causal-LM directory with a chat template."),
          system: Optional[str] = typer.Option(None, "--system", help="A system message."),
+         tools_file: Optional[Path] = typer.Option(None, "--tools", help="A JSON list of function schemas the "
+                                                   "template offers the model; its calls are shown as call> lines "
+                                                   "and the next line you type is their result."),
          max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
          temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy."),
          top_k: int = typer.Option(0, "--top-k"), top_p: float = typer.Option(1.0, "--top-p"),
          seed: Optional[int] = typer.Option(None, "--seed"),
          allow_missing: bool = ALLOW_MISSING, allow_unused: bool = ALLOW_UNUSED) -> None:
-    """Talk to the model turn by turn through its chat template. An empty line or Ctrl-D ends."""
+    """Talk to the model turn by turn through its chat template. An empty line or Ctrl-D ends.
+
+    Replies show reasoning (think>), tool calls (call> name(arguments)) and text (bot>); after a tool
+    call the prompt is tool> and the line typed is the tool's result."""
     import torch
 
     from kiln.data.sft import chat_prompt_ids
+    from kiln.hub.chat import parse_reply
 
     sampling = _sampling(max_new_tokens, temperature, top_k, top_p, seed)
+    tools = _read_tools(tools_file)
     model = _load(model_dir, allow_missing, allow_unused)
     model.tokenizer.chat()  # fail now, not after the first question, if there is no template
     messages = [{"role": "system", "content": system}] if system else []
+    calling = False  # the last reply called tools: the next line is their result
     while True:
         try:
-            line = input("you> ")
+            line = input("tool> " if calling else "you> ")
         except EOFError:
             break
         if not line.strip():
             break
-        messages.append({"role": "user", "content": line})
-        ids = torch.tensor([chat_prompt_ids(model.tokenizer, messages)])
+        messages.append({"role": "tool" if calling else "user", "content": line})
+        ids = torch.tensor([chat_prompt_ids(model.tokenizer, messages, tools)])
         new = model.generate(ids, max_new_tokens=max_new_tokens, **sampling)
-        reply = model.tokenizer.decode(new[0, ids.size(1):].tolist()).strip()
-        out.print(f"bot> {reply}")
-        messages.append({"role": "assistant", "content": reply})
+        reply = parse_reply(model.tokenizer.decode(new[0, ids.size(1):].tolist()))
+        for shown in show_reply(reply):
+            out.print(shown)
+        messages.append(reply)
+        calling = bool(reply.get("tool_calls"))
 
 
 tokenizer_app = typer.Typer(help="Tokenizer tools.", no_args_is_help=True)

@@ -2,13 +2,15 @@
 
 Same environment as `apply_chat_template`: a sandbox with trim_blocks and lstrip_blocks, loop
 controls, a `tojson` that keeps non-ASCII text, `raise_exception`, `strftime_now`; the template
-sees `messages`, `add_generation_prompt` and the named special tokens (bos_token, eos_token, ...)
-as strings. A `{% generation %}` block renders its body (kiln finds assistant spans itself).
+sees `messages`, `tools`, `add_generation_prompt` and the named special tokens (bos_token,
+eos_token, ...) as strings. As in transformers, a message's reasoning is offered under all three of
+its names (`reasoning_content`, `thinking`, `reasoning`), whichever the template reads. A `{% generation %}` block renders its body (kiln finds assistant spans itself).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from typing import Any
 
@@ -51,6 +53,15 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """The message with its reasoning (under any of its names) also as `thinking` and `reasoning_content`."""
+    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
 class ChatTemplate:
     def __init__(self, template: str, specials: dict[str, str] | None = None, source: str = "chat template"):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
@@ -64,9 +75,42 @@ class ChatTemplate:
             raise KilnError(f"{source}: chat template line {e.lineno}: {e.message}") from None
         self.specials = dict(specials or {})
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False, **extra: Any) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+               tools: list[dict[str, Any]] | None = None, **extra: Any) -> str:
+        messages = [_alias_reasoning(m) for m in messages]
         try:
-            return self.template.render(messages=messages, tools=None, documents=None,
+            return self.template.render(messages=messages, tools=tools, documents=None,
                                         add_generation_prompt=add_generation_prompt, **{**self.specials, **extra})
         except jinja2.exceptions.TemplateError as e:
             raise KilnError(f"{self.source}: {e.message or e}") from None
+
+
+_THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_reply(text: str) -> dict[str, Any]:
+    """An assistant message from generated text in the Hermes/Qwen layout: a leading `<think>...</think>` as
+    `reasoning_content`, each `<tool_call>{"name", "arguments"}</tool_call>` as a tool call, the rest as
+    `content`. A tool-call block that is not such JSON stays in the content as written (shown, not lost)."""
+    message: dict[str, Any] = {"role": "assistant"}
+    think = _THINK.match(text)
+    if think:
+        message["reasoning_content"] = think.group(1).strip()
+        text = text[think.end():]
+    calls, kept, at = [], [], 0
+    for m in _TOOL_CALL.finditer(text):
+        try:
+            call = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            continue
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+            continue
+        kept.append(text[at:m.start()])
+        at = m.end()
+        calls.append({"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}})
+    kept.append(text[at:])
+    message["content"] = "".join(kept).strip()
+    if calls:
+        message["tool_calls"] = calls
+    return message

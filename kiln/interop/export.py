@@ -18,7 +18,8 @@ from kiln.errors import KilnError
 from kiln.hub.outdir import check_out_dir, staged_dir
 from kiln.models.auto import load_config, load_pretrained
 from kiln.models.pretrained import PreTrainedModel
-from kiln.models.tasks import TASKS
+from kiln.models.sentence import Pooling, sentence_model
+from kiln.models.tasks import BASE, TASKS
 
 
 def export_model(src: str | os.PathLike | PreTrainedModel, out: str | os.PathLike, head: str | None = None,
@@ -56,6 +57,9 @@ def export_model(src: str | os.PathLike | PreTrainedModel, out: str | os.PathLik
                            allow_unused=allow_unused, new_head_asked=head is not None and head != source_task)
         for n in notes:
             (on_note or print)(n)
+        pooling = Pooling.read(src_path) if model.task == BASE else None
+        if pooling is not None:  # a sentence-transformers directory: its pooling files go along
+            model = sentence_model(model, pooling)
     from kiln.models.common.quant4 import dequantize_bnb4_model, is_4bit, quantize_model
 
     if (dtype is not None or getattr(model, "lora_config", None) is not None) and any(map(is_4bit, model.modules())):

@@ -221,6 +221,12 @@ class QuestionAnswering(Task):
                 "end_positions": torch.randint(0, T + 3, (B,), generator=g)}  # some out of range: clamped, ignored
 
 
+class SentenceEmbedding(Task):
+    """A base model pooled into sentence embeddings (kiln.models.sentence); its recipe owns loss and eval."""
+    peft_type = "FEATURE_EXTRACTION"
+    short = "emb"
+
+
 BASE = Base("base")
 SEQUENCE_CLASSIFICATION = SequenceClassification("sequence-classification")
 TOKEN_CLASSIFICATION = TokenClassification("token-classification")
@@ -228,9 +234,10 @@ QUESTION_ANSWERING = QuestionAnswering("question-answering")
 MASKED_LM = MaskedLM("masked-lm")
 CAUSAL_LM = CausalLM("causal-lm")
 IMAGE_CLASSIFICATION = ImageClassification("image-classification")
+SENTENCE_EMBEDDING = SentenceEmbedding("sentence-embedding")
 
 TASKS: dict[str, Task] = {t: t for t in (BASE, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, QUESTION_ANSWERING,
-                                          MASKED_LM, CAUSAL_LM, IMAGE_CLASSIFICATION)}
+                                          MASKED_LM, CAUSAL_LM, IMAGE_CLASSIFICATION, SENTENCE_EMBEDDING)}
 ENCODER_HEADS: tuple[Task, ...] = tuple(t for t in TASKS.values() if t.encoder_head)
 
 

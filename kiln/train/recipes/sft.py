@@ -20,7 +20,7 @@ from kiln.train.recipes.finetune import FineTune, RecordsData
 
 class SFTData(RecordsData):
     """[data] of an sft run: what the loss sees and how samples share rows."""
-    train_on: Literal["assistant", "all"] = "assistant"  # loss on replies (+ EOS) or on all tokens
+    train_on: Literal["assistant", "assistant_no_reasoning", "all"] = "assistant"  # loss on replies (+ EOS), without their reasoning text, or on all tokens
     pack: bool = True                    # several samples per row, attention kept per sample
                                          # (where the model cannot keep them apart, rows stay one sample each)
 

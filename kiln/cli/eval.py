@@ -1,0 +1,78 @@
+"""`kiln eval DIR_OR_RUN --tasks ...`: lm-evaluation-harness tasks on a model directory, a run (its newest
+checkpoint) or a checkpoint, through kiln's own model code (kiln.interop.lmeval); no export needed.
+Results are printed and written beside the run (RUN_DIR/lm_eval_results.json), or into the model directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, List, Optional
+
+import typer
+
+from kiln.cli.common import check_range
+from kiln.cli.output import out
+from kiln.errors import KilnError
+
+RESULTS_FILE = "lm_eval_results.json"
+
+
+def load_for_eval(target: Path) -> tuple[Any, Path]:
+    """(kiln causal LM, the folder its results go to) for a model directory, a checkpoint or a run."""
+    from kiln.models.auto import load_pretrained
+    from kiln.models.tasks import CAUSAL_LM
+    from kiln.train.checkpoint import list_checkpoints
+
+    if not target.is_dir():
+        raise KilnError(f"{target}: no such model, checkpoint or run directory")
+    if (target / "config.json").is_file():
+        return load_pretrained(target, task=CAUSAL_LM), target
+    if (target / "model" / "config.json").is_file():  # a checkpoint: results go to its run
+        return load_pretrained(target / "model", task=CAUSAL_LM), target.parent
+    ckpts = list_checkpoints(target)
+    if not ckpts:
+        raise KilnError(f"{target}: neither a model directory (config.json) nor a run with checkpoints (ckpt-N)")
+    return load_pretrained(ckpts[-1][1] / "model", task=CAUSAL_LM), target
+
+
+def eval_cmd(target: Path = typer.Argument(..., help="A causal-LM directory, a run directory (its newest "
+                                                    "checkpoint) or a checkpoint RUN_DIR/ckpt-N."),
+             tasks: str = typer.Option(..., "--tasks", help="Comma-separated lm-eval task names."),
+             include: Optional[List[Path]] = typer.Option(None, "--include", help="A folder of task YAMLs of your "
+                                                          "own (local data files work offline); repeatable."),
+             num_fewshot: Optional[int] = typer.Option(None, "--num-fewshot"),
+             limit: Optional[int] = typer.Option(None, "--limit", help="At most this many documents per task."),
+             batch_size: int = typer.Option(8, "--batch-size"),
+             device: str = typer.Option("cpu", "--device"),
+             seed: int = typer.Option(0, "--seed"),
+             out_file: Optional[Path] = typer.Option(None, "--out", help=f"Results JSON (default: {RESULTS_FILE} "
+                                                     "in the run or model directory).")) -> None:
+    """Score a model on lm-evaluation-harness tasks (log-likelihood, rolling log-likelihood, generation)."""
+    from kiln.interop.lmeval import evaluate
+
+    check_range("--batch-size", batch_size, 1)
+    if num_fewshot is not None:
+        check_range("--num-fewshot", num_fewshot, 0)
+    if limit is not None:
+        check_range("--limit", limit, 1)
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not names:
+        raise KilnError("--tasks names no task")
+    for folder in include or []:
+        if not folder.exists():
+            raise KilnError(f"--include {folder}: no such file or folder")
+    model, home = load_for_eval(target)
+    results = evaluate(model, names, include, num_fewshot, limit, batch_size, device, seed)
+    for task, metrics in results["results"].items():
+        shown = ", ".join(f"{k.split(',')[0]} {v:.4f}" for k, v in metrics.items()
+                          if isinstance(v, (int, float)) and not k.startswith(("alias", "sample")) and "stderr" not in k)
+        out.print(f"{task}: {shown}")
+    dest = out_file or home / RESULTS_FILE
+    tmp = dest.with_name(dest.name + ".tmp")
+    tmp.write_text(json.dumps({"model": str(target), **results}, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(dest)  # whole or not at all
+    out.print(f"wrote {dest}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("eval")(eval_cmd)

@@ -1,0 +1,66 @@
+"""Sentence embeddings: pooling as sentence-transformers pools, its files read and written, and the real
+all-MiniLM-L6-v2 exported by kiln loading in SentenceTransformer with kiln's embeddings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kiln.errors import KilnError
+from kiln.models.sentence import MODES, Pooling, load_sentence_model, pool
+
+SENTENCES = ["A man is eating food.", "The central bank raised interest rates again.", "Paris",
+             " ".join(["a long text that sentence-transformers truncates to its max_seq_length"] * 40)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pooling_equals_sentence_transformers(mode):
+    from sentence_transformers.sentence_transformer.modules.pooling import Pooling as STPooling
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 7, 16, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3, [0] * 5 + [1] * 2])  # right and left padding
+    want = STPooling(16, pooling_mode=mode)({"token_embeddings": hidden, "attention_mask": mask})["sentence_embedding"]
+    torch.testing.assert_close(pool(hidden, mask, mode), want, rtol=0, atol=1e-12)
+    # the control: padding counted in would change every mode's answer for the padded rows
+    assert not torch.allclose(pool(hidden, torch.ones_like(mask), mode)[1:], want[1:])
+
+
+def test_pooling_files_round_trip_and_refusals(tmp_path, minilm_dir):
+    got = Pooling.read(minilm_dir)
+    assert got == Pooling("mean", True, 256)
+    Pooling("cls", False, 128).write(tmp_path, 32)
+    assert Pooling.read(tmp_path) == Pooling("cls", False, 128)
+    assert not (tmp_path / "2_Normalize").exists()
+    assert Pooling.read(tmp_path / "nothing") is None
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": ["cls", "max"]}))
+    with pytest.raises(KilnError, match=r"1_Pooling/config\.json: pooling modes \['cls', 'max'\]"):
+        Pooling.read(tmp_path)
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "mean"}))  # the newer layout
+    assert Pooling.read(tmp_path).mode == "mean"
+    with pytest.raises(KilnError, match="pooling mode 'avg' is not one of"):
+        Pooling("avg")
+
+
+def test_real_minilm_export_loads_in_sentence_transformers(minilm_dir, tmp_path):
+    from sentence_transformers import SentenceTransformer
+    from typer.testing import CliRunner
+
+    from kiln.cli.main import app
+
+    r = CliRunner().invoke(app, ["export", str(minilm_dir), "--out", str(tmp_path / "st")])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "st" / "1_Pooling" / "config.json").read_text())["pooling_mode_mean_tokens"]
+    ours = load_sentence_model(tmp_path / "st").embed(SENTENCES)
+    st = SentenceTransformer(str(tmp_path / "st"), device="cpu")
+    assert st.max_seq_length == 256
+    theirs = st.encode(SENTENCES, convert_to_tensor=True, batch_size=len(SENTENCES))
+    assert ours.shape == (4, 384)
+    torch.testing.assert_close(ours, theirs.cpu(), rtol=0, atol=1e-6)
+    # and equal to the source directory read by sentence-transformers itself
+    source = SentenceTransformer(str(minilm_dir), device="cpu").encode(SENTENCES, convert_to_tensor=True)
+    torch.testing.assert_close(ours, source.cpu(), rtol=0, atol=1e-6)
+    # the control: without the 256-token truncation the long text's embedding differs
+    assert (load_sentence_model(tmp_path / "st").embed(SENTENCES[3:], max_length=512) - ours[3]).abs().max() > 1e-3
