@@ -164,12 +164,15 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
     tokens = rows * s.seq_len / cp
     sharded_fsdp = s.fsdp and dp * cp * (ep if ep > 1 else 1) > 1
 
+    tied = not any(p.block is None and p.module == "lm_head" for p in params)
+
     def share(p: Param, stage: int) -> float:
         """The fraction of `p` one rank of `stage` holds."""
         if pp > 1:
             if p.block is not None and p.block not in stages[stage] and p.block < dims.layers:
                 return 0.0
-            if p.block is None and p.module == "embed_tokens" and stage != 0:
+            # a tied head is the embedding: the last stage keeps a copy of it (kiln.parallel.pipeline)
+            if p.block is None and p.module == "embed_tokens" and stage != 0 and not (tied and stage == pp - 1):
                 return 0.0
             if p.block is None and p.module != "embed_tokens" and stage != pp - 1:
                 return 0.0

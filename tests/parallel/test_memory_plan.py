@@ -130,6 +130,11 @@ def test_fsdp_buffers():
 def test_pipeline_stages_hold_their_blocks():
     stages = plan(RunSettings(nproc=2, pp=2, batch_size=4, seq_len=8)).ranks
     assert [r.terms["weights"] for r in stages] == [(128 + N_LAYER) * 4, (N_LAYER + 8 + 128) * 4]
+    # tied: no lm_head in the checkpoint; the last stage keeps a copy of the embedding for its head
+    tied = [h for k, h in headers().items() if k != "lm_head.weight"]
+    s = RunSettings(nproc=2, pp=2, batch_size=4, seq_len=8)
+    stages = plan_memory(params_from_headers(tied, s), DIMS, s, {}, runtime=0).ranks
+    assert [r.terms["weights"] for r in stages] == [(128 + N_LAYER) * 4, (N_LAYER + 8 + 128) * 4]
 
 
 def test_expert_parallel_splits_experts():
