@@ -264,8 +264,11 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
             autocast = sum(p.numel * f * 2 for p, f in shares
                            if p.itemsize == 4 and p.name.endswith(".weight") and p.module.endswith("proj"))
         # load: the sharded design reads one tensor at a time; today every rank reads all of it
-        # (what it adds above the training peak: the load happens before any gradient or activation exists)
-        biggest_tensor = max((p.nbytes * f for p, f in shares), default=0)
+        # (what it adds above the training peak: the load happens before any gradient or activation exists).
+        # A tensor stored as is goes straight from the file into its rows (read_shards' readinto); stacked
+        # experts and tp's column slices pass through one whole checkpoint tensor (its copy or mapped pages)
+        piece = max((p.nbytes * f for p, f in shares), default=0)
+        biggest_tensor = max((p.nbytes for p, f in shares if f > 0 and (p.expert or (p.tp and tp > 1))), default=0)
         load = max(0.0, biggest_tensor - ((grads + acts if s.keep_grads else max(grads, acts)) + optim + comm
                                           + autocast))
         # glibc keeps freed heap memory: the many small activation tensors leave ~35% of their bytes resident
@@ -277,7 +280,7 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
         r.load_peak = int(r.terms["runtime"] + weights + biggest_tensor)
         if today:
             full = sum(p.nbytes for p in params if not p.name.endswith(("lora_A.weight", "lora_B.weight")))
-            r = _today(r, file_sizes, full, biggest_tensor, host=s.device == "cpu")
+            r = _today(r, file_sizes, full, piece, host=s.device == "cpu")
         if s.offload and s.fsdp and s.device != "cpu":
             r.host = {k: r.terms.pop(k) for k in ("weights", "gradients", "optimizer")}
         r.terms = {k: int(round(v)) for k, v in r.terms.items()}
