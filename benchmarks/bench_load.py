@@ -33,6 +33,7 @@ import hashlib
 import json
 import math
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -284,6 +285,7 @@ def run_kiln(run: Run, model: Path, chats: Path, work: Path, pythonpath: str = s
     metrics = Path(next(line.split('"')[1] for line in cfg.read_text().splitlines()
                         if line.startswith("out_dir"))) / "metrics.jsonl"
     polled: dict[str, int] = {}
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)  # every waited-for descendant: the ranks, via torchrun
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     first_step: list[float] = []
@@ -317,10 +319,14 @@ def run_kiln(run: Run, model: Path, chats: Path, work: Path, pythonpath: str = s
         raise RuntimeError(f"{run.name}: found {len(peaks)} rank processes, expected {run.nproc}: {sorted(ranks)}")
     if not first_step and metrics.exists() and '"loss"' in metrics.read_text():
         first_step.append(wall)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     step_s = sorted(r["tokens"] / r["tokens_per_s"] for r in rows if r.get("tokens_per_s") and r["step"] > 1)
     return {"peaks": peaks, "first_step_s": first_step[0] if first_step else float("nan"), "wall_s": wall,
             "step_s": step_s[len(step_s) // 2] if step_s else float("nan"),
+            # CPU seconds and minor page faults of all its processes: far steadier than wall time on a shared machine
+            "cpu_s": after.ru_utime + after.ru_stime - used.ru_utime - used.ru_stime,
+            "sys_s": after.ru_stime - used.ru_stime, "minflt": after.ru_minflt - used.ru_minflt,
             "hook_ranks": sum(1 for k in at_exit if wanted(k))}
 
 
