@@ -49,8 +49,20 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: str | None = Non
         fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=placement,
                     reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=placement,
-                reshard_after_forward=reshard_after_forward)
+                reshard_after_forward=reshard_after_forward,
+                ignored_params=replicated_root(model, blocks, DTYPES[param_dtype] if param_dtype else None) or None)
     return model
+
+
+def replicated_root(model: nn.Module, blocks: nn.Module, param_dtype: torch.dtype | None = None) -> set[nn.Parameter]:
+    """The frozen parameters outside the blocks (a LoRA run's embedding, tied head, final norm) that the root
+    unit leaves whole on every rank: sharding them saves nothing, since FSDP gathers the root for the whole
+    forward, and gathering costs a second whole copy (the all-gather buffer) on every rank each step. Not when
+    `param_dtype` would have FSDP cast them (they stay as stored). Trained ones shard as usual (their
+    gradients and optimizer state are what sharding them saves)."""
+    inside = {id(p) for p in blocks.parameters()}
+    return {p for p in model.parameters() if id(p) not in inside and not p.requires_grad and not isinstance(p, DTensor)
+            and (param_dtype is None or p.dtype == param_dtype or not p.dtype.is_floating_point)}
 
 
 def frozen_as_bytes(model: nn.Module) -> list[str]:

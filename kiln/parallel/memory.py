@@ -181,9 +181,14 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
             f /= tp
         if p.expert and ep > 1:
             f /= ep
-        if s.fsdp:
+        if s.fsdp and not replicated(p):
             f /= dp * cp if (p.expert or ep == 1) else dp * cp * ep
         return f
+
+    def replicated(p: Param) -> bool:
+        """A frozen tensor outside the blocks: FSDP's root leaves it whole (kiln.parallel.fsdp.replicated_root)."""
+        return p.block is None and not p.trainable and not (p.tp and tp > 1) and not (p.expert and ep > 1) and (
+            s.param_dtype is None or p.itemsize == _DTYPE_BYTES[s.param_dtype])
 
     ranks = []
     for stage in range(pp):
@@ -240,7 +245,7 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
             for p in params:
                 if p.block is not None and (pp == 1 or p.block in stages[stage]):
                     by_block.setdefault(p.block, []).append(p)
-            root = [p for p in params if p.block is None and share(p, stage) > 0]
+            root = [p for p in params if p.block is None and share(p, stage) > 0 and not replicated(p)]
 
             def whole(p: Param) -> float:  # this rank's tp/ep piece of `p`, before FSDP splits it
                 return p.numel * share(p, stage) * dp * cp * (1 if p.expert or ep == 1 else ep)
