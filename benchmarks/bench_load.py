@@ -406,9 +406,13 @@ def run_beyond(dense: Path, chats: Path, work: Path, kiln_root: str, fraction: f
     reading it whole (the loader before the sharded read) would need LARGE_NPROC x that, more than the machine
     has; each reading its share, it trains. None (and why, printed) when even the shares would not fit."""
     avail = mem_available()
-    shape = large_shape(int(fraction * avail / LARGE_NPROC))
+    target = int(fraction * avail / LARGE_NPROC)
     t0 = time.time()
-    model = build_large(shape, dense)
+    # the smallest cached one above the target (free memory varies between runs), else a new one
+    cached = sorted((checkpoint_bytes(p), p) for p in cache_root().glob("large-*")
+                    if (p / "model.safetensors.index.json").exists() and checkpoint_bytes(p) > target)
+    model = cached[0][1] if cached else build_large(large_shape(target), dense)
+    shape = {**LARGE, "num_hidden_layers": json.loads((model / "config.json").read_text())["num_hidden_layers"]}
     size = checkpoint_bytes(model)
     print(f"beyond memory: {dense_params(shape) / 1e9:.2f}B parameters ({shape['num_hidden_layers']} layers), "
           f"{gib(size)} in {len(list(model.glob('*.safetensors')))} files; MemAvailable {gib(avail)} / "
