@@ -31,7 +31,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -114,6 +116,59 @@ def build_checkpoint(kind: str) -> Path:
     text.unlink()
     tmp.rename(out)  # complete or absent: a killed build leaves only the .partial directory
     return out
+
+
+# The run beyond memory / nproc: a Qwen3-shaped dense model, as many layers as the size asks (untied 32K vocabulary).
+LARGE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=6144, num_hidden_layers=0, num_attention_heads=16,
+             num_key_value_heads=8, head_dim=128, max_position_embeddings=2048, tie_word_embeddings=False,
+             pad_token_id=0, eos_token_id=2)
+LARGE_NPROC = 4
+
+
+def large_shape(target_bytes: int) -> dict:
+    """LARGE with the fewest layers whose bf16 checkpoint exceeds `target_bytes`."""
+    base = dense_params({**LARGE, "num_hidden_layers": 0})
+    per_layer = dense_params({**LARGE, "num_hidden_layers": 1}) - base
+    return {**LARGE, "num_hidden_layers": max(1, -(-(target_bytes // 2 - base) // per_layer))}
+
+
+def build_large(shape: dict, tokenizer_from: Path) -> Path:
+    """A Qwen3-shaped bf16 checkpoint of `shape` written file by file (1 GB files + index, as a release), random
+    normal(0, 0.02) weights drawn tensor by tensor: never more than one output file in memory (the model itself
+    would not fit in a rank's share of memory, which is the point). Cached like the others."""
+    import torch
+    import transformers
+
+    from kiln.hub.weights import shard_names, shard_plan, write_index, write_shard
+
+    tag = f"large-{shape['num_hidden_layers']}L-{hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:8]}"
+    out = cache_root() / tag
+    if (out / "model.safetensors.index.json").exists():
+        return out
+    tmp = out.with_name(out.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    cfg = transformers.Qwen3Config(**shape, dtype="bfloat16")
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    cfg.save_pretrained(tmp)
+    with torch.device("meta"):  # names and shapes only
+        names = {k: tuple(v.shape) for k, v in transformers.Qwen3ForCausalLM(cfg).state_dict().items()}
+    groups = shard_plan([(k, 2 * math.prod(v)) for k, v in names.items()], 10 ** 9)
+    gen = torch.Generator().manual_seed(0)
+    for name, group in zip(shard_names(len(groups)), groups):
+        write_shard(tmp, name, {k: (torch.ones(names[k]) if k.endswith("norm.weight") else
+                                    torch.randn(names[k], generator=gen) * 0.02).to(torch.bfloat16) for k in group})
+    write_index(tmp, 2 * sum(math.prod(v) for v in names.values()),
+                {k: n for n, g in zip(shard_names(len(groups)), groups) for k in g})
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tokenizer_from / f).exists():
+            (tmp / f).write_bytes((tokenizer_from / f).read_bytes())
+    tmp.rename(out)
+    return out
+
+
+def mem_available() -> int:
+    return next(int(x.split()[1]) * 1024 for x in Path("/proc/meminfo").read_text().splitlines()
+                if x.startswith("MemAvailable"))
 
 
 def checkpoint_bytes(path: Path) -> int:
@@ -212,16 +267,17 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def run_kiln(run: Run, model: Path, chats: Path, work: Path, pythonpath: str = str(ROOT)) -> dict:
-    """Run `run` through the kiln CLI; each rank's peak RSS (bytes), the seconds to the first logged step and
-    the wall time."""
-    cfg = write_toml(work, run, model, chats)
+def run_kiln(run: Run, model: Path, chats: Path, work: Path, pythonpath: str = str(ROOT), steps: int = STEPS,
+             env_extra: dict | None = None) -> dict:
+    """Run `run` through the kiln CLI; each rank's peak RSS (bytes), the seconds to the first logged step, the
+    median seconds of the steps after the first, and the wall time."""
+    cfg = write_toml(work, run, model, chats, steps)
     hook = work / "hook"
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
     hwm_dir = Path(tempfile.mkdtemp(dir=work, prefix="hwm-"))
     env = {**os.environ, "PYTHONPATH": f"{hook}:{pythonpath}", "KILN_BENCH_HWM_DIR": str(hwm_dir),
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env_extra or {})}
     env.pop("RANK", None)
     cli = [sys.executable, "-m", "kiln.cli.main"]
     argv = cli + (["train"] if run.nproc == 1 else ["launch", "--nproc-per-node", str(run.nproc), "--", "train"])
@@ -229,6 +285,7 @@ def run_kiln(run: Run, model: Path, chats: Path, work: Path, pythonpath: str = s
     metrics = Path(next(line.split('"')[1] for line in cfg.read_text().splitlines()
                         if line.startswith("out_dir"))) / "metrics.jsonl"
     polled: dict[str, int] = {}
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)  # every waited-for descendant: the ranks, via torchrun
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     first_step: list[float] = []
@@ -262,7 +319,14 @@ def run_kiln(run: Run, model: Path, chats: Path, work: Path, pythonpath: str = s
         raise RuntimeError(f"{run.name}: found {len(peaks)} rank processes, expected {run.nproc}: {sorted(ranks)}")
     if not first_step and metrics.exists() and '"loss"' in metrics.read_text():
         first_step.append(wall)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+    step_s = sorted(r["tokens"] / r["tokens_per_s"] for r in rows if r.get("tokens_per_s") and r["step"] > 1)
     return {"peaks": peaks, "first_step_s": first_step[0] if first_step else float("nan"), "wall_s": wall,
+            "step_s": step_s[len(step_s) // 2] if step_s else float("nan"),
+            # CPU seconds and minor page faults of all its processes: far steadier than wall time on a shared machine
+            "cpu_s": after.ru_utime + after.ru_stime - used.ru_utime - used.ru_stime,
+            "sys_s": after.ru_stime - used.ru_stime, "minflt": after.ru_minflt - used.ru_minflt,
             "hook_ranks": sum(1 for k in at_exit if wanted(k))}
 
 
@@ -337,6 +401,41 @@ def gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
+def run_beyond(dense: Path, chats: Path, work: Path, kiln_root: str, fraction: float = 1.1) -> tuple | None:
+    """FSDP2 + LoRA on LARGE_NPROC ranks over a checkpoint of `fraction` x MemAvailable / LARGE_NPROC: every rank
+    reading it whole (the loader before the sharded read) would need LARGE_NPROC x that, more than the machine
+    has; each reading its share, it trains. None (and why, printed) when even the shares would not fit."""
+    avail = mem_available()
+    target = int(fraction * avail / LARGE_NPROC)
+    t0 = time.time()
+    # the smallest cached one above the target (free memory varies between runs), else a new one
+    cached = sorted((checkpoint_bytes(p), p) for p in cache_root().glob("large-*")
+                    if (p / "model.safetensors.index.json").exists() and checkpoint_bytes(p) > target)
+    model = cached[0][1] if cached else build_large(large_shape(target), dense)
+    shape = {**LARGE, "num_hidden_layers": json.loads((model / "config.json").read_text())["num_hidden_layers"]}
+    size = checkpoint_bytes(model)
+    print(f"beyond memory: {dense_params(shape) / 1e9:.2f}B parameters ({shape['num_hidden_layers']} layers), "
+          f"{gib(size)} in {len(list(model.glob('*.safetensors')))} files; MemAvailable {gib(avail)} / "
+          f"{LARGE_NPROC} = {gib(avail / LARGE_NPROC)}; ready in {time.time() - t0:.0f} s ({load()})", flush=True)
+    run = Run(f"FSDP2 + LoRA, {LARGE_NPROC} processes, checkpoint > memory / {LARGE_NPROC}", "large", LARGE_NPROC,
+              ALL_LINEAR, {"fsdp": True}, 0.5)
+    cfg = write_toml(work, run, model, chats, 3)
+    plan, today = predicted(cfg, run.nproc), predicted(cfg, run.nproc, today=True)
+    print(f"kiln plan: {gib(max(b for _, b in plan))} per rank, {gib(run.nproc * max(b for _, b in plan))} for all; "
+          f"every rank reading the whole checkpoint: {gib(run.nproc * max(b for _, b in today))} for all", flush=True)
+    if run.nproc * max(b for _, b in plan) > 0.9 * mem_available():
+        print("beyond memory: skipped, the ranks' shares would not fit in what is free now", flush=True)
+        return None
+    before = load()
+    res = run_kiln(run, model, chats, work, kiln_root, steps=3)
+    worst = max(res["peaks"])
+    print(f"{run.name}: 3 steps; peak RSS per rank {', '.join(gib(p) for p in res['peaks'])}, all ranks "
+          f"{gib(sum(res['peaks']))}; / checkpoint {worst / size:.2f}x; measured / plan "
+          f"{worst / max(b for _, b in plan):.2f}; first step at {res['first_step_s']:.0f} s, step "
+          f"{res['step_s']:.1f} s, wall {res['wall_s']:.0f} s; {before} -> {load()}", flush=True)
+    return run, res, max(b for _, b in plan), size, avail, before
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="run only the memory runs whose name contains this")
@@ -344,6 +443,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="time-to-first-step rounds (interleaved)")
     ap.add_argument("--kiln-root", default=str(ROOT), help="the kiln checkout the runs import (e.g. a worktree of an "
                     "older commit, to measure its loader); rows are written only for this checkout's own")
+    ap.add_argument("--skip-beyond", action="store_true", help="no run of a checkpoint beyond memory / nproc")
+    ap.add_argument("--beyond-fraction", type=float, default=1.1, help="that checkpoint's size, as a multiple of "
+                    "MemAvailable / nproc (below 1 only to check the benchmark itself at a small size)")
     a = ap.parse_args()
     t_start = time.time()
     ckpt = {k: build_checkpoint(k) for k in ("dense", "moe")}
@@ -375,6 +477,9 @@ def main() -> None:
                   f"first step at {res['first_step_s']:.0f} s, wall {res['wall_s']:.0f} s; {before} -> {load()}",
                   flush=True)
             rows.append((run, res, plan_peak, floor, before))
+        beyond = None
+        if not a.skip_beyond and (not a.only or a.only.lower() in "beyond memory"):
+            beyond = run_beyond(ckpt["dense"], chats, work, a.kiln_root, a.beyond_fraction)
         ttfs = None
         if not a.skip_ttfs and not a.only:
             run = RUNS[0]
@@ -403,6 +508,15 @@ def main() -> None:
                f"rank / {against})", "kiln plan (predicted)", "GiB", [worst / GiB], [plan_peak / GiB],
                kiln_mem=worst / 2 ** 20, peer_mem=floor / 2 ** 20, goal=f"<= {run.goal}x memory",
                note=f"ratio = measured / kiln plan; per rank {', '.join(f'{p / GiB:.2f}' for p in res['peaks'])} GiB; "
+                    f"{before}")
+    if beyond:
+        run, res, plan_peak, ckpt_size, avail, before = beyond
+        worst = max(res["peaks"])
+        report(f"load beyond memory / {run.nproc}: {run.name} (peak RSS of the largest rank / checkpoint)",
+               "kiln plan (predicted)", "GiB", [worst / GiB], [plan_peak / GiB], kiln_mem=worst / 2 ** 20,
+               peer_mem=ckpt_size / 2 ** 20, goal=f"trains; <= {run.goal}x memory",
+               note=f"checkpoint {gib(ckpt_size)} > MemAvailable {gib(avail)} / {run.nproc}; per rank "
+                    f"{', '.join(f'{p / GiB:.2f}' for p in res['peaks'])} GiB, all ranks {gib(sum(res['peaks']))}; "
                     f"{before}")
     if ttfs:
         kiln_s, peer_s, when = ttfs

@@ -48,3 +48,12 @@ def test_every_run_toml_is_a_valid_run_config(tmp_path):
         assert cfg.train.batch_size == bench.BATCH * run.nproc and cfg.data.max_length == bench.MAX_LENGTH
         for key, value in run.parallel.items():
             assert getattr(cfg.parallel, key) == value, (run.name, key)
+
+
+def test_the_beyond_memory_checkpoint_is_the_smallest_above_its_target():
+    for target in (3 * 2 ** 30, 6 * 2 ** 30):
+        s = bench.large_shape(target)
+        fewer = dict(s, num_hidden_layers=s["num_hidden_layers"] - 1)
+        assert 2 * bench.dense_params(s) > target >= 2 * bench.dense_params(fewer)
+    assert bench.dense_params(dict(bench.LARGE, num_hidden_layers=2)) == _hf_count(
+        "dense", dict(bench.LARGE, num_hidden_layers=2))

@@ -42,7 +42,10 @@ def train(config: Path = typer.Option(..., "--config", "-c", help="The run TOML.
         elif value is not None:
             overrides.append(parse_override(f"{s.key}={value}"))
     cfg = load_run_config(config, overrides)
+    from kiln.parallel.memory_heap import lean_heap
     from kiln.parallel.world import leave_world
+
+    lean_heap()  # before any weight is read: large freed blocks go back to the system (glibc's heap keeps them)
 
     # a resume keeps the checkpoint's global batch, unless the command line names the batch size
     rescale = not any(key == "train.batch_size" for key, _ in overrides)

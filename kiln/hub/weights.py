@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,6 +49,54 @@ _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float1
                  "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu}
 
 
+@dataclass(frozen=True)
+class Span:
+    """Where one tensor's bytes lie in its safetensors file."""
+    offset: int                # from the start of the file
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def tensor_spans(path: str | os.PathLike) -> dict[str, Span]:
+    """Each tensor of a safetensors file and where its bytes are, from the header alone (no data read)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:  # checks the header and the offsets against the file
+            keys = list(f.keys())
+        with open(path, "rb", buffering=0) as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+    except SafetensorError as e:
+        raise WeightsError(f"{path}: not a readable safetensors file ({e}); is it truncated or another format?") from None
+    except OSError as e:
+        raise WeightsError(f"{path}: cannot read ({e})") from None
+    spans = {}
+    for k in keys:
+        info = header[k]
+        if info["dtype"] not in _TORCH_DTYPES:
+            raise WeightsError(f"{path}: tensor {k!r} has dtype {info['dtype']}, which kiln does not read")
+        begin, end = info["data_offsets"]
+        spans[k] = Span(8 + length + begin, end - begin, _TORCH_DTYPES[info["dtype"]], tuple(info["shape"]))
+    return spans
+
+
+def read_into(f, offset: int, out: torch.Tensor) -> None:
+    """Fill the contiguous CPU tensor `out` with the `out.nbytes` bytes at `offset` of the open file `f` (read,
+    not mapped: no page of the file stays counted in this process's memory)."""
+    if not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError("read_into needs a contiguous CPU tensor")
+    nbytes = out.nbytes
+    if not nbytes:
+        return
+    view, done = memoryview(out.reshape(-1).view(torch.uint8).numpy()), 0
+    f.seek(offset)
+    while done < nbytes:
+        n = f.readinto(view[done:])
+        if not n:
+            raise WeightsError(f"{f.name}: ends inside a tensor; is it truncated?")
+        done += n
+
+
 def _read_into_alignment(f, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     """The tensor stored at `offset`, read into ordinary memory whose address has the phase mod 64 the file
     mapping would give it (offset mod 64: mappings start on a page).
@@ -61,13 +110,7 @@ def _read_into_alignment(f, offset: int, nbytes: int, dtype: torch.dtype, shape:
     buf = torch.empty(nbytes + 64, dtype=torch.uint8)
     start = (offset - buf.data_ptr()) % 64
     out = buf[start:start + nbytes]
-    view, done = memoryview(out.numpy()), 0
-    f.seek(offset)
-    while done < nbytes:
-        n = f.readinto(view[done:])
-        if not n:
-            raise WeightsError(f"{f.name}: ends inside a tensor; is it truncated?")
-        done += n
+    read_into(f, offset, out)
     return out.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
 
 

@@ -20,7 +20,7 @@ from kiln.parallel.blocks import apply_activation_checkpointing, compile_blocks
 from kiln.parallel.config import ParallelSection
 from kiln.parallel.context import apply_context_parallel
 from kiln.parallel.ep import apply_expert_parallel, expert_modules, shard_experts
-from kiln.parallel.fsdp import apply_fsdp
+from kiln.parallel.fsdp import apply_fsdp, frozen_as_bytes
 from kiln.parallel.grads import average_gradients
 from kiln.parallel.mesh import Degrees, batch_mesh, build_mesh, check_model, resolve_degrees
 from kiln.parallel.pipeline import Pipeline, apply_pipeline, check_pipeline
@@ -109,6 +109,7 @@ def parallelize(model: nn.Module, parallel: ParallelSection, world_size: int | N
         # with cp, shards span dp x cp: every rank holds one slice, and gradients average over all of them
         shard_mesh = mesh["dp", "cp"]._flatten("dp_cp") if degrees.cp > 1 else mesh["dp"]
         if degrees.ep > 1:  # experts shard over dp (ep splits them already), the rest over dp x ep
+            frozen_as_bytes(model)  # an FP8-kept expert unit holds nothing else: it must cross as bytes
             shard_experts(model, mesh["dp"], parallel.param_dtype, parallel.reduce_dtype, parallel.offload)
             shard_mesh = batch_mesh(mesh)
         apply_fsdp(model, shard_mesh, parallel.param_dtype, parallel.reduce_dtype, parallel.offload)

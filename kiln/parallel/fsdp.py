@@ -4,6 +4,10 @@ Each block is its own `fully_shard` unit (all-gathered just before it runs, free
 then the root takes what is left (embeddings, final norm, head). Parameters become DTensors
 sharded on dim 0; gradients are reduce-scattered and averaged over the mesh, as DDP averages them.
 After tensor parallelism on a 2-D mesh, FSDP shards the tp-local pieces over the dp dimension.
+
+Frozen low-precision parameters (an FP8 checkpoint kept FP8, a packed 4-bit base) cross the
+collectives as bytes (`frozen_as_bytes`): gloo has no float8 (nor does every nccl build), and a
+mixed-precision policy would otherwise widen them to `param_dtype` before the all-gather.
 """
 
 from __future__ import annotations
@@ -12,10 +16,18 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
+from kiln.errors import KilnError
 from kiln.parallel.blocks import find_blocks
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# dtypes a collective backend may lack; a frozen parameter in one of them crosses as uint8 bytes
+BYTE_DTYPES = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                    "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
+                        if hasattr(torch, n))
+AS_BYTES = "kiln_as_bytes"  # set True on a frozen parameter of any dtype to have it cross as bytes too
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: str | None = None, reduce_dtype: str = "fp32",
@@ -24,8 +36,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: str | None = Non
 
     `param_dtype` is the dtype blocks compute in (None: the parameters' own); `reduce_dtype` the
     dtype gradients are reduced in; `offload` keeps the shards and their gradients in CPU memory
-    (the optimizer step then runs on the CPU).
+    (the optimizer step then runs on the CPU). Frozen low-precision parameters go as bytes
+    (`frozen_as_bytes`) and keep their dtype whatever `param_dtype` says.
     """
+    frozen_as_bytes(model)
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype] if param_dtype else None,
                                   reduce_dtype=DTYPES[reduce_dtype])
     placement: OffloadPolicy = CPUOffloadPolicy() if offload else OffloadPolicy()
@@ -35,5 +49,86 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: str | None = Non
         fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=placement,
                     reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=placement,
-                reshard_after_forward=reshard_after_forward)
+                reshard_after_forward=reshard_after_forward,
+                ignored_params=replicated_root(model, blocks, DTYPES[param_dtype] if param_dtype else None) or None)
     return model
+
+
+def replicated_root(model: nn.Module, blocks: nn.Module, param_dtype: torch.dtype | None = None) -> set[nn.Parameter]:
+    """The frozen parameters outside the blocks (a LoRA run's embedding, tied head, final norm) that the root
+    unit leaves whole on every rank: sharding them saves nothing, since FSDP gathers the root for the whole
+    forward, and gathering costs a second whole copy (the all-gather buffer) on every rank each step. Not when
+    `param_dtype` would have FSDP cast them (they stay as stored). Trained ones shard as usual (their
+    gradients and optimizer state are what sharding them saves)."""
+    inside = {id(p) for p in blocks.parameters()}
+    return {p for p in model.parameters() if id(p) not in inside and not p.requires_grad and not isinstance(p, DTensor)
+            and (param_dtype is None or p.dtype == param_dtype or not p.dtype.is_floating_point)}
+
+
+def frozen_as_bytes(model: nn.Module) -> list[str]:
+    """Make each frozen parameter in `BYTE_DTYPES` (or marked `AS_BYTES`) a uint8 view of its own storage,
+    before `fully_shard`; returns their names. Call it once before the first `fully_shard` of the model
+    (later calls change nothing).
+
+    FSDP then shards, all-gathers and frees them like any other parameter, as bytes: uint8 is in
+    every backend and is not floating point, so no mixed-precision cast applies. A forward pre-hook
+    on the owning module views the gathered bytes as the stored dtype again, so the module's code
+    (`self.weight`, or `self._parameters[...]`) sees its FP8 tensor; `state_dict()` shows the stored
+    dtype, and `load_state_dict` takes it. A dtype wider than a byte views as (..., last * itemsize)
+    bytes; sharding stays on dim 0, so the last dimension must not be sharded.
+    """
+    names = []
+    for prefix, module in model.named_modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or p.requires_grad or p.dtype == torch.uint8:
+                continue
+            if p.dtype not in BYTE_DTYPES and not getattr(p, AS_BYTES, False):
+                continue
+            if p.dim() == 0 and p.element_size() > 1:
+                raise KilnError(f"{prefix}.{name}: a 0-d {p.dtype} parameter cannot cross collectives as bytes")
+            byte_params = module.__dict__.get("_kiln_byte_params")
+            if byte_params is None:
+                byte_params = module.__dict__["_kiln_byte_params"] = {}
+                module.register_forward_pre_hook(_view_stored)  # appended: runs after FSDP's unshard
+                module.register_state_dict_post_hook(_state_dict_stored)
+                module.register_load_state_dict_pre_hook(_load_as_bytes)
+            byte_params[name] = p.dtype
+            module._parameters[name] = nn.Parameter(_retype(p.detach(), torch.uint8), requires_grad=False)
+            names.append(f"{prefix}.{name}" if prefix else name)
+    return names
+
+
+def _retype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The same bytes as `dtype` (a view; a DTensor stays one, with the same placements)."""
+    if not isinstance(t, DTensor):
+        return t.view(dtype)
+    if t.element_size() == torch.empty(0, dtype=dtype).element_size():
+        return t.view(dtype)
+    if any(isinstance(pl, Shard) and pl.dim in (-1, t.dim() - 1) for pl in t.placements):
+        raise KilnError(f"a {t.dtype} DTensor sharded on its last dimension cannot be viewed as {dtype}")
+    local = t.to_local().view(dtype)
+    shape = (*t.shape[:-1], local.shape[-1]) if t.dim() else ()
+    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def _view_stored(module: nn.Module, args: tuple) -> None:
+    # FSDP's pre-forward hook (prepended) has all-gathered the unit: what is here now is the full bytes
+    for name, dtype in module._kiln_byte_params.items():
+        t = module._parameters.get(name)
+        if t is not None and t.dtype == torch.uint8 and dtype != torch.uint8:
+            module._parameters[name] = nn.Parameter(_retype(t.detach(), dtype), requires_grad=False)
+
+
+def _state_dict_stored(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+    for name, dtype in module._kiln_byte_params.items():
+        t = state.get(prefix + name)
+        if t is not None and t.dtype == torch.uint8:
+            state[prefix + name] = _retype(t, dtype)  # a view: DCP loads in place into the parameter's bytes
+
+
+def _load_as_bytes(module: nn.Module, state: dict, prefix: str, *args) -> None:
+    for name, dtype in module._kiln_byte_params.items():
+        t = state.get(prefix + name)
+        if t is not None and t.dtype == dtype:  # bytes, not a numeric cast into uint8
+            state[prefix + name] = _retype(t, torch.uint8)

@@ -164,12 +164,15 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
     tokens = rows * s.seq_len / cp
     sharded_fsdp = s.fsdp and dp * cp * (ep if ep > 1 else 1) > 1
 
+    tied = not any(p.block is None and p.module == "lm_head" for p in params)
+
     def share(p: Param, stage: int) -> float:
         """The fraction of `p` one rank of `stage` holds."""
         if pp > 1:
             if p.block is not None and p.block not in stages[stage] and p.block < dims.layers:
                 return 0.0
-            if p.block is None and p.module == "embed_tokens" and stage != 0:
+            # a tied head is the embedding: the last stage keeps a copy of it (kiln.parallel.pipeline)
+            if p.block is None and p.module == "embed_tokens" and stage != 0 and not (tied and stage == pp - 1):
                 return 0.0
             if p.block is None and p.module != "embed_tokens" and stage != pp - 1:
                 return 0.0
@@ -178,9 +181,14 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
             f /= tp
         if p.expert and ep > 1:
             f /= ep
-        if s.fsdp:
+        if s.fsdp and not replicated(p):
             f /= dp * cp if (p.expert or ep == 1) else dp * cp * ep
         return f
+
+    def replicated(p: Param) -> bool:
+        """A frozen tensor outside the blocks: FSDP's root leaves it whole (kiln.parallel.fsdp.replicated_root)."""
+        return p.block is None and not p.trainable and not (p.tp and tp > 1) and not (p.expert and ep > 1) and (
+            s.param_dtype is None or p.itemsize == _DTYPE_BYTES[s.param_dtype])
 
     ranks = []
     for stage in range(pp):
@@ -237,7 +245,7 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
             for p in params:
                 if p.block is not None and (pp == 1 or p.block in stages[stage]):
                     by_block.setdefault(p.block, []).append(p)
-            root = [p for p in params if p.block is None and share(p, stage) > 0]
+            root = [p for p in params if p.block is None and share(p, stage) > 0 and not replicated(p)]
 
             def whole(p: Param) -> float:  # this rank's tp/ep piece of `p`, before FSDP splits it
                 return p.numel * share(p, stage) * dp * cp * (1 if p.expert or ep == 1 else ep)
@@ -261,8 +269,11 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
             autocast = sum(p.numel * f * 2 for p, f in shares
                            if p.itemsize == 4 and p.name.endswith(".weight") and p.module.endswith("proj"))
         # load: the sharded design reads one tensor at a time; today every rank reads all of it
-        # (what it adds above the training peak: the load happens before any gradient or activation exists)
-        biggest_tensor = max((p.nbytes * f for p, f in shares), default=0)
+        # (what it adds above the training peak: the load happens before any gradient or activation exists).
+        # A tensor stored as is goes straight from the file into its rows (read_shards' readinto); stacked
+        # experts and tp's column slices pass through one whole checkpoint tensor (its copy or mapped pages)
+        piece = max((p.nbytes * f for p, f in shares), default=0)
+        biggest_tensor = max((p.nbytes for p, f in shares if f > 0 and (p.expert or (p.tp and tp > 1))), default=0)
         load = max(0.0, biggest_tensor - ((grads + acts if s.keep_grads else max(grads, acts)) + optim + comm
                                           + autocast))
         # glibc keeps freed heap memory: the many small activation tensors leave ~35% of their bytes resident
@@ -274,7 +285,7 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
         r.load_peak = int(r.terms["runtime"] + weights + biggest_tensor)
         if today:
             full = sum(p.nbytes for p in params if not p.name.endswith(("lora_A.weight", "lora_B.weight")))
-            r = _today(r, file_sizes, full, biggest_tensor, host=s.device == "cpu")
+            r = _today(r, file_sizes, full, piece, host=s.device == "cpu")
         if s.offload and s.fsdp and s.device != "cpu":
             r.host = {k: r.terms.pop(k) for k in ("weights", "gradients", "optimizer")}
         r.terms = {k: int(round(v)) for k, v in r.terms.items()}

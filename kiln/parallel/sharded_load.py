@@ -32,7 +32,7 @@ from kiln.errors import WeightsError
 from kiln.hub import Tokenizer
 from kiln.hub.fp8 import scheme_from_config
 from kiln.hub.resolve import resolve_model_dir
-from kiln.hub.weights import weight_files
+from kiln.hub.weights import Span, read_into, tensor_spans, weight_files
 from kiln.models.auto import apply_changes, load_config
 from kiln.models.pretrained import PreTrainedModel
 from kiln.models.tasks import BASE
@@ -131,9 +131,11 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
     files = _safetensors(path)
     keymap = model.family.keymap(model.task)
     where: dict[str, Path] = {}  # key -> its file; a file is mapped only while one of its tensors is read
+    spans: dict[str, Span] = {}  # key -> where its bytes lie in that file
     for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            where.update(dict.fromkeys(h.keys(), f))
+        got = tensor_spans(f)
+        spans.update(got)
+        where.update(dict.fromkeys(got, f))
     groups, extras = _sources(model, list(where))
     # named_parameters / named_buffers list a tied tensor once (under the name the checkpoint holds)
     expected = [n for n, _ in (*model.named_parameters(), *model.named_buffers())]
@@ -145,15 +147,22 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
     kept = {n: _local(t).detach().clone() for n, t in (*model.named_parameters(), *model.named_buffers())
             if not t.is_meta}
     model.to_empty(device=device)
-    for name, target in (*model.named_parameters(), *model.named_buffers()):
-        if name in kept:
-            with torch.no_grad():
-                _local(target).copy_(kept[name])
-        elif name in groups:
-            # the pages a mapping touched count in this process's RSS until it is closed: map the files
-            # of one tensor at a time, so the read never holds more than its shards plus one tensor
-            with _mapped(where, [k for k, _ in groups[name]]) as handles:
-                _fill(name, target, groups[name], handles, keymap, path)
+    with ExitStack() as stack:
+        opened: dict[Path, Any] = {}
+        for name, target in (*model.named_parameters(), *model.named_buffers()):
+            if name in kept:
+                with torch.no_grad():
+                    _local(target).copy_(kept[name])
+            elif name in groups:
+                key = groups[name][0][0]
+                if where[key] not in opened:
+                    opened[where[key]] = stack.enter_context(open(where[key], "rb", buffering=0))
+                if _read_rows(target, groups[name], spans, opened[where[key]], keymap, path):
+                    continue
+                # the pages a mapping touched count in this process's RSS until it is closed: map the files
+                # of one tensor at a time, so the read never holds more than its shards plus one tensor
+                with _mapped(where, [k for k, _ in groups[name]]) as handles:
+                    _fill(name, target, groups[name], handles, keymap, path)
     with _mapped(where, extras) as handles:
         model.hf_extras = {model.normalise_hf_names([k])[k][0]: handles[k].get_tensor(k) for k in extras}
     model.tie_weights()
@@ -194,6 +203,32 @@ def init_adapters(model: nn.Module, device: torch.device | str, seed: int | None
         m.lora_B.reset_parameters()
         m.reset_lora()
     return len(adapters)
+
+
+def _read_rows(target: torch.Tensor, sources: list[tuple[str, str]], spans: dict[str, Span], f: Any, keymap: Any,
+               path: Path) -> bool:
+    """Read this rank's rows of a tensor stored as is (whole, or split on dim 0) straight from the file into
+    `target`'s memory: no mapping, no copy. False when it is not such a tensor (the caller reads it otherwise)."""
+    local, piece = _local(target), _slice_dim(target)
+    if len(sources) != 1 or not keymap.is_plain(sources[0][1]) or not local.is_contiguous() \
+            or local.device.type != "cpu" or (isinstance(target, DTensor) and piece is None):
+        return False
+    key = sources[0][0]
+    span = spans[key]
+    if span.shape != tuple(target.shape):
+        raise WeightsError(f"{path}: tensor {key!r} has shape {span.shape}, but this config expects "
+                           f"{tuple(target.shape)}")
+    if piece is not None and piece[0] != 0 or not span.shape:
+        return False  # columns are strided in the file: a slice read
+    if local.dtype != span.dtype and not (local.dtype == torch.uint8 and local.nbytes == local.numel()
+                                          and span.dtype.itemsize == 1):
+        return False  # a cast: the general path (a frozen 1-byte dtype held as bytes reads as is)
+    start = piece[1] if piece is not None else 0
+    row = span.nbytes // span.shape[0] if span.shape[0] else 0
+    if local.nbytes != (piece[2] - start if piece is not None else span.shape[0]) * row:
+        return False
+    read_into(f, span.offset + start * row, local)
+    return True
 
 
 def _fill(name: str, target: torch.Tensor, sources: list[tuple[str, str]], where: dict, keymap: Any,

@@ -51,5 +51,7 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str) -> None:
             problems.append(f"{k}: placements differ")
     with open(os.path.join(out, f"{mode}-rank{rank}.json"), "w") as f:
         json.dump({"problems": sorted(problems), "tensors": len(a), "bytes": loaded_bytes(lean),
+                   "embedding_sharded": isinstance(dict(lean.named_parameters()).get("model.embed_tokens.weight"),
+                                                   DTensor),
                    "whole_bytes": sum(t.nbytes for t in load_pretrained(model_dir).state_dict().values()),
                    "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}, f)

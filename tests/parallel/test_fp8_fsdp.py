@@ -1,8 +1,8 @@
 """FSDP2 with FP8 training linears: the float32 master weights shard as usual, and the sharded FP8 forward
 and backward equal the unsharded ones (gloo, 2 ranks).
 
-Not covered here: sharding a frozen FP8 checkpoint base (fp8="keep") needs a float8 all-gather, which
-gloo refuses ("Invalid scalar type"); FP8 all-gather of trained weights (torchao's
+A frozen FP8 checkpoint base (fp8="keep") crosses the collectives as bytes: test_fp8_keep_fsdp.py.
+Not covered here: FP8 all-gather of trained weights (torchao's
 `enable_fsdp_float8_all_gather`) needs torchao and a GPU."""
 
 from __future__ import annotations

@@ -130,6 +130,11 @@ def test_fsdp_buffers():
 def test_pipeline_stages_hold_their_blocks():
     stages = plan(RunSettings(nproc=2, pp=2, batch_size=4, seq_len=8)).ranks
     assert [r.terms["weights"] for r in stages] == [(128 + N_LAYER) * 4, (N_LAYER + 8 + 128) * 4]
+    # tied: no lm_head in the checkpoint; the last stage keeps a copy of the embedding for its head
+    tied = [h for k, h in headers().items() if k != "lm_head.weight"]
+    s = RunSettings(nproc=2, pp=2, batch_size=4, seq_len=8)
+    stages = plan_memory(params_from_headers(tied, s), DIMS, s, {}, runtime=0).ranks
+    assert [r.terms["weights"] for r in stages] == [(128 + N_LAYER) * 4, (N_LAYER + 8 + 128) * 4]
 
 
 def test_expert_parallel_splits_experts():
@@ -174,7 +179,12 @@ def test_todays_loader_reads_everything_on_every_rank():
     # read peak: a's 3000 bytes copied + b's 2088 mapped and copied; sharding: the whole model + a quarter of its
     # largest tensor (16 x 8 fp32 / 4)
     assert today.total == max(train, 3000 + 2 * 2088, N_ALL * 4 + 16 * 8)
-    assert today.load_peak == 3000 + 2 * 2088 and design.load_peak == N_ALL + 16 * 8  # shards + largest piece
+    # the sharded read puts FSDP's rows straight from the file into the shards: it peaks at the shards alone
+    assert today.load_peak == 3000 + 2 * 2088 and design.load_peak == N_ALL
+    # tp's column slices pass through one whole tensor's pages: the largest tp-split one (embedding / head, fp32)
+    tp = RunSettings(nproc=2, tp=2, batch_size=1, seq_len=1)
+    split = plan_memory(params_from_headers(headers().values(), tp), DIMS, tp, files, runtime=0).ranks[0]
+    assert split.load_peak == split.terms["weights"] + 16 * 8 * 4
 
 
 def test_block_formula_matches_autograd_saved_tensors():

@@ -76,6 +76,8 @@ def test_each_rank_reads_what_a_whole_load_then_shard_gives(dirs, tmp_path, mode
         assert r["problems"] == [], (rank, r["problems"][:5])
         if mode in ("fsdp", "pp"):  # every tensor split over 2 ranks, or 2 stages: about half the model each
             assert r["bytes"] <= 0.6 * r["whole_bytes"], r
+        if mode.startswith("fsdp"):  # a trained embedding shards; LoRA's frozen one stays whole (no root gather)
+            assert r["embedding_sharded"] == (mode == "fsdp"), r
 
 
 def test_a_model_built_on_meta_answers_the_packing_question(dirs):

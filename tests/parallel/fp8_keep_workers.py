@@ -1,0 +1,133 @@
+"""Spawned ranks for the FP8-kept FSDP2 test: LoRA steps on a frozen FP8 base sharded over gloo, and a
+unit holding nothing but FP8 weights, sharded with and without `frozen_as_bytes` (a helper, not a test module)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+FP8 = torch.float8_e4m3fn
+TARGETS = ["q_proj", "v_proj", "down_proj"]  # k_proj, o_proj, gate_proj, up_proj stay plain FP8Linears
+STEPS, LR = 3, 0.05
+
+
+def batch() -> torch.Tensor:
+    """4 rows of 9 token ids, every one a label: each rank's mean loss weighs the same number of tokens."""
+    return torch.randint(4, 99, (4, 9), generator=torch.Generator().manual_seed(2))
+
+
+def lora_steps(rank: int, world: int, model_dir: str, out: str) -> None:
+    """STEPS SGD steps of LoRA on the FP8-kept base, this rank on its rows; losses (global means) and the
+    adapters after the steps go to `out`. world == 1: the one-process reference (no plans)."""
+    from kiln.models.auto import load_pretrained
+    from kiln.models.common.lora import LoraConfig, apply_lora
+    from kiln.parallel.apply import parallelize
+    from kiln.train.config import ParallelSection
+
+    model = load_pretrained(model_dir, fp8="keep", seed=0)
+    apply_lora(model, LoraConfig(r=4, alpha=8, targets=TARGETS))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # B non-zero, so every adapter gets a gradient from the first step
+        for n, p in model.named_parameters():
+            if ".lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    whole = {k: v.clone() for k, v in model.state_dict().items() if v.dtype == FP8}
+    facts: dict = {"fp8_tensors": len(whole)}
+    if world > 1:
+        parallelize(model, ParallelSection(fsdp=True), world_size=world, device=torch.device("cpu"))
+        q = model.model.layers[0].self_attn.q_proj
+        facts["at_rest"] = str(q._parameters["weight"].dtype)  # the bytes FSDP holds and gathers
+        seen = []
+        q.register_forward_hook(lambda m, a, o: seen.append(str(m.weight.dtype)))
+        state = model.state_dict()
+        facts["state_dict_mismatch"] = [k for k, v in whole.items() if state[k].dtype != FP8 or not torch.equal(
+            state[k].to_local().view(torch.uint8), v.view(torch.uint8).chunk(world)[rank])]
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=LR)
+    ids = batch().chunk(world)[rank]
+    losses = []
+    for _ in range(STEPS):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(mean)
+            mean /= world
+        losses.append(mean.item())
+    if world > 1:
+        facts["seen_in_forward"] = sorted(set(seen))
+    adapters = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().contiguous()
+                for n, p in model.named_parameters() if ".lora_" in n}
+    if rank == 0:
+        save_file(adapters, os.path.join(out, f"adapters-{world}.safetensors"))
+        with open(os.path.join(out, f"facts-{world}.json"), "w") as f:
+            json.dump({"losses": losses, **facts}, f)
+
+
+class _Stack(nn.Module):
+    def __init__(self, layers: list[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _fp8_stack(block: tuple[int, int] = (16, 16)) -> _Stack:
+    """Two frozen FP8Linears and nothing else: each is an FSDP unit that all-gathers float8 only."""
+    from kiln.hub.fp8 import quantize
+    from kiln.models.common.fp8 import FP8Linear
+
+    g = torch.Generator().manual_seed(3)
+    layers = []
+    for n_in, n_out in ((32, 48), (48, 16)):
+        q, s = quantize(torch.randn(n_out, n_in, generator=g), block, False, torch.float32)
+        layer = FP8Linear(n_in, n_out, False, block)
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale_inv = s
+        layers.append(layer)
+    return _Stack(layers)
+
+
+def only_fp8_unit(rank: int, world: int, out: str) -> None:
+    """The same FP8-only unit sharded as is (gloo refuses float8) and through `apply_fsdp` (bytes); the
+    latter's output equals the unsharded one's, and its forward sees FP8 even with param_dtype bf16 (a
+    policy that would otherwise widen the weights to bf16 before gathering them)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from kiln.parallel.fsdp import apply_fsdp
+
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(4))
+    ref = _fp8_stack()(x)
+    raw = _fp8_stack()
+    for layer in raw.layers:
+        fully_shard(layer)
+    fully_shard(raw)
+    try:
+        raw(x)
+        raw_error = ""
+    except RuntimeError as e:
+        raw_error = str(e).splitlines()[0]
+    mesh = init_device_mesh("cpu", (world,))
+    results = {"raw_error": raw_error}
+    for param_dtype in (None, "bf16"):
+        model = apply_fsdp(_fp8_stack(), mesh, param_dtype)
+        seen = []
+        model.layers[0].register_forward_pre_hook(lambda m, a: seen.append(str(m.weight.dtype)))
+        y = model(x)
+        # bf16: FSDP casts the input; one process given the bf16 input computes the very same
+        want = ref if param_dtype is None else _fp8_stack()(x.bfloat16())
+        results[str(param_dtype)] = {"equal": y.dtype == want.dtype and torch.equal(y, want), "seen": seen}
+    with open(os.path.join(out, f"only-fp8-rank{rank}.json"), "w") as f:
+        json.dump(results, f)

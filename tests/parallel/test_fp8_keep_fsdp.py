@@ -1,0 +1,52 @@
+"""An FP8 checkpoint kept FP8 (`fp8 = "keep"`) under FSDP2 on gloo: the frozen FP8 weights cross the
+collectives as bytes (kiln.parallel.fsdp.frozen_as_bytes), sharded like any other parameter, and LoRA
+on that base over 2 ranks equals one process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.models.fp8_cases import make_fp8
+from tests.parallel import fp8_keep_workers as fw
+from tests.spawn import spawn
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tiny_factory, tmp_path_factory):
+    return make_fp8(tiny_factory("qwen3", "causal-lm"), tmp_path_factory.mktemp("fp8-keep") / "fp8",
+                    "Qwen3ForCausalLM")
+
+
+@pytest.mark.slow
+def test_lora_on_an_fp8_base_under_fsdp2_equals_one_process(fp8_dir, tmp_path):
+    fw.lora_steps(0, 1, str(fp8_dir), str(tmp_path))
+    spawn(fw.lora_steps, 2, (str(fp8_dir), str(tmp_path)))
+    one, two = (json.loads((tmp_path / f"facts-{w}.json").read_text()) for w in (1, 2))
+    assert two["fp8_tensors"] > 0 and two["at_rest"] == "torch.uint8" and two["state_dict_mismatch"] == []
+    assert two["seen_in_forward"] == ["torch.float8_e4m3fn"]
+    # Both sides run the same fp32 arithmetic on the same rows; only the order of the batch reductions
+    # differs (2 ranks' means averaged vs one mean of 4 rows, gradients reduce-scattered). Each such sum
+    # is exact to a few fp32 ulps (1.2e-7 relative); through ~10 reductions per step and 3 steps that is
+    # under 1e-6 relative: bounds at 1e-5 keep 10x headroom. Adapters move by LR * grad per step (~1e-2):
+    # their differences stay within 1e-5 of that motion, far below it.
+    torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0)
+    assert one["losses"][-1] < one["losses"][0]  # the adapters do train
+    a1, a2 = (load_file(str(tmp_path / f"adapters-{w}.safetensors")) for w in (1, 2))
+    assert a1.keys() == a2.keys() and len(a1) == 2 * 2 * len(fw.TARGETS)
+    for k in a1:
+        torch.testing.assert_close(a2[k], a1[k], rtol=1e-5, atol=1e-7, msg=k)
+
+
+@pytest.mark.slow
+def test_a_unit_of_fp8_weights_only_shards_as_bytes(tmp_path):
+    spawn(fw.only_fp8_unit, 2, (str(tmp_path),))
+    for rank in range(2):
+        r = json.loads((tmp_path / f"only-fp8-rank{rank}.json").read_text())
+        assert "Invalid scalar type" in r["raw_error"], r  # control: gloo refuses a float8 all-gather
+        assert r["None"] == {"equal": True, "seen": ["torch.float8_e4m3fn"]}
+        # a bf16 mixed-precision policy leaves the frozen FP8 weights as stored (no widening to bf16)
+        assert r["bf16"] == {"equal": True, "seen": ["torch.float8_e4m3fn"]}
