@@ -153,7 +153,9 @@ class DeepseekV4Config(DecoderConfig):
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
         out.pop("intermediate_size", None)  # transformers reads it as moe_intermediate_size (attribute_map)
-        return out
+        # unset schedule fields (a release config says them in the legacy keys it keeps) are transformers'
+        # defaults when absent: left out, so such a config is written back with the keys it had
+        return {k: v for k, v in out.items() if v is not None or k in self.extra}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config.json") -> "DeepseekV4Config":
@@ -279,21 +281,41 @@ _FP32 = re.compile(r"attn_hc|ffn_hc|hc_head|sinks|position_bias|norm")
 
 
 class V4TaskModel:
-    """What both heads add: `mtp.*` checkpoint tensors (transformers skips them) written back as read, and the
+    """What both heads add: `mtp.*` checkpoint tensors (transformers skips them) written back as read, the
+    checkpoint's layout kept (DeepSeek's own release: no `model.` prefix, `embed`, `head`, `hc_head_fn`), and the
     hyper-connection, sink, position-bias and norm parameters held in float32 whatever dtype the rest takes."""
 
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor], source: str = "checkpoint",
                            source_task: str | None = None):
+        # the name each tensor is written back under before the layout's renames (as prepare_fp8 keys FP8 pairs)
+        prefix = "" if self.task == BASE else self.family.hf_prefix + "."
+        out_name = {k: prefix + n if extra else n for k, (n, extra) in self.normalise_hf_names(hf).items()}
         mtp = {k: v for k, v in hf.items() if _MTP.search(k)}
         report = super().load_hf_state_dict({k: v for k, v in hf.items() if k not in mtp}, source, source_task)
-        self.mtp_tensors = mtp
+        self.mtp_tensors = {out_name[k]: v for k, v in mtp.items()}
+        self.release_layout = self.task != BASE and not any(k.startswith(prefix) for k in hf)
+        self.stored_half = {}  # kiln name -> the half dtype it was stored in: written back in it
         for name, p in self.named_parameters():
             if _FP32.search(name) and p.dtype in (torch.float16, torch.bfloat16):  # stored in half precision
+                self.stored_half[name] = p.dtype
                 p.data = p.data.float()
         return report
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return {**super().hf_state_dict(), **getattr(self, "mtp_tensors", {})}
+        hf = super().hf_state_dict()
+        keymap = self.family.keymap(self.task)
+        for name, dtype in getattr(self, "stored_half", {}).items():
+            key = keymap.hf_name(name)
+            # back in the stored dtype while that is lossless (untouched); a trained value keeps its float32
+            if key in hf and hf[key].dtype == torch.float32 and torch.equal(hf[key].to(dtype).float(), hf[key]):
+                hf[key] = hf[key].to(dtype)
+        mtp = dict(getattr(self, "mtp_tensors", {}))
+        if getattr(self, "fp8_state", None) is not None:  # dequantized at load: back to FP8 / FP4 + scales
+            mtp = self.fp8_state.export(mtp)
+        hf.update(mtp)
+        if getattr(self, "release_layout", False):
+            hf = {release_name(k): v for k, v in hf.items()}
+        return hf
 
     def _apply(self, fn, recurse: bool = True):
         kept = {n: p.data for n, p in self.named_parameters() if _FP32.search(n) and p.dtype == torch.float32}
@@ -310,6 +332,16 @@ class V4Model(V4TaskModel, DecoderModel):
 
 class V4ForCausalLM(V4TaskModel, ForCausalLM):
     pass
+
+
+def release_name(name: str) -> str:
+    """A causal LM's tensor name as DeepSeek's release writes it: no `model.` prefix, `embed`, `hc_head_fn`."""
+    name = name.removeprefix("model.")
+    if name.startswith("embed_tokens."):
+        return "embed." + name[len("embed_tokens."):]
+    if name.startswith("hc_head.hc_"):
+        return "hc_head_" + name[len("hc_head.hc_"):]
+    return "head." + name[len("lm_head."):] if name.startswith("lm_head.") else name
 
 
 def _layer(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:

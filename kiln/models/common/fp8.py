@@ -20,8 +20,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from kiln.errors import KilnError
-from kiln.hub.fp8 import (FP8, SCALE_SUFFIX, Fp8Scheme, dequantize, dequantize_state, fp8_pairs, quantize,
-                          requantize_state, scale_grid)
+from kiln.hub.fp8 import (FP8, SCALE_SUFFIX, Fp8Scheme, canonical_scales, dequantize, dequantize_state, fp8_pairs,
+                          is_fp4, quantize, requantize_state, scale_grid)
 from kiln.models.common.moe import Experts
 from kiln.models.keymap import KeyMap, Stack
 from kiln.models.tasks import BASE
@@ -182,7 +182,8 @@ def prepare_fp8(model: nn.Module, state: dict[str, torch.Tensor], scheme: Fp8Sch
     """
     if mode not in MODES:
         raise KilnError(f"fp8 mode {mode!r} is not one of: {', '.join(MODES)}")
-    dtype = dtype or compute_dtype_of(state)
+    state, scheme = canonical_scales(state, scheme)  # DeepSeek-V4's `<module>.scale` names
+    dtype = dtype or scheme.dtype or compute_dtype_of(state)
     pairs = fp8_pairs(state, scheme, source)
     names = model.normalise_hf_names(state)
     prefix = "" if model.task == BASE else model.family.hf_prefix + "."
@@ -190,7 +191,8 @@ def prepare_fp8(model: nn.Module, state: dict[str, torch.Tensor], scheme: Fp8Sch
     out_name = {k: prefix + name if extra else name for k, (name, extra) in names.items()}
     kept: set[str] = set()
     if mode == "keep":
-        kept = _swap_modules(model, {k: names[k][0] for k in pairs if not names[k][1]}, scheme, dtype,
+        kept = _swap_modules(model, {k: names[k][0] for k in pairs if not names[k][1] and not is_fp4(pairs[k][0])},
+                             scheme, dtype,
                              {k: s for k, (_, s) in pairs.items()})
     rest = {k: v for k, v in state.items() if k not in kept and not (k.endswith(SCALE_SUFFIX)
                                                                   and k[:-len(SCALE_SUFFIX)] in kept)}
