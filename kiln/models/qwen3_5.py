@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
 from kiln.models.common.mlp import GatedMLP
@@ -92,11 +93,14 @@ class ImageTextConfig:
             text["tie_word_embeddings"] = data["tie_word_embeddings"]
         cfg = super().from_dict(text, f"{source} (text_config)")
         cfg.outer = {k: v for k, v in data.items() if k != "text_config"}
+        if "quantization_config" in cfg.outer:  # the whole checkpoint's (FP8 release): where the loader looks
+            cfg.extra["quantization_config"] = cfg.outer.pop("quantization_config")
         cfg.text_tie_word_embeddings = own_tie
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
         text = super().to_dict()
+        quantization = text.pop("quantization_config", None)  # top level, where it was read (gone when dequantized)
         for key in ("outer", "text_tie_word_embeddings", "architectures"):
             text.pop(key, None)
         text["model_type"] = self.text_model_type
@@ -104,6 +108,8 @@ class ImageTextConfig:
             text["tie_word_embeddings"] = self.text_tie_word_embeddings
         out = dict(self.outer)
         out.update(model_type=self.model_type, text_config=text, tie_word_embeddings=self.tie_word_embeddings)
+        if quantization is not None:
+            out["quantization_config"] = quantization
         return out
 
 
@@ -123,10 +129,23 @@ class Qwen3_5MoeConfig(ImageTextConfig, Qwen3_5MoeTextConfig):
     text_tie_word_embeddings: bool | None = None
 
 
+class ImageTextForCausalLM(HybridForCausalLM):
+    """The text model of an image-text release; the tensors it carries through (vision tower, `mtp.*`) go back
+    to FP8 + scales as read when the release is FP8 (they were dequantized with the rest at load)."""
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        carried = getattr(self, "hf_passthrough", {})
+        hf = super().hf_state_dict()
+        if getattr(self, "fp8_state", None) is not None and carried:
+            hf = {k: v for k, v in hf.items() if k not in carried}
+            hf.update(self.fp8_state.export(carried))
+        return hf
+
+
 def image_text_family(model_type: str, config_cls: type, arch: str, text: Family, mlp) -> Family:
     """Only the causal-LM head ({arch}ForConditionalGeneration): the text model under `model.language_model`."""
     def build(c):
-        return HybridForCausalLM(build_hybrid(c, mixer, mlp, MRotaryEmbedding), c.hidden_size, c.vocab_size,
+        return ImageTextForCausalLM(build_hybrid(c, mixer, mlp, MRotaryEmbedding), c.hidden_size, c.vocab_size,
                                     c.tie_word_embeddings)
 
     return Family(model_type=model_type, config_cls=config_cls, hf_prefix="model.language_model",

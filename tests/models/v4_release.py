@@ -147,10 +147,11 @@ def make_release(src: Path, out: Path, block: int = 32) -> Path:
     return out
 
 
-def tiny_release_source(tiny_factory) -> Path:
+def tiny_release_source(tiny_factory, **overrides) -> Path:
     """The transformers tiny checkpoint the release copy is made from: widths that are multiples of 32 (FP4
     scales cover 32 inputs), hash routing on layer 0 only (the release's `num_hash_layers` here), the release's
     compression rates 4 and 128 (its `compress_ratios` can say no others), so rows past 128 tokens reach HCA."""
     return tiny_factory("deepseek_v4", "causal-lm", hidden_size=64, moe_intermediate_size=32,
                         mlp_layer_types=["hash_moe", "moe", "moe"], max_position_embeddings=256,
-                        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128})
+                        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+                        **overrides)
