@@ -346,7 +346,9 @@ def requantize_state(state: dict[str, torch.Tensor], scheme: Fp8Scheme,
     out = {}
     for name, t in state.items():
         if name not in originals:
-            out[name] = t
+            # a scale held by an FP8 module ("keep"), under the checkpoint's own scale name
+            kept = name.endswith(SCALE_SUFFIX) and name[:-len(SCALE_SUFFIX)] in state
+            out[scheme.scale_key(name[:-len(SCALE_SUFFIX)]) if kept else name] = t
             continue
         q, s = originals[name]
         key = scheme.scale_key(name)

@@ -122,11 +122,14 @@ def test_changed_tensors_requantized_in_their_own_format(release, tmp_path):
          2.0 * dequantize(src[wkv + ".weight"], src[wkv + ".scale"], (32, 32)), wkv)
 
 
-def test_keep_mode_holds_dense_fp8_and_matches(release):
+def test_keep_mode_holds_dense_fp8_matches_and_writes_the_release_back(release, tmp_path):
     kept, plain = load_pretrained(release, fp8="keep"), load_pretrained(release)
     assert isinstance(kept.model.layers[0].self_attn.kv_proj, FP8Linear)
     with torch.no_grad():
         same(kept(input_ids=_ids(20)).logits, plain(input_ids=_ids(20)).logits, "keep vs dequantize")
+    kept.save_pretrained(tmp_path / "out")
+    check = compare_weights(tmp_path / "out", release)  # the kept modules' scales under `.scale` again
+    assert check.ok, check.detail
 
 
 def test_inspect_names_the_scheme_and_counts_values_not_scales(release, tmp_path):
