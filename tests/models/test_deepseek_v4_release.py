@@ -21,7 +21,7 @@ from kiln.errors import WeightsError
 from kiln.hub.fp8 import dequantize, pack_fp4, quantize_fp4, unpack_fp4
 from kiln.interop.verify import compare_weights
 from kiln.models.auto import load_pretrained
-from kiln.models.common.fp8 import FP8Linear
+from kiln.models.common.fp8 import FP8Linear, Fp8Experts
 
 from tests.models.causal_cases import same
 from tests.models.v4_release import E2M1, fp4_rows, make_release, tiny_release_source
@@ -122,9 +122,11 @@ def test_changed_tensors_requantized_in_their_own_format(release, tmp_path):
          2.0 * dequantize(src[wkv + ".weight"], src[wkv + ".scale"], (32, 32)), wkv)
 
 
-def test_keep_mode_holds_dense_fp8_matches_and_writes_the_release_back(release, tmp_path):
+def test_keep_mode_holds_fp8_and_fp4_matches_and_writes_the_release_back(release, tmp_path):
     kept, plain = load_pretrained(release, fp8="keep"), load_pretrained(release)
     assert isinstance(kept.model.layers[0].self_attn.kv_proj, FP8Linear)
+    experts = kept.model.layers[1].mlp.experts  # FP4 in memory, two a byte, dequantized when they compute
+    assert isinstance(experts, Fp8Experts) and experts._parameters["gate_up_proj"].dtype == torch.int8
     with torch.no_grad():
         same(kept(input_ids=_ids(20)).logits, plain(input_ids=_ids(20)).logits, "keep vs dequantize")
     kept.save_pretrained(tmp_path / "out")
