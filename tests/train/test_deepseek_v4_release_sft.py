@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
@@ -20,6 +21,7 @@ from tests.train.test_sft_train import CHATS
 LORA = '[lora]\nr = 4\nalpha = 8\ntargets = ["q_a_proj", "q_b_proj", "kv_proj", "o_b_proj", "up_proj", "down_proj"]\n'
 
 
+@pytest.mark.slow  # a full kiln train run (85 s at load 17): past the fast suite's budget
 def test_lora_sft_on_the_release_learns_and_its_merged_export_loads_in_transformers(tiny_factory, tmp_path):
     import transformers
 
