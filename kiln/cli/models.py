@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 from typing import List, Optional
@@ -31,8 +32,10 @@ def inspect_dir(model_dir: Path = typer.Argument(..., help="An HF model director
     table.add_row("family", f"{family.model_type}")
     table.add_row("head", f"{get_task(task)} ({', '.join(raw.get('architectures') or ['no architectures'])})")
     table.add_row("files", ", ".join(p.name for p in weight_files(model_dir)))
-    n_params = sum(v.numel() for v in weights.values() if v.dtype.is_floating_point)
+    n_params, quant = _count_parameters(weights, raw, model_dir)
     table.add_row("parameters", f"{n_params:,} in {len(weights)} tensors")
+    if quant:
+        table.add_row("quantization", quant)
     dtypes = Counter(str(v.dtype).replace("torch.", "") for v in weights.values())
     table.add_row("dtypes", ", ".join(f"{d} x{n}" for d, n in dtypes.most_common()))
     sizes = {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -61,6 +64,23 @@ def inspect_dir(model_dir: Path = typer.Argument(..., help="An HF model director
         problems = stored_dtype_problems(family.build(config, get_task(task)), weights, str(model_dir))
     if problems:
         raise WeightsError("; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""))
+
+
+def _count_parameters(weights: dict, raw: dict, model_dir: Path) -> tuple[int, str | None]:
+    """(parameter count, the quantization line or None): a block-scaled checkpoint's scales are not parameters,
+    and packed FP4 holds two a byte."""
+    from kiln.hub.fp8 import SCALE_SUFFIX, canonical_scales, fp8_pairs, is_fp4, logical_shape, scheme_from_config
+
+    scheme = scheme_from_config(raw, str(model_dir / "config.json"))
+    if scheme is None:
+        return sum(v.numel() for v in weights.values() if v.dtype.is_floating_point), None
+    state, scheme = canonical_scales(weights, scheme)
+    pairs = fp8_pairs(state, scheme, str(model_dir))
+    scales = {k + SCALE_SUFFIX for k in pairs}
+    total = sum(math.prod(logical_shape(v)) for k, v in state.items()
+                if k not in scales and (v.dtype.is_floating_point or k in pairs))
+    n4 = sum(1 for q, _ in pairs.values() if is_fp4(q))
+    return total, f"{scheme.describe()}; {len(pairs) - n4} fp8 and {n4} fp4 tensors, {len(pairs)} scales"
 
 
 def checkpoint_dir(ckpt: Path) -> Path:

@@ -32,6 +32,7 @@ from kiln.models.common.causal_lm import DecoderModel, ForCausalLM
 from kiln.models.common.compressor import CSACompressor, HCACompressor, SlidingCompressedCache
 from kiln.models.common.hash_moe import HashOrTopKMoE, score_fn
 from kiln.models.common.hyper import HyperConnection, HyperHead
+from kiln.models.common.mtp import TrainsMtp
 from kiln.models.common.norms import Fp32ScaleRMSNorm
 from kiln.models.common.rope import PairRotaryEmbedding, rope_parameters
 from kiln.models.common.sink_attention import SinkAttention, window_mask
@@ -39,7 +40,7 @@ from kiln.models.decoder_lm import DecoderConfig
 from kiln.models.deepseek_v3 import SPECIALS
 from kiln.models.keymap import KeyMap, Stack
 from kiln.models.parallel_plan import ParallelPlan
-from kiln.models.pretrained import Family, TaskSpec, Tiny
+from kiln.models.pretrained import Family, TaskSpec, Tiny, check_tensors, init_module
 from kiln.models.tasks import BASE, CAUSAL_LM
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -153,7 +154,9 @@ class DeepseekV4Config(DecoderConfig):
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
         out.pop("intermediate_size", None)  # transformers reads it as moe_intermediate_size (attribute_map)
-        return out
+        # unset schedule fields (a release config says them in the legacy keys it keeps) are transformers'
+        # defaults when absent: left out, so such a config is written back with the keys it had
+        return {k: v for k, v in out.items() if v is not None or k in self.extra}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config.json") -> "DeepseekV4Config":
@@ -193,8 +196,16 @@ class DeepseekV4Config(DecoderConfig):
         self.ropes(source)
 
 
+def mtp_attention_kind(c: DeepseekV4Config) -> str:
+    """The MTP layer's attention: the release's `compress_ratios` carries one entry past the main layers for it."""
+    ratios = c.extra.get("compress_ratios") or []
+    return {0: SLIDING, 4: CSA, 128: HCA}.get(ratios[c.num_hidden_layers], SLIDING) \
+        if len(ratios) > c.num_hidden_layers else SLIDING
+
+
 def attention(c: DeepseekV4Config, i: int) -> SinkAttention:
-    kind, ropes, rates = c.attention_kinds()[i], c.ropes(), c.rates()
+    kinds = c.attention_kinds()
+    kind, ropes, rates = kinds[i] if i < len(kinds) else mtp_attention_kind(c), c.ropes(), c.rates()
     common = dict(eps=c.rms_norm_eps, rope=ropes["compress"], max_positions=c.max_position_embeddings,
                   rope_dim=c.rope_dim)
     compressor = None
@@ -217,7 +228,7 @@ class V4DecoderLayer(nn.Module):
         self.self_attn = attention(c, i)
         self.mlp = HashOrTopKMoE(c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok,
                                  c.routed_scaling_factor, c.scoring_func, c.hidden_act, c.swiglu_limit,
-                                 c.mlp_kinds()[i] == "hash_moe", c.vocab_size)
+                                 i < c.num_hidden_layers and c.mlp_kinds()[i] == "hash_moe", c.vocab_size)
         self.input_layernorm = Fp32ScaleRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = Fp32ScaleRMSNorm(c.hidden_size, c.rms_norm_eps)
         hc = (c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
@@ -240,6 +251,7 @@ class V4Decoder(nn.Module):
     def __init__(self, c: DeepseekV4Config):
         super().__init__()
         self.hc_mult, self.window = c.hc_mult, c.sliding_window
+        self.keep_streams, self.last = False, None  # the MTP layer reads the streams before the hyper head
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, padding_idx=c.pad_token_id)
         self.layers = nn.ModuleList(V4DecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = Fp32ScaleRMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -269,7 +281,30 @@ class V4Decoder(nn.Module):
             streams = layer(streams, ropes, mask, position_ids, input_ids, cache)
         if cache is not None:
             cache.advance(T)
+        self.last = (streams, ropes, mask, position_ids) if self.keep_streams else None
         return self.norm(self.hc_head(streams))
+
+
+class V4MTPLayer(V4DecoderLayer):
+    """DeepSeek-V4's multi-token-prediction block (`mtp.0.*`), depth 1: a decoder layer (the release's last
+    `compress_ratios` entry picks its attention, top-k MoE) over the main model's hyper-connected streams
+    before its hyper head, each stream h normed and projected, plus the next token's normed embedding projected:
+
+        x = e_proj(enorm(Emb(t_{i+1})))[:, :, None] + h_proj(hnorm(h_i))        (B, T, n, C)
+
+    then its own hyper head and norm; the main LM head scores the result against t_{i+2}."""
+
+    def __init__(self, c: DeepseekV4Config):
+        super().__init__(c, c.num_hidden_layers)
+        C, eps = c.hidden_size, c.rms_norm_eps
+        self.e_proj, self.h_proj = nn.Linear(C, C, bias=False), nn.Linear(C, C, bias=False)
+        self.enorm, self.hnorm, self.norm = (Fp32ScaleRMSNorm(C, eps) for _ in range(3))
+        self.hc_head = HyperHead(C, c.hc_mult, c.hc_eps, eps)
+
+    def predict(self, streams: torch.Tensor, next_embeds: torch.Tensor, next_ids: torch.Tensor, ropes, mask,
+                position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.e_proj(self.enorm(next_embeds)).unsqueeze(2) + self.h_proj(self.hnorm(streams))
+        return self.norm(self.hc_head(self(x, ropes, mask, position_ids, next_ids)))
 
 
 _MTP = re.compile(r"(^|\.)mtp\.")
@@ -279,21 +314,41 @@ _FP32 = re.compile(r"attn_hc|ffn_hc|hc_head|sinks|position_bias|norm")
 
 
 class V4TaskModel:
-    """What both heads add: `mtp.*` checkpoint tensors (transformers skips them) written back as read, and the
+    """What both heads add: `mtp.*` checkpoint tensors (transformers skips them) written back as read, the
+    checkpoint's layout kept (DeepSeek's own release: no `model.` prefix, `embed`, `head`, `hc_head_fn`), and the
     hyper-connection, sink, position-bias and norm parameters held in float32 whatever dtype the rest takes."""
 
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor], source: str = "checkpoint",
                            source_task: str | None = None):
+        # the name each tensor is written back under before the layout's renames (as prepare_fp8 keys FP8 pairs)
+        prefix = "" if self.task == BASE else self.family.hf_prefix + "."
+        out_name = {k: prefix + n if extra else n for k, (n, extra) in self.normalise_hf_names(hf).items()}
         mtp = {k: v for k, v in hf.items() if _MTP.search(k)}
         report = super().load_hf_state_dict({k: v for k, v in hf.items() if k not in mtp}, source, source_task)
-        self.mtp_tensors = mtp
+        self.mtp_tensors = {out_name[k]: v for k, v in mtp.items()}
+        self.release_layout = self.task != BASE and not any(k.startswith(prefix) for k in hf)
+        self.stored_half = {}  # kiln name -> the half dtype it was stored in: written back in it
         for name, p in self.named_parameters():
             if _FP32.search(name) and p.dtype in (torch.float16, torch.bfloat16):  # stored in half precision
+                self.stored_half[name] = p.dtype
                 p.data = p.data.float()
         return report
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return {**super().hf_state_dict(), **getattr(self, "mtp_tensors", {})}
+        hf = super().hf_state_dict()
+        keymap = self.family.keymap(self.task)
+        for name, dtype in getattr(self, "stored_half", {}).items():
+            key = keymap.hf_name(name)
+            # back in the stored dtype while that is lossless (untouched); a trained value keeps its float32
+            if key in hf and hf[key].dtype == torch.float32 and torch.equal(hf[key].to(dtype).float(), hf[key]):
+                hf[key] = hf[key].to(dtype)
+        mtp = dict(getattr(self, "mtp_tensors", {}))
+        if getattr(self, "fp8_state", None) is not None:  # dequantized at load: back to FP8 / FP4 + scales
+            mtp = self.fp8_state.export(mtp)
+        hf.update(mtp)
+        if getattr(self, "release_layout", False):
+            hf = {release_name(k): v for k, v in hf.items()}
+        return hf
 
     def _apply(self, fn, recurse: bool = True):
         kept = {n: p.data for n, p in self.named_parameters() if _FP32.search(n) and p.dtype == torch.float32}
@@ -308,8 +363,70 @@ class V4Model(V4TaskModel, DecoderModel):
     pass
 
 
-class V4ForCausalLM(V4TaskModel, ForCausalLM):
-    pass
+class V4ForCausalLM(TrainsMtp, V4TaskModel, ForCausalLM):
+    """The causal LM; `enable_mtp` makes the release's MTP block live (`[moe] mtp_weight`)."""
+
+    @property
+    def mtp_module(self) -> V4MTPLayer | None:
+        return self.mtp[0] if "mtp" in self._modules else None
+
+    def enable_mtp(self, source: str = "the model", fresh: bool = False) -> V4MTPLayer:
+        """The depth-1 MTP block from the checkpoint's `mtp.0.*` tensors (fresh with `fresh`); they become
+        parameters, saved back under the same names (FP8 again where they were)."""
+        if self.mtp_module is not None:
+            return self.mtp_module
+        found = {k.removeprefix("model."): v for k, v in getattr(self, "mtp_tensors", {}).items()}
+        if not found and not fresh:
+            raise ConfigError(f"{source}: the checkpoint has no multi-token-prediction tensors (mtp.0.*) to train")
+        if any(not k.startswith("mtp.0.") for k in found):
+            raise ConfigError(f"{source}: the checkpoint has more than one MTP block; kiln trains depth 1")
+        ref, module = self.model.embed_tokens.weight, nn.ModuleList([V4MTPLayer(self.config)])
+        if found:
+            tensors, unmatched = self.family.keymap(self.task).to_kiln(found)
+            tensors = {k.removeprefix("mtp."): v for k, v in tensors.items()}
+            expected = module.state_dict()
+            ignored, _ = check_tensors(expected, tensors, set(expected), source, "its MTP block", lambda k: "mtp." + k)
+            if ignored or unmatched:
+                raise ConfigError(f"{source}: MTP tensor(s) this deepseek_v4 MTP block has no place for: "
+                                  f"{', '.join(sorted('mtp.' + k for k in ignored) + sorted(unmatched))[:300]}")
+            module.load_state_dict(tensors)
+            self.stored_half = {**getattr(self, "stored_half", {}), **{
+                "mtp." + k: v.dtype for k, v in tensors.items() if _FP32.search(k) and v.dtype in (torch.float16, torch.bfloat16)}}
+            fp8 = getattr(self, "fp8_state", None)
+            if fp8 is not None:  # a release keyed them under model. (its bare names, normalised): bare again
+                fp8.originals = {k.removeprefix("model.") if _MTP.search(k) else k: v for k, v in fp8.originals.items()}
+            self.mtp_tensors = {}
+        else:
+            init_module(module, self.config.initializer_range)
+        for name, p in module.named_parameters():  # the model's dtype, but the parts V4 holds in float32
+            p.data = p.data.to(device=ref.device, dtype=torch.float32 if _FP32.search(name) else ref.dtype)
+        self.mtp = module
+        self.model.keep_streams = True
+        return self.mtp_module
+
+    def mtp_states(self, out, next_ids: torch.Tensor, attention_mask, position_ids) -> torch.Tensor:
+        streams, ropes, mask, positions = self.model.last
+        self.model.last = None
+        return self.mtp_module.predict(streams, self.model.embed_tokens(next_ids), next_ids, ropes, mask, positions)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                cache=None, logits_to_keep: int = 0, output_router_logits: bool | None = None, targets=None):
+        self.model.keep_streams = self.mtp_module is not None and self.training
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              inputs_embeds=inputs_embeds, labels=labels, cache=cache, logits_to_keep=logits_to_keep,
+                              output_router_logits=output_router_logits, targets=targets)
+        self.mtp_after_forward(out, input_ids, labels, targets, attention_mask, position_ids)
+        return out
+
+
+def release_name(name: str) -> str:
+    """A causal LM's tensor name as DeepSeek's release writes it: no `model.` prefix, `embed`, `hc_head_fn`."""
+    name = name.removeprefix("model.")
+    if name.startswith("embed_tokens."):
+        return "embed." + name[len("embed_tokens."):]
+    if name.startswith("hc_head.hc_"):
+        return "hc_head_" + name[len("hc_head.hc_"):]
+    return "head." + name[len("lm_head."):] if name.startswith("lm_head.") else name
 
 
 def _layer(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -359,7 +476,14 @@ V4_KEYS = [
 _HC_HEAD = ("hc_fn", "hc_base", "hc_scale")
 BASE_KEYS = [("model.embed_tokens", "embed"), *((f"model.hc_head.{p}", f"hc_head_{p[3:]}") for p in _HC_HEAD),
              ("model.embed_tokens", "embed_tokens"), ("model.hc_head", "hc_head")]
-CAUSAL_KEYS = [("lm_head", "head"), ("model.embed_tokens", "model.embed_tokens"), ("model.hc_head", "model.hc_head"),
+# the MTP block in the release's names: a layer's own, under mtp.{} instead of layers.{}, and its extra parts
+MTP_KEYS = [Stack(s.kiln.replace("layers.", "mtp.", 1), tuple(h.replace("layers.", "mtp.", 1) for h in s.hf))
+            for s in V4_KEYS if isinstance(s, Stack)] \
+    + [(k.replace("layers.", "mtp.", 1), h.replace("layers.", "mtp.", 1)) for r in V4_KEYS
+       if not isinstance(r, Stack) for k, h in [r] if k.startswith("layers.")] \
+    + [(f"mtp.{{}}.{p}", f"mtp.{{}}.{p}") for p in ("e_proj", "h_proj", "enorm", "hnorm", "norm")] \
+    + [(f"mtp.{{}}.hc_head.{p}", f"mtp.{{}}.hc_head_{p[3:]}") for p in _HC_HEAD]
+CAUSAL_KEYS = [*MTP_KEYS, ("lm_head", "head"), ("model.embed_tokens", "model.embed_tokens"), ("model.hc_head", "model.hc_head"),
                ("model.embed_tokens", "model.embed"),
                *((f"model.hc_head.{p}", f"model.hc_head_{p[3:]}") for p in _HC_HEAD), ("lm_head", "model.head")]
 

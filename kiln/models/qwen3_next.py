@@ -156,8 +156,8 @@ class HybridForCausalLM(ForCausalLM):
         if getattr(self, "fused_experts", False):
             hf = {k: v for k, v in hf.items() if not _PER_EXPERT.match(k)}
             for k, v in self.state_dict().items():  # kiln "model.layers..." -> "model.language_model.layers..."
-                if k.endswith(_FUSED):
-                    hf[self.family.hf_prefix + k[len("model"):]] = v
+                if k.endswith(_FUSED):  # an MTP module's own (mtp.layers.0...) keep their name
+                    hf[k if k.startswith("mtp.") else self.family.hf_prefix + k[len("model"):]] = v
         hf.update(getattr(self, "hf_passthrough", {}))
         return hf
 

@@ -122,7 +122,7 @@ def test_bad_pairs_by_message():
         fp8.fp8_pairs({"a.weight": q, "a.weight_scale_inv": s[:2]}, scheme, "dir")
     with pytest.raises(WeightsError, match="modules_to_not_convert lists its module"):
         fp8.fp8_pairs({"lm_head.weight": q, "lm_head.weight_scale_inv": s}, scheme, "dir")
-    with pytest.raises(WeightsError, match="scale\\(s\\) without an FP8 weight: 'b.weight_scale_inv'"):
+    with pytest.raises(WeightsError, match="scale\\(s\\) without an FP8 \\(or FP4\\) weight: 'b.weight_scale_inv'"):
         fp8.fp8_pairs({"b.weight": _w(4, 4), "b.weight_scale_inv": s}, scheme, "dir")
 
 

@@ -43,3 +43,18 @@ def test_export_and_verify_fp8(tiny_factory, tmp_path, block, loader):
         assert r.exit_code == 0 and "FAIL" not in r.output, r.output
         r = _run("export", src, "--out", tmp_path / "x", "--dtype", "fp4")
         assert r.exit_code == 1 and "--dtype 'fp4': choose one of bf16, fp16, fp32" in r.output
+
+
+@pytest.mark.parametrize("model_type,arch", [("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"),
+                                             ("deepseek_v4", "DeepseekV4ForCausalLM")])
+def test_export_and_verify_fp8_release_families(tiny_factory, tmp_path, model_type, arch):
+    """Qwen3.5/3.6-MoE (vision tower and all under one top-level quantization_config) and DeepSeek-V4 in
+    transformers' layout: written back FP8 byte for byte, and transformers computes the same logits."""
+    src = make_fp8(tiny_factory(model_type, "causal-lm"), tmp_path / "fp8", arch, block=(16, 16), scale_fmt="ue8m0")
+    r = _run("export", src, "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    r = _run("verify-export", tmp_path / "out", "--source", src)
+    assert r.exit_code == 0 and "FAIL" not in r.output, r.output
+    assert "names/dtypes/bytes identical" in r.output
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" in cfg and "quantization_config" not in cfg.get("text_config", {})

@@ -50,6 +50,12 @@ def fp8_module_names(model_dir: Path, arch: str) -> tuple[set[str], list[str]]:
     model = getattr(transformers, arch).from_pretrained(str(model_dir))
     keep32 = list(getattr(model, "_keep_in_fp32_modules", None) or [])
     linears = {n + ".weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    # families that save under other names than their modules' (DeepSeek-V4: attn.wq_a for self_attn.q_a_proj)
+    from kiln.models.auto import REGISTRY
+
+    family = REGISTRY[model.config.model_type]
+    keymap = family.keymap(family.task_of(arch))
+    linears |= {keymap.hf_name(n) for n in linears if keymap.hf_name(n)}
     names = set(load_file(str(model_dir / "model.safetensors")))
     chosen = {k for k in names if k in linears or (".experts." in k and k.endswith(".weight"))}
     return {k for k in chosen if not any(m in k for m in keep32)}, keep32

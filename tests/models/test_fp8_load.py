@@ -22,7 +22,8 @@ from tests.models.fp8_cases import make_fp8, transformers_dequantized
 # family, head, scale format; block (16, 16) against hidden 32 / intermediate 37 / experts 16 leaves
 # partial blocks in most weights
 CASES = [("bert", "masked-lm", "ue8m0"), ("qwen3", "causal-lm", "float"), ("qwen3_moe", "causal-lm", "ue8m0"),
-         ("deepseek_v3", "causal-lm", "float"), ("glm_moe_dsa", "causal-lm", "ue8m0")]
+         ("deepseek_v3", "causal-lm", "float"), ("glm_moe_dsa", "causal-lm", "ue8m0"),
+         ("deepseek_v4", "causal-lm", "ue8m0"), ("qwen3_5_moe", "causal-lm", "float")]
 
 
 @pytest.fixture(scope="module")

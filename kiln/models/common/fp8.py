@@ -20,8 +20,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from kiln.errors import KilnError
-from kiln.hub.fp8 import (FP8, SCALE_SUFFIX, Fp8Scheme, dequantize, dequantize_state, fp8_pairs, quantize,
-                          requantize_state, scale_grid)
+from kiln.hub.fp8 import (FP4_BLOCK, FP8, SCALE_SUFFIX, Fp8Scheme, canonical_scales, dequantize, dequantize_state, fp8_pairs,
+                          is_fp4, quantize, requantize_state, scale_grid)
 from kiln.models.common.moe import Experts
 from kiln.models.keymap import KeyMap, Stack
 from kiln.models.tasks import BASE
@@ -127,7 +127,7 @@ class Fp8Experts(_KeepsFp8Storage, Experts):
 
     def _weight(self, name: str) -> torch.Tensor:
         q = self._parameters[name]
-        if q.dtype != FP8:
+        if q.dtype != FP8 and not is_fp4(q):
             return q
         parts, dim = self.fp8_layout[name]
         return dequantize_parts(q, self._buffers[name + SCALE_SUFFIX], self.fp8_block, parts, dim, self.compute_dtype)
@@ -137,15 +137,19 @@ class Fp8Experts(_KeepsFp8Storage, Experts):
 
     @classmethod
     def convert(cls, experts: Experts, name: str, parts: int, dim: int, block, scale_dtype: torch.dtype,
-                compute_dtype: torch.dtype) -> None:
-        """Make `experts.<name>` an FP8 parameter (on the meta device) with its stacked scale buffer."""
+                compute_dtype: torch.dtype, fp4: bool = False) -> None:
+        """Make `experts.<name>` an FP8 parameter (on the meta device) with its stacked scale buffer; with `fp4`
+        packed FP4 (int8, two a byte, (1, 32) scale blocks: DeepSeek-V4's routed experts)."""
         if not isinstance(experts, cls):
             experts.__class__ = cls
             experts.fp8_layout, experts.fp8_block, experts.compute_dtype = {}, block, compute_dtype
         shape = tuple(experts._parameters[name].shape)
-        experts._parameters[name] = nn.Parameter(torch.empty(shape, dtype=FP8, device="meta"), requires_grad=False)
+        stored = (*shape[:-1], shape[-1] // 2) if fp4 else shape
+        experts._parameters[name] = nn.Parameter(torch.empty(stored, dtype=torch.int8 if fp4 else FP8, device="meta"),
+                                                 requires_grad=False)
         part = list(shape)
         part[1 + dim] //= parts
+        block = FP4_BLOCK if fp4 else block
         grid = list(scale_grid(tuple(part), block))
         if block is not None:
             grid[1 + dim] *= parts
@@ -182,7 +186,8 @@ def prepare_fp8(model: nn.Module, state: dict[str, torch.Tensor], scheme: Fp8Sch
     """
     if mode not in MODES:
         raise KilnError(f"fp8 mode {mode!r} is not one of: {', '.join(MODES)}")
-    dtype = dtype or compute_dtype_of(state)
+    state, scheme = canonical_scales(state, scheme)  # DeepSeek-V4's `<module>.scale` names
+    dtype = dtype or scheme.dtype or compute_dtype_of(state)
     pairs = fp8_pairs(state, scheme, source)
     names = model.normalise_hf_names(state)
     prefix = "" if model.task == BASE else model.family.hf_prefix + "."
@@ -191,7 +196,7 @@ def prepare_fp8(model: nn.Module, state: dict[str, torch.Tensor], scheme: Fp8Sch
     kept: set[str] = set()
     if mode == "keep":
         kept = _swap_modules(model, {k: names[k][0] for k in pairs if not names[k][1]}, scheme, dtype,
-                             {k: s for k, (_, s) in pairs.items()})
+                             {k: s for k, (_, s) in pairs.items()}, {k for k, (q, _) in pairs.items() if is_fp4(q)})
     rest = {k: v for k, v in state.items() if k not in kept and not (k.endswith(SCALE_SUFFIX)
                                                                   and k[:-len(SCALE_SUFFIX)] in kept)}
     loaded, read = dequantize_state(rest, scheme, dtype, source)
@@ -201,7 +206,7 @@ def prepare_fp8(model: nn.Module, state: dict[str, torch.Tensor], scheme: Fp8Sch
 
 
 def _swap_modules(model: nn.Module, names: dict[str, str], scheme: Fp8Scheme, dtype: torch.dtype,
-                  scales: dict[str, torch.Tensor]) -> set[str]:
+                  scales: dict[str, torch.Tensor], fp4: set[str] = frozenset()) -> set[str]:
     """Put FP8 modules where the checkpoint's FP8 weights land (`names`: checkpoint -> normalised HF name).
 
     Returns the checkpoint names they hold."""
@@ -219,14 +224,15 @@ def _swap_modules(model: nn.Module, names: dict[str, str], scheme: Fp8Scheme, dt
         module_name, _, attr = kiln.rpartition(".")
         module = model.get_submodule(module_name)
         scale_dtype = scales[hf_names[0]].dtype
-        if isinstance(module, nn.Linear) and attr == "weight" and len(hf_names) == 1:
+        if isinstance(module, nn.Linear) and attr == "weight" and len(hf_names) == 1 and hf_names[0] not in fp4:
             parent_name, _, leaf = module_name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, leaf, FP8Linear(module.in_features, module.out_features, module.bias is not None,
                                             scheme.block, scale_dtype, dtype, device="meta"))
         elif isinstance(module, Experts) and attr in ("gate_up_proj", "down_proj"):
             stack = next(s for s in keymap.stacks if any(_fits(t, hf_of[hf_names[0]]) for t in s.hf))
-            Fp8Experts.convert(module, attr, len(stack.hf), stack.dim, scheme.block, scale_dtype, dtype)
+            Fp8Experts.convert(module, attr, len(stack.hf), stack.dim, scheme.block, scale_dtype, dtype,
+                               hf_names[0] in fp4)
         else:
             continue  # no FP8 module for it: dequantized at load
         held.update(hf_names)

@@ -147,8 +147,8 @@ class Moe(Extension):
         if c.mtp_weight > 0:
             if not hasattr(model, "enable_mtp"):
                 raise ConfigError(f"[moe] mtp_weight = {c.mtp_weight}: a {kind} {getattr(model, 'task', '')} model has "
-                                  "no multi-token-prediction layer (deepseek_v3 / deepseek_v32 / glm_moe_dsa causal "
-                                  "LMs do)")
+                                  "no multi-token-prediction layer (deepseek_v3 / deepseek_v32 / glm_moe_dsa / deepseek_v4 "
+                                  "causal LMs and qwen3_5 / qwen3_5_moe image-text releases do)")
             model.enable_mtp(f"[moe] mtp_weight = {c.mtp_weight}: {cfg.model.path or cfg.model.family}",
                              fresh=cfg.model.path is None)
         if c.indexer == "kl" and not any(isinstance(m, Indexer) for m in model.modules()):
