@@ -46,7 +46,7 @@ from kiln.train.checks import check_model_tokenizer
 from kiln.train.config import RunConfig, Section
 from kiln.train.logps import token_logps
 from kiln.train.preference import REFERENCE_FREE, LossType, PairLosses, preference_losses
-from kiln.train.recipes.base import Extension, RunParts, Shortcut, build_model
+from kiln.train.recipes.base import Extension, RunParts, build_model
 from kiln.train.recipes.finetune import FineTune, RecordsData
 from kiln.train.trainer import Callback, Trainer
 
@@ -371,7 +371,7 @@ class DPOExtension(Extension):
     summary = "preference optimization: the loss ([dpo] loss_type, beta, ...) and its reference"
     recipes = ("dpo",)
     recipe = "dpo"  # the recipe this table selects (kiln.train.recipes picks it when [dpo] is present)
-    shortcuts = (Shortcut("dpo_loss", "dpo.loss_type"), Shortcut("dpo_beta", "dpo.beta"))
+    # no named flags: `--set dpo.KEY=VALUE` sets any key (a flag would need kiln.cli.recipe_flags' mirror table)
 
     def extend(self, cfg: RunConfig, parts: RunParts) -> None:
         evals = parts.eval_data
