@@ -13,6 +13,7 @@ and the held-out reward accuracy and margins as DPO goes, plus the train reward 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,7 @@ def records(run: str) -> list[dict]:
 
 
 def main() -> None:
+    shutil.rmtree(HERE / "runs", ignore_errors=True)  # a fresh run each time (run dirs refuse reuse)
     subprocess.run([sys.executable, str(HERE / "prepare.py")], check=True)
     kiln("tokenizer", "train", "data/tokenizer_text.jsonl", "--out", "runs/tok", "--vocab-size", "1024")
     kiln("train", "--config", "sft.toml")

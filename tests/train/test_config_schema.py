@@ -136,4 +136,5 @@ def test_every_example_config_validates_for_its_recipe(path, tmp_path):
             data[key] = str(stand_in)
     cfg = parse_run_config(table, str(path))
     wants = "pretrain" if data["train"].endswith("shards") else "sft" if cfg.model.task == "causal-lm" else "fine-tune"
+    wants = "dpo" if "dpo" in table else wants  # a [dpo] table selects its recipe
     assert type(cfg).recipe == wants

@@ -12,6 +12,8 @@ loss (kiln.train.preference) and the reference the log-ratios are taken against:
   (`reference_logps.safetensors`) and checked by its SHA-256 (kept in every checkpoint) on resume;
   no reference model stays in memory.
 SimPO and ORPO need no reference. Log-probs come chunk by chunk through the LM head (kiln.train.logps).
+Runs on one process or under `kiln launch` with DDP; FSDP2 / TP / EP / PP / compile are refused for now
+(the reference is set up in `Callback.on_setup`, which the Trainer does not allow beside those plans).
 Each step returns its summed pair losses and pair count to the step engine; the Trainer updates once.
 Metrics per step and at evaluation (`eval_` prefixed): loss, rewards/chosen, rewards/rejected,
 rewards/margins, rewards/accuracy, logps/chosen, logps/rejected.
@@ -372,6 +374,15 @@ class DPOExtension(Extension):
     recipes = ("dpo",)
     recipe = "dpo"  # the recipe this table selects (kiln.train.recipes picks it when [dpo] is present)
     # no named flags: `--set dpo.KEY=VALUE` sets any key (a flag would need kiln.cli.recipe_flags' mirror table)
+
+    def check(self, cfg: RunConfig, recipe: Any) -> None:
+        super().check(cfg, recipe)
+        p = cfg.parallel
+        if p is not None and (p.fsdp or p.compile or p.activation_checkpointing != "none"
+                              or any(getattr(p, k, 1) > 1 for k in ("tp", "ep", "pp"))):
+            # the reference is set up in Callback.on_setup, which the Trainer refuses beside these plans
+            raise ConfigError("[dpo] runs on one process or under DDP ([parallel] dp only); parallel.fsdp, tp, ep, "
+                              "pp, compile and activation_checkpointing are not supported with it yet")
 
     def extend(self, cfg: RunConfig, parts: RunParts) -> None:
         evals = parts.eval_data
