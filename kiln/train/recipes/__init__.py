@@ -16,14 +16,15 @@ from typing import Any, Mapping
 from pydantic import create_model
 
 from kiln.train.config import ModelSection, RunConfig, use_run_schema
-from kiln.train.recipes import embedding, ff, finetune, grow, hpn, images, moe, pretrain, sft
+from kiln.train.recipes import dpo, embedding, ff, finetune, grow, hpn, images, moe, pretrain, sft
 from kiln.train.recipes.base import Extension, Recipe, RunParts, Shortcut
 
-# Tried in order; the first that matches a run config runs it (fine-tune is the fallback).
+# Tried in order; the first that matches a run config runs it (fine-tune is the fallback); a table that
+# brings its recipe ([dpo]) selects it whatever the order.
 RECIPES: dict[str, Recipe] = {r.name: r for r in (pretrain.RECIPE, sft.RECIPE, images.RECIPE, embedding.RECIPE,
-                                                  finetune.RECIPE)}
+                                                  finetune.RECIPE, dpo.RECIPE)}
 EXTENSIONS: dict[str, Extension] = {e.section: e for e in (hpn.EXTENSION, grow.EXTENSION, ff.EXTENSION, moe.EXTENSION,
-                                                           embedding.EXTENSION)}
+                                                           embedding.EXTENSION, dpo.EXTENSION)}
 
 
 def select_recipe(task: str, data: Mapping[str, Any]) -> Recipe:
@@ -60,6 +61,9 @@ class _Schema:
     """kiln.train.config.RunSchema over this registry."""
 
     def model_for(self, table: Mapping[str, Any]) -> type[RunConfig]:
+        for ext in EXTENSIONS.values():  # a table that brings its own recipe ([dpo]) selects it
+            if getattr(ext, "recipe", None) and ext.section in table:
+                return run_config_model(ext.recipe)
         model, data = table.get("model"), table.get("data")
         task = model.get("task") if isinstance(model, Mapping) else None
         task = task if isinstance(task, str) else ModelSection.model_fields["task"].default
