@@ -16,12 +16,13 @@ from typing import Any, Mapping
 from pydantic import create_model
 
 from kiln.train.config import ModelSection, RunConfig, use_run_schema
-from kiln.train.recipes import ff, finetune, grow, hpn, moe, pretrain, sft
+from kiln.train.recipes import ff, finetune, grow, grpo, hpn, moe, pretrain, sft
 from kiln.train.recipes.base import Extension, Recipe, RunParts, Shortcut
 
 # Tried in order; the first that matches a run config runs it (fine-tune is the fallback).
 RECIPES: dict[str, Recipe] = {r.name: r for r in (pretrain.RECIPE, sft.RECIPE, finetune.RECIPE)}
-EXTENSIONS: dict[str, Extension] = {e.section: e for e in (hpn.EXTENSION, grow.EXTENSION, ff.EXTENSION, moe.EXTENSION)}
+EXTENSIONS: dict[str, Extension] = {e.section: e for e in (hpn.EXTENSION, grow.EXTENSION, ff.EXTENSION, moe.EXTENSION,
+                                                            grpo.EXTENSION)}
 
 
 def select_recipe(task: str, data: Mapping[str, Any]) -> Recipe:
