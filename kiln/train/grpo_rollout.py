@@ -181,8 +181,10 @@ class GRPORun:
         return pad if pad is not None else (eos[0] if eos else 0)
 
     def sample(self, core: nn.Module, rows: list[int], prompts: Prompts, repeat: int, seed: int | None,
-               device: torch.device) -> dict[str, Any]:
-        """Completions of `rows` (`repeat` each; greedy when `seed` is None) and what the decode saw."""
+               device: torch.device, full_length: bool = False) -> dict[str, Any]:
+        """Completions of `rows` (`repeat` each; greedy when `seed` is None) and what the decode saw.
+        `full_length`: decode all max_new_tokens even once every row has ended (sharded weights: each forward
+        gathers them with the other ranks, so every rank must run as many); the mask still ends at EOS."""
         g = self.g
         ids, mask = prompts.left_padded(rows, repeat, self.pad_id(core), device)
         tap, steps = _LogitTap(core), []
@@ -192,7 +194,7 @@ class GRPORun:
 
         out = generate(tap, ids, mask, max_new_tokens=g.max_new_tokens, do_sample=seed is not None,
                        temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, seed=seed,
-                       pad_token_id=self.pad_id(core), on_token=on_token)
+                       pad_token_id=self.pad_id(core), on_token=on_token, eos_token_id=[] if full_length else None)
         completions = out[:, ids.size(1):]
         cmask = completion_mask(completions, self.eos_ids(core))
         lists = [completions[i, : int(cmask[i].sum())].tolist() for i in range(completions.size(0))]
@@ -223,12 +225,14 @@ class GRPORun:
         """eval_reward (and per function) of one greedy completion per held-out prompt, over every rank."""
         assert self.eval_prompts is not None
         core, rank, shards = core_of(trainer.model), trainer.data_rank, trainer.data_shards
-        mine = list(range(rank, len(self.eval_prompts), shards))
+        # sharded weights: every rank decodes every prompt (the same forwards on all, which gather the weights)
+        split = not trainer.sharded
+        mine = list(range(rank, len(self.eval_prompts), shards)) if split else list(range(len(self.eval_prompts)))
         sums = torch.zeros(2 + 2 * len(self.rewards), dtype=torch.float64)
         for s in range(0, len(mine), trainer.args.batch_size * self.g.num_generations):
             rows = mine[s: s + trainer.args.batch_size * self.g.num_generations]
             with torch.no_grad(), trainer.autocast():
-                out = self.sample(core, rows, self.eval_prompts, 1, None, trainer.device)
+                out = self.sample(core, rows, self.eval_prompts, 1, None, trainer.device, full_length=not split)
             total = combine_rewards(out["per_func"], self.weights)
             sums[0] += float(torch.nansum(total))
             sums[1] += float((~torch.isnan(total)).sum())
@@ -236,7 +240,8 @@ class GRPORun:
                 col = out["per_func"][:, j]
                 sums[2 + 2 * j] += float(torch.nansum(col))
                 sums[3 + 2 * j] += float((~torch.isnan(col)).sum())
-        sums = all_reduce_sum(sums.to(trainer.device), trainer.world).cpu()
+        if split:
+            sums = all_reduce_sum(sums.to(trainer.device), trainer.world).cpu()
         metrics = {"eval_reward": float(sums[0] / sums[1].clamp(min=1))}
         for j, r in enumerate(self.rewards):
             metrics[f"eval_reward/{r.name}"] = float(sums[2 + 2 * j] / sums[3 + 2 * j].clamp(min=1))

@@ -178,3 +178,27 @@ def test_sigkill_mid_rollout_then_resume_is_exact(grpo_dir):
                 for r in read_metrics(run / "metrics.jsonl")]
     assert curve(grpo_dir / "killed") == curve(grpo_dir / "ref")
     assert any(r.get("reward", 0) > 0 for r in read_metrics(grpo_dir / "ref" / "metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_kill_and_resume_mid_rollout_is_exact(grpo_dir):
+    """`kiln launch` with 2 gloo processes: each rank samples its own prompts' groups; killed after step 2 (mid
+    rollout, newest checkpoint 1), the resumed run restores every rank's own rollout and ends where an
+    uninterrupted 2-process run ends."""
+    grpo, train = "num_iterations = 2", "save_every = 1\nkeep_last = 10"
+    ref = _toml(grpo_dir, "ddp-ref", grpo=grpo, train=train, steps=4)
+    launch = ("launch", "--nproc-per-node", "2", "--", "train", "--config")
+    kiln(*launch, str(ref))
+    cfg = _toml(grpo_dir, "ddp-killed", grpo=grpo, train=train, steps=4)
+    p = kiln(*launch, str(cfg), env={"KILN_FAULT": "step:2"}, check=False)
+    assert p.returncode != 0
+    assert (grpo_dir / "ddp-killed" / "ckpt-000001").is_dir() and not (grpo_dir / "ddp-killed" / "ckpt-000002").exists()
+    kiln(*launch, str(cfg), "--resume", str(grpo_dir / "ddp-killed"))
+    for step in (2, 4):
+        a = load_file(str(grpo_dir / "ddp-ref" / f"ckpt-{step:06d}" / "model" / "model.safetensors"))
+        b = load_file(str(grpo_dir / "ddp-killed" / f"ckpt-{step:06d}" / "model" / "model.safetensors"))
+        assert all(torch.equal(a[k], b[k]) for k in a), f"weights differ at step {step}"
+    def curve(run: Path) -> list:
+        return [sorted((k, v) for k, v in r.items() if not k.endswith("_per_s"))
+                for r in read_metrics(run / "metrics.jsonl")]
+    assert curve(grpo_dir / "ddp-killed") == curve(grpo_dir / "ddp-ref")

@@ -109,6 +109,7 @@ class GRPOEngine(StepEngine):
             raise ConfigError(f"[grpo] runs on the data-parallel engine (one process, DDP, FSDP2); this run's "
                               f"[parallel] settings make a {type(inner).__name__}")
         self.inner, self.run = inner, run
+        self.placed = False  # the reference copy (full weights, beta > 0) is moved to the run's device on first use
         self.keep_grads = inner.keep_grads
         self.buffer: list[dict[str, Any]] | None = None   # the rollout being worked on
         self.stats: dict[str, float] = {}                  # its reward metrics
@@ -117,13 +118,16 @@ class GRPOEngine(StepEngine):
     def rollout(self, run: StepContext) -> None:
         r, g = self.run, self.run.g
         core = core_of(run.model)
+        if r.reference is not None and not self.placed:
+            r.reference.to(run.device)
+            self.placed = True
         index = run.step // g.num_iterations
         micros, per_funcs, lengths = [], [], []
         for m in range(run.args.grad_accum):
             rows = run.next_batch()["row"].tolist()
             with torch.no_grad(), run.autocast():
                 micro = r.sample(core, rows, r.prompts, g.num_generations,
-                                 rollout_seed(r.seed, index, run.data_rank, m), run.device)
+                                 rollout_seed(r.seed, index, run.data_rank, m), run.device, full_length=run.sharded)
             per_funcs.append(micro["per_func"])
             lengths.append(micro["completion_mask"].sum(1).double())
             micros.append(micro)
@@ -246,14 +250,10 @@ class GRPOEngine(StepEngine):
 
 
 class GRPOCallback(Callback):
-    """Installs the GRPO engine; moves the reference copy (full-weight runs with beta > 0) to the run's device."""
+    """Installs the GRPO engine."""
 
     def __init__(self, run: GRPORun):
         self.run = run
-
-    def on_setup(self, trainer: Trainer, step: int) -> None:
-        if self.run.reference is not None:
-            self.run.reference.to(trainer.device)
 
     def wrap_engine(self, trainer: Trainer, engine: StepEngine) -> StepEngine:
         return GRPOEngine(engine, self.run)
