@@ -1,7 +1,7 @@
 """Reward functions for RL with verifiable rewards ([grpo]): finding them, calling them, checking what they return.
 
-A reward is named in the run config as `"module:function"` (the module found in the run's own folder, then on
-sys.path) or as a built-in: `exact_match` (the completion, stripped, equals the row's `answer` column),
+A reward is named in the run config as `"module:function"` (module.py found beside data.train, which is the run
+TOML's folder when the prompts sit beside it, then on sys.path) or as a built-in: `exact_match` (the completion, stripped, equals the row's `answer` column),
 `format` (the completion matches `grpo.format_pattern` as a whole), `length` (1 - completion tokens /
 max_new_tokens: shorter scores higher). Every function has TRL's signature,
 `f(prompts, completions, completion_ids, **columns) -> list[float | None]`, so a TRL user's function runs

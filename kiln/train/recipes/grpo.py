@@ -39,7 +39,7 @@ from kiln.train.config import RunConfig, Section
 from kiln.train.engine import DataParallel, StepContext, StepEngine, StepOutcome, Window, mean_gradients
 from kiln.train.grpo_loss import advantages, clipped, combine_rewards, loss_parts, token_loss
 from kiln.train.grpo_rollout import GRPORun, Prompts, core_of, rollout_seed
-from kiln.train.recipes.base import Extension, RunParts, Shortcut, build_model
+from kiln.train.recipes.base import Extension, RunParts, build_model
 from kiln.train.rewards import resolve_rewards
 from kiln.train.trainer import Callback, Trainer
 
@@ -265,8 +265,7 @@ class GRPO(Extension):
     schema = GRPOSection
     summary = "RL with verifiable rewards: sampled groups, reward functions, group-relative clipped policy loss"
     recipes = ("sft",)
-    shortcuts = (Shortcut("num_generations", "grpo.num_generations"), Shortcut("loss_type", "grpo.loss_type"),
-                 Shortcut("reward", "grpo.rewards", multiple=True))
+    # no named flags: `--set grpo.KEY=VALUE` sets any key (a named flag would also need kiln/cli/recipe_flags.py's table)
 
     def build(self, cfg: RunConfig, on_model: Callable[[nn.Module], None], world: World) -> RunParts:
         """The parts in the sft recipe's place: data.train holds prompts, not conversations to imitate."""
