@@ -270,6 +270,9 @@ class GRPO(Extension):
     def build(self, cfg: RunConfig, on_model: Callable[[nn.Module], None], world: World) -> RunParts:
         """The parts in the sft recipe's place: data.train holds prompts, not conversations to imitate."""
         g, d = cfg.grpo, cfg.data
+        if cfg.train.epochs is not None and g.num_iterations > 1:
+            raise ConfigError("[grpo] with num_iterations > 1 counts its length in train.steps: an epoch of prompts "
+                              "takes num_iterations times the steps train.epochs would allow")
         search = [Path(d.train).resolve().parent]
         rewards = resolve_rewards(g.rewards, g.reward_weights, search, format_pattern=g.format_pattern,
                                   max_new_tokens=g.max_new_tokens)  # before any model or data work
