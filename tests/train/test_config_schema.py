@@ -15,6 +15,7 @@ from kiln.errors import ConfigError
 from kiln.parallel.config import ParallelSection
 from kiln.train.config import DataSection, RunConfig, load_run_config, parse_run_config
 from kiln.train.recipes import RECIPES, recipe_for, run_config_model
+from kiln.train.recipes.dpo import PreferenceData
 from kiln.train.recipes.finetune import FineTuneData
 from kiln.train.recipes.pretrain import PretrainData
 from kiln.train.recipes.sft import SFTData
@@ -40,7 +41,7 @@ def test_the_core_data_section_holds_only_the_common_keys():
     assert {"within_doc", "prefetch", "dtype", "val_fraction"} <= set(PretrainData.model_fields)
     assert "pack" not in PretrainData.model_fields and "pack" not in FineTuneData.model_fields
     assert {r.name: r.data_schema for r in RECIPES.values()} == {
-        "pretrain": PretrainData, "sft": SFTData, "fine-tune": FineTuneData}
+        "pretrain": PretrainData, "sft": SFTData, "fine-tune": FineTuneData, "dpo": PreferenceData}
 
 
 def test_each_recipe_validates_its_own_data_keys(tmp_path, shards):
