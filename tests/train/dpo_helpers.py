@@ -53,3 +53,26 @@ def hf_model_dir(d: Path, tok: Path, seed: int) -> Path:
     model.save_pretrained(d)
     transformers.AutoTokenizer.from_pretrained(tok).save_pretrained(d)
     return d
+
+
+def chatterbot_pairs(seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) conversational pairs from chatterbot-corpus: the prompt is a dialog's first turn, chosen
+    its real reply, rejected the reply of a dialog from another category; held-out = every fifth dialog."""
+    import chatterbot_corpus
+    import yaml
+
+    src = Path(chatterbot_corpus.__file__).parent / "data" / "english"
+    dialogs = []  # (category, prompt, reply)
+    for f in sorted(src.glob("*.yml")):
+        for conv in yaml.safe_load(f.read_text(encoding="utf-8")).get("conversations") or []:
+            turns = [str(t).strip() for t in conv if t is not None and str(t).strip()]
+            if len(turns) >= 2:
+                dialogs.append((f.stem, turns[0], turns[1]))
+    rng = random.Random(seed)
+    rows = []
+    for cat, prompt, reply in dialogs:
+        other = rng.choice([d for d in dialogs if d[0] != cat])
+        rows.append({"prompt": [{"role": "user", "content": prompt}],
+                     "chosen": [{"role": "assistant", "content": reply}],
+                     "rejected": [{"role": "assistant", "content": other[2]}]})
+    return [r for i, r in enumerate(rows) if i % 5], rows[::5]
