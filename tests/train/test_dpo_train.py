@@ -158,3 +158,30 @@ def test_sigkill_then_resume_with_precomputed_reference_is_exact(pairs):
     cache.unlink()
     with pytest.raises(KilnError, match="reference log-probs of this run are missing"):
         build_trainer(load_run_config(cfg), resume=pairs / "run").fit()
+
+
+def test_held_out_reward_accuracy_rises_on_chatterbot_pairs(tmp_path):
+    """DPO of a tiny model from scratch on chatterbot-corpus pairs (chosen: a dialog's real reply; rejected:
+    another category's reply): the held-out reward accuracy, 0 before the first update (policy = reference),
+    passes 0.6. On 64 held-out pairs its standard error near 0.8 is ~0.05, so 0.6 sits ~4 of them below."""
+    pytest.importorskip("chatterbot_corpus")
+    train, held = chatterbot_pairs()
+    write_jsonl(tmp_path / "train.jsonl", train)
+    write_jsonl(tmp_path / "eval.jsonl", held[:64])
+    from kiln.data.bpe import train_bpe
+
+    text = write_jsonl(tmp_path / "text.jsonl", [{"messages": r["prompt"] + r["chosen"]} for r in train + held])
+    train_bpe([text], tmp_path / "tok", vocab_size=512, min_frequency=1)
+    model = {**QWEN3, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "head_dim": 16}
+    body = run_toml(tmp_path, "run", steps=24).read_text()
+    for k, v in model.items():
+        body = body.replace(f"\n{k} = {QWEN3[k]}\n", f"\n{k} = {v}\n")
+    body = body.replace("lr = 1e-2", "lr = 3e-3").replace("batch_size = 4", "batch_size = 8")
+    body = body.replace("max_length = 40", "max_length = 64").replace("eval_every = 4", "eval_every = 24")
+    (tmp_path / "run.toml").write_text(body)
+    build_trainer(load_run_config(tmp_path / "run.toml")).fit()
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert records[0]["rewards/accuracy"] == 0.0  # control: before any update there is no preference
+    final = [r for r in records if "eval_rewards/accuracy" in r][-1]
+    assert final["eval_rewards/accuracy"] > 0.6, final
+    assert final["eval_rewards/margins"] > 0
