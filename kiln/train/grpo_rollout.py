@@ -14,12 +14,12 @@ from torch import nn
 
 from kiln.data.records import Record
 from kiln.errors import KilnError
-from kiln.models.common.lora import LoraLinear
 from kiln.models.generation import generate
 from kiln.parallel.world import all_reduce_sum
 from kiln.train.config import RunConfig
 from kiln.train.grpo_loss import combine_rewards
 from kiln.train.logps import token_logps
+from kiln.train.recipes.dpo import adapters_off  # under [lora], the reference: the base with the adapters off
 from kiln.train.rewards import Reward, score
 from kiln.train.trainer import Trainer
 
@@ -103,20 +103,6 @@ def temperature_scaled(core: nn.Module, temperature: float) -> Iterator[None]:
         yield
     finally:
         handle.remove()
-
-
-@contextlib.contextmanager
-def adapters_off(core: nn.Module) -> Iterator[None]:
-    """Every LoRA adapter contributes 0 (the base model alone): the reference of a [lora] run, with no copy."""
-    layers = [m for m in core.modules() if isinstance(m, LoraLinear)]
-    scales = [m.scaling for m in layers]
-    for m in layers:
-        m.scaling = 0.0
-    try:
-        yield
-    finally:
-        for m, s in zip(layers, scales):
-            m.scaling = s
 
 
 class _LogitTap:

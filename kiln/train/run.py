@@ -61,9 +61,7 @@ def build_trainer(cfg: RunConfig, resume: str | Path | None = None, *, keep_glob
         for ext in extensions:
             ext.on_model(cfg, model)
 
-    # an extension that reads data of its own ([grpo]: prompts) builds the parts in its recipe's place
-    builder = next((e for e in extensions if callable(getattr(e, "build", None))), recipe)
-    parts = builder.build(cfg, on_model, world)
+    parts = recipe.build(cfg, on_model, world)
     for ext in extensions:
         ext.extend(cfg, parts)
     args = cfg.train if resume is None else cfg.train.model_copy(update={"out_dir": str(resume)})

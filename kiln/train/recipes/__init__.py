@@ -16,13 +16,14 @@ from typing import Any, Mapping
 from pydantic import create_model
 
 from kiln.train.config import ModelSection, RunConfig, use_run_schema
-from kiln.train.recipes import ff, finetune, grow, grpo, hpn, moe, pretrain, sft
+from kiln.train.recipes import dpo, ff, finetune, grow, grpo, hpn, moe, pretrain, sft
 from kiln.train.recipes.base import Extension, Recipe, RunParts, Shortcut
 
 # Tried in order; the first that matches a run config runs it (fine-tune is the fallback).
-RECIPES: dict[str, Recipe] = {r.name: r for r in (pretrain.RECIPE, sft.RECIPE, finetune.RECIPE)}
+RECIPES: dict[str, Recipe] = {r.name: r for r in (pretrain.RECIPE, sft.RECIPE, finetune.RECIPE, dpo.RECIPE,
+                                                  grpo.RECIPE)}
 EXTENSIONS: dict[str, Extension] = {e.section: e for e in (hpn.EXTENSION, grow.EXTENSION, ff.EXTENSION, moe.EXTENSION,
-                                                            grpo.EXTENSION)}
+                                                          dpo.EXTENSION, grpo.EXTENSION)}
 
 
 def select_recipe(task: str, data: Mapping[str, Any]) -> Recipe:
@@ -59,6 +60,9 @@ class _Schema:
     """kiln.train.config.RunSchema over this registry."""
 
     def model_for(self, table: Mapping[str, Any]) -> type[RunConfig]:
+        for ext in EXTENSIONS.values():  # a table that brings its own recipe ([dpo]) selects it
+            if getattr(ext, "recipe", None) and ext.section in table:
+                return run_config_model(ext.recipe)
         model, data = table.get("model"), table.get("data")
         task = model.get("task") if isinstance(model, Mapping) else None
         task = task if isinstance(task, str) else ModelSection.model_fields["task"].default

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Mapping
 
 import torch
 from pydantic import field_validator, model_validator
@@ -35,11 +35,12 @@ from kiln.data import read_records
 from kiln.data.hfdata import source_sha256
 from kiln.errors import ConfigError, KilnError
 from kiln.parallel.world import World, all_reduce_sum, gather_objects
-from kiln.train.config import RunConfig, Section
+from kiln.train.config import DataSection, RunConfig, Section
 from kiln.train.engine import DataParallel, StepContext, StepEngine, StepOutcome, Window, mean_gradients
 from kiln.train.grpo_loss import advantages, clipped, combine_rewards, loss_parts, token_loss
 from kiln.train.grpo_rollout import GRPORun, Prompts, core_of, rollout_seed
-from kiln.train.recipes.base import Extension, RunParts, build_model
+from kiln.train.recipes.base import Extension, Recipe, RunParts, build_model
+from kiln.train.recipes.finetune import RecordsData
 from kiln.train.rewards import resolve_rewards
 from kiln.train.trainer import Callback, Trainer
 
@@ -259,16 +260,17 @@ class GRPOCallback(Callback):
         return GRPOEngine(engine, self.run)
 
 
-# ---- the extension -------------------------------------------------------------------------------
-class GRPO(Extension):
-    section = "grpo"
-    schema = GRPOSection
+# ---- the recipe and its table -------------------------------------------------------------------
+class GRPORecipe(Recipe):
+    name = "grpo"
     summary = "RL with verifiable rewards: sampled groups, reward functions, group-relative clipped policy loss"
-    recipes = ("sft",)
-    # no named flags: `--set grpo.KEY=VALUE` sets any key (a named flag would also need kiln/cli/recipe_flags.py's table)
+    when = "a [grpo] table"
+    data_schema: type[DataSection] = RecordsData   # data.train: the prompts; data.eval: held-out prompts
+
+    def matches(self, task: str, data: Mapping[str, Any]) -> bool:
+        return False  # chosen by its table ([grpo]), never by the data alone
 
     def build(self, cfg: RunConfig, on_model: Callable[[nn.Module], None], world: World) -> RunParts:
-        """The parts in the sft recipe's place: data.train holds prompts, not conversations to imitate."""
         g, d = cfg.grpo, cfg.data
         if cfg.train.epochs is not None and g.num_iterations > 1:
             raise ConfigError("[grpo] with num_iterations > 1 counts its length in train.steps: an epoch of prompts "
@@ -301,8 +303,19 @@ class GRPO(Extension):
         return RunParts(model, prompts.examples(), evaluate=run.evaluate if evals is not None else None,
                         callbacks=[GRPOCallback(run)], fingerprint=fingerprint)
 
+
+
+class GRPO(Extension):
+    section = "grpo"
+    schema = GRPOSection
+    summary = GRPORecipe.summary
+    recipes = ("grpo",)
+    recipe = "grpo"  # the recipe this table selects (kiln.train.recipes picks it when [grpo] is present)
+    # no named flags: `--set grpo.KEY=VALUE` sets any key (a named flag would also need kiln/cli/recipe_flags.py's table)
+
     def extend(self, cfg: RunConfig, parts: RunParts) -> None:
-        """Nothing left to change: `build` made the parts."""
+        """Nothing to change: the grpo recipe built the parts from this table."""
 
 
+RECIPE = GRPORecipe()
 EXTENSION = GRPO()

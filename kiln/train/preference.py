@@ -1,0 +1,86 @@
+"""Preference-optimization losses on sequence log-probs: DPO (sigmoid), hinge, IPO, SimPO, ORPO.
+
+Each takes the policy's summed completion log-probs of the chosen and rejected replies (and their
+token counts), the reference's where the loss has one, and returns per-pair losses and the rewards
+logged beside them. The formulas are TRL 1.16's:
+- sigmoid, hinge, ipo: `DPOTrainer._compute_loss` (trl.trainer.dpo_trainer); IPO divides each log-ratio
+  by its completion's token count, as TRL does. `label_smoothing` on sigmoid is conservative DPO
+  (cDPO): TRL 1.16's DPO sigmoid has no smoothing (it uses it in "robust"/"exo_pair"), so the two agree
+  at the default 0; its older releases and its CPO trainer smooth sigmoid this way.
+- simpo: `CPOTrainer.cpo_loss` with loss_type "simpo" (trl.experimental.cpo): length-averaged log-probs,
+  margin `gamma`, no reference, no NLL term (cpo_alpha = 0).
+- orpo: `ORPOTrainer` (trl.experimental.orpo): length-averaged log-probs, the log odds ratio weighted by
+  `lambda` (TRL's ORPO `beta`), plus the NLL of the whole chosen sequence (prompt included, as TRL
+  computes it), a mean over the micro-batch's chosen tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch.nn import functional as F
+
+LossType = Literal["sigmoid", "ipo", "hinge", "simpo", "orpo"]
+REFERENCE_FREE = ("simpo", "orpo")
+__all__ = ["LossType", "PairLosses", "REFERENCE_FREE", "log1mexp", "preference_losses"]
+
+
+@dataclass
+class PairLosses:
+    losses: torch.Tensor            # (B,) per pair; the step's loss is their mean
+    chosen_rewards: torch.Tensor    # (B,) detached
+    rejected_rewards: torch.Tensor  # (B,) detached
+    chosen_logps: torch.Tensor      # (B,) detached: what the loss compares (sums; averages for simpo / orpo)
+    rejected_logps: torch.Tensor
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, without cancellation: expm1 near 0, log1p below -ln 2."""
+    return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def preference_losses(loss_type: LossType, chosen: torch.Tensor, rejected: torch.Tensor,
+                      chosen_count: torch.Tensor, rejected_count: torch.Tensor, *,
+                      ref_chosen: torch.Tensor | None = None, ref_rejected: torch.Tensor | None = None,
+                      beta: float = 0.1, label_smoothing: float = 0.0, gamma: float = 0.5, lam: float = 0.1,
+                      chosen_nll: torch.Tensor | None = None) -> PairLosses:
+    """Per-pair losses for `loss_type` from summed completion log-probs (B,) and token counts (B,).
+
+    `ref_chosen` / `ref_rejected`: the reference's summed log-probs (sigmoid, hinge, ipo). `chosen_nll`:
+    ORPO's NLL term, a scalar (the mean over the chosen sequences' tokens), added to every pair's loss.
+    """
+    chosen, rejected = chosen.float(), rejected.float()
+    if loss_type in REFERENCE_FREE:
+        chosen_avg = chosen / chosen_count.clamp(min=1)
+        rejected_avg = rejected / rejected_count.clamp(min=1)
+        if loss_type == "simpo":
+            z = (chosen_avg - rejected_avg) - gamma / beta
+            losses = -F.logsigmoid(beta * z) * (1 - label_smoothing) - F.logsigmoid(-beta * z) * label_smoothing
+            scale = beta
+        else:
+            if chosen_nll is None:
+                raise ValueError("orpo needs chosen_nll, the NLL of the chosen sequences")
+            log_odds = (chosen_avg - rejected_avg) - (log1mexp(chosen_avg) - log1mexp(rejected_avg))
+            losses = chosen_nll - lam * F.logsigmoid(log_odds)
+            scale = lam
+        return PairLosses(losses, scale * chosen_avg.detach(), scale * rejected_avg.detach(),
+                          chosen_avg.detach(), rejected_avg.detach())
+    if ref_chosen is None or ref_rejected is None:
+        raise ValueError(f"loss_type {loss_type!r} needs the reference's log-probs")
+    chosen_ratio = chosen - ref_chosen.float()
+    rejected_ratio = rejected - ref_rejected.float()
+    delta = chosen_ratio - rejected_ratio
+    if loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * delta) * (1 - label_smoothing) - F.logsigmoid(-beta * delta) * label_smoothing
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * delta)
+    elif loss_type == "ipo":
+        ipo = chosen_ratio / chosen_count.clamp(min=1) - rejected_ratio / rejected_count.clamp(min=1)
+        losses = (ipo - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}; one of sigmoid, ipo, hinge, simpo, orpo")
+    return PairLosses(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach(),
+                      chosen.detach(), rejected.detach())

@@ -1,0 +1,385 @@
+"""dpo: preference optimization of a causal LM (DPO, IPO, hinge, SimPO, ORPO), on when the run config
+has a [dpo] table.
+
+[data] names preference rows (kiln.data.preference: `{"prompt", "chosen", "rejected"}` strings or
+message lists, JSONL or an HF datasets source), tokenized as TRL 1.16's DPOTrainer. [dpo] picks the
+loss (kiln.train.preference) and the reference the log-ratios are taken against:
+- by default the starting weights: under [lora] the same model with its adapters switched off (no
+  second copy); otherwise a frozen copy made before training starts;
+- `reference = "path"`: another HF directory;
+- `precompute_reference = true`: the reference's log-probs of every train and eval pair, computed once
+  when the run starts (each process a share), written beside the checkpoints
+  (`reference_logps.safetensors`) and checked by its SHA-256 (kept in every checkpoint) on resume;
+  no reference model stays in memory.
+SimPO and ORPO need no reference. Log-probs come chunk by chunk through the LM head (kiln.train.logps).
+Each step returns its summed pair losses and pair count to the step engine; the Trainer updates once.
+Metrics per step and at evaluation (`eval_` prefixed): loss, rewards/chosen, rewards/rejected,
+rewards/margins, rewards/accuracy, logps/chosen, logps/rejected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from pydantic import ConfigDict, Field, model_validator
+from torch import nn
+
+from kiln.data import read_records
+from kiln.data.hfdata import source_sha256
+from kiln.data.loader import pad_collate
+from kiln.data.preference import Example, encode_preferences
+from kiln.errors import ConfigError, KilnError
+from kiln.models.auto import load_pretrained
+from kiln.models.common.fast import set_fast
+from kiln.models.common.lora import LoraConfig, LoraLinear, apply_lora
+from kiln.models.tasks import CAUSAL_LM
+from kiln.parallel.world import World, all_reduce_sum, barrier
+from kiln.train.checks import check_model_tokenizer
+from kiln.train.config import RunConfig, Section
+from kiln.train.logps import token_logps
+from kiln.train.preference import REFERENCE_FREE, LossType, PairLosses, preference_losses
+from kiln.train.recipes.base import Extension, RunParts, Shortcut, build_model
+from kiln.train.recipes.finetune import FineTune, RecordsData
+from kiln.train.trainer import Callback, Trainer
+
+CACHE = "reference_logps.safetensors"
+STATS = ("pairs", "tokens", "loss", "rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margins",
+         "logps/chosen", "logps/rejected")
+
+
+class PreferenceData(RecordsData):
+    """[data] of a dpo run: preference rows; max_length caps each prompt + reply (the start is kept)."""
+
+
+class DPOSection(Section):
+    """[dpo]: the preference loss and its reference."""
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_by_name=True,
+                              serialize_by_alias=True)
+    loss_type: LossType = "sigmoid"
+    beta: float = 0.1                  # sigmoid / hinge / ipo / simpo temperature
+    label_smoothing: float = 0.0       # sigmoid and simpo: the chance a label is flipped (conservative DPO)
+    gamma: float = 0.5                 # simpo: the target margin (TRL's simpo_gamma)
+    lambda_: float = Field(0.1, alias="lambda")  # orpo: weight of the odds-ratio term (TRL's ORPO beta)
+    reference: str | None = None       # an HF directory; default: the starting weights
+    precompute_reference: bool = False  # reference log-probs computed once, cached with the run
+
+    @model_validator(mode="after")
+    def _check(self) -> "DPOSection":
+        if not self.beta > 0:
+            raise ValueError(f"dpo.beta must be > 0, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"dpo.label_smoothing must lie in [0, 0.5), got {self.label_smoothing}")
+        if self.loss_type in REFERENCE_FREE and (self.reference is not None or self.precompute_reference):
+            raise ValueError(f"dpo.loss_type {self.loss_type!r} uses no reference; remove dpo.reference and "
+                             "dpo.precompute_reference")
+        return self
+
+
+def join_pairs(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(input_ids, attention_mask, completion_mask), each (2B, T): the B chosen rows, then the B rejected."""
+    width = max(batch["chosen_ids"].shape[1], batch["rejected_ids"].shape[1])
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+    ids = torch.cat([pad(batch["chosen_ids"]), pad(batch["rejected_ids"])])
+    comp = torch.cat([pad(batch["chosen_mask"]), pad(batch["rejected_mask"])])
+    lengths = torch.cat([batch["chosen_len"], batch["rejected_len"]])
+    attn = (torch.arange(width, device=ids.device)[None, :] < lengths[:, None]).long()
+    return ids, attn, comp, batch["chosen_ids"].shape[0]
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """The LoRA model as its base: each adapter's output scaled by 0 (base + 0 is the base exactly)."""
+    saved = [(m, m.scaling) for m in model.modules() if isinstance(m, LoraLinear)]
+    try:
+        for m, _ in saved:
+            m.scaling = 0.0
+        yield
+    finally:
+        for m, s in saved:
+            m.scaling = s
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class DPORun(Callback):
+    """The step, the evaluation, the reference and the per-step reward metrics of one dpo run."""
+
+    def __init__(self, cfg: DPOSection, train: list[Example], evals: list[Example] | None, lora: bool):
+        self.cfg, self.train, self.evals, self.lora = cfg, train, evals, lora
+        self.trainer: Trainer | None = None
+        self.ref_model: nn.Module | None = None
+        self.cache: dict[str, torch.Tensor] | None = None  # split -> (pairs, 2) reference summed log-probs
+        self.cache_sha: str | None = None
+        self.sums = torch.zeros(len(STATS), dtype=torch.float64)
+
+    # ---- the reference ------------------------------------------------------------------------
+    def on_setup(self, trainer: Trainer, step: int) -> None:
+        """The model holds the starting weights (a resume loads its own after this): copy or cache them."""
+        self.trainer = trainer
+        c = self.cfg
+        if c.loss_type in REFERENCE_FREE:
+            return
+        if getattr(trainer.model, "pending_read", None) is not None and (c.precompute_reference or
+                                                                          (c.reference is None and not self.lora)):
+            raise ConfigError("[dpo] with the weights read sharded (fsdp / tp / pp from model.path): the default "
+                              "full-weights reference and precompute_reference need whole weights on every process; "
+                              "use [lora] (the reference is the base) or dpo.reference")
+        if c.reference is not None:
+            self.ref_model = load_pretrained(c.reference, task=CAUSAL_LM).to(trainer.device)
+        elif not self.lora and not c.precompute_reference:
+            self.ref_model = copy.deepcopy(trainer.model)
+        if self.ref_model is not None:
+            self.ref_model.requires_grad_(False).eval()
+            set_fast(self.ref_model, not trainer.args.exact)
+        if not c.precompute_reference:
+            return
+        path = trainer.out_dir / CACHE
+        if step > 0:  # a resume: the cache written when the run started, checked in load_state_dict
+            if not path.is_file():
+                raise KilnError(f"{path}: the precomputed reference log-probs of this run are missing; "
+                                "they are written when the run starts and a resume needs them")
+            self._read_cache(path)
+        else:
+            set_fast(trainer.model, not trainer.args.exact)  # as the Trainer sets it next: the same log-probs
+            self._write_cache(path)
+            self.ref_model = None  # cached: no reference stays in memory
+
+    def _reference_model(self, model: nn.Module) -> tuple[nn.Module, contextlib.AbstractContextManager]:
+        if self.ref_model is not None:
+            return self.ref_model, contextlib.nullcontext()
+        return model, adapters_off(model)
+
+    @torch.no_grad()
+    def _live_reference(self, model: nn.Module, ids: torch.Tensor, attn: torch.Tensor,
+                        comp: torch.Tensor) -> torch.Tensor:
+        """(2B,) the reference's summed completion log-probs."""
+        ref, off = self._reference_model(model)
+        with off, evaluating(ref):
+            return (token_logps(ref, ids, attn, comp)[:, :-1] * comp[:, 1:]).sum(-1)
+
+    def _write_cache(self, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        t = self.trainer
+        world, shards, rank = t.world, t.data_shards, t.data_rank
+        out: dict[str, torch.Tensor] = {}
+        for split, examples in (("train", self.train), ("eval", self.evals or [])):
+            values = torch.zeros(len(examples), 2, dtype=torch.float64, device=t.device)
+            for idx, batch in self._share(examples, rank, shards):
+                ids, attn, comp, n = join_pairs(batch)
+                with t.autocast():
+                    ref = self._live_reference(t.model, ids, attn, comp)
+                values[idx] = torch.stack([ref[:n], ref[n:]], dim=1).double()
+            out[split] = all_reduce_sum(values, world).float().cpu()
+        if world.main:
+            tmp = path.with_name(path.name + ".tmp")
+            save_file(out, str(tmp), metadata={"pairs": json.dumps({k: len(v) for k, v in out.items()})})
+            os.replace(tmp, path)
+        barrier(world)
+        self.cache, self.cache_sha = out, file_sha256(path)
+        if world.main:
+            print(f"dpo: reference log-probs of {len(self.train)} train and {len(self.evals or [])} eval pairs "
+                  f"cached in {path} (sha256 {self.cache_sha[:12]})")
+
+    def _read_cache(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        self.cache, self.cache_sha = load_file(str(path)), file_sha256(path)
+        for split, examples in (("train", self.train), ("eval", self.evals or [])):
+            have = len(self.cache.get(split, ()))
+            if have != len(examples):
+                raise KilnError(f"{path}: cached reference log-probs of {have} {split} pairs, but the data has "
+                                f"{len(examples)}; the data changed since the run started")
+
+    def state_dict(self, trainer: Trainer) -> dict[str, Any] | None:
+        return {"reference_sha256": self.cache_sha} if self.cache_sha else None
+
+    def load_state_dict(self, trainer: Trainer, state: dict[str, Any]) -> None:
+        want = state.get("reference_sha256")
+        if want and want != self.cache_sha:
+            raise KilnError(f"{trainer.out_dir / CACHE}: sha256 {self.cache_sha} differs from the {want} recorded "
+                            "in the checkpoint; the cached reference log-probs changed since it was saved")
+
+    def _reference(self, model: nn.Module, batch: Mapping[str, torch.Tensor], split: str, ids: torch.Tensor,
+                   attn: torch.Tensor, comp: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.cfg.loss_type in REFERENCE_FREE:
+            return None, None
+        if self.cache is not None:
+            values = self.cache[split].to(ids.device)[batch["index"]]  # (B, 2)
+            return values[:, 0], values[:, 1]
+        ref = self._live_reference(model, ids, attn, comp)
+        n = ids.shape[0] // 2
+        return ref[:n], ref[n:]
+
+    # ---- the step -----------------------------------------------------------------------------
+    def pair_losses(self, model: nn.Module, batch: Mapping[str, torch.Tensor], split: str) -> tuple[PairLosses, int]:
+        """The micro-batch's per-pair losses (through the policy's one forward over chosen + rejected)."""
+        c = self.cfg
+        ids, attn, comp, n = join_pairs(batch)
+        ref_chosen, ref_rejected = self._reference(model, batch, split, ids, attn, comp)  # before the policy:
+        # under DDP the forward that builds the graph must be the last one before backward
+        scored = attn if c.loss_type == "orpo" else comp  # ORPO's NLL reads the prompt too (as TRL's)
+        logps = token_logps(model, ids, attn, scored)[:, :-1]  # (2B, T-1)
+        target = comp[:, 1:]
+        sums, counts = (logps * target).sum(-1), target.sum(-1)
+        nll = None
+        if c.loss_type == "orpo":
+            whole = attn[:n, 1:]
+            nll = -(logps[:n] * whole).sum() / whole.sum().clamp(min=1)
+        pl = preference_losses(c.loss_type, sums[:n], sums[n:], counts[:n], counts[n:], ref_chosen=ref_chosen,
+                               ref_rejected=ref_rejected, beta=c.beta, label_smoothing=c.label_smoothing,
+                               gamma=c.gamma, lam=c.lambda_, chosen_nll=nll)
+        return pl, int(attn.sum())
+
+    def step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        pl, tokens = self.pair_losses(model, batch, "train")
+        self.sums += self._stats(pl, tokens, torch.ones_like(pl.losses))
+        return pl.losses.sum(), pl.losses.shape[0]
+
+    @staticmethod
+    def _stats(pl: PairLosses, tokens: int, weight: torch.Tensor) -> torch.Tensor:
+        w = weight.double()
+        margins = pl.chosen_rewards - pl.rejected_rewards
+        parts = [w.sum(), torch.tensor(float(tokens), dtype=torch.float64, device=w.device),
+                 (pl.losses.detach().double() * w).sum()]
+        parts += [(x.double() * w).sum() for x in (pl.chosen_rewards, pl.rejected_rewards, (margins > 0).double(),
+                                                    margins, pl.chosen_logps, pl.rejected_logps)]
+        return torch.stack(parts).cpu()
+
+    @staticmethod
+    def _means(sums: torch.Tensor, prefix: str) -> dict[str, float]:
+        pairs = float(sums[0]) or 1.0
+        return {f"{prefix}{name}": float(v) / pairs for name, v in zip(STATS[2:], sums[2:])}
+
+    def on_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        sums = all_reduce_sum(self.sums.to(trainer.device, copy=True), trainer.world).cpu()
+        self.sums.zero_()
+        means = self._means(sums, "")
+        means.pop("loss")  # the Trainer's own (the same mean)
+        record.update(means)
+        # the loader counts no tokens in pair examples: the step's real tokens (chosen + rejected), all ranks
+        seconds = float(sums[0]) / record["samples_per_s"] if record.get("samples_per_s") else math.nan
+        record["tokens"], record["tokens_per_s"] = int(sums[1]), float(sums[1]) / seconds
+
+    # ---- evaluation ---------------------------------------------------------------------------
+    def _share(self, examples: list[Example], rank: int, shards: int,
+               limit: int | None = None) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """(indices, batch) over this rank's share: ranks get equally many batches (sharded weights
+        gather in every forward), the short ones repeating an example whose `weight` is 0."""
+        t = self.trainer
+        size, total = t.args.batch_size, len(examples)
+        per_rank = math.ceil(total / shards)
+        mine = list(range(rank, total, shards))
+        weights = [1.0] * len(mine) + [0.0] * (per_rank - len(mine))
+        mine += [mine[-1] if mine else 0] * (per_rank - len(mine))
+        for b, s in enumerate(range(0, per_rank, size)):
+            if limit is not None and b >= limit:
+                return
+            idx = mine[s:s + size]
+            batch = pad_collate([examples[i] for i in idx])
+            batch["weight"] = torch.tensor(weights[s:s + size], dtype=torch.float64)
+            yield torch.tensor(idx, device=t.device), {k: v.to(t.device) for k, v in batch.items()}
+
+    @torch.no_grad()
+    def evaluate(self, trainer: Trainer) -> dict[str, float]:
+        sums = torch.zeros(len(STATS), dtype=torch.float64)
+        with evaluating(trainer.model):
+            for _, batch in self._share(self.evals or [], trainer.data_rank, trainer.data_shards,
+                                        trainer.args.eval_batches):
+                with trainer.autocast():
+                    pl, _ = self.pair_losses(trainer.model, batch, "eval")
+                weight = batch["weight"]
+                tokens = int((torch.cat([batch["chosen_len"], batch["rejected_len"]]).double()
+                              * weight.repeat(2)).sum())
+                sums += self._stats(pl, tokens, weight)
+        sums = all_reduce_sum(sums.to(trainer.device, copy=True), trainer.world).cpu()
+        return self._means(sums, "eval_")
+
+
+class DPO(FineTune):
+    name = "dpo"
+    summary = "preference optimization of a causal LM (DPO, IPO, hinge, SimPO, ORPO) on chosen/rejected pairs"
+    when = "a [dpo] table"
+    data_schema = PreferenceData
+
+    def matches(self, task: str, data: Mapping[str, Any]) -> bool:
+        return False  # chosen by its table ([dpo]), never by the data alone
+
+    def fingerprint(self, cfg: RunConfig, labels: list[str] | None) -> dict[str, Any]:
+        d = cfg.data
+        return {"train": str(d.train), "train_sha256": source_sha256(d.train), "max_length": d.max_length,
+                "eval_sha256": source_sha256(d.eval) if d.eval else None}
+
+    def build(self, cfg: RunConfig, on_model: Callable[[nn.Module], None], world: World) -> RunParts:
+        d = cfg.data
+        assert isinstance(d, PreferenceData), f"dpo builds from its own [data] schema, got {type(d).__name__}"
+        if cfg.model.task != CAUSAL_LM:
+            raise ConfigError(f"[dpo] trains a causal LM: set model.task = {CAUSAL_LM!r} (got {cfg.model.task!r})")
+        train_records = read_records(d.train, d.format)
+        eval_records = read_records(d.eval, d.format) if d.eval else None
+        model = build_model(cfg, None)
+        on_model(model)
+        if model.tokenizer is None:
+            raise KilnError(f"{cfg.model.path}: no tokenizer files (tokenizer.json) in the model directory")
+        check_model_tokenizer(model, d.max_length, cfg.model.path or cfg.model.family, cfg.train.precision)
+        if cfg.lora is not None:
+            lora = cfg.lora
+            apply_lora(model, LoraConfig(lora.r, lora.alpha, lora.dropout, lora.targets, lora.use_rslora))
+        train, stats = encode_preferences(train_records, model.tokenizer, d.max_length)
+        if world.main:
+            print(f"dpo: data.train {d.train}: {stats.line()}")
+        if not train:
+            raise KilnError(f"data.train {d.train}: no preference pair left within data.max_length = {d.max_length}")
+        evals = None
+        if eval_records is not None:
+            evals, estats = encode_preferences(eval_records, model.tokenizer, d.max_length)
+            if world.main:
+                print(f"dpo: data.eval {d.eval}: {estats.line()}")
+        return RunParts(model, train, eval_data=evals, fingerprint=self.fingerprint(cfg, None))
+
+
+class DPOExtension(Extension):
+    section = "dpo"
+    schema = DPOSection
+    summary = "preference optimization: the loss ([dpo] loss_type, beta, ...) and its reference"
+    recipes = ("dpo",)
+    recipe = "dpo"  # the recipe this table selects (kiln.train.recipes picks it when [dpo] is present)
+    shortcuts = (Shortcut("dpo_loss", "dpo.loss_type"), Shortcut("dpo_beta", "dpo.beta"))
+
+    def extend(self, cfg: RunConfig, parts: RunParts) -> None:
+        evals = parts.eval_data
+        run = DPORun(cfg.dpo, list(parts.data), list(evals) if evals is not None else None, cfg.lora is not None)
+        parts.step = run.step
+        parts.evaluate = run.evaluate if evals else None
+        parts.callbacks.append(run)
+
+
+RECIPE = DPO()
+EXTENSION = DPOExtension()
