@@ -71,7 +71,21 @@ def launch(cfg: Path, *extra: str, env: dict | None = None, nproc: int = 2):
 
 
 def losses(run: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    """The loss of every step record so far ([] while the file is missing or a line is half written)."""
+    try:
+        return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    except (OSError, ValueError):
+        return []
+
+
+def weights(ckpt: Path, tmp: Path) -> dict:
+    """HF-named weights of a checkpoint, gathered from DCP shards (into `tmp`) when it is sharded."""
+    from kiln.hub import load_weights
+    from kiln.parallel.checkpoint import export_sharded, is_sharded
+
+    if is_sharded(ckpt):
+        return load_weights(export_sharded(ckpt, tmp / f"gathered-{ckpt.parent.name}-{ckpt.name}"))
+    return load_weights(ckpt / "model")
 
 
 def free_port() -> int:

@@ -7,13 +7,12 @@ Tiny qwen3 / qwen3_moe SFT runs built from config (packed chat rows: every token
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from kiln.parallel.checkpoint import export_sharded, is_sharded
+from kiln.parallel.checkpoint import is_sharded
 from kiln.hub import load_weights
 from kiln.interop.verify import verify_export
 from kiln.train.checkpoint import verify_checkpoint
@@ -21,12 +20,8 @@ from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
 
 from tests.kiln_cli import kiln_cli
+from tests.parallel.sft_runs import DENSE, losses, make_data, run_toml, weights
 
-CHATS = [[{"role": "user", "content": f"what is {a} plus {b}?"}, {"role": "assistant", "content": f"{a + b}."}]
-         for a in range(6) for b in range(4)]
-DENSE = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, eos_token_id=2,
-             tie_word_embeddings=False)
 MOE = {**DENSE, "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
        "mlp_only_layers": []}
 STEPS, GLOBAL_BATCH = 4, 4
@@ -34,43 +29,16 @@ STEPS, GLOBAL_BATCH = 4, 4
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> Path:
-    from kiln.data.bpe import train_bpe
-
-    d = tmp_path_factory.mktemp("plans")
-    data = d / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS))
-    train_bpe([data], d / "tok", vocab_size=300, min_frequency=1)
-    return d
+    return make_data(tmp_path_factory.mktemp("plans"))
 
 
 def _toml(d: Path, name: str, family: str, batch_size: int, parallel: dict, grad_accum: int = 1) -> Path:
-    config = DENSE if family == "qwen3" else MOE
-    body = (f'[model]\nfamily = "{family}"\ntask = "causal-lm"\ntokenizer = "{d / "tok"}"\n[model.config]\n'
-            + "".join(f"{k} = {json.dumps(v)}\n" for k, v in config.items())
-            + f'[data]\ntrain = "{d / "chat.jsonl"}"\nmax_length = 48\npack = true\n'
-            + f'[train]\nout_dir = "{d / name}"\nsteps = {STEPS}\nbatch_size = {batch_size}\n'
-            + f'grad_accum = {grad_accum}\nlr = 1e-2\n'
-            + "weight_decay = 0.0\nwarmup_steps = 1\nclip_grad_norm = 1.0\nsave_every = 2\nkeep_last = 5\n"
-            + "progress = false\nlog_every = 1\nseed = 5\n"
-            + "[parallel]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in parallel.items()))
-    path = d / f"{name}.toml"
-    path.write_text(body)
-    return path
+    return run_toml(d, name, parallel, family=family, config=DENSE if family == "qwen3" else MOE,
+                    train={"steps": STEPS, "batch_size": batch_size, "grad_accum": grad_accum, "keep_last": 5})
 
 
 def _launch(cfg: Path, *extra: str, env: dict | None = None):
     return kiln_cli("launch", "--nproc-per-node", "2", "--", "train", "--config", str(cfg), *extra, env=env)
-
-
-def _losses(run: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-
-
-def _weights(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
-    """HF-named weights of a checkpoint, gathered from DCP shards when it is sharded."""
-    if is_sharded(ckpt):
-        return load_weights(export_sharded(ckpt, tmp / f"gathered-{ckpt.parent.name}-{ckpt.name}"))
-    return load_weights(ckpt / "model")
 
 
 @pytest.fixture(scope="module")
@@ -84,13 +52,13 @@ def references(setup) -> dict[str, Path]:
 
 
 def _same_as_one_process(run: Path, ref: Path, tmp: Path) -> None:
-    torch.testing.assert_close(torch.tensor(_losses(run)), torch.tensor(_losses(ref)), rtol=1e-5, atol=1e-6)
-    assert len(_losses(run)) == STEPS
+    torch.testing.assert_close(torch.tensor(losses(run)), torch.tensor(losses(ref)), rtol=1e-5, atol=1e-6)
+    assert len(losses(run)) == STEPS
     end = f"ckpt-{STEPS:06d}"
     assert is_sharded(run / end) and verify_checkpoint(run / end) is None
-    got, want = _weights(run / end, tmp), _weights(ref / end, tmp)
+    got, want = weights(run / end, tmp), weights(ref / end, tmp)
     assert got.keys() == want.keys()
-    start = _weights(ref / "ckpt-000002", tmp)
+    start = weights(ref / "ckpt-000002", tmp)
     assert any(not torch.equal(want[k], start[k]) for k in want)  # the run moved the weights
     for k in want:
         # AdamW moves near-zero gradients by about lr * sign: fp32 rounding shows as ~1e-5 there
@@ -124,8 +92,8 @@ def test_fsdp_killed_and_resumed_equals_uninterrupted_and_one_process(setup, ref
     p = _launch(cfg, "--resume", str(run))
     assert p.returncode == 0, p.stderr[-3000:]
     assert "from ckpt-000002" in p.stdout
-    assert _losses(run) == _losses(setup / "fsdp")  # bit for bit, not within rounding
-    a, b = _weights(setup / "fsdp" / "ckpt-000004", tmp_path), _weights(run / "ckpt-000004", tmp_path)
+    assert losses(run) == losses(setup / "fsdp")  # bit for bit, not within rounding
+    a, b = weights(setup / "fsdp" / "ckpt-000004", tmp_path), weights(run / "ckpt-000004", tmp_path)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
     out = tmp_path / "export"

@@ -7,7 +7,6 @@ Tiny qwen3 SFT runs built from config (packed chat rows).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -20,17 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.hub import load_weights
-from kiln.parallel.checkpoint import export_sharded, is_sharded
+from kiln.parallel.checkpoint import is_sharded
 from kiln.train import lock
 
 from tests.kiln_cli import REPO, kiln_cli
+from tests.parallel.sft_runs import losses, make_data, run_toml, weights
 
-CHATS = [[{"role": "user", "content": f"what is {a} plus {b}?"}, {"role": "assistant", "content": f"{a + b}."}]
-         for a in range(6) for b in range(4)]
-DENSE = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, eos_token_id=2,
-             tie_word_embeddings=False)
 STEPS = 16
 LINE = re.compile(r"^stopped by SIGTERM at step (\d+); checkpoint (ckpt-\d+); resume with the same command and "
                   r"--resume$", re.MULTILINE)
@@ -38,42 +32,15 @@ LINE = re.compile(r"^stopped by SIGTERM at step (\d+); checkpoint (ckpt-\d+); re
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> Path:
-    from kiln.data.bpe import train_bpe
-
-    d = tmp_path_factory.mktemp("preempt")
-    data = d / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS))
-    train_bpe([data], d / "tok", vocab_size=300, min_frequency=1)
-    return d
+    return make_data(tmp_path_factory.mktemp("preempt"))
 
 
 def _toml(d: Path, name: str, parallel: dict) -> Path:
-    body = (f'[model]\nfamily = "qwen3"\ntask = "causal-lm"\ntokenizer = "{d / "tok"}"\n[model.config]\n'
-            + "".join(f"{k} = {json.dumps(v)}\n" for k, v in DENSE.items())
-            + f'[data]\ntrain = "{d / "chat.jsonl"}"\nmax_length = 48\npack = true\n'
-            + f'[train]\nout_dir = "{d / name}"\nsteps = {STEPS}\nbatch_size = 1\nlr = 1e-2\n'
-            + "weight_decay = 0.0\nwarmup_steps = 1\nsave_every = 8\nkeep_last = 5\nprogress = false\nseed = 5\n"
-            + "[parallel]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in parallel.items()))
-    path = d / f"{name}.toml"
-    path.write_text(body)
-    return path
+    return run_toml(d, name, parallel, train={"steps": STEPS, "batch_size": 1, "save_every": 8, "keep_last": 5})
 
 
 def _launch_args(cfg: Path, *extra: str) -> list[str]:
     return ["launch", "--nproc-per-node", "2", "--", "train", "--config", str(cfg), *extra]
-
-
-def _losses(run: Path) -> list[float]:
-    try:
-        return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-    except (OSError, ValueError):  # not written yet, or a line being written
-        return []
-
-
-def _weights(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
-    if is_sharded(ckpt):
-        return load_weights(export_sharded(ckpt, tmp / f"gathered-{ckpt.parent.name}-{ckpt.name}"))
-    return load_weights(ckpt / "model")
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +66,7 @@ def test_sigterm_to_launcher_stops_every_rank_at_one_step(setup, references, tmp
     launcher = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", *_launch_args(cfg)], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     deadline = time.time() + 300
-    while len(_losses(run)) < target and launcher.poll() is None and time.time() < deadline:
+    while len(losses(run)) < target and launcher.poll() is None and time.time() < deadline:
         time.sleep(0.02)
     assert launcher.poll() is None, f"seed {seed}: the run ended before the signal"
     launcher.send_signal(signal.SIGTERM)
@@ -111,7 +78,7 @@ def test_sigterm_to_launcher_stops_every_rank_at_one_step(setup, references, tmp
     assert target <= step < STEPS and lines[0][1] == f"ckpt-{step:06d}", out
     assert "ended with" not in err, err  # exit 75 is said by the line, not reported as a failure
     assert is_sharded(run / lines[0][1]) == bool(parallel)
-    assert len(_losses(run)) == step
+    assert len(losses(run)) == step
 
     p = kiln_cli(*_launch_args(cfg, "--resume", str(run)))
     assert p.returncode == 0, p.stderr[-3000:]
@@ -120,9 +87,9 @@ def test_sigterm_to_launcher_stops_every_rank_at_one_step(setup, references, tmp
 
 
 def _same_end(run: Path, ref: Path, tmp: Path) -> None:
-    assert _losses(run) == _losses(ref)  # bit for bit
+    assert losses(run) == losses(ref)  # bit for bit
     end = f"ckpt-{STEPS:06d}"
-    a, b = _weights(ref / end, tmp), _weights(run / end, tmp)
+    a, b = weights(ref / end, tmp), weights(run / end, tmp)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -135,7 +102,7 @@ def test_sigterm_to_one_rank_stops_both(setup, references, tmp_path, fault, rank
     p = kiln_cli(*_launch_args(cfg), env={"KILN_FAULT": fault, "KILN_FAULT_SIGNAL": "SIGTERM", "KILN_FAULT_RANK": rank})
     assert p.returncode == 75, f"{p.returncode}\n{p.stdout}\n{p.stderr[-3000:]}"
     assert LINE.findall(p.stdout) == [(str(step), f"ckpt-{step:06d}")], p.stdout
-    assert is_sharded(run / f"ckpt-{step:06d}") and len(_losses(run)) == step
+    assert is_sharded(run / f"ckpt-{step:06d}") and len(losses(run)) == step
     p = kiln_cli(*_launch_args(cfg, "--resume", str(run)))
     assert p.returncode == 0, p.stderr[-3000:]
     _same_end(run, references["fsdp"], tmp_path)

@@ -17,23 +17,15 @@ import pytest
 import torch
 
 from kiln.errors import KilnError
-from kiln.hub import load_weights
-from kiln.parallel.checkpoint import export_sharded, is_sharded
 from kiln.train.resume import check_resume, plan_reshard
 from tests.kiln_cli import kiln_cli
-from tests.parallel.sft_runs import losses, make_data, write_toml
+from tests.parallel.sft_runs import losses, make_data, weights, write_toml
 
 STEPS, GLOBAL_BATCH = 6, 4
 
 
 def _launch(n: int, cfg: Path, *extra: str, env: dict | None = None):
     return kiln_cli("launch", "--nproc-per-node", str(n), "--", "train", "--config", str(cfg), *extra, env=env)
-
-
-def _weights(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
-    if is_sharded(ckpt):
-        return load_weights(export_sharded(ckpt, tmp / f"gathered-{ckpt.parent.name}-{ckpt.name}"))
-    return load_weights(ckpt / "model")
 
 
 def _killed_and_straight(d: Path, name: str, parallel: dict) -> tuple[Path, Path]:
@@ -60,7 +52,7 @@ def _continues(run: Path, straight: Path, tmp: Path) -> None:
     got, want = losses(run), losses(straight)
     assert len(got) == STEPS and got[:2] == want[:2]  # the steps before the checkpoint are kept as logged
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
-    a, b = _weights(run / f"ckpt-{STEPS:06d}", tmp), _weights(straight / f"ckpt-{STEPS:06d}", tmp)
+    a, b = weights(run / f"ckpt-{STEPS:06d}", tmp), weights(straight / f"ckpt-{STEPS:06d}", tmp)
     assert a.keys() == b.keys()
     for k in a:  # AdamW moves near-zero gradients by about lr * sign: fp32 rounding shows as ~1e-5 there
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")

@@ -8,16 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from kiln.errors import ConfigError
 from kiln.models.auto import AutoConfig, from_config
 from kiln.models.common.fp8_train import Fp8TrainLinear
 from kiln.train import Trainer
 from kiln.train.fp8 import swap_fp8
-from kiln.train.metrics import read_metrics
 
-from tests.train.train_helpers import kiln, write_toml
+from tests.train.train_helpers import kiln, killed_then_resumed_matches, write_toml
 
 VOCAB = 64
 
@@ -97,19 +95,11 @@ def test_fp8_recipe_without_torchao_is_named(tmp_path):
 @pytest.mark.slow
 def test_fp8_sigkill_then_resume_matches_uninterrupted(tmp_path, tiny_dir, data_files):
     train, eval_ = data_files
-    kiln("train", "--config", str(write_toml(tmp_path / "ref.toml", tiny_dir, train, eval_, tmp_path / "ref",
-                                             precision="fp8")))
-    cfg = write_toml(tmp_path / "run.toml", tiny_dir, train, eval_, tmp_path / "run", precision="fp8")
-    p = kiln("train", "--config", str(cfg), env={"KILN_FAULT": "step:6"}, check=False)
-    assert p.returncode == -9, p.stderr
-    kiln("train", "--config", str(cfg), "--resume", str(tmp_path / "run"))
-    for step in (4, 8, 12):
-        a = load_file(str(tmp_path / "ref" / f"ckpt-{step:06d}" / "model" / "model.safetensors"))
-        b = load_file(str(tmp_path / "run" / f"ckpt-{step:06d}" / "model" / "model.safetensors"))
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"weights differ at step {step}"
-    curve = [{k: v for k, v in r.items() if not k.endswith("_per_s")} for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
-    ref = [{k: v for k, v in r.items() if not k.endswith("_per_s")} for r in read_metrics(tmp_path / "ref" / "metrics.jsonl")]
-    assert curve == ref and len([r for r in curve if "loss" in r]) == 12
+    got = killed_then_resumed_matches(
+        write_toml(tmp_path / "ref.toml", tiny_dir, train, eval_, tmp_path / "ref", precision="fp8"),
+        write_toml(tmp_path / "run.toml", tiny_dir, train, eval_, tmp_path / "run", precision="fp8"),
+        fault="step:6", steps=(4, 8, 12))
+    assert len([r for r in got if "loss" in dict(r)]) == 12
 
 
 def test_torchao_recipe_where_torchao_installs():

@@ -9,8 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from kiln.data.raw import RawTokens, raw_files
 from kiln.data.shards import ShardError
@@ -19,7 +17,7 @@ from kiln.train.config import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.run import build_trainer
 
-from tests.train.train_helpers import kiln
+from tests.train.train_helpers import TINY_QWEN3_TOML, kiln, killed_then_resumed_matches
 
 VOCAB = 64
 
@@ -40,14 +38,7 @@ family = "qwen3"
 task = "causal-lm"
 [model.config]
 vocab_size = {VOCAB}
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-head_dim = 8
-max_position_embeddings = 64
-eos_token_id = 0
+{TINY_QWEN3_TOML}eos_token_id = 0
 [data]
 train = "{train}"
 max_length = 16
@@ -130,19 +121,7 @@ def test_sigkill_then_resume_is_exact(raw_data, tmp_path, kind):
     train, data = ((raw_data / "flat" / "ids.bin", 'dtype = "uint16"\nval_fraction = 0.1') if kind == "flat"
                    else (raw_data / "shards", 'extension = ".npy"\nval_fraction = 0.25'))
     before = _snapshot(train.parent if kind == "flat" else train)
-    kiln("train", "--config", str(_toml(tmp_path / "ref.toml", train, tmp_path / "ref", data)))
-    cfg = _toml(tmp_path / "run.toml", train, tmp_path / "run", data)
-    p = kiln("train", "--config", str(cfg), env={"KILN_FAULT": "step:5"}, check=False)  # newest checkpoint: 4
-    assert p.returncode == -9, p.stderr
-    kiln("train", "--config", str(cfg), "--resume", str(tmp_path / "run"))
-    for step in (6, 8):
-        a = load_file(str(tmp_path / "ref" / f"ckpt-{step:06d}" / "model" / "model.safetensors"))
-        b = load_file(str(tmp_path / "run" / f"ckpt-{step:06d}" / "model" / "model.safetensors"))
-        assert all(torch.equal(a[k], b[k]) for k in a), f"weights differ at step {step}"
-
-    def curve(run):
-        return [tuple(sorted((k, v) for k, v in r.items() if not k.endswith("_per_s")))
-                for r in read_metrics(run / "metrics.jsonl")]
-    assert curve(tmp_path / "run") == curve(tmp_path / "ref")
+    killed_then_resumed_matches(_toml(tmp_path / "ref.toml", train, tmp_path / "ref", data),
+                                _toml(tmp_path / "run.toml", train, tmp_path / "run", data))  # newest ckpt: 4
     assert any("eval_loss" in r for r in read_metrics(tmp_path / "run" / "metrics.jsonl"))
     assert _snapshot(train.parent if kind == "flat" else train) == before

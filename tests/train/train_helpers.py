@@ -71,3 +71,46 @@ def write_toml(path: Path, model_dir: Path, train: Path, eval_: Path | None, out
     return path
 
 
+
+
+# A tiny Qwen3 decoder's [model.config] body for run TOMLs (vocabulary, pad and eos ids added by each test).
+TINY_QWEN3_TOML = """hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+head_dim = 8
+max_position_embeddings = 64
+"""
+
+
+def curve(run: Path) -> list[tuple]:
+    """Every metrics line of a run minus its wall-clock fields, in order: two exact runs have equal curves."""
+    from kiln.train.metrics import read_metrics
+
+    return [tuple(sorted((k, v) for k, v in r.items() if not k.endswith("_per_s")))
+            for r in read_metrics(run / "metrics.jsonl")]
+
+
+def killed_then_resumed_matches(ref_cfg: Path, cfg: Path, *, fault: str = "step:5",
+                                steps: tuple[int, ...] = (6, 8)) -> list[tuple]:
+    """Train `ref_cfg` through; train `cfg` (the same run in another out_dir) until SIGKILL at `fault`, resume
+    it, and assert its checkpoints at `steps` and its metrics curve equal the uninterrupted run's. Returns
+    the curve. The out_dirs are read from the TOMLs."""
+    import tomllib
+
+    import torch
+    from safetensors.torch import load_file
+
+    ref, run = (Path(tomllib.loads(c.read_text())["train"]["out_dir"]) for c in (ref_cfg, cfg))
+    kiln("train", "--config", str(ref_cfg))
+    p = kiln("train", "--config", str(cfg), env={"KILN_FAULT": fault}, check=False)
+    assert p.returncode == -9, p.stderr
+    kiln("train", "--config", str(cfg), "--resume", str(run))
+    for step in steps:
+        a = load_file(str(ref / f"ckpt-{step:06d}" / "model" / "model.safetensors"))
+        b = load_file(str(run / f"ckpt-{step:06d}" / "model" / "model.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"weights differ at step {step}"
+    got = curve(run)
+    assert got == curve(ref)
+    return got
