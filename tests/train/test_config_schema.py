@@ -14,10 +14,10 @@ from kiln.data.shards import MANIFEST
 from kiln.errors import ConfigError
 from kiln.parallel.config import ParallelSection
 from kiln.train.config import DataSection, RunConfig, load_run_config, parse_run_config
-from kiln.train.recipes import RECIPES, recipe_for, run_config_model
+from kiln.train.recipes import EXTENSIONS, RECIPES, recipe_for, run_config_model
 from kiln.train.recipes.dpo import PreferenceData
 from kiln.train.recipes.embedding import EmbeddingData
-from kiln.train.recipes.finetune import FineTuneData
+from kiln.train.recipes.finetune import FineTuneData, RecordsData
 from kiln.train.recipes.images import ImageData
 from kiln.train.recipes.pretrain import PretrainData
 from kiln.train.recipes.sft import SFTData
@@ -44,7 +44,7 @@ def test_the_core_data_section_holds_only_the_common_keys():
     assert "pack" not in PretrainData.model_fields and "pack" not in FineTuneData.model_fields
     assert {r.name: r.data_schema for r in RECIPES.values()} == {
         "pretrain": PretrainData, "sft": SFTData, "image-classification": ImageData,
-        "sentence-embedding": EmbeddingData, "fine-tune": FineTuneData, "dpo": PreferenceData}
+        "sentence-embedding": EmbeddingData, "fine-tune": FineTuneData, "dpo": PreferenceData, "grpo": RecordsData}
 
 
 def test_each_recipe_validates_its_own_data_keys(tmp_path, shards):
@@ -139,5 +139,5 @@ def test_every_example_config_validates_for_its_recipe(path, tmp_path):
             data[key] = str(stand_in)
     cfg = parse_run_config(table, str(path))
     wants = "pretrain" if data["train"].endswith("shards") else "sft" if cfg.model.task == "causal-lm" else "fine-tune"
-    wants = "dpo" if "dpo" in table else wants  # a [dpo] table selects its recipe
-    assert type(cfg).recipe == wants
+    selected = [e.recipe for e in EXTENSIONS.values() if getattr(e, "recipe", None) and e.section in table]
+    assert type(cfg).recipe == (selected[0] if selected else wants)  # a table that brings its recipe ([grpo]) wins

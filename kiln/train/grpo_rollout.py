@@ -1,0 +1,234 @@
+"""A GRPO rollout's parts ([grpo], kiln.train.recipes.grpo): prompts, sampling through kiln's `generate` with the
+sampler's log-probs kept, scoring, the trainer's log-probs of the same tokens (logits / temperature, chunked
+through the LM head), the reference's (a frozen copy, or under [lora] the base with the adapters off), and the
+held-out evaluation of greedy completions."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from kiln.data.records import Record
+from kiln.errors import KilnError
+from kiln.models.generation import generate
+from kiln.parallel.world import all_reduce_sum
+from kiln.train.config import RunConfig
+from kiln.train.grpo_loss import combine_rewards
+from kiln.train.logps import token_logps
+from kiln.train.recipes.dpo import adapters_off  # under [lora], the reference: the base with the adapters off
+from kiln.train.rewards import Reward, score
+from kiln.train.trainer import Trainer
+
+
+# ---- prompts ------------------------------------------------------------------------------------
+def encode_prompt(prompt: Any, tokenizer: Any, where: str) -> list[int]:
+    """A prompt's token ids as TRL 1.16 makes them: a string with the tokenizer's special tokens; a message list
+    rendered by the chat template with the generation prompt, tokenized without added special tokens."""
+    if isinstance(prompt, str):
+        ids = tokenizer.backend.encode(prompt, add_special_tokens=True).ids
+    elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                     and isinstance(m.get("content"), str) for m in prompt):
+        text = tokenizer.chat().render(prompt, add_generation_prompt=True)
+        ids = tokenizer.backend.encode(text, add_special_tokens=False).ids
+    else:
+        raise KilnError(f"{where}: the prompt must be a string or a non-empty list of {{role, content}} messages, "
+                        f"got {type(prompt).__name__}")
+    if not ids:
+        raise KilnError(f"{where}: the prompt encodes to no tokens")
+    return list(ids)
+
+
+class Prompts:
+    """A prompts file: each row's prompt as written, its token ids, its other columns and where it sits."""
+
+    def __init__(self, records: list[Record], tokenizer: Any, field: str, max_length: int, source: str):
+        if not records:
+            raise KilnError(f"{source}: no prompts")
+        self.prompts, self.ids, self.columns, self.where = [], [], [], []
+        for r in records:
+            prompt = r.get(field)
+            ids = encode_prompt(prompt, tokenizer, r.where)
+            if len(ids) > max_length:
+                raise KilnError(f"{r.where}: the prompt is {len(ids)} tokens, over data.max_length = {max_length} "
+                                "(raise data.max_length: prompts are never cut)")
+            self.prompts.append(prompt)
+            self.ids.append(ids)
+            self.columns.append({k: v for k, v in r.fields.items() if k != field})
+            self.where.append(r.where)
+        self.conversational = isinstance(self.prompts[0], list)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def examples(self) -> list[dict[str, torch.Tensor]]:
+        """What the Trainer's loader batches: the prompt ids (for lengths and token counts) and the row."""
+        return [{"input_ids": torch.tensor(ids), "row": torch.tensor(i)} for i, ids in enumerate(self.ids)]
+
+    def left_padded(self, rows: list[int], repeat: int, pad: int, device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, mask) (len(rows) * repeat, P) left-padded, each row repeated `repeat` times in a row."""
+        width = max(len(self.ids[r]) for r in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(self.ids[r])
+            ids[i, width - n:], mask[i, width - n:] = torch.tensor(self.ids[r]), 1
+        return ids.repeat_interleave(repeat, 0).to(device), mask.repeat_interleave(repeat, 0).to(device)
+
+    def reward_inputs(self, rows: list[int], repeat: int) -> tuple[list, dict[str, list], list[str]]:
+        """(prompts, columns, where) for len(rows) * repeat completions, TRL's layout (every column a list)."""
+        expanded = [r for r in rows for _ in range(repeat)]
+        keys = sorted({k for r in rows for k in self.columns[r]})
+        columns = {k: [self.columns[r].get(k) for r in expanded] for k in keys}
+        return [self.prompts[r] for r in expanded], columns, [self.where[r] for r in expanded]
+
+
+# ---- the model's parts ---------------------------------------------------------------------------
+def core_of(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)
+
+
+@contextlib.contextmanager
+def temperature_scaled(core: nn.Module, temperature: float) -> Iterator[None]:
+    """The LM head sees hidden / temperature, so log-probs are those of logits / temperature (TRL's)."""
+    if temperature == 1.0:
+        yield
+        return
+    handle = core.model.register_forward_hook(lambda _m, _a, out: out / temperature)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+class _LogitTap:
+    """The model as `generate` sees it, keeping each decode step's last-position logits (the sampler's)."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.config, self.logits = model, model.config, None
+
+    @property
+    def training(self) -> bool:
+        return self.model.training
+
+    def new_cache(self) -> Any:
+        return self.model.new_cache()
+
+    def eval(self) -> None:
+        self.model.eval()
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.model(*args, **kwargs)
+        self.logits = out.logits[:, -1, :].float()
+        return out
+
+
+def completion_mask(completions: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+    """(N, C) long: 1 up to and including each row's first EOS (every token where there is none)."""
+    is_eos = torch.isin(completions, torch.tensor(eos_ids, device=completions.device)) if eos_ids else \
+        torch.zeros_like(completions, dtype=torch.bool)
+    c = completions.size(1)
+    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(completions[:, 0], c))
+    return (torch.arange(c, device=completions.device)[None, :] <= first[:, None]).long()
+
+
+def rollout_seed(seed: int, rollout: int, rank: int, micro: int) -> int:
+    """The sampling seed of one micro-batch of one rollout: a function of where the run is, so a resume redraws it."""
+    digest = hashlib.sha256(f"kiln-grpo:{seed}:{rollout}:{rank}:{micro}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+# ---- one rollout ---------------------------------------------------------------------------------
+class GRPORun:
+    """What the engine and the evaluation share: the settings, the prompts, the rewards, the reference."""
+
+    def __init__(self, cfg: RunConfig, prompts: Prompts, eval_prompts: Prompts | None, rewards: list[Reward],
+                 tokenizer: Any, reference: nn.Module | None):
+        self.g = cfg.grpo  # kiln.train.recipes.grpo.GRPOSection
+        self.seed, self.lora = cfg.train.seed, cfg.lora is not None
+        self.prompts, self.eval_prompts, self.rewards, self.tokenizer = prompts, eval_prompts, rewards, tokenizer
+        self.reference = reference
+        self.weights = torch.tensor([r.weight for r in rewards], dtype=torch.float32)
+
+    def eos_ids(self, core: nn.Module) -> list[int]:
+        eos = core.config.eos_token_id
+        return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+    def pad_id(self, core: nn.Module) -> int:
+        pad = core.config.pad_token_id
+        eos = self.eos_ids(core)
+        return pad if pad is not None else (eos[0] if eos else 0)
+
+    def sample(self, core: nn.Module, rows: list[int], prompts: Prompts, repeat: int, seed: int | None,
+               device: torch.device, full_length: bool = False) -> dict[str, Any]:
+        """Completions of `rows` (`repeat` each; greedy when `seed` is None) and what the decode saw.
+        `full_length`: decode all max_new_tokens even once every row has ended (sharded weights: each forward
+        gathers them with the other ranks, so every rank must run as many); the mask still ends at EOS."""
+        g = self.g
+        ids, mask = prompts.left_padded(rows, repeat, self.pad_id(core), device)
+        tap, steps = _LogitTap(core), []
+
+        def on_token(token: torch.Tensor) -> None:
+            steps.append(torch.log_softmax(tap.logits / g.temperature, -1).gather(1, token[:, None]).squeeze(1))
+
+        out = generate(tap, ids, mask, max_new_tokens=g.max_new_tokens, do_sample=seed is not None,
+                       temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, seed=seed,
+                       pad_token_id=self.pad_id(core), on_token=on_token, eos_token_id=[] if full_length else None)
+        completions = out[:, ids.size(1):]
+        cmask = completion_mask(completions, self.eos_ids(core))
+        lists = [completions[i, : int(cmask[i].sum())].tolist() for i in range(completions.size(0))]
+        texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in lists]
+        decoded = [[{"role": "assistant", "content": t}] for t in texts] if prompts.conversational else texts
+        p, columns, where = prompts.reward_inputs(rows, repeat)
+        per_func = score(self.rewards, p, decoded, lists, columns, where)
+        return {"input_ids": torch.cat([ids, completions], 1), "attention_mask": torch.cat([mask, cmask], 1),
+                "prompt_len": ids.size(1), "completion_mask": cmask, "per_func": per_func,
+                "sampler_logps": torch.stack(steps, 1) * cmask if steps else torch.zeros_like(cmask, dtype=torch.float)}
+
+    def logps(self, model: nn.Module, micro: dict[str, Any]) -> torch.Tensor:
+        """(N, C) log-probs of the completion tokens under `model` (through its wrapper), logits / temperature."""
+        p, cmask = micro["prompt_len"], micro["completion_mask"]
+        targets = torch.cat([torch.zeros_like(micro["input_ids"][:, :p]), cmask], 1)
+        with temperature_scaled(core_of(model), self.g.temperature):
+            full = token_logps(model, micro["input_ids"], micro["attention_mask"], targets)
+        return full[:, p - 1: p - 1 + cmask.size(1)]
+
+    @torch.no_grad()
+    def reference_logps(self, model: nn.Module, micro: dict[str, Any]) -> torch.Tensor:
+        if self.reference is not None:
+            return self.logps(self.reference, micro)
+        with adapters_off(core_of(model)):
+            return self.logps(core_of(model), micro)
+
+    def evaluate(self, trainer: Trainer) -> dict[str, float]:
+        """eval_reward (and per function) of one greedy completion per held-out prompt, over every rank."""
+        assert self.eval_prompts is not None
+        core, rank, shards = core_of(trainer.model), trainer.data_rank, trainer.data_shards
+        # sharded weights: every rank decodes every prompt (the same forwards on all, which gather the weights)
+        split = not trainer.sharded
+        mine = list(range(rank, len(self.eval_prompts), shards)) if split else list(range(len(self.eval_prompts)))
+        sums = torch.zeros(2 + 2 * len(self.rewards), dtype=torch.float64)
+        for s in range(0, len(mine), trainer.args.batch_size * self.g.num_generations):
+            rows = mine[s: s + trainer.args.batch_size * self.g.num_generations]
+            with torch.no_grad(), trainer.autocast():
+                out = self.sample(core, rows, self.eval_prompts, 1, None, trainer.device, full_length=not split)
+            total = combine_rewards(out["per_func"], self.weights)
+            sums[0] += float(torch.nansum(total))
+            sums[1] += float((~torch.isnan(total)).sum())
+            for j in range(len(self.rewards)):
+                col = out["per_func"][:, j]
+                sums[2 + 2 * j] += float(torch.nansum(col))
+                sums[3 + 2 * j] += float((~torch.isnan(col)).sum())
+        if split:
+            sums = all_reduce_sum(sums.to(trainer.device), trainer.world).cpu()
+        metrics = {"eval_reward": float(sums[0] / sums[1].clamp(min=1))}
+        for j, r in enumerate(self.rewards):
+            metrics[f"eval_reward/{r.name}"] = float(sums[2 + 2 * j] / sums[3 + 2 * j].clamp(min=1))
+        return metrics

@@ -1,0 +1,321 @@
+"""[grpo]: RL with verifiable rewards, the GRPO family (grpo, dr_grpo, dapo, bnpo), on a causal LM (full or [lora]).
+
+data.train is a prompts file (JSONL, CSV or HF datasets): `prompt` (grpo.prompt_field) a string or a message
+list (rendered with the chat template and its generation prompt); every other column goes to the reward
+functions. A step's rollout: `grad_accum` batches of `train.batch_size` prompts, each prompt sampled
+`num_generations` times by kiln's own `generate` (KV cache, temperature / top-k / top-p) on the weights being
+trained, in place; the completions scored (kiln.train.rewards), advantages taken within each prompt's group
+(kiln.train.grpo_loss), then `num_iterations` optimizer steps on that rollout, each through the Trainer's one
+`update`. Log-probs are those of logits / temperature (as TRL's), chunked through the LM head
+(kiln.train.logps).
+
+`sampler = "fast"` (default) takes the sampler's log-probs from the decode itself (no extra forward) as the old
+policy's; `"exact"` recomputes them with the trainer's own forward on the same micro-batches, so they equal the
+first update's bit for bit. `logprob_gap` is the largest |sampler - trainer| log-prob of a completion token at
+the rollout's first update: 0 on the exact path, the cached decode's rounding on the fast one. With beta > 0
+the KL is to the starting weights: under [lora] the base with the adapters off (no copy), else a frozen copy.
+
+Each rollout's sampling seed derives from (train.seed, rollout, rank, micro-batch), and the rollout being
+worked on is saved with each checkpoint: a run resumed mid-rollout continues exactly. Metrics: reward,
+reward/<function>, reward_std, completion_length, clip_ratio, kl (beta > 0), logprob_gap; with data.eval,
+eval_reward and eval_reward/<function> of greedy completions.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping
+
+import torch
+from pydantic import field_validator, model_validator
+from torch import nn
+
+from kiln.data import read_records
+from kiln.data.hfdata import source_sha256
+from kiln.errors import ConfigError, KilnError
+from kiln.parallel.world import World, all_reduce_sum, gather_objects
+from kiln.train.config import DataSection, RunConfig, Section
+from kiln.train.engine import DataParallel, StepContext, StepEngine, StepOutcome, Window, mean_gradients
+from kiln.train.grpo_loss import advantages, clipped, combine_rewards, loss_parts, token_loss
+from kiln.train.grpo_rollout import GRPORun, Prompts, core_of, rollout_seed
+from kiln.train.recipes.base import Extension, Recipe, RunParts, build_model
+from kiln.train.recipes.finetune import RecordsData
+from kiln.train.rewards import resolve_rewards
+from kiln.train.trainer import Callback, Trainer
+
+
+class GRPOSection(Section):
+    """RL with verifiable rewards (present = on); defaults are TRL 1.16's GRPOConfig's where it has the key."""
+    rewards: list[str] = []             # "module:function" (beside the prompts file, or on sys.path) or a built-in
+    reward_weights: list[float] | None = None
+    format_pattern: str | None = None   # the `format` built-in's regular expression (whole completion)
+    prompt_field: str = "prompt"
+    num_generations: int = 8            # completions per prompt (a group)
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                      # 0: off
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None   # default: epsilon
+    num_iterations: int = 1             # optimizer steps per rollout
+    beta: float = 0.0                   # KL to the starting weights (0: no reference pass)
+    sampler: Literal["fast", "exact"] = "fast"  # old log-probs from the decode, or recomputed by the trainer
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _bool_scale(cls, value: Any) -> Any:
+        return {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> "GRPOSection":
+        if self.num_generations < 2:
+            raise ValueError(f"grpo.num_generations must be >= 2, got {self.num_generations}: advantages compare "
+                             "the completions of one prompt with each other, and a group of 1 has nothing to compare")
+        for name in ("max_new_tokens", "num_iterations"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"grpo.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.temperature > 0:
+            raise ValueError(f"grpo.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"grpo.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 or self.epsilon < 0 or (self.epsilon_high or 0) < 0 or self.beta < 0:
+            raise ValueError("grpo.top_k, epsilon, epsilon_high and beta must be >= 0")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
+            raise ValueError(f"grpo.reward_weights has {len(self.reward_weights)} values for {len(self.rewards)} "
+                             "grpo.rewards")
+        return self
+
+
+def _pack(t: torch.Tensor | int | None) -> Any:
+    """A tensor as JSON (checkpoints keep the engine's state in trainer.json); float32 values round-trip exactly."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": t.flatten().tolist()}
+
+
+def _unpack(v: Any, device: torch.device) -> Any:
+    if not isinstance(v, dict):
+        return v
+    return torch.tensor(v["data"], dtype=getattr(torch, v["dtype"])).reshape(v["shape"]).to(device)
+
+
+class GRPOEngine(StepEngine):
+    """A step: (every num_iterations-th step) a new rollout, then forward and backward of its micro-batches."""
+
+    def __init__(self, inner: StepEngine, run: GRPORun):
+        if not isinstance(inner, DataParallel):
+            raise ConfigError(f"[grpo] runs on the data-parallel engine (one process, DDP, FSDP2); this run's "
+                              f"[parallel] settings make a {type(inner).__name__}")
+        self.inner, self.run = inner, run
+        self.placed = False  # the reference copy (full weights, beta > 0) is moved to the run's device on first use
+        self.keep_grads = inner.keep_grads
+        self.buffer: list[dict[str, Any]] | None = None   # the rollout being worked on
+        self.stats: dict[str, float] = {}                  # its reward metrics
+
+    # -- the rollout --
+    def rollout(self, run: StepContext) -> None:
+        r, g = self.run, self.run.g
+        core = core_of(run.model)
+        if r.reference is not None and not self.placed:
+            r.reference.to(run.device)
+            self.placed = True
+        index = run.step // g.num_iterations
+        micros, per_funcs, lengths = [], [], []
+        for m in range(run.args.grad_accum):
+            rows = run.next_batch()["row"].tolist()
+            with torch.no_grad(), run.autocast():
+                micro = r.sample(core, rows, r.prompts, g.num_generations,
+                                 rollout_seed(r.seed, index, run.data_rank, m), run.device, full_length=run.sharded)
+            per_funcs.append(micro["per_func"])
+            lengths.append(micro["completion_mask"].sum(1).double())
+            micros.append(micro)
+        per_func = torch.cat(per_funcs)
+        rewards = combine_rewards(per_func, r.weights)
+        batch_std = None
+        if g.scale_rewards == "batch" and run.world.active:  # the std over every rank's rewards, as TRL's batch scale
+            batch_std = self._global_std(run, rewards)
+        adv = advantages(rewards, g.num_generations, g.scale_rewards, batch_std)
+        start = 0
+        for micro in micros:
+            n = micro["input_ids"].size(0)
+            micro["advantages"] = adv[start: start + n].to(run.device)
+            start += n
+            with torch.no_grad(), run.autocast():
+                if g.sampler == "exact":  # the trainer's forward on the same micro-batch: the first update's values
+                    micro["old_logps"] = r.logps(run.model, micro)
+                else:
+                    micro["old_logps"] = micro["sampler_logps"]
+                if g.beta != 0.0:
+                    micro["ref_logps"] = r.reference_logps(run.model, micro)
+            del micro["per_func"]
+        self.buffer = micros
+        self.stats = self._reward_stats(run, per_func, rewards, torch.cat(lengths))
+
+    def _global_std(self, run: StepContext, x: torch.Tensor) -> torch.Tensor:
+        ok = ~torch.isnan(x)
+        s = all_reduce_sum(torch.stack([x[ok].double().sum(), (x[ok].double() ** 2).sum(),
+                                        ok.sum().double()]).to(run.device), run.world).cpu()
+        mean = s[0] / s[2]
+        return ((s[1] - s[2] * mean ** 2) / (s[2] - 1)).clamp(min=0).sqrt().float()
+
+    def _reward_stats(self, run: StepContext, per_func: torch.Tensor, rewards: torch.Tensor,
+                      lengths: torch.Tensor) -> dict[str, float]:
+        """reward, reward/<f>, reward_std, completion_length over every rank's completions of the rollout."""
+        cols = [rewards, *per_func.T]
+        parts = []
+        for c in cols:
+            ok = ~torch.isnan(c)
+            parts += [c[ok].double().sum(), (c[ok].double() ** 2).sum(), ok.sum().double()]
+        parts += [lengths.sum(), torch.tensor(float(lengths.numel()), dtype=torch.float64)]
+        s = all_reduce_sum(torch.stack(parts).to(run.device), run.world).cpu()
+        stats = {}
+        for j, name in enumerate(["reward", *(f"reward/{f.name}" for f in self.run.rewards)]):
+            total, sq, n = s[3 * j], s[3 * j + 1], s[3 * j + 2]
+            stats[name] = float(total / n) if n > 0 else float("nan")
+            if j == 0:
+                var = (sq - n * (total / n) ** 2) / (n - 1) if n > 1 else torch.tensor(0.0)
+                stats["reward_std"] = float(var.clamp(min=0).sqrt())
+        stats["completion_length"] = float(s[-2] / s[-1])
+        return stats
+
+    # -- a step --
+    def gradients(self, run: StepContext) -> StepOutcome:
+        g = self.run.g
+        iteration = run.step % g.num_iterations
+        if iteration == 0 or self.buffer is None:
+            self.rollout(run)
+        assert self.buffer is not None
+        window = Window.on(run.device)
+        eps_high = g.epsilon if g.epsilon_high is None else g.epsilon_high
+        # clipped tokens, tokens, kl sum, largest |sampler - trainer| log-prob
+        sums = torch.zeros(4, dtype=torch.float64)
+        for m, micro in enumerate(self.buffer):
+            last = m == len(self.buffer) - 1
+            with DataParallel._sync_context(run, last), run.autocast():
+                logps = self.run.logps(run.model, micro)
+                cmask = micro["completion_mask"]
+                t = token_loss(logps, micro["old_logps"], micro["advantages"], g.epsilon, eps_high, g.beta,
+                               micro.get("ref_logps"))
+                part, n = loss_parts(g.loss_type, t.loss, cmask, g.max_new_tokens)
+            (run.scaler.scale(part) if run.scaler else part).backward()
+            window.loss_sum += part.detach().to(torch.float64)
+            window.count += n.to(run.device)
+            window.tokens += int(micro["attention_mask"].sum())
+            with torch.no_grad():
+                on = cmask.bool()
+                sums[0] += float(clipped(t.ratio, micro["advantages"], g.epsilon, eps_high)[on].sum())
+                sums[1] += float(on.sum())
+                if t.kl is not None:
+                    sums[2] += float(t.kl[on].double().sum())
+                if iteration == 0 and on.any():
+                    sampler = micro["old_logps"] if g.sampler == "exact" else micro["sampler_logps"]
+                    sums[3] = max(float(sums[3]), float((sampler - logps.detach())[on].abs().max()))
+        if run.plan is not None:
+            run.plan.sync_gradients()
+        loss = mean_gradients(run, window)
+        gap = torch.tensor([float(sums[3])], device=run.device)
+        sums = all_reduce_sum(sums[:3].to(run.device), run.world).cpu()
+        if run.world.active:
+            torch.distributed.all_reduce(gap, op=torch.distributed.ReduceOp.MAX)
+        extra = dict(self.stats)
+        extra["clip_ratio"] = float(sums[0] / sums[1].clamp(min=1))
+        if g.beta != 0.0:
+            extra["kl"] = float(sums[2] / sums[1].clamp(min=1))
+        if iteration == 0:
+            extra["logprob_gap"] = float(gap[0])
+        samples = sum(m["input_ids"].size(0) for m in self.buffer) * run.data_shards
+        return StepOutcome(loss, window.tokens * run.data_shards, samples, extra=extra)
+
+    def clip(self, run: StepContext, max_norm: float) -> float:
+        return self.inner.clip(run, max_norm)
+
+    # -- resume: the rollout being worked on and its metrics, every rank's own --
+    def state_dict(self, run: StepContext) -> dict[str, Any] | None:
+        mine = None if self.buffer is None else {
+            "micros": [{k: _pack(v) for k, v in m.items()} for m in self.buffer], "stats": self.stats}
+        return {"ranks": gather_objects(mine, run.world)}
+
+    def load_state_dict(self, run: StepContext, state: dict[str, Any]) -> None:
+        ranks = state.get("ranks", [])
+        if len(ranks) != run.world.size:
+            raise KilnError(f"this checkpoint's [grpo] rollout was saved by {len(ranks)} processes; resume it on "
+                            f"as many (this run has {run.world.size})")
+        mine = ranks[run.world.rank]
+        if mine is None:
+            return
+        self.buffer = [{k: _unpack(v, run.device) for k, v in m.items()} for m in mine["micros"]]
+        self.stats = dict(mine["stats"])
+
+
+class GRPOCallback(Callback):
+    """Installs the GRPO engine."""
+
+    def __init__(self, run: GRPORun):
+        self.run = run
+
+    def wrap_engine(self, trainer: Trainer, engine: StepEngine) -> StepEngine:
+        return GRPOEngine(engine, self.run)
+
+
+# ---- the recipe and its table -------------------------------------------------------------------
+class GRPORecipe(Recipe):
+    name = "grpo"
+    summary = "RL with verifiable rewards: sampled groups, reward functions, group-relative clipped policy loss"
+    when = "a [grpo] table"
+    data_schema: type[DataSection] = RecordsData   # data.train: the prompts; data.eval: held-out prompts
+
+    def matches(self, task: str, data: Mapping[str, Any]) -> bool:
+        return False  # chosen by its table ([grpo]), never by the data alone
+
+    def build(self, cfg: RunConfig, on_model: Callable[[nn.Module], None], world: World) -> RunParts:
+        g, d = cfg.grpo, cfg.data
+        if cfg.train.epochs is not None and g.num_iterations > 1:
+            raise ConfigError("[grpo] with num_iterations > 1 counts its length in train.steps: an epoch of prompts "
+                              "takes num_iterations times the steps train.epochs would allow")
+        search = [Path(d.train).resolve().parent]
+        rewards = resolve_rewards(g.rewards, g.reward_weights, search, format_pattern=g.format_pattern,
+                                  max_new_tokens=g.max_new_tokens)  # before any model or data work
+        train_records = read_records(d.train, d.format)
+        eval_records = read_records(d.eval, d.format) if d.eval else None
+        model = build_model(cfg, None)
+        on_model(model)
+        if model.tokenizer is None:
+            raise KilnError(f"{cfg.model.path}: no tokenizer files (tokenizer.json or vocab.txt) in the model directory")
+        if not hasattr(model, "new_cache"):
+            raise ConfigError(f"[grpo] samples from a causal LM; {type(model).__name__} is not one")
+        reference = None
+        if g.beta != 0.0 and cfg.lora is None:  # the starting weights, frozen (under [lora]: the adapters off)
+            reference = copy.deepcopy(model).eval().requires_grad_(False)
+        if cfg.lora is not None:
+            from kiln.models.common.lora import LoraConfig, apply_lora
+
+            lora = cfg.lora
+            apply_lora(model, LoraConfig(lora.r, lora.alpha, lora.dropout, lora.targets, lora.use_rslora))
+        prompts = Prompts(train_records, model.tokenizer, g.prompt_field, d.max_length, f"data.train {d.train}")
+        evals = (Prompts(eval_records, model.tokenizer, g.prompt_field, d.max_length, f"data.eval {d.eval}")
+                 if eval_records else None)
+        run = GRPORun(cfg, prompts, evals, rewards, model.tokenizer, reference)
+        fingerprint = {"train": str(d.train), "train_sha256": source_sha256(d.train), "max_length": d.max_length,
+                       "prompt_field": g.prompt_field}
+        return RunParts(model, prompts.examples(), evaluate=run.evaluate if evals is not None else None,
+                        callbacks=[GRPOCallback(run)], fingerprint=fingerprint)
+
+
+
+class GRPO(Extension):
+    section = "grpo"
+    schema = GRPOSection
+    summary = GRPORecipe.summary
+    recipes = ("grpo",)
+    recipe = "grpo"  # the recipe this table selects (kiln.train.recipes picks it when [grpo] is present)
+    # no named flags: `--set grpo.KEY=VALUE` sets any key (a named flag would also need kiln/cli/recipe_flags.py's table)
+
+    def extend(self, cfg: RunConfig, parts: RunParts) -> None:
+        """Nothing to change: the grpo recipe built the parts from this table."""
+
+
+RECIPE = GRPORecipe()
+EXTENSION = GRPO()

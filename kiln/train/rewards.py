@@ -1,0 +1,180 @@
+"""Reward functions for RL with verifiable rewards ([grpo]): finding them, calling them, checking what they return.
+
+A reward is named in the run config as `"module:function"` (module.py found beside data.train, which is the run
+TOML's folder when the prompts sit beside it, then on sys.path) or as a built-in: `exact_match` (the completion, stripped, equals the row's `answer` column),
+`format` (the completion matches `grpo.format_pattern` as a whole), `length` (1 - completion tokens /
+max_new_tokens: shorter scores higher). Every function has TRL's signature,
+`f(prompts, completions, completion_ids, **columns) -> list[float | None]`, so a TRL user's function runs
+unchanged: `prompts` as the data holds them (strings or message lists), `completions` decoded (a string, or
+`[{"role": "assistant", "content": ...}]` for message-list prompts), the data's other columns one list each.
+None means "does not apply" (as TRL); a raise, a wrong length or a NaN/inf is an error naming the
+function and the row.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from kiln.errors import ConfigError, KilnError
+
+RewardFn = Callable[..., Sequence[float | None]]
+
+
+def exact_match(prompts: list, completions: list, answer: list | None = None, **_: Any) -> list[float]:
+    """1.0 where the completion's text (stripped) equals str(answer) (stripped), else 0.0."""
+    if answer is None:
+        raise KilnError("the exact_match reward compares completions with an 'answer' column, and the prompts "
+                        "file has none")
+    return [float(_text(c).strip() == str(a).strip()) for c, a in zip(completions, answer)]
+
+
+def _text(completion: Any) -> str:
+    """A completion's text: the string itself, or the content of a conversational completion's last message."""
+    if isinstance(completion, list):
+        return str(completion[-1]["content"]) if completion else ""
+    return str(completion)
+
+
+def format_reward(pattern: str) -> RewardFn:
+    """1.0 where the whole completion matches `pattern` (re.fullmatch, DOTALL), else 0.0."""
+    compiled = re.compile(pattern, re.DOTALL)
+
+    def format(prompts: list, completions: list, **_: Any) -> list[float]:  # noqa: A001  (the metric's name)
+        return [float(compiled.fullmatch(_text(c)) is not None) for c in completions]
+
+    return format
+
+
+def length_reward(max_new_tokens: int) -> RewardFn:
+    """1 - (completion tokens / max_new_tokens): shorter completions score higher, in [0, 1]."""
+
+    def length(prompts: list, completions: list, completion_ids: list, **_: Any) -> list[float]:
+        return [1.0 - len(ids) / max_new_tokens for ids in completion_ids]
+
+    return length
+
+
+BUILTINS = ("exact_match", "format", "length")
+
+
+@dataclass
+class Reward:
+    name: str          # the metric's name: reward/<name>
+    fn: RewardFn
+    weight: float
+
+
+def _import(module: str, search: Sequence[Path]) -> Any:
+    """`module` from the first of `search` that has it as module.py (or a package), else from sys.path."""
+    for folder in search:
+        if (folder / f"{module}.py").is_file() or (folder / module / "__init__.py").is_file():
+            name = f"kiln_rewards_{abs(hash(str(folder)))}_{module}"
+            if name in sys.modules:
+                return sys.modules[name]
+            path = folder / f"{module}.py" if (folder / f"{module}.py").is_file() else folder / module / "__init__.py"
+            spec = importlib.util.spec_from_file_location(name, path)
+            assert spec is not None and spec.loader is not None
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            try:
+                spec.loader.exec_module(mod)
+            except Exception as e:
+                del sys.modules[name]
+                raise ConfigError(f"grpo.rewards: importing {path} failed: {type(e).__name__}: {e}") from None
+            return mod
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module and not module.startswith(f"{e.name}."):
+            raise ConfigError(f"grpo.rewards: importing {module!r} failed: {e}") from None
+        where = ", ".join(str(f) for f in search)
+        raise ConfigError(f"grpo.rewards: no module {module!r} (looked for {module}.py in {where} and on sys.path)") \
+            from None
+
+
+def resolve_rewards(names: Sequence[str], weights: Sequence[float] | None, search: Sequence[Path], *,
+                    format_pattern: str | None, max_new_tokens: int) -> list[Reward]:
+    """The reward functions the config names, with their weights (default 1.0 each)."""
+    if not names:
+        raise ConfigError("grpo.rewards is empty: name at least one reward function (\"module:function\" or one "
+                          f"of {', '.join(BUILTINS)})")
+    if weights is not None and len(weights) != len(names):
+        raise ConfigError(f"grpo.reward_weights has {len(weights)} values for {len(names)} grpo.rewards")
+    out = []
+    for i, spec in enumerate(names):
+        weight = 1.0 if weights is None else float(weights[i])
+        if ":" not in spec:
+            if spec == "exact_match":
+                out.append(Reward(spec, exact_match, weight))
+            elif spec == "format":
+                if not format_pattern:
+                    raise ConfigError("grpo.rewards names 'format': set grpo.format_pattern (a regular expression the "
+                                      "whole completion must match)")
+                out.append(Reward(spec, format_reward(format_pattern), weight))
+            elif spec == "length":
+                out.append(Reward(spec, length_reward(max_new_tokens), weight))
+            else:
+                raise ConfigError(f"grpo.rewards: {spec!r} is neither \"module:function\" nor a built-in "
+                                  f"({', '.join(BUILTINS)})")
+            continue
+        module, _, attr = spec.partition(":")
+        fn = _import(module, search)
+        target: Any = fn
+        for part in attr.split("."):
+            target = getattr(target, part, None)
+            if target is None:
+                raise ConfigError(f"grpo.rewards: module {module!r} ({getattr(fn, '__file__', '?')}) has no "
+                                  f"function {attr!r}")
+        if not callable(target):
+            raise ConfigError(f"grpo.rewards: {spec} is not callable")
+        out.append(Reward(attr.split(".")[-1], target, weight))
+    names_seen = [r.name for r in out]
+    dup = next((n for n in names_seen if names_seen.count(n) > 1), None)
+    if dup is not None:
+        raise ConfigError(f"grpo.rewards names {dup!r} twice (each function's metric is reward/<name>)")
+    return out
+
+
+def score(rewards: Sequence[Reward], prompts: list, completions: list, completion_ids: list[list[int]],
+          columns: dict[str, list], rows: Sequence[str]) -> torch.Tensor:
+    """(N, F) float32 rewards of N completions under F functions (NaN where a function returned None).
+    `rows[i]` says where completion i's prompt comes from (file:line), for messages."""
+    n = len(completions)
+    out = torch.empty(n, len(rewards), dtype=torch.float32)
+    for j, r in enumerate(rewards):
+        try:
+            values = r.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        except Exception as e:
+            raise KilnError(f"reward function {r.name!r} raised {type(e).__name__}: {e} (on a batch whose first "
+                            f"prompt is {rows[0]})") from e
+        try:
+            values = list(values)
+        except TypeError:
+            raise KilnError(f"reward function {r.name!r} returned {type(values).__name__}, not a list of floats") \
+                from None
+        if len(values) != n:
+            raise KilnError(f"reward function {r.name!r} returned {len(values)} rewards for {n} completions (one per "
+                            f"completion expected; batch from {rows[0]})")
+        for i, v in enumerate(values):
+            if v is None:
+                out[i, j] = math.nan
+                continue
+            try:
+                f = float(v)
+            except (TypeError, ValueError):
+                raise KilnError(f"reward function {r.name!r} returned {v!r} for completion {i} of {rows[i]}, "
+                                "not a number") from None
+            if not math.isfinite(f):
+                raise KilnError(f"reward function {r.name!r} returned {f} for completion {i} of {rows[i]} "
+                                f"(completion: {_text(completions[i])[:80]!r})")
+            out[i, j] = f
+    return out
