@@ -22,7 +22,8 @@ def test_unknown_key_names_key_file_and_line_on_the_cli(tmp_path, tiny_dir, data
 
 def test_mistyped_value_and_missing_section(tmp_path, tiny_dir, data_files):
     cfg = write_toml(tmp_path / "run.toml", tiny_dir, *data_files, tmp_path / "run", batch_size="eight")
-    with pytest.raises(ConfigError, match=r"run.toml:\d+: train.batch_size: Input should be a valid integer"):
+    with pytest.raises(ConfigError,
+                       match=r"run.toml:\d+: train.batch_size: Input should be a valid number, not text: got 'eight'"):
         load_run_config(cfg)
     bad = tmp_path / "nodata.toml"
     bad.write_text(f'[model]\npath = "{tiny_dir}"\n[train]\nsteps = 1\n')

@@ -20,12 +20,13 @@ import torch
 from torch import nn
 
 from kiln.data.stream import StreamLoader
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, KilnError
 from kiln.hub import Tokenizer
 from kiln.models.auto import AutoConfig, from_config, load_pretrained
 from kiln.parallel.mesh import resolve_degrees
 from kiln.parallel.sharded_load import lean_pretrained
 from kiln.parallel.world import World, launched_world
+from kiln.train.checks import check_model_tokenizer
 from kiln.train.config import DataSection, RunConfig, Section, model_config_overrides
 from kiln.train.multiobjective import GradientCombiner
 from kiln.train.steps import StepFn
@@ -128,3 +129,20 @@ def build_model(cfg: RunConfig, labels: list[str] | None, need_tokenizer: bool =
                           "with tokenizer.json or vocab.txt")
     model.tokenizer = Tokenizer.from_dir(m.tokenizer)
     return model
+
+
+def check_text_model(cfg: RunConfig, model: nn.Module, max_length: int | None) -> None:
+    """A model that reads text has a tokenizer and (with `max_length`) positions and vocabulary for it."""
+    if model.tokenizer is None:
+        raise KilnError(f"{cfg.model.path}: no tokenizer files (tokenizer.json or vocab.txt) in the model directory")
+    if max_length is not None:
+        check_model_tokenizer(model, max_length, cfg.model.path or cfg.model.family, cfg.train.precision)
+
+
+def add_lora(cfg: RunConfig, model: nn.Module) -> None:
+    """[lora]'s adapters on the model's targets (the base frozen), when the run has the table."""
+    if cfg.lora is not None:
+        from kiln.models.common.lora import LoraConfig, apply_lora
+
+        lora = cfg.lora
+        apply_lora(model, LoraConfig(lora.r, lora.alpha, lora.dropout, lora.targets, lora.use_rslora))

@@ -41,14 +41,13 @@ from kiln.data.preference import Example, encode_preferences
 from kiln.errors import ConfigError, KilnError
 from kiln.models.auto import load_pretrained
 from kiln.models.common.fast import set_fast
-from kiln.models.common.lora import LoraConfig, LoraLinear, apply_lora
+from kiln.models.common.lora import LoraLinear
 from kiln.models.tasks import CAUSAL_LM
 from kiln.parallel.world import World, all_reduce_sum, barrier
-from kiln.train.checks import check_model_tokenizer
 from kiln.train.config import RunConfig, Section
 from kiln.train.logps import token_logps
 from kiln.train.preference import REFERENCE_FREE, LossType, PairLosses, preference_losses
-from kiln.train.recipes.base import Extension, RunParts, build_model
+from kiln.train.recipes.base import Extension, RunParts, add_lora, build_model, check_text_model
 from kiln.train.recipes.finetune import FineTune, RecordsData
 from kiln.train.trainer import Callback, Trainer
 
@@ -348,12 +347,8 @@ class DPO(FineTune):
         eval_records = read_records(d.eval, d.format) if d.eval else None
         model = build_model(cfg, None)
         on_model(model)
-        if model.tokenizer is None:
-            raise KilnError(f"{cfg.model.path}: no tokenizer files (tokenizer.json) in the model directory")
-        check_model_tokenizer(model, d.max_length, cfg.model.path or cfg.model.family, cfg.train.precision)
-        if cfg.lora is not None:
-            lora = cfg.lora
-            apply_lora(model, LoraConfig(lora.r, lora.alpha, lora.dropout, lora.targets, lora.use_rslora))
+        check_text_model(cfg, model, d.max_length)
+        add_lora(cfg, model)
         train, stats = encode_preferences(train_records, model.tokenizer, d.max_length)
         if world.main:
             print(f"dpo: data.train {d.train}: {stats.line()}")

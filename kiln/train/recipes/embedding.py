@@ -29,9 +29,8 @@ from kiln.errors import ConfigError, KilnError
 from kiln.models.sentence import Pooling, pool, sentence_model
 from kiln.models.tasks import BASE, SENTENCE_EMBEDDING
 from kiln.parallel.world import World
-from kiln.train.checks import check_model_tokenizer
 from kiln.train.config import DataSection, RunConfig, Section
-from kiln.train.recipes.base import Extension, Recipe, RunParts, build_model
+from kiln.train.recipes.base import Extension, Recipe, RunParts, add_lora, build_model, check_text_model
 from kiln.train.recipes.finetune import RecordsData
 
 Mode = Literal["mean", "cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"]
@@ -195,14 +194,8 @@ class SentenceEmbedding(Recipe):
         pooling = Pooling(e.pooling or read.mode, read.normalize if e.normalize is None else e.normalize, d.max_length)
         model = sentence_model(model, pooling)
         on_model(model)
-        if model.tokenizer is None:
-            raise KilnError(f"{cfg.model.path}: no tokenizer files (tokenizer.json or vocab.txt) in the model directory")
-        check_model_tokenizer(model, d.max_length, cfg.model.path or cfg.model.family, cfg.train.precision)
-        if cfg.lora is not None:
-            from kiln.models.common.lora import LoraConfig, apply_lora
-
-            lora = cfg.lora
-            apply_lora(model, LoraConfig(lora.r, lora.alpha, lora.dropout, lora.targets, lora.use_rslora))
+        check_text_model(cfg, model, d.max_length)
+        add_lora(cfg, model)
         sides = _sides(cfg, e.loss, train_records[0])
         score = d.score_field if e.loss == "cosent" else None
         train = encode_rows(train_records, model.tokenizer, sides, score, d.max_length)

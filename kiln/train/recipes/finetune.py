@@ -10,13 +10,13 @@ from torch import nn
 
 from kiln.data import read_records
 from kiln.data.hfdata import source_sha256
-from kiln.errors import ConfigError, KilnError
+from kiln.errors import ConfigError
 from kiln.models.auto import load_config
 from kiln.models.tasks import CAUSAL_LM, Task, get_task
 from kiln.parallel.world import World
-from kiln.train.checks import check_examples, check_model_tokenizer
+from kiln.train.checks import check_examples
 from kiln.train.config import DataSection, RunConfig
-from kiln.train.recipes.base import Recipe, RunParts, build_model
+from kiln.train.recipes.base import Recipe, RunParts, add_lora, build_model, check_text_model
 
 
 class RecordsData(DataSection):
@@ -81,14 +81,8 @@ class FineTune(Recipe):
         labels = label_set(cfg, task, train_records)
         model = build_model(cfg, labels)
         on_model(model)
-        if model.tokenizer is None:
-            raise KilnError(f"{cfg.model.path}: no tokenizer files (tokenizer.json or vocab.txt) in the model directory")
-        check_model_tokenizer(model, d.max_length, cfg.model.path or cfg.model.family, cfg.train.precision)
-        if cfg.lora is not None:
-            from kiln.models.common.lora import LoraConfig, apply_lora
-
-            lora = cfg.lora
-            apply_lora(model, LoraConfig(lora.r, lora.alpha, lora.dropout, lora.targets, lora.use_rslora))
+        check_text_model(cfg, model, d.max_length)
+        add_lora(cfg, model)
         train = task.encode(train_records, model.tokenizer, labels, d, "train")
         evals = task.encode(eval_records, model.tokenizer, labels, d, "eval") if eval_records else None
         check_examples(train, model, task, f"data.train {d.train}", self.empty_hint(cfg))

@@ -39,7 +39,7 @@ from kiln.train.config import DataSection, RunConfig, Section
 from kiln.train.engine import DataParallel, StepContext, StepEngine, StepOutcome, Window, mean_gradients
 from kiln.train.grpo_loss import advantages, clipped, combine_rewards, loss_parts, token_loss
 from kiln.train.grpo_rollout import GRPORun, Prompts, core_of, rollout_seed
-from kiln.train.recipes.base import Extension, Recipe, RunParts, build_model
+from kiln.train.recipes.base import Extension, Recipe, RunParts, add_lora, build_model, check_text_model
 from kiln.train.recipes.finetune import RecordsData
 from kiln.train.rewards import resolve_rewards
 from kiln.train.trainer import Callback, Trainer
@@ -282,18 +282,13 @@ class GRPORecipe(Recipe):
         eval_records = read_records(d.eval, d.format) if d.eval else None
         model = build_model(cfg, None)
         on_model(model)
-        if model.tokenizer is None:
-            raise KilnError(f"{cfg.model.path}: no tokenizer files (tokenizer.json or vocab.txt) in the model directory")
+        check_text_model(cfg, model, None)
         if not hasattr(model, "new_cache"):
             raise ConfigError(f"[grpo] samples from a causal LM; {type(model).__name__} is not one")
         reference = None
         if g.beta != 0.0 and cfg.lora is None:  # the starting weights, frozen (under [lora]: the adapters off)
             reference = copy.deepcopy(model).eval().requires_grad_(False)
-        if cfg.lora is not None:
-            from kiln.models.common.lora import LoraConfig, apply_lora
-
-            lora = cfg.lora
-            apply_lora(model, LoraConfig(lora.r, lora.alpha, lora.dropout, lora.targets, lora.use_rslora))
+        add_lora(cfg, model)
         prompts = Prompts(train_records, model.tokenizer, g.prompt_field, d.max_length, f"data.train {d.train}")
         evals = (Prompts(eval_records, model.tokenizer, g.prompt_field, d.max_length, f"data.eval {d.eval}")
                  if eval_records else None)

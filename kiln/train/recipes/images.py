@@ -19,7 +19,7 @@ from kiln.errors import ConfigError, KilnError
 from kiln.models.tasks import IMAGE_CLASSIFICATION, get_task
 from kiln.parallel.world import World
 from kiln.train.config import DataSection, RunConfig
-from kiln.train.recipes.base import RunParts, build_model
+from kiln.train.recipes.base import RunParts, add_lora, build_model
 from kiln.train.recipes.finetune import FineTune, RecordsData, label_set
 
 SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -93,11 +93,7 @@ class ImageClassificationRecipe(FineTune):
         if size is None:
             raise ConfigError(f"model.task = {IMAGE_CLASSIFICATION!r} needs an image model (config image_size); "
                               f"{model.config.model_type!r} has none")
-        if cfg.lora is not None:
-            from kiln.models.common.lora import LoraConfig, apply_lora
-
-            lora = cfg.lora
-            apply_lora(model, LoraConfig(lora.r, lora.alpha, lora.dropout, lora.targets, lora.use_rslora))
+        add_lora(cfg, model)
         processor = ImageClassifierProcessor(size=size, image_mean=tuple(d.image_mean), image_std=tuple(d.image_std),
                                              max_input_pixels=d.max_image_pixels)
         train = encode_images(train_records, labels, processor, d)
