@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kiln.errors import KilnError
-from kiln.models.common.loss import CHUNK_ELEMENTS
+from kiln.models.common.loss import CHUNK_ELEMENTS, head_operands
 
 __all__ = ["linear_token_logps", "sequence_logps", "token_logps"]
 
@@ -82,13 +82,7 @@ def linear_token_logps(h: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     if h.dim() != 2 or targets.shape != h.shape[:1] or weight.dim() != 2 or weight.shape[1] != h.shape[1]:
         raise KilnError(f"linear_token_logps: h {tuple(h.shape)}, weight {tuple(weight.shape)} and targets "
                         f"{tuple(targets.shape)} do not fit (want (N, C), (V, C), (N,))")
-    kind = h.device.type
-    if torch.is_autocast_enabled(kind):
-        dtype = torch.get_autocast_dtype(kind)
-        h, weight = h.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
-    elif h.dtype != weight.dtype:
-        h = h.to(weight.dtype)
+    h, weight, bias = head_operands(h, weight, bias)
     if h.shape[0] == 0:  # no targets: an empty result that still reaches the graph
         return (h.sum() * 0.0 + weight.sum() * 0.0).float().expand(0)
     rows = chunk_rows or max(1, min(h.shape[0], CHUNK_ELEMENTS // weight.shape[0]))

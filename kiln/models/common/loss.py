@@ -108,6 +108,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
+def head_operands(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The LM head's matmul operands in the dtype `nn.Linear` would run them in: the autocast dtype under
+    autocast, else the weight's."""
+    kind = h.device.type
+    if torch.is_autocast_enabled(kind):
+        dtype = torch.get_autocast_dtype(kind)
+        return h.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+    return (h.to(weight.dtype) if h.dtype != weight.dtype else h), weight, bias
+
+
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          bias: torch.Tensor | None = None, chunk_rows: int | None = None) -> torch.Tensor:
     """fp32 sum over rows of cross_entropy(h W^T + b, targets) for h (N, C), weight (V, C), targets (N,)
@@ -117,13 +128,7 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     """
     if h.shape[0] == 0:
         return (h.sum() * 0.0 + weight.sum() * 0.0).float()  # no targets: a zero that still reaches the graph
-    kind = h.device.type
-    if torch.is_autocast_enabled(kind):
-        dtype = torch.get_autocast_dtype(kind)
-        h, weight = h.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
-    elif h.dtype != weight.dtype:
-        h = h.to(weight.dtype)
+    h, weight, bias = head_operands(h, weight, bias)
     rows = chunk_rows or max(1, min(h.shape[0], CHUNK_ELEMENTS // weight.shape[0]))
     grad = torch.is_grad_enabled()
     return _LinearCrossEntropy.apply(h, weight, bias, targets, rows, grad and h.requires_grad,
