@@ -12,6 +12,7 @@ and exports of a sentence-embedding run load in `SentenceTransformer` as they ar
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -148,6 +149,8 @@ class SentenceModelMixin:
         if self.tokenizer is None:
             raise KilnError("this model was loaded without a tokenizer; embed() needs one")
         length = max_length or self.pooling.max_seq_length or 512
+        # what the forward reads (a decoder has no token_type_ids, which BERT-style tokenizers give)
+        takes = {"input_ids", "attention_mask"} | ({"token_type_ids"} & set(inspect.signature(self.forward).parameters))
         was_training = self.training
         self.eval()
         out = []
@@ -155,7 +158,7 @@ class SentenceModelMixin:
             for i in range(0, len(texts), batch_size):
                 batch = self.tokenizer.encode(texts[i:i + batch_size], max_length=length)
                 device = next(self.parameters()).device
-                batch = {k: v.to(device) for k, v in batch.items()}
+                batch = {k: v.to(device) for k, v in batch.items() if k in takes}
                 hidden = self(**batch).last_hidden_state
                 emb = pool(hidden, batch["attention_mask"], self.pooling.mode)
                 out.append(F.normalize(emb, p=2, dim=1) if (self.pooling.normalize if normalize is None else normalize)

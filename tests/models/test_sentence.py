@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kiln.errors import KilnError
-from kiln.models.sentence import MODES, Pooling, load_sentence_model, pool
+from kiln.models.sentence import MODES, Pooling, load_sentence_model, pool, sentence_model
 
 SENTENCES = ["A man is eating food.", "The central bank raised interest rates again.", "Paris",
              " ".join(["a long text that sentence-transformers truncates to its max_seq_length"] * 40)]
@@ -64,3 +64,44 @@ def test_real_minilm_export_loads_in_sentence_transformers(minilm_dir, tmp_path)
     torch.testing.assert_close(ours, source.cpu(), rtol=0, atol=1e-6)
     # the control: without the 256-token truncation the long text's embedding differs
     assert (load_sentence_model(tmp_path / "st").embed(SENTENCES[3:], max_length=512) - ours[3]).abs().max() > 1e-3
+
+
+def write_tiny_decoder(d, texts: list[str]):
+    """`d`: a tiny random Qwen3 base model written by transformers, a BPE tokenizer of `texts`, and
+    sentence-transformers files for last-token pooling with normalisation."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    from kiln.data.bpe import train_bpe
+
+    d.mkdir(parents=True)
+    (d / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts * 3))
+    train_bpe([d / "corpus.jsonl"], d, vocab_size=300, min_frequency=1)
+    (d / "corpus.jsonl").unlink()
+    torch.manual_seed(0)
+    Qwen3Model(Qwen3Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                           pad_token_id=0)).save_pretrained(d)
+    Pooling("lasttoken", True, 64).write(d, 32)
+    return d
+
+
+def test_decoder_last_token_pooling_equals_sentence_transformers(tmp_path):
+    """A decoder (tiny Qwen3, transformers-written) with last-token pooling: kiln's embed() equals
+    SentenceTransformer's on the same directory and on kiln's export of it, rows of several lengths."""
+    from sentence_transformers import SentenceTransformer
+
+    from kiln.interop.export import export_model
+
+    texts = SENTENCES[:3] + ["short", "the bank and the food and the rates"]
+    src = write_tiny_decoder(tmp_path / "src", texts)
+    ours = load_sentence_model(src).embed(texts)
+    theirs = SentenceTransformer(str(src), device="cpu").encode(texts, convert_to_tensor=True, batch_size=len(texts))
+    # fp32 forward of the same operations; rows padded differently in a batch differ only by rounding
+    torch.testing.assert_close(ours, theirs.cpu(), rtol=0, atol=1e-6)
+    export_model(src, tmp_path / "out")
+    again = SentenceTransformer(str(tmp_path / "out"), device="cpu").encode(texts, convert_to_tensor=True,
+                                                                            batch_size=len(texts))
+    torch.testing.assert_close(ours, again.cpu(), rtol=0, atol=1e-6)
+    # the control: mean pooling of the same states is another embedding
+    mean = sentence_model(load_sentence_model(src), Pooling("mean", True, 64)).embed(texts)
+    assert (mean - ours).abs().max() > 1e-3

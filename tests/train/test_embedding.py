@@ -4,6 +4,7 @@ run of the real all-MiniLM-L6-v2 on BBC title -> opening-sentence pairs improves
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -120,3 +121,46 @@ progress = false
     print(f"held-out top-1 retrieval of 300: untrained {before:.3f}, after MNRL {after:.3f}")
     assert final["eval_retrieval_accuracy"] == pytest.approx(after, abs=1e-6)  # the run's own eval agrees
     assert after > before + 0.1
+
+
+def test_a_decoder_trains_with_last_token_pooling(tmp_path):
+    """A decoder (tiny Qwen3) as a sentence-embedding model: an MNRL run from its directory's last-token
+    pooling finishes with a finite loss, and its checkpoint reads in sentence-transformers as kiln embeds."""
+    from sentence_transformers import SentenceTransformer
+
+    from tests.models.test_sentence import write_tiny_decoder
+
+    words = ["red", "blue", "cat", "dog", "runs", "sits", "big", "small", "bank", "food"]
+    rng = random.Random(1)
+    pairs = [(" ".join(rng.choice(words) for _ in range(4)), " ".join(rng.choice(words) for _ in range(5)))
+             for _ in range(16)]
+    src = write_tiny_decoder(tmp_path / "qwen", [a for a, _ in pairs] + [b for _, b in pairs])
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"anchor": a, "positive": b}) + "\n" for a, b in pairs))
+    (tmp_path / "run.toml").write_text(f"""
+[model]
+path = "{src}"
+task = "sentence-embedding"
+[data]
+train = "{tmp_path / 'pairs.jsonl'}"
+max_length = 16
+[embedding]
+loss = "mnrl"
+[train]
+out_dir = "{tmp_path / 'run'}"
+steps = 3
+batch_size = 4
+lr = 1e-3
+save_every = 3
+progress = false
+""")
+    r = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "run.toml")])
+    assert r.exit_code == 0, r.output
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in x]
+    assert len(losses) == 3 and all(map(math.isfinite, losses))
+    ckpt = tmp_path / "run" / "ckpt-000003" / "model"
+    texts = [a for a, _ in pairs[:5]]
+    ours = load_sentence_model(ckpt).embed(texts)
+    assert load_sentence_model(ckpt).pooling.mode == "lasttoken"
+    theirs = SentenceTransformer(str(ckpt), device="cpu").encode(texts, convert_to_tensor=True)
+    torch.testing.assert_close(ours, theirs.cpu(), rtol=0, atol=1e-6)

@@ -95,9 +95,10 @@ def encode_rows(records: list[Record], tokenizer: Any, sides: list[tuple[str, st
 
 def embed_side(model: nn.Module, batch: dict[str, torch.Tensor], side: str, pooling: Pooling) -> torch.Tensor:
     """(B, C) embeddings of one side of a batch, through `model`'s own forward (so DDP sees the call)."""
-    mask = batch[f"{side}_attention_mask"]
-    hidden = model(input_ids=batch[f"{side}_input_ids"], attention_mask=mask,
-                   token_type_ids=batch[f"{side}_token_type_ids"]).last_hidden_state
+    mask, types = batch[f"{side}_attention_mask"], batch[f"{side}_token_type_ids"]
+    # all-zero type ids are every encoder's default, and a decoder has none: passed only when they say something
+    kwargs = {"token_type_ids": types} if bool(types.any()) else {}
+    hidden = model(input_ids=batch[f"{side}_input_ids"], attention_mask=mask, **kwargs).last_hidden_state
     emb = pool(hidden, mask, pooling.mode)
     return F.normalize(emb, p=2, dim=1) if pooling.normalize else emb
 
