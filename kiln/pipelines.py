@@ -12,7 +12,9 @@ from typing import Any
 import torch
 
 from kiln.errors import KilnError
+from kiln.hub.resolve import resolve_model_dir
 from kiln.models import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification
+from kiln.models.sentence import Pooling, load_sentence_model
 
 Source = str | os.PathLike | torch.nn.Module
 
@@ -43,9 +45,13 @@ def classify(src: Source, texts: list[str] | str, max_length: int = 512) -> list
                    key=lambda d: -d["score"]) for row in scores]
 
 
-def embed(src: Source, texts: list[str], normalize: bool = True) -> torch.Tensor:
-    """Mean-pooled (and L2-normalised) sentence embeddings, (N, hidden)."""
-    return _model(src, AutoModel).embed(texts, normalize=normalize)
+def embed(src: Source, texts: list[str], normalize: bool | None = None) -> torch.Tensor:
+    """Sentence embeddings, (N, hidden): pooled and normalised as a sentence-transformers directory's files
+    say (modules.json, 1_Pooling), else mean-pooled and L2-normalised; `normalize` overrides either."""
+    if not isinstance(src, torch.nn.Module) and Pooling.read(resolve_model_dir(src)) is not None:
+        model = _model(load_sentence_model(resolve_model_dir(src)), AutoModel)
+        return model.embed(texts, normalize=normalize)
+    return _model(src, AutoModel).embed(texts, normalize=True if normalize is None else normalize)
 
 
 def generate(src: Source, prompt: str, max_new_tokens: int = 40, temperature: float = 0.0, top_k: int = 0,

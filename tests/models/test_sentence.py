@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kiln.errors import KilnError
+from kiln.pipelines import embed
 from kiln.models.sentence import MODES, Pooling, load_sentence_model, pool, sentence_model
 
 SENTENCES = ["A man is eating food.", "The central bank raised interest rates again.", "Paris",
@@ -95,6 +96,7 @@ def test_decoder_last_token_pooling_equals_sentence_transformers(tmp_path):
     texts = SENTENCES[:3] + ["short", "the bank and the food and the rates"]
     src = write_tiny_decoder(tmp_path / "src", texts)
     ours = load_sentence_model(src).embed(texts)
+    assert torch.equal(embed(str(src), texts), ours)  # the one-call pipeline reads the directory's pooling
     theirs = SentenceTransformer(str(src), device="cpu").encode(texts, convert_to_tensor=True, batch_size=len(texts))
     # fp32 forward of the same operations; rows padded differently in a batch differ only by rounding
     torch.testing.assert_close(ours, theirs.cpu(), rtol=0, atol=1e-6)
