@@ -56,12 +56,16 @@ def pad_collate(examples: Sequence[dict[str, torch.Tensor]], pad_id: int = 0) ->
 
 def batch_tokens(batch: dict[str, torch.Tensor], loader: Any) -> int:
     """Real tokens in a batch just drawn from `loader`: what the loader counted (a packed row's padding tail
-    left out), else the attention mask's, else every input id (token streams have no padding)."""
+    left out), else the attention mask's, else the masks of every side of a paired batch (`anchor_attention_mask`,
+    ...: sentence pairs), else every input id (token streams have no padding)."""
     counted = getattr(loader, "last_tokens", None)
     if counted is not None:
         return int(counted)
     if "attention_mask" in batch:
         return int(batch["attention_mask"].sum())
+    sides = [v for k, v in batch.items() if k.endswith("_attention_mask") and isinstance(v, torch.Tensor)]
+    if sides:
+        return sum(int(m.sum()) for m in sides)
     return batch["input_ids"].numel() if "input_ids" in batch else 0
 
 

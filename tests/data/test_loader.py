@@ -71,3 +71,14 @@ def test_batch_tokens_leave_a_packed_row_padding_tail_out():
     # without a loader's count: the mask, else every id
     assert batch_tokens({"input_ids": torch.ones(2, 4), "attention_mask": torch.tensor([[1, 1, 0, 0]] * 2)}, None) == 4
     assert batch_tokens({"input_ids": torch.ones(2, 4)}, None) == 8
+
+
+def test_batch_tokens_counts_every_side_of_a_paired_batch():
+    from kiln.data.loader import batch_tokens
+
+    pairs = {"anchor_input_ids": torch.ones(2, 4, dtype=torch.long),
+             "anchor_attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]),
+             "positive_input_ids": torch.ones(2, 3, dtype=torch.long),
+             "positive_attention_mask": torch.tensor([[1, 1, 1], [1, 0, 0]])}
+    assert batch_tokens(pairs, object()) == 5 + 4
+    assert batch_tokens({"input_ids": torch.ones(2, 3, dtype=torch.long)}, object()) == 6
