@@ -269,7 +269,14 @@ def dtype_message(source: str, name: str, got: torch.dtype, want: torch.dtype, m
 
 def stored_dtype_problems(model: "PreTrainedModel", hf: dict[str, torch.Tensor], source: str) -> list[str]:
     """One message per stored tensor (by its HF name) whose kind differs from what `model` (built on meta is
-    enough) holds under that name: what a load refuses, for `kiln inspect` to say without loading."""
+    enough) holds under that name: what a load refuses, for `kiln inspect` to say without loading. Packed
+    low-precision weights (integer bytes beside their scales: FP4 experts, bitsandbytes 4-bit) are a quantized
+    scheme's, which the load dequantizes, and are not compared."""
+    def packed(k: str) -> bool:
+        partners = (k + "_scale_inv", k.removesuffix(".weight") + ".scale", k + ".absmax")
+        return dtype_kind(hf[k].dtype) == "integer" and any(p in hf for p in partners)
+
+    hf = {k: v for k, v in hf.items() if not packed(k)}
     normalised = {name: hf[k] for k, (name, extra) in model.normalise_hf_names(hf).items() if not extra}
     keymap = model.family.keymap(model.task)
     kiln_sd, _ = keymap.to_kiln(normalised)

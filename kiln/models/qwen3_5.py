@@ -256,8 +256,9 @@ def image_text_family(model_type: str, config_cls: type, arch: str, text: Family
     """Only the causal-LM head ({arch}ForConditionalGeneration): the text model under `model.language_model`,
     the vision tower under `model.visual`."""
     def build(c):
-        vision = VisionConfig.from_dict(c.outer.get("vision_config"), "config.json (vision_config)")
-        if vision.out_hidden_size != c.hidden_size:
+        vision = (VisionConfig.from_dict(c.outer["vision_config"], "config.json (vision_config)")
+                  if c.outer.get("vision_config") is not None else None)
+        if vision is not None and vision.out_hidden_size != c.hidden_size:
             raise ConfigError(f"config.json: vision_config.out_hidden_size ({vision.out_hidden_size}) must equal "
                               f"text_config.hidden_size ({c.hidden_size})")
         return ImageTextForCausalLM(build_hybrid(c, mixer, mlp, MRotaryEmbedding), c.hidden_size, c.vocab_size,

@@ -293,12 +293,16 @@ class ImageTextForCausalLM(HybridForCausalLM):
     `mm_token_type_ids` is read from the placeholders when not given. The rotary offset of the
     prompt's last image (`rope_deltas`) carries on into decoding steps that come with a cache.
     """
-    takes_images = True  # kiln.models.AutoModelForImageTextToText accepts it
+    @property
+    def takes_images(self) -> bool:
+        """kiln.models.AutoModelForImageTextToText accepts it when it has a tower."""
+        return self.visual is not None
 
-    def __init__(self, model: nn.Module, hidden_size: int, vocab_size: int, tied: bool, vision: VisionConfig,
+    def __init__(self, model: nn.Module, hidden_size: int, vocab_size: int, tied: bool, vision: VisionConfig | None,
                  image_token_id: int, video_token_id: int | None = None):
         super().__init__(model, hidden_size, vocab_size, tied)
-        self.visual = VisionModel(vision)
+        # no vision_config (a model built from a text config): the text model alone, no tower
+        self.visual = VisionModel(vision) if vision is not None else None
         self.image_token_id, self.video_token_id = image_token_id, video_token_id
         self.rope_deltas: torch.Tensor | None = None
 
@@ -330,6 +334,8 @@ class ImageTextForCausalLM(HybridForCausalLM):
         """For images (paths or PIL images): the prompt ids that stand for them (per image: vision start, one
         placeholder per merged patch, vision end) and the processor's pixel inputs. `processor` defaults to the
         Qwen-VL processor of `model_dir`'s preprocessor_config.json, else on this tower's patch sizes."""
+        if self.visual is None:
+            raise KilnError("this model has no vision tower (its config.json has no vision_config): it takes no images")
         c = self.visual.config
         if processor is None and model_dir is not None:
             processor = QwenImageProcessor.for_model(model_dir, self.config.outer.get("vision_config"))
@@ -344,8 +350,8 @@ class ImageTextForCausalLM(HybridForCausalLM):
         return ids, inputs
 
     def verify_batches(self, text_batches: list[dict]) -> list[dict]:
-        """verify-export's inputs: the text batches and an image batch."""
-        return text_batches + [self.example_image_batch()]
+        """verify-export's inputs: the text batches and (with a vision tower) an image batch."""
+        return text_batches + ([self.example_image_batch()] if self.visual is not None else [])
 
     def embed_images(self, input_ids: torch.Tensor, inputs_embeds: torch.Tensor | None, pixel_values: torch.Tensor,
                      image_grid_thw: torch.Tensor) -> torch.Tensor:
@@ -365,6 +371,8 @@ class ImageTextForCausalLM(HybridForCausalLM):
                 image_grid_thw: torch.Tensor | None = None,
                 mm_token_type_ids: torch.Tensor | None = None) -> CausalLMOutput:
         decoding = cache is not None and len(cache) > 0
+        if (pixel_values is not None or image_grid_thw is not None) and self.visual is None:
+            raise KilnError("this model has no vision tower (its config.json has no vision_config): it takes no images")
         if pixel_values is not None or image_grid_thw is not None:
             if input_ids is None or image_grid_thw is None:
                 raise KilnError("images need input_ids (their placeholders) and image_grid_thw beside pixel_values")
