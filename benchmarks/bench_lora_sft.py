@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bbc_articles, peak_mb_above, report, rss_kb, run_child, setup_torch  # noqa: E402
+from common import bbc_articles, peak_mb_on, report, rss_kb, run_child, setup_torch, sync  # noqa: E402
 
 SIZE = dict(vocab_size=151936, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=4, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True,
@@ -75,7 +75,8 @@ def prepare_data(tmp: Path) -> None:
     (tmp / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
 
 
-def toml(tmp: Path, full: bool, steps: int, targets: list[str] = TARGETS) -> Path:
+def toml(tmp: Path, full: bool, steps: int, targets: list[str] = TARGETS, device: str = "cpu",
+         bf16: bool = False) -> Path:
     lora = "" if full else f"[lora]\nr = 16\nalpha = 32\ntargets = {json.dumps(targets)}\n"
     out = tmp / f"run-{time.time_ns()}"
     path = tmp / f"{out.name}.toml"
@@ -92,11 +93,14 @@ batch_size = {BATCH}
 lr = {LR}
 save_at_end = false
 progress = false
+device = "{device}"
+precision = "{'bf16' if bf16 else 'fp32'}"
 {lora}""")
     return path
 
 
-def run_kiln(tmp: Path, full: bool, steps: int, warmup: int, targets: list[str] = TARGETS) -> dict:
+def run_kiln(tmp: Path, full: bool, steps: int, warmup: int, targets: list[str] = TARGETS, device: str = "cpu",
+             bf16: bool = False) -> dict:
     import torch  # noqa: F401  (imported before the baseline, as on the peer side)
     from kiln.train import Callback
     from kiln.train.config import load_run_config
@@ -111,21 +115,22 @@ def run_kiln(tmp: Path, full: bool, steps: int, warmup: int, targets: list[str] 
             seconds = BATCH / record["samples_per_s"]
             packed = "position_ids" in trainer.data[0]  # packed rows count their padding tail as tokens
             real = record["tokens_per_s"] * seconds * (1 - record.get("pad_fraction", 0.0) if packed else 1.0)
+            sync(device)  # the record's loss was read already; this only makes the stamp honest
             stamps.append((time.perf_counter(), real))
 
-    cfg = toml(tmp, full, steps + warmup, targets)
+    cfg = toml(tmp, full, steps + warmup, targets, device, bf16)
     trainer = build_trainer(load_run_config(cfg))
     trainer.callbacks.append(Clock())
     trainer.fit()
     shutil.rmtree(trainer.out_dir, ignore_errors=True)
     timed = stamps[warmup - 1:]
     tokens = sum(n for _, n in timed[1:])
-    return {"tokens_per_s": tokens / (timed[-1][0] - timed[0][0]), "peak_mb": peak_mb_above(base),
+    return {"tokens_per_s": tokens / (timed[-1][0] - timed[0][0]), "peak_mb": peak_mb_on(device, base),
             "rows_packed": "position_ids" in trainer.data[0]}
 
 
 def run_peer(tmp: Path, full: bool, steps: int, warmup: int, targets: list[str] = TARGETS,
-             pad_id: int = SIZE["pad_token_id"]) -> dict:
+             pad_id: int = SIZE["pad_token_id"], device: str = "cpu", bf16: bool = False) -> dict:
     import torch
     import transformers
     from kiln.data.records import read_records
@@ -143,7 +148,7 @@ def run_peer(tmp: Path, full: bool, steps: int, warmup: int, targets: list[str] 
 
         model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets,
                                                            lora_dropout=0.0, task_type="CAUSAL_LM"))
-    model.train()
+    model.to(device).train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(0)).tolist()
     stamps = []
@@ -156,7 +161,9 @@ def run_peer(tmp: Path, full: bool, steps: int, warmup: int, targets: list[str] 
         for i, r in enumerate(rows):
             n = len(r["input_ids"])
             ids[i, :n], labels[i, :n], mask[i, :n] = r["input_ids"], r["labels"], 1
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+        ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -164,7 +171,7 @@ def run_peer(tmp: Path, full: bool, steps: int, warmup: int, targets: list[str] 
         stamps.append((time.perf_counter(), int(mask.sum())))
     timed = stamps[warmup - 1:]
     tokens = sum(n for _, n in timed[1:])
-    return {"tokens_per_s": tokens / (timed[-1][0] - timed[0][0]), "peak_mb": peak_mb_above(base)}
+    return {"tokens_per_s": tokens / (timed[-1][0] - timed[0][0]), "peak_mb": peak_mb_on(device, base)}
 
 
 def main() -> None:
@@ -173,6 +180,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (peak memory is then the device's allocation)")
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast on both sides (kiln: precision = bf16)")
     a = ap.parse_args()
     mode = "full" if a.full else "lora"
     with tempfile.TemporaryDirectory(prefix="kiln-bench-sft-") as tmp:
@@ -180,25 +189,26 @@ def main() -> None:
         res: dict[str, list[dict]] = {"peer": [], "kiln": []}
         for r in range(a.rounds):
             for side in ("peer", "kiln")[:: 1 if r % 2 == 0 else -1]:  # who goes first alternates
-                out = run_child(__file__, "--child", side, tmp, mode, str(a.steps), str(a.warmup))
+                out = run_child(__file__, "--child", side, tmp, mode, str(a.steps), str(a.warmup), a.device,
+                                "bf16" if a.bf16 else "fp32")
                 res[side].append(out)
                 print(f"round {r + 1} {side:>4}: {out['tokens_per_s']:8.1f} tokens/s, peak +{out['peak_mb']:.0f} MB",
                       flush=True)
     k, p = res["kiln"], res["peer"]
     peer = "transformers" if a.full else "transformers+peft"
     print(f"Qwen3 shape, vocab 151,936, hidden 512, 4 layers; {mode} SFT on BBC chat rows (<= {MAX_LENGTH} tokens), "
-          f"batch {BATCH}; kiln rows packed: {k[0]['rows_packed']}")
+          f"batch {BATCH}; {a.device}, {'bf16 autocast' if a.bf16 else 'fp32'}; kiln rows packed: {k[0]['rows_packed']}")
     report(f"{'full' if a.full else 'LoRA'} SFT (kiln train, Qwen3 shape, vocab 151,936)", peer, "tokens/s",
            [x["tokens_per_s"] for x in k], [x["tokens_per_s"] for x in p],
            kiln_mem=min(x["peak_mb"] for x in k), peer_mem=min(x["peak_mb"] for x in p),
-           flops_per_unit=flops_per_token(a.full, MAX_LENGTH / 2),
+           flops_per_unit=None if a.device != "cpu" else flops_per_token(a.full, MAX_LENGTH / 2),  # MFU: of the CPU
            goal=">= 1.5x, <= 0.6x memory" if a.full else ">= 1.7x, <= 0.5x memory")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 7 and sys.argv[1] == "--child":
-        side, tmp, mode, steps, warmup = sys.argv[2:]
+    if len(sys.argv) == 9 and sys.argv[1] == "--child":
+        side, tmp, mode, steps, warmup, device, precision = sys.argv[2:]
         fn = {"kiln": run_kiln, "peer": run_peer}[side]
-        print(json.dumps(fn(Path(tmp), mode == "full", int(steps), int(warmup))))
+        print(json.dumps(fn(Path(tmp), mode == "full", int(steps), int(warmup), device=device, bf16=precision == "bf16")))
     else:
         main()

@@ -43,6 +43,23 @@ def rss_kb(field: str = "VmRSS") -> int:
     return 0
 
 
+def peak_mb_on(device: Any, base_kb: int) -> float:
+    """The peak memory a side used: on cuda the device's peak allocation (torch.cuda), else RSS above `base_kb`."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return peak_mb_above(base_kb)
+
+
+def sync(device: Any) -> None:
+    """Wait for the device's queued work (a timer read after it counts the work)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def peak_mb_above(base_kb: int) -> float:
     """Peak RSS of this process above `base_kb` (taken before the work), in MB."""
     return (rss_kb("VmHWM") - base_kb) / 1024
@@ -93,7 +110,8 @@ def bbc_articles(limit: int | None = None) -> list[tuple[str, str, str]]:
 
 def run_child(script: str, *args: str) -> dict:
     """Run `script args` in a fresh process and return the JSON object its last stdout line holds."""
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # kiln first, the rest kept
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
     r = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env)
     if r.returncode:
         sys.exit(f"{script} {' '.join(args)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")

@@ -160,13 +160,28 @@ def export(src: Optional[Path] = typer.Argument(None, help="An HF model director
     out.print(f"exported {source} -> {path}")
 
 
+def _device(name: str) -> str:
+    """A --device value checked before any model is built: a clear message where torch cannot use it."""
+    import torch
+
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise KilnError(f"--device {name!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise KilnError(f"--device {name!r}: this torch ({torch.__version__}) sees no CUDA device")
+    return name
+
+
 def verify_export_cmd(model_dir: Path = typer.Argument(..., help="An exported HF directory."),
-                      source: Optional[Path] = typer.Option(None, "--source", help="Also check tensors equal SRC's.")) -> None:
+                      source: Optional[Path] = typer.Option(None, "--source", help="Also check tensors equal SRC's."),
+                      device: str = typer.Option("cpu", "--device", help="Run both models on this device (cpu, cuda, cuda:1).")) -> None:
     """Load DIR into transformers and kiln, run fixed inputs, require max abs diff = 0 everywhere."""
     from kiln.hub.resolve import resolve_model_dir
     from kiln.interop.verify import verify_export
 
-    checks = verify_export(resolve_model_dir(model_dir), source=None if source is None else resolve_model_dir(source))
+    checks = verify_export(resolve_model_dir(model_dir), source=None if source is None else resolve_model_dir(source),
+                           device=_device(device))
     for c in checks:
         out.print(styled(c.line(), "green" if c.ok else "red"))
     failed = [c for c in checks if not c.ok]
@@ -176,14 +191,16 @@ def verify_export_cmd(model_dir: Path = typer.Argument(..., help="An exported HF
     out.print(styled(f"all {len(checks)} checks passed", "green"))
 
 
-def verify_matrix(cells: Optional[Path] = typer.Option(None, "--cells", help="JSON list of {family, head, path}.")) -> None:
+def verify_matrix(cells: Optional[Path] = typer.Option(None, "--cells", help="JSON list of {family, head, path}."),
+                  device: str = typer.Option("cpu", "--device", help="Run both models on this device (cpu, cuda, cuda:1).")) -> None:
     """Every family x head: build tiny with transformers, export with kiln, verify-export; print the grid."""
     from kiln.interop.matrix import default_cells, read_cells, run_matrix
     from kiln.models.tasks import BASE, CAUSAL_LM, ENCODER_HEADS
 
     todo = read_cells(str(cells)) if cells else default_cells()
     results = run_matrix(todo, on_cell=lambda c: out.print(
-        f"{'PASS' if c.ok else 'FAIL'} {c.family:>12} {_short(c.head):>6}"))
+        f"{'PASS' if c.ok else 'FAIL'} {c.family:>12} {_short(c.head):>6}" + ("" if c.ok else f"  {c.detail[:300]}")),
+        device=_device(device))
     heads = list(dict.fromkeys(c.head for c in results))
     grid = Table("family", *[_short(h) for h in heads])
     for fam in dict.fromkeys(c.family for c in results):

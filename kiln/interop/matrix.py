@@ -49,14 +49,14 @@ def read_cells(path: str) -> list[tuple[str, str, str | None]]:
     return cells
 
 
-def run_cell(model_type: str, head: str, src: str | None, work: Path) -> Cell:
+def run_cell(model_type: str, head: str, src: str | None, work: Path, device: str = "cpu") -> Cell:
     if src is None and (why := missing_tiny(model_type)):
         return Cell(model_type, head, False, None, why)
     try:
         if src is None:
             src = str(make_tiny(model_type, head, work / f"{model_type}-{head}-src"))
         out = export_model(src, work / f"{model_type}-{head}-export", head=head)
-        checks = verify_export(out, source=src)
+        checks = verify_export(out, source=src, device=device)
     except Exception as e:  # keep going past any failure; the grid shows it
         return Cell(model_type, head, False, None, f"{type(e).__name__}: {e}")
     diffs = [float(c.detail.rsplit("max abs diff ", 1)[1]) for c in checks if "max abs diff" in c.detail]
@@ -64,11 +64,12 @@ def run_cell(model_type: str, head: str, src: str | None, work: Path) -> Cell:
     return Cell(model_type, head, not bad, max(diffs) if diffs else None, "; ".join(bad) or f"{len(checks)} checks")
 
 
-def run_matrix(cells: Iterable[tuple[str, str, str | None]], on_cell: Callable[[Cell], None] | None = None) -> list[Cell]:
+def run_matrix(cells: Iterable[tuple[str, str, str | None]], on_cell: Callable[[Cell], None] | None = None,
+               device: str = "cpu") -> list[Cell]:
     results = []
     with tempfile.TemporaryDirectory(prefix="kiln-matrix-") as tmp:
         for model_type, head, src in cells:
-            cell = run_cell(model_type, head, src, Path(tmp))
+            cell = run_cell(model_type, head, src, Path(tmp), device)
             results.append(cell)
             if on_cell:
                 on_cell(cell)

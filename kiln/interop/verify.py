@@ -68,14 +68,17 @@ def _value(out, name: str):
     return getattr(out, name, None) if not isinstance(out, dict) else out.get(name)
 
 
-def compare_models(kiln_model, hf_model, task: Task, config, batches: list[dict], seed: int = 0) -> list[Check]:
-    """Run each batch (with labels where the head has a loss) through both models; diff every output."""
+def compare_models(kiln_model, hf_model, task: Task, config, batches: list[dict], seed: int = 0,
+                   device: torch.device | str = "cpu") -> list[Check]:
+    """Run each batch (with labels where the head has a loss) through both models, which sit on `device`;
+    diff every output."""
     accepted = set(inspect.signature(hf_model.forward).parameters)
     g = torch.Generator().manual_seed(seed)
     checks = []
     for i, batch in enumerate(batches):
         inputs = {k: v for k, v in batch.items() if k in accepted}
         inputs.update(task.verify_labels(batch, config, g))
+        inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
         with torch.no_grad():
             ours, theirs = kiln_model(**inputs), hf_model(**inputs)
         for name in OUTPUTS:
@@ -115,8 +118,10 @@ def _beyond_the_layers(unexpected: list[str], layers: int | None) -> tuple[list[
     return [k for k in unexpected if k not in beyond], len(beyond)
 
 
-def verify_export(model_dir: str | os.PathLike, source: str | os.PathLike | None = None) -> list[Check]:
-    """All checks for one exported directory; the caller decides how to print them."""
+def verify_export(model_dir: str | os.PathLike, source: str | os.PathLike | None = None,
+                  device: str = "cpu") -> list[Check]:
+    """All checks for one exported directory, both models run on `device` (cpu, cuda, cuda:1); the caller
+    decides how to print them."""
     try:
         import transformers
     except ImportError:
@@ -149,7 +154,7 @@ def verify_export(model_dir: str | os.PathLike, source: str | os.PathLike | None
         # Not on FP8 releases yet: an image batch through an FP8 image-text release differs from transformers'
         # dequantized load by ~1.5e-6 (cause open; the text batches are exact), so verify says text only there.
         batches = kiln_model.verify_batches(batches)
-    checks += compare_models(kiln_model, hf_model, task, config, batches)
+    checks += compare_models(kiln_model.to(device), hf_model.to(device), task, config, batches, device=device)
     if source is not None:
         checks.append(compare_weights(model_dir, source))
     return checks

@@ -158,6 +158,8 @@ CASES = [
       "cells.json"),
     C("verify-matrix-cells-not-objects", lambda w: ["verify-matrix", "--cells", put(w, "cells2.json", "[1]")], 1,
       "item 0 must be an object"),
+    C("verify-matrix-device-unknown", lambda w: ["verify-matrix", "--device", "tpu9"], 1, "--device 'tpu9'"),
+    C("verify-export-device-unknown", lambda w: ["verify-export", w.mlm, "--device", "gpu"], 1, "--device 'gpu'"),
     # ---- fill-mask, classify ---------------------------------------------------------------------
     C("fill-mask-no-mask", lambda w: ["fill-mask", w.mlm, "no mask here"], 1, "no [MASK] token in the text"),
     C("fill-mask-k-zero", lambda w: ["fill-mask", w.mlm, MASKED, "-k", "0"], 1, "-k must be >= 1, got 0"),

@@ -130,7 +130,7 @@ class GRPOEngine(StepEngine):
                 micro = r.sample(core, rows, r.prompts, g.num_generations,
                                  rollout_seed(r.seed, index, run.data_rank, m), run.device, full_length=run.sharded)
             per_funcs.append(micro["per_func"])
-            lengths.append(micro["completion_mask"].sum(1).double())
+            lengths.append(micro["completion_mask"].sum(1).double().cpu())  # beside the rewards (CPU) for the stats
             micros.append(micro)
         per_func = torch.cat(per_funcs)
         rewards = combine_rewards(per_func, r.weights)
