@@ -51,13 +51,38 @@ def init_world(device: torch.device) -> World:
     return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def leave_world() -> None:
+TEARDOWN_S = 120.0  # from the end of a rank's run to its exit; every rank's last save already passed a barrier
+
+
+def leave_world(timeout: float = TEARDOWN_S) -> None:
     """Leave the process group cleanly once every rank is done (a barrier, then destroy it). Left to the
     interpreter's exit, gloo's threads are sometimes torn down mid-flight and a rank aborts ("terminate
-    called without an active exception") after its run finished."""
+    called without an active exception") after its run finished.
+
+    A watchdog covers the rest of the process's life: a rank still alive `timeout` seconds later (a peer that
+    never reaches the barrier, a teardown or interpreter exit that hangs) prints every thread's stack to
+    stderr and exits 70, so `kiln launch` ends with the place it stuck at instead of hanging."""
     if dist.is_initialized():
+        _exit_watchdog(timeout, dist.get_rank())
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _exit_watchdog(timeout: float, rank: int) -> None:
+    import faulthandler
+    import sys
+    import threading
+
+    def fire() -> None:
+        print(f"kiln: rank {rank} did not exit within {timeout:g} s of the end of its run (a peer missing at "
+              f"the final barrier, or a hang in teardown); every thread's stack:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(70)
+
+    timer = threading.Timer(timeout, fire)
+    timer.daemon = True  # a normal exit does not wait for it
+    timer.start()
 
 
 def all_reduce_sum(t: torch.Tensor, world: World) -> torch.Tensor:

@@ -177,3 +177,17 @@ def test_kiln_train_checks_degrees_against_the_launched_world(tmp_path):
     p = kiln_cli("train", "--config", str(run), env={"WORLD_SIZE": "2"})
     assert p.returncode == 1
     assert "dp (2) x tp (2) = 4, but the world size is 2 processes" in p.stderr
+
+
+def test_a_rank_that_cannot_leave_says_where_it_stuck_and_exits_70():
+    """leave_world's watchdog: a rank alive past its teardown budget (here a main thread that never returns)
+    prints the message and every thread's stack, and exits 70 instead of hanging `kiln launch`."""
+    import subprocess
+    import sys
+
+    code = ("import time\nfrom kiln.parallel.world import _exit_watchdog\n_exit_watchdog(0.5, 1)\n"
+            "def stuck_in_teardown():\n    time.sleep(60)\nstuck_in_teardown()\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 70, p.stderr
+    assert "rank 1 did not exit within 0.5 s" in p.stderr
+    assert "stuck_in_teardown" in p.stderr
