@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def pytest_configure(config):
+    """The suite's figures are CPU-exact (bit-identical to transformers on the CPU, exact resumes): on a machine
+    with a GPU, a run that does not select the gpu-marked tests hides it, so `device = "auto"` means the CPU
+    as in CI. `pytest -m gpu` (a mark expression naming gpu without `not`) keeps the GPU visible."""
+    if not re.search(r"(?<!not )\bgpu\b", config.getoption("markexpr") or ""):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 @pytest.fixture(scope="session")
