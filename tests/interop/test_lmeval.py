@@ -56,7 +56,7 @@ def _hf_scores(model_dir, tasks_dir, names):
     from lm_eval.tasks import TaskManager
 
     res = simple_evaluate(model="hf", model_args={"pretrained": str(model_dir), "device": "cpu", "dtype": "float32"},
-                          tasks=names, task_manager=TaskManager(include_path=str(tasks_dir)), log_samples=False,
+                          tasks=names, task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False), log_samples=False,
                           batch_size=4, bootstrap_iters=0)
     return res["results"]
 
