@@ -38,6 +38,7 @@ from kiln.errors import KilnError
 from kiln.hub.config import write_config
 from kiln.hub.jsonio import read_json
 from kiln.models.common.lora import LoraConfig, apply_lora, linear_names, merge_lora
+from kiln.models.common.lora_experts import HOLDER, has_expert_lora
 from kiln.models.tasks import BASE
 
 
@@ -164,7 +165,8 @@ def export_sharded(path: str | os.PathLike, out: str | os.PathLike, max_shard_by
         if lora is not None:  # adapters on modules this model lacks stay out: reported by name just below
             present = set(linear_names(model))
             lora.targets = [m for m in lora.targets if m in present]
-            apply_lora(model, lora)
+            if lora.targets or lora.target_parameters:
+                apply_lora(model, lora)
     _check_placed(path, saved, {k: tuple(v.shape) for k, v in model.state_dict().items()})
     if Tokenizer.present(path / "model"):
         model.tokenizer = Tokenizer.from_dir(path / "model")
@@ -224,6 +226,8 @@ def _export_streaming(model: nn.Module, path: Path, out: Path, saved: dict[str, 
             module = owners[k.rpartition(".")[0]]
             if isinstance(module, LoraLinear) and k.endswith(".weight"):  # W + B A * scaling, as merge_lora
                 tensors[k] = module.weight + module.delta_weight().to(module.weight.dtype)
+            elif has_expert_lora(module):  # stacked experts: the adapted weight the forward reads, as merge_lora
+                tensors[k] = getattr(module, k.rpartition(".")[2]).detach()
             else:
                 tensors[k] = local[k]
         hf, _ = keymap.to_hf({k: cast(v) for k, v in tensors.items()})
@@ -288,8 +292,12 @@ def _lora_config(path: Path, saved: dict[str, tuple[int, ...] | None]) -> LoraCo
         raise KilnError(f"{path}: the shards hold LoRA adapters ({modules[0]}.lora_A.weight and "
                         f"{2 * len(modules) - 1} more) but neither model/{LORA_FILE} nor trainer.json's run_config "
                         f"has their r and alpha; without the scaling they cannot be merged")
+    # a routed-expert adapter sits in `<experts>.lora.<param>` (common/lora_experts.py): it targets `<experts>.<param>`
+    hold = f".{HOLDER}."
+    params = [m.replace(hold, ".") for m in modules if hold in m]
     return LoraConfig(r=int(settings["r"]), alpha=settings["alpha"], dropout=settings.get("dropout", 0.0),
-                      targets=modules, use_rslora=bool(settings.get("use_rslora", False)))
+                      targets=[m for m in modules if hold not in m], use_rslora=bool(settings.get("use_rslora", False)),
+                      target_parameters=params)
 
 
 def _check_placed(path: Path, saved: dict[str, tuple[int, ...] | None], built: dict[str, tuple[int, ...]]) -> None:

@@ -191,8 +191,9 @@ def init_adapters(model: nn.Module, device: torch.device | str, seed: int | None
     drawing exactly what `apply_lora` draws on a loaded model right after `load_pretrained(seed=seed)`
     (a checkpoint without new tensors draws nothing before). Returns how many modules it initialised."""
     from kiln.models.common.lora import LoraLinear
+    from kiln.models.common.lora_experts import ExpertLora
 
-    adapters = [m for m in model.modules() if isinstance(m, LoraLinear) and m.lora_A.weight.is_meta]
+    adapters = [m for m in model.modules() if isinstance(m, (LoraLinear, ExpertLora)) and m.lora_A.weight.is_meta]
     if seed is not None:
         torch.manual_seed(seed)
     for m in adapters:

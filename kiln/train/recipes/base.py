@@ -145,4 +145,5 @@ def add_lora(cfg: RunConfig, model: nn.Module) -> None:
         from kiln.models.common.lora import LoraConfig, apply_lora
 
         lora = cfg.lora
-        apply_lora(model, LoraConfig(lora.r, lora.alpha, lora.dropout, lora.targets, lora.use_rslora))
+        apply_lora(model, LoraConfig(lora.r, lora.alpha, lora.dropout, lora.targets, lora.use_rslora,
+                                     lora.target_parameters))
