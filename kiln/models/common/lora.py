@@ -32,8 +32,8 @@ from kiln.errors import KilnError
 from kiln.hub.files import as_umask_allows
 from kiln.hub.jsonio import read_json
 from kiln.models.common.fp8 import FP8Linear, fp8_linear, merged_fp8_linear
-from kiln.models.common.lora_experts import (apply_expert_lora, expert_adapter_names, merge_expert_lora,
-                                             peft_target_parameters)
+from kiln.models.common.lora_experts import (add_expert_lora, expert_adapter_names, expert_targets,
+                                             merge_expert_lora, peft_target_parameters)
 from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS, KeepsQuantState, dequantized, is_4bit, linear4
 from kiln.models.tasks import task_of
 
@@ -135,12 +135,17 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> list[str]:
             raise KilnError(f"lora target module(s) {unmatched} match no Linear layer in this model; "
                             f"Linear names here: {', '.join(leaves)} (or 'all-linear')")
         chosen = [n for n in names if any(_matches(n, t) for t in targets)]
-    for p in model.parameters():
-        p.requires_grad_(False)
-    experts = apply_expert_lora(model, list(config.target_parameters), config.r, config.scaling, config.dropout)
+    experts = expert_targets(model, list(config.target_parameters), config.dropout)
     if not chosen and not experts:
         raise KilnError("lora: no targets (give lora.targets module names, or target_parameters for routed experts)")
-    for name in chosen:
+    for p in model.parameters():
+        p.requires_grad_(False)
+    # in module order, Linears and stacked experts alike: the draws a sharded load's init_adapters repeats
+    position, stacked = {n: i for i, (n, _) in enumerate(model.named_modules())}, set(experts)
+    for name in sorted(chosen + experts, key=lambda n: position.get(n, position.get(n.rpartition(".")[0]))):
+        if name in stacked:
+            add_expert_lora(model, name, config.r, config.scaling)
+            continue
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, LoraLinear(getattr(parent, leaf), config.r, config.alpha, config.dropout, config.scaling))

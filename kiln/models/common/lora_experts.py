@@ -93,9 +93,8 @@ def expert_params(model: nn.Module) -> list[str]:
             for p, t in m._parameters.items() if t is not None and t.dim() == 3]
 
 
-def apply_expert_lora(model: nn.Module, targets: list[str], r: int, scaling: float, dropout: float) -> list[str]:
-    """Adapters on the stacked expert weights whose `<module>.<param>` name is or ends with a target (PEFT's
-    matching); returns those names. The base weights must already be frozen."""
+def expert_targets(model: nn.Module, targets: list[str], dropout: float) -> list[str]:
+    """The stacked expert weights whose `<module>.<param>` name is or ends with a target (PEFT's matching)."""
     if not targets:
         return []
     names = expert_params(model)
@@ -107,19 +106,21 @@ def apply_expert_lora(model: nn.Module, targets: list[str], r: int, scaling: flo
     if dropout:
         raise KilnError("lora.dropout must be 0 with target_parameters: a dropout on the input cannot be "
                         "folded into an adapted expert weight (PEFT refuses it too)")
-    chosen = [n for n in names if any(_matches(n, t) for t in targets)]
-    for name in chosen:
-        module_name, _, param = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        weight = module._parameters[param]
-        if not weight.dtype.is_floating_point or weight.element_size() < 2:
-            raise KilnError(f"{name}: LoRA on routed experts held in {weight.dtype} (FP8 / packed) is not supported; "
-                            "load the model with fp8 = \"dequantize\"")
-        if HOLDER not in module._modules:
-            module.add_module(HOLDER, nn.ModuleDict())
-            module.__class__ = _lora_class(type(module))
-        module._modules[HOLDER][param] = ExpertLora(tuple(weight.shape), r, scaling, weight.device, weight.dtype)
-    return chosen
+    return [n for n in names if any(_matches(n, t) for t in targets)]
+
+
+def add_expert_lora(model: nn.Module, name: str, r: int, scaling: float) -> None:
+    """Adapters on the stacked weight `<module>.<param>` (its base already frozen)."""
+    module_name, _, param = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    weight = module._parameters[param]
+    if not weight.dtype.is_floating_point or weight.element_size() < 2:
+        raise KilnError(f"{name}: LoRA on routed experts held in {weight.dtype} (FP8 / packed) is not supported; "
+                        "load the model with fp8 = \"dequantize\"")
+    if HOLDER not in module._modules:
+        module.add_module(HOLDER, nn.ModuleDict())
+        module.__class__ = _lora_class(type(module))
+    module._modules[HOLDER][param] = ExpertLora(tuple(weight.shape), r, scaling, weight.device, weight.dtype)
 
 
 def has_expert_lora(module: nn.Module) -> bool:
