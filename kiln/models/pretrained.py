@@ -182,7 +182,9 @@ class PreTrainedModel(nn.Module):
         for k, (name, is_extra) in self.normalise_hf_names(hf).items():
             (extras if is_extra else normalised)[name] = hf[k]
         keymap = family.keymap(self.task)
+        adapters = self._expert_adapters(normalised)  # routed-expert LoRA tensors (a LoRA run's resume)
         kiln_sd, unmatched = keymap.to_kiln(normalised)
+        kiln_sd.update(adapters)
         expected = dict(self.state_dict(keep_vars=True))
         # A tensor is owed by the checkpoint if the architecture it was saved from has it; other
         # missing tensors (a new head, a pooler the source head lacked) are initialised fresh.
@@ -195,6 +197,14 @@ class PreTrainedModel(nn.Module):
                                        lambda k: keymap.hf_name(k) or k)
         report = LoadReport(ignored=sorted(unmatched) + [keymap.hf_name(k) or k for k in ignored])
         return {k: v for k, v in kiln_sd.items() if k in expected}, extras, fresh, report
+
+    def _expert_adapters(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Takes the routed-expert adapter tensors (PEFT's names) out of `hf`, under kiln's names."""
+        if not any(".lora_" in k for k in hf):
+            return {}
+        from kiln.models.common.lora_experts import expert_adapter_names
+
+        return {kiln: hf.pop(name) for kiln, name in expert_adapter_names(self).items() if name in hf}
 
     def normalise_hf_names(self, keys) -> dict[str, tuple[str, bool]]:
         """Checkpoint key -> (its name for this head, whether it is an extra kept verbatim, named bare)."""

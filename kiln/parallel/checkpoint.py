@@ -35,9 +35,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
                                                      set_optimizer_state_dict, set_state_dict)
 
 from kiln.errors import KilnError
+from kiln.hub.bnb4 import bnb4_scheme_from_config
 from kiln.hub.config import write_config
 from kiln.hub.jsonio import read_json
 from kiln.models.common.lora import LoraConfig, apply_lora, linear_names, merge_lora
+from kiln.models.common.lora_experts import HOLDER, has_expert_lora
+from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS, dequantize_bnb4_model, is_4bit, prepare_bnb4_modules
 from kiln.models.tasks import BASE
 
 
@@ -161,14 +164,18 @@ def export_sharded(path: str | os.PathLike, out: str | os.PathLike, max_shard_by
     lora = _lora_config(path, saved)
     with torch.device("meta"):
         model = family.build(config, task or BASE)
+        q4 = bnb4_scheme_from_config(config.extra, str(path / "model" / "config.json"))
+        if q4 is not None:  # a 4-bit base (QLoRA): its Linears become Linear4 as the quant state says
+            prepare_bnb4_modules(model, _quant_states(path, saved), q4, str(path))
         if lora is not None:  # adapters on modules this model lacks stay out: reported by name just below
             present = set(linear_names(model))
             lora.targets = [m for m in lora.targets if m in present]
-            apply_lora(model, lora)
+            if lora.targets or lora.target_parameters:
+                apply_lora(model, lora)
     _check_placed(path, saved, {k: tuple(v.shape) for k, v in model.state_dict().items()})
     if Tokenizer.present(path / "model"):
         model.tokenizer = Tokenizer.from_dir(path / "model")
-    if not stream or any(t.dtype == torch.float8_e4m3fn for t in model.state_dict().values()):
+    if not stream or q4 is not None or any(t.dtype == torch.float8_e4m3fn for t in model.state_dict().values()):
         return _export_whole(model, path, out, lora, max_shard_bytes, dtype)
     return _export_streaming(model, path, Path(out), saved, max_shard_bytes, dtype, stats)
 
@@ -179,6 +186,8 @@ def _export_whole(model: nn.Module, path: Path, out: str | os.PathLike, lora: Lo
     model.to_empty(device="cpu")  # storage for every tensor, filled below; no init work wasted
     _dcp_load({"model": model.state_dict()}, path, no_dist=True)
     model.tie_weights()
+    if (lora is not None or dtype is not None) and any(map(is_4bit, model.modules())):
+        model = dequantize_bnb4_model(model, dtype)  # a merged or plain-dtype export of a 4-bit base, as export_model
     if lora is not None:  # an HF directory holds plain weights: W + B A * scaling
         merge_lora(model)
     if dtype is not None:
@@ -224,6 +233,8 @@ def _export_streaming(model: nn.Module, path: Path, out: Path, saved: dict[str, 
             module = owners[k.rpartition(".")[0]]
             if isinstance(module, LoraLinear) and k.endswith(".weight"):  # W + B A * scaling, as merge_lora
                 tensors[k] = module.weight + module.delta_weight().to(module.weight.dtype)
+            elif has_expert_lora(module):  # stacked experts: the adapted weight the forward reads, as merge_lora
+                tensors[k] = getattr(module, k.rpartition(".")[2]).detach()
             else:
                 tensors[k] = local[k]
         hf, _ = keymap.to_hf({k: cast(v) for k, v in tensors.items()})
@@ -264,6 +275,20 @@ def _aliases(model: nn.Module, saved: dict[str, tuple[int, ...] | None]) -> dict
     return out
 
 
+def _quant_states(path: Path, saved: dict[str, tuple[int, ...] | None]) -> dict[str, torch.Tensor]:
+    """The 4-bit Linears' quant-state tensors the shards hold (small: read whole), and their packed weights as meta
+    tensors of the saved shape (what `prepare_bnb4_modules` needs to rebuild the modules)."""
+    meta = dcp.FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
+    names = [k for k in saved if k.rpartition(".")[2] in Q4_BUFFERS]
+    state = {k: torch.empty(saved[k], dtype=meta["model." + k].properties.dtype, device="cpu") for k in names}
+    _dcp_load({"model": state}, path, no_dist=True)
+    for k in names:
+        if k.endswith(".weight_quant_state"):
+            weight = k.removesuffix("_quant_state")
+            state[weight] = torch.empty(saved[weight], dtype=torch.uint8, device="meta")
+    return state
+
+
 def _saved_model_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
     """Every model entry of a sharded checkpoint by its name in the model, with its whole shape (None: not a tensor)."""
     meta = dcp.FileSystemReader(str(path / "dcp")).read_metadata()
@@ -288,8 +313,12 @@ def _lora_config(path: Path, saved: dict[str, tuple[int, ...] | None]) -> LoraCo
         raise KilnError(f"{path}: the shards hold LoRA adapters ({modules[0]}.lora_A.weight and "
                         f"{2 * len(modules) - 1} more) but neither model/{LORA_FILE} nor trainer.json's run_config "
                         f"has their r and alpha; without the scaling they cannot be merged")
+    # a routed-expert adapter sits in `<experts>.lora.<param>` (common/lora_experts.py): it targets `<experts>.<param>`
+    hold = f".{HOLDER}."
+    params = [m.replace(hold, ".") for m in modules if hold in m]
     return LoraConfig(r=int(settings["r"]), alpha=settings["alpha"], dropout=settings.get("dropout", 0.0),
-                      targets=modules, use_rslora=bool(settings.get("use_rslora", False)))
+                      targets=[m for m in modules if hold not in m], use_rslora=bool(settings.get("use_rslora", False)),
+                      target_parameters=params)
 
 
 def _check_placed(path: Path, saved: dict[str, tuple[int, ...] | None], built: dict[str, tuple[int, ...]]) -> None:

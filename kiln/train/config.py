@@ -174,6 +174,7 @@ class LoraSection(Section):
     dropout: float = 0.0
     targets: list[str] | Literal["all-linear"] = ["q_proj", "v_proj"]  # module names, or every Linear
     use_rslora: bool = False             # scaling alpha / sqrt(r) instead of alpha / r
+    target_parameters: list[str] = []    # stacked routed-expert weights by name, PEFT's form ("experts.gate_up_proj")
 
 
 class RunConfig(Section):

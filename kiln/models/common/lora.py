@@ -11,7 +11,8 @@ On disk (PEFT): adapter_config.json + adapter_model.safetensors with keys
 the transformers model and kiln loads PEFT's adapters. `merge_lora` folds B A * scaling into W. On an FP8 base (`FP8Linear`) the weight stays FP8 and frozen
 and the adapters train in its compute dtype; merging re-quantizes W + B A * scaling in its blocks. Over a
 4-bit base (`quant4.Linear4`, QLoRA) the packed weight stays frozen and the adapters are float32 (PEFT's
-default there); merging dequantizes W to the dtype it was quantized from first.
+default there); merging dequantizes W to the dtype it was quantized from first. Stacked routed-expert weights
+take adapters by parameter name (`target_parameters`, PEFT's form; common/lora_experts.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from kiln.errors import KilnError
 from kiln.hub.files import as_umask_allows
 from kiln.hub.jsonio import read_json
 from kiln.models.common.fp8 import FP8Linear, fp8_linear, merged_fp8_linear
+from kiln.models.common.lora_experts import (add_expert_lora, expert_adapter_names, expert_targets,
+                                             merge_expert_lora, peft_target_parameters)
 from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS, KeepsQuantState, dequantized, is_4bit, linear4
 from kiln.models.tasks import task_of
 
@@ -44,6 +47,7 @@ class LoraConfig:
     dropout: float = 0.0
     targets: list[str] | str = field(default_factory=lambda: ["q_proj", "v_proj"])
     use_rslora: bool = False
+    target_parameters: list[str] = field(default_factory=list)  # stacked expert weights (common/lora_experts.py)
 
     @property
     def scaling(self) -> float:
@@ -131,9 +135,17 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> list[str]:
             raise KilnError(f"lora target module(s) {unmatched} match no Linear layer in this model; "
                             f"Linear names here: {', '.join(leaves)} (or 'all-linear')")
         chosen = [n for n in names if any(_matches(n, t) for t in targets)]
+    experts = expert_targets(model, list(config.target_parameters), config.dropout)
+    if not chosen and not experts:
+        raise KilnError("lora: no targets (give lora.targets module names, or target_parameters for routed experts)")
     for p in model.parameters():
         p.requires_grad_(False)
-    for name in chosen:
+    # in module order, Linears and stacked experts alike: the draws a sharded load's init_adapters repeats
+    position, stacked = {n: i for i, (n, _) in enumerate(model.named_modules())}, set(experts)
+    for name in sorted(chosen + experts, key=lambda n: position.get(n, position.get(n.rpartition(".")[0]))):
+        if name in stacked:
+            add_expert_lora(model, name, config.r, config.scaling)
+            continue
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, LoraLinear(getattr(parent, leaf), config.r, config.alpha, config.dropout, config.scaling))
@@ -146,7 +158,9 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if ".lora_A." in k or ".lora_B." in k}
 
 
-def _hf_name(model: nn.Module, kiln_key: str) -> str:
+def _hf_name(model: nn.Module, kiln_key: str, experts: dict[str, str] | None = None) -> str:
+    if experts and kiln_key in experts:  # a routed-expert adapter: PEFT's ParamWrapper names
+        return experts[kiln_key]
     keymap = model.family.keymap(model.task) if hasattr(model, "family") else None
     name = keymap.hf_name(kiln_key) if keymap is not None else kiln_key
     if name is None:
@@ -178,7 +192,9 @@ def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_o
         raise KilnError("this model has no LoRA adapters to save (apply_lora or a [lora] section first)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {PEFT_PREFIX + _hf_name(model, k): v.detach().contiguous().cpu() for k, v in lora_state_dict(model).items()}
+    experts = expert_adapter_names(model)
+    tensors = {PEFT_PREFIX + _hf_name(model, k, experts): v.detach().contiguous().cpu()
+               for k, v in lora_state_dict(model).items()}
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     as_umask_allows(out / "adapter_model.safetensors")  # safetensors writes 0600
     targets = peft_targets(model)
@@ -190,6 +206,8 @@ def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_o
         "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
         "alpha_pattern": {}, "use_dora": False, "lora_bias": False,
     }
+    if experts:  # adapters on stacked expert weights, which PEFT targets by parameter name
+        peft_config["target_parameters"] = peft_target_parameters(model)
     (out / "adapter_config.json").write_text(json.dumps(peft_config, indent=2, sort_keys=True) + "\n")
     return out
 
@@ -207,7 +225,8 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> LoraConfig:
     if raw.get("rank_pattern") or raw.get("alpha_pattern"):
         raise KilnError(f"{path}: per-module rank_pattern / alpha_pattern are not supported")
     return LoraConfig(r=int(raw["r"]), alpha=raw.get("lora_alpha", 8), dropout=raw.get("lora_dropout", 0.0),
-                      targets=raw.get("target_modules") or [], use_rslora=bool(raw.get("use_rslora", False)))
+                      targets=raw.get("target_modules") or [], use_rslora=bool(raw.get("use_rslora", False)),
+                      target_parameters=list(raw.get("target_parameters") or []))
 
 
 def read_adapter_tensors(adapter_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -234,14 +253,17 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> nn.Module:
     tensors = read_adapter_tensors(adapter_dir)
     # the modules holding tensors are the ones to adapt: target_modules may be leaf names that also
     # match Linears the adapter never touched (PEFT gives those zero adapters; kiln leaves them plain)
-    held = sorted({name.rsplit(".lora_", 1)[0] for k in tensors if (name := keymap.kiln_name(k)) and ".lora_" in name})
-    if held:
-        config = LoraConfig(config.r, config.alpha, config.dropout, held, config.use_rslora)
+    linears = set(linear_names(model))
+    held = sorted({m for k in tensors if (name := keymap.kiln_name(k)) and ".lora_" in name
+                   and (m := name.rsplit(".lora_", 1)[0]) in linears})
+    if held or config.target_parameters:
+        config = LoraConfig(config.r, config.alpha, config.dropout, held, config.use_rslora, config.target_parameters)
     apply_lora(model, config)
     expected = lora_state_dict(model)
+    from_experts = {hf: kiln for kiln, hf in expert_adapter_names(model).items()}
     loaded = {}
     for k, v in tensors.items():
-        name = keymap.kiln_name(k)
+        name = from_experts.get(k) or keymap.kiln_name(k)
         if name not in expected:
             raise KilnError(f"{path}: tensor {k!r} does not belong to any targeted module of this model")
         if tuple(v.shape) != tuple(expected[name].shape):
@@ -250,7 +272,8 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> nn.Module:
         loaded[name] = v.to(expected[name].dtype)
     missing = sorted(set(expected) - set(loaded))
     if missing:
-        raise KilnError(f"{path}: missing adapter tensor(s) {', '.join(_hf_name(model, m) for m in missing[:4])}")
+        names = ", ".join(_hf_name(model, m, expert_adapter_names(model)) for m in missing[:4])
+        raise KilnError(f"{path}: missing adapter tensor(s) {names}")
     model.load_state_dict(loaded, strict=False)
     return model
 
@@ -259,6 +282,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> nn.Module:
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight (W += B A * scaling) and put plain Linears back."""
     fp8_state = getattr(model, "fp8_state", None)
+    merge_expert_lora(model)  # routed experts: each stacked weight becomes the adapted one the forward computed
     for name, module in list(model.named_modules()):
         if isinstance(module, LoraLinear) and module.fp8:  # W + B A * scaling, quantized again in its blocks
             plain = merged_fp8_linear(module, module.delta_weight(), fp8_state.scheme.ue8m0 if fp8_state else False)

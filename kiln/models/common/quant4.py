@@ -216,6 +216,25 @@ def prepare_bnb4(model: nn.Module, state: dict[str, torch.Tensor], scheme: Bnb4S
     return to_model_names(state)
 
 
+def prepare_bnb4_modules(model: nn.Module, state: dict[str, torch.Tensor], scheme: Bnb4Scheme,
+                         source: str = "checkpoint") -> None:
+    """Ready a meta-device model for a state dict under its own module names (a sharded checkpoint of a 4-bit
+    base): each Linear whose quant state `state` holds (`<m>.weight_quant_state`, `<m>.weight_absmax`, ...;
+    `<m>.weight` may be a meta tensor of the packed shape) becomes `Linear4` on meta."""
+    quants, _ = bnb4.split_state(Bnb4State(scheme).export(state), source)
+    for name, q in quants.items():
+        module_name = name.rpartition(".")[0]
+        module = model.get_submodule(module_name)
+        if not isinstance(module, nn.Linear) or tuple(q.shape) != (module.out_features, module.in_features):
+            raise WeightsError(f"{source}: 4-bit tensor {name!r} (shape {list(q.shape)}) is not the weight of a "
+                               f"Linear layer of this {model.family.model_type} model")
+        _swap(model, module_name, Linear4(module.in_features, module.out_features, module.bias is not None,
+                                          Q4Meta.of(q), scheme.compute_dtype,
+                                          module.bias.dtype if module.bias is not None else None, device="meta",
+                                          state_bytes=state[f"{module_name}.weight_quant_state"].numel()))
+    model.bnb4_state = Bnb4State(scheme)
+
+
 # ---- quantize / dequantize a loaded model ---------------------------------------------------------------
 def quantizable(model: nn.Module) -> list[str]:
     """The Linears `quantize_model` turns 4-bit: every Linear of the backbone (not task heads, not lm_head),

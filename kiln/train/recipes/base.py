@@ -113,7 +113,9 @@ def build_model(cfg: RunConfig, labels: list[str] | None, need_tokenizer: bool =
     changes: dict[str, Any] = {"labels": labels} if labels else {}
     if m.path is not None:
         changes.update(model_config_overrides(m))  # dropout and the like; a key that reshapes a weight is refused
-        if shards_weights(cfg):  # each rank reads its share once the plans are applied (kiln.parallel.sharded_load)
+        # each rank reads its share once the plans are applied (kiln.parallel.sharded_load); a base quantized at
+        # load is read whole, quantized, then sharded
+        if shards_weights(cfg) and m.quantize is None:
             lean = lean_pretrained(m.path, m.task, m.init_seed, **changes)
             if lean is not None:
                 return lean
@@ -145,4 +147,5 @@ def add_lora(cfg: RunConfig, model: nn.Module) -> None:
         from kiln.models.common.lora import LoraConfig, apply_lora
 
         lora = cfg.lora
-        apply_lora(model, LoraConfig(lora.r, lora.alpha, lora.dropout, lora.targets, lora.use_rslora))
+        apply_lora(model, LoraConfig(lora.r, lora.alpha, lora.dropout, lora.targets, lora.use_rslora,
+                                     lora.target_parameters))

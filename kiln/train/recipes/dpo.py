@@ -42,6 +42,7 @@ from kiln.errors import ConfigError, KilnError
 from kiln.models.auto import load_pretrained
 from kiln.models.common.fast import set_fast
 from kiln.models.common.lora import LoraLinear
+from kiln.models.common.lora_experts import ExpertLora
 from kiln.models.tasks import CAUSAL_LM
 from kiln.parallel.world import World, all_reduce_sum, barrier
 from kiln.train.config import RunConfig, Section
@@ -101,7 +102,7 @@ def join_pairs(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.T
 @contextlib.contextmanager
 def adapters_off(model: nn.Module) -> Iterator[None]:
     """The LoRA model as its base: each adapter's output scaled by 0 (base + 0 is the base exactly)."""
-    saved = [(m, m.scaling) for m in model.modules() if isinstance(m, LoraLinear)]
+    saved = [(m, m.scaling) for m in model.modules() if isinstance(m, (LoraLinear, ExpertLora))]
     try:
         for m, _ in saved:
             m.scaling = 0.0
