@@ -7,7 +7,8 @@ Qwen3-MoE-shaped one (~1.12B, 32 experts top 4). They are cached (KILN_BENCH_CAC
 ~/.cache/kiln-bench/load) so reruns skip building them.
 
 Each run is the real command: `kiln train --config X.toml` for one process, `kiln launch
---nproc-per-node N -- train --config X.toml` for several; 2 steps of batch 1 x 64 tokens per rank (SFT rows of
+--nproc-per-node N -- train --config X.toml` for several; 2 steps of batch 1 x 64 tokens per rank (train.batch_size
+is per process; PP = 2's two stages share a batch of 2 micro-batches of 1 x 64; SFT rows of
 BBC text, each a title and the start of its article truncated to 64 tokens, one sample per row: data.pack =
 false, so every run and the peer see the same 64-token rows). Each rank's peak RSS is its VmHWM (from /proc/self/status) read at interpreter exit by a
 sitecustomize hook that this benchmark puts first on the ranks' PYTHONPATH (VmHWM, not getrusage's
@@ -203,6 +204,12 @@ RUNS = [Run("LoRA, 1 process", "dense", 1, ALL_LINEAR, {}, 1.25),
         Run("PP = 2 + LoRA, 2 processes", "dense", 2, ALL_LINEAR, {"pp": 2, "microbatches": 2}, 0.75)]
 
 
+def rows_per_process(run: Run) -> int:
+    """train.batch_size, which is per process: BATCH rows on every rank (a pipeline's stages share one batch, split
+    into its micro-batches of BATCH rows each)."""
+    return BATCH * run.parallel.get("microbatches", 1)
+
+
 def write_toml(d: Path, run: Run, model: Path, chats: Path, steps: int = STEPS) -> Path:
     out = d / f"run-{time.time_ns()}"
     lora = "" if run.targets is None else f"[lora]\nr = 16\nalpha = 32\ntargets = {json.dumps(run.targets)}\n"
@@ -218,7 +225,7 @@ pack = false
 [train]
 out_dir = "{out}"
 steps = {steps}
-batch_size = {BATCH * run.nproc}
+batch_size = {rows_per_process(run)}
 lr = 1e-4
 save_at_end = false
 progress = false

@@ -3,13 +3,18 @@
 For tests and benchmarks: `spawn(fn, 2, args)` calls `fn(rank, world_size, *args)` in each
 process with the process group initialised and torchrun's environment variables set, and raises
 if any process fails. Results travel back through files the caller chooses.
+
+The group meets at a TCP store that this (parent) process serves on a port the kernel gives it and
+holds until every child is done. Choosing a free port, closing it and letting rank 0 bind it later
+raced: in the seconds before rank 0 starts, any other process on the machine (another test's store,
+or one of the many ephemeral ports gloo's connections take) can take that port, and the group fails
+to form ("address already in use", or ranks meeting another run's store).
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 from typing import Any, Callable
 
 import torch
@@ -17,24 +22,28 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+HOST = "127.0.0.1"
+
+
+def serve_store() -> dist.TCPStore:
+    """A TCP store served by this process on a port the kernel picks (`.port`), bound until it is dropped."""
+    return dist.TCPStore(HOST, 0, None, is_master=True, wait_for_workers=False)
 
 
 def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, backend: str, threads: int,
            args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+    os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(threads)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    store = dist.TCPStore(HOST, port, world, is_master=False)  # the parent's: bound before any child started
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def spawn(fn: Callable[..., Any], world: int, args: tuple = (), backend: str = "gloo", threads: int = 1,
@@ -48,5 +57,9 @@ def spawn(fn: Callable[..., Any], world: int, args: tuple = (), backend: str = "
     method = "spawn" if backend == "nccl" else "forkserver"
     if method == "forkserver":
         multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
-    mp.start_processes(_entry, args=(fn, world, free_port(), backend, threads, args), nprocs=world, join=True,
-                       start_method=method)
+    store = serve_store()
+    try:
+        mp.start_processes(_entry, args=(fn, world, store.port, backend, threads, args), nprocs=world, join=True,
+                           start_method=method)
+    finally:
+        del store

@@ -45,7 +45,10 @@ def test_every_run_toml_is_a_valid_run_config(tmp_path):
     for run in bench.RUNS:
         cfg = load_run_config(bench.write_toml(tmp_path, run, model, chats), [])
         assert (cfg.lora is None) == (run.targets is None), run.name
-        assert cfg.train.batch_size == bench.BATCH * run.nproc and cfg.data.max_length == bench.MAX_LENGTH
+        # train.batch_size is per process: BATCH rows on every rank, whatever the process count (a pipeline's
+        # stages share one batch: BATCH rows per micro-batch)
+        micro = cfg.parallel.microbatches if cfg.parallel is not None and cfg.parallel.pp > 1 else 1
+        assert cfg.train.batch_size == bench.BATCH * micro and cfg.data.max_length == bench.MAX_LENGTH
         for key, value in run.parallel.items():
             assert getattr(cfg.parallel, key) == value, (run.name, key)
 

@@ -51,7 +51,28 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: str | None = Non
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=placement,
                 reshard_after_forward=reshard_after_forward,
                 ignored_params=replicated_root(model, blocks, DTYPES[param_dtype] if param_dtype else None) or None)
+    if len(blocks):
+        blocks[-1].register_forward_hook(free_held_gather)  # after FSDP's own post-forward hook
     return model
+
+
+def free_held_gather(module: nn.Module, args: tuple, output: object) -> None:
+    """Free the last block's flat all-gather buffer once its forward is done, not at the end of the root's forward.
+
+    FSDP2 keeps each forward all-gather's flat output (one whole block) until the next unit's all-gather, so its
+    copy-out overlaps that collective; after the last block there is none, and it holds the buffer until the root's
+    forward ends. A kiln causal LM computes its head and loss inside that forward, at the step's peak (every
+    activation saved): the buffer sat there, one gathered block per rank (58 MiB on the 1B Qwen3 of
+    benchmarks/bench_load.py; ~1.4 GiB for a 70 GB, 48-layer model). The same waits as FSDP's root, then the drop."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    ctx = getattr(get_state(), "_comm_ctx", None) if get_state is not None else None
+    held = getattr(ctx, "all_gather_state", None)
+    if held is None:
+        return
+    if held.event is not None:  # on a GPU: the copy-out must finish before its memory can be reused
+        ctx.all_gather_copy_in_stream.wait_event(held.event)
+        ctx.all_gather_stream.wait_event(held.event)
+    ctx.all_gather_state = None
 
 
 def replicated_root(model: nn.Module, blocks: nn.Module, param_dtype: torch.dtype | None = None) -> set[nn.Parameter]:

@@ -22,7 +22,7 @@ from the run TOML); its output a `MemoryPlan` whose `RankMemory` rows list the t
 - load: the transient of reading the checkpoint. In the sharded-load design one tensor at a time; in
   today's loader (every rank reads all of it, `today=True`) every tensor copied out plus the file mapped
   while it is read;
-- allocator: on a CPU run, what glibc's heap keeps of freed activations (a measured share of them);
+- allocator: on a CPU run, what glibc's heap keeps of the blocks' freed activations (a measured share of them);
 - runtime: the interpreter, torch and kiln themselves (host), or the CUDA context (device).
 
 Gradients and activations are listed both, but the total counts only the larger: they do not coexist.
@@ -66,14 +66,18 @@ class RankMemory:
     host: dict[str, int] = field(default_factory=dict)
     keep_grads: bool = False
     load_peak: int = 0            # the peak while the checkpoint is read, before training (runtime included)
+    backward_comm: int = 0        # the part of "communication" that exists only in the backward (FSDP's unit gradients)
 
     @property
     def total(self) -> int:
         """The peak: every term, but gradients and activations do not peak together (kiln zeroes gradients
         with set_to_none, and the backward frees each block's activations as it makes its gradients), so
-        only the larger of the two counts (both where the engine keeps zeroed gradients: cadence)."""
+        only the larger of the two counts (both where the engine keeps zeroed gradients: cadence). FSDP's
+        unsharded unit gradients (`backward_comm`) side with the gradients: they exist while a unit's
+        gradients are reduced, in the backward."""
         t = self.terms
-        return sum(t.values()) - (0 if self.keep_grads else min(t.get("activations", 0), t.get("gradients", 0)))
+        return sum(t.values()) - (0 if self.keep_grads else
+                                  min(t.get("activations", 0), t.get("gradients", 0) + self.backward_comm))
 
     @property
     def largest(self) -> str:
@@ -220,6 +224,7 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
             acts = sel * tokens * len(blocks) * in_flight + max(per_block.values(), default=0)
         else:
             acts = sum(per_block.values()) * in_flight
+        block_acts = acts  # the many small tensors glibc's heap keeps a share of (the loss path's are mapped)
         last = stage == pp - 1
         head = [p for p in params if p.block is None and p.module in ("lm_head", "embed_tokens")]
         head_trained = any(p.trainable for p in head)
@@ -237,7 +242,7 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
                     chunk += vocab_local * dims.hidden * (cb + 4) if cb < 4 else 0
                 acts += chunk
         # communication buffers
-        comm = 0.0
+        comm = grad_unit = 0.0
         if s.fsdp and sharded_fsdp:  # FSDP2: one block gathered and the next prefetched, the root (embedding,
             # head) gathered through the whole forward, and the largest unit's unsharded gradients in the reduce dtype
             gather = cb if s.param_dtype else None
@@ -276,9 +281,12 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
         biggest_tensor = max((p.nbytes for p, f in shares if f > 0 and (p.expert or (p.tp and tp > 1))), default=0)
         load = max(0.0, biggest_tensor - ((grads + acts if s.keep_grads else max(grads, acts)) + optim + comm
                                           + autocast))
-        # glibc keeps freed heap memory: the many small activation tensors leave ~35% of their bytes resident
-        allocator = ALLOCATOR_SHARE * acts if s.device == "cpu" else 0.0
-        r = RankMemory(f"stage {stage}" if pp > 1 else "every rank", keep_grads=s.keep_grads)
+        # glibc keeps freed heap memory: the many small activation tensors leave ~35% of their bytes resident;
+        # the loss path's (vocabulary x rows, vocabulary x hidden) buffers are far above kiln train's mmap
+        # threshold (kiln.parallel.memory_heap) and go back to the system when freed
+        allocator = ALLOCATOR_SHARE * block_acts if s.device == "cpu" else 0.0
+        r = RankMemory(f"stage {stage}" if pp > 1 else "every rank", keep_grads=s.keep_grads,
+                       backward_comm=int(round(grad_unit)))
         r.terms = {"weights": weights, "gradients": grads, "optimizer": optim, "activations": acts,
                    "communication": comm, "autocast": autocast, "load": load, "allocator": allocator,
                    "runtime": runtime if runtime is not None else (RUNTIME_CPU if s.device == "cpu" else CUDA_CONTEXT)}

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from kiln.parallel.apply import parallelize
+from kiln.parallel.blocks import plan_of
 from kiln.parallel.config import ParallelSection
 from kiln.parallel.grads import clip_grad_norm
 from kiln.interop.tiny import TINY
@@ -69,12 +70,24 @@ def reference(family: str, **plan_keys) -> dict:
     return step(model, batch())
 
 
+def _held_at_head(model) -> list[bool]:
+    """Whether FSDP2 holds a flat all-gather buffer when the head runs (after the final norm), per forward."""
+    held: list[bool] = []
+    state = getattr(model, "_get_fsdp_state", None)
+    if state is not None:
+        model.get_submodule(plan_of(model).final_norm).register_forward_hook(
+            lambda *_: held.append(state()._comm_ctx.all_gather_state is not None))
+    return held
+
+
 def run_plan(rank: int, world: int, out: str, name: str, family: str, keys: dict) -> None:
     model = build(family)
     par = parallelize(model, plan(**keys))
+    held = _held_at_head(model)
     ids = batch()
     shard = ids.chunk(par.data_shards)[par.data_rank]  # tp ranks of one group read the same rows
     result = step(model, shard, par.sync_gradients)
+    result["gather_held_at_head"] = torch.tensor([bool(h) for h in held], dtype=torch.bool)
     loss = result["loss"].clone()
     dist.all_reduce(loss)  # the global mean: shards hold equal token counts; tp ranks hold equal copies
     loss /= world
