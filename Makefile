@@ -17,14 +17,16 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-# The verify matrix prints its family x head grid first; pytest's summary closes the run.
+# The verify matrix prints its family x head grid first; pytest's summary closes the run. The suite runs on
+# TEST_WORKERS processes (pytest-xdist; a file's tests stay on one worker, one torch thread each).
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/kiln verify-matrix
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # Everything but the tests marked slow (spawned process groups, SIGKILL + resume, real checkpoints).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest tests -m "not slow"
+	$(BIN)/python -m pytest tests -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 # Every workload of the results table, then benchmarks/RESULTS.md rewritten from this run (benchmarks/run_all.py).
 bench: $(STAMP)
