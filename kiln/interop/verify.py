@@ -77,6 +77,9 @@ def compare_models(kiln_model, hf_model, task: Task, config, batches: list[dict]
     checks = []
     for i, batch in enumerate(batches):
         inputs = {k: v for k, v in batch.items() if k in accepted}
+        if "pixel_values" in batch and "pixel_values" not in inputs:  # an image batch must reach it as one
+            checks.append(Check(f"batch {i} images", False, f"{type(hf_model).__name__} takes no pixel_values"))
+            continue
         inputs.update(task.verify_labels(batch, config, g))
         inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
         with torch.no_grad():
@@ -129,7 +132,12 @@ def verify_export(model_dir: str | os.PathLike, source: str | os.PathLike | None
     model_dir = Path(model_dir)
     family, config, source_task = load_config(model_dir)
     task = get_task(source_task)
-    auto = getattr(transformers, task.hf_auto)
+    kiln_model = load_pretrained(model_dir, task=task)
+    # A model that takes images is checked against transformers' class that takes them too (for an image-text
+    # causal LM, `...ForConditionalGeneration`): the text-only class the causal-LM Auto class maps it to drops
+    # pixel_values from the signature, and the image batch would reach neither model as an image.
+    auto = getattr(transformers, family.tasks[task].architecture) if getattr(kiln_model, "takes_images", False) \
+        else getattr(transformers, task.hf_auto)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     scheme = scheme_from_config(config.extra, str(model_dir / "config.json"))
@@ -147,12 +155,9 @@ def verify_export(model_dir: str | os.PathLike, source: str | os.PathLike | None
                     f"mismatched {sorted(info['mismatched_keys'])[:5] or 0}"
                     + (f"; {mtp} multi-token-prediction tensors past the last layer kept (transformers does not "
                        f"load them)" if mtp else ""))]
-    kiln_model = load_pretrained(model_dir, task=task)
     use_types = getattr(config, "type_vocab_size", 0) > 1
     batches = _batches(kiln_model.tokenizer, config.vocab_size, use_types) if hasattr(config, "vocab_size") else []
-    if hasattr(kiln_model, "verify_batches") and scheme is None:  # a model that takes images: its own inputs
-        # Not on FP8 releases yet: an image batch through an FP8 image-text release differs from transformers'
-        # dequantized load by ~1.5e-6 (cause open; the text batches are exact), so verify says text only there.
+    if hasattr(kiln_model, "verify_batches"):  # a model that takes images: its own inputs (FP8 releases too)
         batches = kiln_model.verify_batches(batches)
     checks += compare_models(kiln_model.to(device), hf_model.to(device), task, config, batches, device=device)
     if source is not None:

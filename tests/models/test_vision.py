@@ -11,9 +11,10 @@ import transformers
 
 from kiln.errors import ConfigError, KilnError
 from kiln.interop.export import export_model
-from kiln.interop.verify import verify_export
+from kiln.interop.verify import compare_models, verify_export
 from kiln.models import AutoConfig, AutoModelForImageTextToText
 from kiln.models.qwen3_5_vision import image_positions, position_taps
+from kiln.models.tasks import get_task
 from tests.models.causal_cases import same
 from tests.models.parity import same_gradients
 
@@ -82,6 +83,12 @@ def test_export_is_byte_identical_and_verify_feeds_images(model_type, tiny_facto
     assert all(c.ok for c in checks), [c.line() for c in checks if not c.ok]
     assert any(c.name == "tensors equal source" for c in checks)
     assert sum(c.name.startswith("batch 2 ") for c in checks) == 2  # the image batch: logits and loss
+    # ...through the class that takes pixel_values (the causal-LM Auto class maps to a text-only one)
+    assert checks[0].name == f"transformers loads {ARCH[model_type]}"
+    # control: against the text-only class an image batch is a failed check, not text compared as text
+    text_only = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    got = compare_models(ours.eval(), text_only, get_task("causal-lm"), ours.config, [ours.example_image_batch()])
+    assert [(c.name, c.ok) for c in got] == [("batch 0 images", False)]
 
 
 def test_bad_image_inputs_by_message(tiny_factory):
