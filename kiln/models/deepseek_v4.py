@@ -32,15 +32,15 @@ from kiln.models.common.causal_lm import DecoderModel, ForCausalLM
 from kiln.models.common.compressor import CSACompressor, HCACompressor, SlidingCompressedCache
 from kiln.models.common.hash_moe import HashOrTopKMoE, score_fn
 from kiln.models.common.hyper import HyperConnection, HyperHead
-from kiln.models.common.mtp import TrainsMtp
 from kiln.models.common.norms import Fp32ScaleRMSNorm
 from kiln.models.common.rope import PairRotaryEmbedding, rope_parameters
 from kiln.models.common.sink_attention import SinkAttention, window_mask
 from kiln.models.decoder_lm import DecoderConfig
 from kiln.models.deepseek_v3 import SPECIALS
 from kiln.models.keymap import KeyMap, Stack
+from kiln.models.mtp import TrainsMtp
 from kiln.models.parallel_plan import ParallelPlan
-from kiln.models.pretrained import Family, TaskSpec, Tiny, check_tensors, init_module
+from kiln.models.pretrained import Family, TaskSpec, Tiny
 from kiln.models.tasks import BASE, CAUSAL_LM
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -364,59 +364,42 @@ class V4Model(V4TaskModel, DecoderModel):
 
 
 class V4ForCausalLM(TrainsMtp, V4TaskModel, ForCausalLM):
-    """The causal LM; `enable_mtp` makes the release's MTP block live (`[moe] mtp_weight`)."""
+    """The causal LM; `enable_mtp` makes the release's MTP block live (`[moe] mtp_weight`, kiln.models.mtp)."""
+    mtp_names = "mtp.0.*"
 
     @property
     def mtp_module(self) -> V4MTPLayer | None:
         return self.mtp[0] if "mtp" in self._modules else None
 
-    def enable_mtp(self, source: str = "the model", fresh: bool = False) -> V4MTPLayer:
-        """The depth-1 MTP block from the checkpoint's `mtp.0.*` tensors (fresh with `fresh`); they become
-        parameters, saved back under the same names (FP8 again where they were)."""
-        if self.mtp_module is not None:
-            return self.mtp_module
-        found = {k.removeprefix("model."): v for k, v in getattr(self, "mtp_tensors", {}).items()}
-        if not found and not fresh:
-            raise ConfigError(f"{source}: the checkpoint has no multi-token-prediction tensors (mtp.0.*) to train")
-        if any(not k.startswith("mtp.0.") for k in found):
-            raise ConfigError(f"{source}: the checkpoint has more than one MTP block; kiln trains depth 1")
+    def mtp_carried(self) -> dict[str, torch.Tensor]:
+        return {k.removeprefix("model."): v for k, v in getattr(self, "mtp_tensors", {}).items()}
+
+    def new_mtp(self) -> nn.ModuleList:
         ref, module = self.model.embed_tokens.weight, nn.ModuleList([V4MTPLayer(self.config)])
-        if found:
-            tensors, unmatched = self.family.keymap(self.task).to_kiln(found)
-            tensors = {k.removeprefix("mtp."): v for k, v in tensors.items()}
-            expected = module.state_dict()
-            ignored, _ = check_tensors(expected, tensors, set(expected), source, "its MTP block", lambda k: "mtp." + k)
-            if ignored or unmatched:
-                raise ConfigError(f"{source}: MTP tensor(s) this deepseek_v4 MTP block has no place for: "
-                                  f"{', '.join(sorted('mtp.' + k for k in ignored) + sorted(unmatched))[:300]}")
-            module.load_state_dict(tensors)
-            self.stored_half = {**getattr(self, "stored_half", {}), **{
-                "mtp." + k: v.dtype for k, v in tensors.items() if _FP32.search(k) and v.dtype in (torch.float16, torch.bfloat16)}}
-            fp8 = getattr(self, "fp8_state", None)
-            if fp8 is not None:  # a release keyed them under model. (its bare names, normalised): bare again
-                fp8.originals = {k.removeprefix("model.") if _MTP.search(k) else k: v for k, v in fp8.originals.items()}
-            self.mtp_tensors = {}
-        else:
-            init_module(module, self.config.initializer_range)
         for name, p in module.named_parameters():  # the model's dtype, but the parts V4 holds in float32
             p.data = p.data.to(device=ref.device, dtype=torch.float32 if _FP32.search(name) else ref.dtype)
-        self.mtp = module
+        return module
+
+    def mtp_released(self, found: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+        self.stored_half = {**getattr(self, "stored_half", {}), **{
+            "mtp." + k: v.dtype for k, v in tensors.items() if _FP32.search(k) and v.dtype in (torch.float16, torch.bfloat16)}}
+        fp8 = getattr(self, "fp8_state", None)
+        if fp8 is not None:  # a release keyed them under model. (its bare names, normalised): bare again
+            fp8.originals = {k.removeprefix("model.") if _MTP.search(k) else k: v for k, v in fp8.originals.items()}
+        self.mtp_tensors = {}
+
+    def enable_mtp(self, source: str = "the model", fresh: bool = False) -> V4MTPLayer:
+        module = super().enable_mtp(source, fresh)
         self.model.keep_streams = True
-        return self.mtp_module
+        return module
+
+    def mtp_before_forward(self) -> None:
+        self.model.keep_streams = self.mtp_module is not None and self.training
 
     def mtp_states(self, out, next_ids: torch.Tensor, attention_mask, position_ids) -> torch.Tensor:
         streams, ropes, mask, positions = self.model.last
         self.model.last = None
         return self.mtp_module.predict(streams, self.model.embed_tokens(next_ids), next_ids, ropes, mask, positions)
-
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                cache=None, logits_to_keep: int = 0, output_router_logits: bool | None = None, targets=None):
-        self.model.keep_streams = self.mtp_module is not None and self.training
-        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              inputs_embeds=inputs_embeds, labels=labels, cache=cache, logits_to_keep=logits_to_keep,
-                              output_router_logits=output_router_logits, targets=targets)
-        self.mtp_after_forward(out, input_ids, labels, targets, attention_mask, position_ids)
-        return out
 
 
 def release_name(name: str) -> str:

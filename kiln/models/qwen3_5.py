@@ -11,7 +11,8 @@ Deltas from Qwen3-Next (`qwen3_next.py`):
   to the vision tower (`model.visual.`, kiln's `visual`: qwen3_5_vision.py) and multi-token-prediction
   layers (`mtp.`). kiln reads such a directory as an image-text causal LM (text alone works as before)
   and writes the `mtp.` tensors back untouched, so the export loads in transformers'
-  `...ForConditionalGeneration` as the source did.
+  `...ForConditionalGeneration` as the source did;
+- the MTP module (`mtp.*`, text-only checkpoints too) trains under `[moe] mtp_weight` (kiln.models.mtp).
 """
 
 from __future__ import annotations
@@ -28,15 +29,15 @@ from kiln.models.common.decoder import causal_mask
 from kiln.models.common.hybrid import HybridDecoderLayer
 from kiln.models.common.mlp import GatedMLP
 from kiln.models.common.moe import SharedExpertMoEBlock
-from kiln.models.common.mtp import TrainsMtp
 from kiln.models.common.norms import ZeroCenteredRMSNorm
 from kiln.models.common.rope import MRotaryEmbedding
 from kiln.models.keymap import KeyMap, Stack
+from kiln.models.mtp import TrainsMtp
 from kiln.models.decoder_lm import SPECIALS
-from kiln.models.pretrained import Family, TaskSpec, Tiny, check_tensors, init_module
+from kiln.models.pretrained import Family, TaskSpec, Tiny
 from kiln.models.qwen3_moe import EXPERT_KEYS
 from kiln.models.qwen3_5_vision import ImageTextForCausalLM as VisionTextForCausalLM, VisionConfig
-from kiln.models.qwen3_next import (TINY_HYBRID, TINY_HYBRID_MOE, HybridConfig, attention,
+from kiln.models.qwen3_next import (TINY_HYBRID, TINY_HYBRID_MOE, HybridConfig, HybridForCausalLM, attention,
                                    build_hybrid, deltanet, hybrid_family)
 from kiln.models.tasks import CAUSAL_LM
 
@@ -79,11 +80,104 @@ def moe_mlp(c: Qwen3_5MoeTextConfig, layer: int) -> nn.Module:
                                 c.shared_expert_intermediate_size, c.hidden_act)
 
 
+class Qwen3_5MTP(nn.Module):
+    """Qwen3.5/3.6's multi-token-prediction module (`mtp.*` in the release), depth 1:
+
+        x_i = fc([pre_fc_norm_embedding(Emb(t_{i+1})); pre_fc_norm_hidden(h_i)])     (B, T, 2C) -> (B, T, C)
+
+    h_i the main model's last (final-normed) hidden state, then one full-attention decoder layer of the
+    model's own kind (`mtp.layers.0`, causal over x with the main positions), then `mtp.norm`; the main LM
+    head scores the result against t_{i+2}. The norms are zero-centred, as every Qwen3.5 norm."""
+
+    def __init__(self, c: HybridConfig, mlp):
+        super().__init__()
+        C, eps, n = c.hidden_size, c.rms_norm_eps, c.num_hidden_layers
+        self.fc = nn.Linear(2 * C, C, bias=False)
+        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(C, eps)
+        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(C, eps)
+        self.layers = nn.ModuleList([HybridDecoderLayer(attention(c, n), mlp(c, n), C, eps)])
+        self.norm = ZeroCenteredRMSNorm(C, eps)
+
+    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, rope, mask) -> torch.Tensor:
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        return self.norm(self.layers[0](x, rope, mask, None, None, None))
+
+
+_MTP_KEY = re.compile(r"^mtp\.")
+
+
+class Qwen3_5TrainsMtp(TrainsMtp):
+    """What both Qwen3.5 causal LMs (text, image-text) add to the hybrid one: the release's MTP module, carried
+    through (`mtp.*`, back to FP8 + scales as read when the release is FP8; they were dequantized with the rest at
+    load) until `enable_mtp` makes it live under `[moe] mtp_weight` (kiln.models.mtp), then saved under the same
+    names. It reads text positions (MTP on image rows uses the rows' plain positions, not the image grid's)."""
+    mtp_depth = re.compile(r"^mtp\.layers\.(\d+)\.")
+
+    @property
+    def mtp_module(self) -> Qwen3_5MTP | None:
+        return self._modules.get("mtp")
+
+    def load_hf_state_dict(self, hf: dict[str, torch.Tensor], source: str = "checkpoint",
+                           source_task: str | None = None):
+        mtp = {k: v for k, v in hf.items() if _MTP_KEY.match(k)}  # carried until enable_mtp: no parameter yet
+        report = super().load_hf_state_dict({k: v for k, v in hf.items() if k not in mtp}, source, source_task)
+        self.hf_passthrough.update(mtp)
+        return report
+
+    def mtp_carried(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in getattr(self, "hf_passthrough", {}).items() if _MTP_KEY.match(k)}
+
+    def new_mtp(self) -> Qwen3_5MTP:
+        c, ref = self.config, self.model.embed_tokens.weight
+        return Qwen3_5MTP(c, moe_mlp if isinstance(c, Qwen3_5MoeTextConfig) else dense_mlp).to(ref.device, ref.dtype)
+
+    def mtp_released(self, found: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+        for k in found:
+            del self.hf_passthrough[k]
+
+    def mtp_states(self, out, next_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                   position_ids: torch.Tensor | None) -> torch.Tensor:
+        next_embeds = self.model.embed_tokens(next_ids)  # (B, T, C)
+        B, T = next_ids.shape
+        text, rope_pos = position_ids, position_ids
+        if position_ids is not None and position_ids.dim() == 3:  # multimodal (3 or 4, B, T), as the decoder reads
+            text = position_ids[0] if position_ids.shape[0] == 4 else None
+            rope_pos = position_ids[1:] if position_ids.shape[0] == 4 else position_ids
+        if rope_pos is None:
+            rope_pos = torch.arange(T, device=next_ids.device).unsqueeze(0)
+        mask = causal_mask(B, T, 0, attention_mask, text, next_ids.device)
+        rope = self.model.rotary_emb(next_embeds, rope_pos)
+        return self.mtp_module(out.last_hidden_state, next_embeds, rope, mask)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        carried = getattr(self, "hf_passthrough", {})
+        hf = super().hf_state_dict()
+        if getattr(self, "fp8_state", None) is not None and carried:
+            hf = {k: v for k, v in hf.items() if k not in carried}
+            hf.update(self.fp8_state.export(carried))
+        return hf
+
+
+class TextForCausalLM(Qwen3_5TrainsMtp, HybridForCausalLM):
+    """A text-only Qwen3.5 causal LM (`Qwen3_5(Moe)ForCausalLM`) with its release's MTP module."""
+
+
+class ImageTextForCausalLM(Qwen3_5TrainsMtp, VisionTextForCausalLM):
+    """An image-text release (the vision tower live, kiln.models.qwen3_5_vision) with its MTP module."""
+
+
+# the MTP module's tensors under the release's names (its experts one tensor per expert, or fused as read)
+MTP_KEYS = [Stack("mtp.layers.{}.mlp.experts.gate_up_proj",
+                  ("mtp.layers.{}.mlp.experts.{}.gate_proj.weight", "mtp.layers.{}.mlp.experts.{}.up_proj.weight")),
+            Stack("mtp.layers.{}.mlp.experts.down_proj", ("mtp.layers.{}.mlp.experts.{}.down_proj.weight",)),
+            ("mtp", "mtp")]
+
 TEXT = hybrid_family("qwen3_5_text", Qwen3_5TextConfig, ("Qwen3_5TextModel", "Qwen3_5ForCausalLM"), mixer, dense_mlp,
-                     rope_cls=MRotaryEmbedding).with_tiny(Tiny(TINY_HYBRID, specials=SPECIALS))
+                     rope_cls=MRotaryEmbedding, causal_cls=TextForCausalLM, causal_rules=MTP_KEYS
+                     ).with_tiny(Tiny(TINY_HYBRID, specials=SPECIALS))
 MOE_TEXT = hybrid_family("qwen3_5_moe_text", Qwen3_5MoeTextConfig, ("Qwen3_5MoeTextModel", "Qwen3_5MoeForCausalLM"),
-                         mixer, moe_mlp, EXPERT_KEYS, rope_cls=MRotaryEmbedding).with_tiny(Tiny(TINY_HYBRID_MOE,
-                                                                                                specials=SPECIALS))
+                         mixer, moe_mlp, EXPERT_KEYS, rope_cls=MRotaryEmbedding, causal_cls=TextForCausalLM,
+                         causal_rules=MTP_KEYS).with_tiny(Tiny(TINY_HYBRID_MOE, specials=SPECIALS))
 
 
 # ---- image-text checkpoints ---------------------------------------------------------------------
@@ -135,121 +229,6 @@ class Qwen3_5MoeConfig(ImageTextConfig, Qwen3_5MoeTextConfig):
     text_model_type = "qwen3_5_moe_text"
     outer: dict[str, Any] = field(default_factory=dict)
     text_tie_word_embeddings: bool | None = None
-
-
-class Qwen3_5MTP(nn.Module):
-    """Qwen3.5/3.6's multi-token-prediction module (`mtp.*` in the release), depth 1:
-
-        x_i = fc([pre_fc_norm_embedding(Emb(t_{i+1})); pre_fc_norm_hidden(h_i)])     (B, T, 2C) -> (B, T, C)
-
-    h_i the main model's last (final-normed) hidden state, then one full-attention decoder layer of the
-    model's own kind (`mtp.layers.0`, causal over x with the main positions), then `mtp.norm`; the main LM
-    head scores the result against t_{i+2}. The norms are zero-centred, as every Qwen3.5 norm."""
-
-    def __init__(self, c: HybridConfig, mlp):
-        super().__init__()
-        C, eps, n = c.hidden_size, c.rms_norm_eps, c.num_hidden_layers
-        self.fc = nn.Linear(2 * C, C, bias=False)
-        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(C, eps)
-        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(C, eps)
-        self.layers = nn.ModuleList([HybridDecoderLayer(attention(c, n), mlp(c, n), C, eps)])
-        self.norm = ZeroCenteredRMSNorm(C, eps)
-
-    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, rope, mask) -> torch.Tensor:
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        return self.norm(self.layers[0](x, rope, mask, None, None, None))
-
-
-_MTP_KEY = re.compile(r"^mtp\.")
-
-
-class ImageTextForCausalLM(TrainsMtp, VisionTextForCausalLM):
-    """An image-text release (the vision tower live, kiln.models.qwen3_5_vision) with its MTP module: the
-    tensors it carries through (`mtp.*` until trained) go back to FP8 + scales as read when the release is FP8
-    (they were dequantized with the rest at load). The MTP module trains under `[moe] mtp_weight` once
-    `enable_mtp` makes it live (then saved under the same names); it reads text positions (MTP on image rows
-    uses the rows' plain positions, not the image grid's)."""
-
-    @property
-    def mtp_module(self) -> Qwen3_5MTP | None:
-        return self._modules.get("mtp")
-
-    def load_hf_state_dict(self, hf: dict[str, torch.Tensor], source: str = "checkpoint",
-                           source_task: str | None = None):
-        mtp = {k: v for k, v in hf.items() if _MTP_KEY.match(k)}  # carried until enable_mtp: no parameter yet
-        report = super().load_hf_state_dict({k: v for k, v in hf.items() if k not in mtp}, source, source_task)
-        self.hf_passthrough.update(mtp)
-        return report
-
-    def enable_mtp(self, source: str = "the model", fresh: bool = False) -> Qwen3_5MTP:
-        """Make the depth-1 MTP module live from the checkpoint's `mtp.*` tensors (or freshly initialised with
-        `fresh`, a model built from scratch); they leave the carried tensors, saved back as parameters."""
-        if self.mtp_module is not None:
-            return self.mtp_module
-        c = self.config
-        found = {k: v for k, v in getattr(self, "hf_passthrough", {}).items() if _MTP_KEY.match(k)}
-        if not found and not fresh:
-            raise ConfigError(f"{source}: the checkpoint has no multi-token-prediction tensors (mtp.*) to train")
-        if any(k.startswith("mtp.layers.") and not k.startswith("mtp.layers.0.") for k in found):
-            raise ConfigError(f"{source}: the checkpoint's MTP module has more than one layer; kiln trains depth 1")
-        ref = self.model.embed_tokens.weight
-        module = Qwen3_5MTP(c, moe_mlp if isinstance(c, Qwen3_5MoeTextConfig) else dense_mlp)
-        module = module.to(device=ref.device, dtype=ref.dtype)
-        if found:
-            tensors, unmatched = self.family.keymap(self.task).to_kiln(found)
-            tensors = {k.removeprefix("mtp."): v for k, v in tensors.items()}
-            expected = module.state_dict()
-            ignored, _ = check_tensors(expected, tensors, set(expected), source, "its MTP module", lambda k: "mtp." + k)
-            if ignored or unmatched:
-                raise ConfigError(f"{source}: MTP tensor(s) this {c.model_type} MTP module has no place for: "
-                                  f"{', '.join(sorted('mtp.' + k for k in ignored) + sorted(unmatched))[:300]}")
-            with torch.no_grad():
-                for k, v in module.state_dict().items():
-                    v.copy_(tensors[k])
-            for k in found:
-                del self.hf_passthrough[k]
-        else:
-            init_module(module, c.initializer_range)
-        self.mtp = module
-        return module
-
-    def mtp_states(self, out, next_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                   position_ids: torch.Tensor | None) -> torch.Tensor:
-        next_embeds = self.model.embed_tokens(next_ids)  # (B, T, C)
-        B, T = next_ids.shape
-        text, rope_pos = position_ids, position_ids
-        if position_ids is not None and position_ids.dim() == 3:  # multimodal (3 or 4, B, T), as the decoder reads
-            text = position_ids[0] if position_ids.shape[0] == 4 else None
-            rope_pos = position_ids[1:] if position_ids.shape[0] == 4 else position_ids
-        if rope_pos is None:
-            rope_pos = torch.arange(T, device=next_ids.device).unsqueeze(0)
-        mask = causal_mask(B, T, 0, attention_mask, text, next_ids.device)
-        rope = self.model.rotary_emb(next_embeds, rope_pos)
-        return self.mtp_module(out.last_hidden_state, next_embeds, rope, mask)
-
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                cache=None, logits_to_keep: int = 0, output_router_logits: bool | None = None, targets=None,
-                **images):
-        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              inputs_embeds=inputs_embeds, labels=labels, cache=cache, logits_to_keep=logits_to_keep,
-                              output_router_logits=output_router_logits, targets=targets, **images)
-        self.mtp_after_forward(out, input_ids, labels, targets, attention_mask, position_ids)
-        return out
-
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        carried = getattr(self, "hf_passthrough", {})
-        hf = super().hf_state_dict()
-        if getattr(self, "fp8_state", None) is not None and carried:
-            hf = {k: v for k, v in hf.items() if k not in carried}
-            hf.update(self.fp8_state.export(carried))
-        return hf
-
-
-# the MTP module's tensors under the release's names (its experts one tensor per expert, or fused as read)
-MTP_KEYS = [Stack("mtp.layers.{}.mlp.experts.gate_up_proj",
-                  ("mtp.layers.{}.mlp.experts.{}.gate_proj.weight", "mtp.layers.{}.mlp.experts.{}.up_proj.weight")),
-            Stack("mtp.layers.{}.mlp.experts.down_proj", ("mtp.layers.{}.mlp.experts.{}.down_proj.weight",)),
-            ("mtp", "mtp")]
 
 
 def image_text_family(model_type: str, config_cls: type, arch: str, text: Family, mlp) -> Family:

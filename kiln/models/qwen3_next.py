@@ -202,8 +202,10 @@ HYBRID_PLAN = ParallelPlan(blocks="model.layers", experts="mlp.experts")
 
 
 def hybrid_family(model_type: str, config_cls: type[HybridConfig], archs: tuple[str, str], mixer: MixerFn,
-                  mlp: MlpFn, rules: list | None = None, rope_cls: type[RotaryEmbedding] = RotaryEmbedding) -> Family:
-    """A Family with `base` and `causal-lm` heads (HF class names `archs`) over the hybrid decoder."""
+                  mlp: MlpFn, rules: list | None = None, rope_cls: type[RotaryEmbedding] = RotaryEmbedding,
+                  causal_cls: type[HybridForCausalLM] = HybridForCausalLM, causal_rules: list | None = None) -> Family:
+    """A Family with `base` and `causal-lm` heads (HF class names `archs`) over the hybrid decoder; the causal LM is
+    `causal_cls` with `causal_rules` ahead of its head's (Qwen3.5's trains its MTP module)."""
     def build(c):
         return build_hybrid(c, mixer, mlp, rope_cls)
 
@@ -215,9 +217,9 @@ def hybrid_family(model_type: str, config_cls: type[HybridConfig], archs: tuple[
         parallel_plan=HYBRID_PLAN,
         tasks={
             BASE: TaskSpec(archs[0], lambda c: DecoderModel(build(c))),
-            CAUSAL_LM: TaskSpec(archs[1], lambda c: HybridForCausalLM(build(c), c.hidden_size, c.vocab_size,
-                                                                         c.tie_word_embeddings),
-                                  KeyMap([("lm_head", "lm_head")])),
+            CAUSAL_LM: TaskSpec(archs[1], lambda c: causal_cls(build(c), c.hidden_size, c.vocab_size,
+                                                                  c.tie_word_embeddings),
+                                KeyMap(list(causal_rules or []) + [("lm_head", "lm_head")])),
         },
     )
 

@@ -1,4 +1,4 @@
-"""Multi-token prediction for Qwen3.5/3.6-MoE and DeepSeek-V4 (kiln.models.common.mtp.TrainsMtp): the MTP loss equals
+"""Multi-token prediction for Qwen3.5/3.6-MoE (image-text and text-only) and DeepSeek-V4 (kiln.models.mtp.TrainsMtp): the MTP loss equals
 a hand-built forward of each family's MTP module (fp32, 1e-6) over every parameter drawn at random, gradients reach
 every MTP parameter, and a live module is written back under the release's names (`mtp.*`), read back equal.
 transformers runs no MTP, so the references are written here from each family's MTP formula; the decoder layer
@@ -51,8 +51,9 @@ def _check(model, ids, reference, control) -> None:
     assert out.loss is not None and model.model.embed_tokens.weight.grad is not None  # the shared embedding too
 
 
-def test_qwen3_5_moe_mtp_equals_the_hand_built_forward(tiny_factory, tmp_path):
-    model = load_pretrained(tiny_factory("qwen3_5_moe", "causal-lm"), dtype=torch.float32)
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe", "qwen3_5_moe_text"])  # image-text release, text-only
+def test_qwen3_5_moe_mtp_equals_the_hand_built_forward(tiny_factory, tmp_path, model_type):
+    model = load_pretrained(tiny_factory(model_type, "causal-lm"), dtype=torch.float32)
     mtp = model.enable_mtp("test", fresh=True)
     _randomize(mtp, 1)
     ids = torch.randint(5, 90, (2, 12), generator=torch.Generator().manual_seed(2))

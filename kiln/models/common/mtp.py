@@ -19,8 +19,6 @@ import torch
 from torch import nn
 
 from kiln.constants import IGNORE_INDEX
-from kiln.errors import KilnError
-from kiln.models.common.loss import shift_labels
 from kiln.models.common.mla import MLADecoderLayer, MLASpec
 from kiln.models.common.norms import RMSNorm
 
@@ -62,26 +60,3 @@ def mtp_targets(targets: torch.Tensor) -> torch.Tensor:
     sample's end, a prompt) it never saw."""
     later = torch.cat([targets[:, 1:], targets.new_full((targets.shape[0], 1), IGNORE_INDEX)], dim=1)
     return later.masked_fill(targets == IGNORE_INDEX, IGNORE_INDEX)
-
-
-class TrainsMtp:
-    """The multi-token-prediction training hook shared by the families whose MTP module is not an MLA layer
-    (Qwen3.5/3.6, DeepSeek-V4), with DeepSeek-V3's contract: `enable_mtp(source, fresh)` makes the module live,
-    and a training forward given labels or targets leaves `mtp_loss_parts` = (cross entropy of the t+2
-    predictions summed over real targets, their count) for the `[moe] mtp_weight` loss; `.loss` is unchanged.
-
-    A family supplies `mtp_module` (None until enabled) and `mtp_states(out, next_ids, attention_mask,
-    position_ids)`: the MTP module's normed states (B, T, C) from the main forward's output and Emb(t_{i+1})'s ids."""
-
-    mtp_loss_parts: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def mtp_after_forward(self, out, input_ids: torch.Tensor | None, labels: torch.Tensor | None,
-                          targets: torch.Tensor | None, attention_mask: torch.Tensor | None,
-                          position_ids: torch.Tensor | None) -> None:
-        if self.mtp_module is None or not self.training or (labels is None and targets is None):
-            return
-        if input_ids is None:
-            raise KilnError("the MTP loss embeds the next input token: pass input_ids, not inputs_embeds")
-        targets = targets if targets is not None else shift_labels(labels).to(input_ids.device)
-        states = self.mtp_states(out, next_inputs(input_ids), attention_mask, position_ids)
-        self.mtp_loss_parts = self.head_loss_sum(states, mtp_targets(targets))
