@@ -6,8 +6,8 @@ config.json with the release's keys (the legacy forms transformers folds in: `co
 entry more for the MTP layer, `num_hash_layers`, `qk_rope_head_dim`, `rope_scaling`, a top-level
 `expert_dtype`), an MTP layer under `mtp.0.*`, the dense projections float8_e4m3fn with UE8M0 block
 scales under `<module>.scale`, and the routed experts FP4 (e2m1, two a byte in int8, low nibble first,
-one UE8M0 scale per 32 inputs). The quantization is written here from the formula, in plain loops, so
-kiln's own code is checked against it.
+one UE8M0 scale per 32 inputs). The quantization is written here from the formula (FP8 in plain loops over
+blocks, FP4 as a nearest-code search over the e2m1 table), so kiln's own code is checked against it.
 """
 
 from __future__ import annotations
@@ -43,20 +43,18 @@ def fp8_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def fp4_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per 32 inputs: scale 2**ceil(log2(amax / 6)), each value to the nearest e2m1 (a tie to the even code),
-    -0 written as +0, packed low nibble first into int8."""
+    -0 written as +0, packed low nibble first into int8. In float64, where every distance here is exact."""
     rows, cols = w.shape
-    codes = torch.empty(rows, cols, dtype=torch.uint8)
-    scale = torch.empty(rows, cols // 32)
-    for r in range(rows):
-        for b in range(cols // 32):
-            chunk = w[r, b * 32:(b + 1) * 32].float()
-            s = 2.0 ** math.ceil(math.log2(float(chunk.abs().max()) / 6.0))
-            scale[r, b] = s
-            for c, x in enumerate((chunk / s).tolist()):
-                mag = min(range(8), key=lambda k: (abs(E2M1[k] - abs(x)), k % 2))
-                codes[r, b * 32 + c] = mag | (8 if x < 0 and mag else 0)
+    x = w.double().reshape(rows, cols // 32, 32)
+    scale = torch.exp2(torch.ceil(torch.log2(x.abs().amax(-1) / 6.0)))  # (rows, cols / 32)
+    x = x / scale[..., None]
+    dist = (x.abs()[..., None] - torch.tensor(E2M1, dtype=torch.float64)).abs()  # (rows, blocks, 32, 8)
+    nearest = dist == dist.min(-1, keepdim=True).values
+    even = nearest & (torch.arange(8) % 2 == 0)
+    mag = torch.where(even.any(-1), even.int().argmax(-1), nearest.int().argmax(-1))
+    codes = (mag | torch.where((x < 0) & (mag > 0), 8, 0)).to(torch.uint8).reshape(rows, cols)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return packed.view(torch.int8), scale.to(torch.float8_e8m0fnu)
+    return packed.view(torch.int8), scale.float().to(torch.float8_e8m0fnu)
 
 
 def release_name(k: str) -> str:

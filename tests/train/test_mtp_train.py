@@ -49,8 +49,8 @@ def _toml(d, family: str, name: str) -> str:
     path.write_text(f'[model]\nfamily = "{family}"\ntask = "causal-lm"\ntokenizer = "{d / "tok"}"\n[model.config]\n'
                     + "".join(f"{k} = {_value(v)}\n" for k, v in CONFIGS[family].items())
                     + f'[data]\ntrain = "{d / "chat.jsonl"}"\nmax_length = 40\n'
-                    + f'[train]\nout_dir = "{d / name}"\nsteps = 6\nbatch_size = 4\nlr = 1e-2\n'
-                    + "weight_decay = 0.0\nsave_every = 3\nkeep_last = 5\nprogress = false\nlog_every = 1\nseed = 3\n"
+                    + f'[train]\nout_dir = "{d / name}"\nsteps = 4\nbatch_size = 2\nlr = 1e-2\n'
+                    + "weight_decay = 0.0\nsave_every = 2\nkeep_last = 5\nprogress = false\nlog_every = 1\nseed = 3\n"
                     + f'[moe]\nbalance = "{balance}"\nmtp_weight = 0.5\n')
     return str(path)
 
@@ -59,12 +59,12 @@ def _toml(d, family: str, name: str) -> str:
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "deepseek_v4"])
 def test_mtp_trains_logs_apart_and_resumes_exactly(setup, family):
     straight, killed = _toml(setup, family, f"{family}-straight"), _toml(setup, family, f"{family}-killed")
-    killed_then_resumed_matches(Path(straight), Path(killed), steps=(6,))  # weights and metrics, bit for bit
+    killed_then_resumed_matches(Path(straight), Path(killed), fault="step:3", steps=(4,))  # weights and metrics, bit for bit
     run = setup / f"{family}-straight"
     records = [r for r in read_metrics(run / "metrics.jsonl") if "mtp_loss" in r]
-    assert len(records) == 6 and all(r["lm_loss"] > 0 for r in records)
+    assert len(records) == 4 and all(r["lm_loss"] > 0 for r in records)
     # loss = lm_loss + 0.5 * mtp_loss per step (the MTP loss logged apart, unweighted)
     assert all(abs(r["loss"] - (r["lm_loss"] + 0.5 * r["mtp_loss"])) < 1e-4 * r["loss"] for r in records)
     assert records[-1]["mtp_loss"] < records[0]["mtp_loss"]
-    weights = load_file(str(run / "ckpt-000006" / "model" / "model.safetensors"))
+    weights = load_file(str(run / "ckpt-000004" / "model" / "model.safetensors"))
     assert all(k in weights for k in MTP_NAMES[family])
