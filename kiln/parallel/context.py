@@ -13,7 +13,10 @@ Attention is the one place tokens meet across ranks: each decoder `Attention` ge
 keys and values over the cp group (an autograd function whose backward is a reduce-scatter: every
 rank's queries add to every key's gradient) and runs SDPA with the global mask; with
 `parallel.cp_method = "ring"` the keys and values pass rank to rank instead (kiln.parallel.ring), so
-no rank holds the whole sequence's keys. The loss comes back as each rank's share: `loss_sum` /
+no rank holds the whole sequence's keys. Latent attention (MLA: DeepSeek-V3/V3.2, GLM-5) gathers what it caches
+instead, the normalised latent and the rotated rope key (kv_lora_rank + rope numbers per token, expanded to
+per-head keys and values locally), and the DSA indexer its keys, so its top-k runs over the whole row (all-gather
+only; a live MTP layer is refused: its input at a chunk's end is the next chunk's first token). The loss comes back as each rank's share: `loss_sum` /
 `loss_count` over its chunks (they add up over the cp ranks), and for `labels=` a `.loss` of local
 sum / the cp group's count, whose sum over the cp ranks is the mean.
 
@@ -35,7 +38,9 @@ from torch.nn import functional as F
 from kiln.constants import IGNORE_INDEX
 from kiln.errors import ConfigError, KilnError
 from kiln.models.common.decoder import Attention, Decoder, segment_ids
+from kiln.models.common.dsa import Indexer
 from kiln.models.common.loss import shift_labels
+from kiln.models.common.mla import MLADecoder, MLAttention
 from kiln.parallel.blocks import model_name
 from kiln.parallel.ring import ring_attention
 
@@ -58,14 +63,19 @@ def check_seq_len(seq_len: int, cp: int) -> None:
                         f"(choose data.max_length as a multiple of {2 * cp}, or another parallel.cp)")
 
 
-def check_model(model: nn.Module, cp: int) -> None:
-    """Refuse models whose sequence mixing is not the shared attention decoder (the only one CP splits)."""
+def check_model(model: nn.Module, cp: int, method: str = "allgather") -> None:
+    """Refuse models whose sequence mixing is not the shared attention decoder or the MLA one (those CP splits)."""
     backbone = getattr(model, "model", None)
-    if not isinstance(backbone, Decoder):
+    if not isinstance(backbone, (Decoder, MLADecoder)):
         kind = type(backbone).__name__ if isinstance(backbone, nn.Module) else type(model).__name__
         raise ConfigError(f"parallel.cp = {cp}: {model_name(model)} ({kind}) cannot be split over the sequence; "
-                          f"context parallelism serves decoders made only of softmax attention layers (no "
-                          f"recurrent Mamba / DeltaNet layers, no latent (MLA) or sparse attention, no encoders)")
+                          f"context parallelism serves decoders made only of softmax or latent (MLA, with or "
+                          f"without the DSA indexer) attention layers (no recurrent Mamba / DeltaNet layers, no "
+                          f"sliding/compressed DeepSeek-V4 attention, no encoders)")
+    if isinstance(backbone, MLADecoder) and method == "ring":
+        raise ConfigError(f"parallel.cp_method = 'ring': {model_name(model)} has latent (MLA) attention, whose "
+                          f"latent keys are all-gathered (a few hundred numbers per token); use cp_method = "
+                          f"'allgather'")
     config = getattr(model, "config", None)
     if getattr(config, "output_router_logits", False):
         raise ConfigError(f"parallel.cp = {cp} with output_router_logits: the MoE balance loss is a function of "
@@ -124,6 +134,10 @@ class ContextParallel:
         if given.get("cache") is not None:
             raise KilnError("parallel.cp splits training sequences over ranks; decoding from a cache is not "
                             "supported under it")
+        if getattr(module, "mtp", None) is not None:
+            raise KilnError("parallel.cp with a live multi-token-prediction layer ([moe] mtp_weight): its input at a "
+                            "chunk's last position is the next chunk's first token, held by another cp rank; "
+                            "train MTP without cp")
         labels = given.pop("labels", None)
         self._labels = labels is not None
         if labels is not None and given.get("targets") is None:
@@ -158,6 +172,16 @@ class ContextParallel:
             dist.all_reduce(count, group=self.group)
             out.loss = out.loss_sum / count.clamp(min=1).to(out.loss_sum.dtype)
         return out
+
+    # ---- latent (MLA) attention: the whole row's latent and rope keys, and the DSA indexer's keys -------
+    def gather_latent(self, latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent (B, 1, T/cp, R), k_rot (B, 1, T/cp, rope) of this rank -> the whole row's, in row order."""
+        whole = gather_sequence(torch.cat([latent, k_rot], dim=-1), self.group)  # (B, 1, T, R + rope)
+        return torch.split(whole, [latent.shape[-1], k_rot.shape[-1]], dim=-1)
+
+    def gather_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """The DSA indexer's keys (B, T/cp, D) -> (B, T, D) in row order."""
+        return gather_sequence(k, self.group)
 
     # ---- the attention core ----------------------------------------------------------------
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -215,11 +239,13 @@ def apply_context_parallel(model: nn.Module, group, method: str = "allgather") -
     """Split `model`'s inputs over the cp `group` and swap its attention cores, in place (hooks, no new modules);
     `method` "allgather" or "ring" (parallel.cp_method)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    check_model(model, cp)
+    check_model(model, cp, method)
     ctx = ContextParallel(group, cp, rank, method)
     for module in model.modules():
         if isinstance(module, Attention):
             module.core = ctx.attention
+        elif isinstance(module, (MLAttention, Indexer)):
+            module.context = ctx
     model.register_forward_pre_hook(ctx.split, with_kwargs=True)
     model.register_forward_hook(ctx.finish, with_kwargs=True)
     return ctx

@@ -15,7 +15,7 @@ from tests.parallel import workers
 from kiln.constants import IGNORE_INDEX
 from kiln.errors import ConfigError, KilnError
 from kiln.models.common.loss import shift_labels
-from kiln.parallel.context import chunk_index, check_model, gather_sequence
+from kiln.parallel.context import ContextParallel, chunk_index, check_model, gather_sequence
 
 JOBS_2 = [("cp-2", "qwen3", "plain", {"cp": 2}),
           ("cp-2-ring-packed", "qwen3", "packed", {"cp": 2, "cp_method": "ring"}),
@@ -55,11 +55,19 @@ def test_models_cp_cannot_serve_are_refused_by_message():
     from kiln.interop.tiny import TINY
     from kiln.models.auto import AutoConfig, from_config
 
-    for family in ("mamba", "qwen3_next", "deepseek_v3"):
+    for family in ("mamba", "qwen3_next", "deepseek_v4"):
         model = from_config(AutoConfig.for_model(family, **TINY[family]), task="causal-lm", seed=0)
         with pytest.raises(ConfigError, match=rf"parallel.cp = 2: {family} \(\w+\) cannot be split over the sequence"):
             check_model(model, 2)
-    check_model(workers.build("qwen3"), 2)  # the shared attention decoder passes
+    check_model(workers.build("qwen3"), 2)  # the shared attention decoder passes, and the MLA one
+    mla = from_config(AutoConfig.for_model("deepseek_v3", **TINY["deepseek_v3"]), task="causal-lm", seed=0)
+    check_model(mla, 2)
+    with pytest.raises(ConfigError, match=r"cp_method = 'ring': deepseek_v3 has latent \(MLA\) attention"):
+        check_model(mla, 2, "ring")
+    mla.config.extra["num_nextn_predict_layers"] = 1
+    mla.enable_mtp("test", fresh=True)  # a live MTP layer reads the next chunk's first token: refused at the split
+    with pytest.raises(KilnError, match=r"parallel.cp with a live multi-token-prediction layer"):
+        ContextParallel(None, 2, 0).split(mla, (), {"input_ids": torch.ones(1, 8, dtype=torch.long)})
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""`kiln train` with FSDP2 (alone and with ep = 2), and with tp = 2, on the DeepSeek-V3 and GLM-5 families
-equals one process.
+"""`kiln train` with FSDP2 (alone and with ep = 2), with tp = 2, and with cp = 2 (packed rows) on the DeepSeek-V3 and
+GLM-5 families equals one process.
 
 Tiny MLA + MoE SFT runs built from config over 2 gloo processes under `kiln launch`: the losses of every
 step and the final (sharded) checkpoint's weights match one process on the same global batch within fp32
@@ -68,11 +68,16 @@ def _same_as_one_process(run: Path, ref: Path, tmp: Path) -> None:
     ("glm_moe_dsa", {"fsdp": True, "ep": 2}),
     # MLA by heads through the Trainer, blocks recomputed in the backward (the rope-key hook runs again)
     ("deepseek_v3", {"tp": 2, "activation_checkpointing": "block"}),
+    # the packed rows split over the sequence: latent + rope keys (and GLM-5's indexer keys) all-gathered
+    ("deepseek_v3", {"cp": 2, "fsdp": True}),
+    ("glm_moe_dsa", {"cp": 2, "fsdp": True}),
 ], ids=["deepseek_v3-fsdp2", "deepseek_v3-fsdp2-ep2", "glm_moe_dsa-fsdp2", "glm_moe_dsa-fsdp2-ep2",
-        "deepseek_v3-tp2-ac"])
+        "deepseek_v3-tp2-ac", "deepseek_v3-cp2", "glm_moe_dsa-cp2"])
 def test_kiln_train_plan_on_mla_equals_one_process(setup, references, tmp_path, family, parallel):
     name = f"{family}-" + "-".join(f"{k}{v}" for k, v in parallel.items())
-    split = 1 if parallel.get("tp", 1) > 1 else 2  # fsdp (and ep) ranks split the batch; tp ranks read the same rows
+    # fsdp (and ep) ranks split the batch; tp and cp ranks read the same rows
+    split = 1 if parallel.get("tp", 1) > 1 or parallel.get("cp", 1) > 1 else 2
     p = launch(_toml(setup, name, family, GLOBAL_BATCH // split, parallel))
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "cp" not in parallel or "parallel: cp 2 (FSDP)" in p.stdout  # the split ran
     _same_as_one_process(setup / name, references[family], tmp_path)

@@ -34,6 +34,7 @@ class Indexer(nn.Module):
         self.softmax_scale = head_dim**-0.5
         self.requires_grad_(False)  # the LM loss never reaches it (top-k is not differentiable); see train_kl
         self.train_kl = False
+        self.context = None  # context parallelism: its keys gathered over the cp ranks (kiln.parallel.context)
         self.loss: torch.Tensor | None = None  # the last training forward's KL, when train_kl
 
     @torch.no_grad()
@@ -59,6 +60,8 @@ class Indexer(nn.Module):
         q_rot, k_rot = self.rope_fn(q_rot, k_rot, *rope, unsqueeze_dim=2)
         q = torch.cat([q_rot, q_pass], dim=-1)
         k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)  # (B, T, D)
+        if self.context is not None:
+            k = self.context.gather_keys(k)  # (B, K, D): the whole row's, for this rank's queries
         if cache is not None:
             k = cache.update_index(layer_idx, k)  # (B, K, D)
         scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.softmax_scale  # (B, T, H, K)

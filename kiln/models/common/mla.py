@@ -102,6 +102,9 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(s.kv_lora_rank)
         self.kv_b_proj = nn.Linear(s.kv_lora_rank, s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), bias=False)
         self.o_proj = nn.Linear(s.num_heads * s.v_head_dim, s.hidden_size, bias=s.bias)
+        # context parallelism (kiln.parallel.context) sets it: this rank's queries attend over the whole row's
+        # latent and rope keys, all-gathered (latent + rope numbers per token), under its global mask
+        self.context = None
         if s.sparse == "full":
             self.indexer = Indexer(s.hidden_size, s.q_lora_rank, s.index_heads, s.index_head_dim, s.qk_rope_head_dim,
                                    s.index_topk, s.index_interleave)
@@ -134,6 +137,9 @@ class MLAttention(nn.Module):
         q_rot, k_rot = self.rope_fn(q_rot, k_rot, *rope)
         if cache is not None:  # the compressed latent is what is cached
             latent, k_rot = cache.update(self.layer_idx, latent, k_rot)
+        if self.context is not None:  # (B, 1, T, R) and (B, 1, T, rope) of the whole row; mask (B, 1, T/cp, T)
+            latent, k_rot = self.context.gather_latent(latent, k_rot)
+            mask = self.context.mask.expand(B, -1, -1, -1)
         topk = index_scores = None
         if self.sparse == "full" and self.indexer.train_kl and self.training:
             # scored with gradients on detached inputs: only the indexer loss reaches the indexer
