@@ -93,17 +93,29 @@ def curve(run: Path) -> list[tuple]:
 
 
 def killed_then_resumed_matches(ref_cfg: Path, cfg: Path, *, fault: str = "step:5",
-                                steps: tuple[int, ...] = (6, 8)) -> list[tuple]:
+                                steps: tuple[int, ...] = (6, 8), ref_in_process: bool = False) -> list[tuple]:
     """Train `ref_cfg` through; train `cfg` (the same run in another out_dir) until SIGKILL at `fault`, resume
     it, and assert its checkpoints at `steps` and its metrics curve equal the uninterrupted run's. Returns
-    the curve. The out_dirs are read from the TOMLs."""
+    the curve. The out_dirs are read from the TOMLs. `ref_in_process`: the uninterrupted run in this process
+    (one interpreter start fewer), on one thread as the CLI processes run."""
     import tomllib
 
     import torch
     from safetensors.torch import load_file
 
     ref, run = (Path(tomllib.loads(c.read_text())["train"]["out_dir"]) for c in (ref_cfg, cfg))
-    kiln("train", "--config", str(ref_cfg))
+    if ref_in_process:
+        from kiln.train.config import load_run_config
+        from kiln.train.run import build_trainer
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the CLI processes run with OMP_NUM_THREADS=1: the same kernels, the same bits
+        try:
+            build_trainer(load_run_config(ref_cfg)).fit()
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        kiln("train", "--config", str(ref_cfg))
     p = kiln("train", "--config", str(cfg), env={"KILN_FAULT": fault}, check=False)
     assert p.returncode == -9, p.stderr
     kiln("train", "--config", str(cfg), "--resume", str(run))
