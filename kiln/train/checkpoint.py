@@ -39,6 +39,7 @@ from kiln.hub.files import as_umask_allows, file_sha256, fsync_dir, fsync_file
 from kiln.hub.jsonio import read_json
 from kiln.models.common.lora import has_adapter, read_adapter_tensors
 from kiln.models.pretrained import PreTrainedModel, copy_state_dict
+from kiln.train.ckpt_check import CheckpointLoadError, loading, missing_structure
 
 CKPT_RE = re.compile(r"^ckpt-(\d{6,})$")
 FORMAT = 1
@@ -172,7 +173,7 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
         problem = _unreadable(path / rel)
         if problem is not None:
             return f"{rel} cannot be read ({problem})"
-    return _dcp_missing(path)
+    return _dcp_missing(path) or missing_structure(path)
 
 
 def _dcp_missing(path: Path) -> str | None:
@@ -258,13 +259,20 @@ def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_rng_states(path: str | os.PathLike) -> list[dict[str, Any]]:
-    return read_json(Path(path) / "rng.json", want=list)
+    with loading(Path(path), "rng.json"):
+        return read_json(Path(path) / "rng.json", want=list)
 
 
 def load_optimizer_state(path: str | os.PathLike) -> dict:
+    """optimizer.json and optimizer.safetensors as torch's optimizer state dict; a CheckpointLoadError names
+    the file that fails."""
     path = Path(path)
-    meta = read_json(path / "optimizer.json", want=dict)
-    return _optimizer_state(load_file(str(path / "optimizer.safetensors")), meta)
+    with loading(path, "optimizer.json"):
+        meta = read_json(path / "optimizer.json", want=dict)
+    with loading(path, "optimizer.safetensors"):
+        tensors = load_file(str(path / "optimizer.safetensors"))
+    with loading(path, "optimizer.json"):
+        return _optimizer_state(tensors, meta)
 
 
 def load_model_weights(path: str | os.PathLike, model: Any) -> None:
@@ -274,13 +282,14 @@ def load_model_weights(path: str | os.PathLike, model: Any) -> None:
     nn.Module was saved under its own names.
     """
     model_dir = Path(path) / "model"
-    tensors = load_weights(model_dir)
-    if has_adapter(model_dir):  # a LoRA run: the adapter sits beside the frozen base
-        tensors.update(read_adapter_tensors(model_dir))
-    if isinstance(model, PreTrainedModel):
-        model.copy_hf_state_dict(tensors, source=str(path))
-    else:
-        copy_state_dict(model, tensors, source=str(path))
+    with loading(Path(path), "model/"):  # the message names the tensor (and the file when it is unreadable)
+        tensors = load_weights(model_dir)
+        if has_adapter(model_dir):  # a LoRA run: the adapter sits beside the frozen base
+            tensors.update(read_adapter_tensors(model_dir))
+        if isinstance(model, PreTrainedModel):
+            model.copy_hf_state_dict(tensors, source=str(path / "model"))
+        else:
+            copy_state_dict(model, tensors, source=str(path / "model"))
 
 
 def load_checkpoint_model(path: str | os.PathLike, dtype: torch.dtype | None = None) -> Any:

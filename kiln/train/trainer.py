@@ -46,7 +46,7 @@ from kiln.parallel.sharded_load import init_adapters, read_shards
 from kiln.parallel.world import World, barrier, gather_objects, init_world, pick_device
 from kiln.train import checkpoint as ckpt
 from kiln.train.fp8 import swap_fp8
-from kiln.train import lock, plans, preempt
+from kiln.train import fallback, lock, plans, preempt
 from kiln.train.config import TrainSection
 from kiln.train.checks import check_train_args
 from kiln.train.engine import StepEngine
@@ -173,8 +173,10 @@ class Trainer:
         whole = start is not None and not plans.is_sharded(start)
         if self.pending_read and (whole or self.parallel is None):  # weights needed before (or without) the plans
             read_shards(self.model, self.pending_read, self.device)
-        if whole:  # whole weights: in before any plan shards them
-            ckpt.load_model_weights(start, self.model)
+        self._preloaded: tuple[dict, list] | None = None
+        if whole:  # whole weights: in before any plan shards them (another checkpoint if this one fails to load)
+            start, optim, rngs = fallback.read_whole(self, start)
+            self._preloaded = (optim, rngs)
         if self.parallel is not None:  # the model's final shape is known: shard it before the optimizer sees it
             self.plan = plans.apply_plans(self.model, self.parallel, self.world.size, self.device)
         if getattr(self.model, "pending_read", None):  # this rank's slices, straight from the files
@@ -219,6 +221,10 @@ class Trainer:
         if self.world.main:
             for n in notes:
                 print(f"resume: {n}")
+        if found is None and notes and ckpt.list_paths(self.resume):  # checkpoints there, none usable: say why
+            raise KilnError(f"{self.resume}: no checkpoint can be resumed from: "
+                            + "; ".join(n.removesuffix("; using the previous checkpoint") for n in notes)
+                            + ". Start a new run in another train.out_dir, or restore a checkpoint")
         if found is None and own:  # the same restart command works before and after the first save
             self._restarted = "holds no complete checkpoint yet"
             return None
@@ -227,22 +233,25 @@ class Trainer:
         return found
 
     def _restore(self, path: Path) -> None:
-        state = ckpt.read_trainer_state(path)
         # the checkpoint's param groups carry the old hyperparameters; this run's config wins (lr is set per step)
         current = [{k: g[k] for k in ("weight_decay", "betas", "eps") if k in g} for g in self.optimizer.param_groups]
+        optim, rngs = self._preloaded or (None, None)  # a plain checkpoint's, read before the plans
         if self.reshard is not None and self.sharded and not plans.is_sharded(path):
             # a plain checkpoint (DDP, or one process) into sharded parameters: each rank keeps its shards
-            load_full_optimizer(self.model, self.optimizer, ckpt.load_optimizer_state(path))
+            load_full_optimizer(self.model, self.optimizer, optim)
         elif self.sharded or plans.is_sharded(path):  # the weights too: each rank reads its own shards
             # resharded, a DCP checkpoint loads into whatever layout this run has (plain on one process too)
-            plans.load_sharded_checkpoint(path, self.model, self.optimizer,
-                                          self.sharded or (self.reshard is not None and plans.is_sharded(path)))
+            path = fallback.load_sharded(self, path,
+                                         self.sharded or (self.reshard is not None and plans.is_sharded(path)))
+            rngs = ckpt.read_rng_states(path)
         else:
             try:
-                self.optimizer.load_state_dict(ckpt.load_optimizer_state(path))
+                self.optimizer.load_state_dict(optim)
             except ValueError as e:  # torch's words for param groups of other sizes
                 raise KilnError(f"cannot resume from {path}: its optimizer state does not fit this run's trainable "
                                 f"parameters ({e}); did train.freeze, [lora] or the optimizer change?") from None
+        self._preloaded = None
+        state = ckpt.read_trainer_state(path)
         for group, values in zip(self.optimizer.param_groups, current):
             group.update(values)
         self.step, self.skipped = state["step"], state["skipped"]
@@ -258,7 +267,7 @@ class Trainer:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if self.reshard is None:
-            ckpt.set_rng_state(ckpt.read_rng_states(path)[self.world.rank])
+            ckpt.set_rng_state(rngs[self.world.rank])
         else:
             reseed(self.args.seed, self.step, self.data_rank)
         self.last_checkpoint = path
