@@ -116,25 +116,71 @@ def test_threads_share_the_cores(monkeypatch, tmp_path):
         sleeper.wait()
 
 
+def _sharded_run(run: Path, steps: list[int]) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
+    """Sharded (DCP) checkpoints of a Linear and its AdamW at `steps`, written by one process; and the
+    fingerprint they record."""
+    from kiln.train import plans
+    from kiln.train.checkpoint import rng_state
+    from kiln.train.resume import model_fingerprint
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    fp = {"model": model_fingerprint(model), "data": {}, "precision": "fp32", "world_size": 1}
+    for step in steps:
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        state = {"step": step, "skipped": 0, "best": None, "evals_since_best": 0, "data": {}, "fingerprint": fp}
+        plans.save_sharded_checkpoint(run, step, model, opt, state, [rng_state()])
+    return model, opt, fp
+
+
+def _remanifest(ck: Path) -> None:
+    files = {str(f.relative_to(ck)): {"sha256": file_sha256(f), "bytes": f.stat().st_size}
+             for f in sorted(ck.rglob("*")) if f.is_file() and f.name != "manifest.json"}
+    (ck / "manifest.json").write_text(json.dumps({"format": 1, "step": int(ck.name[5:]), "files": files}))
+
+
 def test_dcp_shard_missing_from_manifest_too(tmp_path):
     """A sharded checkpoint whose shard was removed and its manifest edited to match: verify_checkpoint (what a
     resume uses to pick a checkpoint, and export to accept one) names the missing shard, so a resume falls back
     to the previous checkpoint. The control: the same checkpoint whole verifies clean."""
-    import torch.distributed.checkpoint as dcp
-
     from kiln.train.checkpoint import verify_checkpoint
 
+    _sharded_run(tmp_path, [1])
     ck = tmp_path / "ckpt-000001"
-    dcp.save({"model": torch.nn.Linear(4, 3).state_dict()}, checkpoint_id=str(ck / "dcp"), no_dist=True)
-
-    def manifest() -> None:
-        files = {str(f.relative_to(ck)): {"sha256": file_sha256(f), "bytes": f.stat().st_size}
-                 for f in sorted((ck / "dcp").iterdir()) if f.is_file()}
-        (ck / "manifest.json").write_text(json.dumps({"format": 1, "step": 1, "files": files}))
-
-    manifest()
     assert verify_checkpoint(ck) is None
     shard = next((ck / "dcp").glob("*.distcp"))
     shard.unlink()
-    manifest()
+    _remanifest(ck)
     assert verify_checkpoint(ck) == f"dcp/{shard.name} is missing (dcp/.metadata names it)"
+
+
+def test_dcp_shard_that_does_not_read_falls_back(tmp_path, capsys):
+    """A DCP shard cut short (its manifest rewritten to match, so only loading can tell): the resume's sharded
+    load names the shard and falls back to the previous checkpoint, whose state it then holds; with no previous
+    one the refusal lists the reason. The control: the intact checkpoint loads as it is."""
+    from types import SimpleNamespace
+
+    from kiln.errors import KilnError
+    from kiln.parallel.world import World
+    from kiln.train import fallback
+
+    model, opt, fp = _sharded_run(tmp_path, [1, 2])
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = SimpleNamespace(model=torch.nn.Linear(4, 3), fingerprint=fp, run_config={}, data_shards=1,
+                              world=World(), reshard=None, config_notes=[])
+    trainer.optimizer = torch.optim.AdamW(trainer.model.parameters())
+    assert fallback.load_sharded(trainer, tmp_path / "ckpt-000002", sharded=True).name == "ckpt-000002"  # control
+    assert all(torch.equal(v, want[k]) for k, v in trainer.model.state_dict().items())
+    ck = tmp_path / "ckpt-000002"
+    shard = next((ck / "dcp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    _remanifest(ck)
+    assert fallback.load_sharded(trainer, ck, sharded=True).name == "ckpt-000001"
+    said = capsys.readouterr().out
+    assert f"resume: ckpt-000002: dcp/ cannot be loaded (" in said and "; using the previous checkpoint" in said
+    assert not all(torch.equal(v, want[k]) for k, v in trainer.model.state_dict().items())  # step 1's weights
+    (tmp_path / "ckpt-000001" / "dcp" / ".metadata").unlink()  # now neither loads
+    with pytest.raises(KilnError, match=r"no checkpoint can be resumed from: ckpt-000002: dcp/ cannot be loaded "
+                                        r"\(.*; ckpt-000001: "):
+        fallback.load_sharded(trainer, ck, sharded=True)
