@@ -11,7 +11,9 @@ A save goes to `.ckpt-000200.tmp`, every file fsynced, then renamed; a directory
 manifest is partial or corrupt and is skipped (by name) on resume, and so is one whose files match
 their manifest but cannot be read (a safetensors header that does not cover its file, JSON that does
 not parse, a DCP shard its metadata names that is gone): the resume falls back to the previous
-checkpoint, naming the file. Nothing here unpickles, except torch's own reader of a sharded checkpoint's
+checkpoint, naming the file. A resume also checks what it reads besides the weights before it picks a
+checkpoint (`kiln.train.ckpt_check`), and falls back on any load that still fails (`kiln.train.fallback`).
+Nothing here unpickles, except torch's own reader of a sharded checkpoint's
 dcp/.metadata, which a load of that checkpoint runs on the same file anyway.
 `--resume` takes a run directory or one of its checkpoints (`resume_target`).
 """
@@ -39,7 +41,7 @@ from kiln.hub.files import as_umask_allows, file_sha256, fsync_dir, fsync_file
 from kiln.hub.jsonio import read_json
 from kiln.models.common.lora import has_adapter, read_adapter_tensors
 from kiln.models.pretrained import PreTrainedModel, copy_state_dict
-from kiln.train.ckpt_check import CheckpointLoadError, loading, missing_structure
+from kiln.train.ckpt_check import loading, missing_structure
 
 CKPT_RE = re.compile(r"^ckpt-(\d{6,})$")
 FORMAT = 1
@@ -151,8 +153,9 @@ def seal_checkpoint(run_dir: Path, tmp: Path, step: int, trainer_state: dict[str
 
 
 # ---- find and verify ------------------------------------------------------------------------
-def verify_checkpoint(path: str | os.PathLike) -> str | None:
-    """None if the checkpoint is complete and every checksum matches, else what is wrong."""
+def verify_checkpoint(path: str | os.PathLike, resume: bool = False) -> str | None:
+    """None if the checkpoint is complete and every checksum matches, else what is wrong. With `resume`, also
+    everything a resume reads besides the weights (`missing_structure`): an export needs only the model."""
     path = Path(path)
     manifest = path / "manifest.json"
     if not manifest.is_file():
@@ -173,7 +176,7 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
         problem = _unreadable(path / rel)
         if problem is not None:
             return f"{rel} cannot be read ({problem})"
-    return _dcp_missing(path) or missing_structure(path)
+    return _dcp_missing(path) or (missing_structure(path) if resume else None)
 
 
 def _dcp_missing(path: Path) -> str | None:
@@ -215,11 +218,11 @@ def resume_target(path: str | os.PathLike) -> Path:
     path = Path(path)
     if not (CKPT_RE.match(path.name) and path.is_dir()):
         return path
-    problem = verify_checkpoint(path)
+    problem = verify_checkpoint(path, resume=True)
     if problem is not None:
         raise KilnError(f"{path}: not a usable checkpoint to resume from: {problem}")
     newer = [p.name for step, p in list_checkpoints(path.parent)
-             if step > int(CKPT_RE.match(path.name).group(1)) and verify_checkpoint(p) is None]
+             if step > int(CKPT_RE.match(path.name).group(1)) and verify_checkpoint(p, resume=True) is None]
     if newer:
         raise KilnError(f"{path}: the run {path.parent} holds newer checkpoints ({', '.join(newer)}); a resume "
                         f"continues from the newest (--resume {path.parent}); to branch off {path.name}, copy the "
@@ -247,7 +250,7 @@ def latest_checkpoint(run_dir: str | os.PathLike, report: Callable[[str], None] 
     for tmp in sorted(run_dir.glob(".ckpt-*.tmp")):
         report(f"{tmp.name}: partial checkpoint write (the run stopped while saving); ignored")
     for _, path in reversed(list_checkpoints(run_dir)):
-        problem = verify_checkpoint(path)
+        problem = verify_checkpoint(path, resume=True)
         if problem is None:
             return path
         report(f"{path.name}: {problem}; using the previous checkpoint")

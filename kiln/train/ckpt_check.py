@@ -26,7 +26,7 @@ _TRAINER_KEYS: dict[str, tuple[type, ...]] = {
 _FINGERPRINT_KEYS: dict[str, tuple[type, ...]] = {
     "model": (dict,), "data": (dict,), "precision": (str,), "world_size": (int,)}
 # torch optimizers' per-element state: as many elements as the parameter, floating point
-_PER_ELEMENT = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta", "sum"}
+PER_ELEMENT = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta", "sum"}
 
 
 class CheckpointLoadError(KilnError):
@@ -109,12 +109,12 @@ def _optimizer(path: Path) -> str | None:
     with safe_open(str(path / "optimizer.safetensors"), framework="pt") as st:
         names = list(st.keys())
         for key in [*names, *meta["scalars"]]:
-            pid, _, name = key.partition(".")
+            pid = key.partition(".")[0]
             if not pid.isdigit() or int(pid) not in ids:
                 return f"optimizer state {key!r} names no parameter of optimizer.json's param groups"
         for key in names:
             pid, _, name = key.partition(".")
-            if name not in _PER_ELEMENT:
+            if name not in PER_ELEMENT:
                 continue
             view = st.get_slice(key)
             dtype, shape = view.get_dtype(), tuple(view.get_shape())

@@ -12,22 +12,20 @@ back together.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kiln.errors import KilnError
 from kiln.train import checkpoint as ckpt
 from kiln.train import plans
-from kiln.train.ckpt_check import _PER_ELEMENT, CheckpointLoadError, loading
+from kiln.train.ckpt_check import PER_ELEMENT, CheckpointLoadError, loading
 from kiln.train.optim import param_groups
 from kiln.train.resume import check_resume
-
-if TYPE_CHECKING:
-    from kiln.train.trainer import Trainer
+# `trainer` below is a kiln.train.Trainer in its setup (typed Any: the Trainer imports this module)
 
 
-def previous(trainer: "Trainer", failed: Path, error: CheckpointLoadError) -> Path:
+def previous(trainer: Any, failed: Path, error: CheckpointLoadError) -> Path:
     """The checkpoint before `failed` that verifies and passes `check_resume` (its reshard and notes set on
     the trainer); a KilnError naming every checkpoint's reason when there is none."""
     reasons = trainer.__dict__.setdefault("_load_failures", [])
@@ -38,7 +36,7 @@ def previous(trainer: "Trainer", failed: Path, error: CheckpointLoadError) -> Pa
     for older_step, path in reversed(ckpt.list_checkpoints(failed.parent)):
         if older_step >= step:
             continue
-        problem = ckpt.verify_checkpoint(path)
+        problem = ckpt.verify_checkpoint(path, resume=True)
         if problem is None:
             state = ckpt.read_trainer_state(path)
             trainer.reshard, trainer.config_notes = check_resume(path, state, trainer.fingerprint,
@@ -51,7 +49,7 @@ def previous(trainer: "Trainer", failed: Path, error: CheckpointLoadError) -> Pa
                     + ". Start a new run in another train.out_dir, or restore a checkpoint")
 
 
-def _fits(trainer: "Trainer", state: dict, path: Path) -> None:
+def _fits(trainer: Any, state: dict, path: Path) -> None:
     """The optimizer state's per-element tensors have their parameters' shapes and floating dtypes (torch's
     load_state_dict checks neither; the first step would fail). Parameters are numbered as the default
     optimizer numbers them; a custom optimizer factory is not checked here."""
@@ -60,7 +58,7 @@ def _fits(trainer: "Trainer", state: dict, path: Path) -> None:
     params = [p for g in param_groups(trainer.model, trainer.args.weight_decay) for p in g["params"]]
     for pid, values in state["state"].items():
         for name, v in values.items():
-            if name not in _PER_ELEMENT or not isinstance(v, torch.Tensor) or pid >= len(params):
+            if name not in PER_ELEMENT or not isinstance(v, torch.Tensor) or pid >= len(params):
                 continue
             if tuple(v.shape) != tuple(params[pid].shape) or not v.is_floating_point():
                 raise CheckpointLoadError(path, "optimizer.safetensors", f"tensor '{pid}.{name}' is {v.dtype} "
@@ -68,7 +66,7 @@ def _fits(trainer: "Trainer", state: dict, path: Path) -> None:
                                           f"{tuple(params[pid].shape)}")
 
 
-def read_whole(trainer: "Trainer", path: Path) -> tuple[Path, dict, list[dict[str, Any]]]:
+def read_whole(trainer: Any, path: Path) -> tuple[Path, dict, list[dict[str, Any]]]:
     """A plain checkpoint's weights into the (not yet parallelized) model, and its optimizer state and RNG
     states read: (the checkpoint used, optimizer state, RNG states). Falls back on a load failure; the
     weights copy only after every tensor checks, so a fallback overwrites whatever a failed one left."""
@@ -82,7 +80,7 @@ def read_whole(trainer: "Trainer", path: Path) -> tuple[Path, dict, list[dict[st
             path = previous(trainer, path, e)
 
 
-def load_sharded(trainer: "Trainer", path: Path, sharded: bool) -> Path:
+def load_sharded(trainer: Any, path: Path, sharded: bool) -> Path:
     """A sharded checkpoint's model and optimizer state into the live run (`plans.load_sharded_checkpoint`),
     falling back on a shard that does not read; returns the checkpoint used."""
     while True:

@@ -42,7 +42,7 @@ def broken(name: str, *edits: Callable[[Path], None], which: tuple[str, ...] = (
                     edit(run / ck)
                 _remanifest(run / ck)
             if "ckpt-000001" not in which:
-                assert verify_checkpoint(run / "ckpt-000001") is None  # the one to fall back to
+                assert verify_checkpoint(run / "ckpt-000001", resume=True) is None  # the one to fall back to
         return ["train", "--config", resume_config(w, name, out=run), "--resume", run]
     return args
 
@@ -109,7 +109,7 @@ def _rewritten(w: World) -> None:
     """The resume went on from ckpt-000001 and wrote ckpt-000002 afresh: it verifies, and every tensor has the
     kind and shape of ckpt-000001's (the broken one's differed)."""
     run = max(w.elsewhere.glob("fb*"), key=lambda p: p.stat().st_mtime)
-    assert verify_checkpoint(run / "ckpt-000002") is None
+    assert verify_checkpoint(run / "ckpt-000002", resume=True) is None
     assert _kinds(run / "ckpt-000002") == _kinds(run / "ckpt-000001")
     assert json.loads((run / "ckpt-000002" / "trainer.json").read_text())["step"] == 2
 

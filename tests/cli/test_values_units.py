@@ -148,7 +148,7 @@ def test_dcp_shard_missing_from_manifest_too(tmp_path):
 
     _sharded_run(tmp_path, [1])
     ck = tmp_path / "ckpt-000001"
-    assert verify_checkpoint(ck) is None
+    assert verify_checkpoint(ck, resume=True) is None
     shard = next((ck / "dcp").glob("*.distcp"))
     shard.unlink()
     _remanifest(ck)

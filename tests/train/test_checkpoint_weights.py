@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kiln.errors import WeightsError
+from kiln.train.ckpt_check import CheckpointLoadError  # a WeightsError's message, naming the checkpoint file
 from kiln.models import AutoModelForCausalLM
 from kiln.train.checkpoint import load_model_weights
 
@@ -41,12 +41,12 @@ def test_wrong_shape_and_missing_tensor_are_named(tiny_factory, tmp_path):
     state = live.hf_state_dict()
     state["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 32)
     save_file({k: v.contiguous() for k, v in state.items()}, str(weights))
-    with pytest.raises(WeightsError, match=r"tensor 'model\.layers\.1\.mlp\.up_proj\.weight' has shape \(3, 32\), "
+    with pytest.raises(CheckpointLoadError, match=r"tensor 'model\.layers\.1\.mlp\.up_proj\.weight' has shape \(3, 32\), "
                                            r"but this llama config expects \(\d+, 32\)"):
         load_model_weights(ckpt, live)
     del state["model.layers.1.mlp.up_proj.weight"]
     save_file({k: v.contiguous() for k, v in state.items()}, str(weights))
-    with pytest.raises(WeightsError, match=r"missing tensor\(s\) 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+    with pytest.raises(CheckpointLoadError, match=r"missing tensor\(s\) 'model\.layers\.1\.mlp\.up_proj\.weight'"):
         load_model_weights(ckpt, live)
 
 
@@ -58,5 +58,5 @@ def test_plain_module_loads_under_its_own_names(tmp_path):
     load_model_weights(tmp_path / "ckpt", live)
     assert live.weight is weight and torch.equal(live.weight, saved.weight) and torch.equal(live.bias, saved.bias)
     save_file({"weight": torch.zeros(3, 5), "bias": saved.bias}, str(tmp_path / "ckpt" / "model" / "model.safetensors"))
-    with pytest.raises(WeightsError, match=r"tensor 'weight' has shape \(3, 5\), but the model expects \(3, 4\)"):
+    with pytest.raises(CheckpointLoadError, match=r"tensor 'weight' has shape \(3, 5\), but the model expects \(3, 4\)"):
         load_model_weights(tmp_path / "ckpt", live)
