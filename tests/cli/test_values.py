@@ -23,12 +23,12 @@ from typer.testing import CliRunner
 
 from kiln.cli.main import app
 from kiln.hub.files import file_sha256
-from tests.cli.bad_inputs_world import World, build_world, snapshot, write_toml
+from tests.cli.bad_inputs_world import World, snapshot, write_toml
 
 
-@pytest.fixture(scope="module")
-def w(tmp_path_factory, tiny_factory) -> World:
-    return build_world(tmp_path_factory.mktemp("world"), tmp_path_factory.mktemp("elsewhere"), tiny_factory)
+@pytest.fixture
+def w(values_world: World) -> World:
+    return values_world  # tests/cli/conftest.py: one world for this table and test_values_fallback's
 
 
 def put(w: World, name: str, content: str | bytes) -> Path:
