@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import torch
 
 from kiln.constants import IGNORE_INDEX
+from kiln.data.prefix import enough_prefix
 from kiln.data.records import Record
 from kiln.errors import KilnError
 from kiln.hub import Tokenizer
@@ -153,8 +154,9 @@ def encode_sequence_classification(records: list[Record], tokenizer: Tokenizer, 
     out: list[Example] = []
     with _truncating(tokenizer, max_length) as backend:
         for r in records:
-            text = text_value(r.get(fields.text), r.where, fields.text)
-            e = (backend.encode(text, text_value(r.get(fields.text_pair), r.where, fields.text_pair))
+            text = enough_prefix(backend, text_value(r.get(fields.text), r.where, fields.text))
+            e = (backend.encode(text, enough_prefix(backend, text_value(r.get(fields.text_pair), r.where,
+                                                                        fields.text_pair)))
                  if fields.text_pair else backend.encode(text))
             ex = _tensors(e)
             value = r.get(fields.label)
@@ -211,7 +213,7 @@ def _encode_qa(r: Record, backend: Any, fields: Fields) -> Example:
     end = start + len(text)
     if context[int(start):end] != text:
         raise KilnError(f"{r.where}: answer {text!r} is not at character {start} of the context")
-    enc = backend.encode(text_value(r.get(fields.question), r.where, fields.question), context)
+    enc = backend.encode(text_value(r.get(fields.question), r.where, fields.question), enough_prefix(backend, context))
     ex = _tensors(enc)
     s_tok = e_tok = 0  # an answer cut off by truncation points at [CLS], as HF does
     for i, (seq, (a, b)) in enumerate(zip(enc.sequence_ids, enc.offsets)):
