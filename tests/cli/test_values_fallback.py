@@ -1,6 +1,6 @@
 """A checkpoint that fails to load for any reason falls back to the previous one, naming the file and why
 (issue 32), as a table in the bad-input suite's form (exit code, message, no traceback, the world's root
-unchanged). Each case copies the world's finished run (ckpt-000001, ckpt-000002) outside the root, breaks
+unchanged). A safetensors file cut short is test_values' resume-unreadable-checkpoint-falls-back. Each case copies the world's finished run (ckpt-000001, ckpt-000002) outside the root, breaks
 ckpt-000002 and rewrites its manifest to match, so the checksums pass and only loading can tell; the resume
 must then start from ckpt-000001 and write ckpt-000002 afresh. When every checkpoint is broken the resume
 is refused, listing each one's reason.
@@ -61,10 +61,6 @@ def _json(file: str, change: Callable[[object], object]) -> Callable[[Path], Non
     return edit
 
 
-def _truncate(file: str) -> Callable[[Path], None]:
-    return lambda ck: (ck / file).write_bytes((ck / file).read_bytes()[:-64])
-
-
 def _head_shape(state: dict) -> None:
     state["classifier.weight"] = torch.zeros(state["classifier.weight"].shape[0] + 1, state["classifier.weight"].shape[1])
 
@@ -84,10 +80,6 @@ def _optim_int(state: dict) -> None:
 
 def _no_step(state: dict) -> dict:
     return {k: v for k, v in state.items() if k != "step"}
-
-
-def _step_text(state: dict) -> dict:
-    return {**state, "step": "2"}
 
 
 def _one_rng_too_many(states: list) -> list:
@@ -116,8 +108,6 @@ def _rewritten(w: World) -> None:
 
 FALLBACK = "; using the previous checkpoint"
 CASES = [
-    C("model-truncated", broken("fbmtrunc", _truncate("model/model.safetensors")), 0,
-      "ckpt-000002: model/model.safetensors cannot be read"),
     C("model-tensor-wrong-shape", broken("fbmshape", _tensors("model/model.safetensors", _head_shape)), 0,
       "ckpt-000002: model/ cannot be loaded ("),
     C("model-tensor-int32", broken("fbmint", _tensors("model/model.safetensors", _head_int)), 0,
@@ -130,8 +120,6 @@ CASES = [
       "ckpt-000002: optimizer.json is missing" + FALLBACK),
     C("trainer-json-no-step", broken("fbstep", _json("trainer.json", _no_step)), 0,
       "ckpt-000002: trainer.json has no 'step'" + FALLBACK),
-    C("trainer-json-step-text", broken("fbsteptext", _json("trainer.json", _step_text)), 0,
-      "ckpt-000002: trainer.json: 'step' is str, not int" + FALLBACK),
     C("rng-json-wrong-length", broken("fbrng", _json("rng.json", _one_rng_too_many)), 0,
       "ckpt-000002: rng.json holds 2 states, not one per process of the 1 that wrote it" + FALLBACK),
     C("every-checkpoint-broken", broken("fball", _tensors("model/model.safetensors", _head_shape),
