@@ -26,8 +26,10 @@ from torch.nn import functional as F
 
 from kiln.data.images import QwenImageProcessor
 from kiln.errors import ConfigError, KilnError
+from kiln.hub.config import write_json_atomic
 from kiln.models.common.activations import activation
 from kiln.models.common.causal_lm import CausalLMOutput
+from kiln.models.common.decoder import segment_ids
 from kiln.models.common.rope import rotate_half
 from kiln.models.qwen3_next import HybridForCausalLM
 
@@ -245,10 +247,39 @@ def token_types(input_ids: torch.Tensor, image_token_id: int, video_token_id: in
     return types
 
 
+def _run_positions(types: list[int], grids, merge: int, where: str, images: int) -> torch.Tensor:
+    """(3, n) positions of one sample's tokens from 0, each image taking the next grid of `grids`."""
+    parts, pos = [], 0
+    for kind, run in itertools.groupby(types):
+        n = len(list(run))
+        if kind == TEXT:
+            parts.append(torch.arange(pos, pos + n).expand(3, -1))
+            pos += n
+            continue
+        if kind != IMAGE:
+            raise KilnError(f"{where}: video tokens (mm_token_type_ids == {kind}) are not supported; images only")
+        try:
+            t, h, w = next(grids)
+        except StopIteration:
+            raise KilnError(f"{where}: more image runs in input_ids than image_grid_thw has images "
+                           f"({images})") from None
+        gt, gh, gw = t, h // merge, w // merge
+        if n != gt * gh * gw:
+            raise KilnError(f"{where}: an image run of {n} placeholder tokens but its grid {[t, h, w]} "
+                            f"gives {gt * gh * gw} features")
+        tt, hh, ww = torch.meshgrid(torch.arange(gt), torch.arange(gh), torch.arange(gw), indexing="ij")
+        parts.append(torch.stack([tt, hh, ww]).reshape(3, -1) + pos)
+        pos += max(h, w) // merge
+    return torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long)
+
+
 def image_positions(input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor, image_grid_thw: torch.Tensor,
-                    attention_mask: torch.Tensor | None, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    attention_mask: torch.Tensor | None, merge: int,
+                    packed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Multimodal rotary positions (3, B, T) (padding at 0) and each row's offset (B, 1) between its next
-    position and its length, for decoding on."""
+    position and its length, for decoding on. `packed` (B, T): a packed row's text positions; each sample
+    (where they restart) counts from 0 on its own and takes the next images (the offset is then the last
+    sample's)."""
     B, T = input_ids.shape
     positions = torch.zeros(3, B, T, dtype=input_ids.dtype, device=input_ids.device)
     grids = iter(image_grid_thw.tolist())
@@ -257,30 +288,15 @@ def image_positions(input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor, im
         keep = attention_mask[b].bool() if attention_mask is not None else torch.ones(T, dtype=torch.bool,
                                                                                         device=input_ids.device)
         types = mm_token_type_ids[b][keep].tolist()
-        parts, pos = [], 0
-        for kind, run in itertools.groupby(types):
-            n = len(list(run))
-            if kind == TEXT:
-                parts.append(torch.arange(pos, pos + n).expand(3, -1))
-                pos += n
-                continue
-            if kind != IMAGE:
-                raise KilnError(f"row {b}: video tokens (mm_token_type_ids == {kind}) are not supported; images only")
-            try:
-                t, h, w = next(grids)
-            except StopIteration:
-                raise KilnError(f"row {b}: more image runs in input_ids than image_grid_thw has images "
-                                f"({len(image_grid_thw)})") from None
-            gt, gh, gw = t, h // merge, w // merge
-            if n != gt * gh * gw:
-                raise KilnError(f"row {b}: an image run of {n} placeholder tokens but its grid {[t, h, w]} "
-                                f"gives {gt * gh * gw} features")
-            tt, hh, ww = torch.meshgrid(torch.arange(gt), torch.arange(gh), torch.arange(gw), indexing="ij")
-            parts.append(torch.stack([tt, hh, ww]).reshape(3, -1) + pos)
-            pos += max(h, w) // merge
-        row = torch.cat(parts, dim=1).to(positions) if parts else positions.new_zeros(3, 0)
+        starts = [0] + ([] if packed is None else
+                        [i for i, step in enumerate(torch.diff(packed[b]).tolist(), 1) if step != 1]) + [len(types)]
+        row = torch.cat([_run_positions(types[s:e], grids, merge, f"row {b}", len(image_grid_thw))
+                         for s, e in zip(starts[:-1], starts[1:])], dim=1).to(positions)
         positions[:, b, keep] = row
-        deltas.append((int(row.max()) + 1 if row.numel() else 0) - len(types))
+        last = row[:, starts[-2]:]
+        deltas.append((int(last.max()) + 1 if last.numel() else 0) - last.shape[1])
+    if next(grids, None) is not None:
+        raise KilnError(f"image_grid_thw has {len(image_grid_thw)} images but input_ids hold fewer image runs")
     return positions, torch.tensor(deltas, device=input_ids.device).unsqueeze(1)
 
 
@@ -305,6 +321,15 @@ class ImageTextForCausalLM(HybridForCausalLM):
         self.visual = VisionModel(vision) if vision is not None else None
         self.image_token_id, self.video_token_id = image_token_id, video_token_id
         self.rope_deltas: torch.Tensor | None = None
+
+    def save_pretrained(self, path, max_shard_bytes: int | None = None, save_tokenizer: bool = True):
+        """The HF directory, with preprocessor_config.json when an image processor was set (`image_processor`:
+        the one the model was trained with), so generation and transformers read images the same way."""
+        out = super().save_pretrained(path, max_shard_bytes, save_tokenizer)
+        processor = getattr(self, "image_processor", None)
+        if processor is not None:
+            write_json_atomic(out / "preprocessor_config.json", processor.to_dict())
+        return out
 
     def example_image_batch(self, seed: int = 0) -> dict[str, torch.Tensor]:
         """Two random images of different grids in a left-padded batch of two rows (text, vision start, the
@@ -371,6 +396,8 @@ class ImageTextForCausalLM(HybridForCausalLM):
                 image_grid_thw: torch.Tensor | None = None,
                 mm_token_type_ids: torch.Tensor | None = None) -> CausalLMOutput:
         decoding = cache is not None and len(cache) > 0
+        if image_grid_thw is not None and len(image_grid_thw) == 0:  # a batch of text rows from image-text data
+            pixel_values = image_grid_thw = None
         if (pixel_values is not None or image_grid_thw is not None) and self.visual is None:
             raise KilnError("this model has no vision tower (its config.json has no vision_config): it takes no images")
         if pixel_values is not None or image_grid_thw is not None:
@@ -378,11 +405,16 @@ class ImageTextForCausalLM(HybridForCausalLM):
                 raise KilnError("images need input_ids (their placeholders) and image_grid_thw beside pixel_values")
             if pixel_values is not None:
                 inputs_embeds = self.embed_images(input_ids, inputs_embeds, pixel_values, image_grid_thw)
-            if position_ids is None or not decoding:
+            if position_ids is None or (not decoding and position_ids.dim() == 2):
                 types = mm_token_type_ids if mm_token_type_ids is not None else token_types(
                     input_ids, self.image_token_id, self.video_token_id)
-                position_ids, self.rope_deltas = image_positions(input_ids, types, image_grid_thw, attention_mask,
-                                                                 self.visual.spatial_merge_size)
+                # packed rows (positions restarting, no padding mask): each sample's images from its own start,
+                # and the text positions go along as row 0 so attention and the DeltaNet state stay per sample
+                packed = position_ids if (position_ids is not None and attention_mask is None and cache is None
+                                          and segment_ids(position_ids) is not None) else None
+                mrope, self.rope_deltas = image_positions(input_ids, types, image_grid_thw, attention_mask,
+                                                          self.visual.spatial_merge_size, packed)
+                position_ids = mrope if packed is None else torch.cat([packed[None], mrope])  # (3 or 4, B, T)
             if inputs_embeds is not None:
                 input_ids = None
         elif decoding and self.rope_deltas is not None and position_ids is not None and position_ids.dim() == 2:

@@ -1,0 +1,226 @@
+"""Image-text SFT (kiln.data.sft_images + the sft recipe) on a tiny Qwen3.5 image-text model and real images
+(scikit-learn's digits at two sizes): the encoded rows against transformers' model (unpacked: logits' loss bit
+for bit; packed, with transformers given per-sample positions from its own get_rope_index: equal too), packed =
+unpacked within fp32 rounding on the DeltaNet hybrid, `kiln train` learns; bad rows by message."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.data.loader import pad_collate
+from kiln.data.records import read_records
+from kiln.data.sft import encode_sft
+from kiln.errors import KilnError
+from kiln.interop.tiny import TINY
+
+PIL = pytest.importorskip("PIL.Image")
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")  # ids 3, 4, 5 after the 3 chat tokens
+VOCAB = 304  # the tokenizer's 300 and room for a video id no text produces
+
+
+def model_config(full_attention: bool = False) -> dict:
+    text = {**TINY["qwen3_5"]["text_config"], "vocab_size": VOCAB, "pad_token_id": 0, "eos_token_id": 2}
+    if full_attention:  # transformers keeps packed samples apart only in attention (its DeltaNet runs on across)
+        text["layer_types"] = ["full_attention", "full_attention"]
+    return {**TINY["qwen3_5"], "text_config": text, "vision_start_token_id": 3, "image_token_id": 4,
+            "vision_end_token_id": 5, "video_token_id": VOCAB - 1, "tie_word_embeddings": False}
+
+
+def chat(image: str, digit: int, extra: str = "") -> dict:
+    return {"messages": [{"role": "user", "content": [{"type": "image", "image": image},
+                                                      {"type": "text", "text": "what digit is this?" + extra}]},
+                         {"role": "assistant", "content": str(digit)}]}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """digits/<i>.png (16x16 or 24x16 grey), chats.jsonl (one image per chat, a text-only chat among them), a
+    tokenizer with the vision tokens."""
+    from sklearn.datasets import load_digits
+
+    from kiln.data.bpe import train_bpe
+
+    d = tmp_path_factory.mktemp("vlm")
+    digits = load_digits()
+    (d / "digits").mkdir()
+    rows = []
+    for i in range(24):
+        img = PIL.fromarray((digits.images[i] * (255 / 16)).round().astype(np.uint8), mode="L")
+        img.resize((16, 24) if i % 3 == 0 else (16, 16)).save(d / "digits" / f"{i}.png")
+        rows.append(chat(f"digits/{i}.png", int(digits.target[i])))
+    rows.insert(5, {"messages": [{"role": "user", "content": "say 3"}, {"role": "assistant", "content": "3"}]})
+    (d / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "text.txt").write_text("what digit is this?\nsay 0 1 2 3 4 5 6 7 8 9\n")
+    train_bpe([d / "text.txt"], d / "tok", vocab_size=300, min_frequency=1, extra_special_tokens=VISION_TOKENS)
+    return d
+
+
+def _model_dir(d: Path, name: str, full_attention: bool) -> Path:
+    """A random tiny Qwen3_5ForConditionalGeneration saved by transformers, with the tokenizer beside it."""
+    import shutil
+
+    import transformers
+
+    out = d / name
+    if not out.exists():
+        torch.manual_seed(0)
+        config = transformers.Qwen3_5Config(**model_config(full_attention))
+        transformers.Qwen3_5ForConditionalGeneration(config).save_pretrained(out)
+        for f in (d / "tok").iterdir():
+            shutil.copy(f, out)
+    return out
+
+
+def _hybrid(d: Path):
+    """The tiny image-text model with its DeltaNet layer, built by kiln (no transformers peer needed)."""
+    from kiln.hub import Tokenizer
+    from kiln.models.auto import AutoConfig, from_config
+
+    model = from_config(AutoConfig.for_model("qwen3_5", **model_config()), task="causal-lm", seed=0)
+    model.tokenizer = Tokenizer.from_dir(d / "tok")
+    return model
+
+
+def _encode(model, d: Path, pack: bool, max_length: int = 64, records=None):
+    """The sft recipe's encoding of chats.jsonl (or `records`) for `model`, as [data] image_min_pixels = 64 sets it."""
+    from types import SimpleNamespace
+
+    from kiln.train.recipes.sft import image_tokens
+
+    cfg = SimpleNamespace(data=SimpleNamespace(image_min_pixels=64, image_max_pixels=None, max_image_pixels=None),
+                          model=SimpleNamespace(path=None, tokenizer=d / "tok"))
+    return encode_sft(records or read_records(d / "chats.jsonl"), model.tokenizer, max_length, pack=pack,
+                      images=image_tokens(cfg, model, d))
+
+
+def _value(v) -> str:
+    """A TOML value: tables inline, the rest as JSON writes it (numbers, strings, lists of them)."""
+    return "{ " + ", ".join(f"{k} = {_value(x)}" for k, x in v.items()) + " }" if isinstance(v, dict) else json.dumps(v)
+
+
+def _toml(d: Path, name: str, steps: int, model_path: Path | None = None, extra: str = "") -> Path:
+    model = (f'path = "{model_path}"\n' if model_path else
+             f'family = "qwen3_5"\ntokenizer = "{d / "tok"}"\ninit_seed = 0\n[model.config]\n'
+             + "".join(f"{k} = {_value(v)}\n" for k, v in model_config().items()))
+    path = d / f"{name}.toml"
+    path.write_text(f'[model]\ntask = "causal-lm"\n{model}'
+                    f'[data]\ntrain = "{d / "chats.jsonl"}"\nmax_length = 64\nimage_min_pixels = 64\n{extra}'
+                    f'[train]\nout_dir = "{d / name}"\nsteps = {steps}\nbatch_size = 4\nlr = 1e-2\n'
+                    "weight_decay = 0.0\nprogress = false\nlog_every = 1\nseed = 3\nsave_every = 1000\n")
+    return path
+
+
+def _hf_packed_positions(hf, batch, row_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(4, B, T) from transformers' own get_rope_index run on each packed sample alone (text row first)."""
+    out = torch.zeros(3, *row_ids.shape, dtype=torch.long)
+    grids = iter(batch["image_grid_thw"])
+    for b in range(row_ids.shape[0]):
+        starts = [0] + [i for i in range(1, row_ids.shape[1]) if positions[b, i] != positions[b, i - 1] + 1]
+        for s, e in zip(starts, starts[1:] + [row_ids.shape[1]]):
+            ids = row_ids[b:b + 1, s:e]
+            n = int(((ids == 4).long().diff(prepend=torch.zeros(1, 1, dtype=torch.long)) == 1).sum())
+            grid = torch.stack([next(grids) for _ in range(n)]) if n else None
+            types = (ids == 4).long()
+            if grid is None:
+                out[:, b, s:e] = torch.arange(e - s)
+            else:
+                out[:, b:b + 1, s:e] = hf.model.get_rope_index(ids, types, grid)[0]
+    return torch.cat([positions[None], out])
+
+
+@torch.no_grad()
+def test_image_rows_give_transformers_loss_packed_and_unpacked(data):
+    import transformers
+
+    from kiln.models import AutoModelForImageTextToText
+
+    src = _model_dir(data, "full", full_attention=True)
+    ours = AutoModelForImageTextToText.from_pretrained(src).train()
+    hf = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(src).train()
+    examples, stats = _encode(ours, data, pack=False)
+    assert stats.samples == 25 and stats.truncated == 0
+    # the image run: one placeholder per merged patch (16x16 -> 4x4 patches of 4 -> 2x2 merged), no loss on it
+    first = examples[0]
+    assert first["image_grid_thw"].tolist() == [[1, 6, 4]] and int((first["input_ids"] == 4).sum()) == 6
+    assert bool((first["labels"][first["input_ids"] == 4] == -100).all())
+    assert examples[5]["pixel_values"].shape == (0, 96)  # the text-only chat
+    batch = pad_collate(examples[:8])
+    types = (batch["input_ids"] == 4).long()
+    a = ours(**batch)
+    b = hf(**batch, mm_token_type_ids=types)
+    assert torch.equal(a.loss, b.loss) and torch.equal(a.logits, b.logits)
+
+    rows, _ = _encode(ours, data, pack=True)
+    assert len(rows) < 25 and sum(len(r["image_grid_thw"]) for r in rows) == 24
+    packed = pad_collate(rows[:2])
+    assert "attention_mask" not in packed
+    a = ours(**packed)
+    positions = _hf_packed_positions(hf, packed, packed["input_ids"], packed["position_ids"])
+    b = hf(**{**packed, "position_ids": positions}, mm_token_type_ids=(packed["input_ids"] == 4).long(),
+           use_cache=False)  # transformers keeps packed samples apart only without a cache
+    assert torch.equal(a.loss, b.loss), (a.loss, b.loss)
+    # control: the positions as one sample per row (images counted on from the previous sample) change the loss
+    flat = torch.arange(packed["input_ids"].shape[1]).expand_as(packed["input_ids"])
+    wrong = _hf_packed_positions(hf, packed, packed["input_ids"], flat)
+    types = (packed["input_ids"] == 4).long()
+    assert not torch.equal(hf(**{**packed, "position_ids": wrong}, mm_token_type_ids=types, use_cache=False).loss,
+                           b.loss)
+
+
+def test_packed_equals_unpacked_on_the_deltanet_hybrid(data):
+    ours = _hybrid(data).train()
+    rows, _ = _encode(ours, data, pack=True)
+    samples, _ = _encode(ours, data, pack=False)
+    packed = pad_collate(rows)
+    n = sum(int((r["position_ids"] == 0).sum()) for r in rows)  # samples in the packed rows (padding tails too)
+    assert n >= 25
+    with torch.no_grad():
+        a = ours(**packed).loss
+        b = ours(**pad_collate(samples)).loss
+    # the same targets in another arrangement: equal up to fp32 summation order (~1e-7 relative per add)
+    assert abs(float(a) - float(b)) <= 1e-5 * float(b), (float(a), float(b))
+
+
+def test_kiln_train_learns_image_rows(data):
+    from typer.testing import CliRunner
+
+    from kiln.cli.main import app
+    from kiln.train.metrics import read_metrics
+
+    r = CliRunner().invoke(app, ["train", "--config", str(_toml(data, "train", 12))])
+    assert r.exit_code == 0, r.output
+    losses = [m["loss"] for m in read_metrics(data / "train" / "metrics.jsonl") if "loss" in m]
+    assert len(losses) == 12 and sum(losses[-3:]) < 0.7 * sum(losses[:3]), losses  # 5.8 -> 3.1 seen
+    model = sorted((data / "train").glob("ckpt-*"))[-1] / "model"
+    pre = json.loads((model / "preprocessor_config.json").read_text())
+    assert pre["min_pixels"] == 64 and pre["patch_size"] == 4  # the processor it trained with goes along
+
+
+def test_bad_image_rows_by_message(data, tmp_path):
+    ours = _hybrid(data)
+
+    def encode(rows):
+        f = tmp_path / "rows.jsonl"
+        f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return _encode(ours, data, pack=False, records=read_records(f))
+
+    with pytest.raises(KilnError, match=r"rows.jsonl:2: 1 image part\(s\) but 2 image placeholder\(s\) .*more "
+                                        r"placeholders than image parts"):
+        encode([chat("digits/1.png", 1), chat("digits/1.png", 1, extra=" <|image_pad|>")])
+    with pytest.raises(KilnError, match=r"rows.jsonl:1: image file .*missing.png does not exist"):
+        encode([chat("missing.png", 1)])
+    with pytest.raises(KilnError, match=r"rows.jsonl:1: messages\[0\].content\[1\] must be"):
+        encode([{"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "audio"}]}]}])
+    # a template that drops the system message (and the image in it)
+    ours.tokenizer.config["chat_template"] = ("{% for m in messages %}{% if m.role != 'system' %}<|im_start|>"
+                                              "{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}")
+    system = {"role": "system", "content": [{"type": "image", "image": "digits/2.png"}]}
+    row = chat("digits/1.png", 1)
+    with pytest.raises(KilnError, match=r"rows.jsonl:1: 2 image part\(s\) but 1 image placeholder\(s\) .*more "
+                                        r"image parts than placeholders"):
+        encode([{"messages": [system] + row["messages"]}])
