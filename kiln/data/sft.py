@@ -29,7 +29,7 @@ import torch
 
 from kiln.constants import IGNORE_INDEX
 from kiln.data.records import Record
-from kiln.data.sft_images import ImageTokens, encode_image_record
+from kiln.data.sft_images import ImageTokens, encode_image_record, expand_images, flatten_parts
 from kiln.errors import KilnError
 from kiln.hub import ChatTemplate, Tokenizer
 
@@ -294,3 +294,15 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]],
     """Token ids of a conversation followed by the assistant generation prompt (for chat and generation)."""
     text = tokenizer.chat().render(messages, add_generation_prompt=True, tools=tools)
     return tokenizer.backend.encode(text, add_special_tokens=False).ids
+
+
+def image_chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], images: ImageTokens,
+                      tools: list[dict[str, Any]] | None = None) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """An image-text model's prompt: the conversation (image parts allowed) with the generation prompt, each
+    image's placeholder expanded to its patch count, and the images' pixel inputs (`prompt_inputs` of generate)."""
+    flat, paths = flatten_parts(messages, images, "chat")
+    for i, m in enumerate(flat):
+        _check_message(m, i, "chat")
+    ids = chat_prompt_ids(tokenizer, flat, tools)
+    ids, _, inputs = expand_images(ids, list(ids), paths, images, "chat")
+    return ids, inputs

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -25,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kiln.data.images import QwenImageProcessor
+from kiln.data.sft_images import ImageTokens
 from kiln.errors import ConfigError, KilnError
 from kiln.hub.config import write_json_atomic
 from kiln.models.common.activations import activation
@@ -353,6 +355,31 @@ class ImageTextForCausalLM(HybridForCausalLM):
             ids[b, T - len(r):], mask[b, T - len(r):] = torch.tensor(r), 1
         return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels, "image_grid_thw": grids,
                 "mm_token_type_ids": token_types(ids, self.image_token_id, self.video_token_id) * mask}
+
+    def image_tokens(self, processor: QwenImageProcessor | None = None, model_dir: Any = None,
+                     root: Any = ".") -> ImageTokens:
+        """The processor (given, else `model_dir`'s preprocessor_config.json, else this tower's patch sizes) and
+        this model's vision tokens as its tokenizer writes them: what image-text chats are encoded with."""
+        if self.visual is None:
+            raise KilnError("this model has no vision tower (its config.json has no vision_config): it takes no images")
+        vision = self.config.outer.get("vision_config") or {}
+        if processor is None:
+            c = self.visual.config
+            processor = (QwenImageProcessor.for_model(model_dir, vision) if model_dir is not None else
+                         QwenImageProcessor(patch_size=c.patch_size, temporal_patch_size=c.temporal_patch_size,
+                                            merge_size=c.spatial_merge_size))
+
+        def text(key: str, token_id: int | None) -> str | None:
+            token = None if token_id is None or self.tokenizer is None else self.tokenizer.id_to_token(token_id)
+            if token_id is not None and token is None:
+                raise ConfigError(f"the tokenizer has no token with id {token_id} ({key} of the model's config): "
+                                  f"the tokenizer and the model do not belong together")
+            return token
+
+        start = self.config.outer.get("vision_start_token_id")
+        return ImageTokens(processor, self.image_token_id, text("image_token_id", self.image_token_id),
+                           text("vision_start_token_id", start),
+                           text("vision_end_token_id", self.config.outer.get("vision_end_token_id")), start, Path(root))
 
     def image_prompt(self, images: list, processor: Any = None, model_dir: Any = None
                      ) -> tuple[list[int], dict[str, torch.Tensor]]:

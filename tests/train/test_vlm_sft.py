@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from kiln.data.images import QwenImageProcessor
 from kiln.data.loader import pad_collate
 from kiln.data.records import read_records
-from kiln.data.sft import encode_sft
+from kiln.data.sft import encode_sft, image_chat_prompt
 from kiln.errors import KilnError
 from kiln.interop.tiny import TINY
 
@@ -73,6 +74,8 @@ def _model_dir(d: Path, name: str, full_attention: bool) -> Path:
         transformers.Qwen3_5ForConditionalGeneration(config).save_pretrained(out)
         for f in (d / "tok").iterdir():
             shutil.copy(f, out)
+        processor = QwenImageProcessor(patch_size=4, merge_size=2, min_pixels=64)  # what [data] sets in _toml
+        (out / "preprocessor_config.json").write_text(json.dumps(processor.to_dict()))
     return out
 
 
@@ -224,3 +227,34 @@ def test_bad_image_rows_by_message(data, tmp_path):
     with pytest.raises(KilnError, match=r"rows.jsonl:1: 2 image part\(s\) but 1 image placeholder\(s\) .*more "
                                         r"image parts than placeholders"):
         encode([{"messages": [system] + row["messages"]}])
+
+
+def test_kiln_chat_with_an_image_equals_transformers_generate(data):
+    """`kiln chat DIR --image PATH`: the image before the first message's text, greedy; the reply is the one
+    transformers' generate gives for the same prompt ids and pixels."""
+    import transformers
+    from typer.testing import CliRunner
+
+    from kiln.cli.main import app
+    from kiln.models import AutoModelForImageTextToText
+
+    src, image = _model_dir(data, "full", full_attention=True), data / "digits" / "0.png"
+    r = CliRunner().invoke(app, ["chat", str(src), "--image", str(image), "-n", "6"], input="what digit is this?\n\n")
+    assert r.exit_code == 0, r.output
+    ours = AutoModelForImageTextToText.from_pretrained(src)
+    question = [{"role": "user", "content": [{"type": "image", "image": str(image)},
+                                             {"type": "text", "text": "what digit is this?"}]}]
+    ids, inputs = image_chat_prompt(ours.tokenizer, question, ours.image_tokens(model_dir=src))
+    assert inputs["image_grid_thw"].tolist() == [[1, 6, 4]]  # the directory's preprocessor_config.json (min_pixels)
+    prompt = torch.tensor([ids])
+    hf = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(src).eval()
+    want = hf.generate(input_ids=prompt, **inputs, mm_token_type_ids=(prompt == 4).long(), max_new_tokens=6,
+                       do_sample=False)[0, prompt.shape[1]:]
+    got = ours.generate(prompt, max_new_tokens=6, prompt_inputs=inputs)[0, prompt.shape[1]:]
+    assert torch.equal(got, want), (got.tolist(), want.tolist())
+    from kiln.hub.chat import parse_reply
+
+    reply = parse_reply(ours.tokenizer.decode(want.tolist()))["content"]
+    assert "bot> " + "".join(c for c in reply if c.isprintable()) in r.output, r.output  # the console drops \x0c
+    r = CliRunner().invoke(app, ["chat", str(src), "--image", str(data / "none.png")], input="hi\n\n")
+    assert r.exit_code != 0 and "none.png does not exist" in r.output

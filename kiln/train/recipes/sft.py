@@ -13,7 +13,6 @@ from typing import Any, Callable, Literal, Mapping
 
 from torch import nn
 
-from kiln.data.images import QwenImageProcessor
 from kiln.data.sft_images import ImageTokens
 from kiln.errors import ConfigError
 from kiln.hub.resolve import resolve_model_dir
@@ -91,37 +90,16 @@ class SFT(FineTune):
 
 def image_tokens(cfg: RunConfig, model: nn.Module, root: Path) -> ImageTokens:
     """The image processor (the model directory's preprocessor_config.json, else the tower's patch sizes; the
-    [data] resize bounds over either) and the vision tokens of an image-text model; the processor goes with the
-    model so its checkpoints write it."""
-    d, outer = cfg.data, model.config.outer
-    vision = outer.get("vision_config") or {}
-    if cfg.model.path is not None:
-        processor = QwenImageProcessor.for_model(resolve_model_dir(cfg.model.path), vision)
-    else:
-        processor = QwenImageProcessor(patch_size=vision.get("patch_size", 16),
-                                       temporal_patch_size=vision.get("temporal_patch_size", 2),
-                                       merge_size=vision.get("spatial_merge_size", 2))
+    [data] resize bounds over either) and the model's vision tokens; the processor goes with the model so its
+    checkpoints write it."""
+    d = cfg.data
+    spec = model.image_tokens(model_dir=resolve_model_dir(cfg.model.path) if cfg.model.path else None, root=root)
+    processor = spec.processor
     processor.min_pixels = d.image_min_pixels or processor.min_pixels
     processor.max_pixels = d.image_max_pixels or processor.max_pixels
     processor.max_input_pixels = d.max_image_pixels
     model.image_processor = processor
-    tok = model.tokenizer
-
-    def text(key: str, token_id: int | None) -> str | None:
-        if token_id is None:
-            return None
-        token = tok.id_to_token(token_id)
-        if token is None:
-            raise ConfigError(f"{cfg.model.path or cfg.model.tokenizer}: the tokenizer has no token with id "
-                              f"{token_id} ({key} of the model's config); the tokenizer and the model do not "
-                              f"belong together")
-        return token
-
-    start_id = outer.get("vision_start_token_id")
-    return ImageTokens(processor, model.image_token_id, text("image_token_id", model.image_token_id),
-                       text("vision_start_token_id", start_id), text("vision_end_token_id",
-                                                                      outer.get("vision_end_token_id")),
-                       start_id, root)
+    return spec
 
 
 RECIPE = SFT()
