@@ -9,12 +9,13 @@ chat: the image and "what digit is this? answer in a sentence." -> "The digit is
 language model's attention, DeltaNet projections and MLPs (the tower frozen, as peft leaves it); AdamW
 lr 1e-4; batch 4 rows.
 
-kiln runs what `kiln train` runs (packed rows of up to 512 tokens with their images, per-sample MRoPE
-positions, chunked delta rule, fused loss); the peer encodes the same chats with the same processor (kiln's
-encoding, one sample per row), pads each batch to its longest row, passes pixel_values, image_grid_thw and
-mm_token_type_ids to Qwen3_5ForConditionalGeneration (+ peft) and steps torch AdamW. Each side in its own
-process; rounds interleave; tokens/s counts real tokens (image placeholders included), forward + backward +
-optimizer step. Ratios last.
+Both sides train on the same batches: kiln runs what `kiln train` runs with `data.pack = false` (one chat per
+row, its fast path: chunked delta rule, fused loss); the peer encodes the same chats with the same processor
+(kiln's encoding), draws its batches through kiln's Loader with the run's seed and length grouping (so the very
+rows kiln draws, padded to their longest), passes pixel_values, image_grid_thw and mm_token_type_ids to
+Qwen3_5ForConditionalGeneration (+ peft) and steps torch AdamW. Each side in its own process; rounds
+interleave; tokens/s counts real tokens (image placeholders included), forward + backward + optimizer step.
+Ratios last.
 
     python benchmarks/bench_vlm_sft.py [--steps 2] [--warmup 1] [--rounds 2]
 """
@@ -41,7 +42,7 @@ VISION = dict(depth=4, hidden_size=256, intermediate_size=768, num_heads=4, patc
 TOKENS = dict(vision_start_token_id=3, image_token_id=4, vision_end_token_id=5, video_token_id=32767)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
            "gate_proj", "up_proj", "down_proj"]
-BATCH, MAX_LENGTH, LR, RECORDS = 4, 512, 1e-4, 96
+BATCH, MAX_LENGTH, LR, RECORDS, SEED = 8, 512, 1e-4, 96, 42
 QUESTION = "what digit is this? answer in a sentence."
 
 
@@ -86,11 +87,13 @@ task = "causal-lm"
 [data]
 train = "{tmp / 'chats.jsonl'}"
 max_length = {MAX_LENGTH}
+pack = false
 [train]
 out_dir = "{out}"
 steps = {steps}
 batch_size = {BATCH}
 lr = {LR}
+seed = {SEED}
 save_at_end = false
 progress = false
 [lora]
@@ -114,8 +117,7 @@ def run_kiln(tmp: Path, steps: int, warmup: int) -> dict:
     class Clock(Callback):
         def on_step(self, trainer, record):
             seconds = BATCH / record["samples_per_s"]
-            packed = "position_ids" in trainer.data[0]  # packed rows count their padding tail as tokens
-            real = record["tokens_per_s"] * seconds * (1 - record.get("pad_fraction", 0.0) if packed else 1.0)
+            real = record["tokens_per_s"] * seconds  # unpacked rows: tokens are the attention mask's
             stamps.append((time.perf_counter(), real))
 
     trainer = build_trainer(load_run_config(toml(tmp, steps + warmup)))
@@ -124,8 +126,7 @@ def run_kiln(tmp: Path, steps: int, warmup: int) -> dict:
     shutil.rmtree(trainer.out_dir, ignore_errors=True)
     timed = stamps[warmup - 1:]
     tokens = sum(n for _, n in timed[1:])
-    return {"tokens_per_s": tokens / (timed[-1][0] - timed[0][0]), "peak_mb": peak_mb_above(base),
-            "rows_packed": "position_ids" in trainer.data[0]}
+    return {"tokens_per_s": tokens / (timed[-1][0] - timed[0][0]), "peak_mb": peak_mb_above(base)}
 
 
 def run_peer(tmp: Path, steps: int, warmup: int) -> dict:
@@ -133,7 +134,7 @@ def run_peer(tmp: Path, steps: int, warmup: int) -> dict:
     import torch
     import transformers
     from kiln.data.images import QwenImageProcessor
-    from kiln.data.loader import pad_collate
+    from kiln.data.loader import Loader
     from kiln.data.records import read_records
     from kiln.data.sft import encode_sft
     from kiln.data.sft_images import ImageTokens
@@ -151,10 +152,10 @@ def run_peer(tmp: Path, steps: int, warmup: int) -> dict:
                                                        task_type="CAUSAL_LM"))
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(0)).tolist()
+    loader = Loader(examples, BATCH, seed=SEED, pad_id=TEXT["pad_token_id"], group_by_length=True)  # kiln's batches
     stamps = []
     for step in range(steps + warmup):
-        batch = pad_collate([examples[i] for i in order[step * BATCH:(step + 1) * BATCH]], TEXT["pad_token_id"])
+        batch = loader.next_batch()
         types = (batch["input_ids"] == TOKENS["image_token_id"]).long()
         loss = model(**batch, mm_token_type_ids=types, use_cache=False).loss
         loss.backward()
@@ -184,14 +185,14 @@ def main() -> None:
                       flush=True)
     k, p = res["kiln"], res["peer"]
     print(f"Qwen3.5 image-text shape (tower 4 x 256, text 3 DeltaNet + 1 attention, hidden 256, vocab 32,768); LoRA "
-          f"SFT on digit chats with 128x128 / 128x192 images, batch {BATCH}; kiln rows packed: {k[0]['rows_packed']}")
+          f"SFT on digit chats with 128x128 / 128x192 images, the same batches of {BATCH} chats on both sides")
     report("image-text LoRA SFT (kiln train, Qwen3.5 shape)", "transformers+peft", "tokens/s",
            [x["tokens_per_s"] for x in k], [x["tokens_per_s"] for x in p],
            kiln_mem=min(x["peak_mb"] for x in k), peer_mem=min(x["peak_mb"] for x in p), goal=">= 1.3x")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--child":
+    if len(sys.argv) == 6 and sys.argv[1] == "--child":
         side, tmp, steps, warmup = sys.argv[2:]
         print(json.dumps({"kiln": run_kiln, "peer": run_peer}[side](Path(tmp), int(steps), int(warmup))))
     else:
