@@ -101,6 +101,8 @@ def test_bad_image_inputs_by_message(tiny_factory):
         ours(**dict(batch, pixel_values=torch.randn(10, 96)))
     with pytest.raises(KilnError, match="multiples of spatial_merge_size"):
         ours(**dict(batch, image_grid_thw=torch.tensor([[1, 4, 4], [1, 3, 16]])))
+    with pytest.raises(KilnError, match="image_grid_thw has 3 images but input_ids hold fewer image runs"):
+        ours(**dict(batch, pixel_values=None, image_grid_thw=torch.tensor([[1, 4, 4], [1, 6, 8], [1, 2, 2]])))
     with pytest.raises(KilnError, match="image_grid_thw beside pixel_values"):
         ours(**dict(batch, image_grid_thw=None))
     with pytest.raises(ConfigError, match="has no vision tower"):

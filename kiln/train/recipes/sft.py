@@ -77,7 +77,9 @@ class SFT(FineTune):
     def fingerprint(self, cfg: RunConfig, labels: list[str] | None) -> dict[str, Any]:
         d = cfg.data
         assert isinstance(d, SFTData)
-        return {**super().fingerprint(cfg, labels), "train_on": d.train_on, "pack": d.pack}
+        images = {k: getattr(d, k) for k in ("image_min_pixels", "image_max_pixels", "max_image_pixels")
+                  if getattr(d, k) is not None}  # only when set: runs without images keep their fingerprint
+        return {**super().fingerprint(cfg, labels), "train_on": d.train_on, "pack": d.pack, **images}
 
     def empty_hint(self, cfg: RunConfig) -> str:
         d = cfg.data
