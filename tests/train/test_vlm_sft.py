@@ -204,6 +204,35 @@ def test_kiln_train_learns_image_rows(data):
     assert pre["min_pixels"] == 64 and pre["patch_size"] == 4  # the processor it trained with goes along
 
 
+def test_lora_on_image_rows_merges_into_an_export_transformers_reads(data, tmp_path):
+    """LoRA on the language model and the tower's attention, 2 steps on image rows; `kiln export` merges the
+    adapters into a directory whose Qwen3_5ForConditionalGeneration gives kiln's logits on an image batch."""
+    import transformers
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from kiln.cli.main import app
+    from kiln.models import AutoModelForImageTextToText
+
+    toml = _toml(data, "lora", 2)
+    toml.write_text(toml.read_text() + '[lora]\nr = 4\nalpha = 8\ntargets = ["q_proj", "in_proj_qkv", "gate_proj", "qkv"]\n')
+    r = CliRunner().invoke(app, ["train", "--config", str(toml)])
+    assert r.exit_code == 0, r.output
+    ckpt = sorted((data / "lora").glob("ckpt-*"))[-1]
+    adapter = load_file(str(ckpt / "model" / "adapter_model.safetensors"))
+    assert any(".visual." in k for k in adapter) and all(bool(v.abs().sum() > 0) for v in adapter.values())
+    r = CliRunner().invoke(app, ["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "merged")])
+    assert r.exit_code == 0, r.output
+    ours = AutoModelForImageTextToText.from_pretrained(ckpt / "model").eval()  # base + adapters
+    theirs = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "merged").eval()
+    batch = pad_collate(_encode(ours, data, pack=False)[0][:4])
+    with torch.no_grad():
+        want = ours(**batch).logits
+        got = theirs(**batch, mm_token_type_ids=(batch["input_ids"] == 4).long()).logits
+    # merging W + BA rounds once per weight (fp32): a few ulps of the logits' scale
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_image_rows_by_message(data, tmp_path):
     ours = _hybrid(data)
 
