@@ -202,6 +202,12 @@ def test_kiln_train_learns_image_rows(data):
     model = sorted((data / "train").glob("ckpt-*"))[-1] / "model"
     pre = json.loads((model / "preprocessor_config.json").read_text())
     assert pre["min_pixels"] == 64 and pre["patch_size"] == 4  # the processor it trained with goes along
+    import transformers  # and transformers reads it as kiln does
+
+    image = PIL.open(data / "digits" / "0.png").convert("RGB")
+    theirs = transformers.AutoImageProcessor.from_pretrained(model, backend="pil")(images=[image], return_tensors="pt")
+    ours = QwenImageProcessor.for_model(model)([image])
+    assert ours["image_grid_thw"].tolist() == [[1, 6, 4]] and torch.equal(ours["pixel_values"], theirs["pixel_values"])
 
 
 def test_lora_on_image_rows_merges_into_an_export_transformers_reads(data, tmp_path):
