@@ -316,6 +316,11 @@ class ImageTextForCausalLM(HybridForCausalLM):
         """kiln.models.AutoModelForImageTextToText accepts it when it has a tower."""
         return self.visual is not None
 
+    @property
+    def may_leave_parameters_unused(self) -> bool:
+        """A step whose rows hold no image leaves a trainable tower without gradients (DDP must know)."""
+        return self.visual is not None and any(p.requires_grad for p in self.visual.parameters())
+
     def __init__(self, model: nn.Module, hidden_size: int, vocab_size: int, tied: bool, vision: VisionConfig | None,
                  image_token_id: int, video_token_id: int | None = None):
         super().__init__(model, hidden_size, vocab_size, tied)

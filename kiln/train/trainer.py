@@ -201,8 +201,12 @@ class Trainer:
                 print(f"resume: {note}")
                 self.metrics.log({"step": self.step, "note": note})
         if self.world.active and (self.plan is None or self.plan.wrap_ddp):
+            # a model whose steps may leave trainable parameters without a gradient (an image-text model on rows
+            # without images) has DDP look for them each step, else its reduction waits for them forever
+            unused = bool(getattr(self.model, "may_leave_parameters_unused", False))
             self.model = DistributedDataParallel(self.model, device_ids=[self.device.index]
-                                                 if self.device.type == "cuda" else None)
+                                                 if self.device.type == "cuda" else None,
+                                                 find_unused_parameters=unused)
         self.model.train()
 
     def _find_resume(self) -> Path | None:

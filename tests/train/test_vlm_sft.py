@@ -18,6 +18,7 @@ from kiln.data.records import read_records
 from kiln.data.sft import encode_sft, image_chat_prompt
 from kiln.errors import KilnError
 from kiln.interop.tiny import TINY
+from tests.parallel.sft_runs import launch, losses, run_toml
 
 PIL = pytest.importorskip("PIL.Image")
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")  # ids 3, 4, 5 after the 3 chat tokens
@@ -101,21 +102,11 @@ def _encode(model, d: Path, pack: bool, max_length: int = 64, records=None):
                       images=image_tokens(cfg, model, d))
 
 
-def _value(v) -> str:
-    """A TOML value: tables inline, the rest as JSON writes it (numbers, strings, lists of them)."""
-    return "{ " + ", ".join(f"{k} = {_value(x)}" for k, x in v.items()) + " }" if isinstance(v, dict) else json.dumps(v)
-
-
-def _toml(d: Path, name: str, steps: int, model_path: Path | None = None, extra: str = "") -> Path:
-    model = (f'path = "{model_path}"\n' if model_path else
-             f'family = "qwen3_5"\ntokenizer = "{d / "tok"}"\ninit_seed = 0\n[model.config]\n'
-             + "".join(f"{k} = {_value(v)}\n" for k, v in model_config().items()))
-    path = d / f"{name}.toml"
-    path.write_text(f'[model]\ntask = "causal-lm"\n{model}'
-                    f'[data]\ntrain = "{d / "chats.jsonl"}"\nmax_length = 64\nimage_min_pixels = 64\n{extra}'
-                    f'[train]\nout_dir = "{d / name}"\nsteps = {steps}\nbatch_size = 4\nlr = 1e-2\n'
-                    "weight_decay = 0.0\nprogress = false\nlog_every = 1\nseed = 3\nsave_every = 1000\n")
-    return path
+def _toml(d: Path, name: str, steps: int, parallel: dict | None = None, batch_size: int = 4, **data) -> Path:
+    """A from-config image-text SFT run on chats.jsonl (the processor's resize floor at 64 pixels)."""
+    return run_toml(d, name, parallel or {}, family="qwen3_5", config=model_config(),
+                    data={"train": str(d / "chats.jsonl"), "max_length": 64, "image_min_pixels": 64, **data},
+                    train={"steps": steps, "save_every": 1000, "warmup_steps": 0, "seed": 3, "batch_size": batch_size})
 
 
 def _hf_packed_positions(hf, batch, row_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -301,3 +292,23 @@ def test_kiln_chat_with_an_image_equals_transformers_generate(data):
     assert "bot> " + "".join(c for c in reply if c.isprintable()) in r.output, r.output  # the console drops \x0c
     r = CliRunner().invoke(app, ["chat", str(src), "--image", str(data / "none.png")], input="hi\n\n")
     assert r.exit_code != 0 and "none.png does not exist" in r.output
+
+
+@pytest.mark.slow
+def test_two_processes_with_rows_without_images_equal_one(data):
+    """DDP over two processes where a step's rows on one rank (or both) hold no image, so the tower gets no
+    gradient there: the run goes on (the image-text model declares that a step may leave parameters unused)
+    and its losses are the one-process run's on the same global batches."""
+    from kiln.train.config import load_run_config
+    from kiln.train.run import build_trainer
+
+    text = [{"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": str(i)}]}
+            for i in range(6)]
+    rows = [chat(f"digits/{i}.png", i) for i in range(2)] + text
+    (data / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    mixed = {"train": str(data / "mixed.jsonl"), "pack": False}
+    build_trainer(load_run_config(_toml(data, "ddp-one", 3, batch_size=4, **mixed))).fit()
+    r = launch(_toml(data, "ddp-two", 3, batch_size=2, **mixed))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    torch.testing.assert_close(torch.tensor(losses(data / "ddp-two")), torch.tensor(losses(data / "ddp-one")),
+                               rtol=1e-5, atol=1e-6)
