@@ -316,10 +316,21 @@ class ImageTextForCausalLM(HybridForCausalLM):
         """kiln.models.AutoModelForImageTextToText accepts it when it has a tower."""
         return self.visual is not None
 
+    touch_every_parameter = False  # the Trainer's: a batch without images still reaches the tower (times 0)
+
     @property
     def may_leave_parameters_unused(self) -> bool:
-        """A step whose rows hold no image leaves a trainable tower without gradients (DDP must know)."""
+        """A batch without images leaves a trainable tower without gradients (what distributed reductions wait on)."""
         return self.visual is not None and any(p.requires_grad for p in self.visual.parameters())
+
+    def touch_tower(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        """The token embeddings plus 0 x the tower's output for one blank merge block: the same values, and a
+        zero gradient for every tower parameter (`touch_every_parameter`, on batches without images)."""
+        embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        m, w = self.visual.spatial_merge_size, self.visual.patch_embed.proj.weight
+        blank = self.visual(w.new_zeros(m * m, self.visual.config.patch_dim),
+                            torch.tensor([[1, m, m]], device=w.device))  # (1, C)
+        return embeds + 0 * blank.sum().to(embeds.dtype)
 
     def __init__(self, model: nn.Module, hidden_size: int, vocab_size: int, tied: bool, vision: VisionConfig | None,
                  image_token_id: int, video_token_id: int | None = None):
@@ -449,6 +460,9 @@ class ImageTextForCausalLM(HybridForCausalLM):
                 position_ids = mrope if packed is None else torch.cat([packed[None], mrope])  # (3 or 4, B, T)
             if inputs_embeds is not None:
                 input_ids = None
+        elif self.touch_every_parameter and self.training and torch.is_grad_enabled() and self.visual is not None:
+            inputs_embeds, input_ids = self.touch_tower(input_ids, inputs_embeds), None
+            self.rope_deltas = None
         elif decoding and self.rope_deltas is not None and position_ids is not None and position_ids.dim() == 2:
             position_ids = (position_ids + self.rope_deltas.to(position_ids.device))[None]  # (1, B, T): all axes
         elif not decoding:

@@ -200,13 +200,14 @@ class Trainer:
                 note = "resumed with changed settings: " + "; ".join(self.config_notes)
                 print(f"resume: {note}")
                 self.metrics.log({"step": self.step, "note": note})
+        if getattr(self.model, "may_leave_parameters_unused", False):
+            # a step that would leave trainable parameters without a gradient (an image-text model's tower on rows
+            # without images) reaches them with a zero instead: DDP's and FSDP's reductions wait for every one, and
+            # one process steps them as many processes do
+            self.model.touch_every_parameter = True
         if self.world.active and (self.plan is None or self.plan.wrap_ddp):
-            # a model whose steps may leave trainable parameters without a gradient (an image-text model on rows
-            # without images) has DDP look for them each step, else its reduction waits for them forever
-            unused = bool(getattr(self.model, "may_leave_parameters_unused", False))
             self.model = DistributedDataParallel(self.model, device_ids=[self.device.index]
-                                                 if self.device.type == "cuda" else None,
-                                                 find_unused_parameters=unused)
+                                                 if self.device.type == "cuda" else None)
         self.model.train()
 
     def _find_resume(self) -> Path | None:
