@@ -68,16 +68,19 @@ def iter_texts(paths: list[str | os.PathLike], text_field: str = "text") -> Iter
 
 
 def train_bpe(paths: list[str | os.PathLike], out_dir: str | os.PathLike, vocab_size: int = 4096,
-              min_frequency: int = 2, text_field: str = "text", model_max_length: int = 2048) -> Tokenizer:
-    """Train on `paths`, write tokenizer.json + tokenizer_config.json + special_tokens_map.json to `out_dir`."""
-    if vocab_size < 256 + len(CHAT_TOKENS):
+              min_frequency: int = 2, text_field: str = "text", model_max_length: int = 2048,
+              extra_special_tokens: tuple[str, ...] = ()) -> Tokenizer:
+    """Train on `paths`, write tokenizer.json + tokenizer_config.json + special_tokens_map.json to `out_dir`.
+    `extra_special_tokens` (an image-text model's vision tokens, say) get the ids after the chat tokens."""
+    specials = CHAT_TOKENS + [t for t in extra_special_tokens if t not in CHAT_TOKENS]
+    if vocab_size < 256 + len(specials):
         raise KilnError(f"vocab_size {vocab_size} is too small for a byte-level BPE (at least "
-                        f"{256 + len(CHAT_TOKENS)}: 256 bytes + {len(CHAT_TOKENS)} special tokens)")
+                        f"{256 + len(specials)}: 256 bytes + {len(specials)} special tokens)")
     tok = HFTokenizer(BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=CHAT_TOKENS,
+    trainer = BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=specials,
                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(iter_texts(paths, text_field), trainer)
     out = Path(out_dir)
@@ -85,7 +88,7 @@ def train_bpe(paths: list[str | os.PathLike], out_dir: str | os.PathLike, vocab_
     tok.save(str(out / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **SPECIALS, "bos_token": None, "unk_token": None,
               "model_max_length": model_max_length, "chat_template": CHATML_TEMPLATE,
-              "additional_special_tokens": ["<|im_start|>"], "clean_up_tokenization_spaces": False}
+              "additional_special_tokens": ["<|im_start|>", *specials[len(CHAT_TOKENS):]], "clean_up_tokenization_spaces": False}
     write_json_atomic(out / "tokenizer_config.json", config)
     write_json_atomic(out / "special_tokens_map.json", dict(SPECIALS))
     return Tokenizer.from_dir(out)

@@ -129,6 +129,14 @@ class QwenImageProcessor:
         return cls(patch_size=v.get("patch_size", 14), temporal_patch_size=v.get("temporal_patch_size", 2),
                    merge_size=v.get("spatial_merge_size", 2))
 
+    def to_dict(self) -> dict[str, Any]:
+        """preprocessor_config.json as transformers' Qwen-VL processors read it (keys read from a file kept)."""
+        names = ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels", "rescale_factor")
+        out = {"image_processor_type": "Qwen2VLImageProcessor", **self.extra, **{k: getattr(self, k) for k in names}}
+        out.update(image_mean=list(self.image_mean), image_std=list(self.image_std),
+                   size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels})
+        return out
+
     def target_size(self, height: int, width: int) -> tuple[int, int]:
         factor = self.patch_size * self.merge_size
         return smart_resize(height, width, factor, self.min_pixels, self.max_pixels)

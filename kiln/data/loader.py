@@ -25,18 +25,24 @@ from kiln.errors import KilnError
 
 Batch = dict[str, torch.Tensor]
 PAD_VALUES = {"labels": IGNORE_INDEX, "attention_mask": 0, "token_type_ids": 0}
+IMAGE_PATCH_KEYS = ("pixel_values", "image_grid_thw")  # (patches, D) and (images, 3): concatenated, not stacked
 MEGA = 50  # optimizer steps per length-sorted mega-batch: long enough to group well, short enough to stay random
 
 
 def pad_collate(examples: Sequence[dict[str, torch.Tensor]], pad_id: int = 0) -> Batch:
     """Stack 0-d tensors; right-pad 1-D ones (input_ids with `pad_id`, labels with -100); add attention_mask.
 
+    Image-text rows (`image_grid_thw`) put their images' patches and grids one after another.
     Packed rows (examples with position_ids) get no attention_mask: their positions mark where each
     sample starts, and the padding tail counts 0, 1, ... as one more sample of its own.
     """
     batch: Batch = {}
+    concat = IMAGE_PATCH_KEYS if "image_grid_thw" in examples[0] else ()
     for key in examples[0]:
         values = [ex[key] for ex in examples]
+        if key in concat:  # images as patches (image-text rows): every row's images, in row order
+            batch[key] = torch.cat(values)
+            continue
         if values[0].dim() == 0 or values[0].dim() > 1:  # scalars; images (C, H, W) of one size
             batch[key] = torch.stack(values)
             continue

@@ -29,6 +29,7 @@ import torch
 
 from kiln.constants import IGNORE_INDEX
 from kiln.data.records import Record
+from kiln.data.sft_images import ImageTokens, encode_image_record, expand_images, flatten_parts
 from kiln.errors import KilnError
 from kiln.hub import ChatTemplate, Tokenizer
 
@@ -77,6 +78,9 @@ def _check_message(m: Any, i: int, where: str) -> dict[str, Any]:
         raise KilnError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
     calls = m.get("tool_calls")
     # an assistant turn that only calls tools may have no content (OpenAI writes null)
+    if isinstance(m.get("content"), list):
+        raise KilnError(f"{where}: messages[{i}].content is a list of parts (images?): image parts need an "
+                        "image-text model (one with a vision tower); text-only models read string content")
     if not isinstance(m.get("content"), str) and not (m["role"] == "assistant" and calls and m.get("content") is None):
         raise KilnError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'"
                         " (content null only in an assistant turn with tool_calls)")
@@ -218,49 +222,69 @@ def encode_conversation(tokenizer: Tokenizer, template: ChatTemplate, messages: 
     return ids, labels
 
 
-def encode_sft(records: list[Record], tokenizer: Tokenizer, max_length: int,
-               train_on: TrainOn = "assistant", pack: bool = False) -> tuple[list[Example], SFTStats]:
-    """Examples for the Trainer (input_ids, labels, and position_ids when packed) and what happened."""
+def encode_sft(records: list[Record], tokenizer: Tokenizer, max_length: int, train_on: TrainOn = "assistant",
+               pack: bool = False, images: ImageTokens | None = None) -> tuple[list[Example], SFTStats]:
+    """Examples for the Trainer (input_ids, labels, and position_ids when packed) and what happened. With
+    `images` (an image-text model's), messages may hold image parts (kiln.data.sft_images) and every example
+    carries its pixel_values and image_grid_thw."""
     if max_length < 2:
         raise KilnError(f"data.max_length must be at least 2, got {max_length}")
     template = tokenizer.chat()
     stats = SFTStats()
     samples: list[tuple[list[int], list[int]]] = []
+    pixels: list[dict[str, torch.Tensor]] = []
+
+    def encode(r: Record) -> tuple[list[int], list[int]]:
+        return encode_conversation(tokenizer, template, conversation(r), train_on, r.where, record_tools(r))
+
     for r in records:
-        ids, labels = encode_conversation(tokenizer, template, conversation(r), train_on, r.where, record_tools(r))
-        if len(ids) > max_length:
+        if images is not None:
+            ids, labels, inputs, cut = encode_image_record(r, images, encode, max_length)
+            pixels.append(inputs)
+        else:
+            ids, labels = encode(r)
+            cut = len(ids) > max_length
             ids, labels = ids[:max_length], labels[:max_length]
-            stats.truncated += 1
+        stats.truncated += cut
         samples.append((ids, labels))
         stats.samples += 1
         stats.tokens += len(ids)
         stats.loss_tokens += sum(1 for x in labels[1:] if x != IGNORE_INDEX)  # the first token is never a target
-    examples = pack_samples(samples, max_length) if pack else [
-        {"input_ids": torch.tensor(i, dtype=torch.long), "labels": torch.tensor(lab, dtype=torch.long)}
-        for i, lab in samples]
+    if pack:
+        examples = pack_samples(samples, max_length, pixels or None)
+    else:
+        examples = [{"input_ids": torch.tensor(i, dtype=torch.long), "labels": torch.tensor(lab, dtype=torch.long),
+                     **(pixels[n] if pixels else {})} for n, (i, lab) in enumerate(samples)]
     stats.rows = len(examples)
     return examples, stats
 
 
-def pack_samples(samples: list[tuple[list[int], list[int]]], max_length: int) -> list[Example]:
-    """Greedy in order: a row takes samples while they fit. Positions restart per sample."""
+def pack_samples(samples: list[tuple[list[int], list[int]]], max_length: int,
+                 extras: list[dict[str, torch.Tensor]] | None = None) -> list[Example]:
+    """Greedy in order: a row takes samples while they fit. Positions restart per sample. `extras` (one dict
+    per sample: its images' tensors) are concatenated along dim 0 in the row's sample order."""
     rows: list[Example] = []
     ids: list[int] = []
     labels: list[int] = []
     pos: list[int] = []
+    extra: list[dict[str, torch.Tensor]] = []
 
     def flush() -> None:
         if ids:
-            rows.append({"input_ids": torch.tensor(ids), "labels": torch.tensor(labels),
-                         "position_ids": torch.tensor(pos)})
-            ids.clear(), labels.clear(), pos.clear()
+            row = {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels), "position_ids": torch.tensor(pos)}
+            if extras is not None:
+                row.update({k: torch.cat([e[k] for e in extra]) for k in extra[0]})
+            rows.append(row)
+            ids.clear(), labels.clear(), pos.clear(), extra.clear()
 
-    for s_ids, s_labels in samples:
+    for n, (s_ids, s_labels) in enumerate(samples):
         if len(ids) + len(s_ids) > max_length:
             flush()
         ids.extend(s_ids)
         labels.extend([IGNORE_INDEX] + s_labels[1:])  # nothing predicts a sample's first token from the one before
         pos.extend(range(len(s_ids)))
+        if extras is not None:
+            extra.append(extras[n])
     flush()
     return rows
 
@@ -270,3 +294,15 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]],
     """Token ids of a conversation followed by the assistant generation prompt (for chat and generation)."""
     text = tokenizer.chat().render(messages, add_generation_prompt=True, tools=tools)
     return tokenizer.backend.encode(text, add_special_tokens=False).ids
+
+
+def image_chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], images: ImageTokens,
+                      tools: list[dict[str, Any]] | None = None) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """An image-text model's prompt: the conversation (image parts allowed) with the generation prompt, each
+    image's placeholder expanded to its patch count, and the images' pixel inputs (`prompt_inputs` of generate)."""
+    flat, paths = flatten_parts(messages, images, "chat")
+    for i, m in enumerate(flat):
+        _check_message(m, i, "chat")
+    ids = chat_prompt_ids(tokenizer, flat, tools)
+    ids, _, inputs = expand_images(ids, list(ids), paths, images, "chat")
+    return ids, inputs

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -25,9 +26,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from kiln.data.images import QwenImageProcessor
+from kiln.data.sft_images import ImageTokens
 from kiln.errors import ConfigError, KilnError
+from kiln.hub.config import write_json_atomic
 from kiln.models.common.activations import activation
 from kiln.models.common.causal_lm import CausalLMOutput
+from kiln.models.common.decoder import segment_ids
 from kiln.models.common.rope import rotate_half
 from kiln.models.qwen3_next import HybridForCausalLM
 
@@ -245,10 +249,39 @@ def token_types(input_ids: torch.Tensor, image_token_id: int, video_token_id: in
     return types
 
 
+def _run_positions(types: list[int], grids, merge: int, where: str, images: int) -> torch.Tensor:
+    """(3, n) positions of one sample's tokens from 0, each image taking the next grid of `grids`."""
+    parts, pos = [], 0
+    for kind, run in itertools.groupby(types):
+        n = len(list(run))
+        if kind == TEXT:
+            parts.append(torch.arange(pos, pos + n).expand(3, -1))
+            pos += n
+            continue
+        if kind != IMAGE:
+            raise KilnError(f"{where}: video tokens (mm_token_type_ids == {kind}) are not supported; images only")
+        try:
+            t, h, w = next(grids)
+        except StopIteration:
+            raise KilnError(f"{where}: more image runs in input_ids than image_grid_thw has images "
+                           f"({images})") from None
+        gt, gh, gw = t, h // merge, w // merge
+        if n != gt * gh * gw:
+            raise KilnError(f"{where}: an image run of {n} placeholder tokens but its grid {[t, h, w]} "
+                            f"gives {gt * gh * gw} features")
+        tt, hh, ww = torch.meshgrid(torch.arange(gt), torch.arange(gh), torch.arange(gw), indexing="ij")
+        parts.append(torch.stack([tt, hh, ww]).reshape(3, -1) + pos)
+        pos += max(h, w) // merge
+    return torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long)
+
+
 def image_positions(input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor, image_grid_thw: torch.Tensor,
-                    attention_mask: torch.Tensor | None, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    attention_mask: torch.Tensor | None, merge: int,
+                    packed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Multimodal rotary positions (3, B, T) (padding at 0) and each row's offset (B, 1) between its next
-    position and its length, for decoding on."""
+    position and its length, for decoding on. `packed` (B, T): a packed row's text positions; each sample
+    (where they restart) counts from 0 on its own and takes the next images (the offset is then the last
+    sample's)."""
     B, T = input_ids.shape
     positions = torch.zeros(3, B, T, dtype=input_ids.dtype, device=input_ids.device)
     grids = iter(image_grid_thw.tolist())
@@ -257,30 +290,15 @@ def image_positions(input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor, im
         keep = attention_mask[b].bool() if attention_mask is not None else torch.ones(T, dtype=torch.bool,
                                                                                         device=input_ids.device)
         types = mm_token_type_ids[b][keep].tolist()
-        parts, pos = [], 0
-        for kind, run in itertools.groupby(types):
-            n = len(list(run))
-            if kind == TEXT:
-                parts.append(torch.arange(pos, pos + n).expand(3, -1))
-                pos += n
-                continue
-            if kind != IMAGE:
-                raise KilnError(f"row {b}: video tokens (mm_token_type_ids == {kind}) are not supported; images only")
-            try:
-                t, h, w = next(grids)
-            except StopIteration:
-                raise KilnError(f"row {b}: more image runs in input_ids than image_grid_thw has images "
-                                f"({len(image_grid_thw)})") from None
-            gt, gh, gw = t, h // merge, w // merge
-            if n != gt * gh * gw:
-                raise KilnError(f"row {b}: an image run of {n} placeholder tokens but its grid {[t, h, w]} "
-                                f"gives {gt * gh * gw} features")
-            tt, hh, ww = torch.meshgrid(torch.arange(gt), torch.arange(gh), torch.arange(gw), indexing="ij")
-            parts.append(torch.stack([tt, hh, ww]).reshape(3, -1) + pos)
-            pos += max(h, w) // merge
-        row = torch.cat(parts, dim=1).to(positions) if parts else positions.new_zeros(3, 0)
+        starts = [0] + ([] if packed is None else
+                        [i for i, step in enumerate(torch.diff(packed[b]).tolist(), 1) if step != 1]) + [len(types)]
+        row = torch.cat([_run_positions(types[s:e], grids, merge, f"row {b}", len(image_grid_thw))
+                         for s, e in zip(starts[:-1], starts[1:])], dim=1).to(positions)
         positions[:, b, keep] = row
-        deltas.append((int(row.max()) + 1 if row.numel() else 0) - len(types))
+        last = row[:, starts[-2]:]
+        deltas.append((int(last.max()) + 1 if last.numel() else 0) - last.shape[1])
+    if next(grids, None) is not None:
+        raise KilnError(f"image_grid_thw has {len(image_grid_thw)} images but input_ids hold fewer image runs")
     return positions, torch.tensor(deltas, device=input_ids.device).unsqueeze(1)
 
 
@@ -298,6 +316,22 @@ class ImageTextForCausalLM(HybridForCausalLM):
         """kiln.models.AutoModelForImageTextToText accepts it when it has a tower."""
         return self.visual is not None
 
+    touch_every_parameter = False  # the Trainer's: a batch without images still reaches the tower (times 0)
+
+    @property
+    def may_leave_parameters_unused(self) -> bool:
+        """A batch without images leaves a trainable tower without gradients (what distributed reductions wait on)."""
+        return self.visual is not None and any(p.requires_grad for p in self.visual.parameters())
+
+    def touch_tower(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        """The token embeddings plus 0 x the tower's output for one blank merge block: the same values, and a
+        zero gradient for every tower parameter (`touch_every_parameter`, on batches without images)."""
+        embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        m, w = self.visual.spatial_merge_size, self.visual.patch_embed.proj.weight
+        blank = self.visual(w.new_zeros(m * m, self.visual.config.patch_dim),
+                            torch.tensor([[1, m, m]], device=w.device))  # (1, C)
+        return embeds + 0 * blank.sum().to(embeds.dtype)
+
     def __init__(self, model: nn.Module, hidden_size: int, vocab_size: int, tied: bool, vision: VisionConfig | None,
                  image_token_id: int, video_token_id: int | None = None):
         super().__init__(model, hidden_size, vocab_size, tied)
@@ -305,6 +339,15 @@ class ImageTextForCausalLM(HybridForCausalLM):
         self.visual = VisionModel(vision) if vision is not None else None
         self.image_token_id, self.video_token_id = image_token_id, video_token_id
         self.rope_deltas: torch.Tensor | None = None
+
+    def save_pretrained(self, path, max_shard_bytes: int | None = None, save_tokenizer: bool = True):
+        """The HF directory, with preprocessor_config.json when an image processor was set (`image_processor`:
+        the one the model was trained with), so generation and transformers read images the same way."""
+        out = super().save_pretrained(path, max_shard_bytes, save_tokenizer)
+        processor = getattr(self, "image_processor", None)
+        if processor is not None:
+            write_json_atomic(out / "preprocessor_config.json", processor.to_dict())
+        return out
 
     def example_image_batch(self, seed: int = 0) -> dict[str, torch.Tensor]:
         """Two random images of different grids in a left-padded batch of two rows (text, vision start, the
@@ -328,6 +371,31 @@ class ImageTextForCausalLM(HybridForCausalLM):
             ids[b, T - len(r):], mask[b, T - len(r):] = torch.tensor(r), 1
         return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels, "image_grid_thw": grids,
                 "mm_token_type_ids": token_types(ids, self.image_token_id, self.video_token_id) * mask}
+
+    def image_tokens(self, processor: QwenImageProcessor | None = None, model_dir: Any = None,
+                     root: Any = ".") -> ImageTokens:
+        """The processor (given, else `model_dir`'s preprocessor_config.json, else this tower's patch sizes) and
+        this model's vision tokens as its tokenizer writes them: what image-text chats are encoded with."""
+        if self.visual is None:
+            raise KilnError("this model has no vision tower (its config.json has no vision_config): it takes no images")
+        vision = self.config.outer.get("vision_config") or {}
+        if processor is None:
+            c = self.visual.config
+            processor = (QwenImageProcessor.for_model(model_dir, vision) if model_dir is not None else
+                         QwenImageProcessor(patch_size=c.patch_size, temporal_patch_size=c.temporal_patch_size,
+                                            merge_size=c.spatial_merge_size))
+
+        def text(key: str, token_id: int | None) -> str | None:
+            token = None if token_id is None or self.tokenizer is None else self.tokenizer.id_to_token(token_id)
+            if token_id is not None and token is None:
+                raise ConfigError(f"the tokenizer has no token with id {token_id} ({key} of the model's config): "
+                                  f"the tokenizer and the model do not belong together")
+            return token
+
+        start = self.config.outer.get("vision_start_token_id")
+        return ImageTokens(processor, self.image_token_id, text("image_token_id", self.image_token_id),
+                           text("vision_start_token_id", start),
+                           text("vision_end_token_id", self.config.outer.get("vision_end_token_id")), start, Path(root))
 
     def image_prompt(self, images: list, processor: Any = None, model_dir: Any = None
                      ) -> tuple[list[int], dict[str, torch.Tensor]]:
@@ -371,6 +439,8 @@ class ImageTextForCausalLM(HybridForCausalLM):
                 image_grid_thw: torch.Tensor | None = None,
                 mm_token_type_ids: torch.Tensor | None = None) -> CausalLMOutput:
         decoding = cache is not None and len(cache) > 0
+        if image_grid_thw is not None and len(image_grid_thw) == 0:  # a batch of text rows from image-text data
+            pixel_values = image_grid_thw = None
         if (pixel_values is not None or image_grid_thw is not None) and self.visual is None:
             raise KilnError("this model has no vision tower (its config.json has no vision_config): it takes no images")
         if pixel_values is not None or image_grid_thw is not None:
@@ -378,13 +448,21 @@ class ImageTextForCausalLM(HybridForCausalLM):
                 raise KilnError("images need input_ids (their placeholders) and image_grid_thw beside pixel_values")
             if pixel_values is not None:
                 inputs_embeds = self.embed_images(input_ids, inputs_embeds, pixel_values, image_grid_thw)
-            if position_ids is None or not decoding:
+            if position_ids is None or (not decoding and position_ids.dim() == 2):
                 types = mm_token_type_ids if mm_token_type_ids is not None else token_types(
                     input_ids, self.image_token_id, self.video_token_id)
-                position_ids, self.rope_deltas = image_positions(input_ids, types, image_grid_thw, attention_mask,
-                                                                 self.visual.spatial_merge_size)
+                # packed rows (positions restarting, no padding mask): each sample's images from its own start,
+                # and the text positions go along as row 0 so attention and the DeltaNet state stay per sample
+                packed = position_ids if (position_ids is not None and attention_mask is None and cache is None
+                                          and segment_ids(position_ids) is not None) else None
+                mrope, self.rope_deltas = image_positions(input_ids, types, image_grid_thw, attention_mask,
+                                                          self.visual.spatial_merge_size, packed)
+                position_ids = mrope if packed is None else torch.cat([packed[None], mrope])  # (3 or 4, B, T)
             if inputs_embeds is not None:
                 input_ids = None
+        elif self.touch_every_parameter and self.training and torch.is_grad_enabled() and self.visual is not None:
+            inputs_embeds, input_ids = self.touch_tower(input_ids, inputs_embeds), None
+            self.rope_deltas = None
         elif decoding and self.rope_deltas is not None and position_ids is not None and position_ids.dim() == 2:
             position_ids = (position_ids + self.rope_deltas.to(position_ids.device))[None]  # (1, B, T): all axes
         elif not decoding:

@@ -202,6 +202,11 @@ class Trainer:
                 note = "resumed with changed settings: " + "; ".join(self.config_notes)
                 print(f"resume: {note}")
                 self.metrics.log({"step": self.step, "note": note})
+        if getattr(self.model, "may_leave_parameters_unused", False):
+            # a step that would leave trainable parameters without a gradient (an image-text model's tower on rows
+            # without images) reaches them with a zero instead: DDP's and FSDP's reductions wait for every one, and
+            # one process steps them as many processes do
+            self.model.touch_every_parameter = True
         if self.world.active and (self.plan is None or self.plan.wrap_ddp):
             self.model = DistributedDataParallel(self.model, device_ids=[self.device.index]
                                                  if self.device.type == "cuda" else None)

@@ -72,6 +72,11 @@ class FineTune(Recipe):
         """Where to look when the encoded data has nothing to learn."""
         return f"labels of tokens past data.max_length = {cfg.data.max_length} are cut off"
 
+    def encode(self, cfg: RunConfig, task: Task, model: nn.Module, records: list, labels: list[str] | None,
+               name: str) -> list[dict]:
+        """The records as examples: the task's own encoding."""
+        return task.encode(records, model.tokenizer, labels, cfg.data, name)
+
     def build(self, cfg: RunConfig, on_model: Callable[[nn.Module], None], world: World) -> RunParts:
         d = cfg.data
         assert isinstance(d, RecordsData), f"{self.name} builds from its own [data] schema, got {type(d).__name__}"
@@ -83,8 +88,8 @@ class FineTune(Recipe):
         on_model(model)
         check_text_model(cfg, model, d.max_length)
         add_lora(cfg, model)
-        train = task.encode(train_records, model.tokenizer, labels, d, "train")
-        evals = task.encode(eval_records, model.tokenizer, labels, d, "eval") if eval_records else None
+        train = self.encode(cfg, task, model, train_records, labels, "train")
+        evals = self.encode(cfg, task, model, eval_records, labels, "eval") if eval_records else None
         check_examples(train, model, task, f"data.train {d.train}", self.empty_hint(cfg))
         if evals is not None:
             check_examples(evals, model, task, f"data.eval {d.eval}", self.empty_hint(cfg))

@@ -2,16 +2,21 @@
 through the tokenizer's chat template, or `{"prompt", "response"}`; loss on the assistant replies
 (data.train_on = "assistant") or on every token; data.pack (on by default) puts several samples in one
 row with attention kept inside each, where the model keeps them apart (ForCausalLM.packs_samples):
-otherwise rows stay one sample each (a message says so), or, when pack = true was asked for, it is an error."""
+otherwise rows stay one sample each (a message says so), or, when pack = true was asked for, it is an error.
+An image-text model (a vision tower) also reads image parts in the messages (kiln.data.sft_images): their
+pixels ride with the rows, packed rows included, and its checkpoints carry the image processor."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
 
 from torch import nn
 
+from kiln.data.sft_images import ImageTokens
 from kiln.errors import ConfigError
-from kiln.models.tasks import CAUSAL_LM
+from kiln.hub.resolve import resolve_model_dir
+from kiln.models.tasks import CAUSAL_LM, Task
 from kiln.parallel.world import World
 from kiln.train.config import DataSection, RunConfig
 from kiln.train.recipes.base import RunParts
@@ -23,6 +28,10 @@ class SFTData(RecordsData):
     train_on: Literal["assistant", "assistant_no_reasoning", "all"] = "assistant"  # loss on replies (+ EOS), without their reasoning text, or on all tokens
     pack: bool = True                    # several samples per row, attention kept per sample
                                          # (where the model cannot keep them apart, rows stay one sample each)
+    # image-text models: image parts in messages (paths relative to the records file)
+    max_image_pixels: int | None = None  # refuse source images larger than this (width x height)
+    image_min_pixels: int | None = None  # the processor's resize bounds (area after resizing), when not the
+    image_max_pixels: int | None = None  # model directory's preprocessor_config.json values
 
 
 class SFT(FineTune):
@@ -51,10 +60,26 @@ class SFT(FineTune):
 
         return super().build(cfg, check_packing, world)
 
+    def encode(self, cfg: RunConfig, task: Task, model: nn.Module, records: list, labels: list[str] | None,
+               name: str) -> list[dict]:
+        """Chat records as examples; for a model with a vision tower, with the images of their image parts."""
+        if not getattr(model, "takes_images", False):
+            return super().encode(cfg, task, model, records, labels, name)
+        from kiln.data.sft import encode_sft
+
+        d = cfg.data
+        source = d.eval if name == "eval" else d.train
+        examples, stats = encode_sft(records, model.tokenizer, d.max_length, d.train_on, d.pack,
+                                     images=image_tokens(cfg, model, Path(source).parent))
+        print(f"{name} data: {stats.line()}")
+        return examples
+
     def fingerprint(self, cfg: RunConfig, labels: list[str] | None) -> dict[str, Any]:
         d = cfg.data
         assert isinstance(d, SFTData)
-        return {**super().fingerprint(cfg, labels), "train_on": d.train_on, "pack": d.pack}
+        images = {k: getattr(d, k) for k in ("image_min_pixels", "image_max_pixels", "max_image_pixels")
+                  if getattr(d, k) is not None}  # only when set: runs without images keep their fingerprint
+        return {**super().fingerprint(cfg, labels), "train_on": d.train_on, "pack": d.pack, **images}
 
     def empty_hint(self, cfg: RunConfig) -> str:
         d = cfg.data
@@ -63,6 +88,20 @@ class SFT(FineTune):
             return (f"data.train_on = 'assistant' learns only assistant replies: check the messages have role "
                     f"'assistant' and that replies start within data.max_length = {d.max_length} tokens")
         return f"every sample needs at least 2 tokens within data.max_length = {d.max_length}"
+
+
+def image_tokens(cfg: RunConfig, model: nn.Module, root: Path) -> ImageTokens:
+    """The image processor (the model directory's preprocessor_config.json, else the tower's patch sizes; the
+    [data] resize bounds over either) and the model's vision tokens; the processor goes with the model so its
+    checkpoints write it."""
+    d = cfg.data
+    spec = model.image_tokens(model_dir=resolve_model_dir(cfg.model.path) if cfg.model.path else None, root=root)
+    processor = spec.processor
+    processor.min_pixels = d.image_min_pixels or processor.min_pixels
+    processor.max_pixels = d.image_max_pixels or processor.max_pixels
+    processor.max_input_pixels = d.max_image_pixels
+    model.image_processor = processor
+    return spec
 
 
 RECIPE = SFT()
