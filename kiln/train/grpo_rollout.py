@@ -5,9 +5,8 @@ held-out evaluation of greedy completions."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -90,19 +89,6 @@ class Prompts:
 # ---- the model's parts ---------------------------------------------------------------------------
 def core_of(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
-
-
-@contextlib.contextmanager
-def temperature_scaled(core: nn.Module, temperature: float) -> Iterator[None]:
-    """The LM head sees hidden / temperature, so log-probs are those of logits / temperature (TRL's)."""
-    if temperature == 1.0:
-        yield
-        return
-    handle = core.model.register_forward_hook(lambda _m, _a, out: out / temperature)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 class _LogitTap:
@@ -196,8 +182,7 @@ class GRPORun:
         """(N, C) log-probs of the completion tokens under `model` (through its wrapper), logits / temperature."""
         p, cmask = micro["prompt_len"], micro["completion_mask"]
         targets = torch.cat([torch.zeros_like(micro["input_ids"][:, :p]), cmask], 1)
-        with temperature_scaled(core_of(model), self.g.temperature):
-            full = token_logps(model, micro["input_ids"], micro["attention_mask"], targets)
+        full = token_logps(model, micro["input_ids"], micro["attention_mask"], targets, temperature=self.g.temperature)
         return full[:, p - 1: p - 1 + cmask.size(1)]
 
     @torch.no_grad()
