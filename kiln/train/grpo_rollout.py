@@ -125,9 +125,11 @@ def completion_mask(completions: torch.Tensor, eos_ids: list[int]) -> torch.Tens
     return (torch.arange(c, device=completions.device)[None, :] <= first[:, None]).long()
 
 
-def rollout_seed(seed: int, rollout: int, rank: int, micro: int) -> int:
-    """The sampling seed of one micro-batch of one rollout: a function of where the run is, so a resume redraws it."""
-    digest = hashlib.sha256(f"kiln-grpo:{seed}:{rollout}:{rank}:{micro}".encode()).digest()
+def rollout_seed(seed: int, rollout: int, slot: int) -> int:
+    """The sampling seed of one micro-batch of one rollout: a function of where the run is, so a resume redraws
+    it. `slot` is the micro-batch's place in the rollout's global order (micro * data shards + data rank, the
+    loader's layout), so a rollout samples the same completions however many processes share it."""
+    digest = hashlib.sha256(f"kiln-grpo:{seed}:{rollout}:{slot}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 
 
