@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
+                                    register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor, Shard
 
 from kiln.errors import KilnError
@@ -53,6 +54,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: str | None = Non
                 ignored_params=replicated_root(model, blocks, DTYPES[param_dtype] if param_dtype else None) or None)
     if len(blocks):
         blocks[-1].register_forward_hook(free_held_gather)  # after FSDP's own post-forward hook
+    for name in getattr(model, "fsdp_forward_methods", ()):  # methods that use the root's weights (the head) as a
+        register_fsdp_forward_method(model, name)            # forward does: gathered around them too
     return model
 
 

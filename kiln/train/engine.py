@@ -62,6 +62,7 @@ class StepContext(Protocol):
     step_fn: Callable[[nn.Module, dict], Any]
     optimizer: torch.optim.Optimizer
     plan: Any                      # kiln.parallel.apply.Parallelized | None
+    parallel: Any                  # kiln.parallel.config.ParallelSection | None: the [parallel] table
     scaler: torch.amp.GradScaler | None
     objectives: Objectives | None
     step: int

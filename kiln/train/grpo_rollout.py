@@ -5,9 +5,8 @@ held-out evaluation of greedy completions."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -92,19 +91,6 @@ def core_of(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
 
-@contextlib.contextmanager
-def temperature_scaled(core: nn.Module, temperature: float) -> Iterator[None]:
-    """The LM head sees hidden / temperature, so log-probs are those of logits / temperature (TRL's)."""
-    if temperature == 1.0:
-        yield
-        return
-    handle = core.model.register_forward_hook(lambda _m, _a, out: out / temperature)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
 class _LogitTap:
     """The model as `generate` sees it, keeping each decode step's last-position logits (the sampler's)."""
 
@@ -139,9 +125,11 @@ def completion_mask(completions: torch.Tensor, eos_ids: list[int]) -> torch.Tens
     return (torch.arange(c, device=completions.device)[None, :] <= first[:, None]).long()
 
 
-def rollout_seed(seed: int, rollout: int, rank: int, micro: int) -> int:
-    """The sampling seed of one micro-batch of one rollout: a function of where the run is, so a resume redraws it."""
-    digest = hashlib.sha256(f"kiln-grpo:{seed}:{rollout}:{rank}:{micro}".encode()).digest()
+def rollout_seed(seed: int, rollout: int, slot: int) -> int:
+    """The sampling seed of one micro-batch of one rollout: a function of where the run is, so a resume redraws
+    it. `slot` is the micro-batch's place in the rollout's global order (micro * data shards + data rank, the
+    loader's layout), so a rollout samples the same completions however many processes share it."""
+    digest = hashlib.sha256(f"kiln-grpo:{seed}:{rollout}:{slot}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 
 
@@ -196,8 +184,7 @@ class GRPORun:
         """(N, C) log-probs of the completion tokens under `model` (through its wrapper), logits / temperature."""
         p, cmask = micro["prompt_len"], micro["completion_mask"]
         targets = torch.cat([torch.zeros_like(micro["input_ids"][:, :p]), cmask], 1)
-        with temperature_scaled(core_of(model), self.g.temperature):
-            full = token_logps(model, micro["input_ids"], micro["attention_mask"], targets)
+        full = token_logps(model, micro["input_ids"], micro["attention_mask"], targets, temperature=self.g.temperature)
         return full[:, p - 1: p - 1 + cmask.size(1)]
 
     @torch.no_grad()

@@ -22,9 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kiln.models.common.fast import set_fast
 from kiln.parallel.apply import Parallelized, parallelize
 from kiln.parallel.checkpoint import is_sharded, load_sharded, save_sharded
 from kiln.parallel.config import ParallelSection
+from kiln.parallel.fsdp import apply_fsdp
 from kiln.parallel.mesh import DIMS, resolve_degrees
 from kiln.errors import ConfigError, KilnError
 from kiln.train import checkpoint as ckpt
@@ -109,3 +111,21 @@ def load_sharded_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim
         raise KilnError(f"{path} is a {have} checkpoint but this run's [parallel] plan keeps {want} ones; resume "
                         f"with the parallel.fsdp / tp / ep of the run that wrote it")
     load_sharded(path, model, optimizer)
+
+
+def place_frozen(model: nn.Module, device: torch.device, plan: Parallelized | None, parallel: ParallelSection | None,
+                 fast: bool) -> nn.Module:
+    """A frozen model beside the trained one (a DPO or GRPO reference), ready to run: on the run's device, its
+    fast/exact switch as the trained model's, and under FSDP sharded as the trained one is (each rank holds its
+    share; FSDP gathers each block for its forward). Returns the model (sharded in place)."""
+    model.requires_grad_(False).eval()
+    model.to(device)
+    if plan is not None and plan.fsdp:
+        d = plan.degrees
+        if d.tp > 1 or d.ep > 1 or d.cp > 1 or d.pp > 1:
+            raise ConfigError("a frozen reference model is sharded over parallel.dp only; with parallel.tp / ep / cp "
+                              "/ pp use [lora] (the reference is the base) or precomputed reference log-probs")
+        assert parallel is not None, "an FSDP plan comes from a [parallel] table"
+        apply_fsdp(model, plan.mesh["dp"], parallel.param_dtype, parallel.reduce_dtype, parallel.offload)
+    set_fast(model, fast)
+    return model

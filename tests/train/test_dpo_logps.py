@@ -32,24 +32,26 @@ def batch(seed: int = 1):
     return ids, attn, scored
 
 
-def reference_logps(model, ids, attn, scored):
-    """What TRL computes: full logits, log_softmax, gather the next token, mask."""
+def reference_logps(model, ids, attn, scored, temperature=1.0):
+    """What TRL computes: full logits (divided by the temperature), log_softmax, gather the next token, mask."""
     logits = model(input_ids=ids, attention_mask=attn).logits.float()[:, :-1]
+    if temperature != 1.0:
+        logits = logits / temperature
     picked = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     return F.pad(picked * scored[:, 1:], (0, 1))
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_chunked_values_and_gradients_equal_full_logits(tied):
+@pytest.mark.parametrize("tied, temperature", [(False, 1.0), (True, 0.7)])
+def test_chunked_values_and_gradients_equal_full_logits(tied, temperature):
     model = tiny_lm(tied)
     ids, attn, scored = batch()
-    want = reference_logps(model, ids, attn, scored)
+    want = reference_logps(model, ids, attn, scored, temperature)
     weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(5))  # a per-token upstream gradient
     (want * weights).sum().backward()
     want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     set_fast(model)
-    got = token_logps(model, ids, attn, scored, chunk=4)  # 4 rows a chunk: several chunks, a ragged last one
+    got = token_logps(model, ids, attn, scored, chunk=4, temperature=temperature)  # several chunks, a ragged last
     # fp32 rounding of a 61-way log-sum-exp and two tiny layers: ~1e-6; 1e-5 leaves headroom
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert (got[scored[:, 1:].bool().logical_not().nonzero(as_tuple=True)] == 0).all()
@@ -62,6 +64,9 @@ def test_exact_path_is_bitwise_the_full_logits():
     model = tiny_lm()
     ids, attn, scored = batch(2)
     assert torch.equal(token_logps(model, ids, attn, scored), reference_logps(model, ids, attn, scored))
+    hot = token_logps(model, ids, attn, scored, temperature=0.7)
+    assert torch.equal(hot, reference_logps(model, ids, attn, scored, 0.7))
+    assert not torch.equal(hot, reference_logps(model, ids, attn, scored))  # control: the temperature counts
 
 
 def test_mask_controls_what_is_scored():
@@ -101,5 +106,7 @@ def test_bad_shapes_name_them():
     ids, attn, scored = batch()
     with pytest.raises(KilnError, match="targets_mask"):
         token_logps(model, ids, attn, scored[:, :5])
+    with pytest.raises(KilnError, match="temperature must be > 0"):
+        token_logps(model, ids, attn, scored, temperature=0.0)
     with pytest.raises(KilnError, match="weight"):
         linear_token_logps(torch.zeros(3, 4), torch.zeros(5, 6), torch.zeros(3, dtype=torch.long))

@@ -88,8 +88,8 @@ def test_dpo_settings_are_checked_by_name(pairs):
         load_run_config(run_toml(pairs, "x", dpo="betta = 0.2"))
     with pytest.raises(ConfigError, match="loss_type"):
         load_run_config(run_toml(pairs, "x", dpo='loss_type = "kto"'))
-    with pytest.raises(ConfigError, match=r"\[dpo\] runs on one process or under DDP"):
-        build_trainer(load_run_config(run_toml(pairs, "x", extra="[parallel]\nfsdp = true")))
+    with pytest.raises(ConfigError, match=r"\[dpo\] runs on one process, under DDP or under FSDP"):
+        build_trainer(load_run_config(run_toml(pairs, "x", extra="[parallel]\ncompile = true")))
     cfg = load_run_config(run_toml(pairs, "x", dpo='loss_type = "orpo"\nlambda = 0.3'))
     assert cfg.dpo.lambda_ == 0.3 and type(cfg).recipe == "dpo"
 

@@ -76,7 +76,7 @@ def test_dpo_losses_and_gradients_equal_trl(setup, loss_type):
     want.backward()
     want_grads = _grads(tr.model)
 
-    run = DPORun(DPOSection(loss_type=loss_type, beta=0.3), [], None, lora=False)
+    run = DPORun(DPOSection(loss_type=loss_type, beta=0.3), [], None, None)
     run.ref_model = set_fast(load_pretrained(ref, task="causal-lm")).eval()
     model = set_fast(load_pretrained(policy, task="causal-lm"))  # the chunked path training runs
     _, kbatch = _kiln_batch(rows, policy)
@@ -128,7 +128,7 @@ def test_reference_free_losses_and_gradients_equal_trl(setup, loss_type):
     want.backward()
     want_grads = _grads(hf)
 
-    run = DPORun(section, [], None, lora=False)
+    run = DPORun(section, [], None, None)
     model = set_fast(load_pretrained(policy, task="causal-lm"))
     _, kbatch = _kiln_batch(rows, policy)
     pl, _ = run.pair_losses(model, kbatch, "train")

@@ -108,8 +108,9 @@ def test_mean_reward_rises_on_a_learnable_task(grpo_dir):
 
 
 def test_logprob_gap_is_zero_on_the_exact_path_and_within_1e5_on_the_fast_one(grpo_dir):
-    exact = _fit(_toml(grpo_dir, "exact", grpo='sampler = "exact"'))
-    fast = _fit(_toml(grpo_dir, "fast"))
+    """At temperature 0.7: the sampler's log_softmax(logits / T) and the trainer's token_logps(temperature=T)."""
+    exact = _fit(_toml(grpo_dir, "exact", grpo='sampler = "exact"\ntemperature = 0.7'))
+    fast = _fit(_toml(grpo_dir, "fast", grpo="temperature = 0.7"))
     assert [r["logprob_gap"] for r in exact] == [0.0, 0.0]
     assert all(r["logprob_gap"] <= 1e-5 for r in fast)
     # a control that can fail: the decode's cached log-probs differ from the full forward's by rounding here,

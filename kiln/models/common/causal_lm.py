@@ -24,8 +24,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from kiln.models.common.decoder import KVCache
-from kiln.models.common.loss import causal_lm_loss, fast_lm_loss_sum, lm_loss_sum, shift_labels
+from kiln.models.common.loss import IGNORE_INDEX, causal_lm_loss, fast_lm_loss_sum, lm_loss_sum, shift_labels
 from kiln.models.common.moe import load_balancing_loss
+from kiln.models.common.token_logps import exact_token_logps, linear_token_logps
 from kiln.models.pretrained import PreTrainedModel
 
 
@@ -68,6 +69,9 @@ class ForCausalLM(PreTrainedModel):
     hidden state to the head's dtype and returns float32 logits, as transformers' Mamba does.
     """
     sums_targets = True  # forward takes targets= and returns loss_sum / loss_count (kiln.models.tasks)
+    # methods that run the forward and then the head: FSDP2 gathers the root's weights around them as around
+    # forward (kiln.parallel.fsdp registers them), so the head is whole when they use it
+    fsdp_forward_methods = ("token_logps",)
 
     def __init__(self, model: nn.Module, hidden_size: int, vocab_size: int, tied: bool,
                  embedding: str = "embed_tokens", fp32_logits: bool = False):
@@ -100,6 +104,28 @@ class ForCausalLM(PreTrainedModel):
         if self.fp32_logits:
             hidden = hidden.to(self.output_weight.dtype)
         return fast_lm_loss_sum(hidden, self.output_weight, targets)
+
+    def token_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, targets: torch.Tensor, *,
+                    chunk: int | None = None, temperature: float = 1.0) -> torch.Tensor:
+        """(B, T) fp32 log-probs of `targets` (B, T: the next token at each position, IGNORE_INDEX where
+        nothing is scored, 0 there) under logits / temperature: the forward's hidden states through
+        `hidden_token_logps`. Under DDP call the wrapper's forward and `hidden_token_logps` instead."""
+        out = self.forward(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1)
+        return self.hidden_token_logps(out.last_hidden_state, targets, chunk=chunk, temperature=temperature)
+
+    def hidden_token_logps(self, hidden: torch.Tensor, targets: torch.Tensor, *, chunk: int | None = None,
+                           temperature: float = 1.0) -> torch.Tensor:
+        """`token_logps` from the hidden states (B, T, C): on the fast path the head runs only where a target
+        is, `chunk` rows at a time (no (tokens x vocab) logits); on the exact path through the full logits."""
+        keep = targets != IGNORE_INDEX  # (B, T)
+        if not self._fused_head():  # the exact path: the full logits, as TRL's selective_log_softmax
+            picked = exact_token_logps(self.head(hidden), targets.clamp(min=0), temperature)
+            return picked.masked_fill(~keep, 0.0)
+        if self.fp32_logits:
+            hidden = hidden.to(self.output_weight.dtype)
+        bias = None if self.lm_head is None else self.lm_head.bias
+        picked = linear_token_logps(hidden[keep], self.output_weight, targets[keep], bias, chunk, temperature)  # (N,)
+        return torch.zeros(keep.shape, dtype=torch.float32, device=hidden.device).index_put((keep,), picked)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 cache: Any = None, logits_to_keep: int = 0, output_router_logits: bool | None = None,

@@ -5,15 +5,15 @@ has a [dpo] table.
 message lists, JSONL or an HF datasets source), tokenized as TRL 1.16's DPOTrainer. [dpo] picks the
 loss (kiln.train.preference) and the reference the log-ratios are taken against:
 - by default the starting weights: under [lora] the same model with its adapters switched off (no
-  second copy); otherwise a frozen copy made before training starts;
-- `reference = "path"`: another HF directory;
+  second copy); otherwise a frozen copy made before training starts (under FSDP sharded as the policy is);
+- `reference = "path"`: another HF directory (placed, and sharded, as the copy is);
 - `precompute_reference = true`: the reference's log-probs of every train and eval pair, computed once
-  when the run starts (each process a share), written beside the checkpoints
+  at the run's first step (each process a share), written beside the checkpoints
   (`reference_logps.safetensors`) and checked by its SHA-256 (kept in every checkpoint) on resume;
   no reference model stays in memory.
 SimPO and ORPO need no reference. Log-probs come chunk by chunk through the LM head (kiln.train.logps).
-Runs on one process or under `kiln launch` with DDP; FSDP2 / TP / EP / PP / compile are refused for now
-(the reference is set up in `Callback.on_setup`, which the Trainer does not allow beside those plans).
+Runs on one process or under `kiln launch` with DDP or FSDP2 ([parallel] fsdp); TP / EP / PP / CP /
+compile / activation checkpointing are refused for now.
 Each step returns its summed pair losses and pair count to the step engine; the Trainer updates once.
 Metrics per step and at evaluation (`eval_` prefixed): loss, rewards/chosen, rewards/rejected,
 rewards/margins, rewards/accuracy, logps/chosen, logps/rejected.
@@ -40,7 +40,6 @@ from kiln.data.loader import pad_collate
 from kiln.data.preference import Example, encode_preferences
 from kiln.errors import ConfigError, KilnError
 from kiln.models.auto import load_pretrained
-from kiln.models.common.fast import set_fast
 from kiln.models.common.lora import LoraLinear
 from kiln.models.common.lora_experts import ExpertLora
 from kiln.models.tasks import CAUSAL_LM
@@ -49,6 +48,8 @@ from kiln.train.config import RunConfig, Section
 from kiln.train.logps import token_logps
 from kiln.train.preference import REFERENCE_FREE, LossType, PairLosses, preference_losses
 from kiln.train.recipes.base import Extension, RunParts, add_lora, build_model, check_text_model
+from kiln.train.engine import StepEngine
+from kiln.train.plans import place_frozen
 from kiln.train.recipes.finetune import FineTune, RecordsData
 from kiln.train.trainer import Callback, Trainer
 
@@ -133,44 +134,40 @@ def file_sha256(path: Path) -> str:
 class DPORun(Callback):
     """The step, the evaluation, the reference and the per-step reward metrics of one dpo run."""
 
-    def __init__(self, cfg: DPOSection, train: list[Example], evals: list[Example] | None, lora: bool):
-        self.cfg, self.train, self.evals, self.lora = cfg, train, evals, lora
+    def __init__(self, cfg: DPOSection, train: list[Example], evals: list[Example] | None,
+                 starting_copy: nn.Module | None):
+        self.cfg, self.train, self.evals = cfg, train, evals
         self.trainer: Trainer | None = None
-        self.ref_model: nn.Module | None = None
+        self.ready = False
+        self.ref_model = starting_copy  # the frozen copy of the starting weights (full weights), placed by _ready
         self.cache: dict[str, torch.Tensor] | None = None  # split -> (pairs, 2) reference summed log-probs
         self.cache_sha: str | None = None
         self.sums = torch.zeros(len(STATS), dtype=torch.float64)
 
     # ---- the reference ------------------------------------------------------------------------
-    def on_setup(self, trainer: Trainer, step: int) -> None:
-        """The model holds the starting weights (a resume loads its own after this): copy or cache them."""
-        self.trainer = trainer
-        c = self.cfg
-        if c.loss_type in REFERENCE_FREE:
+    def wrap_engine(self, trainer: Trainer, engine: StepEngine) -> StepEngine:
+        self.trainer = trainer  # the run this callback serves (its plans, device, output folder)
+        return engine
+
+    def _ready(self) -> None:
+        """Once, at the run's first step or evaluation (the plans are applied by then): the reference model
+        placed beside the policy (sharded as it is under FSDP), or the reference log-probs cached."""
+        t, c = self.trainer, self.cfg
+        assert t is not None, "wrap_engine gave this callback its trainer"
+        if c.loss_type in REFERENCE_FREE or self.ready:
             return
-        if getattr(trainer.model, "pending_read", None) is not None and (c.precompute_reference or
-                                                                          (c.reference is None and not self.lora)):
-            raise ConfigError("[dpo] with the weights read sharded (fsdp / tp / pp from model.path): the default "
-                              "full-weights reference and precompute_reference need whole weights on every process; "
-                              "use [lora] (the reference is the base) or dpo.reference")
+        self.ready = True
+        if c.precompute_reference and self.cache is not None:  # resumed: read in load_state_dict
+            return
+        if c.precompute_reference and t.step > 0:  # resumed from a checkpoint that recorded no cache
+            self._read_cache(t.out_dir / CACHE)
+            return
         if c.reference is not None:
-            self.ref_model = load_pretrained(c.reference, task=CAUSAL_LM).to(trainer.device)
-        elif not self.lora and not c.precompute_reference:
-            self.ref_model = copy.deepcopy(trainer.model)
+            self.ref_model = load_pretrained(c.reference, task=CAUSAL_LM)
         if self.ref_model is not None:
-            self.ref_model.requires_grad_(False).eval()
-            set_fast(self.ref_model, not trainer.args.exact)
-        if not c.precompute_reference:
-            return
-        path = trainer.out_dir / CACHE
-        if step > 0:  # a resume: the cache written when the run started, checked in load_state_dict
-            if not path.is_file():
-                raise KilnError(f"{path}: the precomputed reference log-probs of this run are missing; "
-                                "they are written when the run starts and a resume needs them")
-            self._read_cache(path)
-        else:
-            set_fast(trainer.model, not trainer.args.exact)  # as the Trainer sets it next: the same log-probs
-            self._write_cache(path)
+            self.ref_model = place_frozen(self.ref_model, t.device, t.plan, t.parallel, not t.args.exact)
+        if c.precompute_reference:  # a fresh run: the policy (or dpo.reference) holds the reference weights now
+            self._write_cache(t.out_dir / CACHE)
             self.ref_model = None  # cached: no reference stays in memory
 
     def _reference_model(self, model: nn.Module) -> tuple[nn.Module, contextlib.AbstractContextManager]:
@@ -213,6 +210,9 @@ class DPORun(Callback):
     def _read_cache(self, path: Path) -> None:
         from safetensors.torch import load_file
 
+        if not path.is_file():
+            raise KilnError(f"{path}: the precomputed reference log-probs of this run are missing; "
+                            "they are written when the run starts and a resume needs them")
         self.cache, self.cache_sha = load_file(str(path)), file_sha256(path)
         for split, examples in (("train", self.train), ("eval", self.evals or [])):
             have = len(self.cache.get(split, ()))
@@ -225,6 +225,8 @@ class DPORun(Callback):
 
     def load_state_dict(self, trainer: Trainer, state: dict[str, Any]) -> None:
         want = state.get("reference_sha256")
+        if want and self.cfg.precompute_reference:
+            self._read_cache(trainer.out_dir / CACHE)
         if want and want != self.cache_sha:
             raise KilnError(f"{trainer.out_dir / CACHE}: sha256 {self.cache_sha} differs from the {want} recorded "
                             "in the checkpoint; the cached reference log-probs changed since it was saved")
@@ -261,6 +263,7 @@ class DPORun(Callback):
         return pl, int(attn.sum())
 
     def step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        self._ready()
         pl, tokens = self.pair_losses(model, batch, "train")
         self.sums += self._stats(pl, tokens, torch.ones_like(pl.losses))
         return pl.losses.sum(), pl.losses.shape[0]
@@ -311,6 +314,7 @@ class DPORun(Callback):
 
     @torch.no_grad()
     def evaluate(self, trainer: Trainer) -> dict[str, float]:
+        self._ready()
         sums = torch.zeros(len(STATS), dtype=torch.float64)
         with evaluating(trainer.model):
             for _, batch in self._share(self.evals or [], trainer.data_rank, trainer.data_shards,
@@ -374,15 +378,23 @@ class DPOExtension(Extension):
     def check(self, cfg: RunConfig, recipe: Any) -> None:
         super().check(cfg, recipe)
         p = cfg.parallel
-        if p is not None and (p.fsdp or p.compile or p.activation_checkpointing != "none"
-                              or any(getattr(p, k, 1) > 1 for k in ("tp", "ep", "pp"))):
-            # the reference is set up in Callback.on_setup, which the Trainer refuses beside these plans
-            raise ConfigError("[dpo] runs on one process or under DDP ([parallel] dp only); parallel.fsdp, tp, ep, "
-                              "pp, compile and activation_checkpointing are not supported with it yet")
+        if p is not None and (p.compile or p.activation_checkpointing != "none"
+                              or any(getattr(p, k, 1) > 1 for k in ("tp", "ep", "pp", "cp"))):
+            raise ConfigError("[dpo] runs on one process, under DDP or under FSDP ([parallel] dp and fsdp); "
+                              "parallel.tp, ep, pp, cp, compile and activation_checkpointing are not supported with "
+                              "it yet")
 
     def extend(self, cfg: RunConfig, parts: RunParts) -> None:
-        evals = parts.eval_data
-        run = DPORun(cfg.dpo, list(parts.data), list(evals) if evals is not None else None, cfg.lora is not None)
+        c, evals = cfg.dpo, parts.eval_data
+        copy_needed = c.loss_type not in REFERENCE_FREE and c.reference is None and cfg.lora is None \
+            and not c.precompute_reference
+        if copy_needed and getattr(parts.model, "pending_read", None) is not None:
+            raise ConfigError("[dpo] with the weights read sharded (fsdp / tp / pp from model.path): the default "
+                              "reference is a whole copy of the starting weights, which no process holds; use [lora] "
+                              "(the reference is the base), dpo.reference or dpo.precompute_reference")
+        # the starting weights (a resume loads its own later): frozen, sharded beside the policy at the first step
+        starting = copy.deepcopy(parts.model) if copy_needed else None
+        run = DPORun(c, list(parts.data), list(evals) if evals is not None else None, starting)
         parts.step = run.step
         parts.evaluate = run.evaluate if evals else None
         parts.callbacks.append(run)

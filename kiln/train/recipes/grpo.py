@@ -15,8 +15,9 @@ first update's bit for bit. `logprob_gap` is the largest |sampler - trainer| log
 the rollout's first update: 0 on the exact path, the cached decode's rounding on the fast one. With beta > 0
 the KL is to the starting weights: under [lora] the base with the adapters off (no copy), else a frozen copy.
 
-Each rollout's sampling seed derives from (train.seed, rollout, rank, micro-batch), and the rollout being
-worked on is saved with each checkpoint: a run resumed mid-rollout continues exactly. Metrics: reward,
+Each rollout's sampling seed derives from (train.seed, rollout, the micro-batch's place in the global batch: one
+process with grad_accum k samples what k processes do), and the rollout being worked on is saved with each
+checkpoint: a run resumed mid-rollout continues exactly. Metrics: reward,
 reward/<function>, reward_std, completion_length, clip_ratio, kl (beta > 0), logprob_gap; with data.eval,
 eval_reward and eval_reward/<function> of greedy completions.
 """
@@ -39,6 +40,7 @@ from kiln.train.config import DataSection, RunConfig, Section
 from kiln.train.engine import DataParallel, StepContext, StepEngine, StepOutcome, Window, mean_gradients
 from kiln.train.grpo_loss import advantages, clipped, combine_rewards, loss_parts, token_loss
 from kiln.train.grpo_rollout import GRPORun, Prompts, core_of, rollout_seed
+from kiln.train.plans import place_frozen
 from kiln.train.recipes.base import Extension, Recipe, RunParts, add_lora, build_model, check_text_model
 from kiln.train.recipes.finetune import RecordsData
 from kiln.train.rewards import resolve_rewards
@@ -110,7 +112,7 @@ class GRPOEngine(StepEngine):
             raise ConfigError(f"[grpo] runs on the data-parallel engine (one process, DDP, FSDP2); this run's "
                               f"[parallel] settings make a {type(inner).__name__}")
         self.inner, self.run = inner, run
-        self.placed = False  # the reference copy (full weights, beta > 0) is moved to the run's device on first use
+        self.placed = False  # the reference copy (full weights, beta > 0) is placed beside the policy on first use
         self.keep_grads = inner.keep_grads
         self.buffer: list[dict[str, Any]] | None = None   # the rollout being worked on
         self.stats: dict[str, float] = {}                  # its reward metrics
@@ -119,8 +121,8 @@ class GRPOEngine(StepEngine):
     def rollout(self, run: StepContext) -> None:
         r, g = self.run, self.run.g
         core = core_of(run.model)
-        if r.reference is not None and not self.placed:
-            r.reference.to(run.device)
+        if r.reference is not None and not self.placed:  # beside the policy: on its device, sharded as it is
+            r.reference = place_frozen(r.reference, run.device, run.plan, run.parallel, not run.args.exact)
             self.placed = True
         index = run.step // g.num_iterations
         micros, per_funcs, lengths = [], [], []
@@ -128,7 +130,7 @@ class GRPOEngine(StepEngine):
             rows = run.next_batch()["row"].tolist()
             with torch.no_grad(), run.autocast():
                 micro = r.sample(core, rows, r.prompts, g.num_generations,
-                                 rollout_seed(r.seed, index, run.data_rank, m), run.device, full_length=run.sharded)
+                                 rollout_seed(r.seed, index, m * run.data_shards + run.data_rank), run.device, full_length=run.sharded)
             per_funcs.append(micro["per_func"])
             lengths.append(micro["completion_mask"].sum(1).double().cpu())  # beside the rewards (CPU) for the stats
             micros.append(micro)
