@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import peak_mb_above, report, rss_kb, run_child, setup_torch  # noqa: E402
+from common import interleaved, peak_mb_above, report, rss_kb, setup_torch  # noqa: E402
 
 SIZE = dict(vocab_size=151936, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=4, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True,
@@ -159,13 +159,9 @@ def main() -> None:
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kiln-bench-grpo-") as tmp:
         prepare(Path(tmp))
-        res: dict[str, list[dict]] = {"peer": [], "kiln": []}
-        for r in range(a.rounds):
-            for side in ("peer", "kiln")[:: 1 if r % 2 == 0 else -1]:  # who goes first alternates
-                out = run_child(__file__, "--child", side, tmp, str(a.steps), str(a.warmup), str(a.max_new_tokens))
-                res[side].append(out)
-                print(f"round {r + 1} {side:>4}: {out['tokens_per_s']:8.1f} tokens/s "
-                      f"({out['tokens_per_step']:.0f} tokens/step), peak +{out['peak_mb']:.0f} MB", flush=True)
+        res = interleaved(__file__, a.rounds, tmp, str(a.steps), str(a.warmup), str(a.max_new_tokens),
+                          describe=lambda out: f"{out['tokens_per_s']:8.1f} tokens/s ({out['tokens_per_step']:.0f} "
+                                               f"tokens/step), peak +{out['peak_mb']:.0f} MB")
     k, p = res["kiln"], res["peer"]
     print(f"Qwen3 shape, vocab 151,936, hidden 512, 4 layers; GRPO full weights, {PROMPTS} prompts x {GENERATIONS} "
           f"generations, {a.max_new_tokens} new tokens, dapo, beta 0")

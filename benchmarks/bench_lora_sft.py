@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bbc_articles, peak_mb_on, report, rss_kb, run_child, setup_torch, sync  # noqa: E402
+from common import bbc_articles, interleaved, peak_mb_on, report, rss_kb, setup_torch, sync  # noqa: E402
 
 SIZE = dict(vocab_size=151936, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=4, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True,
@@ -186,14 +186,8 @@ def main() -> None:
     mode = "full" if a.full else "lora"
     with tempfile.TemporaryDirectory(prefix="kiln-bench-sft-") as tmp:
         prepare(Path(tmp))
-        res: dict[str, list[dict]] = {"peer": [], "kiln": []}
-        for r in range(a.rounds):
-            for side in ("peer", "kiln")[:: 1 if r % 2 == 0 else -1]:  # who goes first alternates
-                out = run_child(__file__, "--child", side, tmp, mode, str(a.steps), str(a.warmup), a.device,
-                                "bf16" if a.bf16 else "fp32")
-                res[side].append(out)
-                print(f"round {r + 1} {side:>4}: {out['tokens_per_s']:8.1f} tokens/s, peak +{out['peak_mb']:.0f} MB",
-                      flush=True)
+        res = interleaved(__file__, a.rounds, tmp, mode, str(a.steps), str(a.warmup), a.device,
+                          "bf16" if a.bf16 else "fp32")
     k, p = res["kiln"], res["peer"]
     peer = "transformers" if a.full else "transformers+peft"
     print(f"Qwen3 shape, vocab 151,936, hidden 512, 4 layers; {mode} SFT on BBC chat rows (<= {MAX_LENGTH} tokens), "

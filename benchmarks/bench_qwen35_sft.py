@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_lora_sft as sft  # noqa: E402
-from common import peak_mb_above, report, rss_kb, run_child, setup_torch  # noqa: E402
+from common import interleaved, peak_mb_above, report, rss_kb, setup_torch  # noqa: E402
 
 SIZE = dict(vocab_size=32768, hidden_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=256, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128,
@@ -66,13 +66,7 @@ def main() -> None:
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kiln-bench-qwen35-") as tmp:
         prepare(Path(tmp))
-        res: dict[str, list[dict]] = {"peer": [], "kiln": []}
-        for r in range(a.rounds):
-            for side in ("peer", "kiln")[:: 1 if r % 2 == 0 else -1]:  # who goes first alternates
-                out = run_child(__file__, "--child", side, tmp, str(a.steps), str(a.warmup))
-                res[side].append(out)
-                print(f"round {r + 1} {side:>4}: {out['tokens_per_s']:8.1f} tokens/s, peak +{out['peak_mb']:.0f} MB",
-                      flush=True)
+        res = interleaved(__file__, a.rounds, tmp, str(a.steps), str(a.warmup))
     k, p = res["kiln"], res["peer"]
     print(f"Qwen3.5-MoE shape (3 DeltaNet + 1 attention layers, 16 experts top 4 + shared), hidden 512, vocab 32,768; "
           f"LoRA SFT on BBC chat rows (<= {sft.MAX_LENGTH} tokens), batch {sft.BATCH}; "

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import peak_mb_above, report, rss_kb, run_child, setup_torch  # noqa: E402
+from common import interleaved, peak_mb_above, report, rss_kb, setup_torch  # noqa: E402
 
 TEXT = dict(vocab_size=32768, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
@@ -176,13 +176,7 @@ def main() -> None:
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kiln-bench-vlm-") as tmp:
         prepare(Path(tmp))
-        res: dict[str, list[dict]] = {"peer": [], "kiln": []}
-        for r in range(a.rounds):
-            for side in ("peer", "kiln")[:: 1 if r % 2 == 0 else -1]:  # who goes first alternates
-                out = run_child(__file__, "--child", side, tmp, str(a.steps), str(a.warmup))
-                res[side].append(out)
-                print(f"round {r + 1} {side:>4}: {out['tokens_per_s']:8.1f} tokens/s, peak +{out['peak_mb']:.0f} MB",
-                      flush=True)
+        res = interleaved(__file__, a.rounds, tmp, str(a.steps), str(a.warmup))
     k, p = res["kiln"], res["peer"]
     print(f"Qwen3.5 image-text shape (tower 4 x 256, text 3 DeltaNet + 1 attention, hidden 256, vocab 32,768); LoRA "
           f"SFT on digit chats with 128x128 / 128x192 images, the same batches of {BATCH} chats on both sides")

@@ -118,6 +118,20 @@ def run_child(script: str, *args: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def interleaved(script: str, rounds: int, *args: str, sides: tuple[str, ...] = ("peer", "kiln"),
+                describe: Callable[[dict], str] | None = None) -> dict[str, list[dict]]:
+    """Each side's child run (`script --child SIDE *args`) once per round, who goes first alternating; each
+    result printed as it comes (tokens/s and peak, or `describe(result)`). Returns every side's results."""
+    res: dict[str, list[dict]] = {side: [] for side in sides}
+    for r in range(rounds):
+        for side in sides[:: 1 if r % 2 == 0 else -1]:
+            out = run_child(script, "--child", side, *args)
+            res[side].append(out)
+            what = describe(out) if describe else f"{out['tokens_per_s']:8.1f} tokens/s, peak +{out['peak_mb']:.0f} MB"
+            print(f"round {r + 1} {side:>4}: {what}", flush=True)
+    return res
+
+
 def report(workload: str, peer: str, unit: str, kiln: list[float], theirs: list[float], *,
            kiln_mem: float | None = None, peer_mem: float | None = None, flops_per_unit: float | None = None,
            goal: str = "", note: str = "") -> dict:

@@ -10,6 +10,13 @@ QWEN3 = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_la
              num_key_value_heads=2, head_dim=8, max_position_embeddings=96, pad_token_id=0, eos_token_id=2)
 
 
+def model_section(d) -> str:
+    """A run TOML's [model] and [model.config]: the tiny QWEN3 from its config, with `d`/tok's tokenizer."""
+    config = "\n".join(f"{k} = {v}" for k, v in QWEN3.items())
+    return f'[model]\nfamily = "qwen3"\ntask = "causal-lm"\ntokenizer = "{d / "tok"}"\n[model.config]\n{config}\n'
+
+
+
 def arithmetic_pairs(n: int, seed: int = 0) -> list[dict]:
     """Conversational pairs: the right sum is chosen, a wrong one rejected (varied lengths)."""
     rng = random.Random(seed)

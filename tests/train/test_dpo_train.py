@@ -17,7 +17,7 @@ from kiln.train.config import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.recipes.dpo import CACHE, adapters_off
 from kiln.train.run import build_trainer
-from tests.train.dpo_helpers import QWEN3, arithmetic_pairs, chatterbot_pairs, make_tokenizer, write_jsonl
+from tests.train.dpo_helpers import QWEN3, model_section, arithmetic_pairs, chatterbot_pairs, make_tokenizer, write_jsonl
 from tests.train.train_helpers import kiln
 
 
@@ -35,13 +35,7 @@ def run_toml(d: Path, out: str, dpo: str = "", extra: str = "", steps: int = 8, 
     cfg = {k: (str(v) if not isinstance(v, Path) else str(v)) for k, v in data.items()}
     train, eval_ = cfg.get("train", d / "train.jsonl"), cfg.get("eval", d / "eval.jsonl")
     body = f"""
-[model]
-family = "qwen3"
-task = "causal-lm"
-tokenizer = "{d / 'tok'}"
-[model.config]
-{chr(10).join(f'{k} = {v}' for k, v in QWEN3.items())}
-[data]
+{model_section(d)}[data]
 train = "{train}"
 eval = "{eval_}"
 max_length = 40

@@ -20,7 +20,7 @@ from kiln.train import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.run import build_trainer
 from tests.parallel.sft_runs import launch
-from tests.train.dpo_helpers import QWEN3, arithmetic_pairs, make_tokenizer, write_jsonl
+from tests.train.dpo_helpers import arithmetic_pairs, make_tokenizer, model_section, write_jsonl
 
 LOW = 100
 REWARD = f"""
@@ -46,13 +46,7 @@ def _toml(d: Path, name: str, table: str, fsdp: bool) -> Path:
                          'beta = 0.05\nloss_type = "grpo"')
     path = d / f"{name}.toml"
     path.write_text(f"""
-[model]
-family = "qwen3"
-task = "causal-lm"
-tokenizer = "{d / 'tok'}"
-[model.config]
-{chr(10).join(f'{k} = {v}' for k, v in QWEN3.items())}
-[data]
+{model_section(d)}[data]
 train = "{d / train}"
 max_length = 40
 [train]
