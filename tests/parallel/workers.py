@@ -73,9 +73,9 @@ def reference(family: str, **plan_keys) -> dict:
 def _held_at_head(model) -> list[bool]:
     """Whether FSDP2 holds a flat all-gather buffer when the head runs (after the final norm), per forward."""
     held: list[bool] = []
-    state = getattr(model, "_get_fsdp_state", None)
-    if state is not None:
-        model.get_submodule(plan_of(model).final_norm).register_forward_hook(
+    state, norm = getattr(model, "_get_fsdp_state", None), plan_of(model).final_norm
+    if state is not None and norm is not None:  # (DeepSeek-V4's plan names no final norm: its hc head mixes first)
+        model.get_submodule(norm).register_forward_hook(
             lambda *_: held.append(state()._comm_ctx.all_gather_state is not None))
     return held
 
