@@ -111,21 +111,20 @@ def test_bad_image_inputs_by_message(tiny_factory):
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, layer_types=["full_attention"]))
 
 
-def test_greedy_generation_with_images_equals_transformers(tiny_factory):
-    """Dense only, 8 tokens (the suite's time): the MoE tower and positions are the dense ones (parity above),
-    and tests/train/test_vlm_sft.py's chat test generates with an image on another model."""
-    _, ours, hf = _pair("qwen3_5", tiny_factory)
+@pytest.mark.parametrize("model_type", list(ARCH))
+def test_greedy_generation_with_images_equals_transformers(model_type, tiny_factory):
+    _, ours, hf = _pair(model_type, tiny_factory)
     batch = ours.example_image_batch()
     images = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids")}
-    a = ours.generate(batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=8,
+    a = ours.generate(batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=20,
                       eos_token_id=None, pad_token_id=0, prompt_inputs=images)
     b = hf.eval().generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **images,
-                           max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert a.shape == (2, batch["input_ids"].shape[1] + 8)
-    assert torch.equal(a, b), (a[:, -8:].tolist(), b[:, -8:].tolist())
+                           max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert a.shape == (2, batch["input_ids"].shape[1] + 20)
+    assert torch.equal(a, b), (a[:, -20:].tolist(), b[:, -20:].tolist())
     # control: without the images' rotary offset, decoding continues at text positions and the tokens change
     ours.rope_deltas = None
-    text_only = ours.generate(batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=8,
+    text_only = ours.generate(batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=20,
                               eos_token_id=None, pad_token_id=0,
                               prompt_inputs={k: v for k, v in images.items() if k != "pixel_values"})
     assert not torch.equal(text_only, a)
