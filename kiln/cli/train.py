@@ -55,7 +55,7 @@ def train(config: Path = typer.Option(..., "--config", "-c", help="The run TOML.
         if folder:  # the stop is complete (checkpoint sealed): the launcher exits 75 however teardown goes
             with contextlib.suppress(OSError):
                 (Path(folder) / f"stopped-{trainer.world.rank:05d}").write_text(str(trainer.step))
-        leave_world()
+        leave_world(EXIT_STOPPED)  # a launched rank ends here
         raise typer.Exit(EXIT_STOPPED)
     if trainer.world.main:
         line = f"done: step {trainer.step}"

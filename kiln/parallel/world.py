@@ -7,9 +7,11 @@ process group: gloo on CPU, nccl on CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -54,23 +56,33 @@ def init_world(device: torch.device) -> World:
 TEARDOWN_S = 120.0  # from the end of a rank's run to its exit; every rank's last save already passed a barrier
 
 
-def leave_world(timeout: float = TEARDOWN_S) -> None:
-    """Leave the process group cleanly once every rank is done (a barrier, then destroy it). Left to the
-    interpreter's exit, gloo's threads are sometimes torn down mid-flight and a rank aborts ("terminate
-    called without an active exception") after its run finished.
+def leave_world(code: int = 0, timeout: float = TEARDOWN_S) -> None:
+    """End a launched rank once every rank is done: a barrier, then this process exits with `code` at once
+    (stdio flushed, `os._exit`). Returns only where there is no process group (a single process).
 
-    A watchdog covers the rest of the process's life: a rank still alive `timeout` seconds later (a peer that
-    never reaches the barrier, a teardown or interpreter exit that hangs) prints every thread's stack to
-    stderr and exits 70, so `kiln launch` ends with the place it stuck at instead of hanging."""
-    if dist.is_initialized():
-        _exit_watchdog(timeout, dist.get_rank())
-        dist.barrier()
-        dist.destroy_process_group()
+    Neither `destroy_process_group` nor the interpreter's own teardown runs. With gloo the first can deadlock:
+    a worker thread drops the last reference to a finished collective's tensor and waits for the GIL, which the
+    main thread holds while it waits for that worker (CI hung so after `done: step 4`, with no Python thread
+    able to run); the second sometimes aborts a rank ("terminate called without an active exception"). The
+    metrics file and trackers were closed at the end of the run; the kernel closes the sockets.
+
+    A watchdog covers the barrier: a rank still there `timeout` seconds later (a peer that never arrives)
+    prints every thread's stack to stderr and exits 70; a C-level one exits 1 a little later should no Python
+    thread be able to run."""
+    if not dist.is_initialized():
+        return
+    cancel = _exit_watchdog(timeout, dist.get_rank())
+    dist.barrier()
+    cancel()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
-def _exit_watchdog(timeout: float, rank: int) -> None:
+def _exit_watchdog(timeout: float, rank: int) -> Callable[[], None]:
+    """Arm the watchdogs; returns what disarms them."""
     import faulthandler
-    import sys
     import threading
 
     def fire() -> None:
@@ -83,6 +95,12 @@ def _exit_watchdog(timeout: float, rank: int) -> None:
     timer = threading.Timer(timeout, fire)
     timer.daemon = True  # a normal exit does not wait for it
     timer.start()
+    faulthandler.dump_traceback_later(timeout + 30, exit=True)  # needs no GIL
+
+    def cancel() -> None:
+        timer.cancel()
+        faulthandler.cancel_dump_traceback_later()
+    return cancel
 
 
 def all_reduce_sum(t: torch.Tensor, world: World) -> torch.Tensor:
