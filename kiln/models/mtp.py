@@ -18,6 +18,7 @@ A family supplies, as data and small hooks:
 
 from __future__ import annotations
 
+import abc
 import re
 
 import torch
@@ -29,27 +30,34 @@ from kiln.models.common.mtp import mtp_targets, next_inputs
 from kiln.models.pretrained import check_tensors, init_module
 
 
-class TrainsMtp:
+class TrainsMtp(abc.ABC):
+    """The shared MTP machinery; a family fills in the abstract hooks (a class missing one cannot be built)."""
+
     mtp_loss_parts: tuple[torch.Tensor, torch.Tensor] | None = None
     mtp_names: str = "mtp.*"
     mtp_depth: re.Pattern = re.compile(r"^mtp\.(\d+)\.")
 
     @property
+    @abc.abstractmethod
     def mtp_module(self) -> nn.Module | None:
-        raise NotImplementedError
+        """The live MTP module, or None while its tensors are only carried."""
 
+    @abc.abstractmethod
     def mtp_carried(self) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """The checkpoint's MTP tensors held so far, under the names the key map reads."""
 
+    @abc.abstractmethod
     def new_mtp(self) -> nn.Module:
-        raise NotImplementedError
+        """The container to set as `self.mtp`, on the model's device in the dtypes it computes in."""
 
+    @abc.abstractmethod
     def mtp_released(self, found: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
-        raise NotImplementedError
+        """Forget the carried tensors once they are parameters."""
 
+    @abc.abstractmethod
     def mtp_states(self, out, next_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                    position_ids: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError
+        """The MTP module's normed states (B, T, C) from the main forward's output and Emb(t_{i+1})'s ids."""
 
     def mtp_before_forward(self) -> None:
         pass
