@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 import torch
 from pydantic import ValidationError
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel
 
 from kiln.data.loader import Loader
@@ -81,6 +82,8 @@ class Callback:
     def on_save(self, trainer: "Trainer", path: Path) -> None: ...
     def on_end(self, trainer: "Trainer") -> None: ...
 
+
+_FAST_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # no cuDNN (Trainer.autocast)
 
 class Trainer:
     def __init__(self, model: nn.Module | Callable[[torch.device], nn.Module], data: Loader | Sequence[dict], *,
@@ -289,10 +292,7 @@ class Trainer:
         if self.args.precision != "fp32":
             stack.enter_context(torch.autocast(self.device.type, dtype=_DTYPES[self.args.precision]))
         if self.device.type == "cuda" and not self.args.exact:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                                             SDPBackend.MATH]))
+            stack.enter_context(sdpa_kernel(_FAST_SDPA))
         return stack
 
     def fit(self) -> "Trainer":
