@@ -18,7 +18,6 @@ A family supplies, as data and small hooks:
 
 from __future__ import annotations
 
-import abc
 import re
 
 import torch
@@ -30,34 +29,24 @@ from kiln.models.common.mtp import mtp_targets, next_inputs
 from kiln.models.pretrained import check_tensors, init_module
 
 
-class TrainsMtp(abc.ABC):
-    """The shared MTP machinery; a family fills in the abstract hooks (a class missing one cannot be built)."""
+MTP_HOOKS = ("mtp_module", "mtp_carried", "new_mtp", "mtp_released", "mtp_states")
+
+
+class TrainsMtp:
+    """The shared MTP machinery; a family supplies the hooks in MTP_HOOKS (see the module docstring).
+
+    Not an abc.ABC: FSDP2 swaps a module's class for a subclass it makes, and ABC's empty __slots__ makes that
+    assignment fail ("object layout differs"). A model class missing a hook is refused when it is defined."""
 
     mtp_loss_parts: tuple[torch.Tensor, torch.Tensor] | None = None
     mtp_names: str = "mtp.*"
     mtp_depth: re.Pattern = re.compile(r"^mtp\.(\d+)\.")
 
-    @property
-    @abc.abstractmethod
-    def mtp_module(self) -> nn.Module | None:
-        """The live MTP module, or None while its tensors are only carried."""
-
-    @abc.abstractmethod
-    def mtp_carried(self) -> dict[str, torch.Tensor]:
-        """The checkpoint's MTP tensors held so far, under the names the key map reads."""
-
-    @abc.abstractmethod
-    def new_mtp(self) -> nn.Module:
-        """The container to set as `self.mtp`, on the model's device in the dtypes it computes in."""
-
-    @abc.abstractmethod
-    def mtp_released(self, found: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
-        """Forget the carried tensors once they are parameters."""
-
-    @abc.abstractmethod
-    def mtp_states(self, out, next_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                   position_ids: torch.Tensor | None) -> torch.Tensor:
-        """The MTP module's normed states (B, T, C) from the main forward's output and Emb(t_{i+1})'s ids."""
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        missing = [h for h in MTP_HOOKS if not hasattr(cls, h)]
+        if issubclass(cls, nn.Module) and missing:
+            raise TypeError(f"{cls.__name__} trains MTP but does not define {', '.join(missing)}")
 
     def mtp_before_forward(self) -> None:
         pass
