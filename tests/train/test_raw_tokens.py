@@ -32,12 +32,14 @@ def _ids(n: int, seed: int) -> np.ndarray:
     return out
 
 
-def _toml(path: Path, train: Path, out_dir: Path, data: str = "", train_keys: str = "", steps: int = 8) -> Path:
+def _toml(path: Path, train: Path, out_dir: Path, data: str = "", train_keys: str = "", steps: int = 8,
+          vocab: bool = True) -> Path:
+    """A tiny Qwen3 pre-training run on raw token data; `vocab=False` leaves the vocabulary to be inferred."""
     path.write_text(f"""[model]
 family = "qwen3"
 task = "causal-lm"
 [model.config]
-vocab_size = {VOCAB}
+{f"vocab_size = {VOCAB}" if vocab else ""}
 {TINY_QWEN3_TOML}eos_token_id = 0
 [data]
 train = "{train}"

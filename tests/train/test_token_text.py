@@ -16,37 +16,12 @@ from kiln.train.config import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.run import build_trainer
 
-from tests.train.test_raw_tokens import VOCAB, _ids, _snapshot
-from tests.train.train_helpers import TINY_QWEN3_TOML, kiln, killed_then_resumed_matches
+from tests.train.test_raw_tokens import VOCAB, _ids, _snapshot, _toml
+from tests.train.train_helpers import kiln, killed_then_resumed_matches
 
 
 def _write(path: Path, ids: np.ndarray, per_line: int = 13) -> Path:
     path.write_text("\n".join(" ".join(map(str, ids[i:i + per_line])) for i in range(0, len(ids), per_line)) + "\n")
-    return path
-
-
-def _toml(path: Path, train: Path, out_dir: Path, data: str = "", vocab: bool = False, steps: int = 8) -> Path:
-    path.write_text(f"""[model]
-family = "qwen3"
-task = "causal-lm"
-[model.config]
-{f"vocab_size = {VOCAB}" if vocab else ""}
-{TINY_QWEN3_TOML}eos_token_id = 0
-[data]
-train = "{train}"
-max_length = 16
-{data}
-[train]
-out_dir = "{out_dir}"
-seed = 1
-steps = {steps}
-batch_size = 4
-lr = 1e-2
-save_every = 2
-eval_every = 4
-keep_last = 10
-progress = false
-""")
     return path
 
 
@@ -78,20 +53,20 @@ def test_token_text_reads_as_its_ids_and_a_bad_token_names_file_and_line(text_da
 
 def test_vocabulary_is_inferred_from_the_data_and_stated(text_data, tmp_path, capsys):
     train = text_data / "flat" / "ids.txt"
-    trainer = build_trainer(load_run_config(_toml(tmp_path / "r.toml", train, tmp_path / "out", "val_fraction = 0.1")))
+    trainer = build_trainer(load_run_config(_toml(tmp_path / "r.toml", train, tmp_path / "out", "val_fraction = 0.1",
+                                                  vocab=False)))
     top = int(_ids(3000, 1).max())
     assert trainer._model_arg.config.vocab_size == top + 1  # the model, as build_trainer hands it over
     assert f"vocab_size = {top + 1}, inferred from the data" in capsys.readouterr().out
     # a vocab_size in the config wins
-    trainer = build_trainer(load_run_config(_toml(tmp_path / "s.toml", train, tmp_path / "out2", "val_fraction = 0.1",
-                                                  vocab=True)))
+    trainer = build_trainer(load_run_config(_toml(tmp_path / "s.toml", train, tmp_path / "out2", "val_fraction = 0.1")))
     assert "inferred from the data" not in capsys.readouterr().out
 
 
 def test_shuffle_shards_false_reads_the_shards_in_sorted_order(text_data, tmp_path):
     for shuffle, want_sorted in (("false", True), ("true", False)):
         cfg = load_run_config(_toml(tmp_path / f"{shuffle}.toml", text_data / "shards", tmp_path / shuffle,
-                                    f'extension = ".txt"\nshuffle_shards = {shuffle}', vocab=True))
+                                    f'extension = ".txt"\nshuffle_shards = {shuffle}'))
         windows = build_trainer(cfg).data.windows
         orders = [windows.order(e).tolist() for e in range(4)]
         # seeded permutations of 4 shards: 4 epochs all in sorted order by chance has probability (1/24)^4
@@ -104,7 +79,7 @@ def test_token_text_sigkill_then_resume_is_exact(text_data, tmp_path, kind):
     train, data = ((text_data / "flat" / "ids.txt", "val_fraction = 0.1") if kind == "flat"
                    else (text_data / "shards", 'extension = ".txt"\nval_fraction = 0.25'))
     before = _snapshot(train.parent if kind == "flat" else train)
-    killed_then_resumed_matches(_toml(tmp_path / "ref.toml", train, tmp_path / "ref", data),
-                                _toml(tmp_path / "run.toml", train, tmp_path / "run", data))  # newest ckpt: 4
+    killed_then_resumed_matches(_toml(tmp_path / "ref.toml", train, tmp_path / "ref", data, vocab=False),
+                                _toml(tmp_path / "run.toml", train, tmp_path / "run", data, vocab=False))  # newest ckpt: 4
     assert any("eval_loss" in r for r in read_metrics(tmp_path / "run" / "metrics.jsonl"))
     assert _snapshot(train.parent if kind == "flat" else train) == before
