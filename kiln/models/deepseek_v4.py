@@ -470,9 +470,22 @@ CAUSAL_KEYS = [*MTP_KEYS, ("lm_head", "head"), ("model.embed_tokens", "model.emb
                ("model.embed_tokens", "model.embed"),
                *((f"model.hc_head.{p}", f"model.hc_head_{p[3:]}") for p in _HC_HEAD), ("lm_head", "model.head")]
 
-# Routed experts split over ep ranks (router, shared expert and attention replicated); no TP plan: one KV
-# head feeds every query head, so heads cannot be split without copying it (transformers keeps it whole too).
-V4_PLAN = ParallelPlan(blocks="model.layers", experts="mlp.experts")
+# Tensor parallel by heads: q_b_proj by columns, the per-head sinks and o_a_proj's head groups with them,
+# o_b_proj by rows; the query latent, the one key = value head and the compressors replicated (their whole
+# output feeds every head: its gradient is summed over tp); the shared expert column/row split, routed experts
+# expert-parallel. The residual (hc_mult streams, mixed by the hyper-connections) stays whole on every tp rank.
+V4_PLAN = ParallelPlan(
+    blocks="model.layers",
+    colwise=("self_attn.q_b_proj", "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"),
+    rowwise=("self_attn.o_b_proj", "mlp.shared_experts.down_proj"),
+    head_params=("self_attn.sinks", "self_attn.o_a_proj.weight"),
+    shared_by_heads=(("self_attn.kv_norm", None), ("self_attn.compressor.kv_norm", None)),
+    sequence_parallel=False,
+    embedding="model.embed_tokens", lm_head="lm_head",
+    experts="mlp.experts",
+    tp_divides=(("num_attention_heads", "num_attention_heads"), ("o_groups", "o_groups"),
+                ("moe_intermediate_size", "moe_intermediate_size")),
+)
 
 def random_routing(name: str, tensor: torch.Tensor, g: torch.Generator) -> torch.Tensor | None:
     """Balancing biases at random and a random hash table (distinct experts per token), so a bias or table that

@@ -17,12 +17,18 @@ class ParallelPlan:
     colwise: tuple[str, ...] = ()                # Linears split by output features: whole heads / hidden units per rank
     rowwise: tuple[str, ...] = ()                # Linears split by input features; partial sums meet in one reduction
     head_norms: tuple[str, ...] = ()             # norms over head_dim that see only the local heads
-    # replicated Linears whose output columns from config.<attr> on feed every head (MLA's shared rope key):
-    # each rank's heads give only part of those columns' gradient, so it is summed over the tp ranks
-    shared_by_heads: tuple[tuple[str, str], ...] = ()
+    # parameters split with the heads along their first dim (DeepSeek-V4's per-head sinks and grouped output
+    # projection, which are no Linears): "<module path>.<parameter>"; the module reads its rank's part
+    head_params: tuple[str, ...] = ()
+    # replicated modules whose output columns from config.<attr> on (None: all of them) feed every head (MLA's
+    # shared rope key, V4's single key = value head): each rank's heads give only part of those columns'
+    # gradient, so it is summed over the tp ranks
+    shared_by_heads: tuple[tuple[str, str | None], ...] = ()
     # ---- sequence parallel, per block: residual-stream norms, and the modules whose first input is
     # gathered from sequence shards, with how many positional inputs they take
     norms: tuple[str, ...] = ()
+    sequence_parallel: bool = True               # False: the residual stays whole on every tp rank whatever
+    # [parallel] sequence_parallel says (DeepSeek-V4: its hyper-connected streams are mixed outside any block part)
     gathered: tuple[tuple[str, int], ...] = ()
     # ---- around the blocks, from the task model
     embedding: str | None = None                 # split by vocabulary rows

@@ -6,9 +6,12 @@ hidden units; the row-parallel ones (o_proj, down_proj) by input rows, their par
 in one reduction. Per-head norms (Qwen3's q/k norms) see only local heads, so their (replicated)
 weight is applied to inputs marked sharded along the head axis, which makes autograd sum its
 gradient over the ranks. MLA's latent projections stay replicated; the rope key they make is shared
-by every head, so the part of their gradient that comes back through it is summed over the ranks.
+by every head, so the part of their gradient that comes back through it is summed over the ranks. DeepSeek-V4 alike: its query heads split
+(q_b_proj by columns), the grouped output projection by whole groups of heads (o_a_proj's rows,
+declared as a head parameter with the per-head attention sinks) and o_b_proj by rows; the single
+key = value head and the compressors stay replicated, their whole output's gradient summed over tp.
 
-With `sequence_parallel`, the residual stream between blocks stays split along the sequence: the
+With `sequence_parallel` (where the plan allows it: DeepSeek-V4's residual stays whole), the residual stream between blocks stays split along the sequence: the
 plan's norms run on T/tp rows each, the inputs of its gathered modules (attention, MLP) are
 all-gathered, and the row-parallel outputs are reduce-scattered back to sequence shards. The
 embedding is split by vocabulary rows and the LM head by vocabulary columns; the logits come back
@@ -33,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 
@@ -47,8 +50,8 @@ def tensor_plan(model: nn.Module, tp: int) -> ParallelPlan:
     plan = plan_of(model)
     if plan is None or not plan.tensor_parallel:
         raise ConfigError(f"parallel.tp = {tp}: {model_name(model)} declares no tensor-parallel plan; tensor "
-                          f"parallelism is planned for the llama/qwen decoders, qwen3_moe and the MLA families "
-                          f"(deepseek_v3, deepseek_v32, glm_moe_dsa)")
+                          f"parallelism is planned for the llama/qwen decoders, qwen3_moe, the MLA families "
+                          f"(deepseek_v3, deepseek_v32, glm_moe_dsa) and deepseek_v4")
     config = model.config
     for key, attr in plan.tp_divides:
         n = getattr(config, attr)
@@ -76,6 +79,15 @@ class _SumGradTail(torch.autograd.Function):
 
 def _sum_shared_columns(module: nn.Module, start: int, group) -> None:
     module.register_forward_hook(lambda m, args, out: _SumGradTail.apply(out, start, group))
+
+
+def _split_with_heads(block: nn.Module, path: str, mesh: DeviceMesh) -> None:
+    """Replace the parameter at `path` with a DTensor split along its first (head) dim; the module reads its part."""
+    owner, _, name = path.rpartition(".")
+    module = block.get_submodule(owner)
+    p = getattr(module, name)
+    module.register_parameter(name, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]),
+                                                 requires_grad=p.requires_grad))
 
 
 def _row_sizes(n: int, size: int) -> list[int]:
@@ -196,11 +208,16 @@ def _tie_head(model: nn.Module, mesh: DeviceMesh) -> None:
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True) -> nn.Module:
     """Split `model` (a base or causal-LM model whose family plans it) over the 1-D `mesh` in place; returns it."""
     plan = tensor_plan(model, mesh.size())
+    sequence_parallel = sequence_parallel and plan.sequence_parallel
     for block in model.get_submodule(plan.blocks):
         parallelize_module(block, mesh, layer_plan(plan, sequence_parallel, block))
+        for path in plan.head_params:
+            if part(block, path.rpartition(".")[0]) is not None:
+                _split_with_heads(block, path, mesh)
         for name, attr in plan.shared_by_heads:
             if part(block, name) is not None:
-                _sum_shared_columns(block.get_submodule(name), getattr(model.config, attr), mesh.get_group())
+                start = 0 if attr is None else getattr(model.config, attr)
+                _sum_shared_columns(block.get_submodule(name), start, mesh.get_group())
         if part(block, plan.experts) is not None:
             _share_expert_tokens(block.get_submodule(plan.experts), mesh)
     residual = Shard(1) if sequence_parallel else Replicate()

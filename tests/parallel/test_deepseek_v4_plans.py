@@ -1,6 +1,7 @@
 """DeepSeek-V4's blocks carry hc_mult residual streams (B, T, n, C), a rope dict and token ids: per-block activation
 checkpointing recomputes them bit for bit; FSDP2 with it, and FSDP2 with expert parallelism, equal one process
-(spawned, gloo); tensor parallelism is refused by name."""
+(spawned, gloo); a tp that would split an output group of heads is refused by name (tp = 2 and tp x ep
+parity: tests/parallel/test_parity.py)."""
 
 from __future__ import annotations
 
@@ -30,13 +31,14 @@ def test_block_checkpointing_recomputes_the_streams_exactly():
         assert torch.equal(got["grads"][name], grad), name
 
 
-def test_tensor_parallel_is_refused_by_name():
+def test_tensor_parallel_needs_whole_output_groups_per_rank():
     from kiln.errors import ConfigError
     from kiln.parallel.tp import tensor_plan
 
-    # one key = value head feeds every query head: transformers keeps V4's attention whole under TP too
-    with pytest.raises(ConfigError, match="parallel.tp = 2: deepseek_v4 declares no tensor-parallel plan"):
-        tensor_plan(workers.build("deepseek_v4"), 2)
+    model = workers.build("deepseek_v4")  # 4 heads in o_groups = 2 groups: tp = 2 keeps whole groups, 4 cannot
+    assert tensor_plan(model, 2).head_params
+    with pytest.raises(ConfigError, match=r"parallel.tp = 4 does not divide the model's o_groups \(2\)"):
+        tensor_plan(model, 4)
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,8 @@ JOBS_2 = [("fsdp-2", "qwen3", {"fsdp": True}),
           ("tp-2-tied", "llama", {"tp": 2}),  # the head is the vocabulary-sharded embedding itself
           ("tp-2-deepseek", "deepseek_v3", {"tp": 2}),  # MLA by heads, shared experts column/row split
           ("tp-nosp-2-glm", "glm_moe_dsa", {"tp": 2, "sequence_parallel": False}),  # query latent, indexer
+          # query heads, sinks and output groups split; the one KV head and the compressors replicated
+          ("tp-2-deepseek-v4", "deepseek_v4", {"tp": 2}),
           ("fsdp-ep-2-deepseek", "deepseek_v3", {"fsdp": True, "ep": 2})]  # experts over ep, the rest over dp x ep
 JOBS_4 = [("fsdp-4", "qwen3", {"fsdp": True}),
           ("ep-4", "qwen3_moe", {"ep": 4}),
@@ -36,6 +38,7 @@ JOBS_4 = [("fsdp-4", "qwen3", {"fsdp": True}),
           ("ep-dp-2x2", "qwen3_moe", {"ep": 2, "dp": 2}),
           ("tp-ep-2x2", "qwen3_moe", {"tp": 2, "ep": 2}),  # attention tensor-parallel, experts expert-parallel
           ("tp-ep-2x2-deepseek", "deepseek_v3", {"tp": 2, "ep": 2}),
+          ("tp-ep-2x2-deepseek-v4", "deepseek_v4", {"tp": 2, "ep": 2}),
           ("tp-dp-2x2-tied", "llama", {"tp": 2, "dp": 2}),
           ("fsdp-tp-2x2-tied", "llama", {"fsdp": True, "tp": 2, "dp": 2}),  # the tied DTensor in the root unit
           ("fsdp-ep-dp-2x2", "qwen3_moe", {"fsdp": True, "ep": 2, "dp": 2}),  # expert shards FSDP over dp

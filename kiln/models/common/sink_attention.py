@@ -17,12 +17,18 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from kiln.models.common.compressor import SlidingCompressedCache
 from kiln.models.common.decoder import segment_ids
 from kiln.models.common.norms import Fp32ScaleRMSNorm, UnweightedRMSNorm
 from kiln.models.common.rope import apply_rope_tail
+
+
+def local_part(p: torch.Tensor) -> torch.Tensor:
+    """A parameter a tensor-parallel plan split with the heads (a DTensor: kiln.parallel.tp) as this rank's part."""
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 class GroupedLinear(nn.Module):
@@ -40,9 +46,9 @@ class GroupedLinear(nn.Module):
         nn.init.normal_(self.weight, 0.0, std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead, d = x.shape[:-2], x.shape[-1]
-        w = self.weight.view(self.groups, -1, d).transpose(1, 2)  # (G, in, out / G)
-        y = torch.bmm(x.reshape(-1, self.groups, d).transpose(0, 1), w).transpose(0, 1)  # (N, G, out / G)
+        lead, groups, d = x.shape[:-2], x.shape[-2], x.shape[-1]  # groups: this rank's under tensor parallelism
+        w = local_part(self.weight).view(groups, -1, d).transpose(1, 2)  # (G, in, out / G)
+        y = torch.bmm(x.reshape(-1, groups, d).transpose(0, 1), w).transpose(0, 1)  # (N, G, out / G)
         return y.reshape(*lead, self.groups, -1)
 
 
@@ -84,6 +90,7 @@ class SinkAttention(nn.Module):
         super().__init__()
         self.layer_idx, self.num_heads, self.head_dim, self.o_groups = layer_idx, num_heads, head_dim, o_groups
         self.rope_kind, self.dropout, self.scaling = rope_kind, dropout, head_dim**-0.5
+        self.group_width = num_heads * head_dim // o_groups  # one output group's input: its heads side by side
         self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=False)
         self.q_a_norm = Fp32ScaleRMSNorm(q_lora_rank, eps)
         self.q_b_proj = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
@@ -118,13 +125,14 @@ class SinkAttention(nn.Module):
                     F.pad(mask, (0, kv.shape[2] - mask.shape[-1]), value=0.0)
         y = self._attend(q, kv, mask)  # (B, T, H, D)
         y = apply_rope_tail(y.transpose(1, 2), cos, -sin).transpose(1, 2)
-        y = self.o_a_proj(y.reshape(B, T, self.o_groups, -1)).flatten(2)  # (B, T, G * o_lora_rank)
+        y = self.o_a_proj(y.reshape(B, T, -1, self.group_width)).flatten(2)  # (B, T, G * o_lora_rank)
         return self.o_b_proj(y)
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        k, v = _repeat_heads(kv, self.num_heads), _repeat_heads(kv, self.num_heads)
+        heads = q.shape[1]  # this rank's under tensor parallelism, with their sinks
+        k, v = _repeat_heads(kv, heads), _repeat_heads(kv, heads)
         scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling + mask  # (B, H, T, S)
-        sinks = self.sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
+        sinks = local_part(self.sinks).reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
         logits = torch.cat([scores, sinks], dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values  # not detached: transformers' gradient too
         probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]  # the sink column is dropped
