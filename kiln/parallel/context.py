@@ -16,7 +16,9 @@ rank's queries add to every key's gradient) and runs SDPA with the global mask; 
 no rank holds the whole sequence's keys. Latent attention (MLA: DeepSeek-V3/V3.2, GLM-5) gathers what it caches
 instead, the normalised latent and the rotated rope key (kv_lora_rank + rope numbers per token, expanded to
 per-head keys and values locally), and the DSA indexer its keys, so its top-k runs over the whole row (all-gather
-only; a live MTP layer is refused: its input at a chunk's end is the next chunk's first token). The loss comes back as each rank's share: `loss_sum` /
+only; a live MTP layer is refused: its input at a chunk's end is the next chunk's first token). A trained
+indexer's KL loss (`[moe] indexer = "kl"`) is each rank's share of the mean over the whole rows' queries
+(`group_sum`), weighted by the cp group's units in kiln.train.recipes.moe, so cp ranks add up to one process. The loss comes back as each rank's share: `loss_sum` /
 `loss_count` over its chunks (they add up over the cp ranks), and for `labels=` a `.loss` of local
 sum / the cp group's count, whose sum over the cp ranks is the mean.
 
@@ -172,6 +174,12 @@ class ContextParallel:
             dist.all_reduce(count, group=self.group)
             out.loss = out.loss_sum / count.clamp(min=1).to(out.loss_sum.dtype)
         return out
+
+    def group_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """A count (no gradient) summed over the cp group: the whole rows' from each rank's chunks."""
+        x = x.detach().clone()
+        dist.all_reduce(x, group=self.group)
+        return x
 
     # ---- latent (MLA) attention: the whole row's latent and rope keys, and the DSA indexer's keys -------
     def gather_latent(self, latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

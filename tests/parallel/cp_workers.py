@@ -16,8 +16,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from kiln.constants import IGNORE_INDEX
 from kiln.models.auto import AutoConfig, from_config
+from kiln.models.common.dsa import Indexer
 from kiln.parallel.apply import parallelize
 from kiln.parallel.grads import clip_grad_norm
+from kiln.train.recipes.moe import MoeLosses, MoeSection
+from kiln.train.steps import default_step
 
 from tests.parallel import workers
 
@@ -55,11 +58,28 @@ def batch(kind: str) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def reference(family: str, kind: str) -> dict:
-    """One process, the whole batch: the mean loss over every target, its gradients, one AdamW step."""
+def indexer_kl(model) -> MoeLosses:
+    """`[moe] indexer = "kl"` as its extension sets it up: the indexers trained on their KL loss, which the
+    returned step adds to the LM loss."""
+    for ix in model.modules():
+        if isinstance(ix, Indexer):
+            ix.train_kl = True
+            ix.requires_grad_(True)
+    return MoeLosses(MoeSection(balance="none", indexer="kl"), default_step)
+
+
+def reference(family: str, kind: str, kl: bool = False) -> dict:
+    """One process, the whole batch: the mean loss over every target, its gradients, one AdamW step (with `kl`,
+    the LM loss plus the indexer's KL loss, the indexer's mean KL under "indexer_loss")."""
     model = build(family)
     opt = _adamw(model)
-    return _finish(model, opt, model(**batch(kind)).loss, lambda: None)
+    if not kl:
+        return _finish(model, opt, model(**batch(kind)).loss, lambda: None)
+    losses = indexer_kl(model)
+    part, count = losses.step(model, batch(kind))
+    out = _finish(model, opt, part / count, lambda: None)
+    out["indexer_loss"] = torch.tensor(losses.sums["indexer_loss"] / losses.units)
+    return out
 
 
 def _adamw(model) -> torch.optim.Optimizer:
@@ -70,7 +90,7 @@ def _adamw(model) -> torch.optim.Optimizer:
 def _finish(model, opt, loss: torch.Tensor, scale_grads) -> dict:
     loss.backward()
     scale_grads()
-    grads = {n: workers._full(p.grad) for n, p in model.named_parameters()}
+    grads = {n: workers._full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
     norm = clip_grad_norm(list(model.parameters()), 1e9)
     opt.step()
     weights = {n: workers._full(p) for n, p in model.named_parameters()}
@@ -78,27 +98,41 @@ def _finish(model, opt, loss: torch.Tensor, scale_grads) -> dict:
 
 
 def run_cp(rank: int, world: int, out: str, name: str, family: str, kind: str, keys: dict) -> None:
+    keys = dict(keys)
+    kl = keys.pop("indexer_kl", False)  # the step of [moe] indexer = "kl" instead of the LM loss alone
     model = build(family)
     par = parallelize(model, workers.plan(**keys))
+    losses = indexer_kl(model) if kl else None  # before DDP: it sees the indexers' parameters trainable
     methods = {m.core.__self__.method for m in model.modules() if getattr(m, "core", None) is not None}
+    methods |= {m.context.method for m in model.modules() if getattr(m, "context", None) is not None}
     assert methods == {keys.get("cp_method", "allgather")}, methods  # every attention runs the asked-for core
     wrapped = DistributedDataParallel(model) if par.wrap_ddp else model
     opt = _adamw(model)
     full = batch(kind)
     mine = {k: v.chunk(par.data_shards)[par.data_rank] for k, v in full.items()}
-    result = wrapped(**mine)
-    totals = torch.stack([result.loss_sum.detach().double(), result.loss_count.double()])
+    if kl:
+        loss_sum, count = losses.step(wrapped, mine)
+        logged = torch.tensor([losses.sums["indexer_loss"], losses.units], dtype=torch.float64)
+        dist.all_reduce(logged)
+    else:
+        result = wrapped(**mine)
+        loss_sum, count = result.loss_sum, result.loss_count
+        share = result.loss.detach().clone()  # .loss: this rank's share of its cp group's mean
+        dist.all_reduce(share)
+    totals = torch.stack([loss_sum.detach().double(), count.double()])
     dist.all_reduce(totals)
-    share = result.loss.detach().clone()  # .loss: this rank's share of its cp group's mean
-    dist.all_reduce(share)
 
     def scale_grads() -> None:  # the Trainer's _reduce: DDP/FSDP averaged over the world; to the token mean
         for p in model.parameters():
-            p.grad.mul_(world / float(totals[1]))
+            if p.grad is not None:
+                p.grad.mul_(world / float(totals[1]))
 
-    out_ = _finish(model, opt, result.loss_sum, scale_grads)
+    out_ = _finish(model, opt, loss_sum, scale_grads)
     out_["loss"] = (totals[0] / totals[1]).float()
-    out_["shares"] = (share / par.data_shards).float()  # mean over dp shards of each cp group's summed shares
+    if kl:
+        out_["indexer_loss"] = (logged[0] / logged[1]).float()  # as the metrics line logs it
+    else:
+        out_["shares"] = (share / par.data_shards).float()  # mean over dp shards of each cp group's summed shares
     if rank == 0:
         torch.save(out_, os.path.join(out, f"{name}.pt"))
 

@@ -1,6 +1,7 @@
 """Context parallelism ([parallel] cp) on gloo/CPU: the load-balanced split, and cp = 2 and 4 (alone, with DP
 and with FSDP over dp x cp) equal to one process on the same global batch within fp32 rounding: loss,
-gradients and the AdamW-updated weights, for plain, packed and right-padded rows. Bad input by message.
+gradients and the AdamW-updated weights, for plain, packed and right-padded rows, and GLM-5 with its indexer trained
+on the KL loss (each cp rank's loss its share of the whole rows' mean). Bad input by message.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ JOBS_2 = [("cp-2", "qwen3", "plain", {"cp": 2}),
           ("cp-2-packed", "qwen3", "packed", {"cp": 2}),
           ("cp-2-padded", "qwen3", "padded", {"cp": 2}),
           ("cp-fsdp-2", "qwen3", "plain", {"cp": 2, "fsdp": True}),
-          ("cp-2-compile", "qwen3", "packed", {"cp": 2, "compile": True, "compile_backend": "aot_eager"})]
+          ("cp-2-compile", "qwen3", "packed", {"cp": 2, "compile": True, "compile_backend": "aot_eager"}),
+          # GLM-5's indexer trained on its KL loss ([moe] indexer = "kl"): each rank's share of the whole rows'
+          ("cp-2-indexer-kl", "glm_moe_dsa", "packed", {"cp": 2, "indexer_kl": True})]
 JOBS_4 = [("cp-4", "qwen3", "plain", {"cp": 4}),
           ("cp-4-packed", "qwen3", "packed", {"cp": 4}),
           ("cp-dp-2x2", "qwen3", "plain", {"cp": 2, "dp": 2}),
@@ -80,17 +83,21 @@ def results(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def references() -> dict:
-    return {(family, kind): cp_workers.reference(family, kind) for _, family, kind, _ in JOBS}
+    return {(family, kind, keys.get("indexer_kl", False)): cp_workers.reference(family, kind, keys.get("indexer_kl", False))
+            for _, family, kind, keys in JOBS}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,family,kind,keys", JOBS, ids=[j[0] for j in JOBS])
 def test_cp_equals_one_process(results, references, name, family, kind, keys):
     assert name in results, f"rank 0 wrote no result for {name}"
-    got, want = results[name], references[family, kind]
+    got, want = results[name], references[family, kind, keys.get("indexer_kl", False)]
     torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-5, atol=1e-6)
-    if keys.get("dp", 1) == 1:  # .loss of labels=: the cp ranks' shares add up to the mean
+    if "indexer_loss" in want:  # the logged mean KL, which joins the loss (so the gradients below check it too)
+        torch.testing.assert_close(got["indexer_loss"], want["indexer_loss"], rtol=1e-5, atol=1e-6)
+    elif keys.get("dp", 1) == 1:  # .loss of labels=: the cp ranks' shares add up to the mean
         torch.testing.assert_close(got["shares"], want["loss"], rtol=1e-5, atol=1e-6)
+    assert set(got["grads"]) == set(want["grads"])
     for n in want["grads"]:
         torch.testing.assert_close(got["grads"][n], want["grads"][n], rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {n}: {m}")
     for n in want["weights"]:
@@ -111,7 +118,7 @@ def test_a_wrong_split_would_be_caught(references):
         ids = b["input_ids"][:, i]
         out = model(ids, position_ids=i[None], targets=shift_labels(ids))  # positions right, labels shifted late
         total, count = total + float(out.loss_sum.detach()), count + int(out.loss_count)
-    assert abs(total / count - float(references["qwen3", "plain"]["loss"])) > 1e-3
+    assert abs(total / count - float(references["qwen3", "plain", False]["loss"])) > 1e-3
 
 
 def test_padding_tail_is_ignored():

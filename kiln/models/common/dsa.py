@@ -9,7 +9,8 @@ The attention then masks every key outside that set. The indexer runs without gr
 weights are trained apart in DeepSeek's recipe, never through the LM loss), as in transformers, and
 its parameters are built frozen (requires_grad False). `train_kl` (set by the `[moe] indexer = "kl"`
 training switch) makes the attention score the indexer on detached inputs, with gradients, against
-its own distribution (`indexer_kl`), so the indexer learns from that loss alone.
+its own distribution (`indexer_kl`), so the indexer learns from that loss alone: the mean over the
+queries, under context parallelism over the whole rows' (each cp rank's loss is its share of that mean).
 """
 
 from __future__ import annotations
@@ -71,17 +72,18 @@ class Indexer(nn.Module):
         return index_scores.masked_fill(~mask, float("-inf"))  # padding and the future never win
 
 
-def indexer_kl(index_scores: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over queries of KL(target || softmax(index_scores)) over the keys `mask` allows.
+def indexer_kl(index_scores: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                              torch.Tensor]:
+    """(Sum over queries of KL(target || softmax(index_scores)) over the keys `mask` allows, how many queries).
 
     index_scores (B, T, K) (-inf outside `mask`), target (B, T, K) a distribution over the allowed
     keys (the main attention's, summed over heads and renormalised), mask (B, T, K) bool. Queries
-    with no allowed key (padding) are left out."""
+    with no allowed key (padding) are left out of both. The loss is the mean: sum / count."""
     log_q = torch.log_softmax(index_scores.float(), dim=-1).masked_fill(~mask, 0.0)
     p = target.float().masked_fill(~mask, 0.0)
     per_query = (torch.xlogy(p, p) - p * log_q).sum(-1)  # (B, T); 0 * log 0 = 0
     rows = mask.any(-1)
-    return per_query[rows].sum() / rows.sum().clamp(min=1)
+    return per_query[rows].sum(), rows.sum()
 
 
 def restrict_mask(mask: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:

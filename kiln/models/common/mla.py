@@ -170,13 +170,16 @@ class MLAttention(nn.Module):
     def _indexer_loss(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, index_scores: torch.Tensor
                       ) -> torch.Tensor:
         """KL from this attention's distribution (detached, summed over heads, renormalised) to the
-        indexer's softmax, over the keys each query attends to (DeepSeek-V3.2's indexer loss)."""
+        indexer's softmax, over the keys each query attends to (DeepSeek-V3.2's indexer loss), mean over queries."""
         with torch.no_grad():
             scores = (q.float() @ k.float().transpose(-1, -2)) * self.scaling  # (B, H, T, K)
             probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
             target = probs.sum(1)  # (B, T, K)
             target = target / target.sum(-1, keepdim=True).clamp(min=1e-20)
-        return indexer_kl(index_scores, target, mask[:, 0])
+        kl_sum, queries = indexer_kl(index_scores, target, mask[:, 0])
+        if self.context is not None:  # this rank's share of the mean over its cp group's queries (the whole rows)
+            queries = self.context.group_sum(queries)
+        return kl_sum / queries.clamp(min=1)
 
     def _absorbed(self, q_pass: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
                   mask: torch.Tensor | None) -> torch.Tensor:

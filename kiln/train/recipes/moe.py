@@ -78,32 +78,34 @@ class MoeLosses(Callback):
                             f"({', '.join(result)})")
         loss_sum, count = as_sum_and_count(result, batch)
         m, c = getattr(model, "module", model), self.cfg
-        parts = {"lm_loss": loss_sum.detach().float() / count.clamp(min=1).to(loss_sum.device)}
-        extra = loss_sum.new_zeros(())
+        units = count.to(loss_sum.device, loss_sum.dtype)
+        # each part's mean times the units it is weighted by, as it joins the loss sum: loss = lm_loss + the rest
+        terms = {"lm_loss": loss_sum}
         if c.balance == "seq_aux":
-            aux = self._balance_loss(m, batch) * c.seq_aux_alpha
-            parts["moe_aux_loss"], extra = aux.detach(), extra + aux
+            terms["moe_aux_loss"] = self._balance_loss(m, batch) * c.seq_aux_alpha * units
         if c.mtp_weight > 0:
             found = getattr(m, "mtp_loss_parts", None)
             if found is None:
                 raise KilnError("[moe] mtp_weight > 0 but the forward left no MTP loss (does the step pass labels "
                                 "or targets to the model?)")
-            mtp = found[0] / found[1].clamp(min=1)
             m.mtp_loss_parts = None
-            parts["mtp_loss"], extra = mtp.detach(), extra + c.mtp_weight * mtp
+            terms["mtp_loss"] = found[0] / found[1].clamp(min=1) * units
         if c.indexer == "kl":
-            losses = [ix.loss for ix in m.modules() if isinstance(ix, Indexer) and ix.loss is not None]
-            for ix in m.modules():
-                if isinstance(ix, Indexer):
-                    ix.loss = None
+            indexers = [ix for ix in m.modules() if isinstance(ix, Indexer)]
+            losses = [ix.loss for ix in indexers if ix.loss is not None]
+            for ix in indexers:
+                ix.loss = None
             if losses:
-                kl = torch.stack(losses).mean()
-                parts["indexer_loss"], extra = kl.detach(), extra + c.indexer_loss_weight * kl
-        units = float(count)  # each part weighs in per unit, as it joins the loss: loss = lm_loss + the weighted rest
-        for k, v in parts.items():
-            self.sums[k] = self.sums.get(k, 0.0) + float(v) * units
-        self.units += units
-        return loss_sum + extra * count.to(extra.device, extra.dtype), count
+                # under context parallelism each rank's KL is its share of the whole rows' mean
+                # (kiln.parallel.context): weighted by the cp group's units, the ranks add up to one process
+                cp = next((ix.context for ix in indexers if ix.context is not None), None)
+                terms["indexer_loss"] = torch.stack(losses).mean() * (units if cp is None else cp.group_sum(units))
+        weight = {"mtp_loss": c.mtp_weight, "indexer_loss": c.indexer_loss_weight}
+        total = loss_sum + sum(weight.get(k, 1.0) * v for k, v in terms.items() if k != "lm_loss")
+        for k, v in terms.items():
+            self.sums[k] = self.sums.get(k, 0.0) + float(v.detach())
+        self.units += float(count)
+        return total, count
 
     @staticmethod
     def _balance_loss(m: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
