@@ -14,13 +14,13 @@ Deltas from the DeepSeek-V3 decoder (`deepseek_v3.py`):
   (tid2eid), "moe" by sqrt-softplus scores + the aux-loss-free bias; routed and shared experts clamp
   their SwiGLU at `swiglu_limit`;
 - checkpoint tensors of the multi-token-prediction module (`mtp.*`), which transformers does not load,
-  are kept and written back byte for byte under their own names.
-On disk the names are transformers' saved names (`attn.wq_a`, `ffn.experts.{e}.w1`, `hc_attn_fn`, ...).
+  are kept and written back byte for byte under their own names, or trained (`V4ForCausalLM`, kiln.models.mtp).
+On disk the names are transformers' saved names (`attn.wq_a`, `ffn.experts.{e}.w1`, `hc_attn_fn`, ...):
+the key maps and the load/save side live in `deepseek_v4_release.py`.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,8 @@ from kiln.models.common.rope import PairRotaryEmbedding, rope_parameters
 from kiln.models.common.sink_attention import SinkAttention, window_mask
 from kiln.models.decoder_lm import DecoderConfig
 from kiln.models.deepseek_v3 import SPECIALS
-from kiln.models.keymap import KeyMap, Stack
+from kiln.models.deepseek_v4_release import BASE_KEYS, CAUSAL_KEYS, KEEP_FP32, MTP_TENSOR, V4_KEYS, V4TaskModel
+from kiln.models.keymap import KeyMap
 from kiln.models.mtp import TrainsMtp
 from kiln.models.parallel_plan import ParallelPlan
 from kiln.models.pretrained import Family, TaskSpec, Tiny
@@ -307,58 +308,6 @@ class V4MTPLayer(V4DecoderLayer):
         return self.norm(self.hc_head(self(x, ropes, mask, position_ids, next_ids)))
 
 
-_MTP = re.compile(r"(^|\.)mtp\.")
-# Parameters transformers keeps in float32 under a half-precision model (its _keep_in_fp32_modules_strict);
-# the routers' balancing bias keeps itself (moe_routing.GroupLimitedRouter).
-_FP32 = re.compile(r"attn_hc|ffn_hc|hc_head|sinks|position_bias|norm")
-
-
-class V4TaskModel:
-    """What both heads add: `mtp.*` checkpoint tensors (transformers skips them) written back as read, the
-    checkpoint's layout kept (DeepSeek's own release: no `model.` prefix, `embed`, `head`, `hc_head_fn`), and the
-    hyper-connection, sink, position-bias and norm parameters held in float32 whatever dtype the rest takes."""
-
-    def load_hf_state_dict(self, hf: dict[str, torch.Tensor], source: str = "checkpoint",
-                           source_task: str | None = None):
-        # the name each tensor is written back under before the layout's renames (as prepare_fp8 keys FP8 pairs)
-        prefix = "" if self.task == BASE else self.family.hf_prefix + "."
-        out_name = {k: prefix + n if extra else n for k, (n, extra) in self.normalise_hf_names(hf).items()}
-        mtp = {k: v for k, v in hf.items() if _MTP.search(k)}
-        report = super().load_hf_state_dict({k: v for k, v in hf.items() if k not in mtp}, source, source_task)
-        self.mtp_tensors = {out_name[k]: v for k, v in mtp.items()}
-        self.release_layout = self.task != BASE and not any(k.startswith(prefix) for k in hf)
-        self.stored_half = {}  # kiln name -> the half dtype it was stored in: written back in it
-        for name, p in self.named_parameters():
-            if _FP32.search(name) and p.dtype in (torch.float16, torch.bfloat16):  # stored in half precision
-                self.stored_half[name] = p.dtype
-                p.data = p.data.float()
-        return report
-
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        hf = super().hf_state_dict()
-        keymap = self.family.keymap(self.task)
-        for name, dtype in getattr(self, "stored_half", {}).items():
-            key = keymap.hf_name(name)
-            # back in the stored dtype while that is lossless (untouched); a trained value keeps its float32
-            if key in hf and hf[key].dtype == torch.float32 and torch.equal(hf[key].to(dtype).float(), hf[key]):
-                hf[key] = hf[key].to(dtype)
-        mtp = dict(getattr(self, "mtp_tensors", {}))
-        if getattr(self, "fp8_state", None) is not None:  # dequantized at load: back to FP8 / FP4 + scales
-            mtp = self.fp8_state.export(mtp)
-        hf.update(mtp)
-        if getattr(self, "release_layout", False):
-            hf = {release_name(k): v for k, v in hf.items()}
-        return hf
-
-    def _apply(self, fn, recurse: bool = True):
-        kept = {n: p.data for n, p in self.named_parameters() if _FP32.search(n) and p.dtype == torch.float32}
-        super()._apply(fn, recurse)
-        for name, p in self.named_parameters():
-            if name in kept and p.is_floating_point() and p.dtype != torch.float32:
-                p.data = kept[name].to(p.device)  # the float32 values themselves, not a round trip through half
-        return self
-
-
 class V4Model(V4TaskModel, DecoderModel):
     pass
 
@@ -377,15 +326,15 @@ class V4ForCausalLM(TrainsMtp, V4TaskModel, ForCausalLM):
     def new_mtp(self) -> nn.ModuleList:
         ref, module = self.model.embed_tokens.weight, nn.ModuleList([V4MTPLayer(self.config)])
         for name, p in module.named_parameters():  # the model's dtype, but the parts V4 holds in float32
-            p.data = p.data.to(device=ref.device, dtype=torch.float32 if _FP32.search(name) else ref.dtype)
+            p.data = p.data.to(device=ref.device, dtype=torch.float32 if KEEP_FP32.search(name) else ref.dtype)
         return module
 
     def mtp_released(self, found: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
         self.stored_half = {**getattr(self, "stored_half", {}), **{
-            "mtp." + k: v.dtype for k, v in tensors.items() if _FP32.search(k) and v.dtype in (torch.float16, torch.bfloat16)}}
+            "mtp." + k: v.dtype for k, v in tensors.items() if KEEP_FP32.search(k) and v.dtype in (torch.float16, torch.bfloat16)}}
         fp8 = getattr(self, "fp8_state", None)
         if fp8 is not None:  # a release keyed them under model. (its bare names, normalised): bare again
-            fp8.originals = {k.removeprefix("model.") if _MTP.search(k) else k: v for k, v in fp8.originals.items()}
+            fp8.originals = {k.removeprefix("model.") if MTP_TENSOR.search(k) else k: v for k, v in fp8.originals.items()}
         self.mtp_tensors = {}
 
     def enable_mtp(self, source: str = "the model", fresh: bool = False) -> V4MTPLayer:
@@ -401,74 +350,6 @@ class V4ForCausalLM(TrainsMtp, V4TaskModel, ForCausalLM):
         self.model.last = None
         return self.mtp_module.predict(streams, self.model.embed_tokens(next_ids), next_ids, ropes, mask, positions)
 
-
-def release_name(name: str) -> str:
-    """A causal LM's tensor name as DeepSeek's release writes it: no `model.` prefix, `embed`, `hc_head_fn`."""
-    name = name.removeprefix("model.")
-    if name.startswith("embed_tokens."):
-        return "embed." + name[len("embed_tokens."):]
-    if name.startswith("hc_head.hc_"):
-        return "hc_head_" + name[len("hc_head.hc_"):]
-    return "head." + name[len("lm_head."):] if name.startswith("lm_head.") else name
-
-
-def _layer(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    return [(f"layers.{{}}.{k}", f"layers.{{}}.{h}") for k, h in pairs]
-
-
-# kiln (HF module) names -> the names transformers writes to disk for V4
-V4_KEYS = [
-    Stack("layers.{}.mlp.experts.gate_up_proj",
-          ("layers.{}.ffn.experts.{}.w1.weight", "layers.{}.ffn.experts.{}.w3.weight")),
-    Stack("layers.{}.mlp.experts.down_proj", ("layers.{}.ffn.experts.{}.w2.weight",)),
-    *_layer([
-        ("self_attn.compressor.indexer.scorer.weights_proj", "attn.indexer.weights_proj"),
-        ("self_attn.compressor.indexer.q_b_proj", "attn.indexer.wq_b"),
-        ("self_attn.compressor.indexer.position_bias", "attn.indexer.compressor.ape"),
-        ("self_attn.compressor.indexer.kv_proj", "attn.indexer.compressor.wkv"),
-        ("self_attn.compressor.indexer.gate_proj", "attn.indexer.compressor.wgate"),
-        ("self_attn.compressor.indexer.kv_norm", "attn.indexer.compressor.norm"),
-        ("self_attn.compressor.position_bias", "attn.compressor.ape"),
-        ("self_attn.compressor.kv_proj", "attn.compressor.wkv"),
-        ("self_attn.compressor.gate_proj", "attn.compressor.wgate"),
-        ("self_attn.compressor.kv_norm", "attn.compressor.norm"),
-        ("self_attn.sinks", "attn.attn_sink"),
-        ("self_attn.q_a_proj", "attn.wq_a"),
-        ("self_attn.q_a_norm", "attn.q_norm"),
-        ("self_attn.q_b_proj", "attn.wq_b"),
-        ("self_attn.kv_proj", "attn.wkv"),
-        ("self_attn.kv_norm", "attn.norm"),
-        ("self_attn.o_a_proj", "attn.wo_a"),
-        ("self_attn.o_b_proj", "attn.wo_b"),
-        ("mlp.gate.e_score_correction_bias", "ffn.gate.bias"),
-        ("mlp.gate", "ffn.gate"),
-        ("mlp.shared_experts.gate_proj", "ffn.shared_experts.w1"),
-        ("mlp.shared_experts.down_proj", "ffn.shared_experts.w2"),
-        ("mlp.shared_experts.up_proj", "ffn.shared_experts.w3"),
-        ("input_layernorm", "attn_norm"),
-        ("post_attention_layernorm", "ffn_norm"),
-        ("attn_hc.fn", "hc_attn_fn"), ("attn_hc.base", "hc_attn_base"), ("attn_hc.scale", "hc_attn_scale"),
-        ("ffn_hc.fn", "hc_ffn_fn"), ("ffn_hc.base", "hc_ffn_base"), ("ffn_hc.scale", "hc_ffn_scale"),
-    ]),
-    ("norm", "norm"),
-]
-
-# The embedding and the hyper head are named apart per head, as transformers writes them: a bare model in
-# DeepSeek's own names (`embed`, `hc_head_fn`), a causal LM under `model.` in its module names. The later
-# rules of each list are read-only aliases, so either layout loads (DeepSeek's own checkpoints included).
-_HC_HEAD = ("hc_fn", "hc_base", "hc_scale")
-BASE_KEYS = [("model.embed_tokens", "embed"), *((f"model.hc_head.{p}", f"hc_head_{p[3:]}") for p in _HC_HEAD),
-             ("model.embed_tokens", "embed_tokens"), ("model.hc_head", "hc_head")]
-# the MTP block in the release's names: a layer's own, under mtp.{} instead of layers.{}, and its extra parts
-MTP_KEYS = [Stack(s.kiln.replace("layers.", "mtp.", 1), tuple(h.replace("layers.", "mtp.", 1) for h in s.hf))
-            for s in V4_KEYS if isinstance(s, Stack)] \
-    + [(k.replace("layers.", "mtp.", 1), h.replace("layers.", "mtp.", 1)) for r in V4_KEYS
-       if not isinstance(r, Stack) for k, h in [r] if k.startswith("layers.")] \
-    + [(f"mtp.{{}}.{p}", f"mtp.{{}}.{p}") for p in ("e_proj", "h_proj", "enorm", "hnorm", "norm")] \
-    + [(f"mtp.{{}}.hc_head.{p}", f"mtp.{{}}.hc_head_{p[3:]}") for p in _HC_HEAD]
-CAUSAL_KEYS = [*MTP_KEYS, ("lm_head", "head"), ("model.embed_tokens", "model.embed_tokens"), ("model.hc_head", "model.hc_head"),
-               ("model.embed_tokens", "model.embed"),
-               *((f"model.hc_head.{p}", f"model.hc_head_{p[3:]}") for p in _HC_HEAD), ("lm_head", "model.head")]
 
 # Tensor parallel by heads: q_b_proj by columns, the per-head sinks and o_a_proj's head groups with them,
 # o_b_proj by rows; the query latent, the one key = value head and the compressors replicated (their whole

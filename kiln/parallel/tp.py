@@ -6,14 +6,16 @@ hidden units; the row-parallel ones (o_proj, down_proj) by input rows, their par
 in one reduction. Per-head norms (Qwen3's q/k norms) see only local heads, so their (replicated)
 weight is applied to inputs marked sharded along the head axis, which makes autograd sum its
 gradient over the ranks. MLA's latent projections stay replicated; the rope key they make is shared
-by every head, so the part of their gradient that comes back through it is summed over the ranks. DeepSeek-V4 alike: its query heads split
-(q_b_proj by columns), the grouped output projection by whole groups of heads (o_a_proj's rows,
-declared as a head parameter with the per-head attention sinks) and o_b_proj by rows; the single
-key = value head and the compressors stay replicated, their whole output's gradient summed over tp.
+by every head, so the part of their gradient that comes back through it is summed over the ranks.
+DeepSeek-V4 alike: its query heads split (q_b_proj by columns), the grouped output projection by
+whole groups of heads (o_a_proj's rows, declared as a head parameter with the per-head attention
+sinks) and o_b_proj by rows; the single key = value head and the compressors stay replicated, the
+gradient of their whole output summed over tp.
 
-With `sequence_parallel` (where the plan allows it: DeepSeek-V4's residual stays whole), the residual stream between blocks stays split along the sequence: the
-plan's norms run on T/tp rows each, the inputs of its gathered modules (attention, MLP) are
-all-gathered, and the row-parallel outputs are reduce-scattered back to sequence shards. The
+With `sequence_parallel` (where the plan allows it: DeepSeek-V4's residual stays whole), the residual
+stream between blocks stays split along the sequence: the plan's norms run on T/tp rows each, the
+inputs of its gathered modules (attention, MLP) are all-gathered, and the row-parallel outputs are
+reduce-scattered back to sequence shards. The
 embedding is split by vocabulary rows and the LM head by vocabulary columns; the logits come back
 whole, so the loss code is unchanged. A tied head is the embedding's own (vocabulary-sharded)
 DTensor, so it stays tied: each rank makes the logits of its vocabulary slice, then they are gathered.

@@ -83,8 +83,8 @@ def results(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def references() -> dict:
-    return {(family, kind, keys.get("indexer_kl", False)): cp_workers.reference(family, kind, keys.get("indexer_kl", False))
-            for _, family, kind, keys in JOBS}
+    runs = {(family, kind, keys.get("indexer_kl", False)) for _, family, kind, keys in JOBS}
+    return {run: cp_workers.reference(*run) for run in runs}
 
 
 @pytest.mark.slow
