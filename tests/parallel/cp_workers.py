@@ -77,7 +77,7 @@ def reference(family: str, kind: str, kl: bool = False) -> dict:
         return _finish(model, opt, model(**batch(kind)).loss, lambda: None)
     losses = indexer_kl(model)
     part, count = losses.step(model, batch(kind))
-    out = _finish(model, opt, part / count, lambda: None)
+    out = _finish(model, opt, part / count.to(part.dtype), lambda: None)
     out["indexer_loss"] = torch.tensor(losses.sums["indexer_loss"] / losses.units)
     return out
 
