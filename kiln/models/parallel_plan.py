@@ -27,9 +27,10 @@ class ParallelPlan:
     # ---- sequence parallel, per block: residual-stream norms, and the modules whose first input is
     # gathered from sequence shards, with how many positional inputs they take
     norms: tuple[str, ...] = ()
-    sequence_parallel: bool = True               # False: the residual stays whole on every tp rank whatever
-    # [parallel] sequence_parallel says (DeepSeek-V4: its hyper-connected streams are mixed outside any block part)
     gathered: tuple[tuple[str, int], ...] = ()
+    # False: the residual stays whole on every tp rank whatever [parallel] sequence_parallel says (DeepSeek-V4:
+    # its hyper-connected streams are mixed per token outside the attention and MoE the plan splits)
+    sequence_parallel: bool = True
     # ---- around the blocks, from the task model
     embedding: str | None = None                 # split by vocabulary rows
     final_norm: str | None = None                # sequence parallel

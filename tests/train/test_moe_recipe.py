@@ -23,6 +23,7 @@ from kiln.models.common.moe_routing import GroupLimitedRouter, SharedExpertMoE
 from kiln.train.config import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.moe_balance import segment_ids, sequence_aux_loss
+from kiln.train.recipes.moe import EXTENSION
 from kiln.train.run import build_trainer
 
 VOCAB = 99
@@ -317,6 +318,10 @@ def test_bad_configs_are_named(tmp_path, ids_file, tiny_factory):
     with pytest.raises(ConfigError, match="a deepseek_v3 model has none"):
         build_trainer(load_run_config(_toml(tmp_path / "c", ids_file, "deepseek_v3", 'indexer = "kl"')))
     model = AutoModelForCausalLM.from_pretrained(tiny_factory("deepseek_v3", "causal-lm"))
+    cp = _toml(tmp_path / "d", ids_file, "deepseek_v3", 'balance = "seq_aux"')
+    cp.write_text(cp.read_text() + "[parallel]\ncp = 2\n")
+    with pytest.raises(ConfigError, match=r"balance = \"seq_aux\" with parallel.cp = 2: the sequence-wise"):
+        EXTENSION.on_model(load_run_config(cp), model)  # each cp rank would balance its chunks alone
     with pytest.raises(ConfigError, match=r"ckpt: the checkpoint has no multi-token-prediction tensors \(no "
                                           r"model.layers.2.\* beside its 2 layers\)"):
         model.enable_mtp("ckpt")

@@ -49,7 +49,7 @@ class GroupedLinear(nn.Module):
         lead, groups, d = x.shape[:-2], x.shape[-2], x.shape[-1]  # groups: this rank's under tensor parallelism
         w = local_part(self.weight).view(groups, -1, d).transpose(1, 2)  # (G, in, out / G)
         y = torch.bmm(x.reshape(-1, groups, d).transpose(0, 1), w).transpose(0, 1)  # (N, G, out / G)
-        return y.reshape(*lead, self.groups, -1)
+        return y.reshape(*lead, groups, -1)
 
 
 def _repeat_heads(kv: torch.Tensor, n: int) -> torch.Tensor:

@@ -146,6 +146,10 @@ class Moe(Extension):
         if c.balance != "none" and not routers(model):
             raise ConfigError(f"[moe] balance = {c.balance!r} balances sigmoid-routed MoE layers (DeepSeek-V3 style, "
                               f"with e_score_correction_bias); a {kind} model has none; set balance = \"none\"")
+        if c.balance == "seq_aux" and cfg.parallel.cp > 1:
+            raise ConfigError(f"[moe] balance = \"seq_aux\" with parallel.cp = {cfg.parallel.cp}: the sequence-wise "
+                              "balance loss needs each whole sequence's routing, and every cp rank sees only its "
+                              "chunks of it; use balance = \"aux_free\" (its expert loads add up over the ranks)")
         if c.mtp_weight > 0:
             if not hasattr(model, "enable_mtp"):
                 raise ConfigError(f"[moe] mtp_weight = {c.mtp_weight}: a {kind} {getattr(model, 'task', '')} model has "
