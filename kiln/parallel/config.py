@@ -52,7 +52,7 @@ class ParallelSection(Section):
     offload: bool = False                # fsdp: keep sharded parameters and optimizer state in CPU memory
     param_dtype: Literal["fp32", "bf16", "fp16"] | None = None   # fsdp compute dtype; None: the parameters' own (autocast still applies train.precision)
     reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"       # fsdp gradient reduction dtype
-    sequence_parallel: bool = True       # tp: norms and residuals sharded along the sequence
+    sequence_parallel: bool = True       # tp: norms and residuals split along the sequence (deepseek_v4: stays whole)
     activation_checkpointing: Literal["none", "block", "selective"] = "none"
     checkpoint_every: int = 1            # block: checkpoint every n-th block (1 = all of them)
     compile: bool = False                # torch.compile each block
