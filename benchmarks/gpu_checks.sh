@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
 step "pytest -m gpu"
 timeout 200 $PY -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rA tests/parallel/test_gpu.py \
-    tests/train/test_gpu_train.py tests/parallel/test_gpu_pp_cp.py 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -15
+    tests/train/test_gpu_train.py tests/parallel/test_gpu_pp_cp.py tests/parallel/test_sharded_load.py 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -15
 step "verify-matrix on cuda"
 timeout 200 $PY -m kiln.cli.main verify-matrix --device cuda > "$OUT/verify_matrix_cuda.txt" 2>&1
 echo "exit $?"; tail -4 "$OUT/verify_matrix_cuda.txt"

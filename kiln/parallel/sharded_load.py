@@ -12,6 +12,11 @@ rank's piece taken from it with no communication (`distribute_tensor(..., src_da
 So a process never holds more than its shards plus one checkpoint tensor. The tensors equal those of
 a full load (`kiln.models.auto.load_pretrained`) then the same plans, bit for bit (tests/parallel).
 
+Straight to the device: when the target is not host memory (`device = "cuda"`), each piece passes through
+one bounded host buffer (`HostStage`: a tensor read as stored goes in chunks of at most `HostStage.limit`
+bytes; one that needs a tensor step or a column slice, one tensor at a time), so the host never holds the
+model, only that buffer. `load_to_device` is the one-process (or DDP) form: build on meta, read to the device.
+
 Not covered yet (refused by name): FP8 block-scaled checkpoints, tensors absent from the checkpoint (a
 new head), `.bin` weights. bitsandbytes-4bit directories and bases quantized at load (`[model] quantize`) are
 loaded whole by every rank (4-bit: ~0.26x of bf16), then sharded.
@@ -36,7 +41,7 @@ from kiln.hub.fp8 import scheme_from_config
 from kiln.hub.resolve import resolve_model_dir
 from kiln.hub.weights import Span, read_into, tensor_spans, weight_files
 from kiln.models.auto import apply_changes, load_config
-from kiln.models.pretrained import PreTrainedModel
+from kiln.models.pretrained import LoadReport, PreTrainedModel
 from kiln.models.tasks import BASE
 
 
@@ -128,8 +133,64 @@ def _slice_dim(t: torch.Tensor) -> tuple[int, int, int] | None:
     return dim, start, min(start + step, t.shape[dim])
 
 
-def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.device | str = "cpu") -> None:
-    """Materialise `model` (built on meta, plans applied) on `device` and fill each tensor this rank holds."""
+class HostStage:
+    """The host memory a read to another device passes through: one reusable buffer of at most `limit` bytes
+    for tensors read as stored, and one whole tensor at a time for the rest. `peak` is the most host bytes
+    one piece took (what a test of "the host never holds the model" checks)."""
+
+    def __init__(self, limit: int = 64 << 20, pin: bool = False):
+        if limit < 1:
+            raise ValueError(f"HostStage limit must be at least 1 byte, got {limit}")
+        self.limit, self.pin, self.peak = limit, pin, 0
+        self._buf: torch.Tensor | None = None
+
+    def read(self, f: Any, offset: int, out: torch.Tensor) -> None:
+        """Fill the contiguous tensor `out` (any device) with the `out.nbytes` bytes at `offset` of file `f`,
+        chunk by chunk through the buffer; each copy is synchronous, so the buffer is free again after it."""
+        flat = out.reshape(-1).view(torch.uint8)
+        for start in range(0, flat.numel(), self.limit):
+            n = min(self.limit, flat.numel() - start)
+            if self._buf is None or self._buf.numel() < n:
+                self._buf = None  # the old buffer goes before the new one comes
+                self._buf = torch.empty(min(self.limit, flat.numel()), dtype=torch.uint8, pin_memory=self.pin)
+            chunk = self._buf[:n]
+            read_into(f, offset + start, chunk)
+            flat[start:start + n].copy_(chunk)
+            self.note(n)
+
+    def note(self, nbytes: int) -> None:
+        self.peak = max(self.peak, nbytes)
+
+
+def _host_stage(device: torch.device) -> HostStage | None:
+    """The staging a read to `device` needs: none for host memory (the read goes straight into the tensors)."""
+    if device.type in ("cpu", "meta"):
+        return None
+    return HostStage(pin=device.type == "cuda" and torch.cuda.is_available())
+
+
+def load_to_device(path: str | os.PathLike, device: torch.device | str, task: str | None = None,
+                   seed: int | None = None, **changes: Any) -> PreTrainedModel | None:
+    """The model of an HF directory, read file -> `device` tensor by tensor (no whole copy in host memory), as
+    `load_pretrained(path, task, seed=seed, **changes).to(device)` gives it, in eval mode; None when the
+    checkpoint cannot be read so (`lean_pretrained`): the caller loads it whole."""
+    if seed is not None:  # the draws load_pretrained makes first (a checkpoint lean reads has no new tensor)
+        torch.manual_seed(seed)
+    model = lean_pretrained(path, task, seed, **changes)
+    if model is None:
+        return None
+    read_shards(model, model.pending_read, device)
+    return model.eval()
+
+
+def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.device | str = "cpu",
+                stage: HostStage | None = None) -> None:
+    """Materialise `model` (built on meta, plans applied) on `device` and fill each tensor this rank holds.
+
+    A device other than the CPU is filled through a `HostStage` (made here unless one is given; a given one
+    is used on the CPU too, which is how the tests exercise the device path)."""
+    device = torch.device(device)
+    stage = stage if stage is not None else _host_stage(device)
     path = resolve_model_dir(path)
     files = _safetensors(path)
     keymap = model.family.keymap(model.task)
@@ -160,14 +221,16 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
                 key = groups[name][0][0]
                 if where[key] not in opened:
                     opened[where[key]] = stack.enter_context(open(where[key], "rb", buffering=0))
-                if _read_rows(target, groups[name], spans, opened[where[key]], keymap, path):
+                if _read_rows(target, groups[name], spans, opened[where[key]], keymap, path, stage):
                     continue
                 # the pages a mapping touched count in this process's RSS until it is closed: map the files
                 # of one tensor at a time, so the read never holds more than its shards plus one tensor
                 with _mapped(where, [k for k, _ in groups[name]]) as handles:
-                    _fill(name, target, groups[name], handles, keymap, path)
+                    _fill(name, target, groups[name], handles, keymap, path, stage)
     with _mapped(where, extras) as handles:
         model.hf_extras = {model.normalise_hf_names([k])[k][0]: handles[k].get_tensor(k) for k in extras}
+    used = {k for sources in groups.values() for k, _ in sources} | set(extras)
+    model.load_report = LoadReport(ignored=sorted(model.normalise_hf_names([k])[k][0] for k in where if k not in used))
     model.tie_weights()
     model.pending_read = None
 
@@ -210,12 +273,13 @@ def init_adapters(model: nn.Module, device: torch.device | str, seed: int | None
 
 
 def _read_rows(target: torch.Tensor, sources: list[tuple[str, str]], spans: dict[str, Span], f: Any, keymap: Any,
-               path: Path) -> bool:
-    """Read this rank's rows of a tensor stored as is (whole, or split on dim 0) straight from the file into
-    `target`'s memory: no mapping, no copy. False when it is not such a tensor (the caller reads it otherwise)."""
+               path: Path, stage: HostStage | None) -> bool:
+    """Read this rank's rows of a tensor stored as is (whole, or split on dim 0) from the file into `target`'s
+    memory: straight in (no mapping, no copy), or through `stage` to another device. False when it is not such
+    a tensor (the caller reads it otherwise)."""
     local, piece = _local(target), _slice_dim(target)
     if len(sources) != 1 or not keymap.is_plain(sources[0][1]) or not local.is_contiguous() \
-            or local.device.type != "cpu" or (isinstance(target, DTensor) and piece is None):
+            or (stage is None and local.device.type != "cpu") or (isinstance(target, DTensor) and piece is None):
         return False
     key = sources[0][0]
     span = spans[key]
@@ -231,12 +295,15 @@ def _read_rows(target: torch.Tensor, sources: list[tuple[str, str]], spans: dict
     row = span.nbytes // span.shape[0] if span.shape[0] else 0
     if local.nbytes != (piece[2] - start if piece is not None else span.shape[0]) * row:
         return False
-    read_into(f, span.offset + start * row, local)
+    if stage is None:
+        read_into(f, span.offset + start * row, local)
+    else:
+        stage.read(f, span.offset + start * row, local)
     return True
 
 
 def _fill(name: str, target: torch.Tensor, sources: list[tuple[str, str]], where: dict, keymap: Any,
-          path: Path) -> None:
+          path: Path, stage: HostStage | None = None) -> None:
     """Copy this rank's piece of kiln tensor `name` into `target` (a DTensor's local shard, or a plain tensor)."""
     local = _local(target)
     piece = _slice_dim(target)
@@ -249,14 +316,20 @@ def _fill(name: str, target: torch.Tensor, sources: list[tuple[str, str]], where
         dim, start, stop = piece
         index = tuple(slice(start, stop) if d == dim else slice(None) for d in range(len(shape)))
         value = where[key].get_slice(key)[index]  # only these rows / columns leave the file
+        read = value.nbytes
     else:
-        full, _ = keymap.to_kiln({hf: where[key].get_tensor(key) for key, hf in sources})
+        hf = {hf: where[key].get_tensor(key) for key, hf in sources}
+        read = sum(t.nbytes for t in hf.values())
+        full, _ = keymap.to_kiln(hf)
+        del hf
         value = full[name]
         if tuple(value.shape) != tuple(target.shape):
             raise WeightsError(f"{path}: tensor {sources[0][0]!r} gives {name!r} the shape {tuple(value.shape)}, "
                                f"but this config expects {tuple(target.shape)}")
         if isinstance(target, DTensor):  # this rank's piece of the whole tensor, no communication
             value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None).to_local()
+    if stage is not None:  # what the host held for this tensor (its sources, or the slice read)
+        stage.note(read + (value.nbytes if value.dtype != local.dtype else 0))
     with torch.no_grad():
         local.copy_(value.to(local.dtype) if value.dtype != local.dtype else value)
 

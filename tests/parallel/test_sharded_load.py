@@ -10,7 +10,7 @@ import torch
 
 from kiln.errors import WeightsError
 from kiln.models.auto import AutoConfig, from_config, load_pretrained
-from kiln.parallel.sharded_load import empty_pretrained, read_shards
+from kiln.parallel.sharded_load import HostStage, empty_pretrained, load_to_device, read_shards
 from tests.spawn import spawn
 
 from tests.parallel import sharded_load_workers as sw
@@ -46,6 +46,51 @@ def test_one_process_read_equals_a_whole_load(dirs, name):
         assert a[k].dtype == b[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]), k
     ids = torch.randint(1, 99, (2, 9), generator=torch.Generator().manual_seed(0))
     assert torch.equal(whole(ids).logits, lean(ids).logits)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "moe"])
+def test_a_read_through_the_host_stage_equals_a_whole_load(dirs, name):
+    """The path a GPU target takes (file -> one bounded host buffer -> the tensor), run on the CPU: the same
+    tensors, and no piece held on the host was bigger than the buffer or, for a tensor that needs a tensor
+    step (stacked experts), its own sources."""
+    whole = load_pretrained(dirs[name], task="causal-lm")
+    lean = empty_pretrained(dirs[name], task="causal-lm")
+    stage = HostStage(limit=1000)  # ends chunks inside rows and inside elements
+    read_shards(lean, dirs[name], "cpu", stage=stage)
+    a, b = whole.state_dict(), lean.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    model_bytes = sum(t.nbytes for t in a.values())
+    if name == "qwen3":  # every tensor stored as is: chunks only (0 would mean the stage was bypassed)
+        assert stage.peak == 1000 < model_bytes
+    else:  # one expert stack's sources (4 experts x gate + up, 16 x 32 bf16) is the largest piece
+        assert stage.peak == 4 * 2 * 16 * 32 * 2 < model_bytes / 4
+
+
+def test_load_to_device_equals_a_whole_load_then_to(dirs):
+    whole = load_pretrained(dirs["tied"], task="causal-lm", seed=3)
+    direct = load_to_device(dirs["tied"], "cpu", task="causal-lm", seed=3)
+    assert not direct.training and direct.tokenizer is None and direct.load_report.ignored == []
+    a, b = whole.state_dict(), direct.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ids = torch.randint(1, 99, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(whole(ids).logits, direct(ids).logits)
+
+
+def test_a_run_on_an_accelerator_reads_its_model_straight_to_it(dirs, monkeypatch):
+    """kiln train's model on a non-CPU device: built on meta and read there tensor by tensor, never loaded
+    whole into host memory (here the 'device' is meta, standing in for a GPU this machine lacks)."""
+    from kiln.train.config import parse_run_config
+    from kiln.train.recipes import base
+
+    cfg = parse_run_config({"model": {"path": str(dirs["qwen3"]), "task": "causal-lm"},
+                            "data": {"train": "unused.jsonl"}, "train": {"out_dir": "unused", "steps": 1, "device": "cpu"}})
+    whole = base.build_model(cfg, None, need_tokenizer=False)
+    assert next(whole.parameters()).device.type == "cpu"  # on the CPU: the whole load, as before
+    monkeypatch.setattr(base, "run_device", lambda cfg: torch.device("meta"))
+    monkeypatch.setattr(base, "load_pretrained", lambda *a, **k: pytest.fail("loaded whole into host memory"))
+    direct = base.build_model(cfg, None, need_tokenizer=False)
+    assert {t.device.type for t in direct.state_dict().values()} == {"meta"}
+    assert direct.pending_read is None
 
 
 def test_a_shape_that_disagrees_with_the_config_is_named(dirs):
@@ -85,3 +130,53 @@ def test_a_model_built_on_meta_answers_the_packing_question(dirs):
     lean = empty_pretrained(dirs["qwen3"], task="causal-lm")
     assert next(lean.parameters()).is_meta
     assert lean.packs_samples() == load_pretrained(dirs["qwen3"], task="causal-lm").packs_samples() is True
+
+
+
+# In a fresh process: the host memory a read to DEVICE adds at its peak (memory freed earlier in the pytest
+# process stays resident in the heap and would hide it), after the CUDA context is up.
+_RISE = """
+import sys, torch
+from kiln.parallel.sharded_load import load_to_device
+if torch.cuda.is_available():
+    torch.zeros(1, device="cuda")
+def kb(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # VmHWM := VmRSS
+before = kb("VmRSS")
+model = load_to_device(sys.argv[1], sys.argv[2], task="causal-lm")
+print((kb("VmHWM") - before) * 1024)
+"""
+
+
+def host_rise(path, device: str) -> int:
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _RISE, str(path), device], check=True, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gpu_read_never_holds_the_model_in_host_memory(tmp_path):
+    """~0.3 GiB of bf16 weights read to the GPU: the host's peak rises by about the 64 MiB stage, never by the
+    model (read to the CPU, the same measure rises by the model's bytes); the tensors equal a whole load moved
+    to the GPU."""
+    size = dict(QWEN3, vocab_size=32_000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                num_attention_heads=8, num_key_value_heads=4, head_dim=128)
+    model = from_config(AutoConfig.for_model("qwen3", **size), task="causal-lm", seed=0).to(torch.bfloat16)
+    model.save_pretrained(tmp_path, max_shard_bytes=100 << 20)
+    model_bytes = sum(t.nbytes for t in model.state_dict().values())
+    del model
+    rise = host_rise(tmp_path, "cuda")
+    assert rise < 0.4 * model_bytes, (rise, model_bytes)
+    direct = load_to_device(tmp_path, "cuda", task="causal-lm")
+    whole = load_pretrained(tmp_path, task="causal-lm").to("cuda")
+    a, b = whole.state_dict(), direct.state_dict()
+    assert {t.device.type for t in b.values()} == {"cuda"}
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

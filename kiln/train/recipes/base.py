@@ -13,6 +13,7 @@ the only caller; the Trainer, the core config and the CLI name none.
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
@@ -24,8 +25,8 @@ from kiln.errors import ConfigError, KilnError
 from kiln.hub import Tokenizer
 from kiln.models.auto import AutoConfig, from_config, load_pretrained
 from kiln.parallel.mesh import resolve_degrees
-from kiln.parallel.sharded_load import lean_pretrained
-from kiln.parallel.world import World, launched_world
+from kiln.parallel.sharded_load import lean_pretrained, load_to_device
+from kiln.parallel.world import World, launched_world, pick_device
 from kiln.train.checks import check_model_tokenizer
 from kiln.train.config import DataSection, RunConfig, Section, model_config_overrides
 from kiln.train.multiobjective import GradientCombiner
@@ -106,6 +107,11 @@ def shards_weights(cfg: RunConfig) -> bool:
     return bool(p.fsdp) or d.tp > 1 or d.ep > 1 or d.pp > 1
 
 
+def run_device(cfg: RunConfig) -> torch.device:
+    """The device this process trains on (the Trainer's choice: train.device, this process's local rank)."""
+    return pick_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def build_model(cfg: RunConfig, labels: list[str] | None, need_tokenizer: bool = True) -> nn.Module:
     """The [model] section's model: loaded from model.path, or built from model.family + config (with
     model.tokenizer, unless `need_tokenizer` is False: data that is token ids already)."""
@@ -119,6 +125,10 @@ def build_model(cfg: RunConfig, labels: list[str] | None, need_tokenizer: bool =
             lean = lean_pretrained(m.path, m.task, m.init_seed, **changes)
             if lean is not None:
                 return lean
+        elif m.quantize is None and cfg.train.precision != "fp8" and (device := run_device(cfg)).type != "cpu":
+            direct = load_to_device(m.path, device, m.task, m.init_seed, **changes)  # file -> GPU, tensor by tensor
+            if direct is not None:
+                return direct
         return load_pretrained(m.path, task=m.task, seed=m.init_seed, fp8=m.fp8, quantize=m.quantize, **changes)
     config = AutoConfig.for_model(m.family, **m.config)
     if labels:
