@@ -17,8 +17,10 @@ one bounded host buffer (`HostStage`: a tensor read as stored goes in chunks of 
 bytes; one that needs a tensor step or a column slice, one tensor at a time), so the host never holds the
 model, only that buffer. `load_to_device` is the one-process (or DDP) form: build on meta, read to the device.
 
-Not covered yet (refused by name): FP8 block-scaled checkpoints, tensors absent from the checkpoint (a
-new head), `.bin` weights. bitsandbytes-4bit directories and bases quantized at load (`[model] quantize`) are
+FP8 block-scaled checkpoints kept FP8 (`fp8 = "keep"`) read like any other: each rank its rows of the FP8
+weights (as bytes under FSDP2) and their scales (buffers: whole on every rank, as after a whole load).
+Not covered yet (loaded whole): FP8 checkpoints to dequantize, DeepSeek-V4's `.scale` names, tensors absent
+from the checkpoint (a new head), `.bin` weights. bitsandbytes-4bit directories and bases quantized at load (`[model] quantize`) are
 loaded whole by every rank (4-bit: ~0.26x of bf16), then sharded.
 """
 
@@ -45,20 +47,24 @@ from kiln.models.pretrained import LoadReport, PreTrainedModel
 from kiln.models.tasks import BASE
 
 
-def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None, **changes: Any
-                    ) -> PreTrainedModel | None:
-    """`empty_pretrained` when this checkpoint can be read shard by shard (safetensors, not FP8 or 4-bit, no adapter
-    beside it, every tensor of the model in it); else None, and the caller loads it whole. The model
-    carries `pending_read` (the directory) and `pending_seed` for the Trainer (`read_shards`, `init_adapters`)."""
+def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None, fp8: str = "dequantize",
+                    **changes: Any) -> PreTrainedModel | None:
+    """`empty_pretrained` when this checkpoint can be read shard by shard (safetensors, not 4-bit, FP8 only when
+    kept FP8, no adapter beside it, every tensor of the model in it); else None, and the caller loads it whole.
+    The model carries `pending_read` (the directory) and `pending_seed` for the Trainer (`read_shards`,
+    `init_adapters`)."""
     from kiln.models.common.lora import has_adapter
 
     path = resolve_model_dir(path)
     family, config, source_task = load_config(path)
     source = str(Path(path) / "config.json")
-    quantized = scheme_from_config(config.extra, source) or bnb4_scheme_from_config(config.extra, source)
-    if quantized is not None or has_adapter(path) or any(f.suffix != ".safetensors" for f in weight_files(path)):
+    if bnb4_scheme_from_config(config.extra, source) is not None or has_adapter(path) \
+            or any(f.suffix != ".safetensors" for f in weight_files(path)):
         return None
-    model = empty_pretrained(path, task, **changes)
+    scheme = scheme_from_config(config.extra, source)
+    if scheme is not None and (fp8 != "keep" or _fp8_whole_only(path, scheme)):
+        return None
+    model = empty_pretrained(path, task, fp8=fp8, **changes)
     with ExitStack() as stack:
         keys = [k for f in _safetensors(path) for k in stack.enter_context(safe_open(str(f), framework="pt")).keys()]
     groups, _ = _sources(model, keys)
@@ -70,33 +76,58 @@ def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None,
     return model
 
 
-def empty_pretrained(path: str | os.PathLike, task: str | None = None, **changes: Any) -> PreTrainedModel:
-    """The model of an HF directory built on the meta device (no weights read): for `read_shards`."""
+def empty_pretrained(path: str | os.PathLike, task: str | None = None, fp8: str = "dequantize",
+                     **changes: Any) -> PreTrainedModel:
+    """The model of an HF directory built on the meta device (no weights read): for `read_shards`.
+
+    A block-scaled FP8 checkpoint is built kept FP8 (`fp8 = "keep"`: FP8 modules, each weight and its scale in
+    the stored dtypes, read shard by shard as bytes like any other tensor); dequantizing one needs the whole load."""
     path = resolve_model_dir(path)
     family, config, source_task = load_config(path)
-    if scheme_from_config(config.extra, str(Path(path) / "config.json")) is not None:
-        raise WeightsError(f"{path}: an FP8 block-scaled checkpoint cannot be read shard by shard yet; "
-                           "load it whole (kiln.models.auto.load_pretrained)")
+    scheme = scheme_from_config(config.extra, str(Path(path) / "config.json"))
+    if scheme is not None and fp8 != "keep":
+        raise WeightsError(f"{path}: an FP8 block-scaled checkpoint is read shard by shard only kept FP8 "
+                           "(fp8 = 'keep'); to dequantize it, load it whole (kiln.models.auto.load_pretrained)")
     config = apply_changes(config, dict(changes))
     with torch.device("meta"):
         model = family.build(config, task or source_task or BASE)
     model.source_task = source_task
-    with ExitStack() as stack:  # each tensor in its stored dtype, as a whole load keeps it
-        handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in _safetensors(path)]
-        where = {k: h for h in handles for k in h.keys()}
-        groups, _ = _sources(model, list(where))
-        for name, t in model.state_dict(keep_vars=True).items():
-            if name in groups:
-                key = groups[name][0][0]
-                dtype = _DTYPES[where[key].get_slice(key).get_dtype()]
-                if t.dtype != dtype:
-                    t.data = t.data.to(dtype)
+    spans = {k: v for f in _safetensors(path) for k, v in tensor_spans(f).items()}
+    if scheme is not None:
+        if _fp8_whole_only(path, scheme):
+            raise WeightsError(f"{path}: this FP8 checkpoint's scales are named '<module>.scale' or some FP8 weight "
+                               "has no FP8 module to hold it; load it whole (kiln.models.auto.load_pretrained)")
+        from kiln.models.common.fp8 import prepare_fp8
+
+        # the FP8 modules go where the FP8 weights land, decided from the headers (meta tensors) as a whole load
+        # decides it from the tensors
+        prepare_fp8(model, {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in spans.items()},
+                    scheme, "keep", None, str(path))
+    groups, _ = _sources(model, list(spans))
+    for name, t in model.state_dict(keep_vars=True).items():  # each tensor in its stored dtype, as a whole load
+        if name in groups:
+            dtype = spans[groups[name][0][0]].dtype
+            if t.dtype != dtype:
+                t.data = t.data.to(dtype)
     return model
 
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+def _fp8_whole_only(path: Path, scheme: Any) -> bool:
+    """An FP8 checkpoint a sharded read cannot keep FP8 as a whole load would: DeepSeek-V4's `<module>.scale`
+    names (the read maps checkpoint names as stored), or FP8 weights no FP8 module holds (dequantized at load)."""
+    from kiln.hub.fp8 import canonical_scales
+
+    spans = {k: v for f in _safetensors(path) for k, v in tensor_spans(f).items()}
+    meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in spans.items()}
+    if canonical_scales(meta, scheme)[1].scale_names != scheme.scale_names:
+        return True
+    family, config, source_task = load_config(path)
+    with torch.device("meta"):
+        probe = family.build(config, source_task or BASE)
+    from kiln.models.common.fp8 import prepare_fp8
+
+    prepare_fp8(probe, meta, scheme, "keep", None, str(path))
+    return bool(probe.fp8_state.originals)  # the pairs it dequantized: no FP8 module for them
 
 
 def _safetensors(path: Path) -> list[Path]:
@@ -170,13 +201,13 @@ def _host_stage(device: torch.device) -> HostStage | None:
 
 
 def load_to_device(path: str | os.PathLike, device: torch.device | str, task: str | None = None,
-                   seed: int | None = None, **changes: Any) -> PreTrainedModel | None:
+                   seed: int | None = None, fp8: str = "dequantize", **changes: Any) -> PreTrainedModel | None:
     """The model of an HF directory, read file -> `device` tensor by tensor (no whole copy in host memory), as
-    `load_pretrained(path, task, seed=seed, **changes).to(device)` gives it, in eval mode; None when the
-    checkpoint cannot be read so (`lean_pretrained`): the caller loads it whole."""
+    `load_pretrained(path, task, seed=seed, fp8=fp8, **changes).to(device)` gives it, in eval mode; None when
+    the checkpoint cannot be read so (`lean_pretrained`): the caller loads it whole."""
     if seed is not None:  # the draws load_pretrained makes first (a checkpoint lean reads has no new tensor)
         torch.manual_seed(seed)
-    model = lean_pretrained(path, task, seed, **changes)
+    model = lean_pretrained(path, task, seed, fp8=fp8, **changes)
     if model is None:
         return None
     read_shards(model, model.pending_read, device)

@@ -25,15 +25,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor as its bytes (torch.equal has no float8 kernel); others as they are."""
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
+
+
 def compare(rank: int, world: int, model_dir: str, mode: str, out: str) -> None:
     parallel = ParallelSection(**MODES[mode])
     lora = LoraConfig(r=4, alpha=8, dropout=0.0, targets=["q_proj", "v_proj", "gate_proj"]) \
         if mode.endswith("-lora") else None
-    whole = load_pretrained(model_dir, task="causal-lm", seed=5)
+    with open(os.path.join(model_dir, "config.json")) as f:  # an FP8 release: kept FP8, a frozen base
+        fp8 = "keep" if "quantization_config" in json.load(f) else "dequantize"
+    whole = load_pretrained(model_dir, task="causal-lm", seed=5, fp8=fp8)
     if lora:
         apply_lora(whole, lora)
     parallelize(whole, parallel, world_size=world, device=torch.device("cpu"))
-    lean = empty_pretrained(model_dir, task="causal-lm")
+    lean = empty_pretrained(model_dir, task="causal-lm", fp8=fp8)
     if lora:
         apply_lora(lean, lora)
         torch.manual_seed(123)  # init_adapters draws from its own seed, whatever happened since
@@ -44,7 +51,7 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str) -> None:
     problems = [k for k in a if k not in b] + [k for k in b if k not in a]
     for k in a.keys() & b.keys():
         x, y = _local(a[k]), _local(b[k])
-        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
+        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(_bits(x), _bits(y)):
             problems.append(f"{k}: {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)}")
         if isinstance(a[k], DTensor) != isinstance(b[k], DTensor) or (
                 isinstance(a[k], DTensor) and a[k].placements != b[k].placements):
@@ -53,5 +60,5 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str) -> None:
         json.dump({"problems": sorted(problems), "tensors": len(a), "bytes": loaded_bytes(lean),
                    "embedding_sharded": isinstance(dict(lean.named_parameters()).get("model.embed_tokens.weight"),
                                                    DTensor),
-                   "whole_bytes": sum(t.nbytes for t in load_pretrained(model_dir).state_dict().values()),
+                   "whole_bytes": sum(t.nbytes for t in load_pretrained(model_dir, fp8=fp8).state_dict().values()),
                    "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}, f)

@@ -35,6 +35,30 @@ def dirs(tmp_path_factory):
             "tied": _save(root / "tied", "qwen3", QWEN3, tie=True)}
 
 
+@pytest.fixture(scope="module")
+def fp8_dir(tiny_factory, tmp_path_factory):
+    from tests.models.fp8_cases import make_fp8
+
+    return make_fp8(tiny_factory("qwen3", "causal-lm"), tmp_path_factory.mktemp("sharded_fp8") / "fp8",
+                    "Qwen3ForCausalLM")
+
+
+def test_an_fp8_release_kept_fp8_reads_as_the_whole_load_keeps_it(fp8_dir):
+    whole = load_pretrained(fp8_dir, task="causal-lm", fp8="keep")
+    lean = empty_pretrained(fp8_dir, task="causal-lm", fp8="keep")
+    read_shards(lean, fp8_dir)
+    a, b = whole.state_dict(), lean.state_dict()
+    assert a.keys() == b.keys() and sum(t.dtype == torch.float8_e4m3fn for t in b.values()) == 14
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(sw._bits(a[k]), sw._bits(b[k])), k
+    assert lean.fp8_state.mode == "keep" and lean.fp8_state.scheme == whole.fp8_state.scheme
+    assert lean.fp8_state.originals == {} == whole.fp8_state.originals  # every FP8 weight in an FP8 module
+    ids = torch.randint(1, 99, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(whole(ids).logits, lean(ids).logits)
+    with pytest.raises(WeightsError, match="read shard by shard only kept FP8"):
+        empty_pretrained(fp8_dir, task="causal-lm")  # dequantizing is the whole load's
+
+
 @pytest.mark.parametrize("name", ["qwen3", "moe", "tied"])
 def test_one_process_read_equals_a_whole_load(dirs, name):
     whole = load_pretrained(dirs[name], task="causal-lm")
@@ -112,10 +136,11 @@ def test_an_index_naming_a_missing_file_is_named(dirs, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,name", [("fsdp", "qwen3"), ("tp", "qwen3"), ("fsdp-lora", "qwen3"), ("tp-fsdp", "qwen3"), ("ep", "moe"),
                                        ("ep-fsdp", "moe"), ("fsdp", "tied"), ("pp", "qwen3"),
-                                       ("pp", "tied"), ("pp-fsdp", "qwen3")])
-def test_each_rank_reads_what_a_whole_load_then_shard_gives(dirs, tmp_path, mode, name):
+                                       ("pp", "tied"), ("pp-fsdp", "qwen3"), ("fsdp-lora", "fp8")])
+def test_each_rank_reads_what_a_whole_load_then_shard_gives(dirs, tmp_path, mode, name, request):
     world = 4 if mode in ("tp-fsdp", "ep-fsdp", "pp-fsdp") else 2
-    spawn(sw.compare, world, (str(dirs[name]), mode, str(tmp_path)))
+    path = request.getfixturevalue("fp8_dir") if name == "fp8" else dirs[name]
+    spawn(sw.compare, world, (str(path), mode, str(tmp_path)))
     for rank in range(world):
         r = json.loads((tmp_path / f"{mode}-rank{rank}.json").read_text())
         assert r["problems"] == [], (rank, r["problems"][:5])

@@ -122,11 +122,11 @@ def build_model(cfg: RunConfig, labels: list[str] | None, need_tokenizer: bool =
         # each rank reads its share once the plans are applied (kiln.parallel.sharded_load); a base quantized at
         # load is read whole, quantized, then sharded
         if shards_weights(cfg) and m.quantize is None:
-            lean = lean_pretrained(m.path, m.task, m.init_seed, **changes)
+            lean = lean_pretrained(m.path, m.task, m.init_seed, fp8=m.fp8, **changes)
             if lean is not None:
                 return lean
         elif m.quantize is None and cfg.train.precision != "fp8" and (device := run_device(cfg)).type != "cpu":
-            direct = load_to_device(m.path, device, m.task, m.init_seed, **changes)  # file -> GPU, tensor by tensor
+            direct = load_to_device(m.path, device, m.task, m.init_seed, fp8=m.fp8, **changes)  # file -> GPU, tensor by tensor
             if direct is not None:
                 return direct
         return load_pretrained(m.path, task=m.task, seed=m.init_seed, fp8=m.fp8, quantize=m.quantize, **changes)
