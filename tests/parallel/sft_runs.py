@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -86,12 +85,6 @@ def weights(ckpt: Path, tmp: Path) -> dict:
     if is_sharded(ckpt):
         return load_weights(export_sharded(ckpt, tmp / f"gathered-{ckpt.parent.name}-{ckpt.name}"))
     return load_weights(ckpt / "model")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def popen_kiln(*args: str, env: dict | None = None) -> subprocess.Popen:

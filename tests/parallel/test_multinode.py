@@ -1,6 +1,12 @@
-"""`kiln launch` across nodes, tested as two launches on this host (--nnodes 2, one process each, static
-rendezvous at a free local port): the two nodes train as one 2-process run, with the loss of a 2-process
-single-node launch, and only global rank 0 writes run files. Bad node flags are refused by message.
+"""`kiln launch` across nodes, tested as two launches on this host (--nnodes 2, one process each): the two
+nodes train as one 2-process run, with the loss of a 2-process single-node launch, and only global rank 0
+writes run files. Bad node flags are refused by message.
+
+The nodes meet through the c10d rendezvous at a TCP store this test serves on a port the kernel gives it and
+holds until both launches end (tests.spawn.serve_store): choosing a free port, closing it and letting node 0
+bind it seconds later raced with every other process on the machine. The c10d backend joins a store that is
+already there (its host fails to bind it and becomes a client), numbers the nodes itself, and rank 0's agent
+serves the workers' store on a kernel-given port of its own.
 """
 
 from __future__ import annotations
@@ -10,7 +16,8 @@ from typer.testing import CliRunner
 
 from kiln.cli.main import app
 from tests.kiln_cli import kiln_cli
-from tests.parallel.sft_runs import free_port, losses, make_data, popen_kiln, write_toml
+from tests.parallel.sft_runs import losses, make_data, popen_kiln, write_toml
+from tests.spawn import HOST, serve_store
 
 
 @pytest.mark.slow
@@ -20,21 +27,26 @@ def test_two_nodes_train_as_one_run_and_only_rank_0_writes(tmp_path):
     p = kiln_cli("launch", "--nproc-per-node", "2", "--", "train", "--config", str(single))
     assert p.returncode == 0, p.stderr[-3000:]
 
-    cfg, port = write_toml(d, "nodes", 2, {}), free_port()
-    # node 1 is given its own train.out_dir: if any rank > 0 wrote a run file, it would land there
-    nodes = [popen_kiln("launch", "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
-                        "--rdzv-endpoint", f"127.0.0.1:{port}", "--", "train", "--config", str(cfg),
-                        *(["--set", f'train.out_dir="{d / "node-1"}"'] if rank else []))
-             for rank in (0, 1)]
-    outs = [n.communicate(timeout=600) for n in nodes]
+    cfg, store = write_toml(d, "nodes", 2, {}), serve_store()
+    # each node is given its own train.out_dir: if the rank > 0 wrote a run file, it would land in its own
+    out_dirs = [d / "nodes", d / "node-1"]
+    try:
+        nodes = [popen_kiln("launch", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                            "--rdzv-endpoint", f"{HOST}:{store.port}", "--rdzv-id", "multinode-test", "--",
+                            "train", "--config", str(cfg), *(["--set", f'train.out_dir="{out_dirs[1]}"'] if i else []))
+                 for i in (0, 1)]
+        outs = [n.communicate(timeout=600) for n in nodes]
+    finally:
+        del store
     for n, (out, err) in zip(nodes, outs):
         assert n.returncode == 0, err[-3000:]
-    assert "done: step 4" in outs[0][0] and "done: step 4" not in outs[1][0]  # node 1 holds no rank 0
-
-    run = d / "nodes"
+    # c10d numbers the nodes itself: the one that printed the end of the run held global rank 0
+    main = [i for i, (out, _) in enumerate(outs) if "done: step 4" in out]
+    assert len(main) == 1, [out[-500:] for out, _ in outs]
+    run, other = out_dirs[main[0]], out_dirs[1 - main[0]]
     assert sorted(p.name for p in run.iterdir()) == ["ckpt-000002", "ckpt-000004", "kiln.lock", "metrics.jsonl",
                                                      "run_state.json"]
-    assert not (d / "node-1").exists()
+    assert not other.exists()
     assert losses(run) == losses(d / "single")  # the same two gloo ranks: bit for bit
     assert len(losses(run)) == 4
 
