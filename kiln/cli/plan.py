@@ -86,6 +86,9 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
         typer.echo("(gradients and activations never peak together: the total counts the larger of the two)")
     typer.echo(f"while loading: {fmt_bytes(designed.peak.load_peak)} per rank reading only its share; today's loader "
                f"{fmt_bytes(today.peak.load_peak)} (every rank reads all {fmt_bytes(designed.checkpoint_bytes)})")
+    if device != "cpu":
+        typer.echo(f"host memory while loading: {fmt_bytes(designed.peak.host_load)} per rank (each tensor passes "
+                   f"from the file through one host buffer to the GPU); today's loader {fmt_bytes(today.peak.host_load)}")
     if any(r.host for r in designed.ranks):
         host = designed.peak.host
         typer.echo(f"offloaded to host memory per rank: {fmt_bytes(sum(host.values()))} "

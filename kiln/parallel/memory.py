@@ -49,6 +49,7 @@ MiB = 1024 ** 2
 RUNTIME_CPU = 408 * MiB
 CUDA_CONTEXT = 512 * MiB              # a CUDA context and cuBLAS workspaces on an H100 (order of magnitude)
 LOSS_CHUNK = 64 * MiB                 # kiln.models.common.loss: fp32 logits of one chunk of rows
+HOST_STAGE = 64 * MiB                 # kiln.parallel.sharded_load.HostStage: a GPU read's host buffer
 # Peak RSS beyond the live bytes on a CPU run, as a share of the activations: glibc's heap keeps what the
 # many small activation tensors free. Measured on a 0.22B Qwen3 (bf16, 4 x 256 tokens): 0.24 GiB over
 # 0.60 GiB (LoRA) and 0.33 GiB over 1.08 GiB (full) between default malloc and MALLOC_MMAP_THRESHOLD_=65536.
@@ -67,6 +68,7 @@ class RankMemory:
     keep_grads: bool = False
     load_peak: int = 0            # the peak while the checkpoint is read, before training (runtime included)
     backward_comm: int = 0        # the part of "communication" that exists only in the backward (FSDP's unit gradients)
+    host_load: int = 0            # a device run: host memory while loading (the runtime, and what the read stages)
 
     @property
     def total(self) -> int:
@@ -291,6 +293,8 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
                    "communication": comm, "autocast": autocast, "load": load, "allocator": allocator,
                    "runtime": runtime if runtime is not None else (RUNTIME_CPU if s.device == "cpu" else CUDA_CONTEXT)}
         r.load_peak = int(r.terms["runtime"] + weights + biggest_tensor)
+        if s.device != "cpu":  # each piece from the file through one host buffer; a tensor step's sources whole
+            r.host_load = int(RUNTIME_CPU + max(min(HOST_STAGE, piece), biggest_tensor))
         if today:
             full = sum(p.nbytes for p in params if not p.name.endswith(("lora_A.weight", "lora_B.weight")))
             r = _today(r, file_sizes, full, piece, host=s.device == "cpu")
@@ -314,6 +318,7 @@ def _today(r: RankMemory, file_sizes: Mapping[str, int], full_bytes: int, piece:
         read = max(read, done + 2 * file_sizes[name])
         done += file_sizes[name]
     if not host:  # the file is read into host memory; the device sees the whole model moved onto it
+        r.host_load = int(RUNTIME_CPU + read)
         read = 0
     train = r.total - r.terms["load"] - r.terms["runtime"]
     sharding = full_bytes + piece  # the plans shard tensor by tensor: the whole model + one tensor's share

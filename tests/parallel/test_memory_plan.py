@@ -194,6 +194,21 @@ def test_todays_loader_reads_everything_on_every_rank():
     assert split.load_peak == split.terms["weights"] + 16 * 8 * 4
 
 
+def test_a_gpu_run_holds_one_staged_piece_in_host_memory_while_loading():
+    from kiln.parallel.memory import HOST_STAGE, RUNTIME_CPU
+
+    files = {"a.safetensors": 3000, "b.safetensors": 2088}
+    s = RunSettings(nproc=1, device="cuda", batch_size=1, seq_len=1)
+    params = params_from_headers(headers().values(), s)
+    design = plan_memory(params, DIMS, s, files).ranks[0]
+    today = plan_memory(params, DIMS, s, files, today=True).ranks[0]
+    largest = max(p.nbytes for p in params)  # under the 64 MiB stage: the largest tensor is the largest piece
+    assert largest < HOST_STAGE and design.host_load == RUNTIME_CPU + largest
+    assert today.host_load == RUNTIME_CPU + 3000 + 2 * 2088  # the whole checkpoint read into host memory first
+    cpu = RunSettings(nproc=1, batch_size=1, seq_len=1)
+    assert plan_memory(params_from_headers(headers().values(), cpu), DIMS, cpu, files).ranks[0].host_load == 0
+
+
 def test_block_formula_matches_autograd_saved_tensors():
     """block_activation_bytes against the bytes autograd really saves in one of kiln's Qwen3 blocks (a middle
     one: the difference of a 3- and a 2-layer model), full and LoRA, fp32 and bf16: equal to the byte."""
@@ -290,6 +305,7 @@ def test_cli_table_and_no_fit(tmp_path):
     ok = CliRunner().invoke(app, ["plan", "--config", str(cfg), "--nproc", "2", "--gpu-memory", "80GiB"])
     assert ok.exit_code == 0, ok.output
     assert "weights" in ok.output and "optimizer" in ok.output and "fits" in ok.output
+    assert "host memory while loading" in ok.output  # a GPU run: what the host holds while the weights go over
     r = CliRunner().invoke(app, ["plan", "--config", str(cfg), "--nproc", "2", "--gpu-memory", "100KiB"])
     assert r.exit_code == 1
     assert "largest term is runtime" in r.output and "does NOT fit" in r.output
