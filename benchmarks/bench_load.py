@@ -201,7 +201,12 @@ RUNS = [Run("LoRA, 1 process", "dense", 1, ALL_LINEAR, {}, 1.25),
         Run("FSDP2 + LoRA, 4 processes", "dense", 4, ALL_LINEAR, {"fsdp": True}, 0.5),
         Run("FSDP2 full fine-tune bf16, 2 processes", "dense", 2, None, {"fsdp": True}, 1.0),
         Run("EP = 2 + LoRA (attention), MoE", "moe", 2, ATTENTION, {"ep": 2}, 0.7),
-        Run("PP = 2 + LoRA, 2 processes", "dense", 2, ALL_LINEAR, {"pp": 2, "microbatches": 2}, 0.75)]
+        Run("PP = 2 + LoRA, 2 processes", "dense", 2, ALL_LINEAR, {"pp": 2, "microbatches": 2}, 0.75),
+        # the same runs with each block's activations recomputed in the backward: how near the goals the rest is
+        Run("LoRA, 1 process, activation checkpointing", "dense", 1, ALL_LINEAR,
+            {"activation_checkpointing": "block"}, 1.25),
+        Run("FSDP2 + LoRA, 2 processes, activation checkpointing", "dense", 2, ALL_LINEAR,
+            {"fsdp": True, "activation_checkpointing": "block"}, 0.75)]
 
 
 def rows_per_process(run: Run) -> int:

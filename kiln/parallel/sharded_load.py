@@ -19,7 +19,7 @@ model, only that buffer. `load_to_device` is the one-process (or DDP) form: buil
 
 FP8 block-scaled checkpoints kept FP8 (`fp8 = "keep"`) read like any other: each rank its rows of the FP8
 weights (as bytes under FSDP2) and their scales (buffers: whole on every rank, as after a whole load).
-Not covered yet (loaded whole): FP8 checkpoints to dequantize, DeepSeek-V4's `.scale` names, tensors absent
+Not covered yet (loaded whole): FP8 checkpoints to dequantize, FP8 experts, DeepSeek-V4's `.scale` names, tensors absent
 from the checkpoint (a new head), `.bin` weights. bitsandbytes-4bit directories and bases quantized at load (`[model] quantize`) are
 loaded whole by every rank (4-bit: ~0.26x of bf16), then sharded.
 """
@@ -95,8 +95,8 @@ def empty_pretrained(path: str | os.PathLike, task: str | None = None, fp8: str 
     spans = {k: v for f in _safetensors(path) for k, v in tensor_spans(f).items()}
     if scheme is not None:
         if _fp8_whole_only(path, scheme):
-            raise WeightsError(f"{path}: this FP8 checkpoint's scales are named '<module>.scale' or some FP8 weight "
-                               "has no FP8 module to hold it; load it whole (kiln.models.auto.load_pretrained)")
+            raise WeightsError(f"{path}: this FP8 checkpoint's scales are named '<module>.scale', or it has FP8 experts "
+                               "or an FP8 weight no FP8 module holds; load it whole (kiln.models.auto.load_pretrained)")
         from kiln.models.common.fp8 import prepare_fp8
 
         # the FP8 modules go where the FP8 weights land, decided from the headers (meta tensors) as a whole load
@@ -127,7 +127,11 @@ def _fp8_whole_only(path: Path, scheme: Any) -> bool:
     from kiln.models.common.fp8 import prepare_fp8
 
     prepare_fp8(probe, meta, scheme, "keep", None, str(path))
-    return bool(probe.fp8_state.originals)  # the pairs it dequantized: no FP8 module for them
+    from kiln.models.common.fp8 import Fp8Experts
+
+    # FP8 experts: expert parallelism swaps their class and shards the dequantized stacks (kiln.parallel.ep),
+    # which a read of the stored FP8 bytes cannot fill; they load whole until the plans keep them FP8
+    return bool(probe.fp8_state.originals) or any(isinstance(m, Fp8Experts) for m in probe.modules())
 
 
 def _safetensors(path: Path) -> list[Path]:
@@ -359,6 +363,11 @@ def _fill(name: str, target: torch.Tensor, sources: list[tuple[str, str]], where
                                f"but this config expects {tuple(target.shape)}")
         if isinstance(target, DTensor):  # this rank's piece of the whole tensor, no communication
             value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None).to_local()
+    if local.dtype == torch.uint8 and value.dtype != local.dtype and value.element_size() == 1:
+        value = value.view(torch.uint8)  # a frozen FP8 tensor held as bytes (kiln.parallel.fsdp.frozen_as_bytes)
+    elif value.dtype != local.dtype and value.element_size() == 1 and value.dtype.is_floating_point:
+        raise WeightsError(f"{path}: FP8 tensor {sources[0][0]!r} would be read into {name!r} ({local.dtype}) "
+                           "without its scale; load this checkpoint whole (kiln.models.auto.load_pretrained)")
     if stage is not None:  # what the host held for this tensor (its sources, or the slice read)
         stage.note(read + (value.nbytes if value.dtype != local.dtype else 0))
     with torch.no_grad():

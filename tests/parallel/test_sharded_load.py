@@ -59,6 +59,18 @@ def test_an_fp8_release_kept_fp8_reads_as_the_whole_load_keeps_it(fp8_dir):
         empty_pretrained(fp8_dir, task="causal-lm")  # dequantizing is the whole load's
 
 
+def test_fp8_experts_load_whole(tiny_factory, tmp_path):
+    """Expert parallelism shards FP8 experts' dequantized stacks (kiln.parallel.ep): a read of their stored bytes
+    cannot fill those, so such a checkpoint is not read shard by shard (it loads whole, as before)."""
+    from kiln.parallel.sharded_load import lean_pretrained
+    from tests.models.fp8_cases import make_fp8
+
+    moe = make_fp8(tiny_factory("qwen3_moe", "causal-lm"), tmp_path / "fp8", "Qwen3MoeForCausalLM")
+    assert lean_pretrained(moe, "causal-lm", None, fp8="keep") is None
+    with pytest.raises(WeightsError, match="FP8 experts"):
+        empty_pretrained(moe, task="causal-lm", fp8="keep")
+
+
 @pytest.mark.parametrize("name", ["qwen3", "moe", "tied"])
 def test_one_process_read_equals_a_whole_load(dirs, name):
     whole = load_pretrained(dirs[name], task="causal-lm")
