@@ -28,6 +28,7 @@ from kiln.parallel.checkpoint import is_sharded, load_sharded, save_sharded
 from kiln.parallel.config import ParallelSection
 from kiln.parallel.fsdp import apply_fsdp
 from kiln.parallel.mesh import DIMS, resolve_degrees
+from kiln.parallel.sharded_load import read_shards
 from kiln.errors import ConfigError, KilnError
 from kiln.train import checkpoint as ckpt
 from kiln.train.cadence_loop import CadenceEngine
@@ -119,7 +120,11 @@ def place_frozen(model: nn.Module, device: torch.device, plan: Parallelized | No
     fast/exact switch as the trained model's, and under FSDP sharded as the trained one is (each rank holds its
     share; FSDP gathers each block for its forward). Returns the model (sharded in place)."""
     model.requires_grad_(False).eval()
-    model.to(device)
+    # a copy of a model built on meta (kiln.parallel.sharded_load: the run reads its weights shard by shard) has
+    # no weights yet: it reads its own share once sharded, as the policy did
+    pending = getattr(model, "pending_read", None)
+    if pending is None:
+        model.to(device)
     if plan is not None and plan.fsdp:
         d = plan.degrees
         if d.tp > 1 or d.ep > 1 or d.cp > 1 or d.pp > 1:
@@ -127,5 +132,7 @@ def place_frozen(model: nn.Module, device: torch.device, plan: Parallelized | No
                               "/ pp use [lora] (the reference is the base) or precomputed reference log-probs")
         assert parallel is not None, "an FSDP plan comes from a [parallel] table"
         apply_fsdp(model, plan.mesh["dp"], parallel.param_dtype, parallel.reduce_dtype, parallel.offload)
+    if pending is not None:
+        read_shards(model, pending, device)
     set_fast(model, fast)
     return model

@@ -5,7 +5,8 @@ Both exercise the parts FSDP2 could break: the policy's log-probs reach the shar
 model's own `token_logps` (registered as a forward, so the head is gathered), and the frozen reference copy
 of the starting weights is sharded like the policy. GRPO also samples through the sharded model (every rank
 decodes as many steps) and with beta > 0 takes the KL to the sharded reference; its sampling seeds depend on
-the micro-batch's place in the global batch, so both runs draw the same completions.
+the micro-batch's place in the global batch, so both runs draw the same completions. GRPO's runs read the model
+from model.path: under FSDP2 its reference is a copy of a model built on meta, which reads its own shards.
 """
 
 from __future__ import annotations
@@ -40,13 +41,29 @@ def data(tmp_path_factory) -> Path:
     return d
 
 
+def _saved_model(d: Path) -> Path:
+    """model_section's tiny Qwen3 saved as an HF directory: GRPO's runs read it from model.path, so under FSDP2 the
+    policy and the reference copy of it are built on meta and each rank reads its share (kiln.parallel.sharded_load)."""
+    out = d / "model"
+    if not out.exists():
+        from kiln.hub import Tokenizer
+        from kiln.models.auto import AutoConfig, from_config
+        from tests.train.dpo_helpers import QWEN3
+
+        model = from_config(AutoConfig.for_model("qwen3", **QWEN3), task="causal-lm", seed=0)
+        model.tokenizer = Tokenizer.from_dir(d / "tok")
+        model.save_pretrained(out)
+    return out
+
+
 def _toml(d: Path, name: str, table: str, fsdp: bool) -> Path:
     train, section = ("pairs.jsonl", "[dpo]\nbeta = 0.1") if table == "dpo" else (
         "prompts.jsonl", '[grpo]\nrewards = ["fsdp_rewards:share_low"]\nnum_generations = 4\nmax_new_tokens = 5\n'
                          'beta = 0.05\nloss_type = "grpo"')
+    model = model_section(d) if table == "dpo" else f'[model]\npath = "{_saved_model(d)}"\ntask = "causal-lm"\n'
     path = d / f"{name}.toml"
     path.write_text(f"""
-{model_section(d)}[data]
+{model}[data]
 train = "{d / train}"
 max_length = 40
 [train]
