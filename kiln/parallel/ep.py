@@ -31,6 +31,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from kiln.errors import ConfigError
+from kiln.models.common.fp8 import Fp8Experts
 from kiln.models.common.lora_experts import HOLDER
 from kiln.models.common.moe import Experts, grouped_linear
 from kiln.parallel.blocks import model_name, part, plan_of
@@ -125,6 +126,9 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if HOLDER in module._modules:  # common/lora_experts.py: the adapted weight is read whole
             raise ConfigError(f"parallel.ep = {size}: LoRA on routed experts (lora.target_parameters) does not run "
                               "expert-parallel yet; use fsdp or dp")
+        if isinstance(module, Fp8Experts):  # its weights read as dequantized copies: the split would keep those
+            raise ConfigError(f"parallel.ep = {size}: routed experts kept in FP8 (model.fp8 = \"keep\") do not run "
+                              "expert-parallel yet; use fp8 = \"dequantize\", or fsdp")
         for name in ("gate_up_proj", "down_proj"):
             p = getattr(module, name)
             shard = distribute_tensor(p.data, mesh, [Shard(0)])  # (E/ep, ...) per rank; rank 0's values
