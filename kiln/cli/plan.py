@@ -34,6 +34,7 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
     from kiln.errors import ConfigError, KilnError
     from kiln.hub.config import read_config
     from kiln.hub.headers import read_headers
+    from kiln.models.auto import family_for
     from kiln.parallel.memory import (TERMS, ModelDims, RunSettings, alternatives, check_shapes, fmt_bytes,
                                       params_from_headers, parse_size, plan_memory)
     from kiln.train.config import load_run_config, parse_override
@@ -45,17 +46,21 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
         raise ConfigError(f"{config}: model.path must be a local HF model directory for kiln plan "
                           f"(got {cfg.model.path or 'model.family, built from scratch'})")
     model_dir = Path(cfg.model.path)
-    dims = ModelDims.from_config(read_config(model_dir), str(model_dir / "config.json"))
+    hf_config = read_config(model_dir)
+    dims = ModelDims.from_config(hf_config, str(model_dir / "config.json"))
     tensors, sizes = read_headers(model_dir)
     dims = check_shapes(tensors, dims, str(model_dir / "config.json"))
     device = "cuda" if gpu_memory is not None or cfg.train.device.startswith("cuda") else "cpu"
     par, lora = cfg.parallel, cfg.lora
+    family_plan = family_for(hf_config.get("model_type"), str(model_dir / "config.json")).parallel_plan
+    # a family whose residual cannot split along the sequence (DeepSeek-V4) keeps it whole whatever the key says
+    sequence_parallel = par.sequence_parallel and (family_plan is None or family_plan.sequence_parallel)
     settings = RunSettings(
         nproc=nproc, device=device, batch_size=cfg.train.batch_size, seq_len=cfg.data.max_length,
         precision=cfg.train.precision, exact=cfg.train.exact, lora_r=lora.r if lora else None,
         lora_targets=(lora.targets if isinstance(lora.targets, str) else tuple(lora.targets)) if lora else (),
         dp=par.dp, tp=par.tp, ep=par.ep, pp=par.pp, cp=par.cp, fsdp=par.fsdp, offload=par.offload,
-        param_dtype=par.param_dtype, reduce_dtype=par.reduce_dtype, sequence_parallel=par.sequence_parallel,
+        param_dtype=par.param_dtype, reduce_dtype=par.reduce_dtype, sequence_parallel=sequence_parallel,
         activation_checkpointing=par.activation_checkpointing, checkpoint_every=par.checkpoint_every,
         microbatches=par.microbatches, pp_schedule=par.pp_schedule,
         pp_stages=tuple(par.pp_stages) if par.pp_stages else None, keep_grads=par.cadence is not None,

@@ -327,3 +327,22 @@ def test_cli_missing_shard_and_bad_shape(tmp_path):
 def test_cli_module_imports_no_torch():
     code = "import sys, kiln.cli.plan; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+def test_cli_keeps_deepseek_v4s_residual_whole_under_tp(tmp_path):
+    """DeepSeek-V4's plan keeps the residual whole on every tp rank, so `[parallel] sequence_parallel` (on by
+    default) must not shrink its activation estimate; a family that splits it (qwen3) predicts less with it."""
+    from kiln.cli.main import app
+
+    model = write_checkpoint(tmp_path / "m")  # the plan reads shapes from the headers, the family from model_type
+
+    def predicted(model_type: str, sp: str) -> str:
+        (model / "config.json").write_text(json.dumps({**CONFIG, "model_type": model_type}))
+        cfg = write_run(tmp_path, model, f"[parallel]\ntp = 2\nsequence_parallel = {sp}\n")
+        r = CliRunner().invoke(app, ["plan", "--config", str(cfg), "--nproc", "2", "--set", "train.batch_size=512",
+                                     "--set", "data.max_length=4096"])
+        assert r.exit_code == 0, r.output
+        return [line for line in r.output.splitlines() if "activations" in line][0]
+
+    assert predicted("qwen3", "true") != predicted("qwen3", "false")
+    assert predicted("deepseek_v4", "true") == predicted("deepseek_v4", "false")
