@@ -1,4 +1,4 @@
-"""Language-model commands: generate, chat, tokenizer train."""
+"""Language-model commands: generate, tokenizer train (chat: kiln.cli.chat)."""
 
 from __future__ import annotations
 
@@ -54,98 +54,6 @@ def generate(model_dir: Path = typer.Argument(..., help="An HF causal-LM directo
     out.print(prompt + text)
 
 
-def _read_tools(path: Optional[Path]) -> Optional[list]:
-    """The --tools file: a JSON list of OpenAI function schemas."""
-    if path is None:
-        return None
-    import json
-
-    try:
-        tools = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise KilnError(f"--tools {path}: cannot read a JSON list of function schemas ({e})") from None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise KilnError(f"--tools {path}: want a JSON list of function schemas "
-                        '([{"type": "function", "function": {"name", "description", "parameters"}}, ...])')
-    return tools
-
-
-def show_reply(message: dict) -> list[str]:
-    """How an assistant message is shown: its reasoning, each tool call as name(arguments), then its text."""
-    import json
-
-    lines = [f"think> {message['reasoning_content']}"] if message.get("reasoning_content") else []
-    for call in message.get("tool_calls", []):
-        fn = call["function"]
-        args = fn["arguments"] if isinstance(fn["arguments"], str) else json.dumps(fn["arguments"], ensure_ascii=False)
-        lines.append(f"call> {fn['name']}({args})")
-    if message["content"] or not message.get("tool_calls"):
-        lines.append(f"bot> {message['content']}")
-    return lines
-
-
-def chat(model_dir: Path = typer.Argument(..., help="An HF causal-LM directory with a chat template."),
-         system: Optional[str] = typer.Option(None, "--system", help="A system message."),
-         tools_file: Optional[Path] = typer.Option(None, "--tools", help="A JSON list of function schemas the "
-                                                   "template offers the model; its calls are shown as call> lines "
-                                                   "and the next line you type is their result."),
-         max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
-         temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy."),
-         top_k: int = typer.Option(0, "--top-k"), top_p: float = typer.Option(1.0, "--top-p"),
-         seed: Optional[int] = typer.Option(None, "--seed"),
-         image: Optional[List[Path]] = typer.Option(None, "--image", help="An image shown with the first message "
-                                                    "(image-text models; repeatable)."),
-         allow_missing: bool = ALLOW_MISSING, allow_unused: bool = ALLOW_UNUSED) -> None:
-    """Talk to the model turn by turn through its chat template. An empty line or Ctrl-D ends.
-    --image puts images before the first message's text (the directory's image processor reads them).
-
-    Replies show reasoning (think>), tool calls (call> name(arguments)) and text (bot>); after a tool
-    call the prompt is tool> and the line typed is the tool's result."""
-    import torch
-
-    from kiln.data.sft import chat_prompt_ids, image_chat_prompt
-    from kiln.hub.chat import parse_reply
-
-    sampling = _sampling(max_new_tokens, temperature, top_k, top_p, seed)
-    tools = _read_tools(tools_file)
-    for path in image or []:
-        if not path.is_file():
-            raise KilnError(f"--image: image file {path} does not exist")
-    model = _load(model_dir, allow_missing, allow_unused)
-    model.tokenizer.chat()  # fail now, not after the first question, if there is no template
-    spec = None
-    if image:
-        if not getattr(model, "takes_images", False):
-            raise KilnError(f"--image: {model_dir} has no vision tower (model_type {model.config.model_type!r}); "
-                            "it takes no images")
-        spec = model.image_tokens(model_dir=model_dir)
-    parts = [{"type": "image", "image": str(p.resolve())} for p in image or []]
-    messages = [{"role": "system", "content": system}] if system else []
-    calling = False  # the last reply called tools: the next line is their result
-    while True:
-        try:
-            line = input("tool> " if calling else "you> ")
-        except EOFError:
-            break
-        if not line.strip():
-            break
-        content = parts + [{"type": "text", "text": line}] if parts and not calling else line
-        parts = parts if calling else []  # the images go with the first message typed (not a tool's result)
-        messages.append({"role": "tool" if calling else "user", "content": content})
-        if spec is not None:  # the whole conversation, its images with it, each turn
-            prompt, inputs = image_chat_prompt(model.tokenizer, messages, spec, tools)
-            ids = torch.tensor([prompt])
-            new = model.generate(ids, max_new_tokens=max_new_tokens, prompt_inputs=inputs, **sampling)
-        else:
-            ids = torch.tensor([chat_prompt_ids(model.tokenizer, messages, tools)])
-            new = model.generate(ids, max_new_tokens=max_new_tokens, **sampling)
-        reply = parse_reply(model.tokenizer.decode(new[0, ids.size(1):].tolist()))
-        for shown in show_reply(reply):
-            out.print(shown)
-        messages.append(reply)
-        calling = bool(reply.get("tool_calls"))
-
-
 tokenizer_app = typer.Typer(help="Tokenizer tools.", no_args_is_help=True)
 
 
@@ -180,5 +88,4 @@ def tokenizer_train(files: List[Path] = typer.Argument(..., help=".txt (a text p
 
 def register(app: typer.Typer) -> None:
     app.command("generate")(generate)
-    app.command("chat")(chat)
     app.add_typer(tokenizer_app, name="tokenizer")

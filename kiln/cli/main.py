@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "kiln.cli.train",
     "kiln.cli.plan",
     "kiln.cli.llm",
+    "kiln.cli.chat",
     "kiln.cli.eval",
     "kiln.cli.data",
     "kiln.cli.init",

@@ -60,6 +60,10 @@ def export_model(src: str | os.PathLike | PreTrainedModel, out: str | os.PathLik
         pooling = Pooling.read(src_path) if model.task == BASE else None
         if pooling is not None:  # a sentence-transformers directory: its pooling files go along
             model = sentence_model(model, pooling)
+        if getattr(model, "takes_images", False) and (src_path / "preprocessor_config.json").is_file():
+            from kiln.data.images import QwenImageProcessor  # the processor its images were read with goes along
+
+            model.image_processor = QwenImageProcessor.for_model(src_path, model.config.outer.get("vision_config"))
     from kiln.models.common.quant4 import dequantize_bnb4_model, is_4bit, quantize_model
 
     if (dtype is not None or getattr(model, "lora_config", None) is not None) and any(map(is_4bit, model.modules())):

@@ -47,10 +47,10 @@ def qwen3_chat_model(tmp_path_factory):
 
 def test_chat_shows_tool_calls_and_sends_results_back(qwen3_chat_model, monkeypatch):
     """The model's replies are scripted (a tiny random model calls no tool); all else is the real command."""
-    import kiln.cli.llm as llm
+    import kiln.cli.chat as chat
 
     model_dir, tools = qwen3_chat_model
-    prompts, load = [], llm._load
+    prompts, load = [], chat._load
 
     def scripted(*args, **kwargs):
         model = load(*args, **kwargs)
@@ -63,7 +63,7 @@ def test_chat_shows_tool_calls_and_sends_results_back(qwen3_chat_model, monkeypa
         model.generate = generate
         return model
 
-    monkeypatch.setattr(llm, "_load", scripted)
+    monkeypatch.setattr(chat, "_load", scripted)
     r = CliRunner().invoke(app, ["chat", str(model_dir), "--tools", str(tools)], input='Weather in Paris?\n{"temp": 18}\n\n')
     assert r.exit_code == 0, r.output
     assert "think> The user wants weather." in r.output

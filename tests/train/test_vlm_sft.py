@@ -203,7 +203,8 @@ def test_kiln_train_learns_image_rows(data):
 
 def test_lora_on_image_rows_merges_into_an_export_transformers_reads(data, tmp_path):
     """LoRA on the language model and the tower's attention, 2 steps on image rows; `kiln export` merges the
-    adapters into a directory whose Qwen3_5ForConditionalGeneration gives kiln's logits on an image batch."""
+    adapters into a directory (the processor it trained with beside them) whose
+    Qwen3_5ForConditionalGeneration gives kiln's logits on an image batch."""
     import transformers
     from safetensors.torch import load_file
     from typer.testing import CliRunner
@@ -220,6 +221,9 @@ def test_lora_on_image_rows_merges_into_an_export_transformers_reads(data, tmp_p
     assert any(".visual." in k for k in adapter) and all(bool(v.abs().sum() > 0) for v in adapter.values())
     r = CliRunner().invoke(app, ["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "merged")])
     assert r.exit_code == 0, r.output
+    processor = json.loads((ckpt / "model" / "preprocessor_config.json").read_text())
+    assert processor["min_pixels"] == 64  # [data]'s, not the default: the processor it trained with goes along
+    assert json.loads((tmp_path / "merged" / "preprocessor_config.json").read_text()) == processor
     ours = AutoModelForImageTextToText.from_pretrained(ckpt / "model").eval()  # base + adapters
     theirs = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "merged").eval()
     batch = pad_collate(_encode(ours, data, pack=False)[0][:4])
@@ -263,33 +267,42 @@ def test_bad_image_rows_by_message(data, tmp_path):
         encode([{"messages": [system] + row["messages"]}])
 
 
-def test_kiln_chat_with_an_image_equals_transformers_generate(data):
-    """`kiln chat DIR --image PATH`: the image before the first message's text, greedy; the reply is the one
-    transformers' generate gives for the same prompt ids and pixels."""
+def test_kiln_chat_with_images_equals_transformers_generate(data):
+    """`kiln chat DIR --image A`, then `/image B` between turns: each image goes before the text of the message
+    typed next, greedy; each reply is the one transformers' generate gives for the same conversation (the whole
+    conversation, both images, re-encoded each turn). A missing `/image` file is told and the chat goes on."""
     import transformers
     from typer.testing import CliRunner
 
     from kiln.cli.main import app
+    from kiln.hub.chat import parse_reply
     from kiln.models import AutoModelForImageTextToText
 
-    src, image = _model_dir(data, "full", full_attention=True), data / "digits" / "0.png"
-    r = CliRunner().invoke(app, ["chat", str(src), "--image", str(image), "-n", "6"], input="what digit is this?\n\n")
+    src = _model_dir(data, "full", full_attention=True)
+    first, second = data / "digits" / "0.png", data / "digits" / "1.png"  # 16x24 and 16x16: grids 6x4 and 4x4
+    typed = f"what digit is this?\n/image {data / 'none.png'}\n/image {second}\nand this one?\n\n"
+    r = CliRunner().invoke(app, ["chat", str(src), "--image", str(first), "-n", "6"], input=typed)
     assert r.exit_code == 0, r.output
+    assert f"error: /image: image file {data / 'none.png'} does not exist" in r.output
+    shown = [line.split("bot> ", 1)[1] for line in r.output.splitlines() if "bot> " in line]
     ours = AutoModelForImageTextToText.from_pretrained(src)
-    question = [{"role": "user", "content": [{"type": "image", "image": str(image)},
-                                             {"type": "text", "text": "what digit is this?"}]}]
-    ids, inputs = image_chat_prompt(ours.tokenizer, question, ours.image_tokens(model_dir=src))
-    assert inputs["image_grid_thw"].tolist() == [[1, 6, 4]]  # the directory's preprocessor_config.json (min_pixels)
-    prompt = torch.tensor([ids])
     hf = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(src).eval()
-    want = hf.generate(input_ids=prompt, **inputs, mm_token_type_ids=(prompt == 4).long(), max_new_tokens=6,
-                       do_sample=False)[0, prompt.shape[1]:]
-    got = ours.generate(prompt, max_new_tokens=6, prompt_inputs=inputs)[0, prompt.shape[1]:]
-    assert torch.equal(got, want), (got.tolist(), want.tolist())
-    from kiln.hub.chat import parse_reply
-
-    reply = parse_reply(ours.tokenizer.decode(want.tolist()))["content"]
-    assert "bot> " + "".join(c for c in reply if c.isprintable()) in r.output, r.output  # the console drops \x0c
+    spec = ours.image_tokens(model_dir=src)
+    messages = []
+    for image, text, bot in zip((first, second), ("what digit is this?", "and this one?"), shown, strict=True):
+        messages.append({"role": "user", "content": [{"type": "image", "image": str(image)},
+                                                     {"type": "text", "text": text}]})
+        ids, inputs = image_chat_prompt(ours.tokenizer, messages, spec)
+        assert inputs["image_grid_thw"].tolist() == [[1, 6, 4], [1, 4, 4]][:len(messages) // 2 + 1]
+        prompt = torch.tensor([ids])
+        want = hf.generate(input_ids=prompt, **inputs, mm_token_type_ids=(prompt == 4).long(), max_new_tokens=6,
+                           do_sample=False)[0, prompt.shape[1]:]
+        got = ours.generate(prompt, max_new_tokens=6, prompt_inputs=inputs)[0, prompt.shape[1]:]
+        assert torch.equal(got, want), (got.tolist(), want.tolist())
+        reply = parse_reply(ours.tokenizer.decode(want.tolist()))
+        printable = lambda s: "".join(c for c in s if c.isprintable()).rstrip()  # noqa: E731 (the console drops some)
+        assert printable(bot) == printable(reply["content"]), r.output
+        messages.append(reply)
     r = CliRunner().invoke(app, ["chat", str(src), "--image", str(data / "none.png")], input="hi\n\n")
     assert r.exit_code != 0 and "none.png does not exist" in r.output
 
