@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -41,6 +42,7 @@ def export_model(src: str | os.PathLike | PreTrainedModel, out: str | os.PathLik
     if head is not None and head not in TASKS:
         raise KilnError(f"unknown head {head!r}; choose one of: {', '.join(TASKS)}")
     out_path = Path(out)
+    carried = None  # a file of the source directory that goes along unchanged
     if isinstance(src, PreTrainedModel):
         model = src
         if head is not None and head != model.task:
@@ -60,10 +62,9 @@ def export_model(src: str | os.PathLike | PreTrainedModel, out: str | os.PathLik
         pooling = Pooling.read(src_path) if model.task == BASE else None
         if pooling is not None:  # a sentence-transformers directory: its pooling files go along
             model = sentence_model(model, pooling)
-        if getattr(model, "takes_images", False) and (src_path / "preprocessor_config.json").is_file():
-            from kiln.data.images import QwenImageProcessor  # the processor its images were read with goes along
-
-            model.image_processor = QwenImageProcessor.for_model(src_path, model.config.outer.get("vision_config"))
+        processor = src_path / "preprocessor_config.json"
+        if getattr(model, "takes_images", False) and processor.is_file():
+            carried = processor  # an image-text directory: the processor its images were read with goes along
     from kiln.models.common.quant4 import dequantize_bnb4_model, is_4bit, quantize_model
 
     if (dtype is not None or getattr(model, "lora_config", None) is not None) and any(map(is_4bit, model.modules())):
@@ -82,4 +83,6 @@ def export_model(src: str | os.PathLike | PreTrainedModel, out: str | os.PathLik
         quantize_model(model, quantize, source="this model" if isinstance(src, PreTrainedModel) else str(src))
     with staged_dir(out_path) as tmp:
         model.save_pretrained(tmp, max_shard_bytes=max_shard_bytes)
+        if carried is not None and not (tmp / carried.name).exists():
+            shutil.copyfile(carried, tmp / carried.name)
     return out_path
