@@ -58,6 +58,19 @@ def test_chat_uses_the_template_and_keeps_history(chat_model):
     assert "<|im_start|>" in cfg["chat_template"]
 
 
+def test_chat_image_command_mistakes_are_told_and_the_chat_goes_on(chat_model, tmp_path):
+    """`/image` without a path, with a missing file, or on a model without a vision tower: one error line each,
+    nothing attached, and the next message is answered as a plain text chat."""
+    (tmp_path / "a.png").write_bytes(b"not read: the model takes no images")
+    typed = f"/image\n/image {tmp_path / 'none.png'}\n/image {tmp_path / 'a.png'}\nhello\n\n"
+    r = CliRunner().invoke(app, ["chat", str(chat_model), "-n", "3"], input=typed)
+    assert r.exit_code == 0, r.output
+    assert "error: /image: name an image file: /image PATH" in r.output
+    assert f"error: /image: image file {tmp_path / 'none.png'} does not exist" in r.output
+    assert "error: /image: " in r.output and "has no vision tower (model_type 'qwen3'); it takes no images" in r.output
+    assert r.output.count("bot> ") == 1 and "goes with your next message" not in r.output
+
+
 def test_generate_on_an_encoder_is_refused(tiny_factory):
     r = CliRunner().invoke(app, ["generate", str(tiny_factory("bert", "masked-lm")), "hi"])
     assert r.exit_code == 1 and "has no 'causal-lm' head" in r.output
