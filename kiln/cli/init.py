@@ -294,6 +294,14 @@ EXAMPLES = [
      ".venv/bin/python examples/mamba_hpn/run.py"),
     ("examples/mamba_ff", "Forward-Forward updates of Mamba's D vs plain backprop on BBC News",
      ".venv/bin/python examples/mamba_ff/run.py"),
+    ("examples/deepseek_moe", "a tiny DeepSeek-V3-shaped MoE pre-trained on BBC News, then LoRA-tuned; expert load",
+     ".venv/bin/python examples/deepseek_moe/run.py"),
+    ("examples/preference", "SFT, then DPO on chatterbot-corpus preference pairs; held-out preference",
+     ".venv/bin/python examples/preference/run.py"),
+    ("examples/grpo", "SFT, then GRPO on single-digit sums with exact-match rewards; held-out accuracy",
+     ".venv/bin/python examples/grpo/run.py"),
+    ("examples/digits_vlm", "a tiny image-text model on scikit-learn's digits 0-4, then LoRA-tuned to all ten",
+     ".venv/bin/python examples/digits_vlm/run.py"),
 ]
 
 

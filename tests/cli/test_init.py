@@ -78,3 +78,6 @@ def test_examples_lists_what_exists():
     for path, _, how in EXAMPLES:
         assert (REPO / path).exists(), path
         assert path in r.stdout and how in r.stdout
+    listed = {path for path, _, _ in EXAMPLES}
+    assert {f"examples/{p.name}" for p in (REPO / "examples").iterdir() if p.is_dir() and p.name != "__pycache__"} \
+        <= listed
