@@ -94,6 +94,8 @@ targets = "all-linear"
     assert json.loads((ckpt / "config.json").read_text())["quantization_config"]["quant_method"] == "bitsandbytes"
     assert not any(isinstance(m, Linear4) for m in [trained.lm_head])
 
+    # PEFT finds the base from the adapter's config: the run's model.path
+    assert json.loads((ckpt / "adapter_config.json").read_text())["base_model_name_or_path"] == str(d / "bf16")
     adapter = d / "adapter"
     adapter.mkdir()
     for f in ("adapter_config.json", "adapter_model.safetensors"):

@@ -17,6 +17,7 @@ take adapters by parameter name (`target_parameters`, PEFT's form; common/lora_e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -48,6 +49,7 @@ class LoraConfig:
     targets: list[str] | str = field(default_factory=lambda: ["q_proj", "v_proj"])
     use_rslora: bool = False
     target_parameters: list[str] = field(default_factory=list)  # stacked expert weights (common/lora_experts.py)
+    base_model_name_or_path: str | None = None  # the base it was put on (a path or hub id), for adapter_config.json
 
     @property
     def scaling(self) -> float:
@@ -200,7 +202,7 @@ def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_o
     targets = peft_targets(model)
     peft_config = {
         "peft_type": "LORA", "task_type": getattr(task_of(model), "peft_type", None),
-        "base_model_name_or_path": base_model_name_or_path, "r": config.r, "lora_alpha": config.alpha,
+        "base_model_name_or_path": base_model_name_or_path or config.base_model_name_or_path, "r": config.r, "lora_alpha": config.alpha,
         "lora_dropout": config.dropout, "target_modules": targets, "use_rslora": config.use_rslora,
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
         "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
@@ -226,7 +228,8 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> LoraConfig:
         raise KilnError(f"{path}: per-module rank_pattern / alpha_pattern are not supported")
     return LoraConfig(r=int(raw["r"]), alpha=raw.get("lora_alpha", 8), dropout=raw.get("lora_dropout", 0.0),
                       targets=raw.get("target_modules") or [], use_rslora=bool(raw.get("use_rslora", False)),
-                      target_parameters=list(raw.get("target_parameters") or []))
+                      target_parameters=list(raw.get("target_parameters") or []),
+                      base_model_name_or_path=raw.get("base_model_name_or_path"))
 
 
 def read_adapter_tensors(adapter_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -257,7 +260,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> nn.Module:
     held = sorted({m for k in tensors if (name := keymap.kiln_name(k)) and ".lora_" in name
                    and (m := name.rsplit(".lora_", 1)[0]) in linears})
     if held or config.target_parameters:
-        config = LoraConfig(config.r, config.alpha, config.dropout, held, config.use_rslora, config.target_parameters)
+        config = dataclasses.replace(config, targets=held)
     apply_lora(model, config)
     expected = lora_state_dict(model)
     from_experts = {hf: kiln for kiln, hf in expert_adapter_names(model).items()}

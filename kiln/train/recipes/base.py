@@ -158,4 +158,4 @@ def add_lora(cfg: RunConfig, model: nn.Module) -> None:
 
         lora = cfg.lora
         apply_lora(model, LoraConfig(lora.r, lora.alpha, lora.dropout, lora.targets, lora.use_rslora,
-                                     lora.target_parameters))
+                                     lora.target_parameters, str(cfg.model.path) if cfg.model.path else None))
