@@ -77,7 +77,8 @@ _CHUNK_BYTES = 1 << 19
 
 class _Buffers(threading.local):
     """Per thread: one dequantized-weight buffer per (shape, dtype, device), the chunk temporaries, and the
-    named scratch tensors of `scratch`."""
+    named scratch tensors of `scratch`; kept for the thread's life (at bench_qlora's 1.2B Qwen3 shape: four
+    weight shapes, 62 MB in bf16, and 50 MB of float32 scratch at 1,024 tokens)."""
 
     def __init__(self):
         self.weights: dict[tuple, torch.Tensor] = {}
