@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_dpo import floor_note  # noqa: E402
 from common import interleaved, peak_mb_above, report, rss_kb, setup_torch  # noqa: E402
 
 SIZE = dict(vocab_size=151936, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
@@ -45,7 +46,7 @@ def exact(prompts, completions, answer, **kwargs):
 '''
 
 
-def prepare(tmp: Path) -> None:
+def prepare(tmp: Path) -> int:
     """Prompts with answers, the reward module, the tokenizer and the random model directory."""
     import torch
     import transformers
@@ -64,7 +65,9 @@ def prepare(tmp: Path) -> None:
     train_bpe([tmp / "text.jsonl"], tmp / "model", vocab_size=400, min_frequency=1)
     transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SIZE)).save_pretrained(tmp / "model")
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SIZE))
+    model.save_pretrained(tmp / "model")
+    return sum(p.numel() for p in model.parameters())  # the tied embedding and head once
 
 
 def run_kiln(tmp: Path, steps: int, warmup: int, new_tokens: int) -> dict:
@@ -158,17 +161,19 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kiln-bench-grpo-") as tmp:
-        prepare(Path(tmp))
+        n_params = prepare(Path(tmp))
         res = interleaved(__file__, a.rounds, tmp, str(a.steps), str(a.warmup), str(a.max_new_tokens),
                           describe=lambda out: f"{out['tokens_per_s']:8.1f} tokens/s ({out['tokens_per_step']:.0f} "
                                                f"tokens/step), peak +{out['peak_mb']:.0f} MB")
     k, p = res["kiln"], res["peer"]
     print(f"Qwen3 shape, vocab 151,936, hidden 512, 4 layers; GRPO full weights, {PROMPTS} prompts x {GENERATIONS} "
           f"generations, {a.max_new_tokens} new tokens, dapo, beta 0")
-    report("GRPO generation + update (kiln train [grpo], Qwen3 shape, vocab 151,936)", "trl GRPOTrainer", "tokens/s",
-           [x["tokens_per_s"] for x in k], [x["tokens_per_s"] for x in p],
-           kiln_mem=min(x["peak_mb"] for x in k), peer_mem=min(x["peak_mb"] for x in p),
-           goal=">= 2x, <= 0.6x memory")
+    kiln_mem, peer_mem = min(x["peak_mb"] for x in k), min(x["peak_mb"] for x in p)
+    note = floor_note(n_params, [], kiln_mem, peer_mem)  # beta 0: no reference
+    print(note)
+    report("GRPO generation + update (kiln train [grpo], Qwen3 shape, vocab 151,936)", "TRL 1.16 GRPOTrainer",
+           "tokens/s", [x["tokens_per_s"] for x in k], [x["tokens_per_s"] for x in p],
+           kiln_mem=kiln_mem, peer_mem=peer_mem, goal=">= 2x, <= 0.6x memory", note=note)
 
 
 if __name__ == "__main__":
