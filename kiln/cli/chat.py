@@ -10,7 +10,7 @@ from typing import List, Optional
 import typer
 
 from kiln.cli.common import ALLOW_MISSING, ALLOW_UNUSED
-from kiln.cli.llm import _load, _sampling
+from kiln.cli.llm import SEED, TEMPERATURE, TOP_K, TOP_P, _load, _sampling
 from kiln.cli.output import out
 from kiln.errors import KilnError
 
@@ -59,9 +59,8 @@ def chat(model_dir: Path = typer.Argument(..., help="An HF causal-LM directory w
                                                    "template offers the model; its calls are shown as call> lines "
                                                    "and the next line you type is their result."),
          max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
-         temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy."),
-         top_k: int = typer.Option(0, "--top-k"), top_p: float = typer.Option(1.0, "--top-p"),
-         seed: Optional[int] = typer.Option(None, "--seed"),
+         temperature: float = TEMPERATURE, top_k: int = TOP_K, top_p: float = TOP_P,
+         seed: Optional[int] = SEED,
          image: Optional[List[Path]] = typer.Option(None, "--image", help="An image shown with the first message "
                                                     "(image-text models; repeatable)."),
          allow_missing: bool = ALLOW_MISSING, allow_unused: bool = ALLOW_UNUSED) -> None:

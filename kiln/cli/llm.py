@@ -27,12 +27,18 @@ def _load(model_dir: Path, allow_missing: bool, allow_unused: bool):
     return load_for_prediction(model_dir, CAUSAL_LM, allow_missing, allow_unused)
 
 
+# the sampling options `kiln generate` and `kiln chat` share
+TEMPERATURE = typer.Option(0.0, "--temperature", "-t", help="0 = greedy.")
+TOP_K = typer.Option(0, "--top-k")
+TOP_P = typer.Option(1.0, "--top-p")
+SEED = typer.Option(None, "--seed")
+
+
 def generate(model_dir: Path = typer.Argument(..., help="An HF causal-LM directory."),
              prompt: str = typer.Argument(..., help="Text to continue."),
              max_new_tokens: int = typer.Option(40, "--max-new-tokens", "-n"),
-             temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy."),
-             top_k: int = typer.Option(0, "--top-k"), top_p: float = typer.Option(1.0, "--top-p"),
-             seed: Optional[int] = typer.Option(None, "--seed"),
+             temperature: float = TEMPERATURE, top_k: int = TOP_K, top_p: float = TOP_P,
+             seed: Optional[int] = SEED,
              image: Optional[List[Path]] = typer.Option(None, "--image", help="An image before the prompt "
                                                         "(image-text models; repeatable)."),
              allow_missing: bool = ALLOW_MISSING, allow_unused: bool = ALLOW_UNUSED) -> None:
