@@ -61,10 +61,10 @@ def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None,
     if bnb4_scheme_from_config(config.extra, source) is not None or has_adapter(path) \
             or any(f.suffix != ".safetensors" for f in weight_files(path)):
         return None
-    scheme = scheme_from_config(config.extra, source)
-    if scheme is not None and (fp8 != "keep" or _fp8_whole_only(path, scheme)):
+    try:
+        model = empty_pretrained(path, task, fp8=fp8, **changes)
+    except WholeLoadOnly:
         return None
-    model = empty_pretrained(path, task, fp8=fp8, **changes)
     with ExitStack() as stack:
         keys = [k for f in _safetensors(path) for k in stack.enter_context(safe_open(str(f), framework="pt")).keys()]
     groups, _ = _sources(model, keys)
@@ -86,7 +86,7 @@ def empty_pretrained(path: str | os.PathLike, task: str | None = None, fp8: str 
     family, config, source_task = load_config(path)
     scheme = scheme_from_config(config.extra, str(Path(path) / "config.json"))
     if scheme is not None and fp8 != "keep":
-        raise WeightsError(f"{path}: an FP8 block-scaled checkpoint is read shard by shard only kept FP8 "
+        raise WholeLoadOnly(f"{path}: an FP8 block-scaled checkpoint is read shard by shard only kept FP8 "
                            "(fp8 = 'keep'); to dequantize it, load it whole (kiln.models.auto.load_pretrained)")
     config = apply_changes(config, dict(changes))
     with torch.device("meta"):
@@ -94,15 +94,7 @@ def empty_pretrained(path: str | os.PathLike, task: str | None = None, fp8: str 
     model.source_task = source_task
     spans = {k: v for f in _safetensors(path) for k, v in tensor_spans(f).items()}
     if scheme is not None:
-        if _fp8_whole_only(path, scheme):
-            raise WeightsError(f"{path}: this FP8 checkpoint's scales are named '<module>.scale', or it has FP8 experts "
-                               "or an FP8 weight no FP8 module holds; load it whole (kiln.models.auto.load_pretrained)")
-        from kiln.models.common.fp8 import prepare_fp8
-
-        # the FP8 modules go where the FP8 weights land, decided from the headers (meta tensors) as a whole load
-        # decides it from the tensors
-        prepare_fp8(model, {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in spans.items()},
-                    scheme, "keep", None, str(path))
+        _place_fp8(model, spans, scheme, path)
     groups, _ = _sources(model, list(spans))
     for name, t in model.state_dict(keep_vars=True).items():  # each tensor in its stored dtype, as a whole load
         if name in groups:
@@ -112,26 +104,27 @@ def empty_pretrained(path: str | os.PathLike, task: str | None = None, fp8: str 
     return model
 
 
-def _fp8_whole_only(path: Path, scheme: Any) -> bool:
-    """An FP8 checkpoint a sharded read cannot keep FP8 as a whole load would: DeepSeek-V4's `<module>.scale`
-    names (the read maps checkpoint names as stored), or FP8 weights no FP8 module holds (dequantized at load)."""
+class WholeLoadOnly(WeightsError):
+    """A checkpoint this read cannot take as a whole load would (`lean_pretrained` then says None)."""
+
+
+def _place_fp8(model: PreTrainedModel, spans: dict[str, Span], scheme: Any, path: Path) -> None:
+    """Put the FP8 modules where the FP8 weights land, decided from the headers (meta tensors) as a whole load
+    decides it from the tensors; WholeLoadOnly for what a read cannot keep FP8: DeepSeek-V4's `<module>.scale`
+    names (the read maps checkpoint names as stored), FP8 weights no FP8 module holds (dequantized at load),
+    and FP8 experts (expert parallelism shards their dequantized stacks, kiln.parallel.ep, which a read of the
+    stored bytes cannot fill)."""
     from kiln.hub.fp8 import canonical_scales
+    from kiln.models.common.fp8 import Fp8Experts, prepare_fp8
 
-    spans = {k: v for f in _safetensors(path) for k, v in tensor_spans(f).items()}
     meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in spans.items()}
-    if canonical_scales(meta, scheme)[1].scale_names != scheme.scale_names:
-        return True
-    family, config, source_task = load_config(path)
-    with torch.device("meta"):
-        probe = family.build(config, source_task or BASE)
-    from kiln.models.common.fp8 import prepare_fp8
-
-    prepare_fp8(probe, meta, scheme, "keep", None, str(path))
-    from kiln.models.common.fp8 import Fp8Experts
-
-    # FP8 experts: expert parallelism swaps their class and shards the dequantized stacks (kiln.parallel.ep),
-    # which a read of the stored FP8 bytes cannot fill; they load whole until the plans keep them FP8
-    return bool(probe.fp8_state.originals) or any(isinstance(m, Fp8Experts) for m in probe.modules())
+    whole = canonical_scales(meta, scheme)[1].scale_names != scheme.scale_names
+    if not whole:
+        prepare_fp8(model, meta, scheme, "keep", None, str(path))
+        whole = bool(model.fp8_state.originals) or any(isinstance(m, Fp8Experts) for m in model.modules())
+    if whole:
+        raise WholeLoadOnly(f"{path}: this FP8 checkpoint's scales are named '<module>.scale', or it has FP8 experts "
+                            "or an FP8 weight no FP8 module holds; load it whole (kiln.models.auto.load_pretrained)")
 
 
 def _safetensors(path: Path) -> list[Path]:
