@@ -304,9 +304,7 @@ def _lora_config(path: Path, saved: dict[str, tuple[int, ...] | None]) -> LoraCo
     modules = sorted({k.removesuffix(".lora_A.weight") for k in saved if k.endswith(".lora_A.weight")})
     if not modules:
         return None
-    settings, base = None, None
-    if (path / "trainer.json").is_file():
-        base = ((read_json(path / "trainer.json", want=dict).get("run_config") or {}).get("model") or {}).get("path")
+    settings = None
     if (path / "model" / LORA_FILE).is_file():
         settings = read_json(path / "model" / LORA_FILE, want=dict)
     elif (path / "trainer.json").is_file():
@@ -320,7 +318,7 @@ def _lora_config(path: Path, saved: dict[str, tuple[int, ...] | None]) -> LoraCo
     params = [m.replace(hold, ".") for m in modules if hold in m]
     return LoraConfig(r=int(settings["r"]), alpha=settings["alpha"], dropout=settings.get("dropout", 0.0),
                       targets=[m for m in modules if hold not in m], use_rslora=bool(settings.get("use_rslora", False)),
-                      target_parameters=params, base_model_name_or_path=base)
+                      target_parameters=params)
 
 
 def _check_placed(path: Path, saved: dict[str, tuple[int, ...] | None], built: dict[str, tuple[int, ...]]) -> None:

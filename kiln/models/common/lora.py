@@ -249,9 +249,10 @@ def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_o
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     as_umask_allows(out / "adapter_model.safetensors")  # safetensors writes 0600
     targets = peft_targets(model)
+    base = base_model_name_or_path or config.base_model_name_or_path
     peft_config = {
         "peft_type": "LORA", "task_type": getattr(task_of(model), "peft_type", None),
-        "base_model_name_or_path": base_model_name_or_path or config.base_model_name_or_path, "r": config.r, "lora_alpha": config.alpha,
+        "base_model_name_or_path": base, "r": config.r, "lora_alpha": config.alpha,
         "lora_dropout": config.dropout, "target_modules": targets, "use_rslora": config.use_rslora,
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
         "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
