@@ -163,6 +163,11 @@ class KeyMap:
         hit = self._apply(hf_key, self._to_kiln, "kiln")
         return None if hit is None else hit[0]
 
+    def stack_slot(self, hf_key: str) -> tuple[Stack, int, int] | None:
+        """(its stack, part, expert) for an HF tensor that is one expert's part of a stacked kiln tensor."""
+        hit = self._stack_hit(hf_key) if self.stacks else None
+        return None if hit is None or hit[3] < 0 else (hit[0], hit[2], hit[3])
+
     def is_plain(self, hf_key: str) -> bool:
         """The HF tensor becomes a kiln tensor as it is: one rule, no tensor step, not part of a stack."""
         if self.stacks and self._stack_hit(hf_key) is not None:

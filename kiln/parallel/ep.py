@@ -31,11 +31,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from kiln.errors import ConfigError
-from kiln.models.common.fp8 import Fp8Experts
+from kiln.hub.fp8 import SCALE_SUFFIX, is_quantized
+from kiln.models.common.fp8 import Fp8Experts, dequantize_parts
 from kiln.models.common.lora_experts import HOLDER
 from kiln.models.common.moe import Experts, grouped_linear
 from kiln.parallel.blocks import model_name, part, plan_of
-from kiln.parallel.fsdp import DTYPES
+from kiln.parallel.fsdp import DTYPES, retype
 
 
 class _AllToAll(torch.autograd.Function):
@@ -92,13 +93,35 @@ class ExpertParallelExperts(Experts):
         by_expert = torch.sort(local_e, stable=True).indices
         offsets = torch.cumsum(recv_counts.view(P, local_experts).sum(0), dim=0, dtype=torch.int32)
         h = xr[by_expert]
-        y = grouped_linear(self.glu(grouped_linear(h, _local(self.gate_up_proj), offsets)), _local(self.down_proj),
-                           offsets)  # (R, C)
+        y = grouped_linear(self.glu(grouped_linear(h, _local(self.stacked("gate_up_proj")), offsets)),
+                           _local(self.stacked("down_proj")), offsets)  # (R, C)
         y = y[torch.argsort(by_expert)]  # back to the received order
         ys = all_to_all(y, send, recv, self.ep_group) * ws.unsqueeze(-1)  # (S, C), in our sorted order
         back = torch.empty_like(order)
         back[order] = torch.arange(order.size(0), device=x.device)
         return ys[back].view(N, k, -1).sum(dim=1).to(x.dtype)  # (N, C)
+
+
+class ExpertParallelFp8Experts(ExpertParallelExperts, Fp8Experts):
+    """`ExpertParallelExperts` over routed experts kept FP8 (`fp8 = "keep"`): each rank holds its experts' FP8
+    stacks and their scale grids (DTensors sharded on the expert axis) and dequantizes only those when they
+    compute, as `Fp8Experts` does for all of them in one process."""
+
+    def _weight(self, name: str) -> torch.Tensor:
+        q = _local(self._parameters[name])
+        if not is_quantized(q):
+            return q
+        parts, dim = self.fp8_layout[name]
+        return dequantize_parts(q, _local(self._buffers[name + SCALE_SUFFIX]), self.fp8_block, parts, dim,
+                                self.compute_dtype)
+
+
+def _split(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """`t` (E, ...) sharded on the expert axis over `mesh`, rank 0's values; a dtype a backend may lack (FP8)
+    crosses as its bytes (gloo has no float8)."""
+    if t.dtype.is_floating_point and t.element_size() == 1:
+        return retype(distribute_tensor(t.view(torch.uint8), mesh, [Shard(0)]), t.dtype)
+    return distribute_tensor(t, mesh, [Shard(0)])
 
 
 def expert_modules(model: nn.Module) -> list[Experts]:
@@ -126,14 +149,13 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if HOLDER in module._modules:  # common/lora_experts.py: the adapted weight is read whole
             raise ConfigError(f"parallel.ep = {size}: LoRA on routed experts (lora.target_parameters) does not run "
                               "expert-parallel yet; use fsdp or dp")
-        if isinstance(module, Fp8Experts):  # its weights read as dequantized copies: the split would keep those
-            raise ConfigError(f"parallel.ep = {size}: routed experts kept in FP8 (model.fp8 = \"keep\") do not run "
-                              "expert-parallel yet; use fp8 = \"dequantize\", or fsdp")
         for name in ("gate_up_proj", "down_proj"):
-            p = getattr(module, name)
-            shard = distribute_tensor(p.data, mesh, [Shard(0)])  # (E/ep, ...) per rank; rank 0's values
-            setattr(module, name, nn.Parameter(shard, requires_grad=p.requires_grad))
-        module.__class__ = ExpertParallelExperts
+            p = module._parameters[name]  # an FP8-kept stack as stored (the attribute reads it dequantized)
+            setattr(module, name, nn.Parameter(_split(p.data, mesh), requires_grad=p.requires_grad))
+            scale = module._buffers.get(name + SCALE_SUFFIX)
+            if scale is not None:  # one scale grid per expert: each rank keeps its experts' grids
+                module._buffers[name + SCALE_SUFFIX] = _split(scale, mesh)
+        module.__class__ = ExpertParallelFp8Experts if isinstance(module, Fp8Experts) else ExpertParallelExperts
         module.ep_group, module.ep_size = mesh.get_group(), size
     return model
 

@@ -117,12 +117,12 @@ def frozen_as_bytes(model: nn.Module) -> list[str]:
                 module.register_state_dict_post_hook(_state_dict_stored)
                 module.register_load_state_dict_pre_hook(_load_as_bytes)
             byte_params[name] = p.dtype
-            module._parameters[name] = nn.Parameter(_retype(p.detach(), torch.uint8), requires_grad=False)
+            module._parameters[name] = nn.Parameter(retype(p.detach(), torch.uint8), requires_grad=False)
             names.append(f"{prefix}.{name}" if prefix else name)
     return names
 
 
-def _retype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def retype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The same bytes as `dtype` (a view; a DTensor stays one, with the same placements)."""
     if not isinstance(t, DTensor):
         return t.view(dtype)
@@ -141,18 +141,18 @@ def _view_stored(module: nn.Module, args: tuple) -> None:
     for name, dtype in module._kiln_byte_params.items():
         t = module._parameters.get(name)
         if t is not None and t.dtype == torch.uint8 and dtype != torch.uint8:
-            module._parameters[name] = nn.Parameter(_retype(t.detach(), dtype), requires_grad=False)
+            module._parameters[name] = nn.Parameter(retype(t.detach(), dtype), requires_grad=False)
 
 
 def _state_dict_stored(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
     for name, dtype in module._kiln_byte_params.items():
         t = state.get(prefix + name)
         if t is not None and t.dtype == torch.uint8:
-            state[prefix + name] = _retype(t, dtype)  # a view: DCP loads in place into the parameter's bytes
+            state[prefix + name] = retype(t, dtype)  # a view: DCP loads in place into the parameter's bytes
 
 
 def _load_as_bytes(module: nn.Module, state: dict, prefix: str, *args) -> None:
     for name, dtype in module._kiln_byte_params.items():
         t = state.get(prefix + name)
         if t is not None and t.dtype == dtype:  # bytes, not a numeric cast into uint8
-            state[prefix + name] = _retype(t, torch.uint8)
+            state[prefix + name] = retype(t, torch.uint8)

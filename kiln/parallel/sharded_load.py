@@ -111,20 +111,18 @@ class WholeLoadOnly(WeightsError):
 def _place_fp8(model: PreTrainedModel, spans: dict[str, Span], scheme: Any, path: Path) -> None:
     """Put the FP8 modules where the FP8 weights land, decided from the headers (meta tensors) as a whole load
     decides it from the tensors; WholeLoadOnly for what a read cannot keep FP8: DeepSeek-V4's `<module>.scale`
-    names (the read maps checkpoint names as stored), FP8 weights no FP8 module holds (dequantized at load),
-    and FP8 experts (expert parallelism shards their dequantized stacks, kiln.parallel.ep, which a read of the
-    stored bytes cannot fill)."""
+    names (the read maps checkpoint names as stored), and FP8 weights no FP8 module holds (dequantized at load)."""
     from kiln.hub.fp8 import canonical_scales
-    from kiln.models.common.fp8 import Fp8Experts, prepare_fp8
+    from kiln.models.common.fp8 import prepare_fp8
 
     meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in spans.items()}
     whole = canonical_scales(meta, scheme)[1].scale_names != scheme.scale_names
     if not whole:
         prepare_fp8(model, meta, scheme, "keep", None, str(path))
-        whole = bool(model.fp8_state.originals) or any(isinstance(m, Fp8Experts) for m in model.modules())
+        whole = bool(model.fp8_state.originals)
     if whole:
-        raise WholeLoadOnly(f"{path}: this FP8 checkpoint's scales are named '<module>.scale', or it has FP8 experts "
-                            "or an FP8 weight no FP8 module holds; load it whole (kiln.models.auto.load_pretrained)")
+        raise WholeLoadOnly(f"{path}: this FP8 checkpoint's scales are named '<module>.scale', or it has "
+                            "an FP8 weight no FP8 module holds; load it whole (kiln.models.auto.load_pretrained)")
 
 
 def _safetensors(path: Path) -> list[Path]:
@@ -246,10 +244,13 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
                 with torch.no_grad():
                     _local(target).copy_(kept[name])
             elif name in groups:
-                key = groups[name][0][0]
-                if where[key] not in opened:
-                    opened[where[key]] = stack.enter_context(open(where[key], "rb", buffering=0))
-                if _read_rows(target, groups[name], spans, opened[where[key]], keymap, path, stage):
+                def file_of(key: str) -> Any:
+                    if where[key] not in opened:
+                        opened[where[key]] = stack.enter_context(open(where[key], "rb", buffering=0))
+                    return opened[where[key]]
+
+                if _read_rows(target, groups[name], spans, file_of(groups[name][0][0]), keymap, path, stage) \
+                        or _read_experts(target, groups[name], spans, file_of, keymap, path, stage):
                     continue
                 # the pages a mapping touched count in this process's RSS until it is closed: map the files
                 # of one tensor at a time, so the read never holds more than its shards plus one tensor
@@ -327,6 +328,69 @@ def _read_rows(target: torch.Tensor, sources: list[tuple[str, str]], spans: dict
         read_into(f, span.offset + start * row, local)
     else:
         stage.read(f, span.offset + start * row, local)
+    return True
+
+
+def _expert_run(target: torch.Tensor) -> tuple[int, int] | None:
+    """(first, stop): the experts (dim 0) this rank holds of `target`, when its piece is a run of whole experts."""
+    if not isinstance(target, DTensor):
+        return 0, target.shape[0]
+    # DTensor's own arithmetic (what DCP reads by): Shard(0) over ep, FSDP's _StridedShard(0) on top of it
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(not p.is_replicate() and getattr(p, "dim", None) != 0 for p in target.placements):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    if tuple(shape) != tuple(target.to_local().shape):
+        return None
+    return offset[0], offset[0] + shape[0]
+
+
+def _read_experts(target: torch.Tensor, sources: list[tuple[str, str]], spans: dict[str, Span], file_of: Any,
+                  keymap: Any, path: Path, stage: HostStage | None) -> bool:
+    """Read the experts this rank holds of a stacked tensor (kiln (E, ...) = stack over experts of the cat of
+    their HF parts) part by part from the files into `target`'s memory: an expert parallel rank reads only
+    its experts' bytes, in the stored dtype (FP8 weights and their scale grids alike). False when `target` is
+    not such a tensor, or needs a cast (the caller reads it otherwise)."""
+    slots: dict[tuple[int, int], str] = {}
+    for key, hf in sources:
+        slot = keymap.stack_slot(hf)
+        if slot is None:
+            return False
+        stack, part, expert = slot
+        slots[(part, expert)] = key
+    local, run = _local(target).detach(), _expert_run(target)
+    dtype = spans[sources[0][0]].dtype
+    if run is None or not local.is_contiguous() or (stage is None and local.device.type != "cpu") \
+            or not (local.dtype == dtype or local.dtype == torch.uint8 and dtype.itemsize == 1):
+        return False
+    parts, dim = len(stack.hf), stack.dim
+    num = max(e for _, e in slots) + 1
+    missing = [keymap.hf_name(sources[0][1]) or sources[0][0]] if num != target.shape[0] else \
+        [f"expert {e} part {p}" for e in range(*run) for p in range(parts) if (p, e) not in slots]
+    if missing:
+        raise WeightsError(f"{path}: the checkpoint has {num} expert(s) for {missing[0]!r} where this config "
+                           f"expects {target.shape[0]}, or misses some ({', '.join(missing[:4])})")
+    want = list(target.shape[1:])
+    want[dim] //= parts
+    for e in range(*run):
+        for p in range(parts):
+            key = slots[(p, e)]
+            span = spans[key]
+            if span.shape != tuple(want) or span.dtype != dtype:
+                raise WeightsError(f"{path}: tensor {key!r} has shape {span.shape} ({span.dtype}), but this config "
+                                   f"expects {tuple(want)} ({dtype}) for each expert's part")
+            dest = local[e - run[0]].narrow(dim, p * want[dim], want[dim])
+            if not dest.is_contiguous():  # a part of the columns: through one part-sized host tensor
+                held = torch.empty(want, dtype=local.dtype)
+                read_into(file_of(key), span.offset, held)
+                if stage is not None:
+                    stage.note(held.nbytes)
+                dest.copy_(held)
+            elif stage is None:
+                read_into(file_of(key), span.offset, dest)
+            else:
+                stage.read(file_of(key), span.offset, dest)
     return True
 
 

@@ -13,12 +13,13 @@ from torch.distributed.tensor import DTensor
 from kiln.models.auto import load_pretrained
 from kiln.models.common.lora import LoraConfig, apply_lora
 from kiln.parallel.apply import parallelize
+from kiln.parallel import sharded_load
 from kiln.parallel.sharded_load import empty_pretrained, init_adapters, loaded_bytes, read_shards
 from kiln.train.config import ParallelSection
 
 MODES = {"fsdp": dict(fsdp=True), "fsdp-lora": dict(fsdp=True), "pp": dict(pp=2, microbatches=2),
          "pp-fsdp": dict(pp=2, microbatches=2, fsdp=True), "tp": dict(tp=2), "ep": dict(ep=2), "tp-fsdp": dict(tp=2, fsdp=True),
-         "ep-fsdp": dict(ep=2, fsdp=True)}
+         "ep-fsdp": dict(ep=2, fsdp=True), "ep-fsdp-2": dict(ep=2, fsdp=True)}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -46,7 +47,13 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str) -> None:
         torch.manual_seed(123)  # init_adapters draws from its own seed, whatever happened since
         init_adapters(lean, "cpu", seed=5)
     parallelize(lean, parallel, world_size=world, device=torch.device("cpu"))
-    read_shards(lean, model_dir)
+    read_whole = []  # the tensors read whole (one checkpoint tensor at a time), then cut to this rank's piece
+    fill = sharded_load._fill
+    sharded_load._fill = lambda name, *args: (read_whole.append(name), fill(name, *args))[1]
+    try:
+        read_shards(lean, model_dir)
+    finally:
+        sharded_load._fill = fill
     a, b = whole.state_dict(), lean.state_dict()
     problems = [k for k in a if k not in b] + [k for k in b if k not in a]
     for k in a.keys() & b.keys():
@@ -57,7 +64,12 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str) -> None:
                 isinstance(a[k], DTensor) and a[k].placements != b[k].placements):
             problems.append(f"{k}: placements differ")
     with open(os.path.join(out, f"{mode}-rank{rank}.json"), "w") as f:
+        experts = {k: _local(t) for k, t in b.items() if ".experts." in k}
         json.dump({"problems": sorted(problems), "tensors": len(a), "bytes": loaded_bytes(lean),
+                   "read_whole": read_whole, "expert_bytes": sum(t.nbytes for t in experts.values()),
+                   "expert_dtypes": sorted({str(t.dtype) for t in experts.values()}),
+                   "whole_expert_bytes": sum(t.numel() * t.element_size() for k, t in a.items()
+                                             if ".experts." in k),
                    "embedding_sharded": isinstance(dict(lean.named_parameters()).get("model.embed_tokens.weight"),
                                                    DTensor),
                    "whole_bytes": sum(t.nbytes for t in load_pretrained(model_dir, fp8=fp8).state_dict().values()),

@@ -120,8 +120,9 @@ def dequantize_parts(q: torch.Tensor, s: torch.Tensor, block, parts: int, dim: i
 class Fp8Experts(_KeepsFp8Storage, Experts):
     """Stacked experts whose weights stay FP8 with per-expert (and per-part) scales.
 
-    `gate_up_proj` / `down_proj` read as the dequantized tensors, so the grouped matmuls of
-    `Experts.forward` run unchanged; under autograd the dequantized copy lives until backward.
+    `stacked("gate_up_proj")` / `stacked("down_proj")` are the dequantized tensors, so the grouped matmuls of
+    `Experts.forward` run unchanged; under autograd the dequantized copy lives until backward. The attributes
+    are the stored FP8 parameters (FSDP2 re-finds its parameters by attribute).
     """
     fp8_layout: dict[str, tuple[int, int]]  # name -> (parts, cat dim within an expert)
 
@@ -132,8 +133,8 @@ class Fp8Experts(_KeepsFp8Storage, Experts):
         parts, dim = self.fp8_layout[name]
         return dequantize_parts(q, self._buffers[name + SCALE_SUFFIX], self.fp8_block, parts, dim, self.compute_dtype)
 
-    gate_up_proj = property(lambda self: self._weight("gate_up_proj"))
-    down_proj = property(lambda self: self._weight("down_proj"))
+    def stacked(self, name: str) -> torch.Tensor:
+        return self._weight(name)
 
     @classmethod
     def convert(cls, experts: Experts, name: str, parts: int, dim: int, block, scale_dtype: torch.dtype,

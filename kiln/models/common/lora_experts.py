@@ -7,8 +7,8 @@ tensor with the same op, so a kiln adapter in PEFT on the transformers model giv
 and a merged export writes exactly the weight kiln computed with.
 
 The stacked parameters keep their names (the key map, checkpoints and plans are untouched): the module's class
-is switched to one whose `gate_up_proj` / `down_proj` read as the adapted tensors, as `Fp8Experts` reads its
-FP8 ones; the adapters sit in `<experts>.lora.<param>.lora_A/B`. Several targeted parameters of one module nest
+is switched to one whose `gate_up_proj` / `down_proj` read as the adapted tensors (what `Experts.stacked` then
+gives); the adapters sit in `<experts>.lora.<param>.lora_A/B`. Several targeted parameters of one module nest
 in PEFT, the first registered innermost, so on disk the adapter of a parameter is
 `<module>.` + `base_layer.` x (targeted parameters registered after it) + `lora_A.weight`.
 """

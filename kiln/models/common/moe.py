@@ -28,6 +28,11 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_experts, dim))
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
 
+    def stacked(self, name: str) -> torch.Tensor:
+        """The (E, out, in) weight `name` as the matmuls use it (Fp8Experts: dequantized from the stored FP8). The
+        attribute itself stays the stored parameter: FSDP2 and `nn.Module._apply` find parameters by it."""
+        return getattr(self, name)
+
     def reset_parameters_hf(self, std: float) -> None:
         nn.init.normal_(self.weight, 0.0, std)
 
@@ -58,13 +63,19 @@ class Experts(nn.Module):
             gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
         return self.act_fn(gate) * up
 
+    def stacked(self, name: str) -> torch.Tensor:
+        """The (E, out, in) weight `name` as the matmuls use it (Fp8Experts: dequantized from the stored FP8). The
+        attribute itself stays the stored parameter: FSDP2 and `nn.Module._apply` find parameters by it."""
+        return getattr(self, name)
+
     def reset_parameters_hf(self, std: float) -> None:
         nn.init.normal_(self.gate_up_proj, 0.0, std)
         nn.init.normal_(self.down_proj, 0.0, std)
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.fast and type(self.act_fn) is nn.SiLU and self.limit is None and x.size(0):
-            return routed_experts(x, index, weights, self.gate_up_proj, self.down_proj, self.grad_buffers)
+            return routed_experts(x, index, weights, self.stacked("gate_up_proj"), self.stacked("down_proj"),
+                                  self.grad_buffers)
         N, k = index.shape  # x (N, C); index, weights (N, k)
         expert_of, order = torch.sort(index.reshape(-1))  # (S,) pairs grouped by expert
         xs = x[order // k]  # (S, C)
@@ -73,7 +84,8 @@ class Experts(nn.Module):
         counts_in = expert_of.float() if x.device.type in ("cpu", "mps") else expert_of.int()
         counts = torch.histc(counts_in, bins=self.num_experts, min=0, max=self.num_experts - 1)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        ys = grouped_linear(self.glu(grouped_linear(xs, self.gate_up_proj, offsets)), self.down_proj, offsets)  # (S, C)
+        ys = grouped_linear(self.glu(grouped_linear(xs, self.stacked("gate_up_proj"), offsets)), self.stacked("down_proj"),
+                            offsets)  # (S, C)
         ys = ys * ws.unsqueeze(-1)
         back = torch.empty_like(order)
         back[order] = torch.arange(order.size(0), device=x.device)
