@@ -1,5 +1,6 @@
-"""Spawned ranks for the FP8-kept FSDP2 test: LoRA steps on a frozen FP8 base sharded over gloo, and a
-unit holding nothing but FP8 weights, sharded with and without `frozen_as_bytes` (a helper, not a test module)."""
+"""Spawned ranks for the FP8-kept FSDP2 and EP tests: LoRA steps on a frozen FP8 base sharded over gloo, a
+unit holding nothing but FP8 weights, sharded with and without `frozen_as_bytes`, and steps on an FP8 MoE
+whose routed experts are split over ep ranks (a helper, not a test module)."""
 
 from __future__ import annotations
 
@@ -131,3 +132,50 @@ def only_fp8_unit(rank: int, world: int, out: str) -> None:
         results[str(param_dtype)] = {"equal": y.dtype == want.dtype and torch.equal(y, want), "seen": seen}
     with open(os.path.join(out, f"only-fp8-rank{rank}.json"), "w") as f:
         json.dump(results, f)
+
+
+EP_PLANS = {"ep": dict(ep=2), "ep-fsdp": dict(ep=2, fsdp=True)}
+
+
+def ep_steps(rank: int, world: int, model_dir: str, out: str) -> None:
+    """STEPS SGD steps on an FP8 MoE kept FP8 (routed experts frozen FP8, the rest trained): world == 1 loads it
+    whole and runs it as is; over 2 ranks, each plan of EP_PLANS in turn builds it on meta, applies the plan and
+    reads this rank's share (its experts' FP8 bytes and scale grids only), each rank on its half of the batch.
+    The global mean losses, and what each rank holds of the experts, go to `out`."""
+    from kiln.models.auto import load_pretrained
+    from kiln.parallel.apply import parallelize
+    from kiln.parallel.ep import expert_modules
+    from kiln.parallel.sharded_load import empty_pretrained, read_shards
+    from kiln.train.config import ParallelSection
+
+    for name, plan in EP_PLANS.items() if world > 1 else [("one", None)]:
+        facts: dict = {}
+        if plan is None:
+            model, par = load_pretrained(model_dir, fp8="keep"), None
+        else:
+            model = empty_pretrained(model_dir, fp8="keep")
+            par = parallelize(model, ParallelSection(**plan), world_size=world, device=torch.device("cpu"))
+            read_shards(model, model_dir)
+            experts = expert_modules(model)
+            stored = [(t.to_local() if isinstance(t, DTensor) else t) for m in experts
+                      for t in (*m._parameters.values(), *m._buffers.values())]
+            facts["held"] = [[str(t.dtype), t.shape[0]] for t in stored]
+            facts["num_experts"] = experts[0].num_experts
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(params, lr=LR)
+        ids = batch().chunk(world)[rank if par is None else par.data_rank]
+        losses = []
+        for _ in range(STEPS):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            if par is not None:
+                par.sync_gradients()
+            opt.step()
+            opt.zero_grad()
+            mean = loss.detach().clone()
+            if world > 1:
+                dist.all_reduce(mean)
+                mean /= world
+            losses.append(mean.item())
+        with open(os.path.join(out, f"ep-{name}-rank{rank}.json"), "w") as f:
+            json.dump({"losses": losses, **facts}, f)

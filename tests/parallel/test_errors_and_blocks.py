@@ -192,16 +192,3 @@ def test_a_rank_that_cannot_leave_says_where_it_stuck_and_exits_70():
     assert "rank 1 did not exit within 0.5 s" in p.stderr
     assert "stuck_in_teardown" in p.stderr
 
-
-def test_ep_refuses_experts_kept_in_fp8_by_name():
-    from types import SimpleNamespace
-
-    from kiln.models.common.fp8 import Fp8Experts
-    from kiln.parallel.ep import apply_expert_parallel, expert_modules
-
-    model = workers.build("qwen3_moe")
-    for experts in expert_modules(model):  # as an fp8 = "keep" load leaves them
-        for name in ("gate_up_proj", "down_proj"):
-            Fp8Experts.convert(experts, name, 1, 0, (128, 128), torch.float32, torch.float32)
-    with pytest.raises(ConfigError, match=r'parallel.ep = 2: routed experts kept in FP8 \(model.fp8 = "keep"\)'):
-        apply_expert_parallel(model, SimpleNamespace(size=lambda: 2))

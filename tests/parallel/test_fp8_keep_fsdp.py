@@ -1,6 +1,7 @@
 """An FP8 checkpoint kept FP8 (`fp8 = "keep"`) under FSDP2 on gloo: the frozen FP8 weights cross the
 collectives as bytes (kiln.parallel.fsdp.frozen_as_bytes), sharded like any other parameter, and LoRA
-on that base over 2 ranks equals one process."""
+on that base over 2 ranks equals one process; expert parallelism over routed experts kept FP8 equals one
+process too."""
 
 from __future__ import annotations
 
@@ -50,3 +51,31 @@ def test_a_unit_of_fp8_weights_only_shards_as_bytes(tmp_path):
         assert r["None"] == {"equal": True, "seen": ["torch.float8_e4m3fn"]}
         # a bf16 mixed-precision policy leaves the frozen FP8 weights as stored (no widening to bf16)
         assert r["bf16"] == {"equal": True, "seen": ["torch.float8_e4m3fn"]}
+
+
+@pytest.fixture(scope="module")
+def fp8_moe_dir(tiny_factory, tmp_path_factory):
+    return make_fp8(tiny_factory("qwen3_moe", "causal-lm"), tmp_path_factory.mktemp("fp8-keep-moe") / "fp8",
+                    "Qwen3MoeForCausalLM")
+
+
+@pytest.mark.slow
+def test_expert_parallel_over_experts_kept_fp8_equals_one_process(fp8_moe_dir, tmp_path):
+    """ep = 2 (alone, and under FSDP2) on an FP8 release kept FP8: each rank holds and computes with its half of
+    the experts, FP8 as stored with their scale grids, and trains the rest to the losses of one process."""
+    fw.ep_steps(0, 1, str(fp8_moe_dir), str(tmp_path))
+    spawn(fw.ep_steps, 2, (str(fp8_moe_dir), str(tmp_path)))
+    one = json.loads((tmp_path / "ep-one-rank0.json").read_text())
+    assert one["losses"][-1] < one["losses"][0]  # the non-FP8 weights do train
+    for plan in fw.EP_PLANS:
+        for rank in range(2):
+            r = json.loads((tmp_path / f"ep-{plan}-rank{rank}.json").read_text())
+            # two FP8 stacks (gate_up, down; bytes at rest under FSDP2) and their float32 scale grids, each with
+            # half of the experts on this rank
+            fp8 = "torch.uint8" if "fsdp" in plan else "torch.float8_e4m3fn"
+            half = r["num_experts"] // 2
+            layers = len(r["held"]) // 4
+            assert layers and sorted(map(tuple, r["held"])) == sorted([(fp8, half), ("torch.float32", half)] * 2 * layers)
+            # the bound of the EP parity tests (tests/parallel/test_parity.py): the same fp32 arithmetic, only the
+            # order of the batch reductions and the all-to-all's row order differ (a few ulps per sum)
+            torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=1e-6)
