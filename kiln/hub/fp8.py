@@ -274,13 +274,18 @@ def quantize(weight: torch.Tensor, block: tuple[int, int] | None, ue8m0: bool = 
 
 
 # ---- state dicts -----------------------------------------------------------------------------------
+def scale_renames(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """`<module>.scale` -> `<module>.weight_scale_inv` for each scale stored under DeepSeek-V4's names. Only a
+    `.scale` beside a quantized `.weight` is a scale (other tensors may end in `.scale`); meta tensors will do."""
+    return {k: k[:-len(".scale")] + ".weight" + SCALE_SUFFIX for k in state
+            if k.endswith(".scale") and (w := state.get(k[:-len(".scale")] + ".weight")) is not None
+            and is_quantized(w)}
+
+
 def canonical_scales(state: dict[str, torch.Tensor], scheme: Fp8Scheme) -> tuple[dict[str, torch.Tensor], Fp8Scheme]:
     """Scales stored as `<module>.scale` (DeepSeek-V4) renamed `<module>.weight_scale_inv`, as transformers does
-    at load, and the scheme noting it so an export writes them back as read. Only a `.scale` beside a quantized
-    `.weight` is a scale (other tensors may end in `.scale`)."""
-    renames = {k: k[:-len(".scale")] + ".weight" + SCALE_SUFFIX for k in state
-               if k.endswith(".scale") and (w := state.get(k[:-len(".scale")] + ".weight")) is not None
-               and is_quantized(w)}
+    at load, and the scheme noting it so an export writes them back as read (`scale_renames`)."""
+    renames = scale_renames(state)
     if not renames:
         return state, scheme
     clash = [new for new in renames.values() if new in state]

@@ -6,11 +6,13 @@
 
 `read_shards` materialises the model's (possibly sharded, DTensor) parameters on `device` and fills
 each from the safetensors files: a tensor that maps one to one onto a checkpoint tensor, sharded on
-one dimension, is read as that slice only (`safe_open(...).get_slice`); any other (stacked experts,
-a tensor step such as a transpose, a 2-D placement) is read whole, one tensor at a time, and this
-rank's piece taken from it with no communication (`distribute_tensor(..., src_data_rank=None)`).
-So a process never holds more than its shards plus one checkpoint tensor. The tensors equal those of
-a full load (`kiln.models.auto.load_pretrained`) then the same plans, bit for bit (tests/parallel).
+one dimension, is read as that slice only (`safe_open(...).get_slice`); stacked experts (kiln's (E, ...)
+stack of per-expert HF tensors) are read expert by expert, only the experts this rank holds (an ep rank
+its E/ep, FSDP's rows of them too); any other (a tensor step such as a transpose, a 2-D placement) is
+read whole, one tensor at a time, and this rank's piece taken from it with no communication
+(`distribute_tensor(..., src_data_rank=None)`). So a process never holds more than its shards plus one
+checkpoint tensor. The tensors equal those of a full load (`kiln.models.auto.load_pretrained`) then the
+same plans, bit for bit (tests/parallel).
 
 Straight to the device: when the target is not host memory (`device = "cuda"`), each piece passes through
 one bounded host buffer (`HostStage`: a tensor read as stored goes in chunks of at most `HostStage.limit`
@@ -18,9 +20,12 @@ bytes; one that needs a tensor step or a column slice, one tensor at a time), so
 model, only that buffer. `load_to_device` is the one-process (or DDP) form: build on meta, read to the device.
 
 FP8 block-scaled checkpoints kept FP8 (`fp8 = "keep"`) read like any other: each rank its rows of the FP8
-weights (as bytes under FSDP2) and their scales (buffers: whole on every rank, as after a whole load).
-Not covered yet (loaded whole): FP8 checkpoints to dequantize, FP8 experts, DeepSeek-V4's `.scale` names, tensors absent
-from the checkpoint (a new head), `.bin` weights. bitsandbytes-4bit directories and bases quantized at load (`[model] quantize`) are
+weights (as bytes under FSDP2) and their scales (buffers: whole on every rank, as after a whole load); routed
+experts' FP8 stacks and scale grids are split over ep ranks (kiln.parallel.ep), so each reads its experts'
+bytes only. Scales under DeepSeek-V4's `<module>.scale` names map as a whole load renames them.
+Not covered yet (loaded whole): FP8 checkpoints to dequantize (and a kept one with an FP8 weight no FP8 module
+holds, e.g. DeepSeek-V4's grouped `wo_a` and MTP layers), tensors absent from the checkpoint (a new head),
+`.bin` weights. bitsandbytes-4bit directories and bases quantized at load (`[model] quantize`) are
 loaded whole by every rank (4-bit: ~0.26x of bf16), then sharded.
 """
 
@@ -39,7 +44,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from kiln.errors import WeightsError
 from kiln.hub import Tokenizer
 from kiln.hub.bnb4 import bnb4_scheme_from_config
-from kiln.hub.fp8 import scheme_from_config
+from kiln.hub.fp8 import scale_renames, scheme_from_config
 from kiln.hub.resolve import resolve_model_dir
 from kiln.hub.weights import Span, read_into, tensor_spans, weight_files
 from kiln.models.auto import apply_changes, load_config
@@ -62,12 +67,9 @@ def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None,
             or any(f.suffix != ".safetensors" for f in weight_files(path)):
         return None
     try:
-        model = empty_pretrained(path, task, fp8=fp8, **changes)
+        model, groups = _empty(path, task, fp8, changes)
     except WholeLoadOnly:
         return None
-    with ExitStack() as stack:
-        keys = [k for f in _safetensors(path) for k in stack.enter_context(safe_open(str(f), framework="pt")).keys()]
-    groups, _ = _sources(model, keys)
     if any(n not in groups for n, _ in (*model.named_parameters(), *model.named_buffers())):
         return None  # a new head: its fresh init is the whole load's business
     model.pending_read, model.pending_seed = path, seed
@@ -82,6 +84,12 @@ def empty_pretrained(path: str | os.PathLike, task: str | None = None, fp8: str 
 
     A block-scaled FP8 checkpoint is built kept FP8 (`fp8 = "keep"`: FP8 modules, each weight and its scale in
     the stored dtypes, read shard by shard as bytes like any other tensor); dequantizing one needs the whole load."""
+    return _empty(path, task, fp8, changes)[0]
+
+
+def _empty(path: str | os.PathLike, task: str | None, fp8: str, changes: dict[str, Any]
+           ) -> tuple[PreTrainedModel, dict[str, list[tuple[str, str]]]]:
+    """`empty_pretrained`'s model and its `_sources` groups, from one read of the checkpoint's headers."""
     path = resolve_model_dir(path)
     family, config, source_task = load_config(path)
     scheme = scheme_from_config(config.extra, str(Path(path) / "config.json"))
@@ -95,13 +103,13 @@ def empty_pretrained(path: str | os.PathLike, task: str | None = None, fp8: str 
     spans = {k: v for f in _safetensors(path) for k, v in tensor_spans(f).items()}
     if scheme is not None:
         _place_fp8(model, spans, scheme, path)
-    groups, _ = _sources(model, list(spans))
+    groups, _ = _sources(model, spans)
     for name, t in model.state_dict(keep_vars=True).items():  # each tensor in its stored dtype, as a whole load
         if name in groups:
             dtype = spans[groups[name][0][0]].dtype
             if t.dtype != dtype:
                 t.data = t.data.to(dtype)
-    return model
+    return model, groups
 
 
 class WholeLoadOnly(WeightsError):
@@ -110,19 +118,19 @@ class WholeLoadOnly(WeightsError):
 
 def _place_fp8(model: PreTrainedModel, spans: dict[str, Span], scheme: Any, path: Path) -> None:
     """Put the FP8 modules where the FP8 weights land, decided from the headers (meta tensors) as a whole load
-    decides it from the tensors; WholeLoadOnly for what a read cannot keep FP8: DeepSeek-V4's `<module>.scale`
-    names (the read maps checkpoint names as stored), and FP8 weights no FP8 module holds (dequantized at load)."""
-    from kiln.hub.fp8 import canonical_scales
+    decides it from the tensors; WholeLoadOnly for an FP8 weight no FP8 module holds (a whole load dequantizes
+    it, which a read of the stored bytes cannot)."""
     from kiln.models.common.fp8 import prepare_fp8
 
-    meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in spans.items()}
-    whole = canonical_scales(meta, scheme)[1].scale_names != scheme.scale_names
-    if not whole:
-        prepare_fp8(model, meta, scheme, "keep", None, str(path))
-        whole = bool(model.fp8_state.originals)
-    if whole:
-        raise WholeLoadOnly(f"{path}: this FP8 checkpoint's scales are named '<module>.scale', or it has "
-                            "an FP8 weight no FP8 module holds; load it whole (kiln.models.auto.load_pretrained)")
+    prepare_fp8(model, _meta(spans), scheme, "keep", None, str(path))
+    if model.fp8_state.originals:
+        raise WholeLoadOnly(f"{path}: this FP8 checkpoint has an FP8 weight no FP8 module holds; load it whole "
+                            "(kiln.models.auto.load_pretrained)")
+
+
+def _meta(spans: dict[str, Span]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors as meta tensors of their stored shapes and dtypes (from the headers)."""
+    return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in spans.items()}
 
 
 def _safetensors(path: Path) -> list[Path]:
@@ -132,12 +140,17 @@ def _safetensors(path: Path) -> list[Path]:
     return files
 
 
-def _sources(model: PreTrainedModel, keys: list[str]) -> tuple[dict[str, list[tuple[str, str]]], list[str]]:
-    """kiln name -> [(checkpoint key, its normalised HF name)], and the keys kept verbatim (extras)."""
+def _sources(model: PreTrainedModel, spans: dict[str, Span]) -> tuple[dict[str, list[tuple[str, str]]], list[str]]:
+    """kiln name -> [(checkpoint key, its normalised HF name)], and the keys kept verbatim (extras). Scales
+    stored as DeepSeek-V4's `<module>.scale` map under their `_scale_inv` names, as a whole load renames them."""
     keymap = model.family.keymap(model.task)
+    state = getattr(model, "fp8_state", None)
+    renames = scale_renames(_meta(spans)) if state is not None and state.scheme.scale_names == ".scale" else {}
+    names = model.normalise_hf_names([renames.get(k, k) for k in spans])
     groups: dict[str, list[tuple[str, str]]] = {}
     extras = []
-    for key, (name, is_extra) in model.normalise_hf_names(keys).items():
+    for key in spans:
+        name, is_extra = names[renames.get(key, key)]
         if is_extra:
             extras.append(key)
             continue
@@ -226,7 +239,7 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
         got = tensor_spans(f)
         spans.update(got)
         where.update(dict.fromkeys(got, f))
-    groups, extras = _sources(model, list(where))
+    groups, extras = _sources(model, spans)
     # named_parameters / named_buffers list a tied tensor once (under the name the checkpoint holds)
     expected = [n for n, _ in (*model.named_parameters(), *model.named_buffers())]
     absent = [k for k in expected if k not in groups and not _real(model, k)]

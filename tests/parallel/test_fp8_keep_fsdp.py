@@ -75,7 +75,8 @@ def test_expert_parallel_over_experts_kept_fp8_equals_one_process(fp8_moe_dir, t
             fp8 = "torch.uint8" if "fsdp" in plan else "torch.float8_e4m3fn"
             half = r["num_experts"] // 2
             layers = len(r["held"]) // 4
-            assert layers and sorted(map(tuple, r["held"])) == sorted([(fp8, half), ("torch.float32", half)] * 2 * layers)
+            want = [(fp8, half), ("torch.float32", half)] * 2 * layers
+            assert layers and sorted(map(tuple, r["held"])) == sorted(want), r["held"]
             # the bound of the EP parity tests (tests/parallel/test_parity.py): the same fp32 arithmetic, only the
             # order of the batch reductions and the all-to-all's row order differ (a few ulps per sum)
             torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=1e-6)

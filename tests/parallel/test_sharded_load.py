@@ -67,6 +67,40 @@ def fp8_moe_dir(tiny_factory, tmp_path_factory):
                     "Qwen3MoeForCausalLM")
 
 
+@pytest.fixture(scope="module")
+def fp8_moe_v4_names(fp8_moe_dir, tmp_path_factory):
+    """The FP8 MoE with its scales under DeepSeek-V4's names: `<module>.scale` for `<module>.weight_scale_inv`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("sharded_fp8_v4_names") / "fp8"
+    shutil.copytree(fp8_moe_dir, out)
+    state = load_file(str(out / "model.safetensors"))
+    save_file({k.replace(".weight_scale_inv", ".scale"): v for k, v in state.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out
+
+
+def test_scales_under_deepseek_v4_names_read_shard_by_shard_and_export_as_read(fp8_moe_v4_names, tmp_path):
+    from safetensors.torch import load_file
+
+    from kiln.parallel.sharded_load import lean_pretrained
+
+    whole = load_pretrained(fp8_moe_v4_names, task="causal-lm", fp8="keep")
+    lean = lean_pretrained(fp8_moe_v4_names, "causal-lm", None, fp8="keep")
+    assert lean is not None and lean.fp8_state.scheme.scale_names == ".scale"
+    read_shards(lean, fp8_moe_v4_names)
+    a, b = whole.state_dict(), lean.state_dict()
+    assert a.keys() == b.keys() and any(k.endswith("_scale_inv") for k in b) and lean.load_report.ignored == []
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(sw._bits(a[k]), sw._bits(b[k])), k
+    lean.save_pretrained(tmp_path / "out")
+    want, got = (load_file(str(d / "model.safetensors")) for d in (fp8_moe_v4_names, tmp_path / "out"))
+    assert got.keys() == want.keys() and any(k.endswith(".scale") for k in got)
+    assert all(torch.equal(sw._bits(got[k]), sw._bits(want[k])) for k in want)
+
+
 def test_fp8_experts_kept_fp8_read_expert_by_expert_as_the_whole_load_keeps_them(fp8_moe_dir):
     """Routed experts kept FP8: their stacks and scale grids are read part by part in the stored dtype (through
     a host stage too), never a whole stack at once, and equal the whole load's bytes."""
@@ -160,10 +194,10 @@ def test_an_index_naming_a_missing_file_is_named(dirs, tmp_path):
 @pytest.mark.parametrize("mode,name", [("fsdp", "qwen3"), ("tp", "qwen3"), ("fsdp-lora", "qwen3"), ("tp-fsdp", "qwen3"), ("ep", "moe"),
                                        ("ep-fsdp", "moe"), ("fsdp", "tied"), ("pp", "qwen3"),
                                        ("pp", "tied"), ("pp-fsdp", "qwen3"), ("fsdp-lora", "fp8"), ("ep", "fp8moe"),
-                                       ("ep-fsdp-2", "fp8moe"), ("fsdp", "fp8moe")])
+                                       ("ep-fsdp-2", "fp8moe"), ("fsdp", "fp8moe"), ("ep", "fp8moe-v4-names")])
 def test_each_rank_reads_what_a_whole_load_then_shard_gives(dirs, tmp_path, mode, name, request):
     world = 4 if mode in ("tp-fsdp", "ep-fsdp", "pp-fsdp") else 2
-    fixture = {"fp8": "fp8_dir", "fp8moe": "fp8_moe_dir"}.get(name)
+    fixture = {"fp8": "fp8_dir", "fp8moe": "fp8_moe_dir", "fp8moe-v4-names": "fp8_moe_v4_names"}.get(name)
     path = request.getfixturevalue(fixture) if fixture else dirs[name]
     spawn(sw.compare, world, (str(path), mode, str(tmp_path)))
     for rank in range(world):
@@ -173,7 +207,7 @@ def test_each_rank_reads_what_a_whole_load_then_shard_gives(dirs, tmp_path, mode
             assert not [n for n in r["read_whole"] if ".experts." in n], r["read_whole"]
             # (over 4 ranks FSDP splits each rank's experts over dp as well, but not their scales)
             assert world == 4 or r["expert_bytes"] * 2 == r["whole_expert_bytes"], r
-        if name == "fp8moe":  # as stored: FP8 stacks (bytes under FSDP2) and float32 scale grids
+        if name.startswith("fp8moe"):  # as stored: FP8 stacks (bytes under FSDP2) and float32 scale grids
             assert r["expert_dtypes"] == ["torch.float32", "torch.float8_e4m3fn"], r
         if mode in ("fsdp", "pp"):  # every tensor split over 2 ranks, or 2 stages: about half the model each
             assert r["bytes"] <= 0.6 * r["whole_bytes"], r

@@ -84,8 +84,8 @@ class Experts(nn.Module):
         counts_in = expert_of.float() if x.device.type in ("cpu", "mps") else expert_of.int()
         counts = torch.histc(counts_in, bins=self.num_experts, min=0, max=self.num_experts - 1)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        ys = grouped_linear(self.glu(grouped_linear(xs, self.stacked("gate_up_proj"), offsets)), self.stacked("down_proj"),
-                            offsets)  # (S, C)
+        h = self.glu(grouped_linear(xs, self.stacked("gate_up_proj"), offsets))  # (S, I)
+        ys = grouped_linear(h, self.stacked("down_proj"), offsets)  # (S, C)
         ys = ys * ws.unsqueeze(-1)
         back = torch.empty_like(order)
         back[order] = torch.arange(order.size(0), device=x.device)
