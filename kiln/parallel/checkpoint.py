@@ -167,6 +167,7 @@ def export_sharded(path: str | os.PathLike, out: str | os.PathLike, max_shard_by
         q4 = bnb4_scheme_from_config(config.extra, str(path / "model" / "config.json"))
         if q4 is not None:  # a 4-bit base (QLoRA): its Linears become Linear4 as the quant state says
             prepare_bnb4_modules(model, _quant_states(path, saved), q4, str(path))
+        _place_fp8(model, path, saved, config.extra)
         if lora is not None:  # adapters on modules this model lacks stay out: reported by name just below
             present = set(linear_names(model))
             lora.targets = [m for m in lora.targets if m in present]
@@ -273,6 +274,25 @@ def _aliases(model: nn.Module, saved: dict[str, tuple[int, ...] | None]) -> dict
             if n not in saved and held:
                 out[n] = held[0]
     return out
+
+
+def _place_fp8(model: nn.Module, path: Path, saved: dict[str, tuple[int, ...] | None], config: dict) -> None:
+    """A run that kept an FP8 base FP8 (`fp8 = "keep"`) saved FP8 weights and their scales: the FP8 modules go
+    where they lie (as `prepare_fp8` places them at load, from the saved names, shapes and dtypes; no data read).
+    A dequantized run's shards hold no FP8 tensor and its model stays as built."""
+    from kiln.hub.fp8 import FP8, is_fp4, scheme_from_config
+    from kiln.models.common.fp8 import prepare_fp8
+
+    scheme = scheme_from_config(config, str(path / "model" / "config.json"))
+    if scheme is None:
+        return
+    meta = dcp.FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
+    state = {k: torch.empty(shape, dtype=meta["model." + k].properties.dtype, device="meta")
+             for k, shape in saved.items() if shape is not None}
+    if not any(t.dtype == FP8 or is_fp4(t) for t in state.values()):
+        return
+    hf, _ = model.family.keymap(model.task).to_hf(state)
+    prepare_fp8(model, hf, scheme, "keep", None, str(path))
 
 
 def _quant_states(path: Path, saved: dict[str, tuple[int, ...] | None]) -> dict[str, torch.Tensor]:

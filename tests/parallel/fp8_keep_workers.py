@@ -141,9 +141,11 @@ def ep_steps(rank: int, world: int, model_dir: str, out: str) -> None:
     """STEPS SGD steps on an FP8 MoE kept FP8 (routed experts frozen FP8, the rest trained): world == 1 loads it
     whole and runs it as is; over 2 ranks, each plan of EP_PLANS in turn builds it on meta, applies the plan and
     reads this rank's share (its experts' FP8 bytes and scale grids only), each rank on its half of the batch.
-    The global mean losses, and what each rank holds of the experts, go to `out`."""
+    The global mean losses and what each rank holds of the experts go to `out`, with the model after the steps
+    (saved by one process, a sharded checkpoint by the ranks)."""
     from kiln.models.auto import load_pretrained
     from kiln.parallel.apply import parallelize
+    from kiln.parallel.checkpoint import save_sharded
     from kiln.parallel.ep import expert_modules
     from kiln.parallel.sharded_load import empty_pretrained, read_shards
     from kiln.train.config import ParallelSection
@@ -177,5 +179,9 @@ def ep_steps(rank: int, world: int, model_dir: str, out: str) -> None:
                 dist.all_reduce(mean)
                 mean /= world
             losses.append(mean.item())
+        if plan is None:
+            model.save_pretrained(os.path.join(out, "ep-one-model"))
+        else:  # a sharded checkpoint, each rank its experts (FP8 as stored), for `export_sharded`
+            save_sharded(os.path.join(out, f"ep-{name}-ckpt"), model)
         with open(os.path.join(out, f"ep-{name}-rank{rank}.json"), "w") as f:
             json.dump({"losses": losses, **facts}, f)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kiln.parallel.checkpoint import export_sharded
 from tests.models.fp8_cases import make_fp8
 from tests.parallel import fp8_keep_workers as fw
 from tests.spawn import spawn
@@ -80,3 +81,13 @@ def test_expert_parallel_over_experts_kept_fp8_equals_one_process(fp8_moe_dir, t
             # the bound of the EP parity tests (tests/parallel/test_parity.py): the same fp32 arithmetic, only the
             # order of the batch reductions and the all-to-all's row order differ (a few ulps per sum)
             torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=1e-6)
+        # the sharded checkpoint exports as the one process saves: FP8 weights and scales as the release stores
+        # them (byte for byte), the trained rest within the losses' rounding (moved by LR * grad ~ 1e-3 a step)
+        got = load_file(str(export_sharded(tmp_path / f"ep-{plan}-ckpt", tmp_path / f"ep-{plan}-hf") / "model.safetensors"))
+        want, release = (load_file(str(d / "model.safetensors")) for d in (tmp_path / "ep-one-model", fp8_moe_dir))
+        assert got.keys() == want.keys() == release.keys()
+        for k, v in release.items():
+            if v.element_size() == 1 or k.endswith("_scale_inv"):
+                assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+            else:
+                torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
