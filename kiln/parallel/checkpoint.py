@@ -167,7 +167,8 @@ def export_sharded(path: str | os.PathLike, out: str | os.PathLike, max_shard_by
         q4 = bnb4_scheme_from_config(config.extra, str(path / "model" / "config.json"))
         if q4 is not None:  # a 4-bit base (QLoRA): its Linears become Linear4 as the quant state says
             prepare_bnb4_modules(model, _quant_states(path, saved), q4, str(path))
-        _place_fp8(model, path, saved, config.extra)
+        else:
+            _place_fp8(model, path, saved, config.extra)
         if lora is not None:  # adapters on modules this model lacks stay out: reported by name just below
             present = set(linear_names(model))
             lora.targets = [m for m in lora.targets if m in present]
