@@ -31,7 +31,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
 
 
-def compare(rank: int, world: int, model_dir: str, mode: str, out: str) -> None:
+def compare_many(rank: int, world: int, jobs: list[tuple[str, str, str]], out: str) -> None:
+    """`compare` for each (model_dir, mode, tag) in one spawn (starting the ranks costs more than the tiny loads)."""
+    for model_dir, mode, tag in jobs:
+        compare(rank, world, model_dir, mode, out, tag)
+
+
+def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str | None = None) -> None:
+    """Whole load then `mode`'s plans vs built on meta, the plans, then the read; to OUT/<tag>-rank<r>.json."""
     parallel = ParallelSection(**MODES[mode])
     lora = LoraConfig(r=4, alpha=8, dropout=0.0, targets=["q_proj", "v_proj", "gate_proj"]) \
         if mode.endswith("-lora") else None
@@ -63,7 +70,7 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str) -> None:
         if isinstance(a[k], DTensor) != isinstance(b[k], DTensor) or (
                 isinstance(a[k], DTensor) and a[k].placements != b[k].placements):
             problems.append(f"{k}: placements differ")
-    with open(os.path.join(out, f"{mode}-rank{rank}.json"), "w") as f:
+    with open(os.path.join(out, f"{tag or mode}-rank{rank}.json"), "w") as f:
         experts = {k: _local(t) for k, t in b.items() if ".experts." in k}
         json.dump({"problems": sorted(problems), "tensors": len(a), "bytes": loaded_bytes(lean),
                    "read_whole": read_whole, "expert_bytes": sum(t.nbytes for t in experts.values()),

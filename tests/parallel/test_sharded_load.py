@@ -190,24 +190,33 @@ def test_an_index_naming_a_missing_file_is_named(dirs, tmp_path):
         empty_pretrained(broken, task="causal-lm")
 
 
+# (mode, checkpoint) pairs, each loaded whole then sharded and read shard by shard; all of one world size in one spawn
+CASES_2 = [("fsdp", "qwen3"), ("tp", "qwen3"), ("fsdp-lora", "qwen3"), ("ep", "moe"), ("fsdp", "tied"), ("pp", "qwen3"),
+           ("pp", "tied"), ("fsdp-lora", "fp8"), ("ep", "fp8moe"), ("ep-fsdp-2", "fp8moe"), ("fsdp", "fp8moe")]
+CASES_4 = [("tp-fsdp", "qwen3"), ("ep-fsdp", "moe"), ("pp-fsdp", "qwen3")]
+
+
+@pytest.fixture(scope="module")
+def rank_results(dirs, fp8_dir, fp8_moe_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharded_ranks")
+    paths = {**dirs, "fp8": fp8_dir, "fp8moe": fp8_moe_dir}
+    for world, cases in ((2, CASES_2), (4, CASES_4)):
+        spawn(sw.compare_many, world, ([(str(paths[name]), mode, f"{mode}-{name}") for mode, name in cases], str(out)))
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,name", [("fsdp", "qwen3"), ("tp", "qwen3"), ("fsdp-lora", "qwen3"), ("tp-fsdp", "qwen3"), ("ep", "moe"),
-                                       ("ep-fsdp", "moe"), ("fsdp", "tied"), ("pp", "qwen3"),
-                                       ("pp", "tied"), ("pp-fsdp", "qwen3"), ("fsdp-lora", "fp8"), ("ep", "fp8moe"),
-                                       ("ep-fsdp-2", "fp8moe"), ("fsdp", "fp8moe"), ("ep", "fp8moe-v4-names")])
-def test_each_rank_reads_what_a_whole_load_then_shard_gives(dirs, tmp_path, mode, name, request):
-    world = 4 if mode in ("tp-fsdp", "ep-fsdp", "pp-fsdp") else 2
-    fixture = {"fp8": "fp8_dir", "fp8moe": "fp8_moe_dir", "fp8moe-v4-names": "fp8_moe_v4_names"}.get(name)
-    path = request.getfixturevalue(fixture) if fixture else dirs[name]
-    spawn(sw.compare, world, (str(path), mode, str(tmp_path)))
+@pytest.mark.parametrize("mode,name", CASES_2 + CASES_4)
+def test_each_rank_reads_what_a_whole_load_then_shard_gives(rank_results, mode, name):
+    world = 4 if (mode, name) in CASES_4 else 2
     for rank in range(world):
-        r = json.loads((tmp_path / f"{mode}-rank{rank}.json").read_text())
+        r = json.loads((rank_results / f"{mode}-{name}-rank{rank}.json").read_text())
         assert r["problems"] == [], (rank, r["problems"][:5])
         if mode.startswith("ep"):  # each rank read its experts only, part by part, and holds half of them
             assert not [n for n in r["read_whole"] if ".experts." in n], r["read_whole"]
             # (over 4 ranks FSDP splits each rank's experts over dp as well, but not their scales)
             assert world == 4 or r["expert_bytes"] * 2 == r["whole_expert_bytes"], r
-        if name.startswith("fp8moe"):  # as stored: FP8 stacks (bytes under FSDP2) and float32 scale grids
+        if name == "fp8moe":  # as stored: FP8 stacks (bytes under FSDP2) and float32 scale grids
             assert r["expert_dtypes"] == ["torch.float32", "torch.float8_e4m3fn"], r
         if mode in ("fsdp", "pp"):  # every tensor split over 2 ranks, or 2 stages: about half the model each
             assert r["bytes"] <= 0.6 * r["whole_bytes"], r
