@@ -19,6 +19,10 @@ router); each sends its 1/tp share of them to its own ep peers, so the tp ranks 
 shards whose gradients are partial sums, added up over tp after the backward.
 With fsdp, each expert shard is an FSDP unit of its own over dp (`shard_experts`); the rest of the
 model is sharded over dp x ep, the ranks that read different data.
+
+Routed experts kept FP8 (`model.fp8 = "keep"`, `Fp8Experts`) split as stored: each rank keeps its experts'
+FP8 stacks and their scale grids (both sharded on the expert axis; split as bytes, which every backend
+carries) and dequantizes only those when they compute (`ExpertParallelFp8Experts`).
 """
 
 from __future__ import annotations

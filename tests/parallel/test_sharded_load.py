@@ -193,7 +193,7 @@ def test_an_index_naming_a_missing_file_is_named(dirs, tmp_path):
 # (mode, checkpoint) pairs, each loaded whole then sharded and read shard by shard; all of one world size in one spawn
 CASES_2 = [("fsdp", "qwen3"), ("tp", "qwen3"), ("fsdp-lora", "qwen3"), ("ep", "moe"), ("fsdp", "tied"), ("pp", "qwen3"),
            ("pp", "tied"), ("fsdp-lora", "fp8"), ("ep", "fp8moe"), ("ep-fsdp-2", "fp8moe"), ("fsdp", "fp8moe")]
-CASES_4 = [("tp-fsdp", "qwen3"), ("ep-fsdp", "moe"), ("pp-fsdp", "qwen3")]
+CASES_4 = [("tp-fsdp", "qwen3"), ("ep-fsdp", "moe"), ("pp-fsdp", "qwen3"), ("ep-fsdp", "fp8moe")]
 
 
 @pytest.fixture(scope="module")
