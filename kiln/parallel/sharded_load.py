@@ -316,26 +316,27 @@ def init_adapters(model: nn.Module, device: torch.device | str, seed: int | None
 
 def _read_rows(target: torch.Tensor, sources: list[tuple[str, str]], spans: dict[str, Span], f: Any, keymap: Any,
                path: Path, stage: HostStage | None) -> bool:
-    """Read this rank's rows of a tensor stored as is (whole, or split on dim 0) from the file into `target`'s
-    memory: straight in (no mapping, no copy), or through `stage` to another device. False when it is not such
-    a tensor (the caller reads it otherwise)."""
-    local, piece = _local(target), _slice_dim(target)
+    """Read this rank's rows of a tensor stored as is (whole, or a run of rows: dim 0 split over any mesh, e.g.
+    fused experts under ep + fsdp) from the file into `target`'s memory: straight in (no mapping, no copy), or
+    through `stage` to another device. False when it is not such a tensor (the caller reads it otherwise)."""
+    local = _local(target)
     if len(sources) != 1 or not keymap.is_plain(sources[0][1]) or not local.is_contiguous() \
-            or (stage is None and local.device.type != "cpu") or (isinstance(target, DTensor) and piece is None):
+            or (stage is None and local.device.type != "cpu"):
         return False
     key = sources[0][0]
     span = spans[key]
     if span.shape != tuple(target.shape):
         raise WeightsError(f"{path}: tensor {key!r} has shape {span.shape}, but this config expects "
                            f"{tuple(target.shape)}")
-    if piece is not None and piece[0] != 0 or not span.shape:
+    run = _row_run(target)
+    if run is None:
         return False  # columns are strided in the file: a slice read
     if local.dtype != span.dtype and not (local.dtype == torch.uint8 and local.nbytes == local.numel()
                                           and span.dtype.itemsize == 1):
         return False  # a cast: the general path (a frozen 1-byte dtype held as bytes reads as is)
-    start = piece[1] if piece is not None else 0
+    start, stop = run
     row = span.nbytes // span.shape[0] if span.shape[0] else 0
-    if local.nbytes != (piece[2] - start if piece is not None else span.shape[0]) * row:
+    if local.nbytes != (stop - start) * row:
         return False
     if stage is None:
         read_into(f, span.offset + start * row, local)
@@ -344,8 +345,11 @@ def _read_rows(target: torch.Tensor, sources: list[tuple[str, str]], spans: dict
     return True
 
 
-def _expert_run(target: torch.Tensor) -> tuple[int, int] | None:
-    """(first, stop): the experts (dim 0) this rank holds of `target`, when its piece is a run of whole experts."""
+def _row_run(target: torch.Tensor) -> tuple[int, int] | None:
+    """(first, stop): the rows (dim 0; stacked experts: the experts) this rank holds of `target`, when its piece
+    is a run of whole rows."""
+    if target.dim() == 0:
+        return None
     if not isinstance(target, DTensor):
         return 0, target.shape[0]
     # DTensor's own arithmetic (what DCP reads by): Shard(0) over ep, FSDP's _StridedShard(0) on top of it
@@ -372,7 +376,7 @@ def _read_experts(target: torch.Tensor, sources: list[tuple[str, str]], spans: d
             return False
         stack, part, expert = slot
         slots[(part, expert)] = key
-    local, run = _local(target).detach(), _expert_run(target)
+    local, run = _local(target).detach(), _row_run(target)
     dtype = spans[sources[0][0]].dtype
     if run is None or not local.is_contiguous() or (stage is None and local.device.type != "cpu") \
             or not (local.dtype == dtype or local.dtype == torch.uint8 and dtype.itemsize == 1):
