@@ -67,11 +67,13 @@ def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None,
             or any(f.suffix != ".safetensors" for f in weight_files(path)):
         return None
     try:
-        model, groups = _empty(path, task, fp8, changes)
+        model, groups, unplaced = _empty(path, task, fp8, changes)
     except WholeLoadOnly:
         return None
     if any(n not in groups for n, _ in (*model.named_parameters(), *model.named_buffers())):
         return None  # a new head: its fresh init is the whole load's business
+    if unplaced and type(model).load_hf_state_dict is not PreTrainedModel.load_hf_state_dict:
+        return None  # the family's own load keeps tensors the model has no place for (MTP layers): a whole load
     model.pending_read, model.pending_seed = path, seed
     if Tokenizer.present(path):
         model.tokenizer = Tokenizer.from_dir(path)
@@ -88,8 +90,9 @@ def empty_pretrained(path: str | os.PathLike, task: str | None = None, fp8: str 
 
 
 def _empty(path: str | os.PathLike, task: str | None, fp8: str, changes: dict[str, Any]
-           ) -> tuple[PreTrainedModel, dict[str, list[tuple[str, str]]]]:
-    """`empty_pretrained`'s model and its `_sources` groups, from one read of the checkpoint's headers."""
+           ) -> tuple[PreTrainedModel, dict[str, list[tuple[str, str]]], list[str]]:
+    """`empty_pretrained`'s model, its `_sources` groups and the checkpoint keys that land in none of its tensors
+    (extras, unmatched, or a kiln name it lacks), from one read of the checkpoint's headers."""
     path = resolve_model_dir(path)
     family, config, source_task = load_config(path)
     scheme = scheme_from_config(config.extra, str(Path(path) / "config.json"))
@@ -104,12 +107,14 @@ def _empty(path: str | os.PathLike, task: str | None, fp8: str, changes: dict[st
     if scheme is not None:
         _place_fp8(model, spans, scheme, path)
     groups, _ = _sources(model, spans)
-    for name, t in model.state_dict(keep_vars=True).items():  # each tensor in its stored dtype, as a whole load
+    tensors = model.state_dict(keep_vars=True)
+    placed = {k for kiln, sources in groups.items() if kiln in tensors for k, _ in sources}
+    for name, t in tensors.items():  # each tensor in its stored dtype, as a whole load
         if name in groups:
             dtype = spans[groups[name][0][0]].dtype
             if t.dtype != dtype:
                 t.data = t.data.to(dtype)
-    return model, groups
+    return model, groups, [k for k in spans if k not in placed]
 
 
 class WholeLoadOnly(WeightsError):
@@ -271,7 +276,9 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
                     _fill(name, target, groups[name], handles, keymap, path, stage)
     with _mapped(where, extras) as handles:
         model.hf_extras = {model.normalise_hf_names([k])[k][0]: handles[k].get_tensor(k) for k in extras}
-    used = {k for sources in groups.values() for k, _ in sources} | set(extras)
+    # a checkpoint tensor whose kiln name the model lacks is reported ignored, as a whole load reports it
+    held = model.state_dict(keep_vars=True)
+    used = {k for kiln, sources in groups.items() if kiln in held for k, _ in sources} | set(extras)
     model.load_report = LoadReport(ignored=sorted(model.normalise_hf_names([k])[k][0] for k in where if k not in used))
     model.tie_weights()
     model.pending_read = None

@@ -174,6 +174,29 @@ def test_a_run_on_an_accelerator_reads_its_model_straight_to_it(dirs, monkeypatc
     assert direct.pending_read is None
 
 
+def test_tensors_a_family_keeps_beyond_its_model_are_loaded_whole(tmp_path):
+    """A DeepSeek-V3 release's MTP layer (layer num_hidden_layers) has no place in the model; its family's load
+    carries it to the export (hf_extras). A read would drop it: the checkpoint loads whole, and a read forced
+    on it names the MTP tensors ignored instead of dropping them silently."""
+    from safetensors.torch import load_file, save_file
+
+    from kiln.interop.tiny import TINY
+    from kiln.parallel.sharded_load import lean_pretrained
+
+    cfg = AutoConfig.for_model("deepseek_v3", **TINY["deepseek_v3"])
+    from_config(cfg, task="causal-lm", seed=0).save_pretrained(tmp_path)
+    n = cfg.num_hidden_layers
+    state = load_file(str(tmp_path / "model.safetensors"))
+    mtp = {k.replace(f"layers.{n - 1}.", f"layers.{n}."): v.clone() for k, v in state.items() if f"layers.{n - 1}." in k}
+    save_file({**state, **mtp}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    whole = load_pretrained(tmp_path)
+    assert len(whole.hf_extras) == len(mtp)  # carried for the export
+    assert lean_pretrained(tmp_path, None, None) is None
+    lean = empty_pretrained(tmp_path)
+    read_shards(lean, tmp_path)
+    assert sorted(lean.load_report.ignored) == sorted(mtp)
+
+
 def test_a_shape_that_disagrees_with_the_config_is_named(dirs):
     lean = empty_pretrained(dirs["qwen3"], task="causal-lm", intermediate_size=40)
     with pytest.raises(WeightsError, match=r"mlp\.(gate|up|down)_proj\.weight.*shape .*expects"):
