@@ -32,7 +32,7 @@ all-reduced so it can be added to the routed output.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -54,12 +54,40 @@ def tensor_plan(model: nn.Module, tp: int) -> ParallelPlan:
         raise ConfigError(f"parallel.tp = {tp}: {model_name(model)} declares no tensor-parallel plan; tensor "
                           f"parallelism is planned for the llama/qwen decoders, qwen3_moe, the MLA families "
                           f"(deepseek_v3, deepseek_v32, glm_moe_dsa) and deepseek_v4")
+    _refuse_fp8(model, plan, tp)  # first: what to change is the fp8 mode or the plan, not the tp degree
     config = model.config
     for key, attr in plan.tp_divides:
         n = getattr(config, attr)
         if n % tp:
             raise ConfigError(f"parallel.tp = {tp} does not divide the model's {key} ({n}); choose a tp that divides it")
     return plan
+
+
+def _split_tensors(model: nn.Module, plan: ParallelPlan) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every parameter and buffer the plan splits or distributes over tp."""
+    paths = [p for p in (plan.embedding, plan.lm_head) if p is not None and part(model, p) is not None]
+    for i, block in enumerate(model.get_submodule(plan.blocks)):
+        paths += [f"{plan.blocks}.{i}.{name}" for name in (*plan.colwise, *plan.rowwise) if part(block, name) is not None]
+        for path in plan.head_params:
+            owner, _, name = path.rpartition(".")
+            if part(block, owner) is not None:
+                yield f"{plan.blocks}.{i}.{path}", getattr(block.get_submodule(owner), name)
+    for path in paths:
+        module = model.get_submodule(path)
+        for name, t in (*module.named_parameters(), *module.named_buffers()):
+            yield f"{path}.{name}", t
+
+
+def _refuse_fp8(model: nn.Module, plan: ParallelPlan, tp: int) -> None:
+    """A weight kept FP8 (`[model] fp8 = "keep"`) is one tensor with a grid of block scales beside it; the tp
+    plans split the weight alone (and gloo cannot move float8), so such a model is refused before any split."""
+    for name, t in _split_tensors(model, plan):
+        if t.is_floating_point() and t.element_size() == 1:
+            raise ConfigError(
+                f"parallel.tp = {tp} with model.fp8 = 'keep': {model_name(model)} holds {name!r} "
+                f"({tuple(t.shape)}, {t.dtype}) in FP8 with its block scales, which tensor parallelism does not "
+                f"split; set model.fp8 = 'dequantize' to split the model by tp, or keep it FP8 with "
+                f"parallel.tp = 1 (fsdp shards FP8 weights as bytes, ep splits FP8 experts)")
 
 
 class _SumGradTail(torch.autograd.Function):
