@@ -23,6 +23,10 @@ FP8 block-scaled checkpoints kept FP8 (`fp8 = "keep"`) read like any other: each
 weights (as bytes under FSDP2) and their scales (buffers: whole on every rank, as after a whole load); routed
 experts' FP8 stacks and scale grids are split over ep ranks (kiln.parallel.ep), so each reads its experts'
 bytes only. Scales under DeepSeek-V4's `<module>.scale` names map as a whole load renames them.
+
+A family with its own load (`load_hf_state_dict`) has it run on the headers, so what it decides from the names and
+dtypes it decides as on a whole load: Qwen3.5-MoE's fused expert layout (exported fused), DeepSeek-V4's release
+naming and the parameters it holds in float32 (norms, sinks, hyper-connections: read into float32).
 Not covered yet (loaded whole): FP8 checkpoints to dequantize (and a kept one with an FP8 weight no FP8 module
 holds, e.g. DeepSeek-V4's grouped `wo_a` and MTP layers), tensors absent from the checkpoint (a new head),
 `.bin` weights. bitsandbytes-4bit directories and bases quantized at load (`[model] quantize`) are
@@ -104,8 +108,9 @@ def _empty(path: str | os.PathLike, task: str | None, fp8: str, changes: dict[st
         model = family.build(config, task or source_task or BASE)
     model.source_task = source_task
     spans = {k: v for f in _safetensors(path) for k, v in tensor_spans(f).items()}
+    weights = _meta(spans)
     if scheme is not None:
-        _place_fp8(model, spans, scheme, path)
+        weights = _place_fp8(model, weights, scheme, path)
     groups, _ = _sources(model, spans)
     tensors = model.state_dict(keep_vars=True)
     placed = {k for kiln, sources in groups.items() if kiln in tensors for k, _ in sources}
@@ -114,6 +119,11 @@ def _empty(path: str | os.PathLike, task: str | None, fp8: str, changes: dict[st
             dtype = spans[groups[name][0][0]].dtype
             if t.dtype != dtype:
                 t.data = t.data.to(dtype)
+    if type(model).load_hf_state_dict is not PreTrainedModel.load_hf_state_dict:
+        # the family's own load, run on the headers: what it decides from the names and dtypes (Qwen3.5-MoE's
+        # fused expert layout, DeepSeek-V4's release naming and the parameters it holds in float32) it decides
+        # as on a whole load, so the export and the training match it; the read then fills the values
+        model.load_hf_state_dict(weights, source=str(path), source_task=source_task)
     return model, groups, [k for k in spans if k not in placed]
 
 
@@ -121,16 +131,18 @@ class WholeLoadOnly(WeightsError):
     """A checkpoint this read cannot take as a whole load would (`lean_pretrained` then says None)."""
 
 
-def _place_fp8(model: PreTrainedModel, spans: dict[str, Span], scheme: Any, path: Path) -> None:
-    """Put the FP8 modules where the FP8 weights land, decided from the headers (meta tensors) as a whole load
-    decides it from the tensors; WholeLoadOnly for an FP8 weight no FP8 module holds (a whole load dequantizes
-    it, which a read of the stored bytes cannot)."""
+def _place_fp8(model: PreTrainedModel, weights: dict[str, torch.Tensor], scheme: Any, path: Path
+               ) -> dict[str, torch.Tensor]:
+    """Put the FP8 modules where the FP8 weights land, decided from the headers (`weights`: meta tensors) as a
+    whole load decides it from the tensors; returns the state a whole load would load (meta). WholeLoadOnly for an
+    FP8 weight no FP8 module holds (a whole load dequantizes it, which a read of the stored bytes cannot)."""
     from kiln.models.common.fp8 import prepare_fp8
 
-    prepare_fp8(model, _meta(spans), scheme, "keep", None, str(path))
+    weights = prepare_fp8(model, weights, scheme, "keep", None, str(path))
     if model.fp8_state.originals:
         raise WholeLoadOnly(f"{path}: this FP8 checkpoint has an FP8 weight no FP8 module holds; load it whole "
                             "(kiln.models.auto.load_pretrained)")
+    return weights
 
 
 def _meta(spans: dict[str, Span]) -> dict[str, torch.Tensor]:

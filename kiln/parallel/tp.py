@@ -28,6 +28,9 @@ its 1/tp share of the routed tokens only and the outputs are all-gathered, so th
 tp ways too. Their gradients are then partial sums, which `Parallelized.sync_gradients` adds up over
 tp. A dense shared expert inside the MoE module is column/row split like an MLP, its output
 all-reduced so it can be added to the routed output.
+
+Weights kept FP8 (`[model] fp8 = "keep"`) are refused by name (`tensor_plan`): a split would cut the weight but
+not the grid of block scales beside it. Dequantize them, or keep them FP8 under fsdp (bytes) or ep (whole experts).
 """
 
 from __future__ import annotations

@@ -70,6 +70,15 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str
         if isinstance(a[k], DTensor) != isinstance(b[k], DTensor) or (
                 isinstance(a[k], DTensor) and a[k].placements != b[k].placements):
             problems.append(f"{k}: placements differ")
+    # what the family's own load decided from the checkpoint (a fused expert layout, a release's naming): the
+    # names and dtypes this rank's model writes back under (FP8 ones: gloo moves no float8 to gather them)
+    if mode == "fsdp" and fp8 != "keep":
+        def written(m):
+            return {k: str(v.dtype) for k, v in m.hf_state_dict().items()}
+
+        a_hf, b_hf = written(whole), written(lean)
+        problems += [f"written {k}: {a_hf.get(k)} vs {b_hf.get(k)}" for k in a_hf.keys() | b_hf.keys()
+                     if a_hf.get(k) != b_hf.get(k)]
     with open(os.path.join(out, f"{tag or mode}-rank{rank}.json"), "w") as f:
         experts = {k: _local(t) for k, t in b.items() if ".experts." in k}
         json.dump({"problems": sorted(problems), "tensors": len(a), "bytes": loaded_bytes(lean),
@@ -81,3 +90,4 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str
                                                    DTensor),
                    "whole_bytes": sum(t.nbytes for t in load_pretrained(model_dir, fp8=fp8).state_dict().values()),
                    "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}, f)
+

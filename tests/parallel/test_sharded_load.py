@@ -4,6 +4,7 @@ the same plans, bit for bit, in the checkpoint's dtype; each rank holds about it
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -213,16 +214,67 @@ def test_an_index_naming_a_missing_file_is_named(dirs, tmp_path):
         empty_pretrained(broken, task="causal-lm")
 
 
+@pytest.fixture(scope="module")
+def hook_dirs(tiny_factory, tmp_path_factory):
+    """Releases whose family's own load decides something from the checkpoint: a Qwen3.5-MoE with its experts
+    fused per layer (exported fused), a DeepSeek-V4 in bfloat16 under DeepSeek's release names (exported under
+    them; its norms, sinks and hyper-connection parameters held in float32)."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    from kiln.models.deepseek_v4_release import release_name
+
+    root = tmp_path_factory.mktemp("sharded_hooks")
+    out = {}
+    for name, model_type in (("fused", "qwen3_5_moe"), ("v4", "deepseek_v4")):
+        src = tiny_factory(model_type, "causal-lm")
+        out[name] = root / name
+        shutil.copytree(src, out[name])
+        state = load_file(str(src / "model.safetensors"))
+        if name == "v4":
+            state = {release_name(k): v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
+        else:  # each layer's experts as one (E, 2I, C) gate_up_proj and one (E, C, I) down_proj
+            found = [m for k in state if (m := re.fullmatch(r"(.*\.experts)\.(\d+)\.\w+_proj\.weight", k))]
+            num = 1 + max(int(m.group(2)) for m in found)
+            per = state
+            state = {k: v for k, v in per.items() if ".experts." not in k}
+            for p in {m.group(1) for m in found}:
+                state[f"{p}.gate_up_proj"] = torch.stack([torch.cat([per[f"{p}.{e}.gate_proj.weight"],
+                                                                     per[f"{p}.{e}.up_proj.weight"]]) for e in range(num)])
+                state[f"{p}.down_proj"] = torch.stack([per[f"{p}.{e}.down_proj.weight"] for e in range(num)])
+        save_file(state, str(out[name] / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("name", ["fused", "v4"])
+def test_a_family_s_own_load_decides_on_a_read_as_on_a_whole_load(hook_dirs, name):
+    """What the family's load decides from the checkpoint (the layout and names it exports under, the dtypes it
+    trains in) a read decides too: the read model writes the whole load's tensors, names, dtypes and bytes."""
+    from kiln.parallel.sharded_load import lean_pretrained
+
+    whole = load_pretrained(hook_dirs[name], task="causal-lm")
+    lean = lean_pretrained(hook_dirs[name], "causal-lm", None)
+    read_shards(lean, hook_dirs[name])
+    assert [(n, p.dtype) for n, p in whole.named_parameters()] == [(n, p.dtype) for n, p in lean.named_parameters()]
+    a, b = whole.hf_state_dict(), lean.hf_state_dict()
+    assert a.keys() == b.keys()
+    assert any(k.endswith("experts.gate_up_proj") for k in a) if name == "fused" else "embed.weight" in a
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
 # (mode, checkpoint) pairs, each loaded whole then sharded and read shard by shard; all of one world size in one spawn
 CASES_2 = [("fsdp", "qwen3"), ("tp", "qwen3"), ("fsdp-lora", "qwen3"), ("ep", "moe"), ("fsdp", "tied"), ("pp", "qwen3"),
-           ("pp", "tied"), ("fsdp-lora", "fp8"), ("ep", "fp8moe"), ("ep-fsdp-2", "fp8moe"), ("fsdp", "fp8moe")]
+           ("pp", "tied"), ("fsdp-lora", "fp8"), ("ep", "fp8moe"), ("ep-fsdp-2", "fp8moe"), ("fsdp", "fp8moe"),
+           ("fsdp", "fused"), ("fsdp", "v4")]
 CASES_4 = [("tp-fsdp", "qwen3"), ("ep-fsdp", "moe"), ("pp-fsdp", "qwen3"), ("ep-fsdp", "fp8moe")]
 
 
 @pytest.fixture(scope="module")
-def rank_results(dirs, fp8_dir, fp8_moe_dir, tmp_path_factory):
+def rank_results(dirs, fp8_dir, fp8_moe_dir, hook_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("sharded_ranks")
-    paths = {**dirs, "fp8": fp8_dir, "fp8moe": fp8_moe_dir}
+    paths = {**dirs, "fp8": fp8_dir, "fp8moe": fp8_moe_dir, **hook_dirs}
     for world, cases in ((2, CASES_2), (4, CASES_4)):
         spawn(sw.compare_many, world, ([(str(paths[name]), mode, f"{mode}-{name}") for mode, name in cases], str(out)))
     return out
