@@ -122,8 +122,11 @@ def _empty(path: str | os.PathLike, task: str | None, fp8: str, changes: dict[st
     if type(model).load_hf_state_dict is not PreTrainedModel.load_hf_state_dict:
         # the family's own load, run on the headers: what it decides from the names and dtypes (Qwen3.5-MoE's
         # fused expert layout, DeepSeek-V4's release naming and the parameters it holds in float32) it decides
-        # as on a whole load, so the export and the training match it; the read then fills the values
-        model.load_hf_state_dict(weights, source=str(path), source_task=source_task)
+        # as on a whole load, so the export and the training match it; the read then fills the values. Only on
+        # the tensors the read fills: what it carries beyond them would stay meta (lean_pretrained loads such whole)
+        unplaced = {k for k in spans if k not in placed}
+        model.load_hf_state_dict({k: v for k, v in weights.items() if k not in unplaced}, source=str(path),
+                                 source_task=source_task)
     return model, groups, [k for k in spans if k not in placed]
 
 

@@ -264,6 +264,26 @@ def test_a_family_s_own_load_decides_on_a_read_as_on_a_whole_load(hook_dirs, nam
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
+def test_a_read_forced_on_tensors_a_family_carries_reports_them_and_holds_no_empty_copy(hook_dirs, tmp_path):
+    """A tensor the model has no place for that the family's load carries (a Qwen3.5 release's `mtp.*`): such a
+    checkpoint loads whole; a read forced on it reports the tensor ignored and still exports (no meta copy kept)."""
+    from safetensors.torch import load_file, save_file
+
+    from kiln.parallel.sharded_load import lean_pretrained
+
+    src = tmp_path / "mtp"
+    shutil.copytree(hook_dirs["fused"], src)
+    state = load_file(str(src / "model.safetensors"))
+    save_file({**state, "mtp.fc.weight": torch.ones(4, 4)}, str(src / "model.safetensors"), metadata={"format": "pt"})
+    assert list(load_pretrained(src, task="causal-lm").hf_passthrough) == ["mtp.fc.weight"]
+    assert lean_pretrained(src, "causal-lm", None) is None
+    forced = empty_pretrained(src, task="causal-lm")
+    read_shards(forced, src)
+    [ignored] = forced.load_report.ignored
+    assert ignored.endswith("mtp.fc.weight") and forced.hf_passthrough == {}
+    forced.save_pretrained(tmp_path / "out")
+
+
 # (mode, checkpoint) pairs, each loaded whole then sharded and read shard by shard; all of one world size in one spawn
 CASES_2 = [("fsdp", "qwen3"), ("tp", "qwen3"), ("fsdp-lora", "qwen3"), ("ep", "moe"), ("fsdp", "tied"), ("pp", "qwen3"),
            ("pp", "tied"), ("fsdp-lora", "fp8"), ("ep", "fp8moe"), ("ep-fsdp-2", "fp8moe"), ("fsdp", "fp8moe"),
