@@ -2,7 +2,7 @@
 
 One prefill pass over the (left-padded) prompt fills the cache; each later step feeds one token
 per row (a backbone without a decoding cache is fed the whole sequence again instead). Sampling applies temperature, then top-k, then top-p (nucleus) to float32 logits and
-draws with a seeded generator, so a seed reproduces a reply. Rows that reached EOS are padded
+draws with a seeded generator, so a seed reproduces a reply (a caller may bring its own draw instead). Rows that reached EOS are padded
 while the others finish. Positions follow the attention mask (pads do not count).
 """
 
@@ -34,14 +34,30 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0
     return logits
 
 
+def inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """(B,) token ids, row b's drawn with probability probs[b] / probs[b].sum() (probs (B, V) >= 0, some > 0 in
+    each row), from one uniform number per row searched in the float64 cumulative sum. The same distribution as
+    torch.multinomial(probs, 1), not the same draws: multinomial spends an exponential variate per vocabulary
+    entry (~40 ms for 8 rows of 151,936 on one core), this ~4 ms."""
+    cdf = probs.double().cumsum(-1)  # (B, V)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device) * total
+    token = torch.searchsorted(cdf, u, right=True).squeeze(1)
+    # u * total may round up to the total: then the last token with a probability > 0 (where the sum reaches it)
+    return torch.minimum(token, (cdf < total).sum(-1))
+
+
 @torch.no_grad()
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
              do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              seed: int | None = None, eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
              on_token: Callable[[torch.Tensor], None] | None = None,
-             prompt_inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+             prompt_inputs: dict[str, torch.Tensor] | None = None,
+             draw: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Prompt ids (B, T) -> (B, T + n) with n <= max_new_tokens; `on_token` sees each new (B,) column.
-    `prompt_inputs` (an image-text model's pixel_values, image_grid_thw, ...) go with the prompt's pass."""
+    `prompt_inputs` (an image-text model's pixel_values, image_grid_thw, ...) go with the prompt's pass.
+    `draw` (with do_sample): float32 logits (B, V) -> (B,) token ids, in place of temperature / top-k / top-p
+    and the seeded multinomial draw (the caller then owns the randomness; `seed` is not used)."""
     if input_ids.dim() != 2 or input_ids.size(1) == 0:
         raise KilnError(f"input_ids must be (batch, length>0), got shape {tuple(input_ids.shape)}")
     config = model.config
@@ -50,7 +66,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     pad = pad_token_id if pad_token_id is not None else (config.pad_token_id if config.pad_token_id is not None
                                                          else (int(eos_ids[0]) if len(eos_ids) else 0))
     device = input_ids.device
-    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None and draw is None else None
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # (B, T)
     cache = model.new_cache()  # None: no incremental state, every step re-reads the sequence
@@ -65,7 +81,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                 {k: v for k, v in prompt_inputs.items() if k != "mm_token_type_ids"})
             logits = model(step_ids, attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1,
                            **extra).logits[:, -1, :].to(dtype=torch.float32)  # (B, V)
-            if do_sample:
+            if do_sample and draw is not None:
+                token = draw(logits)
+            elif do_sample:
                 probs = filter_logits(logits, temperature, top_k, top_p).softmax(-1)
                 token = torch.multinomial(probs, 1, generator=gen).squeeze(1)
             else:

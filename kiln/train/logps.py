@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 from kiln.constants import IGNORE_INDEX
 from kiln.errors import KilnError
+from kiln.models.common.tied_grad import deferred_head
 from kiln.models.common.token_logps import linear_token_logps
 
 __all__ = ["linear_token_logps", "sequence_logps", "token_logps"]
@@ -56,8 +57,9 @@ def token_logps(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch
     if model is core:  # plain, or FSDP2 (kiln.parallel.fsdp registered the method as a forward)
         return core.token_logps(input_ids, attention_mask, targets, chunk=chunk, temperature=temperature)
     # DDP: through its forward (with logits_to_keep=1, so the forward itself makes one position's logits)
+    head = deferred_head(core)  # before the backbone runs
     out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1)
-    return core.hidden_token_logps(out.last_hidden_state, targets, chunk=chunk, temperature=temperature)
+    return core.hidden_token_logps(out.last_hidden_state, targets, chunk=chunk, temperature=temperature, head=head)
 
 
 def sequence_logps(logps: torch.Tensor, targets_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

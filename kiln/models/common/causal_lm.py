@@ -26,6 +26,7 @@ from torch.nn import functional as F
 from kiln.models.common.decoder import KVCache
 from kiln.models.common.loss import IGNORE_INDEX, causal_lm_loss, fast_lm_loss_sum, lm_loss_sum, shift_labels
 from kiln.models.common.moe import load_balancing_loss
+from kiln.models.common.tied_grad import deferred_head
 from kiln.models.common.token_logps import exact_token_logps, linear_token_logps
 from kiln.models.pretrained import PreTrainedModel
 
@@ -108,15 +109,22 @@ class ForCausalLM(PreTrainedModel):
     def token_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, targets: torch.Tensor, *,
                     chunk: int | None = None, temperature: float = 1.0) -> torch.Tensor:
         """(B, T) fp32 log-probs of `targets` (B, T: the next token at each position, IGNORE_INDEX where
-        nothing is scored, 0 there) under logits / temperature: the forward's hidden states through
-        `hidden_token_logps`. Under DDP call the wrapper's forward and `hidden_token_logps` instead."""
-        out = self.forward(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1)
-        return self.hidden_token_logps(out.last_hidden_state, targets, chunk=chunk, temperature=temperature)
+        nothing is scored, 0 there) under logits / temperature: the backbone's hidden states through
+        `hidden_token_logps` (this class's forward would also run the head on the last position, unused).
+        Under DDP call the wrapper's forward and `hidden_token_logps` instead."""
+        head = deferred_head(self)  # before the backbone (kiln.models.common.tied_grad)
+        if type(self).forward is ForCausalLM.forward:
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask)
+        else:  # a family's own forward (what it adds to the backbone's hidden states)
+            out = self.forward(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1)
+            hidden = out.last_hidden_state
+        return self.hidden_token_logps(hidden, targets, chunk=chunk, temperature=temperature, head=head)
 
     def hidden_token_logps(self, hidden: torch.Tensor, targets: torch.Tensor, *, chunk: int | None = None,
-                           temperature: float = 1.0) -> torch.Tensor:
+                           temperature: float = 1.0, head: torch.Tensor | None = None) -> torch.Tensor:
         """`token_logps` from the hidden states (B, T, C): on the fast path the head runs only where a target
-        is, `chunk` rows at a time (no (tokens x vocab) logits); on the exact path through the full logits."""
+        is, `chunk` rows at a time (no (tokens x vocab) logits); on the exact path through the full logits.
+        `head`: the head's weight as `deferred_head` gave it (the fast path), else `output_weight`."""
         keep = targets != IGNORE_INDEX  # (B, T)
         if not self._fused_head():  # the exact path: the full logits, as TRL's selective_log_softmax
             picked = exact_token_logps(self.head(hidden), targets.clamp(min=0), temperature)
@@ -124,7 +132,8 @@ class ForCausalLM(PreTrainedModel):
         if self.fp32_logits:
             hidden = hidden.to(self.output_weight.dtype)
         bias = None if self.lm_head is None else self.lm_head.bias
-        picked = linear_token_logps(hidden[keep], self.output_weight, targets[keep], bias, chunk, temperature)  # (N,)
+        weight = self.output_weight if head is None else head
+        picked = linear_token_logps(hidden[keep], weight, targets[keep], bias, chunk, temperature)  # (N,)
         return torch.zeros(keep.shape, dtype=torch.float32, device=hidden.device).index_put((keep,), picked)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,

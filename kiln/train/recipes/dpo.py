@@ -42,6 +42,7 @@ from kiln.errors import ConfigError, KilnError
 from kiln.models.auto import load_pretrained
 from kiln.models.common.lora import LoraLinear
 from kiln.models.common.lora_experts import ExpertLora
+from kiln.models.common.tied_grad import coalesce_tied_gradient
 from kiln.models.tasks import CAUSAL_LM
 from kiln.parallel.world import World, all_reduce_sum, barrier
 from kiln.train.config import RunConfig, Section
@@ -139,6 +140,7 @@ class DPORun(Callback):
         self.cfg, self.train, self.evals = cfg, train, evals
         self.trainer: Trainer | None = None
         self.ready = False
+        self.started = False  # the first step's one-time setup done
         self.ref_model = starting_copy  # the frozen copy of the starting weights (full weights), placed by _ready
         self.cache: dict[str, torch.Tensor] | None = None  # split -> (pairs, 2) reference summed log-probs
         self.cache_sha: str | None = None
@@ -263,6 +265,11 @@ class DPORun(Callback):
         return pl, int(attn.sum())
 
     def step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        if not self.started:  # a tied embedding's gradient without its dense transient (unsharded weights)
+            self.started = True
+            assert self.trainer is not None, "wrap_engine gave this callback its trainer"
+            if not self.trainer.sharded:
+                coalesce_tied_gradient(getattr(model, "module", model))
         self._ready()
         pl, tokens = self.pair_losses(model, batch, "train")
         self.sums += self._stats(pl, tokens, torch.ones_like(pl.losses))

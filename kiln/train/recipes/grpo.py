@@ -35,11 +35,12 @@ from torch import nn
 from kiln.data import read_records
 from kiln.data.hfdata import source_sha256
 from kiln.errors import ConfigError, KilnError
+from kiln.models.common.tied_grad import coalesce_tied_gradient
 from kiln.parallel.world import World, all_reduce_sum, gather_objects
 from kiln.train.config import DataSection, RunConfig, Section
 from kiln.train.engine import DataParallel, StepContext, StepEngine, StepOutcome, Window, mean_gradients
 from kiln.train.grpo_loss import advantages, clipped, combine_rewards, loss_parts, token_loss
-from kiln.train.grpo_rollout import GRPORun, Prompts, core_of, rollout_seed
+from kiln.train.grpo_rollout import Decoder, GRPORun, Prompts, core_of, rollout_seed
 from kiln.train.plans import place_frozen
 from kiln.train.recipes.base import Extension, Recipe, RunParts, add_lora, build_model, check_text_model
 from kiln.train.recipes.finetune import RecordsData
@@ -113,6 +114,7 @@ class GRPOEngine(StepEngine):
                               f"[parallel] settings make a {type(inner).__name__}")
         self.inner, self.run = inner, run
         self.placed = False  # the reference copy (full weights, beta > 0) is placed beside the policy on first use
+        self.started = False  # the first step's one-time setup done
         self.keep_grads = inner.keep_grads
         self.buffer: list[dict[str, Any]] | None = None   # the rollout being worked on
         self.stats: dict[str, float] = {}                  # its reward metrics
@@ -126,14 +128,16 @@ class GRPOEngine(StepEngine):
             self.placed = True
         index = run.step // g.num_iterations
         micros, per_funcs, lengths = [], [], []
+        decoder = Decoder(core, run.sharded)  # its packed head serves every micro-batch of this rollout
         for m in range(run.args.grad_accum):
             rows = run.next_batch()["row"].tolist()
             with torch.no_grad(), run.autocast():
-                micro = r.sample(core, rows, r.prompts, g.num_generations,
-                                 rollout_seed(r.seed, index, m * run.data_shards + run.data_rank), run.device, full_length=run.sharded)
+                micro = r.sample(decoder, rows, r.prompts, g.num_generations,
+                                 rollout_seed(r.seed, index, m * run.data_shards + run.data_rank), run.device)
             per_funcs.append(micro["per_func"])
             lengths.append(micro["completion_mask"].sum(1).double().cpu())  # beside the rewards (CPU) for the stats
             micros.append(micro)
+        del decoder
         per_func = torch.cat(per_funcs)
         rewards = combine_rewards(per_func, r.weights)
         batch_std = None
@@ -186,6 +190,10 @@ class GRPOEngine(StepEngine):
     # -- a step --
     def gradients(self, run: StepContext) -> StepOutcome:
         g = self.run.g
+        if not self.started:  # a tied embedding's gradient without its dense transient (unsharded weights)
+            self.started = True
+            if not run.sharded:
+                coalesce_tied_gradient(core_of(run.model))
         iteration = run.step % g.num_iterations
         if iteration == 0 or self.buffer is None:
             self.rollout(run)
