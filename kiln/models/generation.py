@@ -42,9 +42,11 @@ def inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None = None) -
     cdf = probs.double().cumsum(-1)  # (B, V)
     total = cdf[:, -1:]
     u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device) * total
-    token = torch.searchsorted(cdf, u, right=True).squeeze(1)
-    # u * total may round up to the total: then the last token with a probability > 0 (where the sum reaches it)
-    return torch.minimum(token, (cdf < total).sum(-1))
+    token = torch.searchsorted(cdf, u, right=True).squeeze(1)  # the first entry whose sum passes u
+    over = token >= cdf.shape[1]  # u * total rounded up to the total: the last token with a probability > 0
+    if bool(over.any()):
+        token = torch.where(over, (cdf < total).sum(-1), token)
+    return token
 
 
 @torch.no_grad()

@@ -103,12 +103,13 @@ def _mkl_packed_linear() -> tuple[Any, Any] | None:
 
 class Decoder:
     """The model as `generate` sees it in a rollout or an evaluation: the backbone, then the LM head at the last
-    position alone. On the CPU with a plain float32 head (ForCausalLM's own forward and head) the head's weight
-    is packed once for the decode's row count by MKL: an (8 x 512) @ (512 x 151,936) product then takes ~50 ms
-    against ~110 ms through F.linear, and a decode runs one per token. The packed copy (the weight's size) lives
-    as long as this object: one rollout, while the gradients are freed. Results agree with F.linear's to fp32
-    rounding (the fast path's `logprob_gap`). Sharded weights (`sharded`: every forward gathers them, and every
-    rank decodes all max_new_tokens), autocast, an adapted or quantized head: the model's own forward."""
+    position alone. On the fast path (`set_fast`; `[train] exact = true` keeps F.linear), on the CPU, with a plain
+    float32 head (ForCausalLM's own forward and head), the head's weight is packed by MKL for the decode's row
+    count once: an (8 x 512) @ (512 x 151,936) product then takes ~45 ms against ~105 ms through F.linear, and a
+    decode runs one per token. The packed copy (the weight's size) lives as long as this object: one rollout,
+    while the gradients are freed. Logits agree with F.linear's to fp32 rounding (the fast path's
+    `logprob_gap`). Sharded weights (`sharded`: every forward gathers them, and every rank decodes all
+    max_new_tokens), autocast, an adapted or quantized head: the model's own forward."""
 
     def __init__(self, core: nn.Module, sharded: bool):
         self.model, self.config, self.sharded = core, core.config, sharded
@@ -116,7 +117,7 @@ class Decoder:
         self.ops = None if sharded else _mkl_packed_linear()
         head = getattr(core, "lm_head", None)
         weight = getattr(core, "output_weight", None)
-        if not (isinstance(core, ForCausalLM) and type(core).forward is ForCausalLM.forward
+        if not (isinstance(core, ForCausalLM) and core.fast and type(core).forward is ForCausalLM.forward
                 and type(core).head is ForCausalLM.head and (head is None or type(head) is nn.Linear)
                 and type(weight) in (torch.Tensor, nn.Parameter) and weight.dtype == torch.float32
                 and weight.device.type == "cpu"):

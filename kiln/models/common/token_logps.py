@@ -48,7 +48,7 @@ class _LinearTokenLogps(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         rows, tau = ctx.rows, ctx.temperature
         grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
+        grad_w = None  # the first chunk's product makes it (zeros first would be one more pass over (V, C))
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if need_b else None
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, h.shape[0], rows):
@@ -66,8 +66,10 @@ class _LinearTokenLogps(torch.autograd.Function):
                 g = g.to(weight.dtype)
                 if need_h:
                     grad_h[s:s + rows] = g @ weight  # (n, C)
-                if need_w and g.dtype == torch.float32:
-                    grad_w.addmm_(g.t(), hc)  # (V, C) in place: no temporary of the weight's size
+                if need_w and grad_w is None:
+                    grad_w = (g.t() @ hc).float()  # (V, C)
+                elif need_w and g.dtype == torch.float32:
+                    grad_w.addmm_(g.t(), hc)  # in place: no temporary of the weight's size
                 elif need_w:
                     grad_w += (g.t() @ hc).float()
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)

@@ -1,0 +1,87 @@
+"""What makes a GRPO step fast stays exact: the rollout's inverse-CDF draw samples the softmax (and never a token
+of probability 0), its packed decode head gives the model's own logits to fp32 rounding, and a tied embedding's
+coalesced gradient is, element for element, the one the dense backward makes, added into the head's in place."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from kiln.models.common.fast import set_fast
+from kiln.models.common.tied_grad import coalesce_tied_gradient, deferred_head
+from kiln.models.generation import inverse_cdf
+from kiln.train.grpo_rollout import Decoder
+from kiln.train.logps import token_logps
+from tests.train.test_dpo_logps import VOCAB, tiny_lm
+
+
+def _sigmas(counts: torch.Tensor, probs: torch.Tensor, draws: int) -> float:
+    """The largest |empirical - expected| frequency over the vocabulary, in binomial stds."""
+    p = (probs / probs.sum()).double()
+    std = (p * (1 - p) / draws).sqrt().clamp(min=1 / draws)
+    return float(((counts / draws - p).abs() / std).max())
+
+
+def test_inverse_cdf_draws_the_distribution_and_never_a_zero():
+    probs = torch.rand(50, generator=torch.Generator().manual_seed(0)) ** 3  # unnormalised, uneven
+    probs[[0, 7, 49]] = 0.0  # the first, a middle and the last entry impossible
+    draws = 200_000
+    tokens = inverse_cdf(probs.expand(draws, -1), torch.Generator().manual_seed(1))  # one call, a row per draw
+    counts = torch.bincount(tokens, minlength=50).double()
+    assert counts[[0, 7, 49]].sum() == 0
+    # 50 frequencies, each within 5 binomial stds (a two-sided 5-sigma miss: ~6e-7 per entry)
+    assert _sigmas(counts, probs, draws) < 5
+    assert _sigmas(counts, probs.flip(0), draws) > 5  # the control: another distribution fails the same check
+    assert torch.equal(tokens, inverse_cdf(probs.expand(draws, -1), torch.Generator().manual_seed(1)))  # seeded
+
+
+def test_packed_decode_head_gives_the_models_logits():
+    """A decode step through the rollout's Decoder (packed head where MKL offers it) and through the model."""
+    model = tiny_lm(tied=True).eval()
+    set_fast(model)
+    ids = torch.randint(3, VOCAB, (8, 6), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[:2, :2] = 0  # left padding
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    decoder = Decoder(model, sharded=False)
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask, position_ids=positions, cache=model.new_cache(),
+                     logits_to_keep=1).logits
+        got = decoder(ids, attention_mask=mask, position_ids=positions, cache=model.new_cache(),
+                      logits_to_keep=1).logits
+    if torch.backends.mkl.is_available():
+        assert decoder.packed is not None and decoder.packed[0] == 8  # the packed path ran
+    # logits of a 32-wide dot product, |logit| < 1: fp32 rounding ~1e-7; 1e-6 leaves headroom
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_tied_gradient_is_the_dense_ones_sum_added_in_place():
+    """Two micro-batches of repeated ids and pad ids (0) accumulate the same gradient, bit for bit, as the dense
+    embedding backward; the head's gradient tensor itself becomes .grad (the lookup's rows went into it)."""
+    plain = tiny_lm(tied=True)
+    set_fast(plain)
+    switched = copy.deepcopy(plain)
+    assert coalesce_tied_gradient(switched)
+    g = torch.Generator().manual_seed(3)
+    micro = [torch.randint(0, 6, (3, 9), generator=g) for _ in range(2)]  # 6 ids over 27 places: many repeats
+    for model in (plain, switched):
+        for ids in micro:
+            mask = (ids != 0).long()
+            logps = token_logps(model, ids, mask, mask)
+            (logps * torch.linspace(-1, 1, logps.numel()).view_as(logps)).sum().backward()
+    for (name, a), b in zip(plain.named_parameters(), switched.parameters()):
+        assert b.grad.layout == torch.strided and torch.equal(a.grad, b.grad), name
+    # in place: the tensor the head's backward made is the one that becomes .grad; the control: the same head
+    # taken after the lookup (its backward then runs first, before the sparse rows come) ends in a new tensor
+    ids, mask = micro[0], (micro[0] != 0).long()
+    targets = torch.where(mask.bool(), torch.roll(ids, -1, 1), -100)
+    for before, same in ((True, True), (False, False)):
+        switched.zero_grad(set_to_none=True)
+        head = deferred_head(switched) if before else None
+        hidden = switched.model(input_ids=ids, attention_mask=mask)
+        head = head if before else deferred_head(switched)
+        seen = []
+        head.register_hook(lambda grad: seen.append(grad.data_ptr()))
+        switched.hidden_token_logps(hidden, targets, head=head).sum().backward()
+        assert (seen == [switched.output_weight.grad.data_ptr()]) is same
