@@ -26,14 +26,16 @@ def _sigmas(counts: torch.Tensor, probs: torch.Tensor, draws: int) -> float:
 def test_inverse_cdf_draws_the_distribution_and_never_a_zero():
     probs = torch.rand(50, generator=torch.Generator().manual_seed(0)) ** 3  # unnormalised, uneven
     probs[[0, 7, 49]] = 0.0  # the first, a middle and the last entry impossible
-    draws = 200_000
-    tokens = inverse_cdf(probs.expand(draws, -1), torch.Generator().manual_seed(1))  # one call, a row per draw
-    counts = torch.bincount(tokens, minlength=50).double()
-    assert counts[[0, 7, 49]].sum() == 0
-    # 50 frequencies, each within 5 binomial stds (a two-sided 5-sigma miss: ~6e-7 per entry)
-    assert _sigmas(counts, probs, draws) < 5
-    assert _sigmas(counts, probs.flip(0), draws) > 5  # the control: another distribution fails the same check
-    assert torch.equal(tokens, inverse_cdf(probs.expand(draws, -1), torch.Generator().manual_seed(1)))  # seeded
+    draws = 50_000
+    for block in (8, 1024):  # 7 blocks, the last one short; one block (a block wider than the row)
+        tokens = inverse_cdf(probs.expand(draws, -1), torch.Generator().manual_seed(1), block)  # a row per draw
+        counts = torch.bincount(tokens, minlength=50).double()
+        assert counts[[0, 7, 49]].sum() == 0
+        # 50 frequencies, each within 5 binomial stds (a two-sided 5-sigma miss: ~6e-7 per entry)
+        assert _sigmas(counts, probs, draws) < 5
+        assert _sigmas(counts, probs.flip(0), draws) > 5  # the control: another distribution fails the same check
+        again = inverse_cdf(probs.expand(draws, -1), torch.Generator().manual_seed(1), block)
+        assert torch.equal(tokens, again)  # seeded
 
 
 def test_packed_decode_head_gives_the_models_logits():
