@@ -110,3 +110,19 @@ def test_bad_shapes_name_them():
         token_logps(model, ids, attn, scored, temperature=0.0)
     with pytest.raises(KilnError, match="weight"):
         linear_token_logps(torch.zeros(3, 4), torch.zeros(5, 6), torch.zeros(3, dtype=torch.long))
+
+
+def test_a_second_backward_gives_the_same_gradient():
+    """The forward keeps its last chunk's logits for the backward, which uses them up in place: a second
+    backward through the same graph (retain_graph) recomputes them and gets the same gradients."""
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(10, 8, generator=g, requires_grad=True)
+    weight = torch.randn(VOCAB, 8, generator=g, requires_grad=True)
+    targets = torch.randint(0, VOCAB, (10,), generator=g)
+    upstream = torch.randn(10, generator=g)
+    out = linear_token_logps(h, weight, targets, chunk_rows=4, temperature=0.7)  # chunks of 2, 4, 4 rows
+    (out * upstream).sum().backward(retain_graph=True)
+    first = (h.grad.clone(), weight.grad.clone())
+    h.grad = weight.grad = None
+    (out * upstream).sum().backward()
+    assert torch.equal(h.grad, first[0]) and torch.equal(weight.grad, first[1])

@@ -3,8 +3,9 @@
 Preference optimization and RL score sequences by log p(token t+1 | tokens <= t). `linear_token_logps`
 takes the hidden states of the scored positions and the head weight: each chunk's fp32 logits (divided by
 the sampling temperature, as TRL divides them) are reduced to their log-sum-exp and the target's logit,
-then dropped; the backward recomputes one chunk at a time. Peak memory beyond the model is one chunk of
-logits (`CHUNK_ELEMENTS`, the fused cross entropy's budget) plus the (vocab x hidden) head gradient.
+then dropped (the last kept for the backward); the backward recomputes the others one at a time. Peak memory
+beyond the model is one chunk of logits (`CHUNK_ELEMENTS`, the fused cross entropy's budget) plus the
+(vocab x hidden) head gradient.
 `ForCausalLM.token_logps` runs it inside the model's own call, so FSDP2 gathers the head for it.
 """
 
@@ -19,8 +20,16 @@ from kiln.models.common.loss import CHUNK_ELEMENTS, head_operands
 __all__ = ["exact_token_logps", "linear_token_logps"]
 
 
+def _chunks(n: int, rows: int) -> list[tuple[int, int]]:
+    """(start, end) of each chunk of `rows` rows over n, the short remainder first: the last chunk is full."""
+    first = n % rows or rows
+    return [(0, first)] + [(s, s + rows) for s in range(first, n, rows)]
+
+
 class _LinearTokenLogps(torch.autograd.Function):
-    """log_softmax((h W^T + b) / tau)[i, t_i] per row i, chunk by chunk; the backward recomputes each chunk.
+    """log_softmax((h W^T + b) / tau)[i, t_i] per row i, chunk by chunk; the backward recomputes each chunk
+    but the last, whose logits the forward keeps (it held them anyway, and the backward's first chunk takes
+    their place: the peak is unchanged).
 
     The incoming gradient is per row (unlike a summed loss), so the gradient cannot be formed in the
     forward as kiln's fused cross entropy does: the forward keeps only each row's log-sum-exp, and the
@@ -28,53 +37,62 @@ class _LinearTokenLogps(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, targets, rows, temperature):  # h (N, C), weight (V, C), targets (N,)
+    def forward(ctx, h, weight, bias, targets, rows, temperature, keep):  # h (N, C), weight (V, C), targets (N,)
         out = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         lse = torch.empty_like(out)
+        chunks = _chunks(h.shape[0], rows)
+        ctx.kept = None
         with torch.autocast(h.device.type, enabled=False):  # dtypes were settled by the caller
-            for s in range(0, h.shape[0], rows):
-                logits = F.linear(h[s:s + rows], weight, bias).float()  # (n, V)
+            for s, e in chunks:
+                logits = F.linear(h[s:e], weight, bias).float()  # (n, V)
                 if temperature != 1.0:
                     logits.div_(temperature)
-                lse[s:s + rows] = torch.logsumexp(logits, dim=-1)
-                out[s:s + rows] = logits.gather(1, targets[s:s + rows, None]).squeeze(1) - lse[s:s + rows]
+                lse[s:e] = torch.logsumexp(logits, dim=-1)
+                out[s:e] = logits.gather(1, targets[s:e, None]).squeeze(1) - lse[s:e]
+        if keep:  # a backward will come (grad mode was on at the call)
+            ctx.kept = logits  # the last chunk's (n, V) logits / tau
         ctx.save_for_backward(h, weight, bias, targets, lse)
-        ctx.rows, ctx.temperature = rows, temperature
+        ctx.chunks, ctx.temperature = chunks, temperature
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # grad_out (N,)
         h, weight, bias, targets, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        rows, tau = ctx.rows, ctx.temperature
+        tau = ctx.temperature
+        kept, ctx.kept = ctx.kept, None  # used up in place here: a second backward (retain_graph) recomputes
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = None  # the first chunk's product makes it (zeros first would be one more pass over (V, C))
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if need_b else None
         with torch.autocast(h.device.type, enabled=False):
-            for s in range(0, h.shape[0], rows):
-                hc, tc, gc = h[s:s + rows], targets[s:s + rows], grad_out[s:s + rows].float()
+            for s, e in ctx.chunks[-1:] + ctx.chunks[:-1]:  # the kept chunk first, then it is freed
+                hc, tc, gc = h[s:e], targets[s:e], grad_out[s:e].float()
                 if tau != 1.0:
                     gc = gc / tau  # the chain rule through logits / tau
-                probs = F.linear(hc, weight, bias).float()
-                if tau != 1.0:
-                    probs.div_(tau)
-                probs = probs.sub_(lse[s:s + rows, None]).exp_()  # softmax (n, V)
+                if kept is not None:
+                    probs, kept = kept, None
+                else:
+                    probs = F.linear(hc, weight, bias).float()
+                    if tau != 1.0:
+                        probs.div_(tau)
+                probs = probs.sub_(lse[s:e, None]).exp_()  # softmax (n, V)
                 g = probs.mul_(-gc[:, None])  # -g_i softmax_i ...
                 g[torch.arange(tc.shape[0], device=tc.device), tc] += gc  # ... + g_i onehot(t_i)
                 if need_b:
                     grad_b += g.sum(0)
                 g = g.to(weight.dtype)
                 if need_h:
-                    grad_h[s:s + rows] = g @ weight  # (n, C)
+                    grad_h[s:e] = g @ weight  # (n, C)
                 if need_w and grad_w is None:
                     grad_w = (g.t() @ hc).float()  # (V, C)
                 elif need_w and g.dtype == torch.float32:
                     grad_w.addmm_(g.t(), hc)  # in place: no temporary of the weight's size
                 elif need_w:
                     grad_w += (g.t() @ hc).float()
+                del probs, g
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None
 
 
 def linear_token_logps(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -92,7 +110,8 @@ def linear_token_logps(h: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     if h.shape[0] == 0:  # no targets: an empty result that still reaches the graph
         return (h.sum() * 0.0 + weight.sum() * 0.0).float().expand(0)
     rows = chunk_rows or max(1, min(h.shape[0], CHUNK_ELEMENTS // weight.shape[0]))
-    return _LinearTokenLogps.apply(h, weight, bias, targets, rows, float(temperature))
+    keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, weight, bias))
+    return _LinearTokenLogps.apply(h, weight, bias, targets, rows, float(temperature), keep)
 
 
 def exact_token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
