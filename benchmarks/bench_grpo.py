@@ -11,13 +11,13 @@ dapo, beta 0, one iteration, scale_rewards group, full fine-tuning, AdamW lr 1e-
 weight decay, gradient clipping at 1.0, fp32. Random weights almost never sample EOS, so both sides generate
 every completion to full length and process the same tokens.
 
-kiln runs what `kiln train --config run.toml` runs (its defaults: fast path, KV-cache decode by kiln's
-`generate` with the LM head at the last position through MKL's packed GEMM and one uniform draw per row
-(inverse CDF), sampler log-probs from the decode (no extra forward for the old policy), log-probs chunked
-through the LM head, the tied embedding's gradient coalesced into the head's); TRL runs GRPOTrainer.train()
-with transformers' generate (with num_iterations 1 it too skips the old policy's forward). tokens/s counts prompt + completion tokens per step (TRL's
-num_input_tokens_seen, kiln's step tokens), generation and update together; peak memory is the process's
-RSS high-water mark above its baseline. Each side runs in its own process; rounds interleave. Ratios last.
+kiln runs what `kiln train --config run.toml` runs (its defaults: fast path, KV-cache decode by kiln's `generate`
+with the LM head at the last position through MKL's packed GEMM and one uniform draw per row (inverse CDF), sampler
+log-probs from the decode (no extra forward for the old policy), log-probs chunked through the LM head, the tied
+embedding's gradient coalesced into the head's); TRL runs GRPOTrainer.train() with transformers' generate (with
+num_iterations 1 it too skips the old policy's forward). tokens/s counts prompt + completion tokens per step (TRL's
+num_input_tokens_seen, kiln's step tokens), generation and update together; peak memory is the process's RSS
+high-water mark above its baseline. Each side runs in its own process; rounds interleave. Ratios last.
 
     python benchmarks/bench_grpo.py [--steps 2] [--warmup 1] [--rounds 2] [--max-new-tokens 32]
 """

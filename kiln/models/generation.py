@@ -1,9 +1,10 @@
 """Autoregressive generation for kiln causal LMs: KV cache, greedy or sampled, stop on EOS.
 
-One prefill pass over the (left-padded) prompt fills the cache; each later step feeds one token
-per row (a backbone without a decoding cache is fed the whole sequence again instead). Sampling applies temperature, then top-k, then top-p (nucleus) to float32 logits and
-draws with a seeded generator, so a seed reproduces a reply (a caller may bring its own draw instead). Rows that reached EOS are padded
-while the others finish. Positions follow the attention mask (pads do not count).
+One prefill pass over the (left-padded) prompt fills the cache; each later step feeds one token per row
+(a backbone without a decoding cache is fed the whole sequence again instead). Sampling applies
+temperature, then top-k, then top-p (nucleus) to float32 logits and draws with a seeded generator, so a
+seed reproduces a reply (a caller may bring its own draw instead). Rows that reached EOS are padded while
+the others finish. Positions follow the attention mask (pads do not count).
 """
 
 from __future__ import annotations
