@@ -25,6 +25,7 @@ two roundings), rounded once to the output dtype.
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,23 +203,97 @@ def block_absmax(q: Quant4) -> torch.Tensor:
     return q.nested_code[q.absmax.long()] * scale + torch.tensor(q.offset, dtype=torch.float32)
 
 
-def dequantize(q: Quant4, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The weight back in `dtype` (default: the dtype it was quantized from), as `dequantize_4bit` gives it."""
+def _code_pairs(code: torch.Tensor) -> torch.Tensor:
+    """byte -> its two float32 code values (high nibble first) read as one 8-byte word: one gather per byte
+    instead of two shifts and two gathers."""
+    return torch.stack([code.repeat_interleave(16), code.repeat(16)], dim=1).contiguous().view(torch.int64).reshape(-1)
+
+
+class _Scratch(threading.local):
+    """Per thread: the temporaries of a chunked `dequantize` (byte indices, value pairs, block absmax),
+    grown to the largest chunk asked for and kept, so a weight dequantized at every matmul allocates nothing."""
+
+    def __init__(self):
+        self.index = torch.empty(0, dtype=torch.int32)
+        self.pairs = torch.empty(0, dtype=torch.int64)
+        self.absmax = torch.empty(0, dtype=torch.float32)
+
+
+_SCRATCH = _Scratch()
+
+
+def _temporaries(blocks: int, half: int, device: torch.device, keep: bool):
+    if not keep:
+        return (torch.empty(blocks * half, dtype=torch.int32, device=device),
+                torch.empty(blocks * half, dtype=torch.int64, device=device),
+                torch.empty(blocks, dtype=torch.float32, device=device))
+    s = _SCRATCH
+    if s.index.numel() < blocks * half or s.absmax.numel() < blocks:
+        with torch.inference_mode(False):  # plain tensors, usable in and out of inference mode
+            s.index = torch.empty(blocks * half, dtype=torch.int32)
+            s.pairs = torch.empty(blocks * half, dtype=torch.int64)
+            s.absmax = torch.empty(blocks, dtype=torch.float32)
+    return s.index, s.pairs, s.absmax
+
+
+def dequantize(q: Quant4, dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+               chunk_bytes: int | None = None) -> torch.Tensor:
+    """The weight back in `dtype` (default: the dtype it was quantized from), as `dequantize_4bit` gives it:
+    float32 code value * float32 block absmax, rounded once to `dtype`.
+
+    Written into `out` when given (a tensor of the weight's shape and `dtype`), else into a new tensor.
+    `chunk_bytes` (CPU): that many packed bytes (whole nested-absmax groups) at a time, through temporaries
+    kept per thread (about 14 x chunk_bytes), so neither their size nor any allocation grows with the weight;
+    without it the whole weight is one chunk and its temporaries are fresh. The values are the same either way.
+    """
     n = 1
     for s in q.shape:
         n *= s
+    dtype = dtype or q.dtype
     device = q.packed.device
-    code = q.code.to(device)
-    # byte -> its two float32 values (high nibble first) read as one 8-byte word: one gather per byte instead
-    # of two shifts and two gathers
-    pairs = torch.stack([code.repeat_interleave(16), code.repeat(16)], dim=1).contiguous().view(torch.int64)
-    values = torch.index_select(pairs.reshape(-1), 0, q.packed.reshape(-1).to(torch.int32)).view(torch.float32)
-    absmax = block_absmax(q).to(device)
-    out = torch.empty(q.shape, dtype=dtype or q.dtype, device=device)
-    if n % q.blocksize == 0:  # the float32 product rounded once as it is written (one pass, no float32 copy)
-        torch.mul(values.view(-1, q.blocksize), absmax.view(-1, 1), out=out.view(-1, q.blocksize))
-    else:
-        torch.mul(values[:n], absmax.repeat_interleave(q.blocksize)[:n], out=out.view(-1))
+    if out is None:
+        out = torch.empty(q.shape, dtype=dtype, device=device)
+    assert out.dtype == dtype and out.numel() == n and out.is_contiguous(), "dequantize: out must fit the weight"
+    table, packed, flat = _code_pairs(q.code.to(device)), q.packed.reshape(-1), out.view(-1)
+    bs = q.blocksize
+    if bs % 2:  # blocks that split a byte: the whole weight at once, absmax repeated per value
+        values = torch.index_select(table, 0, packed.to(torch.int32)).view(torch.float32)[:n]
+        torch.mul(values, block_absmax(q).to(device).repeat_interleave(bs)[:n], out=flat)
+        return out
+    half, blocks = bs // 2, -(-n // bs)  # packed bytes per block; blocks, the last maybe partial
+    group = q.nested_blocksize if q.nested else 1  # blocks sharing one nested absmax
+    keep = chunk_bytes is not None and device.type == "cpu"
+    step = blocks if chunk_bytes is None else max(group, chunk_bytes // half // group * group)  # blocks per chunk
+    index, pairs, absmax = _temporaries(min(step, blocks), half, device, keep)
+    offset = torch.tensor(q.offset, dtype=torch.float32, device=device) if q.nested else None
+    code8 = q.nested_code.to(device) if q.nested else None
+    for b0 in range(0, blocks, step):
+        b1 = min(b0 + step, blocks)
+        k, nbytes, nvals = b1 - b0, min(b1 * half, packed.numel()) - b0 * half, min(b1 * bs, n) - b0 * bs
+        a = absmax[:k]
+        if q.nested:  # block_absmax for these blocks: code8[byte] * nested absmax of its group, + offset
+            whole = k // group * group
+            index[:k].copy_(q.absmax[b0:b1])
+            torch.index_select(code8, 0, index[:k], out=a)
+            g0 = b0 // group
+            a[:whole].view(-1, group).mul_(q.nested_absmax[g0:g0 + whole // group].view(-1, 1))
+            if whole < k:
+                a[whole:].mul_(q.nested_absmax[g0 + whole // group])
+            a.add_(offset)
+        else:
+            a.copy_(q.absmax[b0:b1])
+        index[:nbytes].copy_(packed[b0 * half:b0 * half + nbytes])
+        values = torch.index_select(table, 0, index[:nbytes], out=pairs[:nbytes]).view(torch.float32)
+        dst = flat[b0 * bs:b0 * bs + nvals]
+        full = nvals // bs * bs  # values of whole blocks here; the weight's last block may be partial
+        if full:
+            v, a_full = values[:full].view(-1, bs), a[:full // bs].view(-1, 1)
+            if dtype == torch.float32:
+                torch.mul(v, a_full, out=dst[:full].view(-1, bs))
+            else:  # the float32 product in place, then rounded once as it is copied: no third buffer
+                dst[:full].view(-1, bs).copy_(v.mul_(a_full))
+        if full < nvals:
+            torch.mul(values[full:nvals], a[-1], out=dst[full:])
     return out
 
 

@@ -1,6 +1,6 @@
 """kiln's NF4/FP4 blockwise quantizer (kiln.hub.bnb4) against bitsandbytes' own on CPU: packed bytes,
 absmax, nested absmax, both quant maps and the packed quant-state JSON equal byte for byte; dequantized
-weights equal `dequantize_4bit` bit for bit in every output dtype."""
+weights equal `dequantize_4bit` bit for bit in every output dtype, whole or a chunk at a time."""
 
 from __future__ import annotations
 
@@ -62,6 +62,11 @@ def _dequantize_cases(quant_type):
                 ref = F.dequantize_4bit(packed, state)
                 got = bnb4.dequantize(ours, dtype)
                 assert got.dtype == ref.dtype and torch.equal(got, ref), (shape, double, dtype)
+                # a chunk at a time into a given tensor (3 blocks a chunk; whole groups of 256 when nested),
+                # ending in a partial group and a partial block
+                into = torch.full_like(ref, float("nan"))
+                assert bnb4.dequantize(ours, dtype, out=into, chunk_bytes=96) is into
+                assert torch.equal(into, ref), (shape, double, dtype, "chunked")
             # a round trip through the HF tensors reads the same weight back
             again = bnb4.read_quant4(ours.tensors("x.weight"), "x.weight")
             assert torch.equal(bnb4.dequantize(again), bnb4.dequantize(ours))

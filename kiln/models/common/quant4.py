@@ -71,21 +71,18 @@ def dequantized(module: nn.Module, dtype: torch.dtype | None = None) -> torch.Te
 
 
 # packed bytes dequantized at a time into a matmul buffer: the temporaries (int32 indices, 8-byte value pairs)
-# stay 6 MB whatever the weight's size
+# stay 6 MB whatever the weight's size (128 KB to 512 KB chunks ran alike here; 2 MB ones slower)
 _CHUNK_BYTES = 1 << 19
 
 
 class _Buffers(threading.local):
-    """Per thread: one dequantized-weight buffer per (shape, dtype, device), the chunk temporaries, and the
-    named scratch tensors of `scratch`; kept for the thread's life (at bench_qlora's 1.2B Qwen3 shape: four
-    weight shapes, 62 MB in bf16, and 50 MB of float32 scratch at 1,024 tokens)."""
+    """Per thread: one dequantized-weight buffer per (shape, dtype, device) and the named scratch tensors of
+    `scratch`; kept for the thread's life (at bench_qlora's 1.2B Qwen3 shape: four weight shapes, 62 MB in
+    bf16, and 50 MB of float32 scratch at 1,024 tokens)."""
 
     def __init__(self):
         self.weights: dict[tuple, torch.Tensor] = {}
         self.scratch: dict[tuple, torch.Tensor] = {}
-        self.index = torch.empty(0, dtype=torch.int32)
-        self.pairs = torch.empty(0, dtype=torch.int64)
-        self.absmax = torch.empty(0, dtype=torch.float32)
 
 
 _BUFFERS = _Buffers()
@@ -107,63 +104,26 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     return flat[:n].view(shape)
 
 
-def _code_pairs(code: torch.Tensor) -> torch.Tensor:
-    """byte -> its two float32 code values (high nibble first) as one int64 word (bnb4.dequantize's table)."""
-    return torch.stack([code.repeat_interleave(16), code.repeat(16)], dim=1).contiguous().view(torch.int64).reshape(-1)
-
-
 @torch.no_grad()
 def matmul_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """The module's weight dequantized in `dtype` for one matmul, valid until the next call on this thread:
     equal bit for bit to `dequantized`. On CPU it is written into a buffer kept per (shape, dtype) and reused
-    by every weight of that shape, a chunk of blocks at a time: a fresh (out, in) tensor and its float32
-    temporaries (6 bytes per weight) at every matmul left glibc's heap with hundreds of MB of freed blocks
-    between the activations at the step's peak (glibc raises its mmap threshold after a large free, so
-    later blocks of up to 32 MB come from the heap, whose holes it does not give back). The caller must not
-    keep the tensor (the autograd Function below saves only the packed weight). Elsewhere (cuda's caching
-    allocator reuses blocks) and under torch.compile a fresh tensor."""
+    by every weight of that shape, a chunk of blocks at a time (bnb4.dequantize with out= and chunk_bytes=):
+    a fresh (out, in) tensor and its float32 temporaries (6 bytes per weight) at every matmul left glibc's heap
+    with hundreds of MB of freed blocks between the activations at the step's peak (glibc raises its mmap
+    threshold after a large free, so later blocks of up to 32 MB come from the heap, whose holes it does not
+    give back). The caller must not keep the tensor (the autograd Function below saves only the packed
+    weight). Elsewhere (cuda's caching allocator reuses blocks) and under torch.compile a fresh tensor."""
     q = quant4_of(module)
-    n = 1
-    for s in q.shape:
-        n *= s
     device = q.packed.device
-    if device.type != "cpu" or n % q.blocksize or q.blocksize % 2 or torch.compiler.is_compiling():
+    if device.type != "cpu" or torch.compiler.is_compiling():
         return bnb4.dequantize(q, dtype)
-    buffers = _BUFFERS
     key = (tuple(q.shape), dtype, device)
-    out = buffers.weights.get(key)
+    out = _BUFFERS.weights.get(key)
     if out is None:
         with torch.inference_mode(False):  # a normal tensor, writable in and out of inference mode
-            out = buffers.weights[key] = torch.empty(q.shape, dtype=dtype, device=device)
-    half, group = q.blocksize // 2, q.nested_blocksize if q.nested else 1  # packed bytes per block; absmax group
-    step = max(group, _CHUNK_BYTES // half // group * group)  # blocks per chunk, whole absmax groups
-    if buffers.index.numel() < step * half or buffers.absmax.numel() < step:
-        with torch.inference_mode(False):
-            buffers.index = torch.empty(step * half, dtype=torch.int32)
-            buffers.pairs = torch.empty(step * half, dtype=torch.int64)
-            buffers.absmax = torch.empty(step, dtype=torch.float32)
-    packed, table = q.packed.reshape(-1), _code_pairs(q.code.to(device))
-    offset = torch.tensor(q.offset, dtype=torch.float32) if q.nested else None
-    blocks = out.view(-1, q.blocksize)
-    for b0 in range(0, blocks.shape[0], step):
-        b1 = min(b0 + step, blocks.shape[0])
-        index, pairs = buffers.index[:(b1 - b0) * half], buffers.pairs[:(b1 - b0) * half]
-        if q.nested:  # bnb4.block_absmax for these blocks: code8[byte] * nested absmax of its group, + offset
-            absmax, whole = buffers.absmax[:b1 - b0], (b1 - b0) // group * group
-            index[:b1 - b0].copy_(q.absmax[b0:b1])
-            torch.index_select(q.nested_code, 0, index[:b1 - b0], out=absmax)
-            g0 = b0 // group
-            absmax[:whole].view(-1, group).mul_(q.nested_absmax[g0:g0 + whole // group].view(-1, 1))
-            if whole < b1 - b0:
-                absmax[whole:].mul_(q.nested_absmax[g0 + whole // group])
-            absmax.add_(offset)
-        else:
-            absmax = q.absmax[b0:b1]
-        index.copy_(packed[b0 * half:b1 * half])
-        torch.index_select(table, 0, index, out=pairs)
-        # float32 code value * float32 absmax, rounded once to `dtype` as it is written (bnb4.dequantize's op)
-        torch.mul(pairs.view(torch.float32).view(b1 - b0, q.blocksize), absmax.view(-1, 1), out=blocks[b0:b1])
-    return out
+            out = _BUFFERS.weights[key] = torch.empty(q.shape, dtype=dtype, device=device)
+    return bnb4.dequantize(q, dtype, out=out, chunk_bytes=_CHUNK_BYTES)
 
 
 class _Linear4Fn(torch.autograd.Function):
