@@ -1,7 +1,7 @@
 """The QLoRA matmul path's memory savings change no value: `quant4.matmul_weight` (dequantized into a reused
-buffer, chunk by chunk) equals `dequantized` bit for bit, and the float32 adapter update over a 4-bit base
-(lora._CastUpdate) gives the outputs and gradients of the plain autograd form while keeping neither a
-float32 copy of the input nor a dequantized weight for backward."""
+buffer, chunk by chunk) equals `dequantized` bit for bit, and the QLoRA linear over a 4-bit base with float32
+adapters (qlora.QLoraUpdateFn) gives the outputs and gradients of the plain autograd form bit for bit while
+keeping neither a float32 copy of the input nor a dequantized weight for backward."""
 
 from __future__ import annotations
 
@@ -14,13 +14,15 @@ from kiln.models.common import quant4
 from kiln.models.common.lora import LoraLinear
 
 
-def _linear4(shape, quant_type="nf4", double=True, blocksize=64, dtype=torch.bfloat16, seed=0):
+def _linear4(shape, quant_type="nf4", double=True, blocksize=64, dtype=torch.bfloat16, seed=0, bias=False):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(*shape, generator=g) * torch.logspace(-3, 0, shape[-1])
     w.view(-1)[::7] = 0.0  # exact zeros: FP4 has a -0 entry, which torch.equal would not tell from +0
     q = bnb4.quantize(w.to(dtype), quant_type, blocksize, double)
-    m = quant4.Linear4(shape[1], shape[0], False, quant4.Q4Meta.of(q), dtype, device="meta")
+    m = quant4.Linear4(shape[1], shape[0], bias, quant4.Q4Meta.of(q), dtype, device="meta")
     m.load_quant4(q)
+    if bias:
+        m.bias = nn.Parameter(torch.randn(shape[0], generator=g).to(dtype), requires_grad=False)
     return m
 
 
@@ -48,9 +50,10 @@ def test_matmul_weight_equals_dequantized_bit_for_bit(monkeypatch, quant_type):
     assert wa.data_ptr() == wb.data_ptr() and torch.equal(_bits(wb), _bits(quant4.dequantized(mods[2])))
 
 
-def test_qlora_update_keeps_only_the_input_as_it_came():
+@pytest.mark.parametrize("scaling, bias", [(2.0, False), (1.5, True)])  # a power of two folds into (tokens, r)
+def test_qlora_linear_keeps_only_the_input_as_it_came(monkeypatch, scaling, bias):
     torch.manual_seed(0)
-    m = LoraLinear(_linear4((96, 128)), r=8, alpha=16, dropout=0.0, scaling=2.0)
+    m = LoraLinear(_linear4((96, 128), bias=bias), r=8, alpha=16, dropout=0.0, scaling=scaling)
     nn.init.normal_(m.lora_B.weight, std=0.1)  # a nonzero update, so every gradient is exercised
     x = torch.randn(2, 7, 128, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(2, 7, 96, dtype=torch.bfloat16)
@@ -74,3 +77,10 @@ def test_qlora_update_keeps_only_the_input_as_it_came():
         assert g.dtype == w.dtype and torch.equal(g, w), name
     with torch.no_grad():
         assert torch.equal(m(x), want[0])
+    # the base is dequantized once in forward, and in backward only for a gradient of x
+    calls = []
+    real = quant4.matmul_weight
+    monkeypatch.setattr(quant4, "matmul_weight", lambda *a: calls.append(1) or real(*a))
+    m(x).backward(grad)
+    m(x.detach()).backward(grad)
+    assert len(calls) == 3 and m.lora_A.weight.grad is not None

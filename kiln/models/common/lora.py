@@ -35,7 +35,8 @@ from kiln.hub.jsonio import read_json
 from kiln.models.common.fp8 import FP8Linear, fp8_linear, merged_fp8_linear
 from kiln.models.common.lora_experts import (add_expert_lora, expert_adapter_names, expert_targets,
                                              merge_expert_lora, peft_target_parameters)
-from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS, KeepsQuantState, dequantized, is_4bit, linear4, scratch
+from kiln.models.common.qlora import qlora_linear
+from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS, KeepsQuantState, dequantized, is_4bit, linear4
 from kiln.models.tasks import task_of
 
 PEFT_PREFIX = "base_model.model."
@@ -54,49 +55,6 @@ class LoraConfig:
     @property
     def scaling(self) -> float:
         return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
-
-
-class _CastUpdate(torch.autograd.Function):
-    """The adapter's update B(A(x)) * scaling for x in another dtype than the adapters' (float32 adapters over
-    a bf16 4-bit base, PEFT's QLoRA), computed in the adapters' dtype and rounded to x's; on CPU with no
-    dropout and no autocast. The same values as `lora_B(lora_A(x.to(A.dtype))) * scaling`, but only x as it
-    came and the (tokens, r) product are kept for backward, and the float32 (tokens, in) / (tokens, out)
-    temporaries of forward and backward live in reused scratch buffers (quant4.scratch). Plain autograd
-    kept a float32 copy of every adapted Linear's input (q, k and v each their own) from forward to backward,
-    more than the activations the frozen base keeps, and its fresh float32 temporaries at every matmul left
-    glibc's heap fragmented by a few hundred MB at the step's peak."""
-
-    @staticmethod
-    def forward(ctx, x, a, b, scaling):
-        x2 = x.reshape(-1, x.shape[-1])
-        xs = scratch("lora_x", x2.shape, a.dtype)
-        xs.copy_(x2)
-        down = xs @ a.t()  # (tokens, r), as F.linear computes it
-        up = scratch("lora_up", (x2.shape[0], b.shape[0]), b.dtype)
-        torch.mm(down, b.t(), out=up)
-        up.mul_(scaling)
-        ctx.save_for_backward(x, a, b, down)
-        ctx.scaling = scaling
-        return up.to(x.dtype).view(*x.shape[:-1], b.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, a, b, down = ctx.saved_tensors
-        g = scratch("lora_up", (down.shape[0], b.shape[0]), b.dtype)
-        g.copy_(grad.reshape(-1, grad.shape[-1]))
-        g.mul_(ctx.scaling)
-        gb = g.t() @ down if ctx.needs_input_grad[2] else None
-        gdown = g @ b  # (tokens, r)
-        xs = scratch("lora_x", (down.shape[0], x.shape[-1]), a.dtype)
-        ga = None
-        if ctx.needs_input_grad[1]:
-            xs.copy_(x.reshape(-1, x.shape[-1]))
-            ga = gdown.t() @ xs
-        gx = None
-        if ctx.needs_input_grad[0]:
-            torch.mm(gdown, a, out=xs)
-            gx = xs.to(x.dtype).view(x.shape)
-        return gx, ga, gb, None
 
 
 class LoraLinear(KeepsQuantState, nn.Linear):
@@ -136,19 +94,18 @@ class LoraLinear(KeepsQuantState, nn.Linear):
         nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.lora_A.weight, self.lora_B.weight
+        if (self.q4 is not None and x.dtype == self.compute_dtype != a.dtype and x.device.type == "cpu"
+                and isinstance(self.lora_dropout, nn.Identity) and not torch.is_autocast_enabled("cpu")
+                and not hasattr(a, "device_mesh")):
+            return qlora_linear(x, self, a, b, self.scaling)  # PEFT over bitsandbytes' Linear4bit, one Function
         if self.q4 is not None:
             result = linear4(x, self)
         elif self.fp8:
             result = fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
         else:
             result = super().forward(x)
-        dtype, a, b = result.dtype, self.lora_A.weight, self.lora_B.weight
-        if (self.q4 is not None and x.dtype == dtype != a.dtype and x.device.type == "cpu"
-                and isinstance(self.lora_dropout, nn.Identity) and not torch.is_autocast_enabled("cpu")
-                and not hasattr(a, "device_mesh")):
-            # PEFT over bitsandbytes' Linear4bit: the update rounded to the base's dtype, then added (in place:
-            # no backward here reads the base's output)
-            return result.add_(_CastUpdate.apply(x, a, b, self.scaling))
+        dtype = result.dtype
         x = x.to(a.dtype)
         update = self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
         if self.q4 is not None and not torch.is_autocast_enabled(x.device.type):
