@@ -23,6 +23,25 @@ def batch() -> torch.Tensor:
     return torch.randint(4, 99, (4, 9), generator=torch.Generator().manual_seed(2))
 
 
+def sgd_steps(model: nn.Module, ids: torch.Tensor, world: int, sync=None) -> list[float]:
+    """STEPS SGD steps of the trained parameters on `ids` (its own labels); each step's loss averaged over ranks."""
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if sync is not None:
+            sync()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(mean)
+            mean /= world
+        losses.append(mean.item())
+    return losses
+
+
 def lora_steps(rank: int, world: int, model_dir: str, out: str) -> None:
     """STEPS SGD steps of LoRA on the FP8-kept base, this rank on its rows; losses (global means) and the
     adapters after the steps go to `out`. world == 1: the one-process reference (no plans)."""
@@ -49,20 +68,7 @@ def lora_steps(rank: int, world: int, model_dir: str, out: str) -> None:
         state = model.state_dict()
         facts["state_dict_mismatch"] = [k for k, v in whole.items() if state[k].dtype != FP8 or not torch.equal(
             state[k].to_local().view(torch.uint8), v.view(torch.uint8).chunk(world)[rank])]
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=LR)
-    ids = batch().chunk(world)[rank]
-    losses = []
-    for _ in range(STEPS):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(mean)
-            mean /= world
-        losses.append(mean.item())
+    losses = sgd_steps(model, batch().chunk(world)[rank], world)
     if world > 1:
         facts["seen_in_forward"] = sorted(set(seen))
     adapters = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().contiguous()
@@ -163,22 +169,8 @@ def ep_steps(rank: int, world: int, model_dir: str, out: str) -> None:
                       for t in (*m._parameters.values(), *m._buffers.values())]
             facts["held"] = [[str(t.dtype), t.shape[0]] for t in stored]
             facts["num_experts"] = experts[0].num_experts
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.SGD(params, lr=LR)
-        ids = batch().chunk(world)[rank if par is None else par.data_rank]
-        losses = []
-        for _ in range(STEPS):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            if par is not None:
-                par.sync_gradients()
-            opt.step()
-            opt.zero_grad()
-            mean = loss.detach().clone()
-            if world > 1:
-                dist.all_reduce(mean)
-                mean /= world
-            losses.append(mean.item())
+        losses = sgd_steps(model, batch().chunk(world)[rank if par is None else par.data_rank], world,
+                           None if par is None else par.sync_gradients)
         if plan is None:
             model.save_pretrained(os.path.join(out, "ep-one-model"))
         else:  # a sharded checkpoint, each rank its experts (FP8 as stored), for `export_sharded`
