@@ -65,11 +65,15 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
                 model.tokenizer.save(path / "model")
             if getattr(model, "lora_config", None) is not None:  # alpha and rslora are in no tensor's shape
                 (path / "model" / LORA_FILE).write_text(json.dumps(dataclasses.asdict(model.lora_config)) + "\n")
+            if _load_decisions(model):  # what the export writes back by (see LOAD_FILE)
+                (path / "model" / LOAD_FILE).write_text(json.dumps(_load_decisions(model), sort_keys=True) + "\n")
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
     else:
         state = {"model": model.state_dict()}
+    if _carried(model):  # whole on every rank (not parameters): DCP writes one copy
+        state["carried"] = _carried(model)
     dcp.save(state, checkpoint_id=str(path / "dcp"))
     if _is_main() and trainer_state is not None:
         (path / "trainer.json").write_text(json.dumps(trainer_state, indent=1, sort_keys=True) + "\n")
@@ -175,6 +179,8 @@ def export_sharded(path: str | os.PathLike, out: str | os.PathLike, max_shard_by
             if lora.targets or lora.target_parameters:
                 apply_lora(model, lora)
     _check_placed(path, saved, {k: tuple(v.shape) for k, v in model.state_dict().items()})
+    _held_as_saved(model, path)
+    _apply_decisions(model, path)
     if Tokenizer.present(path / "model"):
         model.tokenizer = Tokenizer.from_dir(path / "model")
     if not stream or q4 is not None or any(t.dtype == torch.float8_e4m3fn for t in model.state_dict().values()):
@@ -187,6 +193,8 @@ def _export_whole(model: nn.Module, path: Path, out: str | os.PathLike, lora: Lo
     """The whole model in this process's memory, then one save (FP8 bases: their merge re-quantizes blocks)."""
     model.to_empty(device="cpu")  # storage for every tensor, filled below; no init work wasted
     _dcp_load({"model": model.state_dict()}, path, no_dist=True)
+    for attr, tensors in _carried_meta(path).items():
+        setattr(model, attr, {n: t for (_, n), t in _read_carried(path, {(attr, n): t for n, t in tensors.items()}).items()})
     model.tie_weights()
     if (lora is not None or dtype is not None) and any(map(is_4bit, model.modules())):
         model = dequantize_bnb4_model(model, dtype)  # a merged or plain-dtype export of a 4-bit base, as export_model
@@ -202,19 +210,30 @@ def _export_whole(model: nn.Module, path: Path, out: str | os.PathLike, lora: Lo
 def _export_streaming(model: nn.Module, path: Path, out: Path, saved: dict[str, tuple[int, ...] | None],
                       max_shard_bytes: int | None, dtype: torch.dtype | None, stats: dict | None) -> Path:
     """Write the HF directory output file by output file: for each, only the modules whose tensors it holds
-    are read from the shards (and merged, and cast), then freed. Same files, same split, same bytes as a
-    whole-model export (`save_pretrained` after `merge_lora`); peak: about one output file."""
-    from kiln.hub.config import write_config
+    are read from the shards (and merged, and cast), and the carried tensors it holds, then freed. The names,
+    layout and dtypes are the family's own save's (`hf_state_dict`, run on the model with every other tensor on
+    meta), so the files, split and bytes are a whole-model export's (`save_pretrained` after `merge_lora`);
+    peak: about one output file, plus the parameters whose values the save reads to pick a dtype."""
     from kiln.hub.weights import SAFE_INDEX, SAFE_SINGLE, shard_names, shard_plan, write_index, write_shard
     from kiln.models.common.fp8 import dequantize_model
     from kiln.models.common.lora import LoraLinear
 
     keymap = model.family.keymap(model.task)
-    cast = (lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t)
-    meta = {k: cast(v) for k, v in model.state_dict().items() if ".lora_" not in k}
-    hf_meta, unmatched = keymap.to_hf(meta)
-    assert not unmatched, f"kiln keys without an HF name: {unmatched}"
-    groups = shard_plan([(k, v.numel() * v.element_size()) for k, v in hf_meta.items()], max_shard_bytes)
+    stored = {k: v.dtype for k, v in model.state_dict().items()}  # as the shards hold them: read, merged in
+    if dtype is not None:  # the dtypes a dtype export holds (and the config it writes): dequantize_model, on meta
+        dequantize_model(model, dtype)
+    final = {k: v.dtype for k, v in model.state_dict().items()}
+    carried = _carried_meta(path)
+    for attr, tensors in carried.items():
+        setattr(model, attr, dict(tensors))
+    # what the save reads the values of (DeepSeek-V4 writes a float32 parameter in its stored half dtype when
+    # that is lossless): held read throughout, small (norms, sinks, hyper-connection parameters)
+    pinned = {n: t.to(final[n]) for n, t in _read_model(path, {n: (saved[n], stored[n])
+                                                               for n in getattr(model, "stored_half", {})}).items()}
+    _pin(model, pinned)
+    plan = model.hf_state_dict()
+    needs = _needs(model, keymap, plan, carried)
+    groups = shard_plan([(k, v.numel() * v.element_size()) for k, v in plan.items()], max_shard_bytes)
     names = shard_names(len(groups))
     owners = dict(model.named_modules())
     aliases = _aliases(model, saved)
@@ -223,29 +242,41 @@ def _export_streaming(model: nn.Module, path: Path, out: Path, saved: dict[str, 
         (out / stale).unlink(missing_ok=True)
     peak = 0
     for name, group in zip(names, groups):
-        wanted = list(dict.fromkeys(keymap.kiln_name(h) for h in group))
+        wanted = list(dict.fromkeys(needs[h] for h in group if isinstance(needs[h], str)))
         modules = list(dict.fromkeys(k.rpartition(".")[0] for k in wanted))
         for m in modules:
             owners[m].to_empty(device="cpu")
-        local = {f"{m}.{k}" if m else k: v for m in modules for k, v in owners[m].state_dict().items()}
+        local = {f"{m}.{k}" if m else k: v for m in modules for k, v in owners[m].state_dict(keep_vars=True).items()}
+        for k, v in local.items():  # read (and merged) in the stored dtype, then cast as the whole export casts
+            if k in stored and v.dtype != stored[k]:
+                v.data = torch.empty_like(v, dtype=stored[k])
         # a tied tensor the shards hold under its partner's name is read from there
         _dcp_load({"model": {aliases.get(k, k): v for k, v in local.items()}}, path, no_dist=True)
-        tensors = {}
         for k in wanted:
-            module = owners[k.rpartition(".")[0]]
-            if isinstance(module, LoraLinear) and k.endswith(".weight"):  # W + B A * scaling, as merge_lora
-                tensors[k] = module.weight + module.delta_weight().to(module.weight.dtype)
+            module, leaf = owners[k.rpartition(".")[0]], k.rpartition(".")[2]
+            if isinstance(module, LoraLinear) and leaf == "weight":  # W + B A * scaling, as merge_lora
+                value = module.weight + module.delta_weight().to(module.weight.dtype)
             elif has_expert_lora(module):  # stacked experts: the adapted weight the forward reads, as merge_lora
-                tensors[k] = getattr(module, k.rpartition(".")[2]).detach()
+                value = getattr(module, leaf).detach()
             else:
-                tensors[k] = local[k]
-        hf, _ = keymap.to_hf({k: cast(v) for k, v in tensors.items()})
+                value = local[k].detach()
+            local[k].data = value.to(final[k])
+        _pin(model, pinned)
+        held = {needs[h] for h in group if isinstance(needs[h], tuple)}
+        for (a, n), t in _read_carried(path, {w: carried[w[0]][w[1]] for w in held}).items():
+            getattr(model, a)[n] = t
+        hf = model.hf_state_dict()
         write_shard(out, name, {h: hf[h] for h in group})
-        peak = max(peak, sum(t.nbytes for t in model.state_dict().values() if not t.is_meta))
+        peak = max(peak, sum(t.nbytes for t in model.state_dict().values() if not t.is_meta)
+                   + sum(getattr(model, a)[n].nbytes for a, n in held))
+        del hf
+        for a, n in held:
+            getattr(model, a)[n] = carried[a][n]
         for m in modules:
             owners[m].to_empty(device="meta")
+        _pin(model, pinned)
     if len(groups) > 1:
-        write_index(out, sum(v.numel() * v.element_size() for v in hf_meta.values()),
+        write_index(out, sum(v.numel() * v.element_size() for v in plan.values()),
                     {h: name for name, group in zip(names, groups) for h in group})
     if stats is not None:
         stats.update(files=len(names), peak_bytes=peak,
@@ -253,13 +284,105 @@ def _export_streaming(model: nn.Module, path: Path, out: Path, saved: dict[str, 
     for attr in ("lora_config", "lora_targets"):
         if hasattr(model, attr):
             delattr(model, attr)
-    if dtype is not None:  # the config as a dtype export writes it (dequantize_model on the meta model: free)
-        dequantize_model(model, dtype)
     cfg = model.config.to_dict()
     cfg["architectures"] = [model.family.tasks[model.task].architecture]
     write_config(out, cfg)
     if getattr(model, "tokenizer", None) is not None:
         model.tokenizer.save(out)
+    return out
+
+
+# What a family's own load decides from the checkpoint it reads, and its save writes back by (kiln/models): the
+# layout and names (Qwen3.5-MoE's fused experts, DeepSeek-V4's release naming), the half dtype a parameter held
+# in float32 was stored in (DeepSeek-V4), and the tensors it carries beside the model's (MTP layers, a vision
+# tower). A sharded checkpoint records them (model/LOAD_FILE, and the carried tensors under "carried" in the
+# shards), so its export writes what a one-process export of the same weights writes.
+LOAD_FILE = "load.json"
+LOAD_FLAGS = ("fused_experts", "release_layout")
+CARRIED = ("hf_extras", "hf_passthrough", "mtp_tensors")
+
+
+def _load_decisions(model: nn.Module) -> dict[str, Any]:
+    out: dict[str, Any] = {k: getattr(model, k) for k in LOAD_FLAGS if isinstance(getattr(model, k, None), bool)}
+    if getattr(model, "stored_half", None):
+        out["stored_half"] = {k: str(v).removeprefix("torch.") for k, v in model.stored_half.items()}
+    return out
+
+
+def _carried(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    return {a: dict(getattr(model, a)) for a in CARRIED if getattr(model, a, None)}
+
+
+def _apply_decisions(model: nn.Module, path: Path) -> None:
+    """The load decisions a sharded checkpoint recorded, back on the model built from its config."""
+    if not (path / "model" / LOAD_FILE).is_file():
+        return
+    decided = read_json(path / "model" / LOAD_FILE, want=dict)
+    for k in LOAD_FLAGS:
+        if isinstance(decided.get(k), bool):
+            setattr(model, k, decided[k])
+    half = decided.get("stored_half") or {}
+    bad = sorted(k for k, v in half.items() if not isinstance(getattr(torch, str(v), None), torch.dtype))
+    if bad:
+        raise KilnError(f"{path / 'model' / LOAD_FILE}: stored_half names no torch dtype for {', '.join(bad[:4])}")
+    model.stored_half = {k: getattr(torch, v) for k, v in half.items()}
+
+
+def _carried_meta(path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """The carried tensors the shards hold, as meta tensors of their shapes and dtypes, by holder and name."""
+    meta = dcp.FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, m in meta.items():
+        if key.startswith("carried."):
+            attr, _, name = key[len("carried."):].partition(".")
+            out.setdefault(attr, {})[name] = torch.empty(tuple(m.size), dtype=m.properties.dtype, device="meta")
+    return out
+
+
+def _read_carried(path: Path, which: dict[tuple[str, str], torch.Tensor]) -> dict[tuple[str, str], torch.Tensor]:
+    """Those carried tensors read from the shards (`which`: (holder, name) -> its meta tensor)."""
+    got = {w: torch.empty_like(t, device="cpu") for w, t in which.items()}
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for (a, n), t in got.items():
+        state.setdefault(a, {})[n] = t
+    if state:
+        _dcp_load({"carried": state}, path, no_dist=True)
+    return got
+
+
+def _read_model(path: Path, which: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+    got = {n: torch.empty(shape, dtype=dt) for n, (shape, dt) in which.items()}
+    if got:
+        _dcp_load({"model": dict(got)}, path, no_dist=True)
+    return got
+
+
+def _pin(model: nn.Module, pinned: dict[str, torch.Tensor]) -> None:
+    for n, t in pinned.items():
+        owner, _, leaf = n.rpartition(".")
+        module = model.get_submodule(owner)
+        p = module._parameters[leaf]
+        if p.is_meta:  # (a meta tensor's data cannot take a real one: a new parameter, none of them tied)
+            module._parameters[leaf] = nn.Parameter(t, requires_grad=p.requires_grad)
+
+
+def _needs(model: nn.Module, keymap: Any, plan: dict[str, torch.Tensor], carried: dict[str, dict[str, torch.Tensor]]
+           ) -> dict[str, str | tuple[str, str]]:
+    """HF name the save writes -> what it is made of: the model's tensor (its kiln name, found as the load names
+    it, so a release's own names and a fused layout too) or a carried tensor ((holder, name): that tensor)."""
+    held = {id(t): (a, n) for a, tensors in carried.items() for n, t in tensors.items()}
+    names = model.normalise_hf_names(list(plan))
+    state = model.state_dict()
+    out: dict[str, str | tuple[str, str]] = {}
+    for h, t in plan.items():
+        if id(t) in held:
+            out[h] = held[id(t)]
+            continue
+        kiln = keymap.kiln_name(names[h][0])
+        if kiln not in state:
+            raise KilnError(f"the export writes {h!r}, which comes from no tensor of the model nor one it carries; "
+                            "this model's sharded export cannot stream it (export with stream=False)")
+        out[h] = kiln
     return out
 
 
@@ -308,6 +431,19 @@ def _quant_states(path: Path, saved: dict[str, tuple[int, ...] | None]) -> dict[
             weight = k.removesuffix("_quant_state")
             state[weight] = torch.empty(saved[weight], dtype=torch.uint8, device="meta")
     return state
+
+
+def _held_as_saved(model: nn.Module, path: Path) -> None:
+    """Each floating-point tensor of the built model in the dtype the run held it in (the shards' dtype), as the
+    run's model, loaded from its checkpoint, held it (a bfloat16 release trains in bfloat16, whatever the config
+    says); FP8 and packed 4-bit tensors are placed as saved already."""
+    meta = dcp.FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
+    for name, t in model.state_dict(keep_vars=True).items():
+        got = getattr(meta.get("model." + name), "properties", None)
+        dt = getattr(got, "dtype", None)
+        if dt is not None and dt != t.dtype and t.is_floating_point() and dt.is_floating_point \
+                and t.element_size() > 1 and dt.itemsize > 1:
+            t.data = t.data.to(dt)
 
 
 def _saved_model_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
