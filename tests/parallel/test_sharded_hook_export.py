@@ -41,12 +41,15 @@ def runs(hook_dirs, tmp_path_factory):  # noqa: F811
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,dtype", [("fused", None), ("fused-mtp", None), ("fused", torch.bfloat16), ("v4", None)])
-def test_a_sharded_run_exports_as_one_process_exports(runs, name, dtype, tmp_path):
+@pytest.mark.parametrize("name,dtype,stream", [("fused", None, True), ("fused-mtp", None, True),
+                                               ("fused", torch.bfloat16, True), ("v4", None, True),
+                                               ("fused-mtp", None, False), ("v4", None, False)])
+def test_a_sharded_run_exports_as_one_process_exports(runs, name, dtype, stream, tmp_path):
     root, srcs = runs
     export_model(srcs[name], tmp_path / "one", max_shard_bytes=20_000, dtype=dtype)
     stats = {}
-    export_sharded(root / name / "ckpt", tmp_path / "sharded", max_shard_bytes=20_000, dtype=dtype, stats=stats)
+    export_sharded(root / name / "ckpt", tmp_path / "sharded", max_shard_bytes=20_000, dtype=dtype, stream=stream,
+                   stats=stats)
     want, got = _files(tmp_path / "one"), _files(tmp_path / "sharded")
     assert len(want) > 2 and {f: list(t) for f, t in got.items()} == {f: list(t) for f, t in want.items()}
     for f, tensors in want.items():
@@ -61,4 +64,5 @@ def test_a_sharded_run_exports_as_one_process_exports(runs, name, dtype, tmp_pat
     if name == "v4":
         assert "embed.weight" in names and {t.dtype for f in want.values() for t in f.values() if t.is_floating_point()} \
             == {torch.bfloat16}
-    assert stats["peak_bytes"] < stats["model_bytes"] / 2, stats  # still streamed: about one output file
+    if stream:  # still streamed: about one output file at a time
+        assert stats["peak_bytes"] < stats["model_bytes"] / 2, stats
