@@ -193,8 +193,9 @@ def _export_whole(model: nn.Module, path: Path, out: str | os.PathLike, lora: Lo
     """The whole model in this process's memory, then one save (FP8 bases: their merge re-quantizes blocks)."""
     model.to_empty(device="cpu")  # storage for every tensor, filled below; no init work wasted
     _dcp_load({"model": model.state_dict()}, path, no_dist=True)
-    for attr, tensors in _carried_meta(path).items():
-        setattr(model, attr, {n: t for (_, n), t in _read_carried(path, {(attr, n): t for n, t in tensors.items()}).items()})
+    for attr, tensors in _carried_meta(path).items():  # the tensors the family carries, for its save
+        read = _read_carried(path, {(attr, n): t for n, t in tensors.items()})
+        setattr(model, attr, {n: t for (_, n), t in read.items()})
     model.tie_weights()
     if (lora is not None or dtype is not None) and any(map(is_4bit, model.modules())):
         model = dequantize_bnb4_model(model, dtype)  # a merged or plain-dtype export of a 4-bit base, as export_model

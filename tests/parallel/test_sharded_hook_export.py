@@ -62,7 +62,7 @@ def test_a_sharded_run_exports_as_one_process_exports(runs, name, dtype, stream,
     if name == "fused-mtp":
         assert "mtp.fc.weight" in names
     if name == "v4":
-        assert "embed.weight" in names and {t.dtype for f in want.values() for t in f.values() if t.is_floating_point()} \
-            == {torch.bfloat16}
+        floats = {t.dtype for f in want.values() for t in f.values() if t.is_floating_point()}
+        assert "embed.weight" in names and floats == {torch.bfloat16}
     if stream:  # still streamed: about one output file at a time
         assert stats["peak_bytes"] < stats["model_bytes"] / 2, stats
