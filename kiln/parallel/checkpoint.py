@@ -1,15 +1,17 @@
 """Sharded checkpoints (torch.distributed.checkpoint) for FSDP2 / TP / EP models, and their HF export.
 
     CKPT/
-      model/     config.json (+ tokenizer files, lora.json for a LoRA run): what the weights are, written
-                 by rank 0, no weights
-      dcp/       every rank writes its own shards of the model and optimizer state (DCP format)
+      model/     config.json (+ tokenizer files, lora.json for a LoRA run, load.json for what a family's own
+                 load decided from its checkpoint): what the weights are, written by rank 0, no weights
+      dcp/       every rank writes its own shards of the model and optimizer state (DCP format), and one copy
+                 of the tensors the family carries beside the model (`carried`: MTP layers, ...)
       trainer.json   step and whatever else the caller keeps (rank 0)
 
 No rank ever gathers the whole model: saving and resuming move only local shards. `export_sharded`
 runs in one process without a process group: it builds the model from model/config.json on the
-meta device (with the run's LoRA adapters where the shards hold some) and writes an ordinary HF
-directory output file by output file, materialising only the modules whose tensors go into that
+meta device (with the run's LoRA adapters where the shards hold some, each tensor in its saved dtype, the
+load's decisions from load.json) and writes an ordinary HF directory, as the family's own save names and lays
+it out, output file by output file, materialising only the modules whose tensors go into that
 file (DCP reads just them), adapters merged as `kiln export` merges a plain LoRA checkpoint's.
 
 Resharding: DCP records each tensor's whole shape and the pieces every rank wrote, so `load_sharded`
@@ -245,9 +247,12 @@ def _export_streaming(model: nn.Module, path: Path, out: Path, saved: dict[str, 
     for name, group in zip(names, groups):
         wanted = list(dict.fromkeys(needs[h] for h in group if isinstance(needs[h], str)))
         modules = list(dict.fromkeys(k.rpartition(".")[0] for k in wanted))
+        # a module's own tensors only, unless it holds adapters (merged from its submodules' tensors)
+        deep = {m: isinstance(owners[m], LoraLinear) or has_expert_lora(owners[m]) for m in modules}
         for m in modules:
-            owners[m].to_empty(device="cpu")
-        local = {f"{m}.{k}" if m else k: v for m in modules for k, v in owners[m].state_dict(keep_vars=True).items()}
+            owners[m].to_empty(device="cpu", recurse=deep[m])
+        local = {f"{m}.{k}" if m else k: v for m in modules for k, v in owners[m].state_dict(keep_vars=True).items()
+                 if deep[m] or "." not in k}
         for k, v in local.items():  # read (and merged) in the stored dtype, then cast as the whole export casts
             if k in stored and v.dtype != stored[k]:
                 v.data = torch.empty_like(v, dtype=stored[k])
@@ -274,7 +279,7 @@ def _export_streaming(model: nn.Module, path: Path, out: Path, saved: dict[str, 
         for a, n in held:
             getattr(model, a)[n] = carried[a][n]
         for m in modules:
-            owners[m].to_empty(device="meta")
+            owners[m].to_empty(device="meta", recurse=deep[m])
         _pin(model, pinned)
     if len(groups) > 1:
         write_index(out, sum(v.numel() * v.element_size() for v in plan.values()),

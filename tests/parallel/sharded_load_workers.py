@@ -93,16 +93,18 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str
 
 
 
-def save_sharded_run(rank: int, world: int, model_dir: str, ckpt: str) -> None:
-    """An FSDP2 run's model as `kiln train` builds it (read shard by shard where it can, else loaded whole), saved
-    as a sharded checkpoint with no step taken: its export must write what a one-process export of the source does."""
+def save_sharded_runs(rank: int, world: int, jobs: list[tuple[str, str]]) -> None:
+    """For each (model_dir, ckpt): an FSDP2 run's model as `kiln train` builds it (read shard by shard where it
+    can, else loaded whole), saved as a sharded checkpoint with no step taken (its export must write what a
+    one-process export of the source does). One spawn for all (starting the ranks costs more than the work)."""
     from kiln.parallel.checkpoint import save_sharded
     from kiln.parallel.sharded_load import lean_pretrained
 
-    model = lean_pretrained(model_dir, "causal-lm", None)
-    lean = model is not None
-    model = model if lean else load_pretrained(model_dir, task="causal-lm")
-    parallelize(model, ParallelSection(fsdp=True), world_size=world, device=torch.device("cpu"))
-    if lean:
-        read_shards(model, model_dir)
-    save_sharded(ckpt, model)
+    for model_dir, ckpt in jobs:
+        model = lean_pretrained(model_dir, "causal-lm", None)
+        lean = model is not None
+        model = model if lean else load_pretrained(model_dir, task="causal-lm")
+        parallelize(model, ParallelSection(fsdp=True), world_size=world, device=torch.device("cpu"))
+        if lean:
+            read_shards(model, model_dir)
+        save_sharded(ckpt, model)

@@ -35,8 +35,7 @@ def runs(hook_dirs, tmp_path_factory):  # noqa: F811
     extra = torch.randn(8, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     save_file({**state, "mtp.fc.weight": extra}, str(mtp / "model.safetensors"), metadata={"format": "pt"})
     srcs = {"fused": hook_dirs["fused"], "fused-mtp": mtp, "v4": hook_dirs["v4"]}
-    for name, src in srcs.items():
-        spawn(sw.save_sharded_run, 2, (str(src), str(root / name / "ckpt")))
+    spawn(sw.save_sharded_runs, 2, ([(str(src), str(root / name / "ckpt")) for name, src in srcs.items()],))
     return root, srcs
 
 
