@@ -101,7 +101,7 @@ def _mkl_packed_linear() -> tuple[Any, Any] | None:
         return None
 
 
-class Decoder:
+class RolloutModel:
     """The model as `generate` sees it in a rollout or an evaluation: the backbone, then the LM head at the last
     position alone. On the fast path (`set_fast`; `[train] exact = true` keeps F.linear), on the CPU, with a plain
     float32 head (ForCausalLM's own forward and head), the head's weight is packed by MKL for the decode's row
@@ -189,7 +189,7 @@ class GRPORun:
         eos = self.eos_ids(core)
         return pad if pad is not None else (eos[0] if eos else 0)
 
-    def sample(self, decoder: Decoder, rows: list[int], prompts: Prompts, repeat: int, seed: int | None,
+    def sample(self, decoder: RolloutModel, rows: list[int], prompts: Prompts, repeat: int, seed: int | None,
                device: torch.device) -> dict[str, Any]:
         """Completions of `rows` (`repeat` each; greedy when `seed` is None) and the log-probs of the sampled
         tokens under logits / temperature (unfiltered, the trainer's formula). Sharded weights (decoder.sharded):
@@ -242,7 +242,7 @@ class GRPORun:
         split = not trainer.sharded
         mine = list(range(rank, len(self.eval_prompts), shards)) if split else list(range(len(self.eval_prompts)))
         sums = torch.zeros(2 + 2 * len(self.rewards), dtype=torch.float64)
-        decoder = Decoder(core, sharded=not split)
+        decoder = RolloutModel(core, sharded=not split)
         for s in range(0, len(mine), trainer.args.batch_size * self.g.num_generations):
             rows = mine[s: s + trainer.args.batch_size * self.g.num_generations]
             with torch.no_grad(), trainer.autocast():

@@ -17,10 +17,14 @@ from tests.parallel import fp8_keep_workers as fw
 from tests.spawn import spawn
 
 
+def _fp8_release(tiny_factory, tmp_path_factory, family: str, hf_class: str, folder: str):
+    """A tiny `family` model written as a block-scaled FP8 release."""
+    return make_fp8(tiny_factory(family, "causal-lm"), tmp_path_factory.mktemp(folder) / "fp8", hf_class)
+
+
 @pytest.fixture(scope="module")
 def fp8_dir(tiny_factory, tmp_path_factory):
-    return make_fp8(tiny_factory("qwen3", "causal-lm"), tmp_path_factory.mktemp("fp8-keep") / "fp8",
-                    "Qwen3ForCausalLM")
+    return _fp8_release(tiny_factory, tmp_path_factory, "qwen3", "Qwen3ForCausalLM", "fp8-keep")
 
 
 @pytest.mark.slow
@@ -56,8 +60,7 @@ def test_a_unit_of_fp8_weights_only_shards_as_bytes(tmp_path):
 
 @pytest.fixture(scope="module")
 def fp8_moe_dir(tiny_factory, tmp_path_factory):
-    return make_fp8(tiny_factory("qwen3_moe", "causal-lm"), tmp_path_factory.mktemp("fp8-keep-moe") / "fp8",
-                    "Qwen3MoeForCausalLM")
+    return _fp8_release(tiny_factory, tmp_path_factory, "qwen3_moe", "Qwen3MoeForCausalLM", "fp8-keep-moe")
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import torch
 from kiln.models.common.fast import set_fast
 from kiln.models.common.tied_grad import coalesce_tied_gradient, deferred_head
 from kiln.models.generation import inverse_cdf
-from kiln.train.grpo_rollout import Decoder
+from kiln.train.grpo_rollout import RolloutModel
 from kiln.train.logps import token_logps
 from tests.train.test_dpo_logps import VOCAB, tiny_lm
 
@@ -39,14 +39,14 @@ def test_inverse_cdf_draws_the_distribution_and_never_a_zero():
 
 
 def test_packed_decode_head_gives_the_models_logits():
-    """A decode step through the rollout's Decoder (packed head where MKL offers it) and through the model."""
+    """A decode step through the RolloutModel (packed head where MKL offers it) and through the model."""
     model = tiny_lm(tied=True).eval()
     set_fast(model)
     ids = torch.randint(3, VOCAB, (8, 6), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[:2, :2] = 0  # left padding
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    decoder = Decoder(model, sharded=False)
+    decoder = RolloutModel(model, sharded=False)
     with torch.no_grad():
         want = model(ids, attention_mask=mask, position_ids=positions, cache=model.new_cache(),
                      logits_to_keep=1).logits

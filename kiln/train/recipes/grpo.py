@@ -40,7 +40,7 @@ from kiln.parallel.world import World, all_reduce_sum, gather_objects
 from kiln.train.config import DataSection, RunConfig, Section
 from kiln.train.engine import DataParallel, StepContext, StepEngine, StepOutcome, Window, mean_gradients
 from kiln.train.grpo_loss import advantages, clipped, combine_rewards, loss_parts, token_loss
-from kiln.train.grpo_rollout import Decoder, GRPORun, Prompts, core_of, rollout_seed
+from kiln.train.grpo_rollout import GRPORun, Prompts, RolloutModel, core_of, rollout_seed
 from kiln.train.plans import place_frozen
 from kiln.train.recipes.base import Extension, Recipe, RunParts, add_lora, build_model, check_text_model
 from kiln.train.recipes.finetune import RecordsData
@@ -128,7 +128,7 @@ class GRPOEngine(StepEngine):
             self.placed = True
         index = run.step // g.num_iterations
         micros, per_funcs, lengths = [], [], []
-        decoder = Decoder(core, run.sharded)  # its packed head serves every micro-batch of this rollout
+        decoder = RolloutModel(core, run.sharded)  # its packed head serves every micro-batch of this rollout
         for m in range(run.args.grad_accum):
             rows = run.next_batch()["row"].tolist()
             with torch.no_grad(), run.autocast():
