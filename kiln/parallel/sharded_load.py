@@ -54,27 +54,27 @@ from kiln.hub.weights import Span, read_into, tensor_spans, weight_files
 from kiln.models.auto import apply_changes, load_config
 from kiln.models.pretrained import LoadReport, PreTrainedModel
 from kiln.models.tasks import BASE
+from kiln.parallel.sharded_q4 import WholeLoad4, place_q4, read_q4
 
 
 def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None, fp8: str = "dequantize",
-                    **changes: Any) -> PreTrainedModel | None:
-    """`empty_pretrained` when this checkpoint can be read shard by shard (safetensors, not 4-bit, FP8 only when
-    kept FP8, no adapter beside it, every tensor of the model in it); else None, and the caller loads it whole.
+                    quantize: str | None = None, **changes: Any) -> PreTrainedModel | None:
+    """`empty_pretrained` when this checkpoint can be read shard by shard (safetensors, FP8 only when kept FP8,
+    no adapter beside it, every tensor of the model in it; 4-bit ones: kiln.parallel.sharded_q4); else None, and
+    the caller loads it whole.
     The model carries `pending_read` (the directory) and `pending_seed` for the Trainer (`read_shards`,
     `init_adapters`)."""
     from kiln.models.common.lora import has_adapter
 
     path = resolve_model_dir(path)
-    family, config, source_task = load_config(path)
-    source = str(Path(path) / "config.json")
-    if bnb4_scheme_from_config(config.extra, source) is not None or has_adapter(path) \
-            or any(f.suffix != ".safetensors" for f in weight_files(path)):
+    if has_adapter(path) or any(f.suffix != ".safetensors" for f in weight_files(path)):
         return None
     try:
-        model, groups, unplaced = _empty(path, task, fp8, changes)
-    except WholeLoadOnly:
+        model, groups, unplaced = _empty(path, task, fp8, changes, quantize)
+    except (WholeLoadOnly, WholeLoad4):
         return None
-    if any(n not in groups for n, _ in (*model.named_parameters(), *model.named_buffers())):
+    q4 = model.q4_read.names(model) if model.q4_read else set()
+    if any(n not in groups and n not in q4 for n, _ in (*model.named_parameters(), *model.named_buffers())):
         return None  # a new head: its fresh init is the whole load's business
     if unplaced and type(model).load_hf_state_dict is not PreTrainedModel.load_hf_state_dict:
         return None  # the family's own load keeps tensors the model has no place for (MTP layers): a whole load
@@ -85,21 +85,23 @@ def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None,
 
 
 def empty_pretrained(path: str | os.PathLike, task: str | None = None, fp8: str = "dequantize",
-                     **changes: Any) -> PreTrainedModel:
+                     quantize: str | None = None, **changes: Any) -> PreTrainedModel:
     """The model of an HF directory built on the meta device (no weights read): for `read_shards`.
 
     A block-scaled FP8 checkpoint is built kept FP8 (`fp8 = "keep"`: FP8 modules, each weight and its scale in
-    the stored dtypes, read shard by shard as bytes like any other tensor); dequantizing one needs the whole load."""
-    return _empty(path, task, fp8, changes)[0]
+    the stored dtypes, read shard by shard as bytes like any other tensor); dequantizing one needs the whole load.
+    A bitsandbytes-4bit directory, or `quantize` ("nf4" | "fp4"), is built with 4-bit Linears (sharded_q4)."""
+    return _empty(path, task, fp8, changes, quantize)[0]
 
 
-def _empty(path: str | os.PathLike, task: str | None, fp8: str, changes: dict[str, Any]
+def _empty(path: str | os.PathLike, task: str | None, fp8: str, changes: dict[str, Any], quantize: str | None = None
            ) -> tuple[PreTrainedModel, dict[str, list[tuple[str, str]]], list[str]]:
     """`empty_pretrained`'s model, its `_sources` groups and the checkpoint keys that land in none of its tensors
     (extras, unmatched, or a kiln name it lacks), from one read of the checkpoint's headers."""
     path = resolve_model_dir(path)
     family, config, source_task = load_config(path)
-    scheme = scheme_from_config(config.extra, str(Path(path) / "config.json"))
+    source = str(Path(path) / "config.json")
+    scheme = None if bnb4_scheme_from_config(config.extra, source) else scheme_from_config(config.extra, source)
     if scheme is not None and fp8 != "keep":
         raise WholeLoadOnly(f"{path}: an FP8 block-scaled checkpoint is read shard by shard only kept FP8 "
                            "(fp8 = 'keep'); to dequantize it, load it whole (kiln.models.auto.load_pretrained)")
@@ -112,10 +114,13 @@ def _empty(path: str | os.PathLike, task: str | None, fp8: str, changes: dict[st
     if scheme is not None:
         weights = _place_fp8(model, weights, scheme, path)
     groups, _ = _sources(model, spans)
+    model.q4_read = place_q4(model, groups, spans, _safetensors(path), Path(path), config.extra, quantize)
+    q4 = model.q4_read.names(model) if model.q4_read else set()
     tensors = model.state_dict(keep_vars=True)
     placed = {k for kiln, sources in groups.items() if kiln in tensors for k, _ in sources}
-    for name, t in tensors.items():  # each tensor in its stored dtype, as a whole load
-        if name in groups:
+    placed |= model.q4_read.keys(spans) if model.q4_read else set()
+    for name, t in tensors.items():  # each tensor in its stored dtype, as a whole load (4-bit ones: as packed)
+        if name in groups and name not in q4:
             dtype = spans[groups[name][0][0]].dtype
             if t.dtype != dtype:
                 t.data = t.data.to(dtype)
@@ -229,13 +234,14 @@ def _host_stage(device: torch.device) -> HostStage | None:
 
 
 def load_to_device(path: str | os.PathLike, device: torch.device | str, task: str | None = None,
-                   seed: int | None = None, fp8: str = "dequantize", **changes: Any) -> PreTrainedModel | None:
+                   seed: int | None = None, fp8: str = "dequantize", quantize: str | None = None,
+                   **changes: Any) -> PreTrainedModel | None:
     """The model of an HF directory, read file -> `device` tensor by tensor (no whole copy in host memory), as
-    `load_pretrained(path, task, seed=seed, fp8=fp8, **changes).to(device)` gives it, in eval mode; None when
-    the checkpoint cannot be read so (`lean_pretrained`): the caller loads it whole."""
+    `load_pretrained(path, task, seed=seed, fp8=fp8, quantize=quantize, **changes).to(device)` gives it, in eval
+    mode; None when the checkpoint cannot be read so (`lean_pretrained`): the caller loads it whole."""
     if seed is not None:  # the draws load_pretrained makes first (a checkpoint lean reads has no new tensor)
         torch.manual_seed(seed)
-    model = lean_pretrained(path, task, seed, fp8=fp8, **changes)
+    model = lean_pretrained(path, task, seed, fp8=fp8, quantize=quantize, **changes)
     if model is None:
         return None
     read_shards(model, model.pending_read, device)
@@ -260,9 +266,11 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
         spans.update(got)
         where.update(dict.fromkeys(got, f))
     groups, extras = _sources(model, spans)
+    q4_read = getattr(model, "q4_read", None)  # 4-bit Linears: their packed rows and quant state (sharded_q4)
+    q4 = q4_read.names(model) if q4_read else set()
     # named_parameters / named_buffers list a tied tensor once (under the name the checkpoint holds)
     expected = [n for n, _ in (*model.named_parameters(), *model.named_buffers())]
-    absent = [k for k in expected if k not in groups and not _real(model, k)]
+    absent = [k for k in expected if k not in groups and k not in q4 and not _real(model, k)]
     if absent:
         raise WeightsError(f"{path}: tensor(s) {', '.join(map(repr, absent[:4]))} are not in the checkpoint; "
                            "a sharded read cannot initialise new tensors yet: load the model whole")
@@ -272,16 +280,21 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
     model.to_empty(device=device)
     with ExitStack() as stack:
         opened: dict[Path, Any] = {}
+
+        def file_of(key: str) -> Any:
+            if where[key] not in opened:
+                opened[where[key]] = stack.enter_context(open(where[key], "rb", buffering=0))
+            return opened[where[key]]
+
+        if q4_read:
+            read_q4(model, q4_read, spans, file_of, path)
         for name, target in (*model.named_parameters(), *model.named_buffers()):
+            if name in q4:
+                continue
             if name in kept:
                 with torch.no_grad():
                     _local(target).copy_(kept[name])
             elif name in groups:
-                def file_of(key: str) -> Any:
-                    if where[key] not in opened:
-                        opened[where[key]] = stack.enter_context(open(where[key], "rb", buffering=0))
-                    return opened[where[key]]
-
                 if _read_rows(target, groups[name], spans, file_of(groups[name][0][0]), keymap, path, stage) \
                         or _read_experts(target, groups[name], spans, file_of, keymap, path, stage):
                     continue
@@ -294,9 +307,10 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
     # a checkpoint tensor whose kiln name the model lacks is reported ignored, as a whole load reports it
     held = model.state_dict(keep_vars=True)
     used = {k for kiln, sources in groups.items() if kiln in held for k, _ in sources} | set(extras)
+    used |= q4_read.keys(spans) if q4_read else set()
     model.load_report = LoadReport(ignored=sorted(model.normalise_hf_names([k])[k][0] for k in where if k not in used))
     model.tie_weights()
-    model.pending_read = None
+    model.pending_read = model.q4_read = None
 
 
 @contextmanager
