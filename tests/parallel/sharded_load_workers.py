@@ -31,36 +31,43 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
 
 
-def compare_many(rank: int, world: int, jobs: list[tuple[str, str, str]], out: str) -> None:
-    """`compare` for each (model_dir, mode, tag) in one spawn (starting the ranks costs more than the tiny loads)."""
-    for model_dir, mode, tag in jobs:
-        compare(rank, world, model_dir, mode, out, tag)
+def compare_many(rank: int, world: int, jobs: list[tuple], out: str) -> None:
+    """`compare` for each (model_dir, mode, tag[, quantize]) in one spawn (starting the ranks costs more than the
+    tiny loads)."""
+    for model_dir, mode, tag, *quantize in jobs:
+        compare(rank, world, model_dir, mode, out, tag, *quantize)
 
 
-def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str | None = None) -> None:
-    """Whole load then `mode`'s plans vs built on meta, the plans, then the read; to OUT/<tag>-rank<r>.json."""
+def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str | None = None,
+            quantize: str | None = None) -> None:
+    """Whole load then `mode`'s plans vs built on meta, the plans, then the read; to OUT/<tag>-rank<r>.json.
+    `quantize`: "nf4" | "fp4" at load. `q4_reads`: (file, offset, bytes) of each read of a 4-bit weight's rows."""
+    from kiln.parallel import sharded_q4
+
     parallel = ParallelSection(**MODES[mode])
     lora = LoraConfig(r=4, alpha=8, dropout=0.0, targets=["q_proj", "v_proj", "gate_proj"]) \
         if mode.endswith("-lora") else None
     with open(os.path.join(model_dir, "config.json")) as f:  # an FP8 release: kept FP8, a frozen base
         fp8 = "keep" if "quantization_config" in json.load(f) else "dequantize"
-    whole = load_pretrained(model_dir, task="causal-lm", seed=5, fp8=fp8)
+    whole = load_pretrained(model_dir, task="causal-lm", seed=5, fp8=fp8, quantize=quantize)
     if lora:
         apply_lora(whole, lora)
     parallelize(whole, parallel, world_size=world, device=torch.device("cpu"))
-    lean = empty_pretrained(model_dir, task="causal-lm", fp8=fp8)
+    lean = empty_pretrained(model_dir, task="causal-lm", fp8=fp8, quantize=quantize)
     if lora:
         apply_lora(lean, lora)
         torch.manual_seed(123)  # init_adapters draws from its own seed, whatever happened since
         init_adapters(lean, "cpu", seed=5)
     parallelize(lean, parallel, world_size=world, device=torch.device("cpu"))
     read_whole = []  # the tensors read whole (one checkpoint tensor at a time), then cut to this rank's piece
-    fill = sharded_load._fill
+    q4_reads = []
+    fill, read_into = sharded_load._fill, sharded_q4.read_into
     sharded_load._fill = lambda name, *args: (read_whole.append(name), fill(name, *args))[1]
+    sharded_q4.read_into = lambda f, offset, t: (q4_reads.append((f.name, offset, t.nbytes)), read_into(f, offset, t))[1]
     try:
         read_shards(lean, model_dir)
     finally:
-        sharded_load._fill = fill
+        sharded_load._fill, sharded_q4.read_into = fill, read_into
     a, b = whole.state_dict(), lean.state_dict()
     problems = [k for k in a if k not in b] + [k for k in b if k not in a]
     for k in a.keys() & b.keys():
@@ -82,13 +89,14 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str
     with open(os.path.join(out, f"{tag or mode}-rank{rank}.json"), "w") as f:
         experts = {k: _local(t) for k, t in b.items() if ".experts." in k}
         json.dump({"problems": sorted(problems), "tensors": len(a), "bytes": loaded_bytes(lean),
-                   "read_whole": read_whole, "expert_bytes": sum(t.nbytes for t in experts.values()),
+                   "read_whole": read_whole, "q4_reads": q4_reads, "expert_bytes": sum(t.nbytes for t in experts.values()),
                    "expert_dtypes": sorted({str(t.dtype) for t in experts.values()}),
                    "whole_expert_bytes": sum(t.numel() * t.element_size() for k, t in a.items()
                                              if ".experts." in k),
                    "embedding_sharded": isinstance(dict(lean.named_parameters()).get("model.embed_tokens.weight"),
                                                    DTensor),
-                   "whole_bytes": sum(t.nbytes for t in load_pretrained(model_dir, fp8=fp8).state_dict().values()),
+                   "whole_bytes": sum(t.nbytes for t in load_pretrained(model_dir, fp8=fp8, quantize=quantize
+                                                                        ).state_dict().values()),
                    "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}, f)
 
 

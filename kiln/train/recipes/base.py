@@ -120,13 +120,16 @@ def build_model(cfg: RunConfig, labels: list[str] | None, need_tokenizer: bool =
     if m.path is not None:
         changes.update(model_config_overrides(m))  # dropout and the like; a key that reshapes a weight is refused
         # each rank reads its share once the plans are applied (kiln.parallel.sharded_load); a base quantized at
-        # load is read whole, quantized, then sharded
-        if shards_weights(cfg) and m.quantize is None:
-            lean = lean_pretrained(m.path, m.task, m.init_seed, fp8=m.fp8, **changes)
+        # load too, each rank quantizing its rows (kiln.parallel.sharded_q4)
+        if shards_weights(cfg):
+            lean = lean_pretrained(m.path, m.task, m.init_seed, fp8=m.fp8, quantize=m.quantize, **changes)
             if lean is not None:
                 return lean
-        elif m.quantize is None and cfg.train.precision != "fp8" and (device := run_device(cfg)).type != "cpu":
-            direct = load_to_device(m.path, device, m.task, m.init_seed, fp8=m.fp8, **changes)  # file -> GPU, tensor by tensor
+        elif cfg.train.precision != "fp8" and (m.quantize is not None or run_device(cfg).type != "cpu"):
+            # file -> GPU tensor by tensor; a base quantized at load (one process, DDP) weight by weight, so the
+            # load never holds the model in bf16
+            direct = load_to_device(m.path, run_device(cfg), m.task, m.init_seed, fp8=m.fp8, quantize=m.quantize,
+                                    **changes)
             if direct is not None:
                 return direct
         return load_pretrained(m.path, task=m.task, seed=m.init_seed, fp8=m.fp8, quantize=m.quantize, **changes)
