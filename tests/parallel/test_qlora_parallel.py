@@ -1,11 +1,13 @@
-"""QLoRA under FSDP2 and DDP: `kiln train` with `[model] quantize = "nf4"` and [lora] over 2 gloo processes has
-the loss curve of one process on the same global batch; under FSDP2 the packed 4-bit weights are sharded and
+"""QLoRA under FSDP2 and DDP: `kiln train` with `[model] quantize = "nf4"` and [lora] over 2 gloo processes (each
+rank reading and quantizing its rows of the bf16 weights) has the loss curve of one process that loaded the model
+whole, on the same global batch; under FSDP2 the packed 4-bit weights are sharded and
 gathered as uint8 (the quant state stays whole on every rank, as FP8's scales do), and the sharded checkpoint
 exports (4-bit base rebuilt from its quant state, dequantized, merged) as the one-process checkpoint does."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -39,7 +41,10 @@ def setup(tmp_path_factory) -> Path:
     model.config.extra["dtype"] = "bfloat16"
     model.tokenizer = Tokenizer.from_dir(d / "tok")
     model.save_pretrained(d / "bf16")
-    build_trainer(load_run_config(_toml(d, "one", GLOBAL_BATCH, {}))).fit()  # the reference: one process
+    # the reference: one process, the bf16 model loaded whole then quantized (the two-process runs read each rank's
+    # rows and quantize them: kiln.parallel.sharded_q4)
+    with mock.patch("kiln.train.recipes.base.load_to_device", lambda *a, **k: None):
+        build_trainer(load_run_config(_toml(d, "one", GLOBAL_BATCH, {}))).fit()
     return d
 
 
