@@ -29,8 +29,9 @@ dtypes it decides as on a whole load: Qwen3.5-MoE's fused expert layout (exporte
 naming and the parameters it holds in float32 (norms, sinks, hyper-connections: read into float32).
 Not covered yet (loaded whole): FP8 checkpoints to dequantize (and a kept one with an FP8 weight no FP8 module
 holds, e.g. DeepSeek-V4's grouped `wo_a` and MTP layers), tensors absent from the checkpoint (a new head),
-`.bin` weights. bitsandbytes-4bit directories and bases quantized at load (`[model] quantize`) are
-loaded whole by every rank (4-bit: ~0.26x of bf16), then sharded.
+`.bin` weights. 4-bit bases (a bitsandbytes-4bit directory, or `[model] quantize`) read as kiln.parallel.sharded_q4
+says: each rank its run of the packed bytes (quantized at load from the stored values of its blocks), and the
+small quant state whole.
 """
 
 from __future__ import annotations
