@@ -55,7 +55,7 @@ from kiln.hub.weights import Span, read_into, tensor_spans, weight_files
 from kiln.models.auto import apply_changes, load_config
 from kiln.models.pretrained import LoadReport, PreTrainedModel
 from kiln.models.tasks import BASE
-from kiln.parallel.sharded_q4 import WholeLoad4, place_q4, read_q4
+from kiln.parallel.sharded_q4 import WholeLoad4, place_q4, q4_keys, q4_names, read_q4
 
 
 def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None, fp8: str = "dequantize",
@@ -74,7 +74,7 @@ def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None,
         model, groups, unplaced = _empty(path, task, fp8, changes, quantize)
     except (WholeLoadOnly, WholeLoad4):
         return None
-    q4 = model.q4_read.names(model) if model.q4_read else set()
+    q4 = q4_names(model)
     if any(n not in groups and n not in q4 for n, _ in (*model.named_parameters(), *model.named_buffers())):
         return None  # a new head: its fresh init is the whole load's business
     if unplaced and type(model).load_hf_state_dict is not PreTrainedModel.load_hf_state_dict:
@@ -116,10 +116,9 @@ def _empty(path: str | os.PathLike, task: str | None, fp8: str, changes: dict[st
         weights = _place_fp8(model, weights, scheme, path)
     groups, _ = _sources(model, spans)
     model.q4_read = place_q4(model, groups, spans, _safetensors(path), Path(path), config.extra, quantize)
-    q4 = model.q4_read.names(model) if model.q4_read else set()
+    q4 = q4_names(model)
     tensors = model.state_dict(keep_vars=True)
-    placed = {k for kiln, sources in groups.items() if kiln in tensors for k, _ in sources}
-    placed |= model.q4_read.keys(spans) if model.q4_read else set()
+    placed = {k for kiln, sources in groups.items() if kiln in tensors for k, _ in sources} | q4_keys(model, spans)
     for name, t in tensors.items():  # each tensor in its stored dtype, as a whole load (4-bit ones: as packed)
         if name in groups and name not in q4:
             dtype = spans[groups[name][0][0]].dtype
@@ -267,8 +266,7 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
         spans.update(got)
         where.update(dict.fromkeys(got, f))
     groups, extras = _sources(model, spans)
-    q4_read = getattr(model, "q4_read", None)  # 4-bit Linears: their packed rows and quant state (sharded_q4)
-    q4 = q4_read.names(model) if q4_read else set()
+    q4 = q4_names(model)  # 4-bit Linears: their packed rows and quant state (sharded_q4)
     # named_parameters / named_buffers list a tied tensor once (under the name the checkpoint holds)
     expected = [n for n, _ in (*model.named_parameters(), *model.named_buffers())]
     absent = [k for k in expected if k not in groups and k not in q4 and not _real(model, k)]
@@ -287,8 +285,7 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
                 opened[where[key]] = stack.enter_context(open(where[key], "rb", buffering=0))
             return opened[where[key]]
 
-        if q4_read:
-            read_q4(model, q4_read, spans, file_of, path)
+        read_q4(model, spans, file_of, path)
         for name, target in (*model.named_parameters(), *model.named_buffers()):
             if name in q4:
                 continue
@@ -308,7 +305,7 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
     # a checkpoint tensor whose kiln name the model lacks is reported ignored, as a whole load reports it
     held = model.state_dict(keep_vars=True)
     used = {k for kiln, sources in groups.items() if kiln in held for k, _ in sources} | set(extras)
-    used |= q4_read.keys(spans) if q4_read else set()
+    used |= q4_keys(model, spans)
     model.load_report = LoadReport(ignored=sorted(model.normalise_hf_names([k])[k][0] for k in where if k not in used))
     model.tie_weights()
     model.pending_read = model.q4_read = None

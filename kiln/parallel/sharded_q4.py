@@ -139,10 +139,24 @@ def _bytes_run(packed: torch.Tensor) -> tuple[tuple[int, int], Any]:
     return (offset[0], offset[0] + shape[0]), group
 
 
-def read_q4(model: nn.Module, plan: Q4Read, spans: dict[str, Span], file_of: Any, path: Path) -> None:
-    """Fill every 4-bit module of `plan` (materialised, plans applied): this rank's packed bytes and the whole
-    quant state, equal to a whole load then the same plans. `file_of(key)` is the open file (read, not mapped)."""
-    for name, key in plan.modules.items():
+def q4_names(model: nn.Module) -> set[str]:
+    """The tensors `read_q4` fills in a model built on meta (none without 4-bit Linears)."""
+    plan = getattr(model, "q4_read", None)
+    return plan.names(model) if plan else set()
+
+
+def q4_keys(model: nn.Module, spans: dict[str, Span]) -> set[str]:
+    """The checkpoint keys `read_q4` reads for a model built on meta."""
+    plan = getattr(model, "q4_read", None)
+    return plan.keys(spans) if plan else set()
+
+
+def read_q4(model: nn.Module, spans: dict[str, Span], file_of: Any, path: Path) -> None:
+    """Fill every 4-bit module of a model built on meta (materialised, plans applied; `model.q4_read`): this rank's
+    packed bytes and the whole quant state, equal to a whole load then the same plans. `file_of(key)` is the
+    open file (read, not mapped). Nothing without 4-bit Linears."""
+    plan = getattr(model, "q4_read", None)
+    for name, key in (plan.modules if plan else {}).items():
         module = model.get_submodule(name)
         packed = module.weight
         local = packed.to_local() if isinstance(packed, DTensor) else packed
