@@ -57,11 +57,20 @@ class Q4Read:
     quantize: str | None = None      # "nf4" | "fp4": quantized at load from the stored values; None: bitsandbytes bytes
     double_quant: bool = True
 
+    def held(self, model: nn.Module) -> dict[str, nn.Module]:
+        """module name -> the 4-bit module, for those the model still has (a pipeline stage holds its layers)."""
+        out = {}
+        for m in self.modules:
+            try:
+                out[m] = model.get_submodule(m)
+            except AttributeError:
+                continue
+        return out
+
     def names(self, model: nn.Module) -> set[str]:
         """The model's tensor names this read fills (packed weight and quant-state buffers; not the bias)."""
         out = set()
-        for m in self.modules:
-            module = model.get_submodule(m)
+        for m, module in self.held(model).items():
             out.add(f"{m}.weight")
             out.update(f"{m}.{b}" for b in BUFFERS if module._buffers.get(b) is not None)
         return out
@@ -123,7 +132,7 @@ def place_q4(model: nn.Module, groups: dict[str, list[tuple[str, str]]], spans: 
     return Q4Read({n: groups[f"{n}.weight"][0][0] for n in names}, quantize)
 
 
-def _bytes_run(packed: torch.Tensor) -> tuple[tuple[int, int], Any]:
+def _bytes_run(packed: torch.Tensor, name: str) -> tuple[tuple[int, int], Any]:
     """(first, stop) of the packed bytes this rank holds, and the process group they are split over (None when
     whole). FSDP2 shards the (ceil(n / 2), 1) packed weight on dim 0: a run of bytes per rank."""
     if not isinstance(packed, DTensor):
@@ -132,8 +141,9 @@ def _bytes_run(packed: torch.Tensor) -> tuple[tuple[int, int], Any]:
 
     mesh = packed.device_mesh
     if mesh.ndim != 1 or any(not p.is_replicate() and getattr(p, "dim", None) != 0 for p in packed.placements):
-        raise WeightsError(f"a packed 4-bit weight is read shard by shard when split on its bytes over one mesh "
-                           f"dimension (FSDP2), not placed {packed.placements} on a {mesh.ndim}-D mesh")
+        raise WeightsError(f"{name}.weight: a packed 4-bit weight is read shard by shard when split on its bytes "
+                           f"over one mesh dimension (FSDP2), not placed {packed.placements} on a {mesh.ndim}-D mesh "
+                           f"{mesh.mesh_dim_names}: tensor parallelism does not split a 4-bit base")
     shape, offset = compute_local_shape_and_global_offset(packed.shape, mesh, packed.placements)
     group = mesh.get_group() if not packed.placements[0].is_replicate() and mesh.size() > 1 else None
     return (offset[0], offset[0] + shape[0]), group
@@ -156,11 +166,11 @@ def read_q4(model: nn.Module, spans: dict[str, Span], file_of: Any, path: Path) 
     packed bytes and the whole quant state, equal to a whole load then the same plans. `file_of(key)` is the
     open file (read, not mapped). Nothing without 4-bit Linears."""
     plan = getattr(model, "q4_read", None)
-    for name, key in (plan.modules if plan else {}).items():
-        module = model.get_submodule(name)
+    for name, module in (plan.held(model) if plan else {}).items():
+        key = plan.modules[name]
         packed = module.weight
         local = packed.to_local() if isinstance(packed, DTensor) else packed
-        (first, stop), group = _bytes_run(packed)
+        (first, stop), group = _bytes_run(packed, name)
         if plan.quantize is None:
             _read_bnb(module, key, spans, file_of, path, local, first, stop)
         else:

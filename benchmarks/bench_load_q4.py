@@ -1,0 +1,167 @@
+"""Loading a 4-bit base under FSDP2 on 2 ranks: each rank's peak RSS rise, read shard by shard vs whole load then shard.
+
+A Qwen3-shaped bf16 checkpoint written by transformers (`Qwen3ForCausalLM.save_pretrained`, several safetensors
+files and the index; ~0.16B parameters, ~310 MiB, untied head), and the bitsandbytes-4bit directory kiln writes
+from it (NF4, double-quantized absmax, byte for byte what bitsandbytes writes); both cached (KILN_BENCH_CACHE,
+default ~/.cache/kiln-bench/load). Two gloo ranks, `fsdp = true`, each side in fresh processes
+(torch.distributed.run), for two loads:
+
+- quantize at load (`[model] quantize = "nf4"` on the bf16 checkpoint): kiln (sharded) builds the 4-bit model on
+  meta, applies FSDP2 there and `read_shards`: each rank reads the bf16 values of its blocks and quantizes them
+  (kiln.parallel.sharded_q4); whole: `load_pretrained(quantize="nf4")` on every rank (the bf16 model, then
+  quantized), then FSDP2;
+- the bitsandbytes-4bit directory: kiln (sharded) reads each rank's packed bytes; whole: `load_pretrained`, then FSDP2.
+
+Each rank reports its VmHWM minus its VmRSS just before the load (the load's rise), the bytes it holds after it,
+and one forward's logits (both sides must give the same). Ratios last: the sharded rise over the whole load's.
+
+    python benchmarks/bench_load_q4.py [--layers 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, report  # noqa: E402
+
+MiB = 1024 ** 2
+SHARD_SIZE = "100MB"  # several files + the index, as a release ships them
+
+
+def shape(layers: int) -> dict:
+    return dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
+                num_attention_heads=16, num_key_value_heads=4, head_dim=64, max_position_embeddings=2048,
+                tie_word_embeddings=False, pad_token_id=0, eos_token_id=2)
+
+
+def build(size: dict) -> tuple[Path, Path]:
+    """The cached bf16 checkpoint (written by transformers) and the NF4 directory kiln writes from it."""
+    import torch
+    import transformers
+
+    from kiln.models.auto import load_pretrained
+    from kiln.models.common.quant4 import quantize_model
+
+    tag = hashlib.sha256(json.dumps([size, SHARD_SIZE], sort_keys=True).encode()).hexdigest()[:10]
+    root = Path(os.environ.get("KILN_BENCH_CACHE", Path.home() / ".cache" / "kiln-bench" / "load"))
+    bf16, nf4 = root / f"qwen3-q4src-{tag}", root / f"qwen3-nf4-{tag}"
+    if not (bf16 / "config.json").exists():
+        torch.manual_seed(0)
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**size)).to(torch.bfloat16)
+        tmp = bf16.with_name(bf16.name + ".partial")
+        model.save_pretrained(tmp, max_shard_size=SHARD_SIZE)
+        tmp.rename(bf16)
+    if not (nf4 / "config.json").exists():
+        model = load_pretrained(bf16, task="causal-lm")
+        quantize_model(model, "nf4")
+        tmp = nf4.with_name(nf4.name + ".partial")
+        model.save_pretrained(tmp, max_shard_bytes=50 * MiB)
+        tmp.rename(nf4)
+    return bf16, nf4
+
+
+def _kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def child(side: str, model_dir: str, quantize: str | None, out: str) -> None:
+    """One rank: load `model_dir` as `side` says under FSDP2, then report to `out`-rank<r>.json."""
+    import torch
+    import torch.distributed as dist
+
+    from kiln.models.auto import load_pretrained
+    from kiln.parallel.apply import parallelize
+    from kiln.parallel.sharded_load import empty_pretrained, loaded_bytes, read_shards
+    from kiln.train.config import ParallelSection
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    plan = ParallelSection(fsdp=True)
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS: the rise is the load's own
+    before = _kb("VmRSS")
+    t0 = time.perf_counter()
+    if side == "kiln":
+        model = empty_pretrained(model_dir, task="causal-lm", quantize=quantize)
+        parallelize(model, plan, device=torch.device("cpu"))
+        read_shards(model, model_dir)
+    else:
+        model = load_pretrained(model_dir, task="causal-lm", quantize=quantize)
+        parallelize(model, plan, device=torch.device("cpu"))
+    seconds = time.perf_counter() - t0
+    rise = (_kb("VmHWM") - before) * 1024
+    held = loaded_bytes(model)
+    ids = torch.randint(5, 32000, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    with open(f"{out}-rank{rank}.json", "w") as f:
+        json.dump({"rise": rise, "held": held, "seconds": seconds, "logits_sum": float(logits.double().sum()),
+                   "logits_abs": float(logits.double().abs().sum())}, f)
+    dist.destroy_process_group()
+
+
+def run_side(side: str, model: Path, quantize: str | None, work: Path) -> list[dict]:
+    out = work / f"{side}-{quantize}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+           "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    __file__, "--child", side, "--model", str(model), "--quantize", quantize or "", "--out", str(out)],
+                   check=True, env=env)
+    return [json.loads(Path(f"{out}-rank{r}.json").read_text()) for r in range(2)]
+
+
+def load() -> str:
+    return "load average " + " / ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--child")
+    ap.add_argument("--model")
+    ap.add_argument("--quantize")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.child:
+        return child(args.child, args.model, args.quantize or None, args.out)
+    bf16, nf4 = build(shape(args.layers))
+    sizes = {d: sum(f.stat().st_size for f in d.glob("*.safetensors")) for d in (bf16, nf4)}
+    print(f"checkpoints: bf16 {bf16} {sizes[bf16] / MiB:.0f} MiB; NF4 {nf4} {sizes[nf4] / MiB:.0f} MiB; {load()}")
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        for what, model, quantize in (("quantize at load (bf16 checkpoint, nf4)", bf16, "nf4"),
+                                      ("bitsandbytes-4bit directory (NF4)", nf4, None)):
+            res = {}
+            for side in ("whole", "kiln"):
+                res[side] = run_side(side, model, quantize, Path(work))
+                for r, got in enumerate(res[side]):
+                    print(f"{what}, {side} rank {r}: rise {got['rise'] / MiB:.0f} MiB ({got['rise'] / sizes[model]:.2f}x "
+                          f"the checkpoint), holds {got['held'] / MiB:.0f} MiB, {got['seconds']:.1f} s; {load()}",
+                          flush=True)
+            same = all(a["logits_sum"] == b["logits_sum"] and a["logits_abs"] == b["logits_abs"]
+                       for a, b in zip(res["kiln"], res["whole"]))
+            worst = {side: max(r["rise"] for r in res[side]) for side in res}
+            rows.append((what, res, worst, same, sizes[model]))
+    for what, res, worst, same, ckpt in rows:
+        report(f"4-bit base, FSDP2 on 2 ranks, {what}: a rank's load peak RSS rise (read shard by shard vs whole "
+               "load then shard)", "whole load", "loads/min", [60 / max(r["seconds"] for r in res["kiln"])],
+               [60 / max(r["seconds"] for r in res["whole"])], kiln_mem=worst["kiln"] / MiB,
+               peer_mem=worst["whole"] / MiB, goal="reported",
+               note=f"checkpoint {ckpt / MiB:.0f} MiB; sharded rise {worst['kiln'] / ckpt:.2f}x checkpoint, whole "
+                    f"{worst['whole'] / ckpt:.2f}x; logits equal {same}")
+
+
+if __name__ == "__main__":
+    main()
