@@ -78,8 +78,8 @@ class Q4Read:
     def keys(self, spans: dict[str, Span]) -> set[str]:
         """The checkpoint keys this read uses (the weights, and a bitsandbytes directory's quant-state tensors)."""
         out = set(self.modules.values())
-        if self.quantize is None:
-            out.update(k for k in spans if any(k.startswith(f"{key}.") for key in self.modules.values()))
+        if self.quantize is None:  # `<m>.weight.absmax` ... beside each `<m>.weight`
+            out.update(k for k in spans if ".weight." in k and k.split(".weight.", 1)[0] + ".weight" in out)
         return out
 
 
@@ -102,16 +102,13 @@ def place_q4(model: nn.Module, groups: dict[str, list[tuple[str, str]]], spans: 
         state: dict[str, torch.Tensor] = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in spans.items()}
         for f in files:
             with safe_open(str(f), framework="pt") as h:
-                state.update({k: h.get_tensor(k) for k in states if k in h.keys()})
+                here = set(h.keys())
+                state.update({k: h.get_tensor(k) for k in states if k in here})
         prepare_bnb4(model, state, scheme, str(path))
-        modules = {n: groups[f"{n}.weight"][0][0] for n, m in model.named_modules() if is_4bit(m)}
-        return Q4Read(modules)
+        return Q4Read(_plain_weights(model, [n for n, m in model.named_modules() if is_4bit(m)], groups, path))
     bnb4.check_quant_type(quantize, "model.quantize")
     names = quantizable(model)
-    keymap = model.family.keymap(model.task)
-    missing = [n for n in names if len(groups.get(f"{n}.weight", ())) != 1 or not keymap.is_plain(groups[f"{n}.weight"][0][1])]
-    if not names or missing:
-        raise WholeLoad4(f"{path}: Linear weight(s) {missing[:2]} are not plain checkpoint tensors")
+    modules = _plain_weights(model, names, groups, path)
     dtype = spans[groups[f"{names[0]}.weight"][0][0]].dtype
     for name in names:
         module = model.get_submodule(name)
@@ -129,7 +126,17 @@ def place_q4(model: nn.Module, groups: dict[str, list[tuple[str, str]]], spans: 
     scheme = bnb4.Bnb4Scheme(quantize, True, dtype)
     model.bnb4_state = Bnb4State(scheme)
     extra["quantization_config"] = scheme.to_config()
-    return Q4Read({n: groups[f"{n}.weight"][0][0] for n in names}, quantize)
+    return Q4Read(modules, quantize)
+
+
+def _plain_weights(model: nn.Module, names: list[str], groups: dict[str, list[tuple[str, str]]], path: Path
+                   ) -> dict[str, str]:
+    """module name -> the checkpoint key of its weight, each stored as is (WholeLoad4 otherwise)."""
+    keymap = model.family.keymap(model.task)
+    bad = [n for n in names if len(groups.get(f"{n}.weight", ())) != 1 or not keymap.is_plain(groups[f"{n}.weight"][0][1])]
+    if not names or bad:
+        raise WholeLoad4(f"{path}: the weight(s) of {bad[:2] or 'no Linear'} are not plain checkpoint tensors")
+    return {n: groups[f"{n}.weight"][0][0] for n in names}
 
 
 def _bytes_run(packed: torch.Tensor, name: str) -> tuple[tuple[int, int], Any]:
