@@ -152,6 +152,7 @@ def main() -> None:
                           flush=True)
             same = all(a["logits_sum"] == b["logits_sum"] and a["logits_abs"] == b["logits_abs"]
                        for a, b in zip(res["kiln"], res["whole"]))
+            print(f"{what}: logits equal between the two loads: {same}")
             worst = {side: max(r["rise"] for r in res[side]) for side in res}
             rows.append((what, res, worst, same, sizes[model]))
     for what, res, worst, same, ckpt in rows:
