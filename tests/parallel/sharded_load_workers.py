@@ -44,12 +44,15 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str
     `quantize`: "nf4" | "fp4" at load. `q4_reads`: (file, offset, bytes) of each read of a 4-bit weight's rows."""
     from kiln.parallel import sharded_q4
 
+    sharded_q4.CHUNK_VALUES = 101 * 64  # quantized at load: several chunks per rank's run of a weight, as at real size
+
     parallel = ParallelSection(**MODES[mode])
     lora = LoraConfig(r=4, alpha=8, dropout=0.0, targets=["q_proj", "v_proj", "gate_proj"]) \
         if mode.endswith("-lora") else None
     with open(os.path.join(model_dir, "config.json")) as f:  # an FP8 release: kept FP8, a frozen base
         fp8 = "keep" if "quantization_config" in json.load(f) else "dequantize"
     whole = load_pretrained(model_dir, task="causal-lm", seed=5, fp8=fp8, quantize=quantize)
+    whole_bytes = sum(t.nbytes for t in whole.state_dict().values())  # the model one process holds
     if lora:
         apply_lora(whole, lora)
     parallelize(whole, parallel, world_size=world, device=torch.device("cpu"))
@@ -95,8 +98,7 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str
                                              if ".experts." in k),
                    "embedding_sharded": isinstance(dict(lean.named_parameters()).get("model.embed_tokens.weight"),
                                                    DTensor),
-                   "whole_bytes": sum(t.nbytes for t in load_pretrained(model_dir, fp8=fp8, quantize=quantize
-                                                                        ).state_dict().values()),
+                   "whole_bytes": whole_bytes,
                    "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}, f)
 
 
@@ -116,3 +118,26 @@ def save_sharded_runs(rank: int, world: int, jobs: list[tuple[str, str]]) -> Non
         if lean:
             read_shards(model, model_dir)
         save_sharded(ckpt, model)
+
+
+# 4-bit bases: q_proj 24 x 41 (984 values: 15.4 blocks of 64), gate/up 401 x 41 (16,441 values, odd: 257 blocks, the
+# last of 57, so two nested absmax groups); on 2 ranks their bytes start and end inside blocks
+ODD_Q4 = dict(vocab_size=99, hidden_size=41, intermediate_size=401, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=6, max_position_embeddings=64)
+
+
+def q4_checkpoints(root) -> dict:
+    """name -> directory: the bf16 checkpoint "bf16" (several files), and the bitsandbytes-4bit directories written
+    from it, "bnb-nf4" (double-quantized absmax) and "bnb-fp4" (without)."""
+    from kiln.models.auto import AutoConfig, from_config
+    from kiln.models.common.quant4 import quantize_model
+
+    model = from_config(AutoConfig.for_model("qwen3", **ODD_Q4), task="causal-lm", seed=0).to(torch.bfloat16)
+    model.save_pretrained(root / "bf16", max_shard_bytes=40_000)
+    out = {"bf16": root / "bf16"}
+    for quant, double in (("nf4", True), ("fp4", False)):
+        q = load_pretrained(root / "bf16", task="causal-lm")
+        quantize_model(q, quant, double_quant=double)
+        q.save_pretrained(root / f"bnb-{quant}", max_shard_bytes=40_000)
+        out[f"bnb-{quant}"] = root / f"bnb-{quant}"
+    return out

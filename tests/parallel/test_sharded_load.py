@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kiln.errors import WeightsError
+from kiln.hub.weights import tensor_spans, weight_files
 from kiln.models.auto import AutoConfig, from_config, load_pretrained
 from kiln.parallel.sharded_load import HostStage, empty_pretrained, load_to_device, read_shards
 from tests.spawn import spawn
@@ -289,14 +290,24 @@ CASES_2 = [("fsdp", "qwen3"), ("tp", "qwen3"), ("fsdp-lora", "qwen3"), ("ep", "m
            ("pp", "tied"), ("fsdp-lora", "fp8"), ("ep", "fp8moe"), ("ep-fsdp-2", "fp8moe"), ("fsdp", "fp8moe"),
            ("fsdp", "fused"), ("fsdp", "v4")]
 CASES_4 = [("tp-fsdp", "qwen3"), ("ep-fsdp", "moe"), ("pp-fsdp", "qwen3"), ("ep-fsdp", "fp8moe")]
+# 4-bit bases (kiln.parallel.sharded_q4), on 2 ranks: (mode, checkpoint of sw.q4_checkpoints, quantize at load)
+CASES_Q4 = [("fsdp", "bf16", "nf4"), ("fsdp", "bf16", "fp4"), ("fsdp", "bnb-nf4", None), ("fsdp-lora", "bnb-fp4", None),
+            ("pp", "bf16", "nf4")]
 
 
 @pytest.fixture(scope="module")
-def rank_results(dirs, fp8_dir, fp8_moe_dir, hook_dirs, tmp_path_factory):
+def q4_dirs(tmp_path_factory):
+    return sw.q4_checkpoints(tmp_path_factory.mktemp("sharded_q4"))
+
+
+@pytest.fixture(scope="module")
+def rank_results(dirs, fp8_dir, fp8_moe_dir, hook_dirs, q4_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("sharded_ranks")
     paths = {**dirs, "fp8": fp8_dir, "fp8moe": fp8_moe_dir, **hook_dirs}
+    q4 = [(str(q4_dirs[name]), mode, f"{mode}-{name}-{quant}", quant) for mode, name, quant in CASES_Q4]
     for world, cases in ((2, CASES_2), (4, CASES_4)):
-        spawn(sw.compare_many, world, ([(str(paths[name]), mode, f"{mode}-{name}") for mode, name in cases], str(out)))
+        spawn(sw.compare_many, world, ([(str(paths[name]), mode, f"{mode}-{name}") for mode, name in cases]
+                                       + (q4 if world == 2 else []), str(out)))
     return out
 
 
@@ -317,6 +328,34 @@ def test_each_rank_reads_what_a_whole_load_then_shard_gives(rank_results, mode, 
             assert r["bytes"] <= 0.6 * r["whole_bytes"], r
         if mode.startswith("fsdp"):  # a trained embedding shards; LoRA's frozen one stays whole (no root gather)
             assert r["embedding_sharded"] == (mode == "fsdp"), r
+
+
+def _read(r: dict, f: str, s) -> int:
+    """Bytes of tensor `s` (in file `f`) that a rank's 4-bit reads took."""
+    return sum(max(0, min(o + n, s.offset + s.nbytes) - max(o, s.offset)) for g, o, n in r["q4_reads"] if g == f)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,name,quantize", CASES_Q4)
+def test_each_rank_reads_its_4bit_rows_as_a_whole_load_then_shard_gives(q4_dirs, rank_results, mode, name, quantize):
+    """A bitsandbytes-4bit directory (packed bytes), or a bf16 checkpoint quantized at load (each rank quantizes the
+    blocks its bytes cover; the ranks' bytes start and end inside blocks): each rank holds a whole load's packed
+    bytes and quant state then the same plans, byte for byte, and read no whole 4-bit (or bf16) weight."""
+    spans = {(str(f), k): s for f in weight_files(q4_dirs[name]) for k, s in tensor_spans(f).items()
+             if k.endswith("_proj.weight")}  # every 4-bit weight: (file, where its bytes lie)
+    assert len(spans) == 14
+    for rank in range(2):
+        r = json.loads((rank_results / f"{mode}-{name}-{quantize}-rank{rank}.json").read_text())
+        assert r["problems"] == [], (rank, r["problems"][:5])
+        if mode == "pp":  # each stage reads (and quantizes) its own layers' weights only
+            assert {k for (f, k), s in spans.items() if _read(r, f, s)} == {k for _, k in spans if f"layers.{rank}." in k}
+            continue
+        for (f, key), s in spans.items():
+            # its half of the bytes, and (quantized at load) at most one block more at each end of its run
+            extra = 2 * 64 * s.dtype.itemsize if quantize else 1
+            assert 0 < _read(r, f, s) <= s.nbytes / 2 + extra, (rank, key, _read(r, f, s), s.nbytes)
+        if mode == "fsdp":  # about half the model each (LoRA's frozen embedding and head stay whole on every rank)
+            assert r["bytes"] <= 0.7 * r["whole_bytes"], r
 
 
 def test_a_model_built_on_meta_answers_the_packing_question(dirs):
