@@ -21,7 +21,11 @@ against n / 2 packed bytes: 1/32 (1/8) of the packed weight, read whole as a who
 
 A single process or DDP (nothing sharded) reads each weight the same way, as one run holding every byte: the
 model is built 4-bit on meta and each weight is read and quantized in turn, so the load never holds the bf16
-model (`kiln.parallel.sharded_load.load_to_device`).
+model (`kiln.parallel.sharded_load.load_to_device`). A pipeline stage reads its own layers' weights. To another
+device (cuda) each piece passes through one host tensor of its size (a rank's bytes of one weight, or one chunk of
+values), not the bounded HostStage; the all-gather runs on the packed weight's device (nccl there). A packed
+weight placed otherwise (tensor parallelism splits a Linear's weight on dim 0 or 1, which a 4-bit weight's
+flattened blocks and whole quant state do not follow) is refused by name.
 """
 
 from __future__ import annotations
