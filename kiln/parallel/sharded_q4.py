@@ -59,8 +59,7 @@ class WholeLoad4(WeightsError):
 class Q4Read:
     """The 4-bit modules of a model built on meta, and where their weights are in the checkpoint."""
     modules: dict[str, str]          # module name -> checkpoint key of its weight
-    quantize: str | None = None      # "nf4" | "fp4": quantized at load from the stored values; None: bitsandbytes bytes
-    double_quant: bool = True
+    quantize: str | None = None      # "nf4" | "fp4": quantized at load (double quant, as `[model] quantize`); None: read
 
     def held(self, model: nn.Module) -> dict[str, nn.Module]:
         """module name -> the 4-bit module, for those the model still has (a pipeline stage holds its layers)."""
@@ -249,11 +248,10 @@ def _quantize_rows(module: nn.Module, key: str, span: Span, f: Any, path: Path, 
     if group is not None:
         absmax = _gather_absmax(absmax, group, first, stop, local.device)
     q = bnb4.Quant4(local, absmax, bnb4.code4(plan.quantize), shape, span.dtype, plan.quantize, bs)
-    if plan.double_quant:  # over the whole vector, as bnb4.quantize does
-        offset = absmax.mean()
-        code = bnb4.dynamic_code()
-        q.absmax, q.nested_absmax = bnb4.quantize_blockwise8(absmax - offset, code)
-        q.nested_code, q.offset = code, offset.item()
+    offset = absmax.mean()  # the double quant, over the whole vector as bnb4.quantize does
+    code = bnb4.dynamic_code()
+    q.absmax, q.nested_absmax = bnb4.quantize_blockwise8(absmax - offset, code)
+    q.nested_code, q.offset = code, offset.item()
     tensors = q.tensors("w")
     for buf, suffix in BUFFERS.items():
         hf = f"w.{bnb4.STATE_PREFIX}{q.quant_type}" if suffix == "quant_state" else f"w.{suffix}"

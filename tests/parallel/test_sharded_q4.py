@@ -73,3 +73,18 @@ def test_a_4bit_tensor_whose_shape_disagrees_is_named(q4_dirs, tmp_path):
     save_file({**state, key: state[key][:-1]}, str(f), metadata={"format": "pt"})
     with pytest.raises(WeightsError, match=rf"{key}.*shape \(23, 41\).*expects \(24, 41\)"):
         read_shards(lean, broken)
+
+
+def test_a_qlora_run_of_one_process_never_loads_the_bf16_model_whole(q4_dirs, monkeypatch):
+    """`kiln train` with `[model] quantize` and no sharding (one process, or DDP): built 4-bit on meta and read
+    weight by weight (load_to_device), never `load_pretrained`'s whole bf16 model."""
+    from kiln.train.config import parse_run_config
+    from kiln.train.recipes import base
+
+    cfg = parse_run_config({"model": {"path": str(q4_dirs["bf16"]), "task": "causal-lm", "quantize": "nf4"},
+                            "data": {"train": "unused.jsonl"}, "train": {"out_dir": "unused", "steps": 1, "device": "cpu"}})
+    monkeypatch.setattr(base, "load_pretrained", lambda *a, **k: pytest.fail("loaded whole"))
+    model = base.build_model(cfg, None, need_tokenizer=False)
+    assert model.pending_read is None and model.bnb4_state.scheme.quant_type == "nf4"
+    assert model.get_submodule("model.layers.0.mlp.up_proj").q4.offset != 0.0  # the read's double quant
+
