@@ -60,7 +60,8 @@ def test_packed_decode_head_gives_the_models_logits():
 
 def test_tied_gradient_is_the_dense_ones_sum_added_in_place():
     """Two micro-batches of repeated ids and pad ids (0) accumulate the same gradient, bit for bit, as the dense
-    embedding backward; the head's gradient tensor itself becomes .grad (the lookup's rows went into it)."""
+    embedding backward (the head's weight gradient deferred past the backbone's, in several chunks); the head's
+    gradient tensor itself becomes .grad (the lookup's rows went into it)."""
     plain = tiny_lm(tied=True)
     set_fast(plain)
     switched = copy.deepcopy(plain)
@@ -70,12 +71,13 @@ def test_tied_gradient_is_the_dense_ones_sum_added_in_place():
     for model in (plain, switched):
         for ids in micro:
             mask = (ids != 0).long()
-            logps = token_logps(model, ids, mask, mask)
+            logps = token_logps(model, ids, mask, mask, chunk=4)  # 4 rows of logits at a time: some recomputed
             (logps * torch.linspace(-1, 1, logps.numel()).view_as(logps)).sum().backward()
     for (name, a), b in zip(plain.named_parameters(), switched.parameters()):
         assert b.grad.layout == torch.strided and torch.equal(a.grad, b.grad), name
-    # in place: the tensor the head's backward made is the one that becomes .grad; the control: the same head
-    # taken after the lookup (its backward then runs first, before the sparse rows come) ends in a new tensor
+    # in place: the weight gradient the deferred head's node makes is the one that becomes .grad, while the head
+    # itself got a zero-stride placeholder (its weight gradient deferred); the control: the same head taken after
+    # the lookup (its node then runs first, before the sparse rows come) ends in a new tensor
     ids, mask = micro[0], (micro[0] != 0).long()
     targets = torch.where(mask.bool(), torch.roll(ids, -1, 1), -100)
     for before, same in ((True, True), (False, False)):
@@ -83,7 +85,9 @@ def test_tied_gradient_is_the_dense_ones_sum_added_in_place():
         head = deferred_head(switched) if before else None
         hidden = switched.model(input_ids=ids, attention_mask=mask)
         head = head if before else deferred_head(switched)
-        seen = []
-        head.register_hook(lambda grad: seen.append(grad.data_ptr()))
-        switched.hidden_token_logps(hidden, targets, head=head).sum().backward()
+        seen, placeholders = [], []
+        head.register_hook(lambda grad: placeholders.append(grad.stride() == (0, 0)))
+        head.grad_fn.register_hook(lambda grads_in, grads_out: seen.append(grads_in[0].data_ptr()))
+        switched.hidden_token_logps(hidden, targets, chunk=4, head=head).sum().backward()
+        assert placeholders == [True]
         assert (seen == [switched.output_weight.grad.data_ptr()]) is same

@@ -12,9 +12,24 @@ one arrives first, so the head takes the weight through `deferred_head`: an iden
 whose backward autograd therefore runs after the lookup's (it runs the later-made of two ready nodes first).
 Every element of the gradient is the same sum as before; in whichever order they arrive, only the memory
 differs. Where the head's gradient would never come (a loss that skips the head), a hook makes `.grad` dense.
+
+The same node also defers the head's weight gradient itself. A chunked head (kiln.models.common.token_logps)
+that sees the weight came through `deferred_head` returns only the hidden states' gradient at once and
+leaves its (vocab x hidden) weight gradient as work on the head's `DeferredWeightGrad`, which the node
+runs when its backward comes: after the backbone's, whose saved activations are freed by then. Made at the
+head's backward, that gradient (297 MB for 151,936 x 512 in fp32) would be held beside every activation
+of the backbone. On CPU the node first hands the heap pages those activations freed back to the system
+(`release_free_heap`): glibc keeps freed heap memory mapped (small and mid-sized blocks come from its heap,
+and its adaptive mmap threshold sends blocks up to 32 MB there after the first ones are freed), so without
+it the freed activations and the new gradient would both count in the process's resident memory.
 """
 
 from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+from typing import Callable
 
 import torch
 from torch import nn
@@ -42,16 +57,67 @@ class _CoalescedLookup(torch.autograd.Function):
         return None, sparse, None
 
 
+class DeferredWeightGrad:
+    """The weight-gradient work handed to a `deferred_head` node: each entry takes the gradient made so far
+    (None at first) and returns it with its own part added."""
+
+    def __init__(self) -> None:
+        self.pending: list[Callable[[torch.Tensor | None], torch.Tensor]] = []
+
+
+def placeholder_grad(weight: torch.Tensor) -> torch.Tensor:
+    """What a head that deferred its weight gradient returns for the weight: zeros of its shape, one element
+    expanded (no memory)."""
+    return weight.new_zeros(()).expand(weight.shape)
+
+
+def _is_placeholder(grad: torch.Tensor) -> bool:
+    return grad.dim() > 0 and all(s == 0 for s in grad.stride())
+
+
+_LIBC: ctypes.CDLL | None | bool = None
+
+
+def release_free_heap() -> bool:
+    """Return the free pages of glibc's heap to the system (`malloc_trim(0)`); whether it ran (Linux with
+    glibc only). The memory stays free for the process to reuse; only the resident pages go."""
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = False
+        if sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+                _LIBC = libc if hasattr(libc, "malloc_trim") else False
+            except OSError:
+                pass
+    if _LIBC is False:
+        return False
+    _LIBC.malloc_trim(0)
+    return True
+
+
 class _AfterLookup(torch.autograd.Function):
-    """The identity; made before the lookup, its backward runs after the lookup's."""
+    """The identity; made before the lookup, its backward runs after the lookup's, and runs the weight
+    gradient work a chunked head deferred to it (module docstring)."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, weight: torch.Tensor, deferred: DeferredWeightGrad) -> torch.Tensor:
+        ctx.deferred = deferred
         return weight.view_as(weight)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        pending, ctx.deferred.pending = ctx.deferred.pending, []
+        if not pending:
+            return grad, None
+        if grad.device.type == "cpu":
+            release_free_heap()  # the backbone's activations are freed: drop their pages before the gradient
+        out = None
+        for work in pending:
+            out = work(out)
+        if not _is_placeholder(grad):  # the weight had another use in the graph: its gradient is added
+            out += grad
+        return out, None
 
 
 class CoalescedGradEmbedding(nn.Embedding):
@@ -77,7 +143,10 @@ def deferred_head(model: nn.Module) -> torch.Tensor | None:
     emb = _input_embedding(model)
     if not isinstance(emb, CoalescedGradEmbedding) or not (torch.is_grad_enabled() and emb.weight.requires_grad):
         return None
-    return _AfterLookup.apply(emb.weight)
+    deferred = DeferredWeightGrad()
+    head = _AfterLookup.apply(emb.weight, deferred)
+    head.deferred_grad = deferred  # a chunked head hands its weight gradient here (linear_token_logps)
+    return head
 
 
 def _dense(p: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from kiln.errors import KilnError
 from kiln.models.common.loss import CHUNK_ELEMENTS, head_operands
+from kiln.models.common.tied_grad import placeholder_grad
 
 __all__ = ["exact_token_logps", "linear_token_logps"]
 
@@ -34,10 +35,15 @@ class _LinearTokenLogps(torch.autograd.Function):
     The incoming gradient is per row (unlike a summed loss), so the gradient cannot be formed in the
     forward as kiln's fused cross entropy does: the forward keeps only each row's log-sum-exp, and the
     backward rebuilds a chunk's softmax from it, d logp_i / d logits_i = (onehot(t_i) - softmax_i) / tau.
+
+    With `deferred` (the weight came through kiln.models.common.tied_grad.deferred_head) the backward makes
+    the gradient of h (and b) only, and hands the weight's to `deferred`: the kept chunk's softmax gradient
+    and what recomputes the others, run after the backbone's backward (the same products in the same order,
+    so the same bits); it returns an expanded zero for the weight meanwhile.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, targets, rows, temperature, keep):  # h (N, C), weight (V, C), targets (N,)
+    def forward(ctx, h, weight, bias, targets, rows, temperature, keep, deferred):  # h (N, C), weight (V, C)
         out = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         lse = torch.empty_like(out)
         chunks = _chunks(h.shape[0], rows)
@@ -52,47 +58,92 @@ class _LinearTokenLogps(torch.autograd.Function):
         if keep:  # a backward will come (grad mode was on at the call)
             ctx.kept = logits  # the last chunk's (n, V) logits / tau
         ctx.save_for_backward(h, weight, bias, targets, lse)
-        ctx.chunks, ctx.temperature = chunks, temperature
+        ctx.chunks, ctx.temperature, ctx.deferred = chunks, temperature, deferred
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # grad_out (N,)
         h, weight, bias, targets, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        tau = ctx.temperature
+        defer = need_w and ctx.deferred is not None
         kept, ctx.kept = ctx.kept, None  # used up in place here: a second backward (retain_graph) recomputes
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = None  # the first chunk's product makes it (zeros first would be one more pass over (V, C))
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if need_b else None
+        order = ctx.chunks[-1:] + ctx.chunks[:-1]  # the kept chunk first, then it is freed
+        first = None  # deferred: the kept chunk's softmax gradient, for the weight's product later
         with torch.autocast(h.device.type, enabled=False):
-            for s, e in ctx.chunks[-1:] + ctx.chunks[:-1]:  # the kept chunk first, then it is freed
-                hc, tc, gc = h[s:e], targets[s:e], grad_out[s:e].float()
-                if tau != 1.0:
-                    gc = gc / tau  # the chain rule through logits / tau
-                if kept is not None:
-                    probs, kept = kept, None
-                else:
-                    probs = F.linear(hc, weight, bias).float()
-                    if tau != 1.0:
-                        probs.div_(tau)
-                probs = probs.sub_(lse[s:e, None]).exp_()  # softmax (n, V)
-                g = probs.mul_(-gc[:, None])  # -g_i softmax_i ...
-                g[torch.arange(tc.shape[0], device=tc.device), tc] += gc  # ... + g_i onehot(t_i)
+            for s, e in order:
+                hc = h[s:e]
+                g = _chunk_grad(hc, weight, bias, targets[s:e], lse[s:e], grad_out[s:e], ctx.temperature, kept)
+                kept = None
                 if need_b:
                     grad_b += g.sum(0)
                 g = g.to(weight.dtype)
                 if need_h:
                     grad_h[s:e] = g @ weight  # (n, C)
-                if need_w and grad_w is None:
-                    grad_w = (g.t() @ hc).float()  # (V, C)
-                elif need_w and g.dtype == torch.float32:
-                    grad_w.addmm_(g.t(), hc)  # in place: no temporary of the weight's size
-                elif need_w:
-                    grad_w += (g.t() @ hc).float()
-                del probs, g
+                if defer and first is None:
+                    first = g
+                elif need_w and not defer:
+                    grad_w = _add_product(grad_w, g, hc)
+                del g
+        if defer:
+            ctx.deferred.pending.append(_WeightGrad(first, order, h, weight, bias, targets, lse, grad_out,
+                                                    ctx.temperature))
+            grad_w = placeholder_grad(weight)
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def _chunk_grad(hc, weight, bias, tc, lse, grad_out, tau, logits=None):
+    """d (sum_i grad_out_i logp_i) / d logits of one chunk (n, V) fp32, from its logits / tau (recomputed
+    unless given: they are overwritten)."""
+    gc = grad_out.float()
+    if tau != 1.0:
+        gc = gc / tau  # the chain rule through logits / tau
+    if logits is None:
+        logits = F.linear(hc, weight, bias).float()
+        if tau != 1.0:
+            logits.div_(tau)
+    probs = logits.sub_(lse[:, None]).exp_()  # softmax (n, V)
+    g = probs.mul_(-gc[:, None])  # -g_i softmax_i ...
+    g[torch.arange(tc.shape[0], device=tc.device), tc] += gc  # ... + g_i onehot(t_i)
+    return g
+
+
+def _add_product(grad_w, g, hc):
+    """grad_w + g^T hc (V, C) fp32; the first product makes it."""
+    if grad_w is None:
+        return (g.t() @ hc).float()
+    if g.dtype == torch.float32:
+        return grad_w.addmm_(g.t(), hc)  # in place: no temporary of the weight's size
+    grad_w += (g.t() @ hc).float()
+    return grad_w
+
+
+class _WeightGrad:
+    """A deferred head weight gradient (`_LinearTokenLogps`): the products of the backward's chunk order, the
+    first from the kept chunk's softmax gradient, the others recomputed."""
+
+    def __init__(self, first, order, h, weight, bias, targets, lse, grad_out, tau):
+        self.first, self.order, self.h, self.weight, self.bias = first, order, h, weight, bias
+        self.targets, self.lse, self.grad_out, self.tau = targets, lse, grad_out, tau
+
+    def __call__(self, total: torch.Tensor | None) -> torch.Tensor:
+        h, w = self.h, self.weight
+        grad_w = None
+        with torch.autocast(h.device.type, enabled=False):
+            for s, e in self.order:
+                if self.first is not None:
+                    g, self.first = self.first, None
+                else:
+                    g = _chunk_grad(h[s:e], w, self.bias, self.targets[s:e], self.lse[s:e], self.grad_out[s:e],
+                                    self.tau).to(w.dtype)
+                grad_w = _add_product(grad_w, g, h[s:e])
+                del g
+        grad_w = grad_w.to(w.dtype)
+        return grad_w if total is None else total.add_(grad_w)
 
 
 def linear_token_logps(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -111,7 +162,8 @@ def linear_token_logps(h: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
         return (h.sum() * 0.0 + weight.sum() * 0.0).float().expand(0)
     rows = chunk_rows or max(1, min(h.shape[0], CHUNK_ELEMENTS // weight.shape[0]))
     keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, weight, bias))
-    return _LinearTokenLogps.apply(h, weight, bias, targets, rows, float(temperature), keep)
+    deferred = getattr(weight, "deferred_grad", None)  # the weight as deferred_head gave it (not cast)
+    return _LinearTokenLogps.apply(h, weight, bias, targets, rows, float(temperature), keep, deferred)
 
 
 def exact_token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
