@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from kiln.models.common.fast import set_fast
@@ -58,26 +59,27 @@ def test_packed_decode_head_gives_the_models_logits():
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
-def test_tied_gradient_is_the_dense_ones_sum_added_in_place():
+@pytest.mark.parametrize("defer", [False, True])
+def test_tied_gradient_is_the_dense_ones_sum_added_in_place(defer):
     """Two micro-batches of repeated ids and pad ids (0) accumulate the same gradient, bit for bit, as the dense
-    embedding backward (the head's weight gradient deferred past the backbone's, in several chunks); the head's
-    gradient tensor itself becomes .grad (the lookup's rows went into it)."""
+    embedding backward (with `defer`, the head's weight gradient made after the backbone's, its chunks but the
+    kept one recomputed); the head's gradient tensor itself becomes .grad (the lookup's rows went into it)."""
     plain = tiny_lm(tied=True)
     set_fast(plain)
     switched = copy.deepcopy(plain)
-    assert coalesce_tied_gradient(switched)
+    assert coalesce_tied_gradient(switched, defer_head_grad=defer)
     g = torch.Generator().manual_seed(3)
     micro = [torch.randint(0, 6, (3, 9), generator=g) for _ in range(2)]  # 6 ids over 27 places: many repeats
     for model in (plain, switched):
         for ids in micro:
             mask = (ids != 0).long()
-            logps = token_logps(model, ids, mask, mask, chunk=4)  # 4 rows of logits at a time: some recomputed
+            logps = token_logps(model, ids, mask, mask, chunk=4)  # 4 rows of logits at a time: several chunks
             (logps * torch.linspace(-1, 1, logps.numel()).view_as(logps)).sum().backward()
     for (name, a), b in zip(plain.named_parameters(), switched.parameters()):
         assert b.grad.layout == torch.strided and torch.equal(a.grad, b.grad), name
-    # in place: the weight gradient the deferred head's node makes is the one that becomes .grad, while the head
-    # itself got a zero-stride placeholder (its weight gradient deferred); the control: the same head taken after
-    # the lookup (its node then runs first, before the sparse rows come) ends in a new tensor
+    # in place: the weight gradient deferred_head's node passes on is the one that becomes .grad (with `defer`
+    # the head itself returned a zero-stride placeholder and the node made it); the control: the same head taken
+    # after the lookup (its node then runs first, before the sparse rows come) ends in a new tensor
     ids, mask = micro[0], (micro[0] != 0).long()
     targets = torch.where(mask.bool(), torch.roll(ids, -1, 1), -100)
     for before, same in ((True, True), (False, False)):
@@ -89,5 +91,5 @@ def test_tied_gradient_is_the_dense_ones_sum_added_in_place():
         head.register_hook(lambda grad: placeholders.append(grad.stride() == (0, 0)))
         head.grad_fn.register_hook(lambda grads_in, grads_out: seen.append(grads_in[0].data_ptr()))
         switched.hidden_token_logps(hidden, targets, chunk=4, head=head).sum().backward()
-        assert placeholders == [True]
+        assert placeholders == [defer]
         assert (seen == [switched.output_weight.grad.data_ptr()]) is same

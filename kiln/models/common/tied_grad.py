@@ -13,12 +13,15 @@ whose backward autograd therefore runs after the lookup's (it runs the later-mad
 Every element of the gradient is the same sum as before; in whichever order they arrive, only the memory
 differs. Where the head's gradient would never come (a loss that skips the head), a hook makes `.grad` dense.
 
-The same node also defers the head's weight gradient itself. A chunked head (kiln.models.common.token_logps)
-that sees the weight came through `deferred_head` returns only the hidden states' gradient at once and
-leaves its (vocab x hidden) weight gradient as work on the head's `DeferredWeightGrad`, which the node
-runs when its backward comes: after the backbone's, whose saved activations are freed by then. Made at the
-head's backward, that gradient (297 MB for 151,936 x 512 in fp32) would be held beside every activation
-of the backbone. On CPU the node first hands the heap pages those activations freed back to the system
+With `defer_head_grad` the same node also defers the head's weight gradient itself. A chunked head
+(kiln.models.common.token_logps) that sees the weight came through `deferred_head` returns only the hidden
+states' gradient at once and leaves its (vocab x hidden) weight gradient as work on the head's
+`DeferredWeightGrad`, which the node runs when its backward comes: after the backbone's, whose saved
+activations are freed by then. Made at the head's backward, that gradient (297 MB for 151,936 x 512 in fp32)
+would be held beside every activation of the backbone. The price: the head's logits of every chunk but the
+kept one are computed once more (the same products in the same order: the same bits), one more head matmul
+over those rows per backward (DPO takes it: its goal is memory; GRPO, whose update is a small part of a step
+that must be fast, does not). On CPU the node first hands the heap pages those activations freed back to the system
 (`release_free_heap`): glibc keeps freed heap memory mapped (small and mid-sized blocks come from its heap,
 and its adaptive mmap threshold sends blocks up to 32 MB there after the first ones are freed), so without
 it the freed activations and the new gradient would both count in the process's resident memory.
@@ -101,13 +104,15 @@ class _AfterLookup(torch.autograd.Function):
     gradient work a chunked head deferred to it (module docstring)."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, deferred: DeferredWeightGrad) -> torch.Tensor:
+    def forward(ctx, weight: torch.Tensor, deferred: DeferredWeightGrad | None) -> torch.Tensor:
         ctx.deferred = deferred
         return weight.view_as(weight)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        pending, ctx.deferred.pending = ctx.deferred.pending, []
+        pending = [] if ctx.deferred is None else ctx.deferred.pending
+        if ctx.deferred is not None:
+            ctx.deferred.pending = []
         if not pending:
             return grad, None
         if grad.device.type == "cpu":
@@ -122,6 +127,7 @@ class _AfterLookup(torch.autograd.Function):
 
 class CoalescedGradEmbedding(nn.Embedding):
     """nn.Embedding whose weight gradient comes back as the coalesced rows it looked up (module docstring)."""
+    defer_head_grad = False  # set by coalesce_tied_gradient
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not (torch.is_grad_enabled() and self.weight.requires_grad):
@@ -143,9 +149,10 @@ def deferred_head(model: nn.Module) -> torch.Tensor | None:
     emb = _input_embedding(model)
     if not isinstance(emb, CoalescedGradEmbedding) or not (torch.is_grad_enabled() and emb.weight.requires_grad):
         return None
-    deferred = DeferredWeightGrad()
+    deferred = DeferredWeightGrad() if emb.defer_head_grad else None
     head = _AfterLookup.apply(emb.weight, deferred)
-    head.deferred_grad = deferred  # a chunked head hands its weight gradient here (linear_token_logps)
+    if deferred is not None:
+        head.deferred_grad = deferred  # a chunked head hands its weight gradient here (linear_token_logps)
     return head
 
 
@@ -154,15 +161,17 @@ def _dense(p: torch.Tensor) -> None:
         p.grad = p.grad.to_dense()
 
 
-def coalesce_tied_gradient(model: nn.Module) -> bool:
+def coalesce_tied_gradient(model: nn.Module, defer_head_grad: bool = False) -> bool:
     """Switch a kiln causal LM's input embedding to `CoalescedGradEmbedding` where it is the LM head (tied),
     a plain float32 nn.Embedding (no max_norm, no scale_grad_by_freq) and trained. For an unsharded model
-    (not under FSDP), after any DDP wrapping. Returns whether it switched."""
+    (not under FSDP), after any DDP wrapping. `defer_head_grad`: a chunked head's weight gradient is made
+    after the backbone's backward (module docstring). Returns whether it switched."""
     emb = _input_embedding(model)
     if type(emb) is not nn.Embedding or emb.max_norm is not None or emb.scale_grad_by_freq or emb.sparse \
             or type(emb.weight) is not nn.Parameter or emb.weight.dtype != torch.float32 \
             or not emb.weight.requires_grad:
         return False
     emb.__class__ = CoalescedGradEmbedding
+    emb.defer_head_grad = defer_head_grad
     emb.weight.register_post_accumulate_grad_hook(_dense)
     return True

@@ -265,11 +265,11 @@ class DPORun(Callback):
         return pl, int(attn.sum())
 
     def step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        if not self.started:  # a tied embedding's gradient without its dense transient (unsharded weights)
-            self.started = True
+        if not self.started:  # a tied embedding's gradient without its dense transient (unsharded weights),
+            self.started = True  # and the head's made after the backbone's backward freed its activations
             assert self.trainer is not None, "wrap_engine gave this callback its trainer"
             if not self.trainer.sharded:
-                coalesce_tied_gradient(getattr(model, "module", model))
+                coalesce_tied_gradient(getattr(model, "module", model), defer_head_grad=True)
         self._ready()
         pl, tokens = self.pair_losses(model, batch, "train")
         self.sums += self._stats(pl, tokens, torch.ones_like(pl.losses))
