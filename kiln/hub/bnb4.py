@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from kiln.errors import ConfigError, WeightsError
+from kiln.hub import native4
 
 QUANT_TYPES = ("nf4", "fp4")
 BLOCKSIZE = 64
@@ -254,6 +255,9 @@ def dequantize(q: Quant4, dtype: torch.dtype | None = None, out: torch.Tensor | 
     if out is None:
         out = torch.empty(q.shape, dtype=dtype, device=device)
     assert out.dtype == dtype and out.numel() == n and out.is_contiguous(), "dequantize: out must fit the weight"
+    if native4.dequantize4(q.packed, n, q.blocksize, q.code, q.absmax, q.nested_absmax, q.nested_code,
+                           q.nested_blocksize, q.offset, out):
+        return out  # the fused C kernel (kiln.hub.native4): same values, one pass, no temporaries
     table, packed, flat = _code_pairs(q.code.to(device)), q.packed.reshape(-1), out.view(-1)
     bs = q.blocksize
     if bs % 2:  # blocks that split a byte: the whole weight at once, absmax repeated per value

@@ -1,0 +1,111 @@
+"""Small native CPU kernels: plain C compiled on first use with the system compiler, loaded with ctypes.
+
+A kernel is a C source string (no Python or torch headers, so it compiles in about a second). `load(name,
+source)` compiles it once into a shared library under the user cache dir (`$KILN_CACHE_DIR`, else
+`$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`; then `native/`), named by the hash of the source, the compiler
+command and this CPU (the code is built for `-march=native`), so a later process only loads it. The library
+is written under a temporary name and renamed into place: two processes compiling at once both succeed and
+the one left is whole.
+
+`load` returns None, once logged at debug level, where there is no native path: `KILN_NATIVE=0`, no compiler
+(`$CC`, else `cc`), a failed compile or load; the caller then uses its torch implementation, which gives the
+same values.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-pthread")  # contract=off: no FMA,
+# so a product and a sum round as torch's separate ops round
+_LOCK = threading.Lock()
+_LOADED: dict[str, ctypes.CDLL | None] = {}
+_OFF_LOGGED: list[bool] = []
+
+
+def enabled() -> bool:
+    return os.environ.get("KILN_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KILN_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kiln"
+    return Path(root) / "native"
+
+
+def _cpu() -> str:
+    """What -march=native builds for: the CPU's model and flags (one core's lines of /proc/cpuinfo)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [ln for ln in lines if ln.split(":")[0].strip() in ("vendor_id", "model name", "flags", "Features")]
+    return "\n".join(dict.fromkeys(keep))
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc)
+
+
+def library_path(name: str, source: str) -> Path | None:
+    """Where `source`'s library is (or will be) cached; None without a compiler."""
+    cc = _compiler()
+    if cc is None:
+        return None
+    key = hashlib.sha256("\0".join([source, os.path.realpath(cc), *FLAGS, platform.machine(), _cpu()]).encode())
+    return cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
+
+
+def _build(name: str, source: str) -> Path:
+    path = library_path(name, source)
+    if path is None:
+        raise OSError(f"no C compiler ({os.environ.get('CC') or 'cc'} not found)")
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{name}-") as tmp:
+        src, lib = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
+        src.write_text(source)
+        run = subprocess.run([_compiler(), *FLAGS, "-o", str(lib), str(src)], capture_output=True, text=True,
+                             timeout=120)
+        if run.returncode != 0:
+            raise OSError(f"compile failed ({run.returncode}): {run.stderr.strip()[-2000:]}")
+        os.replace(lib, path)  # atomic: a concurrent build renames an identical file over it
+    return path
+
+
+def load(name: str, source: str) -> ctypes.CDLL | None:
+    """The compiled library of C `source` (cached; built on the first call), or None where there is no native
+    path (see the module docstring). The answer is kept for the process, per name."""
+    if not enabled():
+        if not _OFF_LOGGED:
+            _OFF_LOGGED.append(True)
+            log.debug("kiln native kernels off (KILN_NATIVE=0), using torch")
+        return None
+    with _LOCK:
+        if name in _LOADED:
+            return _LOADED[name]
+        try:
+            lib = ctypes.CDLL(str(_build(name, source)))
+        except (OSError, subprocess.SubprocessError) as e:
+            log.debug("kiln native kernel %r unavailable, using torch: %s", name, e)
+            lib = None
+        _LOADED[name] = lib
+        return lib
+
+
+def forget(name: str) -> None:
+    """Drop the process's answer for `name`, so the next `load` tries again (tests change the environment)."""
+    with _LOCK:
+        _LOADED.pop(name, None)
