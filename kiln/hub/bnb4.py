@@ -46,9 +46,10 @@ _NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0
         -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
         0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
         0.7229568362236023, 1.0]
-# FP4 (1 sign, 2 exponent, 1 mantissa bit, bias 2) in index order: index 8..15 are the negatives
-_FP4 = [0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, -0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0]
-# FP4 indices in ascending value order. +0 (index 0) and -0 (index 8) tie: bitsandbytes' sort puts +0
+# FP4 (1 sign, 2 exponent, 1 mantissa bit, bias 2) in index order: index 8..15 are the negatives; index 8
+# (negative zero) is +0.0 in bitsandbytes' table (an integer 0 there), so its quant_map and values have +0
+_FP4 = [0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, 0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0]
+# FP4 indices in ascending value order. index 0 and index 8 (both 0) tie: bitsandbytes' sort puts +0
 # first, so an exact zero takes index 0 and a tiny positive value the midpoint above, i.e. index 8
 _FP4_ORDER = [11, 10, 13, 12, 15, 14, 9, 0, 8, 1, 6, 7, 4, 5, 2, 3]
 

@@ -17,7 +17,7 @@ from kiln.models.common.lora import LoraLinear
 def _linear4(shape, quant_type="nf4", double=True, blocksize=64, dtype=torch.bfloat16, seed=0, bias=False):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(*shape, generator=g) * torch.logspace(-3, 0, shape[-1])
-    w.view(-1)[::7] = 0.0  # exact zeros: FP4 has a -0 entry, which torch.equal would not tell from +0
+    w.view(-1)[::7] = 0.0  # exact zeros: index 0 and 8 of FP4, whose sign torch.equal would not see
     q = bnb4.quantize(w.to(dtype), quant_type, blocksize, double)
     m = quant4.Linear4(shape[1], shape[0], bias, quant4.Q4Meta.of(q), dtype, device="meta")
     m.load_quant4(q)

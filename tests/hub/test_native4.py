@@ -1,0 +1,108 @@
+"""The C 4-bit dequantization kernel (kiln.hub.native4) against the torch path of kiln.hub.bnb4 (itself equal
+to bitsandbytes' dequantize_4bit: tests/models/test_quant4.py): every bit, in both of its loops (AVX-512 and
+plain C), one thread or several, with NaN and inf in the absmax; and the fallback to torch where the kernel
+cannot be had (KILN_NATIVE=0, no compiler, a compiler that fails), and the cached build."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kiln.hub import bnb4, native, native4
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _bits(t):
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _torch_path(monkeypatch, q, dtype):
+    with monkeypatch.context() as m:
+        m.setenv("KILN_NATIVE", "0")
+        return bnb4.dequantize(q, dtype)
+
+
+def _native(q, dtype, **kw):
+    out = torch.full(q.shape, 7.0, dtype=dtype)  # not 0 or NaN: a value left unwritten shows
+    n = out.numel()
+    assert native4.dequantize4(q.packed, n, q.blocksize, q.code, q.absmax, q.nested_absmax, q.nested_code,
+                               q.nested_blocksize, q.offset, out, **kw)
+    return out
+
+
+@pytest.mark.parametrize("quant_type", bnb4.QUANT_TYPES)
+def test_native_equals_torch_path_bit_for_bit(monkeypatch, quant_type):
+    # sizes: whole blocks, a partial last block, an odd total (half a byte), one value, > 256 blocks (several
+    # nested groups and a partial one), 2 threads' worth; scales from 1e-9 (fp16 subnormals and zeros) to 10
+    for i, (shape, double) in enumerate([((64, 64), True), ((7, 45), True), ((7, 45), False), ((1,), True),
+                                         ((33, 97), False), ((257, 130), True), ((128, 1024), True)]):
+        g = torch.Generator().manual_seed(i)
+        w = torch.randn(*shape, generator=g) * torch.logspace(-9, 1, shape[-1])
+        w.view(-1)[::7] = 0.0
+        q = bnb4.quantize(w.to(torch.bfloat16), quant_type, 64, double)
+        for dtype in DTYPES:
+            ref = _bits(_torch_path(monkeypatch, q, dtype))
+            for vector, threads in ((True, 1), (True, 3), (False, 2)):
+                got = _bits(_native(q, dtype, threads=threads, vector=vector))
+                assert torch.equal(got, ref), (shape, double, dtype, vector, threads)
+            assert torch.equal(_bits(bnb4.dequantize(q, dtype)), ref)  # dequantize takes the kernel
+
+
+def test_nan_inf_and_ties_as_torch_rounds_them(monkeypatch):
+    q = bnb4.quantize(torch.randn(10, 100), "nf4", 64, double_quant=False)
+    # NF4 index 15 is 1.0, so a block's absmax is one of its values: ties to even in fp16 subnormals
+    # (1.5, 2.5 and 0.5 units of 2^-24), fp16 normals (1 + 1/2 and 3/2 ulp) and bf16 (1 + 1/2 and 3/2 ulp)
+    q.absmax.copy_(torch.tensor([float("inf"), float("nan"), -float("inf"), 3e38, 1e-40, -0.0, 7e4, 0.0,
+                                 3 * 2.0 ** -25, 5 * 2.0 ** -25, 2.0 ** -25, 1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11,
+                                 1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, 65520.0]))
+    q.absmax.view(torch.int32)[7] = 0x7F812345  # a signalling NaN with a payload
+    for dtype in DTYPES:
+        ref = _bits(_torch_path(monkeypatch, q, dtype))
+        for vector in (True, False):
+            assert torch.equal(_bits(_native(q, dtype, vector=vector)), ref), (dtype, vector)
+
+
+def test_falls_back_to_torch_without_the_kernel(monkeypatch, tmp_path):
+    q = bnb4.quantize(torch.randn(5, 70), "fp4", 64, double_quant=True)
+    want = _bits(_torch_path(monkeypatch, q, torch.bfloat16))
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    for env, value in (("KILN_NATIVE", "0"), ("CC", str(tmp_path / "no-such-cc")), ("CC", "false")):
+        native.forget("dequant4")
+        monkeypatch.setenv(env, value)
+        assert native.load("dequant4", native4.SOURCE) is None, (env, value)
+        out = torch.empty(5, 70, dtype=torch.bfloat16)
+        assert not native4.dequantize4(q.packed, 350, 64, q.code, q.absmax, q.nested_absmax, q.nested_code, 256,
+                                       q.offset, out)
+        assert torch.equal(_bits(bnb4.dequantize(q, torch.bfloat16)), want), (env, value)
+        monkeypatch.delenv(env)
+    assert not list(tmp_path.rglob("*.so"))
+    native.forget("dequant4")
+    # not contiguous, or a dtype it does not write: False, nothing written
+    out = torch.empty(70, 5, dtype=torch.bfloat16).t()
+    assert not native4.dequantize4(q.packed, 350, 64, q.code, q.absmax, q.nested_absmax, q.nested_code, 256,
+                                   q.offset, out)
+
+
+def test_concurrent_builds_leave_one_whole_library(monkeypatch, tmp_path):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    paths, errors = [], []
+
+    def build():
+        try:
+            paths.append(native._build("dequant4", native4.SOURCE))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(set(paths)) == 1
+    assert sorted(p.name for p in (tmp_path / "native").iterdir()) == [paths[0].name]  # no temporaries left
+    assert native._build("dequant4", native4.SOURCE) == paths[0]  # cached: found, not built again
+    # a different source is a different library
+    assert native.library_path("dequant4", native4.SOURCE + "\n") != paths[0]
