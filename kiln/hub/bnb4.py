@@ -244,9 +244,11 @@ def dequantize(q: Quant4, dtype: torch.dtype | None = None, out: torch.Tensor | 
     float32 code value * float32 block absmax, rounded once to `dtype`.
 
     Written into `out` when given (a tensor of the weight's shape and `dtype`), else into a new tensor.
-    `chunk_bytes` (CPU): that many packed bytes (whole nested-absmax groups) at a time, through temporaries
-    kept per thread (about 14 x chunk_bytes), so neither their size nor any allocation grows with the weight;
-    without it the whole weight is one chunk and its temporaries are fresh. The values are the same either way.
+    On CPU the C kernel of kiln.hub.native4 writes it in one pass (no temporaries); without it (KILN_NATIVE=0,
+    no C compiler, another device) these torch ops do, and `chunk_bytes` (CPU) has them take that many packed
+    bytes (whole nested-absmax groups) at a time, through temporaries kept per thread (about 14 x chunk_bytes),
+    so neither their size nor any allocation grows with the weight; without it the whole weight is one chunk
+    and its temporaries are fresh. The values are the same every way.
     """
     n = 1
     for s in q.shape:

@@ -31,7 +31,9 @@ def _bits(t):
 
 
 @pytest.mark.parametrize("quant_type", bnb4.QUANT_TYPES)
-def test_matmul_weight_equals_dequantized_bit_for_bit(monkeypatch, quant_type):
+@pytest.mark.parametrize("native", ["1", "0"])  # the C kernel, and the torch path (in chunks) without it
+def test_matmul_weight_equals_dequantized_bit_for_bit(monkeypatch, quant_type, native):
+    monkeypatch.setenv("KILN_NATIVE", native)
     # chunks of 16 blocks (256 with double quant: whole absmax groups), so every weight here takes several,
     # and (17, 1024) (272 blocks) ends in a partial group of nested absmax
     monkeypatch.setattr(quant4, "_CHUNK_BYTES", 512)

@@ -6,8 +6,9 @@ quant state as plain tensors (`weight_absmax`, `weight_quant_map`, `weight_neste
 tensor a sharding plan can move as bytes. Each matmul dequantizes the weight into the compute dtype
 (bitsandbytes' `bnb_4bit_compute_dtype`): x is cast to it, y = x W^T + b, y cast back to x's dtype,
 as bitsandbytes' Linear4bit computes on CPU. Under autograd only the packed weight is kept; the
-backward dequantizes again. On CPU each matmul dequantizes into one buffer per weight shape, reused by
-every layer and step (`matmul_weight`), rather than into a fresh tensor.
+backward dequantizes again. On CPU each matmul dequantizes (with the C kernel of kiln.hub.native4 where
+it builds) into one buffer per weight shape, reused by every layer and step (`matmul_weight`), rather than
+into a fresh tensor.
 
 On disk the quant-state tensors are `<m>.weight.absmax` etc. (kiln.hub.bnb4); `prepare_bnb4` renames
 a checkpoint's tensors to the module's names on load and `Bnb4State.export` renames them back, so an
@@ -70,8 +71,9 @@ def dequantized(module: nn.Module, dtype: torch.dtype | None = None) -> torch.Te
     return bnb4.dequantize(quant4_of(module), dtype or module.compute_dtype)
 
 
-# packed bytes dequantized at a time into a matmul buffer: the temporaries (int32 indices, 8-byte value pairs)
-# stay 6 MB whatever the weight's size (128 KB to 512 KB chunks ran alike here; 2 MB ones slower)
+# packed bytes dequantized at a time into a matmul buffer by the torch path (the C kernel needs no temporaries
+# and takes the weight whole): its temporaries (int32 indices, 8-byte value pairs) stay 6 MB whatever the
+# weight's size (128 KB to 512 KB chunks ran alike here; 2 MB ones slower)
 _CHUNK_BYTES = 1 << 19
 
 
@@ -108,7 +110,7 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
 def matmul_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """The module's weight dequantized in `dtype` for one matmul, valid until the next call on this thread:
     equal bit for bit to `dequantized`. On CPU it is written into a buffer kept per (shape, dtype) and reused
-    by every weight of that shape, a chunk of blocks at a time (bnb4.dequantize with out= and chunk_bytes=):
+    by every weight of that shape (bnb4.dequantize with out=; chunk_bytes= for its torch path):
     a fresh (out, in) tensor and its float32 temporaries (6 bytes per weight) at every matmul left glibc's heap
     with hundreds of MB of freed blocks between the activations at the step's peak (glibc raises its mmap
     threshold after a large free, so later blocks of up to 32 MB come from the heap, whose holes it does not
