@@ -106,7 +106,8 @@ static void *run(void *arg) {
             if (j->kind == OUT_BF16) {
                 __m512i u = _mm512_castps_si512(tv);
                 __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-                __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+                __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+                r = _mm512_srli_epi32(r, 16);                       /* bf16_of's rounding, 16 at once */
                 r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(tv, tv, _CMP_ORD_Q), _mm512_set1_epi32(0xFFFF), r);
                 tab = _mm512_zextsi256_si512(_mm512_cvtepi32_epi16(r));
             } else if (j->kind == OUT_F16) {
