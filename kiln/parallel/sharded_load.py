@@ -20,15 +20,16 @@ bytes; one that needs a tensor step or a column slice, one tensor at a time), so
 model, only that buffer. `load_to_device` is the one-process (or DDP) form: build on meta, read to the device.
 
 FP8 block-scaled checkpoints kept FP8 (`fp8 = "keep"`) read like any other: each rank its rows of the FP8
-weights (as bytes under FSDP2) and their scales (buffers: whole on every rank, as after a whole load); routed
-experts' FP8 stacks and scale grids are split over ep ranks (kiln.parallel.ep), so each reads its experts'
-bytes only. Scales under DeepSeek-V4's `<module>.scale` names map as a whole load renames them.
+weights (as bytes under FSDP2) and their scales (buffers: whole on every rank, as after a whole load); a tp
+rank its FP8 rows or columns and their scale blocks (tp_fp8.py; a piece that is a box is one slice read); ep ranks
+their experts' FP8 stacks and scale grids only (ep.py). Scales under DeepSeek-V4's `<module>.scale` names map as
+a whole load renames them. FP8 to dequantize (the default) is read as sharded_fp8.py says.
 
 A family with its own load (`load_hf_state_dict`) has it run on the headers, so what it decides from the names and
 dtypes it decides as on a whole load: Qwen3.5-MoE's fused expert layout (exported fused), DeepSeek-V4's release
 naming and the parameters it holds in float32 (norms, sinks, hyper-connections: read into float32).
-Not covered yet (loaded whole): FP8 checkpoints to dequantize (and a kept one with an FP8 weight no FP8 module
-holds, e.g. DeepSeek-V4's grouped `wo_a` and MTP layers), tensors absent from the checkpoint (a new head),
+Not covered yet (loaded whole): an FP8 checkpoint kept FP8 with an FP8 weight no FP8 module holds (e.g.
+DeepSeek-V4's grouped `wo_a` and MTP layers), tensors absent from the checkpoint (a new head),
 `.bin` weights. 4-bit bases (a bitsandbytes-4bit directory, or `[model] quantize`) read as kiln.parallel.sharded_q4
 says: each rank its run of the packed bytes (quantized at load from the stored values of its blocks), and the
 small quant state whole.
@@ -44,7 +45,7 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kiln.errors import WeightsError
 from kiln.hub import Tokenizer
@@ -55,12 +56,13 @@ from kiln.hub.weights import Span, read_into, tensor_spans, weight_files
 from kiln.models.auto import apply_changes, load_config
 from kiln.models.pretrained import LoadReport, PreTrainedModel
 from kiln.models.tasks import BASE
+from kiln.parallel.sharded_fp8 import dequantized_pairs, read_dequantized
 from kiln.parallel.sharded_q4 import WholeLoad4, place_q4, q4_keys, q4_names, read_q4
 
 
 def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None, fp8: str = "dequantize",
                     quantize: str | None = None, **changes: Any) -> PreTrainedModel | None:
-    """`empty_pretrained` when this checkpoint can be read shard by shard (safetensors, FP8 only when kept FP8,
+    """`empty_pretrained` when this checkpoint can be read shard by shard (safetensors,
     no adapter beside it, every tensor of the model in it; 4-bit ones: kiln.parallel.sharded_q4); else None, and
     the caller loads it whole.
     The model carries `pending_read` (the directory) and `pending_seed` for the Trainer (`read_shards`,
@@ -90,7 +92,7 @@ def empty_pretrained(path: str | os.PathLike, task: str | None = None, fp8: str 
     """The model of an HF directory built on the meta device (no weights read): for `read_shards`.
 
     A block-scaled FP8 checkpoint is built kept FP8 (`fp8 = "keep"`: FP8 modules, each weight and its scale in
-    the stored dtypes, read shard by shard as bytes like any other tensor); dequantizing one needs the whole load.
+    the stored dtypes, read shard by shard as bytes like any other tensor), or dequantized piece by piece as read.
     A bitsandbytes-4bit directory, or `quantize` ("nf4" | "fp4"), is built with 4-bit Linears (sharded_q4)."""
     return _empty(path, task, fp8, changes, quantize)[0]
 
@@ -103,9 +105,6 @@ def _empty(path: str | os.PathLike, task: str | None, fp8: str, changes: dict[st
     family, config, source_task = load_config(path)
     source = str(Path(path) / "config.json")
     scheme = None if bnb4_scheme_from_config(config.extra, source) else scheme_from_config(config.extra, source)
-    if scheme is not None and fp8 != "keep":
-        raise WholeLoadOnly(f"{path}: an FP8 block-scaled checkpoint is read shard by shard only kept FP8 "
-                           "(fp8 = 'keep'); to dequantize it, load it whole (kiln.models.auto.load_pretrained)")
     config = apply_changes(config, dict(changes))
     with torch.device("meta"):
         model = family.build(config, task or source_task or BASE)
@@ -113,15 +112,17 @@ def _empty(path: str | os.PathLike, task: str | None, fp8: str, changes: dict[st
     spans = {k: v for f in _safetensors(path) for k, v in tensor_spans(f).items()}
     weights = _meta(spans)
     if scheme is not None:
-        weights = _place_fp8(model, weights, scheme, path)
+        weights = _place_fp8(model, weights, scheme, path, fp8)
     groups, _ = _sources(model, spans)
     model.q4_read = place_q4(model, groups, spans, _safetensors(path), Path(path), config.extra, quantize)
     q4 = q4_names(model)
     tensors = model.state_dict(keep_vars=True)
     placed = {k for kiln, sources in groups.items() if kiln in tensors for k, _ in sources} | q4_keys(model, spans)
-    for name, t in tensors.items():  # each tensor in its stored dtype, as a whole load (4-bit ones: as packed)
-        if name in groups and name not in q4:
-            dtype = spans[groups[name][0][0]].dtype
+    placed |= {s for k, s in dequantized_pairs(model, spans).items() if k in placed}  # read with their weights
+    for name, t in tensors.items():  # each tensor in its stored dtype, as a whole load (4-bit ones: as packed; FP8
+        if name in groups and name not in q4:  # to dequantize: in the load's dtype)
+            key = groups[name][0][0]
+            dtype = (weights[key] if key in weights else spans[key]).dtype
             if t.dtype != dtype:
                 t.data = t.data.to(dtype)
     if type(model).load_hf_state_dict is not PreTrainedModel.load_hf_state_dict:
@@ -139,17 +140,19 @@ class WholeLoadOnly(WeightsError):
     """A checkpoint this read cannot take as a whole load would (`lean_pretrained` then says None)."""
 
 
-def _place_fp8(model: PreTrainedModel, weights: dict[str, torch.Tensor], scheme: Any, path: Path
+def _place_fp8(model: PreTrainedModel, weights: dict[str, torch.Tensor], scheme: Any, path: Path, fp8: str
                ) -> dict[str, torch.Tensor]:
-    """Put the FP8 modules where the FP8 weights land, decided from the headers (`weights`: meta tensors) as a
-    whole load decides it from the tensors; returns the state a whole load would load (meta). WholeLoadOnly for an
-    FP8 weight no FP8 module holds (a whole load dequantizes it, which a read of the stored bytes cannot)."""
+    """Put the FP8 modules where the FP8 weights land (kept), or note the weights to dequantize, decided from the
+    headers (`weights`: meta tensors) as a whole load decides it from the tensors; returns the state a whole load
+    would load (meta). Kept: WholeLoadOnly for an FP8 weight no FP8 module holds (a whole load dequantizes it and
+    keeps its pair for the export). To dequantize: the pairs are not held (sharded_fp8)."""
     from kiln.models.common.fp8 import prepare_fp8
 
-    weights = prepare_fp8(model, weights, scheme, "keep", None, str(path))
-    if model.fp8_state.originals:
+    weights = prepare_fp8(model, weights, scheme, fp8, None, str(path))
+    if fp8 == "keep" and model.fp8_state.originals:
         raise WholeLoadOnly(f"{path}: this FP8 checkpoint has an FP8 weight no FP8 module holds; load it whole "
                             "(kiln.models.auto.load_pretrained)")
+    model.fp8_state.originals = {}
     return weights
 
 
@@ -185,16 +188,18 @@ def _sources(model: PreTrainedModel, spans: dict[str, Span]) -> tuple[dict[str, 
     return groups, extras
 
 
-def _slice_dim(t: torch.Tensor) -> tuple[int, int, int] | None:
-    """(dim, start, stop) of this rank's piece when `t` is sharded on one dimension of a 1-D mesh."""
-    if not isinstance(t, DTensor) or t.device_mesh.ndim != 1 or type(t.placements[0]) is not Shard:
+def _box(t: torch.Tensor) -> tuple[slice, ...] | None:
+    """This rank's piece of a sharded DTensor as one slice per dimension (a tp rank's rows or columns, under fsdp
+    too), when that piece is a box of the whole tensor; None for a plain tensor or any other piece."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(t, DTensor) or not any(p.is_shard() or hasattr(p, "dim") for p in t.placements) \
+            or any(p.is_partial() for p in t.placements):
         return None
-    dim = t.placements[0].dim
-    mesh = t.device_mesh
-    # torch.chunk's split, as Shard and FSDP2 use: the first ranks take ceil(n / size) each
-    step = -(-t.shape[dim] // mesh.size())
-    start = min(mesh.get_local_rank() * step, t.shape[dim])
-    return dim, start, min(start + step, t.shape[dim])
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(shape) != tuple(t.to_local().shape):
+        return None
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
 class HostStage:
@@ -242,8 +247,8 @@ def load_to_device(path: str | os.PathLike, device: torch.device | str, task: st
     if seed is not None:  # the draws load_pretrained makes first (a checkpoint lean reads has no new tensor)
         torch.manual_seed(seed)
     model = lean_pretrained(path, task, seed, fp8=fp8, quantize=quantize, **changes)
-    if model is None:
-        return None
+    if model is None or getattr(model, "fp8_state", None) is not None and model.fp8_state.mode == "dequantize":
+        return None  # one process exports FP8 it dequantized from the pairs a whole load keeps (Fp8State.originals)
     read_shards(model, model.pending_read, device)
     return model.eval()
 
@@ -267,6 +272,7 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
         where.update(dict.fromkeys(got, f))
     groups, extras = _sources(model, spans)
     q4 = q4_names(model)  # 4-bit Linears: their packed rows and quant state (sharded_q4)
+    dequantized = dequantized_pairs(model, spans)  # FP8 weight key -> its scale's, when the model dequantizes them
     # named_parameters / named_buffers list a tied tensor once (under the name the checkpoint holds)
     expected = [n for n, _ in (*model.named_parameters(), *model.named_buffers())]
     absent = [k for k in expected if k not in groups and k not in q4 and not _real(model, k)]
@@ -293,6 +299,12 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
                 with torch.no_grad():
                     _local(target).copy_(kept[name])
             elif name in groups:
+                keys = [k for k, _ in groups[name]]
+                if dequantized.keys() & set(keys):  # FP8 to dequantize (sharded_fp8): its piece and scale blocks
+                    with _mapped(where, keys + [dequantized[k] for k in keys if k in dequantized]) as handles:
+                        read_dequantized(name, target, _box(target), groups[name], handles, dequantized, keymap, path,
+                                         stage, model.fp8_state.scheme)
+                    continue
                 if _read_rows(target, groups[name], spans, file_of(groups[name][0][0]), keymap, path, stage) \
                         or _read_experts(target, groups[name], spans, file_of, keymap, path, stage):
                     continue
@@ -305,7 +317,7 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
     # a checkpoint tensor whose kiln name the model lacks is reported ignored, as a whole load reports it
     held = model.state_dict(keep_vars=True)
     used = {k for kiln, sources in groups.items() if kiln in held for k, _ in sources} | set(extras)
-    used |= q4_keys(model, spans)
+    used |= q4_keys(model, spans) | {s for k, s in dequantized.items() if k in used}
     model.load_report = LoadReport(ignored=sorted(model.normalise_hf_names([k])[k][0] for k in where if k not in used))
     model.tie_weights()
     model.pending_read = model.q4_read = None
@@ -446,18 +458,18 @@ def _read_experts(target: torch.Tensor, sources: list[tuple[str, str]], spans: d
 
 
 def _fill(name: str, target: torch.Tensor, sources: list[tuple[str, str]], where: dict, keymap: Any,
-          path: Path, stage: HostStage | None = None) -> None:
-    """Copy this rank's piece of kiln tensor `name` into `target` (a DTensor's local shard, or a plain tensor)."""
+          path: Path, stage: HostStage | None = None) -> bool:
+    """Copy this rank's piece of kiln tensor `name` into `target` (a DTensor's local shard, or a plain tensor): a
+    slice read of its box where it has one, else the whole tensor read and cut. Returns whether it read it whole."""
     local = _local(target)
-    piece = _slice_dim(target)
-    if len(sources) == 1 and piece is not None and keymap.is_plain(sources[0][1]):
+    index = _box(target)
+    whole = not (len(sources) == 1 and index is not None and keymap.is_plain(sources[0][1]))
+    if not whole:
         key = sources[0][0]
         shape = tuple(where[key].get_slice(key).get_shape())
         if shape != tuple(target.shape):
             raise WeightsError(f"{path}: tensor {key!r} has shape {shape}, but this config expects "
                                f"{tuple(target.shape)}")
-        dim, start, stop = piece
-        index = tuple(slice(start, stop) if d == dim else slice(None) for d in range(len(shape)))
         value = where[key].get_slice(key)[index]  # only these rows / columns leave the file
         read = value.nbytes
     else:
@@ -480,6 +492,7 @@ def _fill(name: str, target: torch.Tensor, sources: list[tuple[str, str]], where
         stage.note(read + (value.nbytes if value.dtype != local.dtype else 0))
     with torch.no_grad():
         local.copy_(value.to(local.dtype) if value.dtype != local.dtype else value)
+    return whole
 
 
 def loaded_bytes(model: nn.Module) -> int:

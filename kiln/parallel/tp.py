@@ -29,8 +29,9 @@ tp ways too. Their gradients are then partial sums, which `Parallelized.sync_gra
 tp. A dense shared expert inside the MoE module is column/row split like an MLP, its output
 all-reduced so it can be added to the routed output.
 
-Weights kept FP8 (`[model] fp8 = "keep"`) are refused by name (`tensor_plan`): a split would cut the weight but
-not the grid of block scales beside it. Dequantize them, or keep them FP8 under fsdp (bytes) or ep (whole experts).
+Linears kept FP8 (`[model] fp8 = "keep"`) split as stored (tp_fp8.py): each rank its FP8 rows or columns and
+exactly the scale blocks of them, moved as bytes, dequantized per matmul; a split that would cut a scale block
+is refused by name, as is any other FP8 tensor a plan would split (`tensor_plan`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from kiln.errors import ConfigError
 from kiln.models.parallel_plan import ParallelPlan
 from kiln.parallel.blocks import model_name, part, plan_of
+from kiln.parallel.tp_fp8 import check_fp8_splits, fp8_splits, split_fp8_linears
+from kiln.parallel.tp_lora import LoraColwiseParallel, LoraRowwiseParallel, is_lora
 
 
 def tensor_plan(model: nn.Module, tp: int) -> ParallelPlan:
@@ -63,6 +66,7 @@ def tensor_plan(model: nn.Module, tp: int) -> ParallelPlan:
         n = getattr(config, attr)
         if n % tp:
             raise ConfigError(f"parallel.tp = {tp} does not divide the model's {key} ({n}); choose a tp that divides it")
+    check_fp8_splits(model, plan, tp)
     return plan
 
 
@@ -82,15 +86,16 @@ def _split_tensors(model: nn.Module, plan: ParallelPlan) -> Iterator[tuple[str, 
 
 
 def _refuse_fp8(model: nn.Module, plan: ParallelPlan, tp: int) -> None:
-    """A weight kept FP8 (`[model] fp8 = "keep"`) is one tensor with a grid of block scales beside it; the tp
-    plans split the weight alone (and gloo cannot move float8), so such a model is refused before any split."""
+    """An FP8 tensor (`[model] fp8 = "keep"`) a plan would split other than an FP8 Linear's weight and scales
+    (tp_fp8.py splits those together) is refused before any split: its scales would not follow it."""
+    linears = {path + "." for path, _, _ in fp8_splits(model, plan)}
     for name, t in _split_tensors(model, plan):
-        if t.is_floating_point() and t.element_size() == 1:
+        if t.is_floating_point() and t.element_size() == 1 and name.rpartition(".")[0] + "." not in linears:
             raise ConfigError(
                 f"parallel.tp = {tp} with model.fp8 = 'keep': {model_name(model)} holds {name!r} "
-                f"({tuple(t.shape)}, {t.dtype}) in FP8 with its block scales, which tensor parallelism does not "
-                f"split; set model.fp8 = 'dequantize' to split the model by tp, or keep it FP8 with "
-                f"parallel.tp = 1 (fsdp shards FP8 weights as bytes, ep splits FP8 experts)")
+                f"({tuple(t.shape)}, {t.dtype}) in FP8 with its block scales, which tensor parallelism splits only "
+                f"in column- or row-parallel Linears; set model.fp8 = 'dequantize' to split the model by tp, or keep "
+                f"it FP8 with parallel.tp = 1 (fsdp shards FP8 weights as bytes, ep splits FP8 experts)")
 
 
 class _SumGradTail(torch.autograd.Function):
@@ -200,12 +205,18 @@ def layer_plan(plan: ParallelPlan, sequence_parallel: bool, block: nn.Module) ->
         return moe is not None and name.startswith(moe + ".")
 
     residual = Shard(1) if sequence_parallel else Replicate()  # (B, T, C): the sequence axis
-    styles: dict[str, Any] = {name: ColwiseParallel() for name in plan.colwise if has(name)}
+    def colwise(name: str) -> ColwiseParallel:  # a LoRA layer splits its adapters with its base (tp_lora.py)
+        return (LoraColwiseParallel if is_lora(part(block, name)) else ColwiseParallel)()
+
+    def rowwise(name: str, **kw: Any) -> RowwiseParallel:
+        return (LoraRowwiseParallel if is_lora(part(block, name)) else RowwiseParallel)(**kw)
+
+    styles: dict[str, Any] = {name: colwise(name) for name in plan.colwise if has(name)}
     for name in filter(has, plan.rowwise):
         if inside_moe(name):  # a shared expert adds to the routed output, which every tp rank holds whole
-            styles[name] = RowwiseParallel(output_layouts=Replicate(), use_local_output=True)
+            styles[name] = rowwise(name, output_layouts=Replicate(), use_local_output=True)
         else:
-            styles[name] = RowwiseParallel(output_layouts=residual, use_local_output=not sequence_parallel)
+            styles[name] = rowwise(name, output_layouts=residual, use_local_output=not sequence_parallel)
     for name in filter(has, plan.head_norms):
         # (B, T, H/tp, D): the head axis is sharded; the norm's weight is replicated
         styles[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -242,6 +253,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     """Split `model` (a base or causal-LM model whose family plans it) over the 1-D `mesh` in place; returns it."""
     plan = tensor_plan(model, mesh.size())
     sequence_parallel = sequence_parallel and plan.sequence_parallel
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    split_fp8_linears(model, plan, mesh)  # FP8 weights and their scale grids, as bytes, before the styles
     for block in model.get_submodule(plan.blocks):
         parallelize_module(block, mesh, layer_plan(plan, sequence_parallel, block))
         for path in plan.head_params:
@@ -265,4 +278,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     parallelize_module(model, mesh, top)
     if part(model, plan.lm_head) is None and callable(getattr(model, "head", None)):  # tied to the embedding
         _tie_head(model, mesh)
+    for name, p in model.named_parameters():  # SequenceParallel's replicated norms come back trainable: not so
+        if name in frozen:                   # under LoRA (or any frozen base)
+            p.requires_grad_(False)
     return model

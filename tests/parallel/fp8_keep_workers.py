@@ -1,6 +1,7 @@
-"""Spawned ranks for the FP8-kept FSDP2 and EP tests: LoRA steps on a frozen FP8 base sharded over gloo, a
-unit holding nothing but FP8 weights, sharded with and without `frozen_as_bytes`, and steps on an FP8 MoE
-whose routed experts are split over ep ranks (a helper, not a test module)."""
+"""Spawned ranks for the FP8-kept FSDP2, EP and TP tests: LoRA steps on a frozen FP8 base sharded over gloo, a
+unit holding nothing but FP8 weights, sharded with and without `frozen_as_bytes`, steps on an FP8 MoE
+whose routed experts are split over ep ranks, and steps on an FP8 release whose Linears are split over tp ranks
+(a helper, not a test module)."""
 
 from __future__ import annotations
 
@@ -42,21 +43,30 @@ def sgd_steps(model: nn.Module, ids: torch.Tensor, world: int, sync=None) -> lis
     return losses
 
 
+def with_adapters(model: nn.Module) -> nn.Module:
+    """LoRA (r 4) on TARGETS with random adapters (B non-zero, so every adapter gets a gradient from the first
+    step); a model built on meta gets its adapters materialised first (`init_adapters`)."""
+    from kiln.models.common.lora import LoraConfig, apply_lora
+    from kiln.parallel.sharded_load import init_adapters
+
+    apply_lora(model, LoraConfig(r=4, alpha=8, targets=TARGETS))
+    init_adapters(model, "cpu", seed=0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
 def lora_steps(rank: int, world: int, model_dir: str, out: str) -> None:
     """STEPS SGD steps of LoRA on the FP8-kept base, this rank on its rows; losses (global means) and the
     adapters after the steps go to `out`. world == 1: the one-process reference (no plans)."""
     from kiln.models.auto import load_pretrained
-    from kiln.models.common.lora import LoraConfig, apply_lora
     from kiln.parallel.apply import parallelize
     from kiln.train.config import ParallelSection
 
-    model = load_pretrained(model_dir, fp8="keep", seed=0)
-    apply_lora(model, LoraConfig(r=4, alpha=8, targets=TARGETS))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # B non-zero, so every adapter gets a gradient from the first step
-        for n, p in model.named_parameters():
-            if ".lora_" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    model = with_adapters(load_pretrained(model_dir, fp8="keep", seed=0))
     whole = {k: v.clone() for k, v in model.state_dict().items() if v.dtype == FP8}
     facts: dict = {"fp8_tensors": len(whole)}
     if world > 1:
@@ -177,3 +187,116 @@ def ep_steps(rank: int, world: int, model_dir: str, out: str) -> None:
             save_sharded(os.path.join(out, f"ep-{name}-ckpt"), model)
         with open(os.path.join(out, f"ep-{name}-rank{rank}.json"), "w") as f:
             json.dump({"losses": losses, **facts}, f)
+
+
+# an FP8 release whose every split is whole 128 x 128 blocks at tp = 2: q/k/v/o and the MLP 256 wide
+TP_SIZE = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+               num_hidden_layers=2)
+TP_PLANS = {2: {"tp": dict(tp=2), "tp-lora": dict(tp=2)}, 4: {"tp-fsdp": dict(tp=2, fsdp=True)}}
+
+
+def tp_release(tiny_factory, root):
+    """A tiny Qwen3 of TP_SIZE (transformers' random weights) written as an FP8 release in 128 x 128 blocks."""
+    from tests.models.fp8_cases import make_fp8
+
+    return make_fp8(tiny_factory("qwen3", "causal-lm", **TP_SIZE), root / "fp8", "Qwen3ForCausalLM", block=(128, 128))
+
+
+def tp_steps(rank: int, world: int, model_dir: str, out: str) -> None:
+    """STEPS SGD steps on an FP8 release kept FP8 (its Linears frozen FP8, the rest trained): world == 1 loads it
+    whole and runs it as is; else each plan of TP_PLANS[world] builds it on meta, applies the plan and reads this
+    rank's FP8 rows or columns and their scale blocks (through a host stage, which notes every piece it read),
+    each data rank on its share of the batch. The global mean losses and what this rank holds of each FP8 Linear
+    go to `out`."""
+    from kiln.models.auto import load_pretrained
+    from kiln.parallel.apply import parallelize
+    from kiln.parallel.sharded_load import HostStage, empty_pretrained, read_shards
+    from kiln.parallel.tp_fp8 import fp8_splits
+    from kiln.parallel.tp import tensor_plan
+    from kiln.train.config import ParallelSection
+
+    class Noting(HostStage):
+        def note(self, nbytes: int) -> None:
+            super().note(nbytes)
+            self.pieces.append(nbytes)
+
+    for name, plan in TP_PLANS[world].items() if world > 1 else [("one", None), ("one-lora", None)]:
+        facts: dict = {}
+        lora = name.endswith("-lora")  # LoRA on q_proj, v_proj (column parallel), down_proj (row parallel)
+        if plan is None:
+            model, par = load_pretrained(model_dir, task="causal-lm", fp8="keep"), None
+            model = with_adapters(model) if lora else model
+            ids = batch()
+        else:
+            model = empty_pretrained(model_dir, task="causal-lm", fp8="keep")
+            model = with_adapters(model) if lora else model
+            splits = [(path, dim) for path, _, dim in fp8_splits(model, tensor_plan(model, 2))]
+            par = parallelize(model, ParallelSection(**plan), world_size=world, device=torch.device("cpu"))
+            stage = Noting()
+            stage.pieces = []
+            read_shards(model, model_dir, stage=stage)
+            facts["pieces"] = stage.pieces
+            held = {}
+            for path, dim in splits:
+                m = model.get_submodule(path)
+                w, s = m._parameters["weight"], m._buffers["weight_scale_inv"]
+                held[path] = {"dim": dim, "global": list(w.shape), "weight": [str(w.dtype), list(w.to_local().shape)],
+                              "scale": [str(s.dtype), list(s.to_local().shape)], "block": list(m.block)}
+            facts["held"] = held
+            facts["largest_piece"] = max((t.to_local() if isinstance(t, DTensor) else t).nbytes
+                                         for t in (*model.parameters(), *model.buffers()))
+            dp = world // 2
+            ids = batch().chunk(dp)[par.data_rank]
+        losses = sgd_steps(model, ids, world, None if par is None else par.sync_gradients)
+        if name == "tp":  # a run's sharded checkpoint: each rank its FP8 pieces and scale blocks, as stored
+            from kiln.parallel.checkpoint import save_sharded
+
+            save_sharded(os.path.join(out, "tp-ckpt"), model)
+        with open(os.path.join(out, f"tp-{name}-rank{rank}.json"), "w") as f:
+            json.dump({"losses": losses, **facts}, f)
+
+
+def biased_pair(rank: int, world: int, out: str) -> None:
+    """A column-parallel then a row-parallel FP8Linear, both with a bias (Qwen2's q/k/v have one; the row-parallel
+    bias is added once to the sum of the partial outputs): output and gradients of x and of both biases vs one
+    process, to `out`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from kiln.hub.fp8 import quantize
+    from kiln.models.common.fp8 import FP8Linear
+    from kiln.parallel.tp_fp8 import _split_bytes
+
+    g = torch.Generator().manual_seed(5)
+
+    def linear(n_in: int, n_out: int) -> FP8Linear:
+        q, s = quantize(torch.randn(n_out, n_in, generator=g), (16, 16))
+        m = FP8Linear(n_in, n_out, True, (16, 16))
+        m.weight, m.weight_scale_inv = nn.Parameter(q, requires_grad=False), s
+        with torch.no_grad():
+            m.bias.copy_(torch.randn(n_out, generator=g))
+        return m
+
+    pair = nn.Sequential(linear(32, 64), linear(64, 32))
+    x = torch.randn(3, 5, 32, generator=g, requires_grad=True)
+    pair(x).square().sum().backward()
+    want = [pair(x).detach(), x.grad.clone(), pair[0].bias.grad.clone(), pair[1].bias.grad.clone()]
+    x.grad = pair[0].bias.grad = pair[1].bias.grad = None
+    mesh = init_device_mesh("cpu", (world,))
+    for m, dim in ((pair[0], 0), (pair[1], 1)):  # as kiln.parallel.tp_fp8.split_fp8_linears splits them
+        m.weight = nn.Parameter(_split_bytes(m.weight.data, mesh, dim), requires_grad=False)
+        m.weight_scale_inv = _split_bytes(m.weight_scale_inv, mesh, dim)
+    parallelize_module(pair, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    y = pair(x)
+    y.square().sum().backward()
+    got = [y.detach(), x.grad, pair[0].bias.grad.full_tensor(), pair[1].bias.grad.full_tensor()]
+    scale = [w.abs().max().item() for w in want]
+    with open(os.path.join(out, f"biased-rank{rank}.json"), "w") as f:
+        json.dump({"diff": [(a - b).abs().max().item() for a, b in zip(got, want)], "scale": scale}, f)
+
+
+def tp_runs(rank: int, world: int, model_dir: str, out: str) -> None:
+    """`tp_steps`, and over 2 ranks `biased_pair` too (one spawn: starting the ranks costs more than the work)."""
+    tp_steps(rank, world, model_dir, out)
+    if world == 2:
+        biased_pair(rank, world, out)

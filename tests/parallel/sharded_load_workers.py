@@ -20,6 +20,8 @@ from kiln.train.config import ParallelSection
 MODES = {"fsdp": dict(fsdp=True), "fsdp-lora": dict(fsdp=True), "pp": dict(pp=2, microbatches=2),
          "pp-fsdp": dict(pp=2, microbatches=2, fsdp=True), "tp": dict(tp=2), "ep": dict(ep=2), "tp-fsdp": dict(tp=2, fsdp=True),
          "ep-fsdp": dict(ep=2, fsdp=True), "ep-fsdp-2": dict(ep=2, fsdp=True)}
+# an FP8 release read to dequantize (the default), each rank its pieces of the FP8 weights and their scale blocks
+MODES.update({f"{mode}-deq": MODES[mode] for mode in ("fsdp", "tp", "ep", "tp-fsdp")})
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -50,7 +52,7 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str
     lora = LoraConfig(r=4, alpha=8, dropout=0.0, targets=["q_proj", "v_proj", "gate_proj"]) \
         if mode.endswith("-lora") else None
     with open(os.path.join(model_dir, "config.json")) as f:  # an FP8 release: kept FP8, a frozen base
-        fp8 = "keep" if "quantization_config" in json.load(f) else "dequantize"
+        fp8 = "keep" if "quantization_config" in json.load(f) and not mode.endswith("-deq") else "dequantize"
     whole = load_pretrained(model_dir, task="causal-lm", seed=5, fp8=fp8, quantize=quantize)
     whole_bytes = sum(t.nbytes for t in whole.state_dict().values())  # the model one process holds
     if lora:
@@ -64,13 +66,14 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str
     parallelize(lean, parallel, world_size=world, device=torch.device("cpu"))
     read_whole = []  # the tensors read whole (one checkpoint tensor at a time), then cut to this rank's piece
     q4_reads = []
-    fill, read_into = sharded_load._fill, sharded_q4.read_into
-    sharded_load._fill = lambda name, *args: (read_whole.append(name), fill(name, *args))[1]
+    fill, dequantized, read_into = sharded_load._fill, sharded_load.read_dequantized, sharded_q4.read_into
+    sharded_load._fill = lambda name, *args: fill(name, *args) and read_whole.append(name)
+    sharded_load.read_dequantized = lambda name, *args: dequantized(name, *args) and read_whole.append(name)
     sharded_q4.read_into = lambda f, offset, t: (q4_reads.append((f.name, offset, t.nbytes)), read_into(f, offset, t))[1]
     try:
         read_shards(lean, model_dir)
     finally:
-        sharded_load._fill, sharded_q4.read_into = fill, read_into
+        sharded_load._fill, sharded_load.read_dequantized, sharded_q4.read_into = fill, dequantized, read_into
     a, b = whole.state_dict(), lean.state_dict()
     problems = [k for k in a if k not in b] + [k for k in b if k not in a]
     for k in a.keys() & b.keys():
@@ -94,6 +97,8 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str
         json.dump({"problems": sorted(problems), "tensors": len(a), "bytes": loaded_bytes(lean),
                    "read_whole": read_whole, "q4_reads": q4_reads, "expert_bytes": sum(t.nbytes for t in experts.values()),
                    "expert_dtypes": sorted({str(t.dtype) for t in experts.values()}),
+                   "fp8_split": sum(isinstance(t, DTensor) and any(p.is_shard() for p in t.placements) and
+                                    (t.dtype == torch.float8_e4m3fn or k.endswith("_scale_inv")) for k, t in b.items()),
                    "whole_expert_bytes": sum(t.numel() * t.element_size() for k, t in a.items()
                                              if ".experts." in k),
                    "embedding_sharded": isinstance(dict(lean.named_parameters()).get("model.embed_tokens.weight"),

@@ -94,22 +94,3 @@ def test_expert_parallel_over_experts_kept_fp8_equals_one_process(fp8_moe_dir, t
                 assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
             else:
                 torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
-
-
-def test_tensor_parallel_over_weights_kept_fp8_is_refused_by_name(fp8_dir):
-    """tp splits a weight but not the grid of block scales beside it (and gloo cannot move float8: "Invalid scalar
-    type"): a model kept FP8 is refused before anything is split, naming the keys, the tensor and what to use."""
-    from kiln.errors import ConfigError
-    from kiln.models.auto import load_pretrained
-    from kiln.parallel.apply import parallelize
-    from kiln.parallel.sharded_load import empty_pretrained
-    from kiln.train.config import ParallelSection
-
-    for model in (load_pretrained(fp8_dir, fp8="keep"), empty_pretrained(fp8_dir, fp8="keep")):  # whole, on meta
-        with pytest.raises(ConfigError, match=r"parallel.tp = 2 with model.fp8 = 'keep': qwen3 holds "
-                                              r"'model.layers.0.self_attn.q_proj.weight' \(\(64, 32\), "
-                                              r"torch.float8_e4m3fn\).*set model.fp8 = 'dequantize'.*fsdp.*ep"):
-            parallelize(model, ParallelSection(tp=2), world_size=2)
-    # control: dequantized, the same model meets tp's own checks (this tiny's intermediate_size, 37, is odd)
-    with pytest.raises(ConfigError, match=r"parallel.tp = 2 does not divide the model's intermediate_size"):
-        parallelize(load_pretrained(fp8_dir, fp8="dequantize"), ParallelSection(tp=2), world_size=2)

@@ -57,8 +57,23 @@ def test_an_fp8_release_kept_fp8_reads_as_the_whole_load_keeps_it(fp8_dir):
     assert lean.fp8_state.originals == {} == whole.fp8_state.originals  # every FP8 weight in an FP8 module
     ids = torch.randint(1, 99, (2, 9), generator=torch.Generator().manual_seed(0))
     assert torch.equal(whole(ids).logits, lean(ids).logits)
-    with pytest.raises(WeightsError, match="read shard by shard only kept FP8"):
-        empty_pretrained(fp8_dir, task="causal-lm")  # dequantizing is the whole load's
+
+
+def test_fp8_releases_to_dequantize_read_piece_by_piece_as_the_whole_load_dequantizes_them(fp8_dir, fp8_moe_dir):
+    """The default (fp8 = "dequantize"): each FP8 weight read with its scale blocks and dequantized as it is read
+    (partial blocks: this tiny's 37-wide MLP in 16-blocks; stacked experts too), equal to a whole load's
+    dequantization bit for bit; the scales are not reported ignored. One process (`load_to_device`) loads such
+    a release whole: its export writes unchanged weights back from the FP8 pairs a whole load keeps."""
+    for path in (fp8_dir, fp8_moe_dir):
+        whole = load_pretrained(path, task="causal-lm")
+        lean = empty_pretrained(path, task="causal-lm")
+        read_shards(lean, path, stage=HostStage(limit=100))
+        a, b = whole.state_dict(), lean.state_dict()
+        assert a.keys() == b.keys() and {t.dtype for t in b.values()} == {torch.float32}
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+        assert lean.load_report == whole.load_report and whole.fp8_state.originals and not lean.fp8_state.originals
+    assert load_to_device(fp8_dir, "cpu", task="causal-lm") is None
 
 
 @pytest.fixture(scope="module")
@@ -288,8 +303,10 @@ def test_a_read_forced_on_tensors_a_family_carries_reports_them_and_holds_no_emp
 # (mode, checkpoint) pairs, each loaded whole then sharded and read shard by shard; all of one world size in one spawn
 CASES_2 = [("fsdp", "qwen3"), ("tp", "qwen3"), ("fsdp-lora", "qwen3"), ("ep", "moe"), ("fsdp", "tied"), ("pp", "qwen3"),
            ("pp", "tied"), ("fsdp-lora", "fp8"), ("ep", "fp8moe"), ("ep-fsdp-2", "fp8moe"), ("fsdp", "fp8moe"),
-           ("fsdp", "fused"), ("fsdp", "v4")]
-CASES_4 = [("tp-fsdp", "qwen3"), ("ep-fsdp", "moe"), ("pp-fsdp", "qwen3"), ("ep-fsdp", "fp8moe")]
+           ("fsdp", "fused"), ("fsdp", "v4"), ("tp", "fp8tp"), ("fsdp-deq", "fp8"), ("tp-deq", "fp8tp"),
+           ("ep-deq", "fp8moe")]
+CASES_4 = [("tp-fsdp", "qwen3"), ("ep-fsdp", "moe"), ("pp-fsdp", "qwen3"), ("ep-fsdp", "fp8moe"), ("tp-fsdp", "fp8tp"),
+           ("tp-fsdp-deq", "fp8tp")]
 # 4-bit bases (kiln.parallel.sharded_q4), on 2 ranks: (mode, checkpoint of sw.q4_checkpoints, quantize at load)
 CASES_Q4 = [("fsdp", "bf16", "nf4"), ("fsdp", "bf16", "fp4"), ("fsdp", "bnb-nf4", None), ("fsdp-lora", "bnb-fp4", None),
             ("pp", "bf16", "nf4")]
@@ -301,9 +318,12 @@ def q4_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def rank_results(dirs, fp8_dir, fp8_moe_dir, hook_dirs, q4_dirs, tmp_path_factory):
+def rank_results(dirs, fp8_dir, fp8_moe_dir, hook_dirs, q4_dirs, tiny_factory, tmp_path_factory):
+    from tests.parallel.fp8_keep_workers import tp_release
+
     out = tmp_path_factory.mktemp("sharded_ranks")
-    paths = {**dirs, "fp8": fp8_dir, "fp8moe": fp8_moe_dir, **hook_dirs}
+    paths = {**dirs, "fp8": fp8_dir, "fp8moe": fp8_moe_dir, **hook_dirs,
+             "fp8tp": tp_release(tiny_factory, tmp_path_factory.mktemp("sharded_fp8_tp"))}
     q4 = [(str(q4_dirs[name]), mode, f"{mode}-{name}-{quant}", quant) for mode, name, quant in CASES_Q4]
     for world, cases in ((2, CASES_2), (4, CASES_4)):
         spawn(sw.compare_many, world, ([(str(paths[name]), mode, f"{mode}-{name}") for mode, name in cases]
@@ -318,16 +338,22 @@ def test_each_rank_reads_what_a_whole_load_then_shard_gives(rank_results, mode, 
     for rank in range(world):
         r = json.loads((rank_results / f"{mode}-{name}-rank{rank}.json").read_text())
         assert r["problems"] == [], (rank, r["problems"][:5])
-        if mode.startswith("ep"):  # each rank read its experts only, part by part, and holds half of them
+        if mode.startswith("ep") and not mode.endswith("-deq"):  # each rank its experts only, part by part: half
             assert not [n for n in r["read_whole"] if ".experts." in n], r["read_whole"]
             # (over 4 ranks FSDP splits each rank's experts over dp as well, but not their scales)
             assert world == 4 or r["expert_bytes"] * 2 == r["whole_expert_bytes"], r
-        if name == "fp8moe":  # as stored: FP8 stacks (bytes under FSDP2) and float32 scale grids
+        if name == "fp8moe" and not mode.endswith("-deq"):  # as stored: FP8 stacks (bytes under FSDP2), float32 scales
             assert r["expert_dtypes"] == ["torch.float32", "torch.float8_e4m3fn"], r
         if mode in ("fsdp", "pp"):  # every tensor split over 2 ranks, or 2 stages: about half the model each
             assert r["bytes"] <= 0.6 * r["whole_bytes"], r
+        if mode.startswith("tp") or mode == "fsdp-deq":  # each rank its rows or columns (under fsdp its part of
+            assert r["read_whole"] == [], r["read_whole"]   # them) by slice reads, an FP8 weight's scale blocks too
+        if mode == "ep-deq":  # a stack of FP8 experts to dequantize is read whole (one at a time), then cut
+            assert {n.rpartition(".")[2] for n in r["read_whole"]} == {"gate_up_proj", "down_proj"}, r["read_whole"]
+        if name == "fp8tp" and not mode.endswith("-deq"):  # the FP8 Linears split with their scale blocks
+            assert r["fp8_split"] == 2 * 7 * 2, r  # 2 layers x 7 Linears, weight and scale
         if mode.startswith("fsdp"):  # a trained embedding shards; LoRA's frozen one stays whole (no root gather)
-            assert r["embedding_sharded"] == (mode == "fsdp"), r
+            assert r["embedding_sharded"] == (mode in ("fsdp", "fsdp-deq")), r
 
 
 def _read(r: dict, f: str, s) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.nn import functional as F
 
 from kiln.errors import KilnError
@@ -79,9 +80,31 @@ class _Fp8LinearFn(torch.autograd.Function):
 
 
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block, bias: torch.Tensor | None) -> torch.Tensor:
+    if isinstance(q, DTensor):
+        return _tp_fp8_linear(x, q, s, block, bias)
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         return _Fp8LinearFn.apply(x, q, s, block, bias)
     return F.linear(x, dequantize(q, s, block, _autocast_dtype(x)), bias)
+
+
+def _tp_fp8_linear(x: torch.Tensor, q: DTensor, s: torch.Tensor, block, bias: torch.Tensor | None) -> DTensor:
+    """An FP8 Linear a tensor-parallel plan split (kiln.parallel.tp_fp8): this rank's FP8 rows (Shard(0), column
+    parallel) or columns (Shard(1), row parallel) and their scale blocks, dequantized here only.
+
+    Column parallel: x is whole (Replicate); the output is this rank's output columns, and the gradient of x
+    a partial sum (each rank's rows of W contribute). Row parallel: x is this rank's input columns; the output
+    is a partial sum, reduced by the plan's output layout, and the (replicated) bias is added once to the sum."""
+    (placement,) = q.placements
+    local_x = x.to_local(grad_placements=[Partial()] if placement.is_shard(0) else None) \
+        if isinstance(x, DTensor) else x
+    local_s = s.to_local() if isinstance(s, DTensor) else s  # a per-tensor scale stays whole on every rank
+    if placement.is_shard(0):
+        local_b = bias.to_local() if isinstance(bias, DTensor) else bias
+        y = fp8_linear(local_x, q.to_local(), local_s, block, local_b)
+        return DTensor.from_local(y, q.device_mesh, [Shard(y.dim() - 1)], run_check=False)
+    y = DTensor.from_local(fp8_linear(local_x, q.to_local(), local_s, block, None), q.device_mesh, [Partial()],
+                           run_check=False)
+    return y if bias is None else y + bias
 
 
 class FP8Linear(_KeepsFp8Storage, nn.Linear):

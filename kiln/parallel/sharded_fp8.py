@@ -1,0 +1,98 @@
+"""Reading an FP8 checkpoint to dequantize (`fp8 = "dequantize"`, the default) shard by shard.
+
+Each rank reads its piece of an FP8 weight (its rows, columns, or box of them, under any plan whose piece is
+a box; the whole weight for one process) and only the scale blocks that piece touches, and dequantizes that
+piece alone: Q * S is elementwise, one rounding to the compute dtype, so the piece equals the same piece of a
+whole load's dequantization bit for bit (kiln.hub.fp8.dequantize). A tensor that needs a tensor step (stacked
+experts, a transpose) is read whole, one at a time, its FP8 sources dequantized with their whole scales as a
+whole load does, then cut to this rank's piece (sharded_load's general path). The FP8 pairs a whole load keeps
+beside the model for a one-process export (`Fp8State.originals`) are not read: a sharded run exports from its
+shards (kiln.parallel.checkpoint.export_sharded).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from kiln.errors import WeightsError
+from kiln.hub.fp8 import FP8, dequantize
+
+
+def dequantized_pairs(model: Any, spans: dict[str, Any]) -> dict[str, str]:
+    """Checkpoint key of each FP8 (or packed FP4) weight the model holds dequantized -> the key of its scale;
+    empty unless the model was built to dequantize an FP8 checkpoint (`fp8_state.mode == "dequantize"`)."""
+    state = getattr(model, "fp8_state", None)
+    if state is None or state.mode != "dequantize":
+        return {}
+    scheme = state.scheme
+    return {k: scheme.scale_key(k) for k, span in spans.items()
+            if (span.dtype == FP8 or span.dtype == torch.int8) and scheme.scale_key(k) in spans}
+
+
+def _scale_box(index: tuple[slice, ...], block: tuple[int, int] | None) -> tuple[slice, ...]:
+    """The scale entries a box of the weight touches: whole blocks around it (leading dims as the box's)."""
+    if block is None:
+        return ()
+    rows, cols = index[-2:]
+    return (*index[:-2], slice(rows.start // block[0], -(-rows.stop // block[0])),
+            slice(cols.start // block[1], -(-cols.stop // block[1])))
+
+
+def _dequantize_box(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int] | None, index: tuple[slice, ...],
+                    dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize` of a box of the weight, from the box `q` and the whole blocks `s` around it: each scale
+    spread over its block, cut to where the box starts in the blocks, then the same elementwise Q * S."""
+    if block is None:
+        return dequantize(q, s, None, dtype)
+    rows, cols = index[-2:]
+    r0, c0 = rows.start % block[0], cols.start % block[1]
+    raw = s.view(torch.uint8) if s.element_size() == 1 else s  # one-byte scales (UE8M0) spread as their bytes
+    spread = raw.repeat_interleave(block[0], dim=-2)[..., r0:r0 + q.shape[-2], :] \
+        .repeat_interleave(block[1], dim=-1)[..., c0:c0 + q.shape[-1]]
+    return dequantize(q, spread.view(s.dtype), (1, 1), dtype)
+
+
+def read_dequantized(name: str, target: torch.Tensor, index: tuple[slice, ...] | None, sources: list[tuple[str, str]],
+                     handles: dict[str, Any], scales: dict[str, str], keymap: Any, path: Path, stage: Any,
+                     scheme: Any) -> bool:
+    """Fill this rank's piece of kiln tensor `name` (`index`: that piece of a DTensor as a box of the whole, or
+    None) from sources some of which are FP8 weights to dequantize (`scales`: weight key -> scale key; `handles`:
+    key -> an open safe_open handle, the scales' too). Returns whether it read the sources whole."""
+    local = target.to_local() if isinstance(target, DTensor) else target
+    if not isinstance(target, DTensor):  # one process: the whole tensor is its piece
+        index = tuple(slice(0, n) for n in target.shape)
+    key = sources[0][0]
+    whole = not (len(sources) == 1 and index is not None and keymap.is_plain(sources[0][1]) \
+            and handles[key].get_slice(key).get_dtype() != "I8")  # packed FP4: read whole (two values a byte)
+    if not whole:
+        weight = handles[key].get_slice(key)
+        shape = tuple(weight.get_shape())
+        if shape != tuple(target.shape):
+            raise WeightsError(f"{path}: tensor {key!r} has shape {shape}, but this config expects {tuple(target.shape)}")
+        q = weight[index]  # only this rank's FP8 rows / columns, and the scale blocks around them, leave the file
+        s = handles[scales[key]].get_slice(scales[key])[_scale_box(index, scheme.block)]
+        value = _dequantize_box(q, s, scheme.block, index, local.dtype)
+        read = q.nbytes + s.nbytes
+    else:
+        hf = {}
+        for k, hf_name in sources:
+            t = handles[k].get_tensor(k)
+            hf[hf_name] = dequantize(t, handles[scales[k]].get_tensor(scales[k]), scheme.block, local.dtype) \
+                if k in scales else t
+        read = sum(t.nbytes for t in hf.values())
+        full, _ = keymap.to_kiln(hf)
+        value = full[name]
+        if tuple(value.shape) != tuple(target.shape):
+            raise WeightsError(f"{path}: tensor {key!r} gives {name!r} the shape {tuple(value.shape)}, but this "
+                               f"config expects {tuple(target.shape)}")
+        if isinstance(target, DTensor):  # this rank's piece of the whole tensor, no communication
+            value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None).to_local()
+    if stage is not None:
+        stage.note(read + value.nbytes)
+    with torch.no_grad():
+        local.copy_(value)
+    return whole
