@@ -21,7 +21,7 @@ MODES = {"fsdp": dict(fsdp=True), "fsdp-lora": dict(fsdp=True), "pp": dict(pp=2,
          "pp-fsdp": dict(pp=2, microbatches=2, fsdp=True), "tp": dict(tp=2), "ep": dict(ep=2), "tp-fsdp": dict(tp=2, fsdp=True),
          "ep-fsdp": dict(ep=2, fsdp=True), "ep-fsdp-2": dict(ep=2, fsdp=True)}
 # an FP8 release read to dequantize (the default), each rank its pieces of the FP8 weights and their scale blocks
-MODES.update({f"{mode}-deq": MODES[mode] for mode in ("fsdp", "tp", "ep", "tp-fsdp")})
+MODES.update({f"{mode}-deq": MODES[mode] for mode in ("fsdp", "tp", "ep")})
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
