@@ -1,7 +1,8 @@
 """Tensor parallelism over an FP8 release kept FP8 (`fp8 = "keep"`, kiln.parallel.tp_fp8): each tp rank holds its
 FP8 rows (column parallel) or columns (row parallel) and exactly the scale blocks of them, reads them straight
-from the files, and trains to the losses of one process, LoRA too (kiln.parallel.tp_lora); alone and under
-FSDP2 (a 2-D mesh on 4 ranks). A split that would cut a scale block is refused by name."""
+from the files, and trains to the losses of one process, LoRA too (kiln.parallel.tp_lora). (Under FSDP2 too, on
+a 2-D mesh of 4 ranks: its reads are checked in test_sharded_load.py.) A split that would cut a scale block is
+refused by name."""
 
 from __future__ import annotations
 
