@@ -32,6 +32,8 @@ all-reduced so it can be added to the routed output.
 Linears kept FP8 (`[model] fp8 = "keep"`) split as stored (tp_fp8.py): each rank its FP8 rows or columns and
 exactly the scale blocks of them, moved as bytes, dequantized per matmul; a split that would cut a scale block
 is refused by name, as is any other FP8 tensor a plan would split (`tensor_plan`).
+A 4-bit Linear (`[model] quantize`, a bitsandbytes-4bit base) is refused by name: its blocks run over the
+flattened weight and its quant state would stay whole.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 
 from kiln.errors import ConfigError
+from kiln.models.common.quant4 import is_4bit
 from kiln.models.parallel_plan import ParallelPlan
 from kiln.parallel.blocks import model_name, part, plan_of
 from kiln.parallel.tp_fp8 import check_fp8_splits, fp8_splits, split_fp8_linears
@@ -61,6 +64,7 @@ def tensor_plan(model: nn.Module, tp: int) -> ParallelPlan:
                           f"parallelism is planned for the llama/qwen decoders, qwen3_moe, the MLA families "
                           f"(deepseek_v3, deepseek_v32, glm_moe_dsa) and deepseek_v4")
     _refuse_fp8(model, plan, tp)  # first: what to change is the fp8 mode or the plan, not the tp degree
+    _refuse_4bit(model, plan, tp)
     config = model.config
     for key, attr in plan.tp_divides:
         n = getattr(config, attr)
@@ -83,6 +87,18 @@ def _split_tensors(model: nn.Module, plan: ParallelPlan) -> Iterator[tuple[str, 
         module = model.get_submodule(path)
         for name, t in (*module.named_parameters(), *module.named_buffers()):
             yield f"{path}.{name}", t
+
+
+def _refuse_4bit(model: nn.Module, plan: ParallelPlan, tp: int) -> None:
+    """A 4-bit Linear (`[model] quantize`, a bitsandbytes-4bit directory) a plan would split is refused: its
+    packed bytes run in blocks over the flattened weight, and its quant state would stay whole beside them."""
+    for name, t in _split_tensors(model, plan):
+        path = name.rpartition(".")[0]
+        if is_4bit(model.get_submodule(path)):
+            raise ConfigError(
+                f"parallel.tp = {tp}: {model_name(model)}'s {path!r} is a 4-bit Linear (packed {tuple(t.shape)} "
+                f"{t.dtype}), which tensor parallelism cannot split (its blocks of 64 run over the flattened weight); "
+                f"use parallel.tp = 1 (fsdp shards 4-bit bases), or load the base unquantized")
 
 
 def _refuse_fp8(model: nn.Module, plan: ParallelPlan, tp: int) -> None:

@@ -49,6 +49,15 @@ def test_tp_must_divide_the_heads():
         check_model(Degrees(tp=2, ep=3), mla)
 
 
+def test_tp_refuses_a_4bit_base_by_name():
+    from kiln.models.common.quant4 import quantize_model
+
+    model = workers.build("qwen3")
+    quantize_model(model, "nf4")
+    with pytest.raises(ConfigError, match=r"parallel.tp = 2: .*'model.layers.0.self_attn.q_proj' is a 4-bit Linear"):
+        check_model(Degrees(tp=2), model)
+
+
 def test_ep_must_divide_the_experts():
     model = workers.build("qwen3_moe")  # 4 experts
     with pytest.raises(ConfigError, match=r"parallel.ep = 3 does not divide the model's num_experts \(4\)"):
