@@ -21,36 +21,51 @@ def _host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."),
-         nproc: int = typer.Option(1, "--nproc", help="Processes the run is launched on "
-                                                      "(kiln launch --nproc-per-node)."),
-         gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="Memory of one GPU, e.g. 80GiB; "
-                                                  "the plan is then for device cuda."),
-         set_: list[str] = typer.Option([], "--set", help="Override a run-config key: section.key=value; "
-                                                          "repeatable."),
-         alternatives_shown: int = typer.Option(8, "--show", help="At most this many fitting alternatives.")) -> None:
-    """Predict each rank's peak memory (weights, gradients, optimizer, activations, communication) and
-    whether the run fits; without a fit, the [parallel] settings that would."""
-    from kiln.errors import ConfigError, KilnError
+def read_q4_shapes(model_dir: Path, tensors: dict) -> dict[str, tuple[int, ...]]:
+    """A bitsandbytes-4bit directory's packed weights -> the shape each dequantizes to, from their quant-state
+    JSON tensors (a few hundred bytes each; no weights read); empty for any other directory."""
+    import json
+
+    from safetensors import safe_open
+
+    from kiln.errors import WeightsError
+    from kiln.parallel.memory_q4 import is_state
+
+    states = [k for k in tensors if is_state(k) and ".quant_state." in k]
+    out: dict[str, tuple[int, ...]] = {}
+    for key in states:
+        with safe_open(str(model_dir / tensors[key].file), framework="numpy") as f:
+            raw = bytes(f.get_tensor(key).tolist())
+        try:
+            out[key.split(".quant_state.")[0]] = tuple(int(d) for d in json.loads(raw.decode("utf-8"))["shape"])
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+            raise WeightsError(f"{model_dir / tensors[key].file}: tensor {key!r} is not bitsandbytes' quant-state "
+                               f"JSON with a shape ({e!r})") from None
+    return out
+
+
+def plan_inputs(cfg, nproc: int, device: str, source: str = "run config") -> tuple:
+    """(params, dims, settings, file sizes, tensors) of a run config for `plan_memory`, from the model
+    directory's config.json, headers and (a 4-bit directory) quant-state JSON."""
+    from dataclasses import replace
+
+    from kiln.errors import ConfigError
     from kiln.hub.config import read_config
     from kiln.hub.headers import read_headers
     from kiln.models.auto import family_for
-    from kiln.parallel.memory import (TERMS, ModelDims, RunSettings, alternatives, check_shapes, fmt_bytes,
-                                      params_from_headers, parse_size, plan_memory)
-    from kiln.train.config import load_run_config, parse_override
+    from kiln.parallel.memory import ModelDims, RunSettings, check_shapes, params_from_headers
+    from kiln.parallel.memory_q4 import compute_dtype
 
-    if nproc < 1:
-        raise ConfigError(f"--nproc must be >= 1, got {nproc}")
-    cfg = load_run_config(config, [parse_override(a) for a in set_])
     if cfg.model.path is None or not Path(cfg.model.path).is_dir():
-        raise ConfigError(f"{config}: model.path must be a local HF model directory for kiln plan "
+        raise ConfigError(f"{source}: model.path must be a local HF model directory for kiln plan "
                           f"(got {cfg.model.path or 'model.family, built from scratch'})")
     model_dir = Path(cfg.model.path)
     hf_config = read_config(model_dir)
     dims = ModelDims.from_config(hf_config, str(model_dir / "config.json"))
     tensors, sizes = read_headers(model_dir)
-    dims = check_shapes(tensors, dims, str(model_dir / "config.json"))
-    device = "cuda" if gpu_memory is not None or cfg.train.device.startswith("cuda") else "cpu"
+    q4_shapes = read_q4_shapes(model_dir, tensors)
+    logical = {k: replace(t, shape=q4_shapes[k]) if k in q4_shapes else t for k, t in tensors.items()}
+    dims = check_shapes(logical, dims, str(model_dir / "config.json"))
     par, lora = cfg.parallel, cfg.lora
     family_plan = family_for(hf_config.get("model_type"), str(model_dir / "config.json")).parallel_plan
     # a family whose residual cannot split along the sequence (DeepSeek-V4) keeps it whole whatever the key says
@@ -64,8 +79,32 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
         activation_checkpointing=par.activation_checkpointing, checkpoint_every=par.checkpoint_every,
         microbatches=par.microbatches, pp_schedule=par.pp_schedule,
         pp_stages=tuple(par.pp_stages) if par.pp_stages else None, keep_grads=par.cadence is not None,
-        fp8=cfg.model.fp8)
-    params = params_from_headers(tensors.values(), settings)
+        fp8=cfg.model.fp8, quantize=None if q4_shapes else cfg.model.quantize,
+        q4_compute=compute_dtype(hf_config, cfg.model.quantize, tensors.values()))
+    params = params_from_headers(tensors.values(), settings, q4_shapes)
+    return params, dims, settings, sizes, tensors
+
+
+def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."),
+         nproc: int = typer.Option(1, "--nproc", help="Processes the run is launched on "
+                                                      "(kiln launch --nproc-per-node)."),
+         gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="Memory of one GPU, e.g. 80GiB; "
+                                                  "the plan is then for device cuda."),
+         set_: list[str] = typer.Option([], "--set", help="Override a run-config key: section.key=value; "
+                                                          "repeatable."),
+         alternatives_shown: int = typer.Option(8, "--show", help="At most this many fitting alternatives.")) -> None:
+    """Predict each rank's peak memory (weights, gradients, optimizer, activations, communication) and
+    whether the run fits; without a fit, the [parallel] settings that would."""
+    from kiln.errors import ConfigError, KilnError
+    from kiln.parallel.memory import TERMS, alternatives, fmt_bytes, parse_size, plan_memory
+    from kiln.train.config import load_run_config, parse_override
+
+    if nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {nproc}")
+    cfg = load_run_config(config, [parse_override(a) for a in set_])
+    device = "cuda" if gpu_memory is not None or cfg.train.device.startswith("cuda") else "cpu"
+    params, dims, settings, sizes, tensors = plan_inputs(cfg, nproc, device, str(config))
+    model_dir, lora = Path(cfg.model.path), cfg.lora
     designed = plan_memory(params, dims, settings, sizes)
     today = plan_memory(params, dims, settings, sizes, today=True)
     if device == "cpu":
@@ -94,6 +133,15 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
     if device != "cpu":
         typer.echo(f"host memory while loading: {fmt_bytes(designed.peak.host_load)} per rank (each tensor passes "
                    f"from the file through one host buffer to the GPU); today's loader {fmt_bytes(today.peak.host_load)}")
+    q4 = [p for p in params if p.q4_shape is not None]
+    if q4:
+        packed = sum(p.nbytes for p in q4)
+        state = sum(p.nbytes for p in params if p.whole)
+        kind = settings.quantize + " quantized at load" if settings.quantize else "bitsandbytes-4bit directory"
+        sharded = " (packed bytes sharded over FSDP2's ranks, quant state whole on each)" if settings.fsdp else ""
+        typer.echo(f"4-bit base ({kind}, compute {settings.q4_compute}): {len(q4)} Linears held 4-bit, packed "
+                   f"{fmt_bytes(packed)} + quant state {fmt_bytes(state)} in all{sharded}; dequantization "
+                   f"scratch {fmt_bytes(designed.peak.terms.get('dequant', 0))} per rank")
     if any(r.host for r in designed.ranks):
         host = designed.peak.host
         typer.echo(f"offloaded to host memory per rank: {fmt_bytes(sum(host.values()))} "

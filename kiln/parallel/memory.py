@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from kiln.errors import ConfigError
+from kiln.parallel import memory_q4
 from kiln.parallel.memory_inputs import (MLP_TARGETS, QKV_TARGETS, ModelDims, Param, RunSettings,
                                          check_shapes, params_from_headers)
 
@@ -55,8 +56,8 @@ HOST_STAGE = 64 * MiB                 # kiln.parallel.sharded_load.HostStage: a 
 # 0.60 GiB (LoRA) and 0.33 GiB over 1.08 GiB (full) between default malloc and MALLOC_MMAP_THRESHOLD_=65536.
 ALLOCATOR_SHARE = 0.35
 
-TERMS = ("weights", "gradients", "optimizer", "activations", "communication", "autocast", "load", "allocator",
-         "runtime")
+TERMS = ("weights", "gradients", "optimizer", "activations", "communication", "autocast", "dequant", "load",
+         "allocator", "runtime")
 
 
 @dataclass
@@ -99,7 +100,7 @@ class MemoryPlan:
 
 # ---- activations ------------------------------------------------------------------------------------
 def block_activation_bytes(d: ModelDims, cb: int, full: bool, targets: set[str], r: int,
-                           moe: bool = False) -> int:
+                           moe: bool = False, down_bytes: int | None = None) -> int:
     """Bytes autograd saves per token in one decoder block, by the ops of kiln's blocks.
 
     `cb` is the compute dtype's bytes; the norms keep their input in fp32 (4 bytes) and their rstd.
@@ -108,7 +109,8 @@ def block_activation_bytes(d: ModelDims, cb: int, full: bool, targets: set[str],
     the rotary outputs and SDPA's output and log-sum-exp; v; gate, up, SiLU(gate) and their product.
     Frozen base (LoRA): no weight gradients, so the norms keep only their input, and their output where
     a LoRA A reads it; the MLP's product only where down_proj has an adapter; each adapter keeps its
-    A output (r values) for B's gradient.
+    A output (r values) for B's gradient, in `down_bytes` each (default `cb`; float32 over a 4-bit base,
+    kiln.models.common.qlora).
     """
     q, kv, i = d.heads * d.head_dim, d.kv_heads * d.head_dim, d.intermediate
     if moe:  # routed experts on top_k copies of the token, the shared expert, and the router's fp32 scores
@@ -125,7 +127,7 @@ def block_activation_bytes(d: ModelDims, cb: int, full: bool, targets: set[str],
     else:
         b += d.hidden * (2 * norm_in + cb * bool(targets & QKV_TARGETS) + cb * bool(targets & MLP_TARGETS))
         b += 3 * cb * i + cb * i * ("down_proj" in targets)
-        b += r * cb * len(targets)
+        b += r * (cb if down_bytes is None else down_bytes) * len(targets)
     if moe:
         b += d.experts * 4 * 2 + d.top_k * d.hidden * cb * 2      # router softmax in/out; tokens dispatched, combined
     return b
@@ -160,6 +162,11 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
     cb = 2 if s.precision in ("bf16", "fp16", "fp8") else max(2, min(stored, 4))
     if s.fsdp and s.param_dtype:
         cb = _DTYPE_BYTES[s.param_dtype] if s.precision == "fp32" else cb
+    if s.q4_compute and s.precision == "fp32":  # a 4-bit base computes in its compute dtype (quant4.linear4)
+        cb = _DTYPE_BYTES[s.q4_compute]
+    q4 = [p for p in params if p.q4_shape is not None]
+    adapted_stems = {p.name[: -len(".lora_A.weight")] for p in params if p.name.endswith(".lora_A.weight")}
+    adapted = [p.q4_shape for p in q4 if p.name[: -len(".weight")] in adapted_stems]
     targets = set()
     if lora:
         targets = {p.module for p in params if p.name.endswith("lora_A.weight") and p.block is not None}
@@ -193,6 +200,8 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
 
     def replicated(p: Param) -> bool:
         """A frozen tensor outside the blocks: FSDP's root leaves it whole (kiln.parallel.fsdp.replicated_root)."""
+        if p.whole:  # a buffer (a 4-bit weight's quant state): FSDP2 shards parameters only
+            return True
         return p.block is None and not p.trainable and not (p.tp and tp > 1) and not (p.expert and ep > 1) and (
             s.param_dtype is None or p.itemsize == _DTYPE_BYTES[s.param_dtype])
 
@@ -207,7 +216,8 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
         blocks = list(stages[stage])
         per_block = {}
         for b in blocks:
-            a = block_activation_bytes(dims, cb, not lora, targets, s.lora_r or 0, moe=b in moe_blocks)
+            a = block_activation_bytes(dims, cb, not lora, targets, s.lora_r or 0, moe=b in moe_blocks,
+                                       down_bytes=4 if q4 else None)
             if tp > 1:  # heads and MLP columns split; the norms' rows only with sequence parallelism
                 norm_part = dims.hidden * (2 * 4 + (2 * (4 + 2 * cb) if not lora else 0))
                 a = (a - norm_part) / tp + (norm_part / tp if s.sequence_parallel else norm_part)
@@ -250,14 +260,15 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
             gather = cb if s.param_dtype else None
             by_block: dict[int, list[Param]] = {}
             for p in params:
-                if p.block is not None and (pp == 1 or p.block in stages[stage]):
+                if p.block is not None and (pp == 1 or p.block in stages[stage]) and not p.whole:
                     by_block.setdefault(p.block, []).append(p)
             root = [p for p in params if p.block is None and share(p, stage) > 0 and not replicated(p)]
 
             def whole(p: Param) -> float:  # this rank's tp/ep piece of `p`, before FSDP splits it
                 return p.numel * share(p, stage) * dp * cp * (1 if p.expert or ep == 1 else ep)
 
-            biggest = max((sum(whole(p) * (gather or p.itemsize) for p in ps) for ps in by_block.values()), default=0)
+            biggest = max((sum(whole(p) * (p.itemsize if p.q4_shape else gather or p.itemsize) for p in ps)
+                           for ps in by_block.values()), default=0)
             red = _DTYPE_BYTES[s.reduce_dtype]
             grad_unit = max((sum(whole(p) * (p.itemsize + red) for p in ps if p.trainable)
                              for ps in [*by_block.values(), root]), default=0)
@@ -281,8 +292,15 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
         # experts and tp's column slices pass through one whole checkpoint tensor (its copy or mapped pages)
         piece = max((p.nbytes * f for p, f in shares), default=0)
         biggest_tensor = max((p.nbytes for p, f in shares if f > 0 and (p.expert or (p.tp and tp > 1))), default=0)
+        # 4-bit: a weight quantized at load passes through a chunk of its stored values and its whole absmax
+        # (memory_q4.load_transient); training dequantizes each weight per matmul (memory_q4.scratch_bytes)
+        q4_here = [(p.q4_shape, f) for p, f in shares if p.q4_shape is not None]
+        largest_q4 = max((a * b for (a, b), f in q4_here if f > 0), default=0)
+        biggest_tensor = max(biggest_tensor, memory_q4.load_transient(
+            largest_q4, _DTYPE_BYTES.get(s.q4_compute or "", 2), dp * cp if sharded_fsdp else 1, bool(s.quantize)))
+        dequant = memory_q4.scratch_bytes(q4_here, cb, tokens, adapted, s.device)
         load = max(0.0, biggest_tensor - ((grads + acts if s.keep_grads else max(grads, acts)) + optim + comm
-                                          + autocast))
+                                          + autocast + dequant))
         # glibc keeps freed heap memory: the many small activation tensors leave ~35% of their bytes resident;
         # the loss path's (vocabulary x rows, vocabulary x hidden) buffers are far above kiln train's mmap
         # threshold (kiln.parallel.memory_heap) and go back to the system when freed
@@ -290,7 +308,8 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
         r = RankMemory(f"stage {stage}" if pp > 1 else "every rank", keep_grads=s.keep_grads,
                        backward_comm=int(round(grad_unit)))
         r.terms = {"weights": weights, "gradients": grads, "optimizer": optim, "activations": acts,
-                   "communication": comm, "autocast": autocast, "load": load, "allocator": allocator,
+                   "communication": comm, "autocast": autocast, **({"dequant": dequant} if q4 else {}),
+                   "load": load, "allocator": allocator,
                    "runtime": runtime if runtime is not None else (RUNTIME_CPU if s.device == "cpu" else CUDA_CONTEXT)}
         r.load_peak = int(r.terms["runtime"] + weights + biggest_tensor)
         if s.device != "cpu":  # each piece from the file through one host buffer; a tensor step's sources whole

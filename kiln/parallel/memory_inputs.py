@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping
 
 from kiln.errors import ConfigError, WeightsError
+from kiln.parallel import memory_q4
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # The Linears a tensor-parallel plan splits (column: q/k/v, gate/up; row: o, down); experts are not split by tp.
@@ -72,6 +73,8 @@ class Param:
     expert: bool = False          # a routed expert's (split by ep)
     tp: bool = False              # split by tensor parallelism
     module: str = ""              # the Linear it belongs to (leaf name), for the LoRA activation terms
+    whole: bool = False           # a buffer FSDP2 leaves whole on every rank (a 4-bit weight's quant state)
+    q4_shape: tuple[int, int] | None = None  # a 4-bit weight's packed bytes: the (out, in) it dequantizes to
 
     @property
     def nbytes(self) -> int:
@@ -105,6 +108,8 @@ class RunSettings:
     pp_stages: tuple[int, ...] | None = None
     keep_grads: bool = False                  # [parallel.cadence]: gradients zeroed, not freed, between steps
     fp8: str = "dequantize"                   # model.fp8: an FP8 checkpoint dequantized to bf16, or kept FP8
+    quantize: str | None = None               # model.quantize: "nf4" | "fp4", the Linears quantized at load
+    q4_compute: str | None = None             # a 4-bit base's compute dtype (bf16, fp16, fp32); None: no 4-bit base
 
     def degrees(self) -> dict[str, int]:
         rest = self.tp * self.ep * self.pp * self.cp
@@ -139,21 +144,37 @@ def _lora_match(name: str, targets: tuple[str, ...] | str) -> bool:
     return any(module == t or module.endswith("." + t) for t in targets)
 
 
-def params_from_headers(tensors: Iterable[Any], settings: RunSettings) -> list[Param]:
+def params_from_headers(tensors: Iterable[Any], settings: RunSettings,
+                        q4_shapes: Mapping[str, tuple[int, ...]] | None = None) -> list[Param]:
     """The run's parameters: every checkpoint tensor (`TensorHeader`-like: name, shape, dtype, nbytes, numel),
     trainable when the run is a full fine-tune, plus LoRA A (r, in) and B (out, r) for each targeted weight
-    (in the base's compute dtype: an FP8 base's adapters are bf16), everything else frozen under LoRA."""
+    (in the base's compute dtype: an FP8 base's adapters are bf16), everything else frozen under LoRA.
+
+    A 4-bit base (kiln.parallel.memory_q4): with `q4_shapes` (a bitsandbytes directory: packed weight name ->
+    the shape its quant-state JSON gives) its packed weights and quant state as stored; with `settings.quantize`
+    the Linears quantized at load become their packed bytes and quant state. Frozen; adapters over them float32."""
     from kiln.hub.headers import FLOAT_DTYPES  # kiln.hub: below parallel in the layers
 
     out: list[Param] = []
     lora = settings.lora_r is not None
     tensors = list(tensors)
     fp8 = any(t.dtype.startswith("F8") and t.name.endswith(".weight") for t in tensors)
+    if q4_shapes:
+        q4 = memory_q4.bnb_weights({t.name: t for t in tensors}, q4_shapes)
+    else:
+        q4 = memory_q4.quantized_at_load(tensors) if settings.quantize else {}
     for t in tensors:
-        if fp8 and settings.fp8 == "dequantize" and t.name.endswith("_scale_inv"):
-            continue  # dequantized on load: the block scales are folded into the weights and dropped
         m = _LAYER.search(t.name)
         block = int(m.group(1)) if m else None
+        if q4_shapes and memory_q4.is_state(t.name):  # a bitsandbytes directory's quant state, held as stored
+            out.append(Param(t.name, t.numel, t.nbytes // max(t.numel, 1), False, block,
+                             module=_module_of(t.name.split(".weight.")[0] + ".weight"), whole=True))
+            continue
+        if t.name in q4:
+            out += _q4_params(t, q4[t.name], block, settings, bool(q4_shapes))
+            continue
+        if fp8 and settings.fp8 == "dequantize" and t.name.endswith("_scale_inv"):
+            continue  # dequantized on load: the block scales are folded into the weights and dropped
         module = _module_of(t.name)
         expert = ".experts." in t.name
         is_float = t.dtype in FLOAT_DTYPES
@@ -173,6 +194,25 @@ def params_from_headers(tensors: Iterable[Any], settings: RunSettings) -> list[P
                              tp=False, module=module))
             out.append(Param(stem + ".lora_B.weight", rows * settings.lora_r, adapter_item, True, block, expert,
                              tp=False, module=module))
+    return out
+
+
+def _q4_params(t: Any, w: Any, block: int | None, settings: RunSettings, stored: bool) -> list[Param]:
+    """A 4-bit weight's packed bytes (FSDP2 shards them), and unless `stored` (a bitsandbytes directory lists its
+    own) its quant state, whole on every rank; float32 LoRA adapters where targeted."""
+    module = _module_of(t.name)
+    expert = ".experts." in t.name
+    out = [Param(t.name, -(-w.numel // 2), 1, False, block, expert, module=module, q4_shape=w.shape)]
+    if not stored:
+        dtype = {"BF16": "bfloat16", "F16": "float16"}.get(t.dtype, "float32")
+        size = memory_q4.json_bytes(w, settings.quantize or "nf4", dtype)
+        for suffix, nbytes in memory_q4.state_bytes(w, size).items():
+            out.append(Param(t.name + suffix, nbytes, 1, False, block, expert, module=module, whole=True))
+    if settings.lora_r is not None and _lora_match(t.name, settings.lora_targets):
+        rows, cols = w.shape
+        stem = t.name[: -len(".weight")]
+        out.append(Param(stem + ".lora_A.weight", settings.lora_r * cols, 4, True, block, expert, module=module))
+        out.append(Param(stem + ".lora_B.weight", rows * settings.lora_r, 4, True, block, expert, module=module))
     return out
 
 

@@ -346,3 +346,54 @@ def test_cli_keeps_deepseek_v4s_residual_whole_under_tp(tmp_path):
 
     assert predicted("qwen3", "true") != predicted("qwen3", "false")
     assert predicted("deepseek_v4", "true") == predicted("deepseek_v4", "false")
+
+
+# ---- 4-bit bases (kiln.parallel.memory_q4) ----------------------------------------------------------------
+def q4_plan_weights(model_dir: Path, quantize: str | None, nproc: int = 1, lora: bool = False) -> int:
+    """`kiln plan`'s weights term for a 4-bit base (a bitsandbytes directory, or `quantize` at load): one rank's,
+    FSDP2 over `nproc`; LoRA as tests/parallel/sharded_load_workers.compare's."""
+    from kiln.cli.plan import read_q4_shapes
+    from kiln.hub.config import read_config
+
+    tensors, sizes = read_headers(model_dir)
+    shapes = read_q4_shapes(model_dir, tensors)
+    s = RunSettings(nproc=nproc, fsdp=nproc > 1, quantize=None if shapes else quantize, q4_compute="bf16",
+                    lora_r=4 if lora else None, lora_targets=("q_proj", "v_proj", "gate_proj"))
+    dims = ModelDims.from_config(read_config(model_dir))
+    return plan_memory(params_from_headers(tensors.values(), s, shapes), dims, s, sizes, runtime=0
+                       ).ranks[0].terms["weights"]
+
+
+def test_4bit_weights_term_is_what_the_loaded_model_holds(tmp_path):
+    """The plan's weights for a 4-bit base equal the bytes of the loaded model's tensors (packed weights, their
+    quant state, the bf16 embedding, head and norms): quantized at load, and a bitsandbytes directory written
+    from it. Odd shapes (partial blocks). The quant-state JSON's length is estimated (its offset's digits vary):
+    4 bytes a weight of slack; a bf16 plan of the same model is ~3x off (control)."""
+    from kiln.models.auto import load_pretrained
+    from tests.parallel.sharded_load_workers import q4_checkpoints
+
+    dirs = q4_checkpoints(tmp_path)
+    held = {}
+    for name, quantize in (("bf16", "nf4"), ("bnb-nf4", None), ("bnb-fp4", None)):
+        model = load_pretrained(dirs[name], task="causal-lm", quantize=quantize)
+        held[name] = sum(t.nbytes for t in model.state_dict().values())
+        slack = 14 * 4 if quantize else 0  # 14 quantized Linears
+        assert abs(q4_plan_weights(dirs[name], quantize) - held[name]) <= slack, name
+    assert q4_plan_weights(dirs["bf16"], None) > 2.5 * held["bf16"]  # as if bf16: the plan before 4 bits
+
+
+def test_cli_prints_the_4bit_term(tmp_path):
+    from kiln.cli.main import app
+
+    model = write_checkpoint(tmp_path / "m")
+    cfg = write_run(tmp_path, model, '[lora]\nr = 2\ntargets = ["q_proj", "v_proj"]\n')
+    text = cfg.read_text().replace('task = "causal-lm"', 'task = "causal-lm"\nquantize = "nf4"')
+    cfg.write_text(text)
+    r = CliRunner().invoke(app, ["plan", "--config", str(cfg), "--nproc", "2", "--set", "parallel.fsdp=true"])
+    assert r.exit_code == 0, r.output
+    assert "4-bit base (nf4 quantized at load, compute bf16): 14 Linears held 4-bit" in r.output
+    assert "quant state whole on each" in r.output and "dequant" in r.output
+    # control: the same run without quantize has no 4-bit line
+    cfg.write_text(text.replace('quantize = "nf4"\n', ""))
+    r = CliRunner().invoke(app, ["plan", "--config", str(cfg), "--nproc", "2", "--set", "parallel.fsdp=true"])
+    assert r.exit_code == 0 and "4-bit base" not in r.output and "dequant" not in r.output

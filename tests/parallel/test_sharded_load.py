@@ -438,3 +438,18 @@ def test_a_gpu_read_never_holds_the_model_in_host_memory(tmp_path):
     a, b = whole.state_dict(), direct.state_dict()
     assert {t.device.type for t in b.values()} == {"cuda"}
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,name,quantize", [c for c in CASES_Q4 if c[0].startswith("fsdp")])
+def test_plan_weights_are_a_4bit_ranks_bytes(q4_dirs, rank_results, mode, name, quantize):
+    """`kiln plan`'s 4-bit weights term under FSDP2 on 2 ranks equals what each rank holds after the sharded read
+    (packed bytes halved, quant state whole; their mean: FSDP2's dim-0 chunks split a tensor's odd row 1 + 0), and
+    one process's equals the whole load's; the quant-state JSON estimated (4 bytes a weight of slack)."""
+    from tests.parallel.test_memory_plan import q4_plan_weights
+
+    ranks = [json.loads((rank_results / f"{mode}-{name}-{quantize}-rank{r}.json").read_text()) for r in range(2)]
+    slack = 14 * 4 if quantize else 1
+    lora = mode == "fsdp-lora"
+    assert abs(q4_plan_weights(q4_dirs[name], quantize, 2, lora) - sum(r["bytes"] for r in ranks) / 2) <= slack
+    assert abs(q4_plan_weights(q4_dirs[name], quantize) - ranks[0]["whole_bytes"]) <= slack
