@@ -345,27 +345,12 @@ def run_kiln(run: Run, model: Path, chats: Path, work: Path, pythonpath: str = s
 def predicted(cfg_path: Path, nproc: int, today: bool = False) -> list[tuple[str, int]]:
     """`kiln plan --config cfg_path --nproc nproc`'s per-rank totals (rank label, bytes), from the same
     functions the CLI calls; `today`: its column for a loader that reads the whole checkpoint on every rank."""
-    from kiln.hub.config import read_config
-    from kiln.hub.headers import read_headers
-    from kiln.parallel.memory import ModelDims, RunSettings, check_shapes, params_from_headers, plan_memory
+    from kiln.cli.plan import plan_inputs
+    from kiln.parallel.memory import plan_memory
     from kiln.train.config import load_run_config
 
-    cfg = load_run_config(cfg_path, [])
-    model_dir = Path(cfg.model.path)
-    dims = ModelDims.from_config(read_config(model_dir), str(model_dir / "config.json"))
-    tensors, sizes = read_headers(model_dir)
-    dims = check_shapes(tensors, dims, str(model_dir / "config.json"))
-    par, lora = cfg.parallel, cfg.lora
-    s = RunSettings(nproc=nproc, device="cpu", batch_size=cfg.train.batch_size, seq_len=cfg.data.max_length,
-                    precision=cfg.train.precision, exact=cfg.train.exact, lora_r=lora.r if lora else None,
-                    lora_targets=(lora.targets if isinstance(lora.targets, str) else tuple(lora.targets)) if lora else (),
-                    dp=par.dp, tp=par.tp, ep=par.ep, pp=par.pp, cp=par.cp, fsdp=par.fsdp, offload=par.offload,
-                    param_dtype=par.param_dtype, reduce_dtype=par.reduce_dtype,
-                    sequence_parallel=par.sequence_parallel, activation_checkpointing=par.activation_checkpointing,
-                    checkpoint_every=par.checkpoint_every, microbatches=par.microbatches, pp_schedule=par.pp_schedule,
-                    pp_stages=tuple(par.pp_stages) if par.pp_stages else None, keep_grads=par.cadence is not None,
-                    fp8=cfg.model.fp8)
-    plan = plan_memory(params_from_headers(tensors.values(), s), dims, s, sizes, today=today)
+    params, dims, s, sizes, _ = plan_inputs(load_run_config(cfg_path, []), nproc, "cpu", str(cfg_path))
+    plan = plan_memory(params, dims, s, sizes, today=today)
     return [(r.rank, r.total) for r in plan.ranks]
 
 

@@ -112,7 +112,11 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
     else:
         limit, where = parse_size(gpu_memory or "80GiB"), "GPU memory"
 
-    n_params = sum(t.numel for t in tensors.values())
+    from kiln.parallel.memory_q4 import is_state
+
+    q4_shapes = {p.name: p.q4_shape for p in params if p.q4_shape is not None}  # packed: count what they hold
+    n_params = sum(q4_shapes[k][0] * q4_shapes[k][1] if k in q4_shapes else 0 if is_state(k) else t.numel
+                   for k, t in tensors.items())
     typer.echo(f"{model_dir.name}: {n_params / 1e9:.3f}B parameters, checkpoint {fmt_bytes(designed.checkpoint_bytes)} "
                f"in {len(sizes)} file(s); {'LoRA r=' + str(lora.r) if lora else 'full fine-tune'}, batch "
                f"{settings.batch_size} x {settings.seq_len} tokens, precision {settings.precision}, device {device}")
