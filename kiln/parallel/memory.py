@@ -19,6 +19,8 @@ from the run TOML); its output a `MemoryPlan` whose `RankMemory` rows list the t
   block's unsharded gradients in the reduce dtype, tp/ep/pp exchange buffers;
 - autocast: train.precision bf16/fp16 over fp32 weights keeps a half-precision copy of every Linear
   weight for the forward;
+- dequant: a 4-bit base's per-matmul dequantization buffers (kiln.parallel.memory_q4; its weights count as
+  packed bytes, sharded under FSDP2, and quant state, whole on every rank);
 - load: the transient of reading the checkpoint. In the sharded-load design one tensor at a time; in
   today's loader (every rank reads all of it, `today=True`) every tensor copied out plus the file mapped
   while it is read;
