@@ -16,9 +16,9 @@ the embedding, the head and routed experts (stacked, not Linears); a bitsandbyte
 
 Per matmul each weight is dequantized into the compute dtype, forward and backward (`quant4.matmul_weight`): on
 CPU into one buffer per weight shape kept for the thread's life (all of them live at once), through chunk
-temporaries of `quant4._CHUNK_BYTES` packed bytes (int32 index + int64 value pairs + the chunk's absmax: the torch
-path's; the C kernel of kiln.hub.native4 needs none, but whether it builds shows only at run time: 6 MiB counted), beside
-the float32 adapter path's scratch (`quant4.scratch`: x as float32, the update in float32 and in the compute
+temporaries of `quant4._CHUNK_BYTES` packed bytes (int32 index + int64 value pairs + the chunk's absmax: the
+torch path's; the C kernel of kiln.hub.native4 needs none, but whether it builds shows only at run time: 6 MiB
+counted), beside the float32 adapter path's scratch (`quant4.scratch`: x as float32, the update in float32 and in the compute
 dtype, each grown to the largest Linear); on a GPU a fresh dequantized tensor and its whole-weight temporaries per
 matmul, the largest weight's at a time. No torch here.
 """
