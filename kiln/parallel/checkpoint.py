@@ -44,6 +44,7 @@ from kiln.models.common.lora import LoraConfig, apply_lora, linear_names, merge_
 from kiln.models.common.lora_experts import HOLDER, has_expert_lora
 from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS, dequantize_bnb4_model, is_4bit, prepare_bnb4_modules
 from kiln.models.tasks import BASE
+from kiln.parallel.sharded_carried import HOLDERS as CARRIED, load_ref, read_refs, write_refs
 
 
 LORA_FILE = "lora.json"  # a LoRA run's adapter settings (kiln's LoraConfig fields), beside model/config.json
@@ -69,6 +70,7 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
                 (path / "model" / LORA_FILE).write_text(json.dumps(dataclasses.asdict(model.lora_config)) + "\n")
             if _load_decisions(model):  # what the export writes back by (see LOAD_FILE)
                 (path / "model" / LOAD_FILE).write_text(json.dumps(_load_decisions(model), sort_keys=True) + "\n")
+            write_refs(path / "model", model)  # carried tensors a sharded read left in their files (sharded_carried)
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
@@ -305,7 +307,6 @@ def _export_streaming(model: nn.Module, path: Path, out: Path, saved: dict[str, 
 # shards), so its export writes what a one-process export of the same weights writes.
 LOAD_FILE = "load.json"
 LOAD_FLAGS = ("fused_experts", "release_layout")
-CARRIED = ("hf_extras", "hf_passthrough", "mtp_tensors")
 
 
 def _load_decisions(model: nn.Module) -> dict[str, Any]:
@@ -316,7 +317,8 @@ def _load_decisions(model: nn.Module) -> dict[str, Any]:
 
 
 def _carried(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
-    return {a: dict(getattr(model, a)) for a in CARRIED if getattr(model, a, None)}
+    held = {a: {n: t for n, t in (getattr(model, a, None) or {}).items() if not t.is_meta} for a in CARRIED}
+    return {a: tensors for a, tensors in held.items() if tensors}  # (meta: held by reference, write_refs)
 
 
 def _apply_decisions(model: nn.Module, path: Path) -> None:
@@ -342,18 +344,21 @@ def _carried_meta(path: Path) -> dict[str, dict[str, torch.Tensor]]:
         if key.startswith("carried."):
             attr, _, name = key[len("carried."):].partition(".")
             out.setdefault(attr, {})[name] = torch.empty(tuple(m.size), dtype=m.properties.dtype, device="meta")
+    for (attr, name), ref in read_refs(path).items():  # and those left in the run's source files
+        out.setdefault(attr, {})[name] = ref.meta()
     return out
 
 
 def _read_carried(path: Path, which: dict[tuple[str, str], torch.Tensor]) -> dict[tuple[str, str], torch.Tensor]:
-    """Those carried tensors read from the shards (`which`: (holder, name) -> its meta tensor)."""
-    got = {w: torch.empty_like(t, device="cpu") for w, t in which.items()}
+    """Those carried tensors read from the shards, or the source files (`which`: (holder, name) -> meta tensor)."""
+    refs = read_refs(path)
+    got = {w: torch.empty_like(t, device="cpu") for w, t in which.items() if w not in refs}
     state: dict[str, dict[str, torch.Tensor]] = {}
     for (a, n), t in got.items():
         state.setdefault(a, {})[n] = t
     if state:
         _dcp_load({"carried": state}, path, no_dist=True)
-    return got
+    return got | {w: load_ref(path, *w, refs[w]) for w in which if w in refs}
 
 
 def _read_model(path: Path, which: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:

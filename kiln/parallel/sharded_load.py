@@ -27,12 +27,12 @@ a whole load renames them. FP8 to dequantize (the default) is read as sharded_fp
 
 A family with its own load (`load_hf_state_dict`) has it run on the headers, so what it decides from the names and
 dtypes it decides as on a whole load: Qwen3.5-MoE's fused expert layout (exported fused), DeepSeek-V4's release
-naming and the parameters it holds in float32 (norms, sinks, hyper-connections: read into float32).
-Not covered yet (loaded whole): an FP8 checkpoint kept FP8 with an FP8 weight no FP8 module holds (e.g.
-DeepSeek-V4's grouped `wo_a` and MTP layers), tensors absent from the checkpoint (a new head),
-`.bin` weights. 4-bit bases (a bitsandbytes-4bit directory, or `[model] quantize`) read as kiln.parallel.sharded_q4
-says: each rank its run of the packed bytes (quantized at load from the stored values of its blocks), and the
-small quant state whole.
+naming and the parameters it holds in float32 (norms, sinks, hyper-connections: read into float32); the tensors it
+carries beside the model (MTP layers) are held by reference, not read (sharded_carried). Not covered yet (loaded
+whole): an FP8 checkpoint kept FP8 with an FP8 weight no FP8 module holds (e.g. DeepSeek-V4's grouped `wo_a` and MTP
+layers), tensors absent from the checkpoint (a new head), `.bin` weights. 4-bit bases (a bitsandbytes-4bit directory,
+or `[model] quantize`) read as kiln.parallel.sharded_q4 says: each rank its run of the packed bytes (quantized at
+load from the stored values of its blocks), and the small quant state whole.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from kiln.hub.weights import Span, read_into, tensor_spans, weight_files
 from kiln.models.auto import apply_changes, load_config
 from kiln.models.pretrained import LoadReport, PreTrainedModel
 from kiln.models.tasks import BASE
+from kiln.parallel.sharded_carried import note_carried, placeholders, read_keys
 from kiln.parallel.sharded_fp8 import dequantized_pairs, read_dequantized
 from kiln.parallel.sharded_q4 import WholeLoad4, place_q4, q4_keys, q4_names, read_q4
 
@@ -80,7 +81,7 @@ def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None,
     if any(n not in groups and n not in q4 for n, _ in (*model.named_parameters(), *model.named_buffers())):
         return None  # a new head: its fresh init is the whole load's business
     if unplaced and type(model).load_hf_state_dict is not PreTrainedModel.load_hf_state_dict:
-        return None  # the family's own load keeps tensors the model has no place for (MTP layers): a whole load
+        return None  # the family's own load keeps tensors the model has no place for, not as stored: a whole load
     model.pending_read, model.pending_seed = path, seed
     if Tokenizer.present(path):
         model.tokenizer = Tokenizer.from_dir(path)
@@ -113,7 +114,7 @@ def _empty(path: str | os.PathLike, task: str | None, fp8: str, changes: dict[st
     weights = _meta(spans)
     if scheme is not None:
         weights = _place_fp8(model, weights, scheme, path, fp8)
-    groups, _ = _sources(model, spans)
+    groups, extras = _sources(model, spans)
     model.q4_read = place_q4(model, groups, spans, _safetensors(path), Path(path), config.extra, quantize)
     q4 = q4_names(model)
     tensors = model.state_dict(keep_vars=True)
@@ -128,11 +129,10 @@ def _empty(path: str | os.PathLike, task: str | None, fp8: str, changes: dict[st
     if type(model).load_hf_state_dict is not PreTrainedModel.load_hf_state_dict:
         # the family's own load, run on the headers: what it decides from the names and dtypes (Qwen3.5-MoE's
         # fused expert layout, DeepSeek-V4's release naming and the parameters it holds in float32) it decides
-        # as on a whole load, so the export and the training match it; the read then fills the values. Only on
-        # the tensors the read fills: what it carries beyond them would stay meta (lean_pretrained loads such whole)
-        unplaced = {k for k in spans if k not in placed}
-        model.load_hf_state_dict({k: v for k, v in weights.items() if k not in unplaced}, source=str(path),
+        # as on a whole load; the read fills the values; what it carries stays a reference (sharded_carried)
+        model.load_hf_state_dict({k: v for k, v in weights.items() if k not in extras}, source=str(path),
                                  source_task=source_task)
+        return model, groups, note_carried(model, weights, [k for k in spans if k not in placed], path)
     return model, groups, [k for k in spans if k not in placed]
 
 
@@ -247,8 +247,9 @@ def load_to_device(path: str | os.PathLike, device: torch.device | str, task: st
     if seed is not None:  # the draws load_pretrained makes first (a checkpoint lean reads has no new tensor)
         torch.manual_seed(seed)
     model = lean_pretrained(path, task, seed, fp8=fp8, quantize=quantize, **changes)
-    if model is None or getattr(model, "fp8_state", None) is not None and model.fp8_state.mode == "dequantize":
-        return None  # one process exports FP8 it dequantized from the pairs a whole load keeps (Fp8State.originals)
+    if model is None or getattr(model, "fp8_state", None) is not None and model.fp8_state.mode == "dequantize" \
+            or placeholders(model):  # one process exports FP8 it dequantized from the pairs a whole load keeps
+        return None  # (Fp8State.originals), and the tensors a family carries (save_pretrained holds them)
     read_shards(model, model.pending_read, device)
     return model.eval()
 
@@ -312,12 +313,13 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
                 # of one tensor at a time, so the read never holds more than its shards plus one tensor
                 with _mapped(where, [k for k, _ in groups[name]]) as handles:
                     _fill(name, target, groups[name], handles, keymap, path, stage)
-    with _mapped(where, extras) as handles:
-        model.hf_extras = {model.normalise_hf_names([k])[k][0]: handles[k].get_tensor(k) for k in extras}
+    with _mapped(where, extras) as handles:  # beside the carried placeholders (sharded_carried)
+        model.hf_extras = placeholders(model).get("hf_extras", {}) | {
+            model.normalise_hf_names([k])[k][0]: handles[k].get_tensor(k) for k in extras}
     # a checkpoint tensor whose kiln name the model lacks is reported ignored, as a whole load reports it
     held = model.state_dict(keep_vars=True)
     used = {k for kiln, sources in groups.items() if kiln in held for k, _ in sources} | set(extras)
-    used |= q4_keys(model, spans) | {s for k, s in dequantized.items() if k in used}
+    used |= q4_keys(model, spans) | {s for k, s in dequantized.items() if k in used} | read_keys(model)
     model.load_report = LoadReport(ignored=sorted(model.normalise_hf_names([k])[k][0] for k in where if k not in used))
     model.tie_weights()
     model.pending_read = model.q4_read = None

@@ -1,0 +1,138 @@
+"""Tensors a family carries beside its model, in a run read shard by shard: recorded where they lie, not held.
+
+A family's own load keeps some checkpoint tensors the model has no module for and writes them back on export
+(DeepSeek-V3's multi-token-prediction layer `model.layers.{num_hidden_layers}.*` in `hf_extras`, a Qwen3.5
+release's `mtp.*` in `hf_passthrough`, DeepSeek-V4's `mtp.*` in `mtp_tensors`). They are not trained, and at
+real size they are large (V3's MTP layer is ~11B parameters with its experts), so a sharded run does not read
+them: `lean_pretrained` runs the family's load on the headers, and each tensor it carries exactly as stored (the
+same checkpoint tensor, its stored dtype and shape) stays a meta placeholder in its holder, with a `CarriedRef`
+(source directory, file, tensor name, dtype, shape, the file's size and mtime) in `model.carried_refs`.
+
+`save_sharded` writes those references (model/CARRIED_FILE) instead of their bytes, and `export_sharded` reads
+each from its source file when it writes the output shard that holds it, byte for byte as a whole load carried
+it; a source that is missing or changed since the run read it is an error naming the tensor and the file.
+One process (`load_to_device`) keeps loading such checkpoints whole: its export is `save_pretrained`, which
+holds the model anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kiln.errors import KilnError
+from kiln.hub.weights import tensor_spans, weight_files
+
+CARRIED_FILE = "carried.json"  # beside model/config.json of a sharded checkpoint
+HOLDERS = ("hf_extras", "hf_passthrough", "mtp_tensors")  # the attributes a family carries tensors in
+
+
+@dataclasses.dataclass(frozen=True)
+class CarriedRef:
+    """Where one carried tensor lies: `key` in `file` of directory `source`, as the run read it."""
+
+    source: str
+    file: str
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    size: int
+    mtime_ns: int
+
+    def meta(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=getattr(torch, self.dtype), device="meta")
+
+
+def note_carried(model: torch.nn.Module, weights: dict[str, torch.Tensor], unplaced: list[str], path: Path
+                 ) -> list[str]:
+    """After the family's own load ran on the headers (`weights`: the meta tensors it was given): each carried
+    tensor that is one of the `unplaced` checkpoint tensors as stored stays in its holder as a meta placeholder,
+    referenced in `model.carried_refs` ((holder, name) -> CarriedRef); any other meta tensor a holder got is
+    dropped (a read cannot fill it). Returns the unplaced keys not carried so: a whole load decides on those."""
+    wanted = set(unplaced)
+    spans = {k: (f, s) for f in weight_files(path) for k, s in tensor_spans(f).items() if k in wanted}
+    # the very tensor the load was given for that key, as stored (not a dequantized or renamed stand-in)
+    by_id = {id(weights[k]): k for k in unplaced if k in weights and k in spans
+             and (weights[k].dtype, tuple(weights[k].shape)) == (spans[k][1].dtype, tuple(spans[k][1].shape))}
+    refs: dict[tuple[str, str], CarriedRef] = {}
+    for holder in HOLDERS:
+        held = getattr(model, holder, None)
+        for name, t in list((held or {}).items()):
+            key = by_id.get(id(t))
+            if key is None:
+                if t.is_meta:
+                    del held[name]
+                continue
+            stat = os.stat(spans[key][0])
+            refs[(holder, name)] = CarriedRef(str(Path(path).resolve()), spans[key][0].name, key,
+                                              str(t.dtype).removeprefix("torch."), tuple(t.shape), stat.st_size,
+                                              stat.st_mtime_ns)
+    model.carried_refs = refs
+    return [k for k in unplaced if k not in {r.key for r in refs.values()}]
+
+
+def placeholders(model: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """The carried placeholders still held (holder -> name -> meta tensor): those a live MTP module took are gone."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for (holder, name) in getattr(model, "carried_refs", None) or {}:
+        t = (getattr(model, holder, None) or {}).get(name)
+        if t is not None and t.is_meta:
+            out.setdefault(holder, {})[name] = t
+    return out
+
+
+def read_keys(model: torch.nn.Module) -> set[str]:
+    """The checkpoint keys held by reference (a read reports them used, not ignored)."""
+    held = placeholders(model)
+    return {r.key for (h, n), r in model.carried_refs.items() if n in held.get(h, {})} if held else set()
+
+
+def write_refs(out_dir: Path, model: torch.nn.Module) -> None:
+    """The references of the placeholders `model` holds, to out_dir/CARRIED_FILE (none: no file)."""
+    held = placeholders(model)
+    refs = [{"holder": h, "name": n, **dataclasses.asdict(r)} for (h, n), r in sorted(model.carried_refs.items())
+            if n in held.get(h, {})] if held else []
+    if refs:
+        tmp = out_dir / (CARRIED_FILE + ".tmp")
+        tmp.write_text(json.dumps(refs, indent=1) + "\n")
+        os.replace(tmp, out_dir / CARRIED_FILE)
+
+
+def read_refs(ckpt: Path) -> dict[tuple[str, str], CarriedRef]:
+    """(holder, name) -> CarriedRef, from a sharded checkpoint's model/CARRIED_FILE ({} without one)."""
+    f = ckpt / "model" / CARRIED_FILE
+    if not f.is_file():
+        return {}
+    try:
+        rows = json.loads(f.read_text())
+        return {(r.pop("holder"), r.pop("name")): CarriedRef(**{**r, "shape": tuple(r["shape"])}) for r in rows}
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise KilnError(f"{f}: not a list of carried-tensor references ({e})") from None
+
+
+def load_ref(ckpt: Path, holder: str, name: str, ref: CarriedRef) -> torch.Tensor:
+    """The carried tensor `ref` names, read from its source file, after checking the file is the one the run read."""
+    f = Path(ref.source) / ref.file
+    why = None
+    if not f.is_file():
+        why = "is missing"
+    else:
+        stat = os.stat(f)
+        if (stat.st_size, stat.st_mtime_ns) != (ref.size, ref.mtime_ns):
+            why = (f"changed since the run read it (size {stat.st_size}, mtime_ns {stat.st_mtime_ns}; the run read "
+                   f"size {ref.size}, mtime_ns {ref.mtime_ns})")
+    if why is None:
+        with safe_open(str(f), framework="pt") as h:
+            t = h.get_tensor(ref.key) if ref.key in h.keys() else None
+        if t is None or str(t.dtype).removeprefix("torch.") != ref.dtype or tuple(t.shape) != ref.shape:
+            why = f"no longer holds {ref.key!r} as {ref.dtype}{list(ref.shape)}"
+    if why is not None:
+        raise KilnError(f"{ckpt}: the carried tensor {name!r} ({holder}) is not in this checkpoint's shards; the run "
+                        f"recorded it as {ref.key!r} of {f}, which {why}. Restore that source file to export this "
+                        "checkpoint")
+    return t
