@@ -245,12 +245,18 @@ class PreTrainedModel(nn.Module):
     def save_pretrained(self, path: str | os.PathLike, max_shard_bytes: int | None = None,
                         save_tokenizer: bool = True) -> Path:
         """Write config.json + model.safetensors (+ tokenizer files) that transformers loads as is."""
+        hf = self.hf_state_dict()
+        empty = [k for k, t in hf.items() if t.is_meta]  # e.g. what a sharded read holds by reference (MTP layers)
+        if empty:
+            raise WeightsError(f"{len(empty)} tensor(s) of this model have no data (e.g. {empty[0]!r}): a "
+                               "run read shard by shard carries them in their source files; export its sharded "
+                               "checkpoint (kiln export --checkpoint), or load the model whole")
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
         cfg = self.config.to_dict()
         cfg["architectures"] = [self.family.tasks[self.task].architecture]
         write_config(out, cfg)
-        save_weights(out, self.hf_state_dict(), max_shard_bytes=max_shard_bytes)
+        save_weights(out, hf, max_shard_bytes=max_shard_bytes)
         if getattr(self, "lora_config", None) is not None:
             from kiln.models.common.lora import save_adapter
 

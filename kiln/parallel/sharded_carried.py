@@ -95,7 +95,8 @@ def read_keys(model: torch.nn.Module) -> set[str]:
 def write_refs(out_dir: Path, model: torch.nn.Module) -> None:
     """The references of the placeholders `model` holds, to out_dir/CARRIED_FILE (none: no file)."""
     held = placeholders(model)
-    refs = [{"holder": h, "name": n, **dataclasses.asdict(r)} for (h, n), r in sorted(model.carried_refs.items())
+    # in the holders' order (the family's load's): the export writes them in it, as a whole load's export does
+    refs = [{"holder": h, "name": n, **dataclasses.asdict(r)} for (h, n), r in model.carried_refs.items()
             if n in held.get(h, {})] if held else []
     if refs:
         tmp = out_dir / (CARRIED_FILE + ".tmp")
@@ -104,35 +105,58 @@ def write_refs(out_dir: Path, model: torch.nn.Module) -> None:
 
 
 def read_refs(ckpt: Path) -> dict[tuple[str, str], CarriedRef]:
-    """(holder, name) -> CarriedRef, from a sharded checkpoint's model/CARRIED_FILE ({} without one)."""
+    """(holder, name) -> CarriedRef, from a sharded checkpoint's model/CARRIED_FILE ({} without one), each checked
+    against its source file's size, mtime and header (no data read), so an export fails before it writes."""
     f = ckpt / "model" / CARRIED_FILE
     if not f.is_file():
         return {}
     try:
         rows = json.loads(f.read_text())
-        return {(r.pop("holder"), r.pop("name")): CarriedRef(**{**r, "shape": tuple(r["shape"])}) for r in rows}
+        refs = {(r.pop("holder"), r.pop("name")): CarriedRef(**{**r, "shape": tuple(r["shape"])}) for r in rows}
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise KilnError(f"{f}: not a list of carried-tensor references ({e})") from None
+    by_file: dict[Path, list[tuple[tuple[str, str], CarriedRef]]] = {}
+    for w, ref in refs.items():
+        by_file.setdefault(Path(ref.source) / ref.file, []).append((w, ref))
+    for held in by_file.values():
+        for (holder, name), ref in held:
+            why = _changed(ref)
+            if why is not None:
+                raise _gone(ckpt, holder, name, ref, why)
+        spans = tensor_spans(Path(held[0][1].source) / held[0][1].file)
+        for (holder, name), ref in held:
+            s = spans.get(ref.key)
+            if s is None or str(s.dtype).removeprefix("torch.") != ref.dtype or s.shape != ref.shape:
+                raise _gone(ckpt, holder, name, ref, f"no longer holds {ref.key!r} as {ref.dtype}{list(ref.shape)}")
+    return refs
 
 
 def load_ref(ckpt: Path, holder: str, name: str, ref: CarriedRef) -> torch.Tensor:
     """The carried tensor `ref` names, read from its source file, after checking the file is the one the run read."""
-    f = Path(ref.source) / ref.file
-    why = None
-    if not f.is_file():
-        why = "is missing"
-    else:
-        stat = os.stat(f)
-        if (stat.st_size, stat.st_mtime_ns) != (ref.size, ref.mtime_ns):
-            why = (f"changed since the run read it (size {stat.st_size}, mtime_ns {stat.st_mtime_ns}; the run read "
-                   f"size {ref.size}, mtime_ns {ref.mtime_ns})")
+    why = _changed(ref)
     if why is None:
-        with safe_open(str(f), framework="pt") as h:
+        with safe_open(str(Path(ref.source) / ref.file), framework="pt") as h:
             t = h.get_tensor(ref.key) if ref.key in h.keys() else None
         if t is None or str(t.dtype).removeprefix("torch.") != ref.dtype or tuple(t.shape) != ref.shape:
             why = f"no longer holds {ref.key!r} as {ref.dtype}{list(ref.shape)}"
     if why is not None:
-        raise KilnError(f"{ckpt}: the carried tensor {name!r} ({holder}) is not in this checkpoint's shards; the run "
-                        f"recorded it as {ref.key!r} of {f}, which {why}. Restore that source file to export this "
-                        "checkpoint")
+        raise _gone(ckpt, holder, name, ref, why)
     return t
+
+
+def _changed(ref: CarriedRef) -> str | None:
+    f = Path(ref.source) / ref.file
+    if not f.is_file():
+        return "is missing"
+    stat = os.stat(f)
+    if (stat.st_size, stat.st_mtime_ns) != (ref.size, ref.mtime_ns):
+        return (f"changed since the run read it (size {stat.st_size}, mtime_ns {stat.st_mtime_ns}; the run read size "
+                f"{ref.size}, mtime_ns {ref.mtime_ns})")
+    return None
+
+
+def _gone(ckpt: Path, holder: str, name: str, ref: CarriedRef, why: str) -> KilnError:
+    return KilnError(f"{ckpt}: the carried tensor {name!r} ({holder}) is not in this checkpoint's shards; the run "
+                     f"recorded it as {ref.key!r} of {Path(ref.source) / ref.file}, which {why}. Restore that source "
+                     "file to export this checkpoint")
+

@@ -14,6 +14,7 @@ from kiln.models.auto import load_pretrained
 from kiln.models.common.lora import LoraConfig, apply_lora
 from kiln.parallel.apply import parallelize
 from kiln.parallel import sharded_load
+from kiln.parallel.sharded_carried import HOLDERS
 from kiln.parallel.sharded_load import empty_pretrained, init_adapters, loaded_bytes, read_shards
 from kiln.train.config import ParallelSection
 
@@ -104,6 +105,11 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str
                    "embedding_sharded": isinstance(dict(lean.named_parameters()).get("model.embed_tokens.weight"),
                                                    DTensor),
                    "whole_bytes": whole_bytes,
+                   # what the family carries beside the model (MTP layers): by name; the lean model's bytes of them
+                   "carried": [sorted(f"{h}.{n}" for h in HOLDERS for n in getattr(m, h, None) or {})
+                               for m in (whole, lean)],
+                   "carried_bytes": sum(t.nbytes for h in HOLDERS for t in (getattr(lean, h, None) or {}).values()
+                                        if not t.is_meta),
                    "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}, f)
 
 

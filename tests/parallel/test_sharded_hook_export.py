@@ -12,7 +12,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from kiln.interop.export import export_model
-from kiln.parallel.checkpoint import export_sharded
+from kiln.errors import KilnError
+from kiln.parallel.checkpoint import export_sharded, save_sharded
+from kiln.parallel.sharded_carried import CARRIED_FILE
+from kiln.parallel.sharded_load import lean_pretrained, read_shards
 from tests.parallel import sharded_load_workers as sw
 from tests.parallel.test_sharded_load import hook_dirs  # noqa: F401  (a fixture)
 from tests.spawn import spawn
@@ -34,7 +37,7 @@ def runs(hook_dirs, tmp_path_factory):  # noqa: F811
     state = load_file(str(mtp / "model.safetensors"))
     extra = torch.randn(8, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     save_file({**state, "mtp.fc.weight": extra}, str(mtp / "model.safetensors"), metadata={"format": "pt"})
-    srcs = {"fused": hook_dirs["fused"], "fused-mtp": mtp, "v4": hook_dirs["v4"]}
+    srcs = {"fused": hook_dirs["fused"], "fused-mtp": mtp, "v4": hook_dirs["v4"], "v3mtp": hook_dirs["v3mtp"]}
     spawn(sw.save_sharded_runs, 2, ([(str(src), str(root / name / "ckpt")) for name, src in srcs.items()],))
     return root, srcs
 
@@ -42,7 +45,8 @@ def runs(hook_dirs, tmp_path_factory):  # noqa: F811
 @pytest.mark.slow
 @pytest.mark.parametrize("name,dtype,stream", [("fused", None, True), ("fused-mtp", None, True),
                                                ("fused", torch.bfloat16, True), ("v4", None, True),
-                                               ("fused-mtp", None, False), ("v4", None, False)])
+                                               ("fused-mtp", None, False), ("v4", None, False),
+                                               ("v3mtp", None, True), ("v3mtp", None, False)])
 def test_a_sharded_run_exports_as_one_process_exports(runs, name, dtype, stream, tmp_path):
     root, srcs = runs
     export_model(srcs[name], tmp_path / "one", max_shard_bytes=20_000, dtype=dtype)
@@ -60,8 +64,39 @@ def test_a_sharded_run_exports_as_one_process_exports(runs, name, dtype, stream,
         assert any(k.endswith("experts.gate_up_proj") for k in names)
     if name == "fused-mtp":
         assert "mtp.fc.weight" in names
+    if name == "v3mtp":  # the MTP layer was read by reference: the shards hold none of its bytes, the export all
+        assert any(k.startswith("model.layers.2.") for k in names)
+        assert (root / name / "ckpt" / "model" / CARRIED_FILE).is_file() and not _dcp_carried(root / name / "ckpt")
     if name == "v4":
         floats = {t.dtype for f in want.values() for t in f.values() if t.is_floating_point()}
         assert "embed.weight" in names and floats == {torch.bfloat16}
     if stream:  # still streamed: about one output file at a time
         assert stats["peak_bytes"] < stats["model_bytes"] / 2, stats
+
+
+def _dcp_carried(ckpt) -> list[str]:
+    import torch.distributed.checkpoint as dcp
+
+    return [k for k in dcp.FileSystemReader(str(ckpt / "dcp")).read_metadata().state_dict_metadata
+            if k.startswith("carried.")]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # a sharded save in one process, meant
+def test_a_carried_tensor_whose_source_is_gone_or_changed_is_named_at_export(hook_dirs, tmp_path):  # noqa: F811
+    """A run read shard by shard recorded where its MTP layer lies, not its bytes: exporting after the source file
+    changed or went away names the tensor and the file, and writes nothing."""
+    src = tmp_path / "src"
+    shutil.copytree(hook_dirs["v3mtp"], src)
+    model = lean_pretrained(src, "causal-lm", None)
+    read_shards(model, src)
+    save_sharded(tmp_path / "ckpt", model)  # one process, no group: the same shards and references
+    export_sharded(tmp_path / "ckpt", tmp_path / "ok", max_shard_bytes=20_000)
+    held = {r.file for r in model.carried_refs.values()}
+    f = src / sorted(held)[0]
+    f.touch()  # the same bytes, a new mtime: the run's source cannot be vouched for
+    with pytest.raises(KilnError, match=rf"carried tensor 'layers\.2\.[\w.]+' \(hf_extras\).*{f.name}.*changed since"):
+        export_sharded(tmp_path / "ckpt", tmp_path / "changed", max_shard_bytes=20_000)
+    assert not (tmp_path / "changed").exists()  # refused before the first file
+    f.unlink()
+    with pytest.raises(KilnError, match=rf"carried tensor 'layers\.2\.[\w.]+'.*{f.name}, which is missing"):
+        export_sharded(tmp_path / "ckpt", tmp_path / "missing", max_shard_bytes=20_000, stream=False)

@@ -191,27 +191,26 @@ def test_a_run_on_an_accelerator_reads_its_model_straight_to_it(dirs, monkeypatc
     assert direct.pending_read is None
 
 
-def test_tensors_a_family_keeps_beyond_its_model_are_loaded_whole(tmp_path):
+def test_tensors_a_family_carries_beyond_its_model_are_held_by_reference(hook_dirs):
     """A DeepSeek-V3 release's MTP layer (layer num_hidden_layers) has no place in the model; its family's load
-    carries it to the export (hf_extras). A read would drop it: the checkpoint loads whole, and a read forced
-    on it names the MTP tensors ignored instead of dropping them silently."""
-    from safetensors.torch import load_file, save_file
-
-    from kiln.interop.tiny import TINY
+    carries it to the export (hf_extras). A read holds each as a meta placeholder and where it lies in the source
+    (sharded_carried), reports none ignored; one process (load_to_device) still loads such a checkpoint whole."""
     from kiln.parallel.sharded_load import lean_pretrained
 
-    cfg = AutoConfig.for_model("deepseek_v3", **TINY["deepseek_v3"])
-    from_config(cfg, task="causal-lm", seed=0).save_pretrained(tmp_path)
-    n = cfg.num_hidden_layers
-    state = load_file(str(tmp_path / "model.safetensors"))
-    mtp = {k.replace(f"layers.{n - 1}.", f"layers.{n}."): v.clone() for k, v in state.items() if f"layers.{n - 1}." in k}
-    save_file({**state, **mtp}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    whole = load_pretrained(tmp_path)
-    assert len(whole.hf_extras) == len(mtp)  # carried for the export
-    assert lean_pretrained(tmp_path, None, None) is None
-    lean = empty_pretrained(tmp_path)
-    read_shards(lean, tmp_path)
-    assert sorted(lean.load_report.ignored) == sorted(mtp)
+    src = hook_dirs["v3mtp"]
+    whole = load_pretrained(src)
+    n = whole.config.num_hidden_layers
+    assert whole.hf_extras and all(k.startswith(f"layers.{n}.") for k in whole.hf_extras)
+    lean = lean_pretrained(src, None, None)
+    read_shards(lean, src)
+    assert lean.load_report.ignored == [] and lean.hf_extras.keys() == whole.hf_extras.keys()
+    assert all(t.is_meta for t in lean.hf_extras.values())  # no bytes held
+    refs = {name: r for (holder, name), r in lean.carried_refs.items() if holder == "hf_extras"}
+    assert {k: (r.key, r.dtype, r.shape) for k, r in refs.items()} == {
+        k: ("model." + k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in whole.hf_extras.items()}
+    with pytest.raises(WeightsError, match="have no data .*export its sharded checkpoint"):
+        lean.save_pretrained(src.parent / "never")
+    assert load_to_device(src, "cpu") is None
 
 
 def test_a_shape_that_disagrees_with_the_config_is_named(dirs):
@@ -260,7 +259,32 @@ def hook_dirs(tiny_factory, tmp_path_factory):
                                                                      per[f"{p}.{e}.up_proj.weight"]]) for e in range(num)])
                 state[f"{p}.down_proj"] = torch.stack([per[f"{p}.{e}.down_proj.weight"] for e in range(num)])
         save_file(state, str(out[name] / "model.safetensors"), metadata={"format": "pt"})
+    out["v3mtp"] = v3_with_mtp(root / "v3mtp")
     return out
+
+
+def v3_with_mtp(path):
+    """A tiny DeepSeek-V3 release with its MTP layer (layer num_hidden_layers: a copy of the last one's tensors, as
+    DeepSeek ships it beside the main layers), in several files (an index)."""
+    from safetensors.torch import load_file, save_file
+
+    from kiln.interop.tiny import TINY
+
+    cfg = AutoConfig.for_model("deepseek_v3", **TINY["deepseek_v3"])
+    from_config(cfg, task="causal-lm", seed=0).save_pretrained(path, max_shard_bytes=60_000)
+    n = cfg.num_hidden_layers
+    for f in path.glob("*.safetensors"):  # each file's share of the last layer, copied as the MTP layer's
+        state = load_file(str(f))
+        mtp = {k.replace(f"layers.{n - 1}.", f"layers.{n}."): v.clone() for k, v in state.items()
+               if f"layers.{n - 1}." in k}
+        save_file({**state, **mtp}, str(f), metadata={"format": "pt"})
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"].update({k.replace(f"layers.{n - 1}.", f"layers.{n}."): v
+                                   for k, v in data["weight_map"].items() if f"layers.{n - 1}." in k})
+        index.write_text(json.dumps(data))
+    return path
 
 
 @pytest.mark.parametrize("name", ["fused", "v4"])
@@ -280,9 +304,9 @@ def test_a_family_s_own_load_decides_on_a_read_as_on_a_whole_load(hook_dirs, nam
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
-def test_a_read_forced_on_tensors_a_family_carries_reports_them_and_holds_no_empty_copy(hook_dirs, tmp_path):
-    """A tensor the model has no place for that the family's load carries (a Qwen3.5 release's `mtp.*`): such a
-    checkpoint loads whole; a read forced on it reports the tensor ignored and still exports (no meta copy kept)."""
+def test_a_tensor_a_family_carries_in_its_own_holder_is_held_by_reference(hook_dirs, tmp_path):
+    """A tensor the model has no place for that the family's load carries in a holder of its own (a Qwen3.5
+    release's `mtp.*` in hf_passthrough): a read holds it by reference, reported used, not ignored."""
     from safetensors.torch import load_file, save_file
 
     from kiln.parallel.sharded_load import lean_pretrained
@@ -292,18 +316,18 @@ def test_a_read_forced_on_tensors_a_family_carries_reports_them_and_holds_no_emp
     state = load_file(str(src / "model.safetensors"))
     save_file({**state, "mtp.fc.weight": torch.ones(4, 4)}, str(src / "model.safetensors"), metadata={"format": "pt"})
     assert list(load_pretrained(src, task="causal-lm").hf_passthrough) == ["mtp.fc.weight"]
-    assert lean_pretrained(src, "causal-lm", None) is None
-    forced = empty_pretrained(src, task="causal-lm")
-    read_shards(forced, src)
-    [ignored] = forced.load_report.ignored
-    assert ignored.endswith("mtp.fc.weight") and forced.hf_passthrough == {}
-    forced.save_pretrained(tmp_path / "out")
+    lean = lean_pretrained(src, "causal-lm", None)
+    read_shards(lean, src)
+    assert lean.load_report.ignored == [] and list(lean.hf_passthrough) == ["mtp.fc.weight"]
+    [(where, ref)] = lean.carried_refs.items()
+    assert where == ("hf_passthrough", "mtp.fc.weight") and lean.hf_passthrough["mtp.fc.weight"].is_meta
+    assert (ref.key, ref.file, ref.shape, ref.dtype) == ("mtp.fc.weight", "model.safetensors", (4, 4), "float32")
 
 
 # (mode, checkpoint) pairs, each loaded whole then sharded and read shard by shard; all of one world size in one spawn
 CASES_2 = [("fsdp", "qwen3"), ("tp", "qwen3"), ("fsdp-lora", "qwen3"), ("ep", "moe"), ("fsdp", "tied"), ("pp", "qwen3"),
            ("pp", "tied"), ("fsdp-lora", "fp8"), ("ep", "fp8moe"), ("ep-fsdp-2", "fp8moe"), ("fsdp", "fp8moe"),
-           ("fsdp", "fused"), ("fsdp", "v4"), ("tp", "fp8tp"), ("fsdp-deq", "fp8"), ("tp-deq", "fp8tp"),
+           ("fsdp", "fused"), ("fsdp", "v4"), ("fsdp", "v3mtp"), ("tp", "fp8tp"), ("fsdp-deq", "fp8"), ("tp-deq", "fp8tp"),
            ("ep-deq", "fp8moe")]
 CASES_4 = [("tp-fsdp", "qwen3"), ("ep-fsdp", "moe"), ("pp-fsdp", "qwen3"), ("ep-fsdp", "fp8moe"), ("tp-fsdp", "fp8tp")]
 # 4-bit bases (kiln.parallel.sharded_q4), on 2 ranks: (mode, checkpoint of sw.q4_checkpoints, quantize at load)
@@ -351,6 +375,9 @@ def test_each_rank_reads_what_a_whole_load_then_shard_gives(rank_results, mode, 
             assert {n.rpartition(".")[2] for n in r["read_whole"]} == {"gate_up_proj", "down_proj"}, r["read_whole"]
         if name == "fp8tp" and not mode.endswith("-deq"):  # the FP8 Linears split with their scale blocks
             assert r["fp8_split"] == 2 * 7 * 2, r  # 2 layers x 7 Linears, weight and scale
+        assert r["carried"][0] == r["carried"][1], r["carried"]  # what the family carries: the same names
+        if name == "v3mtp":  # its MTP layer held by reference: no bytes of it on any rank, and no weight read whole
+            assert r["carried"][1] and r["carried_bytes"] == 0 and r["read_whole"] == [], r
         if mode.startswith("fsdp"):  # a trained embedding shards; LoRA's frozen one stays whole (no root gather)
             assert r["embedding_sharded"] == (mode in ("fsdp", "fsdp-deq")), r
 
