@@ -87,9 +87,9 @@ def placeholders(model: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def read_keys(model: torch.nn.Module) -> set[str]:
-    """The checkpoint keys held by reference (a read reports them used, not ignored)."""
-    held = placeholders(model)
-    return {r.key for (h, n), r in model.carried_refs.items() if n in held.get(h, {})} if held else set()
+    """The checkpoint keys the family's load took (held by reference, or since made live: an MTP module's
+    parameters, its copies of the shared embedding and head): a read reports them used, not ignored."""
+    return {r.key for r in (getattr(model, "carried_refs", None) or {}).values()}
 
 
 def write_refs(out_dir: Path, model: torch.nn.Module) -> None:

@@ -213,6 +213,23 @@ def test_tensors_a_family_carries_beyond_its_model_are_held_by_reference(hook_di
     assert load_to_device(src, "cpu") is None
 
 
+def test_an_mtp_layer_made_live_before_the_read_reads_as_on_a_whole_load(hook_dirs):
+    """`[moe] mtp_weight` makes the MTP layer live on the model built on meta (before the read): its tensors leave
+    the references and become parameters, which the read fills as the whole load's enable_mtp does."""
+    from kiln.parallel.sharded_load import lean_pretrained
+
+    src = hook_dirs["v3mtp"]
+    whole, lean = load_pretrained(src, task="causal-lm"), lean_pretrained(src, "causal-lm", None)
+    whole.enable_mtp("whole")
+    lean.enable_mtp("lean")
+    read_shards(lean, src)
+    assert lean.hf_extras == {} and lean.load_report.ignored == []
+    a, b = whole.hf_state_dict(), lean.hf_state_dict()
+    assert a.keys() == b.keys() and "model.layers.2.eh_proj.weight" in a
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
 def test_a_shape_that_disagrees_with_the_config_is_named(dirs):
     lean = empty_pretrained(dirs["qwen3"], task="causal-lm", intermediate_size=40)
     with pytest.raises(WeightsError, match=r"mlp\.(gate|up|down)_proj\.weight.*shape .*expects"):
@@ -272,17 +289,24 @@ def v3_with_mtp(path):
 
     cfg = AutoConfig.for_model("deepseek_v3", **TINY["deepseek_v3"])
     from_config(cfg, task="causal-lm", seed=0).save_pretrained(path, max_shard_bytes=60_000)
-    n = cfg.num_hidden_layers
-    for f in path.glob("*.safetensors"):  # each file's share of the last layer, copied as the MTP layer's
+    n, c = cfg.num_hidden_layers, cfg.hidden_size
+    g = torch.Generator().manual_seed(1)
+    own = {f"model.layers.{n}.{k}": torch.randn(*shape, generator=g) for k, shape in (
+        ("enorm.weight", (c,)), ("hnorm.weight", (c,)), ("eh_proj.weight", (c, 2 * c)),
+        ("shared_head.norm.weight", (c,)), ("embed_tokens.weight", (cfg.vocab_size, c)),
+        ("shared_head.head.weight", (cfg.vocab_size, c)))}
+    files = sorted(path.glob("*.safetensors"))
+    for f in files:  # each file's share of the last layer, copied as the MTP layer's; its own tensors in the last
         state = load_file(str(f))
         mtp = {k.replace(f"layers.{n - 1}.", f"layers.{n}."): v.clone() for k, v in state.items()
                if f"layers.{n - 1}." in k}
-        save_file({**state, **mtp}, str(f), metadata={"format": "pt"})
+        save_file({**state, **mtp, **(own if f == files[-1] else {})}, str(f), metadata={"format": "pt"})
     index = path / "model.safetensors.index.json"
     if index.is_file():
         data = json.loads(index.read_text())
         data["weight_map"].update({k.replace(f"layers.{n - 1}.", f"layers.{n}."): v
                                    for k, v in data["weight_map"].items() if f"layers.{n - 1}." in k})
+        data["weight_map"].update(dict.fromkeys(own, files[-1].name))
         index.write_text(json.dumps(data))
     return path
 
