@@ -414,9 +414,11 @@ def _aliases(model: nn.Module, saved: dict[str, tuple[int, ...] | None]) -> dict
 def _place_fp8(model: nn.Module, path: Path, saved: dict[str, tuple[int, ...] | None], config: dict) -> None:
     """A run that kept an FP8 base FP8 (`fp8 = "keep"`) saved FP8 weights and their scales: the FP8 modules go
     where they lie (as `prepare_fp8` places them at load, from the saved names, shapes and dtypes; no data read).
-    A dequantized run's shards hold no FP8 tensor and its model stays as built."""
+    A dequantized run's shards hold no FP8 tensor (nor the FP8 pairs a one-process load keeps to write unchanged
+    weights back FP8): its model stays as built, plain, and `quantization_config` leaves its config as
+    `dequantize_model` drops it, so the export's config says what its tensors are."""
     from kiln.hub.fp8 import FP8, is_fp4, scheme_from_config
-    from kiln.models.common.fp8 import prepare_fp8
+    from kiln.models.common.fp8 import dequantize_model, prepare_fp8
 
     scheme = scheme_from_config(config, str(path / "model" / "config.json"))
     if scheme is None:
@@ -425,6 +427,7 @@ def _place_fp8(model: nn.Module, path: Path, saved: dict[str, tuple[int, ...] | 
     state = {k: torch.empty(shape, dtype=meta["model." + k].properties.dtype, device="meta")
              for k, shape in saved.items() if shape is not None}
     if not any(t.dtype == FP8 or is_fp4(t) for t in state.values()):
+        dequantize_model(model)  # nothing FP8 on meta to convert: the config only
         return
     hf, _ = model.family.keymap(model.task).to_hf(state)
     prepare_fp8(model, hf, scheme, "keep", None, str(path))

@@ -302,3 +302,24 @@ def tp_runs(rank: int, world: int, model_dir: str, out: str) -> None:
     tp_steps(rank, world, model_dir, out)
     if world == 2:
         biased_pair(rank, world, out)
+
+
+def dequantized_checkpoint(rank: int, world: int, model_dir: str, out: str) -> None:
+    """The default (`fp8 = "dequantize"`) sharded load of an FP8 release under FSDP2 (each rank reads and
+    dequantizes its rows: kiln.parallel.sharded_fp8), one SGD step of the whole model, then a sharded
+    checkpoint in OUT/deq-ckpt."""
+    from kiln.parallel.apply import parallelize
+    from kiln.parallel.checkpoint import save_sharded
+    from kiln.parallel.sharded_load import lean_pretrained, read_shards
+    from kiln.train.config import ParallelSection
+
+    model = lean_pretrained(model_dir, "causal-lm", 0)
+    assert model is not None and model.fp8_state.mode == "dequantize" and not model.fp8_state.originals
+    parallelize(model, ParallelSection(fsdp=True), world_size=world, device=torch.device("cpu"))
+    read_shards(model, model.pending_read, "cpu")
+    ids = batch()
+    model(input_ids=ids, labels=ids).loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= LR * p.grad
+    save_sharded(os.path.join(out, "deq-ckpt"), model)

@@ -94,3 +94,31 @@ def test_expert_parallel_over_experts_kept_fp8_equals_one_process(fp8_moe_dir, t
                 assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
             else:
                 torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.slow
+def test_a_dequantized_fp8_run_exports_a_directory_whose_config_says_what_its_tensors_are(fp8_dir, tmp_path):
+    """The default (`fp8 = "dequantize"`): a sharded run reads its rows dequantized and keeps no FP8 pairs, so
+    `kiln export --checkpoint` writes plain weights and a config without `quantization_config` (it used to keep
+    it: transformers then reads plain tensors as FP8 ones with no scales); one process's export of the same
+    release writes the release's FP8 bytes back under it. transformers reads both as kiln computes them."""
+    from kiln.interop.export import export_model
+    from kiln.interop.verify import verify_export
+    from kiln.models.auto import load_pretrained
+
+    spawn(fw.dequantized_checkpoint, 2, (str(fp8_dir), str(tmp_path)))
+    one = load_pretrained(fp8_dir, task="causal-lm", seed=0)  # whole: the FP8 pairs kept (Fp8State.originals)
+    for out in (export_sharded(tmp_path / "deq-ckpt", tmp_path / "sharded"), export_model(one, tmp_path / "one")):
+        cfg = json.loads((out / "config.json").read_text())
+        weights = load_file(str(out / "model.safetensors"))
+        fp8 = sorted(k for k, v in weights.items() if v.dtype == torch.float8_e4m3fn)
+        if out.name == "sharded":  # plain float32 throughout, as the run held it
+            assert "quantization_config" not in cfg and fp8 == [] and {v.dtype for v in weights.values()} == \
+                {torch.float32} and not [k for k in weights if k.endswith("_scale_inv")], cfg
+        else:  # the release's FP8 weights and scales, byte for byte, under its quantization_config
+            release = load_file(str(fp8_dir / "model.safetensors"))
+            assert cfg["quantization_config"] == json.loads((fp8_dir / "config.json").read_text())[
+                "quantization_config"] and len(fp8) == 14 and weights.keys() == release.keys()
+            assert all(torch.equal(weights[k].view(torch.uint8), release[k].view(torch.uint8)) for k in fp8)
+        failed = [c.line() for c in verify_export(out) if not c.ok]  # no missing keys; outputs equal, max diff 0
+        assert failed == [], failed
