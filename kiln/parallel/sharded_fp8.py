@@ -1,4 +1,6 @@
-"""Reading an FP8 checkpoint to dequantize (`fp8 = "dequantize"`, the default) shard by shard.
+"""Reading an FP8 checkpoint to dequantize (`fp8 = "dequantize"`, the default) shard by shard, and, kept FP8
+(`fp8 = "keep"`), the FP8 weights no FP8 module holds (DeepSeek-V4's grouped `wo_a`), which a whole load
+dequantizes too.
 
 Each rank reads its piece of an FP8 weight (its rows, columns, or box of them, under any plan whose piece is
 a box; the whole weight for one process) and only the scale blocks that piece touches, and dequantizes that
@@ -7,7 +9,7 @@ whole load's dequantization bit for bit (kiln.hub.fp8.dequantize). A tensor that
 experts, a transpose) is read whole, one at a time, its FP8 sources dequantized with their whole scales as a
 whole load does, then cut to this rank's piece (sharded_load's general path). The FP8 pairs a whole load keeps
 beside the model for a one-process export (`Fp8State.originals`) are not read: a sharded run exports from its
-shards (kiln.parallel.checkpoint.export_sharded).
+shards (kiln.parallel.checkpoint.export_sharded), and one process loads such a checkpoint whole (`needs_pairs`).
 """
 
 from __future__ import annotations
@@ -23,14 +25,33 @@ from kiln.hub.fp8 import FP8, dequantize
 
 
 def dequantized_pairs(model: Any, spans: dict[str, Any]) -> dict[str, str]:
-    """Checkpoint key of each FP8 (or packed FP4) weight the model holds dequantized -> the key of its scale;
-    empty unless the model was built to dequantize an FP8 checkpoint (`fp8_state.mode == "dequantize"`)."""
+    """Checkpoint key of each FP8 (or packed FP4) weight the model holds dequantized -> the key of its scale:
+    every one when the model was built to dequantize an FP8 checkpoint (`fp8_state.mode == "dequantize"`); kept
+    FP8, those no FP8 module holds (`unheld_fp8`); else none."""
     state = getattr(model, "fp8_state", None)
-    if state is None or state.mode != "dequantize":
+    if state is None:
         return {}
-    scheme = state.scheme
+    scheme, unheld = state.scheme, getattr(model, "unheld_fp8", frozenset())
     return {k: scheme.scale_key(k) for k, span in spans.items()
-            if (span.dtype == FP8 or span.dtype == torch.int8) and scheme.scale_key(k) in spans}
+            if (span.dtype == FP8 or span.dtype == torch.int8) and scheme.scale_key(k) in spans
+            and (state.mode == "dequantize" or k in unheld)}
+
+
+def note_unheld(model: Any, stored: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> None:
+    """Kept FP8 (`fp8 = "keep"`): the FP8 weights no FP8 module holds (DeepSeek-V4's grouped `wo_a`), which a
+    whole load dequantizes (`stored`: the checkpoint's tensors, `weights`: the state a whole load loads; meta), go to `unheld_fp8`, read as the dequantized are.
+    A whole load keeps their FP8 pairs for a one-process export (`Fp8State.originals`); this read does not, so
+    the model `needs_pairs`."""
+    if model.fp8_state.mode == "keep":
+        model.unheld_fp8 = frozenset(k for k, t in stored.items() if (t.dtype == FP8 or t.dtype == torch.int8)
+                                     and k in weights and weights[k].dtype != t.dtype)
+
+
+def needs_pairs(model: Any) -> bool:
+    """Whether a one-process export of `model` needs the FP8 pairs only a whole load keeps: it dequantized FP8
+    weights it read (all of them, or those no FP8 module holds)."""
+    state = getattr(model, "fp8_state", None)
+    return state is not None and (state.mode == "dequantize" or bool(getattr(model, "unheld_fp8", None)))
 
 
 def _scale_box(index: tuple[slice, ...], block: tuple[int, int] | None) -> tuple[slice, ...]:

@@ -23,14 +23,14 @@ FP8 block-scaled checkpoints kept FP8 (`fp8 = "keep"`) read like any other: each
 weights (as bytes under FSDP2) and their scales (buffers: whole on every rank, as after a whole load); a tp
 rank its FP8 rows or columns and their scale blocks (tp_fp8.py; a piece that is a box is one slice read); ep ranks
 their experts' FP8 stacks and scale grids only (ep.py). Scales under DeepSeek-V4's `<module>.scale` names map as
-a whole load renames them. FP8 to dequantize (the default) is read as sharded_fp8.py says.
+a whole load renames them. FP8 to dequantize (the default), and kept FP8 weights no FP8 module holds (DeepSeek-V4's
+grouped `wo_a`), are read as sharded_fp8.py says.
 
 A family with its own load (`load_hf_state_dict`) has it run on the headers, so what it decides from the names and
 dtypes it decides as on a whole load: Qwen3.5-MoE's fused expert layout (exported fused), DeepSeek-V4's release
 naming and the parameters it holds in float32 (norms, sinks, hyper-connections: read into float32); the tensors it
 carries beside the model (MTP layers) are held by reference, not read (sharded_carried). Not covered yet (loaded
-whole): an FP8 checkpoint kept FP8 with an FP8 weight no FP8 module holds (e.g. DeepSeek-V4's grouped `wo_a` and MTP
-layers), tensors absent from the checkpoint (a new head), `.bin` weights. 4-bit bases (a bitsandbytes-4bit directory,
+whole): tensors absent from the checkpoint (a new head), `.bin` weights. 4-bit bases (a bitsandbytes-4bit directory,
 or `[model] quantize`) read as kiln.parallel.sharded_q4 says: each rank its run of the packed bytes (quantized at
 load from the stored values of its blocks), and the small quant state whole.
 """
@@ -57,7 +57,7 @@ from kiln.models.auto import apply_changes, load_config
 from kiln.models.pretrained import LoadReport, PreTrainedModel
 from kiln.models.tasks import BASE
 from kiln.parallel.sharded_carried import note_carried, placeholders, read_keys
-from kiln.parallel.sharded_fp8 import dequantized_pairs, read_dequantized
+from kiln.parallel.sharded_fp8 import dequantized_pairs, needs_pairs, note_unheld, read_dequantized
 from kiln.parallel.sharded_q4 import WholeLoad4, place_q4, q4_keys, q4_names, read_q4
 
 
@@ -75,7 +75,7 @@ def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None,
         return None
     try:
         model, groups, unplaced = _empty(path, task, fp8, changes, quantize)
-    except (WholeLoadOnly, WholeLoad4):
+    except WholeLoad4:
         return None
     q4 = q4_names(model)
     if any(n not in groups and n not in q4 for n, _ in (*model.named_parameters(), *model.named_buffers())):
@@ -136,22 +136,16 @@ def _empty(path: str | os.PathLike, task: str | None, fp8: str, changes: dict[st
     return model, groups, [k for k in spans if k not in placed]
 
 
-class WholeLoadOnly(WeightsError):
-    """A checkpoint this read cannot take as a whole load would (`lean_pretrained` then says None)."""
-
-
 def _place_fp8(model: PreTrainedModel, weights: dict[str, torch.Tensor], scheme: Any, path: Path, fp8: str
                ) -> dict[str, torch.Tensor]:
     """Put the FP8 modules where the FP8 weights land (kept), or note the weights to dequantize, decided from the
     headers (`weights`: meta tensors) as a whole load decides it from the tensors; returns the state a whole load
-    would load (meta). Kept: WholeLoadOnly for an FP8 weight no FP8 module holds (a whole load dequantizes it and
-    keeps its pair for the export). To dequantize: the pairs are not held (sharded_fp8)."""
+    would load (meta). An FP8 weight to dequantize (all of them, or kept, those no FP8 module holds) is read
+    dequantized piece by piece; the pairs a whole load keeps for a one-process export are not held (sharded_fp8)."""
     from kiln.models.common.fp8 import prepare_fp8
 
-    weights = prepare_fp8(model, weights, scheme, fp8, None, str(path))
-    if fp8 == "keep" and model.fp8_state.originals:
-        raise WholeLoadOnly(f"{path}: this FP8 checkpoint has an FP8 weight no FP8 module holds; load it whole "
-                            "(kiln.models.auto.load_pretrained)")
+    stored, weights = weights, prepare_fp8(model, weights, scheme, fp8, None, str(path))
+    note_unheld(model, stored, weights)
     model.fp8_state.originals = {}
     return weights
 
@@ -247,9 +241,8 @@ def load_to_device(path: str | os.PathLike, device: torch.device | str, task: st
     if seed is not None:  # the draws load_pretrained makes first (a checkpoint lean reads has no new tensor)
         torch.manual_seed(seed)
     model = lean_pretrained(path, task, seed, fp8=fp8, quantize=quantize, **changes)
-    if model is None or getattr(model, "fp8_state", None) is not None and model.fp8_state.mode == "dequantize" \
-            or placeholders(model):  # one process exports FP8 it dequantized from the pairs a whole load keeps
-        return None  # (Fp8State.originals), and the tensors a family carries (save_pretrained holds them)
+    if model is None or needs_pairs(model) or placeholders(model):  # one process exports FP8 it dequantized from
+        return None  # the pairs a whole load keeps (Fp8State.originals), and the tensors a family carries
     read_shards(model, model.pending_read, device)
     return model.eval()
 

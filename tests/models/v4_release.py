@@ -153,3 +153,21 @@ def tiny_release_source(tiny_factory, **overrides) -> Path:
                         mlp_layer_types=["hash_moe", "moe", "moe"], max_position_embeddings=256,
                         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
                         **overrides)
+
+
+def without_mtp(release: Path) -> Path:
+    """`release` rewritten in place without its MTP layer (tensors and config entries): a release whose every
+    tensor has a place in the model."""
+    state = load_file(str(release / "model.safetensors"))
+    save_file({k: v for k, v in state.items() if not k.startswith("mtp.")}, str(release / "model.safetensors"),
+              metadata={"format": "pt"})
+    cfg = json.loads((release / "config.json").read_text())
+    cfg.update(num_nextn_predict_layers=0, compress_ratios=cfg["compress_ratios"][:cfg["num_hidden_layers"]])
+    (release / "config.json").write_text(json.dumps(cfg, indent=2))
+    return release
+
+
+def fp8_release_without_mtp(tiny_factory, root: Path) -> Path:
+    """The tiny release (`make_release`) without its MTP layer, in ROOT/release: kept FP8, its grouped `wo_a` is an
+    FP8 weight no FP8 module holds."""
+    return without_mtp(make_release(tiny_release_source(tiny_factory), root / "release"))

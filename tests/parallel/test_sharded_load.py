@@ -352,7 +352,7 @@ def test_a_tensor_a_family_carries_in_its_own_holder_is_held_by_reference(hook_d
 CASES_2 = [("fsdp", "qwen3"), ("tp", "qwen3"), ("fsdp-lora", "qwen3"), ("ep", "moe"), ("fsdp", "tied"), ("pp", "qwen3"),
            ("pp", "tied"), ("fsdp-lora", "fp8"), ("ep", "fp8moe"), ("ep-fsdp-2", "fp8moe"), ("fsdp", "fp8moe"),
            ("fsdp", "fused"), ("fsdp", "v4"), ("fsdp", "v3mtp"), ("tp", "fp8tp"), ("fsdp-deq", "fp8"), ("tp-deq", "fp8tp"),
-           ("ep-deq", "fp8moe")]
+           ("ep-deq", "fp8moe"), ("fsdp", "v4fp8")]
 CASES_4 = [("tp-fsdp", "qwen3"), ("ep-fsdp", "moe"), ("pp-fsdp", "qwen3"), ("ep-fsdp", "fp8moe"), ("tp-fsdp", "fp8tp")]
 # 4-bit bases (kiln.parallel.sharded_q4), on 2 ranks: (mode, checkpoint of sw.q4_checkpoints, quantize at load)
 CASES_Q4 = [("fsdp", "bf16", "nf4"), ("fsdp", "bf16", "fp4"), ("fsdp", "bnb-nf4", None), ("fsdp-lora", "bnb-fp4", None),
@@ -366,11 +366,13 @@ def q4_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rank_results(dirs, fp8_dir, fp8_moe_dir, hook_dirs, q4_dirs, tiny_factory, tmp_path_factory):
+    from tests.models.v4_release import fp8_release_without_mtp
     from tests.parallel.fp8_keep_workers import tp_release
 
     out = tmp_path_factory.mktemp("sharded_ranks")
     paths = {**dirs, "fp8": fp8_dir, "fp8moe": fp8_moe_dir, **hook_dirs,
-             "fp8tp": tp_release(tiny_factory, tmp_path_factory.mktemp("sharded_fp8_tp"))}
+             "fp8tp": tp_release(tiny_factory, tmp_path_factory.mktemp("sharded_fp8_tp")),
+             "v4fp8": fp8_release_without_mtp(tiny_factory, tmp_path_factory.mktemp("v4fp8"))}
     q4 = [(str(q4_dirs[name]), mode, f"{mode}-{name}-{quant}", quant) for mode, name, quant in CASES_Q4]
     for world, cases in ((2, CASES_2), (4, CASES_4)):
         spawn(sw.compare_many, world, ([(str(paths[name]), mode, f"{mode}-{name}") for mode, name in cases]
@@ -402,6 +404,8 @@ def test_each_rank_reads_what_a_whole_load_then_shard_gives(rank_results, mode, 
         assert r["carried"][0] == r["carried"][1], r["carried"]  # what the family carries: the same names
         if name == "v3mtp":  # its MTP layer held by reference: no bytes of it on any rank, and no weight read whole
             assert r["carried"][1] and r["carried_bytes"] == 0 and r["read_whole"] == [], r
+        if name == "v4fp8":  # kept: the FP8 modules' rows as stored; wo_a (no FP8 module holds it) its rows and
+            assert r["fp8_split"] > 0 and r["read_whole"] == [], r  # their scale blocks, dequantized (sharded_fp8)
         if mode.startswith("fsdp"):  # a trained embedding shards; LoRA's frozen one stays whole (no root gather)
             assert r["embedding_sharded"] == (mode in ("fsdp", "fsdp-deq")), r
 
