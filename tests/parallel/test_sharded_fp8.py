@@ -20,8 +20,9 @@ def v4fp8_dir(tiny_factory, tmp_path_factory):
 
 def test_an_fp8_weight_no_fp8_module_holds_is_read_dequantized_and_one_process_loads_it_whole(v4fp8_dir):
     """Kept FP8 (`fp8 = "keep"`), DeepSeek-V4's `wo_a` is dequantized as a whole load dequantizes it, its piece
-    read with its scale blocks (sharded_fp8): the same tensors, bit for bit (2 ranks: test_sharded_load's spawn). One process
-    (`load_to_device`) loads such a release whole: its export writes `wo_a` back from the pair a whole load keeps."""
+    read with its scale blocks (sharded_fp8): the same tensors, bit for bit (2 ranks: test_sharded_load's spawn).
+    One process (`load_to_device`) loads such a release whole: its export writes `wo_a` back from the pair a whole
+    load keeps."""
     whole = load_pretrained(v4fp8_dir, task="causal-lm", fp8="keep")
     lean = lean_pretrained(v4fp8_dir, "causal-lm", None, fp8="keep")
     read_shards(lean, v4fp8_dir)
