@@ -39,9 +39,9 @@ def dequantized_pairs(model: Any, spans: dict[str, Any]) -> dict[str, str]:
 
 def note_unheld(model: Any, stored: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> None:
     """Kept FP8 (`fp8 = "keep"`): the FP8 weights no FP8 module holds (DeepSeek-V4's grouped `wo_a`), which a
-    whole load dequantizes (`stored`: the checkpoint's tensors, `weights`: the state a whole load loads; meta), go to `unheld_fp8`, read as the dequantized are.
-    A whole load keeps their FP8 pairs for a one-process export (`Fp8State.originals`); this read does not, so
-    the model `needs_pairs`."""
+    whole load dequantizes (`stored`: the checkpoint's tensors, `weights`: the state a whole load loads; meta),
+    go to `unheld_fp8`, read as the dequantized are. A whole load keeps their FP8 pairs for a one-process export
+    (`Fp8State.originals`); this read does not, so the model `needs_pairs`."""
     if model.fp8_state.mode == "keep":
         model.unheld_fp8 = frozenset(k for k, t in stored.items() if (t.dtype == FP8 or t.dtype == torch.int8)
                                      and k in weights and weights[k].dtype != t.dtype)
