@@ -30,7 +30,8 @@ A family with its own load (`load_hf_state_dict`) has it run on the headers, so 
 dtypes it decides as on a whole load: Qwen3.5-MoE's fused expert layout (exported fused), DeepSeek-V4's release
 naming and the parameters it holds in float32 (norms, sinks, hyper-connections: read into float32); the tensors it
 carries beside the model (MTP layers) are held by reference, not read (sharded_carried). Not covered yet (loaded
-whole): tensors absent from the checkpoint (a new head), `.bin` weights. 4-bit bases (a bitsandbytes-4bit directory,
+whole): carried tensors the family's load does not keep as stored (DeepSeek-V4's FP8 MTP layers), tensors absent
+from the checkpoint (a new head), `.bin` weights. 4-bit bases (a bitsandbytes-4bit directory,
 or `[model] quantize`) read as kiln.parallel.sharded_q4 says: each rank its run of the packed bytes (quantized at
 load from the stored values of its blocks), and the small quant state whole.
 """
