@@ -29,11 +29,12 @@ grouped `wo_a`), are read as sharded_fp8.py says.
 A family with its own load (`load_hf_state_dict`) has it run on the headers, so what it decides from the names and
 dtypes it decides as on a whole load: Qwen3.5-MoE's fused expert layout (exported fused), DeepSeek-V4's release
 naming and the parameters it holds in float32 (norms, sinks, hyper-connections: read into float32); the tensors it
-carries beside the model (MTP layers) are held by reference, not read (sharded_carried). Not covered yet (loaded
-whole): carried tensors the family's load does not keep as stored (DeepSeek-V4's FP8 MTP layers), tensors absent
-from the checkpoint (a new head), `.bin` weights. 4-bit bases (a bitsandbytes-4bit directory,
-or `[model] quantize`) read as kiln.parallel.sharded_q4 says: each rank its run of the packed bytes (quantized at
-load from the stored values of its blocks), and the small quant state whole.
+carries beside the model (MTP layers) are held by reference, not read (sharded_carried). A new head and a PEFT adapter
+beside the weights: drawn and put on as a whole load does (sharded_fresh). Not covered yet (loaded whole): carried
+tensors the family's load does not keep as stored (DeepSeek-V4's FP8 MTP layers), what sharded_fresh does not take,
+`.bin` weights. 4-bit bases (a bitsandbytes-4bit directory, or `[model] quantize`) read as kiln.parallel.sharded_q4
+says: each rank its run of the packed bytes (quantized at load from the stored values of its blocks), and the small
+quant state whole.
 """
 
 from __future__ import annotations
@@ -59,30 +60,29 @@ from kiln.models.pretrained import LoadReport, PreTrainedModel
 from kiln.models.tasks import BASE
 from kiln.parallel.sharded_carried import note_carried, placeholders, read_keys
 from kiln.parallel.sharded_fp8 import dequantized_pairs, needs_pairs, note_unheld, read_dequantized
+from kiln.parallel.sharded_fresh import init_fresh, start_draws, with_adapter
 from kiln.parallel.sharded_q4 import WholeLoad4, place_q4, q4_keys, q4_names, read_q4
 
 
 def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None, fp8: str = "dequantize",
                     quantize: str | None = None, **changes: Any) -> PreTrainedModel | None:
-    """`empty_pretrained` when this checkpoint can be read shard by shard (safetensors,
-    no adapter beside it, every tensor of the model in it; 4-bit ones: kiln.parallel.sharded_q4); else None, and
-    the caller loads it whole.
+    """`empty_pretrained` when this checkpoint can be read shard by shard (safetensors; a new head or an adapter
+    beside it: kiln.parallel.sharded_fresh; 4-bit: kiln.parallel.sharded_q4); else None: the caller loads it whole.
     The model carries `pending_read` (the directory) and `pending_seed` for the Trainer (`read_shards`,
     `init_adapters`)."""
-    from kiln.models.common.lora import has_adapter
-
     path = resolve_model_dir(path)
-    if has_adapter(path) or any(f.suffix != ".safetensors" for f in weight_files(path)):
+    if any(f.suffix != ".safetensors" for f in weight_files(path)):
         return None
     try:
         model, groups, unplaced = _empty(path, task, fp8, changes, quantize)
     except WholeLoad4:
         return None
-    q4 = q4_names(model)
-    if any(n not in groups and n not in q4 for n, _ in (*model.named_parameters(), *model.named_buffers())):
-        return None  # a new head: its fresh init is the whole load's business
     if unplaced and type(model).load_hf_state_dict is not PreTrainedModel.load_hf_state_dict:
         return None  # the family's own load keeps tensors the model has no place for, not as stored: a whole load
+    q4 = q4_names(model)
+    missing = [n for n, _ in (*model.named_parameters(), *model.named_buffers()) if n not in groups and n not in q4]
+    if missing and not init_fresh(model, path, missing, seed) or not with_adapter(model, path, seed, init_adapters):
+        return None  # a new head or an adapter that only a whole load puts on (kiln.parallel.sharded_fresh)
     model.pending_read, model.pending_seed = path, seed
     if Tokenizer.present(path):
         model.tokenizer = Tokenizer.from_dir(path)
@@ -239,7 +239,7 @@ def load_to_device(path: str | os.PathLike, device: torch.device | str, task: st
     """The model of an HF directory, read file -> `device` tensor by tensor (no whole copy in host memory), as
     `load_pretrained(path, task, seed=seed, fp8=fp8, quantize=quantize, **changes).to(device)` gives it, in eval
     mode; None when the checkpoint cannot be read so (`lean_pretrained`): the caller loads it whole."""
-    if seed is not None:  # the draws load_pretrained makes first (a checkpoint lean reads has no new tensor)
+    if seed is not None:  # load_pretrained's first step (a new head's draws follow it: sharded_fresh)
         torch.manual_seed(seed)
     model = lean_pretrained(path, task, seed, fp8=fp8, quantize=quantize, **changes)
     if model is None or needs_pairs(model) or placeholders(model):  # one process exports FP8 it dequantized from
@@ -314,7 +314,8 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
     held = model.state_dict(keep_vars=True)
     used = {k for kiln, sources in groups.items() if kiln in held for k, _ in sources} | set(extras)
     used |= q4_keys(model, spans) | {s for k, s in dequantized.items() if k in used} | read_keys(model)
-    model.load_report = LoadReport(ignored=sorted(model.normalise_hf_names([k])[k][0] for k in where if k not in used))
+    model.load_report = LoadReport(ignored=sorted(model.normalise_hf_names([k])[k][0] for k in where if k not in used),
+                                   initialized=getattr(model, "fresh_names", []))  # a new head (sharded_fresh)
     model.tie_weights()
     model.pending_read = model.q4_read = None
 
@@ -344,8 +345,7 @@ def init_adapters(model: nn.Module, device: torch.device | str, seed: int | None
     from kiln.models.common.lora_experts import ExpertLora
 
     adapters = [m for m in model.modules() if isinstance(m, (LoraLinear, ExpertLora)) and m.lora_A.weight.is_meta]
-    if seed is not None:
-        torch.manual_seed(seed)
+    start_draws(model, seed, device)  # the seed, then past a new head's draws (kiln.parallel.sharded_fresh)
     for m in adapters:
         m.lora_A.to_empty(device=device)
         m.lora_B.to_empty(device=device)

@@ -10,15 +10,15 @@ import resource
 import torch
 from torch.distributed.tensor import DTensor
 
-from kiln.models.auto import load_pretrained
-from kiln.models.common.lora import LoraConfig, apply_lora
+from kiln.models.auto import load_config, load_pretrained
+from kiln.models.common.lora import LoraConfig, apply_lora, has_adapter
 from kiln.parallel.apply import parallelize
 from kiln.parallel import sharded_load
 from kiln.parallel.sharded_carried import HOLDERS
 from kiln.parallel.sharded_load import empty_pretrained, init_adapters, loaded_bytes, read_shards
 from kiln.train.config import ParallelSection
 
-MODES = {"fsdp": dict(fsdp=True), "fsdp-lora": dict(fsdp=True), "pp": dict(pp=2, microbatches=2),
+MODES = {"fsdp": dict(fsdp=True), "fsdp-lora": dict(fsdp=True), "fsdp-adapter": dict(fsdp=True), "pp": dict(pp=2, microbatches=2),
          "pp-fsdp": dict(pp=2, microbatches=2, fsdp=True), "tp": dict(tp=2), "ep": dict(ep=2), "tp-fsdp": dict(tp=2, fsdp=True),
          "ep-fsdp": dict(ep=2, fsdp=True), "ep-fsdp-2": dict(ep=2, fsdp=True)}
 # an FP8 release read to dequantize (the default), each rank its pieces of the FP8 weights and their scale blocks
@@ -35,35 +35,48 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def compare_many(rank: int, world: int, jobs: list[tuple], out: str) -> None:
-    """`compare` for each (model_dir, mode, tag[, quantize]) in one spawn (starting the ranks costs more than the
-    tiny loads)."""
-    for model_dir, mode, tag, *quantize in jobs:
-        compare(rank, world, model_dir, mode, out, tag, *quantize)
+    """`compare` for each (model_dir, mode, tag[, quantize[, task, labels]]) in one spawn (starting the ranks costs
+    more than the tiny loads)."""
+    for model_dir, mode, tag, *rest in jobs:
+        compare(rank, world, model_dir, mode, out, tag, *rest)
 
 
 def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str | None = None,
-            quantize: str | None = None) -> None:
+            quantize: str | None = None, task: str = "causal-lm", labels: list[str] | None = None) -> None:
     """Whole load then `mode`'s plans vs built on meta, the plans, then the read; to OUT/<tag>-rank<r>.json.
-    `quantize`: "nf4" | "fp4" at load. `q4_reads`: (file, offset, bytes) of each read of a 4-bit weight's rows."""
+    `quantize`: "nf4" | "fp4" at load. `q4_reads`: (file, offset, bytes) of each read of a 4-bit weight's rows.
+    `task` (and `labels`) other than the checkpoint's: a head the checkpoint lacks (kiln.parallel.sharded_fresh),
+    built by `lean_pretrained` as `kiln train` builds it (so is a directory with an adapter beside it); under LoRA both models then take two steps (dropout on)
+    from the generator state each load left (`rng_equal`: the same state), and `steps` holds both runs' losses."""
     from kiln.parallel import sharded_q4
+    from kiln.parallel.sharded_load import lean_pretrained
 
     sharded_q4.CHUNK_VALUES = 101 * 64  # quantized at load: several chunks per rank's run of a weight, as at real size
 
     parallel = ParallelSection(**MODES[mode])
-    lora = LoraConfig(r=4, alpha=8, dropout=0.0, targets=["q_proj", "v_proj", "gate_proj"]) \
+    changes = {"labels": labels} if labels else {}
+    targets = ["q_proj", "v_proj", "gate_proj"] if task == "causal-lm" else ["q_proj", "v_proj", "up_proj"]
+    lora = LoraConfig(r=4, alpha=8, dropout=0.0 if task == "causal-lm" else 0.3, targets=targets) \
         if mode.endswith("-lora") else None
     with open(os.path.join(model_dir, "config.json")) as f:  # an FP8 release: kept FP8, a frozen base
         fp8 = "keep" if "quantization_config" in json.load(f) and not mode.endswith("-deq") else "dequantize"
-    whole = load_pretrained(model_dir, task="causal-lm", seed=5, fp8=fp8, quantize=quantize)
+    source = load_config(model_dir)[2]
+    fresh = source is not None and source != task  # a head the checkpoint lacks: drawn from the seed
+    adapter = has_adapter(model_dir)  # a PEFT adapter beside the weights: put on as the whole load puts it
+    whole = load_pretrained(model_dir, task=task, seed=5, fp8=fp8, quantize=quantize, **changes)
     whole_bytes = sum(t.nbytes for t in whole.state_dict().values())  # the model one process holds
     if lora:
         apply_lora(whole, lora)
+    after_whole = torch.get_rng_state()
     parallelize(whole, parallel, world_size=world, device=torch.device("cpu"))
-    lean = empty_pretrained(model_dir, task="causal-lm", fp8=fp8, quantize=quantize)
+    torch.manual_seed(321)  # what a load draws it draws from its seed, whatever happened since
+    lean = lean_pretrained(model_dir, task, 5, fp8=fp8, quantize=quantize, **changes) if fresh or adapter else \
+        empty_pretrained(model_dir, task=task, fp8=fp8, quantize=quantize)
     if lora:
         apply_lora(lean, lora)
         torch.manual_seed(123)  # init_adapters draws from its own seed, whatever happened since
         init_adapters(lean, "cpu", seed=5)
+    after_lean = torch.get_rng_state()
     parallelize(lean, parallel, world_size=world, device=torch.device("cpu"))
     read_whole = []  # the tensors read whole (one checkpoint tensor at a time), then cut to this rank's piece
     q4_reads = []
@@ -77,6 +90,8 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str
         sharded_load._fill, sharded_load.read_dequantized, sharded_q4.read_into = fill, dequantized, read_into
     a, b = whole.state_dict(), lean.state_dict()
     problems = [k for k in a if k not in b] + [k for k in b if k not in a]
+    if fresh and whole.load_report.initialized != lean.load_report.initialized:  # (a stage reports others ignored)
+        problems.append(f"initialized: {whole.load_report.initialized} vs {lean.load_report.initialized}")
     for k in a.keys() & b.keys():
         x, y = _local(a[k]), _local(b[k])
         if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(_bits(x), _bits(y)):
@@ -93,6 +108,8 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str
         a_hf, b_hf = written(whole), written(lean)
         problems += [f"written {k}: {a_hf.get(k)} vs {b_hf.get(k)}" for k in a_hf.keys() | b_hf.keys()
                      if a_hf.get(k) != b_hf.get(k)]
+    steps = [_two_steps(m, state, task, rank) for m, state in ((whole, after_whole), (lean, after_lean))] \
+        if lora and fresh else []  # after the comparison: the steps change the weights
     with open(os.path.join(out, f"{tag or mode}-rank{rank}.json"), "w") as f:
         experts = {k: _local(t) for k, t in b.items() if ".experts." in k}
         json.dump({"problems": sorted(problems), "tensors": len(a), "bytes": loaded_bytes(lean),
@@ -104,14 +121,41 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str
                                              if ".experts." in k),
                    "embedding_sharded": isinstance(dict(lean.named_parameters()).get("model.embed_tokens.weight"),
                                                    DTensor),
-                   "whole_bytes": whole_bytes,
                    # what the family carries beside the model (MTP layers): by name; the lean model's bytes of them
                    "carried": [sorted(f"{h}.{n}" for h in HOLDERS for n in getattr(m, h, None) or {})
                                for m in (whole, lean)],
                    "carried_bytes": sum(t.nbytes for h in HOLDERS for t in (getattr(lean, h, None) or {}).values()
                                         if not t.is_meta),
+                   "whole_bytes": whole_bytes, "steps": steps, "rng_equal": torch.equal(after_whole, after_lean),
+                   "initialized": lean.load_report.initialized, "lora_tensors": sum(".lora_" in k for k in b),
+                   "fresh_bytes": {k: [_local(b[k]).nbytes, a[k].numel() * a[k].element_size()] for k in b
+                                   if fresh and k in _kiln_names(lean)},  # [this rank's, the whole tensor's]
                    "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}, f)
 
+
+
+def _kiln_names(model) -> set[str]:
+    """The kiln names of the tensors its load reported newly initialised."""
+    keymap = model.family.keymap(model.task)
+    return {k for k in model.state_dict() if (keymap.hf_name(k) or k) in model.load_report.initialized}
+
+
+def _two_steps(model, state: torch.Tensor, task: str, rank: int) -> list[float]:
+    """Two SGD steps of a LoRA model in train mode (dropout drawing) from generator `state`; the losses."""
+    torch.set_rng_state(state)
+    model.train()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    g = torch.Generator().manual_seed(rank)
+    out = []
+    for _ in range(2):
+        ids = torch.randint(1, 99, (2, 9), generator=g)
+        y = torch.randint(0, 3, (2,), generator=g) if task == "sequence-classification" else ids
+        loss = model(ids, labels=y).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
 
 
 def save_sharded_runs(rank: int, world: int, jobs: list[tuple[str, str]]) -> None:
@@ -152,3 +196,16 @@ def q4_checkpoints(root) -> dict:
         q.save_pretrained(root / f"bnb-{quant}", max_shard_bytes=40_000)
         out[f"bnb-{quant}"] = root / f"bnb-{quant}"
     return out
+
+
+def with_adapter(path, base):
+    """`base` saved again with a trained-looking PEFT adapter beside it (on q_proj and down_proj: columns and rows under tp), under `path`."""
+    model = load_pretrained(base, task="causal-lm")
+    apply_lora(model, LoraConfig(r=4, alpha=8, dropout=0.0, targets=["q_proj", "down_proj"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(generator=torch.Generator().manual_seed(len(n)))
+    model.save_pretrained(path, max_shard_bytes=8_000)
+    assert (path / "adapter_model.safetensors").is_file()
+    return path

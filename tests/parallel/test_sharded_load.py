@@ -24,17 +24,23 @@ MOE = dict(vocab_size=99, hidden_size=32, intermediate_size=48, moe_intermediate
            num_experts_per_tok=2, norm_topk_prob=True)
 
 
-def _save(path, family: str, size: dict, tie: bool = False):
-    model = from_config(AutoConfig.for_model(family, tie_word_embeddings=tie, **size), task="causal-lm", seed=0)
+def _save(path, family: str, size: dict, tie: bool = False, task: str = "causal-lm"):
+    model = from_config(AutoConfig.for_model(family, tie_word_embeddings=tie, **size), task=task, seed=0)
     model.to(torch.bfloat16).save_pretrained(path, max_shard_bytes=8_000)  # several files and an index
     return path
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
+    from kiln.interop.tiny import TINY
+
     root = tmp_path_factory.mktemp("sharded_load")
     return {"qwen3": _save(root / "qwen3", "qwen3", QWEN3), "moe": _save(root / "moe", "qwen3_moe", MOE),
-            "tied": _save(root / "tied", "qwen3", QWEN3, tie=True)}
+            "tied": _save(root / "tied", "qwen3", QWEN3, tie=True),
+            # base models (no head): loaded with one, its tensors are new (kiln.parallel.sharded_fresh)
+            "qwen3-base": _save(root / "qwen3-base", "qwen3", QWEN3, task="base"),
+            "roberta-base": _save(root / "roberta-base", "roberta", TINY["roberta"], task="base"),
+            "adapter": sw.with_adapter(root / "adapter", root / "qwen3")}
 
 
 @pytest.fixture(scope="module")
@@ -353,6 +359,10 @@ CASES_2 = [("fsdp", "qwen3"), ("tp", "qwen3"), ("fsdp-lora", "qwen3"), ("ep", "m
            ("pp", "tied"), ("fsdp-lora", "fp8"), ("ep", "fp8moe"), ("ep-fsdp-2", "fp8moe"), ("fsdp", "fp8moe"),
            ("fsdp", "fused"), ("fsdp", "v4"), ("fsdp", "v3mtp"), ("tp", "fp8tp"), ("fsdp-deq", "fp8"), ("tp-deq", "fp8tp"),
            ("ep-deq", "fp8moe"), ("fsdp", "v4fp8")]
+# base checkpoints loaded with a head they lack (kiln.parallel.sharded_fresh): name -> (task, labels)
+FRESH = {"qwen3-base": ("causal-lm", None), "roberta-base": ("sequence-classification", ["neg", "neu", "pos"])}
+CASES_2 += [("fsdp", "qwen3-base"), ("tp", "qwen3-base"), ("pp", "qwen3-base"), ("fsdp-lora", "roberta-base"),
+            ("fsdp-adapter", "adapter"), ("tp", "adapter"), ("pp", "adapter")]  # and a PEFT adapter beside the weights
 CASES_4 = [("tp-fsdp", "qwen3"), ("ep-fsdp", "moe"), ("pp-fsdp", "qwen3"), ("ep-fsdp", "fp8moe"), ("tp-fsdp", "fp8tp")]
 # 4-bit bases (kiln.parallel.sharded_q4), on 2 ranks: (mode, checkpoint of sw.q4_checkpoints, quantize at load)
 CASES_Q4 = [("fsdp", "bf16", "nf4"), ("fsdp", "bf16", "fp4"), ("fsdp", "bnb-nf4", None), ("fsdp-lora", "bnb-fp4", None),
@@ -375,7 +385,8 @@ def rank_results(dirs, fp8_dir, fp8_moe_dir, hook_dirs, q4_dirs, tiny_factory, t
              "v4fp8": fp8_release_without_mtp(tiny_factory, tmp_path_factory.mktemp("v4fp8"))}
     q4 = [(str(q4_dirs[name]), mode, f"{mode}-{name}-{quant}", quant) for mode, name, quant in CASES_Q4]
     for world, cases in ((2, CASES_2), (4, CASES_4)):
-        spawn(sw.compare_many, world, ([(str(paths[name]), mode, f"{mode}-{name}") for mode, name in cases]
+        spawn(sw.compare_many, world, ([(str(paths[name]), mode, f"{mode}-{name}", None, *FRESH.get(name, ()))
+                                        for mode, name in cases]
                                        + (q4 if world == 2 else []), str(out)))
     return out
 
@@ -408,6 +419,17 @@ def test_each_rank_reads_what_a_whole_load_then_shard_gives(rank_results, mode, 
             assert r["fp8_split"] > 0 and r["read_whole"] == [], r  # their scale blocks, dequantized (sharded_fp8)
         if mode.startswith("fsdp"):  # a trained embedding shards; LoRA's frozen one stays whole (no root gather)
             assert r["embedding_sharded"] == (mode in ("fsdp", "fsdp-deq")), r
+        if name in FRESH:  # the new head drawn as the whole load draws it, the generator left where it leaves it
+            assert r["initialized"] and r["rng_equal"] and set(r["fresh_bytes"]).isdisjoint(r["read_whole"]), r
+            if mode != "pp" or rank == 1:  # (the head lives on the last stage)
+                assert r["fresh_bytes"], r
+            if mode in ("fsdp", "tp"):  # and each rank keeps its piece only (99 rows of 64 bytes: 50 and 49)
+                assert all(mine * 2 <= whole + 64 for mine, whole in r["fresh_bytes"].values()), r["fresh_bytes"]
+        if name == "adapter":  # the adapter's tensors (checked equal above), drawn first as the whole load draws them
+            assert r["rng_equal"] and r["lora_tensors"] == (4 if mode == "pp" else 8), r
+        if mode == "fsdp-lora" and name in FRESH:  # two steps with dropout from there: the same losses, exactly
+            whole_run, lean_run = r["steps"]
+            assert len(whole_run) == 2 and whole_run == lean_run, r["steps"]
 
 
 def _read(r: dict, f: str, s) -> int:

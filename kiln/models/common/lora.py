@@ -257,8 +257,15 @@ def has_adapter(model_dir: str | os.PathLike) -> bool:
 
 def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> nn.Module:
     """Apply a PEFT LoRA adapter (config + weights) to a kiln model, in place."""
+    tensors = apply_adapter(model, adapter_dir)
+    model.load_state_dict(adapter_state(model, adapter_dir, tensors), strict=False)
+    return model
+
+
+def apply_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The adapters of a PEFT LoRA adapter directory on a kiln model (`apply_lora`: on a model built on meta, meta
+    adapters), on the modules its tensors name; returns its tensors (`read_adapter_tensors`)."""
     config = read_adapter_config(adapter_dir)
-    path = Path(adapter_dir) / "adapter_model.safetensors"
     keymap = model.family.keymap(model.task)
     tensors = read_adapter_tensors(adapter_dir)
     # the modules holding tensors are the ones to adapt: target_modules may be leaf names that also
@@ -269,6 +276,16 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> nn.Module:
     if held or config.target_parameters:
         config = dataclasses.replace(config, targets=held)
     apply_lora(model, config)
+    return tensors
+
+
+def adapter_state(model: nn.Module, adapter_dir: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """The adapter directory's tensors (or `tensors`, read from it) under the model's names, in the dtypes of the
+    adapters `apply_adapter` put on it; a tensor no adapter takes, or an adapter without its tensor, is named."""
+    path = Path(adapter_dir) / "adapter_model.safetensors"
+    keymap = model.family.keymap(model.task)
+    tensors = tensors if tensors is not None else read_adapter_tensors(adapter_dir)
     expected = lora_state_dict(model)
     from_experts = {hf: kiln for kiln, hf in expert_adapter_names(model).items()}
     loaded = {}
@@ -284,8 +301,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> nn.Module:
     if missing:
         names = ", ".join(_hf_name(model, m, expert_adapter_names(model)) for m in missing[:4])
         raise KilnError(f"{path}: missing adapter tensor(s) {names}")
-    model.load_state_dict(loaded, strict=False)
-    return model
+    return loaded
 
 
 @torch.no_grad()

@@ -1,0 +1,108 @@
+"""Tensors a checkpoint lacks (a new head) on a model read shard by shard (kiln.parallel.sharded_load).
+
+A whole load (`kiln.models.auto.load_pretrained(seed=...)`) seeds the generator, loads the checkpoint's tensors and
+initialises those it lacks and the source architecture does not owe (`PreTrainedModel._match_hf`'s fresh ones: the
+`lm_head` of a causal LM on a base checkpoint, a classifier on an encoder's) module by module in module order
+(`_materialise_fresh`), in the load's compute dtype. `init_fresh` makes the same draws on the meta-built model: the
+same modules, in the same order, from the same seed, whole on the CPU (a classifier is small, `num_labels x hidden`;
+an untied `lm_head` is one vocabulary-sized tensor, held whole on each rank until the plans shard it). The values are then
+real before the plans: a plan shards them as it shards LoRA's adapters, and `read_shards` keeps them (each rank its
+piece); a one-process read copies them to the device. The generator state after the draws is kept on the model
+(`fresh_rng`) so that `init_adapters` draws the LoRA adapters from where a whole load leaves the generator, not from
+the bare seed. A PEFT adapter saved beside the checkpoint (`with_adapter`) is put on as the whole load puts it: its
+adapters drawn (then overwritten) as `load_adapter` draws them, its tensors read whole (an adapter is small).
+
+Not taken (False, and the caller loads whole): a new head on a family with its own load (its fresh init runs on the
+whole model), FP8 or 4-bit bases, a fresh buffer, and a tensor the checkpoint owes but lacks (the whole load names it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from kiln.errors import WeightsError
+from kiln.hub.weights import tensor_spans, weight_files
+from kiln.models.pretrained import PreTrainedModel, init_module_shallow
+
+
+def init_fresh(model: PreTrainedModel, path: Path, missing: list[str], seed: int | None) -> bool:
+    """Initialise `missing` (the model's tensors no checkpoint tensor fills; the model built on meta) as a whole
+    load with `seed` initialises them. False when this read cannot (see the module's docstring)."""
+    if type(model).load_hf_state_dict is not PreTrainedModel.load_hf_state_dict \
+            or getattr(model, "fp8_state", None) is not None or getattr(model, "bnb4_state", None) is not None \
+            or getattr(model, "q4_read", None):
+        return False
+    params = dict(model.named_parameters())
+    if any(n not in params for n in missing):
+        return False  # a buffer: a whole load leaves it as built
+    meta = {k: torch.empty(s.shape, dtype=s.dtype, device="meta")
+            for f in weight_files(path) for k, s in tensor_spans(f).items()}  # in load_weights' order
+    try:  # the whole load's own matching, on the headers: which tensors are fresh, which owed
+        used, _, fresh, _ = model._match_hf(meta, str(path), model.source_task)
+    except WeightsError:
+        return False  # the whole load raises it, with its message
+    if sorted(fresh) != sorted(missing):
+        return False
+    # the load's compute dtype, as PreTrainedModel.load_hf_state_dict picks it
+    dtype = next((v.dtype for k, v in used.items() if v.dtype.is_floating_point and v.element_size() > 1
+                  and not k.endswith("_scale_inv")), torch.float32)
+    if seed is not None:
+        torch.manual_seed(seed)  # load_pretrained's first step: nothing draws before the fresh init
+    std = getattr(model.config, "initializer_range", 0.02)
+    holders = {id(m) for n, m in model.named_modules()
+               if any((f"{n}.{p}" if n else p) in fresh for p, _ in m.named_parameters(recurse=False))}
+    for module in model.modules():  # _materialise_fresh's order and draws; only the modules holding fresh tensors
+        if id(module) not in holders:
+            continue
+        module.to_empty(device="cpu", recurse=False)
+        for p in module.parameters(recurse=False):
+            p.data = p.data.to(dtype)
+        with torch.no_grad():
+            init_module_shallow(module, std)
+    model.tie_weights()
+    keymap = model.family.keymap(model.task)
+    model.fresh_names = [keymap.hf_name(k) or k for k in fresh]  # the whole load's report of them
+    model.fresh_rng = torch.get_rng_state()
+    return True
+
+
+def with_adapter(model: PreTrainedModel, path: Path, seed: int | None,
+                 init_adapters: Callable[[nn.Module, torch.device | str, int | None], int]) -> bool:
+    """Put the PEFT LoRA adapter saved beside the checkpoint on the meta-built model as a whole load puts it
+    (`load_adapter`): its adapters on the modules it names, drawn as `apply_lora` draws them on the loaded model
+    (`init_adapters`: from the seed, past a new head's draws), then its tensors, read whole (an adapter is small),
+    in their place; real before the plans, which shard them as they shard trained adapters. The generator state
+    after is kept (`fresh_rng`) for the next adapters' draws. True at once when there is no adapter; False for an
+    FP8 or 4-bit base (loaded whole)."""
+    from kiln.models.common.lora import adapter_state, apply_adapter, has_adapter
+
+    if not has_adapter(path):
+        return True
+    if getattr(model, "fp8_state", None) is not None or getattr(model, "q4_read", None):
+        return False
+    tensors = apply_adapter(model, path)
+    init_adapters(model, "cpu", seed)
+    with torch.no_grad():
+        for name, value in adapter_state(model, path, tensors).items():
+            model.get_parameter(name).copy_(value)
+    model.fresh_rng = torch.get_rng_state()
+    return True
+
+
+def start_draws(model: nn.Module, seed: int | None, device: torch.device | str) -> None:
+    """Put the generator where a whole load with `seed` leaves it (after the fresh tensors' draws, if any), and the
+    fresh tensors (CPU, whole, before any plan) on `device`: what `init_adapters` draws next, it draws as
+    `apply_lora` does on the whole-loaded model."""
+    state = getattr(model, "fresh_rng", None)
+    if state is None:
+        if seed is not None:
+            torch.manual_seed(seed)
+        return
+    torch.set_rng_state(state)
+    for p in model.parameters():  # the fresh tensors, an adapter read beside the weights (those to draw are meta)
+        if not p.is_meta:
+            p.data = p.data.to(device)
