@@ -22,14 +22,13 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, report  # noqa: E402
+from common import launched_ranks, load_average, report  # noqa: E402
 
 MiB = 1024 ** 2
 BLOCK = (128, 128)
@@ -138,16 +137,7 @@ def child(side: str, model_dir: str, out: str) -> None:
 
 
 def run_side(side: str, model: Path, work: Path) -> list[dict]:
-    out = work / side
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
-           "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    __file__, "--child", side, "--model", str(model), "--out", str(out)], check=True, env=env)
-    return [json.loads(Path(f"{out}-rank{r}.json").read_text()) for r in range(2)]
-
-
-def load() -> str:
-    return "load average " + " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    return launched_ranks(__file__, work / side, "--child", side, "--model", str(model))
 
 
 def main() -> None:
@@ -176,7 +166,7 @@ def main() -> None:
                 experts += nbytes if ".experts." in k else 0
     expected = ckpt - experts / 2
     print(f"checkpoint {model}: {ckpt / MiB:.0f} MiB, routed experts {experts / MiB:.0f} MiB "
-          f"({experts / ckpt:.0%}); one rank's share (non-expert + half the experts) {expected / MiB:.0f} MiB; {load()}")
+          f"({experts / ckpt:.0%}); one rank's share (non-expert + half the experts) {expected / MiB:.0f} MiB; {load_average()}")
     res = {}
     with tempfile.TemporaryDirectory() as work:
         for side in ("peer", "kiln"):
@@ -184,7 +174,7 @@ def main() -> None:
             for r, got in enumerate(res[side]):
                 print(f"{side} rank {r}: rise {got['rise'] / MiB:.0f} MiB ({got['rise'] / ckpt:.2f}x checkpoint, "
                       f"{got['rise'] / expected:.2f}x its share), holds {got['held'] / MiB:.0f} MiB (experts "
-                      f"{got['expert_held'] / MiB:.0f} MiB, {', '.join(got['dtypes'])}), {got['seconds']:.1f} s; {load()}",
+                      f"{got['expert_held'] / MiB:.0f} MiB, {', '.join(got['dtypes'])}), {got['seconds']:.1f} s; {load_average()}",
                       flush=True)
     same = all(abs(a["logits_sum"] - b["logits_sum"]) == 0 and a["logits_abs"] == b["logits_abs"]
                for a, b in zip(res["kiln"], res["peer"]))

@@ -24,14 +24,13 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, report  # noqa: E402
+from common import launched_ranks, load_average, report  # noqa: E402
 
 MiB = 1024 ** 2
 SHARD_SIZE = "100MB"  # several files + the index, as a release ships them
@@ -113,17 +112,8 @@ def child(side: str, model_dir: str, quantize: str | None, out: str) -> None:
 
 
 def run_side(side: str, model: Path, quantize: str | None, work: Path) -> list[dict]:
-    out = work / f"{side}-{quantize}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
-           "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    __file__, "--child", side, "--model", str(model), "--quantize", quantize or "", "--out", str(out)],
-                   check=True, env=env)
-    return [json.loads(Path(f"{out}-rank{r}.json").read_text()) for r in range(2)]
-
-
-def load() -> str:
-    return "load average " + " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    return launched_ranks(__file__, work / f"{side}-{quantize}", "--child", side, "--model", str(model),
+                          "--quantize", quantize or "")
 
 
 def main() -> None:
@@ -138,7 +128,7 @@ def main() -> None:
         return child(args.child, args.model, args.quantize or None, args.out)
     bf16, nf4 = build(shape(args.layers))
     sizes = {d: sum(f.stat().st_size for f in d.glob("*.safetensors")) for d in (bf16, nf4)}
-    print(f"checkpoints: bf16 {bf16} {sizes[bf16] / MiB:.0f} MiB; NF4 {nf4} {sizes[nf4] / MiB:.0f} MiB; {load()}")
+    print(f"checkpoints: bf16 {bf16} {sizes[bf16] / MiB:.0f} MiB; NF4 {nf4} {sizes[nf4] / MiB:.0f} MiB; {load_average()}")
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for what, model, quantize in (("quantize at load (bf16 checkpoint, nf4)", bf16, "nf4"),
@@ -148,7 +138,7 @@ def main() -> None:
                 res[side] = run_side(side, model, quantize, Path(work))
                 for r, got in enumerate(res[side]):
                     print(f"{what}, {side} rank {r}: rise {got['rise'] / MiB:.0f} MiB ({got['rise'] / sizes[model]:.2f}x "
-                          f"the checkpoint), holds {got['held'] / MiB:.0f} MiB, {got['seconds']:.1f} s; {load()}",
+                          f"the checkpoint), holds {got['held'] / MiB:.0f} MiB, {got['seconds']:.1f} s; {load_average()}",
                           flush=True)
             same = all(a["logits_sum"] == b["logits_sum"] and a["logits_abs"] == b["logits_abs"]
                        for a, b in zip(res["kiln"], res["whole"]))

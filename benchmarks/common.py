@@ -118,6 +118,20 @@ def run_child(script: str, *args: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def launched_ranks(script: str, out: Path, *args: str, nproc: int = 2) -> list[dict]:
+    """Run `script args --out OUT` on `nproc` ranks under torch.distributed.run (kiln first on the path, one
+    thread each); returns the JSON each rank wrote to OUT-rank<r>.json."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                    script, *args, "--out", str(out)], check=True, env=env)
+    return [json.loads(Path(f"{out}-rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def load_average() -> str:
+    return "load average " + " / ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def interleaved(script: str, rounds: int, *args: str, sides: tuple[str, ...] = ("peer", "kiln"),
                 describe: Callable[[dict], str] | None = None) -> dict[str, list[dict]]:
     """Each side's child run (`script --child SIDE *args`) once per round, who goes first alternating; each

@@ -77,6 +77,21 @@ def _dequantize_box(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int] | N
     return dequantize(q, spread.view(s.dtype), (1, 1), dtype)
 
 
+def whole_piece(hf: dict[str, torch.Tensor], name: str, target: torch.Tensor, keymap: Any, path: Path,
+                key: str) -> torch.Tensor:
+    """This rank's piece of kiln tensor `name`, made from whole HF tensors `hf` (`key`: the first source, for the
+    message); cut with no communication where `target` is a DTensor. Empties `hf` once the kiln tensors are made."""
+    full, _ = keymap.to_kiln(hf)
+    hf.clear()
+    value = full[name]
+    if tuple(value.shape) != tuple(target.shape):
+        raise WeightsError(f"{path}: tensor {key!r} gives {name!r} the shape {tuple(value.shape)}, but this "
+                           f"config expects {tuple(target.shape)}")
+    if isinstance(target, DTensor):  # this rank's piece of the whole tensor, no communication
+        value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None).to_local()
+    return value
+
+
 def read_dequantized(name: str, target: torch.Tensor, index: tuple[slice, ...] | None, sources: list[tuple[str, str]],
                      handles: dict[str, Any], scales: dict[str, str], keymap: Any, path: Path, stage: Any,
                      scheme: Any) -> bool:
@@ -105,13 +120,7 @@ def read_dequantized(name: str, target: torch.Tensor, index: tuple[slice, ...] |
             hf[hf_name] = dequantize(t, handles[scales[k]].get_tensor(scales[k]), scheme.block, local.dtype) \
                 if k in scales else t
         read = sum(t.nbytes for t in hf.values())
-        full, _ = keymap.to_kiln(hf)
-        value = full[name]
-        if tuple(value.shape) != tuple(target.shape):
-            raise WeightsError(f"{path}: tensor {key!r} gives {name!r} the shape {tuple(value.shape)}, but this "
-                               f"config expects {tuple(target.shape)}")
-        if isinstance(target, DTensor):  # this rank's piece of the whole tensor, no communication
-            value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        value = whole_piece(hf, name, target, keymap, path, key)
     if stage is not None:
         stage.note(read + value.nbytes)
     with torch.no_grad():

@@ -47,7 +47,7 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from kiln.errors import WeightsError
 from kiln.hub import Tokenizer
@@ -59,7 +59,7 @@ from kiln.models.auto import apply_changes, load_config
 from kiln.models.pretrained import LoadReport, PreTrainedModel
 from kiln.models.tasks import BASE
 from kiln.parallel.sharded_carried import note_carried, placeholders, read_keys
-from kiln.parallel.sharded_fp8 import dequantized_pairs, needs_pairs, note_unheld, read_dequantized
+from kiln.parallel.sharded_fp8 import dequantized_pairs, needs_pairs, note_unheld, read_dequantized, whole_piece
 from kiln.parallel.sharded_fresh import init_fresh, start_draws, with_adapter
 from kiln.parallel.sharded_q4 import WholeLoad4, place_q4, q4_keys, q4_names, read_q4
 
@@ -471,14 +471,7 @@ def _fill(name: str, target: torch.Tensor, sources: list[tuple[str, str]], where
     else:
         hf = {hf: where[key].get_tensor(key) for key, hf in sources}
         read = sum(t.nbytes for t in hf.values())
-        full, _ = keymap.to_kiln(hf)
-        del hf
-        value = full[name]
-        if tuple(value.shape) != tuple(target.shape):
-            raise WeightsError(f"{path}: tensor {sources[0][0]!r} gives {name!r} the shape {tuple(value.shape)}, "
-                               f"but this config expects {tuple(target.shape)}")
-        if isinstance(target, DTensor):  # this rank's piece of the whole tensor, no communication
-            value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        value = whole_piece(hf, name, target, keymap, path, sources[0][0])
     if local.dtype == torch.uint8 and value.dtype != local.dtype and value.element_size() == 1:
         value = value.view(torch.uint8)  # a frozen FP8 tensor held as bytes (kiln.parallel.fsdp.frozen_as_bytes)
     elif value.dtype != local.dtype and value.element_size() == 1 and value.dtype.is_floating_point:
