@@ -24,11 +24,10 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import launched_ranks, load_average, report  # noqa: E402
+from common import launched_ranks, load_average, rank_load, report  # noqa: E402
 
 MiB = 1024 ** 2
 BLOCK = (128, 128)
@@ -88,40 +87,19 @@ def build(size: dict) -> Path:
     return out
 
 
-def _kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
 def child(side: str, model_dir: str, out: str) -> None:
     """One rank: load `model_dir` as `side` says under ep = 2, then report to `out`-rank<r>.json."""
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from kiln.models.auto import load_pretrained
-    from kiln.parallel.apply import parallelize
-    from kiln.parallel.sharded_load import empty_pretrained, loaded_bytes, read_shards
+    from kiln.parallel.sharded_load import loaded_bytes
     from kiln.train.config import ParallelSection
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    plan = ParallelSection(ep=2)
-    dist.barrier()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS: the rise is the load's own
-    before = _kb("VmRSS")
-    t0 = time.perf_counter()
-    if side == "kiln":
-        model = empty_pretrained(model_dir, task="causal-lm", fp8="keep")
-        parallelize(model, plan, device=torch.device("cpu"))
-        read_shards(model, model_dir)
-    else:
-        model = load_pretrained(model_dir, task="causal-lm", fp8="keep")
-        parallelize(model, plan, device=torch.device("cpu"))
-    seconds = time.perf_counter() - t0
-    rise = (_kb("VmHWM") - before) * 1024
+    model, rise, seconds = rank_load(side, model_dir, ParallelSection(ep=2), fp8="keep")
     held = loaded_bytes(model)
     state = model.state_dict()
     local = {k: (t.to_local() if isinstance(t, DTensor) else t) for k, t in state.items()}

@@ -26,11 +26,10 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import launched_ranks, load_average, report  # noqa: E402
+from common import launched_ranks, load_average, rank_load, report  # noqa: E402
 
 MiB = 1024 ** 2
 SHARD_SIZE = "100MB"  # several files + the index, as a release ships them
@@ -68,39 +67,18 @@ def build(size: dict) -> tuple[Path, Path]:
     return bf16, nf4
 
 
-def _kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
 def child(side: str, model_dir: str, quantize: str | None, out: str) -> None:
     """One rank: load `model_dir` as `side` says under FSDP2, then report to `out`-rank<r>.json."""
     import torch
     import torch.distributed as dist
 
-    from kiln.models.auto import load_pretrained
-    from kiln.parallel.apply import parallelize
-    from kiln.parallel.sharded_load import empty_pretrained, loaded_bytes, read_shards
+    from kiln.parallel.sharded_load import loaded_bytes
     from kiln.train.config import ParallelSection
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    plan = ParallelSection(fsdp=True)
-    dist.barrier()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS: the rise is the load's own
-    before = _kb("VmRSS")
-    t0 = time.perf_counter()
-    if side == "kiln":
-        model = empty_pretrained(model_dir, task="causal-lm", quantize=quantize)
-        parallelize(model, plan, device=torch.device("cpu"))
-        read_shards(model, model_dir)
-    else:
-        model = load_pretrained(model_dir, task="causal-lm", quantize=quantize)
-        parallelize(model, plan, device=torch.device("cpu"))
-    seconds = time.perf_counter() - t0
-    rise = (_kb("VmHWM") - before) * 1024
+    model, rise, seconds = rank_load(side, model_dir, ParallelSection(fsdp=True), quantize=quantize)
     held = loaded_bytes(model)
     ids = torch.randint(5, 32000, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -128,6 +128,32 @@ def launched_ranks(script: str, out: Path, *args: str, nproc: int = 2) -> list[d
     return [json.loads(Path(f"{out}-rank{r}.json").read_text()) for r in range(nproc)]
 
 
+def rank_load(side: str, model_dir: str, plan: Any, **load: Any) -> tuple[Any, int, float]:
+    """One launched rank's load of `model_dir` under `plan` (a ParallelSection): side "kiln" builds on meta,
+    applies the plans and reads shard by shard; any other side loads whole, then applies them. Returns the model,
+    the peak RSS rise of the load in bytes (VmHWM reset to VmRSS first) and its seconds."""
+    import torch
+    import torch.distributed as dist
+
+    from kiln.models.auto import load_pretrained
+    from kiln.parallel.apply import parallelize
+    from kiln.parallel.sharded_load import empty_pretrained, read_shards
+
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS: the rise is the load's own
+    before = rss_kb("VmRSS:")
+    t0 = time.perf_counter()
+    if side == "kiln":
+        model = empty_pretrained(model_dir, task="causal-lm", **load)
+        parallelize(model, plan, device=torch.device("cpu"))
+        read_shards(model, model_dir)
+    else:
+        model = load_pretrained(model_dir, task="causal-lm", **load)
+        parallelize(model, plan, device=torch.device("cpu"))
+    return model, (rss_kb("VmHWM:") - before) * 1024, time.perf_counter() - t0
+
+
 def load_average() -> str:
     return "load average " + " / ".join(f"{x:.1f}" for x in os.getloadavg())
 
