@@ -15,15 +15,19 @@ same values.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
+import functools
 import hashlib
 import logging
 import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +107,18 @@ def load(name: str, source: str) -> ctypes.CDLL | None:
             lib = None
         _LOADED[name] = lib
         return lib
+
+
+@functools.lru_cache(maxsize=None)
+def glibc(symbol: str) -> Any:
+    """The C library's function `symbol` (Linux only), or None where there is none (another OS, musl without
+    glibc's malloc tuning). For the heap controls: kiln.parallel.memory_heap, kiln.models.common.tied_grad."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), symbol)
+    except (OSError, AttributeError):
+        return None
 
 
 def forget(name: str) -> None:

@@ -208,6 +208,8 @@ def dequantize4(packed: torch.Tensor, n: int, blocksize: int, code: torch.Tensor
         return False
     if packed.numel() != (n + 1) // 2 or absmax.numel() != -(-n // blocksize):
         return False
+    if nested and (nested_blocksize <= 0 or nested_absmax.numel() < -(-absmax.numel() // nested_blocksize)):
+        return False  # the C loop would read past nested_absmax: the torch path names the bad state
     lib = _lib()
     if lib is None:
         return False

@@ -68,16 +68,18 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
                 model.tokenizer.save(path / "model")
             if getattr(model, "lora_config", None) is not None:  # alpha and rslora are in no tensor's shape
                 (path / "model" / LORA_FILE).write_text(json.dumps(dataclasses.asdict(model.lora_config)) + "\n")
-            if _load_decisions(model):  # what the export writes back by (see LOAD_FILE)
-                (path / "model" / LOAD_FILE).write_text(json.dumps(_load_decisions(model), sort_keys=True) + "\n")
+            decisions = _load_decisions(model)
+            if decisions:  # what the export writes back by (see LOAD_FILE)
+                (path / "model" / LOAD_FILE).write_text(json.dumps(decisions, sort_keys=True) + "\n")
             write_refs(path / "model", model)  # carried tensors a sharded read left in their files (sharded_carried)
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
     else:
         state = {"model": model.state_dict()}
-    if _carried(model):  # whole on every rank (not parameters): DCP writes one copy
-        state["carried"] = _carried(model)
+    carried = _carried(model)
+    if carried:  # whole on every rank (not parameters): DCP writes one copy
+        state["carried"] = carried
     dcp.save(state, checkpoint_id=str(path / "dcp"))
     if _is_main() and trainer_state is not None:
         (path / "trainer.json").write_text(json.dumps(trainer_state, indent=1, sort_keys=True) + "\n")
@@ -351,6 +353,8 @@ def _carried_meta(path: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 def _read_carried(path: Path, which: dict[tuple[str, str], torch.Tensor]) -> dict[tuple[str, str], torch.Tensor]:
     """Those carried tensors read from the shards, or the source files (`which`: (holder, name) -> meta tensor)."""
+    if not which:  # an output file that holds none: no source checked, nothing read
+        return {}
     refs = read_refs(path)
     got = {w: torch.empty_like(t, device="cpu") for w, t in which.items() if w not in refs}
     state: dict[str, dict[str, torch.Tensor]] = {}

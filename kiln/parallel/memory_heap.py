@@ -18,9 +18,9 @@ MALLOC_MMAP_THRESHOLD_ in the environment is the user's choice and left alone, a
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
-import sys
+
+from kiln.hub.native import glibc
 
 M_MMAP_THRESHOLD = -3           # mallopt's parameter number (malloc.h)
 ENV = "MALLOC_MMAP_THRESHOLD_"  # glibc's own environment spelling of the same setting
@@ -29,12 +29,10 @@ LEAN_THRESHOLD = 4 << 20
 
 def lean_heap(threshold: int = LEAN_THRESHOLD) -> bool:
     """Fix glibc's mmap threshold at `threshold` bytes for this process; True when it took effect."""
-    if sys.platform != "linux" or os.environ.get(ENV) is not None:
+    if os.environ.get(ENV) is not None:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt): nothing to tune
+    mallopt = glibc("mallopt")
+    if mallopt is None:  # not glibc (musl has no mallopt): nothing to tune
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return mallopt(M_MMAP_THRESHOLD, threshold) == 1

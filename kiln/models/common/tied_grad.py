@@ -29,14 +29,13 @@ it the freed activations and the new gradient would both count in the process's 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import sys
 from typing import Callable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from kiln.hub.native import glibc
 
 
 class _CoalescedLookup(torch.autograd.Function):
@@ -78,24 +77,13 @@ def _is_placeholder(grad: torch.Tensor) -> bool:
     return grad.dim() > 0 and all(s == 0 for s in grad.stride())
 
 
-_LIBC: ctypes.CDLL | None | bool = None
-
-
 def release_free_heap() -> bool:
     """Return the free pages of glibc's heap to the system (`malloc_trim(0)`); whether it ran (Linux with
     glibc only). The memory stays free for the process to reuse; only the resident pages go."""
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = False
-        if sys.platform.startswith("linux"):
-            try:
-                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-                _LIBC = libc if hasattr(libc, "malloc_trim") else False
-            except OSError:
-                pass
-    if _LIBC is False:
+    trim = glibc("malloc_trim")
+    if trim is None:
         return False
-    _LIBC.malloc_trim(0)
+    trim(0)
     return True
 
 
