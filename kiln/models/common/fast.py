@@ -7,7 +7,8 @@ rounding of the reference but not bit-identical to it:
 - `fast_delta_rule`: Gated DeltaNet's chunked rule with the analytic backward (common/delta_rule.py);
 - `scan`: Mamba's selective scan, "fast" or "reference" (common/ssm.py);
 - `fast` on stacked `Experts` (the routed experts as one autograd node, common/moe_fast.py) and on
-  the group-limited router (fewer ops, the same experts; common/moe_routing.py).
+  the group-limited router (fewer ops, the same experts; common/moe_routing.py);
+- `fast` on a LoRA layer over a 4-bit base: its float32 update in fused C kernels (common/lora_native.py).
 The Trainer calls it in setup with `not train.exact`; everything else (verify-export, the parity
 tests, `from_pretrained`) keeps the exact path, which is every module's default.
 """

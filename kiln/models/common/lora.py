@@ -79,6 +79,7 @@ class LoraLinear(KeepsQuantState, nn.Linear):
                 if name in base._buffers:
                     self.register_buffer(name, base._buffers[name])
             self.compute_dtype = base.compute_dtype
+            self.fast = False  # set_fast: the update's fused float32 kernels (common/lora_native.py)
         self.r, self.alpha, self.scaling = r, alpha, scaling
         # adapters over a 4-bit base are float32, as PEFT makes them over bitsandbytes' Linear4bit
         dtype = torch.float32 if self.q4 is not None else base.compute_dtype if self.fp8 else base.weight.dtype
@@ -98,7 +99,7 @@ class LoraLinear(KeepsQuantState, nn.Linear):
         if (self.q4 is not None and x.dtype == self.compute_dtype != a.dtype and x.device.type == "cpu"
                 and isinstance(self.lora_dropout, nn.Identity) and not torch.is_autocast_enabled("cpu")
                 and not hasattr(a, "device_mesh")):
-            return qlora_linear(x, self, a, b, self.scaling)  # PEFT over bitsandbytes' Linear4bit, one Function
+            return qlora_linear(x, self, a, b, self.scaling, self.fast)  # PEFT over Linear4bit, one Function
         if self.q4 is not None:
             result = linear4(x, self)
         elif self.fp8:

@@ -11,6 +11,10 @@ activations the frozen base keeps; its float32 and rounded (tokens, features) te
 scratch buffers (quant4.scratch): fresh ones at every matmul left glibc's heap fragmented. A scaling that is a
 power of two (alpha / r = 2, PEFT's usual) multiplies the (tokens, r) product instead of the (tokens, out)
 one: exact, so the values are the plain form's bit for bit either way.
+
+`fast` (the Trainer's fast path, models/common/fast.py) computes the same update and gradients with the fused
+kernels of common/lora_native.py, which read each bf16 activation once instead of going through float32 copies:
+within float32 rounding of this path, before the same roundings to bf16.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import math
 import torch
 from torch import nn
 
+from kiln.models.common import lora_native
 from kiln.models.common.quant4 import linear4, scratch
 
 
@@ -28,15 +33,22 @@ def _power_of_two(s: float) -> bool:
 
 
 class QLoraUpdateFn(torch.autograd.Function):
-    """(y, x, A, B, scaling) -> y + round(B(A(x32)) * scaling), added into y (the base's output) in place."""
+    """(y, x, A, B, scaling, fast) -> y + round(B(A(x32)) * scaling), added into y (the base's output) in place."""
 
     @staticmethod
-    def forward(ctx, y, x, a, b, scaling):
+    def forward(ctx, y, x, a, b, scaling, fast=False):
         x2 = x.reshape(-1, x.shape[-1])  # (T, in)
+        exact = _power_of_two(scaling)
+        ctx.scaling, ctx.exact = scaling, exact
+        ctx.native = fast and lora_native.runs(x, y, a, b)
+        if ctx.native:  # the scaling on the (T, r) product when exact, else on the (T, out) one, as below
+            down = lora_native.forward(x2, y.view(-1, y.shape[-1]), a, b, *((scaling, 1.0) if exact else (1.0, scaling)))
+            ctx.mark_dirty(y)
+            ctx.save_for_backward(x, a, b, down)
+            return y
         xs = scratch("lora_x", x2.shape, a.dtype)
         xs.copy_(x2)
         down = xs @ a.t()  # (T, r), as F.linear computes it
-        exact = _power_of_two(scaling)
         if exact:  # (down s) B^T == (down B^T) s bit for bit
             down.mul_(scaling)
         up = scratch("lora_up", (x2.shape[0], b.shape[0]), b.dtype)
@@ -48,7 +60,6 @@ class QLoraUpdateFn(torch.autograd.Function):
         y.add_(rounded.view(y.shape))  # the update rounded to the base's dtype, then added (PEFT's order)
         ctx.mark_dirty(y)
         ctx.save_for_backward(x, a, b, down)
-        ctx.scaling, ctx.exact = scaling, exact
         return y
 
     @staticmethod
@@ -56,6 +67,10 @@ class QLoraUpdateFn(torch.autograd.Function):
         x, a, b, down = ctx.saved_tensors  # down is (x A^T) s when the scaling is exact
         need_x, need_a, need_b = ctx.needs_input_grad[1:4]
         g2 = grad.reshape(-1, grad.shape[-1])  # (T, out)
+        if ctx.native and grad.dtype == torch.bfloat16:
+            scales = (1.0, ctx.scaling) if ctx.exact else (ctx.scaling, 1.0)
+            gx, ga, gb = lora_native.backward(g2, x.reshape(-1, x.shape[-1]), a, b, down, *scales, need_a, need_b, need_x)
+            return grad, gx.view(x.shape) if gx is not None else None, ga, gb, None, None
         g = scratch("lora_up", g2.shape, b.dtype)
         g.copy_(g2)
         if not ctx.exact:
@@ -73,12 +88,14 @@ class QLoraUpdateFn(torch.autograd.Function):
         if need_x:  # its own tensor: autograd adds it to the base's gradient of x, as for any two uses of x
             torch.mm(gdown, a, out=xs)
             gx = xs.to(x.dtype).view(x.shape)
-        return grad, gx, ga, gb, None
+        return grad, gx, ga, gb, None, None
 
 
-def qlora_linear(x: torch.Tensor, module: nn.Module, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """The LoRA layer `module` over its 4-bit base for x in the base's compute dtype (see the module docstring)."""
+def qlora_linear(x: torch.Tensor, module: nn.Module, a: torch.Tensor, b: torch.Tensor, scaling: float,
+                 fast: bool = False) -> torch.Tensor:
+    """The LoRA layer `module` over its 4-bit base for x in the base's compute dtype (see the module docstring);
+    `fast` takes the fused kernels where they run."""
     y = linear4(x, module)
     if y._base is not None:  # a biased base's output is a view of its addmm, which autograd lets no one modify
         y = y.clone()
-    return QLoraUpdateFn.apply(y, x, a, b, scaling)
+    return QLoraUpdateFn.apply(y, x, a, b, scaling, fast)

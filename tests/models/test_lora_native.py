@@ -1,0 +1,141 @@
+"""The fused float32 LoRA update kernels (kiln.models.common.lora_native), QLoRA's fast path: every output and
+gradient within float32 rounding of a float64 reference of the same products (and, for the bf16 outputs, within
+the bf16 roundings the exact path makes), on the AVX-512 path and the plain C loop, for shapes whose rows,
+features and rank are not multiples of the kernels' blocks; the LoRA layer takes them only on the fast path.
+
+Bounds: a float32 sum of n products, in any order and with fused multiply-adds, is within (n + 2) 2^-24 of the
+sum of the products' magnitudes (the usual gamma_n bound, with headroom for the final scaling); a value rounded
+to bf16 moves by at most half a bf16 unit, 2^-8 of its magnitude."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kiln.hub import native
+from kiln.models.common import lora_native
+from kiln.models.common.fast import fast_state, set_fast
+from kiln.models.common.lora import LoraLinear
+from tests.models.test_quant4_matmul import _linear4
+
+EPS32 = 2.0 ** -24
+
+pytestmark = pytest.mark.skipif(native.load("lora_update", lora_native.SOURCE) is None,
+                                reason="no C compiler here: the fast path falls back to torch (tested below)")
+
+
+def _operands(rows, inn, out, r, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, inn, generator=g).bfloat16()
+    a = torch.randn(r, inn, generator=g) * 0.1
+    b = torch.randn(out, r, generator=g) * 0.1
+    y = torch.randn(rows, out, generator=g).bfloat16()
+    grad = torch.randn(rows, out, generator=g).bfloat16()
+    return x, a, b, y, grad
+
+
+def _gamma(n):
+    return (n + 2) * EPS32
+
+
+SHAPES = [(37, 50, 70, 5), (19, 96, 160, 16), (9, 33, 17, 20)]  # tails in every dimension; r over one vector
+
+
+@pytest.mark.parametrize("vector", [True, False])
+@pytest.mark.parametrize("rows, inn, out, r", SHAPES)
+@pytest.mark.parametrize("s1, s2", [(2.0, 1.0), (1.0, 1.5)])  # the scaling on (T, r) (a power of two) or (T, out)
+def test_kernels_within_float32_rounding_of_float64(vector, rows, inn, out, r, s1, s2):
+    x, a, b, y, grad = _operands(rows, inn, out, r)
+    x64, a64, b64, g64 = x.double(), a.double(), b.double(), grad.double()
+    y2 = y.clone()
+    down = lora_native.forward(x, y2, a, b, s1, s2, vector=vector)
+
+    want_down = (x64 @ a64.t()) * s1
+    assert (down.double() - want_down).abs().le(_gamma(inn) * (x64.abs() @ a64.abs().t()) * s1).all()
+    # the update from the kernel's own down, in float64: rounding it to bf16 and adding to y gives the exact
+    # path's value up to one bf16 unit of the update (a rounding that lands on the other side) and of the sum
+    up64 = (down.double() @ b64.t()) * s2
+    err_up = _gamma(r) * (down.double().abs() @ b64.abs().t()) * s2
+    want_y = y.double() + up64
+    assert (y2.double() - want_y).abs().le(2.0 ** -8 * (want_y.abs() + up64.abs()) * 1.01 + err_up).all()
+
+    for need in [(True, True, True), (False, True, False), (True, False, True)]:  # (a, b, x)
+        sg, sd = (1.0, s1) if s1 != 1.0 else (s2, 1.0)  # the gradient's scale: on (T, out) or on (T, r)
+        gx, ga, gb = lora_native.backward(grad, x, a, b, down, sg, sd, *need, vector=vector)
+        gs = g64 * sg
+        gd = (gs @ b64) * sd
+        bound_gd = _gamma(out) * (gs.abs() @ b64.abs()) * sd
+        if need[1]:
+            want = gs.t() @ down.double()
+            assert gb.shape == b.shape and (gb.double() - want).abs().le(_gamma(rows) * (gs.abs().t() @ down.double().abs())).all()
+        else:
+            assert gb is None
+        if need[0]:  # from the kernel's gd: within its bound of gd, then float32 over the rows
+            want = gd.t() @ x64
+            bound = (bound_gd.t() @ x64.abs()) + _gamma(rows) * ((gd.abs() + bound_gd).t() @ x64.abs())
+            assert ga.shape == a.shape and (ga.double() - want).abs().le(bound).all()
+        else:
+            assert ga is None
+        if need[2]:
+            want = gd @ a64
+            bound = bound_gd @ a64.abs() + _gamma(r) * ((gd.abs() + bound_gd) @ a64.abs())
+            assert gx.dtype == torch.bfloat16 and (gx.double() - want).abs().le(2.0 ** -8 * (want.abs() + bound) * 1.01 + bound).all()
+        else:
+            assert gx is None
+
+
+def test_the_vector_and_plain_loops_agree_with_each_other_to_bf16_units():
+    """Both kernels' outputs are bf16 of nearly the same float32 values: at most one bf16 unit apart, and equal
+    for the great majority (a mistake in either loop would move many values by more)."""
+    x, a, b, y, grad = _operands(64, 130, 200, 16, seed=1)
+    outs = []
+    for vector in (True, False):
+        y2 = y.clone()
+        down = lora_native.forward(x, y2, a, b, 2.0, 1.0, vector=vector)
+        gx, _, _ = lora_native.backward(grad, x, a, b, down, 1.0, 2.0, False, False, True, vector=vector)
+        outs.append((y2, gx))
+    for one, two in zip(*outs):
+        assert (one != two).float().mean() < 0.01
+        unit = 2.0 ** -7 * torch.maximum(one.double().abs(), two.double().abs())
+        assert (one.double() - two.double()).abs().le(unit).all()
+
+
+@pytest.mark.parametrize("scaling", [2.0, 1.5])
+def test_lora_layer_takes_the_kernels_only_on_the_fast_path(monkeypatch, scaling):
+    torch.manual_seed(0)
+    m = LoraLinear(_linear4((96, 128)), r=8, alpha=16, dropout=0.0, scaling=scaling)
+    nn.init.normal_(m.lora_B.weight, std=0.1)
+    x = torch.randn(2, 7, 128, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(2, 7, 96, dtype=torch.bfloat16)
+    calls = []
+    for name in ("forward", "backward"):
+        real = getattr(lora_native, name)
+        monkeypatch.setattr(lora_native, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+
+    def run():
+        x.grad = m.lora_A.weight.grad = m.lora_B.weight.grad = None
+        y = m(x)
+        y.backward(grad)
+        return [y.detach(), x.grad, m.lora_A.weight.grad, m.lora_B.weight.grad]
+
+    exact = run()
+    assert calls == [] and fast_state(m) == {"": False}
+    set_fast(m, True)
+    fast = run()
+    assert calls == ["forward", "backward"]
+    y_e, y_f = exact[0].double(), fast[0].double()
+    assert (y_e - y_f).abs().le(2.0 ** -6 * y_e.abs() + 1e-6).all()  # a bf16 unit each way, with headroom
+    for e, f in zip(exact[1:], fast[1:]):
+        assert e.dtype == f.dtype and e.shape == f.shape
+        assert (e.double() - f.double()).abs().max() <= 2.0 ** -6 * e.double().abs().max()
+    # without the library (KILN_NATIVE=0) the fast path is the exact one, bit for bit
+    monkeypatch.setenv("KILN_NATIVE", "0")
+    native.forget("lora_update")
+    try:
+        calls.clear()
+        again = run()
+        assert calls == [] and all(torch.equal(e, g) for e, g in zip(exact, again))
+    finally:
+        monkeypatch.delenv("KILN_NATIVE")
+        native.forget("lora_update")
