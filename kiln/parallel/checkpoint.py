@@ -45,6 +45,7 @@ from kiln.models.common.lora_experts import HOLDER, has_expert_lora
 from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS, dequantize_bnb4_model, is_4bit, prepare_bnb4_modules
 from kiln.models.tasks import BASE
 from kiln.parallel.sharded_carried import HOLDERS as CARRIED, load_ref, read_refs, write_refs
+from kiln.parallel.sharded_fp8_export import PAIRS, decisions as fp8_decisions, held_pairs, restore as restore_fp8
 
 
 LORA_FILE = "lora.json"  # a LoRA run's adapter settings (kiln's LoraConfig fields), beside model/config.json
@@ -80,6 +81,9 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
     carried = _carried(model)
     if carried:  # whole on every rank (not parameters): DCP writes one copy
         state["carried"] = carried
+    pairs = held_pairs(model)
+    if pairs:  # a whole load kept FP8: the pairs its export writes back (sharded_fp8_export), one copy too
+        state[PAIRS] = pairs
     dcp.save(state, checkpoint_id=str(path / "dcp"))
     if _is_main() and trainer_state is not None:
         (path / "trainer.json").write_text(json.dumps(trainer_state, indent=1, sort_keys=True) + "\n")
@@ -315,7 +319,7 @@ def _load_decisions(model: nn.Module) -> dict[str, Any]:
     out: dict[str, Any] = {k: getattr(model, k) for k in LOAD_FLAGS if isinstance(getattr(model, k, None), bool)}
     if getattr(model, "stored_half", None):
         out["stored_half"] = {k: str(v).removeprefix("torch.") for k, v in model.stored_half.items()}
-    return out
+    return out | fp8_decisions(model)  # kept FP8: the scale names and the pairs to write back
 
 
 def _carried(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
@@ -336,6 +340,7 @@ def _apply_decisions(model: nn.Module, path: Path) -> None:
     if bad:
         raise KilnError(f"{path / 'model' / LOAD_FILE}: stored_half names no torch dtype for {', '.join(bad[:4])}")
     model.stored_half = {k: getattr(torch, v) for k, v in half.items()}
+    restore_fp8(model, path, decided, lambda state: _dcp_load(state, path, no_dist=True))
 
 
 def _carried_meta(path: Path) -> dict[str, dict[str, torch.Tensor]]:
