@@ -5,7 +5,8 @@ A one-process export of an FP8 release kept FP8 writes each scale under the chec
 no FP8 module holds (V4's grouped `wo_a`, dequantized at load) back as the pair it read (`Fp8State.originals`:
 byte for byte while unchanged, quantized afresh once trained). The shards hold neither: their scales are named as
 the modules name them and those weights are dequantized. So `save_sharded` records both in model/load.json (under
-FP8_KEY) and `export_sharded` puts them back on the model it builds (`restore`) before the family's save runs.
+FP8_KEY), and `export_sharded` places the FP8 modules on the model it builds (`place_fp8`) and puts both back on
+it (`restore`) before the family's save runs.
 
 The pairs come from where the load left them: a run read shard by shard holds none (kiln.parallel.sharded_fp8);
 its load notes where each lies in the source files (`note_pairs`, `CarriedRef`s, checked as carried tensors are:
@@ -25,8 +26,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from kiln.errors import KilnError
-from kiln.hub.fp8 import SCALE_SUFFIX
+from kiln.hub.fp8 import FP8, SCALE_SUFFIX, is_fp4, scheme_from_config
 from kiln.hub.weights import tensor_spans, weight_files
+from kiln.models.common.fp8 import dequantize_model, prepare_fp8
 from kiln.parallel.sharded_carried import CarriedRef, load_ref
 
 FP8_KEY = "fp8"  # in load.json: {"scale_names": ..., "dequantized": [name, ...], "refs": {name: [weight, scale]}}
@@ -79,6 +81,26 @@ def held_pairs(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def place_fp8(model: nn.Module, path: Path, saved: dict[str, tuple[int, ...] | None], config: dict) -> None:
+    """On the model `export_sharded` builds on meta: a run that kept an FP8 base FP8 (`fp8 = "keep"`) saved FP8
+    weights and their scales: the FP8 modules go where they lie (as `prepare_fp8` places them at load, from the
+    saved names, shapes and dtypes; no data read).
+    A dequantized run's shards hold no FP8 tensor (nor the FP8 pairs a one-process load keeps to write unchanged
+    weights back FP8): its model stays as built, plain, and `quantization_config` leaves its config as
+    `dequantize_model` drops it, so the export's config says what its tensors are."""
+    scheme = scheme_from_config(config, str(path / "model" / "config.json"))
+    if scheme is None:
+        return
+    meta = dcp.FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
+    state = {k: torch.empty(shape, dtype=meta["model." + k].properties.dtype, device="meta")
+             for k, shape in saved.items() if shape is not None}
+    if not any(t.dtype == FP8 or is_fp4(t) for t in state.values()):
+        dequantize_model(model)  # nothing FP8 on meta to convert: the config only
+        return
+    hf, _ = model.family.keymap(model.task).to_hf(state)
+    prepare_fp8(model, hf, scheme, "keep", None, str(path))
+
+
 def restore(model: nn.Module, ckpt: Path, decided: dict[str, Any], read: Callable[[dict], None]) -> None:
     """On the model `export_sharded` built: the checkpoint's scale naming, and each pair the run's load kept for
     its export, read from the source files (checked unchanged) or from the shards (`read`: fills a DCP state)."""
@@ -99,7 +121,7 @@ def restore(model: nn.Module, ckpt: Path, decided: dict[str, Any], read: Callabl
                 for n, pair in entry["refs"].items()}
     except (TypeError, KeyError) as e:
         raise KilnError(f"{where}: fp8.refs is not a map of [weight, scale] source references ({e})") from None
-    pairs = {n: tuple(load_ref(ckpt, _HOLDER, r.key, r) for r in refs[n]) for n in entry["dequantized"] if n in refs}
+    pairs = {n: tuple(load_ref(ckpt, _HOLDER, n, r) for r in refs[n]) for n in entry["dequantized"] if n in refs}
     held = [n for n in entry["dequantized"] if n not in refs]
     if held:
         pairs.update(_read_held(ckpt, held, read))
