@@ -45,6 +45,8 @@ from kiln.models.common.lora_experts import HOLDER, has_expert_lora
 from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS, dequantize_bnb4_model, is_4bit, prepare_bnb4_modules
 from kiln.models.tasks import BASE
 from kiln.parallel.sharded_carried import HOLDERS as CARRIED, load_ref, read_refs, write_refs
+from kiln.parallel.sharded_fp8_export import (PAIRS, decisions as fp8_decisions, held_pairs, place_fp8,
+                                              restore as restore_fp8)
 
 
 LORA_FILE = "lora.json"  # a LoRA run's adapter settings (kiln's LoraConfig fields), beside model/config.json
@@ -80,6 +82,9 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
     carried = _carried(model)
     if carried:  # whole on every rank (not parameters): DCP writes one copy
         state["carried"] = carried
+    pairs = held_pairs(model)
+    if pairs:  # a whole load kept FP8: the pairs its export writes back (sharded_fp8_export), one copy too
+        state[PAIRS] = pairs
     dcp.save(state, checkpoint_id=str(path / "dcp"))
     if _is_main() and trainer_state is not None:
         (path / "trainer.json").write_text(json.dumps(trainer_state, indent=1, sort_keys=True) + "\n")
@@ -178,7 +183,7 @@ def export_sharded(path: str | os.PathLike, out: str | os.PathLike, max_shard_by
         if q4 is not None:  # a 4-bit base (QLoRA): its Linears become Linear4 as the quant state says
             prepare_bnb4_modules(model, _quant_states(path, saved), q4, str(path))
         else:
-            _place_fp8(model, path, saved, config.extra)
+            place_fp8(model, path, saved, config.extra)
         if lora is not None:  # adapters on modules this model lacks stay out: reported by name just below
             present = set(linear_names(model))
             lora.targets = [m for m in lora.targets if m in present]
@@ -306,7 +311,8 @@ def _export_streaming(model: nn.Module, path: Path, out: Path, saved: dict[str, 
 # layout and names (Qwen3.5-MoE's fused experts, DeepSeek-V4's release naming), the half dtype a parameter held
 # in float32 was stored in (DeepSeek-V4), and the tensors it carries beside the model's (MTP layers, a vision
 # tower). A sharded checkpoint records them (model/LOAD_FILE, and the carried tensors under "carried" in the
-# shards), so its export writes what a one-process export of the same weights writes.
+# shards), so its export writes what a one-process export of the same weights writes; kept FP8, the scales' names
+# and the FP8 pairs of the weights the load dequantized too (sharded_fp8_export).
 LOAD_FILE = "load.json"
 LOAD_FLAGS = ("fused_experts", "release_layout")
 
@@ -315,7 +321,7 @@ def _load_decisions(model: nn.Module) -> dict[str, Any]:
     out: dict[str, Any] = {k: getattr(model, k) for k in LOAD_FLAGS if isinstance(getattr(model, k, None), bool)}
     if getattr(model, "stored_half", None):
         out["stored_half"] = {k: str(v).removeprefix("torch.") for k, v in model.stored_half.items()}
-    return out
+    return out | fp8_decisions(model)  # kept FP8: the scale names and the pairs to write back
 
 
 def _carried(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
@@ -336,6 +342,7 @@ def _apply_decisions(model: nn.Module, path: Path) -> None:
     if bad:
         raise KilnError(f"{path / 'model' / LOAD_FILE}: stored_half names no torch dtype for {', '.join(bad[:4])}")
     model.stored_half = {k: getattr(torch, v) for k, v in half.items()}
+    restore_fp8(model, path, decided, lambda state: _dcp_load(state, path, no_dist=True))
 
 
 def _carried_meta(path: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -413,28 +420,6 @@ def _aliases(model: nn.Module, saved: dict[str, tuple[int, ...] | None]) -> dict
             if n not in saved and held:
                 out[n] = held[0]
     return out
-
-
-def _place_fp8(model: nn.Module, path: Path, saved: dict[str, tuple[int, ...] | None], config: dict) -> None:
-    """A run that kept an FP8 base FP8 (`fp8 = "keep"`) saved FP8 weights and their scales: the FP8 modules go
-    where they lie (as `prepare_fp8` places them at load, from the saved names, shapes and dtypes; no data read).
-    A dequantized run's shards hold no FP8 tensor (nor the FP8 pairs a one-process load keeps to write unchanged
-    weights back FP8): its model stays as built, plain, and `quantization_config` leaves its config as
-    `dequantize_model` drops it, so the export's config says what its tensors are."""
-    from kiln.hub.fp8 import FP8, is_fp4, scheme_from_config
-    from kiln.models.common.fp8 import dequantize_model, prepare_fp8
-
-    scheme = scheme_from_config(config, str(path / "model" / "config.json"))
-    if scheme is None:
-        return
-    meta = dcp.FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
-    state = {k: torch.empty(shape, dtype=meta["model." + k].properties.dtype, device="meta")
-             for k, shape in saved.items() if shape is not None}
-    if not any(t.dtype == FP8 or is_fp4(t) for t in state.values()):
-        dequantize_model(model)  # nothing FP8 on meta to convert: the config only
-        return
-    hf, _ = model.family.keymap(model.task).to_hf(state)
-    prepare_fp8(model, hf, scheme, "keep", None, str(path))
 
 
 def _quant_states(path: Path, saved: dict[str, tuple[int, ...] | None]) -> dict[str, torch.Tensor]:

@@ -8,8 +8,9 @@ piece alone: Q * S is elementwise, one rounding to the compute dtype, so the pie
 whole load's dequantization bit for bit (kiln.hub.fp8.dequantize). A tensor that needs a tensor step (stacked
 experts, a transpose) is read whole, one at a time, its FP8 sources dequantized with their whole scales as a
 whole load does, then cut to this rank's piece (sharded_load's general path). The FP8 pairs a whole load keeps
-beside the model for a one-process export (`Fp8State.originals`) are not read: a sharded run exports from its
-shards (kiln.parallel.checkpoint.export_sharded), and one process loads such a checkpoint whole (`needs_pairs`).
+beside the model for a one-process export (`Fp8State.originals`) are not read: kept FP8, where they lie is noted for
+a sharded checkpoint's export (kiln.parallel.sharded_fp8_export); one process loads such a checkpoint whole
+(`needs_pairs`).
 """
 
 from __future__ import annotations

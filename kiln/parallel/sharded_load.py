@@ -59,6 +59,7 @@ from kiln.models.auto import apply_changes, load_config
 from kiln.models.pretrained import LoadReport, PreTrainedModel
 from kiln.models.tasks import BASE
 from kiln.parallel.sharded_carried import note_carried, placeholders, read_keys
+from kiln.parallel.sharded_fp8_export import note_pairs
 from kiln.parallel.sharded_fp8 import dequantized_pairs, needs_pairs, note_unheld, read_dequantized, whole_piece
 from kiln.parallel.sharded_fresh import init_fresh, start_draws, with_adapter
 from kiln.parallel.sharded_q4 import WholeLoad4, place_q4, q4_keys, q4_names, read_q4
@@ -147,6 +148,7 @@ def _place_fp8(model: PreTrainedModel, weights: dict[str, torch.Tensor], scheme:
 
     stored, weights = weights, prepare_fp8(model, weights, scheme, fp8, None, str(path))
     note_unheld(model, stored, weights)
+    note_pairs(model, stored, path)  # where the pairs not held lie, for a sharded checkpoint's export
     model.fp8_state.originals = {}
     return weights
 

@@ -323,3 +323,42 @@ def dequantized_checkpoint(rank: int, world: int, model_dir: str, out: str) -> N
         for p in model.parameters():
             p -= LR * p.grad
     save_sharded(os.path.join(out, "deq-ckpt"), model)
+
+
+V4_LOADS = ("lean", "whole")  # read shard by shard after the plans; loaded whole, then sharded
+
+
+def v4_keep_checkpoints(rank: int, world: int, model_dir: str, out: str) -> None:
+    """DeepSeek-V4's release kept FP8 under FSDP2, for each of V4_LOADS: layer 0's `wo_a` (dequantized at load, no
+    FP8 module holds it) and the float32 parameters frozen, one SGD step of every other trained parameter on this
+    rank's half of the batch, then a sharded checkpoint in OUT/v4-<load>."""
+    from kiln.models.auto import load_pretrained
+    from kiln.parallel.apply import parallelize
+    from kiln.parallel.checkpoint import save_sharded
+    from kiln.parallel.sharded_load import lean_pretrained, read_shards
+    from kiln.train.config import ParallelSection
+
+    for how in V4_LOADS:
+        model = lean_pretrained(model_dir, "causal-lm", 0, fp8="keep") if how == "lean" else \
+            load_pretrained(model_dir, task="causal-lm", fp8="keep", seed=0)
+        assert (getattr(model, "pending_read", None) is not None) == (how == "lean")
+        for p in model.parameters():  # FSDP2 trains one dtype per unit: V4's float32 ones (hyper connections,
+            p.requires_grad_(p.requires_grad and p.dtype != torch.float32)  # sinks, norms) stay as read
+        model.model.layers[0].self_attn.o_a_proj.weight.requires_grad_(False)
+        parallelize(model, ParallelSection(fsdp=True), world_size=world, device=torch.device("cpu"))
+        if how == "lean":
+            read_shards(model, model.pending_read, "cpu")
+        ids = batch().chunk(world)[rank]
+        model(input_ids=ids, labels=ids).loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= LR * p.grad
+        save_sharded(os.path.join(out, f"v4-{how}"), model)
+
+
+def keep_and_dequantized_checkpoints(rank: int, world: int, fp8_dir: str, v4_dir: str, out: str) -> None:
+    """`dequantized_checkpoint` of FP8_DIR and `v4_keep_checkpoints` of V4_DIR in one spawn (starting the ranks costs
+    more than the work)."""
+    dequantized_checkpoint(rank, world, fp8_dir, out)
+    v4_keep_checkpoints(rank, world, v4_dir, out)

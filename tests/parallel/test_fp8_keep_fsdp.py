@@ -1,7 +1,7 @@
 """An FP8 checkpoint kept FP8 (`fp8 = "keep"`) under FSDP2 on gloo: the frozen FP8 weights cross the
 collectives as bytes (kiln.parallel.fsdp.frozen_as_bytes), sharded like any other parameter, and LoRA
 on that base over 2 ranks equals one process; expert parallelism over routed experts kept FP8 equals one
-process too."""
+process too; the sharded checkpoints of runs kept FP8 (DeepSeek-V4's release) or dequantized export as they should."""
 
 from __future__ import annotations
 
@@ -11,10 +11,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kiln.parallel.checkpoint import export_sharded
+from kiln.interop.export import export_model
+from kiln.models.auto import load_pretrained
+from kiln.parallel.checkpoint import export_sharded, load_sharded
 from tests.models.fp8_cases import make_fp8
+from tests.models.v4_release import fp8_release_without_mtp
 from tests.parallel import fp8_keep_workers as fw
 from tests.spawn import spawn
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
 
 
 def _fp8_release(tiny_factory, tmp_path_factory, family: str, hf_class: str, folder: str):
@@ -96,19 +103,30 @@ def test_expert_parallel_over_experts_kept_fp8_equals_one_process(fp8_moe_dir, t
                 torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+@pytest.fixture(scope="module")
+def v4_dir(tiny_factory, tmp_path_factory):
+    return fp8_release_without_mtp(tiny_factory, tmp_path_factory.mktemp("v4-keep"))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(fp8_dir, v4_dir, tmp_path_factory):
+    """The 2-rank sharded checkpoints of fw.keep_and_dequantized_checkpoints (one spawn)."""
+    out = tmp_path_factory.mktemp("fp8-checkpoints")
+    spawn(fw.keep_and_dequantized_checkpoints, 2, (str(fp8_dir), str(v4_dir), str(out)))
+    return out
+
+
 @pytest.mark.slow
-def test_a_dequantized_fp8_run_exports_a_directory_whose_config_says_what_its_tensors_are(fp8_dir, tmp_path):
+def test_a_dequantized_fp8_run_exports_a_directory_whose_config_says_what_its_tensors_are(fp8_dir, checkpoints,
+                                                                                          tmp_path):
     """The default (`fp8 = "dequantize"`): a sharded run reads its rows dequantized and keeps no FP8 pairs, so
     `kiln export --checkpoint` writes plain weights and a config without `quantization_config` (it used to keep
     it: transformers then reads plain tensors as FP8 ones with no scales); one process's export of the same
     release writes the release's FP8 bytes back under it. transformers reads both as kiln computes them."""
-    from kiln.interop.export import export_model
     from kiln.interop.verify import verify_export
-    from kiln.models.auto import load_pretrained
 
-    spawn(fw.dequantized_checkpoint, 2, (str(fp8_dir), str(tmp_path)))
     one = load_pretrained(fp8_dir, task="causal-lm", seed=0)  # whole: the FP8 pairs kept (Fp8State.originals)
-    for out in (export_sharded(tmp_path / "deq-ckpt", tmp_path / "sharded"), export_model(one, tmp_path / "one")):
+    for out in (export_sharded(checkpoints / "deq-ckpt", tmp_path / "sharded"), export_model(one, tmp_path / "one")):
         cfg = json.loads((out / "config.json").read_text())
         weights = load_file(str(out / "model.safetensors"))
         fp8 = sorted(k for k, v in weights.items() if v.dtype == torch.float8_e4m3fn)
@@ -122,3 +140,33 @@ def test_a_dequantized_fp8_run_exports_a_directory_whose_config_says_what_its_te
             assert all(torch.equal(weights[k].view(torch.uint8), release[k].view(torch.uint8)) for k in fp8)
         failed = [c.line() for c in verify_export(out) if not c.ok]  # no missing keys; outputs equal, max diff 0
         assert failed == [], failed
+
+
+@pytest.mark.slow
+def test_a_v4_release_kept_fp8_exports_from_its_shards_as_one_process_does(v4_dir, checkpoints, tmp_path):
+    """DeepSeek-V4's release kept FP8, trained under FSDP2 on 2 ranks (read shard by shard, or loaded whole): the
+    sharded export writes what one process writes for the same trained state, the release's names (`<module>.scale`,
+    not `weight_scale_inv`) and, for what training left untouched, its FP8 bytes (`wo_a`, which the load dequantizes,
+    back FP8 with its scale). It used to write `wo_a` in bf16 with no scale and every scale as `weight_scale_inv`."""
+    stored = load_file(str(v4_dir / "model.safetensors"))
+    fp8 = {k for k, v in stored.items() if v.element_size() == 1 or k.endswith(".scale")}
+    wo_a = [f"layers.{i}.attn.wo_a.weight" for i in range(3)]
+    assert set(wo_a) < fp8 and not [k for k in stored if k.endswith("_scale_inv")]
+    for how in fw.V4_LOADS:
+        ckpt = checkpoints / f"v4-{how}"
+        one = load_pretrained(v4_dir, task="causal-lm", fp8="keep", seed=0)  # whole: it keeps wo_a's FP8 pairs
+        load_sharded(ckpt, one)  # the same trained state, in one process
+        want_dir, got_dir = export_model(one, tmp_path / f"one-{how}"), export_sharded(ckpt, tmp_path / f"sharded-{how}")
+        want, got = (load_file(str(d / "model.safetensors")) for d in (want_dir, got_dir))
+        # the same names, dtypes and bytes, tensor by tensor, and the same config (quantization_config kept)
+        assert list(got) == list(want) and list(got) == list(stored), (how, sorted(set(got) ^ set(stored))[:6])
+        for k in want:
+            assert got[k].dtype == want[k].dtype and torch.equal(_bytes(got[k]), _bytes(want[k])), (how, k)
+        cfg = json.loads((got_dir / "config.json").read_text())
+        assert cfg == json.loads((want_dir / "config.json").read_text()) and "quantization_config" in cfg
+        # the release's FP8 bytes and scales where training left them (the frozen FP8 modules, layer 0's frozen
+        # wo_a); layers 1 and 2's wo_a trained: quantized afresh, FP8 still, as the one process quantizes them
+        moved = set(wo_a[1:]) | {w.replace(".weight", ".scale") for w in wo_a[1:]}
+        assert [k for k in fp8 - moved if not torch.equal(_bytes(got[k]), _bytes(stored[k]))] == [], how
+        assert all(got[w].dtype == stored[w].dtype for w in wo_a) and \
+            not any(torch.equal(_bytes(got[w]), _bytes(stored[w])) for w in wo_a[1:]), how

@@ -4,10 +4,17 @@ test_sharded_load's spawn."""
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from kiln.errors import KilnError
 from kiln.models.auto import load_pretrained
+from kiln.parallel.checkpoint import export_sharded, save_sharded
 from kiln.parallel.sharded_load import lean_pretrained, load_to_device, read_shards
 from tests.models.v4_release import fp8_release_without_mtp
 from tests.parallel.sharded_load_workers import _bits
@@ -33,3 +40,22 @@ def test_an_fp8_weight_no_fp8_module_holds_is_read_dequantized_and_one_process_l
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(_bits(a[k]), _bits(b[k])), k
     assert load_to_device(v4fp8_dir, "cpu", task="causal-lm", fp8="keep") is None
+
+
+def test_a_sharded_checkpoint_reads_the_pairs_it_writes_back_from_the_source_and_names_one_gone(v4fp8_dir, tmp_path):
+    """Read shard by shard, `wo_a`'s FP8 pairs stay in the release's file: the sharded checkpoint notes where
+    (model/load.json), its export writes them back byte for byte under the release's names, and one whose source
+    changed since is refused by the tensor's and the file's names, nothing written (sharded_fp8_export)."""
+    release = Path(shutil.copytree(v4fp8_dir, tmp_path / "release"))
+    lean = lean_pretrained(release, "causal-lm", None, fp8="keep")
+    read_shards(lean, release)
+    save_sharded(tmp_path / "ckpt", lean)  # one process: the layout a 2-rank run's checkpoint reads back into
+    got = load_file(str(export_sharded(tmp_path / "ckpt", tmp_path / "out") / "model.safetensors"))
+    stored = load_file(str(release / "model.safetensors"))
+    assert list(got) == list(stored) and all(got[k].dtype == v.dtype and torch.equal(_bits(got[k]), _bits(v))
+                                             for k, v in stored.items())
+    os.utime(release / "model.safetensors", ns=(0, 0))
+    with pytest.raises(KilnError, match=r"'model.layers.0.attn.wo_a.weight' \(fp8 pair\).*'layers.0.attn.wo_a.weight'"
+                                        r" of .*release/model.safetensors, which changed since the run read it"):
+        export_sharded(tmp_path / "ckpt", tmp_path / "changed")
+    assert not (tmp_path / "changed").exists()
