@@ -7,9 +7,10 @@ command and this CPU (the code is built for `-march=native`), so a later process
 is written under a temporary name and renamed into place: two processes compiling at once both succeed and
 the one left is whole.
 
-`load` returns None, once logged at debug level, where there is no native path: `KILN_NATIVE=0`, no compiler
-(`$CC`, else `cc`), a failed compile or load; the caller then uses its torch implementation, which gives the
-same values.
+`load` returns None where there is no native path: `KILN_NATIVE=0` or no compiler (`$CC`, a command with
+its own flags if need be, else `cc`), logged at debug level; a failed compile or load, logged once as a
+warning with the compiler's last words (the torch path is slower). The caller then uses its torch
+implementation, which gives the same values (or, for a fast path, values within its rounding).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -57,9 +59,15 @@ def _cpu() -> str:
     return "\n".join(dict.fromkeys(keep))
 
 
-def _compiler() -> str | None:
-    cc = os.environ.get("CC") or "cc"
-    return shutil.which(cc)
+def _compiler() -> list[str] | None:
+    """The compiler command: `$CC` split as a shell would (`ccache gcc`, `gcc -m64`), else `cc`; None where
+    its program is not found."""
+    try:
+        cmd = shlex.split(os.environ.get("CC") or "cc")
+    except ValueError:
+        return None
+    path = shutil.which(cmd[0]) if cmd else None
+    return [path, *cmd[1:]] if path else None
 
 
 def library_path(name: str, source: str) -> Path | None:
@@ -67,7 +75,8 @@ def library_path(name: str, source: str) -> Path | None:
     cc = _compiler()
     if cc is None:
         return None
-    key = hashlib.sha256("\0".join([source, os.path.realpath(cc), *FLAGS, platform.machine(), _cpu()]).encode())
+    key = hashlib.sha256("\0".join([source, os.path.realpath(cc[0]), *cc[1:], *FLAGS, platform.machine(),
+                                    _cpu()]).encode())
     return cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
 
 
@@ -81,7 +90,7 @@ def _build(name: str, source: str) -> Path:
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{name}-") as tmp:
         src, lib = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
         src.write_text(source)
-        run = subprocess.run([_compiler(), *FLAGS, "-o", str(lib), str(src)], capture_output=True, text=True,
+        run = subprocess.run([*_compiler(), *FLAGS, "-o", str(lib), str(src)], capture_output=True, text=True,
                              timeout=120)
         if run.returncode != 0:
             raise OSError(f"compile failed ({run.returncode}): {run.stderr.strip()[-2000:]}")
@@ -103,7 +112,9 @@ def load(name: str, source: str) -> ctypes.CDLL | None:
         try:
             lib = ctypes.CDLL(str(_build(name, source)))
         except (OSError, subprocess.SubprocessError) as e:
-            log.debug("kiln native kernel %r unavailable, using torch: %s", name, e)
+            # no compiler is an expected setup (debug); a compiler that fails is worth a word (once per kernel)
+            level = logging.DEBUG if _compiler() is None else logging.WARNING
+            log.log(level, "kiln native kernel %r unavailable, using the slower torch path: %s", name, e)
             lib = None
         _LOADED[name] = lib
         return lib

@@ -5,6 +5,7 @@ cannot be had (KILN_NATIVE=0, no compiler, a compiler that fails), and the cache
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -106,3 +107,23 @@ def test_concurrent_builds_leave_one_whole_library(monkeypatch, tmp_path):
     assert native._build("dequant4", native4.SOURCE) == paths[0]  # cached: found, not built again
     # a different source is a different library
     assert native.library_path("dequant4", native4.SOURCE + "\n") != paths[0]
+
+
+def test_cc_with_its_own_words_builds_and_a_failing_one_is_named(monkeypatch, tmp_path, caplog):
+    """`$CC` is a command (`cc -g`): split as a shell would; a compiler that fails says so once, as a warning."""
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "cc -g")
+    native.forget("dequant4")
+    try:
+        assert native.load("dequant4", native4.SOURCE) is not None
+        with_g = native.library_path("dequant4", native4.SOURCE)
+        monkeypatch.setenv("CC", "cc")
+        assert native.library_path("dequant4", native4.SOURCE) != with_g  # the flags are part of the key
+        native.forget("dequant4")
+        monkeypatch.setenv("CC", "false --version")
+        with caplog.at_level(logging.DEBUG, logger="kiln.hub.native"):
+            assert native.load("dequant4", native4.SOURCE) is None
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1 and "dequant4" in warned[0].getMessage() and "compile failed" in warned[0].getMessage()
+    finally:
+        native.forget("dequant4")
