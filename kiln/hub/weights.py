@@ -1,7 +1,9 @@
-"""Weights on disk: model.safetensors, sharded safetensors with an index, or pytorch_model.bin.
+"""Weights on disk: model.safetensors, sharded safetensors with an index, or pytorch_model.bin (sharded too).
 
 Tensors keep their stored dtype (f16, bf16, f32, f64, ints): nothing passes through f32.
-Writes go to a temp file, are fsynced, then renamed.
+Writes go to a temp file, are fsynced, then renamed. `tensor_spans` says where each tensor's bytes lie in a
+file without reading them, for safetensors and for torch.save's zip format alike, so a sharded read
+(kiln.parallel.sharded_load) takes only its slices of either; `SpanReader` reads them as `safe_open` does.
 """
 
 from __future__ import annotations
@@ -9,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 import struct
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -58,8 +62,16 @@ class Span:
     shape: tuple[int, ...]
 
 
+class NotInPlace(WeightsError):
+    """A weights file some tensor of which is not one run of plain bytes in the file (a legacy or compressed
+    PyTorch file, big-endian data, a strided tensor): it can only be loaded whole."""
+
+
 def tensor_spans(path: str | os.PathLike) -> dict[str, Span]:
-    """Each tensor of a safetensors file and where its bytes are, from the header alone (no data read)."""
+    """Each tensor of a weights file (safetensors, or a PyTorch .bin) and where its bytes are, from the header
+    alone (no data read)."""
+    if Path(path).suffix == ".bin":
+        return _bin_spans(Path(path))
     try:
         with safe_open(str(path), framework="pt") as f:  # checks the header and the offsets against the file
             keys = list(f.keys())
@@ -145,13 +157,83 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _read_bin(path: Path) -> dict[str, torch.Tensor]:
+    return _torch_load(path, "cpu")
+
+
+def _bin_spans(path: Path) -> dict[str, Span]:
+    """Where each tensor of a PyTorch zip checkpoint (torch.save's format since torch 1.6, as transformers wrote
+    pytorch_model*.bin) lies. The pickle is read with weights_only=True onto the meta device: torch then reads no
+    tensor data and notes each storage's offset in the file (`_checkpoint_offset`; the records are stored
+    uncompressed, aligned). Chosen over torch.load(mmap=True): a mapping counts every page a slice touches in the
+    process's memory until it is unmapped, beside the copy; a read into place counts the copy only."""
     try:
-        sd = torch.load(str(path), map_location="cpu", weights_only=True)
+        with zipfile.ZipFile(path) as z:  # the central directory only
+            infos = z.infolist()
+            order = [i for i in infos if i.filename.endswith("/byteorder")]
+            byteorder = z.read(order[0]).decode() if order else "little"
+    except zipfile.BadZipFile:
+        raise NotInPlace(f"{path}: not a zip-format PyTorch file (saved by torch before 1.6?); it loads whole") \
+            from None
+    except OSError as e:
+        raise WeightsError(f"{path}: cannot read ({e})") from None
+    if byteorder != "little" or any("/data/" in i.filename and i.compress_type != zipfile.ZIP_STORED for i in infos):
+        raise NotInPlace(f"{path}: its tensors are stored {byteorder}-endian or compressed; it loads whole")
+    state = _torch_load(path, "meta")
+    spans = {}
+    for k, t in state.items():
+        base = getattr(t.untyped_storage(), "_checkpoint_offset", None)
+        if base is None or not t.is_contiguous():
+            raise NotInPlace(f"{path}: tensor {k!r} is not stored as one run of bytes (strided); it loads whole")
+        spans[k] = Span(base + t.storage_offset() * t.element_size(), t.nbytes, t.dtype, tuple(t.shape))
+    return spans
+
+
+def _torch_load(path: Path, map_location: str) -> dict[str, torch.Tensor]:
+    try:
+        sd = torch.load(str(path), map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises many types for a bad pickle; all mean "not loadable"
         raise WeightsError(f"{path}: not a loadable PyTorch weights file ({type(e).__name__}: {e})") from None
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise WeightsError(f"{path}: expected a dict of tensors")
     return sd
+
+
+class SpanReader:
+    """`safe_open`'s reading calls (`keys`, `get_tensor`, `get_slice(key)[index]`) over the spans of one open
+    file of any format: a slice reads the run of rows it needs, then keeps its columns."""
+
+    def __init__(self, f: Any, spans: dict[str, Span]):
+        self.f, self.spans = f, spans
+
+    def keys(self) -> list[str]:
+        return list(self.spans)
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        s = self.spans[key]
+        return _read_into_alignment(self.f, s.offset, s.nbytes, s.dtype, list(s.shape))
+
+    def get_slice(self, key: str) -> "_SpanSlice":
+        return _SpanSlice(self.f, self.spans[key])
+
+
+class _SpanSlice:
+    def __init__(self, f: Any, span: Span):
+        self.f, self.span = f, span
+
+    def get_shape(self) -> list[int]:
+        return list(self.span.shape)
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        s = self.span
+        if not s.shape:
+            return SpanReader(self.f, {"": s}).get_tensor("")
+        first, stop, step = index[0].indices(s.shape[0])
+        if step != 1:
+            raise ValueError("a span slice takes a run of rows")
+        row = s.nbytes // s.shape[0] if s.shape[0] else 0
+        rows = torch.empty((max(stop - first, 0), *s.shape[1:]), dtype=s.dtype)
+        read_into(self.f, s.offset + first * row, rows)
+        return rows[(slice(None), *index[1:])].contiguous()
 
 
 def load_weights(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
