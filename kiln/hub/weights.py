@@ -224,16 +224,26 @@ class _SpanSlice:
         return list(self.span.shape)
 
     def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        """The box `index` (one step-1 slice per leading dimension) of the tensor: a run of rows is one read; a run
+        of columns (dim 1, the dimensions after it whole) one read per row; any other box its rows, then cut."""
         s = self.span
         if not s.shape:
             return SpanReader(self.f, {"": s}).get_tensor("")
-        first, stop, step = index[0].indices(s.shape[0])
-        if step != 1:
-            raise ValueError("a span slice takes a run of rows")
+        box = [index[d].indices(n) if d < len(index) else (0, n, 1) for d, n in enumerate(s.shape)]
+        if any(step != 1 for _, _, step in box):
+            raise ValueError("a span slice takes runs of rows and columns")
+        (first, stop, _), rest = box[0], box[1:]
         row = s.nbytes // s.shape[0] if s.shape[0] else 0
+        if rest and all((b0, b1) == (0, n) for (b0, b1, _), n in zip(rest[1:], s.shape[2:])):
+            c0, c1, _ = rest[0]
+            out = torch.empty((max(stop - first, 0), max(c1 - c0, 0), *s.shape[2:]), dtype=s.dtype)
+            inner = row // s.shape[1] if s.shape[1] else 0
+            for i in range(out.shape[0]):  # each row's columns c0..c1 are one run of bytes
+                read_into(self.f, s.offset + (first + i) * row + c0 * inner, out[i])
+            return out
         rows = torch.empty((max(stop - first, 0), *s.shape[1:]), dtype=s.dtype)
         read_into(self.f, s.offset + first * row, rows)
-        return rows[(slice(None), *index[1:])].contiguous()
+        return rows[(slice(None), *(slice(b0, b1) for b0, b1, _ in rest))].contiguous()
 
 
 def load_weights(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
