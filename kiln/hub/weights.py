@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,29 +22,9 @@ from safetensors.torch import save_file
 from kiln.errors import WeightsError
 from kiln.hub.config import write_json_atomic
 from kiln.hub.files import as_umask_allows
-from kiln.hub.headers import index_files
+from kiln.hub.headers import SAFE_INDEX, SAFE_SINGLE, weight_files
 from kiln.hub.jsonio import read_json
-
-SAFE_SINGLE = "model.safetensors"
-SAFE_INDEX = "model.safetensors.index.json"
-BIN_SINGLE = "pytorch_model.bin"
-BIN_INDEX = "pytorch_model.bin.index.json"
-
-
-def weight_files(model_dir: str | os.PathLike) -> list[Path]:
-    """The weight files of a model directory, in the order they are read (safetensors first)."""
-    model_dir = Path(model_dir)
-    for index_name in (SAFE_INDEX, BIN_INDEX):
-        index = model_dir / index_name
-        if index.is_file():
-            return index_files(index)
-    for single in (SAFE_SINGLE, BIN_SINGLE):
-        if (model_dir / single).is_file():
-            return [model_dir / single]
-    raise WeightsError(
-        f"{model_dir}: no weights found (looked for {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE}, {BIN_INDEX})"
-    )
-
+from kiln.hub.pickled import bin_layout, load_bin
 
 _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                  "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -60,11 +39,6 @@ class Span:
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
-
-
-class NotInPlace(WeightsError):
-    """A weights file some tensor of which is not one run of plain bytes in the file (a legacy or compressed
-    PyTorch file, big-endian data, a strided tensor): it can only be loaded whole."""
 
 
 def tensor_spans(path: str | os.PathLike) -> dict[str, Span]:
@@ -157,45 +131,20 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _read_bin(path: Path) -> dict[str, torch.Tensor]:
-    return _torch_load(path, "cpu")
+    return load_bin(path, "cpu")
 
 
 def _bin_spans(path: Path) -> dict[str, Span]:
-    """Where each tensor of a PyTorch zip checkpoint (torch.save's format since torch 1.6, as transformers wrote
-    pytorch_model*.bin) lies. The pickle is read with weights_only=True onto the meta device: torch then reads no
-    tensor data and notes each storage's offset in the file (`_checkpoint_offset`; the records are stored
-    uncompressed, aligned). Chosen over torch.load(mmap=True): a mapping counts every page a slice touches in the
-    process's memory until it is unmapped, beside the copy; a read into place counts the copy only."""
-    try:
-        with zipfile.ZipFile(path) as z:  # the central directory only
-            infos = z.infolist()
-            order = [i for i in infos if i.filename.endswith("/byteorder")]
-            byteorder = z.read(order[0]).decode() if order else "little"
-    except zipfile.BadZipFile:
-        raise NotInPlace(f"{path}: not a zip-format PyTorch file (saved by torch before 1.6?); it loads whole") \
-            from None
-    except OSError as e:
-        raise WeightsError(f"{path}: cannot read ({e})") from None
-    if byteorder != "little" or any("/data/" in i.filename and i.compress_type != zipfile.ZIP_STORED for i in infos):
-        raise NotInPlace(f"{path}: its tensors are stored {byteorder}-endian or compressed; it loads whole")
-    state = _torch_load(path, "meta")
-    spans = {}
-    for k, t in state.items():
-        base = getattr(t.untyped_storage(), "_checkpoint_offset", None)
-        if base is None or not t.is_contiguous():
-            raise NotInPlace(f"{path}: tensor {k!r} is not stored as one run of bytes (strided); it loads whole")
-        spans[k] = Span(base + t.storage_offset() * t.element_size(), t.nbytes, t.dtype, tuple(t.shape))
-    return spans
+    """Where each tensor of a PyTorch zip checkpoint lies (kiln.hub.pickled.bin_layout: no data read)."""
+    return {k: Span(offset, dtype.itemsize * _numel(shape), dtype, shape)
+            for k, (offset, dtype, shape) in bin_layout(path).items()}
 
 
-def _torch_load(path: Path, map_location: str) -> dict[str, torch.Tensor]:
-    try:
-        sd = torch.load(str(path), map_location=map_location, weights_only=True)
-    except Exception as e:  # torch raises many types for a bad pickle; all mean "not loadable"
-        raise WeightsError(f"{path}: not a loadable PyTorch weights file ({type(e).__name__}: {e})") from None
-    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise WeightsError(f"{path}: expected a dict of tensors")
-    return sd
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 class SpanReader:

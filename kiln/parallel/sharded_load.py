@@ -33,7 +33,7 @@ carries beside the model (MTP layers) are held by reference, not read (sharded_c
 beside the weights: drawn and put on as a whole load does (sharded_fresh). Not covered yet (loaded whole): carried
 tensors the family's load does not keep as stored (DeepSeek-V4's FP8 MTP layers), what sharded_fresh does not take,
 `.bin` weights that are FP8 or 4-bit, carry tensors, or are not stored in place (a pre-1.6 or compressed PyTorch
-file, a strided tensor: `kiln.hub.weights.NotInPlace`). Plain `.bin` weights (pytorch_model.bin, or shards and their
+file, a strided tensor: `kiln.hub.pickled.NotInPlace`). Plain `.bin` weights (pytorch_model.bin, or shards and their
 index) read like safetensors: where each tensor lies comes from their pickle read onto meta (no data), and each rank
 reads its slices from the file (`kiln.hub.weights.tensor_spans`, `SpanReader`). 4-bit bases (a bitsandbytes-4bit directory, or `[model] quantize`) read as kiln.parallel.sharded_q4
 says: each rank its run of the packed bytes (quantized at load from the stored values of its blocks), and the small
@@ -57,7 +57,8 @@ from kiln.hub import Tokenizer
 from kiln.hub.bnb4 import bnb4_scheme_from_config
 from kiln.hub.fp8 import scale_renames, scheme_from_config
 from kiln.hub.resolve import resolve_model_dir
-from kiln.hub.weights import NotInPlace, Span, SpanReader, read_into, tensor_spans, weight_files
+from kiln.hub.pickled import NotInPlace
+from kiln.hub.weights import Span, SpanReader, read_into, tensor_spans, weight_files
 from kiln.models.auto import apply_changes, load_config
 from kiln.models.pretrained import LoadReport, PreTrainedModel
 from kiln.models.tasks import BASE

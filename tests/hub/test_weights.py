@@ -90,7 +90,8 @@ def test_bin_spans_locate_each_tensor_without_reading_it(tmp_path):
     """torch.save's zip format: each tensor's bytes (views into a shared storage at an offset, a tied pair) found
     from the pickle read onto meta, read back through SpanReader whole and as row and column runs; a strided
     tensor is refused by name (it loads whole)."""
-    from kiln.hub.weights import NotInPlace, SpanReader, tensor_spans
+    from kiln.hub.pickled import NotInPlace
+    from kiln.hub.weights import SpanReader, tensor_spans
 
     g = torch.Generator().manual_seed(0)
     big = torch.randn(60, generator=g)

@@ -11,39 +11,18 @@ import pytest
 import torch
 
 from kiln.errors import WeightsError
-from kiln.hub.weights import load_weights, shard_plan, tensor_spans, weight_files
+from kiln.hub.weights import load_weights, tensor_spans, weight_files
 from kiln.models.auto import load_pretrained
 from kiln.parallel.sharded_load import HostStage, empty_pretrained, lean_pretrained, read_shards
 from tests.parallel import sharded_load_workers as sw
 from tests.spawn import spawn
 
 
-def bin_release(src, out, max_shard_bytes: int | None = None):
-    """`src` (an HF directory) again with its weights as transformers' save_pretrained(safe_serialization=False)
-    wrote them: pytorch_model.bin, or pytorch_model-0000i-of-0000n.bin shards and pytorch_model.bin.index.json."""
-    out.mkdir()
-    for f in src.iterdir():
-        if f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
-            shutil.copy(f, out / f.name)
-    state = load_weights(src)
-    groups = shard_plan([(k, v.nbytes) for k, v in state.items()], max_shard_bytes)
-    if len(groups) == 1:
-        torch.save(state, out / "pytorch_model.bin")
-        return out
-    names = [f"pytorch_model-{i + 1:05d}-of-{len(groups):05d}.bin" for i in range(len(groups))]
-    for name, group in zip(names, groups):
-        torch.save({k: state[k] for k in group}, out / name)
-    (out / "pytorch_model.bin.index.json").write_text(json.dumps({
-        "metadata": {"total_size": sum(v.nbytes for v in state.values())},
-        "weight_map": {k: name for name, group in zip(names, groups) for k in group}}))
-    return out
-
-
 @pytest.fixture(scope="module")
 def bin_dirs(tiny_factory, tmp_path_factory):
     src = tiny_factory("qwen3", "causal-lm", intermediate_size=48)  # a tiny Qwen3 built by transformers
     root = tmp_path_factory.mktemp("sharded_bin")
-    return {"bin": bin_release(src, root / "bin"), "bin-sharded": bin_release(src, root / "bin-sharded", 8_000)}
+    return {"bin": sw.bin_release(src, root / "bin"), "bin-sharded": sw.bin_release(src, root / "bin-sharded", 8_000)}
 
 
 @pytest.mark.parametrize("name", ["bin", "bin-sharded"])
