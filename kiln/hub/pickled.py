@@ -4,8 +4,8 @@
 onto the meta device, where torch reads no tensor data and notes each storage's offset in the file
 (`_checkpoint_offset`; the records are stored uncompressed). A sharded read (kiln.parallel.sharded_load) reads
 each rank's slices from there, and `kiln plan` sizes the model from it. Chosen over torch.load(mmap=True): a
-mapping counts every page a slice touches in the process's memory until it is unmapped, beside the copy (measured:
-a rank's half of a 148 MiB checkpoint rose the peak by 158 MiB mapped, 77 MiB read into place).
+mapping counts every page a slice touches in the process's memory until it is unmapped, beside the copy, so a
+rank's peak would rise by about twice its share (benchmarks/RESULTS.md, the .bin load row).
 """
 
 from __future__ import annotations
