@@ -67,7 +67,7 @@ def test_a_bin_not_stored_in_place_loads_whole(bin_dirs, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-CASES = [("fsdp", "bin"), ("fsdp", "bin-sharded"), ("tp", "bin-sharded")]
+CASES = [("fsdp", "bin"), ("fsdp", "bin-sharded"), ("tp", "bin-sharded"), ("fsdp-lora", "bin-sharded"), ("pp", "bin")]
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +84,10 @@ def _overlap(reads: list, f: str, offset: int, nbytes: int) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,name", CASES)
 def test_each_rank_reads_its_share_of_a_bin_checkpoint(bin_dirs, bin_ranks, mode, name):
-    """Under FSDP2 (and TP) on 2 gloo ranks: each rank holds exactly the tensors of a whole load then the same plans,
-    took no tensor data through torch.load (its pickle read onto meta only), read no tensor whole, and read from
-    the files only its rows of each (FSDP2: at most half the rows, rounded up) or its columns (TP)."""
+    """Under FSDP2 (also with LoRA), TP and PP on 2 gloo ranks: each rank holds exactly the tensors of a whole load
+    then the same plans, took no tensor data through torch.load (its pickle read onto meta only), read no tensor
+    whole, and read from the files only its rows of each (FSDP2: at most half the rows, rounded up), its columns
+    (TP), or its stage's layers (PP)."""
     spans = {(str(f), k): s for f in weight_files(bin_dirs[name]) for k, s in tensor_spans(f).items()}
     total = sum(s.nbytes for s in spans.values())
     for rank in range(2):
@@ -99,7 +100,9 @@ def test_each_rank_reads_its_share_of_a_bin_checkpoint(bin_dirs, bin_ranks, mode
             for (f, key), s in spans.items():  # FSDP2's dim-0 chunks: ceil(rows / 2) on rank 0
                 rows = s.shape[0] if s.shape else 1
                 assert 0 < read[key] <= -(-rows // 2) * (s.nbytes // rows), (rank, key, read[key], s.nbytes)
-        else:  # tp: each q/k/v/gate/up its rows, each o/down its columns; the rest (norms, embedding) whole
+        elif mode == "tp":  # each q/k/v/gate/up its rows, each o/down its columns; the rest (norms, embedding) whole
             split = [key for (_, key), s in spans.items() if key.endswith("_proj.weight")]
             assert split and all(read[k] * 2 == s.nbytes for (_, k), s in spans.items() if k in split), read
+        elif mode == "pp":  # stage r reads layer r's tensors (and the embedding or the head), none of the other's
+            assert {k for k, n in read.items() if n and ".layers." in k} == {k for k in read if f".layers.{rank}." in k}
         assert sum(r[2] for r in r["reads"]) < total, (sum(r[2] for r in r["reads"]), total)
