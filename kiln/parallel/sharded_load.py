@@ -35,9 +35,9 @@ tensors the family's load does not keep as stored (DeepSeek-V4's FP8 MTP layers)
 `.bin` weights that are FP8 or 4-bit, carry tensors, or are not stored in place (a pre-1.6 or compressed PyTorch
 file, a strided tensor: `kiln.hub.pickled.NotInPlace`). Plain `.bin` weights (pytorch_model.bin, or shards and their
 index) read like safetensors: where each tensor lies comes from their pickle read onto meta (no data), and each rank
-reads its slices from the file (`kiln.hub.weights.tensor_spans`, `SpanReader`). 4-bit bases (a bitsandbytes-4bit directory, or `[model] quantize`) read as kiln.parallel.sharded_q4
-says: each rank its run of the packed bytes (quantized at load from the stored values of its blocks), and the small
-quant state whole.
+reads its slices from the file (`kiln.hub.weights.tensor_spans`, `SpanReader`). 4-bit bases (a bitsandbytes-4bit
+directory, or `[model] quantize`) read as kiln.parallel.sharded_q4 says: each rank its run of the packed bytes
+(quantized at load from the stored values of its blocks), and the small quant state whole.
 """
 
 from __future__ import annotations

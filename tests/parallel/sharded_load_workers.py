@@ -127,7 +127,8 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str
     with open(os.path.join(out, f"{tag or mode}-rank{rank}.json"), "w") as f:
         experts = {k: _local(t) for k, t in b.items() if ".experts." in k}
         json.dump({"problems": sorted(problems), "tensors": len(a), "bytes": loaded_bytes(lean),
-                   "read_whole": read_whole, "q4_reads": q4_reads, "reads": reads, "torch_loads": torch_loads, "expert_bytes": sum(t.nbytes for t in experts.values()),
+                   "read_whole": read_whole, "q4_reads": q4_reads, "reads": reads, "torch_loads": torch_loads,
+                   "expert_bytes": sum(t.nbytes for t in experts.values()),
                    "expert_dtypes": sorted({str(t.dtype) for t in experts.values()}),
                    "fp8_split": sum(isinstance(t, DTensor) and any(p.is_shard() for p in t.placements) and
                                     (t.dtype == torch.float8_e4m3fn or k.endswith("_scale_inv")) for k, t in b.items()),

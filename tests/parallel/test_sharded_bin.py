@@ -63,7 +63,8 @@ def test_a_bin_not_stored_in_place_loads_whole(bin_dirs, tmp_path):
     assert lean_pretrained(old, "causal-lm", None) is None
     with pytest.raises(WeightsError, match=r"pytorch_model\.bin: not a zip-format PyTorch file .*loads whole"):
         empty_pretrained(old, task="causal-lm")
-    a, b = load_pretrained(old, task="causal-lm").state_dict(), load_pretrained(bin_dirs["bin"], task="causal-lm").state_dict()
+    a = load_pretrained(old, task="causal-lm").state_dict()
+    b = load_pretrained(bin_dirs["bin"], task="causal-lm").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
