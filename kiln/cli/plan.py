@@ -1,11 +1,11 @@
 """`kiln plan`: each rank's predicted peak memory for a run config, from the checkpoint's headers only.
 
-Reads config.json, the shard index and each safetensors file's header (never the weights), applies the
-run's [train], [lora] and [parallel] settings (kiln.parallel.memory) and prints one column per kind of
-rank: the sharded-load design, and what kiln's current loader (every rank reads the whole checkpoint)
-needs. When the peak does not fit --gpu-memory (or, on a cpu run, the host's memory shared by the
-processes), it names the largest term, lists the [parallel] settings over the same processes that fit,
-and exits non-zero. Nothing here imports torch at module import.
+Reads config.json, the shard index and each safetensors file's header (of .bin weights, their pickle read onto
+the meta device; never the weights), applies the run's [train], [lora] and [parallel] settings
+(kiln.parallel.memory) and prints one column per kind of rank: the sharded-load design, and what kiln's
+current loader (every rank reads the whole checkpoint) needs. When the peak does not fit --gpu-memory (or,
+on a cpu run, the host's memory shared by the processes), it names the largest term, lists the [parallel]
+settings over the same processes that fit, and exits non-zero. Nothing here imports torch at module import.
 """
 
 from __future__ import annotations

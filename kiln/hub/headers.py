@@ -1,7 +1,9 @@
 """Safetensors headers without the weights: each tensor's name, shape, dtype and file, from the 8-byte
 header length and the JSON header of every file a model directory's index names (nothing is mapped).
 
-This is what `kiln plan` reads: a 700 GB checkpoint's headers are a few megabytes. No torch import.
+This is what `kiln plan` reads: a 700 GB checkpoint's headers are a few megabytes. No torch import, but for
+PyTorch `.bin` weights (pytorch_model.bin, or shards and their index), whose pickle is read onto the meta device
+(kiln.hub.pickled: names, dtypes and shapes, no tensor data).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from kiln.hub.jsonio import read_json
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
+BIN_SINGLE = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
 
 # Bytes per element of each safetensors dtype name (the format's own spelling).
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
@@ -57,23 +61,28 @@ def index_files(index: Path) -> list[Path]:
     return [index.parent / f for f in files]
 
 
-def safetensors_files(model_dir: str | os.PathLike) -> list[Path]:
-    """The safetensors files of a model directory: those its index names (all present), or model.safetensors."""
+def weight_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The weight files of a model directory, in the order they are read (safetensors first): those an index
+    names (all present), or the single file."""
     model_dir = Path(model_dir)
-    index = model_dir / SAFE_INDEX
-    if index.is_file():
-        return index_files(index)
-    if (model_dir / SAFE_SINGLE).is_file():
-        return [model_dir / SAFE_SINGLE]
-    others = [p.name for p in model_dir.glob("*.bin")] if model_dir.is_dir() else []
-    hint = f" (found {', '.join(others)}: pickled weights have no header to read; convert to safetensors)" \
-        if others else ""
-    raise WeightsError(f"{model_dir}: no safetensors weights ({SAFE_SINGLE} or {SAFE_INDEX}){hint}")
+    for index_name in (SAFE_INDEX, BIN_INDEX):
+        index = model_dir / index_name
+        if index.is_file():
+            return index_files(index)
+    for single in (SAFE_SINGLE, BIN_SINGLE):
+        if (model_dir / single).is_file():
+            return [model_dir / single]
+    raise WeightsError(
+        f"{model_dir}: no weights found (looked for {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE}, {BIN_INDEX})"
+    )
 
 
 def read_header(path: str | os.PathLike) -> dict[str, TensorHeader]:
-    """The tensors one safetensors file holds, from its header alone (reads 8 + header-length bytes)."""
+    """The tensors one safetensors file holds, from its header alone (reads 8 + header-length bytes); of a .bin
+    file, from its pickle."""
     path = Path(path)
+    if path.suffix == ".bin":
+        return _bin_header(path)
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -104,11 +113,29 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorHeader]:
     return out
 
 
+def _bin_header(path: Path) -> dict[str, TensorHeader]:
+    from kiln.hub.pickled import load_bin
+
+    out = {}
+    for name, t in load_bin(path, "meta").items():
+        dtype = _DTYPE_NAMES.get(str(t.dtype).removeprefix("torch."))
+        if dtype is None:
+            raise WeightsError(f"{path}: tensor {name!r} has dtype {t.dtype}, which kiln does not read")
+        out[name] = TensorHeader(name, tuple(t.shape), dtype, path.name)
+    return out
+
+
+# torch's dtype names -> the safetensors spelling TensorHeader keeps
+_DTYPE_NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3",
+                "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0", "int64": "I64", "int32": "I32", "int16": "I16",
+                "int8": "I8", "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL"}
+
+
 def read_headers(model_dir: str | os.PathLike) -> tuple[dict[str, TensorHeader], dict[str, int]]:
     """(every tensor of a model directory by name, each file's size in bytes), from headers only."""
     tensors: dict[str, TensorHeader] = {}
     sizes: dict[str, int] = {}
-    for path in safetensors_files(model_dir):
+    for path in weight_files(model_dir):
         part = read_header(path)
         dup = tensors.keys() & part.keys()
         if dup:

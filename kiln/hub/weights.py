@@ -1,7 +1,9 @@
-"""Weights on disk: model.safetensors, sharded safetensors with an index, or pytorch_model.bin.
+"""Weights on disk: model.safetensors, sharded safetensors with an index, or pytorch_model.bin (sharded too).
 
 Tensors keep their stored dtype (f16, bf16, f32, f64, ints): nothing passes through f32.
-Writes go to a temp file, are fsynced, then renamed.
+Writes go to a temp file, are fsynced, then renamed. `tensor_spans` says where each tensor's bytes lie in a
+file without reading them, for safetensors and for torch.save's zip format alike, so a sharded read
+(kiln.parallel.sharded_load) takes only its slices of either; `SpanReader` reads them as `safe_open` does.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -19,29 +22,9 @@ from safetensors.torch import save_file
 from kiln.errors import WeightsError
 from kiln.hub.config import write_json_atomic
 from kiln.hub.files import as_umask_allows
-from kiln.hub.headers import index_files
+from kiln.hub.headers import SAFE_INDEX, SAFE_SINGLE, weight_files
 from kiln.hub.jsonio import read_json
-
-SAFE_SINGLE = "model.safetensors"
-SAFE_INDEX = "model.safetensors.index.json"
-BIN_SINGLE = "pytorch_model.bin"
-BIN_INDEX = "pytorch_model.bin.index.json"
-
-
-def weight_files(model_dir: str | os.PathLike) -> list[Path]:
-    """The weight files of a model directory, in the order they are read (safetensors first)."""
-    model_dir = Path(model_dir)
-    for index_name in (SAFE_INDEX, BIN_INDEX):
-        index = model_dir / index_name
-        if index.is_file():
-            return index_files(index)
-    for single in (SAFE_SINGLE, BIN_SINGLE):
-        if (model_dir / single).is_file():
-            return [model_dir / single]
-    raise WeightsError(
-        f"{model_dir}: no weights found (looked for {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE}, {BIN_INDEX})"
-    )
-
+from kiln.hub.pickled import bin_layout, load_bin
 
 _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                  "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -59,7 +42,10 @@ class Span:
 
 
 def tensor_spans(path: str | os.PathLike) -> dict[str, Span]:
-    """Each tensor of a safetensors file and where its bytes are, from the header alone (no data read)."""
+    """Each tensor of a weights file (safetensors, or a PyTorch .bin) and where its bytes are, from the header
+    alone (no data read)."""
+    if Path(path).suffix == ".bin":
+        return _bin_spans(Path(path))
     try:
         with safe_open(str(path), framework="pt") as f:  # checks the header and the offsets against the file
             keys = list(f.keys())
@@ -145,13 +131,68 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _read_bin(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        sd = torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many types for a bad pickle; all mean "not loadable"
-        raise WeightsError(f"{path}: not a loadable PyTorch weights file ({type(e).__name__}: {e})") from None
-    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise WeightsError(f"{path}: expected a dict of tensors")
-    return sd
+    return load_bin(path, "cpu")
+
+
+def _bin_spans(path: Path) -> dict[str, Span]:
+    """Where each tensor of a PyTorch zip checkpoint lies (kiln.hub.pickled.bin_layout: no data read)."""
+    return {k: Span(offset, dtype.itemsize * _numel(shape), dtype, shape)
+            for k, (offset, dtype, shape) in bin_layout(path).items()}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class SpanReader:
+    """`safe_open`'s reading calls (`keys`, `get_tensor`, `get_slice(key)[index]`) over the spans of one open
+    file of any format: a slice reads the run of rows it needs, then keeps its columns."""
+
+    def __init__(self, f: Any, spans: dict[str, Span]):
+        self.f, self.spans = f, spans
+
+    def keys(self) -> list[str]:
+        return list(self.spans)
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        s = self.spans[key]
+        return _read_into_alignment(self.f, s.offset, s.nbytes, s.dtype, list(s.shape))
+
+    def get_slice(self, key: str) -> "_SpanSlice":
+        return _SpanSlice(self.f, self.spans[key])
+
+
+class _SpanSlice:
+    def __init__(self, f: Any, span: Span):
+        self.f, self.span = f, span
+
+    def get_shape(self) -> list[int]:
+        return list(self.span.shape)
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        """The box `index` (one step-1 slice per leading dimension) of the tensor: a run of rows is one read; a run
+        of columns (dim 1, the dimensions after it whole) one read per row; any other box its rows, then cut."""
+        s = self.span
+        if not s.shape:
+            return SpanReader(self.f, {"": s}).get_tensor("")
+        box = [index[d].indices(n) if d < len(index) else (0, n, 1) for d, n in enumerate(s.shape)]
+        if any(step != 1 for _, _, step in box):
+            raise ValueError("a span slice takes runs of rows and columns")
+        (first, stop, _), rest = box[0], box[1:]
+        row = s.nbytes // s.shape[0] if s.shape[0] else 0
+        if rest and all((b0, b1) == (0, n) for (b0, b1, _), n in zip(rest[1:], s.shape[2:])):
+            c0, c1, _ = rest[0]
+            out = torch.empty((max(stop - first, 0), max(c1 - c0, 0), *s.shape[2:]), dtype=s.dtype)
+            inner = row // s.shape[1] if s.shape[1] else 0
+            for i in range(out.shape[0]):  # each row's columns c0..c1 are one run of bytes
+                read_into(self.f, s.offset + (first + i) * row + c0 * inner, out[i])
+            return out
+        rows = torch.empty((max(stop - first, 0), *s.shape[1:]), dtype=s.dtype)
+        read_into(self.f, s.offset + first * row, rows)
+        return rows[(slice(None), *(slice(b0, b1) for b0, b1, _ in rest))].contiguous()
 
 
 def load_weights(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -32,9 +32,12 @@ naming and the parameters it holds in float32 (norms, sinks, hyper-connections: 
 carries beside the model (MTP layers) are held by reference, not read (sharded_carried). A new head and a PEFT adapter
 beside the weights: drawn and put on as a whole load does (sharded_fresh). Not covered yet (loaded whole): carried
 tensors the family's load does not keep as stored (DeepSeek-V4's FP8 MTP layers), what sharded_fresh does not take,
-`.bin` weights. 4-bit bases (a bitsandbytes-4bit directory, or `[model] quantize`) read as kiln.parallel.sharded_q4
-says: each rank its run of the packed bytes (quantized at load from the stored values of its blocks), and the small
-quant state whole.
+`.bin` weights that are FP8 or 4-bit, carry tensors, or are not stored in place (a pre-1.6 or compressed PyTorch
+file, a strided tensor: `kiln.hub.pickled.NotInPlace`). Plain `.bin` weights (pytorch_model.bin, or shards and their
+index) read like safetensors: where each tensor lies comes from their pickle read onto meta (no data), and each rank
+reads its slices from the file (`kiln.hub.weights.tensor_spans`, `SpanReader`). 4-bit bases (a bitsandbytes-4bit
+directory, or `[model] quantize`) read as kiln.parallel.sharded_q4 says: each rank its run of the packed bytes
+(quantized at load from the stored values of its blocks), and the small quant state whole.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ from kiln.hub import Tokenizer
 from kiln.hub.bnb4 import bnb4_scheme_from_config
 from kiln.hub.fp8 import scale_renames, scheme_from_config
 from kiln.hub.resolve import resolve_model_dir
-from kiln.hub.weights import Span, read_into, tensor_spans, weight_files
+from kiln.hub.pickled import NotInPlace
+from kiln.hub.weights import Span, SpanReader, read_into, tensor_spans, weight_files
 from kiln.models.auto import apply_changes, load_config
 from kiln.models.pretrained import LoadReport, PreTrainedModel
 from kiln.models.tasks import BASE
@@ -67,17 +71,18 @@ from kiln.parallel.sharded_q4 import WholeLoad4, place_q4, q4_keys, q4_names, re
 
 def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None, fp8: str = "dequantize",
                     quantize: str | None = None, **changes: Any) -> PreTrainedModel | None:
-    """`empty_pretrained` when this checkpoint can be read shard by shard (safetensors; a new head or an adapter
-    beside it: kiln.parallel.sharded_fresh; 4-bit: kiln.parallel.sharded_q4); else None: the caller loads it whole.
+    """`empty_pretrained` when this checkpoint can be read shard by shard (safetensors, or .bin stored in place; a new
+    head or an adapter beside it: kiln.parallel.sharded_fresh; 4-bit: kiln.parallel.sharded_q4); else None: the
+    caller loads it whole.
     The model carries `pending_read` (the directory) and `pending_seed` for the Trainer (`read_shards`,
     `init_adapters`)."""
     path = resolve_model_dir(path)
-    if any(f.suffix != ".safetensors" for f in weight_files(path)):
-        return None
     try:
         model, groups, unplaced = _empty(path, task, fp8, changes, quantize)
-    except WholeLoad4:
+    except (WholeLoad4, NotInPlace):
         return None
+    if placeholders(model) and any(f.suffix == ".bin" for f in weight_files(path)):
+        return None  # carried tensors are referenced by their safetensors file (sharded_carried)
     if unplaced and type(model).load_hf_state_dict is not PreTrainedModel.load_hf_state_dict:
         return None  # the family's own load keeps tensors the model has no place for, not as stored: a whole load
     q4 = q4_names(model)
@@ -108,16 +113,19 @@ def _empty(path: str | os.PathLike, task: str | None, fp8: str, changes: dict[st
     family, config, source_task = load_config(path)
     source = str(Path(path) / "config.json")
     scheme = None if bnb4_scheme_from_config(config.extra, source) else scheme_from_config(config.extra, source)
+    files = weight_files(path)
+    if any(f.suffix == ".bin" for f in files) and "quantization_config" in config.extra:
+        raise NotInPlace(f"{path}: FP8 or 4-bit .bin weights load whole; a sharded read takes them as safetensors")
     config = apply_changes(config, dict(changes))
     with torch.device("meta"):
         model = family.build(config, task or source_task or BASE)
     model.source_task = source_task
-    spans = {k: v for f in _safetensors(path) for k, v in tensor_spans(f).items()}
+    spans = {k: v for f in files for k, v in tensor_spans(f).items()}
     weights = _meta(spans)
     if scheme is not None:
         weights = _place_fp8(model, weights, scheme, path, fp8)
     groups, extras = _sources(model, spans)
-    model.q4_read = place_q4(model, groups, spans, _safetensors(path), Path(path), config.extra, quantize)
+    model.q4_read = place_q4(model, groups, spans, files, Path(path), config.extra, quantize)
     q4 = q4_names(model)
     tensors = model.state_dict(keep_vars=True)
     placed = {k for kiln, sources in groups.items() if kiln in tensors for k, _ in sources} | q4_keys(model, spans)
@@ -156,13 +164,6 @@ def _place_fp8(model: PreTrainedModel, weights: dict[str, torch.Tensor], scheme:
 def _meta(spans: dict[str, Span]) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors as meta tensors of their stored shapes and dtypes (from the headers)."""
     return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in spans.items()}
-
-
-def _safetensors(path: Path) -> list[Path]:
-    files = weight_files(path)
-    if any(f.suffix != ".safetensors" for f in files):
-        raise WeightsError(f"{path}: reading shard by shard needs safetensors weights, not {files[0].name}")
-    return files
 
 
 def _sources(model: PreTrainedModel, spans: dict[str, Span]) -> tuple[dict[str, list[tuple[str, str]]], list[str]]:
@@ -259,7 +260,7 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
     device = torch.device(device)
     stage = stage if stage is not None else _host_stage(device)
     path = resolve_model_dir(path)
-    files = _safetensors(path)
+    files = weight_files(path)
     keymap = model.family.keymap(model.task)
     where: dict[str, Path] = {}  # key -> its file; a file is mapped only while one of its tensors is read
     spans: dict[str, Span] = {}  # key -> where its bytes lie in that file
@@ -298,7 +299,7 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
             elif name in groups:
                 keys = [k for k, _ in groups[name]]
                 if dequantized.keys() & set(keys):  # FP8 to dequantize (sharded_fp8): its piece and scale blocks
-                    with _mapped(where, keys + [dequantized[k] for k in keys if k in dequantized]) as handles:
+                    with _mapped(where, keys + [dequantized[k] for k in keys if k in dequantized], spans) as handles:
                         read_dequantized(name, target, _box(target), groups[name], handles, dequantized, keymap, path,
                                          stage, model.fp8_state.scheme)
                     continue
@@ -307,9 +308,9 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
                     continue
                 # the pages a mapping touched count in this process's RSS until it is closed: map the files
                 # of one tensor at a time, so the read never holds more than its shards plus one tensor
-                with _mapped(where, [k for k, _ in groups[name]]) as handles:
+                with _mapped(where, [k for k, _ in groups[name]], spans) as handles:
                     _fill(name, target, groups[name], handles, keymap, path, stage)
-    with _mapped(where, extras) as handles:  # beside the carried placeholders (sharded_carried)
+    with _mapped(where, extras, spans) as handles:  # beside the carried placeholders (sharded_carried)
         model.hf_extras = placeholders(model).get("hf_extras", {}) | {
             model.normalise_hf_names([k])[k][0]: handles[k].get_tensor(k) for k in extras}
     # a checkpoint tensor whose kiln name the model lacks is reported ignored, as a whole load reports it
@@ -323,10 +324,12 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
 
 
 @contextmanager
-def _mapped(where: dict[str, Path], keys: list[str]) -> Iterator[dict[str, Any]]:
-    """key -> an open safe_open handle of its file, for `keys`; the files are unmapped on exit."""
+def _mapped(where: dict[str, Path], keys: list[str], spans: dict[str, Span]) -> Iterator[dict[str, Any]]:
+    """key -> an open safe_open handle of its file, for `keys` (a .bin file: a SpanReader, which reads, not maps);
+    the files are unmapped on exit."""
     with ExitStack() as stack:
-        files = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in {where[k] for k in keys}}
+        files = {f: stack.enter_context(safe_open(str(f), framework="pt")) if f.suffix != ".bin" else
+                 SpanReader(stack.enter_context(open(f, "rb", buffering=0)), spans) for f in {where[k] for k in keys}}
         yield {k: files[where[k]] for k in keys}
 
 

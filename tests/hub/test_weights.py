@@ -84,3 +84,30 @@ def test_save_writes_atomically_and_leaves_no_temp_files(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
     save_file({"x": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
     assert torch.equal(load_weights(tmp_path)["w"], torch.arange(6.0).view(2, 3))
+
+
+def test_bin_spans_locate_each_tensor_without_reading_it(tmp_path):
+    """torch.save's zip format: each tensor's bytes (views into a shared storage at an offset, a tied pair) found
+    from the pickle read onto meta, read back through SpanReader whole and as row and column runs; a strided
+    tensor is refused by name (it loads whole)."""
+    from kiln.hub.pickled import NotInPlace
+    from kiln.hub.weights import SpanReader, tensor_spans
+
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(60, generator=g)
+    state = {"a": torch.randn(7, 5, 3, generator=g), "b": torch.randn(6, 9, generator=g).to(torch.bfloat16),
+             "view": big[4:40].view(6, 6), "scalar": torch.tensor(3.0), "empty": torch.empty(0, 4)}
+    state["tied"] = state["b"]
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    spans = tensor_spans(tmp_path / "pytorch_model.bin")
+    assert spans["tied"] == spans["b"] and spans["view"].nbytes == 36 * 4 and spans["scalar"].shape == ()
+    with open(tmp_path / "pytorch_model.bin", "rb", buffering=0) as f:
+        reader = SpanReader(f, spans)
+        for k, t in state.items():
+            assert torch.equal(reader.get_tensor(k), t), k
+            for box in [(slice(1, 3),), (slice(0, 4), slice(1, 2)), (slice(1, 2), slice(0, 3), slice(1, 3))]:
+                if t.dim() >= len(box):
+                    assert torch.equal(reader.get_slice(k)[box], t[box]), (k, box)
+    torch.save({"w": torch.randn(4, 6).t()}, tmp_path / "strided.bin")
+    with pytest.raises(NotInPlace, match=r"strided\.bin: tensor 'w' is not stored as one run of bytes"):
+        tensor_spans(tmp_path / "strided.bin")

@@ -10,6 +10,7 @@ import resource
 import torch
 from torch.distributed.tensor import DTensor
 
+from kiln.hub import weights
 from kiln.models.auto import load_config, load_pretrained
 from kiln.models.common.lora import LoraConfig, apply_lora, has_adapter
 from kiln.parallel.apply import parallelize
@@ -44,7 +45,9 @@ def compare_many(rank: int, world: int, jobs: list[tuple], out: str) -> None:
 def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str | None = None,
             quantize: str | None = None, task: str = "causal-lm", labels: list[str] | None = None) -> None:
     """Whole load then `mode`'s plans vs built on meta, the plans, then the read; to OUT/<tag>-rank<r>.json.
-    `quantize`: "nf4" | "fp4" at load. `q4_reads`: (file, offset, bytes) of each read of a 4-bit weight's rows.
+    `quantize`: "nf4" | "fp4" at load. `q4_reads`: (file, offset, bytes) of each read of a 4-bit weight's rows;
+    `reads`: the same of every other read from the files; `torch_loads`: the map_location of each torch.load the
+    build on meta and the read made (a .bin's pickle read onto "meta" only: no tensor data).
     `task` (and `labels`) other than the checkpoint's: a head the checkpoint lacks (kiln.parallel.sharded_fresh),
     built by `lean_pretrained` as `kiln train` builds it (so is a directory with an adapter beside it); under LoRA both models then take two steps (dropout on)
     from the generator state each load left (`rng_equal`: the same state), and `steps` holds both runs' losses."""
@@ -70,8 +73,13 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str
     after_whole = torch.get_rng_state()
     parallelize(whole, parallel, world_size=world, device=torch.device("cpu"))
     torch.manual_seed(321)  # what a load draws it draws from its seed, whatever happened since
-    lean = lean_pretrained(model_dir, task, 5, fp8=fp8, quantize=quantize, **changes) if fresh or adapter else \
-        empty_pretrained(model_dir, task=task, fp8=fp8, quantize=quantize)
+    torch_loads, load = [], torch.load
+    torch.load = lambda *a, **k: (torch_loads.append(str(k.get("map_location"))), load(*a, **k))[1]
+    try:
+        lean = lean_pretrained(model_dir, task, 5, fp8=fp8, quantize=quantize, **changes) if fresh or adapter else \
+            empty_pretrained(model_dir, task=task, fp8=fp8, quantize=quantize)
+    finally:
+        torch.load = load
     if lora:
         apply_lora(lean, lora)
         torch.manual_seed(123)  # init_adapters draws from its own seed, whatever happened since
@@ -80,14 +88,20 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str
     parallelize(lean, parallel, world_size=world, device=torch.device("cpu"))
     read_whole = []  # the tensors read whole (one checkpoint tensor at a time), then cut to this rank's piece
     q4_reads = []
+    reads = []  # (file, offset, bytes) of the reads into place (kiln.parallel.sharded_load, kiln.hub.weights)
     fill, dequantized, read_into = sharded_load._fill, sharded_load.read_dequantized, sharded_q4.read_into
     sharded_load._fill = lambda name, *args: fill(name, *args) and read_whole.append(name)
     sharded_load.read_dequantized = lambda name, *args: dequantized(name, *args) and read_whole.append(name)
     sharded_q4.read_into = lambda f, offset, t: (q4_reads.append((f.name, offset, t.nbytes)), read_into(f, offset, t))[1]
+    plain = lambda f, offset, t: (reads.append((f.name, offset, t.nbytes)), read_into(f, offset, t))[1]  # noqa: E731
+    sharded_load.read_into = weights.read_into = plain
+    torch.load = lambda *a, **k: (torch_loads.append(str(k.get("map_location"))), load(*a, **k))[1]
     try:
         read_shards(lean, model_dir)
     finally:
         sharded_load._fill, sharded_load.read_dequantized, sharded_q4.read_into = fill, dequantized, read_into
+        sharded_load.read_into = weights.read_into = read_into
+        torch.load = load
     a, b = whole.state_dict(), lean.state_dict()
     problems = [k for k in a if k not in b] + [k for k in b if k not in a]
     if fresh and whole.load_report.initialized != lean.load_report.initialized:  # (a stage reports others ignored)
@@ -113,7 +127,8 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str
     with open(os.path.join(out, f"{tag or mode}-rank{rank}.json"), "w") as f:
         experts = {k: _local(t) for k, t in b.items() if ".experts." in k}
         json.dump({"problems": sorted(problems), "tensors": len(a), "bytes": loaded_bytes(lean),
-                   "read_whole": read_whole, "q4_reads": q4_reads, "expert_bytes": sum(t.nbytes for t in experts.values()),
+                   "read_whole": read_whole, "q4_reads": q4_reads, "reads": reads, "torch_loads": torch_loads,
+                   "expert_bytes": sum(t.nbytes for t in experts.values()),
                    "expert_dtypes": sorted({str(t.dtype) for t in experts.values()}),
                    "fp8_split": sum(isinstance(t, DTensor) and any(p.is_shard() for p in t.placements) and
                                     (t.dtype == torch.float8_e4m3fn or k.endswith("_scale_inv")) for k, t in b.items()),
@@ -209,3 +224,28 @@ def with_adapter(path, base):
     model.save_pretrained(path, max_shard_bytes=8_000)
     assert (path / "adapter_model.safetensors").is_file()
     return path
+
+
+def bin_release(src, out, max_shard_bytes: int | None = None):
+    """`src` (an HF directory) again with its weights as transformers' save_pretrained(safe_serialization=False)
+    wrote them: pytorch_model.bin, or pytorch_model-0000i-of-0000n.bin shards and pytorch_model.bin.index.json."""
+    import shutil
+
+    from kiln.hub.weights import load_weights, shard_plan
+
+    out.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
+            shutil.copy(f, out / f.name)
+    state = load_weights(src)
+    groups = shard_plan([(k, v.nbytes) for k, v in state.items()], max_shard_bytes)
+    if len(groups) == 1:
+        torch.save(state, out / "pytorch_model.bin")
+        return out
+    names = [f"pytorch_model-{i + 1:05d}-of-{len(groups):05d}.bin" for i in range(len(groups))]
+    for name, group in zip(names, groups):
+        torch.save({k: state[k] for k in group}, out / name)
+    (out / "pytorch_model.bin.index.json").write_text(json.dumps({
+        "metadata": {"total_size": sum(v.nbytes for v in state.values())},
+        "weight_map": {k: name for name, group in zip(names, groups) for k in group}}))
+    return out

@@ -298,6 +298,22 @@ def test_headers_only(tmp_path):
         read_headers(model)
 
 
+def test_headers_of_bin_weights_are_read_from_their_pickle(tmp_path):
+    """PyTorch .bin shards and their index: the same names, shapes and dtypes as the safetensors they came from
+    (no tensor data read), and `kiln plan` plans them."""
+    from kiln.cli.main import app
+    from tests.parallel.sharded_load_workers import bin_release
+
+    model = write_checkpoint(tmp_path / "m")
+    pickled = bin_release(model, tmp_path / "bin", max_shard_bytes=500)
+    assert len(list(pickled.glob("pytorch_model-*.bin"))) > 1
+    (a, _), (b, sizes) = read_headers(model), read_headers(pickled)
+    assert {k: (t.shape, t.dtype) for k, t in a.items()} == {k: (t.shape, t.dtype) for k, t in b.items()}
+    assert {t.file for t in b.values()} == set(sizes) and all(f.endswith(".bin") for f in sizes)
+    r = CliRunner().invoke(app, ["plan", "--config", str(write_run(tmp_path, pickled)), "--nproc", "2"])
+    assert r.exit_code == 0 and "weights" in r.output, r.output
+
+
 def test_cli_table_and_no_fit(tmp_path):
     from kiln.cli.main import app
 
