@@ -21,6 +21,7 @@ the key maps and the load/save side live in `deepseek_v4_release.py`.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,8 @@ from kiln.models.common.rope import PairRotaryEmbedding, rope_parameters
 from kiln.models.common.sink_attention import SinkAttention, window_mask
 from kiln.models.decoder_lm import DecoderConfig
 from kiln.models.deepseek_v3 import SPECIALS
-from kiln.models.deepseek_v4_release import BASE_KEYS, CAUSAL_KEYS, KEEP_FP32, MTP_TENSOR, V4_KEYS, V4TaskModel
+from kiln.models.deepseek_v4_release import (BASE_KEYS, CAUSAL_KEYS, KEEP_FP32, MTP_TENSOR, V4_KEYS, V4TaskModel,
+                                             as_loaded)
 from kiln.models.keymap import KeyMap
 from kiln.models.mtp import TrainsMtp
 from kiln.models.parallel_plan import ParallelPlan
@@ -321,10 +323,13 @@ class V4ForCausalLM(TrainsMtp, V4TaskModel, ForCausalLM):
         return self.mtp[0] if "mtp" in self._modules else None
 
     def mtp_carried(self) -> dict[str, torch.Tensor]:
-        return {k.removeprefix("model."): v for k, v in getattr(self, "mtp_tensors", {}).items()}
+        held = {k.removeprefix("model."): v for k, v in getattr(self, "mtp_tensors", {}).items()}
+        return as_loaded(held, getattr(self, "fp8_state", None))  # a sharded read's FP8 pairs: as dequantized
 
     def new_mtp(self) -> nn.ModuleList:
-        ref, module = self.model.embed_tokens.weight, nn.ModuleList([V4MTPLayer(self.config)])
+        ref = self.model.embed_tokens.weight
+        with torch.device("meta") if ref.is_meta else nullcontext():  # built on meta: a sharded read fills it
+            module = nn.ModuleList([V4MTPLayer(self.config)])
         for name, p in module.named_parameters():  # the model's dtype, but the parts V4 holds in float32
             p.data = p.data.to(device=ref.device, dtype=torch.float32 if KEEP_FP32.search(name) else ref.dtype)
         return module

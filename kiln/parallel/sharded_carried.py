@@ -21,11 +21,13 @@ import dataclasses
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from kiln.errors import KilnError
+from kiln.hub.fp8 import FP8
 from kiln.hub.weights import tensor_spans, weight_files
 
 CARRIED_FILE = "carried.json"  # beside model/config.json of a sharded checkpoint
@@ -52,28 +54,61 @@ def note_carried(model: torch.nn.Module, weights: dict[str, torch.Tensor], unpla
                  ) -> list[str]:
     """After the family's own load ran on the headers (`weights`: the meta tensors it was given): each carried
     tensor that is one of the `unplaced` checkpoint tensors as stored stays in its holder as a meta placeholder,
-    referenced in `model.carried_refs` ((holder, name) -> CarriedRef); any other meta tensor a holder got is
-    dropped (a read cannot fill it). Returns the unplaced keys not carried so: a whole load decides on those."""
+    referenced in `model.carried_refs` ((holder, name) -> CarriedRef); so does, for a family that `carries_fp8_pairs`,
+    each FP8 (or packed FP4) weight a whole load dequantized to carry: its stored weight and its scale, the scale
+    right after it under the name the whole load's export writes it under (`scheme.scale_key`). Any other meta
+    tensor a holder got is dropped (a read cannot fill it). Returns the unplaced keys not carried so: a whole
+    load decides on those."""
     wanted = set(unplaced)
     spans = {k: (f, s) for f in weight_files(path) for k, s in tensor_spans(f).items() if k in wanted}
     # the very tensor the load was given for that key, as stored (not a dequantized or renamed stand-in)
     by_id = {id(weights[k]): k for k in unplaced if k in weights and k in spans
              and (weights[k].dtype, tuple(weights[k].shape)) == (spans[k][1].dtype, tuple(spans[k][1].shape))}
+    pairs = _stored_pairs(model, weights, unplaced, spans)
+    scheme = model.fp8_state.scheme if pairs else None
     refs: dict[tuple[str, str], CarriedRef] = {}
     for holder in HOLDERS:
         held = getattr(model, holder, None)
-        for name, t in list((held or {}).items()):
-            key = by_id.get(id(t))
-            if key is None:
-                if t.is_meta:
-                    del held[name]
+        if not held:
+            continue
+        kept: dict[str, torch.Tensor] = {}
+        for name, t in held.items():
+            if id(t) in by_id:
+                found = [(name, by_id[id(t)], t)]
+            elif id(t) in pairs:  # the dequantized stand-in of an FP8 weight: its stored pair instead
+                found = [(n, k, torch.empty(spans[k][1].shape, dtype=spans[k][1].dtype, device="meta"))
+                         for n, k in zip((name, scheme.scale_key(name)), pairs[id(t)])]
+            else:
+                if not t.is_meta:
+                    kept[name] = t
                 continue
-            stat = os.stat(spans[key][0])
-            refs[(holder, name)] = CarriedRef(str(Path(path).resolve()), spans[key][0].name, key,
-                                              str(t.dtype).removeprefix("torch."), tuple(t.shape), stat.st_size,
-                                              stat.st_mtime_ns)
+            for n, key, placeholder in found:
+                stat = os.stat(spans[key][0])
+                kept[n] = placeholder
+                refs[(holder, n)] = CarriedRef(str(Path(path).resolve()), spans[key][0].name, key,
+                                               str(placeholder.dtype).removeprefix("torch."), tuple(placeholder.shape),
+                                               stat.st_size, stat.st_mtime_ns)
+        held.clear()  # (in place: the family may hold the same dict elsewhere)
+        held.update(kept)
     model.carried_refs = refs
     return [k for k in unplaced if k not in {r.key for r in refs.values()}]
+
+
+def _stored_pairs(model: torch.nn.Module, weights: dict[str, torch.Tensor], unplaced: list[str],
+                  spans: dict[str, tuple[Path, Any]]) -> dict[int, tuple[str, str]]:
+    """id of the dequantized stand-in the family's load was given for an unplaced FP8 (or packed FP4) weight ->
+    (its key, its scale's key), both unplaced, for a family that `carries_fp8_pairs` (DeepSeek-V4: its
+    `hf_state_dict` writes them as held, its `mtp_carried` takes them); {} for any other."""
+    state = getattr(model, "fp8_state", None)
+    if state is None or not getattr(model, "carries_fp8_pairs", False):
+        return {}
+    out = {}
+    for k in unplaced:
+        scale = state.scheme.scale_key(k)
+        if k in weights and k in spans and scale in spans and spans[k][1].dtype in (FP8, torch.int8) \
+                and weights[k].dtype != spans[k][1].dtype:
+            out[id(weights[k])] = (k, scale)
+    return out
 
 
 def placeholders(model: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]:
