@@ -37,7 +37,8 @@ def runs(hook_dirs, tmp_path_factory):  # noqa: F811
     state = load_file(str(mtp / "model.safetensors"))
     extra = torch.randn(8, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     save_file({**state, "mtp.fc.weight": extra}, str(mtp / "model.safetensors"), metadata={"format": "pt"})
-    srcs = {"fused": hook_dirs["fused"], "fused-mtp": mtp, "v4": hook_dirs["v4"], "v3mtp": hook_dirs["v3mtp"]}
+    srcs = {"fused": hook_dirs["fused"], "fused-mtp": mtp, "v4": hook_dirs["v4"], "v3mtp": hook_dirs["v3mtp"],
+            "v4mtp": hook_dirs["v4mtp"]}
     spawn(sw.save_sharded_runs, 2, ([(str(src), str(root / name / "ckpt")) for name, src in srcs.items()],))
     return root, srcs
 
@@ -72,6 +73,34 @@ def test_a_sharded_run_exports_as_one_process_exports(runs, name, dtype, stream,
         assert "embed.weight" in names and floats == {torch.bfloat16}
     if stream:  # still streamed: about one output file at a time
         assert stats["peak_bytes"] < stats["model_bytes"] / 2, stats
+
+
+@pytest.mark.slow
+def test_a_sharded_run_writes_the_fp8_mtp_layer_s_release_bytes(runs, tmp_path):
+    """A DeepSeek-V4 FP8 release read shard by shard (to dequantize, the default) under FSDP2 held its MTP layer by
+    reference, each FP8 / FP4 weight as its stored pair: the export writes the release's MTP tensors byte for byte,
+    as a one-process export writes them back (its main weights are the run's dequantized ones: not compared)."""
+    root, srcs = runs
+    ckpt = root / "v4mtp" / "ckpt"
+    assert (ckpt / "model" / CARRIED_FILE).is_file() and not _dcp_carried(ckpt)  # read by reference, not whole
+    release = _mtp(_files(srcs["v4mtp"]))
+    assert {t.dtype for t in release.values()} >= {torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8}
+    export_model(srcs["v4mtp"], tmp_path / "one", max_shard_bytes=100_000)
+    want = _mtp(_files(tmp_path / "one"))
+    assert _differ(want, release) == []
+    for stream in (True, False):
+        export_sharded(ckpt, tmp_path / f"sharded-{stream}", max_shard_bytes=100_000, stream=stream)
+        assert _differ(_mtp(_files(tmp_path / f"sharded-{stream}")), want) == [], stream
+
+
+def _mtp(files: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {k: t for tensors in files.values() for k, t in tensors.items() if k.startswith("mtp.")}
+
+
+def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Names only one side has, or whose tensors differ in dtype, shape or bytes."""
+    return sorted(a.keys() ^ b.keys()) + sorted(k for k in a.keys() & b.keys() if (a[k].dtype, a[k].shape) != (
+        b[k].dtype, b[k].shape) or not torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)))
 
 
 def _dcp_carried(ckpt) -> list[str]:

@@ -262,6 +262,7 @@ def hook_dirs(tiny_factory, tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
     from kiln.models.deepseek_v4_release import release_name
+    from tests.models.v4_release import make_release, tiny_release_source
 
     root = tmp_path_factory.mktemp("sharded_hooks")
     out = {}
@@ -283,6 +284,7 @@ def hook_dirs(tiny_factory, tmp_path_factory):
                 state[f"{p}.down_proj"] = torch.stack([per[f"{p}.{e}.down_proj.weight"] for e in range(num)])
         save_file(state, str(out[name] / "model.safetensors"), metadata={"format": "pt"})
     out["v3mtp"] = v3_with_mtp(root / "v3mtp")
+    out["v4mtp"] = make_release(tiny_release_source(tiny_factory), root / "v4mtp")  # FP8 release, FP8 MTP layer
     return out
 
 
@@ -358,7 +360,7 @@ def test_a_tensor_a_family_carries_in_its_own_holder_is_held_by_reference(hook_d
 CASES_2 = [("fsdp", "qwen3"), ("tp", "qwen3"), ("fsdp-lora", "qwen3"), ("ep", "moe"), ("fsdp", "tied"), ("pp", "qwen3"),
            ("pp", "tied"), ("fsdp-lora", "fp8"), ("ep", "fp8moe"), ("ep-fsdp-2", "fp8moe"), ("fsdp", "fp8moe"),
            ("fsdp", "fused"), ("fsdp", "v4"), ("fsdp", "v3mtp"), ("tp", "fp8tp"), ("fsdp-deq", "fp8"), ("tp-deq", "fp8tp"),
-           ("ep-deq", "fp8moe"), ("fsdp", "v4fp8")]
+           ("ep-deq", "fp8moe"), ("fsdp", "v4fp8"), ("fsdp", "v4mtp"), ("fsdp-deq", "v4mtp")]
 # base checkpoints loaded with a head they lack (kiln.parallel.sharded_fresh): name -> (task, labels)
 FRESH = {"qwen3-base": ("causal-lm", None), "roberta-base": ("sequence-classification", ["neg", "neu", "pos"])}
 CASES_2 += [("fsdp", "qwen3-base"), ("tp", "qwen3-base"), ("pp", "qwen3-base"), ("fsdp-lora", "roberta-base"),
@@ -406,15 +408,22 @@ def test_each_rank_reads_what_a_whole_load_then_shard_gives(rank_results, mode, 
             assert r["expert_dtypes"] == ["torch.float32", "torch.float8_e4m3fn"], r
         if mode in ("fsdp", "pp"):  # every tensor split over 2 ranks, or 2 stages: about half the model each
             assert r["bytes"] <= 0.6 * r["whole_bytes"], r
-        if mode.startswith("tp") or mode == "fsdp-deq":  # each rank its rows or columns (under fsdp its part of
-            assert r["read_whole"] == [], r["read_whole"]   # them) by slice reads, an FP8 weight's scale blocks too
-        if mode == "ep-deq":  # a stack of FP8 experts to dequantize is read whole (one at a time), then cut
+        if mode.startswith("tp") or mode == "fsdp-deq" and name != "v4mtp":  # each rank its rows or columns (under
+            assert r["read_whole"] == [], r["read_whole"]   # fsdp its part of them) by slice reads, FP8 scale blocks too
+        if mode == "ep-deq" or (mode, name) == ("fsdp-deq", "v4mtp"):  # a stack of FP8 (V4: packed FP4) experts to
+            # dequantize is read whole (one at a time), then cut
             assert {n.rpartition(".")[2] for n in r["read_whole"]} == {"gate_up_proj", "down_proj"}, r["read_whole"]
         if name == "fp8tp" and not mode.endswith("-deq"):  # the FP8 Linears split with their scale blocks
             assert r["fp8_split"] == 2 * 7 * 2, r  # 2 layers x 7 Linears, weight and scale
-        assert r["carried"][0] == r["carried"][1], r["carried"]  # what the family carries: the same names
-        if name == "v3mtp":  # its MTP layer held by reference: no bytes of it on any rank, and no weight read whole
-            assert r["carried"][1] and r["carried_bytes"] == 0 and r["read_whole"] == [], r
+        # what the family carries: the same names; V4's FP8 / FP4 MTP weights with their scales (as stored, where the
+        # whole load holds them dequantized and keeps their pairs aside)
+        whole, lean = r["carried"]
+        assert whole == [n for n in lean if not (name == "v4mtp" and n.endswith(".scale"))], r["carried"]
+        if name in ("v3mtp", "v4mtp"):  # its MTP layer held by reference: no bytes of it on any rank
+            assert lean and r["carried_bytes"] == 0 and (r["read_whole"] == [] or mode == "fsdp-deq"), r
+        if name == "v4mtp":
+            assert {n.removesuffix(".scale") + ".weight" for n in lean if n.endswith(".scale")} <= set(whole), lean
+            assert any(n.endswith(".scale") for n in lean), lean
         if name == "v4fp8":  # kept: the FP8 modules' rows as stored; wo_a (no FP8 module holds it) its rows and
             assert r["fp8_split"] > 0 and r["read_whole"] == [], r  # their scale blocks, dequantized (sharded_fp8)
         if mode.startswith("fsdp"):  # a trained embedding shards; LoRA's frozen one stays whole (no root gather)
