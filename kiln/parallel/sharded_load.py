@@ -29,15 +29,16 @@ grouped `wo_a`), are read as sharded_fp8.py says.
 A family with its own load (`load_hf_state_dict`) has it run on the headers, so what it decides from the names and
 dtypes it decides as on a whole load: Qwen3.5-MoE's fused expert layout (exported fused), DeepSeek-V4's release
 naming and the parameters it holds in float32 (norms, sinks, hyper-connections: read into float32); the tensors it
-carries beside the model (MTP layers) are held by reference, not read (sharded_carried). A new head and a PEFT adapter
-beside the weights: drawn and put on as a whole load does (sharded_fresh). Not covered yet (loaded whole): carried
-tensors the family's load does not keep as stored (DeepSeek-V4's FP8 MTP layers), what sharded_fresh does not take,
-`.bin` weights that are FP8 or 4-bit, carry tensors, or are not stored in place (a pre-1.6 or compressed PyTorch
-file, a strided tensor: `kiln.hub.pickled.NotInPlace`). Plain `.bin` weights (pytorch_model.bin, or shards and their
-index) read like safetensors: where each tensor lies comes from their pickle read onto meta (no data), and each rank
-reads its slices from the file (`kiln.hub.weights.tensor_spans`, `SpanReader`). 4-bit bases (a bitsandbytes-4bit
-directory, or `[model] quantize`) read as kiln.parallel.sharded_q4 says: each rank its run of the packed bytes
-(quantized at load from the stored values of its blocks), and the small quant state whole.
+carries beside the model (MTP layers) are held by reference, not read (sharded_carried), an FP8 release's MTP weights
+(DeepSeek-V3 / V3.2 / GLM-5 / V4) as their stored pairs (a live MTP module's parameters are read dequantized,
+sharded_fp8). A new head and a PEFT adapter beside the weights: drawn and put on as a whole load does (sharded_fresh).
+Not covered yet (loaded whole): other carried tensors the family's load does not keep as stored, what sharded_fresh
+does not take, `.bin` weights that are FP8 or 4-bit, carry tensors, or are not stored in place (a pre-1.6 or
+compressed PyTorch file, a strided tensor: `kiln.hub.pickled.NotInPlace`). Plain `.bin` weights (pytorch_model.bin,
+or shards and their index) read like safetensors: where each tensor lies comes from their pickle read onto meta (no
+data), and each rank reads its slices from the file (`kiln.hub.weights.tensor_spans`, `SpanReader`). 4-bit bases (a
+bitsandbytes-4bit directory, or `[model] quantize`) read as kiln.parallel.sharded_q4 says: each rank its run of the
+packed bytes (quantized at load from the stored values of its blocks), and the small quant state whole.
 """
 
 from __future__ import annotations
