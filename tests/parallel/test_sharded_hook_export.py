@@ -99,8 +99,11 @@ def _mtp(files: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     """Names only one side has, or whose tensors differ in dtype, shape or bytes."""
-    return sorted(a.keys() ^ b.keys()) + sorted(k for k in a.keys() & b.keys() if (a[k].dtype, a[k].shape) != (
-        b[k].dtype, b[k].shape) or not torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)))
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1).view(torch.uint8)
+
+    return sorted(a.keys() ^ b.keys()) + sorted(k for k in a.keys() & b.keys() if (a[k].dtype, a[k].shape)
+                                                != (b[k].dtype, b[k].shape) or not torch.equal(raw(a[k]), raw(b[k])))
 
 
 def _dcp_carried(ckpt) -> list[str]:

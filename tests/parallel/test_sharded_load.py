@@ -409,7 +409,7 @@ def test_each_rank_reads_what_a_whole_load_then_shard_gives(rank_results, mode, 
         if mode in ("fsdp", "pp"):  # every tensor split over 2 ranks, or 2 stages: about half the model each
             assert r["bytes"] <= 0.6 * r["whole_bytes"], r
         if mode.startswith("tp") or mode == "fsdp-deq" and name != "v4mtp":  # each rank its rows or columns (under
-            assert r["read_whole"] == [], r["read_whole"]   # fsdp its part of them) by slice reads, FP8 scale blocks too
+            assert r["read_whole"] == [], r["read_whole"]  # fsdp its part of them) by slice reads, FP8 scale blocks too
         if mode == "ep-deq" or (mode, name) == ("fsdp-deq", "v4mtp"):  # a stack of FP8 (V4: packed FP4) experts to
             # dequantize is read whole (one at a time), then cut
             assert {n.rpartition(".")[2] for n in r["read_whole"]} == {"gate_up_proj", "down_proj"}, r["read_whole"]
