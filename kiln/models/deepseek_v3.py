@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from kiln.errors import ConfigError, KilnError
+from kiln.models.common.fp8 import carried_as_loaded
 from kiln.models.common.loss import shift_labels
 from kiln.models.common.mla import MLADecoder, MLADecoderLayer, MLASpec, softmax_scale
 from kiln.models.common.mlp import GatedMLP
@@ -148,6 +149,11 @@ _LAYER = re.compile(r"layers\.(\d+)\.")
 class KeepsMtpLayers:
     """Checkpoint layers past num_hidden_layers (multi-token prediction) go to `hf_extras` untouched."""
 
+    # A sharded read may hold the FP8 weights a whole load dequantizes as their stored pairs, by reference
+    # (kiln.parallel.sharded_carried): saved as held (the release's bytes, as a whole load writes its unchanged pairs
+    # back), taken by `enable_mtp` as dequantized (common/fp8.carried_as_loaded)
+    carries_fp8_pairs = True
+
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor], source: str = "checkpoint",
                            source_task: str | None = None):
         n = self.config.num_hidden_layers
@@ -193,7 +199,8 @@ class MLAForCausalLM(KeepsMtpLayers, ForCausalLM):
             return self.mtp
         c = self.config
         n = c.num_hidden_layers
-        found = {k: v for k, v in self.hf_extras.items() if k.startswith(f"layers.{n}.")}
+        held = {k: v for k, v in self.hf_extras.items() if k.startswith(f"layers.{n}.")}
+        found = carried_as_loaded(held, getattr(self, "fp8_state", None))  # a sharded read's FP8 pairs: as dequantized
         if not found and not fresh:
             raise ConfigError(f"{source}: the checkpoint has no multi-token-prediction tensors (no "
                               f"model.layers.{n}.* beside its {n} layers) to train")
@@ -218,7 +225,7 @@ class MLAForCausalLM(KeepsMtpLayers, ForCausalLM):
             with torch.no_grad():
                 for k, v in layer.state_dict().items():
                     v.copy_(tensors[k])
-            for k in found:
+            for k in held:
                 del self.hf_extras[k]
         else:
             init_module(layer, c.initializer_range)

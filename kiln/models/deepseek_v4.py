@@ -31,6 +31,7 @@ from torch import nn
 from kiln.errors import ConfigError
 from kiln.models.common.causal_lm import DecoderModel, ForCausalLM
 from kiln.models.common.compressor import CSACompressor, HCACompressor, SlidingCompressedCache
+from kiln.models.common.fp8 import carried_as_loaded
 from kiln.models.common.hash_moe import HashOrTopKMoE, score_fn
 from kiln.models.common.hyper import HyperConnection, HyperHead
 from kiln.models.common.norms import Fp32ScaleRMSNorm
@@ -38,8 +39,7 @@ from kiln.models.common.rope import PairRotaryEmbedding, rope_parameters
 from kiln.models.common.sink_attention import SinkAttention, window_mask
 from kiln.models.decoder_lm import DecoderConfig
 from kiln.models.deepseek_v3 import SPECIALS
-from kiln.models.deepseek_v4_release import (BASE_KEYS, CAUSAL_KEYS, KEEP_FP32, MTP_TENSOR, V4_KEYS, V4TaskModel,
-                                             as_loaded)
+from kiln.models.deepseek_v4_release import BASE_KEYS, CAUSAL_KEYS, KEEP_FP32, MTP_TENSOR, V4_KEYS, V4TaskModel
 from kiln.models.keymap import KeyMap
 from kiln.models.mtp import TrainsMtp
 from kiln.models.parallel_plan import ParallelPlan
@@ -324,7 +324,7 @@ class V4ForCausalLM(TrainsMtp, V4TaskModel, ForCausalLM):
 
     def mtp_carried(self) -> dict[str, torch.Tensor]:
         held = {k.removeprefix("model."): v for k, v in getattr(self, "mtp_tensors", {}).items()}
-        return as_loaded(held, getattr(self, "fp8_state", None))  # a sharded read's FP8 pairs: as dequantized
+        return carried_as_loaded(held, getattr(self, "fp8_state", None))  # a sharded read's FP8 pairs: as dequantized
 
     def new_mtp(self) -> nn.ModuleList:
         ref = self.model.embed_tokens.weight

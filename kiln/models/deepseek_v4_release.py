@@ -6,9 +6,7 @@
   `hc_head_fn`), kept for a checkpoint read in that layout;
 - `V4TaskModel`: the `mtp.*` tensors carried through (or handed to the live MTP layer), and the
   hyper-connection, sink, position-bias and norm parameters held in float32, written back in the
-  half dtype they were stored in while that is lossless;
-- `as_loaded`: the carried `mtp.*` tensors as a whole load holds them, where a sharded read holds an FP8 release's
-  MTP weights by reference as their stored (weight, scale) pairs (kiln.parallel.sharded_carried).
+  half dtype they were stored in while that is lossless.
 """
 
 from __future__ import annotations
@@ -17,8 +15,6 @@ import re
 
 import torch
 
-from kiln.hub.fp8 import SCALE_SUFFIX, canonical_scales, fp8_pairs, logical_shape
-from kiln.models.common.fp8 import compute_dtype_of
 from kiln.models.keymap import Stack
 from kiln.models.tasks import BASE
 
@@ -36,7 +32,7 @@ class V4TaskModel:
 
     # A sharded read may hold the FP8 (FP4) MTP weights a whole load dequantizes as their stored pairs, by reference
     # (kiln.parallel.sharded_carried): the export writes them as held (the release's bytes, as a whole load's export
-    # writes its unchanged pairs back), and `mtp_carried` takes them as the dequantized tensors (`as_loaded`).
+    # writes its unchanged pairs back), `mtp_carried` takes them as dequantized (common/fp8.carried_as_loaded).
     carries_fp8_pairs = True
 
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor], source: str = "checkpoint",
@@ -78,19 +74,6 @@ class V4TaskModel:
             if name in kept and p.is_floating_point() and p.dtype != torch.float32:
                 p.data = kept[name].to(p.device)  # the float32 values themselves, not a round trip through half
         return self
-
-
-def as_loaded(held: dict[str, torch.Tensor], fp8_state) -> dict[str, torch.Tensor]:
-    """Carried tensors as a whole load holds them: each FP8 (packed FP4) weight held by reference with its scale (meta
-    placeholders of a sharded read) as a meta tensor of its values' shape in the dtype a whole load dequantizes to,
-    its scale dropped; a live MTP module then reads its parameters dequantized (kiln.parallel.sharded_fp8)."""
-    if fp8_state is None or not any(v.is_meta for v in held.values()):
-        return held
-    state, scheme = canonical_scales(held, fp8_state.scheme)
-    pairs = {k for k, (q, s) in fp8_pairs(state, scheme).items() if q.is_meta and s.is_meta}
-    dtype = scheme.dtype or compute_dtype_of(state)
-    return {k: torch.empty(logical_shape(v), dtype=dtype, device="meta") if k in pairs else v
-            for k, v in state.items() if not (k.endswith(SCALE_SUFFIX) and k[:-len(SCALE_SUFFIX)] in pairs)}
 
 
 def release_name(name: str) -> str:

@@ -7,9 +7,10 @@ real size they are large (V3's MTP layer is ~11B parameters with its experts), s
 them: `lean_pretrained` runs the family's load on the headers, and each tensor it carries exactly as stored (the
 same checkpoint tensor, its stored dtype and shape) stays a meta placeholder in its holder, with a `CarriedRef`
 (source directory, file, tensor name, dtype, shape, the file's size and mtime) in `model.carried_refs`. An FP8 (or
-packed FP4) weight a whole load dequantizes to carry (DeepSeek-V4's MTP layer in an FP8 release; the whole load keeps
-its pair aside to write it back unchanged) is held so too, as its stored pair, where the family `carries_fp8_pairs`:
-the weight and its scale, each a placeholder with its reference, so the export writes the release's bytes.
+packed FP4) weight a whole load dequantizes to carry (an FP8 release's MTP layer; the whole load keeps its pair aside
+to write it back unchanged) is held so too, as its stored pair, where the family `carries_fp8_pairs` (DeepSeek-V3 and
+the families built on it, V4): the weight and its scale, each a placeholder with its reference, so the export writes
+the release's bytes.
 
 `save_sharded` writes those references (model/CARRIED_FILE) instead of their bytes, and `export_sharded` reads
 each from its source file when it writes the output shard that holds it, byte for byte as a whole load carried

@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 from kiln.errors import KilnError
 from kiln.hub.fp8 import (FP4_BLOCK, FP8, SCALE_SUFFIX, Fp8Scheme, canonical_scales, dequantize, dequantize_state, fp8_pairs,
-                          is_fp4, quantize, requantize_state, scale_grid)
+                          is_fp4, logical_shape, quantize, requantize_state, scale_grid)
 from kiln.models.common.moe import Experts
 from kiln.models.keymap import KeyMap, Stack
 from kiln.models.tasks import BASE
@@ -199,6 +199,20 @@ def compute_dtype_of(state: dict[str, torch.Tensor]) -> torch.dtype:
                      if v.dtype.is_floating_point and v.dtype != FP8 and v.element_size() > 1
                      and not k.endswith(SCALE_SUFFIX))
     return counts.most_common(1)[0][0] if counts else torch.float32
+
+
+def carried_as_loaded(held: dict[str, torch.Tensor], state: "Fp8State | None") -> dict[str, torch.Tensor]:
+    """Tensors a family carries beside its model, as a whole load holds them: each FP8 (packed FP4) weight a sharded
+    read holds by reference as its stored pair (meta placeholders, kiln.parallel.sharded_carried) as a meta tensor of
+    its values' shape in the dtype a whole load dequantizes to, its scale dropped (an MTP layer made live from them
+    then reads its parameters dequantized, kiln.parallel.sharded_fp8); any other tensor as held."""
+    if state is None or not any(v.is_meta for v in held.values()):
+        return held
+    canonical, scheme = canonical_scales(held, state.scheme)
+    pairs = {k for k, (q, s) in fp8_pairs(canonical, scheme).items() if q.is_meta and s.is_meta}
+    dtype = scheme.dtype or compute_dtype_of(canonical)
+    return {k: torch.empty(logical_shape(v), dtype=dtype, device="meta") if k in pairs else v
+            for k, v in canonical.items() if not (k.endswith(SCALE_SUFFIX) and k[:-len(SCALE_SUFFIX)] in pairs)}
 
 
 def prepare_fp8(model: nn.Module, state: dict[str, torch.Tensor], scheme: Fp8Scheme, mode: str = "dequantize",
