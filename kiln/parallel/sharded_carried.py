@@ -95,7 +95,11 @@ def note_carried(model: torch.nn.Module, weights: dict[str, torch.Tensor], unpla
         held.clear()  # (in place: the family may hold the same dict elsewhere)
         held.update(kept)
     model.carried_refs = refs
-    return [k for k in unplaced if k not in {r.key for r in refs.values()}]
+    carried = {r.key for r in refs.values()}
+    if pairs and getattr(model, "fp8_refs", None):  # kept FP8: a pair carried as stored is written as held, not
+        # also written back from the pairs a whole load keeps (kiln.parallel.sharded_fp8_export)
+        model.fp8_refs = {n: pair for n, pair in model.fp8_refs.items() if pair[0].key not in carried}
+    return [k for k in unplaced if k not in carried]
 
 
 def _stored_pairs(model: torch.nn.Module, weights: dict[str, torch.Tensor], unplaced: list[str],

@@ -63,6 +63,24 @@ def test_the_fp8_mtp_layer_is_carried_by_reference_or_read_dequantized_once_live
     assert b["mtp.0.mlp.experts.gate_up_proj"].dtype == torch.bfloat16  # FP4 experts dequantized, as whole
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # a sharded save in one process, meant
+def test_kept_fp8_a_sharded_checkpoint_exports_the_release_mtp_layer_and_all_as_one_process(release, tmp_path):
+    """Kept FP8 (`fp8 = "keep"`), untrained: the sharded checkpoint's export writes every tensor of the release back
+    byte for byte, as one process's export does; the MTP layer's pairs as carried (not also as pairs to write back:
+    the packed FP4 experts would be quantized afresh from their bytes)."""
+    from kiln.interop.export import export_model
+    from kiln.parallel.checkpoint import export_sharded, save_sharded
+
+    lean = lean_pretrained(release, "causal-lm", None, fp8="keep")
+    read_shards(lean, release)
+    save_sharded(tmp_path / "ckpt", lean)  # one process, no group: the same shards and references
+    export_sharded(tmp_path / "ckpt", tmp_path / "sharded", max_shard_bytes=100_000)
+    export_model(load_pretrained(release, task="causal-lm", fp8="keep"), tmp_path / "one", max_shard_bytes=100_000)
+    released, one, sharded = (_tensors(d) for d in (release, tmp_path / "one", tmp_path / "sharded"))
+    assert any(k.startswith("mtp.") and t.dtype == torch.int8 for k, t in released.items())
+    assert _differ(one, released) == [] and _differ(sharded, released) == []
+
+
 @pytest.fixture(scope="module")
 def v3_release(tmp_path_factory):
     """A tiny DeepSeek-V3 FP8 release with its MTP layer (layer num_hidden_layers): FP8 Linears and experts with
