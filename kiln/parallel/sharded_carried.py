@@ -105,8 +105,8 @@ def note_carried(model: torch.nn.Module, weights: dict[str, torch.Tensor], unpla
 def _stored_pairs(model: torch.nn.Module, weights: dict[str, torch.Tensor], unplaced: list[str],
                   spans: dict[str, tuple[Path, Any]]) -> dict[int, tuple[str, str]]:
     """id of the dequantized stand-in the family's load was given for an unplaced FP8 (or packed FP4) weight ->
-    (its key, its scale's key), both unplaced, for a family that `carries_fp8_pairs` (DeepSeek-V4: its
-    `hf_state_dict` writes them as held, its `mtp_carried` takes them); {} for any other."""
+    (its key, its scale's key), both unplaced, for a family that `carries_fp8_pairs` (DeepSeek-V3, V4: its
+    save writes them as held, its `enable_mtp` takes them as dequantized); {} for any other."""
     state = getattr(model, "fp8_state", None)
     if state is None or not getattr(model, "carries_fp8_pairs", False):
         return {}
