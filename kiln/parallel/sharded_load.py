@@ -310,14 +310,15 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
                 # of one tensor at a time, so the read never holds more than its shards plus one tensor
                 with _mapped(where, [k for k, _ in groups[name]], spans) as handles:
                     _fill(name, target, groups[name], handles, keymap, path, stage)
+    names = model.normalise_hf_names(list(where))  # from all keys, as a whole load: one alone reads a head's as base
     with _mapped(where, extras, spans) as handles:  # beside the carried placeholders (sharded_carried)
         model.hf_extras = placeholders(model).get("hf_extras", {}) | {
-            model.normalise_hf_names([k])[k][0]: handles[k].get_tensor(k) for k in extras}
+            names[k][0]: handles[k].get_tensor(k) for k in extras}
     # a checkpoint tensor whose kiln name the model lacks is reported ignored, as a whole load reports it
     held = model.state_dict(keep_vars=True)
     used = {k for kiln, sources in groups.items() if kiln in held for k, _ in sources} | set(extras)
     used |= q4_keys(model, spans) | {s for k, s in dequantized.items() if k in used} | read_keys(model)
-    model.load_report = LoadReport(ignored=sorted(model.normalise_hf_names([k])[k][0] for k in where if k not in used),
+    model.load_report = LoadReport(ignored=sorted(names[k][0] for k in where if k not in used),
                                    initialized=getattr(model, "fresh_names", []))  # a new head (sharded_fresh)
     model.tie_weights()
     model.pending_read = model.q4_read = None
