@@ -349,19 +349,20 @@ def test_cli_keeps_deepseek_v4s_residual_whole_under_tp(tmp_path):
     """DeepSeek-V4's plan keeps the residual whole on every tp rank, so `[parallel] sequence_parallel` (on by
     default) must not shrink its activation estimate; a family that splits it (qwen3) predicts less with it."""
     from kiln.cli.main import app
+    from kiln.interop.tiny import TINY
+    from kiln.models.auto import AutoConfig, from_config
 
-    model = write_checkpoint(tmp_path / "m")  # the plan reads shapes from the headers, the family from model_type
-
-    def predicted(model_type: str, sp: str) -> str:
-        (model / "config.json").write_text(json.dumps({**CONFIG, "model_type": model_type}))
+    def predicted(model: Path, sp: str) -> str:
         cfg = write_run(tmp_path, model, f"[parallel]\ntp = 2\nsequence_parallel = {sp}\n")
-        r = CliRunner().invoke(app, ["plan", "--config", str(cfg), "--nproc", "2", "--set", "train.batch_size=512",
-                                     "--set", "data.max_length=4096"])
+        r = CliRunner().invoke(app, ["plan", "--config", str(cfg), "--nproc", "2", "--set", "train.batch_size=64",
+                                     "--set", "data.max_length=1024"])
         assert r.exit_code == 0, r.output
         return [line for line in r.output.splitlines() if "activations" in line][0]
 
-    assert predicted("qwen3", "true") != predicted("qwen3", "false")
-    assert predicted("deepseek_v4", "true") == predicted("deepseek_v4", "false")
+    v4 = from_config(AutoConfig.for_model("deepseek_v4", **TINY["deepseek_v4"]), task="causal-lm")
+    qwen3, v4 = write_checkpoint(tmp_path / "m"), v4.save_pretrained(tmp_path / "v4")  # the plan builds its model
+    assert predicted(qwen3, "true") != predicted(qwen3, "false")
+    assert predicted(v4, "true") == predicted(v4, "false")
 
 
 # ---- 4-bit bases (kiln.parallel.memory_q4) ----------------------------------------------------------------
