@@ -267,7 +267,8 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
             for p in params:
                 if p.block is not None and (pp == 1 or p.block in stages[stage]) and not p.whole and not p.carried:
                     by_block.setdefault(p.block, []).append(p)
-            root = [p for p in params if p.block is None and share(p, stage) > 0 and not replicated(p) and not p.carried]
+            root = [p for p in params
+                    if p.block is None and share(p, stage) > 0 and not replicated(p) and not p.carried]
 
             def whole(p: Param) -> float:  # this rank's tp/ep piece of `p`, before FSDP splits it
                 return p.numel * share(p, stage) * dp * cp * (1 if p.expert or ep == 1 else ep)

@@ -49,9 +49,10 @@ def _same(whole, lean) -> None:
                                        ("roberta-mlm", "sequence-classification"), ("adapter", "causal-lm")])
 def test_a_new_head_or_an_adapter_is_put_on_as_a_whole_load_puts_it(dirs, name, task):
     """A base checkpoint loaded with a head it lacks (a causal-LM's lm_head, a classifier), a masked-LM one as a
-    classifier (its MLM head dropped), or a checkpoint with a PEFT adapter beside it: read, not loaded whole; the same tensors, report and trainability as a whole load from
-    the same seed, and the generator left where the whole load leaves it (LoRA's init draws next: the Trainer's
-    init_adapters draws from there), for the read and for one process (`load_to_device`) alike."""
+    classifier (its MLM head dropped), or a checkpoint with a PEFT adapter beside it: read, not loaded whole; the
+    same tensors, report and trainability as a whole load from the same seed, and the generator left where the whole
+    load leaves it (LoRA's init draws next: the Trainer's init_adapters draws from there), for the read and for one
+    process (`load_to_device`) alike."""
     changes = {"labels": ["a", "b"]} if task != "causal-lm" else {}
     whole = load_pretrained(dirs[name], task=task, seed=7, **changes)
     after = torch.get_rng_state()
