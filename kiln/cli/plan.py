@@ -55,6 +55,8 @@ def plan_inputs(cfg, nproc: int, device: str, source: str = "run config") -> tup
     from kiln.models.auto import family_for
     from kiln.parallel.memory import ModelDims, RunSettings, check_shapes, params_from_headers
     from kiln.parallel.memory_q4 import compute_dtype
+    from kiln.parallel.sharded_carried import carried_keys
+    from kiln.parallel.sharded_load import readable_empty
 
     if cfg.model.path is None or not Path(cfg.model.path).is_dir():
         raise ConfigError(f"{source}: model.path must be a local HF model directory for kiln plan "
@@ -81,7 +83,12 @@ def plan_inputs(cfg, nproc: int, device: str, source: str = "run config") -> tup
         pp_stages=tuple(par.pp_stages) if par.pp_stages else None, keep_grads=par.cadence is not None,
         fp8=cfg.model.fp8, quantize=None if q4_shapes else cfg.model.quantize,
         q4_compute=compute_dtype(hf_config, cfg.model.quantize, tensors.values()))
-    params = params_from_headers(tensors.values(), settings, q4_shapes)
+    # what the family carries beside the model (an MTP layer) is not trained, and a read shard by shard does not
+    # hold it, unless [moe] mtp_weight makes it live: parameters like any other, less what the live layer drops
+    empty = readable_empty(model_dir, cfg.model.task, cfg.model.fp8, cfg.model.quantize)
+    carried, dropped = carried_keys(empty[0], getattr(getattr(cfg, "moe", None), "mtp_weight", 0) > 0) \
+        if empty is not None else (set(), set())
+    params = params_from_headers([t for k, t in tensors.items() if k not in dropped], settings, q4_shapes, carried)
     return params, dims, settings, sizes, tensors
 
 
@@ -146,6 +153,12 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
         typer.echo(f"4-bit base ({kind}, compute {settings.q4_compute}): {len(q4)} Linears held 4-bit, packed "
                    f"{fmt_bytes(packed)} + quant state {fmt_bytes(state)} in all{sharded}; dequantization "
                    f"scratch {fmt_bytes(designed.peak.terms.get('dequant', 0))} per rank")
+    carried = [p for p in params if p.carried]
+    if carried:
+        held = "not held (each rank reads its share and keeps a reference)" if settings.reads_shards \
+            else "held whole on each rank, not trained"
+        typer.echo(f"carried beside the model (multi-token prediction; [moe] mtp_weight trains it): {len(carried)} "
+                   f"tensors, {fmt_bytes(sum(p.nbytes for p in carried))}, {held}")
     if any(r.host for r in designed.ranks):
         host = designed.peak.host
         typer.echo(f"offloaded to host memory per rank: {fmt_bytes(sum(host.values()))} "

@@ -191,12 +191,22 @@ class PreTrainedModel(nn.Module):
         if source_task is None or source_task == self.task:
             owed = set(expected) if source_task == self.task else {k for k in expected if k.startswith("model.")}
         else:
-            with torch.device("meta"):
-                owed = set(family.build(self.config, source_task).state_dict()) & set(expected)
+            owed = self._owed_by(source_task, expected)
         ignored, fresh = check_tensors(expected, kiln_sd, owed, source, f"this {family.model_type} config",
                                        lambda k: keymap.hf_name(k) or k)
         report = LoadReport(ignored=sorted(unmatched) + [keymap.hf_name(k) or k for k in ignored])
         return {k: v for k, v in kiln_sd.items() if k in expected}, extras, fresh, report
+
+    def _owed_by(self, source_task: str, expected: dict[str, torch.Tensor]) -> set[str]:
+        """This model's tensors that a `source_task` checkpoint of the same config fills: the source architecture's
+        HF names, read through this head's key map as a load reads them. Not the kiln names the two share: two heads
+        may use one kiln name for different HF tensors (RoBERTa's MLM `head.dense` is `lm_head.dense`, its
+        classifier's `classifier.dense`), and one HF tensor may sit under different kiln names (ModernBERT's `head`)."""
+        with torch.device("meta"):
+            source = self.family.build(self.config, source_task)
+        keymap = self.family.keymap(self.task)
+        names = self.normalise_hf_names(list(source.hf_state_dict()))
+        return {keymap.kiln_name(name) for name, is_extra in names.values() if not is_extra} & set(expected)
 
     def _expert_adapters(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Takes the routed-expert adapter tensors (PEFT's names) out of `hf`, under kiln's names."""

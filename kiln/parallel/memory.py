@@ -178,11 +178,14 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
     rows = s.batch_size / micro if pp > 1 else s.batch_size
     tokens = rows * s.seq_len / cp
     sharded_fsdp = s.fsdp and dp * cp * (ep if ep > 1 else 1) > 1
+    reads_shards = s.reads_shards and not today  # what the family carries: by reference, else whole on each rank
 
     tied = not any(p.block is None and p.module == "lm_head" for p in params)
 
     def share(p: Param, stage: int) -> float:
         """The fraction of `p` one rank of `stage` holds."""
+        if p.carried:  # not a parameter: no plan splits it
+            return 0.0 if reads_shards else 1.0
         if pp > 1:
             if p.block is not None and p.block not in stages[stage] and p.block < dims.layers:
                 return 0.0
@@ -262,9 +265,10 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
             gather = cb if s.param_dtype else None
             by_block: dict[int, list[Param]] = {}
             for p in params:
-                if p.block is not None and (pp == 1 or p.block in stages[stage]) and not p.whole:
+                if p.block is not None and (pp == 1 or p.block in stages[stage]) and not p.whole and not p.carried:
                     by_block.setdefault(p.block, []).append(p)
-            root = [p for p in params if p.block is None and share(p, stage) > 0 and not replicated(p)]
+            root = [p for p in params
+                    if p.block is None and share(p, stage) > 0 and not replicated(p) and not p.carried]
 
             def whole(p: Param) -> float:  # this rank's tp/ep piece of `p`, before FSDP splits it
                 return p.numel * share(p, stage) * dp * cp * (1 if p.expert or ep == 1 else ep)

@@ -35,6 +35,10 @@ class ModelDims:
     moe_intermediate: int = 0
     shared_intermediate: int = 0
     qk_norm: bool = False
+    # multi-head latent attention (DeepSeek-V3, GLM-5): a query head's width (qk_nope + qk_rope) and a value head's,
+    # which size q_proj's rows and o_proj's columns; 0: head_dim
+    q_head_dim: int = 0
+    v_head_dim: int = 0
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], source: str = "config.json") -> "ModelDims":
@@ -59,7 +63,11 @@ class ModelDims:
                    experts=int(get("num_experts", "n_routed_experts", "num_local_experts", default=0)),
                    top_k=int(get("num_experts_per_tok", default=0)),
                    moe_intermediate=int(get("moe_intermediate_size", default=0)),
-                   shared_intermediate=int(get("shared_expert_intermediate_size", default=0)))
+                   # DeepSeek-V3's n_shared_experts fused into one MLP of moe_intermediate_size each
+                   shared_intermediate=int(get("shared_expert_intermediate_size", default=0))
+                   or int(get("n_shared_experts", default=0)) * int(get("moe_intermediate_size", default=0)),
+                   q_head_dim=int(get("qk_nope_head_dim", default=0)) + int(get("qk_rope_head_dim", default=0)),
+                   v_head_dim=int(get("v_head_dim", default=0)))
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,9 @@ class Param:
     module: str = ""              # the Linear it belongs to (leaf name), for the LoRA activation terms
     whole: bool = False           # a buffer FSDP2 leaves whole on every rank (a 4-bit weight's quant state)
     q4_shape: tuple[int, int] | None = None  # a 4-bit weight's packed bytes: the (out, in) it dequantizes to
+    # a tensor the family carries beside the model (an MTP layer's, kiln.parallel.sharded_carried): never trained;
+    # a read shard by shard holds it by reference (no bytes), a whole load whole on every rank
+    carried: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -119,6 +130,12 @@ class RunSettings:
                              f"cp ({self.cp}) do not multiply to --nproc {self.nproc}")
         return {"dp": dp, "tp": self.tp, "ep": self.ep, "pp": self.pp, "cp": self.cp}
 
+    @property
+    def reads_shards(self) -> bool:
+        """The plans split the weights, so each rank reads its share (kiln.train.recipes.base.shards_weights) and
+        holds what the family carries (MTP layers) by reference; one process and DDP load whole."""
+        return self.nproc > 1 and (self.fsdp or self.tp > 1 or self.ep > 1 or self.pp > 1) and self.precision != "fp8"
+
     def describe(self) -> str:
         d = self.degrees()
         parts = [f"{k}={v}" for k, v in d.items() if v > 1 or k == "dp"]
@@ -145,14 +162,18 @@ def _lora_match(name: str, targets: tuple[str, ...] | str) -> bool:
 
 
 def params_from_headers(tensors: Iterable[Any], settings: RunSettings,
-                        q4_shapes: Mapping[str, tuple[int, ...]] | None = None) -> list[Param]:
+                        q4_shapes: Mapping[str, tuple[int, ...]] | None = None,
+                        carried: Iterable[str] = ()) -> list[Param]:
     """The run's parameters: every checkpoint tensor (`TensorHeader`-like: name, shape, dtype, nbytes, numel),
     trainable when the run is a full fine-tune, plus LoRA A (r, in) and B (out, r) for each targeted weight
     (in the base's compute dtype: an FP8 base's adapters are bf16), everything else frozen under LoRA.
 
     A 4-bit base (kiln.parallel.memory_q4): with `q4_shapes` (a bitsandbytes directory: packed weight name ->
     the shape its quant-state JSON gives) its packed weights and quant state as stored; with `settings.quantize`
-    the Linears quantized at load become their packed bytes and quant state. Frozen; adapters over them float32."""
+    the Linears quantized at load become their packed bytes and quant state. Frozen; adapters over them float32.
+
+    `carried`: the checkpoint tensors the family carries beside the model (kiln.parallel.sharded_load.carried_keys),
+    frozen, without adapters, marked `carried`."""
     from kiln.hub.headers import FLOAT_DTYPES  # kiln.hub: below parallel in the layers
 
     out: list[Param] = []
@@ -163,9 +184,14 @@ def params_from_headers(tensors: Iterable[Any], settings: RunSettings,
         q4 = memory_q4.bnb_weights({t.name: t for t in tensors}, q4_shapes)
     else:
         q4 = memory_q4.quantized_at_load(tensors) if settings.quantize else {}
+    carried = set(carried)
     for t in tensors:
         m = _LAYER.search(t.name)
         block = int(m.group(1)) if m else None
+        if t.name in carried:
+            out.append(Param(t.name, t.numel, t.nbytes // max(t.numel, 1), False, block, module=_module_of(t.name),
+                             carried=True))
+            continue
         if q4_shapes and memory_q4.is_state(t.name):  # a bitsandbytes directory's quant state, held as stored
             out.append(Param(t.name, t.numel, t.nbytes // max(t.numel, 1), False, block,
                              module=_module_of(t.name.split(".weight.")[0] + ".weight"), whole=True))
@@ -223,10 +249,18 @@ def check_shapes(tensors: Mapping[str, Any], dims: ModelDims, source: str = "con
     q, kv, h = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.hidden
     cfg = f"hidden_size={h}, num_attention_heads={dims.heads}, num_key_value_heads={dims.kv_heads}, " \
           f"head_dim={dims.head_dim}"
+    q_cfg = o_cfg = cfg
+    o = q
+    if dims.q_head_dim:  # latent attention: no k_proj / v_proj; a query head qk_nope + qk_rope wide
+        q, q_cfg = dims.heads * dims.q_head_dim, f"hidden_size={h}, num_attention_heads={dims.heads}, " \
+                                                 f"qk_nope_head_dim + qk_rope_head_dim={dims.q_head_dim}"
+    if dims.v_head_dim:  # and o_proj reads the heads' values, v_head_dim each
+        o, o_cfg = dims.heads * dims.v_head_dim, f"hidden_size={h}, num_attention_heads={dims.heads}, " \
+                                                 f"v_head_dim={dims.v_head_dim}"
     expect: dict[str, tuple[tuple[int, ...], str]] = {
         "embed_tokens": ((dims.vocab, h), f"vocab_size={dims.vocab}, hidden_size={h}"),
         "lm_head": ((dims.vocab, h), f"vocab_size={dims.vocab}, hidden_size={h}"),
-        "q_proj": ((q, h), cfg), "k_proj": ((kv, h), cfg), "v_proj": ((kv, h), cfg), "o_proj": ((h, q), cfg)}
+        "q_proj": ((q, h), q_cfg), "k_proj": ((kv, h), cfg), "v_proj": ((kv, h), cfg), "o_proj": ((h, o), o_cfg)}
     for name, t in tensors.items():
         if not name.endswith(".weight"):
             continue
@@ -236,8 +270,10 @@ def check_shapes(tensors: Mapping[str, Any], dims: ModelDims, source: str = "con
             inter, field_ = dims.intermediate, f"intermediate_size={dims.intermediate}"
             if ".experts." in name:
                 inter, field_ = dims.moe_intermediate, f"moe_intermediate_size={dims.moe_intermediate}"
-            elif ".shared_expert." in name:
-                inter, field_ = dims.shared_intermediate, f"shared_expert_intermediate_size={dims.shared_intermediate}"
+            elif ".shared_expert." in name or ".shared_experts." in name:
+                inter, field_ = dims.shared_intermediate, (
+                    f"shared_expert_intermediate_size={dims.shared_intermediate}" if ".shared_expert." in name
+                    else f"n_shared_experts x moe_intermediate_size={dims.shared_intermediate}")
             if inter:
                 want = ((h, inter) if module == "down_proj" else (inter, h), f"hidden_size={h}, {field_}")
         if want is not None and tuple(t.shape) != want[0]:

@@ -135,6 +135,22 @@ def read_keys(model: torch.nn.Module) -> set[str]:
     return {r.key for r in (getattr(model, "carried_refs", None) or {}).values()}
 
 
+def carried_keys(model: torch.nn.Module, live_mtp: bool = False) -> tuple[set[str], set[str]]:
+    """(carried, dropped) checkpoint keys of a model built to be read shard by shard (sharded_load.readable_empty):
+    those it holds by reference, and with `live_mtp` ([moe] mtp_weight makes the MTP layer live on the model on meta
+    before the read, as the Trainer does) those the live layer holds nowhere (DeepSeek-V3's copies of the shared
+    embedding and head). What `kiln plan` leaves out of the weights such a read holds."""
+    keys = read_keys(model)
+    if not live_mtp or not keys or not hasattr(model, "enable_mtp"):
+        return keys, set()
+    model.enable_mtp("kiln plan")
+    refs = model.carried_refs
+    still = {refs[(holder, name)].key for holder, held in placeholders(model).items() for name in held}
+    keymap, params = model.family.keymap(model.task), model.state_dict(keep_vars=True)
+    names = model.normalise_hf_names(list(keys))
+    return still, {k for k in keys - still if keymap.kiln_name(names[k][0]) not in params}
+
+
 def write_refs(out_dir: Path, model: torch.nn.Module) -> None:
     """The references of the placeholders `model` holds, to out_dir/CARRIED_FILE (none: no file)."""
     held = placeholders(model)

@@ -78,14 +78,10 @@ def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None,
     The model carries `pending_read` (the directory) and `pending_seed` for the Trainer (`read_shards`,
     `init_adapters`)."""
     path = resolve_model_dir(path)
-    try:
-        model, groups, unplaced = _empty(path, task, fp8, changes, quantize)
-    except (WholeLoad4, NotInPlace):
+    empty = readable_empty(path, task, fp8, quantize, **changes)
+    if empty is None:
         return None
-    if placeholders(model) and any(f.suffix == ".bin" for f in weight_files(path)):
-        return None  # carried tensors are referenced by their safetensors file (sharded_carried)
-    if unplaced and type(model).load_hf_state_dict is not PreTrainedModel.load_hf_state_dict:
-        return None  # the family's own load keeps tensors the model has no place for, not as stored: a whole load
+    model, groups = empty
     q4 = q4_names(model)
     missing = [n for n, _ in (*model.named_parameters(), *model.named_buffers()) if n not in groups and n not in q4]
     if missing and not init_fresh(model, path, missing, seed) or not with_adapter(model, path, seed, init_adapters):
@@ -94,6 +90,23 @@ def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None,
     if Tokenizer.present(path):
         model.tokenizer = Tokenizer.from_dir(path)
     return model
+
+
+def readable_empty(path: str | os.PathLike, task: str | None = None, fp8: str = "dequantize",
+                   quantize: str | None = None, **changes: Any
+                   ) -> tuple[PreTrainedModel, dict[str, list[tuple[str, str]]]] | None:
+    """`empty_pretrained`'s model (and the checkpoint keys of each of its tensors) when the checkpoint can be read
+    shard by shard, else None (a whole load); from the headers only (`kiln plan` asks what a read holds)."""
+    path = resolve_model_dir(path)
+    try:
+        model, groups, unplaced = _empty(path, task, fp8, changes, quantize)
+    except (WholeLoad4, NotInPlace):
+        return None
+    if placeholders(model) and any(f.suffix == ".bin" for f in weight_files(path)):
+        return None  # carried tensors are referenced by their safetensors file (sharded_carried)
+    if unplaced and type(model).load_hf_state_dict is not PreTrainedModel.load_hf_state_dict:
+        return None  # the family's own load keeps tensors the model has no place for, not as stored: a whole load
+    return model, groups
 
 
 def empty_pretrained(path: str | os.PathLike, task: str | None = None, fp8: str = "dequantize",
@@ -311,14 +324,15 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
                 # of one tensor at a time, so the read never holds more than its shards plus one tensor
                 with _mapped(where, [k for k, _ in groups[name]], spans) as handles:
                     _fill(name, target, groups[name], handles, keymap, path, stage)
+    names = model.normalise_hf_names(list(where))  # from all keys, as a whole load: one alone reads a head's as base
     with _mapped(where, extras, spans) as handles:  # beside the carried placeholders (sharded_carried)
         model.hf_extras = placeholders(model).get("hf_extras", {}) | {
-            model.normalise_hf_names([k])[k][0]: handles[k].get_tensor(k) for k in extras}
+            names[k][0]: handles[k].get_tensor(k) for k in extras}
     # a checkpoint tensor whose kiln name the model lacks is reported ignored, as a whole load reports it
     held = model.state_dict(keep_vars=True)
     used = {k for kiln, sources in groups.items() if kiln in held for k, _ in sources} | set(extras)
     used |= q4_keys(model, spans) | {s for k, s in dequantized.items() if k in used} | read_keys(model)
-    model.load_report = LoadReport(ignored=sorted(model.normalise_hf_names([k])[k][0] for k in where if k not in used),
+    model.load_report = LoadReport(ignored=sorted(names[k][0] for k in where if k not in used),
                                    initialized=getattr(model, "fresh_names", []))  # a new head (sharded_fresh)
     model.tie_weights()
     model.pending_read = model.q4_read = None

@@ -3,6 +3,7 @@ checkpoint, problem types, a seeded new head."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 
@@ -47,3 +48,25 @@ def test_a_new_head_is_initialised_reproducibly_from_a_seed(tiny_factory):
     c = load_pretrained(src, task="sequence-classification", num_labels=3, seed=8)
     assert torch.equal(a.head.classifier.weight, b.head.classifier.weight)
     assert not torch.equal(a.head.classifier.weight, c.head.classifier.weight)
+
+
+@pytest.mark.parametrize("model_type,source,task,dropped,fresh", [
+    ("roberta", "masked-lm", "sequence-classification", "lm_head.dense.weight", "classifier.dense.weight"),
+    ("roberta", "sequence-classification", "masked-lm", "classifier.dense.weight", "lm_head.dense.weight"),
+    ("xlm-roberta", "masked-lm", "sequence-classification", "lm_head.dense.weight", "classifier.dense.weight"),
+    ("distilbert", "masked-lm", "sequence-classification", "vocab_transform.weight", "pre_classifier.weight")])
+def test_a_head_that_shares_kiln_names_with_the_source_head_is_initialised_as_transformers_does(
+        tiny_factory, model_type, source, task, dropped, fresh):
+    """Two heads that share kiln names for different HF tensors (RoBERTa's MLM `head.dense` is `lm_head.dense`, its
+    classifier's `classifier.dense`; DistilBERT's `vocab_transform` and `pre_classifier`): the source head's tensors
+    are dropped, the new head drawn fresh from the seed, and the logits equal transformers' from the same seed."""
+    src = tiny_factory(model_type, source)
+    labels = {"num_labels": 3} if task == "sequence-classification" else {}
+    ours = load_pretrained(src, task=task, seed=7, **labels)
+    assert dropped in ours.load_report.ignored and fresh in ours.load_report.initialized
+    torch.manual_seed(7)
+    hf = getattr(transformers, ours.family.tasks[task].architecture).from_pretrained(src, **labels).eval()
+    batch = {"input_ids": torch.tensor([[0, 7, 9, 12, 2], [0, 10, 2, 1, 1]]),
+             "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])}
+    with torch.no_grad():
+        assert torch.equal(ours(**batch).logits, hf(**batch).logits)

@@ -349,19 +349,20 @@ def test_cli_keeps_deepseek_v4s_residual_whole_under_tp(tmp_path):
     """DeepSeek-V4's plan keeps the residual whole on every tp rank, so `[parallel] sequence_parallel` (on by
     default) must not shrink its activation estimate; a family that splits it (qwen3) predicts less with it."""
     from kiln.cli.main import app
+    from kiln.interop.tiny import TINY
+    from kiln.models.auto import AutoConfig, from_config
 
-    model = write_checkpoint(tmp_path / "m")  # the plan reads shapes from the headers, the family from model_type
-
-    def predicted(model_type: str, sp: str) -> str:
-        (model / "config.json").write_text(json.dumps({**CONFIG, "model_type": model_type}))
+    def predicted(model: Path, sp: str) -> str:
         cfg = write_run(tmp_path, model, f"[parallel]\ntp = 2\nsequence_parallel = {sp}\n")
-        r = CliRunner().invoke(app, ["plan", "--config", str(cfg), "--nproc", "2", "--set", "train.batch_size=512",
-                                     "--set", "data.max_length=4096"])
+        r = CliRunner().invoke(app, ["plan", "--config", str(cfg), "--nproc", "2", "--set", "train.batch_size=64",
+                                     "--set", "data.max_length=1024"])
         assert r.exit_code == 0, r.output
         return [line for line in r.output.splitlines() if "activations" in line][0]
 
-    assert predicted("qwen3", "true") != predicted("qwen3", "false")
-    assert predicted("deepseek_v4", "true") == predicted("deepseek_v4", "false")
+    v4 = from_config(AutoConfig.for_model("deepseek_v4", **TINY["deepseek_v4"]), task="causal-lm")
+    qwen3, v4 = write_checkpoint(tmp_path / "m"), v4.save_pretrained(tmp_path / "v4")  # the plan builds its model
+    assert predicted(qwen3, "true") != predicted(qwen3, "false")
+    assert predicted(v4, "true") == predicted(v4, "false")
 
 
 # ---- 4-bit bases (kiln.parallel.memory_q4) ----------------------------------------------------------------
@@ -413,3 +414,51 @@ def test_cli_prints_the_4bit_term(tmp_path):
     cfg.write_text(text.replace('quantize = "nf4"\n', ""))
     r = CliRunner().invoke(app, ["plan", "--config", str(cfg), "--nproc", "2", "--set", "parallel.fsdp=true"])
     assert r.exit_code == 0 and "4-bit base" not in r.output and "dequant" not in r.output
+
+
+# ---- tensors a family carries beside the model (kiln.parallel.sharded_carried) -------------------------------
+def test_an_mtp_layer_is_counted_as_the_load_holds_it(tmp_path):
+    """A DeepSeek-V3 release's MTP layer (layer num_hidden_layers) is carried, not trained: a read shard by shard
+    (fsdp over 2) holds it by reference, so its plan equals that of the same checkpoint without the layer; one
+    process loads it whole, so its weights hold the layer's bytes and its gradients and optimizer do not. Each plan's
+    weights equal the bytes the load holds; with [moe] mtp_weight the live layer's, less the shared embedding and
+    head copies it drops. Latent attention's shapes are checked against v_head_dim (o_proj is heads x v_head_dim)."""
+    from kiln.cli.main import app
+    from kiln.cli.plan import plan_inputs
+    from kiln.interop.tiny import TINY
+    from kiln.models.auto import AutoConfig, from_config, load_pretrained
+    from kiln.parallel.sharded_load import lean_pretrained, read_shards
+    from kiln.train.config import load_run_config
+    from tests.parallel.test_sharded_load import v3_with_mtp
+
+    src = v3_with_mtp(tmp_path / "mtp")
+    bare = from_config(AutoConfig.for_model("deepseek_v3", **TINY["deepseek_v3"]), task="causal-lm", seed=0)
+    bare.save_pretrained(tmp_path / "bare", max_shard_bytes=60_000)
+    mtp_bytes = sum(t.nbytes for t in load_pretrained(src).hf_extras.values())
+    assert mtp_bytes > 0.4 * sum(t.nbytes for t in bare.state_dict().values())  # a layer of three: it shows
+
+    def terms(model: Path, nproc: int, extra: str = "") -> dict[str, int]:
+        cfg = load_run_config(write_run(tmp_path, model, f"[parallel]\nfsdp = {str(nproc > 1).lower()}\n{extra}"), [])
+        params, dims, s, sizes, _ = plan_inputs(cfg, nproc, "cpu")
+        return plan_memory(params, dims, s, sizes, runtime=0).ranks[0].terms
+
+    kinds = ("weights", "gradients", "optimizer", "communication", "activations")
+    sharded, without = terms(src, 2), terms(tmp_path / "bare", 2)
+    assert {k: sharded[k] for k in kinds} == {k: without[k] for k in kinds}
+    whole, without = terms(src, 1), terms(tmp_path / "bare", 1)
+    assert whole["weights"] == without["weights"] + mtp_bytes
+    assert {k: whole[k] for k in kinds[1:]} == {k: without[k] for k in kinds[1:]}
+    lean = lean_pretrained(src, "causal-lm", None)
+    read_shards(lean, src)
+    assert sum(t.nbytes for t in lean.state_dict().values()) == without["weights"]  # the MTP layer: meta, no bytes
+    live = lean_pretrained(src, "causal-lm", None)
+    live.enable_mtp("test")
+    read_shards(live, src)
+    assert terms(src, 1, "[moe]\nmtp_weight = 0.3\n")["weights"] == sum(t.nbytes for t in live.state_dict().values())
+    out = CliRunner().invoke(app, ["plan", "--config", str(write_run(tmp_path, src, "[parallel]\nfsdp = true\n")),
+                                   "--nproc", "2"])
+    assert out.exit_code == 0 and "carried beside the model" in out.output and "42 tensors" in out.output, out.output
+    config = json.loads((tmp_path / "bare" / "config.json").read_text())
+    (tmp_path / "bare" / "config.json").write_text(json.dumps({**config, "v_head_dim": 10}))
+    with pytest.raises(WeightsError, match=r"o_proj.weight has shape \[32, 48\].*v_head_dim=10"):
+        terms(tmp_path / "bare", 1)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from kiln.errors import WeightsError
 from kiln.hub.weights import tensor_spans
-from kiln.interop.tiny import TINY
+from kiln.interop.tiny import TINY, make_tiny
 from kiln.models.auto import AutoConfig, from_config, load_pretrained
 from kiln.parallel.sharded_load import init_adapters, lean_pretrained, load_to_device, read_shards
 from tests.parallel import sharded_load_workers as sw
@@ -32,6 +32,7 @@ def dirs(tmp_path_factory):
         model.to(torch.bfloat16).save_pretrained(root / name, max_shard_bytes=8_000)
         out[name] = root / name
     out["adapter"] = sw.with_adapter(root / "adapter", out["qwen3"])
+    out["roberta-mlm"] = make_tiny("roberta", "masked-lm", root / "roberta-mlm")  # lm_head.dense vs classifier.dense
     return out
 
 
@@ -45,12 +46,13 @@ def _same(whole, lean) -> None:
 
 
 @pytest.mark.parametrize("name,task", [("qwen3-base", "causal-lm"), ("roberta-base", "token-classification"),
-                                       ("adapter", "causal-lm")])
+                                       ("roberta-mlm", "sequence-classification"), ("adapter", "causal-lm")])
 def test_a_new_head_or_an_adapter_is_put_on_as_a_whole_load_puts_it(dirs, name, task):
-    """A base checkpoint loaded with a head it lacks (a causal-LM's lm_head, a classifier), or a checkpoint with a
-    PEFT adapter beside it: read, not loaded whole; the same tensors, report and trainability as a whole load from
-    the same seed, and the generator left where the whole load leaves it (LoRA's init draws next: the Trainer's
-    init_adapters draws from there), for the read and for one process (`load_to_device`) alike."""
+    """A base checkpoint loaded with a head it lacks (a causal-LM's lm_head, a classifier), a masked-LM one as a
+    classifier (its MLM head dropped), or a checkpoint with a PEFT adapter beside it: read, not loaded whole; the
+    same tensors, report and trainability as a whole load from the same seed, and the generator left where the whole
+    load leaves it (LoRA's init draws next: the Trainer's init_adapters draws from there), for the read and for one
+    process (`load_to_device`) alike."""
     changes = {"labels": ["a", "b"]} if task != "causal-lm" else {}
     whole = load_pretrained(dirs[name], task=task, seed=7, **changes)
     after = torch.get_rng_state()
