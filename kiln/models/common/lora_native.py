@@ -32,7 +32,6 @@ from kiln.hub import native
 
 SOURCE = r"""
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #include <pthread.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -40,7 +39,7 @@ SOURCE = r"""
 #define KILN_AVX512 1
 #endif
 
-#define NB 8  /* rows per block */
+#define NB 8  /* rows per block: BLOCK in the Python wrapper */
 
 static inline float f32_of(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 
@@ -80,7 +79,7 @@ static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 m) { _mm256_mask_
 
 typedef struct {
     const uint16_t *x, *g; uint16_t *y, *gx;
-    const float *a, *at, *b, *bt, *down_in; float *down, *gd, *part;
+    const float *a, *at, *b, *bt, *down_in; float *down, *gd, *part, *buf;   /* buf: NB rows, the thread's */
     int64_t t0, t1, in, out, r; float s1, s2; int vector;
 } job_t;
 
@@ -233,37 +232,32 @@ INLINE void bwd_in_block(const job_t *j, int64_t t0, const int nb, float *xb) {
 
 static void *fwd(void *arg) {
     const job_t *j = (const job_t *)arg;
-    float *xb = (float *)malloc(sizeof(float) * NB * j->in);
     int64_t t = j->t0;
-    for (; t + NB <= j->t1; t += NB) fwd_block(j, t, NB, xb);
-    for (; t < j->t1; t++) fwd_block(j, t, 1, xb);
-    free(xb);
+    for (; t + NB <= j->t1; t += NB) fwd_block(j, t, NB, j->buf);
+    for (; t < j->t1; t++) fwd_block(j, t, 1, j->buf);
     return NULL;
 }
 
 static void *bwd_out(void *arg) {
     const job_t *j = (const job_t *)arg;
-    float *gb = (float *)malloc(sizeof(float) * NB * j->out);
     memset(j->part, 0, sizeof(float) * j->r * j->out);
     int64_t t = j->t0;
-    for (; t + NB <= j->t1; t += NB) bwd_out_block(j, t, NB, gb);
-    for (; t < j->t1; t++) bwd_out_block(j, t, 1, gb);
-    free(gb);
+    for (; t + NB <= j->t1; t += NB) bwd_out_block(j, t, NB, j->buf);
+    for (; t < j->t1; t++) bwd_out_block(j, t, 1, j->buf);
     return NULL;
 }
 
 static void *bwd_in(void *arg) {
     const job_t *j = (const job_t *)arg;
-    float *xb = (float *)malloc(sizeof(float) * NB * j->in);
     if (j->part) memset(j->part, 0, sizeof(float) * j->r * j->in);
     int64_t t = j->t0;
-    for (; t + NB <= j->t1; t += NB) bwd_in_block(j, t, NB, xb);
-    for (; t < j->t1; t++) bwd_in_block(j, t, 1, xb);
-    free(xb);
+    for (; t + NB <= j->t1; t += NB) bwd_in_block(j, t, NB, j->buf);
+    for (; t < j->t1; t++) bwd_in_block(j, t, 1, j->buf);
     return NULL;
 }
 
-static int spread(void *(*fn)(void *), job_t base, int64_t rows, int nthreads, int64_t part_size) {
+/* rows split over nthreads; thread t uses buf + t * NB * width and (if any) part + t * part_size */
+static int spread(void *(*fn)(void *), job_t base, int64_t rows, int nthreads, int64_t part_size, int64_t width) {
     if (nthreads < 1) nthreads = 1;
     if (nthreads > 16) nthreads = 16;
     job_t jobs[16];
@@ -274,6 +268,7 @@ static int spread(void *(*fn)(void *), job_t base, int64_t rows, int nthreads, i
         jobs[t].t0 = rows * t / nthreads;
         jobs[t].t1 = rows * (t + 1) / nthreads;
         if (base.part) jobs[t].part = base.part + t * part_size;
+        jobs[t].buf = base.buf + t * NB * width;
     }
     for (int t = 1; t < nthreads; t++) started[t] = pthread_create(&tid[t], NULL, fn, &jobs[t]) == 0;
     fn(&jobs[0]);
@@ -284,40 +279,41 @@ static int spread(void *(*fn)(void *), job_t base, int64_t rows, int nthreads, i
     return 0;
 }
 
-int kiln_lora_fwd(const uint16_t *x, const float *at, const float *bt, float *down, uint16_t *y,
+int kiln_lora_fwd(const uint16_t *x, const float *at, const float *bt, float *down, uint16_t *y, float *buf,
                   int64_t rows, int64_t in, int64_t out, int64_t r, float s1, float s2, int nthreads, int vector) {
     job_t j = {0};
     j.x = x; j.at = at; j.bt = bt; j.down = down; j.y = y; j.in = in; j.out = out; j.r = r; j.s1 = s1; j.s2 = s2;
-    j.vector = vector;
-    return spread(fwd, j, rows, nthreads, 0);
+    j.vector = vector; j.buf = buf;
+    return spread(fwd, j, rows, nthreads, 0, in);
 }
 
-int kiln_lora_bwd_out(const uint16_t *g, const float *b, const float *down, float *gd, float *part,
+int kiln_lora_bwd_out(const uint16_t *g, const float *b, const float *down, float *gd, float *part, float *buf,
                       int64_t rows, int64_t out, int64_t r, float s1, float s2, int nthreads, int vector) {
     job_t j = {0};
     j.g = g; j.b = b; j.down_in = down; j.gd = gd; j.part = part; j.out = out; j.r = r; j.s1 = s1; j.s2 = s2;
-    j.vector = vector;
-    return spread(bwd_out, j, rows, nthreads, r * out);
+    j.vector = vector; j.buf = buf;
+    return spread(bwd_out, j, rows, nthreads, r * out, out);
 }
 
-int kiln_lora_bwd_in(const uint16_t *x, const float *a, float *gd, float *part, uint16_t *gx,
+int kiln_lora_bwd_in(const uint16_t *x, const float *a, float *gd, float *part, uint16_t *gx, float *buf,
                      int64_t rows, int64_t in, int64_t r, int nthreads, int vector) {
     job_t j = {0};
-    j.x = x; j.a = a; j.gd = gd; j.part = part; j.gx = gx; j.in = in; j.r = r; j.vector = vector;
-    return spread(bwd_in, j, rows, nthreads, r * in);
+    j.x = x; j.a = a; j.gd = gd; j.part = part; j.gx = gx; j.in = in; j.r = r; j.vector = vector; j.buf = buf;
+    return spread(bwd_in, j, rows, nthreads, r * in, in);
 }
 """
 
 _ROWS_PER_THREAD = 64
+BLOCK = 8  # NB in the C source: rows per block, the size of each thread's float32 row buffer
 
 
 def _lib():
     lib = native.load("lora_update", SOURCE)
     if lib is not None and not getattr(lib, "_kiln_typed", False):
         p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        lib.kiln_lora_fwd.argtypes = [p, p, p, p, p, i64, i64, i64, i64, f32, f32, i32, i32]
-        lib.kiln_lora_bwd_out.argtypes = [p, p, p, p, p, i64, i64, i64, f32, f32, i32, i32]
-        lib.kiln_lora_bwd_in.argtypes = [p, p, p, p, p, i64, i64, i64, i32, i32]
+        lib.kiln_lora_fwd.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, f32, f32, i32, i32]
+        lib.kiln_lora_bwd_out.argtypes = [p, p, p, p, p, p, i64, i64, i64, f32, f32, i32, i32]
+        lib.kiln_lora_bwd_in.argtypes = [p, p, p, p, p, p, i64, i64, i64, i32, i32]
         for f in (lib.kiln_lora_fwd, lib.kiln_lora_bwd_out, lib.kiln_lora_bwd_in):
             f.restype = ctypes.c_int
         lib._kiln_typed = True
@@ -326,6 +322,11 @@ def _lib():
 
 def _threads(rows: int) -> int:
     return max(1, min(torch.get_num_threads(), rows // _ROWS_PER_THREAD, 16))
+
+
+def _rows_buffer(threads: int, width: int) -> torch.Tensor:
+    """Each thread's float32 copy of a block of rows (the C code allocates nothing)."""
+    return torch.empty(threads, BLOCK * width, dtype=torch.float32)
 
 
 def runs(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -343,8 +344,10 @@ def forward(x2: torch.Tensor, y2: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     rows, r = x2.shape[0], a.shape[0]
     x2, at, bt = x2.contiguous(), a.t().contiguous(), b.t().contiguous()
     down = torch.empty(rows, r, dtype=torch.float32)
-    _lib().kiln_lora_fwd(x2.data_ptr(), at.data_ptr(), bt.data_ptr(), down.data_ptr(), y2.data_ptr(), rows,
-                         x2.shape[1], y2.shape[1], r, s1, s2, _threads(rows), int(vector))
+    n = _threads(rows)
+    buf = _rows_buffer(n, x2.shape[1])
+    _lib().kiln_lora_fwd(x2.data_ptr(), at.data_ptr(), bt.data_ptr(), down.data_ptr(), y2.data_ptr(), buf.data_ptr(),
+                         rows, x2.shape[1], y2.shape[1], r, s1, s2, n, int(vector))
     return down
 
 
@@ -358,13 +361,14 @@ def backward(g2: torch.Tensor, x2: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     n = _threads(rows)
     gd = torch.empty(rows, r, dtype=torch.float32)
     part_b = torch.empty(n, out, r, dtype=torch.float32)
+    buf = _rows_buffer(n, max(out, inn))
     lib.kiln_lora_bwd_out(g2.data_ptr(), b.data_ptr(), down.contiguous().data_ptr(), gd.data_ptr(),
-                          part_b.data_ptr(), rows, out, r, s1, s2, n, int(vector))
+                          part_b.data_ptr(), buf.data_ptr(), rows, out, r, s1, s2, n, int(vector))
     gb = part_b.sum(0) if need_b else None
     if not (need_a or need_x):
         return None, None, gb
     part_a = torch.empty(n, inn, r, dtype=torch.float32) if need_a else None
     gx = torch.empty(rows, inn, dtype=torch.bfloat16) if need_x else None
     lib.kiln_lora_bwd_in(x2.data_ptr(), a.data_ptr(), gd.data_ptr(), part_a.data_ptr() if need_a else None,
-                         gx.data_ptr() if need_x else None, rows, inn, r, n, int(vector))
+                         gx.data_ptr() if need_x else None, buf.data_ptr(), rows, inn, r, n, int(vector))
     return gx, part_a.sum(0).t().contiguous() if need_a else None, gb
