@@ -437,6 +437,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="run only the memory runs whose name contains this")
     ap.add_argument("--skip-ttfs", action="store_true", help="no time-to-first-step comparison")
+    ap.add_argument("--ttfs-only", action="store_true", help="only the time-to-first-step comparison (no memory runs, "
+                    "no run beyond memory)")
     ap.add_argument("--rounds", type=int, default=1, help="time-to-first-step rounds (interleaved)")
     ap.add_argument("--kiln-root", default=str(ROOT), help="the kiln checkout the runs import (e.g. a worktree of an "
                     "older commit, to measure its loader); rows are written only for this checkout's own")
@@ -456,7 +458,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-bench-load-") as tmp:
         work = Path(tmp)
         chats = write_chats(work)
-        for run in RUNS:
+        for run in [] if a.ttfs_only else RUNS:
             if a.only and a.only.lower() not in run.name.lower():
                 continue
             cfg = write_toml(work, run, ckpt[run.kind], chats)
@@ -475,10 +477,10 @@ def main() -> None:
                   flush=True)
             rows.append((run, res, plan_peak, floor, before))
         beyond = None
-        if not a.skip_beyond and (not a.only or a.only.lower() in "beyond memory"):
+        if not (a.skip_beyond or a.ttfs_only) and (not a.only or a.only.lower() in "beyond memory"):
             beyond = run_beyond(ckpt["dense"], chats, work, a.kiln_root, a.beyond_fraction)
         ttfs = None
-        if not a.skip_ttfs and not a.only:
+        if a.ttfs_only or (not a.skip_ttfs and not a.only):
             run = RUNS[0]
             kiln_s, peer_s = [], []
             for r in range(a.rounds):
