@@ -45,7 +45,9 @@ SHAPES = [(37, 50, 70, 5), (19, 96, 160, 16), (9, 33, 17, 20)]  # tails in every
 @pytest.mark.parametrize("vector", [True, False])
 @pytest.mark.parametrize("rows, inn, out, r", SHAPES)
 @pytest.mark.parametrize("s1, s2", [(2.0, 1.0), (1.0, 1.5)])  # the scaling on (T, r) (a power of two) or (T, out)
-def test_kernels_within_float32_rounding_of_float64(vector, rows, inn, out, r, s1, s2):
+@pytest.mark.parametrize("threads", [1, 3])  # rows split over threads, each with its own adapter gradients
+def test_kernels_within_float32_rounding_of_float64(monkeypatch, vector, rows, inn, out, r, s1, s2, threads):
+    monkeypatch.setattr(lora_native, "_threads", lambda rows: threads)
     x, a, b, y, grad = _operands(rows, inn, out, r)
     x64, a64, b64, g64 = x.double(), a.double(), b.double(), grad.double()
     y2 = y.clone()
