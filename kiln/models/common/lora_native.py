@@ -18,8 +18,9 @@ rounding of it before the same bf16 roundings, so the fast path of `kiln train` 
 it; `exact = true` and every parity test keep the torch path. Rows split over torch's thread count; each
 thread sums its own copy of the adapters' gradients, added together afterwards.
 
-Each function returns None where it cannot run (no native library: kiln.hub.native; not CPU, not bf16 activations
-with float32 adapters), and the caller takes the torch path.
+`runs` says whether the kernels take the operands (a compiled library: kiln.hub.native; CPU, bf16 activations,
+float32 adapters); where not, the caller takes the torch path. The vector code needs AVX-512 (F, BW, VL); a
+build without it runs the plain C loops.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 #include <pthread.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define KILN_AVX512 1
 #endif
@@ -175,6 +176,7 @@ INLINE void rowexp(const job_t *j, const float *d, int64_t n, int64_t t0, const 
     }
 }
 
+#ifdef KILN_AVX512
 INLINE void colacc_tile(const job_t *j, const float *buf, int64_t n, const int nb, const float *d, float *part,
                         int64_t c0, const int nc, int64_t k0) {
     int64_t r = j->r;
@@ -187,6 +189,7 @@ INLINE void colacc_tile(const job_t *j, const float *buf, int64_t n, const int n
     }
     for (int c = 0; c < nc; c++) store16(part + (c0 + c) * r + k0, p[c], mk);
 }
+#endif
 
 INLINE void colacc(const job_t *j, const float *buf, int64_t n, const int nb, const float *d, float *part) {
     int64_t r = j->r;
@@ -257,7 +260,7 @@ static void *bwd_in(void *arg) {
 }
 
 /* rows split over nthreads; thread t uses buf + t * NB * width and (if any) part + t * part_size */
-static int spread(void *(*fn)(void *), job_t base, int64_t rows, int nthreads, int64_t part_size, int64_t width) {
+static void spread(void *(*fn)(void *), job_t base, int64_t rows, int nthreads, int64_t part_size, int64_t width) {
     if (nthreads < 1) nthreads = 1;
     if (nthreads > 16) nthreads = 16;
     job_t jobs[16];
@@ -276,30 +279,29 @@ static int spread(void *(*fn)(void *), job_t base, int64_t rows, int nthreads, i
         if (started[t]) pthread_join(tid[t], NULL);
         else fn(&jobs[t]);
     }
-    return 0;
 }
 
-int kiln_lora_fwd(const uint16_t *x, const float *at, const float *bt, float *down, uint16_t *y, float *buf,
+void kiln_lora_fwd(const uint16_t *x, const float *at, const float *bt, float *down, uint16_t *y, float *buf,
                   int64_t rows, int64_t in, int64_t out, int64_t r, float s1, float s2, int nthreads, int vector) {
     job_t j = {0};
     j.x = x; j.at = at; j.bt = bt; j.down = down; j.y = y; j.in = in; j.out = out; j.r = r; j.s1 = s1; j.s2 = s2;
     j.vector = vector; j.buf = buf;
-    return spread(fwd, j, rows, nthreads, 0, in);
+    spread(fwd, j, rows, nthreads, 0, in);
 }
 
-int kiln_lora_bwd_out(const uint16_t *g, const float *b, const float *down, float *gd, float *part, float *buf,
+void kiln_lora_bwd_out(const uint16_t *g, const float *b, const float *down, float *gd, float *part, float *buf,
                       int64_t rows, int64_t out, int64_t r, float s1, float s2, int nthreads, int vector) {
     job_t j = {0};
     j.g = g; j.b = b; j.down_in = down; j.gd = gd; j.part = part; j.out = out; j.r = r; j.s1 = s1; j.s2 = s2;
     j.vector = vector; j.buf = buf;
-    return spread(bwd_out, j, rows, nthreads, r * out, out);
+    spread(bwd_out, j, rows, nthreads, r * out, out);
 }
 
-int kiln_lora_bwd_in(const uint16_t *x, const float *a, float *gd, float *part, uint16_t *gx, float *buf,
+void kiln_lora_bwd_in(const uint16_t *x, const float *a, float *gd, float *part, uint16_t *gx, float *buf,
                      int64_t rows, int64_t in, int64_t r, int nthreads, int vector) {
     job_t j = {0};
     j.x = x; j.a = a; j.gd = gd; j.part = part; j.gx = gx; j.in = in; j.r = r; j.vector = vector; j.buf = buf;
-    return spread(bwd_in, j, rows, nthreads, r * in, in);
+    spread(bwd_in, j, rows, nthreads, r * in, in);
 }
 """
 
@@ -307,17 +309,22 @@ _ROWS_PER_THREAD = 64
 BLOCK = 8  # NB in the C source: rows per block, the size of each thread's float32 row buffer
 
 
-def _lib():
-    lib = native.load("lora_update", SOURCE)
-    if lib is not None and not getattr(lib, "_kiln_typed", False):
+def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` (a build of SOURCE) with its functions' argument types set."""
+    if not getattr(lib, "_kiln_typed", False):
         p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
         lib.kiln_lora_fwd.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, f32, f32, i32, i32]
         lib.kiln_lora_bwd_out.argtypes = [p, p, p, p, p, p, i64, i64, i64, f32, f32, i32, i32]
         lib.kiln_lora_bwd_in.argtypes = [p, p, p, p, p, p, i64, i64, i64, i32, i32]
         for f in (lib.kiln_lora_fwd, lib.kiln_lora_bwd_out, lib.kiln_lora_bwd_in):
-            f.restype = ctypes.c_int
+            f.restype = None
         lib._kiln_typed = True
     return lib
+
+
+def _lib():
+    lib = native.load("lora_update", SOURCE)
+    return typed(lib) if lib is not None else None
 
 
 def _threads(rows: int) -> int:
@@ -362,7 +369,8 @@ def backward(g2: torch.Tensor, x2: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     gd = torch.empty(rows, r, dtype=torch.float32)
     part_b = torch.empty(n, out, r, dtype=torch.float32)
     buf = _rows_buffer(n, max(out, inn))
-    lib.kiln_lora_bwd_out(g2.data_ptr(), b.data_ptr(), down.contiguous().data_ptr(), gd.data_ptr(),
+    down = down.contiguous()
+    lib.kiln_lora_bwd_out(g2.data_ptr(), b.data_ptr(), down.data_ptr(), gd.data_ptr(),
                           part_b.data_ptr(), buf.data_ptr(), rows, out, r, s1, s2, n, int(vector))
     gb = part_b.sum(0) if need_b else None
     if not (need_a or need_x):
