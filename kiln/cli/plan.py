@@ -63,13 +63,14 @@ def plan_inputs(cfg, nproc: int, device: str, source: str = "run config") -> tup
                           f"(got {cfg.model.path or 'model.family, built from scratch'})")
     model_dir = Path(cfg.model.path)
     hf_config = read_config(model_dir)
-    dims = ModelDims.from_config(hf_config, str(model_dir / "config.json"))
+    family = family_for(hf_config.get("model_type"), str(model_dir / "config.json"))
+    dims = ModelDims.from_config(hf_config, str(model_dir / "config.json"), family.config_cls.attn_output_gate)
     tensors, sizes = read_headers(model_dir)
     q4_shapes = read_q4_shapes(model_dir, tensors)
     logical = {k: replace(t, shape=q4_shapes[k]) if k in q4_shapes else t for k, t in tensors.items()}
     dims = check_shapes(logical, dims, str(model_dir / "config.json"))
     par, lora = cfg.parallel, cfg.lora
-    family_plan = family_for(hf_config.get("model_type"), str(model_dir / "config.json")).parallel_plan
+    family_plan = family.parallel_plan
     # a family whose residual cannot split along the sequence (DeepSeek-V4) keeps it whole whatever the key says
     sequence_parallel = par.sequence_parallel and (family_plan is None or family_plan.sequence_parallel)
     settings = RunSettings(
@@ -86,7 +87,7 @@ def plan_inputs(cfg, nproc: int, device: str, source: str = "run config") -> tup
     # what the family carries beside the model (an MTP layer) is not trained, and a read shard by shard does not
     # hold it, unless [moe] mtp_weight makes it live: parameters like any other, less what the live layer drops
     empty = readable_empty(model_dir, cfg.model.task, cfg.model.fp8, cfg.model.quantize)
-    carried, dropped = carried_keys(empty[0], getattr(getattr(cfg, "moe", None), "mtp_weight", 0) > 0) \
+    carried, dropped = carried_keys(empty[0], getattr(getattr(cfg, "moe", None), "mtp_weight", 0) > 0, tensors) \
         if empty is not None else (set(), set())
     params = params_from_headers([t for k, t in tensors.items() if k not in dropped], settings, q4_shapes, carried)
     return params, dims, settings, sizes, tensors

@@ -16,6 +16,9 @@ from kiln.errors import ConfigError
 @dataclass
 class FamilyConfig:
     model_type: ClassVar[str] = ""
+    # the attention's q_proj emits a sigmoid output gate per head beside the query (twice its rows); config.json does
+    # not say so, the family does (kiln plan's shape check and activations read it)
+    attn_output_gate: ClassVar[bool] = False
 
     architectures: list[str] | None = None
     id2label: dict[int, str] | None = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 @dataclass
 class HybridConfig(DecoderConfig):
     """What Qwen3-Next and the Qwen3.5 text models share: the DeltaNet sizes and the layer schedule."""
+    attn_output_gate: ClassVar[bool] = True  # Qwen3-Next: GatedAttention's q_proj is [query | gate] per head
     vocab_size: int = 151936
     hidden_size: int = 2048
     intermediate_size: int = 5632

@@ -12,7 +12,9 @@ from typing import Any, Iterable, Mapping
 from kiln.errors import ConfigError, WeightsError
 from kiln.parallel import memory_q4
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# a main block's index; a release's MTP module under `mtp.` (Qwen3.5's mtp.layers.0, DeepSeek-V4's) is no block of
+# the model: FSDP2 shards it with the root, as it does every module outside the blocks
+_LAYER = re.compile(r"^(?!mtp\.)(?:.*\.)?layers\.(\d+)\.")
 # The Linears a tensor-parallel plan splits (column: q/k/v, gate/up; row: o, down); experts are not split by tp.
 _TP_LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_b_proj",
                "kv_b_proj", "embed_tokens", "lm_head"}
@@ -39,9 +41,13 @@ class ModelDims:
     # which size q_proj's rows and o_proj's columns; 0: head_dim
     q_head_dim: int = 0
     v_head_dim: int = 0
+    # q_proj emits a sigmoid output gate per head beside the query (twice the rows): declared by the family
+    # (FamilyConfig.attn_output_gate: Qwen3-Next, Qwen3.5), not by config.json
+    output_gate: bool = False
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any], source: str = "config.json") -> "ModelDims":
+    def from_config(cls, cfg: Mapping[str, Any], source: str = "config.json", output_gate: bool = False
+                    ) -> "ModelDims":
         cfg = dict(cfg.get("text_config") or {}, **{k: v for k, v in cfg.items() if k != "text_config"}) \
             if isinstance(cfg.get("text_config"), dict) else dict(cfg)
 
@@ -67,7 +73,7 @@ class ModelDims:
                    shared_intermediate=int(get("shared_expert_intermediate_size", default=0))
                    or int(get("n_shared_experts", default=0)) * int(get("moe_intermediate_size", default=0)),
                    q_head_dim=int(get("qk_nope_head_dim", default=0)) + int(get("qk_rope_head_dim", default=0)),
-                   v_head_dim=int(get("v_head_dim", default=0)))
+                   v_head_dim=int(get("v_head_dim", default=0)), output_gate=output_gate)
 
 
 @dataclass(frozen=True)
@@ -254,6 +260,8 @@ def check_shapes(tensors: Mapping[str, Any], dims: ModelDims, source: str = "con
     if dims.q_head_dim:  # latent attention: no k_proj / v_proj; a query head qk_nope + qk_rope wide
         q, q_cfg = dims.heads * dims.q_head_dim, f"hidden_size={h}, num_attention_heads={dims.heads}, " \
                                                  f"qk_nope_head_dim + qk_rope_head_dim={dims.q_head_dim}"
+    if dims.output_gate:  # [query | gate] per head
+        q, q_cfg = 2 * q, q_cfg + " (query and output gate: twice the rows)"
     if dims.v_head_dim:  # and o_proj reads the heads' values, v_head_dim each
         o, o_cfg = dims.heads * dims.v_head_dim, f"hidden_size={h}, num_attention_heads={dims.heads}, " \
                                                  f"v_head_dim={dims.v_head_dim}"

@@ -25,7 +25,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from safetensors import safe_open
@@ -135,11 +135,14 @@ def read_keys(model: torch.nn.Module) -> set[str]:
     return {r.key for r in (getattr(model, "carried_refs", None) or {}).values()}
 
 
-def carried_keys(model: torch.nn.Module, live_mtp: bool = False) -> tuple[set[str], set[str]]:
+def carried_keys(model: torch.nn.Module, live_mtp: bool = False, checkpoint_keys: Iterable[str] = ()
+                 ) -> tuple[set[str], set[str]]:
     """(carried, dropped) checkpoint keys of a model built to be read shard by shard (sharded_load.readable_empty):
     those it holds by reference, and with `live_mtp` ([moe] mtp_weight makes the MTP layer live on the model on meta
     before the read, as the Trainer does) those the live layer holds nowhere (DeepSeek-V3's copies of the shared
-    embedding and head). What `kiln plan` leaves out of the weights such a read holds."""
+    embedding and head). What `kiln plan` leaves out of the weights such a read holds. `checkpoint_keys`: all the
+    checkpoint's keys, which name the carried ones as a load does (alone, a Qwen3.5 release's `mtp.*` would read as
+    a base model's, under `model.`, and the live layer's parameters as held nowhere)."""
     keys = read_keys(model)
     if not live_mtp or not keys or not hasattr(model, "enable_mtp"):
         return keys, set()
@@ -147,7 +150,7 @@ def carried_keys(model: torch.nn.Module, live_mtp: bool = False) -> tuple[set[st
     refs = model.carried_refs
     still = {refs[(holder, name)].key for holder, held in placeholders(model).items() for name in held}
     keymap, params = model.family.keymap(model.task), model.state_dict(keep_vars=True)
-    names = model.normalise_hf_names(list(keys))
+    names = model.normalise_hf_names(list(keys | set(checkpoint_keys)))
     return still, {k for k in keys - still if keymap.kiln_name(names[k][0]) not in params}
 
 
