@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -185,8 +185,26 @@ class ModernBertLayer(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
-def _trunc_normal(linear: nn.Module, std: float, cutoff: float) -> None:
-    nn.init.trunc_normal_(linear.weight, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
+IsFresh = Callable[[torch.Tensor], bool]
+
+
+def _everything(t: torch.Tensor) -> bool:
+    return True
+
+
+def _trunc_normal(linear: nn.Module, std: float, cutoff: float, is_fresh: IsFresh = _everything) -> None:
+    """transformers' ModernBERT init of one Linear: weight ~ N(0, std) cut at +-cutoff * std (a tensor a load filled:
+    untouched, no draw)."""
+    if is_fresh(linear.weight):
+        nn.init.trunc_normal_(linear.weight, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
+
+
+def _out_std(c: ModernBertConfig) -> float:
+    return c.initializer_range / math.sqrt(2.0 * c.num_hidden_layers)
+
+
+def _trunc_classifier(linear: nn.Module, c: ModernBertConfig, is_fresh: IsFresh) -> None:
+    _trunc_normal(linear, c.hidden_size**-0.5, c.initializer_cutoff_factor, is_fresh)
 
 
 class ModernBertEncoder(nn.Module):
@@ -208,15 +226,17 @@ class ModernBertEncoder(nn.Module):
         self.pooling = c.classifier_pooling if pool else None
 
     def after_init(self) -> None:
-        """HF's init for a fresh model: truncated normals, output projections scaled down by depth."""
+        self.after_fresh(_everything)
+
+    def after_fresh(self, is_fresh: IsFresh) -> None:
+        """HF's init: truncated normals, output projections scaled down by depth."""
         c = self.config
         cut, std = c.initializer_cutoff_factor, c.initializer_range
-        _trunc_normal(self.embeddings.word_embeddings, std, cut)
+        _trunc_normal(self.embeddings.word_embeddings, std, cut, is_fresh)
         for layer in self.layers:
-            for linear, s in ((layer.attn.qkv_proj, std), (layer.mlp.up_proj, std),
-                              (layer.attn.o_proj, std / math.sqrt(2.0 * c.num_hidden_layers)),
-                              (layer.mlp.down_proj, std / math.sqrt(2.0 * c.num_hidden_layers))):
-                _trunc_normal(linear, s, cut)
+            for linear, s in ((layer.attn.qkv_proj, std), (layer.mlp.up_proj, std), (layer.attn.o_proj, _out_std(c)),
+                              (layer.mlp.down_proj, _out_std(c))):
+                _trunc_normal(linear, s, cut, is_fresh)
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -257,9 +277,10 @@ class PredictionHead(nn.Module):
         self.norm = nn.LayerNorm(c.hidden_size, eps=c.norm_eps, bias=c.norm_bias)
 
     def after_init(self) -> None:
-        c = self.config
-        std = c.initializer_range / math.sqrt(2.0 * c.num_hidden_layers)
-        _trunc_normal(self.dense, std, c.initializer_cutoff_factor)
+        self.after_fresh(_everything)
+
+    def after_fresh(self, is_fresh: IsFresh) -> None:
+        _trunc_normal(self.dense, _out_std(self.config), self.config.initializer_cutoff_factor, is_fresh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(self.act(self.dense(x)))
@@ -276,8 +297,10 @@ class PooledHead(nn.Module):
         self.classifier = nn.Linear(c.hidden_size, c.num_labels)
 
     def after_init(self) -> None:
-        c = self.config
-        _trunc_normal(self.classifier, c.hidden_size**-0.5, c.initializer_cutoff_factor)
+        self.after_fresh(_everything)
+
+    def after_fresh(self, is_fresh: IsFresh) -> None:
+        _trunc_classifier(self.classifier, self.config, is_fresh)
 
     def forward(self, hidden: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.dropout(self.transform(pooled)))
@@ -288,9 +311,17 @@ class MaskedLMHead(nn.Module):
 
     def __init__(self, c: ModernBertConfig):
         super().__init__()
+        self.config = c
         self.transform = PredictionHead(c)
         self.decoder = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.bias = nn.Parameter(torch.zeros(c.vocab_size)) if c.decoder_bias else None
+
+    def after_init(self) -> None:
+        self.after_fresh(_everything)
+
+    def after_fresh(self, is_fresh: IsFresh) -> None:  # an untied decoder: transformers' ForMaskedLM init
+        if self.decoder is not None:
+            _trunc_normal(self.decoder, _out_std(self.config), self.config.initializer_cutoff_factor, is_fresh)
 
     def reset_parameters_hf(self, std: float) -> None:
         if self.bias is not None:
@@ -317,6 +348,26 @@ class ModernBertForMaskedLM(ForMaskedLM):
         logits = self.head(picked, self.model.embeddings.word_embeddings.weight)  # (N, V)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), labels[keep].view(-1))
         return ModelOutput(logits=logits, loss=loss, last_hidden_state=hidden)
+
+
+class ModernBertForTokenClassification(ForTokenClassification):
+    """The shared token classifier, with ModernBERT's init of its classifier (hidden_size^-0.5)."""
+
+    def after_init(self) -> None:
+        self.after_fresh(_everything)
+
+    def after_fresh(self, is_fresh: IsFresh) -> None:
+        _trunc_classifier(self.classifier, self.config, is_fresh)
+
+
+class ModernBertForQuestionAnswering(ForQuestionAnswering):
+    """The shared span head, with ModernBERT's init of its classifier (HF's `classifier`: kiln's qa_outputs)."""
+
+    def after_init(self) -> None:
+        self.after_fresh(_everything)
+
+    def after_fresh(self, is_fresh: IsFresh) -> None:
+        _trunc_classifier(self.qa_outputs, self.config, is_fresh)
 
 
 # kiln name (under `model.`) <-> HF name (under `model.` in task checkpoints)
@@ -369,12 +420,12 @@ FAMILY = Family(
             KeyMap([("head.transform", "head"), ("head.classifier", "classifier")])),
         TOKEN_CLASSIFICATION: TaskSpec(
             "ModernBertForTokenClassification",
-            lambda c: ForTokenClassification(ModernBertEncoder(c), c.hidden_size, c.num_labels, c.classifier_dropout,
-                                             transform=PredictionHead(c)),
+            lambda c: ModernBertForTokenClassification(ModernBertEncoder(c), c.hidden_size, c.num_labels,
+                                                       c.classifier_dropout, transform=PredictionHead(c)),
             KeyMap([("transform", "head"), ("classifier", "classifier")])),
         QUESTION_ANSWERING: TaskSpec(
             "ModernBertForQuestionAnswering",
-            lambda c: ForQuestionAnswering(ModernBertEncoder(c), c.hidden_size, c.classifier_dropout,
+            lambda c: ModernBertForQuestionAnswering(ModernBertEncoder(c), c.hidden_size, c.classifier_dropout,
                                            transform=PredictionHead(c)),
             KeyMap([("transform", "head"), ("qa_outputs", "classifier")])),
         MASKED_LM: TaskSpec(

@@ -235,14 +235,7 @@ class PreTrainedModel(nn.Module):
         return out
 
     def _materialise_fresh(self, dtype: torch.dtype) -> None:
-        std = getattr(self.config, "initializer_range", 0.02)
-        for module in self.modules():
-            if any(p.is_meta for p in module.parameters(recurse=False)):
-                module.to_empty(device="cpu", recurse=False)
-                for p in module.parameters(recurse=False):
-                    p.data = p.data.to(dtype)
-                with torch.no_grad():
-                    init_module_shallow(module, std)
+        draw_fresh(self, {n for n, p in self.named_parameters() if p.is_meta}, dtype)
 
     def tie_weights(self) -> None:
         """Re-point tied parameters after a load; task heads with tied weights override this."""
@@ -340,6 +333,37 @@ def copy_state_dict(module: nn.Module, tensors: dict[str, torch.Tensor], source:
     ignored, _ = check_tensors(own, tensors, set(own), source)
     module.load_state_dict({k: v for k, v in tensors.items() if k in own}, strict=False)
     return ignored
+
+
+def draw_fresh(model: nn.Module, fresh: set[str], dtype: torch.dtype) -> None:
+    """Materialise and draw the parameters a load left fresh (`fresh`: their names; a new head) in `dtype`, as
+    transformers' from_pretrained draws a checkpoint's missing tensors: module by module, children before their parent
+    (its `initialize_weights` order), each module holding a fresh tensor given the generic init, then each module's
+    own family init (`after_fresh(is_fresh)`, transformers' `_init_weights` of that module) of the fresh tensors
+    below it; a loaded tensor is neither redrawn nor does it move the generator."""
+    std = getattr(getattr(model, "config", None), "initializer_range", 0.02)
+    holders = {n.rpartition(".")[0] for n in fresh}
+    drawn: set[int] = set()
+    with torch.no_grad():
+        for name, module in _children_first(model):
+            if name in holders:
+                module.to_empty(device="cpu", recurse=False)
+                for p in module.parameters(recurse=False):
+                    p.data = p.data.to(dtype)
+                    drawn.add(id(p))
+                init_module_shallow(module, std)
+            if hasattr(module, "after_fresh") and any(id(p) in drawn for p in module.parameters()):
+                module.after_fresh(lambda t: id(t) in drawn)
+
+
+def _children_first(module: nn.Module, prefix: str = "", seen: set[int] | None = None):
+    """(name, module) for `module` and every module below it once, each after its children (post-order)."""
+    seen = set() if seen is None else seen
+    for name, child in module.named_children():
+        if id(child) not in seen:
+            yield from _children_first(child, f"{prefix}{name}.", seen)
+    seen.add(id(module))
+    yield prefix.rstrip("."), module
 
 
 def init_module_shallow(module: nn.Module, std: float) -> None:

@@ -2,10 +2,11 @@
 
 A whole load (`kiln.models.auto.load_pretrained(seed=...)`) seeds the generator, loads the checkpoint's tensors and
 initialises those it lacks and the source architecture does not owe (`PreTrainedModel._match_hf`'s fresh ones: the
-`lm_head` of a causal LM on a base checkpoint, a classifier on an encoder's) module by module in module order
-(`_materialise_fresh`), in the load's compute dtype. `init_fresh` makes the same draws on the meta-built model: the
-same modules, in the same order, from the same seed, whole on the CPU (a classifier is small, `num_labels x hidden`;
-an untied `lm_head` is one vocabulary-sized tensor, held whole on each rank until the plans shard it). The values are then
+`lm_head` of a causal LM on a base checkpoint, a classifier on an encoder's) module by module, children first, each
+by the generic init then its family's own, as transformers does (`kiln.models.pretrained.draw_fresh`), in the load's
+compute dtype. `init_fresh` makes the same draws on the meta-built model: the same modules, in the same order, from
+the same seed, whole on the CPU (a classifier is small, `num_labels x hidden`; an untied `lm_head` is one
+vocabulary-sized tensor, held whole on each rank until the plans shard it). The values are then
 real before the plans: a plan shards them as it shards LoRA's adapters, and `read_shards` keeps them (each rank its
 piece); a one-process read copies them to the device. The generator state after the draws is kept on the model
 (`fresh_rng`) so that `init_adapters` draws the LoRA adapters from where a whole load leaves the generator, not from
@@ -26,7 +27,7 @@ from torch import nn
 
 from kiln.errors import WeightsError
 from kiln.hub.weights import tensor_spans, weight_files
-from kiln.models.pretrained import PreTrainedModel, init_module_shallow
+from kiln.models.pretrained import PreTrainedModel, draw_fresh
 
 
 def init_fresh(model: PreTrainedModel, path: Path, missing: list[str], seed: int | None) -> bool:
@@ -52,17 +53,7 @@ def init_fresh(model: PreTrainedModel, path: Path, missing: list[str], seed: int
                   and not k.endswith("_scale_inv")), torch.float32)
     if seed is not None:
         torch.manual_seed(seed)  # load_pretrained's first step: nothing draws before the fresh init
-    std = getattr(model.config, "initializer_range", 0.02)
-    holders = {id(m) for n, m in model.named_modules()
-               if any((f"{n}.{p}" if n else p) in fresh for p, _ in m.named_parameters(recurse=False))}
-    for module in model.modules():  # _materialise_fresh's order and draws; only the modules holding fresh tensors
-        if id(module) not in holders:
-            continue
-        module.to_empty(device="cpu", recurse=False)
-        for p in module.parameters(recurse=False):
-            p.data = p.data.to(dtype)
-        with torch.no_grad():
-            init_module_shallow(module, std)
+    draw_fresh(model, set(fresh), dtype)  # the whole load's draws (_materialise_fresh), on the fresh tensors only
     model.tie_weights()
     keymap = model.family.keymap(model.task)
     model.fresh_names = [keymap.hf_name(k) or k for k in fresh]  # the whole load's report of them

@@ -70,3 +70,29 @@ def test_a_head_that_shares_kiln_names_with_the_source_head_is_initialised_as_tr
              "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])}
     with torch.no_grad():
         assert torch.equal(ours(**batch).logits, hf(**batch).logits)
+
+
+@pytest.mark.parametrize("source,task,fresh,overrides", [
+    ("masked-lm", "sequence-classification", "classifier.weight", {}),
+    ("masked-lm", "token-classification", "classifier.weight", {}),
+    ("masked-lm", "question-answering", "classifier.weight", {}),
+    ("base", "masked-lm", "head.dense.weight", {}),
+    ("base", "sequence-classification", "head.dense.weight", {"classifier_bias": True}),
+    ("base", "masked-lm", "decoder.weight", {"tie_word_embeddings": False})])
+def test_a_new_modernbert_head_is_drawn_as_transformers_draws_it(tiny_factory, source, task, fresh, overrides):
+    """ModernBERT's own init of a head the checkpoint lacks (transformers' `_init_weights`: truncated normals, the
+    transform's dense scaled by depth, the classifier by hidden_size^-0.5, children before their parent), not the
+    generic normal(0, 0.02): the same seed gives the same logits as transformers'."""
+    src = tiny_factory("modernbert", source, **overrides)
+    labels = {"num_labels": 3} if task in ("sequence-classification", "token-classification") else {}
+    ours = load_pretrained(src, task=task, seed=7, **labels)
+    assert fresh in ours.load_report.initialized
+    torch.manual_seed(7)
+    hf = getattr(transformers, ours.family.tasks[task].architecture).from_pretrained(src, **labels).eval()
+    batch = {"input_ids": torch.tensor([[2, 7, 9, 12, 3], [2, 10, 3, 0, 0]]),
+             "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])}
+    with torch.no_grad():
+        a, b = ours(**batch), hf(**batch)
+    for name in ("logits", "start_logits", "end_logits"):
+        if getattr(b, name, None) is not None:
+            assert torch.equal(getattr(a, name), getattr(b, name)), name

@@ -33,6 +33,7 @@ def dirs(tmp_path_factory):
         out[name] = root / name
     out["adapter"] = sw.with_adapter(root / "adapter", out["qwen3"])
     out["roberta-mlm"] = make_tiny("roberta", "masked-lm", root / "roberta-mlm")  # lm_head.dense vs classifier.dense
+    out["modernbert-base"] = make_tiny("modernbert", "base", root / "modernbert-base")  # its own init of a new head
     return out
 
 
@@ -46,10 +47,12 @@ def _same(whole, lean) -> None:
 
 
 @pytest.mark.parametrize("name,task", [("qwen3-base", "causal-lm"), ("roberta-base", "token-classification"),
-                                       ("roberta-mlm", "sequence-classification"), ("adapter", "causal-lm")])
+                                       ("roberta-mlm", "sequence-classification"), ("adapter", "causal-lm"),
+                                       ("modernbert-base", "sequence-classification")])
 def test_a_new_head_or_an_adapter_is_put_on_as_a_whole_load_puts_it(dirs, name, task):
     """A base checkpoint loaded with a head it lacks (a causal-LM's lm_head, a classifier), a masked-LM one as a
-    classifier (its MLM head dropped), or a checkpoint with a PEFT adapter beside it: read, not loaded whole; the
+    classifier (its MLM head dropped), or a checkpoint with a PEFT adapter beside it (ModernBERT: its own init of
+    the transform and classifier, children first, the read backbone untouched): read, not loaded whole; the
     same tensors, report and trainability as a whole load from the same seed, and the generator left where the whole
     load leaves it (LoRA's init draws next: the Trainer's init_adapters draws from there), for the read and for one
     process (`load_to_device`) alike."""
