@@ -129,6 +129,12 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
                f"in {len(sizes)} file(s); {'LoRA r=' + str(lora.r) if lora else 'full fine-tune'}, batch "
                f"{settings.batch_size} x {settings.seq_len} tokens, precision {settings.precision}, device {device}")
     typer.echo(f"plan: {settings.describe()} on {nproc} process(es)")
+    from kiln.hub.config import read_config
+    from kiln.models.auto import family_for
+
+    caveat = family_for(read_config(model_dir).get("model_type")).config_cls.plan_activations_caveat
+    if caveat:
+        typer.echo(f"note: activations not modelled for this family: {caveat}")
     if cfg.train.freeze and lora is None:
         typer.echo(f"note: train.freeze {cfg.train.freeze} is not modelled: counted as a full fine-tune (an upper bound)")
     columns = [*designed.ranks, *today.ranks]

@@ -19,6 +19,9 @@ class FamilyConfig:
     # the attention's q_proj emits a sigmoid output gate per head beside the query (twice its rows); config.json does
     # not say so, the family does (kiln plan's shape check and activations read it)
     attn_output_gate: ClassVar[bool] = False
+    # why kiln plan's activation formula (derived for attention + MLP blocks) does not hold for this family's blocks;
+    # None where it does. kiln plan prints it beside its estimate
+    plan_activations_caveat: ClassVar[str | None] = None
 
     architectures: list[str] | None = None
     id2label: dict[int, str] | None = None

@@ -40,6 +40,9 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 class HybridConfig(DecoderConfig):
     """What Qwen3-Next and the Qwen3.5 text models share: the DeltaNet sizes and the layer schedule."""
     attn_output_gate: ClassVar[bool] = True  # Qwen3-Next: GatedAttention's q_proj is [query | gate] per head
+    plan_activations_caveat: ClassVar[str | None] = (
+        "its Gated DeltaNet layers (chunked delta rule) and gated attention save more for the backward than the "
+        "attention + MLP block the activation formula is derived for, so the activations term is an underestimate")
     vocab_size: int = 151936
     hidden_size: int = 2048
     intermediate_size: int = 5632

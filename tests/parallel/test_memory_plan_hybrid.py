@@ -89,3 +89,17 @@ def test_qwen3_5_s_mtp_module_is_counted_as_the_load_holds_it(qwen3_5_with_mtp, 
     cfg = load_run_config(write_run(tmp_path, src, "[parallel]\nfsdp = true\n[moe]\nmtp_weight = 0.3\n"), [])
     params = plan_inputs(cfg, 2, "cpu")[0]
     assert {p.block for p in params if p.name.startswith("mtp.")} == {None}
+
+
+def test_the_cli_says_a_hybrid_s_activations_are_not_modelled(tiny_factory, tmp_path):
+    """kiln plan prints the plan, and the family's caveat that its activation term is an underestimate (its blocks
+    are not the attention + MLP the formula is derived for); a Qwen3 plan has no such note (control)."""
+    from typer.testing import CliRunner
+
+    from kiln.cli.main import app
+
+    for model_type, noted in (("qwen3_next", True), ("qwen3", False)):
+        cfg = write_run(tmp_path, tiny_factory(model_type, "causal-lm"))
+        r = CliRunner().invoke(app, ["plan", "--config", str(cfg), "--nproc", "2", "--set", "parallel.fsdp=true"])
+        assert r.exit_code == 0 and "weights" in r.output, r.output
+        assert ("activations not modelled" in r.output and "Gated DeltaNet" in r.output) == noted, r.output
