@@ -176,7 +176,8 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
                f"peaks at {fmt_bytes(today.peak.total)}")
     if peak.total <= limit:
         return
-    fits = alternatives(params, dims, settings, sizes, limit, experts=dims.experts)
+    tensor_parallel = family.parallel_plan is not None and family.parallel_plan.tensor_parallel
+    fits = alternatives(params, dims, settings, sizes, limit, experts=dims.experts, tensor_parallel=tensor_parallel)
     largest = peak.largest
     message = (f"the plan needs {fmt_bytes(peak.total)} per rank ({peak.rank}) but has {fmt_bytes(limit)} "
                f"({where}); its largest term is {largest} ({fmt_bytes(peak.terms[largest])})")

@@ -354,13 +354,15 @@ def _today(r: RankMemory, file_sizes: Mapping[str, int], full_bytes: int, piece:
 
 
 def alternatives(params: list[Param], dims: ModelDims, settings: RunSettings, file_sizes: Mapping[str, int],
-                 limit: int, runtime: int | None = None, experts: int = 0) -> list[MemoryPlan]:
-    """The [parallel] settings over the same process count whose plan fits `limit` bytes, the simplest first."""
+                 limit: int, runtime: int | None = None, experts: int = 0, tensor_parallel: bool = True
+                 ) -> list[MemoryPlan]:
+    """The [parallel] settings over the same process count whose plan fits `limit` bytes, the simplest first;
+    tp > 1 only for a family with a tensor-parallel plan (`tensor_parallel`: kiln.parallel.tp refuses the rest)."""
     n = settings.nproc
     divisors = [k for k in range(1, n + 1) if n % k == 0]
     found = []
     for tp in divisors:
-        if dims.heads % tp or dims.kv_heads % tp:
+        if dims.heads % tp or dims.kv_heads % tp or (tp > 1 and not tensor_parallel):
             continue
         for ep in divisors:
             if ep > 1 and (not experts or experts % ep):

@@ -253,6 +253,10 @@ def test_alternatives_that_fit():
     assert fits and all(p.peak.total < base for p in fits)
     assert any(p.settings.fsdp for p in fits)
     assert alternatives(params, DIMS, s, {}, limit=1000, runtime=0) == []  # control: nothing fits 1000 bytes
+    # a family without a tensor-parallel plan (kiln.parallel.tp refuses tp > 1 for it) is offered no tp
+    every = alternatives(params, DIMS, s, {}, limit=2 ** 62, runtime=0)
+    no_tp = alternatives(params, DIMS, s, {}, limit=2 ** 62, runtime=0, tensor_parallel=False)
+    assert any(p.settings.tp > 1 for p in every) and no_tp and all(p.settings.tp == 1 for p in no_tp)
 
 
 def test_parse_size():
