@@ -132,7 +132,8 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
     from kiln.hub.config import read_config
     from kiln.models.auto import family_for
 
-    caveat = family_for(read_config(model_dir).get("model_type")).config_cls.plan_activations_caveat
+    family = family_for(read_config(model_dir).get("model_type"))
+    caveat = family.config_cls.plan_activations_caveat
     if caveat:
         typer.echo(f"note: activations not modelled for this family: {caveat}")
     if cfg.train.freeze and lora is None:
