@@ -3,8 +3,6 @@ against autograd's own count of saved tensors, and the CLI's messages."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import json
 import subprocess
 import sys
@@ -256,7 +254,7 @@ def test_alternatives_that_fit():
     assert any(p.settings.fsdp for p in fits)
     assert alternatives(params, DIMS, s, {}, limit=1000, runtime=0) == []  # control: nothing fits 1000 bytes
     # a family without a tensor-parallel plan (kiln.parallel.tp refuses tp > 1 for it) is offered no tp
-    dims = dataclasses.replace(DIMS, heads=4, kv_heads=4)  # heads tp = 2 and 4 divide
+    dims = replace(DIMS, heads=4, kv_heads=4)  # heads tp = 2 and 4 divide
     every = alternatives(params, dims, s, {}, limit=2 ** 62, runtime=0)
     no_tp = alternatives(params, dims, s, {}, limit=2 ** 62, runtime=0, tensor_parallel=False)
     assert any(p.settings.tp > 1 for p in every) and no_tp and all(p.settings.tp == 1 for p in no_tp)
