@@ -150,8 +150,9 @@ class KeepsMtpLayers:
     """Checkpoint layers past num_hidden_layers (multi-token prediction) go to `hf_extras` untouched."""
 
     # A sharded read may hold the FP8 weights a whole load dequantizes as their stored pairs, by reference
-    # (kiln.parallel.sharded_carried): saved as held (the release's bytes, as a whole load writes its unchanged pairs
-    # back), taken by `enable_mtp` as dequantized (common/fp8.carried_as_loaded)
+    # (kiln.parallel.sharded_carried): exported kept FP8 as held (the release's bytes, as a whole load writes its
+    # unchanged pairs back), with no FP8 dequantized as read; taken by `enable_mtp` as dequantized
+    # (common/fp8.carried_as_loaded)
     carries_fp8_pairs = True
 
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor], source: str = "checkpoint",

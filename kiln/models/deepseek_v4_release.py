@@ -31,8 +31,9 @@ class V4TaskModel:
     hyper-connection, sink, position-bias and norm parameters held in float32 whatever dtype the rest takes."""
 
     # A sharded read may hold the FP8 (FP4) MTP weights a whole load dequantizes as their stored pairs, by reference
-    # (kiln.parallel.sharded_carried): the export writes them as held (the release's bytes, as a whole load's export
-    # writes its unchanged pairs back), `mtp_carried` takes them as dequantized (common/fp8.carried_as_loaded).
+    # (kiln.parallel.sharded_carried): an export kept FP8 writes them as held (the release's bytes, as a whole load's
+    # export writes its unchanged pairs back), one with no FP8 dequantized as read; `mtp_carried` takes them as
+    # dequantized (common/fp8.carried_as_loaded).
     carries_fp8_pairs = True
 
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor], source: str = "checkpoint",

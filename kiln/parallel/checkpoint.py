@@ -44,7 +44,7 @@ from kiln.models.common.lora import LoraConfig, apply_lora, linear_names, merge_
 from kiln.models.common.lora_experts import HOLDER, has_expert_lora
 from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS, dequantize_bnb4_model, is_4bit, prepare_bnb4_modules
 from kiln.models.tasks import BASE
-from kiln.parallel.sharded_carried import HOLDERS as CARRIED, load_ref, read_refs, write_refs
+from kiln.parallel.sharded_carried import HOLDERS as CARRIED, as_written, load_written, read_refs, write_refs
 from kiln.parallel.sharded_fp8_export import (PAIRS, decisions as fp8_decisions, held_pairs, place_fp8,
                                               restore as restore_fp8)
 
@@ -204,9 +204,6 @@ def _export_whole(model: nn.Module, path: Path, out: str | os.PathLike, lora: Lo
     """The whole model in this process's memory, then one save (FP8 bases: their merge re-quantizes blocks)."""
     model.to_empty(device="cpu")  # storage for every tensor, filled below; no init work wasted
     _dcp_load({"model": model.state_dict()}, path, no_dist=True)
-    for attr, tensors in _carried_meta(path).items():  # the tensors the family carries, for its save
-        read = _read_carried(path, {(attr, n): t for n, t in tensors.items()})
-        setattr(model, attr, {n: t for (_, n), t in read.items()})
     model.tie_weights()
     if (lora is not None or dtype is not None) and any(map(is_4bit, model.modules())):
         model = dequantize_bnb4_model(model, dtype)  # a merged or plain-dtype export of a 4-bit base, as export_model
@@ -216,6 +213,10 @@ def _export_whole(model: nn.Module, path: Path, out: str | os.PathLike, lora: Lo
         from kiln.models.common.fp8 import dequantize_model
 
         model = dequantize_model(model, dtype)
+    plain = getattr(model, "fp8_state", None) is None  # it writes no FP8: carried FP8 pairs dequantized
+    for attr, tensors in _carried_meta(path, plain).items():  # the tensors the family carries, for its save
+        read = _read_carried(path, {(attr, n): t for n, t in tensors.items()}, plain)
+        setattr(model, attr, {n: t for (_, n), t in read.items()})
     return model.save_pretrained(out, max_shard_bytes=max_shard_bytes)
 
 
@@ -235,7 +236,8 @@ def _export_streaming(model: nn.Module, path: Path, out: Path, saved: dict[str, 
     if dtype is not None:  # the dtypes a dtype export holds (and the config it writes): dequantize_model, on meta
         dequantize_model(model, dtype)
     final = {k: v.dtype for k, v in model.state_dict().items()}
-    carried = _carried_meta(path)
+    plain = getattr(model, "fp8_state", None) is None  # it writes no FP8: carried FP8 pairs dequantized
+    carried = _carried_meta(path, plain)
     for attr, tensors in carried.items():
         setattr(model, attr, dict(tensors))
     # what the save reads the values of (DeepSeek-V4 writes a float32 parameter in its stored half dtype when
@@ -278,7 +280,7 @@ def _export_streaming(model: nn.Module, path: Path, out: Path, saved: dict[str, 
             local[k].data = value.to(final[k])
         _pin(model, pinned)
         held = {needs[h] for h in group if isinstance(needs[h], tuple)}
-        for (a, n), t in _read_carried(path, {w: carried[w[0]][w[1]] for w in held}).items():
+        for (a, n), t in _read_carried(path, {w: carried[w[0]][w[1]] for w in held}, plain).items():
             getattr(model, a)[n] = t
         hf = model.hf_state_dict()
         write_shard(out, name, {h: hf[h] for h in group})
@@ -345,20 +347,22 @@ def _apply_decisions(model: nn.Module, path: Path) -> None:
     restore_fp8(model, path, decided, lambda state: _dcp_load(state, path, no_dist=True))
 
 
-def _carried_meta(path: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """The carried tensors the shards hold, as meta tensors of their shapes and dtypes, by holder and name."""
+def _carried_meta(path: Path, plain: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """The carried tensors the shards hold, as meta tensors of their shapes and dtypes, by holder and name; and those
+    the run left in its source files, as the export writes them (`plain`: FP8 pairs dequantized, as_written)."""
     meta = dcp.FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
     out: dict[str, dict[str, torch.Tensor]] = {}
     for key, m in meta.items():
         if key.startswith("carried."):
             attr, _, name = key[len("carried."):].partition(".")
             out.setdefault(attr, {})[name] = torch.empty(tuple(m.size), dtype=m.properties.dtype, device="meta")
-    for (attr, name), ref in read_refs(path).items():  # and those left in the run's source files
-        out.setdefault(attr, {})[name] = ref.meta()
+    for (attr, name), t in as_written(read_refs(path), plain).items():
+        out.setdefault(attr, {})[name] = t
     return out
 
 
-def _read_carried(path: Path, which: dict[tuple[str, str], torch.Tensor]) -> dict[tuple[str, str], torch.Tensor]:
+def _read_carried(path: Path, which: dict[tuple[str, str], torch.Tensor], plain: bool
+                  ) -> dict[tuple[str, str], torch.Tensor]:
     """Those carried tensors read from the shards, or the source files (`which`: (holder, name) -> meta tensor)."""
     if not which:  # an output file that holds none: no source checked, nothing read
         return {}
@@ -369,7 +373,7 @@ def _read_carried(path: Path, which: dict[tuple[str, str], torch.Tensor]) -> dic
         state.setdefault(a, {})[n] = t
     if state:
         _dcp_load({"carried": state}, path, no_dist=True)
-    return got | {w: load_ref(path, *w, refs[w]) for w in which if w in refs}
+    return got | {w: load_written(path, w, refs, plain) for w in which if w in refs}
 
 
 def _read_model(path: Path, which: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:

@@ -52,7 +52,7 @@ MiB = 1024 ** 2
 RUNTIME_CPU = 408 * MiB
 CUDA_CONTEXT = 512 * MiB              # a CUDA context and cuBLAS workspaces on an H100 (order of magnitude)
 LOSS_CHUNK = 64 * MiB                 # kiln.models.common.loss: fp32 logits of one chunk of rows
-HOST_STAGE = 64 * MiB                 # kiln.parallel.sharded_load.HostStage: a GPU read's host buffer
+HOST_STAGE = 64 * MiB                 # kiln.parallel.sharded_stage.HostStage: a GPU read's host buffer
 # Peak RSS beyond the live bytes on a CPU run, as a share of the activations: glibc's heap keeps what the
 # many small activation tensors free. Measured on a 0.22B Qwen3 (bf16, 4 x 256 tokens): 0.24 GiB over
 # 0.60 GiB (LoRA) and 0.33 GiB over 1.08 GiB (full) between default malloc and MALLOC_MMAP_THRESHOLD_=65536.

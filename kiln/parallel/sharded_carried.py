@@ -9,8 +9,10 @@ same checkpoint tensor, its stored dtype and shape) stays a meta placeholder in 
 (source directory, file, tensor name, dtype, shape, the file's size and mtime) in `model.carried_refs`. An FP8 (or
 packed FP4) weight a whole load dequantizes to carry (an FP8 release's MTP layer; the whole load keeps its pair aside
 to write it back unchanged) is held so too, as its stored pair, where the family `carries_fp8_pairs` (DeepSeek-V3 and
-the families built on it, V4): the weight and its scale, each a placeholder with its reference, so the export writes
-the release's bytes.
+the families built on it, V4): the weight and its scale, each a placeholder with its reference, the weight's noting
+the dtype the whole load dequantizes it to. An export kept FP8 writes the release's bytes; one that writes no FP8 (a
+run that dequantized its base, the default, whose config then drops `quantization_config`; or one in one dtype)
+dequantizes each pair as it reads it, as the whole load holds it (`as_written`, `load_written`).
 
 `save_sharded` writes those references (model/CARRIED_FILE) instead of their bytes, and `export_sharded` reads
 each from its source file when it writes the output shard that holds it, byte for byte as a whole load carried
@@ -31,7 +33,7 @@ import torch
 from safetensors import safe_open
 
 from kiln.errors import KilnError
-from kiln.hub.fp8 import FP8
+from kiln.hub.fp8 import FP8, dequantize, logical_shape
 from kiln.hub.weights import tensor_spans, weight_files
 
 CARRIED_FILE = "carried.json"  # beside model/config.json of a sharded checkpoint
@@ -49,6 +51,19 @@ class CarriedRef:
     shape: tuple[int, ...]
     size: int
     mtime_ns: int
+    # an FP8 (packed FP4) weight a whole load holds dequantized: (the name its scale is carried under, in the same
+    # holder; the dtype the whole load dequantizes it to; the scale blocks, or None: one scale), so an export that
+    # writes no FP8 writes it as that load holds it
+    dequantized: tuple[str, str, tuple[int, int] | None] | None = None
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> "CarriedRef":
+        """A reference as `dataclasses.asdict` wrote it to JSON (lists back to tuples)."""
+        deq = row.get("dequantized")
+        if deq is not None:
+            scale, dtype, block = deq
+            deq = (scale, dtype, None if block is None else tuple(block))
+        return cls(**{**row, "shape": tuple(row["shape"]), "dequantized": deq})
 
     def meta(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=getattr(torch, self.dtype), device="meta")
@@ -78,20 +93,22 @@ def note_carried(model: torch.nn.Module, weights: dict[str, torch.Tensor], unpla
         kept: dict[str, torch.Tensor] = {}
         for name, t in held.items():
             if id(t) in by_id:
-                found = [(name, by_id[id(t)], t)]
+                found = [(name, by_id[id(t)], t, None)]
             elif id(t) in pairs:  # the dequantized stand-in of an FP8 weight: its stored pair instead
-                found = [(n, k, torch.empty(spans[k][1].shape, dtype=spans[k][1].dtype, device="meta"))
-                         for n, k in zip((name, scheme.scale_key(name)), pairs[id(t)])]
+                scale = scheme.scale_key(name)
+                found = [(n, k, torch.empty(spans[k][1].shape, dtype=spans[k][1].dtype, device="meta"), deq)
+                         for n, k, deq in zip((name, scale), pairs[id(t)],
+                                              ((scale, str(t.dtype).removeprefix("torch."), scheme.block), None))]
             else:
                 if not t.is_meta:
                     kept[name] = t
                 continue
-            for n, key, placeholder in found:
+            for n, key, placeholder, deq in found:
                 stat = os.stat(spans[key][0])
                 kept[n] = placeholder
                 refs[(holder, n)] = CarriedRef(str(Path(path).resolve()), spans[key][0].name, key,
                                                str(placeholder.dtype).removeprefix("torch."), tuple(placeholder.shape),
-                                               stat.st_size, stat.st_mtime_ns)
+                                               stat.st_size, stat.st_mtime_ns, deq)
         held.clear()  # (in place: the family may hold the same dict elsewhere)
         held.update(kept)
     model.carried_refs = refs
@@ -174,9 +191,14 @@ def read_refs(ckpt: Path) -> dict[tuple[str, str], CarriedRef]:
         return {}
     try:
         rows = json.loads(f.read_text())
-        refs = {(r.pop("holder"), r.pop("name")): CarriedRef(**{**r, "shape": tuple(r["shape"])}) for r in rows}
+        refs = {(r.pop("holder"), r.pop("name")): CarriedRef.from_row(r) for r in rows}
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise KilnError(f"{f}: not a list of carried-tensor references ({e})") from None
+    lone = [(h, n, r.dequantized[0]) for (h, n), r in refs.items()
+            if r.dequantized and (h, r.dequantized[0]) not in refs]
+    if lone:
+        raise KilnError(f"{f}: the FP8 weight {lone[0][1]!r} ({lone[0][0]}) names its scale {lone[0][2]!r}, which is "
+                        "not among the references")
     by_file: dict[Path, list[tuple[tuple[str, str], CarriedRef]]] = {}
     for w, ref in refs.items():
         by_file.setdefault(Path(ref.source) / ref.file, []).append((w, ref))
@@ -204,6 +226,30 @@ def load_ref(ckpt: Path, holder: str, name: str, ref: CarriedRef) -> torch.Tenso
     if why is not None:
         raise _gone(ckpt, holder, name, ref, why)
     return t
+
+
+def as_written(refs: dict[tuple[str, str], CarriedRef], plain: bool) -> dict[tuple[str, str], torch.Tensor]:
+    """The referenced tensors an export writes, as meta tensors by (holder, name): each as stored; where the export
+    writes no FP8 (`plain`: the model it saves has no FP8 state, as a run that dequantized its FP8 base, or an export
+    in one dtype), each FP8 (FP4) pair a whole load holds dequantized as the one tensor that load holds: its values'
+    shape, in the dtype it dequantizes to, its scale left out (as that load's export writes them once plain)."""
+    deq = {w: r.dequantized for w, r in refs.items() if plain and r.dequantized}
+    scales = {(h, scale) for (h, _), (scale, _, _) in deq.items()}
+    return {w: torch.empty(logical_shape(r.meta()), dtype=getattr(torch, deq[w][1]), device="meta") if w in deq
+            else r.meta() for w, r in refs.items() if w not in scales}
+
+
+def load_written(ckpt: Path, w: tuple[str, str], refs: dict[tuple[str, str], CarriedRef], plain: bool
+                 ) -> torch.Tensor:
+    """The referenced tensor (holder, name) `w` as `as_written` describes it, read from its source file: an FP8 pair
+    to write dequantized read weight then scale and dequantized as a whole load dequantizes it (one rounding of
+    Q * S to its dtype), so the export's bytes are that load's; one pair held at a time, never the whole layer."""
+    ref = refs[w]
+    t = load_ref(ckpt, *w, ref)
+    if not plain or ref.dequantized is None:
+        return t
+    scale, dtype, block = ref.dequantized
+    return dequantize(t, load_ref(ckpt, w[0], scale, refs[(w[0], scale)]), block, getattr(torch, dtype))
 
 
 def _changed(ref: CarriedRef) -> str | None:

@@ -117,9 +117,8 @@ def restore(model: nn.Module, ckpt: Path, decided: dict[str, Any], read: Callabl
     if entry["scale_names"] not in (SCALE_SUFFIX, ".scale"):
         raise KilnError(f"{where}: fp8.scale_names {entry['scale_names']!r} is neither {SCALE_SUFFIX!r} nor '.scale'")
     try:
-        refs = {n: tuple(CarriedRef(**{**r, "shape": tuple(r["shape"])}) for r in pair)
-                for n, pair in entry["refs"].items()}
-    except (TypeError, KeyError) as e:
+        refs = {n: tuple(CarriedRef.from_row(r) for r in pair) for n, pair in entry["refs"].items()}
+    except (TypeError, KeyError, ValueError) as e:
         raise KilnError(f"{where}: fp8.refs is not a map of [weight, scale] source references ({e})") from None
     pairs = {n: tuple(load_ref(ckpt, _HOLDER, n, r) for r in refs[n]) for n in entry["dequantized"] if n in refs}
     held = [n for n in entry["dequantized"] if n not in refs]

@@ -15,9 +15,9 @@ checkpoint tensor. The tensors equal those of a full load (`kiln.models.auto.loa
 same plans, bit for bit (tests/parallel).
 
 Straight to the device: when the target is not host memory (`device = "cuda"`), each piece passes through
-one bounded host buffer (`HostStage`: a tensor read as stored goes in chunks of at most `HostStage.limit`
-bytes; one that needs a tensor step or a column slice, one tensor at a time), so the host never holds the
-model, only that buffer. `load_to_device` is the one-process (or DDP) form: build on meta, read to the device.
+one bounded host buffer (`HostStage`, sharded_stage.py: a tensor read as stored goes in chunks of at most
+`HostStage.limit` bytes; one that needs a tensor step or a column slice, one tensor at a time), so the host never
+holds the model, only that buffer. `load_to_device` is the one-process (or DDP) form: build on meta, read to the device.
 
 FP8 block-scaled checkpoints kept FP8 (`fp8 = "keep"`) read like any other: each rank its rows of the FP8
 weights (as bytes under FSDP2) and their scales (buffers: whole on every rank, as after a whole load); a tp
@@ -68,6 +68,7 @@ from kiln.parallel.sharded_fp8_export import note_pairs
 from kiln.parallel.sharded_fp8 import dequantized_pairs, needs_pairs, note_unheld, read_dequantized, whole_piece
 from kiln.parallel.sharded_fresh import init_fresh, start_draws, with_adapter
 from kiln.parallel.sharded_q4 import WholeLoad4, place_q4, q4_keys, q4_names, read_q4
+from kiln.parallel.sharded_stage import HostStage, host_stage
 
 
 def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None, fp8: str = "dequantize",
@@ -214,42 +215,6 @@ def _box(t: torch.Tensor) -> tuple[slice, ...] | None:
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
-class HostStage:
-    """The host memory a read to another device passes through: one reusable buffer of at most `limit` bytes
-    for tensors read as stored, and one whole tensor at a time for the rest. `peak` is the most host bytes
-    one piece took (what a test of "the host never holds the model" checks)."""
-
-    def __init__(self, limit: int = 64 << 20, pin: bool = False):
-        if limit < 1:
-            raise ValueError(f"HostStage limit must be at least 1 byte, got {limit}")
-        self.limit, self.pin, self.peak = limit, pin, 0
-        self._buf: torch.Tensor | None = None
-
-    def read(self, f: Any, offset: int, out: torch.Tensor) -> None:
-        """Fill the contiguous tensor `out` (any device) with the `out.nbytes` bytes at `offset` of file `f`,
-        chunk by chunk through the buffer; each copy is synchronous, so the buffer is free again after it."""
-        flat = out.reshape(-1).view(torch.uint8)
-        for start in range(0, flat.numel(), self.limit):
-            n = min(self.limit, flat.numel() - start)
-            if self._buf is None or self._buf.numel() < n:
-                self._buf = None  # the old buffer goes before the new one comes
-                self._buf = torch.empty(min(self.limit, flat.numel()), dtype=torch.uint8, pin_memory=self.pin)
-            chunk = self._buf[:n]
-            read_into(f, offset + start, chunk)
-            flat[start:start + n].copy_(chunk)
-            self.note(n)
-
-    def note(self, nbytes: int) -> None:
-        self.peak = max(self.peak, nbytes)
-
-
-def _host_stage(device: torch.device) -> HostStage | None:
-    """The staging a read to `device` needs: none for host memory (the read goes straight into the tensors)."""
-    if device.type in ("cpu", "meta"):
-        return None
-    return HostStage(pin=device.type == "cuda" and torch.cuda.is_available())
-
-
 def load_to_device(path: str | os.PathLike, device: torch.device | str, task: str | None = None,
                    seed: int | None = None, fp8: str = "dequantize", quantize: str | None = None,
                    **changes: Any) -> PreTrainedModel | None:
@@ -272,7 +237,7 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
     A device other than the CPU is filled through a `HostStage` (made here unless one is given; a given one
     is used on the CPU too, which is how the tests exercise the device path)."""
     device = torch.device(device)
-    stage = stage if stage is not None else _host_stage(device)
+    stage = stage if stage is not None else host_stage(device)
     path = resolve_model_dir(path)
     files = weight_files(path)
     keymap = model.family.keymap(model.task)

@@ -212,7 +212,8 @@ def tp_steps(rank: int, world: int, model_dir: str, out: str) -> None:
     go to `out`."""
     from kiln.models.auto import load_pretrained
     from kiln.parallel.apply import parallelize
-    from kiln.parallel.sharded_load import HostStage, empty_pretrained, read_shards
+    from kiln.parallel.sharded_load import empty_pretrained, read_shards
+    from kiln.parallel.sharded_stage import HostStage
     from kiln.parallel.tp_fp8 import fp8_splits
     from kiln.parallel.tp import tensor_plan
     from kiln.train.config import ParallelSection

@@ -13,7 +13,8 @@ import torch
 from kiln.errors import WeightsError
 from kiln.hub.weights import load_weights, tensor_spans, weight_files
 from kiln.models.auto import load_pretrained
-from kiln.parallel.sharded_load import HostStage, empty_pretrained, lean_pretrained, read_shards
+from kiln.parallel.sharded_load import empty_pretrained, lean_pretrained, read_shards
+from kiln.parallel.sharded_stage import HostStage
 from tests.parallel import sharded_load_workers as sw
 from tests.spawn import spawn
 

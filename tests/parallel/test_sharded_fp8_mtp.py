@@ -1,16 +1,23 @@
 """An FP8 release's multi-token-prediction layer under a read shard by shard, in one process (DeepSeek-V4's `mtp.*`,
 DeepSeek-V3's layer num_hidden_layers): carried, each FP8 (FP4) weight is held by reference as its stored pair, weight
-and scale (kiln.parallel.sharded_carried), and exported as released; made live (`[moe] mtp_weight`), its parameters
+and scale (kiln.parallel.sharded_carried), and exported as released (kept FP8) or dequantized pair by pair (an
+export that writes no FP8), as one process's export writes it; made live (`[moe] mtp_weight`), its parameters
 are read dequantized piece by piece as the whole load's enable_mtp holds them. V4 under FSDP2 on 2 ranks, and its
 sharded export's bytes: tests/parallel/test_sharded_load.py and test_sharded_hook_export.py (the `v4mtp` release)."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 from safetensors import safe_open
 
+from kiln.errors import KilnError
+
 from kiln.models.auto import load_pretrained
+from kiln.parallel.sharded_carried import CARRIED_FILE
 from kiln.parallel.sharded_load import lean_pretrained, load_to_device, read_shards
 from tests.models.v4_release import make_release, tiny_release_source
 from tests.parallel.sharded_load_workers import _bits
@@ -67,7 +74,8 @@ def test_the_fp8_mtp_layer_is_carried_by_reference_or_read_dequantized_once_live
 def test_kept_fp8_a_sharded_checkpoint_exports_the_release_mtp_layer_and_all_as_one_process(release, tmp_path):
     """Kept FP8 (`fp8 = "keep"`), untrained: the sharded checkpoint's export writes every tensor of the release back
     byte for byte, as one process's export does; the MTP layer's pairs as carried (not also as pairs to write back:
-    the packed FP4 experts would be quantized afresh from their bytes)."""
+    the packed FP4 experts would be quantized afresh from their bytes). Exported in one dtype, it writes what one
+    process writes so: plain weights, the MTP layer dequantized (it wrote the release's FP8 MTP bytes)."""
     from kiln.interop.export import export_model
     from kiln.parallel.checkpoint import export_sharded, save_sharded
 
@@ -79,6 +87,12 @@ def test_kept_fp8_a_sharded_checkpoint_exports_the_release_mtp_layer_and_all_as_
     released, one, sharded = (_tensors(d) for d in (release, tmp_path / "one", tmp_path / "sharded"))
     assert any(k.startswith("mtp.") and t.dtype == torch.int8 for k, t in released.items())
     assert _differ(one, released) == [] and _differ(sharded, released) == []
+    # in one dtype (`kiln export --dtype`): no FP8 written, the MTP layer's pairs dequantized as one process's too
+    export_sharded(tmp_path / "ckpt", tmp_path / "sharded-bf16", max_shard_bytes=100_000, dtype=torch.bfloat16)
+    export_model(load_pretrained(release, task="causal-lm", fp8="keep"), tmp_path / "one-bf16",
+                 max_shard_bytes=100_000, dtype=torch.bfloat16)
+    one, sharded = _tensors(tmp_path / "one-bf16"), _tensors(tmp_path / "sharded-bf16")
+    assert not [k for k, t in one.items() if t.itemsize == 1] and _differ(sharded, one) == []
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +116,13 @@ def v3_release(tmp_path_factory):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # a sharded save in one process, meant
-def test_a_v3_fp8_release_s_mtp_layer_is_carried_as_its_pairs_and_exported_as_released(v3_release, tmp_path):
-    """DeepSeek-V3 (V3.2, GLM-5) carry their MTP layer in `hf_extras`: FP8 too, a read holds it as its stored pairs,
-    the export writes the release's bytes, and made live its parameters read as the whole load's enable_mtp holds
-    them."""
+def test_a_v3_fp8_release_s_mtp_layer_is_carried_as_its_pairs_and_exported_as_one_process(v3_release, tmp_path):
+    """DeepSeek-V3 (V3.2, GLM-5) carry their MTP layer in `hf_extras`: FP8 too, a read holds it as its stored pairs;
+    the export of a run that dequantized (the default) writes no FP8, the MTP layer dequantized as one process's
+    export of the weights it holds writes it, and kept FP8 the release's bytes; made live, its parameters read as
+    the whole load's enable_mtp holds them."""
     from kiln.interop.export import export_model
+    from kiln.models.common.fp8 import dequantize_model
     from kiln.parallel.checkpoint import export_sharded, save_sharded
 
     n = 2  # the tiny V3's num_hidden_layers: its MTP layer is model.layers.2.*
@@ -121,11 +137,24 @@ def test_a_v3_fp8_release_s_mtp_layer_is_carried_as_its_pairs_and_exported_as_re
     assert a.keys() == b.keys() and _differ(a, b) == []
     save_sharded(tmp_path / "ckpt", lean)  # one process, no group: the same shards and references
     export_sharded(tmp_path / "ckpt", tmp_path / "sharded", max_shard_bytes=60_000)
-    export_model(v3_release, tmp_path / "one", max_shard_bytes=60_000)
-    released, one, sharded = ({k: t for k, t in _tensors(d).items() if k.startswith(f"model.layers.{n}.")}
-                              for d in (v3_release, tmp_path / "one", tmp_path / "sharded"))
-    assert any(t.dtype == torch.float8_e4m3fn for t in released.values())
-    assert _differ(one, released) == [] and _differ(sharded, released) == []
+    export_model(dequantize_model(whole), tmp_path / "one", max_shard_bytes=60_000)
+    one, sharded = _tensors(tmp_path / "one"), _tensors(tmp_path / "sharded")
+    assert any(k.startswith(f"model.layers.{n}.") for k in one) and not [t for t in one.values() if t.itemsize == 1]
+    assert _differ(sharded, one) == []  # every tensor: the MTP layer dequantized as one process holds it
+    refs = tmp_path / "ckpt" / "model" / CARRIED_FILE  # a pair whose scale's reference is lost: named, not written
+    rows = json.loads(refs.read_text())
+    lost = next(r for r in rows if r["dequantized"])
+    refs.write_text(json.dumps([r for r in rows if r["name"] != lost["dequantized"][0]]))
+    with pytest.raises(KilnError, match=rf"FP8 weight {re.escape(repr(lost['name']))} \(hf_extras\) names its scale"):
+        export_sharded(tmp_path / "ckpt", tmp_path / "lost", max_shard_bytes=60_000)
+    kept = lean_pretrained(v3_release, "causal-lm", None, fp8="keep")
+    read_shards(kept, v3_release)
+    save_sharded(tmp_path / "kept", kept)
+    export_sharded(tmp_path / "kept", tmp_path / "kept-sharded", max_shard_bytes=60_000)
+    released, sharded = ({k: t for k, t in _tensors(d).items() if k.startswith(f"model.layers.{n}.")}
+                         for d in (v3_release, tmp_path / "kept-sharded"))
+    assert any(t.dtype == torch.float8_e4m3fn for t in released.values()) and _differ(sharded, released) == []
+    whole = load_pretrained(v3_release, task="causal-lm")
     whole.enable_mtp("whole")
     lean = lean_pretrained(v3_release, "causal-lm", None)
     lean.enable_mtp("lean")

@@ -76,21 +76,45 @@ def test_a_sharded_run_exports_as_one_process_exports(runs, name, dtype, stream,
 
 
 @pytest.mark.slow
-def test_a_sharded_run_writes_the_fp8_mtp_layer_s_release_bytes(runs, tmp_path):
-    """A DeepSeek-V4 FP8 release read shard by shard (to dequantize, the default) under FSDP2 held its MTP layer by
-    reference, each FP8 / FP4 weight as its stored pair: the export writes the release's MTP tensors byte for byte,
-    as a one-process export writes them back (its main weights are the run's dequantized ones: not compared)."""
+def test_a_dequantized_sharded_run_exports_the_fp8_mtp_layer_dequantized_as_one_process(runs, tmp_path):
+    """A DeepSeek-V4 FP8 release read shard by shard to dequantize (the default) under FSDP2 held its MTP layer by
+    reference, each FP8 / FP4 weight as its stored pair. Its export writes no `quantization_config` (the run kept no
+    FP8 pairs of its main weights), so the MTP layer goes out dequantized, each pair as it is read, as the run's
+    one-process export of the same weights held dequantized writes it: names, split, dtypes, bytes, config. It used
+    to write the release's FP8 / FP4 MTP bytes under that config: the export then failed to train its MTP layer."""
+    from kiln.models.auto import load_pretrained
+    from kiln.models.common.fp8 import dequantize_model
+
     root, srcs = runs
     ckpt = root / "v4mtp" / "ckpt"
     assert (ckpt / "model" / CARRIED_FILE).is_file() and not _dcp_carried(ckpt)  # read by reference, not whole
-    release = _mtp(_files(srcs["v4mtp"]))
-    assert {t.dtype for t in release.values()} >= {torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8}
-    export_model(srcs["v4mtp"], tmp_path / "one", max_shard_bytes=100_000)
-    want = _mtp(_files(tmp_path / "one"))
-    assert _differ(want, release) == []
+    released = _mtp(_files(srcs["v4mtp"]))
+    assert {t.dtype for t in released.values()} >= {torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8}
+    whole = load_pretrained(srcs["v4mtp"], task="causal-lm")  # what one process holds: dequantized, pairs aside
+    export_model(dequantize_model(whole), tmp_path / "one", max_shard_bytes=100_000)
+    want = _files(tmp_path / "one")
+    assert {t.dtype for t in _mtp(want).values()} == {torch.bfloat16, torch.float32} and len(want) > 2
     for stream in (True, False):
-        export_sharded(ckpt, tmp_path / f"sharded-{stream}", max_shard_bytes=100_000, stream=stream)
-        assert _differ(_mtp(_files(tmp_path / f"sharded-{stream}")), want) == [], stream
+        out = export_sharded(ckpt, tmp_path / f"sharded-{stream}", max_shard_bytes=100_000, stream=stream)
+        got = _files(out)
+        assert {f: list(t) for f, t in got.items()} == {f: list(t) for f, t in want.items()}, stream
+        assert _differ(_flat(got), _flat(want)) == [], stream
+        assert (out / "config.json").read_text() == (tmp_path / "one" / "config.json").read_text()
+    # reloaded, its MTP layer trains: its parameters are those the run's whole load makes live
+    again = load_pretrained(tmp_path / "sharded-True", task="causal-lm")
+    again.enable_mtp("export")
+    whole.enable_mtp("release")
+    a, b = again.state_dict(), whole.state_dict()
+    assert "mtp.0.mlp.experts.gate_up_proj" in a and _differ(a, b) == []
+    ids = torch.randint(5, 60, (1, 8), generator=torch.Generator().manual_seed(0))
+    again.train()
+    again(input_ids=ids, labels=ids)
+    total, count = again.mtp_loss_parts
+    assert int(count) > 0 and torch.isfinite(total)
+
+
+def _flat(files: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {k: t for tensors in files.values() for k, t in tensors.items()}
 
 
 def _mtp(files: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

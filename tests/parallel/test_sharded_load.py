@@ -12,7 +12,8 @@ import torch
 from kiln.errors import WeightsError
 from kiln.hub.weights import tensor_spans, weight_files
 from kiln.models.auto import AutoConfig, from_config, load_pretrained
-from kiln.parallel.sharded_load import HostStage, empty_pretrained, load_to_device, read_shards
+from kiln.parallel.sharded_load import empty_pretrained, load_to_device, read_shards
+from kiln.parallel.sharded_stage import HostStage
 from tests.spawn import spawn
 
 from tests.parallel import sharded_load_workers as sw
