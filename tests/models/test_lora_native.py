@@ -112,21 +112,14 @@ def _check(vector, rows, inn, out, r, s1, s2):
             assert gx is None
 
 
-@needs_kernel
-@pytest.mark.parametrize("scaling", [2.0, 1.5])
-def test_lora_layer_takes_the_kernels_only_on_the_fast_path(monkeypatch, scaling):
-    """Which path runs; the values' bounds are the kernel test's. Here each fast value is within 2^-6 of the
-    largest of its tensor from the exact path's (a few bf16 units): a missing term or a wrong scale moves
-    values by their own size."""
+def _layer(scaling):
+    """A LoRA layer over a 4-bit base with a nonzero update, and a function that runs it forward and backward on
+    fixed inputs: [output, grad of x, grad of A, grad of B]."""
     torch.manual_seed(0)
     m = LoraLinear(_linear4((96, 128)), r=8, alpha=16, dropout=0.0, scaling=scaling)
     nn.init.normal_(m.lora_B.weight, std=0.1)
     x = torch.randn(2, 7, 128, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(2, 7, 96, dtype=torch.bfloat16)
-    calls = []
-    for name in ("forward", "backward"):
-        real = getattr(lora_native, name)
-        monkeypatch.setattr(lora_native, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
 
     def run():
         x.grad = m.lora_A.weight.grad = m.lora_B.weight.grad = None
@@ -134,6 +127,20 @@ def test_lora_layer_takes_the_kernels_only_on_the_fast_path(monkeypatch, scaling
         y.backward(grad)
         return [y.detach(), x.grad, m.lora_A.weight.grad, m.lora_B.weight.grad]
 
+    return m, run
+
+
+@needs_kernel
+@pytest.mark.parametrize("scaling", [2.0, 1.5])
+def test_lora_layer_takes_the_kernels_only_on_the_fast_path(monkeypatch, scaling):
+    """Which path runs; the values' bounds are the kernel test's. Here each fast value is within 2^-6 of the
+    largest of its tensor from the exact path's (a few bf16 units): a missing term or a wrong scale moves
+    values by their own size."""
+    m, run = _layer(scaling)
+    calls = []
+    for name in ("forward", "backward"):
+        real = getattr(lora_native, name)
+        monkeypatch.setattr(lora_native, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
     exact = run()
     assert calls == [] and fast_state(m) == {"": False}
     set_fast(m, True)
@@ -148,24 +155,13 @@ def test_lora_layer_takes_the_kernels_only_on_the_fast_path(monkeypatch, scaling
 
 def test_without_the_library_the_fast_path_is_the_exact_one(monkeypatch):
     """KILN_NATIVE=0 (or no compiler): `runs` says no and the fast path computes the exact one, bit for bit."""
-    torch.manual_seed(0)
-    m = LoraLinear(_linear4((96, 128)), r=8, alpha=16, dropout=0.0, scaling=2.0)
-    nn.init.normal_(m.lora_B.weight, std=0.1)
-    x = torch.randn(2, 7, 128, dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(2, 7, 96, dtype=torch.bfloat16)
-
-    def run():
-        x.grad = m.lora_A.weight.grad = m.lora_B.weight.grad = None
-        y = m(x)
-        y.backward(grad)
-        return [y.detach(), x.grad, m.lora_A.weight.grad, m.lora_B.weight.grad]
-
+    m, run = _layer(2.0)
     exact = run()
     monkeypatch.setenv("KILN_NATIVE", "0")
     native.forget("lora_update")
     try:
         set_fast(m, True)
-        assert not lora_native.runs(x, exact[0], m.lora_A.weight, m.lora_B.weight)
+        assert not lora_native.runs(exact[0], exact[0], m.lora_A.weight, m.lora_B.weight)
         assert all(torch.equal(e, g) for e, g in zip(exact, run()))
     finally:
         monkeypatch.delenv("KILN_NATIVE")
