@@ -136,3 +136,27 @@ def test_span_slices_read_a_run_of_whole_rows_at_once_and_give_safetensors_dtype
         for k, box in [("w", (slice(1, 4), slice(0, 9))), ("x", (slice(2, 5), slice(0, 4))), ("x", (slice(0, 2),))]:
             reads.clear()
             assert torch.equal(reader.get_slice(k)[box], state[k][box]) and reads == [state[k][box].nbytes], (k, box)
+
+
+def test_a_bin_that_cannot_be_read_in_place_says_why(tmp_path, monkeypatch):
+    """Each reason a .bin loads whole is named apart: big-endian bytes, the compressed record, no file offset."""
+    import zipfile
+
+    from kiln.hub import pickled
+    from kiln.hub.pickled import NotInPlace, bin_layout
+
+    torch.save({"w": torch.randn(4, 6)}, tmp_path / "plain.bin")
+    with zipfile.ZipFile(tmp_path / "plain.bin") as z:
+        records = [(i.filename, z.read(i)) for i in z.infolist()]
+    for name, order, method in [("big.bin", b"big", zipfile.ZIP_STORED), ("packed.bin", b"little", zipfile.ZIP_DEFLATED)]:
+        with zipfile.ZipFile(tmp_path / name, "w") as z:
+            for filename, data in records:
+                data = order if filename.endswith("/byteorder") else data
+                z.writestr(filename, data, method if "/data/" in filename else zipfile.ZIP_STORED)
+    with pytest.raises(NotInPlace, match=r"big\.bin: its tensors are stored big-endian"):
+        bin_layout(tmp_path / "big.bin")
+    with pytest.raises(NotInPlace, match=r"packed\.bin: its tensor record '[^']*/data/0' is compressed"):
+        bin_layout(tmp_path / "packed.bin")
+    monkeypatch.setattr(pickled, "load_bin", lambda path, where: {"w": torch.empty(4, 6, device="meta")})
+    with pytest.raises(NotInPlace, match=r"plain\.bin: torch gave no file offset for tensor 'w'"):
+        bin_layout(tmp_path / "plain.bin")
