@@ -148,7 +148,8 @@ def test_a_bin_that_cannot_be_read_in_place_says_why(tmp_path, monkeypatch):
     torch.save({"w": torch.randn(4, 6)}, tmp_path / "plain.bin")
     with zipfile.ZipFile(tmp_path / "plain.bin") as z:
         records = [(i.filename, z.read(i)) for i in z.infolist()]
-    for name, order, method in [("big.bin", b"big", zipfile.ZIP_STORED), ("packed.bin", b"little", zipfile.ZIP_DEFLATED)]:
+    for name, order, method in [("big.bin", b"big", zipfile.ZIP_STORED),
+                                ("packed.bin", b"little", zipfile.ZIP_DEFLATED)]:
         with zipfile.ZipFile(tmp_path / name, "w") as z:
             for filename, data in records:
                 data = order if filename.endswith("/byteorder") else data
