@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from kiln.errors import WeightsError
 from kiln.hub.config import write_json_atomic
 from kiln.hub.files import as_umask_allows
-from kiln.hub.headers import SAFE_INDEX, SAFE_SINGLE, TORCH_DTYPE_NAMES, weight_files
+from kiln.hub.headers import BIN_INDEX, SAFE_INDEX, SAFE_SINGLE, TORCH_DTYPE_NAMES, weight_files
 from kiln.hub.jsonio import read_json
 from kiln.hub.pickled import bin_layout, load_bin
 
@@ -260,11 +260,34 @@ def shard_plan(sizes: list[tuple[str, int]], max_shard_bytes: int | None) -> lis
     return groups
 
 
-def shard_names(count: int) -> list[str]:
-    """The file names transformers gives `count` weight files."""
+def shard_names(count: int, suffix: str = ".safetensors") -> list[str]:
+    """The file names transformers gives `count` weight files (suffix ".bin": PyTorch's, pytorch_model*.bin)."""
+    stem = "pytorch_model" if suffix == ".bin" else "model"
     if count == 1:
-        return [SAFE_SINGLE]
-    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        return [stem + suffix]
+    return [f"{stem}-{i + 1:05d}-of-{count:05d}{suffix}" for i in range(count)]
+
+
+def save_bin_weights(model_dir: str | os.PathLike, state: dict[str, torch.Tensor],
+                     max_shard_bytes: int | None = None) -> list[Path]:
+    """`state` as transformers' save_pretrained(safe_serialization=False) wrote it before safetensors (torch.save's
+    zip format): pytorch_model.bin, or pytorch_model-0000i-of-0000n.bin shards past `max_shard_bytes` (split as
+    `shard_plan` splits) and pytorch_model.bin.index.json; each file atomically. Kiln reads such releases
+    (`load_weights`, `tensor_spans`); this writes them for the tests and benchmarks of that read."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    groups = shard_plan([(k, v.nbytes) for k, v in state.items()], max_shard_bytes)
+    names = shard_names(len(groups), ".bin")
+    for name, group in zip(names, groups):
+        tmp = model_dir / (name + ".tmp")
+        torch.save({k: state[k] for k in group}, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, model_dir / name)
+    if len(groups) > 1:
+        write_index(model_dir, sum(v.nbytes for v in state.values()),
+                    {k: name for name, group in zip(names, groups) for k in group}, BIN_INDEX)
+    return [model_dir / name for name in names]
 
 
 def write_shard(model_dir: str | os.PathLike, name: str, tensors: dict[str, torch.Tensor],
@@ -275,5 +298,5 @@ def write_shard(model_dir: str | os.PathLike, name: str, tensors: dict[str, torc
     return path
 
 
-def write_index(model_dir: str | os.PathLike, total: int, weight_map: dict[str, str]) -> None:
-    write_json_atomic(Path(model_dir) / SAFE_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+def write_index(model_dir: str | os.PathLike, total: int, weight_map: dict[str, str], name: str = SAFE_INDEX) -> None:
+    write_json_atomic(Path(model_dir) / name, {"metadata": {"total_size": total}, "weight_map": weight_map})
