@@ -22,7 +22,6 @@ and one forward's logits (both sides must give the same). Ratios last: the shard
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -32,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import launched_ranks, load_average, rank_load, report  # noqa: E402
+from common import launched_ranks, load_args, load_average, rank_load, rank_report, report  # noqa: E402
 
 MiB = 1024 ** 2
 SHARD_BYTES = 100 * 1000 ** 2  # several files + the index, as a release shipped them
@@ -49,7 +48,7 @@ def build(size: dict) -> Path:
     import torch
     import transformers
 
-    from kiln.hub.weights import shard_plan
+    from kiln.hub.weights import save_bin_weights
 
     tag = hashlib.sha256(json.dumps([size, SHARD_BYTES], sort_keys=True).encode()).hexdigest()[:10]
     root = Path(os.environ.get("KILN_BENCH_CACHE", Path.home() / ".cache" / "kiln-bench" / "load"))
@@ -60,14 +59,7 @@ def build(size: dict) -> Path:
         tmp = out.with_name(out.name + ".partial")
         tmp.mkdir(parents=True, exist_ok=True)
         model.config.save_pretrained(tmp)
-        state = model.state_dict()
-        groups = shard_plan([(k, v.nbytes) for k, v in state.items()], SHARD_BYTES)
-        names = [f"pytorch_model-{i + 1:05d}-of-{len(groups):05d}.bin" for i in range(len(groups))]
-        for name, group in zip(names, groups):
-            torch.save({k: state[k] for k in group}, tmp / name)
-        (tmp / "pytorch_model.bin.index.json").write_text(json.dumps({
-            "metadata": {"total_size": sum(v.nbytes for v in state.values())},
-            "weight_map": {k: name for name, group in zip(names, groups) for k in group}}))
+        save_bin_weights(tmp, model.state_dict(), SHARD_BYTES)
         tmp.rename(out)
     return out
 
@@ -109,35 +101,21 @@ def child(side: str, model_dir: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from kiln.parallel.sharded_load import loaded_bytes
     from kiln.train.config import ParallelSection
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     if side == "mmap":
         rise, held, seconds = mmap_load(model_dir, ParallelSection(fsdp=True))
-        with open(f"{out}-rank{rank}.json", "w") as f:
+        with open(f"{out}-rank{dist.get_rank()}.json", "w") as f:
             json.dump({"rise": rise, "held": held, "seconds": seconds}, f)
         return dist.destroy_process_group()
     model, rise, seconds = rank_load(side, model_dir, ParallelSection(fsdp=True))
-    held = loaded_bytes(model)
-    ids = torch.randint(5, 32000, (1, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits
-    with open(f"{out}-rank{rank}.json", "w") as f:
-        json.dump({"rise": rise, "held": held, "seconds": seconds, "logits_sum": float(logits.double().sum()),
-                   "logits_abs": float(logits.double().abs().sum())}, f)
-    dist.destroy_process_group()
+    rank_report(model, out, rise, seconds)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--child")
-    ap.add_argument("--model")
-    ap.add_argument("--out")
-    args = ap.parse_args()
+    args = load_args()
     if args.child:
         return child(args.child, args.model, args.out)
     model = build(shape(args.layers))

@@ -18,7 +18,6 @@ load's, and each over the checkpoint's bytes; "expected" is the non-expert bytes
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -27,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import launched_ranks, load_average, rank_load, report  # noqa: E402
+from common import launched_ranks, load_args, load_average, rank_load, rank_report, report  # noqa: E402
 
 MiB = 1024 ** 2
 BLOCK = (128, 128)
@@ -93,25 +92,14 @@ def child(side: str, model_dir: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from kiln.parallel.sharded_load import loaded_bytes
     from kiln.train.config import ParallelSection
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     model, rise, seconds = rank_load(side, model_dir, ParallelSection(ep=2), fp8="keep")
-    held = loaded_bytes(model)
-    state = model.state_dict()
-    local = {k: (t.to_local() if isinstance(t, DTensor) else t) for k, t in state.items()}
-    experts = sum(t.nbytes for k, t in local.items() if ".experts." in k)
-    ids = torch.randint(5, 32000, (1, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits
-    with open(f"{out}-rank{rank}.json", "w") as f:
-        json.dump({"rise": rise, "held": held, "expert_held": experts, "seconds": seconds,
-                   "dtypes": sorted({str(t.dtype) for k, t in local.items() if ".experts." in k}),
-                   "logits_sum": float(logits.double().sum()), "logits_abs": float(logits.double().abs().sum())}, f)
-    dist.destroy_process_group()
+    local = {k: (t.to_local() if isinstance(t, DTensor) else t) for k, t in model.state_dict().items()}
+    rank_report(model, out, rise, seconds, expert_held=sum(t.nbytes for k, t in local.items() if ".experts." in k),
+                dtypes=sorted({str(t.dtype) for k, t in local.items() if ".experts." in k}))
 
 
 def run_side(side: str, model: Path, work: Path) -> list[dict]:
@@ -119,13 +107,7 @@ def run_side(side: str, model: Path, work: Path) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--experts", type=int, default=32)
-    ap.add_argument("--child")
-    ap.add_argument("--model")
-    ap.add_argument("--out")
-    args = ap.parse_args()
+    args = load_args(experts=32)
     if args.child:
         return child(args.child, args.model, args.out)
     model = build(shape(args.layers, args.experts))

@@ -20,7 +20,6 @@ and one forward's logits (both sides must give the same). Ratios last: the shard
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -29,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import launched_ranks, load_average, rank_load, report  # noqa: E402
+from common import launched_ranks, load_args, load_average, rank_load, rank_report, report  # noqa: E402
 
 MiB = 1024 ** 2
 SHARD_SIZE = "100MB"  # several files + the index, as a release ships them
@@ -72,21 +71,12 @@ def child(side: str, model_dir: str, quantize: str | None, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from kiln.parallel.sharded_load import loaded_bytes
     from kiln.train.config import ParallelSection
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     model, rise, seconds = rank_load(side, model_dir, ParallelSection(fsdp=True), quantize=quantize)
-    held = loaded_bytes(model)
-    ids = torch.randint(5, 32000, (1, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits
-    with open(f"{out}-rank{rank}.json", "w") as f:
-        json.dump({"rise": rise, "held": held, "seconds": seconds, "logits_sum": float(logits.double().sum()),
-                   "logits_abs": float(logits.double().abs().sum())}, f)
-    dist.destroy_process_group()
+    rank_report(model, out, rise, seconds)
 
 
 def run_side(side: str, model: Path, quantize: str | None, work: Path) -> list[dict]:
@@ -95,13 +85,7 @@ def run_side(side: str, model: Path, quantize: str | None, work: Path) -> list[d
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--child")
-    ap.add_argument("--model")
-    ap.add_argument("--quantize")
-    ap.add_argument("--out")
-    args = ap.parse_args()
+    args = load_args(quantize=None)
     if args.child:
         return child(args.child, args.model, args.quantize or None, args.out)
     bf16, nf4 = build(shape(args.layers))

@@ -12,6 +12,7 @@ row and, when BENCH_JSON names a file, appends the row there for benchmarks/run_
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -152,6 +153,37 @@ def rank_load(side: str, model_dir: str, plan: Any, **load: Any) -> tuple[Any, i
         model = load_pretrained(model_dir, task="causal-lm", **load)
         parallelize(model, plan, device=torch.device("cpu"))
     return model, (rss_kb("VmHWM:") - before) * 1024, time.perf_counter() - t0
+
+
+def rank_report(model: Any, out: str, rise: int, seconds: float, **extra: Any) -> None:
+    """A launched rank's report to OUT-rank<r>.json after its load (`rank_load`): the load's rise and seconds, the
+    bytes it holds, one forward's logits (sum and absolute sum: the sides must agree) and `extra`; then its
+    process group ends."""
+    import torch
+    import torch.distributed as dist
+
+    from kiln.parallel.sharded_load import loaded_bytes
+
+    held = loaded_bytes(model)
+    ids = torch.randint(5, 32000, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    with open(f"{out}-rank{dist.get_rank()}.json", "w") as f:
+        json.dump({"rise": rise, "held": held, "seconds": seconds, "logits_sum": float(logits.double().sum()),
+                   "logits_abs": float(logits.double().abs().sum()), **extra}, f)
+    dist.destroy_process_group()
+
+
+def load_args(**options: Any) -> argparse.Namespace:
+    """A load benchmark's arguments: --layers (default 8), each of `options` (--name, its default's type), and the
+    --child, --model, --out a launched rank gets."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    for name, default in options.items():
+        ap.add_argument(f"--{name}", type=str if default is None else type(default), default=default)
+    for name in ("child", "model", "out"):
+        ap.add_argument(f"--{name}")
+    return ap.parse_args()
 
 
 def load_average() -> str:

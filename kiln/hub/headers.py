@@ -25,6 +25,11 @@ BIN_INDEX = "pytorch_model.bin.index.json"
 # Bytes per element of each safetensors dtype name (the format's own spelling).
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
                "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
+# torch's dtype names -> the safetensors spelling (kiln.hub.weights maps the same names to torch dtypes)
+TORCH_DTYPE_NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+                     "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0", "int64": "I64",
+                     "int32": "I32", "int16": "I16", "int8": "I8", "uint64": "U64", "uint32": "U32", "uint16": "U16",
+                     "uint8": "U8", "bool": "BOOL"}
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 # A header this large is a corrupt length field, not a header (safetensors itself caps it at 100 MB).
 _MAX_HEADER = 100 * 1024 * 1024
@@ -118,17 +123,11 @@ def _bin_header(path: Path) -> dict[str, TensorHeader]:
 
     out = {}
     for name, t in load_bin(path, "meta").items():
-        dtype = _DTYPE_NAMES.get(str(t.dtype).removeprefix("torch."))
+        dtype = TORCH_DTYPE_NAMES.get(str(t.dtype).removeprefix("torch."))
         if dtype is None:
             raise WeightsError(f"{path}: tensor {name!r} has dtype {t.dtype}, which kiln does not read")
         out[name] = TensorHeader(name, tuple(t.shape), dtype, path.name)
     return out
-
-
-# torch's dtype names -> the safetensors spelling TensorHeader keeps
-_DTYPE_NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3",
-                "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0", "int64": "I64", "int32": "I32", "int16": "I16",
-                "int8": "I8", "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL"}
 
 
 def read_headers(model_dir: str | os.PathLike) -> tuple[dict[str, TensorHeader], dict[str, int]]:

@@ -49,12 +49,20 @@ def bin_layout(path: str | os.PathLike) -> dict[str, tuple[int, torch.dtype, tup
             from None
     except OSError as e:
         raise WeightsError(f"{path}: cannot read ({e})") from None
-    if byteorder != "little" or any("/data/" in i.filename and i.compress_type != zipfile.ZIP_STORED for i in infos):
-        raise NotInPlace(f"{path}: its tensors are stored {byteorder}-endian or compressed; it loads whole")
+    if byteorder != "little":
+        raise NotInPlace(f"{path}: its tensors are stored {byteorder}-endian (kiln reads little-endian bytes in "
+                         "place); it loads whole")
+    packed = [i for i in infos if "/data/" in i.filename and i.compress_type != zipfile.ZIP_STORED]
+    if packed:
+        raise NotInPlace(f"{path}: its tensor record {packed[0].filename!r} is compressed (zip method "
+                         f"{packed[0].compress_type}, not stored); it loads whole")
     out = {}
     for k, t in load_bin(path, "meta").items():
         base = getattr(t.untyped_storage(), "_checkpoint_offset", None)
-        if base is None or not t.is_contiguous():
+        if base is None:
+            raise NotInPlace(f"{path}: torch gave no file offset for tensor {k!r} (torch {torch.__version__} reading "
+                             "onto meta); it loads whole")
+        if not t.is_contiguous():
             raise NotInPlace(f"{path}: tensor {k!r} is not stored as one run of bytes (strided); it loads whole")
         out[k] = (base + t.storage_offset() * t.element_size(), t.dtype, tuple(t.shape))
     return out

@@ -9,6 +9,7 @@ file without reading them, for safetensors and for torch.save's zip format alike
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -22,14 +23,12 @@ from safetensors.torch import save_file
 from kiln.errors import WeightsError
 from kiln.hub.config import write_json_atomic
 from kiln.hub.files import as_umask_allows
-from kiln.hub.headers import SAFE_INDEX, SAFE_SINGLE, weight_files
+from kiln.hub.headers import BIN_INDEX, SAFE_INDEX, SAFE_SINGLE, TORCH_DTYPE_NAMES, weight_files
 from kiln.hub.jsonio import read_json
 from kiln.hub.pickled import bin_layout, load_bin
 
-_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                 "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
-                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu}
+_TORCH_DTYPES = {name: getattr(torch, t) for t, name in TORCH_DTYPE_NAMES.items()}  # safetensors spelling -> dtype
+_DTYPE_NAMES = {t: name for name, t in _TORCH_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -136,15 +135,8 @@ def _read_bin(path: Path) -> dict[str, torch.Tensor]:
 
 def _bin_spans(path: Path) -> dict[str, Span]:
     """Where each tensor of a PyTorch zip checkpoint lies (kiln.hub.pickled.bin_layout: no data read)."""
-    return {k: Span(offset, dtype.itemsize * _numel(shape), dtype, shape)
+    return {k: Span(offset, dtype.itemsize * math.prod(shape), dtype, shape)
             for k, (offset, dtype, shape) in bin_layout(path).items()}
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 class SpanReader:
@@ -172,9 +164,13 @@ class _SpanSlice:
     def get_shape(self) -> list[int]:
         return list(self.span.shape)
 
+    def get_dtype(self) -> str:
+        """The dtype in safetensors' spelling ("BF16", "F8_E4M3"), as safe_open's slice names it."""
+        return _DTYPE_NAMES[self.span.dtype]
+
     def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
-        """The box `index` (one step-1 slice per leading dimension) of the tensor: a run of rows is one read; a run
-        of columns (dim 1, the dimensions after it whole) one read per row; any other box its rows, then cut."""
+        """The box `index` (one step-1 slice per leading dimension) of the tensor: a run of whole rows is one read;
+        a run of columns (dim 1, the dimensions after it whole) one read per row; any other box its rows, then cut."""
         s = self.span
         if not s.shape:
             return SpanReader(self.f, {"": s}).get_tensor("")
@@ -183,7 +179,8 @@ class _SpanSlice:
             raise ValueError("a span slice takes runs of rows and columns")
         (first, stop, _), rest = box[0], box[1:]
         row = s.nbytes // s.shape[0] if s.shape[0] else 0
-        if rest and all((b0, b1) == (0, n) for (b0, b1, _), n in zip(rest[1:], s.shape[2:])):
+        whole = [(b0, b1) == (0, n) for (b0, b1, _), n in zip(rest, s.shape[1:])]  # per dimension after the rows
+        if rest and not whole[0] and all(whole[1:]):
             c0, c1, _ = rest[0]
             out = torch.empty((max(stop - first, 0), max(c1 - c0, 0), *s.shape[2:]), dtype=s.dtype)
             inner = row // s.shape[1] if s.shape[1] else 0
@@ -192,7 +189,7 @@ class _SpanSlice:
             return out
         rows = torch.empty((max(stop - first, 0), *s.shape[1:]), dtype=s.dtype)
         read_into(self.f, s.offset + first * row, rows)
-        return rows[(slice(None), *(slice(b0, b1) for b0, b1, _ in rest))].contiguous()
+        return rows if all(whole) else rows[(slice(None), *(slice(b0, b1) for b0, b1, _ in rest))].contiguous()
 
 
 def load_weights(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -263,11 +260,34 @@ def shard_plan(sizes: list[tuple[str, int]], max_shard_bytes: int | None) -> lis
     return groups
 
 
-def shard_names(count: int) -> list[str]:
-    """The file names transformers gives `count` weight files."""
+def shard_names(count: int, suffix: str = ".safetensors") -> list[str]:
+    """The file names transformers gives `count` weight files (suffix ".bin": PyTorch's, pytorch_model*.bin)."""
+    stem = "pytorch_model" if suffix == ".bin" else "model"
     if count == 1:
-        return [SAFE_SINGLE]
-    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        return [stem + suffix]
+    return [f"{stem}-{i + 1:05d}-of-{count:05d}{suffix}" for i in range(count)]
+
+
+def save_bin_weights(model_dir: str | os.PathLike, state: dict[str, torch.Tensor],
+                     max_shard_bytes: int | None = None) -> list[Path]:
+    """`state` as transformers' save_pretrained(safe_serialization=False) wrote it before safetensors (torch.save's
+    zip format): pytorch_model.bin, or pytorch_model-0000i-of-0000n.bin shards past `max_shard_bytes` (split as
+    `shard_plan` splits) and pytorch_model.bin.index.json; each file atomically. Kiln reads such releases
+    (`load_weights`, `tensor_spans`); this writes them for the tests and benchmarks of that read."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    groups = shard_plan([(k, v.nbytes) for k, v in state.items()], max_shard_bytes)
+    names = shard_names(len(groups), ".bin")
+    for name, group in zip(names, groups):
+        tmp = model_dir / (name + ".tmp")
+        torch.save({k: state[k] for k in group}, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, model_dir / name)
+    if len(groups) > 1:
+        write_index(model_dir, sum(v.nbytes for v in state.values()),
+                    {k: name for name, group in zip(names, groups) for k in group}, BIN_INDEX)
+    return [model_dir / name for name in names]
 
 
 def write_shard(model_dir: str | os.PathLike, name: str, tensors: dict[str, torch.Tensor],
@@ -278,5 +298,5 @@ def write_shard(model_dir: str | os.PathLike, name: str, tensors: dict[str, torc
     return path
 
 
-def write_index(model_dir: str | os.PathLike, total: int, weight_map: dict[str, str]) -> None:
-    write_json_atomic(Path(model_dir) / SAFE_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+def write_index(model_dir: str | os.PathLike, total: int, weight_map: dict[str, str], name: str = SAFE_INDEX) -> None:
+    write_json_atomic(Path(model_dir) / name, {"metadata": {"total_size": total}, "weight_map": weight_map})

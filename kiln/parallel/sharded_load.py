@@ -241,12 +241,9 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
     path = resolve_model_dir(path)
     files = weight_files(path)
     keymap = model.family.keymap(model.task)
-    where: dict[str, Path] = {}  # key -> its file; a file is mapped only while one of its tensors is read
-    spans: dict[str, Span] = {}  # key -> where its bytes lie in that file
-    for f in files:
-        got = tensor_spans(f)
-        spans.update(got)
-        where.update(dict.fromkeys(got, f))
+    by_file = {f: tensor_spans(f) for f in files}  # file -> where each of its tensors' bytes lie in it
+    where = {k: f for f, got in by_file.items() for k in got}  # key -> its file, mapped only while one is read
+    spans = {k: s for got in by_file.values() for k, s in got.items()}  # key -> where its bytes lie in that file
     groups, extras = _sources(model, spans)
     q4 = q4_names(model)  # 4-bit Linears: their packed rows and quant state (sharded_q4)
     dequantized = dequantized_pairs(model, spans)  # FP8 weight key -> its scale's, when the model dequantizes them
@@ -278,7 +275,7 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
             elif name in groups:
                 keys = [k for k, _ in groups[name]]
                 if dequantized.keys() & set(keys):  # FP8 to dequantize (sharded_fp8): its piece and scale blocks
-                    with _mapped(where, keys + [dequantized[k] for k in keys if k in dequantized], spans) as handles:
+                    with _mapped(where, keys + [dequantized[k] for k in keys if k in dequantized], by_file) as handles:
                         read_dequantized(name, target, _box(target), groups[name], handles, dequantized, keymap, path,
                                          stage, model.fp8_state.scheme)
                     continue
@@ -287,10 +284,10 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
                     continue
                 # the pages a mapping touched count in this process's RSS until it is closed: map the files
                 # of one tensor at a time, so the read never holds more than its shards plus one tensor
-                with _mapped(where, [k for k, _ in groups[name]], spans) as handles:
+                with _mapped(where, [k for k, _ in groups[name]], by_file) as handles:
                     _fill(name, target, groups[name], handles, keymap, path, stage)
     names = model.normalise_hf_names(list(where))  # from all keys, as a whole load: one alone reads a head's as base
-    with _mapped(where, extras, spans) as handles:  # beside the carried placeholders (sharded_carried)
+    with _mapped(where, extras, by_file) as handles:  # beside the carried placeholders (sharded_carried)
         model.hf_extras = placeholders(model).get("hf_extras", {}) | {
             names[k][0]: handles[k].get_tensor(k) for k in extras}
     # a checkpoint tensor whose kiln name the model lacks is reported ignored, as a whole load reports it
@@ -304,12 +301,13 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
 
 
 @contextmanager
-def _mapped(where: dict[str, Path], keys: list[str], spans: dict[str, Span]) -> Iterator[dict[str, Any]]:
-    """key -> an open safe_open handle of its file, for `keys` (a .bin file: a SpanReader, which reads, not maps);
-    the files are unmapped on exit."""
+def _mapped(where: dict[str, Path], keys: list[str], by_file: dict[Path, dict[str, Span]]) -> Iterator[dict[str, Any]]:
+    """key -> an open safe_open handle of its file, for `keys` (a .bin file: a SpanReader over that file's spans in
+    `by_file`, which reads, not maps); the files are unmapped on exit."""
     with ExitStack() as stack:
         files = {f: stack.enter_context(safe_open(str(f), framework="pt")) if f.suffix != ".bin" else
-                 SpanReader(stack.enter_context(open(f, "rb", buffering=0)), spans) for f in {where[k] for k in keys}}
+                 SpanReader(stack.enter_context(open(f, "rb", buffering=0)), by_file[f])
+                 for f in {where[k] for k in keys}}
         yield {k: files[where[k]] for k in keys}
 
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kiln.errors import WeightsError
@@ -111,3 +112,52 @@ def test_bin_spans_locate_each_tensor_without_reading_it(tmp_path):
     torch.save({"w": torch.randn(4, 6).t()}, tmp_path / "strided.bin")
     with pytest.raises(NotInPlace, match=r"strided\.bin: tensor 'w' is not stored as one run of bytes"):
         tensor_spans(tmp_path / "strided.bin")
+
+
+def test_span_slices_read_a_run_of_whole_rows_at_once_and_give_safetensors_dtypes(tmp_path, monkeypatch):
+    """A .bin tensor's full-width rows (FSDP2's piece: the box names every column) are one read, a 2-D as a 3-D
+    tensor's; its slice names its dtype as safe_open's does (`get_dtype`)."""
+    from kiln.hub import weights
+    from kiln.hub.weights import SpanReader, tensor_spans
+
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(6, 9, generator=g).to(torch.bfloat16), "x": torch.randn(5, 4, 3, generator=g),
+             "i": torch.arange(8, dtype=torch.int8).view(2, 4), "e": torch.zeros(3, 2).to(torch.float8_e4m3fn)}
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    save_file(state, str(tmp_path / "model.safetensors"))
+    reads = []
+    read_into = weights.read_into
+    monkeypatch.setattr(weights, "read_into", lambda f, offset, t: (reads.append(t.nbytes), read_into(f, offset, t))[1])
+    with open(tmp_path / "pytorch_model.bin", "rb", buffering=0) as f, \
+            safe_open(str(tmp_path / "model.safetensors"), framework="pt") as h:
+        reader = SpanReader(f, tensor_spans(tmp_path / "pytorch_model.bin"))
+        for k, t in state.items():
+            assert reader.get_slice(k).get_dtype() == h.get_slice(k).get_dtype(), k
+        for k, box in [("w", (slice(1, 4), slice(0, 9))), ("x", (slice(2, 5), slice(0, 4))), ("x", (slice(0, 2),))]:
+            reads.clear()
+            assert torch.equal(reader.get_slice(k)[box], state[k][box]) and reads == [state[k][box].nbytes], (k, box)
+
+
+def test_a_bin_that_cannot_be_read_in_place_says_why(tmp_path, monkeypatch):
+    """Each reason a .bin loads whole is named apart: big-endian bytes, the compressed record, no file offset."""
+    import zipfile
+
+    from kiln.hub import pickled
+    from kiln.hub.pickled import NotInPlace, bin_layout
+
+    torch.save({"w": torch.randn(4, 6)}, tmp_path / "plain.bin")
+    with zipfile.ZipFile(tmp_path / "plain.bin") as z:
+        records = [(i.filename, z.read(i)) for i in z.infolist()]
+    for name, order, method in [("big.bin", b"big", zipfile.ZIP_STORED),
+                                ("packed.bin", b"little", zipfile.ZIP_DEFLATED)]:
+        with zipfile.ZipFile(tmp_path / name, "w") as z:
+            for filename, data in records:
+                data = order if filename.endswith("/byteorder") else data
+                z.writestr(filename, data, method if "/data/" in filename else zipfile.ZIP_STORED)
+    with pytest.raises(NotInPlace, match=r"big\.bin: its tensors are stored big-endian"):
+        bin_layout(tmp_path / "big.bin")
+    with pytest.raises(NotInPlace, match=r"packed\.bin: its tensor record '[^']*/data/0' is compressed"):
+        bin_layout(tmp_path / "packed.bin")
+    monkeypatch.setattr(pickled, "load_bin", lambda path, where: {"w": torch.empty(4, 6, device="meta")})
+    with pytest.raises(NotInPlace, match=r"plain\.bin: torch gave no file offset for tensor 'w'"):
+        bin_layout(tmp_path / "plain.bin")

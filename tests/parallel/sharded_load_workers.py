@@ -231,21 +231,11 @@ def bin_release(src, out, max_shard_bytes: int | None = None):
     wrote them: pytorch_model.bin, or pytorch_model-0000i-of-0000n.bin shards and pytorch_model.bin.index.json."""
     import shutil
 
-    from kiln.hub.weights import load_weights, shard_plan
+    from kiln.hub.weights import load_weights, save_bin_weights
 
     out.mkdir()
     for f in src.iterdir():
         if f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
             shutil.copy(f, out / f.name)
-    state = load_weights(src)
-    groups = shard_plan([(k, v.nbytes) for k, v in state.items()], max_shard_bytes)
-    if len(groups) == 1:
-        torch.save(state, out / "pytorch_model.bin")
-        return out
-    names = [f"pytorch_model-{i + 1:05d}-of-{len(groups):05d}.bin" for i in range(len(groups))]
-    for name, group in zip(names, groups):
-        torch.save({k: state[k] for k in group}, out / name)
-    (out / "pytorch_model.bin.index.json").write_text(json.dumps({
-        "metadata": {"total_size": sum(v.nbytes for v in state.values())},
-        "weight_map": {k: name for name, group in zip(names, groups) for k in group}}))
+    save_bin_weights(out, load_weights(src), max_shard_bytes)
     return out
