@@ -3,7 +3,9 @@
 Reads config.json, the shard index and each safetensors file's header (of .bin weights, their pickle read onto
 the meta device; never the weights), applies the run's [train], [lora] and [parallel] settings
 (kiln.parallel.memory) and prints one column per kind of rank: the sharded-load design, and what kiln's
-current loader (every rank reads the whole checkpoint) needs. When the peak does not fit --gpu-memory (or,
+current loader (every rank reads the whole checkpoint) needs; a checkpoint no read takes shard by shard (an FP8 or
+4-bit .bin, a .bin carrying an MTP layer: kiln.parallel.sharded_load.read_plan) loads whole on every rank, and its
+one column says so, with why. When the peak does not fit --gpu-memory (or,
 on a cpu run, the host's memory shared by the processes), it names the largest term, lists the [parallel]
 settings over the same processes that fit, and exits non-zero. Nothing here imports torch at module import.
 """
@@ -56,7 +58,7 @@ def plan_inputs(cfg, nproc: int, device: str, source: str = "run config") -> tup
     from kiln.parallel.memory import ModelDims, RunSettings, check_shapes, params_from_headers
     from kiln.parallel.memory_q4 import compute_dtype
     from kiln.parallel.sharded_carried import carried_keys
-    from kiln.parallel.sharded_load import readable_empty
+    from kiln.parallel.sharded_load import read_plan
 
     if cfg.model.path is None or not Path(cfg.model.path).is_dir():
         raise ConfigError(f"{source}: model.path must be a local HF model directory for kiln plan "
@@ -85,9 +87,11 @@ def plan_inputs(cfg, nproc: int, device: str, source: str = "run config") -> tup
         fp8=cfg.model.fp8, quantize=None if q4_shapes else cfg.model.quantize,
         q4_compute=compute_dtype(hf_config, cfg.model.quantize, tensors.values()))
     # what the family carries beside the model (an MTP layer) is not trained, and a read shard by shard does not
-    # hold it, unless [moe] mtp_weight makes it live: parameters like any other, less what the live layer drops
-    empty = readable_empty(model_dir, cfg.model.task, cfg.model.fp8, cfg.model.quantize)
-    carried, dropped = carried_keys(empty[0], getattr(getattr(cfg, "moe", None), "mtp_weight", 0) > 0, tensors) \
+    # hold it (a whole load holds it whole), unless [moe] mtp_weight makes it live: parameters like any other, less
+    # what the live layer drops. A checkpoint no read takes shard by shard loads whole on every rank (`loads_whole`)
+    empty, _, why = read_plan(model_dir, cfg.model.task, cfg.model.fp8, cfg.model.quantize)
+    settings = replace(settings, loads_whole=why)
+    carried, dropped = carried_keys(empty, getattr(getattr(cfg, "moe", None), "mtp_weight", 0) > 0, tensors) \
         if empty is not None else (set(), set())
     params = params_from_headers([t for k, t in tensors.items() if k not in dropped], settings, q4_shapes, carried)
     return params, dims, settings, sizes, tensors
@@ -129,6 +133,11 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
                f"in {len(sizes)} file(s); {'LoRA r=' + str(lora.r) if lora else 'full fine-tune'}, batch "
                f"{settings.batch_size} x {settings.seq_len} tokens, precision {settings.precision}, device {device}")
     typer.echo(f"plan: {settings.describe()} on {nproc} process(es)")
+    whole = settings.loads_whole
+    if whole:  # the designed column is then today's loader: every rank reads the whole checkpoint
+        typer.echo(f"loads whole on every rank (no read takes it shard by shard): {whole}")
+        for r in designed.ranks:
+            r.rank = r.rank.replace("(today's loader)", "(whole load)")
     from kiln.hub.config import read_config
     from kiln.models.auto import family_for
 
@@ -138,7 +147,7 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
         typer.echo(f"note: activations not modelled for this family: {caveat}")
     if cfg.train.freeze and lora is None:
         typer.echo(f"note: train.freeze {cfg.train.freeze} is not modelled: counted as a full fine-tune (an upper bound)")
-    columns = [*designed.ranks, *today.ranks]
+    columns = [*designed.ranks, *([] if whole else today.ranks)]
     width = max(14, *(len(r.rank) + 2 for r in columns))
     typer.echo("term".ljust(15) + "".join(r.rank.rjust(width) for r in columns))
     for term in TERMS:
@@ -147,9 +156,17 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
     typer.echo("total".ljust(15) + "".join(fmt_bytes(r.total).rjust(width) for r in columns))
     if not settings.keep_grads:
         typer.echo("(gradients and activations never peak together: the total counts the larger of the two)")
-    typer.echo(f"while loading: {fmt_bytes(designed.peak.load_peak)} per rank reading only its share; today's loader "
-               f"{fmt_bytes(today.peak.load_peak)} (every rank reads all {fmt_bytes(designed.checkpoint_bytes)})")
-    if device != "cpu":
+    if whole:
+        typer.echo(f"while loading: {fmt_bytes(designed.peak.load_peak)} per rank, every rank reading all "
+                   f"{fmt_bytes(designed.checkpoint_bytes)} (a whole load)")
+    else:
+        typer.echo(f"while loading: {fmt_bytes(designed.peak.load_peak)} per rank reading only its share; today's "
+                   f"loader {fmt_bytes(today.peak.load_peak)} (every rank reads all "
+                   f"{fmt_bytes(designed.checkpoint_bytes)})")
+    if device != "cpu" and whole:
+        typer.echo(f"host memory while loading: {fmt_bytes(designed.peak.host_load)} per rank (the whole checkpoint "
+                   f"read into host memory, then moved to the GPU)")
+    elif device != "cpu":
         typer.echo(f"host memory while loading: {fmt_bytes(designed.peak.host_load)} per rank (each tensor passes "
                    f"from the file through one host buffer to the GPU); today's loader {fmt_bytes(today.peak.host_load)}")
     q4 = [p for p in params if p.q4_shape is not None]
@@ -173,8 +190,8 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
                    f"({', '.join(f'{k} {fmt_bytes(v)}' for k, v in host.items())})")
     peak = designed.peak
     verdict = "fits" if peak.total <= limit else "does NOT fit"
-    typer.echo(f"peak {fmt_bytes(peak.total)} per rank {verdict} in {fmt_bytes(limit)} ({where}); today's loader "
-               f"peaks at {fmt_bytes(today.peak.total)}")
+    typer.echo(f"peak {fmt_bytes(peak.total)} per rank {verdict} in {fmt_bytes(limit)} ({where})"
+               + ("" if whole else f"; today's loader peaks at {fmt_bytes(today.peak.total)}"))
     if peak.total <= limit:
         return
     tensor_parallel = family.parallel_plan is not None and family.parallel_plan.tensor_parallel

@@ -153,8 +153,10 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
     """Each distinct rank's predicted peak (pp stages differ; the ranks of one stage are alike).
 
     `today` predicts kiln's current loader (every rank reads the whole checkpoint, then the plans shard it)
-    instead of the sharded-load design. `runtime` overrides the runtime term (bytes)."""
+    instead of the sharded-load design, as it does for a checkpoint that `settings.loads_whole` (every rank loads it
+    whole). `runtime` overrides the runtime term (bytes)."""
     s = settings
+    today = today or s.loads_whole is not None
     deg = s.degrees()
     dp, tp, ep, pp, cp = deg["dp"], deg["tp"], deg["ep"], deg["pp"], deg["cp"]
     lora = s.lora_r is not None

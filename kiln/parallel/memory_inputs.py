@@ -127,6 +127,9 @@ class RunSettings:
     fp8: str = "dequantize"                   # model.fp8: an FP8 checkpoint dequantized to bf16, or kept FP8
     quantize: str | None = None               # model.quantize: "nf4" | "fp4", the Linears quantized at load
     q4_compute: str | None = None             # a 4-bit base's compute dtype (bf16, fp16, fp32); None: no 4-bit base
+    # why this checkpoint loads whole on every rank whatever the plans (kiln.parallel.sharded_load.read_plan: an FP8
+    # or 4-bit .bin, a .bin carrying an MTP layer, ...); None: the plans that split the weights read shards
+    loads_whole: str | None = None
 
     def degrees(self) -> dict[str, int]:
         rest = self.tp * self.ep * self.pp * self.cp
@@ -139,8 +142,10 @@ class RunSettings:
     @property
     def reads_shards(self) -> bool:
         """The plans split the weights, so each rank reads its share (kiln.train.recipes.base.shards_weights) and
-        holds what the family carries (MTP layers) by reference; one process and DDP load whole."""
-        return self.nproc > 1 and (self.fsdp or self.tp > 1 or self.ep > 1 or self.pp > 1) and self.precision != "fp8"
+        holds what the family carries (MTP layers) by reference; one process, DDP and a checkpoint that `loads_whole`
+        load whole."""
+        return self.nproc > 1 and (self.fsdp or self.tp > 1 or self.ep > 1 or self.pp > 1) \
+            and self.precision != "fp8" and self.loads_whole is None
 
     def describe(self) -> str:
         d = self.degrees()

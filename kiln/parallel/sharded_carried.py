@@ -154,7 +154,7 @@ def read_keys(model: torch.nn.Module) -> set[str]:
 
 def carried_keys(model: torch.nn.Module, live_mtp: bool = False, checkpoint_keys: Iterable[str] = ()
                  ) -> tuple[set[str], set[str]]:
-    """(carried, dropped) checkpoint keys of a model built to be read shard by shard (sharded_load.readable_empty):
+    """(carried, dropped) checkpoint keys of a model the family's load built on the headers (sharded_load.read_plan):
     those it holds by reference, and with `live_mtp` ([moe] mtp_weight makes the MTP layer live on the model on meta
     before the read, as the Trainer does) those the live layer holds nowhere (DeepSeek-V3's copies of the shared
     embedding and head). What `kiln plan` leaves out of the weights such a read holds. `checkpoint_keys`: all the

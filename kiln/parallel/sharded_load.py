@@ -98,16 +98,32 @@ def readable_empty(path: str | os.PathLike, task: str | None = None, fp8: str = 
                    ) -> tuple[PreTrainedModel, dict[str, list[tuple[str, str]]]] | None:
     """`empty_pretrained`'s model (and the checkpoint keys of each of its tensors) when the checkpoint can be read
     shard by shard, else None (a whole load); from the headers only (`kiln plan` asks what a read holds)."""
+    model, groups, why = read_plan(path, task, fp8, quantize, **changes)
+    return None if why is not None else (model, groups)
+
+
+def read_plan(path: str | os.PathLike, task: str | None = None, fp8: str = "dequantize", quantize: str | None = None,
+              **changes: Any) -> tuple[PreTrainedModel | None, dict[str, list[tuple[str, str]]], str | None]:
+    """(model, groups, why): `empty_pretrained`'s model and the checkpoint keys of each of its tensors, and why the
+    checkpoint loads whole on every rank (None: it reads shard by shard). The model is the family's load run on the
+    headers also where the checkpoint loads whole (what it carries: sharded_carried.carried_keys); None (and {})
+    where the headers cannot be taken so (an FP8 or 4-bit .bin, a .bin not stored in place, a 4-bit base no read
+    takes: `why` says which)."""
     path = resolve_model_dir(path)
     try:
         model, groups, unplaced = _empty(path, task, fp8, changes, quantize)
-    except (WholeLoad4, NotInPlace):
-        return None
+    except (WholeLoad4, NotInPlace) as e:
+        return None, {}, str(e)
     if placeholders(model) and any(f.suffix == ".bin" for f in weight_files(path)):
-        return None  # carried tensors are referenced by their safetensors file (sharded_carried)
+        bins = sorted(f.name for f in weight_files(path) if f.suffix == ".bin")  # carried tensors are referenced by
+        return model, groups, (f"{path}: {bins[0]}{' ...' if len(bins) > 1 else ''}: .bin weights with tensors "
+                               f"the family carries beside the model (sharded_carried refers to safetensors) "
+                               f"load whole")  # their safetensors file (sharded_carried)
     if unplaced and type(model).load_hf_state_dict is not PreTrainedModel.load_hf_state_dict:
-        return None  # the family's own load keeps tensors the model has no place for, not as stored: a whole load
-    return model, groups
+        # the family's own load keeps tensors the model has no place for, not as stored: a whole load
+        return model, groups, (f"{path}: the family's own load keeps {len(unplaced)} tensor(s) the model has no "
+                               f"place for, not as stored ({', '.join(map(repr, unplaced[:2]))}); it loads whole")
+    return model, groups, None
 
 
 def empty_pretrained(path: str | os.PathLike, task: str | None = None, fp8: str = "dequantize",
