@@ -106,19 +106,23 @@ def read_plan(path: str | os.PathLike, task: str | None = None, fp8: str = "dequ
               **changes: Any) -> tuple[PreTrainedModel | None, dict[str, list[tuple[str, str]]], str | None]:
     """(model, groups, why): `empty_pretrained`'s model and the checkpoint keys of each of its tensors, and why the
     checkpoint loads whole on every rank (None: it reads shard by shard). The model is the family's load run on the
-    headers also where the checkpoint loads whole (what it carries: sharded_carried.carried_keys); None (and {})
-    where the headers cannot be taken so (an FP8 or 4-bit .bin, a .bin not stored in place, a 4-bit base no read
-    takes: `why` says which)."""
+    headers also where the checkpoint loads whole (what it carries: sharded_carried.carried_keys; an FP8 or 4-bit .bin
+    is built for that alone, with no groups); None (and {}) where the headers cannot be taken so (a .bin not stored
+    in place, a 4-bit base no read takes: `why` says which)."""
     path = resolve_model_dir(path)
     try:
         model, groups, unplaced = _empty(path, task, fp8, changes, quantize)
     except (WholeLoad4, NotInPlace) as e:
-        return None, {}, str(e)
+        try:  # an FP8 or 4-bit .bin stored in place: the family's load on its headers still says what it carries
+            model = _empty(path, task, fp8, changes, quantize, quantized_bin=True)[0]
+        except (WholeLoad4, NotInPlace):
+            model = None
+        return model, {}, str(e)
     if placeholders(model) and any(f.suffix == ".bin" for f in weight_files(path)):
-        bins = sorted(f.name for f in weight_files(path) if f.suffix == ".bin")  # carried tensors are referenced by
+        bins = sorted(f.name for f in weight_files(path) if f.suffix == ".bin")
         return model, groups, (f"{path}: {bins[0]}{' ...' if len(bins) > 1 else ''}: .bin weights with tensors "
-                               f"the family carries beside the model (sharded_carried refers to safetensors) "
-                               f"load whole")  # their safetensors file (sharded_carried)
+                               f"the family carries beside the model (an MTP layer) load whole: a sharded read "
+                               f"refers to carried tensors in safetensors files only")  # (sharded_carried)
     if unplaced and type(model).load_hf_state_dict is not PreTrainedModel.load_hf_state_dict:
         # the family's own load keeps tensors the model has no place for, not as stored: a whole load
         return model, groups, (f"{path}: the family's own load keeps {len(unplaced)} tensor(s) the model has no "
@@ -136,16 +140,17 @@ def empty_pretrained(path: str | os.PathLike, task: str | None = None, fp8: str 
     return _empty(path, task, fp8, changes, quantize)[0]
 
 
-def _empty(path: str | os.PathLike, task: str | None, fp8: str, changes: dict[str, Any], quantize: str | None = None
-           ) -> tuple[PreTrainedModel, dict[str, list[tuple[str, str]]], list[str]]:
+def _empty(path: str | os.PathLike, task: str | None, fp8: str, changes: dict[str, Any], quantize: str | None = None,
+           quantized_bin: bool = False) -> tuple[PreTrainedModel, dict[str, list[tuple[str, str]]], list[str]]:
     """`empty_pretrained`'s model, its `_sources` groups and the checkpoint keys that land in none of its tensors
-    (extras, unmatched, or a kiln name it lacks), from one read of the checkpoint's headers."""
+    (extras, unmatched, or a kiln name it lacks), from one read of the checkpoint's headers. `quantized_bin`: an FP8
+    or 4-bit .bin is built too (not to be read: `read_plan` asks what its family's load carries)."""
     path = resolve_model_dir(path)
     family, config, source_task = load_config(path)
     source = str(Path(path) / "config.json")
     scheme = None if bnb4_scheme_from_config(config.extra, source) else scheme_from_config(config.extra, source)
     files = weight_files(path)
-    if any(f.suffix == ".bin" for f in files) and "quantization_config" in config.extra:
+    if any(f.suffix == ".bin" for f in files) and "quantization_config" in config.extra and not quantized_bin:
         raise NotInPlace(f"{path}: FP8 or 4-bit .bin weights load whole; a sharded read takes them as safetensors")
     config = apply_changes(config, dict(changes))
     with torch.device("meta"):

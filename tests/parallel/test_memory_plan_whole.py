@@ -9,6 +9,17 @@ from typer.testing import CliRunner
 
 from kiln.parallel.memory import plan_memory
 from tests.parallel.test_memory_plan import write_run
+from tests.parallel.test_sharded_fp8_mtp import v3_release  # noqa: F401 (a fixture)
+
+
+def planned(tmp_path: Path, model: Path, today: bool = False):
+    """(params, settings, the rank's plan) of `model` under fsdp over 2 processes, on cpu."""
+    from kiln.cli.plan import plan_inputs
+    from kiln.train.config import load_run_config
+
+    cfg = load_run_config(write_run(tmp_path, model, "[parallel]\nfsdp = true\n"), [])
+    params, dims, s, sizes, _ = plan_inputs(cfg, 2, "cpu")
+    return params, s, plan_memory(params, dims, s, sizes, today=today, runtime=0).ranks[0]
 
 
 def test_a_bin_release_with_an_mtp_layer_is_planned_as_the_whole_load_it_is(tmp_path):
@@ -18,9 +29,7 @@ def test_a_bin_release_with_an_mtp_layer_is_planned_as_the_whole_load_it_is(tmp_
     safetensors one plus the layer's bytes), and its load is today's whole read (every rank reads the checkpoint),
     which the table's one column and a line naming the file say."""
     from kiln.cli.main import app
-    from kiln.cli.plan import plan_inputs
     from kiln.models.auto import load_pretrained
-    from kiln.train.config import load_run_config
     from tests.parallel.sharded_load_workers import bin_release
     from tests.parallel.test_sharded_load import v3_with_mtp
 
@@ -28,21 +37,16 @@ def test_a_bin_release_with_an_mtp_layer_is_planned_as_the_whole_load_it_is(tmp_
     pickled = bin_release(src, tmp_path / "bin")
     mtp_bytes = sum(t.nbytes for t in load_pretrained(src).hf_extras.values())
 
-    def planned(model: Path, today: bool = False):
-        cfg = load_run_config(write_run(tmp_path, model, "[parallel]\nfsdp = true\n"), [])
-        params, dims, s, sizes, _ = plan_inputs(cfg, 2, "cpu")
-        return params, s, plan_memory(params, dims, s, sizes, today=today, runtime=0).ranks[0]
-
-    st_params, st_settings, st = planned(src)
-    bin_params, settings, whole = planned(pickled)
-    assert st_settings.loads_whole is None and st_settings.reads_shards
-    assert "pytorch_model.bin" in settings.loads_whole and not settings.reads_shards
-    assert sum(p.carried for p in bin_params) == sum(p.carried for p in st_params) == 42
+    st_params, st_settings, st = planned(tmp_path, src)
+    bin_params, settings, whole = planned(tmp_path, pickled)
     for term in ("gradients", "optimizer"):
         assert whole.terms[term] == st.terms[term], term
+    assert sum(p.carried for p in bin_params) == sum(p.carried for p in st_params) == 42
+    assert st_settings.loads_whole is None and st_settings.reads_shards
+    assert "pytorch_model.bin" in settings.loads_whole and not settings.reads_shards
     assert whole.terms["weights"] == st.terms["weights"] + mtp_bytes  # the layer held whole on each rank
     # the load: today's loader (every rank reads every file, then builds the whole model), not a read by shards
-    _, _, today = planned(pickled, today=True)
+    _, _, today = planned(tmp_path, pickled, today=True)
     assert (whole.terms, whole.load_peak) == (today.terms, today.load_peak)
     assert whole.rank.endswith("(today's loader)")
     ckpt = sum(f.stat().st_size for f in pickled.glob("*.bin"))
@@ -53,3 +57,17 @@ def test_a_bin_release_with_an_mtp_layer_is_planned_as_the_whole_load_it_is(tmp_
     assert "loads whole on every rank" in out.output and "pytorch_model.bin" in out.output, out.output
     assert "(whole load)" in out.output and "today's loader" not in out.output, out.output
     assert "42 tensors" in out.output and "held whole on each rank" in out.output, out.output
+
+
+def test_an_fp8_bin_release_s_mtp_layer_is_carried_though_it_loads_whole(v3_release, tmp_path):
+    """An FP8 DeepSeek-V3 release saved as .bin loads whole (no read takes FP8 .bin shard by shard); the family's
+    load on its headers still finds its MTP layer carried (as its stored pairs), not trained: gradients and optimizer
+    equal the safetensors release's, and the load is today's whole read."""
+    from tests.parallel.sharded_load_workers import bin_release
+
+    st_params, st_settings, st = planned(tmp_path, v3_release)
+    bin_params, settings, whole = planned(tmp_path, bin_release(v3_release, tmp_path / "bin"))
+    assert (whole.terms["gradients"], whole.terms["optimizer"]) == (st.terms["gradients"], st.terms["optimizer"])
+    assert sum(p.carried for p in bin_params) == sum(p.carried for p in st_params) == 66
+    assert st_settings.loads_whole is None and "FP8 or 4-bit .bin" in settings.loads_whole
+    assert whole.rank.endswith("(today's loader)") and whole.load_peak > st.load_peak
