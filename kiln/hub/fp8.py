@@ -206,23 +206,30 @@ def check_pair(name: str, weight: torch.Tensor, scale: torch.Tensor, block: tupl
                            f"needs {want}; does weight_block_size match the checkpoint?")
 
 
-def _expand(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int] | None) -> torch.Tensor:
-    """The float32 scale broadcast to every element of a weight of `shape`."""
+def _expand(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int] | None,
+            origin: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """The float32 scale broadcast to every element of a weight (or a box of one) of `shape`; `origin`: the box's
+    (row, column) in the whole weight, `scale` then the whole blocks around the box."""
     s = scale.to(torch.float32) if scale.dtype != torch.uint8 else (scale.to(torch.float32) - 127.0).exp2()
     if block is None:
         return s.reshape(*shape[:-2], 1, 1) if s.numel() > 1 else s.reshape(())
-    rows, cols = shape[-2:]
-    return s.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
+    if min(origin) < 0:
+        raise ValueError(f"origin {origin} of a block-scaled box must not be negative")
+    (rows, cols), r0, c0 = shape[-2:], origin[0] % block[0], origin[1] % block[1]
+    return s.repeat_interleave(block[0], dim=-2)[..., r0:r0 + rows, :] \
+        .repeat_interleave(block[1], dim=-1)[..., c0:c0 + cols]
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+               dtype: torch.dtype = torch.float32, origin: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """Q * S in float32 (UE8M0 bytes read as 2**(b - 127)), rounded once to `dtype`; packed FP4 is unpacked
-    through the e2m1 table first and scaled in (1, 32) blocks whatever `block` says."""
+    through the e2m1 table first and scaled in (1, 32) blocks whatever `block` says. A box of the weight at
+    `origin` (its first row and column, in values) with the whole scale blocks around it dequantizes to the
+    same box of the whole weight's dequantization, bit for bit."""
     if is_fp4(weight):
         values = unpack_fp4(weight)
-        return (values * _expand(scale, tuple(values.shape), FP4_BLOCK)).to(dtype)
-    return (weight.to(torch.float32) * _expand(scale, tuple(weight.shape), block)).to(dtype)
+        return (values * _expand(scale, tuple(values.shape), FP4_BLOCK, origin)).to(dtype)
+    return (weight.to(torch.float32) * _expand(scale, tuple(weight.shape), block, origin)).to(dtype)
 
 
 def quantize_fp4(weight: torch.Tensor, ue8m0: bool = True, scale_dtype: torch.dtype | None = None

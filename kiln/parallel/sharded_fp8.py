@@ -64,20 +64,6 @@ def _scale_box(index: tuple[slice, ...], block: tuple[int, int] | None) -> tuple
             slice(cols.start // block[1], -(-cols.stop // block[1])))
 
 
-def _dequantize_box(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int] | None, index: tuple[slice, ...],
-                    dtype: torch.dtype) -> torch.Tensor:
-    """`dequantize` of a box of the weight, from the box `q` and the whole blocks `s` around it: each scale
-    spread over its block, cut to where the box starts in the blocks, then the same elementwise Q * S."""
-    if block is None:
-        return dequantize(q, s, None, dtype)
-    rows, cols = index[-2:]
-    r0, c0 = rows.start % block[0], cols.start % block[1]
-    raw = s.view(torch.uint8) if s.element_size() == 1 else s  # one-byte scales (UE8M0) spread as their bytes
-    spread = raw.repeat_interleave(block[0], dim=-2)[..., r0:r0 + q.shape[-2], :] \
-        .repeat_interleave(block[1], dim=-1)[..., c0:c0 + q.shape[-1]]
-    return dequantize(q, spread.view(s.dtype), (1, 1), dtype)
-
-
 def whole_piece(hf: dict[str, torch.Tensor], name: str, target: torch.Tensor, keymap: Any, path: Path,
                 key: str) -> torch.Tensor:
     """This rank's piece of kiln tensor `name`, made from whole HF tensors `hf` (`key`: the first source, for the
@@ -112,7 +98,7 @@ def read_dequantized(name: str, target: torch.Tensor, index: tuple[slice, ...] |
             raise WeightsError(f"{path}: tensor {key!r} has shape {shape}, but this config expects {tuple(target.shape)}")
         q = weight[index]  # only this rank's FP8 rows / columns, and the scale blocks around them, leave the file
         s = handles[scales[key]].get_slice(scales[key])[_scale_box(index, scheme.block)]
-        value = _dequantize_box(q, s, scheme.block, index, local.dtype)
+        value = dequantize(q, s, scheme.block, local.dtype, origin=(index[-2].start, index[-1].start))
         read = q.nbytes + s.nbytes
     else:
         hf = {}

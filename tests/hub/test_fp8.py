@@ -65,6 +65,19 @@ def test_dequantize_equals_transformers(dtype):
     assert torch.equal(fp8.dequantize(q, s, (16, 16), dtype), theirs)
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.float32, E8M0, torch.uint8])
+def test_a_box_at_its_origin_dequantizes_as_the_whole(scale_dtype):
+    """A box (rows 5:29, columns 19:50: mid-block edges, the partial last blocks) with the whole scale blocks
+    around it, at its origin, equals that box of the whole weight's dequantization bit for bit."""
+    q, s = fp8.quantize(_w(2, 37, 50), (16, 16), ue8m0=scale_dtype != torch.float32, scale_dtype=scale_dtype)
+    whole = fp8.dequantize(q, s, (16, 16), torch.bfloat16)
+    box = fp8.dequantize(q[:, 5:29, 19:50], s[:, 0:2, 1:4], (16, 16), torch.bfloat16, origin=(5, 19))
+    assert torch.equal(box, whole[:, 5:29, 19:50])
+    assert not torch.equal(fp8.dequantize(q[:, 5:29, 19:50], s[:, 0:2, 1:4], (16, 16), torch.bfloat16), box)
+    with pytest.raises(ValueError, match=r"origin \(-1, 0\)"):
+        fp8.dequantize(q, s, (16, 16), origin=(-1, 0))
+
+
 def test_transformers_loader_takes_the_block_from_the_scale_grid():
     """Why kiln does not take the block size from the grid: with partial blocks the grid can divide
     the weight evenly and still not be its blocks (30 rows in blocks of 16 -> 2 blocks, not 15 rows each)."""
