@@ -175,32 +175,34 @@ def export_sharded(path: str | os.PathLike, out: str | os.PathLike, max_shard_by
     if not (path / "model" / "config.json").is_file():
         raise KilnError(f"{path}: sharded checkpoint without model/config.json; it cannot say which model it holds")
     family, config, task = load_config(path / "model")
-    saved = _saved_model_shapes(path)
+    meta = dcp.FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata  # read once, passed down
+    saved = {k[len("model."):]: tuple(v.size) if hasattr(v, "size") else None for k, v in meta.items()
+             if k.startswith("model.")}  # every model entry by its name in the model, whole shape (None: no tensor)
     lora = _lora_config(path, saved)
     with torch.device("meta"):
         model = family.build(config, task or BASE)
         q4 = bnb4_scheme_from_config(config.extra, str(path / "model" / "config.json"))
         if q4 is not None:  # a 4-bit base (QLoRA): its Linears become Linear4 as the quant state says
-            prepare_bnb4_modules(model, _quant_states(path, saved), q4, str(path))
+            prepare_bnb4_modules(model, _quant_states(path, saved, meta), q4, str(path))
         else:
-            place_fp8(model, path, saved, config.extra)
+            place_fp8(model, path, saved, config.extra, meta)
         if lora is not None:  # adapters on modules this model lacks stay out: reported by name just below
             present = set(linear_names(model))
             lora.targets = [m for m in lora.targets if m in present]
             if lora.targets or lora.target_parameters:
                 apply_lora(model, lora)
     _check_placed(path, saved, {k: tuple(v.shape) for k, v in model.state_dict().items()})
-    _held_as_saved(model, path)
-    _apply_decisions(model, path)
+    _held_as_saved(model, meta)
+    _apply_decisions(model, path, meta)
     if Tokenizer.present(path / "model"):
         model.tokenizer = Tokenizer.from_dir(path / "model")
     if not stream or q4 is not None or any(t.dtype == torch.float8_e4m3fn for t in model.state_dict().values()):
-        return _export_whole(model, path, out, lora, max_shard_bytes, dtype)
-    return _export_streaming(model, path, Path(out), saved, max_shard_bytes, dtype, stats)
+        return _export_whole(model, path, out, lora, max_shard_bytes, dtype, meta)
+    return _export_streaming(model, path, Path(out), saved, max_shard_bytes, dtype, stats, meta)
 
 
 def _export_whole(model: nn.Module, path: Path, out: str | os.PathLike, lora: LoraConfig | None,
-                  max_shard_bytes: int | None, dtype: torch.dtype | None) -> Path:
+                  max_shard_bytes: int | None, dtype: torch.dtype | None, meta: dict[str, Any]) -> Path:
     """The whole model in this process's memory, then one save (FP8 bases: their merge re-quantizes blocks)."""
     model.to_empty(device="cpu")  # storage for every tensor, filled below; no init work wasted
     _dcp_load({"model": model.state_dict()}, path, no_dist=True)
@@ -214,14 +216,15 @@ def _export_whole(model: nn.Module, path: Path, out: str | os.PathLike, lora: Lo
 
         model = dequantize_model(model, dtype)
     plain = getattr(model, "fp8_state", None) is None  # it writes no FP8: carried FP8 pairs dequantized
-    for attr, tensors in _carried_meta(path, plain).items():  # the tensors the family carries, for its save
+    for attr, tensors in _carried_meta(path, plain, meta).items():  # the tensors the family carries, for its save
         read = _read_carried(path, {(attr, n): t for n, t in tensors.items()}, plain)
         setattr(model, attr, {n: t for (_, n), t in read.items()})
     return model.save_pretrained(out, max_shard_bytes=max_shard_bytes)
 
 
 def _export_streaming(model: nn.Module, path: Path, out: Path, saved: dict[str, tuple[int, ...] | None],
-                      max_shard_bytes: int | None, dtype: torch.dtype | None, stats: dict | None) -> Path:
+                      max_shard_bytes: int | None, dtype: torch.dtype | None, stats: dict | None,
+                      meta: dict[str, Any]) -> Path:
     """Write the HF directory output file by output file: for each, only the modules whose tensors it holds
     are read from the shards (and merged, and cast), and the carried tensors it holds, then freed. The names,
     layout and dtypes are the family's own save's (`hf_state_dict`, run on the model with every other tensor on
@@ -237,7 +240,7 @@ def _export_streaming(model: nn.Module, path: Path, out: Path, saved: dict[str, 
         dequantize_model(model, dtype)
     final = {k: v.dtype for k, v in model.state_dict().items()}
     plain = getattr(model, "fp8_state", None) is None  # it writes no FP8: carried FP8 pairs dequantized
-    carried = _carried_meta(path, plain)
+    carried = _carried_meta(path, plain, meta)
     for attr, tensors in carried.items():
         setattr(model, attr, dict(tensors))
     # what the save reads the values of (DeepSeek-V4 writes a float32 parameter in its stored half dtype when
@@ -331,7 +334,7 @@ def _carried(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     return {a: tensors for a, tensors in held.items() if tensors}  # (meta: held by reference, write_refs)
 
 
-def _apply_decisions(model: nn.Module, path: Path) -> None:
+def _apply_decisions(model: nn.Module, path: Path, meta: dict[str, Any]) -> None:
     """The load decisions a sharded checkpoint recorded, back on the model built from its config."""
     if not (path / "model" / LOAD_FILE).is_file():
         return
@@ -344,13 +347,13 @@ def _apply_decisions(model: nn.Module, path: Path) -> None:
     if bad:
         raise KilnError(f"{path / 'model' / LOAD_FILE}: stored_half names no torch dtype for {', '.join(bad[:4])}")
     model.stored_half = {k: getattr(torch, v) for k, v in half.items()}
-    restore_fp8(model, path, decided, lambda state: _dcp_load(state, path, no_dist=True))
+    restore_fp8(model, path, decided, lambda state: _dcp_load(state, path, no_dist=True), meta)
 
 
-def _carried_meta(path: Path, plain: bool) -> dict[str, dict[str, torch.Tensor]]:
-    """The carried tensors the shards hold, as meta tensors of their shapes and dtypes, by holder and name; and those
-    the run left in its source files, as the export writes them (`plain`: FP8 pairs dequantized, as_written)."""
-    meta = dcp.FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
+def _carried_meta(path: Path, plain: bool, meta: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """The carried tensors the shards hold (`meta`: the DCP metadata's entries), as meta tensors of their shapes and
+    dtypes, by holder and name; and those the run left in its source files, as the export writes them (`plain`: FP8
+    pairs dequantized, as_written)."""
     out: dict[str, dict[str, torch.Tensor]] = {}
     for key, m in meta.items():
         if key.startswith("carried."):
@@ -426,10 +429,10 @@ def _aliases(model: nn.Module, saved: dict[str, tuple[int, ...] | None]) -> dict
     return out
 
 
-def _quant_states(path: Path, saved: dict[str, tuple[int, ...] | None]) -> dict[str, torch.Tensor]:
+def _quant_states(path: Path, saved: dict[str, tuple[int, ...] | None], meta: dict[str, Any]
+                  ) -> dict[str, torch.Tensor]:
     """The 4-bit Linears' quant-state tensors the shards hold (small: read whole), and their packed weights as meta
     tensors of the saved shape (what `prepare_bnb4_modules` needs to rebuild the modules)."""
-    meta = dcp.FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
     names = [k for k in saved if k.rpartition(".")[2] in Q4_BUFFERS]
     state = {k: torch.empty(saved[k], dtype=meta["model." + k].properties.dtype, device="cpu") for k in names}
     _dcp_load({"model": state}, path, no_dist=True)
@@ -440,24 +443,16 @@ def _quant_states(path: Path, saved: dict[str, tuple[int, ...] | None]) -> dict[
     return state
 
 
-def _held_as_saved(model: nn.Module, path: Path) -> None:
-    """Each floating-point tensor of the built model in the dtype the run held it in (the shards' dtype), as the
-    run's model, loaded from its checkpoint, held it (a bfloat16 release trains in bfloat16, whatever the config
-    says); FP8 and packed 4-bit tensors are placed as saved already."""
-    meta = dcp.FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
+def _held_as_saved(model: nn.Module, meta: dict[str, Any]) -> None:
+    """Each floating-point tensor of the built model in the dtype the run held it in (the shards' dtype, `meta`: the
+    DCP metadata's entries), as the run's model, loaded from its checkpoint, held it (a bfloat16 release trains in
+    bfloat16, whatever the config says); FP8 and packed 4-bit tensors are placed as saved already."""
     for name, t in model.state_dict(keep_vars=True).items():
         got = getattr(meta.get("model." + name), "properties", None)
         dt = getattr(got, "dtype", None)
         if dt is not None and dt != t.dtype and t.is_floating_point() and dt.is_floating_point \
                 and t.element_size() > 1 and dt.itemsize > 1:
             t.data = t.data.to(dt)
-
-
-def _saved_model_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
-    """Every model entry of a sharded checkpoint by its name in the model, with its whole shape (None: not a tensor)."""
-    meta = dcp.FileSystemReader(str(path / "dcp")).read_metadata()
-    return {k[len("model."):]: tuple(v.size) if hasattr(v, "size") else None
-            for k, v in meta.state_dict_metadata.items() if k.startswith("model.")}
 
 
 def _lora_config(path: Path, saved: dict[str, tuple[int, ...] | None]) -> LoraConfig | None:

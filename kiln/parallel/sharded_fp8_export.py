@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from kiln.errors import KilnError
@@ -81,17 +80,18 @@ def held_pairs(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def place_fp8(model: nn.Module, path: Path, saved: dict[str, tuple[int, ...] | None], config: dict) -> None:
+def place_fp8(model: nn.Module, path: Path, saved: dict[str, tuple[int, ...] | None], config: dict,
+              meta: dict[str, Any]) -> None:
     """On the model `export_sharded` builds on meta: a run that kept an FP8 base FP8 (`fp8 = "keep"`) saved FP8
     weights and their scales: the FP8 modules go where they lie (as `prepare_fp8` places them at load, from the
     saved names, shapes and dtypes; no data read).
     A dequantized run's shards hold no FP8 tensor (nor the FP8 pairs a one-process load keeps to write unchanged
     weights back FP8): its model stays as built, plain, and `quantization_config` leaves its config as
-    `dequantize_model` drops it, so the export's config says what its tensors are."""
+    `dequantize_model` drops it, so the export's config says what its tensors are. `meta`: the DCP metadata's
+    entries (`state_dict_metadata`), read once by the export."""
     scheme = scheme_from_config(config, str(path / "model" / "config.json"))
     if scheme is None:
         return
-    meta = dcp.FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
     state = {k: torch.empty(shape, dtype=meta["model." + k].properties.dtype, device="meta")
              for k, shape in saved.items() if shape is not None}
     if not any(t.dtype == FP8 or is_fp4(t) for t in state.values()):
@@ -101,9 +101,11 @@ def place_fp8(model: nn.Module, path: Path, saved: dict[str, tuple[int, ...] | N
     prepare_fp8(model, hf, scheme, "keep", None, str(path))
 
 
-def restore(model: nn.Module, ckpt: Path, decided: dict[str, Any], read: Callable[[dict], None]) -> None:
+def restore(model: nn.Module, ckpt: Path, decided: dict[str, Any], read: Callable[[dict], None],
+            meta: dict[str, Any]) -> None:
     """On the model `export_sharded` built: the checkpoint's scale naming, and each pair the run's load kept for
-    its export, read from the source files (checked unchanged) or from the shards (`read`: fills a DCP state)."""
+    its export, read from the source files (checked unchanged) or from the shards (`read`: fills a DCP state;
+    `meta`: its metadata's entries)."""
     entry = decided.get(FP8_KEY)
     if entry is None:
         return
@@ -123,14 +125,13 @@ def restore(model: nn.Module, ckpt: Path, decided: dict[str, Any], read: Callabl
     pairs = {n: tuple(load_ref(ckpt, _HOLDER, n, r) for r in refs[n]) for n in entry["dequantized"] if n in refs}
     held = [n for n in entry["dequantized"] if n not in refs]
     if held:
-        pairs.update(_read_held(ckpt, held, read))
+        pairs.update(_read_held(ckpt, held, read, meta))
     state.scheme = dataclasses.replace(state.scheme, scale_names=entry["scale_names"])
     state.originals = pairs
 
 
-def _read_held(ckpt: Path, names: list[str], read: Callable[[dict], None]
+def _read_held(ckpt: Path, names: list[str], read: Callable[[dict], None], meta: dict[str, Any]
                ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    meta = dcp.FileSystemReader(str(ckpt / "dcp")).read_metadata().state_dict_metadata
     keys = [k for n in names for k in (n, n + SCALE_SUFFIX)]
     lost = [k for k in keys if f"{PAIRS}.{k}" not in meta]
     if lost:
