@@ -41,8 +41,9 @@ class HybridConfig(DecoderConfig):
     """What Qwen3-Next and the Qwen3.5 text models share: the DeltaNet sizes and the layer schedule."""
     attn_output_gate: ClassVar[bool] = True  # Qwen3-Next: GatedAttention's q_proj is [query | gate] per head
     plan_activations_caveat: ClassVar[str | None] = (
-        "its Gated DeltaNet layers (chunked delta rule) and gated attention save more for the backward than the "
-        "attention + MLP block the activation formula is derived for, so the activations term is an underestimate")
+        "the gated attention blocks are modelled, but kiln plan does not yet pass the Gated DeltaNet layers "
+        "(kiln.parallel.memory_hybrid.HybridDims) to the plan, so their blocks count as attention blocks: the "
+        "activations term is an underestimate (about 3-4x on those blocks; more with [train] exact = true)")
     vocab_size: int = 151936
     hidden_size: int = 2048
     intermediate_size: int = 5632

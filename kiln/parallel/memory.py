@@ -39,6 +39,7 @@ from typing import Mapping
 
 from kiln.errors import ConfigError
 from kiln.parallel import memory_q4
+from kiln.parallel.memory_hybrid import HybridDims, deltanet_block_bytes, gated_attention_extra
 from kiln.parallel.memory_inputs import (MLP_TARGETS, QKV_TARGETS, ModelDims, Param, RunSettings,
                                          check_shapes, params_from_headers)
 
@@ -132,6 +133,8 @@ def block_activation_bytes(d: ModelDims, cb: int, full: bool, targets: set[str],
         b += r * (cb if down_bytes is None else down_bytes) * len(targets)
     if moe:
         b += d.experts * 4 * 2 + d.top_k * d.hidden * cb * 2      # router softmax in/out; tokens dispatched, combined
+    if d.output_gate:  # Qwen3-Next / Qwen3.5 GatedAttention (kiln.parallel.memory_hybrid)
+        b += gated_attention_extra(d, cb, full, targets)
     return b
 
 
@@ -149,12 +152,14 @@ def _stage_blocks(layers: int, pp: int, stages: tuple[int, ...] | None) -> list[
 
 
 def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, file_sizes: Mapping[str, int],
-                today: bool = False, runtime: int | None = None) -> MemoryPlan:
+                today: bool = False, runtime: int | None = None, hybrid: HybridDims | None = None) -> MemoryPlan:
     """Each distinct rank's predicted peak (pp stages differ; the ranks of one stage are alike).
 
     `today` predicts kiln's current loader (every rank reads the whole checkpoint, then the plans shard it)
     instead of the sharded-load design, as it does for a checkpoint that `settings.loads_whole` (every rank loads it
-    whole). `runtime` overrides the runtime term (bytes)."""
+    whole). `runtime` overrides the runtime term (bytes). `hybrid`: the Gated DeltaNet layers of a Qwen3-Next /
+    Qwen3.5 model (HybridDims.from_config), whose blocks have their own formula and each block's LoRA targets its
+    own Linears."""
     s = settings
     today = today or s.loads_whole is not None
     deg = s.degrees()
@@ -223,8 +228,14 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
         blocks = list(stages[stage])
         per_block = {}
         for b in blocks:
-            a = block_activation_bytes(dims, cb, not lora, targets, s.lora_r or 0, moe=b in moe_blocks,
-                                       down_bytes=4 if q4 else None)
+            tb = targets if hybrid is None else {p.module for p in params
+                                                 if p.name.endswith("lora_A.weight") and p.block == b}
+            if hybrid is not None and b in hybrid.linear_layers:
+                a = deltanet_block_bytes(dims, hybrid, cb, not lora, tb, s.lora_r or 0, s.seq_len,
+                                         down_bytes=4 if q4 else None)
+            else:
+                a = block_activation_bytes(dims, cb, not lora, tb, s.lora_r or 0, moe=b in moe_blocks,
+                                           down_bytes=4 if q4 else None)
             if tp > 1:  # heads and MLP columns split; the norms' rows only with sequence parallelism
                 norm_part = dims.hidden * (2 * 4 + (2 * (4 + 2 * cb) if not lora else 0))
                 a = (a - norm_part) / tp + (norm_part / tp if s.sequence_parallel else norm_part)

@@ -467,3 +467,59 @@ def test_an_mtp_layer_is_counted_as_the_load_holds_it(tmp_path):
     (tmp_path / "bare" / "config.json").write_text(json.dumps({**config, "v_head_dim": 10}))
     with pytest.raises(WeightsError, match=r"o_proj.weight has shape \[32, 48\].*v_head_dim=10"):
         terms(tmp_path / "bare", 1)
+
+
+def test_hybrid_formula_matches_autograd_saved_tensors():
+    """The Qwen3.5 hybrid's blocks (kiln.parallel.memory_hybrid) against the bytes autograd saves in each on the
+    fast path `kiln train` runs (exact = false): a gated-attention and a Gated DeltaNet block, full and LoRA
+    (adapters on both kinds of layer), fp32 and bf16, per token (the difference of batch 4 and 2, which drops
+    the per-layer float32 norm scales): equal to the byte. T = 16 pads the rule's one chunk of 32."""
+    from kiln.models.auto import AutoConfig, from_config
+    from kiln.models.common.fast import set_fast
+    from kiln.models.common.lora import LoraConfig, apply_lora
+    from kiln.parallel.memory_hybrid import HybridDims, deltanet_block_bytes
+
+    types = ["full_attention", "linear_attention", "full_attention", "linear_attention"]
+    hf = dict(vocab_size=40, hidden_size=24, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, max_position_embeddings=64, layer_types=types,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+              linear_conv_kernel_dim=4)
+    targets = ["q_proj", "v_proj", "in_proj_qkv", "out_proj"]
+
+    def saved(rows: int, dtype: torch.dtype, lora: bool) -> list[int]:
+        model = from_config(AutoConfig.for_model("qwen3_5_text", **hf), task="causal-lm", seed=0).to(dtype)
+        if lora:
+            apply_lora(model, LoraConfig(4, 8, 0.0, targets))
+        set_fast(model, True)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen: set[int] = set()
+        per_layer, current = [0] * len(types), [None]
+        for i, layer in enumerate(model.model.layers):
+            layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i))
+            layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None))
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params and ptr not in seen:
+                seen.add(ptr)
+                if current[0] is not None:
+                    per_layer[current[0]] += t.untyped_storage().nbytes()
+            return t
+
+        ids = torch.randint(0, 40, (rows, 16), generator=torch.Generator().manual_seed(0))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, labels=ids)
+        return per_layer
+
+    dims = ModelDims(hidden=24, layers=4, heads=4, kv_heads=2, head_dim=8, intermediate=40, vocab=40, qk_norm=True,
+                     output_gate=True)
+    hybrid = HybridDims.from_config(hf)
+    assert hybrid.linear_layers == {1, 3}
+    for dtype, cb in ((torch.float32, 4), (torch.bfloat16, 2)):
+        for lora in (False, True):
+            two, four = saved(2, dtype, lora), saved(4, dtype, lora)
+            attn, delta = ((four[i] - two[i]) / 32 for i in (2, 3))  # layers past the first adapted one
+            attn_targets = {"q_proj", "v_proj"} if lora else set()
+            delta_targets = {"in_proj_qkv", "out_proj"} if lora else set()
+            assert attn == block_activation_bytes(dims, cb, not lora, attn_targets, 4), (dtype, lora)
+            assert delta == deltanet_block_bytes(dims, hybrid, cb, not lora, delta_targets, 4, 16), (dtype, lora)
