@@ -232,7 +232,10 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
                                                  if p.name.endswith("lora_A.weight") and p.block == b}
             if hybrid is not None and b in hybrid.linear_layers:
                 a = deltanet_block_bytes(dims, hybrid, cb, not lora, tb, s.lora_r or 0, s.seq_len,
-                                         down_bytes=4 if q4 else None)
+                                         down_bytes=4 if q4 else None, exact=s.exact)
+                if b in moe_blocks:  # Qwen3-Next: the experts in place of the dense MLP, as the attention blocks count them
+                    a += (block_activation_bytes(dims, cb, not lora, tb, s.lora_r or 0, moe=True)
+                          - block_activation_bytes(dims, cb, not lora, tb, s.lora_r or 0))
             else:
                 a = block_activation_bytes(dims, cb, not lora, tb, s.lora_r or 0, moe=b in moe_blocks,
                                            down_bytes=4 if q4 else None)
@@ -367,8 +370,8 @@ def _today(r: RankMemory, file_sizes: Mapping[str, int], full_bytes: int, piece:
 
 
 def alternatives(params: list[Param], dims: ModelDims, settings: RunSettings, file_sizes: Mapping[str, int],
-                 limit: int, runtime: int | None = None, experts: int = 0, tensor_parallel: bool = True
-                 ) -> list[MemoryPlan]:
+                 limit: int, runtime: int | None = None, experts: int = 0, tensor_parallel: bool = True,
+                 hybrid: HybridDims | None = None) -> list[MemoryPlan]:
     """The [parallel] settings over the same process count whose plan fits `limit` bytes, the simplest first;
     tp > 1 only for a family with a tensor-parallel plan (`tensor_parallel`: kiln.parallel.tp refuses the rest)."""
     n = settings.nproc
@@ -388,7 +391,7 @@ def alternatives(params: list[Param], dims: ModelDims, settings: RunSettings, fi
                         for offload in ((False, True) if fsdp and settings.device != "cpu" else (False,)):
                             alt = replace(settings, dp=0, tp=tp, ep=ep, pp=pp, cp=1, fsdp=fsdp, offload=offload,
                                           activation_checkpointing=ac, checkpoint_every=1, pp_stages=None)
-                            plan = plan_memory(params, dims, alt, file_sizes, runtime=runtime)
+                            plan = plan_memory(params, dims, alt, file_sizes, runtime=runtime, hybrid=hybrid)
                             if plan.peak.total <= limit:
                                 found.append(plan)
     def change(p: MemoryPlan) -> int:  # the simplest changes first: fsdp, checkpointing, then tp/ep, pp, offload

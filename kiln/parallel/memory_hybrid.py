@@ -1,7 +1,8 @@
 """Activation bytes of the Qwen3-Next / Qwen3.5 hybrid layers (kiln.models.common.hybrid), per token.
 
 Derived op by op from the code `kiln train` runs (`[train] exact = false`: `delta_rule.chunk_fast` and
-`hybrid.tap_conv`) and checked against autograd's count of saved tensors in tests/parallel/test_memory_plan.py.
+`hybrid.tap_conv`; `exact = true`: `delta_rule.chunk_reference` and `ssm.causal_conv1d`) and checked against
+autograd's count of saved tensors in tests/parallel/test_memory_plan.py.
 Every RMSNorm of these layers but the DeltaNet's output norm is zero-centred: it scales the float32
 normalized tensor, so with a trainable weight that tensor is kept in float32 (4 bytes), not the compute dtype.
 """
@@ -15,6 +16,7 @@ from typing import Any, Mapping
 from kiln.parallel.memory_inputs import MLP_TARGETS, ModelDims
 
 DELTA_CHUNK = 32  # delta_rule.chunk_fast's chunk size: its per-chunk tensors cover whole chunks (the last padded)
+REFERENCE_CHUNK = 64  # delta_rule.chunk_reference's
 DELTANET_INPUTS = {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba"}
 
 
@@ -26,6 +28,7 @@ class HybridDims:
     value_heads: int
     value_dim: int
     linear_layers: frozenset[int]
+    conv_kernel: int = 4
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> "HybridDims | None":
@@ -40,7 +43,8 @@ class HybridDims:
         if not linear:
             return None
         return cls(int(cfg.get("linear_num_key_heads", 16)), int(cfg.get("linear_key_head_dim", 128)),
-                   int(cfg.get("linear_num_value_heads", 32)), int(cfg.get("linear_value_head_dim", 128)), linear)
+                   int(cfg.get("linear_num_value_heads", 32)), int(cfg.get("linear_value_head_dim", 128)), linear,
+                   int(cfg.get("linear_conv_kernel_dim", 4)))
 
 
 def gated_attention_extra(d: ModelDims, cb: int, full: bool, targets: set[str]) -> int:
@@ -57,13 +61,13 @@ def gated_attention_extra(d: ModelDims, cb: int, full: bool, targets: set[str]) 
 
 
 def deltanet_block_bytes(d: ModelDims, h: HybridDims, cb: int, full: bool, targets: set[str], r: int,
-                         seq_len: int, down_bytes: int | None = None) -> float:
-    """Bytes autograd saves per token in one Gated DeltaNet block (its two zero-centred norms, the DeltaNet on
-    the fast path, the MLP) for rows of `seq_len` tokens. `targets`: the block's LoRA-adapted Linears."""
+                         seq_len: int, down_bytes: int | None = None, exact: bool = False) -> float:
+    """Bytes autograd saves per token in one Gated DeltaNet block (its two zero-centred norms, the DeltaNet, the
+    MLP) for rows of `seq_len` tokens, on the fast path or (`exact`) the reference one. `targets`: the block's
+    LoRA-adapted Linears. The reference rule is exact from two chunks (65 tokens) on; a one-chunk row saves
+    slightly less (a chunk slice is then a view of its whole), so there it is an upper bound."""
     kd, vd, hv = h.key_heads * h.key_dim, h.value_heads * h.value_dim, h.value_heads
     conv = 2 * kd + vd                 # the short conv's channels: [q | k | v]
-    L = DELTA_CHUNK
-    pad = math.ceil(seq_len / L) * L / seq_len  # per-chunk tensors cover the padded row
     # block norms: fp32 input and rstd; (full) fp32 normalized and the output; LoRA: the output where an adapter reads it
     b = 2 * (4 * d.hidden + 4)
     if full:
@@ -72,18 +76,29 @@ def deltanet_block_bytes(d: ModelDims, h: HybridDims, cb: int, full: bool, targe
         b += d.hidden * cb * (bool(targets & DELTANET_INPUTS) + bool(targets & MLP_TARGETS))
     # MLP: gate, up, silu(gate) and (full or adapted down_proj) their product
     b += 3 * cb * d.intermediate + cb * d.intermediate * (full or "down_proj" in targets)
-    # tap_conv: its input and pre-activation; the rule's q and k (fp32: views of the conv output, whose
-    # storage holds v too; half precision: float32 copies of q and k)
-    b += 2 * conv * cb + (conv * 4 if cb == 4 else 2 * kd * 4)
     b += hv * cb + hv * 4 + hv * 4 * full   # sigmoid(b); softplus(a + dt_bias) input and (A_log trained) output
-    b += 2 * h.key_heads * 4                 # the rule's q and k rstd
-    # _ChunkedDeltaRule, float32 per padded position: decay, attn, kkd, t_inv (L each); qn, kn, w, ke_t (dk);
-    # vc, v_new (dv); beta, e_q, e_k; gamma per chunk; and the state entering each chunk plus the final one
-    b += pad * hv * 4 * (4 * L + 4 * h.key_dim + 2 * h.value_dim + 3 + 1 / L)
-    b += (math.ceil(seq_len / L) + 1) * hv * h.key_dim * h.value_dim * 4 / seq_len
     # output norm RMSNorm(out) * silu(z): fp32 input, rstd, (full) normalized in the compute dtype, the scaled
     # value, silu(z) and z in fp32; out_proj's input (full or adapted)
     b += vd * 4 + hv * 4 + vd * cb * full + vd * cb + 2 * vd * 4
     b += vd * cb * (full or "out_proj" in targets)
     b += r * (cb if down_bytes is None else down_bytes) * len(targets)
-    return b
+    L = REFERENCE_CHUNK if exact else DELTA_CHUNK
+    chunks = math.ceil(seq_len / L)
+    pad = chunks * L / seq_len   # per-chunk tensors cover the padded row
+    per_row = chunks * hv * h.key_dim * h.value_dim * 4  # the state entering each chunk (float32)
+    if exact:
+        # conv1d's input and the look-ahead-padded output silu reads; q and k float32 per value head, their rstd
+        b += conv * cb + conv * cb * (seq_len + h.conv_kernel - 1) / seq_len + 2 * hv * (h.key_dim + 1) * 4
+        # float32 per padded position: decay, the two score products, intra, system (L each); q, k, k*beta, w,
+        # q and k decayed (dk); v, u, v_new (dv); beta and three exponentials of the cumulative decay
+        b += pad * hv * 4 * (5 * L + 6 * h.key_dim + 3 * h.value_dim + 4)
+        per_row += chunks * hv * 4   # each chunk's decay
+    else:
+        # tap_conv: its input and pre-activation; the rule's q and k (fp32: views of the conv output, whose
+        # storage holds v too; half precision: float32 copies of q and k) and their rstd
+        b += 2 * conv * cb + (conv * 4 if cb == 4 else 2 * kd * 4) + 2 * h.key_heads * 4
+        # _ChunkedDeltaRule, float32 per padded position: decay, attn, kkd, t_inv (L each); qn, kn, w, ke_t (dk);
+        # vc, v_new (dv); beta, e_q, e_k; gamma per chunk; the final state beside the chunks' entering ones
+        b += pad * hv * 4 * (4 * L + 4 * h.key_dim + 2 * h.value_dim + 3 + 1 / L)
+        per_row += hv * h.key_dim * h.value_dim * 4
+    return b + per_row / seq_len

@@ -470,27 +470,28 @@ def test_an_mtp_layer_is_counted_as_the_load_holds_it(tmp_path):
 
 
 def test_hybrid_formula_matches_autograd_saved_tensors():
-    """The Qwen3.5 hybrid's blocks (kiln.parallel.memory_hybrid) against the bytes autograd saves in each on the
-    fast path `kiln train` runs (exact = false): a gated-attention and a Gated DeltaNet block, full and LoRA
-    (adapters on both kinds of layer), fp32 and bf16, per token (the difference of batch 4 and 2, which drops
-    the per-layer float32 norm scales): equal to the byte. T = 16 pads the rule's one chunk of 32."""
+    """The Qwen3.5 hybrid's blocks (kiln.parallel.memory_hybrid) against the bytes autograd saves in each: a
+    gated-attention and a Gated DeltaNet block, the DeltaNet on the fast path (`kiln train`'s exact = false) and
+    the reference one (exact = true), full and LoRA (adapters on both kinds of layer), fp32 and bf16, per token
+    (the difference of batch 4 and 2, which drops the per-layer float32 norm scales): equal to the byte.
+    T = 80 pads the last chunk of both rules (3 x 32, 2 x 64)."""
     from kiln.models.auto import AutoConfig, from_config
     from kiln.models.common.fast import set_fast
     from kiln.models.common.lora import LoraConfig, apply_lora
     from kiln.parallel.memory_hybrid import HybridDims, deltanet_block_bytes
 
-    types = ["full_attention", "linear_attention", "full_attention", "linear_attention"]
-    hf = dict(vocab_size=40, hidden_size=24, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+    types = ["linear_attention", "full_attention", "linear_attention"]
+    hf = dict(vocab_size=40, hidden_size=24, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, max_position_embeddings=64, layer_types=types,
               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
               linear_conv_kernel_dim=4)
     targets = ["q_proj", "v_proj", "in_proj_qkv", "out_proj"]
 
-    def saved(rows: int, dtype: torch.dtype, lora: bool) -> list[int]:
+    def saved(rows: int, dtype: torch.dtype, lora: bool, fast: bool) -> list[int]:
         model = from_config(AutoConfig.for_model("qwen3_5_text", **hf), task="causal-lm", seed=0).to(dtype)
         if lora:
             apply_lora(model, LoraConfig(4, 8, 0.0, targets))
-        set_fast(model, True)
+        set_fast(model, fast)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         seen: set[int] = set()
         per_layer, current = [0] * len(types), [None]
@@ -506,20 +507,37 @@ def test_hybrid_formula_matches_autograd_saved_tensors():
                     per_layer[current[0]] += t.untyped_storage().nbytes()
             return t
 
-        ids = torch.randint(0, 40, (rows, 16), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(0, 40, (rows, 80), generator=torch.Generator().manual_seed(0))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(input_ids=ids, labels=ids)
         return per_layer
 
-    dims = ModelDims(hidden=24, layers=4, heads=4, kv_heads=2, head_dim=8, intermediate=40, vocab=40, qk_norm=True,
+    dims = ModelDims(hidden=24, layers=3, heads=4, kv_heads=2, head_dim=8, intermediate=40, vocab=40, qk_norm=True,
                      output_gate=True)
     hybrid = HybridDims.from_config(hf)
-    assert hybrid.linear_layers == {1, 3}
+    assert hybrid.linear_layers == {0, 2}
     for dtype, cb in ((torch.float32, 4), (torch.bfloat16, 2)):
         for lora in (False, True):
-            two, four = saved(2, dtype, lora), saved(4, dtype, lora)
-            attn, delta = ((four[i] - two[i]) / 32 for i in (2, 3))  # layers past the first adapted one
             attn_targets = {"q_proj", "v_proj"} if lora else set()
             delta_targets = {"in_proj_qkv", "out_proj"} if lora else set()
-            assert attn == block_activation_bytes(dims, cb, not lora, attn_targets, 4), (dtype, lora)
-            assert delta == deltanet_block_bytes(dims, hybrid, cb, not lora, delta_targets, 4, 16), (dtype, lora)
+            for fast in (True, False):
+                two, four = saved(2, dtype, lora, fast), saved(4, dtype, lora, fast)
+                attn, delta = ((four[i] - two[i]) / 160 for i in (1, 2))  # layers past the first adapted one
+                assert attn == block_activation_bytes(dims, cb, not lora, attn_targets, 4), (dtype, lora)
+                want = deltanet_block_bytes(dims, hybrid, cb, not lora, delta_targets, 4, 80, exact=not fast)
+                assert delta == pytest.approx(want, rel=1e-12, abs=0), (dtype, lora, fast)
+
+
+def test_plan_counts_deltanet_blocks_by_their_formula():
+    """plan_memory(hybrid=...) counts each linear-attention block by deltanet_block_bytes (its own path: exact
+    follows [train] exact) and the rest as before; without `hybrid` every block is an attention block."""
+    from kiln.parallel.memory_hybrid import HybridDims, deltanet_block_bytes
+
+    hybrid = HybridDims(key_heads=1, key_dim=4, value_heads=2, value_dim=4, linear_layers=frozenset({1}))
+    for exact in (False, True):
+        s = RunSettings(nproc=1, batch_size=2, seq_len=8, exact=exact)
+        attn = plan(s).ranks[0].terms["activations"]
+        mixed = plan(s, hybrid=hybrid).ranks[0].terms["activations"]
+        per_token = deltanet_block_bytes(DIMS, hybrid, 4, True, set(), 0, 8, exact=exact) - \
+            block_activation_bytes(DIMS, 4, True, set(), 0)
+        assert per_token > 0 and abs(mixed - attn - 16 * per_token) <= 1, exact  # the terms are whole bytes
