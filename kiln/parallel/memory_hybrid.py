@@ -65,7 +65,9 @@ def deltanet_block_bytes(d: ModelDims, h: HybridDims, cb: int, full: bool, targe
     """Bytes autograd saves per token in one Gated DeltaNet block (its two zero-centred norms, the DeltaNet, the
     MLP) for rows of `seq_len` tokens, on the fast path or (`exact`) the reference one. `targets`: the block's
     LoRA-adapted Linears. The reference rule is exact from two chunks (65 tokens) on; a one-chunk row saves
-    slightly less (a chunk slice is then a view of its whole), so there it is an upper bound."""
+    slightly less (a chunk slice is then a view of its whole), so there it is an upper bound. In float32 on
+    the CPU, torch's matmuls over larger chunks copy some per-chunk operands (hidden 128, 64-wide heads:
+    measured 6-7% above this; bfloat16, and float32 at hidden <= 64, equal to the byte)."""
     kd, vd, hv = h.key_heads * h.key_dim, h.value_heads * h.value_dim, h.value_heads
     conv = 2 * kd + vd                 # the short conv's channels: [q | k | v]
     # block norms: fp32 input and rstd; (full) fp32 normalized and the output; LoRA: the output where an adapter reads it

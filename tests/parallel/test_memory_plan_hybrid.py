@@ -1,16 +1,20 @@
 """kiln plan on the Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5), checkpoints written by transformers: the attention's
 q_proj emits an output gate beside the query (twice the rows), which the family declares, and a Qwen3.5 release's
-MTP module (`mtp.*`) is counted as the load holds it (kiln.parallel.sharded_carried)."""
+MTP module (`mtp.*`) is counted as the load holds it (kiln.parallel.sharded_carried); the activation bytes of the
+hybrid blocks (kiln.parallel.memory_hybrid) against autograd's own count of saved tensors."""
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import pytest
+import torch
 
 from kiln.errors import WeightsError
-from kiln.parallel.memory import plan_memory
-from tests.parallel.test_memory_plan import write_run
+from kiln.parallel.memory import ModelDims, RunSettings, block_activation_bytes, plan_memory
+from kiln.parallel.memory_hybrid import HybridDims, deltanet_block_bytes
+from tests.parallel.test_memory_plan import DIMS, plan, write_run
 
 
 def _terms(tmp_path: Path, model: Path, nproc: int, extra: str = "") -> dict[str, int]:
@@ -103,3 +107,79 @@ def test_the_cli_says_a_hybrid_s_activations_are_not_modelled(tiny_factory, tmp_
         r = CliRunner().invoke(app, ["plan", "--config", str(cfg), "--nproc", "2", "--set", "parallel.fsdp=true"])
         assert r.exit_code == 0 and "weights" in r.output, r.output
         assert ("activations not modelled" in r.output and "Gated DeltaNet" in r.output) == noted, r.output
+
+
+def test_hybrid_formula_matches_autograd_saved_tensors():
+    """The Qwen3.5 hybrid's blocks (kiln.parallel.memory_hybrid) against the bytes autograd saves in each: a
+    gated-attention and a Gated DeltaNet block, the DeltaNet on the fast path (`kiln train`'s exact = false) and
+    the reference one (exact = true), full and LoRA (adapters on both kinds of layer), fp32 and bf16, per token
+    (the difference of batch 4 and 2, which drops the per-layer float32 norm scales): equal to the byte.
+    T = 80 pads the last chunk of both rules (3 x 32, 2 x 64)."""
+    from kiln.models.auto import AutoConfig, from_config
+    from kiln.models.common.fast import set_fast
+    from kiln.models.common.lora import LoraConfig, apply_lora
+    types = ["linear_attention", "full_attention", "linear_attention"]
+    hf = dict(vocab_size=40, hidden_size=24, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, max_position_embeddings=64, layer_types=types,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+              linear_conv_kernel_dim=4)
+    targets = ["q_proj", "v_proj", "in_proj_qkv", "out_proj"]
+
+    def saved(rows: int, dtype: torch.dtype, lora: bool, fast: bool) -> list[int]:
+        model = from_config(AutoConfig.for_model("qwen3_5_text", **hf), task="causal-lm", seed=0).to(dtype)
+        if lora:
+            apply_lora(model, LoraConfig(4, 8, 0.0, targets))
+        set_fast(model, fast)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        packed, current = [], [None]
+        for i, layer in enumerate(model.model.layers):
+            layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i))
+            layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None))
+
+        def pack(t):
+            packed.append((current[0], weakref.ref(t)))
+            return t
+
+        ids = torch.randint(0, 40, (rows, 80), generator=torch.Generator().manual_seed(0))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(input_ids=ids, labels=ids)  # noqa: F841 (keeps the graph alive)
+            # what the graph still holds once the forward is done: a node dropped in the forward (the reference
+            # rule's final state) frees what it saved, and the allocator may hand that address to a later tensor
+            kept: dict[int, tuple[int | None, int]] = {}
+            for layer, ref in packed:
+                t = ref()
+                if t is not None and t.untyped_storage().data_ptr() not in params:
+                    kept.setdefault(t.untyped_storage().data_ptr(), (layer, t.untyped_storage().nbytes()))
+        per_layer = [0] * len(types)
+        for layer, nbytes in kept.values():
+            if layer is not None:
+                per_layer[layer] += nbytes
+        return per_layer
+
+    dims = ModelDims(hidden=24, layers=3, heads=4, kv_heads=2, head_dim=8, intermediate=40, vocab=40, qk_norm=True,
+                     output_gate=True)
+    hybrid = HybridDims.from_config(hf)
+    assert hybrid.linear_layers == {0, 2}
+    for dtype, cb in ((torch.float32, 4), (torch.bfloat16, 2)):
+        for lora in (False, True):
+            attn_targets = {"q_proj", "v_proj"} if lora else set()
+            delta_targets = {"in_proj_qkv", "out_proj"} if lora else set()
+            for fast in (True, False):
+                two, four = saved(2, dtype, lora, fast), saved(4, dtype, lora, fast)
+                attn, delta = ((four[i] - two[i]) / 160 for i in (1, 2))  # layers past the first adapted one
+                assert attn == block_activation_bytes(dims, cb, not lora, attn_targets, 4), (dtype, lora)
+                want = deltanet_block_bytes(dims, hybrid, cb, not lora, delta_targets, 4, 80, exact=not fast)
+                assert delta == pytest.approx(want, rel=1e-12, abs=0), (dtype, lora, fast)
+
+
+def test_plan_counts_deltanet_blocks_by_their_formula():
+    """plan_memory(hybrid=...) counts each linear-attention block by deltanet_block_bytes (its own path: exact
+    follows [train] exact) and the rest as before; without `hybrid` every block is an attention block."""
+    hybrid = HybridDims(key_heads=1, key_dim=4, value_heads=2, value_dim=4, linear_layers=frozenset({1}))
+    for exact in (False, True):
+        s = RunSettings(nproc=1, batch_size=2, seq_len=8, exact=exact)
+        attn = plan(s).ranks[0].terms["activations"]
+        mixed = plan(s, hybrid=hybrid).ranks[0].terms["activations"]
+        per_token = deltanet_block_bytes(DIMS, hybrid, 4, True, set(), 0, 8, exact=exact) - \
+            block_activation_bytes(DIMS, 4, True, set(), 0)
+        assert per_token > 0 and abs(mixed - attn - 16 * per_token) <= 1, exact  # the terms are whole bytes
