@@ -32,9 +32,12 @@ class HybridDims:
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> "HybridDims | None":
-        """From a Qwen3-Next / Qwen3.5 config.json (its text_config for the image-text ones); None without
-        linear-attention layers. A missing `layer_types` is every `full_attention_interval`-th layer (4) full."""
+        """From a Qwen3-Next / Qwen3.5 config.json (its text_config for the image-text ones); None for a config
+        without the DeltaNet's sizes (`linear_num_value_heads`: any other family) or without linear-attention
+        layers. A missing `layer_types` is every `full_attention_interval`-th layer (4) full."""
         cfg = cfg.get("text_config") or cfg
+        if "linear_num_value_heads" not in cfg:
+            return None
         n = int(cfg["num_hidden_layers"])
         every = int(cfg.get("full_attention_interval", 4))
         types = cfg.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "linear_attention"

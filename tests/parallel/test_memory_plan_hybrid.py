@@ -160,6 +160,10 @@ def test_hybrid_formula_matches_autograd_saved_tensors():
                      output_gate=True)
     hybrid = HybridDims.from_config(hf)
     assert hybrid.linear_layers == {0, 2}
+    # the schedule transformers derives without layer_types; any other family (a Qwen3 config) has no DeltaNet
+    bare = {k: v for k, v in hf.items() if k != "layer_types"}
+    assert HybridDims.from_config({"text_config": {**bare, "num_hidden_layers": 8}}).linear_layers == {0, 1, 2, 4, 5, 6}
+    assert HybridDims.from_config({"num_hidden_layers": 8, "hidden_size": 24}) is None
     for dtype, cb in ((torch.float32, 4), (torch.bfloat16, 2)):
         for lora in (False, True):
             attn_targets = {"q_proj", "v_proj"} if lora else set()
