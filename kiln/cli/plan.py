@@ -117,8 +117,12 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
     device = "cuda" if gpu_memory is not None or cfg.train.device.startswith("cuda") else "cpu"
     params, dims, settings, sizes, tensors = plan_inputs(cfg, nproc, device, str(config))
     model_dir, lora = Path(cfg.model.path), cfg.lora
-    designed = plan_memory(params, dims, settings, sizes)
-    today = plan_memory(params, dims, settings, sizes, today=True)
+    from kiln.hub.config import read_config
+    from kiln.parallel.memory_hybrid import HybridDims
+
+    hybrid = HybridDims.from_config(read_config(model_dir))  # Gated DeltaNet layers (Qwen3-Next / 3.5), or None
+    designed = plan_memory(params, dims, settings, sizes, hybrid=hybrid)
+    today = plan_memory(params, dims, settings, sizes, today=True, hybrid=hybrid)
     if device == "cpu":
         limit, where = _host_memory() // nproc, f"host memory / {nproc} process(es)"
     else:
@@ -138,13 +142,12 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
         typer.echo(f"loads whole on every rank (no read takes it shard by shard): {whole}")
         for r in designed.ranks:
             r.rank = r.rank.replace("(today's loader)", "(whole load)")
-    from kiln.hub.config import read_config
     from kiln.models.auto import family_for
 
     family = family_for(read_config(model_dir).get("model_type"))
     caveat = family.config_cls.plan_activations_caveat
     if caveat:
-        typer.echo(f"note: activations not modelled for this family: {caveat}")
+        typer.echo(f"note: this family's activations are partly estimated: {caveat}")
     if cfg.train.freeze and lora is None:
         typer.echo(f"note: train.freeze {cfg.train.freeze} is not modelled: counted as a full fine-tune (an upper bound)")
     columns = [*designed.ranks, *([] if whole else today.ranks)]
@@ -195,7 +198,8 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
     if peak.total <= limit:
         return
     tensor_parallel = family.parallel_plan is not None and family.parallel_plan.tensor_parallel
-    fits = alternatives(params, dims, settings, sizes, limit, experts=dims.experts, tensor_parallel=tensor_parallel)
+    fits = alternatives(params, dims, settings, sizes, limit, experts=dims.experts, tensor_parallel=tensor_parallel,
+                        hybrid=hybrid)
     largest = peak.largest
     message = (f"the plan needs {fmt_bytes(peak.total)} per rank ({peak.rank}) but has {fmt_bytes(limit)} "
                f"({where}); its largest term is {largest} ({fmt_bytes(peak.terms[largest])})")

@@ -41,9 +41,8 @@ class HybridConfig(DecoderConfig):
     """What Qwen3-Next and the Qwen3.5 text models share: the DeltaNet sizes and the layer schedule."""
     attn_output_gate: ClassVar[bool] = True  # Qwen3-Next: GatedAttention's q_proj is [query | gate] per head
     plan_activations_caveat: ClassVar[str | None] = (
-        "gated attention is modelled; the Gated DeltaNet layers' formula (kiln.parallel.memory_hybrid, passed to "
-        "plan_memory as `hybrid`) is not yet fed by kiln plan, so they count as attention blocks, about 3-4x under "
-        "on those blocks (more with [train] exact = true); MoE layers take the generic MoE estimate")
+        "gated attention and the Gated DeltaNet layers are modelled (kiln.parallel.memory_hybrid); MoE layers, "
+        "with Qwen3-Next's gated shared expert, take the generic MoE estimate")
     vocab_size: int = 151936
     hidden_size: int = 2048
     intermediate_size: int = 5632

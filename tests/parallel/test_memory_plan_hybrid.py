@@ -95,9 +95,10 @@ def test_qwen3_5_s_mtp_module_is_counted_as_the_load_holds_it(qwen3_5_with_mtp, 
     assert {p.block for p in params if p.name.startswith("mtp.")} == {None}
 
 
-def test_the_cli_says_a_hybrid_s_activations_are_not_modelled(tiny_factory, tmp_path):
-    """kiln plan prints the plan, and the family's caveat that its activation term is an underestimate (its blocks
-    are not the attention + MLP the formula is derived for); a Qwen3 plan has no such note (control)."""
+def test_the_cli_plans_a_hybrid_s_deltanet_layers_and_says_what_is_estimated(tiny_factory, tmp_path, monkeypatch):
+    """kiln plan feeds the Gated DeltaNet formula (memory_hybrid) for a Qwen3-Next: its activation term is larger
+    than with the layers counted as attention blocks; it prints the family's note on what is still estimated (the
+    MoE layers); a Qwen3 plan has no such note (control)."""
     from typer.testing import CliRunner
 
     from kiln.cli.main import app
@@ -106,7 +107,20 @@ def test_the_cli_says_a_hybrid_s_activations_are_not_modelled(tiny_factory, tmp_
         cfg = write_run(tmp_path, tiny_factory(model_type, "causal-lm"))
         r = CliRunner().invoke(app, ["plan", "--config", str(cfg), "--nproc", "2", "--set", "parallel.fsdp=true"])
         assert r.exit_code == 0 and "weights" in r.output, r.output
-        assert ("activations not modelled" in r.output and "Gated DeltaNet" in r.output) == noted, r.output
+        assert ("partly estimated" in r.output and "generic MoE estimate" in r.output) == noted, r.output
+    cfg = write_run(tmp_path, tiny_factory("qwen3_next", "causal-lm"))
+
+    def activations(output):
+        line = next(ln for ln in output.splitlines() if ln.strip().startswith("activations"))
+        return line.split()[1:]
+
+    fed = CliRunner().invoke(app, ["plan", "--config", str(cfg)])
+    from kiln.parallel import memory_hybrid
+    monkeypatch.setattr(memory_hybrid.HybridDims, "from_config", classmethod(lambda cls, c: None))
+    unfed = CliRunner().invoke(app, ["plan", "--config", str(cfg)])
+    assert fed.exit_code == 0 and unfed.exit_code == 0, (fed.output, unfed.output)
+    assert activations(fed.output)[1] == activations(unfed.output)[1] == "MiB", (fed.output, unfed.output)
+    assert float(activations(fed.output)[0]) > float(activations(unfed.output)[0]), (fed.output, unfed.output)
 
 
 def test_hybrid_formula_matches_autograd_saved_tensors():
