@@ -3,9 +3,9 @@
 `bin_layout` gives each tensor's byte offset, dtype and shape in the file: the pickle is read with weights_only=True
 onto the meta device, where torch reads no tensor data and notes each storage's offset in the file
 (`_checkpoint_offset`; the records are stored uncompressed). A sharded read (kiln.parallel.sharded_load) reads
-each rank's slices from there, and `kiln plan` sizes the model from it. Chosen over torch.load(mmap=True): a
-mapping counts every page a slice touches in the process's memory until it is unmapped, beside the copy, so a
-rank's peak would rise by about twice its share (benchmarks/RESULTS.md, the .bin load row).
+each rank's slices from there, and `kiln plan` sizes the model from it. Chosen over mapping the file (torch's mmap
+load, weights-only too): a mapping counts every page a slice touches in the process's memory until it is unmapped,
+beside the copy, so a rank's peak would rise by about twice its share (benchmarks/RESULTS.md, the .bin load row).
 """
 
 from __future__ import annotations

@@ -233,31 +233,18 @@ INLINE void bwd_in_block(const job_t *j, int64_t t0, const int nb, float *xb) {
     if (j->gx) rowexp(j, gd, j->in, t0, nb, j->a, 1.0f, j->gx, 1);
 }
 
-static void *fwd(void *arg) {
-    const job_t *j = (const job_t *)arg;
-    int64_t t = j->t0;
-    for (; t + NB <= j->t1; t += NB) fwd_block(j, t, NB, j->buf);
-    for (; t < j->t1; t++) fwd_block(j, t, 1, j->buf);
-    return NULL;
-}
-
-static void *bwd_out(void *arg) {
-    const job_t *j = (const job_t *)arg;
-    memset(j->part, 0, sizeof(float) * j->r * j->out);
-    int64_t t = j->t0;
-    for (; t + NB <= j->t1; t += NB) bwd_out_block(j, t, NB, j->buf);
-    for (; t < j->t1; t++) bwd_out_block(j, t, 1, j->buf);
-    return NULL;
-}
-
-static void *bwd_in(void *arg) {
-    const job_t *j = (const job_t *)arg;
-    if (j->part) memset(j->part, 0, sizeof(float) * j->r * j->in);
-    int64_t t = j->t0;
-    for (; t + NB <= j->t1; t += NB) bwd_in_block(j, t, NB, j->buf);
-    for (; t < j->t1; t++) bwd_in_block(j, t, 1, j->buf);
-    return NULL;
-}
+/* a thread's rows [t0, t1): blocks of NB, then the tail one row at a time */
+#define OVER_ROWS(name, block) \
+    static void *name(void *arg) { \
+        const job_t *j = (const job_t *)arg; \
+        int64_t t = j->t0; \
+        for (; t + NB <= j->t1; t += NB) block(j, t, NB, j->buf); \
+        for (; t < j->t1; t++) block(j, t, 1, j->buf); \
+        return NULL; \
+    }
+OVER_ROWS(fwd, fwd_block)
+OVER_ROWS(bwd_out, bwd_out_block)
+OVER_ROWS(bwd_in, bwd_in_block)
 
 /* rows split over nthreads; thread t uses buf + t * NB * width and (if any) part + t * part_size */
 static void spread(void *(*fn)(void *), job_t base, int64_t rows, int nthreads, int64_t part_size, int64_t width) {
@@ -367,7 +354,7 @@ def backward(g2: torch.Tensor, x2: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     g2, x2, a, b = g2.contiguous(), x2.contiguous(), a.contiguous(), b.contiguous()
     n = _threads(rows)
     gd = torch.empty(rows, r, dtype=torch.float32)
-    part_b = torch.empty(n, out, r, dtype=torch.float32)
+    part_b = torch.zeros(n, out, r, dtype=torch.float32)  # each thread's own sum (the C code adds into it)
     buf = _rows_buffer(n, max(out, inn))
     down = down.contiguous()
     lib.kiln_lora_bwd_out(g2.data_ptr(), b.data_ptr(), down.data_ptr(), gd.data_ptr(),
@@ -375,7 +362,7 @@ def backward(g2: torch.Tensor, x2: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     gb = part_b.sum(0) if need_b else None
     if not (need_a or need_x):
         return None, None, gb
-    part_a = torch.empty(n, inn, r, dtype=torch.float32) if need_a else None
+    part_a = torch.zeros(n, inn, r, dtype=torch.float32) if need_a else None
     gx = torch.empty(rows, inn, dtype=torch.bfloat16) if need_x else None
     lib.kiln_lora_bwd_in(x2.data_ptr(), a.data_ptr(), gd.data_ptr(), part_a.data_ptr() if need_a else None,
                          gx.data_ptr() if need_x else None, buf.data_ptr(), rows, inn, r, n, int(vector))
