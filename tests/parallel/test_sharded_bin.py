@@ -16,6 +16,7 @@ from kiln.models.auto import load_pretrained
 from kiln.parallel.sharded_load import empty_pretrained, lean_pretrained, read_shards
 from kiln.parallel.sharded_stage import HostStage
 from tests.parallel import sharded_load_workers as sw
+from tests.parallel.test_sharded_load import bad_inputs_are_named
 from tests.spawn import spawn
 
 
@@ -54,18 +55,8 @@ def test_each_bin_file_offers_only_its_own_tensors(bin_dirs):
             assert set(h.keys()) == set(by_file[where[k]]), k
 
 
-def test_a_bin_shape_that_disagrees_with_the_config_is_named(bin_dirs):
-    lean = empty_pretrained(bin_dirs["bin-sharded"], task="causal-lm", intermediate_size=40)
-    with pytest.raises(WeightsError, match=r"mlp\.(gate|up|down)_proj\.weight.*shape .*expects"):
-        read_shards(lean, bin_dirs["bin-sharded"])
-
-
-def test_a_bin_index_naming_a_missing_file_is_named(bin_dirs, tmp_path):
-    broken = tmp_path / "broken"
-    shutil.copytree(bin_dirs["bin-sharded"], broken)
-    next(broken.glob("pytorch_model-00002-*.bin")).unlink()
-    with pytest.raises(WeightsError, match=r"names shard file\(s\) that are not in the directory: pytorch_model-00002"):
-        empty_pretrained(broken, task="causal-lm")
+def test_a_bin_s_disagreeing_shape_and_missing_shard_are_named(bin_dirs, tmp_path):
+    bad_inputs_are_named(bin_dirs["bin-sharded"], tmp_path, "pytorch_model-00002")
 
 
 def test_a_bin_not_stored_in_place_loads_whole(bin_dirs, tmp_path):

@@ -237,20 +237,23 @@ def test_an_mtp_layer_made_live_before_the_read_reads_as_on_a_whole_load(hook_di
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
-def test_a_shape_that_disagrees_with_the_config_is_named(dirs):
-    lean = empty_pretrained(dirs["qwen3"], task="causal-lm", intermediate_size=40)
-    with pytest.raises(WeightsError, match=r"mlp\.(gate|up|down)_proj\.weight.*shape .*expects"):
-        read_shards(lean, dirs["qwen3"])
-
-
-def test_an_index_naming_a_missing_file_is_named(dirs, tmp_path):
+def bad_inputs_are_named(model_dir, tmp_path, second_shard: str) -> None:
+    """A shard whose tensor shape disagrees with the config, and an index naming a missing shard file (the
+    directory's `second_shard`, e.g. "model-00002"), each stop the sharded read with a message naming them."""
     import shutil
 
+    lean = empty_pretrained(model_dir, task="causal-lm", intermediate_size=40)
+    with pytest.raises(WeightsError, match=r"mlp\.(gate|up|down)_proj\.weight.*shape .*expects"):
+        read_shards(lean, model_dir)
     broken = tmp_path / "broken"
-    shutil.copytree(dirs["qwen3"], broken)
-    next(broken.glob("model-00002-*.safetensors")).unlink()
-    with pytest.raises(WeightsError, match="names shard file\\(s\\) that are not in the directory: model-00002"):
+    shutil.copytree(model_dir, broken)
+    next(broken.glob(f"{second_shard}-*")).unlink()
+    with pytest.raises(WeightsError, match=f"names shard file\\(s\\) that are not in the directory: {second_shard}"):
         empty_pretrained(broken, task="causal-lm")
+
+
+def test_a_disagreeing_shape_and_a_missing_shard_are_named(dirs, tmp_path):
+    bad_inputs_are_named(dirs["qwen3"], tmp_path, "model-00002")
 
 
 @pytest.fixture(scope="module")
