@@ -30,6 +30,7 @@ import ctypes
 import torch
 
 from kiln.hub import native
+from kiln.models.common.quant4 import scratch
 
 SOURCE = r"""
 #include <stdint.h>
@@ -319,8 +320,9 @@ def _threads(rows: int) -> int:
 
 
 def _rows_buffer(threads: int, width: int) -> torch.Tensor:
-    """Each thread's float32 copy of a block of rows (the C code allocates nothing)."""
-    return torch.empty(threads, BLOCK * width, dtype=torch.float32)
+    """Each thread's float32 copy of a block of rows (the C code allocates nothing): a reused scratch buffer,
+    as are the backward's other temporaries (quant4.scratch: fresh ones at every matmul fragment glibc's heap)."""
+    return scratch("lora_native_rows", (threads, BLOCK * width), torch.float32)
 
 
 def runs(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -353,8 +355,8 @@ def backward(g2: torch.Tensor, x2: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     rows, r, out, inn = g2.shape[0], a.shape[0], b.shape[0], a.shape[1]
     g2, x2, a, b = g2.contiguous(), x2.contiguous(), a.contiguous(), b.contiguous()
     n = _threads(rows)
-    gd = torch.empty(rows, r, dtype=torch.float32)
-    part_b = torch.zeros(n, out, r, dtype=torch.float32)  # each thread's own sum (the C code adds into it)
+    gd = scratch("lora_native_gd", (rows, r), torch.float32)
+    part_b = scratch("lora_native_gb", (n, out, r), torch.float32).zero_()  # each thread's own sum (C adds into it)
     buf = _rows_buffer(n, max(out, inn))
     down = down.contiguous()
     lib.kiln_lora_bwd_out(g2.data_ptr(), b.data_ptr(), down.data_ptr(), gd.data_ptr(),
@@ -362,7 +364,7 @@ def backward(g2: torch.Tensor, x2: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     gb = part_b.sum(0) if need_b else None
     if not (need_a or need_x):
         return None, None, gb
-    part_a = torch.zeros(n, inn, r, dtype=torch.float32) if need_a else None
+    part_a = scratch("lora_native_ga", (n, inn, r), torch.float32).zero_() if need_a else None
     gx = torch.empty(rows, inn, dtype=torch.bfloat16) if need_x else None
     lib.kiln_lora_bwd_in(x2.data_ptr(), a.data_ptr(), gd.data_ptr(), part_a.data_ptr() if need_a else None,
                          gx.data_ptr() if need_x else None, buf.data_ptr(), rows, inn, r, n, int(vector))
