@@ -22,7 +22,6 @@ checkpoint's whole optimizer state goes into a sharded run through `load_full_op
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import warnings
 from pathlib import Path
@@ -38,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
 
 from kiln.errors import KilnError
 from kiln.hub.bnb4 import bnb4_scheme_from_config
-from kiln.hub.config import write_config
+from kiln.hub.config import write_config, write_json_atomic
 from kiln.hub.jsonio import read_json
 from kiln.models.common.lora import LoraConfig, apply_lora, linear_names, merge_lora
 from kiln.models.common.lora_experts import HOLDER, has_expert_lora
@@ -69,10 +68,10 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
             if getattr(model, "tokenizer", None) is not None:
                 model.tokenizer.save(path / "model")
             if getattr(model, "lora_config", None) is not None:  # alpha and rslora are in no tensor's shape
-                (path / "model" / LORA_FILE).write_text(json.dumps(dataclasses.asdict(model.lora_config)) + "\n")
+                write_json_atomic(path / "model" / LORA_FILE, dataclasses.asdict(model.lora_config))
             decisions = _load_decisions(model)
             if decisions:  # what the export writes back by (see LOAD_FILE)
-                (path / "model" / LOAD_FILE).write_text(json.dumps(decisions, sort_keys=True) + "\n")
+                write_json_atomic(path / "model" / LOAD_FILE, decisions)
             write_refs(path / "model", model)  # carried tensors a sharded read left in their files (sharded_carried)
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -87,7 +86,7 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
         state[PAIRS] = pairs
     dcp.save(state, checkpoint_id=str(path / "dcp"))
     if _is_main() and trainer_state is not None:
-        (path / "trainer.json").write_text(json.dumps(trainer_state, indent=1, sort_keys=True) + "\n")
+        write_json_atomic(path / "trainer.json", trainer_state)
     if dist.is_initialized():
         dist.barrier()  # the checkpoint is complete only when every rank's shards are down
     return path

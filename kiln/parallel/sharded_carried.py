@@ -33,6 +33,7 @@ import torch
 from safetensors import safe_open
 
 from kiln.errors import KilnError
+from kiln.hub.config import write_json_atomic
 from kiln.hub.fp8 import FP8, dequantize, logical_shape
 from kiln.hub.weights import tensor_spans, weight_files
 
@@ -172,15 +173,15 @@ def carried_keys(model: torch.nn.Module, live_mtp: bool = False, checkpoint_keys
 
 
 def write_refs(out_dir: Path, model: torch.nn.Module) -> None:
-    """The references of the placeholders `model` holds, to out_dir/CARRIED_FILE (none: no file)."""
+    """The references of the placeholders `model` holds, to out_dir/CARRIED_FILE atomically (none: no file)."""
     held = placeholders(model)
     # in the holders' order (the family's load's): the export writes them in it, as a whole load's export does
     refs = [{"holder": h, "name": n, **dataclasses.asdict(r)} for (h, n), r in model.carried_refs.items()
             if n in held.get(h, {})] if held else []
     if refs:
-        tmp = out_dir / (CARRIED_FILE + ".tmp")
-        tmp.write_text(json.dumps(refs, indent=1) + "\n")
-        os.replace(tmp, out_dir / CARRIED_FILE)
+        write_json_atomic(out_dir / CARRIED_FILE, refs)
+    else:  # no file, and none left by an earlier save in this directory
+        (out_dir / CARRIED_FILE).unlink(missing_ok=True)
 
 
 def read_refs(ckpt: Path) -> dict[tuple[str, str], CarriedRef]:
