@@ -28,16 +28,17 @@ def read_q4_shapes(model_dir: Path, tensors: dict) -> dict[str, tuple[int, ...]]
     JSON tensors (a few hundred bytes each; no weights read); empty for any other directory."""
     import json
 
-    from safetensors import safe_open
-
     from kiln.errors import WeightsError
+    from kiln.hub.weights import SpanReader, tensor_spans
     from kiln.parallel.memory_q4 import is_state
 
     states = [k for k in tensors if is_state(k) and ".quant_state." in k]
     out: dict[str, tuple[int, ...]] = {}
-    for key in states:
-        with safe_open(str(model_dir / tensors[key].file), framework="numpy") as f:
-            raw = bytes(f.get_tensor(key).tolist())
+    spans: dict[Path, dict] = {}
+    for key in states:  # safetensors or .bin alike: each file's spans read once
+        file = model_dir / tensors[key].file
+        with open(file, "rb", buffering=0) as f:
+            raw = bytes(SpanReader(f, spans.setdefault(file, tensor_spans(file))).get_tensor(key).tolist())
         try:
             out[key.split(".quant_state.")[0]] = tuple(int(d) for d in json.loads(raw.decode("utf-8"))["shape"])
         except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:

@@ -217,6 +217,10 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
         return p.block is None and not p.trainable and not (p.tp and tp > 1) and not (p.expert and ep > 1) and (
             s.param_dtype is None or p.itemsize == _DTYPE_BYTES[s.param_dtype])
 
+    lora_in_block: dict[int, set[str]] = {}  # a hybrid's blocks differ: each its own adapted modules
+    for p in params:
+        if hybrid is not None and p.name.endswith("lora_A.weight"):
+            lora_in_block.setdefault(p.block, set()).add(p.module)
     ranks = []
     for stage in range(pp):
         shares = [(p, share(p, stage)) for p in params]
@@ -228,8 +232,7 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
         blocks = list(stages[stage])
         per_block = {}
         for b in blocks:
-            tb = targets if hybrid is None else {p.module for p in params
-                                                 if p.name.endswith("lora_A.weight") and p.block == b}
+            tb = targets if hybrid is None else lora_in_block.get(b, set())
             if hybrid is not None and b in hybrid.linear_layers:
                 a = deltanet_block_bytes(dims, hybrid, cb, not lora, tb, s.lora_r or 0, s.seq_len,
                                          down_bytes=4 if q4 else None, exact=s.exact)

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -69,6 +69,10 @@ from kiln.parallel.sharded_fp8 import dequantized_pairs, needs_pairs, note_unhel
 from kiln.parallel.sharded_fresh import init_fresh, start_draws, with_adapter
 from kiln.parallel.sharded_q4 import WholeLoad4, place_q4, q4_keys, q4_names, read_q4
 from kiln.parallel.sharded_stage import HostStage, host_stage
+
+
+class QuantizedBin(NotInPlace):
+    """FP8 or 4-bit weights in .bin files: loaded whole (`read_plan` still builds the model to see what it carries)."""
 
 
 def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None, fp8: str = "dequantize",
@@ -112,12 +116,14 @@ def read_plan(path: str | os.PathLike, task: str | None = None, fp8: str = "dequ
     path = resolve_model_dir(path)
     try:
         model, groups, unplaced = _empty(path, task, fp8, changes, quantize)
-    except (WholeLoad4, NotInPlace) as e:
-        try:  # an FP8 or 4-bit .bin stored in place: the family's load on its headers still says what it carries
+    except QuantizedBin as e:  # an FP8 or 4-bit .bin: the family's load on its headers still says what it carries
+        try:
             model = _empty(path, task, fp8, changes, quantize, quantized_bin=True)[0]
-        except (WholeLoad4, NotInPlace):
+        except (WholeLoad4, NotInPlace, SafetensorError):  # (a 4-bit base's quant state is read as safetensors)
             model = None
         return model, {}, str(e)
+    except (WholeLoad4, NotInPlace) as e:
+        return None, {}, str(e)
     if placeholders(model) and any(f.suffix == ".bin" for f in weight_files(path)):
         bins = sorted(f.name for f in weight_files(path) if f.suffix == ".bin")
         return model, groups, (f"{path}: {bins[0]}{' ...' if len(bins) > 1 else ''}: .bin weights with tensors "
@@ -151,7 +157,7 @@ def _empty(path: str | os.PathLike, task: str | None, fp8: str, changes: dict[st
     scheme = None if bnb4_scheme_from_config(config.extra, source) else scheme_from_config(config.extra, source)
     files = weight_files(path)
     if any(f.suffix == ".bin" for f in files) and "quantization_config" in config.extra and not quantized_bin:
-        raise NotInPlace(f"{path}: FP8 or 4-bit .bin weights load whole; a sharded read takes them as safetensors")
+        raise QuantizedBin(f"{path}: FP8 or 4-bit .bin weights load whole; a sharded read takes them as safetensors")
     config = apply_changes(config, dict(changes))
     with torch.device("meta"):
         model = family.build(config, task or source_task or BASE)

@@ -71,3 +71,18 @@ def test_an_fp8_bin_release_s_mtp_layer_is_carried_though_it_loads_whole(v3_rele
     assert sum(p.carried for p in bin_params) == sum(p.carried for p in st_params) == 66
     assert st_settings.loads_whole is None and "FP8 or 4-bit .bin" in settings.loads_whole
     assert whole.rank.endswith("(today's loader)") and whole.load_peak > st.load_peak
+
+
+def test_a_4bit_bin_directory_is_planned_whole_without_a_crash(tiny_factory, tmp_path):
+    """A bitsandbytes-4bit directory saved as .bin loads whole; the plan's look at what its family carries reads
+    the quant state as safetensors, which a .bin is not: that look gives up (nothing carried), the plan does not."""
+    from kiln.interop.export import export_model
+    from kiln.parallel.sharded_load import read_plan
+    from tests.parallel.sharded_load_workers import bin_release
+
+    export_model(tiny_factory("qwen3", "causal-lm"), tmp_path / "nf4", quantize="nf4")
+    pickled = bin_release(tmp_path / "nf4", tmp_path / "bin")
+    model, groups, why = read_plan(pickled, "causal-lm")
+    assert "FP8 or 4-bit .bin" in why and groups == {}
+    params, settings, whole = planned(tmp_path, pickled)
+    assert "FP8 or 4-bit .bin" in settings.loads_whole and whole.rank.endswith("(today's loader)")
