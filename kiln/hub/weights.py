@@ -173,7 +173,7 @@ class _SpanSlice:
         a run of columns (dim 1, the dimensions after it whole) one read per row; any other box its rows, then cut."""
         s = self.span
         if not s.shape:
-            return SpanReader(self.f, {"": s}).get_tensor("")
+            return _read_into_alignment(self.f, s.offset, s.nbytes, s.dtype, [])
         box = [index[d].indices(n) if d < len(index) else (0, n, 1) for d, n in enumerate(s.shape)]
         if any(step != 1 for _, _, step in box):
             raise ValueError("a span slice takes runs of rows and columns")
@@ -204,13 +204,19 @@ def load_weights(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     return state
 
 
-def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+def _atomic(path: Path, write: Any) -> None:
+    """`write(tmp)` writes the file under a temporary name; fsynced, given the umask's mode, then renamed to path."""
     tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    write(tmp)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     as_umask_allows(tmp)  # safetensors makes it 0600
     os.replace(tmp, path)
+
+
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    _atomic(path, lambda tmp: save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp),
+                                        metadata=metadata))
 
 
 def save_weights(
@@ -279,11 +285,7 @@ def save_bin_weights(model_dir: str | os.PathLike, state: dict[str, torch.Tensor
     groups = shard_plan([(k, v.nbytes) for k, v in state.items()], max_shard_bytes)
     names = shard_names(len(groups), ".bin")
     for name, group in zip(names, groups):
-        tmp = model_dir / (name + ".tmp")
-        torch.save({k: state[k] for k in group}, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, model_dir / name)
+        _atomic(model_dir / name, lambda tmp, group=group: torch.save({k: state[k] for k in group}, tmp))
     if len(groups) > 1:
         write_index(model_dir, sum(v.nbytes for v in state.values()),
                     {k: name for name, group in zip(names, groups) for k in group}, BIN_INDEX)
