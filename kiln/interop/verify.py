@@ -1,7 +1,8 @@
 """verify-export: load a directory into transformers and into kiln, run fixed inputs, demand equality.
 
 Every head output (and the loss, with labels) must have max abs diff = 0, and transformers must
-report zero missing, unexpected or mismatched keys.
+report zero missing, unexpected or mismatched keys. Both models' weights sit on 64-byte boundaries while
+they run (`realign`): a BLAS may pick its kernel, and so its summation order, by an operand's address.
 """
 
 from __future__ import annotations
@@ -68,10 +69,31 @@ def _value(out, name: str):
     return getattr(out, name, None) if not isinstance(out, dict) else out.get(name)
 
 
+ALIGN = 64  # bytes: PyTorch's CPU allocator starts every block here, so a fresh copy lands on it
+
+
+def realign(*models: torch.nn.Module) -> int:
+    """Copy each CPU parameter and buffer that does not start on a 64-byte boundary into a fresh block that
+    does; the number moved. Why: both loaders hand back weights at whatever address their read left them
+    (transformers and kiln alike: 8-byte aligned safetensors offsets, blocks cut from one read buffer), and
+    MKL's single-row product (a `Linear(dim, 1)` such as Qwen's `shared_expert_gate`, a GEMV) sums in another
+    order when the weight is not 16-byte aligned on some CPUs (AMD EPYC with AVX-512: a few 1e-7 apart;
+    with `MKL_CBWR` set, or on CPUs whose kernel ignores alignment, the same). Equal values at equal
+    alignment leave the comparison to the operations alone, whichever kernels the CPU selects."""
+    moved = 0
+    for model in models:
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.device.type == "cpu" and t.layout == torch.strided and t.numel() and t.data_ptr() % ALIGN:
+                t.data = t.data.clone()  # same strides, a fresh (aligned) allocation
+                moved += 1
+    return moved
+
+
 def compare_models(kiln_model, hf_model, task: Task, config, batches: list[dict], seed: int = 0,
                    device: torch.device | str = "cpu") -> list[Check]:
     """Run each batch (with labels where the head has a loss) through both models, which sit on `device`;
-    diff every output."""
+    diff every output. Both models' weights are realigned first (`realign`)."""
+    realign(kiln_model, hf_model)
     accepted = set(inspect.signature(hf_model.forward).parameters)
     g = torch.Generator().manual_seed(seed)
     checks = []

@@ -46,14 +46,16 @@ def changed_copy(src: Path, dst: Path, change: Callable[[str, torch.Tensor, torc
 
 def model_pair(src: Path, eos: bool = True):
     """(kiln, transformers) causal LMs loaded from `src`; eos=False: both generate the full length (random
-    tiny models emit the EOS id early)."""
+    tiny models emit the EOS id early). Both realigned (kiln.interop.verify.realign): compared bit for bit."""
     import transformers
 
+    from kiln.interop.verify import realign
     from kiln.models import AutoModelForCausalLM
 
     ours, hf = AutoModelForCausalLM.from_pretrained(src), transformers.AutoModelForCausalLM.from_pretrained(src).eval()
     if not eos:
         ours.config.eos_token_id = hf.generation_config.eos_token_id = None
+    realign(ours, hf)
     return ours, hf
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from kiln.interop.verify import realign
 from kiln.models.auto import REGISTRY
 from kiln.models.pretrained import Family, Tiny
 from kiln.models.tasks import BASE, CAUSAL_LM
@@ -90,7 +91,9 @@ def same_outputs(a, b, what: str) -> int:
 
 
 def run_both(ours, hf, batches: list[dict], router_layers: int, what: str) -> None:
-    """Each batch through both models; with router_layers, again asking for router logits (and the aux loss)."""
+    """Each batch through both models; with router_layers, again asking for router logits (and the aux loss).
+    Both models' weights are realigned first (kiln.interop.verify.realign), for these and later gradients."""
+    realign(ours, hf)
     with torch.no_grad():
         for i, batch in enumerate(batches):
             same_outputs(ours(**batch), hf(**batch), f"{what} batch {i}")
