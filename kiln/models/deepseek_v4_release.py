@@ -3,7 +3,8 @@
 - `V4_KEYS` (and the per-head lists): kiln's module names -> the names transformers writes for V4;
   the later rules of each head's list are read-only aliases, so DeepSeek's own release layout loads too;
 - `release_name`: a causal LM's name as DeepSeek's release writes it (no `model.`, `embed`, `head`,
-  `hc_head_fn`), kept for a checkpoint read in that layout;
+  `hc_head_fn`), kept for a checkpoint read in that layout; the MLA key/value norm is read as the release's
+  `attn.kv_norm` or transformers' `attn.norm` and written back as read (`release_kv_norm`);
 - `V4TaskModel`: the `mtp.*` tensors carried through (or handed to the live MTP layer), and the
   hyper-connection, sink, position-bias and norm parameters held in float32, written back in the
   half dtype they were stored in while that is lossless.
@@ -23,6 +24,8 @@ MTP_TENSOR = re.compile(r"(^|\.)mtp\.")
 # Parameters transformers keeps in float32 under a half-precision model (its _keep_in_fp32_modules_strict);
 # the routers' balancing bias keeps itself (moe_routing.GroupLimitedRouter).
 KEEP_FP32 = re.compile(r"attn_hc|ffn_hc|hc_head|sinks|position_bias|norm")
+# The MLA key/value norm in the release's spelling; transformers' save writes `attn.norm` for it instead.
+RELEASE_KV_NORM = re.compile(r"(^|\.)attn\.kv_norm\.")
 
 
 class V4TaskModel:
@@ -45,6 +48,9 @@ class V4TaskModel:
         report = super().load_hf_state_dict({k: v for k, v in hf.items() if k not in mtp}, source, source_task)
         self.mtp_tensors = {out_name[k]: v for k, v in mtp.items()}
         self.release_layout = self.task != BASE and not any(k.startswith(prefix) for k in hf)
+        # the key/value norm written back under the name read: the release's `attn.kv_norm`, else (read as
+        # `attn.norm`, or nothing read) the name transformers writes
+        self.release_kv_norm = any(RELEASE_KV_NORM.search(k) for k in hf)
         self.stored_half = {}  # kiln name -> the half dtype it was stored in: written back in it
         for name, p in self.named_parameters():
             if KEEP_FP32.search(name) and p.dtype in (torch.float16, torch.bfloat16):  # stored in half precision
@@ -63,6 +69,8 @@ class V4TaskModel:
         mtp = dict(getattr(self, "mtp_tensors", {}))
         if getattr(self, "fp8_state", None) is not None:  # dequantized at load: back to FP8 / FP4 + scales
             mtp = self.fp8_state.export(mtp)
+        if not getattr(self, "release_kv_norm", False):
+            hf = {RELEASE_KV_NORM.sub(r"\1attn.norm.", k): v for k, v in hf.items()}
         hf.update(mtp)
         if getattr(self, "release_layout", False):
             hf = {release_name(k): v for k, v in hf.items()}
@@ -112,6 +120,9 @@ V4_KEYS = [
         ("self_attn.q_a_norm", "attn.q_norm"),
         ("self_attn.q_b_proj", "attn.wq_b"),
         ("self_attn.kv_proj", "attn.wkv"),
+        # the release's name (its weight index: layers.N.attn.kv_norm.weight), and the one transformers' reverse
+        # renaming writes (`.norm.` <- `.kv_norm.`), read too; a save writes the one read (V4TaskModel.hf_state_dict)
+        ("self_attn.kv_norm", "attn.kv_norm"),
         ("self_attn.kv_norm", "attn.norm"),
         ("self_attn.o_a_proj", "attn.wo_a"),
         ("self_attn.o_b_proj", "attn.wo_b"),

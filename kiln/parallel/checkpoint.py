@@ -312,13 +312,13 @@ def _export_streaming(model: nn.Module, path: Path, out: Path, saved: dict[str, 
 
 
 # What a family's own load decides from the checkpoint it reads, and its save writes back by (kiln/models): the
-# layout and names (Qwen3.5-MoE's fused experts, DeepSeek-V4's release naming), the half dtype a parameter held
+# layout and names (Qwen3.5-MoE's fused experts, DeepSeek-V4's release naming and its key/value norm's name), the half dtype a parameter held
 # in float32 was stored in (DeepSeek-V4), and the tensors it carries beside the model's (MTP layers, a vision
 # tower). A sharded checkpoint records them (model/LOAD_FILE, and the carried tensors under "carried" in the
 # shards), so its export writes what a one-process export of the same weights writes; kept FP8, the scales' names
 # and the FP8 pairs of the weights the load dequantized too (sharded_fp8_export).
 LOAD_FILE = "load.json"
-LOAD_FLAGS = ("fused_experts", "release_layout")
+LOAD_FLAGS = ("fused_experts", "release_layout", "release_kv_norm")
 
 
 def _load_decisions(model: nn.Module) -> dict[str, Any]:

@@ -161,3 +161,39 @@ def test_release_format_errors_are_named(release, tmp_path):
     shutil.copy(release / "model.safetensors", bad / "model.safetensors")
     with pytest.raises(WeightsError, match="is packed FP4 .* no expert_dtype 'fp4'"):
         load_pretrained(bad)
+
+
+def test_release_kv_norm_name_loads_trains_and_exports_as_read(release, tiny_factory, tmp_path):
+    """The release names the MLA key/value norm `layers.N.attn.kv_norm.weight` (transformers' save writes
+    `attn.norm`): it loads into the norm, trains, and an export writes it back under the name read."""
+    on_disk = load_file(str(release / "model.safetensors"))
+    assert "layers.0.attn.kv_norm.weight" in on_disk and "mtp.0.attn.kv_norm.weight" in on_disk
+    assert not any(k.endswith("attn.norm.weight") for k in on_disk)
+    model = load_pretrained(release)
+    assert model.load_report.ignored == [] and model.load_report.initialized == [], model.load_report.lines()
+    norm = model.model.layers[0].self_attn.kv_norm.weight
+    assert torch.equal(norm.detach(), on_disk["layers.0.attn.kv_norm.weight"].float())
+
+    model.save_pretrained(tmp_path / "untouched")  # byte for byte the release, its names included
+    check = compare_weights(tmp_path / "untouched", release)
+    assert check.ok, check.detail
+
+    model.train()  # one step: the norm takes a gradient and moves; the export keeps the release's names
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    ids = _ids(20)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and norm.grad is not None and bool(norm.grad.abs().sum() > 0)
+    opt.step()
+    model.save_pretrained(tmp_path / "trained")
+    got = load_file(str(tmp_path / "trained" / "model.safetensors"))
+    assert set(got) == set(on_disk)  # (a trained norm keeps float32: V4TaskModel.hf_state_dict)
+    assert not torch.equal(got["layers.0.attn.kv_norm.weight"].float(), on_disk["layers.0.attn.kv_norm.weight"].float())
+
+    # transformers' own spelling still reads, and is written back as it was read
+    hf_layout = tiny_release_source(tiny_factory)
+    saved = load_file(str(hf_layout / "model.safetensors"))
+    assert "model.layers.0.attn.norm.weight" in saved
+    load_pretrained(hf_layout).save_pretrained(tmp_path / "hf")
+    check = compare_weights(tmp_path / "hf", hf_layout)
+    assert check.ok, check.detail

@@ -1,8 +1,8 @@
 """A tiny DeepSeek-V4-Flash look-alike in the release's own format, for the release tests (not a test module).
 
 `make_release` takes a tiny random checkpoint saved by transformers and rewrites it the way the
-release ships: DeepSeek's names with no `model.` prefix (`embed`, `head`, `hc_head_fn`, `layers.N.attn.wq_a`),
-config.json with the release's keys (the legacy forms transformers folds in: `compress_ratios` with one
+release ships: DeepSeek's names with no `model.` prefix (`embed`, `head`, `hc_head_fn`, `layers.N.attn.wq_a`,
+`layers.N.attn.kv_norm`), config.json with the release's keys (the legacy forms transformers folds in: `compress_ratios` with one
 entry more for the MTP layer, `num_hash_layers`, `qk_rope_head_dim`, `rope_scaling`, a top-level
 `expert_dtype`), an MTP layer under `mtp.0.*`, the dense projections float8_e4m3fn with UE8M0 block
 scales under `<module>.scale`, and the routed experts FP4 (e2m1, two a byte in int8, low nibble first,
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -58,7 +59,9 @@ def fp4_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def release_name(k: str) -> str:
-    k = k.removeprefix("model.")
+    """A name transformers' save writes, as the release's weight index has it (its MLA key/value norm is
+    `attn.kv_norm`, where transformers' reverse renaming writes `attn.norm`)."""
+    k = re.sub(r"(^|\.)attn\.norm\.", r"\1attn.kv_norm.", k.removeprefix("model."))
     return k.replace("embed_tokens.", "embed.").replace("hc_head.hc_", "hc_head_")
 
 
@@ -128,7 +131,7 @@ def make_release(src: Path, out: Path, block: int = 32) -> Path:
     state = load_file(str(src / "model.safetensors"))
     g = torch.Generator().manual_seed(7)
     named = {release_name(k): v for k, v in state.items()}
-    named.update(mtp_layer(state, g))
+    named.update({release_name(k): v for k, v in mtp_layer(state, g).items()})
     result = {}
     for k, v in named.items():
         module = k.rsplit(".", 1)[0]
