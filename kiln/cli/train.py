@@ -42,10 +42,11 @@ def train(config: Path = typer.Option(..., "--config", "-c", help="The run TOML.
         elif value is not None:
             overrides.append(parse_override(f"{s.key}={value}"))
     cfg = load_run_config(config, overrides)
-    from kiln.parallel.memory_heap import lean_heap
-    from kiln.parallel.world import leave_world
+    from kiln.parallel.memory_heap import lean_heap, pays_off
+    from kiln.parallel.world import launched_world, leave_world
 
-    lean_heap()  # before any weight is read: large freed blocks go back to the system (glibc's heap keeps them)
+    if pays_off(cfg.parallel, launched_world().size):  # sharded ranks: large freed blocks back to the system
+        lean_heap()  # before any weight is read (glibc's heap would keep the gathered shards' blocks)
 
     # a resume keeps the checkpoint's global batch, unless the command line names the batch size
     rescale = not any(key == "train.batch_size" for key, _ in overrides)

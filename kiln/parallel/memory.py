@@ -327,8 +327,8 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
         load = max(0.0, biggest_tensor - ((grads + acts if s.keep_grads else max(grads, acts)) + optim + comm
                                           + autocast + dequant))
         # glibc keeps freed heap memory: the many small activation tensors leave ~35% of their bytes resident;
-        # the loss path's (vocabulary x rows, vocabulary x hidden) buffers are far above kiln train's mmap
-        # threshold (kiln.parallel.memory_heap) and go back to the system when freed
+        # the loss path's (vocabulary x rows, vocabulary x hidden) buffers are above glibc's mmap threshold (its
+        # adaptive ceiling 32 MiB; 4 MiB on sharded ranks, kiln.parallel.memory_heap) and go back when freed
         allocator = ALLOCATOR_SHARE * block_acts if s.device == "cpu" else 0.0
         r = RankMemory(f"stage {stage}" if pp > 1 else "every rank", keep_grads=s.keep_grads,
                        backward_comm=int(round(grad_unit)))

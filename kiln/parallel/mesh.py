@@ -75,6 +75,14 @@ def resolve_degrees(parallel: Any, world_size: int) -> Degrees:
     return Degrees(dp=dp, **given)
 
 
+def holds_shards(parallel: Any, world_size: int) -> bool:
+    """Whether each rank holds only shards of the weights: fsdp, or tp / ep / pp above 1, over several processes."""
+    if parallel is None:
+        return False
+    d = resolve_degrees(parallel, world_size)  # (refuses degrees that do not fit the world, one process too)
+    return world_size > 1 and (bool(parallel.fsdp) or d.tp > 1 or d.ep > 1 or d.pp > 1)
+
+
 def check_model(degrees: Degrees, model: nn.Module, fsdp: bool = False) -> None:
     """Refuse degrees the model's plan or shapes cannot be split by, naming the key and the numbers."""
     tp, ep = degrees.tp, degrees.ep

@@ -27,7 +27,7 @@ from kiln.parallel.apply import Parallelized, parallelize
 from kiln.parallel.checkpoint import is_sharded, load_sharded, save_sharded
 from kiln.parallel.config import ParallelSection
 from kiln.parallel.fsdp import apply_fsdp
-from kiln.parallel.mesh import DIMS, resolve_degrees
+from kiln.parallel.mesh import DIMS, holds_shards, resolve_degrees
 from kiln.parallel.sharded_load import read_shards
 from kiln.errors import ConfigError, KilnError
 from kiln.train import checkpoint as ckpt
@@ -47,8 +47,7 @@ def data_shard(parallel: ParallelSection | None, rank: int, world_size: int) -> 
 def check_plan(parallel: ParallelSection, precision: str, reshaping: list[str], world_size: int) -> None:
     """Refuse what the Trainer cannot run with these plans (before any model work); `reshaping` names the
     callbacks that may change the model's shape in `on_setup` (layer growth)."""
-    degrees = resolve_degrees(parallel, world_size)
-    sharded = world_size > 1 and (parallel.fsdp or degrees.tp > 1 or degrees.ep > 1 or degrees.pp > 1)
+    sharded = holds_shards(parallel, world_size)
     if sharded and precision == "fp16":
         raise ConfigError("train.precision = 'fp16' with parallel.fsdp / tp / ep / pp is not supported (the loss "
                           "scaler does not handle sharded gradients); use 'bf16'")

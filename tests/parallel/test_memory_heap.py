@@ -1,5 +1,6 @@
 """kiln.parallel.memory_heap.lean_heap: with it, a large block glibc would have carved from its heap (the
-default threshold lifted by an earlier freed mapping) is a mapping of its own, returned to the system on free."""
+default threshold lifted by an earlier freed mapping) is a mapping of its own, returned to the system on free;
+`kiln train` sets it only where ranks hold shards of the weights (pays_off), not in one process or plain DDP."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import subprocess
 import sys
 
 import pytest
+
+from kiln.errors import ConfigError
+from kiln.parallel.config import ParallelSection
+from kiln.parallel.memory_heap import pays_off
 
 from tests.kiln_cli import REPO
 
@@ -45,3 +50,17 @@ def test_lean_heap_maps_large_blocks_and_leaves_an_explicit_setting_alone():
     assert _child("lean") == ["True", "1"]      # its own mapping, unmapped when freed
     # the user's MALLOC_MMAP_THRESHOLD_ stands (glibc read it at start: 40 MiB keeps the block on the heap)
     assert _child("lean", MALLOC_MMAP_THRESHOLD_=str(40 << 20)) == ["False", "0"]
+
+
+@pytest.mark.parametrize("table,world,pays", [
+    ({}, 1, False), ({"fsdp": True}, 1, False),            # one process: the step pays, no peak falls
+    ({}, 2, False),                                        # DDP: every rank holds the whole model
+    ({"fsdp": True}, 2, True), ({"tp": 2}, 2, True), ({"ep": 2}, 4, True), ({"pp": 2}, 2, True),
+])
+def test_lean_heap_only_where_ranks_hold_shards(table, world, pays):
+    assert pays_off(ParallelSection(**table), world) is pays
+
+
+def test_pays_off_refuses_degrees_that_do_not_fit():
+    with pytest.raises(ConfigError, match="do not divide the world size"):
+        pays_off(ParallelSection(tp=2), 3)
