@@ -6,7 +6,12 @@ The same articles (title + body, real lengths, truncated to 256 tokens by the mo
 same weights, batch 8 (transformers' default), lr 5e-5, linear schedule, no eval, no saving; each side in its own process,
 rounds interleaved, the warm-up steps untimed. Ratios last.
 
-    python benchmarks/bench_finetune_bbc.py [--steps 3] [--warmup 1] [--rounds 3]
+    python benchmarks/bench_finetune_bbc.py [--steps 3] [--warmup 1] [--rounds 3] [--cli]
+
+--cli: kiln's side is the command a user runs, `kiln train --config run.toml` (the same rows written as
+jsonl, task sequence-classification, the same batch, lr, schedule and length; no eval, no checkpoint),
+its steps clocked where the run logs each one, so what the command sets up for the process (kiln.cli.train:
+the heap setting, kiln.parallel.memory_heap) is measured too.
 """
 
 from __future__ import annotations
@@ -65,6 +70,36 @@ def run_kiln(steps: int, warmup: int) -> dict:
     return {"samples_per_s": (len(timed) - 1) * BATCH / (timed[-1] - timed[0]), "peak_mb": peak_mb_above(base)}
 
 
+def run_kiln_cli(steps: int, warmup: int) -> dict:
+    """kiln's side through `kiln train` (module docstring): the step clock is the run's own metrics log."""
+    from kiln.cli.main import app
+    from kiln.train import metrics
+
+    setup_torch()
+    base = rss_kb()
+    texts, labels = _records(BATCH * (steps + warmup))
+    clock: list[float] = []
+    log = metrics.MetricsLog.log
+
+    def clocked(self, record):  # a step's record is logged as the step ends (log_every = 1)
+        clock.append(time.perf_counter())
+        log(self, record)
+
+    metrics.MetricsLog.log = clocked
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "train.jsonl"
+        data.write_text("".join(json.dumps({"text": t, "label": f"topic{y}"}) + "\n" for t, y in zip(texts, labels)))
+        cfg = Path(tmp) / "run.toml"
+        cfg.write_text(f'[model]\npath = "{_model_dir()}"\ntask = "sequence-classification"\n'
+                       f'[data]\ntrain = "{data}"\ntext_field = "text"\nlabel_field = "label"\nmax_length = {LENGTH}\n'
+                       f'[train]\nout_dir = "{tmp}/run"\nsteps = {steps + warmup}\nbatch_size = {BATCH}\n'
+                       f'lr = {LR}\nschedule = "linear"\nsave_at_end = false\nprogress = false\nlog_every = 1\n'
+                       'device = "cpu"\n')
+        app(["train", "--config", str(cfg)], standalone_mode=False)
+    timed = clock[warmup - 1:]
+    return {"samples_per_s": (len(timed) - 1) * BATCH / (timed[-1] - timed[0]), "peak_mb": peak_mb_above(base)}
+
+
 def run_hf(steps: int, warmup: int) -> dict:
     import transformers
     from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
@@ -100,17 +135,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cli", action="store_true", help="kiln's side through `kiln train` (module docstring)")
     a = ap.parse_args()
     res: dict[str, list[dict]] = {"hf": [], "kiln": []}
     for r in range(a.rounds):
         for side in list(res)[:: 1 if r % 2 == 0 else -1]:  # who goes first alternates
-            out = run_child(__file__, "--child", side, str(a.steps), str(a.warmup))
+            out = run_child(__file__, "--child", "kiln-cli" if a.cli and side == "kiln" else side, str(a.steps),
+                            str(a.warmup))
             res[side].append(out)
             print(f"round {r + 1} {side:>4}: {out['samples_per_s']:6.2f} samples/s, peak +{out['peak_mb']:.0f} MB",
                   flush=True)
     texts, _ = _records(BATCH * (a.steps + a.warmup))
     print(f"all-MiniLM-L6-v2 + 5-way head, BBC News (title + body) at max_length {LENGTH}, batch {BATCH}")
-    report("encoder fine-tune (MiniLM, BBC, max_length 256)", "transformers Trainer", "samples/s",
+    report("encoder fine-tune (MiniLM, BBC, max_length 256)" + (", kiln train" if a.cli else ""),
+           "transformers Trainer", "samples/s",
            [x["samples_per_s"] for x in res["kiln"]], [x["samples_per_s"] for x in res["hf"]],
            kiln_mem=min(x["peak_mb"] for x in res["kiln"]), peer_mem=min(x["peak_mb"] for x in res["hf"]),
            goal=">= 1.3x")
@@ -119,6 +157,6 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "--child":
         side, steps, warmup = sys.argv[2:]
-        print(json.dumps({"kiln": run_kiln, "hf": run_hf}[side](int(steps), int(warmup))))
+        print(json.dumps({"kiln": run_kiln, "kiln-cli": run_kiln_cli, "hf": run_hf}[side](int(steps), int(warmup))))
     else:
         main()

@@ -72,6 +72,17 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def write_deps(path: Path, loaded: dict[str, set[str]]) -> None:
+    """Merge this run's record of the kiln files each benchmark loaded into `path` (a benchmark not run keeps its
+    entry); one with no kiln file recorded (its processes' exit hooks did not run) is left out, so
+    benchmarks/check.py falls back to its static guess for it."""
+    deps = json.loads(path.read_text()) if path.is_file() else {}
+    deps.update({s: sorted(files) for s, files in loaded.items() if files})
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(deps, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="")
@@ -83,16 +94,20 @@ def main() -> None:
     print(f"fp32 matmul peak at {threads()} thread(s): {peak:.1f} GFLOP/s", flush=True)
     with tempfile.NamedTemporaryFile("r", suffix=".jsonl", delete=False) as f:
         rows_file = f.name
-    env = {**os.environ, "BENCH_JSON": rows_file, "BENCH_PEAK": f"{peak:.3f}", "PYTHONPATH": str(HERE.parent),
-           "TOKENIZERS_PARALLELISM": "false"}
-    timings = []
+    # deps_hook records the kiln files each benchmark's processes load (benchmarks/deps.json, for `make bench-check`)
+    env = {**os.environ, "BENCH_JSON": rows_file, "BENCH_PEAK": f"{peak:.3f}", "BENCH_ROOT": str(HERE.parent),
+           "PYTHONPATH": os.pathsep.join([str(HERE / "deps_hook"), str(HERE.parent)]), "TOKENIZERS_PARALLELISM": "false"}
+    timings, loaded = [], {}
     for script, args in WORKLOADS:
         if a.only and a.only not in script:
             continue
         print(f"\n$ python benchmarks/{script} {' '.join(args)}", flush=True)
         t = time.time()
-        subprocess.run([sys.executable, str(HERE / script), *args], env=env, check=True)
+        with tempfile.TemporaryDirectory() as deps:
+            subprocess.run([sys.executable, str(HERE / script), *args], env={**env, "BENCH_DEPS": deps}, check=True)
+            loaded.setdefault(script, set()).update(f for p in Path(deps).glob("*.json") for f in json.loads(p.read_text()))
         timings.append(f"{script} {' '.join(args)}".strip() + f": {time.time() - t:.0f} s")
+    write_deps(HERE / "deps.json", loaded)
     rows = [json.loads(line) for line in Path(rows_file).read_text().splitlines() if line.strip()]
     os.unlink(rows_file)
     # Other work on the machine only ever lowers a measured peak: rate every row against the run's highest.

@@ -1,0 +1,64 @@
+"""benchmarks/check.py (`make bench-check`): which benchmarks a change touched, the ratios RESULTS.md records, and
+the 10% rule; nothing is benchmarked here (speed is measured only in benchmarks/)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def check():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench_check", ROOT / "benchmarks" / "check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_recorded_ratios_read_the_results_table(check):
+    table = ("text\n\n| workload | peer | ratio best (median) | notes |\n|---|---|---|---|\n"
+             "| encoder fine-tune (MiniLM) | HF Trainer | **1.01x** (0.99x) | a | b |\n"
+             "| QLoRA | peft | **1.68x** (1.69x) | note |\n\n| other | table |\n|---|---|\n| x | 3.0x |\n")
+    assert check.recorded_ratios(table) == {"encoder fine-tune (MiniLM)": 1.01, "QLoRA": 1.68}
+    real = check.recorded_ratios((ROOT / "benchmarks" / "RESULTS.md").read_text())
+    assert real and all(r > 0 for r in real.values())
+
+
+def test_a_ratio_more_than_ten_percent_below_is_flagged(check):
+    rows = [{"workload": "a", "ratio_best": 0.72, "ratio_median": 0.70},
+            {"workload": "b", "ratio_best": 0.92, "ratio_median": 0.90},
+            {"workload": "new", "ratio_best": 2.0, "ratio_median": 2.0}]
+    got = {name: fell for name, _, fell in check.verdicts(rows, {"a": 0.97, "b": 1.0})}
+    assert got == {"a": True, "b": False, "new": False}
+
+
+def test_touched_by_recorded_loads_else_by_imports(check):
+    recorded = {s: ["kiln/nothing.py"] for s, _ in check.WORKLOADS}
+    recorded["bench_finetune_bbc.py"] = ["kiln/train/trainer.py"]
+    assert check.touched({"kiln/train/trainer.py"}, recorded) == [("bench_finetune_bbc.py", [])]
+    assert check.touched({"benchmarks/bench_dpo.py"}, recorded) == [("bench_dpo.py", [])]
+    assert check.touched({"README.md"}, recorded) == []
+    guess = check.static_deps("bench_finetune_bbc.py")  # not recorded: its imports, followed
+    assert {"benchmarks/common.py", "kiln/train/trainer.py", "kiln/cli/main.py"} <= guess
+
+
+def test_changed_files_against_the_merge_base(check, tmp_path):
+    def git(*args):
+        subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q", "-b", "main")
+    (tmp_path / "a.py").write_text("1")
+    git("add", "a.py")
+    git("commit", "-qm", "one")
+    git("checkout", "-qb", "work")
+    (tmp_path / "a.py").write_text("2")
+    (tmp_path / "new.py").write_text("3")
+    assert check.changed_files("main", tmp_path) == {"a.py", "new.py"}
