@@ -28,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from run_all import WORKLOADS  # noqa: E402
+from run_all import WORKLOADS, read_table  # noqa: E402
 
 DEPS = HERE / "deps.json"
 TOLERANCE = 0.10
@@ -98,28 +98,10 @@ def touched(changed: set[str], recorded: dict[str, list[str]], root: Path = ROOT
 
 
 def recorded_ratios(results: str) -> dict[str, float]:
-    """Workload name -> best ratio, from every table in RESULTS.md that has a `workload` and a `ratio best` column
-    (the ratio cell reads '**1.01x** (1.01x)': the first number is the best)."""
+    """Workload name -> best ratio of its first row in RESULTS.md's tables (run_all.read_table)."""
     out: dict[str, float] = {}
-    cols: dict[str, int] | None = None
-    for line in results.splitlines():
-        if not line.startswith("|"):
-            cols = None
-            continue
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if cols is None:
-            names = [c.lower() for c in cells]
-            w = next((i for i, c in enumerate(names) if c == "workload"), None)
-            r = next((i for i, c in enumerate(names) if c.startswith("ratio best")), None)
-            cols = {"workload": w, "ratio": r} if w is not None and r is not None else {}
-            continue
-        if not cols or set(line) <= set("|-: ") or len(cells) <= max(cols.values()):
-            continue
-        ratio = cells[cols["ratio"]].replace("*", "").split("x")[0].strip()
-        try:
-            out.setdefault(cells[cols["workload"]], float(ratio))
-        except ValueError:
-            continue
+    for row in read_table(results):
+        out.setdefault(row["workload"], row["ratio_best"])
     return out
 
 

@@ -3,8 +3,9 @@
 Measures this machine's fp32 matmul peak first (passed to every benchmark as BENCH_PEAK; each row measures
 it again and keeps the higher, and MFU is finally rated against the run's highest), runs each benchmark in turn (each prints its own ratio last and appends
 its row to a JSON-lines file), and writes the table: kiln vs its peer, best and median over the
-interleaved rounds, ratio, peak memory ratio, model GFLOP/s and MFU, the goal and whether this run
-met it. Text below the "## Notes" heading of an existing RESULTS.md is kept (it is written by hand:
+interleaved rounds, ratio, peak memory ratio, when and at what load, the goal and whether this run
+met it, one line per row, the figures (throughputs, MB, model GFLOP/s and MFU) and notes below the table, and a
+chart of the ratios (benchmarks/ratios.png, with matplotlib). Text below the "## Notes" heading of an existing RESULTS.md is kept (it is written by hand:
 why a goal is missed). `--only NAME` runs the benchmarks whose file name contains NAME (the table
 then holds those rows only).
 
@@ -58,18 +59,82 @@ def rate_against(rows: list[dict], peak: float) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| workload | peer | kiln best (median) | peer best (median) | ratio best (median) | peak memory ratio "
-            "| model GFLOP/s kiln / peer | MFU kiln / peer | goal | met | notes |")
+    """One line per row (workload, peer, ratio best (median), peak memory ratio, when, load, goal, met), then the
+    figures behind each ratio and the row's note, one list item per row, below the table."""
+    head = "| workload | peer | ratio best (median) | peak memory ratio | when | load | goal | met |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    notes = []
     for r in rows:
-        mem = f"{r['mem_ratio']:.2f} ({r['kiln_mem_mb']:.0f} / {r['peer_mem_mb']:.0f} MB)" if "mem_ratio" in r else "—"
-        gf = f"{r['kiln_gflops']:.1f} / {r['peer_gflops']:.1f}" if "kiln_gflops" in r else "—"
-        mfu = f"{r['kiln_mfu']:.1%} / {r['peer_mfu']:.1%}" if "kiln_mfu" in r else "—"
-        lines.append(f"| {r['workload']} | {r['peer']} | {r['kiln_best']:.2f} ({r['kiln_median']:.2f}) {r['unit']} "
-                     f"| {r['peer_best']:.2f} ({r['peer_median']:.2f}) | **{r['ratio_best']:.2f}x** "
-                     f"({r['ratio_median']:.2f}x) | {mem} | {gf} | {mfu} | {r['goal']} | {goal_met(r)} "
-                     f"| {r.get('note', '')} |")
-    return "\n".join(lines)
+        mem = f"{r['mem_ratio']:.2f}" if "mem_ratio" in r else "—"
+        lines.append(f"| {r['workload']} | {r['peer']} | **{r['ratio_best']:.2f}x** ({r['ratio_median']:.2f}x) | {mem} "
+                     f"| {r.get('when', '—')} | {r.get('load', '—')} | {r['goal']} | {goal_met(r)} |")
+        figures = (f"kiln {r['kiln_best']:.2f} ({r['kiln_median']:.2f}) {r['unit']}, peer {r['peer_best']:.2f} "
+                   f"({r['peer_median']:.2f})")
+        if "mem_ratio" in r:
+            figures += f"; peak memory {r['kiln_mem_mb']:.0f} / {r['peer_mem_mb']:.0f} MB"
+        if "kiln_gflops" in r:
+            figures += (f"; model GFLOP/s {r['kiln_gflops']:.1f} / {r['peer_gflops']:.1f}, MFU {r['kiln_mfu']:.1%} / "
+                        f"{r['peer_mfu']:.1%}")
+        notes.append(f"- **{r['workload']}**: {figures}." + (f" {r['note']}" if r.get("note") else ""))
+    return "\n".join(lines) + "\n\n" + "\n".join(notes)
+
+
+def read_table(text: str) -> list[dict]:
+    """The rows of every table in a RESULTS.md with a `workload` and a `ratio best` column, as
+    {workload, ratio_best, ratio_median} (a ratio cell reads '**1.01x** (0.99x)'; one that does not is skipped)."""
+    rows: list[dict] = []
+    cols: dict[str, int] | None = None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            cols = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cols is None:
+            names = [c.lower() for c in cells]
+            w = next((i for i, c in enumerate(names) if c == "workload"), None)
+            r = next((i for i, c in enumerate(names) if c.startswith("ratio best")), None)
+            cols = {"workload": w, "ratio": r} if w is not None and r is not None else {}
+            continue
+        if not cols or set(line) <= set("|-: ") or len(cells) <= max(cols.values()):
+            continue
+        m = re.fullmatch(r"\**([\d.]+)x\**\s*\(([\d.]+)x\)", cells[cols["ratio"]])
+        if m:
+            rows.append({"workload": cells[cols["workload"]], "ratio_best": float(m.group(1)),
+                         "ratio_median": float(m.group(2))})
+    return rows
+
+
+def chart(rows: list[dict], path: Path) -> bool:
+    """A PNG of the ratios: one bar per row (best), its median as a tick, 1.0x marked; False without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["workload"] if len(r["workload"]) <= 60 else r["workload"][:57] + "..." for r in rows]
+    fig, ax = plt.subplots(figsize=(10, 0.4 * len(rows) + 1.2))
+    y = list(range(len(rows)))[::-1]
+    ax.barh(y, [r["ratio_best"] for r in rows], color="#4878a8", label="best")
+    ax.scatter([r["ratio_median"] for r in rows], y, color="black", marker="|", s=200, zorder=3, label="median")
+    ax.axvline(1.0, color="#c04040", linewidth=1, label="peer (1.0x)")
+    ax.set_yticks(y, names, fontsize=8)
+    ax.set_xlabel("kiln / peer (higher is better)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return True
+
+
+def stamp(rows_file: Path, skip: int, fields: dict[str, str]) -> None:
+    """Add `fields` (when the benchmark ran, the load average at its start and end) to the rows it appended."""
+    lines = rows_file.read_text().splitlines()
+    rows_file.write_text("".join(json.dumps({**json.loads(x), **fields}) + "\n" if i >= skip else x + "\n"
+                                 for i, x in enumerate(lines) if x.strip()))
 
 
 def write_deps(path: Path, loaded: dict[str, set[str]]) -> None:
@@ -87,8 +152,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="")
     ap.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    ap.add_argument("--chart-only", action="store_true", help="redraw ratios.png from the table in --out; run nothing")
     a, _ = ap.parse_known_args()
     out = Path(a.out)
+    if a.chart_only:
+        chart(read_table(out.read_text()), out.with_name("ratios.png"))
+        return
     started, load0 = time.time(), os.getloadavg()[0]
     peak = matmul_peak_gflops()
     print(f"fp32 matmul peak at {threads()} thread(s): {peak:.1f} GFLOP/s", flush=True)
@@ -103,9 +172,12 @@ def main() -> None:
             continue
         print(f"\n$ python benchmarks/{script} {' '.join(args)}", flush=True)
         t = time.time()
+        before, load = len(Path(rows_file).read_text().splitlines()), os.getloadavg()[0]
         with tempfile.TemporaryDirectory() as deps:
             subprocess.run([sys.executable, str(HERE / script), *args], env={**env, "BENCH_DEPS": deps}, check=True)
             loaded.setdefault(script, set()).update(f for p in Path(deps).glob("*.json") for f in json.loads(p.read_text()))
+        stamp(Path(rows_file), before, {"when": time.strftime("%Y-%m-%d %H:%M", time.localtime(t)),
+                                        "load": f"{load:.1f} -> {os.getloadavg()[0]:.1f}"})
         timings.append(f"{script} {' '.join(args)}".strip() + f": {time.time() - t:.0f} s")
     write_deps(HERE / "deps.json", loaded)
     rows = [json.loads(line) for line in Path(rows_file).read_text().splitlines() if line.strip()]
@@ -133,13 +205,17 @@ Written by `make bench` (benchmarks/run_all.py) from one run; each benchmark pri
 - model FLOPs per token: 2 per weight forward + 2 for input gradients + 2 for weight gradients (the last not for
   frozen weights under LoRA), the LM head counted over the whole vocabulary at every token, plus causal attention:
   the same count for kiln and its peer, so work kiln skips (head rows without a label) shows as higher MFU.
-- "best" is the round with the highest throughput, "median" the median round; ratio = kiln / peer.
+- "best" is the round with the highest throughput, "median" the median round; ratio = kiln / peer; `when` and
+  `load`: when the row's benchmark started and the load average at its start and end. benchmarks/ratios.png charts
+  the ratios. Below the table, per row: the figures behind the ratio and the benchmark's note.
 
 {table(rows)}
 
 {NOTES}{notes if notes else chr(10) + chr(10) + "(none yet)" + chr(10)}"""
     out.write_text(text)
     print(f"\nwrote {out}")
+    if chart(rows, out.with_name("ratios.png")):
+        print(f"wrote {out.with_name('ratios.png')}")
 
 
 if __name__ == "__main__":

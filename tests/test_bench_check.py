@@ -62,3 +62,23 @@ def test_changed_files_against_the_merge_base(check, tmp_path):
     (tmp_path / "a.py").write_text("2")
     (tmp_path / "new.py").write_text("3")
     assert check.changed_files("main", tmp_path) == {"a.py", "new.py"}
+
+
+def test_results_table_one_line_per_row_and_a_chart(check, tmp_path):
+    import run_all
+
+    rows = [{"workload": "w1", "peer": "p", "unit": "tokens/s", "kiln_best": 2.0, "kiln_median": 1.9, "peer_best": 1.0,
+             "peer_median": 1.0, "ratio_best": 2.0, "ratio_median": 1.9, "goal": ">= 1.5x", "note": "a note",
+             "kiln_mem_mb": 10.0, "peer_mem_mb": 20.0, "mem_ratio": 0.5, "when": "2026-11-29 04:00", "load": "1.0 -> 2.0"},
+            {"workload": "w2", "peer": "p", "unit": "samples/s", "kiln_best": 0.9, "kiln_median": 0.9, "peer_best": 1.0,
+             "peer_median": 1.0, "ratio_best": 0.9, "ratio_median": 0.9, "goal": "", "note": ""}]
+    text = run_all.table(rows)
+    lines = text.splitlines()
+    assert lines[2] == "| w1 | p | **2.00x** (1.90x) | 0.50 | 2026-11-29 04:00 | 1.0 -> 2.0 | >= 1.5x | yes |"
+    assert lines[3].startswith("| w2 | p | **0.90x** (0.90x) | — | — | — |")
+    assert "- **w1**: kiln 2.00 (1.90) tokens/s, peer 1.00 (1.00); peak memory 10 / 20 MB. a note" in lines
+    assert [(r["workload"], r["ratio_best"]) for r in run_all.read_table(text)] == [("w1", 2.0), ("w2", 0.9)]
+    assert run_all.chart(rows, tmp_path / "ratios.png")
+    assert (tmp_path / "ratios.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    real = run_all.read_table((ROOT / "benchmarks" / "RESULTS.md").read_text())
+    assert len(real) >= 20 and all("\n" not in r["workload"] for r in real)
