@@ -14,9 +14,11 @@ ALLOWED = {
     "models": {"hub", "data"},
     "parallel": {"models", "hub"},
     "train": {"parallel", "models", "data", "hub"},
+    "engine": {"models", "data", "hub"},
     "interop": {"models", "hub"},
     "pipelines": {"models", "hub"},
-    "cli": {"hub", "data", "models", "parallel", "train", "interop", "pipelines"},
+    "serve": {"engine", "models", "data", "hub"},
+    "cli": {"hub", "data", "models", "parallel", "train", "interop", "pipelines", "serve", "engine"},
 }
 
 

@@ -1,0 +1,96 @@
+"""`kiln serve DIR_OR_RUN`: an OpenAI-compatible HTTP server (kiln.serve) on the generation engine, for a model
+directory, a checkpoint or a run (its newest checkpoint), with LoRA adapters served beside the base by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, List, Optional
+
+import typer
+
+from kiln.cli.common import ALLOW_MISSING, ALLOW_UNUSED, check_range, load_for_prediction
+from kiln.cli.output import out
+from kiln.errors import KilnError
+
+DEFAULT_PORT = 8000
+
+
+def context_limit(model: Any) -> int | None:
+    """The most tokens the model reads: a learned position table's size, else the config's max_position_embeddings."""
+    from kiln.train.checks import position_limit
+
+    limit = position_limit(model)
+    return limit if limit is not None else getattr(model.config, "max_position_embeddings", None)
+
+
+def build_state(target: Path, loras: list[str], *, name: Optional[str] = None, max_tokens: int = 2048,
+                max_queue: int = 64, max_seqs: int = 64, kv_blocks: Optional[int] = None,
+                allow_missing: bool = False, allow_unused: bool = False):
+    """The served models (the base as `name`, default DIR_OR_RUN as given, and one per --lora NAME=ADAPTER) with one
+    Engine each, behind one AsyncEngine (not started)."""
+    from kiln.cli.eval import model_dir_of
+    from kiln.engine.engine import Engine
+    from kiln.models.tasks import CAUSAL_LM
+    from kiln.serve.adapters import adapter_model, parse_lora_flags
+    from kiln.serve.app import ServedModel, ServerState
+    from kiln.serve.async_engine import AsyncEngine
+    from kiln.serve.protocol import now
+
+    check_range("--max-tokens", max_tokens, 1)
+    check_range("--max-queue", max_queue, 1)
+    check_range("--max-seqs", max_seqs, 1)
+    adapters = parse_lora_flags(loras)  # every flag checked before the model loads
+    base_name = name or str(target)
+    if base_name in adapters:
+        raise KilnError(f"--lora {base_name}: the base model is served under that name; pick another")
+    model_dir, _ = model_dir_of(target)
+    base = load_for_prediction(model_dir, CAUSAL_LM, allow_missing, allow_unused)
+    models = {base_name: base} | {n: adapter_model(base, d, n) for n, d in adapters.items()}
+    created, context = now(), context_limit(base)
+    served = {n: ServedModel(n, base.tokenizer, base.tokenizer.vocab_size, context, created,
+                             None if n == base_name else base_name) for n in models}
+    engines = {n: Engine(m, base.tokenizer, max_seqs=max_seqs, kv_blocks=kv_blocks) for n, m in models.items()}
+    return ServerState(served, AsyncEngine(engines, max_queue), max_tokens)
+
+
+def serve(target: Path = typer.Argument(..., help="A causal-LM directory, a run directory (its newest checkpoint) "
+                                                  "or a checkpoint RUN_DIR/ckpt-N."),
+          host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+          port: int = typer.Option(DEFAULT_PORT, "--port"),
+          lora: Optional[List[str]] = typer.Option(None, "--lora", help="NAME=ADAPTER_DIR: a PEFT LoRA adapter over "
+                                                   "the base, served as model NAME (repeatable)."),
+          name: Optional[str] = typer.Option(None, "--name", help="The base model's name in requests "
+                                             "(default: DIR_OR_RUN as given)."),
+          max_tokens: int = typer.Option(2048, "--max-tokens", help="The most tokens one completion may ask for."),
+          max_queue: int = typer.Option(64, "--max-queue", help="The most requests queued and running together; "
+                                        "more are answered 429."),
+          max_seqs: int = typer.Option(64, "--max-seqs", help="The most sequences an engine step runs together."),
+          kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV-cache blocks per served model "
+                                                  "(default: the engine's)."),
+          shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="On SIGTERM / Ctrl-C: seconds "
+                                                 "running requests may take to finish before they are cancelled."),
+          allow_missing: bool = ALLOW_MISSING, allow_unused: bool = ALLOW_UNUSED) -> None:
+    """Serve the model over HTTP, OpenAI-style: /v1/chat/completions (tools, streaming), /v1/completions,
+    /v1/models, /health. SIGTERM stops taking requests, lets running ones finish within --shutdown-timeout,
+    cancels the rest and exits."""
+    import uvicorn
+
+    from kiln.serve.app import build_app
+
+    check_range("--port", port, 0, 65535)
+    check_range("--shutdown-timeout", shutdown_timeout, 0)
+    state = build_state(target, list(lora or []), name=name, max_tokens=max_tokens, max_queue=max_queue,
+                        max_seqs=max_seqs, kv_blocks=kv_blocks, allow_missing=allow_missing,
+                        allow_unused=allow_unused)
+    app = build_app(state, stop_timeout=shutdown_timeout + 5)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                            timeout_graceful_shutdown=shutdown_timeout)
+    server = uvicorn.Server(config)
+    out.print(f"kiln serve: {', '.join(state.models)} on http://{host}:{port}/v1 (GET /health; Ctrl-C or SIGTERM stops)")
+    server.run()
+    if not server.started:  # e.g. the port is taken: uvicorn logged why
+        raise KilnError(f"could not serve on {host}:{port} (is the port in use?)")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)
