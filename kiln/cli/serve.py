@@ -15,14 +15,6 @@ from kiln.errors import KilnError
 DEFAULT_PORT = 8000
 
 
-def context_limit(model: Any) -> int | None:
-    """The most tokens the model reads: a learned position table's size, else the config's max_position_embeddings."""
-    from kiln.train.checks import position_limit
-
-    limit = position_limit(model)
-    return limit if limit is not None else getattr(model.config, "max_position_embeddings", None)
-
-
 def build_state(target: Path, loras: list[str], *, name: Optional[str] = None, max_tokens: int = 2048,
                 max_queue: int = 64, max_seqs: int = 64, kv_blocks: Optional[int] = None,
                 allow_missing: bool = False, allow_unused: bool = False):
@@ -46,11 +38,24 @@ def build_state(target: Path, loras: list[str], *, name: Optional[str] = None, m
     model_dir, _ = model_dir_of(target)
     base = load_for_prediction(model_dir, CAUSAL_LM, allow_missing, allow_unused)
     models = {base_name: base} | {n: adapter_model(base, d, n) for n, d in adapters.items()}
-    created, context = now(), context_limit(base)
-    served = {n: ServedModel(n, base.tokenizer, base.tokenizer.vocab_size, context, created,
-                             None if n == base_name else base_name) for n in models}
     engines = {n: Engine(m, base.tokenizer, max_seqs=max_seqs, kv_blocks=kv_blocks) for n, m in models.items()}
+    created = now()
+    served = {n: ServedModel(n, base.tokenizer, engines[n].vocab_size, engines[n].max_positions, created,
+                             None if n == base_name else base_name) for n in models}
     return ServerState(served, AsyncEngine(engines, max_queue), max_tokens)
+
+
+def _server(config):
+    """uvicorn's Server, except that a stop by SIGTERM / Ctrl-C, once graceful, ends the command with status 0
+    (uvicorn re-raises the signal after its shutdown, which would end the process as killed by it)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            getattr(self, "_captured_signals", []).clear()
+
+    return Server(config)
 
 
 def serve(target: Path = typer.Argument(..., help="A causal-LM directory, a run directory (its newest checkpoint) "
@@ -85,7 +90,7 @@ def serve(target: Path = typer.Argument(..., help="A causal-LM directory, a run 
     app = build_app(state, stop_timeout=shutdown_timeout + 5)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
                             timeout_graceful_shutdown=shutdown_timeout)
-    server = uvicorn.Server(config)
+    server = _server(config)
     out.print(f"kiln serve: {', '.join(state.models)} on http://{host}:{port}/v1 (GET /health; Ctrl-C or SIGTERM stops)")
     server.run()
     if not server.started:  # e.g. the port is taken: uvicorn logged why

@@ -22,7 +22,7 @@ from kiln.data.sft import chat_prompt_ids
 from kiln.engine.params import SamplingParams
 from kiln.errors import KilnError
 from kiln.serve import protocol as P
-from kiln.serve.async_engine import AsyncEngine, EngineFailed, EngineStopped, QueueFull, Stream
+from kiln.serve.async_engine import AsyncEngine, EngineFailed, EngineStopped, QueueFull, RequestRefused, Stream
 from kiln.serve.results import Gathered, chat_logprobs, completion_logprobs
 from kiln.serve.tools import StreamFilter, reply, template_messages
 
@@ -84,9 +84,13 @@ def _params(state: ServerState, req: P._Sampling, served: ServedModel, prompt_le
     return params
 
 
-def _submit(state: ServerState, model: str, prompts: list[list[int]], params: SamplingParams) -> Stream:
+async def _submit(state: ServerState, model: str, prompts: list[list[int]], params: SamplingParams) -> Stream:
     try:
-        return state.engine.submit(model, prompts, params)
+        return await state.engine.submit(model, prompts, params)
+    except RequestRefused as e:
+        raise P.RequestError(str(e)) from None
+    except EngineFailed as e:
+        raise _engine_error(e) from None
     except QueueFull as e:
         raise P.RequestError(str(e), None, 429, "rate_limit_error", "queue_full") from None
     except EngineStopped as e:
@@ -128,7 +132,7 @@ async def chat_completions(request: Request) -> Response:
         raise P.RequestError(str(e), "messages") from None
     params = _params(state, req, served, len(ids), req.max_completion_tokens or req.max_tokens, req.logprobs,
                      req.top_logprobs or 0)
-    stream = _submit(state, req.model, [ids], params)
+    stream = await _submit(state, req.model, [ids], params)
     rid, created = P.new_id("chatcmpl"), P.now()
     if req.stream:
         return StreamingResponse(_chat_events(stream, req, served, rid, created, len(ids), tools_offered),
@@ -217,7 +221,7 @@ async def completions(request: Request) -> Response:
     prompts = _prompts(req, served)
     params = _params(state, req, served, max(len(p) for p in prompts), req.max_tokens, req.logprobs is not None,
                      req.logprobs or 0)
-    stream = _submit(state, req.model, prompts, params)
+    stream = await _submit(state, req.model, prompts, params)
     rid, created = P.new_id("cmpl"), P.now()
     echoes = [served.tokenizer.decode(p) if req.echo else "" for p in prompts]
     if req.stream:

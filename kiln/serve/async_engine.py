@@ -33,7 +33,11 @@ class EngineStopped(Exception):
 
 
 class EngineFailed(Exception):
-    """A step (or adding the request) raised: the request cannot go on. The message is the cause."""
+    """A step raised (or adding the request did, not for the request's sake): the request cannot go on."""
+
+
+class RequestRefused(Exception):
+    """The engine refused the request as given (KilnError from add_request: too many blocks, n > max_seqs, ...)."""
 
 
 @dataclass
@@ -43,6 +47,7 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     remaining: int          # completions not yet finished (prompts x n)
+    added: asyncio.Future   # set when the engine took every prompt (or failed with why it did not)
     index_of: dict[str, int] = field(default_factory=dict)  # engine request id -> prompt index
 
 
@@ -106,8 +111,10 @@ class AsyncEngine:
     def held(self) -> int:
         return self._held
 
-    def submit(self, model: str, prompts: list[list[int]], params: Any, prompt_inputs: dict | None = None) -> Stream:
-        """Queue `prompts` (each with `params`) on the engine of `model`; call from the event loop."""
+    async def submit(self, model: str, prompts: list[list[int]], params: Any,
+                     prompt_inputs: dict | None = None) -> Stream:
+        """Queue `prompts` (each with `params`) on the engine of `model`, once the engine has taken them (so a
+        request it refuses is refused before any answer starts): RequestRefused, QueueFull, EngineStopped."""
         if not self.alive:
             raise EngineStopped("the server is shutting down")
         with self._lock:
@@ -117,10 +124,17 @@ class AsyncEngine:
             self._held += len(prompts)
         tag = f"{uuid.uuid4().hex[:12]}-{next(self._counter)}"
         ids = [f"{tag}-{i}" for i in range(len(prompts))]
-        request = _Request(model, ids, asyncio.get_running_loop(), asyncio.Queue(), len(prompts) * params.n,
+        loop = asyncio.get_running_loop()
+        request = _Request(model, ids, loop, asyncio.Queue(), len(prompts) * params.n, loop.create_future(),
                            {rid: i for i, rid in enumerate(ids)})
+        stream = Stream(self, request)
         self._command(("add", request, prompts, params, prompt_inputs))
-        return Stream(self, request)
+        try:
+            await asyncio.shield(request.added)
+        except BaseException:  # refused, or the client left while waiting: nothing stays held
+            stream.close()
+            raise
+        return stream
 
     def stop(self, timeout: float) -> bool:
         """Cancel what is left and end the thread; True if it ended within `timeout` seconds."""
@@ -142,6 +156,15 @@ class AsyncEngine:
         try:
             request.loop.call_soon_threadsafe(request.queue.put_nowait, item)
         except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    def _settle(self, request: _Request, error: BaseException | None) -> None:
+        def settle():
+            if not request.added.done():
+                request.added.set_result(None) if error is None else request.added.set_exception(error)
+        try:
+            request.loop.call_soon_threadsafe(settle)
+        except RuntimeError:
             pass
 
     def _drop(self, request: _Request) -> None:
@@ -166,9 +189,14 @@ class AsyncEngine:
                     for rid, prompt in zip(request.ids, prompts):
                         engine.add_request(prompt, params, request_id=rid, prompt_inputs=inputs)
                         self._requests[rid] = request
+                except KilnError as e:
+                    self._cancel(request)
+                    self._settle(request, RequestRefused(str(e)))
                 except Exception as e:  # noqa: BLE001 - the request fails, the server goes on
                     self._cancel(request)
-                    self._send(request, EngineFailed(f"{type(e).__name__}: {e}"))
+                    self._settle(request, EngineFailed(f"{type(e).__name__}: {e}"))
+                else:
+                    self._settle(request, None)
             elif kind == "cancel":
                 self._cancel(request)
 
@@ -232,4 +260,4 @@ class AsyncEngine:
                 except queue.Empty:
                     break
                 if command[0] == "add":
-                    self._send(command[1], EngineStopped("the server stopped before this request started"))
+                    self._settle(command[1], EngineStopped("the server stopped before this request started"))
