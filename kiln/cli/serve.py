@@ -45,13 +45,19 @@ def build_state(target: Path, loras: list[str], *, name: Optional[str] = None, m
     return ServerState(served, AsyncEngine(engines, max_queue), max_tokens)
 
 
-def _server(config):
-    """uvicorn's Server, except that a stop by SIGTERM / Ctrl-C, once graceful, ends the command with status 0
-    (uvicorn re-raises the signal after its shutdown, which would end the process as killed by it)."""
+# uvicorn's own bound on open connections after the engine's: the cancelled requests' last chunks go out in it
+CLOSE_GRACE_S = 5.0
+
+
+def _server(config, engine, bound_s: float):
+    """uvicorn's Server, except that SIGTERM / Ctrl-C also drains the engine (running requests get `bound_s` seconds,
+    then are cancelled) and a graceful stop ends the command with status 0 (uvicorn re-raises the signal after its
+    shutdown, which would end the process as killed by it)."""
     import uvicorn
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
+            engine.drain(bound_s)
             super().handle_exit(sig, frame)
             getattr(self, "_captured_signals", []).clear()
 
@@ -87,10 +93,10 @@ def serve(target: Path = typer.Argument(..., help="A causal-LM directory, a run 
     state = build_state(target, list(lora or []), name=name, max_tokens=max_tokens, max_queue=max_queue,
                         max_seqs=max_seqs, kv_blocks=kv_blocks, allow_missing=allow_missing,
                         allow_unused=allow_unused)
-    app = build_app(state, stop_timeout=shutdown_timeout + 5)
+    app = build_app(state, stop_timeout=CLOSE_GRACE_S)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                            timeout_graceful_shutdown=shutdown_timeout)
-    server = _server(config)
+                            timeout_graceful_shutdown=shutdown_timeout + CLOSE_GRACE_S)
+    server = _server(config, state.engine, shutdown_timeout)
     out.print(f"kiln serve: {', '.join(state.models)} on http://{host}:{port}/v1 (GET /health; Ctrl-C or SIGTERM stops)")
     server.run()
     if not server.started:  # e.g. the port is taken: uvicorn logged why

@@ -48,6 +48,7 @@ class _Request:
     queue: asyncio.Queue
     remaining: int          # completions not yet finished (prompts x n)
     added: asyncio.Future   # set when the engine took every prompt (or failed with why it did not)
+    done: set = field(default_factory=set)  # (engine request id, completion index) of the finished completions
     index_of: dict[str, int] = field(default_factory=dict)  # engine request id -> prompt index
 
 
@@ -95,6 +96,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._requests: dict[str, _Request] = {}  # engine request id -> its request (engine thread only)
         self._stopping = False
+        self._draining = False
         self._counter = itertools.count()
         self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
         self.failure: BaseException | None = None  # what stopped the thread, if it died
@@ -105,7 +107,18 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        """Taking requests: the thread runs and no shutdown has begun."""
+        return self._thread.is_alive() and not self._stopping and not self._draining
+
+    def drain(self, bound_s: float) -> None:
+        """Shutdown's first half: take no new request; those running may finish within `bound_s` seconds, then
+        each is cancelled (its completions end with finish_reason "cancelled", so every answer still ends well)."""
+        if self._draining:
+            return
+        self._draining = True
+        timer = threading.Timer(bound_s, self._command, (("cancel_all",),))
+        timer.daemon = True
+        timer.start()
 
     @property
     def held(self) -> int:
@@ -125,8 +138,8 @@ class AsyncEngine:
         tag = f"{uuid.uuid4().hex[:12]}-{next(self._counter)}"
         ids = [f"{tag}-{i}" for i in range(len(prompts))]
         loop = asyncio.get_running_loop()
-        request = _Request(model, ids, loop, asyncio.Queue(), len(prompts) * params.n, loop.create_future(),
-                           {rid: i for i, rid in enumerate(ids)})
+        request = _Request(model, ids, loop, asyncio.Queue(), remaining=len(prompts) * params.n,
+                           added=loop.create_future(), index_of={rid: i for i, rid in enumerate(ids)})
         stream = Stream(self, request)
         self._command(("add", request, prompts, params, prompt_inputs))
         try:
@@ -181,6 +194,10 @@ class AsyncEngine:
             kind = command[0]
             if kind == "stop":
                 return False
+            if kind == "cancel_all":  # the engines report each as finished ("cancelled"), delivered as usual
+                for rid, request in list(self._requests.items()):
+                    self.engines[request.model].cancel(rid)
+                continue
             request = command[1]
             engine = self.engines[request.model]
             if kind == "add":
@@ -210,8 +227,12 @@ class AsyncEngine:
         request = self._requests.get(out.request_id)
         if request is None:  # cancelled meanwhile
             return
+        key = (out.request_id, out.index)
+        if key in request.done:  # a cancel reports every completion, the finished ones too
+            return
         self._send(request, (request.index_of[out.request_id], out))
         if out.finished:
+            request.done.add(key)
             request.remaining -= 1
             if request.remaining == 0:
                 self._drop(request)
