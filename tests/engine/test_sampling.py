@@ -10,7 +10,7 @@ import torch
 from scipy.stats import chi2
 
 from kiln.engine.params import SamplingParams as SP
-from kiln.engine.sampling import _inverse_cdf, _penalize, request_generator, sample
+from kiln.engine.sampling import _first_argmax, _inverse_cdf, _penalize, _top, request_generator, sample
 from kiln.errors import KilnError
 
 
@@ -168,13 +168,50 @@ def test_a_zero_probability_token_is_never_drawn():
     x = torch.full((1, 2100), -float("inf"))
     x[0, [3, 1500, 2099]] = torch.tensor([0.0, 1.0, -0.5])
     for p in (SP(), SP(top_k=5), SP(top_p=0.99), SP(min_p=0.01)):
-        assert set(draws(x, p, 1000)) == {3, 1500, 2099}
+        assert set(draws(x, p, 500)) == {3, 1500, 2099}
     # u at its largest: the last token of positive probability, never a zero after it
     q = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25, 0.0, 0.0]])
     u = torch.tensor([1 - 2.0**-53], dtype=torch.float64)
     for block in (1, 2, 3, 7):
         assert _inverse_cdf(q, u, block).item() == 4
         assert _inverse_cdf(q, torch.zeros(1, dtype=torch.float64), block).item() == 1
+
+
+def test_a_vocabulary_of_many_blocks():
+    # 5,000 tokens = 4 blocks of 1,024 and a short one; the likely tokens scattered over all of them
+    V, n = 5000, 2000
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(1, V, generator=g) - 30
+    spots = torch.randperm(V, generator=g)[:24]
+    spots[0] = V - 1  # the short block's last column
+    x[0, spots] = torch.randn(24, generator=g) * 0.7
+    for p in (SP(top_p=0.7), SP(top_k=9), SP(min_p=0.3), SP(top_k=15, top_p=0.9, temperature=0.8), SP()):
+        want = ref_distribution(x[0].numpy(), p)
+        got = np.bincount(draws(x, p, n), minlength=V)
+        assert not got[want == 0].any(), p
+        assert chi_square(got, want, n) < chi_square_bound(got, want, n), p
+
+
+@pytest.mark.parametrize("V", [7, 1024, 3000, 4097])
+def test_first_argmax_and_top_match_torch(V):
+    g = torch.Generator().manual_seed(V)
+    x = torch.randint(-3, 3, (6, V), generator=g).float()  # many ties
+    x[1] = -float("inf")
+    x[2, : V - 2] = -float("inf")  # two finite values, the rest -inf
+    x[3, V - 1] = 10.0  # the maximum in the last (maybe short) block
+    x[4:] = torch.randn(2, V, generator=g)  # no ties
+    assert torch.equal(_first_argmax(x), x.argmax(-1))
+    vals, ids = _top(x, 20)
+    k = min(20, V)
+    for b in range(6):
+        ref = np.lexsort((np.arange(V), -x[b].numpy()))[:k]  # by value, then by column
+        assert vals[b].tolist() == x[b, ref].tolist()  # the k largest values, largest first
+        assert torch.equal(vals[b], x[b, ids[b]]) and (ids[b] < V).all() and len(set(ids[b].tolist())) == k
+        for v in set(vals[b].tolist()):  # equal values by column
+            cols = ids[b][vals[b] == v].tolist()
+            assert cols == sorted(cols)
+        if b >= 4:  # which of several equal values make the list is topk's choice; without ties, the columns
+            assert ids[b].tolist() == ref.tolist()
 
 
 # ---- log-probs ---------------------------------------------------------------------------------------------------
