@@ -84,8 +84,11 @@ def serve(target: Path = typer.Argument(..., help="A causal-LM directory, a run 
     """Serve the model over HTTP, OpenAI-style: /v1/chat/completions (tools, streaming), /v1/completions,
     /v1/models, /health. SIGTERM stops taking requests, lets running ones finish within --shutdown-timeout,
     cancels the rest and exits."""
-    import uvicorn
-
+    try:
+        import starlette  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise KilnError(f"kiln serve needs starlette and uvicorn ({e}); pip install 'kiln[serve]'") from None
     from kiln.serve.app import build_app
 
     check_range("--port", port, 0, 65535)

@@ -97,3 +97,18 @@ def test_stream_filter_holds_back_calls_however_split(cut):
     assert shown + g.finish()[0] == "a <tool_call>oops</tool_call>" and g.finish()[1] == []
     off = StreamFilter(False)
     assert off.push(CALL) == CALL and off.finish() == ("", [])
+
+
+def test_serve_command_errors_are_named(tmp_path):
+    from typer.testing import CliRunner
+
+    from kiln.cli.main import app
+
+    r = CliRunner().invoke(app, ["serve", str(tmp_path / "nope")])
+    assert r.exit_code == 1 and "no such model, checkpoint or run directory" in r.output
+    r = CliRunner().invoke(app, ["serve", str(tmp_path), "--lora", "justaname"])
+    assert r.exit_code == 1 and "want NAME=ADAPTER_DIR" in r.output
+    r = CliRunner().invoke(app, ["serve", str(tmp_path), "--lora", f"a={tmp_path}"])
+    assert r.exit_code == 1 and "no adapter_config.json" in r.output
+    r = CliRunner().invoke(app, ["serve", str(tmp_path), "--max-queue", "0"])
+    assert r.exit_code == 1 and "--max-queue" in r.output

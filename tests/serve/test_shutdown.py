@@ -29,6 +29,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # a spawned server process (its start dominates)
 def test_sigterm_stops_within_the_bound(served_dirs):
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
