@@ -101,10 +101,9 @@ def _engine_error(e: Exception) -> P.RequestError:
     return P.RequestError(str(e), None, 500, "server_error", "engine_error")
 
 
-async def _gather(stream: Stream, count: int) -> list[Gathered]:
+async def _gather(stream: Stream, prompts: int, n: int) -> list[Gathered]:
     """Every completion of a non-streamed request, by choice index (prompt index x n + completion index)."""
-    got = [Gathered() for _ in range(count)]
-    n = count // len(stream._request.ids)
+    got = [Gathered() for _ in range(prompts * n)]
     try:
         async for prompt, out in stream:
             got[prompt * n + out.index].add(out)
@@ -138,7 +137,7 @@ async def chat_completions(request: Request) -> Response:
         return StreamingResponse(_chat_events(stream, req, served, rid, created, len(ids), tools_offered),
                                  media_type="text/event-stream")
     try:
-        got = await _gather(stream, req.n)
+        got = await _gather(stream, 1, req.n)
     except (EngineFailed, EngineStopped) as e:
         raise _engine_error(e) from None
     choices = []
@@ -228,7 +227,7 @@ async def completions(request: Request) -> Response:
         return StreamingResponse(_completion_events(stream, req, served, rid, created, prompts, echoes),
                                  media_type="text/event-stream")
     try:
-        got = await _gather(stream, len(prompts) * req.n)
+        got = await _gather(stream, len(prompts), req.n)
     except (EngineFailed, EngineStopped) as e:
         raise _engine_error(e) from None
     choices = []
