@@ -200,3 +200,17 @@ def test_lora_adapter_by_name(live, served_dirs):
     for t in threads:
         t.join(60)
     assert not errors and together == alone
+
+
+def test_stop_strings_cut_the_text(live):
+    client = live.client()
+    full = client.completions.create(model="tiny", prompt="Once upon", max_tokens=12, temperature=0).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    assert stop.strip(), full  # a stop string that is not only blanks (so the greedy text does hold it)
+    cut = client.completions.create(model="tiny", prompt="Once upon", max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="Once upon", max_tokens=12, temperature=0, stop=stop, stream=True) if c.choices)
+    assert streamed == cut.choices[0].text
+    echo = client.completions.create(model="tiny", prompt="Once upon", max_tokens=12, temperature=0, echo=True)
+    assert echo.choices[0].text == "Once upon" + full
