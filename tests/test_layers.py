@@ -12,13 +12,13 @@ ALLOWED = {
     "hub": set(),
     "data": {"hub"},
     "models": {"hub", "data"},
+    "engine": {"models", "hub", "data"},
     "parallel": {"models", "hub"},
-    "train": {"parallel", "models", "data", "hub"},
-    "engine": {"models", "data", "hub"},
+    "train": {"engine", "parallel", "models", "data", "hub"},
     "interop": {"models", "hub"},
-    "pipelines": {"models", "hub"},
+    "pipelines": {"engine", "models", "hub"},
     "serve": {"engine", "models", "data", "hub"},
-    "cli": {"hub", "data", "models", "parallel", "train", "interop", "pipelines", "serve", "engine"},
+    "cli": {"hub", "data", "models", "engine", "parallel", "train", "interop", "pipelines", "serve"},
 }
 
 

@@ -22,7 +22,7 @@ from typing import Any, Sequence as Seq
 import torch
 
 from kiln.engine.exact import log_softmax_rows
-from kiln.engine.params import SamplingParams
+from kiln.engine.params import MAX_TOP_LOGPROBS, SamplingParams
 from kiln.engine.sampling import request_generator, sample
 from kiln.engine.score import runner_for
 from kiln.engine.scheduler import Request, Scheduler, Sequence
@@ -172,13 +172,15 @@ class Engine:
                 row += 1
         if not chosen:
             return outs
-        logp = log_softmax_rows(logits)  # (P, V): the raw logits' log-probs (temperature 1, no filters), per row
-        rows = torch.tensor([r for _, r in chosen], device=logits.device)
-        picked = sample(logits.index_select(0, rows), [q.request.params for q, _ in chosen],
-                        [q.request.prompt_ids for q, _ in chosen], [q.output for q, _ in chosen],
-                        [q.generator for q, _ in chosen]).tokens.tolist()
+        rows = [r for _, r in chosen]
+        wanted = sorted({r for q, r in chosen if q.request.params.logprobs or q.request.params.top_logprobs})
+        # the raw logits' log-probs (temperature 1, no filters), each row in its own call, for the rows that ask
+        logp = dict(zip(wanted, log_softmax_rows(logits[wanted]))) if wanted else {}
+        picked = sample(logits if rows == list(range(logits.shape[0])) else logits[rows],
+                        [q.request.params for q, _ in chosen], [q.request.prompt_ids for q, _ in chosen],
+                        [q.output for q, _ in chosen], [q.generator for q, _ in chosen]).tokens.tolist()
         for (q, r), token in zip(chosen, picked):
-            outs.append(self._advance(q, int(token), logp[r]))
+            outs.append(self._advance(q, int(token), logp.get(r)))
         return outs
 
     def _fork(self, leader: Sequence) -> list[Sequence]:
@@ -199,16 +201,22 @@ class Engine:
         r.seqs = seqs
         return seqs
 
-    def _advance(self, s: Sequence, token: int, logp: torch.Tensor) -> RequestOutput:
-        """Record s's next token (its log-probs row (V,)), check the stops."""
+    def _advance(self, s: Sequence, token: int, logp: torch.Tensor | None) -> RequestOutput:
+        """Record s's next token (with its log-probs row (V,) when the request asked for log-probs), check the
+        stops."""
         p, r = s.request.params, s.request
         s.tokens.append(token)
-        s.logprobs.append(float(logp[token]))
+        lp: list[float] = []
         tops: list[tuple[int, float]] = []
-        if p.top_logprobs:
-            vals, idx = logp.topk(p.top_logprobs)
-            tops = list(zip(idx.tolist(), vals.tolist()))
-        s.top_logprobs.append(tops)
+        if logp is not None:
+            if p.logprobs:
+                lp = [float(logp[token])]
+                s.logprobs += lp
+            if p.top_logprobs:
+                # always the top MAX_TOP_LOGPROBS, then this request's count: ties keep one order for every count
+                vals, idx = logp.topk(min(MAX_TOP_LOGPROBS, logp.shape[0]))
+                tops = list(zip(idx[:p.top_logprobs].tolist(), vals[:p.top_logprobs].tolist()))
+                s.top_logprobs.append(tops)
         delta, stopped = "", False
         if s.detok is not None:
             delta, stopped = s.detok.push(token)
@@ -225,8 +233,8 @@ class Engine:
             self.scheduler.finish(s, reason)
             if all(q.finish_reason is not None for q in r.seqs) and r.forked:
                 self.requests.pop(r.request_id, None)
-        return RequestOutput(r.request_id, s.index, [token], [s.logprobs[-1]], [tops], delta, reason is not None,
-                             reason)
+        return RequestOutput(r.request_id, s.index, [token], lp, [tops] if p.top_logprobs else [], delta,
+                             reason is not None, reason)
 
     # ---- run to completion ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | Seq[SamplingParams]

@@ -28,19 +28,49 @@ import torch
 from torch.nn import functional as F
 
 TILE = 16            # rows per row-wise call (the M of every projection)
+HEAD_TILE = 8        # rows per LM-head call when no other size is proven equal (see `head_tiles`)
+HEAD_SIZES = (4, 16, 32, 64)  # other LM-head row counts `head_tiles` may prove equal to HEAD_TILE
 LANES = 64           # a multiple of every SIMD block torch uses (2 x 16 floats with AVX-512)
 SERIAL = 32768 // LANES * LANES  # torch's grain size: a smaller elementwise call is never split between threads
 
 
-def tiled(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
-    """fn applied to row-aligned xs (N, ...) in tiles of exactly TILE rows (the last zero-padded): (N, ...) out."""
+def tiled(fn: Callable[..., torch.Tensor], *xs: torch.Tensor, tile: int = TILE) -> torch.Tensor:
+    """fn applied to row-aligned xs (N, ...) in tiles of exactly `tile` rows (the last zero-padded): (N, ...)."""
     n = xs[0].shape[0]
-    pad = -n % TILE
+    pad = -n % tile
     if pad:
         xs = tuple(torch.cat([x, x.new_zeros((pad,) + tuple(x.shape[1:]))]) for x in xs)
-    outs = [fn(*(x[s:s + TILE] for x in xs)) for s in range(0, n + pad, TILE)]
+    outs = [fn(*(x[s:s + tile] for x in xs)) for s in range(0, n + pad, tile)]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out[:n] if pad else out
+
+
+def head_tiles(fn: Callable[[torch.Tensor], torch.Tensor], width: int, dtype: torch.dtype,
+               device: torch.device) -> tuple[int, ...]:
+    """The LM head's row counts that give the bits of HEAD_TILE-row calls on this machine, HEAD_TILE first.
+
+    The head's (rows x vocab) product dominates a decode step, and its per-row cost falls steeply with the row
+    count, so one call per step of about the running rows is worth having. A row count joins only if calls of
+    that many rows reproduce HEAD_TILE-row calls bit for bit on 64 random rows (a product that orders a row's
+    sum differently differs on nearly every one of the 64 x vocab outputs). Unproven sizes are never used, so
+    the guarantee stays that of fixed shapes."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    probe = torch.randn(64, width, generator=g).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        ref = tiled(fn, probe, tile=HEAD_TILE)
+        return (HEAD_TILE,) + tuple(m for m in HEAD_SIZES if torch.equal(tiled(fn, probe, tile=m), ref))
+
+
+def tiled_menu(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+    """fn over x (N, ...) in calls whose row counts come from `sizes` (each proven to give the same bits): the
+    smallest size that holds what is left, or the largest, zero-padded."""
+    sizes = tuple(sorted(sizes))
+    outs, s, n = [], 0, x.shape[0]
+    while s < n:
+        m = next((k for k in sizes if k >= n - s), sizes[-1])
+        outs.append(tiled(fn, x[s:s + m], tile=m))
+        s += m
+    return outs[0] if len(outs) == 1 else torch.cat(outs) if outs else fn(x)
 
 
 def lanewise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from kiln.engine.cache import BlockPool
-from kiln.engine.exact import attend, lanewise, rope_table, tiled
+from kiln.engine.exact import attend, head_tiles, lanewise, rope_table, tiled, tiled_menu
 from kiln.errors import KilnError
 from kiln.models.common.causal_lm import ForCausalLM
 from kiln.models.common.decoder import Attention, Decoder, DecoderLayer
@@ -80,6 +80,7 @@ class DecoderRunner:
             self.cos, self.sin = rope_table(self.backbone.rotary_emb, max_positions,
                                             torch.zeros((), dtype=self.dtype, device=self.device))
         self.mlps = [_mlp_fn(layer.mlp) for layer in self.backbone.layers]
+        self.head_sizes = head_tiles(self._head, weight.shape[1], self.dtype, self.device)
 
     def new_pool(self, num_blocks: int, block_size: int) -> BlockPool:
         return BlockPool(self.num_layers, num_blocks, block_size, self.kv_heads, self.head_dim, self.dtype,
@@ -172,7 +173,10 @@ class DecoderRunner:
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits (N, V) of last-layer hidden states (N, C): the final norm, then the head, on tiles."""
-        return tiled(lambda t: self.model.head(self.backbone.norm(t)), x).float()
+        return tiled_menu(self._head, x, self.head_sizes).float()
+
+    def _head(self, t: torch.Tensor) -> torch.Tensor:
+        return self.model.head(self.backbone.norm(t))
 
     # ---- the scoring forward's ------------------------------------------------------------------
     def dense(self, ids: list[int], block_size: int) -> torch.Tensor:
