@@ -214,3 +214,16 @@ def test_stop_strings_cut_the_text(live):
     assert streamed == cut.choices[0].text
     echo = client.completions.create(model="tiny", prompt="Once upon", max_tokens=12, temperature=0, echo=True)
     assert echo.choices[0].text == "Once upon" + full
+
+
+def test_a_run_serves_its_newest_checkpoint_and_a_checkpoint_itself(served_dirs, tmp_path):
+    import shutil
+
+    from kiln.cli.serve import build_state
+
+    run = tmp_path / "run"
+    shutil.copytree(served_dirs["model"], run / "ckpt-000001" / "model")
+    shutil.copytree(served_dirs["with_adapter"], run / "ckpt-000002" / "model")  # the newest carries the adapter
+    newest = build_state(run, [], name="m").engine.engines["m"].model
+    first = build_state(run / "ckpt-000001", [], name="m").engine.engines["m"].model
+    assert getattr(newest, "lora_config", None) is not None and getattr(first, "lora_config", None) is None
