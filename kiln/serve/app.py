@@ -9,6 +9,7 @@ unknown model, 429 when the queue is full, 503 while shutting down, 500 when the
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -80,7 +81,8 @@ def _params(state: ServerState, req: P._Sampling, served: ServedModel, prompt_le
     try:
         params.validate(served.vocab_size)
     except KilnError as e:  # protocol.py checks ranges first; this is the engine's own word on the rest
-        raise P.RequestError(str(e)) from None
+        field = re.match(r"SamplingParams\.(\w+)=", str(e))
+        raise P.RequestError(str(e), field.group(1) if field else None) from None
     return params
 
 
@@ -218,6 +220,9 @@ async def completions(request: Request) -> Response:
     if req.echo and req.logprobs is not None:
         raise P.RequestError("echo with logprobs (the prompt's log-probs) is not served", "echo")
     prompts = _prompts(req, served)
+    if len(prompts) > state.engine.max_queue:  # each prompt holds a slot: this many could never be queued
+        raise P.RequestError(f"prompt: {len(prompts)} prompts in one request; this server queues at most "
+                             f"{state.engine.max_queue} (kiln serve --max-queue)", "prompt")
     params = _params(state, req, served, max(len(p) for p in prompts), req.max_tokens, req.logprobs is not None,
                      req.logprobs or 0)
     stream = await _submit(state, req.model, prompts, params)

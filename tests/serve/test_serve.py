@@ -147,6 +147,9 @@ def test_bad_requests_name_the_field(live):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt=[5, 99999])
     assert e.value.param == "prompt" and "vocabulary" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # more prompts than the queue holds: never servable
+        client.completions.create(model="tiny", prompt=["a", "b", "c", "d"], max_tokens=2)
+    assert e.value.param == "prompt" and "--max-queue" in e.value.message
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="nope", messages=USER)
     assert e.value.param == "model" and "tiny" in e.value.message
