@@ -8,6 +8,7 @@ unknown model, 429 when the queue is full, 503 while shutting down, 500 when the
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 from dataclasses import dataclass
@@ -23,9 +24,13 @@ from kiln.data.sft import chat_prompt_ids
 from kiln.engine.params import SamplingParams
 from kiln.errors import KilnError
 from kiln.serve import protocol as P
-from kiln.serve.async_engine import AsyncEngine, EngineFailed, EngineStopped, QueueFull, RequestRefused, Stream
+from kiln.serve.async_engine import (AsyncEngine, ClientGone, EngineFailed, EngineStopped, QueueFull, RequestRefused,
+                                     Stream)
 from kiln.serve.results import Gathered, chat_logprobs, completion_logprobs
 from kiln.serve.tools import StreamFilter, reply, template_messages
+
+
+DISCONNECT_POLL_S = 0.1  # how often a non-streamed answer's wait looks whether its client is still there
 
 
 @dataclass
@@ -103,13 +108,24 @@ def _engine_error(e: Exception) -> P.RequestError:
     return P.RequestError(str(e), None, 500, "server_error", "engine_error")
 
 
-async def _gather(stream: Stream, prompts: int, n: int) -> list[Gathered]:
+async def _watch(request: Request, stream: Stream) -> None:
+    """Cancel the request of a non-streamed answer when its client leaves (a stream learns it by failing to send)."""
+    while not stream.finished:
+        if await request.is_disconnected():
+            stream.abandon()
+            return
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def _gather(request: Request, stream: Stream, prompts: int, n: int) -> list[Gathered]:
     """Every completion of a non-streamed request, by choice index (prompt index x n + completion index)."""
     got = [Gathered() for _ in range(prompts * n)]
+    watch = asyncio.ensure_future(_watch(request, stream))
     try:
         async for prompt, out in stream:
             got[prompt * n + out.index].add(out)
     finally:
+        watch.cancel()
         stream.close()
     return got
 
@@ -139,7 +155,9 @@ async def chat_completions(request: Request) -> Response:
         return StreamingResponse(_chat_events(stream, req, served, rid, created, len(ids), tools_offered),
                                  media_type="text/event-stream")
     try:
-        got = await _gather(stream, 1, req.n)
+        got = await _gather(request, stream, 1, req.n)
+    except ClientGone:
+        return Response(status_code=499)  # nginx's 'client closed request': nobody reads it
     except (EngineFailed, EngineStopped) as e:
         raise _engine_error(e) from None
     choices = []
@@ -232,7 +250,9 @@ async def completions(request: Request) -> Response:
         return StreamingResponse(_completion_events(stream, req, served, rid, created, prompts, echoes),
                                  media_type="text/event-stream")
     try:
-        got = await _gather(stream, len(prompts), req.n)
+        got = await _gather(request, stream, len(prompts), req.n)
+    except ClientGone:
+        return Response(status_code=499)  # nginx's 'client closed request': nobody reads it
     except (EngineFailed, EngineStopped) as e:
         raise _engine_error(e) from None
     choices = []

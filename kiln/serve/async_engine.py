@@ -36,6 +36,10 @@ class EngineFailed(Exception):
     """A step raised (or adding the request did, not for the request's sake): the request cannot go on."""
 
 
+class ClientGone(Exception):
+    """The client left before the answer was ready; the request was cancelled."""
+
+
 class RequestRefused(Exception):
     """The engine refused the request as given (KilnError from add_request: too many blocks, n > max_seqs, ...)."""
 
@@ -74,6 +78,12 @@ class Stream:
                 self.finished = True
                 return
             yield item
+
+    def abandon(self) -> None:
+        """The client left: cancel the request and end the iteration (with ClientGone). Call from the event loop."""
+        if not self._closed:
+            self.close()
+            self._request.queue.put_nowait(ClientGone("the client closed the connection"))
 
     def close(self) -> None:
         if self._closed:

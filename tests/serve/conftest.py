@@ -139,7 +139,7 @@ class LiveServer:
 def live(served_dirs):
     from kiln.cli.serve import build_state
 
-    state = build_state(served_dirs["model"], [f"ad={served_dirs['adapter']}"], name="tiny", max_tokens=400,
+    state = build_state(served_dirs["model"], [f"ad={served_dirs['adapter']}"], name="tiny", max_tokens=1000,
                         max_queue=3)
     server = LiveServer(state)
     yield server

@@ -178,6 +178,22 @@ def test_full_queue_is_429_and_a_closed_stream_frees_its_slot(live):
     assert client.completions.create(model="tiny", prompt="x", max_tokens=2).choices[0].finish_reason
 
 
+def test_a_client_that_leaves_cancels_its_request(live):
+    """A non-streamed request whose client gives up is cancelled: the engine runs far fewer than its 1,000 tokens
+    (one engine step of even this tiny model costs over a millisecond, so 1,000 take over a second; the client leaves
+    after 0.2 s and the server looks every 0.1 s)."""
+    engine = live.state.engine.engines["tiny"]
+    fed = engine.tokens_fed
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(live.url + "/v1/completions", timeout=0.2, json={"model": "tiny", "prompt": "Once upon",
+                                                                   "max_tokens": 1000, "ignore_eos": True})
+    deadline = time.monotonic() + 30
+    while live.state.engine.held and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert live.state.engine.held == 0
+    assert engine.tokens_fed - fed < 500
+
+
 def test_lora_adapter_by_name(live, served_dirs):
     """Requests naming the adapter get what the base + adapter gives through `kiln generate`; the base is unchanged;
     both served at once give what each gives alone."""
