@@ -90,6 +90,11 @@ class Message(_Strict):
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
     reasoning_content: Optional[str] = None
+    # what an assistant message of a response carries back when a client appends it as it came; not rendered
+    refusal: Optional[str] = None
+    annotations: Optional[list[Any]] = None
+    audio: Optional[dict[str, Any]] = None
+    function_call: Optional[dict[str, Any]] = None
 
 
 class StreamOptions(_Strict):

@@ -55,7 +55,7 @@ def test_chat_tool_call_round_trip(live):
     assert call.type == "function" and call.id.startswith("call_") and call.function.name == "weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
     assert "<tool_call>" not in (choice.message.content or "")
-    history = USER + [choice.message.model_dump(exclude_none=True),
+    history = USER + [choice.message.model_dump(),  # as it came, None fields and all
                       {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
     second = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, temperature=0, max_tokens=20)
     assert second.choices[0].message.content == ANSWER and second.choices[0].finish_reason == "stop"
