@@ -6,16 +6,21 @@ over the top-k survivors renormalized, min-p relative to the highest probability
 left. Log-probs are log_softmax of the raw float32 logits (before penalties and temperature): what the training
 forward computes and what RL compares.
 
+Each filter is a floor on the row's probabilities (top-k: its k-th; top-p: the last of the most-likely-first
+head whose mass reaches top_p of the top-k survivors'; min-p: min_p times the highest), ties at a floor kept
+(as HF's top-k keeps them); the row draws from what is >= its highest floor.
+
 Batch invariance: row b's token and log-probs depend only on row b's logits, params, ids and generator, never
 on the other rows or on B. Every op here is either exact elementwise arithmetic (sub, div, compare, where),
-a kernel that treats each row alone (softmax, log_softmax, topk, sort, cumsum, and max / sum over one block of
-a row), or an index op; a row draws exactly one uniform number from its own generator per sampled step; and
-the candidate list a row's top-k / top-p is read from is fixed by that row alone, in a canonical order.
+a kernel that treats each row alone (softmax, log_softmax, topk, sort, cumsum, max / sum over one block of a
+row, bincount summing a row's entries in column order), or an index op; a row draws exactly one uniform
+number from its own generator per sampled step; which path a row takes depends on its own params and V only.
 
-Speed (V = 151,936): the vocabulary is read in blocks of 1,024; a block's maximum says whether it can hold a
-candidate (top-k / top-p / top-n log-probs, greedy's argmax), so only those blocks are searched. The (B, V)
-intermediates live in buffers kept per thread: a fresh 19 MB tensor per step costs more in page faults than
-the softmax that fills it.
+Speed (V = 151,936): the vocabulary is read in blocks of 1,024; a block's maximum says whether it can hold one
+of the k largest (top-k, the top-n log-probs, greedy's argmax), so only those blocks are searched; top-p's cut
+comes from a radix select on the float32 bits (masses per bucket of bits), not a sort of the vocabulary. The
+(B, V) intermediates live in buffers kept per thread: a fresh 19 MB tensor per step costs more in page faults
+than the softmax that fills it.
 """
 
 from __future__ import annotations
