@@ -243,14 +243,16 @@ def _draw(logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tenso
     >= the largest of its values and draws from them over the whole vocabulary."""
     G, V = logits.shape
     dev = logits.device
-    # subtract the max before dividing: a tiny temperature then gives -inf, never inf - inf
-    scaled = _buffer("scaled", G, logits)
-    if scaled.data_ptr() != logits.data_ptr():
-        torch.sub(logits, logits.amax(-1, keepdim=True), out=scaled)
-    else:
-        scaled.sub_(scaled.amax(-1, keepdim=True))
-    if any(p.temperature != 1.0 for p in params):  # x / 1 == x: the division is skipped, not the result changed
-        scaled.div_(torch.tensor([p.temperature for p in params], device=dev)[:, None])
+    scaled = logits
+    if any(p.temperature != 1.0 for p in params):
+        # subtract the max before dividing: a tiny temperature then gives -inf, never inf - inf. A row at
+        # temperature 1 comes out the same either way: softmax subtracts the max itself (x - m, then - 0)
+        scaled = _buffer("scaled", G, logits)
+        if scaled.data_ptr() != logits.data_ptr():
+            torch.sub(logits, logits.amax(-1, keepdim=True), out=scaled)
+        else:
+            scaled.sub_(scaled.amax(-1, keepdim=True))
+        scaled.div_(torch.tensor([p.temperature for p in params], device=dev)[:, None])  # x / 1 == x
     probs = torch.softmax(scaled, -1, out=_buffer("probs", G, logits))  # (G, V)
     top = probs.amax(-1)  # (G,)
     if not bool(torch.isfinite(top).all()):
