@@ -6,16 +6,21 @@ over the top-k survivors renormalized, min-p relative to the highest probability
 left. Log-probs are log_softmax of the raw float32 logits (before penalties and temperature): what the training
 forward computes and what RL compares.
 
+Each filter is a floor on the row's probabilities (top-k: its k-th; top-p: the last of the most-likely-first
+head whose mass reaches top_p of the top-k survivors'; min-p: min_p times the highest), ties at a floor kept
+(as HF's top-k keeps them); the row draws from what is >= its highest floor.
+
 Batch invariance: row b's token and log-probs depend only on row b's logits, params, ids and generator, never
 on the other rows or on B. Every op here is either exact elementwise arithmetic (sub, div, compare, where),
-a kernel that treats each row alone (softmax, log_softmax, topk, sort, cumsum, and max / sum over one block of
-a row), or an index op; a row draws exactly one uniform number from its own generator per sampled step; and
-the candidate list a row's top-k / top-p is read from is fixed by that row alone, in a canonical order.
+a kernel that treats each row alone (softmax, log_softmax, topk, sort, cumsum, max / sum over one block of a
+row, bincount summing a row's entries in column order), or an index op; a row draws exactly one uniform
+number from its own generator per sampled step; which path a row takes depends on its own params and V only.
 
-Speed (V = 151,936): the vocabulary is read in blocks of 1,024; a block's maximum says whether it can hold a
-candidate (top-k / top-p / top-n log-probs, greedy's argmax), so only those blocks are searched. The (B, V)
-intermediates live in buffers kept per thread: a fresh 19 MB tensor per step costs more in page faults than
-the softmax that fills it.
+Speed (V = 151,936): the vocabulary is read in blocks of 1,024; a block's maximum says whether it can hold one
+of the k largest (top-k, the top-n log-probs, greedy's argmax), so only those blocks are searched; top-p's cut
+comes from a radix select on the float32 bits (masses per bucket of bits), not a sort of the vocabulary. The
+(B, V) intermediates live in buffers kept per thread: a fresh 19 MB tensor per step costs more in page faults
+than the softmax that fills it.
 """
 
 from __future__ import annotations
@@ -30,12 +35,8 @@ import torch
 from kiln.engine.params import MAX_TOP_LOGPROBS, SamplingParams
 from kiln.errors import KilnError
 
-# top-k / top-p read the sorted head of the distribution: a row sorts its tokens of probability >= e^-10 times
-# its highest (with a top_k <= TOP_K_DIRECT: >= its k-th), then >= e^-20 times, and all of them only when its
-# cut is not decided inside those (a flat distribution, a big top_k, top_p within ~1e-4 of 1)
-CANDIDATES = (4.5399929762484854e-05, 2.061153622438558e-09)  # e^-10, e^-20
-TOP_K_DIRECT = 64
-BLOCK = 1024  # the full-vocabulary draw's first level: blocks of this many entries
+BLOCK = 1024  # the vocabulary is read in blocks of this many entries (maxima, sums)
+SORT_BELOW = 4096  # top-p sorts a row this short; a longer one goes through a radix select
 
 
 @dataclass
@@ -236,108 +237,96 @@ def _penalize(logits: torch.Tensor, params: Sequence[SamplingParams], prompt_ids
 
 
 def _draw(logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor) -> torch.Tensor:
-    """(G,) tokens for penalized logits (G, V) with temperature > 0, row g drawn by its uniform u[g]."""
+    """(G,) tokens for penalized logits (G, V) with temperature > 0, row g drawn by its uniform u[g]. Each
+    filter keeps the probabilities >= a value of the row (top-k: its k-th; top-p: the smallest of the head
+    whose mass reaches top_p of the top-k survivors'; min-p: min_p times its highest), so a row keeps those
+    >= the largest of its values and draws from them over the whole vocabulary."""
     G, V = logits.shape
     dev = logits.device
-    # subtract the max before dividing: a tiny temperature then gives -inf, never inf - inf
-    scaled = _buffer("scaled", G, logits)
-    if scaled.data_ptr() != logits.data_ptr():
-        torch.sub(logits, logits.amax(-1, keepdim=True), out=scaled)
-    else:
-        scaled.sub_(scaled.amax(-1, keepdim=True))
-    if any(p.temperature != 1.0 for p in params):  # x / 1 == x: the division is skipped, not the result changed
-        scaled.div_(torch.tensor([p.temperature for p in params], device=dev)[:, None])
+    scaled = logits
+    if any(p.temperature != 1.0 for p in params):
+        # subtract the max before dividing: a tiny temperature then gives -inf, never inf - inf. A row at
+        # temperature 1 comes out the same either way: softmax subtracts the max itself (x - m, then - 0)
+        scaled = _buffer("scaled", G, logits)
+        if scaled.data_ptr() != logits.data_ptr():
+            torch.sub(logits, logits.amax(-1, keepdim=True), out=scaled)
+        else:
+            scaled.sub_(scaled.amax(-1, keepdim=True))
+        scaled.div_(torch.tensor([p.temperature for p in params], device=dev)[:, None])  # x / 1 == x
     probs = torch.softmax(scaled, -1, out=_buffer("probs", G, logits))  # (G, V)
     top = probs.amax(-1)  # (G,)
     if not bool(torch.isfinite(top).all()):
         bad = int((~torch.isfinite(top)).nonzero()[0])
         raise KilnError(f"sample: row {bad} of the logits has no finite maximum (all -inf or NaN)")
-    floor = torch.tensor([p.min_p for p in params], device=dev) * top  # min-p: keep p >= min_p * the highest
-    tokens = torch.empty(G, dtype=torch.long, device=dev)
-    cut = [g for g, p in enumerate(params) if 0 < p.top_k < V or p.top_p < 1.0]
-    whole = [g for g, p in enumerate(params) if not (0 < p.top_k < V or p.top_p < 1.0)]
-    if whole:
-        q = _rows(probs, whole, "scaled")
-        if any(params[g].min_p > 0 for g in whole):
-            low = torch.lt(q, floor[whole][:, None], out=_buffer("mask", len(whole), q, torch.bool))
-            q = q.masked_fill_(low, 0.0)
-        tokens.index_copy_(0, torch.tensor(whole, device=dev), _inverse_cdf(q, u[whole]))
-    if not cut:
-        return tokens
-    bmax = _block_max(probs)  # (G, blocks), for every search below
-    lo = top * CANDIDATES[0]
-    direct = [g for g in cut if 0 < params[g].top_k <= TOP_K_DIRECT]
-    if direct:  # a small top-k: its k-th probability, found directly, is the list's floor
-        idx = torch.tensor(direct, device=dev)
-        kth, _ = _top(_rows(probs, direct, "scaled"), max(params[g].top_k for g in direct))
-        lo[idx] = kth.gather(1, torch.tensor([[params[g].top_k - 1] for g in direct], device=dev)).squeeze(1)
-    for stage in range(len(CANDIDATES) + 1):  # each row widens its list until its cut is decided
-        idx = torch.tensor(cut, device=dev)
-        floor_c = lo[idx] if stage == 0 else top[idx] * (CANDIDATES + (0.0,))[stage]
-        vals, ids, count = _upper_set(probs, idx, floor_c, bmax)
-        thr, done = _top_k_p(vals, count, [params[g] for g in cut], V, whole=stage == len(CANDIDATES))
-        keep = vals.masked_fill(vals < torch.maximum(thr, floor[idx])[:, None], 0.0)
-        drawn = ids.gather(1, _inverse_cdf(keep, u[idx], block=vals.size(1))[:, None]).squeeze(1)
-        ready = done.nonzero().squeeze(1)
-        tokens.index_copy_(0, idx[ready], drawn[ready])
-        cut = [g for g, d in zip(cut, done.tolist()) if not d]
-        if not cut:
-            break
-    return tokens
+    floor = torch.tensor([p.min_p for p in params], device=dev) * top  # (G,) keep probabilities >= this
+    kth = torch.zeros_like(top)
+    with_k = [g for g, p in enumerate(params) if 0 < p.top_k < V]
+    if with_k:  # top-k: its k-th probability (ties with it are kept, as HF's top-k keeps them)
+        idx = torch.tensor(with_k, device=dev)
+        vals, _ = _top(_rows(probs, with_k, "scaled"), max(params[g].top_k for g in with_k))
+        kth[idx] = vals.gather(1, torch.tensor([[params[g].top_k - 1] for g in with_k], device=dev)).squeeze(1)
+        floor = torch.maximum(floor, kth)
+    with_p = [g for g, p in enumerate(params) if p.top_p < 1.0]
+    if with_p:  # top-p over the top-k survivors (zeroed below the k-th: harmless, they are cut anyway)
+        idx = torch.tensor(with_p, device=dev)
+        w = _rows(probs, with_p, "scaled")
+        w.masked_fill_(w < kth[idx][:, None], 0.0)
+        frac = torch.tensor([params[g].top_p for g in with_p], dtype=torch.float64, device=dev)
+        floor[idx] = torch.maximum(floor[idx], _mass_threshold(w, frac))
+    if bool((floor > 0).any()):
+        probs.masked_fill_(torch.lt(probs, floor[:, None], out=_buffer("mask", G, probs, torch.bool)), 0.0)
+    return _inverse_cdf(probs, u)
 
 
-def _upper_set(probs: torch.Tensor, rows: torch.Tensor, lo: torch.Tensor,
-               bmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For each of `rows` (C,) of probs (G, V): its tokens of probability >= lo[c] (lo 0: > 0), sorted most
-    likely first, equal probabilities by token id: vals (C, N) and ids (C, N), zero-padded past a row's count
-    (C,). Every token outside a row's list is less likely than every token in it, so a top-k / top-p cut that
-    falls inside the list is the cut over the whole vocabulary. The order is canonical (not the order some
-    selection kernel leaves ties in), so a row's list is the same whatever the other rows are, and whatever
-    floor found it. `bmax`: _block_max(probs); only the blocks whose maximum reaches lo are read."""
-    C = rows.numel()
-    lo = lo.clamp(min=2.0**-149)[:, None]  # (C, 1): >= the smallest float32 above 0 is > 0
-    r, b = (bmax[rows] >= lo).nonzero(as_tuple=True)  # the blocks that can hold one
-    seg, col = _gather_blocks(probs, rows[r], b)
-    a, j = (seg >= lo[r]).nonzero(as_tuple=True)  # row-major: each row's ids ascending
-    row, val, col = r[a], seg[a, j], col[a, j]
-    count = torch.bincount(row, minlength=C)  # (C,)
-    pos = torch.arange(row.numel(), device=probs.device) - (count.cumsum(0) - count)[row]
-    width = int(count.max())
-    vals = probs.new_zeros(C, width)
-    ids = torch.zeros(C, width, dtype=torch.long, device=probs.device)
-    vals[row, pos] = val
-    ids[row, pos] = col
-    vals, order = vals.sort(dim=-1, descending=True, stable=True)  # zero padding stays last; ties keep id order
-    return vals, ids.gather(1, order), count
+def _mass_threshold(w: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
+    """(C,) top-p's cut for rows of probabilities w (C, N) in [0, 1] (float32): the largest value v of each
+    row such that the entries >= v sum to at least frac times the row's total (the smallest most-likely-first
+    head whose mass reaches frac, ties at its end included). A short row is sorted; a long one (a real
+    vocabulary) goes through a radix select (the path depends on N only, so never on the other rows)."""
+    if w.size(1) <= SORT_BELOW:
+        vals = w.sort(dim=-1, descending=True).values
+        cum = vals.double().cumsum(-1)
+        first = (cum < (frac * cum[:, -1])[:, None]).sum(-1).clamp(max=w.size(1) - 1)  # first reaching it
+        return vals.gather(1, first[:, None]).squeeze(1)
+    return _radix_threshold(w, frac)
 
 
-def _top_k_p(vals: torch.Tensor, count: torch.Tensor, params: Sequence[SamplingParams], V: int,
-             whole: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each row's upper set vals (C, N) (sorted, count[c] of them real, the rest 0; `whole`: every token
-    of positive probability): the probability the row keeps down to (top-k's k-th value, then top-p's: the
-    smallest head of the top-k survivors whose mass reaches top_p of theirs; ties at a cut are kept, as HF's
-    top-k keeps them), and whether the list decides it."""
-    dev = vals.device
-    top_k = [p.top_k if 0 < p.top_k < V else 0 for p in params]  # top_k >= V cuts nothing
-    has_k = torch.tensor([k > 0 for k in top_k], device=dev)
-    want = torch.tensor(top_k, device=dev)
-    in_list = want <= count
-    k = torch.where(has_k, torch.minimum(want, count), count).clamp(min=1)  # (C,)
-    kth = vals.gather(1, (k - 1)[:, None]).squeeze(1)  # top-k's cut (no top-k: the last candidate)
-    cum = vals.double().cumsum(-1)  # (C, N) mass of each head
-    survivors = (vals >= kth[:, None]).sum(-1)  # top-k's survivors, its ties at the cut included
-    # top-p's mass is relative to the top-k survivors (renormalized, as HF's top-p after top-k); without top-k
-    # it is relative to the whole distribution, which softmax made 1
-    mass = torch.where(has_k, cum.gather(1, (survivors - 1)[:, None]).squeeze(1), torch.ones_like(cum[:, 0]))
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=dev)
-    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], 1)  # the mass strictly above each one
-    m = torch.minimum((before < (top_p * mass)[:, None]).sum(-1), survivors).clamp(min=1)  # kept head length
-    m = torch.where(top_p >= 1.0, survivors, m)  # top-k alone: all its survivors, however small
-    thr = vals.gather(1, (m - 1)[:, None]).squeeze(1)
-    # decided: the whole vocabulary, or top-k's k-th token is in the list (its survivors, then top-p's head
-    # among them, are), or top-p's head stops before the list's end
-    done = (has_k & in_list) | (~has_k & (m < count)) | whole
-    return thr, done
+def _radix_threshold(w: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
+    """_mass_threshold without a sort: the float32 bits of w >= 0 are in the values' order, so the mass per
+    bucket of the top 12 bits (values <= 1: < 1,024 buckets) says which bucket the cut is in, then the next 10
+    bits inside it, then the last 10. Each row's masses are summed in its column order (bincount)."""
+    C, N = w.shape
+    dev = w.device
+    bits = w.view(torch.int32)
+    rows = torch.arange(C, device=dev, dtype=torch.int32)[:, None]
+    key = torch.bitwise_right_shift(bits, 20, out=_buffer("keys", C, bits)).clamp_(max=1023).add_(rows * 1024)
+    hist = torch.bincount(key.view(-1), weights=w.view(-1), minlength=C * 1024).view(C, 1024).double()
+    target = frac * hist.cumsum(-1)[:, -1]  # (C,) frac of each row's total
+    b1, above = _crossing(hist, target, torch.zeros_like(target))
+    r, c = (key == (b1.int() + rows.squeeze(1) * 1024)[:, None]).nonzero(as_tuple=True)  # bucket b1's entries
+    vals = w[r, c]
+    low = vals.view(torch.int32)
+    b2, above = _crossing(_hist(r, (low >> 10) & 1023, vals, C), target, above)
+    inside = ((low >> 10) & 1023) == b2[r].int()
+    r, vals, low = r[inside], vals[inside], low[inside]
+    b3, _ = _crossing(_hist(r, low & 1023, vals, C), target, above)
+    return ((b1 << 20) | (b2 << 10) | b3).int().view(torch.float32)
+
+
+def _hist(row: torch.Tensor, key: torch.Tensor, vals: torch.Tensor, C: int) -> torch.Tensor:
+    """(C, 1024) float64: the sum of vals per (row, key), key in [0, 1024)."""
+    return torch.bincount(row * 1024 + key.long(), weights=vals.double(), minlength=C * 1024).view(C, 1024)
+
+
+def _crossing(hist: torch.Tensor, target: torch.Tensor, above: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For bucket masses hist (C, K) (bucket order = value order) under a mass `above` already counted: the
+    highest bucket where the running mass from the top reaches target (0 if rounding leaves none), and the
+    mass above that bucket."""
+    below = hist.cumsum(-1) - hist  # (C, K) the mass under each bucket (rounding keeps it nondecreasing)
+    from_top = (below[:, -1:] + hist[:, -1:] - below) + above[:, None]  # (C, K) mass at or above each bucket
+    b = ((from_top >= target[:, None]).sum(-1) - 1).clamp(min=0)  # from_top falls with the bucket index
+    nxt = (b + 1).clamp(max=hist.size(1) - 1)[:, None]
+    return b, torch.where(b + 1 < hist.size(1), from_top.gather(1, nxt).squeeze(1), above)
 
 
 def _inverse_cdf(q: torch.Tensor, u: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
