@@ -246,3 +246,17 @@ def test_a_run_serves_its_newest_checkpoint_and_a_checkpoint_itself(served_dirs,
     newest = build_state(run, [], name="m").engine.engines["m"].model
     first = build_state(run / "ckpt-000001", [], name="m").engine.engines["m"].model
     assert getattr(newest, "lora_config", None) is not None and getattr(first, "lora_config", None) is None
+
+
+def test_logprob_bytes_join_up_to_the_text(served_dirs):
+    """A byte-level BPE splits a multi-byte character over tokens whose own text is U+FFFD; their `bytes` are the
+    real ones, so the bytes of all tokens are the text's UTF-8. Control: the tokens' text does not give it back."""
+    from kiln.hub import Tokenizer
+    from kiln.serve.results import token_bytes, token_text
+
+    tok = Tokenizer.from_dir(served_dirs["model"])
+    text = "Paris: 18° 🙂 日本 <|im_end|>"
+    ids = tok.backend.encode(text, add_special_tokens=False).ids
+    pieces = [token_text(tok, t) for t in ids]
+    assert b"".join(bytes(token_bytes(tok, t, p)) for t, p in zip(ids, pieces)) == text.encode("utf-8")
+    assert "".join(pieces) != text  # some character was split (else the test shows nothing)
