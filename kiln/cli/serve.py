@@ -100,7 +100,8 @@ def serve(target: Path = typer.Argument(..., help="A causal-LM directory, a run 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
                             timeout_graceful_shutdown=shutdown_timeout + CLOSE_GRACE_S)
     server = _server(config, state.engine, shutdown_timeout)
-    out.print(f"kiln serve: {', '.join(state.models)} on http://{host}:{port}/v1 (GET /health; Ctrl-C or SIGTERM stops)")
+    out.print(f"kiln serve: {', '.join(state.models)} on http://{host}:{port}/v1 "
+              "(GET /health; Ctrl-C or SIGTERM stops)")
     server.run()
     if not server.started:  # e.g. the port is taken: uvicorn logged why
         raise KilnError(f"could not serve on {host}:{port} (is the port in use?)")

@@ -262,7 +262,8 @@ async def completions(request: Request) -> Response:
                     if req.logprobs is not None else None)
         choices.append({"index": i, "text": echo + g.text, "logprobs": logprobs, "finish_reason": g.finish_reason})
     return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": req.model,
-                         "choices": choices, "usage": P.usage(sum(map(len, prompts)), sum(len(g.token_ids) for g in got))})
+                         "choices": choices,
+                         "usage": P.usage(sum(map(len, prompts)), sum(len(g.token_ids) for g in got))})
 
 
 async def _completion_events(stream: Stream, req: P.CompletionRequest, served: ServedModel, rid: str, created: int,
@@ -336,6 +337,7 @@ def build_app(state: ServerState, stop_timeout: float = 10.0) -> Starlette:
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", list_models, methods=["GET"]),
               Route("/health", health, methods=["GET"])]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={P.RequestError: _request_error, HTTPException: _http_error})
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={P.RequestError: _request_error, HTTPException: _http_error})
     app.state.kiln = state
     return app

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Weather in a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [{"type": "function", "function": {
+    "name": "weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 QUESTION = "Weather in Paris?"
 CALL_TEXT = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ANSWER = "It is 18 degrees."
@@ -29,7 +30,8 @@ def conversations() -> list[tuple[list[dict], str]]:
     first = [{"role": "user", "content": QUESTION}]
     call = {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call_0", "type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}]}
-    return [(first, CALL_TEXT + "<|im_end|>"), (first + [call, {"role": "tool", "content": RESULT}], ANSWER + "<|im_end|>")]
+    second = first + [call, {"role": "tool", "content": RESULT}]
+    return [(first, CALL_TEXT + "<|im_end|>"), (second, ANSWER + "<|im_end|>")]
 
 
 def _teach(model, examples: list[tuple[list[int], list[int]]], steps: int = 400) -> None:
@@ -72,7 +74,8 @@ def served_dirs(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve")
     template = (resources.files("trl") / "chat_templates" / "qwen3.jinja").read_text()
     # the rendered conversations are in the tokenizer's text, so their prompts are short (fast to teach)
-    rendered = [ChatTemplate(template).render(m, add_generation_prompt=True, tools=TOOLS) + r for m, r in conversations()]
+    rendered = [ChatTemplate(template).render(m, add_generation_prompt=True, tools=TOOLS) + r
+                for m, r in conversations()]
     text = [QUESTION, CALL_TEXT, ANSWER, RESULT, "The quick brown fox jumps over the lazy dog.", "Once upon a time"]
     (d / "text.txt").write_text("\n".join(text * 3 + rendered * 3) + "\n")
     train_bpe([d / "text.txt"], d / "tok", vocab_size=VOCAB, min_frequency=1)
