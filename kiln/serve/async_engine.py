@@ -2,7 +2,8 @@
 (one per served model name), drives their step() and hands each step's outputs to the waiting requests' asyncio
 queues.
 
-Handlers never touch an engine: they put commands (add, cancel, stop) into an inbox the thread drains between steps.
+Handlers never touch an engine: they put commands (add, cancel, cancel_all, stop) into an inbox the thread drains
+between steps.
 A request holds a slot from `submit` until its Stream is closed (the HTTP response is over, or the client left), so
 `max_queue` bounds what is queued and running together; past it `submit` raises QueueFull (429). Engines of several
 models are stepped in turn; since a request's tokens depend only on its own inputs (the engine's batch invariance),

@@ -67,3 +67,28 @@ def test_sigterm_stops_within_the_bound(served_dirs):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_draining_refuses_new_requests_and_cancels_running_ones_at_the_bound(served_dirs):
+    """What SIGTERM starts, in process: /health says 503, a new request is a 503, and a running stream is cancelled
+    at the bound and still ends well (finish_reason "cancelled", then [DONE])."""
+    from kiln.cli.serve import build_state
+    from tests.serve.conftest import LiveServer
+
+    live = LiveServer(build_state(served_dirs["model"], [], name="tiny", max_tokens=1000))
+    try:
+        client = live.client()
+        stream = client.completions.create(model="tiny", prompt="Once upon", max_tokens=1000, stream=True,
+                                           temperature=1.0, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        live.state.engine.drain(0.3)
+        health = httpx.get(live.url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "stopping"
+        with pytest.raises(openai.InternalServerError) as e:
+            client.completions.create(model="tiny", prompt="x", max_tokens=2)
+        assert e.value.status_code == 503 and e.value.code == "shutting_down"
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert reasons[-1] == "cancelled" and len(reasons) < 1000 and not any(reasons[:-1])
+    finally:
+        live.stop()
