@@ -188,7 +188,7 @@ def test_preemption_recomputes_the_same_bits():
 
 def test_no_leak_over_1000_requests():
     model = tiny_model()
-    engine = Engine(model, block_size=2, kv_blocks=64, max_seqs=32, step_tokens=64)
+    engine = Engine(model, block_size=2, kv_blocks=160, max_seqs=64, step_tokens=256)
     g = torch.Generator().manual_seed(12)
     ids = []
     for i in range(1000):
@@ -196,7 +196,7 @@ def test_no_leak_over_1000_requests():
         prompt = torch.randint(4, 99, (int(torch.randint(1, 6, (), generator=g)),), generator=g).tolist()
         ids.append(engine.add_request(prompt, SamplingParams(max_tokens=int(torch.randint(1, 4, (), generator=g)),
                                                              temperature=1.0, seed=i, n=n)))
-        if i % 7 == 0:
+        if i % 20 == 0:  # requests arrive while others run
             engine.step()
         if i % 11 == 0:
             engine.cancel(ids[int(torch.randint(0, len(ids), (), generator=g))])
@@ -245,3 +245,43 @@ def test_bad_requests_are_refused_by_name():
 def test_unreached_families_are_refused_by_name():
     with pytest.raises(KilnError, match="'mamba'"):
         Engine(tiny_model("mamba"))
+
+
+def _bpe():
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    from tokenizers.trainers import BpeTrainer
+
+    tok = Tokenizer(BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(vocab_size=300, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the cat sat on the mat, naïve café, 猫 🎉"] * 20, trainer)
+    return tok
+
+
+def test_text_stop_strings_and_top_logprobs():
+    """Streamed text deltas add up to the completion's text; a stop string cuts the text before it and ends the
+    completion; top_logprobs are the row's most likely tokens, the greedy choice first."""
+    tok = _bpe()
+    model = tiny_model(vocab_size=tok.get_vocab_size())
+    prompt = tok.encode("the cat").ids
+    engine = Engine(model, tok)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=24, temperature=0.0, logprobs=True, top_logprobs=3))
+    deltas, outs = [], []
+    while engine.has_unfinished():
+        for o in engine.step():
+            deltas.append(o.text)
+            outs.append(o)
+    text = "".join(deltas)
+    tokens = [t for o in outs for t in o.token_ids]
+    assert text == tok.decode(tokens) and len(text) > 6
+    for o in outs:
+        (top,) = o.top_logprobs
+        assert top[0] == (o.token_ids[0], o.logprobs[0]) and len(top) == 3
+        assert top[0][1] >= top[1][1] >= top[2][1]
+    stop = text[3:6]
+    out = Engine(model, tok).generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop=(stop,)))[0][0]
+    assert out.text == text[:text.index(stop)] and out.finish_reason == "stop"
+    assert out.token_ids == tokens[:len(out.token_ids)]
+    assert rid == "req-0"
