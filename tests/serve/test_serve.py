@@ -15,7 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 from kiln.cli.main import app
-from tests.serve.conftest import ANSWER, QUESTION, RESULT, TOOLS
+from tests.serve.helpers import ANSWER, QUESTION, RESULT, TOOLS
 
 USER = [{"role": "user", "content": QUESTION}]
 # a float32 log-prob computed by two kernel orders differs by a few ulps of its summands (|logit| < 50 here)

@@ -73,7 +73,7 @@ def test_draining_refuses_new_requests_and_cancels_running_ones_at_the_bound(ser
     """What SIGTERM starts, in process: /health says 503, a new request is a 503, and a running stream is cancelled
     at the bound and still ends well (finish_reason "cancelled", then [DONE])."""
     from kiln.cli.serve import build_state
-    from tests.serve.conftest import LiveServer
+    from tests.serve.helpers import LiveServer
 
     live = LiveServer(build_state(served_dirs["model"], [], name="tiny", max_tokens=1000))
     try:
