@@ -12,11 +12,13 @@ ALLOWED = {
     "hub": set(),
     "data": {"hub"},
     "models": {"hub", "data"},
+    "engine": {"models", "hub", "data"},
     "parallel": {"models", "hub"},
-    "train": {"parallel", "models", "data", "hub"},
+    "train": {"engine", "parallel", "models", "data", "hub"},
     "interop": {"models", "hub"},
-    "pipelines": {"models", "hub"},
-    "cli": {"hub", "data", "models", "parallel", "train", "interop", "pipelines"},
+    "pipelines": {"engine", "models", "hub"},
+    "serve": {"engine", "models", "data", "hub"},
+    "cli": {"hub", "data", "models", "engine", "parallel", "train", "interop", "pipelines", "serve"},
 }
 
 

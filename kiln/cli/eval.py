@@ -17,22 +17,30 @@ from kiln.errors import KilnError
 RESULTS_FILE = "lm_eval_results.json"
 
 
-def load_for_eval(target: Path) -> tuple[Any, Path]:
-    """(kiln causal LM, the folder its results go to) for a model directory, a checkpoint or a run."""
-    from kiln.models.auto import load_pretrained
-    from kiln.models.tasks import CAUSAL_LM
+def model_dir_of(target: Path) -> tuple[Path, Path]:
+    """(the model directory, the folder results go to) of a model directory, a checkpoint or a run (its newest
+    checkpoint)."""
     from kiln.train.checkpoint import list_checkpoints
 
     if not target.is_dir():
         raise KilnError(f"{target}: no such model, checkpoint or run directory")
     if (target / "config.json").is_file():
-        return load_pretrained(target, task=CAUSAL_LM), target
+        return target, target
     if (target / "model" / "config.json").is_file():  # a checkpoint: results go to its run
-        return load_pretrained(target / "model", task=CAUSAL_LM), target.parent
+        return target / "model", target.parent
     ckpts = list_checkpoints(target)
     if not ckpts:
         raise KilnError(f"{target}: neither a model directory (config.json) nor a run with checkpoints (ckpt-N)")
-    return load_pretrained(ckpts[-1][1] / "model", task=CAUSAL_LM), target
+    return ckpts[-1][1] / "model", target
+
+
+def load_for_eval(target: Path) -> tuple[Any, Path]:
+    """(kiln causal LM, the folder its results go to) for a model directory, a checkpoint or a run."""
+    from kiln.models.auto import load_pretrained
+    from kiln.models.tasks import CAUSAL_LM
+
+    model_dir, home = model_dir_of(target)
+    return load_pretrained(model_dir, task=CAUSAL_LM), home
 
 
 def eval_cmd(target: Path = typer.Argument(..., help="A causal-LM directory, a run directory (its newest "

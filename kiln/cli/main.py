@@ -26,6 +26,7 @@ COMMAND_MODULES = [
     "kiln.cli.plan",
     "kiln.cli.llm",
     "kiln.cli.chat",
+    "kiln.cli.serve",
     "kiln.cli.eval",
     "kiln.cli.data",
     "kiln.cli.init",

@@ -89,15 +89,10 @@ _THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-def parse_reply(text: str) -> dict[str, Any]:
-    """An assistant message from generated text in the Hermes/Qwen layout: a leading `<think>...</think>` as
-    `reasoning_content`, each `<tool_call>{"name", "arguments"}</tool_call>` as a tool call, the rest as
-    `content`. A tool-call block that is not such JSON stays in the content as written (shown, not lost)."""
-    message: dict[str, Any] = {"role": "assistant"}
-    think = _THINK.match(text)
-    if think:
-        message["reasoning_content"] = think.group(1).strip()
-        text = text[think.end():]
+def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """The text with each `<tool_call>{"name", "arguments"}</tool_call>` block taken out, and those calls as
+    `{"name", "arguments"}` in order (Hermes/Qwen layout). A block that is not such JSON stays in the text as
+    written (shown, not lost). The text is returned unchanged when it holds no call."""
     calls, kept, at = [], [], 0
     for m in _TOOL_CALL.finditer(text):
         try:
@@ -108,9 +103,22 @@ def parse_reply(text: str) -> dict[str, Any]:
             continue
         kept.append(text[at:m.start()])
         at = m.end()
-        calls.append({"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}})
+        calls.append({"name": call["name"], "arguments": call.get("arguments", {})})
     kept.append(text[at:])
-    message["content"] = "".join(kept).strip()
+    return "".join(kept), calls
+
+
+def parse_reply(text: str) -> dict[str, Any]:
+    """An assistant message from generated text in the Hermes/Qwen layout: a leading `<think>...</think>` as
+    `reasoning_content`, each `<tool_call>{"name", "arguments"}</tool_call>` as a tool call, the rest as
+    `content` (split_tool_calls)."""
+    message: dict[str, Any] = {"role": "assistant"}
+    think = _THINK.match(text)
+    if think:
+        message["reasoning_content"] = think.group(1).strip()
+        text = text[think.end():]
+    content, calls = split_tool_calls(text)
+    message["content"] = content.strip()
     if calls:
-        message["tool_calls"] = calls
+        message["tool_calls"] = [{"type": "function", "function": c} for c in calls]
     return message

@@ -1,0 +1,10 @@
+"""The generation engine: continuous batching over a paged KV cache, sampling, stop strings (issue 39).
+
+`Engine` (engine.py) drives requests; `token_logps` (score.py) scores whole sequences with the same bits.
+"""
+
+from kiln.engine.engine import Completion, Engine, RequestOutput
+from kiln.engine.params import SamplingParams
+from kiln.engine.score import token_logps
+
+__all__ = ["Completion", "Engine", "RequestOutput", "SamplingParams", "token_logps"]

@@ -1,0 +1,75 @@
+"""The paged KV cache: fixed-size blocks of key/value slots in one pool per layer, lent to sequences.
+
+A sequence holds a block table (block ids in position order); token t lives in slot t % block_size of block
+table[t // block_size]. Blocks are reference-counted: the n completions of one request share the prompt's full
+blocks (the prompt is stored and prefilled once); a block is written only by a sequence that holds it alone
+(the prompt's last, partly filled block is copied for each completion when they part: copy-on-write). A block
+returns to the free list when its last holder lets go (finish, cancel, preemption).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.errors import KilnError
+
+
+class BlockPool:
+    """keys / values per layer: (num_blocks, block_size, kv_heads, head_dim), zeros at first (an unwritten slot
+    is only ever multiplied by an exact 0 weight, which must not meet an inf or NaN)."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        if num_blocks < 1 or block_size < 1:
+            raise KilnError(f"the KV cache needs kv_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.refs = [0] * num_blocks
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # popped from the end: lowest ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def bytes_per_block(self) -> int:
+        k = self.keys[0]
+        return 2 * len(self.keys) * k[0].numel() * k.element_size()
+
+    def allocate(self) -> int:
+        if not self.free:
+            raise KilnError("the KV cache is out of blocks")  # the scheduler checks first; an internal slip
+        b = self.free.pop()
+        self.refs[b] = 1
+        return b
+
+    def share(self, block: int) -> None:
+        assert self.refs[block] > 0, f"block {block} is not held"
+        self.refs[block] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            assert self.refs[b] > 0, f"block {b} released twice"
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free.append(b)
+
+    def copy(self, src: int) -> int:
+        """A fresh block holding src's keys and values (copy-on-write of a shared, partly filled block)."""
+        dst = self.allocate()
+        for pool in (*self.keys, *self.values):
+            pool[dst].copy_(pool[src])
+        return dst
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (N, kv_heads, head_dim) into flat slots (N,) = block * block_size + offset."""
+        self.keys[layer].view(-1, *k.shape[1:])[slots] = k.to(self.keys[layer].dtype)
+        self.values[layer].view(-1, *v.shape[1:])[slots] = v.to(self.values[layer].dtype)
+
+    def gather(self, layer: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's blocks (NB, block_size, kv_heads, head_dim), contiguous, for `exact.attend`."""
+        return self.keys[layer].index_select(0, table), self.values[layer].index_select(0, table)
+
+    def held(self) -> int:
+        return self.num_blocks - len(self.free)

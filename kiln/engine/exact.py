@@ -1,0 +1,129 @@
+"""Batch-invariant kernels: a token's numbers never depend on which other tokens share the call.
+
+On a CPU a matrix product's per-row result can depend on the row count (BLAS picks gemv for one row, other
+blockings for others), and an elementwise op's on where the row sits (torch runs full SIMD blocks through the
+vector code and the tail, or a thread's chunk edge, through the scalar code: exp, sin and friends may differ by
+an ulp between the two). So every op here has a shape that depends on nothing but the model:
+
+- `tiled`: row-wise work (norms, projections, the MLP) runs on tiles of exactly `TILE` rows, zero-padded; a
+  product's row depends on its own row and the product's (M, N, K), which is fixed;
+- `lanewise`: a transcendental elementwise op runs on a flat copy padded to whole SIMD blocks, in calls small
+  enough never to be split between threads, so every element goes through the same vector code;
+- `attend`: each query row is its own (groups x D) @ (D x block) product against each key block; the softmax
+  is taken in two passes whose sums run in a fixed sequential order (cumsum) over block-sized pieces, so a key
+  block past a row's position adds exact zeros and chunked prefill, decode and a whole-sequence scoring
+  forward give the same bits;
+- rotary angles come from one table built once per engine, so a position's cos/sin never depend on the call.
+
+What this rests on: a product computes each output row from that row and the right operand alone with an
+order fixed by (M, N, K) (no BLAS mixes rows), and SIMD lanes compute independently. Both hold by how the
+kernels are built; the tests compare a request alone with the same request among 31 others.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.nn import functional as F
+
+TILE = 16            # rows per row-wise call (the M of every projection)
+HEAD_TILE = 8        # rows per LM-head call when no other size is proven equal (see `head_tiles`)
+HEAD_SIZES = (4, 16, 32, 64)  # other LM-head row counts `head_tiles` may prove equal to HEAD_TILE
+LANES = 64           # a multiple of every SIMD block torch uses (2 x 16 floats with AVX-512)
+SERIAL = 32768 // LANES * LANES  # torch's grain size: a smaller elementwise call is never split between threads
+
+
+def tiled(fn: Callable[..., torch.Tensor], *xs: torch.Tensor, tile: int = TILE) -> torch.Tensor:
+    """fn applied to row-aligned xs (N, ...) in tiles of exactly `tile` rows (the last zero-padded): (N, ...)."""
+    n = xs[0].shape[0]
+    pad = -n % tile
+    if pad:
+        xs = tuple(torch.cat([x, x.new_zeros((pad,) + tuple(x.shape[1:]))]) for x in xs)
+    outs = [fn(*(x[s:s + tile] for x in xs)) for s in range(0, n + pad, tile)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out[:n] if pad else out
+
+
+def head_tiles(fn: Callable[[torch.Tensor], torch.Tensor], width: int, dtype: torch.dtype,
+               device: torch.device) -> tuple[int, ...]:
+    """The LM head's row counts that give the bits of HEAD_TILE-row calls on this machine, HEAD_TILE first.
+
+    The head's (rows x vocab) product dominates a decode step, and its per-row cost falls steeply with the row
+    count, so one call per step of about the running rows is worth having. A row count joins only if calls of
+    that many rows reproduce HEAD_TILE-row calls bit for bit on 64 random rows (a product that orders a row's
+    sum differently differs on nearly every one of the 64 x vocab outputs). Unproven sizes are never used, so
+    the guarantee stays that of fixed shapes."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    probe = torch.randn(64, width, generator=g).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        ref = tiled(fn, probe, tile=HEAD_TILE)
+        return (HEAD_TILE,) + tuple(m for m in HEAD_SIZES if torch.equal(tiled(fn, probe, tile=m), ref))
+
+
+def tiled_menu(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+    """fn over x (N, ...) in calls whose row counts come from `sizes` (each proven to give the same bits): the
+    smallest size that holds what is left, or the largest, zero-padded."""
+    sizes = tuple(sorted(sizes))
+    outs, s, n = [], 0, x.shape[0]
+    while s < n:
+        m = next((k for k in sizes if k >= n - s), sizes[-1])
+        outs.append(tiled(fn, x[s:s + m], tile=m))
+        s += m
+    return outs[0] if len(outs) == 1 else torch.cat(outs) if outs else fn(x)
+
+
+def lanewise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """An elementwise fn with every element through the same vector code: x flattened, padded to whole blocks
+    of LANES, in calls of at most SERIAL elements (one thread each)."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    pad = -n % LANES
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    outs = [fn(flat[s:s + SERIAL]) for s in range(0, n + pad, SERIAL)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out[:n].view(x.shape)
+
+
+def seqsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The sum over `dim` in index order (cumsum is a sequential loop on the CPU): trailing exact zeros leave it
+    unchanged, so its value does not depend on how far the dimension runs past the nonzero entries."""
+    return x.cumsum(dim).select(dim, -1)
+
+
+def rope_table(rotary: torch.nn.Module, length: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (length, D) for positions 0..length-1 from the model's rotary module, in one call."""
+    pos = torch.arange(length, device=like.device)[None]  # (1, L)
+    cos, sin = rotary(like, pos)
+    return cos[0].contiguous(), sin[0].contiguous()
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor, scale: float
+           ) -> torch.Tensor:
+    """Causal attention of queries over key blocks.
+
+    q (T, KVH, G, D) (query head kvh * G + g reads kv head kvh, transformers' repeat_kv order); keys and values
+    (X, NB, BS, KVH, D) with X = 1 (every query reads the same sequence's blocks) or X = T (row t its own),
+    block j holding positions j * BS ...; q_pos (T,) each query's position (it sees keys at positions <= its
+    own: blocks past it, a padding of the block list included, add exact zeros). Returns (T, KVH * G, D) in
+    q's dtype."""
+    T, KVH, G, D = q.shape
+    NB, BS = keys.shape[1:3]
+    k = keys.permute(0, 1, 3, 4, 2)  # (X, NB, KVH, D, BS)
+    v = values.permute(0, 1, 3, 2, 4)  # (X, NB, KVH, BS, D)
+    s = torch.matmul(q[:, None].float(), k.float()) * scale
+    # s (T, NB, KVH, G, BS): one (G x D) @ (D x BS) product per query row, block and kv head
+    key_pos = torch.arange(NB * BS, device=q.device).view(1, NB, 1, 1, BS)
+    s = s.masked_fill(key_pos > q_pos.view(T, 1, 1, 1, 1), float("-inf"))
+    m = s.amax(dim=(1, 4), keepdim=True)  # (T, 1, KVH, G, 1): a max is exact in any order
+    p = lanewise(torch.exp, s - m)        # masked keys give exactly 0
+    l = seqsum(seqsum(p, 4), 1)           # (T, KVH, G)
+    o = seqsum(torch.matmul(p, v.float()), 1)  # (T, KVH, G, D): (G x BS) @ (BS x D) per block, summed in order
+    return (o / l[..., None]).reshape(T, KVH * G, D).to(q.dtype)
+
+
+def log_softmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """float32 log_softmax of each row (N, V) in its own (1, V) call: a row's values never see the row count."""
+    return torch.cat([F.log_softmax(logits[i:i + 1].float(), -1) for i in range(logits.shape[0])]) \
+        if logits.shape[0] else logits.float()

@@ -1,0 +1,197 @@
+"""The engine's forward over kiln's pre-norm attention decoders (Llama, Qwen2, Qwen3, Qwen3-MoE), token-packed.
+
+A step feeds a flat list of tokens from many sequences (decode tokens and prefill chunks side by side, no
+padding to a common length). Everything row-wise runs on fixed tiles (`exact.tiled`); attention runs per
+sequence over its blocks of the paged cache (`exact.attend`). The same layer code serves `dense`: one whole
+sequence with its keys in a private buffer instead of the pool (the scoring forward, kiln.engine.score), so the
+engine's log-probs and the scoring forward's are the same bits.
+
+The runner reads the model's own modules (projections, norms, MLPs, LoRA-wrapped or not) and calls them on
+tiles; what it cannot run exactly it refuses by name (`supports`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from kiln.engine.cache import BlockPool
+from kiln.engine.exact import attend, head_tiles, lanewise, rope_table, tiled, tiled_menu
+from kiln.errors import KilnError
+from kiln.models.common.causal_lm import ForCausalLM
+from kiln.models.common.decoder import Attention, Decoder, DecoderLayer
+from kiln.models.common.mlp import GatedMLP
+from kiln.models.common.rope import rotate_half
+
+
+@dataclass
+class Piece:
+    """The tokens one sequence feeds in a step: ids at positions start.., its block table (covering them all)."""
+    ids: list[int]
+    start: int
+    table: list[int]
+    logits: bool  # whether its last token's logits are wanted
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why the engine cannot run `model` exactly (naming the family), or None when it can."""
+    name = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    if not isinstance(model, ForCausalLM) or type(model).forward is not ForCausalLM.forward:
+        return (f"the generation engine does not run {name!r} yet (it runs the pre-norm attention decoders: llama, "
+                f"qwen2, qwen3, qwen3_moe); this model's forward is its own ({type(model).__name__})")
+    backbone = model.model
+    if type(backbone) is not Decoder or any(type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention
+                                            for layer in backbone.layers):
+        return (f"the generation engine does not run {name!r} yet: its backbone {type(backbone).__name__} is not "
+                "the pre-norm attention decoder (MLA, hybrid, Mamba, sliding/compressed and sparse attention "
+                "families are not wired to the paged cache)")
+    if any(layer.self_attn.core is not None for layer in backbone.layers):
+        return f"the generation engine does not run {name!r} with a parallel attention core (context parallelism)"
+    return None
+
+
+def _mlp_fn(mlp: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x (TILE, C) -> (TILE, C) through the layer's MLP with fixed shapes."""
+    if type(mlp) is GatedMLP:
+        return lambda h: mlp.down_proj(lanewise(mlp.act_fn, mlp.gate_proj(h)) * mlp.up_proj(h))
+    # any other MLP (MoE routing sends a varying number of rows to each expert): one row per call
+    return lambda h: torch.cat([mlp(h[i:i + 1].unsqueeze(0)).reshape(1, -1) for i in range(h.shape[0])])
+
+
+class DecoderRunner:
+    """Runs `model` (a ForCausalLM over `Decoder`) over packed pieces, keys and values in `pool`."""
+
+    def __init__(self, model: ForCausalLM, max_positions: int):
+        why = unsupported(model)
+        if why:
+            raise KilnError(why)
+        self.model, self.backbone = model, model.model
+        attn = self.backbone.layers[0].self_attn
+        self.head_dim, self.groups, self.scale = attn.head_dim, attn.groups, attn.scaling
+        self.kv_heads = attn.k_proj.out_features // attn.head_dim
+        self.num_layers = len(self.backbone.layers)
+        self.max_positions = max_positions
+        weight = self.backbone.embed_tokens.weight
+        self.dtype, self.device = weight.dtype, weight.device
+        with torch.no_grad():
+            self.cos, self.sin = rope_table(self.backbone.rotary_emb, max_positions,
+                                            torch.zeros((), dtype=self.dtype, device=self.device))
+        self.mlps = [_mlp_fn(layer.mlp) for layer in self.backbone.layers]
+        self.head_sizes = head_tiles(self._head, weight.shape[1], self.dtype, self.device)
+
+    def new_pool(self, num_blocks: int, block_size: int) -> BlockPool:
+        return BlockPool(self.num_layers, num_blocks, block_size, self.kv_heads, self.head_dim, self.dtype,
+                         self.device)
+
+    # ---- one layer ------------------------------------------------------------------------------
+    def _qkv(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        a, D = layer.self_attn, self.head_dim
+        h = layer.input_layernorm(x)
+        q, k, v = a.q_proj(h).view(h.shape[0], -1, D), a.k_proj(h).view(h.shape[0], -1, D), \
+            a.v_proj(h).view(h.shape[0], -1, D)
+        if a.q_norm is not None:
+            q, k = a.q_norm(q), a.k_norm(k)
+        c, s = cos[:, None], sin[:, None]  # (R, 1, D): over heads
+        q, k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+        return torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
+
+    def _layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               kv: Callable[[int, torch.Tensor, torch.Tensor], list[tuple[int, int, torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor]]]) -> torch.Tensor:
+        """x (N, C) -> (N, C). `kv(i, k, v)` stores this step's k, v (N, KVH, D) and returns the attention
+        groups: (row start, row end, positions, keys, values) with keys/values as `exact.attend` takes them."""
+        layer, D, KVH, G = self.backbone.layers[i], self.head_dim, self.kv_heads, self.groups
+        qkv = tiled(lambda t, c, s: self._qkv(layer, t, c, s), x, cos, sin)  # (N, (H + 2 KVH) D)
+        H = KVH * G
+        q = qkv[:, :H * D].view(-1, KVH, G, D)
+        k = qkv[:, H * D:(H + KVH) * D].view(-1, KVH, D)
+        v = qkv[:, (H + KVH) * D:].view(-1, KVH, D)
+        y = q.new_empty((x.shape[0], H * D))
+        for s, e, pos, kb, vb in kv(i, k, v):
+            y[s:e] = attend(q[s:e], kb, vb, pos, self.scale).flatten(1)
+        mlp = self.mlps[i]
+
+        def post(xt: torch.Tensor, yt: torch.Tensor) -> torch.Tensor:
+            xt = xt + layer.self_attn.o_proj(yt)
+            return xt + mlp(layer.post_attention_layernorm(xt))
+
+        return tiled(post, x, y)
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
+        x = self.backbone.embed_tokens(ids)  # (N, C)
+        cos, sin = self.cos[positions], self.sin[positions]
+        for i in range(self.num_layers):
+            x = self._layer(i, x, cos, sin, kv)
+        return x
+
+    # ---- the engine's step ----------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, pieces: list[Piece], pool: BlockPool) -> torch.Tensor:
+        """Feed every piece's tokens (their keys/values go into the pool); float32 logits (P, V) of the last
+        token of each piece with `logits`, in order. Decode pieces (one token) come first in `pieces`' order
+        of rows and attend in one call, each over its own blocks (the block lists padded to the longest: the
+        padding adds exact zeros); a prefill chunk attends alone."""
+        bs, dev = pool.block_size, self.device
+        order = sorted(range(len(pieces)), key=lambda j: len(pieces[j].ids) > 1)  # decodes first, stable
+        ids, positions, slots, rows = [], [], [], {}
+        for j in order:
+            p = pieces[j]
+            rows[j] = (len(ids), len(ids) + len(p.ids))
+            pos = range(p.start, p.start + len(p.ids))
+            ids += p.ids
+            positions += pos
+            slots += [p.table[t // bs] * bs + t % bs for t in pos]
+        decodes = [j for j in order if len(pieces[j].ids) == 1]
+        chunks = [j for j in order if len(pieces[j].ids) > 1]
+        pos_t = torch.tensor(positions, device=dev)
+        slot_t = torch.tensor(slots, device=dev)
+        nb = max((pieces[j].start // bs + 1 for j in decodes), default=0)
+        dec_tables = torch.tensor([pieces[j].table[:nb] + [0] * (nb - min(nb, len(pieces[j].table)))
+                                   for j in decodes], dtype=torch.long, device=dev).view(len(decodes), nb)
+        chunk_tables = [torch.tensor(pieces[j].table[:(pieces[j].start + len(pieces[j].ids) + bs - 1) // bs],
+                                     device=dev) for j in chunks]
+
+        def kv(i: int, k: torch.Tensor, v: torch.Tensor):
+            pool.write(i, slot_t, k, v)
+            groups = []
+            if decodes:
+                kb, vb = pool.gather(i, dec_tables.view(-1))
+                groups.append((0, len(decodes), pos_t[:len(decodes)], kb.view(len(decodes), nb, *kb.shape[1:]),
+                               vb.view(len(decodes), nb, *vb.shape[1:])))
+            for j, table in zip(chunks, chunk_tables):
+                s, e = rows[j]
+                kb, vb = pool.gather(i, table)
+                groups.append((s, e, pos_t[s:e], kb[None], vb[None]))
+            return groups
+
+        x = self._run(torch.tensor(ids, device=dev), pos_t, kv)
+        last = [rows[j][1] - 1 for j in range(len(pieces)) if pieces[j].logits]
+        return self.logits(x[last]) if last else x.new_zeros((0, self.model.config.vocab_size), dtype=torch.float32)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits (N, V) of last-layer hidden states (N, C): the final norm, then the head, on tiles."""
+        return tiled_menu(self._head, x, self.head_sizes).float()
+
+    def _head(self, t: torch.Tensor) -> torch.Tensor:
+        return self.model.head(self.backbone.norm(t))
+
+    # ---- the scoring forward's ------------------------------------------------------------------
+    def dense(self, ids: list[int], block_size: int) -> torch.Tensor:
+        """Last-layer hidden states (S, C) of one whole sequence, its keys in a private buffer laid out as the
+        pool's blocks. Differentiable when grad is on."""
+        S, bs = len(ids), block_size
+        if S > self.max_positions:
+            raise KilnError(f"a sequence of {S} tokens is longer than the model's {self.max_positions} positions")
+        nb = (S + bs - 1) // bs
+        pos = torch.arange(S, device=self.device)
+
+        def kv(i: int, k: torch.Tensor, v: torch.Tensor):
+            pad = nb * bs - S
+            kb = torch.cat([k, k.new_zeros((pad,) + tuple(k.shape[1:]))]).view(1, nb, bs, *k.shape[1:])
+            vb = torch.cat([v, v.new_zeros((pad,) + tuple(v.shape[1:]))]).view(1, nb, bs, *v.shape[1:])
+            return [(0, S, pos, kb, vb)]
+
+        return self._run(torch.tensor(ids, device=self.device), pos, kv)

@@ -1,0 +1,120 @@
+"""Which tokens run in a step: continuous batching under a token budget, blocks lent per sequence.
+
+Every sequence feeds tokens[computed:] (the tokens whose keys are not yet in the cache): one token while it
+decodes, a chunk while its prompt is prefilled. A step takes every decoding sequence first (one token each),
+then prefill chunks in arrival order until `step_tokens` is spent, so a long prompt never stalls the running
+decodes. A request with n completions is admitted as one sequence that prefills the prompt once; when its last
+prompt token's logits come, it forks into n (kiln.engine.engine). When the pool runs dry the youngest request
+is preempted: its blocks are freed and it recomputes later (bit-identical: a token's numbers do not depend on
+the batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kiln.engine.cache import BlockPool
+from kiln.engine.runner import Piece
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: Any                       # kiln.engine.params.SamplingParams
+    order: int                        # arrival number (FIFO, preemption picks the largest)
+    seqs: list["Sequence"] = field(default_factory=list)
+    forked: bool = False              # the n completions exist (the prompt's logits came)
+
+
+@dataclass
+class Sequence:
+    request: Request
+    index: int
+    tokens: list[int]
+    generator: torch.Generator | None = None
+    detok: Any = None
+    table: list[int] = field(default_factory=list)
+    computed: int = 0                 # tokens whose keys/values are in the pool
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[len(self.request.prompt_ids):]
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_seqs: int, step_tokens: int):
+        self.pool, self.max_seqs, self.step_tokens = pool, max_seqs, step_tokens
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []  # admitted, in arrival order
+
+    def seats(self) -> int:
+        return sum(r.params.n for r in self.running)  # a request holds its n seats from admission on
+
+    def blocks_for(self, tokens: int) -> int:
+        return (tokens + self.pool.block_size - 1) // self.pool.block_size
+
+    def _admit(self) -> None:
+        while self.waiting:
+            r = self.waiting[0]
+            need = self.blocks_for(len(r.prompt_ids)) + r.params.n  # the prompt, and one block each to grow
+            if self.seats() + r.params.n > self.max_seqs or (self.running and need > self.pool.num_free):
+                return
+            self.running.append(self.waiting.pop(0))
+
+    def preempt(self, victim: Request) -> None:
+        """Free the request's blocks; its sequences recompute their tokens when they run again."""
+        for s in victim.seqs:
+            self.pool.release(s.table)
+            s.table, s.computed = [], 0
+        self.running.remove(victim)
+        self.waiting.insert(0, victim)
+
+    def _grow(self, s: Sequence, upto: int) -> bool:
+        """Blocks for tokens[:upto]; False when the pool is dry."""
+        need = self.blocks_for(upto) - len(s.table)
+        if need > self.pool.num_free:
+            return False
+        s.table += [self.pool.allocate() for _ in range(need)]
+        return True
+
+    def schedule(self) -> list[tuple[Sequence, Piece]]:
+        """This step's pieces. Decodes first, then prefill chunks, within the budget and the pool."""
+        self._admit()
+        while True:
+            live = [s for r in self.running for s in r.seqs if s.finish_reason is None]
+            decodes = [s for s in live if len(s.tokens) - s.computed == 1]
+            prefills = [s for s in live if len(s.tokens) - s.computed > 1]
+            plan: list[tuple[Sequence, int]] = []
+            budget = self.step_tokens
+            dry = None
+            for s in decodes + prefills:
+                n = min(len(s.tokens) - s.computed, budget)
+                if n <= 0:
+                    break
+                if not self._grow(s, s.computed + n):
+                    dry = s
+                    break
+                plan.append((s, n))
+                budget -= n
+            if dry is None or len(self.running) == 1:
+                break
+            # out of blocks: the youngest request waits and recomputes later (plan again without it)
+            self.preempt(max(self.running, key=lambda r: r.order))
+        return [(s, Piece(s.tokens[s.computed:s.computed + n], s.computed, s.table,
+                          s.computed + n == len(s.tokens))) for s, n in plan]
+
+    def finish(self, s: Sequence, reason: str) -> None:
+        s.finish_reason = reason
+        self.pool.release(s.table)
+        s.table = []
+        r = s.request
+        if r.forked and all(q.finish_reason is not None for q in r.seqs):
+            self.running.remove(r)
