@@ -294,9 +294,10 @@ def _draw(logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tenso
 def _mass_threshold(w: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
     """(C,) top-p's cut for rows of probabilities w (C, N) in [0, 1] (float32): the largest value v of each
     row such that the entries >= v sum to at least frac times the row's total (the smallest most-likely-first
-    head whose mass reaches frac, ties at its end included). A short row is sorted; a long one (a real
-    vocabulary) goes through a radix select (the path depends on N only, so never on the other rows)."""
-    if w.size(1) <= SORT_BELOW:
+    head whose mass reaches frac, ties at its end included). A short row is sorted, and so is every row on a
+    GPU (whose sort is fast, and whose bincount sums in no fixed order); a long one on the CPU (a real
+    vocabulary) goes through a radix select. The path depends on N and the device, never on the other rows."""
+    if w.size(1) <= SORT_BELOW or w.device.type != "cpu":
         return _sorted_threshold(w.sort(dim=-1, descending=True).values, frac)
     return _radix_threshold(w, frac)
 
