@@ -261,16 +261,29 @@ def _draw(logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tenso
     floor = torch.tensor([p.min_p for p in params], device=dev) * top  # (G,) keep probabilities >= this
     kth = torch.zeros_like(top)
     with_k = [g for g, p in enumerate(params) if 0 < p.top_k < V]
+    with_p = [g for g, p in enumerate(params) if p.top_p < 1.0]
     if with_k:  # top-k: its k-th probability (ties with it are kept, as HF's top-k keeps them)
         idx = torch.tensor(with_k, device=dev)
-        vals, _ = _top(_rows(probs, with_k, "scaled"), max(params[g].top_k for g in with_k))
-        kth[idx] = vals.gather(1, torch.tensor([[params[g].top_k - 1] for g in with_k], device=dev)).squeeze(1)
-        floor = torch.maximum(floor, kth)
-    with_p = [g for g, p in enumerate(params) if p.top_p < 1.0]
+        k = torch.tensor([params[g].top_k for g in with_k], device=dev)
+        vals, _ = _top(_rows(probs, with_k, "scaled"), max(params[g].top_k for g in with_k) + 1)  # (K, kmax + 1)
+        kth[idx] = vals.gather(1, (k - 1)[:, None]).squeeze(1)
+        floor[idx] = torch.maximum(floor[idx], kth[idx])
+        # top-p over the k survivors, read off their sorted list where no tie of the k-th lies past it
+        alone = (vals.gather(1, k[:, None]).squeeze(1) < kth[idx]).tolist()
+        listed = [i for i, g in enumerate(with_k) if params[g].top_p < 1.0 and alone[i]]
+        if listed:
+            rows = torch.tensor(listed, device=dev)
+            head = vals[rows].masked_fill(torch.arange(vals.size(1), device=dev) >= k[rows][:, None], 0.0)
+            frac = torch.tensor([params[with_k[i]].top_p for i in listed], dtype=torch.float64, device=dev)
+            at = idx[rows]
+            floor[at] = torch.maximum(floor[at], _sorted_threshold(head, frac))
+            done = {with_k[i] for i in listed}
+            with_p = [g for g in with_p if g not in done]
     if with_p:  # top-p over the top-k survivors (zeroed below the k-th: harmless, they are cut anyway)
         idx = torch.tensor(with_p, device=dev)
         w = _rows(probs, with_p, "scaled")
-        w.masked_fill_(w < kth[idx][:, None], 0.0)
+        if bool((kth[idx] > 0).any()):
+            w.masked_fill_(w < kth[idx][:, None], 0.0)
         frac = torch.tensor([params[g].top_p for g in with_p], dtype=torch.float64, device=dev)
         floor[idx] = torch.maximum(floor[idx], _mass_threshold(w, frac))
     if bool((floor > 0).any()):
@@ -281,14 +294,19 @@ def _draw(logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tenso
 def _mass_threshold(w: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
     """(C,) top-p's cut for rows of probabilities w (C, N) in [0, 1] (float32): the largest value v of each
     row such that the entries >= v sum to at least frac times the row's total (the smallest most-likely-first
-    head whose mass reaches frac, ties at its end included). A short row is sorted; a long one (a real
-    vocabulary) goes through a radix select (the path depends on N only, so never on the other rows)."""
-    if w.size(1) <= SORT_BELOW:
-        vals = w.sort(dim=-1, descending=True).values
-        cum = vals.double().cumsum(-1)
-        first = (cum < (frac * cum[:, -1])[:, None]).sum(-1).clamp(max=w.size(1) - 1)  # first reaching it
-        return vals.gather(1, first[:, None]).squeeze(1)
+    head whose mass reaches frac, ties at its end included). A short row is sorted, and so is every row on a
+    GPU (whose sort is fast, and whose bincount sums in no fixed order); a long one on the CPU (a real
+    vocabulary) goes through a radix select. The path depends on N and the device, never on the other rows."""
+    if w.size(1) <= SORT_BELOW or w.device.type != "cpu":
+        return _sorted_threshold(w.sort(dim=-1, descending=True).values, frac)
     return _radix_threshold(w, frac)
+
+
+def _sorted_threshold(vals: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
+    """_mass_threshold of rows already sorted largest first (C, N): the first value whose head reaches it."""
+    cum = vals.double().cumsum(-1)
+    first = (cum < (frac * cum[:, -1])[:, None]).sum(-1).clamp(max=vals.size(1) - 1)
+    return vals.gather(1, first[:, None]).squeeze(1)
 
 
 def _radix_threshold(w: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
