@@ -24,7 +24,7 @@ from kiln.errors import KilnError
 from kiln.hub import Tokenizer
 
 Example = dict[str, torch.Tensor]
-__all__ = ["RewardStats", "encode_reward_pairs", "reward_sides"]
+__all__ = ["RewardStats", "encode_reward_pairs", "reward_sides", "side_ids"]
 
 
 @dataclass
@@ -56,6 +56,20 @@ def reward_sides(record: Record) -> tuple[Any, Any]:
     return head + chosen, head + rejected
 
 
+def side_ids(tokenizer: Tokenizer, side: Any, where: str, template: Any = None) -> list[int]:
+    """The token ids of one scored text as TRL's RewardTrainer makes them: a string with the EOS text appended
+    (unless it ends with it) and the tokenizer's special tokens; a conversation through the chat template, no
+    generation prompt, no special tokens added (`template`: the tokenizer's chat template, when made already)."""
+    if isinstance(side, str):
+        eos = tokenizer.specials.get("eos_token")
+        if eos is None:
+            raise KilnError(f"{where}: standard (string) rows get the EOS token appended, as TRL does, "
+                            "but the tokenizer names no eos_token")
+        return list(tokenizer.backend.encode(side if side.endswith(eos) else side + eos, add_special_tokens=True).ids)
+    text = (template or tokenizer.chat()).render(side, add_generation_prompt=False)
+    return list(tokenizer.backend.encode(text, add_special_tokens=False).ids)
+
+
 def _margin(record: Record, with_margin: bool) -> float | None:
     value = record.fields.get("margin")
     if with_margin != (value is not None):
@@ -76,21 +90,11 @@ def encode_reward_pairs(records: list[Record], tokenizer: Tokenizer, max_length:
     sides = [reward_sides(r) for r in records]
     with_margin = bool(records) and records[0].fields.get("margin") is not None
     margins = [_margin(r, with_margin) for r in records]
-    eos = tokenizer.specials.get("eos_token")
-    template = None
     stats = RewardStats()
     out: list[Example] = []
+    template = tokenizer.chat() if any(not isinstance(c, str) for c, _ in sides) else None
     for r, (chosen, rejected), margin in zip(records, sides, margins):
-        if isinstance(chosen, str):
-            if eos is None:
-                raise KilnError(f"{r.where}: standard (string) rows get the EOS token appended, as TRL does, "
-                                "but the tokenizer names no eos_token")
-            seqs = [list(tokenizer.backend.encode(t if t.endswith(eos) else t + eos, add_special_tokens=True).ids)
-                    for t in (chosen, rejected)]
-        else:
-            template = template or tokenizer.chat()
-            seqs = [list(tokenizer.backend.encode(template.render(m, add_generation_prompt=False),
-                                                  add_special_tokens=False).ids) for m in (chosen, rejected)]
+        seqs = [side_ids(tokenizer, side, r.where, template) for side in (chosen, rejected)]
         if any(len(s) > max_length for s in seqs):
             stats.dropped += 1
             continue

@@ -247,3 +247,36 @@ def test_sigkill_then_resume_is_exact(pairs):
 
     assert curve(pairs / "run") == curve(pairs / "ref")
     assert len([r for r in read_metrics(pairs / "run" / "metrics.jsonl") if "loss" in r]) == 8
+
+
+def test_load_reward_scores_as_the_model_and_plugs_into_grpo_scoring(pairs, tmp_path):
+    """load_reward over a run directory (its newest checkpoint) scores GRPO's conversational completions as the
+    exported model scores the same texts, batch size apart, through kiln.train.rewards.score."""
+    import transformers
+
+    from kiln.train.reward_model import load_reward
+    from kiln.train.rewards import Reward, score
+
+    run = pairs / "short"
+    if not (run / "ckpt-000004").is_dir():
+        kiln("train", "--config", str(run_toml(pairs, "short", steps=4)))
+    fn = load_reward(run, device="cpu", batch_size=3)
+    assert fn.source == run / "ckpt-000004" / "model" and fn.__name__ == "model_ckpt-000004"
+    rows = arithmetic_pairs(5, 4)
+    prompts = [r["prompt"] for r in rows] * 2
+    completions = [r["chosen"] for r in rows] + [r["rejected"] for r in rows]
+    got = score([Reward(fn.__name__, fn, 1.0)], prompts, completions, [[0]] * 10, {}, [f"rows:{i}" for i in range(10)])
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(fn.source).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(fn.source)
+    with torch.no_grad():
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            ids = torch.tensor([tok.apply_chat_template(p + c, tokenize=True, return_dict=True)["input_ids"]])
+            want = float(hf(input_ids=ids).logits[0, 0])
+            assert abs(float(got[i, 0]) - want) <= 1e-5 * max(1.0, abs(want)), (i, float(got[i, 0]), want)
+    assert float(got.std()) > 0  # control: not one constant
+    with pytest.raises(KilnError, match="not a reward model"):
+        from tests.train.dpo_helpers import hf_model_dir
+
+        load_reward(hf_model_dir(tmp_path / "lm", pairs / "tok", 0))
+    with pytest.raises(KilnError, match="no reward model here"):
+        load_reward(tmp_path / "nowhere")
