@@ -22,27 +22,14 @@ from kiln.errors import KilnError
 from kiln.models.auto import load_pretrained
 from kiln.models.tasks import SEQUENCE_CLASSIFICATION
 from kiln.parallel.world import pick_device
-from kiln.train.checkpoint import latest_checkpoint
+from kiln.train.shares import model_dir_of
 
 __all__ = ["RewardModelFn", "load_reward", "reward_model_dir"]
 
 
 def reward_model_dir(path: str | os.PathLike, search: Sequence[Path] = ()) -> Path:
-    """The HF directory of `path`: itself, a checkpoint's `model/`, or a run's newest checkpoint's; a relative
-    path is looked for under each of `search` first (the run config's folder), then as given."""
-    p = Path(path)
-    if not p.is_absolute():
-        p = next((s / p for s in search if (s / p).exists()), p)
-    if (p / "config.json").is_file():
-        return p
-    if (p / "model" / "config.json").is_file():
-        return p / "model"
-    if p.is_dir() and any(p.glob("ckpt-*")):
-        ckpt = latest_checkpoint(p)
-        if ckpt is not None:
-            return ckpt / "model"
-    raise KilnError(f"{path}: no reward model here (an HF directory with config.json, a checkpoint ckpt-N or a run "
-                    "directory with checkpoints)")
+    """The HF directory of `path`: itself, a checkpoint's `model/`, or a run's newest checkpoint's (kiln.train.shares)."""
+    return model_dir_of(path, search, "reward model")
 
 
 class RewardModelFn:

@@ -1,5 +1,5 @@
-"""What the post-training recipes that run their own evaluation share: each rank's share of the eval examples in
-equal batch counts, and the step's real token count for the metrics record.
+"""What the post-training recipes share: each rank's share of the eval examples in equal batch counts, the step's
+real token count for the metrics record, and the model directory a DIR_OR_RUN names (a teacher, a reward model).
 
 Ranks get equally many eval batches (sharded weights gather in every forward), the short ones repeating an
 example whose `weight` is 0, so sums over `weight` count every example once.
@@ -8,11 +8,14 @@ example whose `weight` is 0, so sums over `weight` count every example once.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator
+import os
+from pathlib import Path
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from kiln.data.loader import pad_collate
+from kiln.errors import KilnError
 
 Example = dict[str, torch.Tensor]
 
@@ -37,3 +40,23 @@ def record_tokens(record: dict[str, Any], samples: float, tokens: float) -> None
     """The loader counts no tokens in pair or unpaired-preference examples: the step's real ones (all ranks)."""
     seconds = samples / record["samples_per_s"] if record.get("samples_per_s") else math.nan
     record["tokens"], record["tokens_per_s"] = int(tokens), tokens / seconds
+
+
+def model_dir_of(path: str | os.PathLike, search: Sequence[Path] = (), what: str = "model") -> Path:
+    """The HF directory `path` names: itself (config.json), a checkpoint's `model/`, or a run directory's newest
+    complete checkpoint's; a relative path is looked for under each of `search` first, then as given."""
+    from kiln.train.checkpoint import latest_checkpoint
+
+    p = Path(path)
+    if not p.is_absolute():
+        p = next((s / p for s in search if (s / p).exists()), p)
+    if (p / "config.json").is_file():
+        return p
+    if (p / "model" / "config.json").is_file():
+        return p / "model"
+    if p.is_dir() and any(p.glob("ckpt-*")):
+        ckpt = latest_checkpoint(p)
+        if ckpt is not None:
+            return ckpt / "model"
+    raise KilnError(f"{path}: no {what} here (an HF directory with config.json, a checkpoint ckpt-N or a run "
+                    "directory with checkpoints)")
