@@ -166,6 +166,8 @@ def test_a_row_without_both_sides_is_refused_before_work(pairs, tmp_path):
         load_run_config(run_toml(pairs, "x", rm="[reward_model]\ncenter_rewards_coefficient = -1"))
     with pytest.raises(ConfigError, match="one output"):
         build_trainer(load_run_config(_rewrite(pairs, "x", "num_labels = 3")))
+    with pytest.raises(ConfigError, match="trains full weights for now"):
+        build_trainer(load_run_config(run_toml(pairs, "x", extra="[lora]\nr = 4")))
 
 
 def _rewrite(d: Path, out: str, model_line: str) -> Path:

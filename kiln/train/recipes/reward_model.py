@@ -28,7 +28,7 @@ from kiln.errors import ConfigError, KilnError
 from kiln.models.tasks import REWARD_MODEL, SEQUENCE_CLASSIFICATION
 from kiln.parallel.world import World, all_reduce_sum
 from kiln.train.config import RunConfig, Section
-from kiln.train.recipes.base import Extension, RunParts, add_lora, build_model, check_text_model
+from kiln.train.recipes.base import Extension, RunParts, build_model, check_text_model
 from kiln.train.recipes.finetune import FineTune, RecordsData
 from kiln.train.shares import eval_share, record_tokens
 from kiln.train.trainer import Callback, Trainer
@@ -170,12 +170,15 @@ class RewardModelRecipe(FineTune):
         if cfg.model.num_labels not in (None, 1) or (cfg.model.labels is not None and len(cfg.model.labels) != 1):
             raise ConfigError("model.task = 'reward-model' has one output (the reward); remove model.num_labels / "
                               "model.labels or set num_labels = 1")
+        if cfg.lora is not None:  # LoRA freezes every non-adapter weight and saves adapters only: the fresh
+            # score head would neither train nor reach the export (no modules_to_save yet)
+            raise ConfigError("model.task = 'reward-model' trains full weights for now: under [lora] its new score "
+                              "head would stay frozen and be left out of the saved adapter; remove [lora]")
         head_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"task": SEQUENCE_CLASSIFICATION})})
         model = build_model(head_cfg, ["LABEL_0"])
         on_model(model)
         check_text_model(cfg, model, d.max_length)
         model.config.pad_token_id = pad_id_of(model)
-        add_lora(cfg, model)
         train, stats = encode_reward_pairs(train_records, model.tokenizer, d.max_length)
         evals = None
         if eval_records is not None:  # checked before any training work, like the train rows
