@@ -8,6 +8,8 @@ import json
 import random
 from pathlib import Path
 
+import pytest
+
 from kiln.train import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.run import build_trainer
@@ -27,6 +29,7 @@ def rm(prompts, completions, completion_ids, **columns):
 '''
 
 
+@pytest.mark.slow  # two training runs (the reward model, then GRPO under it)
 def test_grpo_reward_from_a_kiln_reward_model_rises(tmp_path):
     from kiln.data.bpe import train_bpe
 
