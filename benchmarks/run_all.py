@@ -34,7 +34,8 @@ WORKLOADS = [("bench_lora_sft.py", []), ("bench_lora_sft.py", ["--full"]), ("ben
              ("bench_deepseek.py", []), ("bench_deepseek_v4.py", []), ("bench_qwen35_sft.py", []),
              ("bench_mamba_scan.py", []), ("bench_load.py", []), ("bench_load_fp8_ep.py", []), ("bench_load_q4.py", []),
              ("bench_load_bin.py", []), ("bench_plan_q4.py", []), ("bench_qlora.py", []),
-             ("bench_dpo.py", []), ("bench_grpo.py", []), ("bench_vlm_sft.py", []), ("bench_engine.py", [])]
+             ("bench_dpo.py", []), ("bench_grpo.py", []), ("bench_vlm_sft.py", []), ("bench_engine.py", []),
+             ("bench_reward.py", []), ("bench_kto.py", [])]
 NOTES = "## Notes"
 
 

@@ -117,6 +117,10 @@ def make_tiny(model_type: str, task: str, out_dir: str | os.PathLike, seed: int 
     if get_task(task).label_kind is not None:
         kwargs.setdefault("num_labels", 3)
     config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    text = config.get_text_config()
+    if get_task(task).label_kind == "sequence" and getattr(text, "pad_token_id", 0) is None and tiny.specials:
+        # a decoder reads each row's score at its last non-pad token: the tokenizer's pad (id 0) names it
+        text.pad_token_id = list(tiny.specials).index("pad_token") if "pad_token" in tiny.specials else 0
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config)
     with torch.no_grad():

@@ -21,7 +21,7 @@ from kiln.models.config import FamilyConfig
 from kiln.models.keymap import KeyMap, Rule
 from kiln.models.parallel_plan import ParallelPlan
 from kiln.models.pretrained import Family, TaskSpec
-from kiln.models.tasks import BASE, CAUSAL_LM
+from kiln.models.tasks import BASE, CAUSAL_LM, SEQUENCE_CLASSIFICATION
 
 __all__ = ["CausalLMOutput", "DECODER_PLAN", "DecoderConfig", "DecoderModel", "ForCausalLM", "SPECIALS",
            "base_attention", "build_decoder", "decoder_family"]
@@ -123,9 +123,15 @@ DECODER_PLAN = ParallelPlan(
 
 def decoder_family(model_type: str, config_cls: type[DecoderConfig], arch: str, attention: AttentionFn,
                    mlp: MlpFn, rules: list[Rule] | None = None, parallel_plan: ParallelPlan = DECODER_PLAN) -> Family:
-    """A Family with `base` ({arch}Model) and `causal-lm` ({arch}ForCausalLM) heads."""
+    """A Family with `base` ({arch}Model), `causal-lm` ({arch}ForCausalLM) and `sequence-classification`
+    ({arch}ForSequenceClassification: a reward model is its one-label case) heads."""
+    from kiln.models.decoder_seqcls import DecoderForSequenceClassification
+
     def causal_lm(c):
         return ForCausalLM(build_decoder(c, attention, mlp), c.hidden_size, c.vocab_size, c.tie_word_embeddings)
+
+    def seq_cls(c):
+        return DecoderForSequenceClassification(build_decoder(c, attention, mlp), c.hidden_size, c.num_labels)
 
     return Family(
         model_type=model_type,
@@ -136,5 +142,6 @@ def decoder_family(model_type: str, config_cls: type[DecoderConfig], arch: str, 
         tasks={
             BASE: TaskSpec(f"{arch}Model", lambda c: DecoderModel(build_decoder(c, attention, mlp))),
             CAUSAL_LM: TaskSpec(f"{arch}ForCausalLM", causal_lm, KeyMap([("lm_head", "lm_head")])),
+            SEQUENCE_CLASSIFICATION: TaskSpec(f"{arch}ForSequenceClassification", seq_cls, KeyMap([("score", "score")])),
         },
     )

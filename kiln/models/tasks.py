@@ -107,6 +107,18 @@ class SequenceClassification(Task):
         return {"labels": torch.randint(0, 2, (B, n), generator=g).float()}
 
 
+class RewardModel(SequenceClassification):
+    """A one-output sequence-classification head trained on preference pairs (Bradley-Terry); the model it builds
+    and exports is the family's sequence-classification head, so transformers reads it as
+    AutoModelForSequenceClassification. Its recipe (kiln.train.recipes.reward_model) encodes the pairs."""
+    short = "reward"
+    label_kind = None  # one output, no label set read from the data
+    encoder_head = False
+
+    def encode(self, records, tokenizer, labels, data, name="train"):
+        raise ConfigError(f"task {self!r} reads preference pairs through its recipe (kiln.train.recipes.reward_model)")
+
+
 class ImageClassification(SequenceClassification):
     """A label per image (`pixel_values` (B, C, H, W)); records are encoded by the image-classification recipe."""
     hf_auto = "AutoModelForImageClassification"
@@ -235,9 +247,11 @@ MASKED_LM = MaskedLM("masked-lm")
 CAUSAL_LM = CausalLM("causal-lm")
 IMAGE_CLASSIFICATION = ImageClassification("image-classification")
 SENTENCE_EMBEDDING = SentenceEmbedding("sentence-embedding")
+REWARD_MODEL = RewardModel("reward-model")
 
 TASKS: dict[str, Task] = {t: t for t in (BASE, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, QUESTION_ANSWERING,
-                                          MASKED_LM, CAUSAL_LM, IMAGE_CLASSIFICATION, SENTENCE_EMBEDDING)}
+                                          MASKED_LM, CAUSAL_LM, IMAGE_CLASSIFICATION, SENTENCE_EMBEDDING,
+                                          REWARD_MODEL)}
 ENCODER_HEADS: tuple[Task, ...] = tuple(t for t in TASKS.values() if t.encoder_head)
 
 

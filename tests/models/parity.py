@@ -11,7 +11,7 @@ import torch
 from kiln.interop.verify import realign
 from kiln.models.auto import REGISTRY
 from kiln.models.pretrained import Family, Tiny
-from kiln.models.tasks import BASE, CAUSAL_LM
+from kiln.models.tasks import BASE, CAUSAL_LM, get_task
 from tests.models import causal_cases, encoder_cases
 
 OUTPUTS = ("last_hidden_state", "pooler_output", "logits", "start_logits", "end_logits", "loss", "aux_loss")
@@ -47,7 +47,16 @@ def inputs(family: Family, tiny: Tiny, head: str, hf_config) -> list[dict]:
         return tiny.inputs(head, hf_config)
     if is_causal(family):
         rows = causal_cases.batches()
-        return [{k: v for k, v in b.items() if k != "labels"} for b in rows] if head == BASE else rows
+        if head == CAUSAL_LM:
+            return rows
+        rows = [{k: v for k, v in b.items() if k != "labels"} for b in rows]
+        if head == BASE:
+            return rows
+        # a decoder's sequence head reads each row at its last non-pad token: right padding as pad ids, and labels
+        padded = dict(rows[2], input_ids=rows[2]["input_ids"].masked_fill(rows[2]["attention_mask"] == 0,
+                                                                          hf_config.pad_token_id))
+        g = torch.Generator().manual_seed(4)
+        return rows + [padded] + [{**b, **get_task(head).verify_labels(b, hf_config, g)} for b in rows[1:] + [padded]]
     c = hf_config
     types = getattr(c, "type_vocab_size", 0) > 1
     out = []
@@ -60,8 +69,8 @@ def grad_batch(family: Family, tiny: Tiny, head: str, hf_config) -> dict:
     """One padded batch with the head's labels (the longest one an encoder family is tested on)."""
     if tiny.inputs is not None:
         return tiny.inputs(head, hf_config)[-1]
-    if is_causal(family):
-        return inputs(family, tiny, head, hf_config)[2]
+    if is_causal(family):  # the padded batch (with the head's labels: the last for a sequence head)
+        return inputs(family, tiny, head, hf_config)[2 if head in (BASE, CAUSAL_LM) else -1]
     c = hf_config
     batch = encoder_cases.batches(c.vocab_size, c.pad_token_id, False, tiny.long_rows)[-1]
     return {**batch, **encoder_cases.labels_for(head, batch, getattr(c, "num_labels", 2), c.vocab_size)}

@@ -22,6 +22,9 @@ from kiln.train.recipes.images import ImageData
 from kiln.train.recipes.pretrain import PretrainData
 from kiln.train.recipes.sft import SFTData
 
+from kiln.train.recipes.kto import UnpairedData  # noqa: E402
+from kiln.train.recipes.reward_model import RewardData  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -44,7 +47,8 @@ def test_the_core_data_section_holds_only_the_common_keys():
     assert "pack" not in PretrainData.model_fields and "pack" not in FineTuneData.model_fields
     assert {r.name: r.data_schema for r in RECIPES.values()} == {
         "pretrain": PretrainData, "sft": SFTData, "image-classification": ImageData,
-        "sentence-embedding": EmbeddingData, "fine-tune": FineTuneData, "dpo": PreferenceData, "grpo": RecordsData}
+        "sentence-embedding": EmbeddingData, "fine-tune": FineTuneData, "dpo": PreferenceData, "grpo": RecordsData,
+        "reward-model": RewardData, "kto": UnpairedData, "distill": SFTData}
 
 
 def test_each_recipe_validates_its_own_data_keys(tmp_path, shards):

@@ -16,15 +16,19 @@ from typing import Any, Mapping
 from pydantic import create_model
 
 from kiln.train.config import ModelSection, RunConfig, use_run_schema
-from kiln.train.recipes import dpo, embedding, ff, finetune, grow, grpo, hpn, images, moe, pretrain, sft
+from kiln.train.recipes import (distill, dpo, embedding, ff, finetune, grow, grpo, hpn, images, kto, moe, pretrain,
+                                reward_model, sft)
 from kiln.train.recipes.base import Extension, Recipe, RunParts, Shortcut
 
 # Tried in order; the first that matches a run config runs it (fine-tune is the fallback); a table that
 # brings its recipe ([dpo], [grpo]) selects it whatever the order.
 RECIPES: dict[str, Recipe] = {r.name: r for r in (pretrain.RECIPE, sft.RECIPE, images.RECIPE, embedding.RECIPE,
-                                                  finetune.RECIPE, dpo.RECIPE, grpo.RECIPE)}
+                                                  reward_model.RECIPE, finetune.RECIPE, dpo.RECIPE, grpo.RECIPE,
+                                                  kto.RECIPE, distill.RECIPE)}
 EXTENSIONS: dict[str, Extension] = {e.section: e for e in (hpn.EXTENSION, grow.EXTENSION, ff.EXTENSION, moe.EXTENSION,
-                                                           embedding.EXTENSION, dpo.EXTENSION, grpo.EXTENSION)}
+                                                           embedding.EXTENSION, dpo.EXTENSION, grpo.EXTENSION,
+                                                           reward_model.EXTENSION, kto.EXTENSION,
+                                                           distill.EXTENSION)}
 
 
 def select_recipe(task: str, data: Mapping[str, Any]) -> Recipe:

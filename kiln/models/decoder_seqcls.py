@@ -1,0 +1,50 @@
+"""A decoder's sequence-classification head (HF's `{Arch}ForSequenceClassification`): the backbone, then
+`score`, a bias-free Linear (hidden -> num_labels), read at each row's last token.
+
+As transformers' generic head: the row's score is taken at its rightmost token that is not
+`config.pad_token_id` (right or left padding alike; a row of pads reads position 0); with no pad id a
+batch of one reads the last position and a larger batch is refused. The loss for `labels` is
+transformers' sequence-classification loss (regression for one label, as a reward model is).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.errors import KilnError
+from kiln.models.heads import ForSequenceClassification, ModelOutput
+from kiln.models.pretrained import PreTrainedModel
+
+
+def last_token_index(input_ids: torch.Tensor, pad_token_id: int | None) -> torch.Tensor:
+    """(B,) the position each row is read at: its rightmost non-pad token (transformers' rule)."""
+    B, T = input_ids.shape
+    if pad_token_id is None:
+        if B != 1:
+            raise KilnError("a decoder's sequence score needs config.pad_token_id to find each row's last token "
+                            f"in a batch of {B}; set pad_token_id in config.json")
+        return torch.full((1,), T - 1, dtype=torch.long, device=input_ids.device)
+    real = (input_ids != pad_token_id).to(torch.int32)
+    return (torch.arange(T, device=input_ids.device, dtype=torch.int32) * real).argmax(-1)
+
+
+class DecoderForSequenceClassification(ForSequenceClassification):
+    """Backbone + `score` at the last token; `problem_type` and `loss` as the encoders' head."""
+
+    def __init__(self, model: nn.Module, hidden_size: int, num_labels: int):
+        PreTrainedModel.__init__(self)  # not the encoders' (model, head): the head here is HF's `score`
+        self.model = model
+        self.score = nn.Linear(hidden_size, num_labels, bias=False)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
+                labels=None) -> ModelOutput:
+        if input_ids is None:
+            raise KilnError("a decoder's sequence score reads input_ids to find each row's last token")
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            inputs_embeds=inputs_embeds)  # (B, T, C)
+        rows = torch.arange(input_ids.shape[0], device=hidden.device)
+        # the head over every position, then one row each, as transformers (the exact path stays bitwise equal)
+        logits = self.score(hidden)[rows, last_token_index(input_ids, self.config.pad_token_id).to(hidden.device)]
+        return ModelOutput(logits=logits, loss=None if labels is None else self.loss(logits, labels),
+                           last_hidden_state=hidden)

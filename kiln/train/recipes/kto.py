@@ -1,0 +1,286 @@
+"""kto: Kahneman-Tversky optimization of a causal LM on unpaired rows, on when the run config has a [kto] table.
+
+[data] names rows `{"prompt", "completion", "label"}` (TRL's unpaired format; kiln.data.kto tokenizes them as
+TRL 1.16's KTOTrainer). The loss is TRL's `KTOTrainer._compute_loss`, per row:
+- desirable:   `desirable_weight * (1 - sigmoid(beta * (logratio - kl)))`
+- undesirable: `undesirable_weight * (1 - sigmoid(beta * (kl - logratio)))`
+with `logratio` the completion's summed log-prob under the policy minus the reference's, and `kl` the
+reference-point estimate TRL makes: each micro-batch's completions rotated by one against its prompts
+(row i's prompt + row i-1's completion, as TRL's collator pairs them), the mean of policy minus reference
+summed log-probs of those mismatched sequences, detached, averaged over processes, clamped at 0.
+`loss_type = "apo_zero_unpaired"` is TRL's unpaired APO-zero (no KL term). The step's loss is the mean over
+rows. The reference is the starting weights (under [lora] the base with the adapters off; otherwise a frozen
+copy) or `reference = "path"`. Metrics per step and at evaluation (`eval_` prefixed): kl, rewards/chosen,
+rewards/rejected, rewards/margins (desirable minus undesirable mean reward), logps/chosen, logps/rejected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Callable, Literal, Mapping
+
+import torch
+from pydantic import model_validator
+from torch import nn
+from torch.nn import functional as F
+
+from kiln.data import read_records
+from kiln.data.hfdata import source_sha256
+from kiln.data.kto import encode_unpaired
+from kiln.errors import ConfigError, KilnError
+from kiln.models.auto import load_pretrained
+from kiln.models.tasks import CAUSAL_LM
+from kiln.parallel.world import World, all_reduce_sum
+from kiln.train.config import RunConfig, Section
+from kiln.train.engine import StepEngine
+from kiln.train.logps import token_logps
+from kiln.train.plans import place_frozen
+from kiln.train.recipes.base import Extension, RunParts, add_lora, build_model, check_text_model
+from kiln.train.recipes.dpo import adapters_off, evaluating
+from kiln.train.recipes.finetune import FineTune, RecordsData
+from kiln.train.shares import eval_share, record_tokens
+from kiln.train.trainer import Callback, Trainer
+
+# sums: rows, tokens, loss, kl (per batch), batches, desirable rows, chosen reward, chosen logps, undesirable rows,
+# rejected reward, rejected logps
+SUMS = ("rows", "tokens", "loss", "kl", "batches", "chosen", "rewards/chosen", "logps/chosen", "rejected",
+        "rewards/rejected", "logps/rejected")
+
+
+class UnpairedData(RecordsData):
+    """[data] of a kto run: rows {prompt, completion, label}; max_length caps each prompt + completion."""
+
+
+class KTOSection(Section):
+    """[kto]: TRL's KTOConfig options of the loss, and the reference."""
+    loss_type: Literal["kto", "apo_zero_unpaired"] = "kto"
+    beta: float = 0.1
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+    reference: str | None = None   # an HF directory; default: the starting weights
+
+    @model_validator(mode="after")
+    def _check(self) -> "KTOSection":
+        if not self.beta > 0:
+            raise ValueError(f"kto.beta must be > 0, got {self.beta}")
+        for k in ("desirable_weight", "undesirable_weight"):
+            if not getattr(self, k) > 0:
+                raise ValueError(f"kto.{k} must be > 0, got {getattr(self, k)}")
+        return self
+
+
+def unpaired_batch(batch: Mapping[str, torch.Tensor], max_length: int, shift: int = 0
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, completion_mask), each (B, T), right-padded with 0: row i is prompt i followed
+    by completion i - shift (cyclic; shift 1 is TRL's KL pairing), cut to `max_length`."""
+    n = batch["prompt_ids"].shape[0]
+    rows = []
+    for i in range(n):
+        j = (i - shift) % n
+        p = batch["prompt_ids"][i][:int(batch["prompt_len"][i])]
+        c = batch["completion_ids"][j][:int(batch["completion_len"][j])]
+        rows.append((torch.cat([p, c])[:max_length], len(p)))
+    width = max(len(r) for r, _ in rows)
+    device = batch["prompt_ids"].device
+    ids = torch.zeros(n, width, dtype=torch.long, device=device)
+    attn = torch.zeros_like(ids)
+    comp = torch.zeros_like(ids)
+    for i, (seq, plen) in enumerate(rows):
+        ids[i, :len(seq)], attn[i, :len(seq)], comp[i, plen:len(seq)] = seq, 1, 1
+    return ids, attn, comp
+
+
+def kto_losses(loss_type: str, logratios: torch.Tensor, labels: torch.Tensor, kl: torch.Tensor, beta: float,
+               desirable_weight: float, undesirable_weight: float) -> torch.Tensor:
+    """(B,) per-row losses (weights applied); their mean is TRL 1.16's KTO loss for the batch."""
+    if loss_type == "kto":
+        good = 1 - F.sigmoid(beta * (logratios - kl))
+        bad = 1 - F.sigmoid(beta * (kl - logratios))
+    else:  # apo_zero_unpaired
+        good = 1 - F.sigmoid(beta * logratios)
+        bad = F.sigmoid(beta * logratios)
+    return torch.where(labels, desirable_weight * good, undesirable_weight * bad)
+
+
+class KTORun(Callback):
+    """The step, the evaluation, the reference and the per-step metrics of one kto run."""
+
+    def __init__(self, cfg: KTOSection, max_length: int, evals: list[dict[str, torch.Tensor]] | None,
+                 starting_copy: nn.Module | None):
+        self.cfg, self.max_length, self.evals = cfg, max_length, evals
+        self.ref_model = starting_copy
+        self.trainer: Trainer | None = None
+        self.ready = False
+        self.sums = torch.zeros(len(SUMS), dtype=torch.float64)
+
+    def wrap_engine(self, trainer: Trainer, engine: StepEngine) -> StepEngine:
+        self.trainer = trainer
+        return engine
+
+    def _ready(self) -> None:
+        t = self.trainer
+        if self.ready or t is None:
+            return
+        self.ready = True
+        if self.cfg.reference is not None:
+            self.ref_model = load_pretrained(self.cfg.reference, task=CAUSAL_LM)
+        if self.ref_model is not None:
+            self.ref_model = place_frozen(self.ref_model, t.device, t.plan, t.parallel, not t.args.exact)
+
+    @torch.no_grad()
+    def _seq_logps(self, model: nn.Module, ids, attn, comp, reference: bool) -> torch.Tensor:
+        """(B,) summed completion log-probs, no gradient: the policy's (in its current mode, as TRL's KL pass), or
+        the reference's (the frozen copy in eval mode, or under [lora] the policy with its adapters off)."""
+        ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if reference and self.ref_model is not None:
+            model, ctx = self.ref_model, evaluating(self.ref_model)
+        elif reference:
+            ctx = adapters_off(model)
+        with ctx:
+            return (token_logps(model, ids, attn, comp)[:, :-1] * comp[:, 1:]).sum(-1)
+
+    def row_losses(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """(per-row losses (B,), what the metrics need) for one micro-batch."""
+        c = self.cfg
+        labels = batch["label"].bool()
+        kl = torch.zeros((), device=labels.device)
+        if c.loss_type == "kto":  # the reference point: mismatched pairs, no gradient (as TRL)
+            if labels.shape[0] < 2:
+                raise KilnError("kto: the KL reference point pairs each prompt with another row's completion; "
+                                "a micro-batch of one row has none (set train.batch_size >= 2)")
+            kids, kattn, kcomp = unpaired_batch(batch, self.max_length, shift=1)
+            kl_rows = self._seq_logps(model, kids, kattn, kcomp, False) - self._seq_logps(model, kids, kattn, kcomp, True)
+            kl = kl_rows.mean()
+            world = self.trainer.world if self.trainer is not None else None
+            if world is not None and world.size > 1:  # TRL gathers the per-process means and averages them
+                kl = all_reduce_sum(kl.reshape(1).double(), world)[0].float() / world.size
+            kl = kl.clamp(min=0)
+        ids, attn, comp = unpaired_batch(batch, self.max_length)
+        ref = self._seq_logps(model, ids, attn, comp, True)  # before the policy: under DDP the graph's forward is last
+        logps = (token_logps(model, ids, attn, comp)[:, :-1] * comp[:, 1:]).sum(-1)
+        ratios = logps - ref
+        losses = kto_losses(c.loss_type, ratios, labels, kl, c.beta, c.desirable_weight, c.undesirable_weight)
+        return losses, {"labels": labels, "kl": kl.detach(), "rewards": c.beta * ratios.detach(),
+                        "logps": logps.detach(), "tokens": float(attn.sum())}
+
+    @staticmethod
+    def _stats(losses: torch.Tensor, info: dict[str, Any], weight: torch.Tensor) -> torch.Tensor:
+        w = weight.double()
+        good, bad = w * info["labels"].double(), w * (~info["labels"]).double()
+        r, lp = info["rewards"].double(), info["logps"].double()
+        parts = [w.sum(), torch.tensor(info["tokens"], dtype=torch.float64, device=w.device),
+                 (losses.detach().double() * w).sum(), info["kl"].double().reshape(()),
+                 torch.ones((), dtype=torch.float64, device=w.device),
+                 good.sum(), (r * good).sum(), (lp * good).sum(), bad.sum(), (r * bad).sum(), (lp * bad).sum()]
+        return torch.stack([p.to(w.device) for p in parts]).cpu()
+
+    def step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        self._ready()
+        losses, info = self.row_losses(model, batch)
+        self.sums += self._stats(losses, info, torch.ones_like(losses))
+        return losses.sum(), losses.shape[0]
+
+    @staticmethod
+    def _means(s: torch.Tensor, prefix: str) -> dict[str, float]:
+        out = {f"{prefix}loss": float(s[2] / max(float(s[0]), 1.0)), f"{prefix}kl": float(s[3] / max(float(s[4]), 1.0))}
+        for side, n in (("chosen", 5), ("rejected", 8)):
+            if s[n] > 0:
+                out[f"{prefix}rewards/{side}"] = float(s[n + 1] / s[n])
+                out[f"{prefix}logps/{side}"] = float(s[n + 2] / s[n])
+        if s[5] > 0 and s[8] > 0:
+            out[f"{prefix}rewards/margins"] = out[f"{prefix}rewards/chosen"] - out[f"{prefix}rewards/rejected"]
+        return out
+
+    def on_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        sums = all_reduce_sum(self.sums.to(trainer.device, copy=True), trainer.world).cpu()
+        self.sums.zero_()
+        means = self._means(sums, "")
+        means.pop("loss")  # the Trainer's own
+        record.update(means)
+        record_tokens(record, float(sums[0]), float(sums[1]))
+
+    @torch.no_grad()
+    def evaluate(self, trainer: Trainer) -> dict[str, float]:
+        self._ready()
+        sums = torch.zeros(len(SUMS), dtype=torch.float64)
+        with evaluating(trainer.model):
+            for batch in eval_share(self.evals or [], trainer.data_rank, trainer.data_shards, trainer.args.batch_size,
+                                    trainer.device, trainer.args.eval_batches):
+                with trainer.autocast():
+                    losses, info = self.row_losses(trainer.model, batch)
+                sums += self._stats(losses, info, batch["weight"])
+        sums = all_reduce_sum(sums.to(trainer.device, copy=True), trainer.world).cpu()
+        return self._means(sums, "eval_")
+
+
+class KTO(FineTune):
+    name = "kto"
+    summary = "Kahneman-Tversky optimization of a causal LM on unpaired desirable / undesirable completions"
+    when = "a [kto] table"
+    data_schema = UnpairedData
+
+    def matches(self, task: str, data: Mapping[str, Any]) -> bool:
+        return False  # chosen by its table ([kto]), never by the data alone
+
+    def fingerprint(self, cfg: RunConfig, labels: list[str] | None) -> dict[str, Any]:
+        d = cfg.data
+        return {"train": str(d.train), "train_sha256": source_sha256(d.train), "max_length": d.max_length,
+                "eval_sha256": source_sha256(d.eval) if d.eval else None}
+
+    def build(self, cfg: RunConfig, on_model: Callable[[nn.Module], None], world: World) -> RunParts:
+        d = cfg.data
+        assert isinstance(d, UnpairedData), f"kto builds from its own [data] schema, got {type(d).__name__}"
+        if cfg.model.task != CAUSAL_LM:
+            raise ConfigError(f"[kto] trains a causal LM: set model.task = {CAUSAL_LM!r} (got {cfg.model.task!r})")
+        if cfg.kto.loss_type == "kto" and cfg.train.batch_size < 2:
+            raise ConfigError("[kto] loss_type 'kto' estimates its KL reference point from the other rows of a "
+                              "micro-batch: train.batch_size must be at least 2")
+        train_records = read_records(d.train, d.format)
+        eval_records = read_records(d.eval, d.format) if d.eval else None
+        model = build_model(cfg, None)
+        on_model(model)
+        check_text_model(cfg, model, d.max_length)
+        add_lora(cfg, model)
+        train, stats = encode_unpaired(train_records, model.tokenizer, d.max_length)
+        evals = encode_unpaired(eval_records, model.tokenizer, d.max_length) if eval_records is not None else None
+        if world.main:
+            print(f"kto: data.train {d.train}: {stats.line()}")
+            if evals is not None:
+                print(f"kto: data.eval {d.eval}: {evals[1].line()}")
+        if not train:
+            raise KilnError(f"data.train {d.train}: no row left within data.max_length = {d.max_length}")
+        return RunParts(model, train, eval_data=evals[0] if evals else None, fingerprint=self.fingerprint(cfg, None))
+
+
+class KTOExtension(Extension):
+    section = "kto"
+    schema = KTOSection
+    summary = "Kahneman-Tversky optimization: the loss ([kto] loss_type, beta, weights) and its reference"
+    recipes = ("kto",)
+    recipe = "kto"  # the recipe this table selects
+
+    def check(self, cfg: RunConfig, recipe: Any) -> None:
+        super().check(cfg, recipe)
+        p = cfg.parallel
+        if p is not None and (p.compile or p.activation_checkpointing != "none"
+                              or any(getattr(p, k, 1) > 1 for k in ("tp", "ep", "pp", "cp"))):
+            raise ConfigError("[kto] runs on one process, under DDP or under FSDP ([parallel] dp and fsdp); "
+                              "parallel.tp, ep, pp, cp, compile and activation_checkpointing are not supported with "
+                              "it yet")
+
+    def extend(self, cfg: RunConfig, parts: RunParts) -> None:
+        c, evals = cfg.kto, parts.eval_data
+        copy_needed = c.reference is None and cfg.lora is None
+        if copy_needed and getattr(parts.model, "pending_read", None) is not None:
+            raise ConfigError("[kto] with the weights read sharded: the default reference is a whole copy of the "
+                              "starting weights, which no process holds; use [lora] or kto.reference")
+        starting = copy.deepcopy(parts.model) if copy_needed else None
+        run = KTORun(c, cfg.data.max_length, list(evals) if evals is not None else None, starting)
+        parts.step = run.step
+        parts.evaluate = run.evaluate if evals else None
+        parts.callbacks.append(run)
+
+
+RECIPE = KTO()
+EXTENSION = KTOExtension()

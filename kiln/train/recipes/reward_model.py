@@ -1,0 +1,212 @@
+"""reward-model: a Bradley-Terry reward model on preference pairs; model.task = "reward-model".
+
+The rows are `[dpo]`'s (TRL's preference format; kiln.data.reward tokenizes them as TRL 1.16's RewardTrainer,
+prompt and reply scored whole, an optional per-row `margin`). The model is the family's sequence-classification
+head with one output (a decoder reads it at each row's last non-pad token), so the checkpoints and `kiln export`
+are a `{Arch}ForSequenceClassification` that transformers' AutoModelForSequenceClassification and TRL read.
+The loss is TRL's `RewardTrainer.compute_loss`: per pair `-logsigmoid(r_chosen - r_rejected - margin)`, plus
+`center_rewards_coefficient * (r_chosen + r_rejected)^2` when the optional [reward_model] table sets it (the
+mean over pairs of both is TRL's two means). The config's pad_token_id is the tokenizer's pad (else its EOS),
+as TRL sets it, since the score is read at the last token that is not it.
+Metrics per step and at evaluation (`eval_` prefixed): loss, accuracy (r_chosen > r_rejected), margin, and the
+mean chosen / rejected rewards.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+from pydantic import model_validator
+from torch import nn
+from torch.nn import functional as F
+
+from kiln.data import read_records
+from kiln.data.hfdata import source_sha256
+from kiln.data.reward import encode_reward_pairs
+from kiln.errors import ConfigError, KilnError
+from kiln.models.tasks import REWARD_MODEL, SEQUENCE_CLASSIFICATION
+from kiln.parallel.world import World, all_reduce_sum
+from kiln.train.config import RunConfig, Section
+from kiln.train.recipes.base import Extension, RunParts, build_model, check_text_model
+from kiln.train.recipes.finetune import FineTune, RecordsData
+from kiln.train.shares import eval_share, record_tokens
+from kiln.train.trainer import Callback, Trainer
+
+STATS = ("pairs", "tokens", "loss", "accuracy", "margin", "rewards/chosen", "rewards/rejected")
+
+
+class RewardData(RecordsData):
+    """[data] of a reward-model run: preference rows; a pair with a side longer than max_length is dropped."""
+
+
+class RewardSection(Section):
+    """[reward_model]: TRL's RewardConfig options of the loss."""
+    center_rewards_coefficient: float | None = None  # pushes the rewards toward mean zero (Eisenstein et al.)
+
+    @model_validator(mode="after")
+    def _check(self) -> "RewardSection":
+        if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
+            raise ValueError(f"reward_model.center_rewards_coefficient must be >= 0, got "
+                             f"{self.center_rewards_coefficient}")
+        return self
+
+
+def pair_batch(batch: Mapping[str, torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(input_ids, attention_mask), each (2B, T): the B chosen rows then the B rejected, right-padded with
+    `pad_id` (the head reads each row at its last non-pad token, as TRL's collator pads)."""
+    n = batch["chosen_ids"].shape[0]
+    lengths = torch.cat([batch["chosen_len"], batch["rejected_len"]])
+    width = int(lengths.max())
+    attn = (torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]).long()
+    ids = torch.full((2 * n, width), pad_id, dtype=torch.long, device=lengths.device)
+    for i, key in enumerate(("chosen_ids", "rejected_ids")):
+        t = batch[key][:, :width]
+        ids[i * n:(i + 1) * n, :t.shape[1]] = t
+    return ids.masked_fill(attn == 0, pad_id), attn, n
+
+
+def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None,
+                  center: float | None) -> torch.Tensor:
+    """(B,) per-pair losses whose mean is TRL 1.16's RewardTrainer loss."""
+    delta = chosen - rejected if margin is None else chosen - rejected - margin
+    losses = -F.logsigmoid(delta)
+    if center is not None:
+        losses = losses + center * (chosen + rejected) ** 2
+    return losses
+
+
+class RewardRun(Callback):
+    """The step, the evaluation and the per-step metrics of one reward-model run."""
+
+    def __init__(self, cfg: RewardSection, pad_id: int, evals: list[dict[str, torch.Tensor]] | None):
+        self.cfg, self.pad_id, self.evals = cfg, pad_id, evals
+        self.sums = torch.zeros(len(STATS), dtype=torch.float64)
+
+    def pair_losses(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                          torch.Tensor, int]:
+        """(losses (B,), chosen rewards (B,), rejected rewards (B,), real tokens): one forward over both sides."""
+        ids, attn, n = pair_batch(batch, self.pad_id)
+        rewards = model(input_ids=ids, attention_mask=attn).logits.squeeze(-1).float()  # (2B,)
+        chosen, rejected = rewards[:n], rewards[n:]
+        losses = bradley_terry(chosen, rejected, batch.get("margin"), self.cfg.center_rewards_coefficient)
+        return losses, chosen.detach(), rejected.detach(), int(attn.sum())
+
+    @staticmethod
+    def _stats(losses, chosen, rejected, tokens: float, weight: torch.Tensor) -> torch.Tensor:
+        w = weight.double()
+        parts = [w.sum(), torch.tensor(float(tokens), dtype=torch.float64, device=w.device)]
+        parts += [(x.double() * w).sum() for x in (losses.detach(), (chosen > rejected), chosen - rejected,
+                                                   chosen, rejected)]
+        return torch.stack(parts).cpu()
+
+    def step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        losses, chosen, rejected, tokens = self.pair_losses(model, batch)
+        self.sums += self._stats(losses, chosen, rejected, tokens, torch.ones_like(chosen))
+        return losses.sum(), losses.shape[0]
+
+    @staticmethod
+    def _means(sums: torch.Tensor, prefix: str) -> dict[str, float]:
+        pairs = float(sums[0]) or 1.0
+        return {f"{prefix}{name}": float(v) / pairs for name, v in zip(STATS[2:], sums[2:])}
+
+    def on_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        sums = all_reduce_sum(self.sums.to(trainer.device, copy=True), trainer.world).cpu()
+        self.sums.zero_()
+        means = self._means(sums, "")
+        means.pop("loss")  # the Trainer's own (the same mean)
+        record.update(means)
+        record_tokens(record, float(sums[0]), float(sums[1]))
+
+    @torch.no_grad()
+    def evaluate(self, trainer: Trainer) -> dict[str, float]:
+        sums = torch.zeros(len(STATS), dtype=torch.float64)
+        was = trainer.model.training
+        trainer.model.eval()
+        try:
+            for batch in eval_share(self.evals or [], trainer.data_rank, trainer.data_shards, trainer.args.batch_size,
+                                    trainer.device, trainer.args.eval_batches):
+                with trainer.autocast():
+                    losses, chosen, rejected, _ = self.pair_losses(trainer.model, batch)
+                w = batch["weight"]
+                tokens = float((torch.cat([batch["chosen_len"], batch["rejected_len"]]).double() * w.repeat(2)).sum())
+                sums += self._stats(losses, chosen, rejected, tokens, w)
+        finally:
+            trainer.model.train(was)
+        sums = all_reduce_sum(sums.to(trainer.device, copy=True), trainer.world).cpu()
+        return self._means(sums, "eval_")
+
+
+def pad_id_of(model: nn.Module) -> int:
+    """The pad id the score is read past: the tokenizer's pad token, else its EOS (TRL's choice), set on the config."""
+    tok = model.tokenizer
+    pad = tok.token_id("pad_token")
+    pad = pad if pad is not None else tok.token_id("eos_token")
+    if pad is None:
+        raise KilnError(f"{getattr(tok, 'source', 'the tokenizer')}: a reward model reads each row at its last "
+                        "non-pad token, but the tokenizer names neither a pad_token nor an eos_token")
+    return pad
+
+
+class RewardModelRecipe(FineTune):
+    name = REWARD_MODEL
+    summary = "a Bradley-Terry reward model on chosen/rejected pairs, exported as a one-label sequence classifier"
+    when = f"model.task = {REWARD_MODEL!r}"
+    data_schema = RewardData
+
+    def matches(self, task: str, data: Mapping[str, Any]) -> bool:
+        return task == REWARD_MODEL
+
+    def fingerprint(self, cfg: RunConfig, labels: list[str] | None) -> dict[str, Any]:
+        d = cfg.data
+        return {"train": str(d.train), "train_sha256": source_sha256(d.train), "max_length": d.max_length,
+                "eval_sha256": source_sha256(d.eval) if d.eval else None}
+
+    def build(self, cfg: RunConfig, on_model: Callable[[nn.Module], None], world: World) -> RunParts:
+        d = cfg.data
+        assert isinstance(d, RewardData), f"reward-model builds from its own [data] schema, got {type(d).__name__}"
+        train_records = read_records(d.train, d.format)
+        eval_records = read_records(d.eval, d.format) if d.eval else None
+        if cfg.model.num_labels not in (None, 1) or (cfg.model.labels is not None and len(cfg.model.labels) != 1):
+            raise ConfigError("model.task = 'reward-model' has one output (the reward); remove model.num_labels / "
+                              "model.labels or set num_labels = 1")
+        if cfg.lora is not None:  # LoRA freezes every non-adapter weight and saves adapters only: the fresh
+            # score head would neither train nor reach the export (no modules_to_save yet)
+            raise ConfigError("model.task = 'reward-model' trains full weights for now: under [lora] its new score "
+                              "head would stay frozen and be left out of the saved adapter; remove [lora]")
+        head_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"task": SEQUENCE_CLASSIFICATION})})
+        model = build_model(head_cfg, ["LABEL_0"])
+        on_model(model)
+        check_text_model(cfg, model, d.max_length)
+        model.config.pad_token_id = pad_id_of(model)
+        train, stats = encode_reward_pairs(train_records, model.tokenizer, d.max_length)
+        evals = None
+        if eval_records is not None:  # checked before any training work, like the train rows
+            evals, estats = encode_reward_pairs(eval_records, model.tokenizer, d.max_length)
+        if world.main:
+            print(f"reward-model: data.train {d.train}: {stats.line()}")
+            if eval_records is not None:
+                print(f"reward-model: data.eval {d.eval}: {estats.line()}")
+        if not train:
+            raise KilnError(f"data.train {d.train}: no pair left within data.max_length = {d.max_length}")
+        section = getattr(cfg, "reward_model", None) or RewardSection()
+        run = RewardRun(section, model.config.pad_token_id, evals)
+        return RunParts(model, train, eval_data=evals, step=run.step, evaluate=run.evaluate if evals else None,
+                        callbacks=[run], fingerprint=self.fingerprint(cfg, None))
+
+
+class RewardExtension(Extension):
+    """[reward_model]: read by the reward-model recipe when it builds; refused on any other run."""
+    section = "reward_model"
+    schema = RewardSection
+    summary = "the reward-model loss's options (center_rewards_coefficient)"
+    recipes = (REWARD_MODEL,)
+
+    def extend(self, cfg: RunConfig, parts: RunParts) -> None:
+        # the recipe built its step from this table; what is left is to check the run is the recipe's own
+        if not any(isinstance(c, RewardRun) for c in parts.callbacks):
+            raise ConfigError("[reward_model] belongs to model.task = 'reward-model' runs")
+
+
+RECIPE = RewardModelRecipe()
+EXTENSION = RewardExtension()
