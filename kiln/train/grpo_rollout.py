@@ -216,8 +216,11 @@ class GRPORun:
         decoded = [[{"role": "assistant", "content": t}] for t in texts] if prompts.conversational else texts
         p, columns, where = prompts.reward_inputs(rows, repeat)
         per_func = score(self.rewards, p, decoded, lists, columns, where)
+        eos = torch.tensor(self.eos_ids(core), device=completions.device, dtype=torch.long)
+        truncated = ~torch.isin(completions, eos).any(1)  # no end token within max_new_tokens: cut by the budget
         return {"input_ids": torch.cat([ids, completions], 1), "attention_mask": torch.cat([mask, cmask], 1),
-                "prompt_len": ids.size(1), "completion_mask": cmask, "per_func": per_func,
+                "prompt_len": ids.size(1), "completion_mask": cmask, "loss_mask": cmask.clone(),
+                "truncated": truncated, "per_func": per_func,
                 "sampler_logps": torch.stack(steps, 1) * cmask if steps else torch.zeros_like(cmask, dtype=torch.float)}
 
     def logps(self, model: nn.Module, micro: dict[str, Any]) -> torch.Tensor:

@@ -39,7 +39,8 @@ from kiln.models.common.tied_grad import coalesce_tied_gradient
 from kiln.parallel.world import World, all_reduce_sum, gather_objects
 from kiln.train.config import DataSection, RunConfig, Section
 from kiln.train.engine import DataParallel, StepContext, StepEngine, StepOutcome, Window, mean_gradients
-from kiln.train.grpo_loss import advantages, clipped, combine_rewards, loss_parts, token_loss
+from kiln.train.grpo_loss import (LossSpec, advantages, clipped, combine_rewards, is_correction, loss_parts,
+                                  rloo_advantages, token_loss)
 from kiln.train.grpo_rollout import GRPORun, Prompts, RolloutModel, core_of, rollout_seed
 from kiln.train.plans import place_frozen
 from kiln.train.recipes.base import Extension, Recipe, RunParts, add_lora, build_model, check_text_model
@@ -60,9 +61,28 @@ class GRPOSection(Section):
     top_p: float = 1.0
     top_k: int = 0                      # 0: off
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = "dapo"
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
+    importance_sampling_level: Literal["token", "sequence"] = "token"   # "sequence": GSPO
     epsilon: float = 0.2
-    epsilon_high: float | None = None   # default: epsilon
+    epsilon_high: float | None = None   # default: epsilon (cispo: the cap on the weight, TRL's meaning)
+    delta: float | None = None          # two-sided clipping: the weight capped at delta (A < 0 too)
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's sequence mask (A < 0 and mean KL over it)
+    use_bias_correction_kl: bool = False  # TRL 1.16 defaults to true; false keeps kiln's earlier runs as they were
+    mask_truncated_completions: bool = False  # completions without an end token carry no loss
+    advantage_estimator: Literal["grpo", "rloo"] = "grpo"  # rloo: leave-one-out baseline (TRL's RLOOTrainer)
+    normalize_advantages: bool = False  # rloo: advantages standardised over the batch (RLOOConfig's key)
+    # the old log-probs (sampler = "exact": the trainer's) against the sampler's: TRL's vllm_importance_sampling_*
+    importance_sampling_correction: bool = False
+    importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = \
+        "sequence_mask"
+    importance_sampling_clip_min: float | None = None
+    importance_sampling_clip_max: float | None = 3.0
     num_iterations: int = 1             # optimizer steps per rollout
     beta: float = 0.0                   # KL to the starting weights (0: no reference pass)
     sampler: Literal["fast", "exact"] = "fast"  # old log-probs from the decode, or recomputed by the trainer
@@ -86,10 +106,39 @@ class GRPOSection(Section):
             raise ValueError(f"grpo.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0 or self.epsilon < 0 or (self.epsilon_high or 0) < 0 or self.beta < 0:
             raise ValueError("grpo.top_k, epsilon, epsilon_high and beta must be >= 0")
+        lo, hi = self.importance_sampling_clip_min, self.importance_sampling_clip_max
+        if lo is not None and hi is not None and lo >= hi:
+            raise ValueError(f"grpo.importance_sampling_clip_min ({lo}) must be below "
+                             f"grpo.importance_sampling_clip_max ({hi})")
+        if self.importance_sampling_correction:
+            if self.sampler != "exact":
+                raise ValueError("grpo.importance_sampling_correction corrects the trainer's old log-probs towards "
+                                 "the sampler's, and with grpo.sampler = \"fast\" they are the sampler's (nothing to "
+                                 "correct): set grpo.sampler = \"exact\" or turn the correction off")
+            if self.importance_sampling_mode.endswith("truncate") and lo is None and hi is None:
+                raise ValueError(f"grpo.importance_sampling_mode = {self.importance_sampling_mode!r} truncates the "
+                                 "ratio: set grpo.importance_sampling_clip_max and/or importance_sampling_clip_min")
+            if self.loss_type == "vespo" and not self.importance_sampling_mode.startswith("token"):
+                raise ValueError("grpo.loss_type = \"vespo\" takes a token-level correction: set "
+                                 "grpo.importance_sampling_mode to \"token_truncate\" or \"token_mask\"")
+        if self.off_policy_mask_threshold is not None and self.off_policy_mask_threshold <= 0:
+            raise ValueError(f"grpo.off_policy_mask_threshold must be > 0, got {self.off_policy_mask_threshold}")
+        if self.delta is not None and self.delta <= 1:
+            raise ValueError(f"grpo.delta caps the importance weight and must be > 1 (TRL recommends above "
+                             f"1 + epsilon_high), got {self.delta}")
+        if self.normalize_advantages and self.advantage_estimator != "rloo":
+            raise ValueError("grpo.normalize_advantages is RLOO's option: set grpo.advantage_estimator = \"rloo\" "
+                             "(the grpo estimator scales by grpo.scale_rewards)")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
             raise ValueError(f"grpo.reward_weights has {len(self.reward_weights)} values for {len(self.rewards)} "
                              "grpo.rewards")
         return self
+
+    def loss_spec(self) -> LossSpec:
+        return LossSpec(self.loss_type, self.epsilon, self.epsilon if self.epsilon_high is None else self.epsilon_high,
+                        self.importance_sampling_level, self.delta, self.beta, self.use_bias_correction_kl,
+                        self.sapo_temperature_pos, self.sapo_temperature_neg, self.vespo_k_pos,
+                        self.vespo_lambda_pos, self.vespo_k_neg, self.vespo_lambda_neg, self.off_policy_mask_threshold)
 
 
 def _pack(t: torch.Tensor | int | None) -> Any:
@@ -140,32 +189,45 @@ class GRPOEngine(StepEngine):
         del decoder
         per_func = torch.cat(per_funcs)
         rewards = combine_rewards(per_func, r.weights)
-        batch_std = None
-        if g.scale_rewards == "batch" and run.world.active:  # the std over every rank's rewards, as TRL's batch scale
-            batch_std = self._global_std(run, rewards)
-        adv = advantages(rewards, g.num_generations, g.scale_rewards, batch_std)
+        if g.advantage_estimator == "rloo":
+            adv = rloo_advantages(rewards, g.num_generations)
+            if g.normalize_advantages:  # over every rank's advantages, as TRL's gathered batch
+                adv = rloo_advantages(rewards, g.num_generations, True,
+                                      self._global_mean_std(run, adv) if run.world.active else None)
+        else:
+            batch_std = None
+            if g.scale_rewards == "batch" and run.world.active:  # the std over every rank's rewards (TRL's batch)
+                batch_std = self._global_mean_std(run, rewards)[1]
+            adv = advantages(rewards, g.num_generations, g.scale_rewards, batch_std)
         start = 0
         for micro in micros:
             n = micro["input_ids"].size(0)
             micro["advantages"] = adv[start: start + n].to(run.device)
             start += n
+            if g.mask_truncated_completions:  # TRL's: a completion cut by the budget carries no loss
+                micro["loss_mask"] = micro["loss_mask"] * (~micro["truncated"]).long()[:, None]
             with torch.no_grad(), run.autocast():
                 if g.sampler == "exact":  # the trainer's forward on the same micro-batch: the first update's values
                     micro["old_logps"] = r.logps(run.model, micro)
                 else:
                     micro["old_logps"] = micro["sampler_logps"]
+                if g.importance_sampling_correction:
+                    micro["is_ratio"] = is_correction(micro["old_logps"], micro["sampler_logps"], micro["loss_mask"],
+                                                      g.importance_sampling_mode, g.importance_sampling_clip_min,
+                                                      g.importance_sampling_clip_max)
                 if g.beta != 0.0:
                     micro["ref_logps"] = r.reference_logps(run.model, micro)
             del micro["per_func"]
         self.buffer = micros
         self.stats = self._reward_stats(run, per_func, rewards, torch.cat(lengths))
 
-    def _global_std(self, run: StepContext, x: torch.Tensor) -> torch.Tensor:
+    def _global_mean_std(self, run: StepContext, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The NaN-skipping mean and unbiased std of `x` over every rank's values."""
         ok = ~torch.isnan(x)
         s = all_reduce_sum(torch.stack([x[ok].double().sum(), (x[ok].double() ** 2).sum(),
                                         ok.sum().double()]).to(run.device), run.world).cpu()
         mean = s[0] / s[2]
-        return ((s[1] - s[2] * mean ** 2) / (s[2] - 1)).clamp(min=0).sqrt().float()
+        return mean.float(), ((s[1] - s[2] * mean ** 2) / (s[2] - 1)).clamp(min=0).sqrt().float()
 
     def _reward_stats(self, run: StepContext, per_func: torch.Tensor, rewards: torch.Tensor,
                       lengths: torch.Tensor) -> dict[str, float]:
@@ -199,24 +261,25 @@ class GRPOEngine(StepEngine):
             self.rollout(run)
         assert self.buffer is not None
         window = Window.on(run.device)
-        eps_high = g.epsilon if g.epsilon_high is None else g.epsilon_high
+        spec = g.loss_spec()
         # clipped tokens, tokens, kl sum, largest |sampler - trainer| log-prob
         sums = torch.zeros(4, dtype=torch.float64)
         for m, micro in enumerate(self.buffer):
             last = m == len(self.buffer) - 1
             with DataParallel._sync_context(run, last), run.autocast():
                 logps = self.run.logps(run.model, micro)
-                cmask = micro["completion_mask"]
-                t = token_loss(logps, micro["old_logps"], micro["advantages"], g.epsilon, eps_high, g.beta,
-                               micro.get("ref_logps"))
-                part, n = loss_parts(g.loss_type, t.loss, cmask, g.max_new_tokens)
+                lmask = micro.get("loss_mask", micro["completion_mask"])  # the policy's own tokens
+                t = token_loss(logps, micro["old_logps"], micro["advantages"], spec, micro.get("ref_logps"), lmask,
+                               micro.get("is_ratio"), micro["sampler_logps"])
+                part, n = loss_parts(g.loss_type, t.loss, lmask, g.max_new_tokens)
             (run.scaler.scale(part) if run.scaler else part).backward()
             window.loss_sum += part.detach().to(torch.float64)
             window.count += n.to(run.device)
             window.tokens += int(micro["attention_mask"].sum())
             with torch.no_grad():
-                on = cmask.bool()
-                sums[0] += float(clipped(t.ratio, micro["advantages"], g.epsilon, eps_high)[on].sum())
+                on = lmask.bool()
+                held = clipped(t.ratio, micro["advantages"], spec.eps_low, spec.eps_high).expand_as(on)
+                sums[0] += float(held[on].sum())
                 sums[1] += float(on.sum())
                 if t.kl is not None:
                     sums[2] += float(t.kl[on].double().sum())
