@@ -45,7 +45,9 @@ from kiln.train.grpo_rollout import GRPORun, Prompts, RolloutModel, core_of, rol
 from kiln.train.plans import place_frozen
 from kiln.train.recipes.base import Extension, Recipe, RunParts, add_lora, build_model, check_text_model
 from kiln.train.recipes.finetune import RecordsData
-from kiln.train.rewards import resolve_rewards
+from kiln.train.agent_rollout import Dialect, EpisodeRunner, env_reward
+from kiln.train.envs import resolve_env
+from kiln.train.rewards import Reward, resolve_rewards
 from kiln.train.trainer import Callback, Trainer
 
 
@@ -86,6 +88,13 @@ class GRPOSection(Section):
     num_iterations: int = 1             # optimizer steps per rollout
     beta: float = 0.0                   # KL to the starting weights (0: no reference pass)
     sampler: Literal["fast", "exact"] = "fast"  # old log-probs from the decode, or recomputed by the trainer
+    # multi-turn episodes (kiln.train.envs, kiln.train.agent_rollout): max_new_tokens is then the per-turn budget
+    env: str | None = None              # "module:factory", called once per episode
+    tools: list[str] = []               # "module:function" stateless tools (typed, with docstrings)
+    max_turns: int = 4                  # policy turns per episode
+    max_episode_tokens: int = 1024      # every token after the prompt (policy and environment)
+    env_timeout: float = 30.0           # seconds for each call into an environment or a tool
+    log_rollouts_every: int = 0         # every N rollouts, RUN_DIR/rollouts.jsonl gets each completion (0: off)
 
     @field_validator("scale_rewards", mode="before")
     @classmethod
@@ -97,7 +106,7 @@ class GRPOSection(Section):
         if self.num_generations < 2:
             raise ValueError(f"grpo.num_generations must be >= 2, got {self.num_generations}: advantages compare "
                              "the completions of one prompt with each other, and a group of 1 has nothing to compare")
-        for name in ("max_new_tokens", "num_iterations"):
+        for name in ("max_new_tokens", "num_iterations", "max_turns", "max_episode_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"grpo.{name} must be >= 1, got {getattr(self, name)}")
         if not self.temperature > 0:
@@ -106,6 +115,10 @@ class GRPOSection(Section):
             raise ValueError(f"grpo.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0 or self.epsilon < 0 or (self.epsilon_high or 0) < 0 or self.beta < 0:
             raise ValueError("grpo.top_k, epsilon, epsilon_high and beta must be >= 0")
+        if not self.env_timeout > 0:
+            raise ValueError(f"grpo.env_timeout must be > 0 seconds, got {self.env_timeout}")
+        if self.log_rollouts_every < 0:
+            raise ValueError(f"grpo.log_rollouts_every must be >= 0, got {self.log_rollouts_every}")
         lo, hi = self.importance_sampling_clip_min, self.importance_sampling_clip_max
         if lo is not None and hi is not None and lo >= hi:
             raise ValueError(f"grpo.importance_sampling_clip_min ({lo}) must be below "
@@ -133,6 +146,15 @@ class GRPOSection(Section):
             raise ValueError(f"grpo.reward_weights has {len(self.reward_weights)} values for {len(self.rewards)} "
                              "grpo.rewards")
         return self
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.env is not None or bool(self.tools)
+
+    @property
+    def budget(self) -> int:
+        """A completion's most tokens (dr_grpo's constant): the episode's under env / tools."""
+        return self.max_episode_tokens if self.multi_turn else self.max_new_tokens
 
     def loss_spec(self) -> LossSpec:
         return LossSpec(self.loss_type, self.epsilon, self.epsilon if self.epsilon_high is None else self.epsilon_high,
@@ -271,7 +293,7 @@ class GRPOEngine(StepEngine):
                 lmask = micro.get("loss_mask", micro["completion_mask"])  # the policy's own tokens
                 t = token_loss(logps, micro["old_logps"], micro["advantages"], spec, micro.get("ref_logps"), lmask,
                                micro.get("is_ratio"), micro["sampler_logps"])
-                part, n = loss_parts(g.loss_type, t.loss, lmask, g.max_new_tokens)
+                part, n = loss_parts(g.loss_type, t.loss, lmask, g.budget)
             (run.scaler.scale(part) if run.scaler else part).backward()
             window.loss_sum += part.detach().to(torch.float64)
             window.count += n.to(run.device)
@@ -349,8 +371,12 @@ class GRPORecipe(Recipe):
             raise ConfigError("[grpo] with num_iterations > 1 counts its length in train.steps: an epoch of prompts "
                               "takes num_iterations times the steps train.epochs would allow")
         search = [Path(d.train).resolve().parent]
+        # before any model or data work: the rewards, the environment and tools
+        env = resolve_env(g.env, g.tools, search, g.env_timeout)
         rewards = resolve_rewards(g.rewards, g.reward_weights, search, format_pattern=g.format_pattern,
-                                  max_new_tokens=g.max_new_tokens)  # before any model or data work
+                                  max_new_tokens=g.max_new_tokens, env=env is not None and env.factory is not None)
+        if env is not None and env.factory is not None:
+            rewards.append(Reward("env", env_reward, 1.0))
         train_records = read_records(d.train, d.format)
         eval_records = read_records(d.eval, d.format) if d.eval else None
         model = build_model(cfg, None)
@@ -365,7 +391,12 @@ class GRPORecipe(Recipe):
         prompts = Prompts(train_records, model.tokenizer, g.prompt_field, d.max_length, f"data.train {d.train}")
         evals = (Prompts(eval_records, model.tokenizer, g.prompt_field, d.max_length, f"data.eval {d.eval}")
                  if eval_records else None)
-        run = GRPORun(cfg, prompts, evals, rewards, model.tokenizer, reference)
+        runner = None
+        if env is not None:  # the template checked (renders tools, a parser, prefix-preserving) before any work
+            eos = model.config.eos_token_id
+            eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+            runner = EpisodeRunner(env, Dialect(model.tokenizer, eos_ids).check(), g)
+        run = GRPORun(cfg, prompts, evals, rewards, model.tokenizer, reference, runner)
         fingerprint = {"train": str(d.train), "train_sha256": source_sha256(d.train), "max_length": d.max_length,
                        "prompt_field": g.prompt_field}
         return RunParts(model, prompts.examples(), evaluate=run.evaluate if evals is not None else None,
