@@ -128,7 +128,7 @@ def as_tool(x: Any, what: str) -> Tool:
     if isinstance(x, dict):
         fn_part = x.get("function", x)
         if not (isinstance(fn_part, dict) and isinstance(fn_part.get("name"), str)):
-            raise KilnError(f"{what}: a tool schema needs function.name (the HF / OpenAI JSON schema), got "
+            raise ConfigError(f"{what}: a tool schema needs function.name (the HF / OpenAI JSON schema), got "
                             f"{json.dumps(x)[:120]}")
         schema = x if "function" in x else {"type": "function", "function": x}
         return Tool(fn_part["name"], schema, None)
@@ -138,9 +138,9 @@ def as_tool(x: Any, what: str) -> Tool:
         try:
             schema = get_json_schema(x)
         except Exception as e:  # transformers names the missing docstring or type hint
-            raise KilnError(f"{what}: {getattr(x, '__name__', x)!r} cannot be a tool: {e}") from None
+            raise ConfigError(f"{what}: {getattr(x, '__name__', x)!r} cannot be a tool: {e}") from None
         return Tool(schema["function"]["name"], schema, x)
-    raise KilnError(f"{what}: a tool is a JSON schema (dict) or a function, got {type(x).__name__}")
+    raise ConfigError(f"{what}: a tool is a JSON schema (dict) or a function, got {type(x).__name__}")
 
 
 def tool_message(tools: dict[str, Tool], call: dict[str, Any], timeout: float) -> tuple[dict[str, Any], bool]:

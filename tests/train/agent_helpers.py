@@ -86,3 +86,17 @@ class Calculator:
 
     def get_reward(self) -> float:
         return float(self.calls)
+
+
+def adder(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: first
+        b: second
+    """
+    return a + b
+
+
+def undocumented(a, b):
+    return a + b

@@ -45,7 +45,9 @@ from kiln.train.grpo_rollout import GRPORun, Prompts, RolloutModel, core_of, rol
 from kiln.train.plans import place_frozen
 from kiln.train.recipes.base import Extension, Recipe, RunParts, add_lora, build_model, check_text_model
 from kiln.train.recipes.finetune import RecordsData
-from kiln.train.agent_rollout import Dialect, EpisodeRunner, env_reward
+from kiln.train import grpo_alarms
+from kiln.train.agent_rollout import Dialect, EpisodeRunner, env_reward, episode_record
+from kiln.train.grpo_alarms import named
 from kiln.train.envs import resolve_env
 from kiln.train.rewards import Reward, resolve_rewards
 from kiln.train.trainer import Callback, Trainer
@@ -189,6 +191,7 @@ class GRPOEngine(StepEngine):
         self.keep_grads = inner.keep_grads
         self.buffer: list[dict[str, Any]] | None = None   # the rollout being worked on
         self.stats: dict[str, float] = {}                  # its reward metrics
+        self.alarms = grpo_alarms.Alarms()
 
     # -- the rollout --
     def rollout(self, run: StepContext) -> None:
@@ -198,13 +201,15 @@ class GRPOEngine(StepEngine):
             r.reference = place_frozen(r.reference, run.device, run.plan, run.parallel, not run.args.exact)
             self.placed = True
         index = run.step // g.num_iterations
-        micros, per_funcs, lengths = [], [], []
+        micros, per_funcs, lengths, row_lists, episodes = [], [], [], [], []
         decoder = RolloutModel(core, run.sharded)  # its packed head serves every micro-batch of this rollout
         for m in range(run.args.grad_accum):
             rows = run.next_batch()["row"].tolist()
             with torch.no_grad(), run.autocast():
                 micro = r.sample(decoder, rows, r.prompts, g.num_generations,
                                  rollout_seed(r.seed, index, m * run.data_shards + run.data_rank), run.device)
+            row_lists.append(rows)
+            episodes.append(r.last_episodes if g.multi_turn else None)
             per_funcs.append(micro["per_func"])
             lengths.append(micro["completion_mask"].sum(1).double().cpu())  # beside the rewards (CPU) for the stats
             micros.append(micro)
@@ -221,9 +226,11 @@ class GRPOEngine(StepEngine):
             if g.scale_rewards == "batch" and run.world.active:  # the std over every rank's rewards (TRL's batch)
                 batch_std = self._global_mean_std(run, rewards)[1]
             adv = advantages(rewards, g.num_generations, g.scale_rewards, batch_std)
+        alarm_counts = torch.zeros(9, dtype=torch.float64)
         start = 0
-        for micro in micros:
+        for micro, eps in zip(micros, episodes):
             n = micro["input_ids"].size(0)
+            alarm_counts += grpo_alarms.counts(micro, rewards[start: start + n], g.num_generations, eps)
             micro["advantages"] = adv[start: start + n].to(run.device)
             start += n
             if g.mask_truncated_completions:  # TRL's: a completion cut by the budget carries no loss
@@ -240,8 +247,31 @@ class GRPOEngine(StepEngine):
                 if g.beta != 0.0:
                     micro["ref_logps"] = r.reference_logps(run.model, micro)
             del micro["per_func"]
+        if g.log_rollouts_every and index % g.log_rollouts_every == 0:
+            self._log_rollouts(run, index, micros, row_lists, episodes, per_func)
         self.buffer = micros
         self.stats = self._reward_stats(run, per_func, rewards, torch.cat(lengths))
+        total = all_reduce_sum(alarm_counts.to(run.device), run.world).cpu()
+        self.stats.update(grpo_alarms.metrics(total, g.multi_turn))
+
+    def _log_rollouts(self, run: StepContext, index: int, micros: list[dict[str, Any]], row_lists: list[list[int]],
+                      episodes: list[Any], per_func: torch.Tensor) -> None:
+        """RUN_DIR/rollouts.jsonl: every completion (or episode) of this rollout, from every rank."""
+        r, g = self.run, self.run.g
+        names = [f.name for f in r.rewards]
+        records, start = [], 0
+        for micro, rows, eps in zip(micros, row_lists, episodes):
+            n = micro["input_ids"].size(0)
+            if eps is not None:
+                records += [episode_record(e, run.step + 1, named(per_func[start + i], names))
+                            for i, e in enumerate(eps)]
+            else:
+                records += grpo_alarms.single_turn_records(micro, rows, g.num_generations, per_func[start: start + n],
+                                                           names, r.tokenizer, run.step + 1)
+            start += n
+        everything = [rec for rank in gather_objects(records, run.world) for rec in rank]
+        if run.world.main:
+            grpo_alarms.append_records(Path(run.args.out_dir) / "rollouts.jsonl", everything)
 
     def _global_mean_std(self, run: StepContext, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The NaN-skipping mean and unbiased std of `x` over every rank's values."""
@@ -321,6 +351,7 @@ class GRPOEngine(StepEngine):
             extra["kl"] = float(sums[2] / sums[1].clamp(min=1))
         if iteration == 0:
             extra["logprob_gap"] = float(gap[0])
+        self.alarms.check(extra, run.step + 1, run.world.main)
         samples = sum(m["input_ids"].size(0) for m in self.buffer) * run.data_shards
         return StepOutcome(loss, window.tokens * run.data_shards, samples, extra=extra)
 
