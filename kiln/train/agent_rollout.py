@@ -7,8 +7,9 @@ matches); function tools are called, then the environment's `step`; what they re
 difference of two renderings of a short conversation (the assistant message, then it and the new messages with
 the generation prompt), cut after the end-of-turn token (loss mask 0). History is never re-rendered, so the
 trainer sees exactly the sampled tokens. An episode stops on `done`, a step with no message, `max_turns`, the
-turn or episode token budget, or a failure of user code (the episode then carries no loss and no reward, and
-its message is kept).
+turn or episode token budget (a turn cut by a budget still goes to the environment's `step`, to be scored; its
+tool calls are not run), or a failure of user code (the episode then carries no loss and no reward, and its
+message is kept).
 
 `sample_turns` is the one place tokens are drawn (kiln's `generate` today; the generation engine later).
 """
@@ -229,10 +230,11 @@ class EpisodeRunner:
                 e.mask += [1] * len(toks)
                 e.logps += lps
                 e.turns += 1
-                if not ended:
+                # a turn cut by a budget still goes to the environment (which scores what was written), but
+                # the episode ends there: without its end-of-turn token no further turn can follow
+                self._after_turn(e, toks if not ended else toks[:-1], prefix_ids, turn, final=not ended)
+                if not ended and e.end != "error":
                     e.end = "budget" if len(e.ids) >= g.max_episode_tokens else "truncated"
-                    continue
-                self._after_turn(e, toks, prefix_ids, turn)
         for e in episodes:
             if e.end is None:
                 e.end = "max_turns"
@@ -244,13 +246,15 @@ class EpisodeRunner:
                         self._fail(e, err)
         return episodes
 
-    def _after_turn(self, e: Episode, toks: list[int], prefix_ids: list[int], turn: int) -> None:
+    def _after_turn(self, e: Episode, toks: list[int], prefix_ids: list[int], turn: int, final: bool) -> None:
+        """The turn's text `toks` (its end-of-turn token left off) parsed and answered: tool calls, then the
+        environment's step; then the next turn's opening tokens, unless the episode ends (`final`: it does)."""
         g, d, t = self.g, self.dialect, self.spec.timeout
-        text = d.tokenizer.decode(toks[:-1], skip_special_tokens=False)
+        text = d.tokenizer.decode(toks, skip_special_tokens=False)
         message, failed = d.parse(text, d.tokenizer.decode(prefix_ids, skip_special_tokens=False), e.schemas)
         e.parse_failures += int(failed)
         new: list[dict[str, Any]] = []
-        for call in message.get("tool_calls") or []:
+        for call in [] if final else message.get("tool_calls") or []:  # a cut turn's calls are not run
             name = call.get("function", {}).get("name") if isinstance(call, dict) else None
             if name in e.tools and e.tools[name].fn is not None:
                 msg, bad = tool_message(e.tools, call, t)
@@ -264,6 +268,8 @@ class EpisodeRunner:
         e.messages.append(message)
         new += obs.messages
         e.rewards.append(obs.reward)
+        if final:
+            return
         if obs.done:
             e.end = "done"
         elif not new:
