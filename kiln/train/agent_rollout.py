@@ -238,6 +238,12 @@ class EpisodeRunner:
         for e in episodes:
             if e.end is None:
                 e.end = "max_turns"
+            if isinstance(e.env, TRLEnvironment) and e.end != "error":
+                try:
+                    reward = call_user(e.env.final_reward, timeout=self.spec.timeout, what="env.get_reward")
+                    e.rewards.append(as_obs({"reward": reward}, "env.get_reward").reward)
+                except EpisodeError as err:
+                    self._fail(e, err)
             if e.env is not None and callable(getattr(e.env, "close", None)):
                 try:
                     call_user(e.env.close, timeout=self.spec.timeout, what="env.close")

@@ -13,7 +13,7 @@ transformers' `get_json_schema` and calls it itself, its result becoming a `tool
 
 A TRL environment class (`reset(**row)` returning None or text appended to the last user message, its public
 methods the tools, optional `get_reward()`) is recognised by having `reset` and no `step`, and runs through
-`TRLEnvironment`: the episode ends on a turn without tool calls, its reward is `get_reward()` then.
+`TRLEnvironment`: the episode ends on a turn without tool calls; its reward is `get_reward()` once it is over.
 
 Everything user-written runs in a daemon thread with a timeout: a raise, a hang or a malformed observation becomes
 an `EpisodeError` naming the call, which ends that episode (kiln.train.agent_rollout), never the run.
@@ -169,8 +169,8 @@ def tool_message(tools: dict[str, Tool], call: dict[str, Any], timeout: float) -
 # ---- adapters ----------------------------------------------------------------------------------------
 class TRLEnvironment:
     """A TRL 1.16 `environment_factory` instance under kiln's protocol: reset(**row) (its text appended to the
-    prompt's last user message), its public methods as tools (called by kiln), done on a turn without tool calls
-    and then the reward `get_reward()` (when it has one)."""
+    prompt's last user message), its public methods as tools (called by kiln), done on a turn without tool calls,
+    and `get_reward()` (when it has one) as the episode's reward once it is over (`final_reward`)."""
 
     def __init__(self, inner: Any):
         self.inner = inner
@@ -196,14 +196,15 @@ class TRLEnvironment:
         return Obs(messages, list(self.methods()))
 
     def step(self, message: dict[str, Any]) -> Any:
-        if message.get("tool_calls"):
-            return Obs()  # kiln ran the tool calls (the methods are function tools)
-        reward = None
-        if callable(getattr(self.inner, "get_reward", None)):
-            reward = self.inner.get_reward()
-            if inspect.isawaitable(reward):
-                reward = asyncio.run(_awaited(reward))
-        return Obs(done=True, reward=reward)
+        # kiln ran the tool calls (the methods are function tools); a turn without any ends the episode
+        return Obs(done=not message.get("tool_calls"))
+
+    def final_reward(self) -> float | None:
+        """get_reward() once the episode is over, however it ended (TRL scores every rollout so)."""
+        if not callable(getattr(self.inner, "get_reward", None)):
+            return None
+        reward = self.inner.get_reward()
+        return asyncio.run(_awaited(reward)) if inspect.isawaitable(reward) else reward
 
 
 class ToolsOnly:

@@ -262,3 +262,20 @@ def test_a_template_that_cannot_run_episodes_is_refused(tmp_path, template, mess
     (tok / "tokenizer_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=message):
         ar.Dialect(Tokenizer.from_dir(tok), [EOS]).check()
+
+
+def test_a_turn_cut_by_the_budget_is_scored_then_ends_the_episode(model, monkeypatch):
+    """No end-of-turn token: the environment still scores what was written (its step's reward), the written tool
+    call is not run, no environment tokens follow, and the episode ends as truncated."""
+    runner, d = _runner(model, Calculator)
+    ids = d.encode(f"7 {CALL}")
+
+    def fake(decoder, contexts, budgets, g, gen, pad, eos_ids, device):
+        return [(ids, [-0.5] * len(ids), False) for _ in contexts]
+
+    monkeypatch.setattr(ar, "sample_turns", fake)
+    (e,) = runner.run(None, [ROW], [0], [[1]], [0], None, 0, torch.device("cpu"))
+    assert e.end == "truncated" and e.turns == 1 and e.ids == ids and e.mask == [1] * len(ids)
+    assert e.env.inner.calls == 0 and e.reward == 0.0  # get_reward() ran: 0 calls
+    micro = ar.to_micro([e], 0, [EOS], torch.device("cpu"))
+    assert bool(micro["truncated"][0])
