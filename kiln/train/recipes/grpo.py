@@ -306,6 +306,9 @@ class GRPOEngine(StepEngine):
         g = self.run.g
         if not self.started:  # a tied embedding's gradient without its dense transient (unsharded weights)
             self.started = True
+            if g.multi_turn and run.sharded:  # ranks' episodes take different turns: their gathers would not pair
+                raise ConfigError("[grpo] env / tools run on one process or DDP; with sharded weights (FSDP) every "
+                                  "rank would have to sample as many turns as the others, which episodes do not")
             if not run.sharded:
                 coalesce_tied_gradient(core_of(run.model))
         iteration = run.step % g.num_iterations
