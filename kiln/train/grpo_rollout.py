@@ -174,7 +174,7 @@ class GRPORun:
 
     def __init__(self, cfg: RunConfig, prompts: Prompts, eval_prompts: Prompts | None, rewards: list[Reward],
                  tokenizer: Any, reference: nn.Module | None, episodes: Any = None):
-        self.g = cfg.grpo  # kiln.train.recipes.grpo.GRPOSection
+        self.g = cfg.grpo  # kiln.train.grpo_config.GRPOSection
         self.seed, self.lora = cfg.train.seed, cfg.lora is not None
         self.prompts, self.eval_prompts, self.rewards, self.tokenizer = prompts, eval_prompts, rewards, tokenizer
         self.reference = reference
