@@ -112,3 +112,33 @@ def test_a_template_without_tools_is_refused_before_any_step(agent_dir, tmp_path
 def test_env_config_errors_are_named(agent_dir, grpo, message):
     with pytest.raises(ConfigError, match=message):
         build_trainer(load_run_config(_toml(agent_dir, "bad", grpo)))
+
+
+@pytest.mark.slow
+def test_an_environment_run_sigkilled_mid_rollout_resumes_exactly(agent_dir):
+    """num_iterations = 2, killed after step 4 (newest checkpoint 3, mid rollout): the resumed run takes step 4 on
+    the saved episodes and samples step 5's as the uninterrupted run did (episode seeds from the rollout's)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.kiln_cli import kiln
+
+    grpo = 'env = "tests.train.agent_helpers:GuessEnv"\nnum_iterations = 2'
+    runs = {}
+    for name in ("env-ref", "env-killed"):
+        cfg = _toml(agent_dir, name, grpo, steps=6)
+        cfg.write_text(cfg.read_text().replace("progress = false", "progress = false\nsave_every = 1\nkeep_last = 10"))
+        runs[name] = cfg
+    kiln("train", "--config", str(runs["env-ref"]))
+    p = kiln("train", "--config", str(runs["env-killed"]), env={"KILN_FAULT": "step:4"}, check=False)
+    assert p.returncode == -9, p.stderr
+    kiln("train", "--config", str(runs["env-killed"]), "--resume", str(agent_dir / "env-killed"))
+    for step in (4, 5, 6):
+        a = load_file(str(agent_dir / "env-ref" / f"ckpt-{step:06d}" / "model" / "model.safetensors"))
+        b = load_file(str(agent_dir / "env-killed" / f"ckpt-{step:06d}" / "model" / "model.safetensors"))
+        assert all(torch.equal(a[k], b[k]) for k in a), f"weights differ at step {step}"
+
+    def curve(run: Path) -> list:
+        return [sorted((k, v) for k, v in r.items() if not k.endswith("_per_s"))
+                for r in read_metrics(run / "metrics.jsonl")]
+    assert curve(agent_dir / "env-killed") == curve(agent_dir / "env-ref")
