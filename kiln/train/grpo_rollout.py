@@ -173,12 +173,14 @@ class GRPORun:
     """What the engine and the evaluation share: the settings, the prompts, the rewards, the reference."""
 
     def __init__(self, cfg: RunConfig, prompts: Prompts, eval_prompts: Prompts | None, rewards: list[Reward],
-                 tokenizer: Any, reference: nn.Module | None):
-        self.g = cfg.grpo  # kiln.train.recipes.grpo.GRPOSection
+                 tokenizer: Any, reference: nn.Module | None, episodes: Any = None):
+        self.g = cfg.grpo  # kiln.train.grpo_config.GRPOSection
         self.seed, self.lora = cfg.train.seed, cfg.lora is not None
         self.prompts, self.eval_prompts, self.rewards, self.tokenizer = prompts, eval_prompts, rewards, tokenizer
         self.reference = reference
         self.weights = torch.tensor([r.weight for r in rewards], dtype=torch.float32)
+        self.episodes = episodes  # kiln.train.agent_rollout.EpisodeRunner under [grpo] env / tools, else None
+        self.last_episodes: list[Any] = []  # the latest micro-batch's episodes (alarms, rollouts.jsonl)
 
     def eos_ids(self, core: nn.Module) -> list[int]:
         eos = core.config.eos_token_id
@@ -196,6 +198,8 @@ class GRPORun:
         decode all max_new_tokens even once every row has ended (each forward gathers the weights with the other
         ranks, so every rank must run as many); the mask still ends at EOS."""
         g, core = self.g, decoder.model
+        if self.episodes is not None:
+            return self.sample_episodes(decoder, rows, prompts, repeat, seed, device)
         ids, mask = prompts.left_padded(rows, repeat, self.pad_id(core), device)
         gen = None if seed is None else torch.Generator(device=device).manual_seed(seed)
         steps: list[torch.Tensor] = []
@@ -216,9 +220,38 @@ class GRPORun:
         decoded = [[{"role": "assistant", "content": t}] for t in texts] if prompts.conversational else texts
         p, columns, where = prompts.reward_inputs(rows, repeat)
         per_func = score(self.rewards, p, decoded, lists, columns, where)
+        eos = torch.tensor(self.eos_ids(core), device=completions.device, dtype=torch.long)
+        truncated = ~torch.isin(completions, eos).any(1)  # no end token within max_new_tokens: cut by the budget
         return {"input_ids": torch.cat([ids, completions], 1), "attention_mask": torch.cat([mask, cmask], 1),
-                "prompt_len": ids.size(1), "completion_mask": cmask, "per_func": per_func,
+                "prompt_len": ids.size(1), "completion_mask": cmask, "loss_mask": cmask.clone(),
+                "truncated": truncated, "per_func": per_func,
                 "sampler_logps": torch.stack(steps, 1) * cmask if steps else torch.zeros_like(cmask, dtype=torch.float)}
+
+    def sample_episodes(self, decoder: RolloutModel, rows: list[int], prompts: Prompts, repeat: int,
+                        seed: int | None, device: torch.device) -> dict[str, Any]:
+        """Multi-turn episodes of `rows` (`repeat` each; greedy when `seed` is None), scored: the reward functions
+        see each episode's messages after its opening, TRL's `environments`, and the environment's own reward
+        as the `env` function."""
+        from kiln.train.agent_rollout import ENV_COLUMN, env_column, episode_seed, inner_envs, to_micro
+
+        core = decoder.model
+        pad, eos = self.pad_id(core), self.eos_ids(core)
+        expanded = [r for r in rows for _ in range(repeat)]
+        records = [{"prompt": prompts.prompts[r], **prompts.columns[r]} for r in expanded]
+        base = 0 if seed is None else seed
+        gen = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+        episodes = self.episodes.run(decoder, records, expanded, [prompts.ids[r] for r in expanded],
+                                     [episode_seed(base, i) for i in range(len(expanded))], gen, pad, device)
+        self.last_episodes = episodes
+        micro = to_micro(episodes, pad, eos, device)
+        p, columns, where = prompts.reward_inputs(rows, repeat)
+        columns = {**columns, "environments": inner_envs(episodes), ENV_COLUMN: env_column(episodes)}
+        completions = [e.messages[e.opening:] for e in episodes]
+        micro["per_func"] = score(self.rewards, p, completions, [e.ids for e in episodes], columns, where)
+        for i, e in enumerate(episodes):  # a failed episode carries no reward (and no loss: to_micro)
+            if e.end == "error":
+                micro["per_func"][i] = float("nan")
+        return micro
 
     def logps(self, model: nn.Module, micro: dict[str, Any]) -> torch.Tensor:
         """(N, C) log-probs of the completion tokens under `model` (through its wrapper), logits / temperature."""

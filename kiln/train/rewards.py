@@ -73,8 +73,9 @@ class Reward:
     weight: float
 
 
-def _import(module: str, search: Sequence[Path]) -> Any:
-    """`module` from the first of `search` that has it as module.py (or a package), else from sys.path."""
+def _import(module: str, search: Sequence[Path], key: str = "grpo.rewards") -> Any:
+    """`module` from the first of `search` that has it as module.py (or a package), else from sys.path; errors
+    name the config `key`."""
     for folder in search:
         if (folder / f"{module}.py").is_file() or (folder / module / "__init__.py").is_file():
             name = f"kiln_rewards_{abs(hash(str(folder)))}_{module}"
@@ -89,22 +90,36 @@ def _import(module: str, search: Sequence[Path]) -> Any:
                 spec.loader.exec_module(mod)
             except Exception as e:
                 del sys.modules[name]
-                raise ConfigError(f"grpo.rewards: importing {path} failed: {type(e).__name__}: {e}") from None
+                raise ConfigError(f"{key}: importing {path} failed: {type(e).__name__}: {e}") from None
             return mod
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as e:
         if e.name != module and not module.startswith(f"{e.name}."):
-            raise ConfigError(f"grpo.rewards: importing {module!r} failed: {e}") from None
+            raise ConfigError(f"{key}: importing {module!r} failed: {e}") from None
         where = ", ".join(str(f) for f in search)
-        raise ConfigError(f"grpo.rewards: no module {module!r} (looked for {module}.py in {where} and on sys.path)") \
+        raise ConfigError(f"{key}: no module {module!r} (looked for {module}.py in {where} and on sys.path)") \
             from None
 
 
+def import_attr(spec: str, search: Sequence[Path], key: str) -> Any:
+    """The object "module:attr" (attr may be dotted) names, imported as reward modules are; errors name `key`."""
+    if ":" not in spec:
+        raise ConfigError(f"{key}: {spec!r} is not \"module:name\"")
+    module, _, attr = spec.partition(":")
+    target: Any = _import(module, search, key)
+    for part in attr.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            raise ConfigError(f"{key}: module {module!r} has no {attr!r}")
+    return target
+
+
 def resolve_rewards(names: Sequence[str], weights: Sequence[float] | None, search: Sequence[Path], *,
-                    format_pattern: str | None, max_new_tokens: int) -> list[Reward]:
-    """The reward functions the config names, with their weights (default 1.0 each)."""
-    if not names:
+                    format_pattern: str | None, max_new_tokens: int, env: bool = False) -> list[Reward]:
+    """The reward functions the config names, with their weights (default 1.0 each); none is allowed when an
+    environment (`env`) gives rewards."""
+    if not names and not env:
         raise ConfigError("grpo.rewards is empty: name at least one reward function (\"module:function\" or one "
                           f"of {', '.join(BUILTINS)})")
     if weights is not None and len(weights) != len(names):

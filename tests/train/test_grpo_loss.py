@@ -9,9 +9,10 @@ import types
 import pytest
 import torch
 
-from kiln.train.grpo_loss import advantages, clipped, combine_rewards, loss_parts, token_loss
+from kiln.train.grpo_loss import (LOSS_TYPES, LossSpec, advantages, clipped, combine_rewards, is_correction,
+                                  loss_parts, rloo_advantages, token_loss)
 
-LOSS_TYPES = ["grpo", "dr_grpo", "dapo", "bnpo"]
+CLASSIC = ["grpo", "dr_grpo", "dapo", "bnpo"]
 MAX_NEW = 7
 
 
@@ -38,17 +39,23 @@ class _Accelerator:
     gather_for_metrics = gather
 
 
-def _trl_loss(loss_type: str, logps, old, ref, adv, mask, beta: float, eps: float, eps_high: float) -> torch.Tensor:
+def _trl_loss(spec: LossSpec, logps, old, ref, adv, mask, is_ratio=None, sampler=None) -> torch.Tensor:
     """TRL's own _compute_loss on an instance holding just what it reads, its log-prob pass replaced by `logps`."""
     from trl import GRPOTrainer
 
     t = GRPOTrainer.__new__(GRPOTrainer)
-    t.args = types.SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1)
+    t.args = types.SimpleNamespace(
+        use_bias_correction_kl=spec.bias_correction_kl, delta=spec.delta, steps_per_generation=1,
+        sapo_temperature_pos=spec.sapo_temperature_pos, sapo_temperature_neg=spec.sapo_temperature_neg,
+        vespo_k_pos=spec.vespo_k_pos, vespo_lambda_pos=spec.vespo_lambda_pos, vespo_k_neg=spec.vespo_k_neg,
+        vespo_lambda_neg=spec.vespo_lambda_neg)
     t.accelerator = _Accelerator()
     t.model = torch.nn.Linear(1, 1)  # only .training is read: train mode
-    t.loss_type, t.beta, t.epsilon_low, t.epsilon_high = loss_type, beta, eps, eps_high
-    t.importance_sampling_level, t.top_entropy_quantile, t.off_policy_mask_threshold = "token", 1.0, None
-    t.use_vllm, t.vllm_importance_sampling_correction, t.aux_loss_enabled = False, False, False
+    t.loss_type, t.beta, t.epsilon_low, t.epsilon_high = spec.loss_type, spec.beta, spec.eps_low, spec.eps_high
+    t.importance_sampling_level, t.top_entropy_quantile = spec.level, 1.0
+    t.off_policy_mask_threshold = spec.off_policy_mask_threshold
+    t.use_vllm = t.vllm_importance_sampling_correction = is_ratio is not None
+    t.aux_loss_enabled = False
     t._entropy_bonus_enabled, t.max_completion_length, t.current_gradient_accumulation_steps = False, MAX_NEW, 1
     t._metrics = {"train": __import__("collections").defaultdict(list)}
     t._get_per_token_logps_and_entropies = lambda *a, **k: (logps, torch.zeros_like(logps), None)
@@ -56,32 +63,124 @@ def _trl_loss(loss_type: str, logps, old, ref, adv, mask, beta: float, eps: floa
     inputs = {"prompt_ids": torch.ones(b, 2, dtype=torch.long), "prompt_mask": torch.ones(b, 2, dtype=torch.long),
               "completion_ids": torch.ones(b, c, dtype=torch.long), "completion_mask": mask, "advantages": adv,
               "old_per_token_logps": old, "num_items_in_batch": mask.sum()}
-    if beta:
+    if spec.beta:
         inputs["ref_per_token_logps"] = ref
+    if is_ratio is not None:
+        inputs["importance_sampling_ratio"] = is_ratio
+    if sampler is not None:
+        inputs["sampling_per_token_logps"] = sampler
     return t._compute_loss(t.model, inputs)
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.04], ids=["no-kl", "kl"])
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_loss_and_gradient_equal_trls(loss_type, beta):
-    logps, old, ref, adv, mask = _batch()
-    eps, eps_high = 0.2, 0.28
+def _both(spec: LossSpec, seed: int = 0, is_ratio=None, sampler=None):
+    """(kiln's loss, its gradient wrt logps, TRL's loss, its gradient) on one batch."""
+    logps, old, ref, adv, mask = _batch(seed)
     mine_lp = logps.clone().requires_grad_(True)
-    t = token_loss(mine_lp, old, adv, eps, eps_high, beta, ref)
-    s, n = loss_parts(loss_type, t.loss, mask, MAX_NEW)
+    t = token_loss(mine_lp, old, adv, spec, ref, mask, is_ratio, sampler)
+    s, n = loss_parts(spec.loss_type, t.loss, mask, MAX_NEW)
     mine = s / n
     mine.backward()
     trl_lp = logps.clone().requires_grad_(True)
-    theirs = _trl_loss(loss_type, trl_lp, old, ref, adv, mask, beta, eps, eps_high)
+    theirs = _trl_loss(spec, trl_lp, old, ref, adv, mask, is_ratio, sampler)
     theirs.backward()
-    # float64 throughout, the same operations up to the order of the final sum/division: rounding only
-    torch.testing.assert_close(mine.detach(), theirs.detach(), rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(mine_lp.grad, trl_lp.grad, rtol=1e-12, atol=1e-14)
+    return mine, mine_lp.grad, theirs, trl_lp.grad, t
+
+
+def _close(a, b):
+    # float64 throughout, the same operations up to the order of the final sum/division: rounding only (the
+    # issue's bound is relative 1e-5; float64 rounding over a few dozen terms is ~1e-15)
+    torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04], ids=["no-kl", "kl"])
+@pytest.mark.parametrize("loss_type", CLASSIC)
+def test_loss_and_gradient_equal_trls(loss_type, beta):
+    spec = LossSpec(loss_type, 0.2, 0.28, beta=beta)
+    mine, g_mine, theirs, g_theirs, t = _both(spec)
+    _close(mine, theirs)
+    _close(g_mine, g_theirs)
     # a control that can fail: another aggregation gives another value on this batch (bnpo and dapo coincide
     # on one micro-batch, so each is checked against grpo)
+    mask = _batch()[4]
     other = "dapo" if loss_type == "grpo" else "grpo"
     s2, n2 = loss_parts(other, t.loss.detach(), mask, MAX_NEW)
-    assert abs(float(s2 / n2) - float(theirs)) > 1e-3
+    assert abs(float(s2 / n2) - float(theirs.detach())) > 1e-3
+
+
+VARIANTS = {
+    "gspo": dict(level="sequence"),
+    "delta": dict(delta=1.1),
+    "bias-kl": dict(beta=0.04, bias_correction_kl=True),
+    "gspo-bias-kl": dict(level="sequence", beta=0.04, bias_correction_kl=True),
+    "opsm": dict(off_policy_mask_threshold=0.05),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_every_loss_type_and_option_equals_trls(loss_type, variant):
+    """Each of TRL 1.16's loss types under sequence-level weights (GSPO), two-sided clipping (delta), the
+    bias-corrected KL and the off-policy sequence mask: loss and gradient equal TRL's _compute_loss."""
+    spec = LossSpec(loss_type, 0.2, 5.0 if loss_type == "cispo" else 0.28, **VARIANTS[variant])
+    mine, g_mine, theirs, g_theirs, _ = _both(spec, seed=2)
+    assert torch.isfinite(theirs) and float(theirs) != 0.0
+    _close(mine, theirs)
+    _close(g_mine, g_theirs)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "cispo", "vespo"])
+def test_is_corrected_loss_equals_trls(loss_type, mode):
+    """The IS ratio (trainer's old over the sampler's) multiplies the loss as TRL's vLLM correction does (vespo:
+    inside its Gamma weight, token modes only)."""
+    if loss_type == "vespo" and mode.startswith("sequence"):
+        pytest.skip("TRL refuses vespo with a sequence-level correction, as kiln's config does")
+    logps, old, _, _, mask = _batch(4)
+    sampler = old + torch.randn(old.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * 0.3
+    ratio = is_correction(old, sampler, mask, mode, 0.5, 2.0)
+    spec = LossSpec(loss_type, 0.2, 0.28)
+    mine, g_mine, theirs, g_theirs, _ = _both(spec, seed=4, is_ratio=ratio)
+    _close(mine, theirs)
+    _close(g_mine, g_theirs)
+    plain, *_ = _both(spec, seed=4)
+    assert abs(float(plain) - float(mine)) > 1e-6  # the correction changed the loss: the check can fail
+
+
+def test_is_correction_by_hand():
+    """Four modes on fixed numbers: token ratios exp(old - sampler) = 2, 0.25, 1 (masked out: 1); the sequence's
+    exp(sum) = 0.5."""
+    old = torch.log(torch.tensor([[2.0, 0.25, 7.0]], dtype=torch.float64))
+    sampler = torch.zeros(1, 3, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0]])
+    tt = is_correction(old, sampler, mask, "token_truncate", 0.5, 1.5)
+    torch.testing.assert_close(tt, torch.tensor([[1.5, 0.5, 1.0]], dtype=torch.float64))
+    tm = is_correction(old, sampler, mask, "token_mask", 0.5, 1.5)
+    torch.testing.assert_close(tm, torch.tensor([[0.0, 0.0, 1.0]], dtype=torch.float64))
+    st = is_correction(old, sampler, mask, "sequence_truncate", 0.6, 3.0)
+    torch.testing.assert_close(st, torch.tensor([[0.6]], dtype=torch.float64))
+    sm = is_correction(old, sampler, mask, "sequence_mask", 0.4, 3.0)
+    torch.testing.assert_close(sm, torch.tensor([[0.5]], dtype=torch.float64))
+    assert float(is_correction(old, sampler, mask, "sequence_mask", 0.6, None)) == 0.0
+    nan = sampler.clone()
+    nan[0, 1] = torch.nan  # a token the sampler could not score: no correction from it
+    torch.testing.assert_close(is_correction(old, nan, mask, "token_truncate", None, 9.0),
+                               torch.tensor([[2.0, 1.0, 1.0]], dtype=torch.float64))
+
+
+def test_rloo_advantages_equal_trls_definition():
+    """RLOOTrainer's leave-one-out baseline over scorable siblings, by hand on a group with a None and a group
+    with one scorable completion; then normalised."""
+    r = torch.tensor([1.0, 2.0, 3.0, float("nan"), 5.0, float("nan"), float("nan"), float("nan")])
+    mine = rloo_advantages(r, 4)
+    want = torch.tensor([1 - 2.5, 2 - 2.0, 3 - 1.5, 0.0, 0.0, 0.0, 0.0, 0.0])  # the lone 5.0: 0/0 -> 0
+    torch.testing.assert_close(mine, want)
+    from trl.trainer.utils import nanstd
+
+    raw = torch.tensor([1 - 2.5, 2 - 2.0, 3 - 1.5, float("nan"), float("nan"), float("nan"), float("nan"),
+                        float("nan")])
+    norm = torch.nan_to_num((raw - torch.nanmean(raw)) / (nanstd(raw) + 1e-4), nan=0.0)
+    torch.testing.assert_close(rloo_advantages(r, 4, normalize=True), norm)
+    assert not torch.equal(mine, advantages(r, 4, "group"))
 
 
 def test_the_loss_by_hand_on_fixed_numbers():
@@ -90,7 +189,7 @@ def test_the_loss_by_hand_on_fixed_numbers():
     old = torch.log(torch.tensor([[1.0, 1 / 1.5], [1 / 0.5, 1.0]], dtype=torch.float64))  # ratios 1, 1.5 | 0.5, 1
     adv = torch.tensor([2.0, -1.0], dtype=torch.float64)
     mask = torch.tensor([[1, 1], [1, 0]])
-    t = token_loss(logps, old, adv, 0.2, 0.2)
+    t = token_loss(logps, old, adv, LossSpec("grpo", 0.2, 0.2))
     # row 0: -min(1*2, 1*2) = -2; -min(1.5*2, 1.2*2) = -2.4. row 1: -min(0.5*-1, 0.8*-1) = 0.8; (masked) -min(-1,-1) = 1
     torch.testing.assert_close(t.loss, torch.tensor([[-2.0, -2.4], [0.8, 1.0]], dtype=torch.float64))
     assert clipped(t.ratio, adv, 0.2, 0.2).tolist() == [[False, True], [True, False]]
@@ -105,9 +204,9 @@ def test_micro_batches_aggregate_as_trls_window():
     """Two micro-batches: dapo over every token of the window, bnpo the mean of per-micro-batch token means,
     grpo / dr_grpo over every sequence (what TRL's gradient accumulation adds up to)."""
     logps, old, ref, adv, mask = _batch(1)
-    t = token_loss(logps, old, adv, 0.2, 0.2)
+    t = token_loss(logps, old, adv, LossSpec("dapo", 0.2, 0.2))
     halves = [(t.loss[:3], mask[:3]), (t.loss[3:], mask[3:])]
-    for kind in LOSS_TYPES:
+    for kind in CLASSIC:
         parts = [loss_parts(kind, loss, m, MAX_NEW) for loss, m in halves]
         window = sum(float(s) for s, _ in parts) / sum(float(n) for _, n in parts)
         masked = (t.loss * mask).double()

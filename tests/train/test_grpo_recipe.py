@@ -203,3 +203,34 @@ def test_ddp_two_processes_kill_and_resume_mid_rollout_is_exact(grpo_dir):
         return [sorted((k, v) for k, v in r.items() if not k.endswith("_per_s"))
                 for r in read_metrics(run / "metrics.jsonl")]
     assert curve(grpo_dir / "ddp-killed") == curve(grpo_dir / "ddp-ref")
+
+
+@pytest.mark.parametrize("grpo, message", [
+    ('importance_sampling_correction = true', r'grpo.importance_sampling_correction .* set grpo.sampler = "exact"'),
+    ('importance_sampling_clip_min = 2.0\nimportance_sampling_clip_max = 1.0',
+     r"grpo.importance_sampling_clip_min \(2.0\) must be below grpo.importance_sampling_clip_max \(1.0\)"),
+    ('sampler = "exact"\nimportance_sampling_correction = true\nloss_type = "vespo"',
+     r'grpo.loss_type = "vespo" takes a token-level correction'),
+    ('normalize_advantages = true', r"grpo.normalize_advantages is RLOO's option"),
+    ('delta = 0.9', r"grpo.delta caps the importance weight and must be > 1"),
+    ('off_policy_mask_threshold = 0.0', r"grpo.off_policy_mask_threshold must be > 0"),
+    ('loss_type = "ppo"', r"loss_type"),
+    ('importance_sampling_level = "episode"', r"importance_sampling_level"),
+])
+def test_loss_options_are_checked_by_name(grpo_dir, grpo, message):
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(_toml(grpo_dir, "opts", grpo=grpo))
+
+
+@pytest.mark.parametrize("grpo", [
+    'loss_type = "cispo"\nepsilon_high = 5.0\nadvantage_estimator = "rloo"\nnormalize_advantages = true',
+    'loss_type = "grpo"\nimportance_sampling_level = "sequence"\nsampler = "exact"\nbeta = 0.05\n'
+    'importance_sampling_correction = true\nmask_truncated_completions = true\nuse_bias_correction_kl = true',
+    'loss_type = "vespo"\noff_policy_mask_threshold = 0.5\nsampler = "exact"\nimportance_sampling_correction = true\n'
+    'importance_sampling_mode = "token_mask"',
+], ids=["cispo-rloo", "gspo-is-masked", "vespo-opsm"])
+def test_the_loss_family_runs_end_to_end(grpo_dir, grpo, request):
+    """Two steps of each combination train on finite numbers (each formula's equality with TRL's is
+    tests/train/test_grpo_loss.py's)."""
+    rows = _fit(_toml(grpo_dir, f"family-{request.node.callspec.id}", grpo=grpo))
+    assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows), rows

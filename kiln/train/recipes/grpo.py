@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
-from pydantic import field_validator, model_validator
 from torch import nn
 
 from kiln.data import read_records
@@ -37,59 +36,21 @@ from kiln.data.hfdata import source_sha256
 from kiln.errors import ConfigError, KilnError
 from kiln.models.common.tied_grad import coalesce_tied_gradient
 from kiln.parallel.world import World, all_reduce_sum, gather_objects
-from kiln.train.config import DataSection, RunConfig, Section
+from kiln.train import grpo_alarms
+from kiln.train.agent_rollout import Dialect, EpisodeRunner, env_reward, episode_record
+from kiln.train.config import DataSection, RunConfig
 from kiln.train.engine import DataParallel, StepContext, StepEngine, StepOutcome, Window, mean_gradients
-from kiln.train.grpo_loss import advantages, clipped, combine_rewards, loss_parts, token_loss
+from kiln.train.envs import resolve_env
+from kiln.train.grpo_alarms import named
+from kiln.train.grpo_config import GRPOSection
+from kiln.train.grpo_loss import advantages, clipped, combine_rewards, is_correction, loss_parts, rloo_advantages, \
+    token_loss
 from kiln.train.grpo_rollout import GRPORun, Prompts, RolloutModel, core_of, rollout_seed
 from kiln.train.plans import place_frozen
 from kiln.train.recipes.base import Extension, Recipe, RunParts, add_lora, build_model, check_text_model
 from kiln.train.recipes.finetune import RecordsData
-from kiln.train.rewards import resolve_rewards
+from kiln.train.rewards import Reward, resolve_rewards
 from kiln.train.trainer import Callback, Trainer
-
-
-class GRPOSection(Section):
-    """RL with verifiable rewards (present = on); defaults are TRL 1.16's GRPOConfig's where it has the key."""
-    rewards: list[str] = []             # "module:function" (beside the prompts file, or on sys.path) or a built-in
-    reward_weights: list[float] | None = None
-    format_pattern: str | None = None   # the `format` built-in's regular expression (whole completion)
-    prompt_field: str = "prompt"
-    num_generations: int = 8            # completions per prompt (a group)
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0                      # 0: off
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = "dapo"
-    epsilon: float = 0.2
-    epsilon_high: float | None = None   # default: epsilon
-    num_iterations: int = 1             # optimizer steps per rollout
-    beta: float = 0.0                   # KL to the starting weights (0: no reference pass)
-    sampler: Literal["fast", "exact"] = "fast"  # old log-probs from the decode, or recomputed by the trainer
-
-    @field_validator("scale_rewards", mode="before")
-    @classmethod
-    def _bool_scale(cls, value: Any) -> Any:
-        return {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
-
-    @model_validator(mode="after")
-    def _check(self) -> "GRPOSection":
-        if self.num_generations < 2:
-            raise ValueError(f"grpo.num_generations must be >= 2, got {self.num_generations}: advantages compare "
-                             "the completions of one prompt with each other, and a group of 1 has nothing to compare")
-        for name in ("max_new_tokens", "num_iterations"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"grpo.{name} must be >= 1, got {getattr(self, name)}")
-        if not self.temperature > 0:
-            raise ValueError(f"grpo.temperature must be > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"grpo.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0 or self.epsilon < 0 or (self.epsilon_high or 0) < 0 or self.beta < 0:
-            raise ValueError("grpo.top_k, epsilon, epsilon_high and beta must be >= 0")
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
-            raise ValueError(f"grpo.reward_weights has {len(self.reward_weights)} values for {len(self.rewards)} "
-                             "grpo.rewards")
-        return self
 
 
 def _pack(t: torch.Tensor | int | None) -> Any:
@@ -118,6 +79,7 @@ class GRPOEngine(StepEngine):
         self.keep_grads = inner.keep_grads
         self.buffer: list[dict[str, Any]] | None = None   # the rollout being worked on
         self.stats: dict[str, float] = {}                  # its reward metrics
+        self.alarms = grpo_alarms.Alarms()
 
     # -- the rollout --
     def rollout(self, run: StepContext) -> None:
@@ -127,45 +89,85 @@ class GRPOEngine(StepEngine):
             r.reference = place_frozen(r.reference, run.device, run.plan, run.parallel, not run.args.exact)
             self.placed = True
         index = run.step // g.num_iterations
-        micros, per_funcs, lengths = [], [], []
+        micros, per_funcs, lengths, row_lists, episodes = [], [], [], [], []
         decoder = RolloutModel(core, run.sharded)  # its packed head serves every micro-batch of this rollout
         for m in range(run.args.grad_accum):
             rows = run.next_batch()["row"].tolist()
             with torch.no_grad(), run.autocast():
                 micro = r.sample(decoder, rows, r.prompts, g.num_generations,
                                  rollout_seed(r.seed, index, m * run.data_shards + run.data_rank), run.device)
+            row_lists.append(rows)
+            episodes.append(r.last_episodes if g.multi_turn else None)
             per_funcs.append(micro["per_func"])
             lengths.append(micro["completion_mask"].sum(1).double().cpu())  # beside the rewards (CPU) for the stats
             micros.append(micro)
         del decoder
         per_func = torch.cat(per_funcs)
         rewards = combine_rewards(per_func, r.weights)
-        batch_std = None
-        if g.scale_rewards == "batch" and run.world.active:  # the std over every rank's rewards, as TRL's batch scale
-            batch_std = self._global_std(run, rewards)
-        adv = advantages(rewards, g.num_generations, g.scale_rewards, batch_std)
+        if g.advantage_estimator == "rloo":
+            adv = rloo_advantages(rewards, g.num_generations)
+            if g.normalize_advantages:  # over every rank's advantages, as TRL's gathered batch
+                adv = rloo_advantages(rewards, g.num_generations, True,
+                                      self._global_mean_std(run, adv) if run.world.active else None)
+        else:
+            batch_std = None
+            if g.scale_rewards == "batch" and run.world.active:  # the std over every rank's rewards (TRL's batch)
+                batch_std = self._global_mean_std(run, rewards)[1]
+            adv = advantages(rewards, g.num_generations, g.scale_rewards, batch_std)
+        alarm_counts = torch.zeros(9, dtype=torch.float64)
         start = 0
-        for micro in micros:
+        for micro, eps in zip(micros, episodes):
             n = micro["input_ids"].size(0)
+            alarm_counts += grpo_alarms.counts(micro, rewards[start: start + n], g.num_generations, eps)
             micro["advantages"] = adv[start: start + n].to(run.device)
             start += n
+            if g.mask_truncated_completions:  # TRL's: a completion cut by the budget carries no loss
+                micro["loss_mask"] = micro["loss_mask"] * (~micro["truncated"]).long()[:, None]
             with torch.no_grad(), run.autocast():
                 if g.sampler == "exact":  # the trainer's forward on the same micro-batch: the first update's values
                     micro["old_logps"] = r.logps(run.model, micro)
                 else:
                     micro["old_logps"] = micro["sampler_logps"]
+                if g.importance_sampling_correction:
+                    micro["is_ratio"] = is_correction(micro["old_logps"], micro["sampler_logps"], micro["loss_mask"],
+                                                      g.importance_sampling_mode, g.importance_sampling_clip_min,
+                                                      g.importance_sampling_clip_max)
                 if g.beta != 0.0:
                     micro["ref_logps"] = r.reference_logps(run.model, micro)
             del micro["per_func"]
+        if g.log_rollouts_every and index % g.log_rollouts_every == 0:
+            self._log_rollouts(run, index, micros, row_lists, episodes, per_func)
         self.buffer = micros
         self.stats = self._reward_stats(run, per_func, rewards, torch.cat(lengths))
+        total = all_reduce_sum(alarm_counts.to(run.device), run.world).cpu()
+        self.stats.update(grpo_alarms.metrics(total, g.multi_turn))
 
-    def _global_std(self, run: StepContext, x: torch.Tensor) -> torch.Tensor:
+    def _log_rollouts(self, run: StepContext, index: int, micros: list[dict[str, Any]], row_lists: list[list[int]],
+                      episodes: list[Any], per_func: torch.Tensor) -> None:
+        """RUN_DIR/rollouts.jsonl: every completion (or episode) of this rollout, from every rank."""
+        r, g = self.run, self.run.g
+        names = [f.name for f in r.rewards]
+        records, start = [], 0
+        for micro, rows, eps in zip(micros, row_lists, episodes):
+            n = micro["input_ids"].size(0)
+            if eps is not None:
+                records += [episode_record(e, run.step + 1, named(per_func[start + i], names))
+                            for i, e in enumerate(eps)]
+            else:
+                records += grpo_alarms.single_turn_records(micro, rows, g.num_generations, per_func[start: start + n],
+                                                           names, r.tokenizer, run.step + 1)
+            start += n
+        everything = [rec for rank in gather_objects(records, run.world) for rec in rank]
+        if run.world.main:
+            grpo_alarms.append_records(Path(run.args.out_dir) / "rollouts.jsonl", everything)
+
+    def _global_mean_std(self, run: StepContext, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The NaN-skipping mean and unbiased std of `x` over every rank's values."""
         ok = ~torch.isnan(x)
         s = all_reduce_sum(torch.stack([x[ok].double().sum(), (x[ok].double() ** 2).sum(),
                                         ok.sum().double()]).to(run.device), run.world).cpu()
         mean = s[0] / s[2]
-        return ((s[1] - s[2] * mean ** 2) / (s[2] - 1)).clamp(min=0).sqrt().float()
+        return mean.float(), ((s[1] - s[2] * mean ** 2) / (s[2] - 1)).clamp(min=0).sqrt().float()
 
     def _reward_stats(self, run: StepContext, per_func: torch.Tensor, rewards: torch.Tensor,
                       lengths: torch.Tensor) -> dict[str, float]:
@@ -192,6 +194,9 @@ class GRPOEngine(StepEngine):
         g = self.run.g
         if not self.started:  # a tied embedding's gradient without its dense transient (unsharded weights)
             self.started = True
+            if g.multi_turn and run.sharded:  # ranks' episodes take different turns: their gathers would not pair
+                raise ConfigError("[grpo] env / tools run on one process or DDP; with sharded weights (FSDP) every "
+                                  "rank would have to sample as many turns as the others, which episodes do not")
             if not run.sharded:
                 coalesce_tied_gradient(core_of(run.model))
         iteration = run.step % g.num_iterations
@@ -199,24 +204,25 @@ class GRPOEngine(StepEngine):
             self.rollout(run)
         assert self.buffer is not None
         window = Window.on(run.device)
-        eps_high = g.epsilon if g.epsilon_high is None else g.epsilon_high
+        spec = g.loss_spec()
         # clipped tokens, tokens, kl sum, largest |sampler - trainer| log-prob
         sums = torch.zeros(4, dtype=torch.float64)
         for m, micro in enumerate(self.buffer):
             last = m == len(self.buffer) - 1
             with DataParallel._sync_context(run, last), run.autocast():
                 logps = self.run.logps(run.model, micro)
-                cmask = micro["completion_mask"]
-                t = token_loss(logps, micro["old_logps"], micro["advantages"], g.epsilon, eps_high, g.beta,
-                               micro.get("ref_logps"))
-                part, n = loss_parts(g.loss_type, t.loss, cmask, g.max_new_tokens)
+                lmask = micro.get("loss_mask", micro["completion_mask"])  # the policy's own tokens
+                t = token_loss(logps, micro["old_logps"], micro["advantages"], spec, micro.get("ref_logps"), lmask,
+                               micro.get("is_ratio"), micro["sampler_logps"])
+                part, n = loss_parts(g.loss_type, t.loss, lmask, g.budget)
             (run.scaler.scale(part) if run.scaler else part).backward()
             window.loss_sum += part.detach().to(torch.float64)
             window.count += n.to(run.device)
             window.tokens += int(micro["attention_mask"].sum())
             with torch.no_grad():
-                on = cmask.bool()
-                sums[0] += float(clipped(t.ratio, micro["advantages"], g.epsilon, eps_high)[on].sum())
+                on = lmask.bool()
+                held = clipped(t.ratio, micro["advantages"], spec.eps_low, spec.eps_high).expand_as(on)
+                sums[0] += float(held[on].sum())
                 sums[1] += float(on.sum())
                 if t.kl is not None:
                     sums[2] += float(t.kl[on].double().sum())
@@ -236,6 +242,7 @@ class GRPOEngine(StepEngine):
             extra["kl"] = float(sums[2] / sums[1].clamp(min=1))
         if iteration == 0:
             extra["logprob_gap"] = float(gap[0])
+        self.alarms.check(extra, run.step + 1, run.world.main)
         samples = sum(m["input_ids"].size(0) for m in self.buffer) * run.data_shards
         return StepOutcome(loss, window.tokens * run.data_shards, samples, extra=extra)
 
@@ -286,8 +293,12 @@ class GRPORecipe(Recipe):
             raise ConfigError("[grpo] with num_iterations > 1 counts its length in train.steps: an epoch of prompts "
                               "takes num_iterations times the steps train.epochs would allow")
         search = [Path(d.train).resolve().parent]
+        # before any model or data work: the rewards, the environment and tools
+        env = resolve_env(g.env, g.tools, search, g.env_timeout)
         rewards = resolve_rewards(g.rewards, g.reward_weights, search, format_pattern=g.format_pattern,
-                                  max_new_tokens=g.max_new_tokens)  # before any model or data work
+                                  max_new_tokens=g.max_new_tokens, env=env is not None and env.factory is not None)
+        if env is not None and env.factory is not None:
+            rewards.append(Reward("env", env_reward, 1.0))
         train_records = read_records(d.train, d.format)
         eval_records = read_records(d.eval, d.format) if d.eval else None
         model = build_model(cfg, None)
@@ -302,7 +313,12 @@ class GRPORecipe(Recipe):
         prompts = Prompts(train_records, model.tokenizer, g.prompt_field, d.max_length, f"data.train {d.train}")
         evals = (Prompts(eval_records, model.tokenizer, g.prompt_field, d.max_length, f"data.eval {d.eval}")
                  if eval_records else None)
-        run = GRPORun(cfg, prompts, evals, rewards, model.tokenizer, reference)
+        runner = None
+        if env is not None:  # the template checked (renders tools, a parser, prefix-preserving) before any work
+            eos = model.config.eos_token_id
+            eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+            runner = EpisodeRunner(env, Dialect(model.tokenizer, eos_ids).check(), g)
+        run = GRPORun(cfg, prompts, evals, rewards, model.tokenizer, reference, runner)
         fingerprint = {"train": str(d.train), "train_sha256": source_sha256(d.train), "max_length": d.max_length,
                        "prompt_field": g.prompt_field}
         return RunParts(model, prompts.examples(), evaluate=run.evaluate if evals is not None else None,

@@ -1,0 +1,105 @@
+"""Alarms for GRPO runs that learn nothing, and the rollouts on disk ([grpo] log_rollouts_every).
+
+Every rollout logs, over every rank's completions: `alarm/truncated` (the share cut by the token budget: no end
+token), `alarm/zero_std_groups` (the share of prompt groups whose rewards are all equal: zero advantage, no
+gradient), `alarm/none_rewards` (the share no reward function scored), and with env / tools `alarm/turn_limit`
+(episodes stopped by max_turns), `alarm/parse_failures` (episodes with a tool call that did not parse) and
+`alarm/env_errors` (episodes failed by user code). Each, and `logprob_gap`, is warned about once per run when over
+its threshold, saying what to change. `rollouts.jsonl` gets one JSON object per completion or episode.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# what a value over the threshold means, and what to do about it
+THRESHOLDS: dict[str, tuple[float, str]] = {
+    "alarm/truncated": (0.5, "most completions hit the token budget without ending (raise grpo.max_new_tokens / "
+                             "max_episode_tokens, or set mask_truncated_completions = true)"),
+    "alarm/zero_std_groups": (0.5, "most prompt groups have equal rewards: zero advantages, no learning signal "
+                                   "(rewards too sparse or saturated; more num_generations, easier prompts)"),
+    "alarm/none_rewards": (0.5, "most completions got no reward (every reward function returned None)"),
+    "alarm/turn_limit": (0.5, "most episodes were stopped by grpo.max_turns rather than by the environment"),
+    "alarm/parse_failures": (0.2, "many episodes wrote a tool call the template's parser could not read"),
+    "alarm/env_errors": (0.1, "many episodes failed in the environment or a tool (see rollouts.jsonl's `error`)"),
+    "logprob_gap": (1e-3, "the sampler's log-probs differ from the trainer's (rollouts are off-policy)"),
+}
+EPISODE_ALARMS = ("alarm/turn_limit", "alarm/parse_failures", "alarm/env_errors")
+
+
+def counts(micro: dict[str, Any], rewards: torch.Tensor, group: int, episodes: list[Any] | None) -> torch.Tensor:
+    """(9,) float64 sums over one micro-batch: completions, truncated, None rewards, groups, zero-std groups,
+    episodes, turn-limit ends, episodes with parse failures, failed episodes."""
+    n = rewards.numel()
+    grouped = rewards.view(-1, group)
+    lo = torch.where(torch.isnan(grouped), math.inf, grouped).min(1).values
+    hi = torch.where(torch.isnan(grouped), -math.inf, grouped).max(1).values
+    flat = ~(hi > lo)  # all equal, or all None
+    eps = episodes or []
+    return torch.tensor([n, float(micro["truncated"].sum()), float(torch.isnan(rewards).sum()), grouped.size(0),
+                         float(flat.sum()), len(eps), sum(e.end == "max_turns" for e in eps),
+                         sum(e.parse_failures > 0 for e in eps), sum(e.end == "error" for e in eps)],
+                        dtype=torch.float64)
+
+
+def metrics(total: torch.Tensor, multi_turn: bool) -> dict[str, float]:
+    out = {"alarm/truncated": float(total[1] / total[0]), "alarm/none_rewards": float(total[2] / total[0]),
+           "alarm/zero_std_groups": float(total[4] / total[3])}
+    if multi_turn:
+        out.update({"alarm/turn_limit": float(total[6] / total[5]), "alarm/parse_failures": float(total[7] / total[5]),
+                    "alarm/env_errors": float(total[8] / total[5])})
+    return out
+
+
+class Alarms:
+    """Warns once per alarm per run (on the main process) when a metric goes over its threshold."""
+
+    def __init__(self) -> None:
+        self.warned: set[str] = set()
+
+    def check(self, values: dict[str, float], step: int, main: bool) -> list[str]:
+        said = []
+        for name, (limit, why) in THRESHOLDS.items():
+            v = values.get(name)
+            if v is None or name in self.warned or not v > limit:
+                continue
+            self.warned.add(name)
+            line = f"warning: step {step}: {name} = {v:.3g} (over {limit:g}): {why}"
+            said.append(line)
+            if main:
+                print(line, flush=True)
+        return said
+
+
+def single_turn_records(micro: dict[str, Any], rows: list[int], repeat: int, per_func: torch.Tensor,
+                        names: list[str], tokenizer: Any, step: int) -> list[dict[str, Any]]:
+    p = micro["prompt_len"]
+    out = []
+    for i in range(micro["input_ids"].size(0)):
+        prompt = micro["input_ids"][i, :p][micro["attention_mask"][i, :p].bool()].tolist()
+        k = int(micro["completion_mask"][i].sum())
+        ids = micro["input_ids"][i, p: p + k].tolist()
+        out.append({"step": step, "row": rows[i // repeat], "prompt_ids": prompt, "completion_ids": ids,
+                    "loss_mask": micro["loss_mask"][i, :k].tolist(), "text": tokenizer.decode(ids),
+                    "rewards": named(per_func[i], names), "turns": 1})
+    return out
+
+
+def named(row: torch.Tensor, names: list[str]) -> dict[str, float | None]:
+    return {n: (None if math.isnan(float(v)) else float(v)) for n, v in zip(names, row)}
+
+
+def append_records(path: Path, records: list[dict[str, Any]]) -> None:
+    """Append JSON lines (one write, flushed and synced: a crash leaves whole lines)."""
+    import os
+
+    text = "".join(json.dumps(r, default=str, ensure_ascii=False) + "\n" for r in records)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())

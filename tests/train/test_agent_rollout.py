@@ -1,0 +1,281 @@
+"""Multi-turn episodes (kiln.train.agent_rollout, kiln.train.envs): the loss mask of an episode equals one made
+by hand token by token; the tokens and log-probs given to the trainer are exactly the sampled ones; environments
+that raise, hang or return malformed observations fail their episode by message; TRL's environment classes run
+unchanged; templates that cannot run episodes are refused before any work."""
+
+from __future__ import annotations
+
+import json
+import time
+import types
+
+import pytest
+import torch
+
+from kiln.errors import ConfigError
+from kiln.train import agent_rollout as ar
+from kiln.train.envs import EnvSpec, EpisodeError, Obs, as_obs, as_tool, call_user
+
+from tests.train.agent_helpers import ADD, Calculator, GuessEnv, make_model, make_tokenizer
+
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("agent"))
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return make_model(tok)
+
+
+def _g(**kw):
+    base = dict(max_turns=3, max_new_tokens=40, max_episode_tokens=400, temperature=1.0, top_k=0, top_p=1.0)
+    return types.SimpleNamespace(**{**base, **kw})
+
+
+def _runner(model, env_factory, g=None, tools=(), timeout=5.0):
+    dialect = ar.Dialect(model.tokenizer, [EOS]).check()
+    spec = EnvSpec(env_factory, [as_tool(t, "test") for t in tools], timeout)
+    return ar.EpisodeRunner(spec, dialect, g or _g()), dialect
+
+
+def _scripted(monkeypatch, dialect, turns: list[str]):
+    """The policy replaced by a script: turn k of every episode is turns[k] then the end-of-turn token."""
+    calls = {"n": 0}
+
+    def fake(decoder, contexts, budgets, g, gen, pad, eos_ids, device):
+        text = turns[calls["n"]]
+        calls["n"] += 1
+        ids = dialect.encode(text) + [EOS]
+        return [(ids, [-0.5] * len(ids), True) for _ in contexts]
+
+    monkeypatch.setattr(ar, "sample_turns", fake)
+
+
+ROW = {"prompt": "guess my number", "answer": "7"}
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
+
+
+def test_loss_mask_of_a_multi_turn_episode_equals_a_hand_made_one(model, monkeypatch):
+    """Turn 1 calls a tool and guesses wrong; the tool result and the environment's hint follow (mask 0, in the
+    template's own layout: end-of-turn newline, a user turn wrapping <tool_response>, the user hint, the
+    generation prompt); turn 2 guesses right (done)."""
+    runner, d = _runner(model, GuessEnv)
+    _scripted(monkeypatch, d, [f"5\n{CALL}", "7"])
+
+    class Env(GuessEnv):
+        def reset(self, row, seed):
+            obs = super().reset(row, seed)
+            obs["tools"] = [adder]  # a function tool: kiln calls it and appends its result
+            return obs
+
+    def adder(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: first
+            b: second
+        """
+        return a + b
+
+    adder.__name__ = "add"
+    runner.spec.factory = Env
+    (e,) = runner.run(None, [ROW], [0], [[1]], [0], None, 0, torch.device("cpu"))
+    assert e.end == "done" and e.turns == 2 and e.error is None, (e.end, e.error)
+    turn1 = d.encode(f"5\n{CALL}") + [EOS]
+    between = d.encode("\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>user\n"
+                       "higher<|im_end|>\n<|im_start|>assistant\n")
+    turn2 = d.encode("7") + [EOS]
+    assert d.tokenizer.decode(e.ids, skip_special_tokens=False) == \
+        d.tokenizer.decode(turn1 + between + turn2, skip_special_tokens=False)
+    assert e.ids == turn1 + between + turn2
+    assert e.mask == [1] * len(turn1) + [0] * len(between) + [1] * len(turn2)
+    assert e.rewards == [None, 0.0, 1.0] and e.reward == 1.0
+    assert [m["role"] for m in e.messages] == ["user", "assistant", "tool", "user", "assistant"]
+    # the prompt was rendered once, with the tools
+    assert d.tokenizer.decode(e.prompt_ids, skip_special_tokens=False).endswith(
+        "<|im_start|>user\nguess my number<|im_end|>\n<|im_start|>assistant\n")
+    assert '"name": "add"' in d.tokenizer.decode(e.prompt_ids, skip_special_tokens=False)
+    micro = ar.to_micro([e], 0, [EOS], torch.device("cpu"))
+    p = micro["prompt_len"]
+    assert micro["input_ids"][0, p:].tolist() == e.ids
+    assert micro["loss_mask"][0].tolist() == e.mask
+
+
+def test_policy_tokens_given_to_the_trainer_are_the_sampled_ones(model, monkeypatch):
+    """Real sampling (tiny random model, several turns through a user-message environment): every token under
+    loss_mask 1 is one sample_turns drew, in order, with its log-prob; the trainer's forward gives the same
+    log-probs (the rollout's logprob_gap) to fp32 rounding."""
+    from kiln.train.grpo_rollout import GRPORun, RolloutModel
+
+    drawn = []
+    real = ar.sample_turns
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        drawn.append(out)
+        return out
+
+    monkeypatch.setattr(ar, "sample_turns", spy)
+
+    class Chatty:
+        def reset(self, row, seed):
+            return Obs([{"role": "user", "content": row["prompt"]}])
+
+        def step(self, message):
+            return Obs([{"role": "user", "content": "more"}])
+
+    runner, _ = _runner(model, Chatty, _g(max_turns=3, max_new_tokens=12))
+    rows = [ROW, {"prompt": "another one", "answer": "3"}]
+    gen = torch.Generator().manual_seed(5)
+    decoder = RolloutModel(model, sharded=False)
+    eps = runner.run(decoder, rows, [0, 1], [[1], [1]], [0, 1], gen, 0, torch.device("cpu"))
+    assert drawn and all(e.turns >= 1 for e in eps)
+    # per episode: the policy tokens (mask 1) in order are the concatenation of its turns' draws
+    active = list(range(len(eps)))
+    per_ep = {i: ([], []) for i in active}
+    for turn in drawn:
+        for i, (toks, lps, ended) in zip(active, turn):
+            per_ep[i][0].extend(toks)
+            per_ep[i][1].extend(lps)
+        active = [i for i, (toks, lps, ended) in zip(active, turn) if ended]  # the environment never ends one
+    micro = ar.to_micro(eps, 0, [EOS], torch.device("cpu"))
+    p = micro["prompt_len"]
+    for i, e in enumerate(eps):
+        on = micro["loss_mask"][i].bool()
+        assert micro["input_ids"][i, p:][on].tolist() == per_ep[i][0]
+        torch.testing.assert_close(micro["sampler_logps"][i][on], torch.tensor(per_ep[i][1]))
+    run = types.SimpleNamespace(g=types.SimpleNamespace(temperature=1.0))
+    trainer = GRPORun.logps(run, model, micro)
+    on = micro["loss_mask"].bool()
+    gap = (trainer[on] - micro["sampler_logps"][on]).abs().max()
+    assert gap <= 1e-4, gap  # the cached decode against the full forward: fp32 rounding over 2 layers
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("raise", r"env.step raised RuntimeError: broken env"),
+    ("hang", r"env.step did not return within 0.5 s \(grpo.env_timeout\)"),
+    ("not-a-dict", r"env.step returned str, not an Obs or a dict"),
+    ("bad-key", r"env.step returned a dict with unknown keys \['mesages'\]"),
+    ("bad-role", r"env.step: messages\[0\] is not a \{role, content\} message"),
+    ("nan-reward", r"env.step: reward is nan"),
+    ("reset-raise", r"env.reset raised ValueError: no reset"),
+])
+def test_a_failing_environment_fails_its_episode_by_message(model, monkeypatch, kind, message):
+    """The other episode of the batch runs to its end; the failed one keeps its message, carries no loss."""
+    runner, d = _runner(model, None, timeout=0.5)
+    _scripted(monkeypatch, d, ["5", "7", "7"])
+
+    class Bad(GuessEnv):
+        def reset(self, row, seed):
+            if kind == "reset-raise" and row["answer"] == "bad":
+                raise ValueError("no reset")
+            return super().reset({**row, "answer": "7"}, seed)
+
+        def step(self, message):
+            if self.target is not None and getattr(self, "bad", False):
+                if kind == "raise":
+                    raise RuntimeError("broken env")
+                if kind == "hang":
+                    time.sleep(3)
+                return {"not-a-dict": "oops", "bad-key": {"mesages": []},
+                        "bad-role": {"messages": [{"role": "robot", "content": "x"}]},
+                        "nan-reward": {"reward": float("nan"), "messages": [{"role": "user", "content": "x"}]},
+                        }.get(kind) or super().step(message)
+            return super().step(message)
+
+    made = []
+
+    def factory():
+        env = Bad()
+        env.bad = len(made) == 1
+        made.append(env)
+        return env
+
+    runner.spec.factory = factory
+    rows = [ROW, {**ROW, "answer": "bad"}]
+    good, bad = runner.run(None, rows, [0, 1], [[1], [1]], [0, 1], None, 0, torch.device("cpu"))
+    assert good.end == "done" and good.reward == 1.0
+    assert bad.end == "error" and bad.reward is None
+    import re
+    assert re.search(message, bad.error), bad.error
+    micro = ar.to_micro([good, bad], 0, [EOS], torch.device("cpu"))
+    assert micro["loss_mask"][1].sum() == 0 and micro["loss_mask"][0].sum() > 0
+
+
+def test_call_user_awaits_async_and_times_out():
+    async def slow_ok():
+        return 3
+
+    assert call_user(slow_ok, timeout=2, what="x") == 3
+    with pytest.raises(EpisodeError, match="x did not return within 0.2 s"):
+        call_user(time.sleep, 2, timeout=0.2, what="x")
+
+
+def test_a_plain_dict_and_an_obs_are_the_same_observation():
+    a = as_obs({"messages": [{"role": "tool", "content": "1"}], "done": True, "reward": 2}, "t")
+    b = as_obs(Obs([{"role": "tool", "content": "1"}], done=True, reward=2.0), "t")
+    assert a == b
+
+
+def test_trl_environment_class_runs_unchanged(model, monkeypatch):
+    """reset(**row) (None: the prompt as is), its public method `add` a tool kiln calls, get_reward() at the end."""
+    runner, d = _runner(model, Calculator)
+    _scripted(monkeypatch, d, [CALL, CALL, "7"])
+    (e,) = runner.run(None, [ROW], [0], [[1]], [0], None, 0, torch.device("cpu"))
+    assert e.end == "done" and e.turns == 3, (e.end, e.error)
+    assert [m["role"] for m in e.messages] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    assert e.messages[2]["content"] == "7" and e.reward == 2.0  # two calls counted by the environment itself
+    assert isinstance(ar.inner_envs([e])[0], Calculator)
+
+
+def test_tool_failures_and_parse_failures_are_counted(model, monkeypatch):
+    runner, d = _runner(model, Calculator)
+    _scripted(monkeypatch, d, ['<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>',
+                               "<tool_call>\nnot json\n</tool_call>"])
+    (e,) = runner.run(None, [ROW], [0], [[1]], [0], None, 0, torch.device("cpu"))
+    assert e.tool_failures == 1 and "error" in json.loads(e.messages[2]["content"])  # missing argument b
+    assert e.parse_failures == 1 and e.end == "done"
+
+
+@pytest.mark.parametrize("template, message", [
+    ("chatml", r"does not render `tools`"),
+    ("qwen3.jinja", r"not prefix-preserving when a tool message follows"),
+    ("no-parser", r"no parser for this template's tool calls"),
+])
+def test_a_template_that_cannot_run_episodes_is_refused(tmp_path, template, message):
+    from kiln.hub import Tokenizer
+    from kiln.hub.chat import CHATML_TEMPLATE
+
+    tok = make_tokenizer(tmp_path)
+    cfg = json.loads((tok / "tokenizer_config.json").read_text())
+    if template == "chatml":
+        cfg["chat_template"] = CHATML_TEMPLATE
+    elif template == "no-parser":
+        cfg["chat_template"] = cfg["chat_template"].replace("<tool_call>", "<call>").replace("</tool_call>", "</call>")
+    else:
+        from tests.train.agent_helpers import TEMPLATES
+        cfg["chat_template"] = (TEMPLATES / template).read_text()
+    (tok / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=message):
+        ar.Dialect(Tokenizer.from_dir(tok), [EOS]).check()
+
+
+def test_a_turn_cut_by_the_budget_is_scored_then_ends_the_episode(model, monkeypatch):
+    """No end-of-turn token: the environment still scores what was written (its step's reward), the written tool
+    call is not run, no environment tokens follow, and the episode ends as truncated."""
+    runner, d = _runner(model, Calculator)
+    ids = d.encode(f"7 {CALL}")
+
+    def fake(decoder, contexts, budgets, g, gen, pad, eos_ids, device):
+        return [(ids, [-0.5] * len(ids), False) for _ in contexts]
+
+    monkeypatch.setattr(ar, "sample_turns", fake)
+    (e,) = runner.run(None, [ROW], [0], [[1]], [0], None, 0, torch.device("cpu"))
+    assert e.end == "truncated" and e.turns == 1 and e.ids == ids and e.mask == [1] * len(ids)
+    assert e.env.inner.calls == 0 and e.reward == 0.0  # get_reward() ran: 0 calls
+    micro = ar.to_micro([e], 0, [EOS], torch.device("cpu"))
+    assert bool(micro["truncated"][0])
