@@ -120,13 +120,19 @@ def resolve_rewards(names: Sequence[str], weights: Sequence[float] | None, searc
     """The reward functions the config names, with their weights (default 1.0 each); none is allowed when an
     environment (`env`) gives rewards."""
     if not names and not env:
-        raise ConfigError("grpo.rewards is empty: name at least one reward function (\"module:function\" or one "
+        raise ConfigError("grpo.rewards is empty: name at least one reward function (\"module:function\", a reward model \"model:DIR\" or one "
                           f"of {', '.join(BUILTINS)})")
     if weights is not None and len(weights) != len(names):
         raise ConfigError(f"grpo.reward_weights has {len(weights)} values for {len(names)} grpo.rewards")
     out = []
     for i, spec in enumerate(names):
         weight = 1.0 if weights is None else float(weights[i])
+        if spec.startswith("model:"):  # a reward model kiln trained (task = "reward-model"): a directory or run
+            from kiln.train.reward_model import load_reward  # loads torch models: only when a config names one
+
+            fn = load_reward(spec[len("model:"):], search=search)
+            out.append(Reward(fn.__name__, fn, weight))
+            continue
         if ":" not in spec:
             if spec == "exact_match":
                 out.append(Reward(spec, exact_match, weight))

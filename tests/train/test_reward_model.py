@@ -276,6 +276,10 @@ def test_load_reward_scores_as_the_model_and_plugs_into_grpo_scoring(pairs, tmp_
             want = float(hf(input_ids=ids).logits[0, 0])
             assert abs(float(got[i, 0]) - want) <= 1e-5 * max(1.0, abs(want)), (i, float(got[i, 0]), want)
     assert float(got.std()) > 0  # control: not one constant
+    from kiln.train.rewards import resolve_rewards
+
+    (named,) = resolve_rewards([f"model:{run}"], [0.5], [], format_pattern=None, max_new_tokens=8)
+    assert named.name == fn.__name__ and named.weight == 0.5 and named.fn.source == fn.source  # `[grpo] rewards`
     with pytest.raises(KilnError, match="not a reward model"):
         from tests.train.dpo_helpers import hf_model_dir
 
