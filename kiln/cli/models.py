@@ -111,7 +111,7 @@ def checkpoint_dir(ckpt: Path) -> Path:
 
 
 def export(src: Optional[Path] = typer.Argument(None, help="An HF model directory."),
-           out_dir: Path = typer.Option(..., "--out", help="Directory to write."),
+           out_dir: Path = typer.Option(..., "--out", help="Directory to write (--format gguf: the .gguf file)."),
            checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="A run checkpoint, RUN_DIR/ckpt-N."),
            head: Optional[str] = typer.Option(None, "--head", help="Re-target to this head (base, masked-lm, ...)."),
            max_shard_mb: Optional[int] = typer.Option(None, "--max-shard-mb", help="Shard weights past this size."),
@@ -121,13 +121,40 @@ def export(src: Optional[Path] = typer.Argument(None, help="An HF model director
            dtype: Optional[str] = typer.Option(None, "--dtype", help="Write every weight as bf16, fp16 or fp32 "
                                                "(an FP8 source: dequantized, quantization_config dropped)."),
            quantize: Optional[str] = typer.Option(None, "--quantize", help="Write the Linears 4-bit, nf4 or fp4 "
-                                                  "(a bitsandbytes-4bit directory; after any LoRA merge).")) -> None:
-    """Write an HF directory (config.json, model.safetensors, tokenizer) from a directory or checkpoint."""
+                                                  "(a bitsandbytes-4bit directory; after any LoRA merge)."),
+           fmt: str = typer.Option("hf", "--format", help="hf (an HF directory) or gguf (one file for llama.cpp / "
+                                   "Ollama, with a Modelfile beside it)."),
+           gguf_type: str = typer.Option("f16", "--gguf-type", help="GGUF tensor type: f32, f16, bf16, q8_0, "
+                                         "q4_k_m, q5_k_m, q6_k (K-quants by llama.cpp's quantizer)."),
+           merge: bool = typer.Option(False, "--merge", help="GGUF: merge the LoRA adapter into the base "
+                                      "(a QLoRA base dequantized first)."),
+           system: Optional[str] = typer.Option(None, "--system", help="GGUF: the SYSTEM prompt of the "
+                                                "Ollama Modelfile.")) -> None:
+    """Write an HF directory (config.json, model.safetensors, tokenizer) from a directory or checkpoint,
+    or with --format gguf one GGUF file (+ Ollama Modelfile)."""
     from kiln.hub.outdir import check_out_dir, staged_dir
     from kiln.interop.export import export_model
 
     if (src is None) == (checkpoint is None):
         raise KilnError("give exactly one of SRC or --checkpoint RUN_DIR/ckpt-N")
+    if fmt not in ("hf", "gguf"):
+        raise KilnError(f"--format {fmt!r}: choose hf or gguf")
+    if fmt == "gguf":
+        from kiln.cli.gguf import export_gguf, source_model_dir
+
+        given = [f for f, v in (("--head", head), ("--max-shard-mb", max_shard_mb), ("--dtype", dtype),
+                                ("--quantize", quantize)) if v is not None]
+        if given:
+            raise KilnError(f"{', '.join(given)}: HF-directory options; a GGUF's type is --gguf-type")
+        if src is not None:
+            from kiln.hub.resolve import resolve_model_dir
+
+            src = resolve_model_dir(src)
+        export_gguf(source_model_dir(src if src is not None else checkpoint), out_dir, gguf_type, merge, system,
+                    overwrite)
+        return
+    if merge or system is not None:
+        raise KilnError("--merge and --system are GGUF options (an HF export always merges LoRA); add --format gguf")
     if max_shard_mb is not None:
         check_range("--max-shard-mb", max_shard_mb, 1)
     if src is not None:
@@ -173,11 +200,19 @@ def _device(name: str) -> str:
     return name
 
 
-def verify_export_cmd(model_dir: Path = typer.Argument(..., help="An exported HF directory."),
-                      source: Optional[Path] = typer.Option(None, "--source", help="Also check tensors equal SRC's."),
+def verify_export_cmd(model_dir: Path = typer.Argument(..., help="An exported HF directory, or a .gguf file."),
+                      source: Optional[Path] = typer.Option(None, "--source", help="Also check tensors equal SRC's "
+                                                            "(a .gguf: the model dir or run it came from)."),
                       device: str = typer.Option("cpu", "--device", help="Run both models on this device (cpu, cuda, cuda:1).")) -> None:
-    """Load DIR into transformers and kiln, run fixed inputs, require max abs diff = 0 everywhere."""
+    """Load DIR into transformers and kiln, run fixed inputs, require max abs diff = 0 everywhere
+    (a FILE.gguf: llama.cpp against kiln's model from --source)."""
     from kiln.hub.resolve import resolve_model_dir
+
+    if model_dir.suffix == ".gguf":
+        from kiln.cli.gguf import verify_gguf_cmd
+
+        verify_gguf_cmd(model_dir, source)
+        return
     from kiln.interop.verify import verify_export
 
     checks = verify_export(resolve_model_dir(model_dir), source=None if source is None else resolve_model_dir(source),

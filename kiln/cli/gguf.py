@@ -1,0 +1,68 @@
+"""The GGUF side of `kiln export --format gguf` and `kiln verify-export FILE.gguf --source ...`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from kiln.cli.output import out, styled
+from kiln.errors import KilnError
+
+
+def source_model_dir(path: Path) -> Path:
+    """A model directory, a run checkpoint (RUN/ckpt-N) or a run directory (its newest checkpoint) -> the model
+    directory to load."""
+    from kiln.cli.models import checkpoint_dir
+    from kiln.parallel.checkpoint import is_sharded
+    from kiln.train.checkpoint import list_paths
+
+    if (path / "config.json").is_file():
+        return path
+    if path.is_dir() and not (path / "manifest.json").is_file() and list_paths(path):
+        path = list_paths(path)[-1]
+    ckpt = checkpoint_dir(path)
+    if is_sharded(ckpt):
+        raise KilnError(f"{ckpt}: a sharded checkpoint; export it to an HF directory first (kiln export "
+                        f"--checkpoint {ckpt} --out DIR), then to GGUF from DIR")
+    return ckpt / "model"
+
+
+def export_gguf(source: Path, out_file: Path, gguf_type: str, merge: bool, system: Optional[str],
+                overwrite: bool) -> None:
+    from kiln.interop.gguf_export import gguf_type as check_type
+    from kiln.interop.gguf_export import write_gguf
+    from kiln.models.auto import load_pretrained
+
+    check_type(gguf_type)
+    if out_file.exists() and not overwrite:
+        raise KilnError(f"--out {out_file}: exists; pass --overwrite to replace it")
+    model = load_pretrained(source)
+    if getattr(model, "lora_config", None) is not None and not merge:
+        raise KilnError(f"{source}: holds a LoRA adapter; pass --merge to export the base with the adapter merged "
+                        "in (a GGUF LoRA adapter file is not written yet)")
+    if merge and getattr(model, "lora_config", None) is None:
+        raise KilnError(f"--merge: {source} holds no LoRA adapter to merge")
+    start = time.perf_counter()
+    path = write_gguf(model, out_file, gguf_type, name=source.name, system=system)
+    took = time.perf_counter() - start
+    out.print(f"exported {source} -> {path} ({gguf_type}, {path.stat().st_size / 2**20:.2f} MiB, {took:.1f} s); "
+              f"Ollama Modelfile: {path.with_name('Modelfile')}")
+
+
+def verify_gguf_cmd(path: Path, source: Optional[Path]) -> None:
+    from kiln.interop.gguf_verify import verify_gguf
+    from kiln.models.auto import load_pretrained
+
+    if source is None:
+        raise KilnError(f"{path}: a GGUF is checked against the model it came from; give --source DIR_OR_RUN")
+    checks = verify_gguf(path, load_pretrained(source_model_dir(source)))
+    for c in checks:
+        out.print(styled(c.line(), "green" if c.ok else "red"))
+    failed = [c for c in checks if not c.ok]
+    if failed:
+        out.print(styled(f"{len(failed)} of {len(checks)} checks failed", "red"))
+        raise typer.Exit(1)
+    out.print(styled(f"all {len(checks)} checks passed", "green"))
