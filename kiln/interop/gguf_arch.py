@@ -10,6 +10,7 @@ differs from HF's layout:
   is a per-frequency divisor tensor `rope_freqs.weight`.
 - Qwen2 / Qwen3 / Qwen3-MoE: llama.cpp uses HF's half-split rotary order (NEOX), no permutation; the MoE
   family's per-expert matrices are stacked into one (E, out, in) tensor per projection.
+- Mamba: llama.cpp keeps A = -exp(A_log) and the depthwise conv kernel as (inner, kernel).
 """
 
 from __future__ import annotations
@@ -26,12 +27,68 @@ from kiln.models.common.rope import _base_inv_freq, _llama3
 Tensors = dict[str, torch.Tensor]
 
 
+def _decoder_hparams(w: gguf.GGUFWriter, c) -> None:
+    """Attention decoders: hyperparameters under llama.cpp's keys ({arch}.context_length, ...)."""
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.kv_heads)
+    w.add_key_length(c.dim_head)
+    w.add_value_length(c.dim_head)
+    w.add_rope_dimension_count(c.dim_head)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    rope = c.rope_parameters or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", type(c).default_theta)))
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+
+
+def _moe_hparams(w: gguf.GGUFWriter, c) -> None:
+    _decoder_hparams(w, c)
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+
+
+def _mamba_hparams(w: gguf.GGUFWriter, c) -> None:
+    # no positions and no attention: the context length is only the KV-free state's bookkeeping in llama.cpp
+    w.add_context_length(2 ** 20)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_ssm_conv_kernel(c.conv_kernel)
+    w.add_ssm_inner_size(c.expand * c.hidden_size)
+    w.add_ssm_state_size(c.state_size)
+    w.add_ssm_time_step_rank(c.time_step_rank)
+    w.add_layer_norm_rms_eps(c.layer_norm_epsilon)
+    w.add_vocab_size(c.vocab_size)
+
+
+def _mamba_tensor(key: str, t: torch.Tensor, c) -> torch.Tensor:
+    if key.endswith(".A_log"):  # llama.cpp stores A itself
+        return -torch.exp(t.float())
+    if key.endswith(".conv1d.weight"):  # (I, 1, K) depthwise kernel -> (I, K)
+        return t.squeeze(1)
+    return t
+
+
+def _no_linear_bias(config) -> str | None:
+    return "use_bias (in_proj / out_proj biases) has no tensor in llama.cpp's mamba" if config.use_bias else None
+
+
 @dataclass(frozen=True)
 class GgufFamily:
     arch: gguf.MODEL_ARCH
-    rope_types: tuple[str, ...]                       # rope_parameters['rope_type'] values llama.cpp reproduces
-    permute_qk: bool = False                          # Llama: rotary pairs adjacent in llama.cpp
-    moe: bool = False                                 # experts stacked, expert counts written
+    hparams: Callable[[gguf.GGUFWriter, object], None]
+    rope_types: tuple[str, ...] | None = None           # rope_type values llama.cpp reproduces (None: no rope)
+    permute_qk: bool = False                            # Llama: rotary pairs adjacent in llama.cpp
+    experts: bool = False                               # per-expert HF matrices stacked into one tensor
+    adjust: Callable[[str, torch.Tensor, object], torch.Tensor] | None = None  # (HF key, tensor, config)
     checks: tuple[Callable[[object], str | None], ...] = field(default_factory=tuple)  # config -> refusal or None
 
     @property
@@ -55,11 +112,12 @@ def _topk_renormalised(config) -> str | None:
 
 
 GGUF_FAMILIES: dict[str, GgufFamily] = {
-    "llama": GgufFamily(gguf.MODEL_ARCH.LLAMA, ("default", "linear", "llama3"), permute_qk=True),
-    "qwen2": GgufFamily(gguf.MODEL_ARCH.QWEN2, ("default", "linear")),
-    "qwen3": GgufFamily(gguf.MODEL_ARCH.QWEN3, ("default", "linear")),
-    "qwen3_moe": GgufFamily(gguf.MODEL_ARCH.QWEN3MOE, ("default", "linear"), moe=True,
+    "llama": GgufFamily(gguf.MODEL_ARCH.LLAMA, _decoder_hparams, ("default", "linear", "llama3"), permute_qk=True),
+    "qwen2": GgufFamily(gguf.MODEL_ARCH.QWEN2, _decoder_hparams, ("default", "linear")),
+    "qwen3": GgufFamily(gguf.MODEL_ARCH.QWEN3, _decoder_hparams, ("default", "linear")),
+    "qwen3_moe": GgufFamily(gguf.MODEL_ARCH.QWEN3MOE, _moe_hparams, ("default", "linear"), experts=True,
                             checks=(_all_layers_sparse, _topk_renormalised)),
+    "mamba": GgufFamily(gguf.MODEL_ARCH.MAMBA, _mamba_hparams, adjust=_mamba_tensor, checks=(_no_linear_bias,)),
 }
 
 
@@ -69,39 +127,16 @@ def gguf_family(model_type: str, config) -> GgufFamily:
     if fam is None:
         raise KilnError(f"--format gguf: kiln cannot export family {model_type!r} to GGUF yet; exportable: "
                         f"{', '.join(GGUF_FAMILIES)}")
-    kind = (config.rope_parameters or {}).get("rope_type", "default")
-    if kind not in fam.rope_types:
-        raise KilnError(f"--format gguf: {model_type} with rope_type {kind!r} is not exported (llama.cpp's "
-                        f"{fam.name} is checked here with rope types {', '.join(fam.rope_types)})")
+    if fam.rope_types is not None:
+        kind = (config.rope_parameters or {}).get("rope_type", "default")
+        if kind not in fam.rope_types:
+            raise KilnError(f"--format gguf: {model_type} with rope_type {kind!r} is not exported (llama.cpp's "
+                            f"{fam.name} is checked here with rope types {', '.join(fam.rope_types)})")
     for check in fam.checks:
         problem = check(config)
         if problem is not None:
             raise KilnError(f"--format gguf: {model_type}: {problem}")
     return fam
-
-
-def write_hparams(w: gguf.GGUFWriter, fam: GgufFamily, c) -> None:
-    """Architecture hyperparameters under llama.cpp's keys ({arch}.context_length, ...)."""
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.kv_heads)
-    w.add_key_length(c.dim_head)
-    w.add_value_length(c.dim_head)
-    w.add_rope_dimension_count(c.dim_head)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
-    rope = c.rope_parameters or {}
-    w.add_rope_freq_base(float(rope.get("rope_theta", type(c).default_theta)))
-    if rope.get("rope_type") == "linear":
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(float(rope["factor"]))
-    if fam.moe:
-        w.add_expert_count(c.num_experts)
-        w.add_expert_used_count(c.num_experts_per_tok)
-        w.add_expert_feed_forward_length(c.moe_intermediate_size)
 
 
 def _permute_heads(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -126,10 +161,10 @@ def _stack_experts(hf: Tensors, n_layers: int, n_experts: int) -> Tensors:
 def gguf_tensors(fam: GgufFamily, c, hf: Tensors) -> Iterator[tuple[str, gguf.MODEL_TENSOR, torch.Tensor]]:
     """(GGUF name, its kind, tensor in HF orientation) for every tensor of the model, plus generated ones
     (rope_freqs)."""
-    if fam.moe:
+    if fam.experts:
         hf = _stack_experts(hf, c.num_hidden_layers, c.num_experts)
     names = gguf.get_tensor_name_map(fam.arch, c.num_hidden_layers)
-    rope = c.rope_parameters or {}
+    rope = getattr(c, "rope_parameters", None) or {}
     if rope.get("rope_type") == "llama3":
         # llama.cpp divides each base frequency by this factor; kiln's scaled frequencies give it exactly
         base = _base_inv_freq(float(rope["rope_theta"]), c.dim_head)
@@ -142,6 +177,8 @@ def gguf_tensors(fam: GgufFamily, c, hf: Tensors) -> Iterator[tuple[str, gguf.MO
             unmapped.append(key)
             continue
         kind, name = found
+        if fam.adjust is not None:
+            t = fam.adjust(key, t, c)
         if fam.permute_qk and key.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
             t = _permute_heads(t, c.num_attention_heads)
         elif fam.permute_qk and key.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):

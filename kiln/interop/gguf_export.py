@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from kiln.errors import KilnError
-from kiln.interop.gguf_arch import GgufFamily, gguf_family, gguf_tensors, write_hparams
+from kiln.interop.gguf_arch import GgufFamily, gguf_family, gguf_tensors
 from kiln.interop.gguf_vocab import modelfile, read_vocab, write_vocab
 from kiln.models.pretrained import PreTrainedModel
 
@@ -48,13 +48,19 @@ GGUF_TYPES: dict[str, GgufType] = {
     "q6_k": GgufType(None, FT.MOSTLY_Q6_K),
 }
 # kept in f32 whatever the type (llama.cpp's converter does the same): small, and precision-critical
-_F32_TENSORS = (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.ROPE_FREQS)
+_F32_TENSORS = (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.ROPE_FREQS, gguf.MODEL_TENSOR.SSM_A,
+                gguf.MODEL_TENSOR.SSM_D, gguf.MODEL_TENSOR.SSM_CONV1D)
 
 
 def gguf_type(name: str) -> GgufType:
     if name not in GGUF_TYPES:
         raise KilnError(f"--gguf-type {name!r}: choose one of {', '.join(GGUF_TYPES)}")
     return GGUF_TYPES[name]
+
+
+def eos_ids(config) -> list[int]:
+    e = getattr(config, "eos_token_id", None)
+    return [] if e is None else ([e] if isinstance(e, int) else list(e))
 
 
 def _plain_model(model: PreTrainedModel) -> PreTrainedModel:
@@ -98,7 +104,7 @@ def write_gguf(model: PreTrainedModel, out: str | os.PathLike, type_name: str = 
     fam = gguf_family(config.model_type, config)
     if model.tokenizer is None:
         raise KilnError(f"{name or 'the model'}: no tokenizer; llama.cpp needs the vocabulary in the GGUF")
-    vocab = read_vocab(model.tokenizer, config.vocab_size, config.eos_ids, name or "the model")
+    vocab = read_vocab(model.tokenizer, config.vocab_size, eos_ids(config), name or "the model")
     model = _plain_model(model)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
@@ -121,7 +127,7 @@ def write_gguf(model: PreTrainedModel, out: str | os.PathLike, type_name: str = 
         if os.path.exists(tmp):
             os.remove(tmp)
     if modelfile_too:
-        eos_texts = [model.tokenizer.id_to_token(i) for i in config.eos_ids if model.tokenizer.id_to_token(i)]
+        eos_texts = [model.tokenizer.id_to_token(i) for i in eos_ids(config) if model.tokenizer.id_to_token(i)]
         if "eos" in vocab.specials:
             eos_texts.append(model.tokenizer.id_to_token(vocab.specials["eos"]))
         text = modelfile(out.name, model.tokenizer, [t for t in eos_texts if t], system)
@@ -139,7 +145,7 @@ def _write(model: PreTrainedModel, fam: GgufFamily, vocab, path: str, kind: Gguf
     w.add_name(name or config.model_type)
     w.add_file_type(kind.file_type)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    write_hparams(w, fam, config)
+    fam.hparams(w, config)
     write_vocab(w, vocab)
     with torch.no_grad():
         for gname, tensor, t in gguf_tensors(fam, config, model.hf_state_dict()):

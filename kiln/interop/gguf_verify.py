@@ -143,7 +143,7 @@ def verify_gguf(path: str | os.PathLike, model: PreTrainedModel, prompts: list[s
     model = _plain_model(model).float().eval()
     config, tok = model.config, model.tokenizer
     fam = gguf_family(config.model_type, config)
-    n_ctx = min(config.max_position_embeddings, 512)
+    n_ctx = min(getattr(config, "max_position_embeddings", 512), 512)
     llm = _load(path, n_ctx)
     checks = [Check("llama.cpp loads", llm.n_vocab() == config.vocab_size,
                     f"{type_name}, arch {llm.metadata.get('general.architecture')}, vocab {llm.n_vocab()}")]

@@ -22,6 +22,7 @@ FAMILIES = {
     "qwen2": {"rope_parameters": DEFAULT_ROPE},        # the tiny's yarn rope is refused (see gguf_arch)
     "qwen3": {},
     "qwen3_moe": {"mlp_only_layers": []},              # llama.cpp's qwen3moe has a MoE block in every layer
+    "mamba": {},
 }
 
 
@@ -38,8 +39,9 @@ def tiny_dir(root: Path, family: str, hidden: int = 64, **overrides) -> Path:
     """A saved tiny `family` causal LM with the BPE tokenizer; hidden 64 (q8_0 blocks of 32 fit every row),
     256 for the K-quants (blocks of 256)."""
     tok = tokenizer_dir(root)
-    sizes = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, head_dim=hidden // 4,
-                 max_position_embeddings=128, eos_token_id=2, pad_token_id=0, bos_token_id=None)
+    sizes = dict(vocab_size=VOCAB, hidden_size=hidden, eos_token_id=2, pad_token_id=0, bos_token_id=None)
+    if family != "mamba":  # attention decoders
+        sizes.update(intermediate_size=2 * hidden, head_dim=hidden // 4, max_position_embeddings=128)
     if family == "qwen3_moe":
         sizes["moe_intermediate_size"] = hidden
     name = f"{family}-{hidden}" + (f"-{zlib.crc32(repr(sorted(overrides.items())).encode())}" if overrides else "")

@@ -1,0 +1,105 @@
+"""GGUF exports checked by llama.cpp itself (llama-cpp-python): every family x type on tiny models, a LoRA run
+merged, the chat template, and controls that show the checks can fail. Skipped, with the reason, where
+llama-cpp-python is not installed (`make gguf-peer` builds and installs it)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the GGUF peer): `make gguf-peer` "
+                                        "builds it from source once and installs it")
+
+from kiln.cli.main import app  # noqa: E402
+from kiln.interop.gguf_export import write_gguf  # noqa: E402
+from kiln.interop.gguf_verify import PROMPTS, verify_gguf  # noqa: E402
+from kiln.models.auto import load_pretrained  # noqa: E402
+from tests.interop.gguf_cases import FAMILIES, tiny_dir  # noqa: E402
+
+FEW = PROMPTS[:4]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("gguf-llama")
+
+
+def _verify(model, path, **kw):
+    checks = verify_gguf(path, model, prompts=kw.pop("prompts", FEW), **kw)
+    return {c.name: c for c in checks}, "\n".join(c.line() for c in checks)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "q8_0"])
+def test_family_type_verified_by_llama_cpp(root, family, kind):
+    model = load_pretrained(tiny_dir(root, family))
+    path = write_gguf(model, root / f"{family}-{kind}" / "m.gguf", kind)
+    checks, text = _verify(model, path, n_kl_positions=256)
+    assert all(c.ok for c in checks.values()), text
+    assert "tokenizer" in checks and "end-of-turn tokens end generation" in checks
+    assert "llama-cpp-python Jinja chat rendering" in checks and "llama.cpp built-in chat rendering" in checks
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["q4_k_m", "q5_k_m", "q6_k"])
+def test_k_quants_by_llama_cpp(root, family, kind):
+    """hidden 256: rows split into the K-quants' 256-wide blocks, so llama.cpp quantizes every matrix."""
+    import gguf
+
+    model = load_pretrained(tiny_dir(root, family, hidden=256))
+    path = write_gguf(model, root / f"{family}-{kind}" / "m.gguf", kind)
+    types = {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert {"Q4_K", "Q5_K", "Q6_K"} & types
+    checks, text = _verify(model, path, n_kl_positions=256)
+    assert all(c.ok for c in checks.values()), text
+
+
+def test_unpermuted_llama_fails_f32(root, monkeypatch):
+    """Control: without the Q/K permutation llama.cpp's logits differ and the f32 check says so."""
+    import kiln.interop.gguf_arch as arch
+
+    model = load_pretrained(tiny_dir(root, "llama"))
+    monkeypatch.setitem(arch.GGUF_FAMILIES, "llama", arch.GgufFamily(arch.gguf.MODEL_ARCH.LLAMA,
+                                                                     ("default", "llama3"), permute_qk=False))
+    path = write_gguf(model, root / "unpermuted" / "m.gguf", "f32")
+    checks, text = _verify(model, path)
+    assert not checks["f32 logits"].ok, text
+
+
+def test_changed_weights_fail_greedy_and_kl(root):
+    """Control: a GGUF of other weights than the source's fails the greedy and KL checks."""
+    model = load_pretrained(tiny_dir(root, "qwen3"))
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.lm_head.weight.mul_(-1.0)
+    for kind in ("f16", "q8_0"):
+        path = write_gguf(other, root / f"other-{kind}" / "m.gguf", kind)
+        checks, text = _verify(model, path, n_kl_positions=128)
+        assert not all(c.ok for c in checks.values()), text
+
+
+def test_lora_run_merged(root, tmp_path):
+    """A LoRA model (adapter beside its base) exported with --merge: llama.cpp computes the merged model."""
+    from kiln.models.common.lora import LoraConfig, apply_lora
+
+    model = load_pretrained(tiny_dir(root, "qwen3"))
+    apply_lora(model, LoraConfig(r=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    src = model.save_pretrained(tmp_path / "lora")
+    out = tmp_path / "merged.gguf"
+    r = CliRunner().invoke(app, ["export", str(src), "--format", "gguf", "--out", str(out), "--gguf-type", "f32"])
+    assert r.exit_code != 0 and "--merge" in r.output
+    r = CliRunner().invoke(app, ["export", str(src), "--format", "gguf", "--out", str(out), "--gguf-type", "f32",
+                                 "--merge"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["verify-export", str(out), "--source", str(src)])
+    assert r.exit_code == 0 and "PASS  f32 logits" in r.output, r.output
+    base = tiny_dir(root, "qwen3")  # the base alone is not what the file holds
+    r = CliRunner().invoke(app, ["verify-export", str(out), "--source", str(base)])
+    assert r.exit_code != 0 and "FAIL  f32 logits" in r.output, r.output
