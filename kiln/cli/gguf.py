@@ -31,7 +31,7 @@ def source_model_dir(path: Path) -> Path:
 
 
 def export_gguf(source: Path, out_file: Path, gguf_type: str, merge: bool, system: Optional[str],
-                overwrite: bool) -> None:
+                overwrite: bool, lora_adapter: bool = False) -> None:
     from kiln.interop.gguf_export import gguf_type as check_type
     from kiln.interop.gguf_export import write_gguf
     from kiln.models.auto import load_pretrained
@@ -40,9 +40,18 @@ def export_gguf(source: Path, out_file: Path, gguf_type: str, merge: bool, syste
     if out_file.exists() and not overwrite:
         raise KilnError(f"--out {out_file}: exists; pass --overwrite to replace it")
     model = load_pretrained(source)
+    if lora_adapter:
+        from kiln.interop.gguf_lora import write_gguf_lora
+
+        if merge:
+            raise KilnError("--merge and --lora-adapter: choose one (merged weights, or the adapter file alone)")
+        path = write_gguf_lora(model, out_file, name=source.name)
+        out.print(f"exported the LoRA adapter of {source} -> {path} ({path.stat().st_size / 2**20:.2f} MiB); "
+                  f"llama.cpp applies it over the base's GGUF (llama-cli -m BASE.gguf --lora {path.name})")
+        return
     if getattr(model, "lora_config", None) is not None and not merge:
         raise KilnError(f"{source}: holds a LoRA adapter; pass --merge to export the base with the adapter merged "
-                        "in (a GGUF LoRA adapter file is not written yet)")
+                        "in, or --lora-adapter to write the adapter as its own GGUF")
     if merge and getattr(model, "lora_config", None) is None:
         raise KilnError(f"--merge: {source} holds no LoRA adapter to merge")
     start = time.perf_counter()
@@ -52,13 +61,13 @@ def export_gguf(source: Path, out_file: Path, gguf_type: str, merge: bool, syste
               f"Ollama Modelfile: {path.with_name('Modelfile')}")
 
 
-def verify_gguf_cmd(path: Path, source: Optional[Path]) -> None:
+def verify_gguf_cmd(path: Path, source: Optional[Path], lora: Optional[Path] = None) -> None:
     from kiln.interop.gguf_verify import verify_gguf
     from kiln.models.auto import load_pretrained
 
     if source is None:
         raise KilnError(f"{path}: a GGUF is checked against the model it came from; give --source DIR_OR_RUN")
-    checks = verify_gguf(path, load_pretrained(source_model_dir(source)))
+    checks = verify_gguf(path, load_pretrained(source_model_dir(source)), lora=lora)
     for c in checks:
         out.print(styled(c.line(), "green" if c.ok else "red"))
     failed = [c for c in checks if not c.ok]

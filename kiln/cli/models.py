@@ -129,7 +129,9 @@ def export(src: Optional[Path] = typer.Argument(None, help="An HF model director
            merge: bool = typer.Option(False, "--merge", help="GGUF: merge the LoRA adapter into the base "
                                       "(a QLoRA base dequantized first)."),
            system: Optional[str] = typer.Option(None, "--system", help="GGUF: the SYSTEM prompt of the "
-                                                "Ollama Modelfile.")) -> None:
+                                                "Ollama Modelfile."),
+           lora_adapter: bool = typer.Option(False, "--lora-adapter", help="GGUF: write the LoRA adapter alone as "
+                                             "a GGUF adapter llama.cpp applies over the base's GGUF.")) -> None:
     """Write an HF directory (config.json, model.safetensors, tokenizer) from a directory or checkpoint,
     or with --format gguf one GGUF file (+ Ollama Modelfile)."""
     from kiln.hub.outdir import check_out_dir, staged_dir
@@ -151,10 +153,11 @@ def export(src: Optional[Path] = typer.Argument(None, help="An HF model director
 
             src = resolve_model_dir(src)
         export_gguf(source_model_dir(src if src is not None else checkpoint), out_dir, gguf_type, merge, system,
-                    overwrite)
+                    overwrite, lora_adapter)
         return
-    if merge or system is not None:
-        raise KilnError("--merge and --system are GGUF options (an HF export always merges LoRA); add --format gguf")
+    if merge or system is not None or lora_adapter:
+        raise KilnError("--merge, --lora-adapter and --system are GGUF options (an HF export always merges LoRA); "
+                        "add --format gguf")
     if max_shard_mb is not None:
         check_range("--max-shard-mb", max_shard_mb, 1)
     if src is not None:
@@ -203,7 +206,9 @@ def _device(name: str) -> str:
 def verify_export_cmd(model_dir: Path = typer.Argument(..., help="An exported HF directory, or a .gguf file."),
                       source: Optional[Path] = typer.Option(None, "--source", help="Also check tensors equal SRC's "
                                                             "(a .gguf: the model dir or run it came from)."),
-                      device: str = typer.Option("cpu", "--device", help="Run both models on this device (cpu, cuda, cuda:1).")) -> None:
+                      device: str = typer.Option("cpu", "--device", help="Run both models on this device (cpu, cuda, cuda:1)."),
+                      lora: Optional[Path] = typer.Option(None, "--lora", help="A .gguf: llama.cpp applies this GGUF "
+                                                          "LoRA adapter over it (--source: the LoRA directory or run).")) -> None:
     """Load DIR into transformers and kiln, run fixed inputs, require max abs diff = 0 everywhere
     (a FILE.gguf: llama.cpp against kiln's model from --source)."""
     from kiln.hub.resolve import resolve_model_dir
@@ -211,8 +216,10 @@ def verify_export_cmd(model_dir: Path = typer.Argument(..., help="An exported HF
     if model_dir.suffix == ".gguf":
         from kiln.cli.gguf import verify_gguf_cmd
 
-        verify_gguf_cmd(model_dir, source)
+        verify_gguf_cmd(model_dir, source, lora)
         return
+    if lora is not None:
+        raise KilnError("--lora: a GGUF adapter is checked over a base .gguf; DIR is not one")
     from kiln.interop.verify import verify_export
 
     checks = verify_export(resolve_model_dir(model_dir), source=None if source is None else resolve_model_dir(source),

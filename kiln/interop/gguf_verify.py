@@ -73,11 +73,12 @@ def file_type_name(path: str | os.PathLike) -> str:
     return names[0]
 
 
-def _load(path: Path, n_ctx: int):
+def _load(path: Path, n_ctx: int, lora: Path | None = None):
     llama_cpp = _llama_cpp()
     try:
         return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
-                               verbose=False, n_threads=1, n_threads_batch=1, seed=0)
+                               verbose=False, n_threads=1, n_threads_batch=1, seed=0,
+                               lora_path=None if lora is None else str(lora))
     except (ValueError, RuntimeError) as e:
         raise KilnError(f"{path}: llama.cpp cannot load it: {e}") from None
 
@@ -132,11 +133,14 @@ def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
 
 
 def verify_gguf(path: str | os.PathLike, model: PreTrainedModel, prompts: list[str] | None = None,
-                n_greedy: int = N_GREEDY, n_kl_positions: int = N_KL_POSITIONS) -> list[Check]:
-    """Every check for one GGUF file against `model` (kiln's, run in float32 on the CPU)."""
+                n_greedy: int = N_GREEDY, n_kl_positions: int = N_KL_POSITIONS,
+                lora: str | os.PathLike | None = None) -> list[Check]:
+    """Every check for one GGUF file against `model` (kiln's, run in float32 on the CPU, a LoRA model merged);
+    with `lora`, llama.cpp runs the GGUF adapter file over the base file `path`."""
     path = Path(path)
-    if not path.is_file():
-        raise KilnError(f"{path}: no such GGUF file")
+    for p in (path, lora):
+        if p is not None and not Path(p).is_file():
+            raise KilnError(f"{p}: no such GGUF file")
     llama_cpp = _llama_cpp()
     prompts = prompts or PROMPTS
     type_name = file_type_name(path)
@@ -144,9 +148,9 @@ def verify_gguf(path: str | os.PathLike, model: PreTrainedModel, prompts: list[s
     config, tok = model.config, model.tokenizer
     fam = gguf_family(config.model_type, config)
     n_ctx = min(getattr(config, "max_position_embeddings", 512), 512)
-    llm = _load(path, n_ctx)
+    llm = _load(path, n_ctx, None if lora is None else Path(lora))
     checks = [Check("llama.cpp loads", llm.n_vocab() == config.vocab_size,
-                    f"{type_name}, arch {llm.metadata.get('general.architecture')}, vocab {llm.n_vocab()}")]
+                    f"{type_name}{' + LoRA adapter ' + Path(lora).name if lora else ''}, arch {llm.metadata.get('general.architecture')}, vocab {llm.n_vocab()}")]
     encoded = [tok.backend.encode(p, add_special_tokens=True).ids for p in prompts]
     theirs = [llm.tokenize(p.encode(), add_bos=True, special=False) for p in prompts]
     bad = [p for p, a, b in zip(prompts, encoded, theirs) if a != b]

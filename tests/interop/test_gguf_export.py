@@ -165,3 +165,30 @@ def test_cli_export_gguf_and_errors(root, tmp_path):
     assert r.exit_code != 0 and "--gguf-type" in r.output
     r = CliRunner().invoke(app, ["verify-export", str(tmp_path / "a.gguf")])
     assert r.exit_code != 0 and "--source" in r.output
+
+
+def test_lora_adapter_file_layout(root, tmp_path):
+    """The adapter file: adapter metadata, alpha = scaling * r, lora_a (r, in) as stored, lora_b with llama's q
+    rows re-ordered as the base q weight is."""
+    from kiln.interop.gguf_lora import write_gguf_lora
+    from kiln.models.common.lora import LoraConfig, apply_lora
+
+    model = load_pretrained(tiny_dir(root, "llama"))
+    apply_lora(model, LoraConfig(r=4, alpha=8, targets=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    r = gguf.GGUFReader(str(write_gguf_lora(model, tmp_path / "a.gguf")))
+    f = _fields(r)
+    assert (f["general.type"], f["adapter.type"], f["adapter.lora.alpha"]) == ("adapter", "lora", 8.0)
+    t = {x.name: np.array(x.data) for x in r.tensors}
+    assert len(t) == 8  # 2 layers x (q, v) x (a, b)
+    q = model.model.layers[0].self_attn.q_proj
+    assert np.array_equal(t["blk.0.attn_q.weight.lora_a"].reshape(4, 64), q.lora_A.weight.detach().numpy())
+    b = torch.from_numpy(t["blk.0.attn_q.weight.lora_b"].reshape(64, 4))
+    assert torch.equal(b.reshape(4, 8, 2, 4).swapaxes(1, 2).reshape(64, 4), q.lora_B.weight.detach())
+    v = model.model.layers[1].self_attn.v_proj
+    assert np.array_equal(t["blk.1.attn_v.weight.lora_b"].reshape(32, 4), v.lora_B.weight.detach().numpy())
+    with pytest.raises(KilnError, match="no LoRA adapter"):
+        write_gguf_lora(load_pretrained(tiny_dir(root, "llama")), tmp_path / "b.gguf")

@@ -103,3 +103,65 @@ def test_lora_run_merged(root, tmp_path):
     base = tiny_dir(root, "qwen3")  # the base alone is not what the file holds
     r = CliRunner().invoke(app, ["verify-export", str(out), "--source", str(base)])
     assert r.exit_code != 0 and "FAIL  f32 logits" in r.output, r.output
+
+
+TRICKY = ["It's 12345 apples,\n\n  don't  you think?", "Ünïcödé 3.14159 ok!!\t\ttabs\r\nnew", "I'LL   go'VE 2024-11-29"]
+
+
+@pytest.mark.parametrize("rule", ["gpt2", "llama-bpe", "qwen2"])
+def test_pre_tokenizer_rules_split_like_kiln(root, tmp_path, rule):
+    """Each split rule kiln maps to a llama.cpp pre-tokenizer: a BPE trained with it tokenizes digits, contractions,
+    spaces, newlines and non-ASCII text to the same ids in llama.cpp as in kiln."""
+    import json
+
+    from tokenizers import Regex, pre_tokenizers
+
+    from kiln.interop.gguf_vocab import _PRE_BY_RULE
+
+    src = tiny_dir(root, "qwen3")
+    pattern = next(p for p, name in _PRE_BY_RULE.items() if name == rule)
+    tok = json.loads((src / "tokenizer.json").read_text())
+    if rule != "gpt2":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        t = HFTokenizer.from_str(json.dumps(tok))
+        t.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok = json.loads(t.to_str())
+    d = tmp_path / "m"
+    d.mkdir()
+    for f in src.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    model = load_pretrained(d)
+    path = write_gguf(model, tmp_path / "m.gguf", "f32")
+    import gguf
+
+    assert gguf.GGUFReader(str(path)).get_field("tokenizer.ggml.pre").contents() == rule
+    checks, text = _verify(model, path, prompts=TRICKY)
+    assert checks["tokenizer"].ok, text
+
+
+def test_lora_adapter_applied_by_llama_cpp(root, tmp_path):
+    """A LoRA on llama's q/k (permuted rows in B), v and MLP written as a GGUF adapter: llama.cpp applying it over
+    the base's GGUF computes kiln's LoRA model within f32 rounding."""
+    from kiln.models.common.lora import LoraConfig, apply_lora
+
+    base = tiny_dir(root, "llama")
+    model = load_pretrained(base)
+    apply_lora(model, LoraConfig(r=4, alpha=8, targets=["q_proj", "k_proj", "v_proj", "up_proj"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    src = model.save_pretrained(tmp_path / "lora")
+    r = CliRunner().invoke(app, ["export", str(base), "--format", "gguf", "--out", str(tmp_path / "base.gguf"),
+                                 "--gguf-type", "f32"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["export", str(src), "--format", "gguf", "--out", str(tmp_path / "a" / "lora.gguf"),
+                                 "--lora-adapter"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["verify-export", str(tmp_path / "base.gguf"), "--lora", str(tmp_path / "a" / "lora.gguf"),
+                                 "--source", str(src)])
+    assert r.exit_code == 0 and "PASS  f32 logits" in r.output, r.output
