@@ -12,24 +12,6 @@ from kiln.cli.output import out, styled
 from kiln.errors import KilnError
 
 
-def source_model_dir(path: Path) -> Path:
-    """A model directory, a run checkpoint (RUN/ckpt-N) or a run directory (its newest checkpoint) -> the model
-    directory to load."""
-    from kiln.cli.models import checkpoint_dir
-    from kiln.parallel.checkpoint import is_sharded
-    from kiln.train.checkpoint import list_paths
-
-    if (path / "config.json").is_file():
-        return path
-    if path.is_dir() and not (path / "manifest.json").is_file() and list_paths(path):
-        path = list_paths(path)[-1]
-    ckpt = checkpoint_dir(path)
-    if is_sharded(ckpt):
-        raise KilnError(f"{ckpt}: a sharded checkpoint; export it to an HF directory first (kiln export "
-                        f"--checkpoint {ckpt} --out DIR), then to GGUF from DIR")
-    return ckpt / "model"
-
-
 def export_gguf(source: Path, out_file: Path, gguf_type: str, merge: bool, system: Optional[str],
                 overwrite: bool, lora_adapter: bool = False) -> None:
     from kiln.interop.gguf_export import gguf_type as check_type
@@ -62,12 +44,13 @@ def export_gguf(source: Path, out_file: Path, gguf_type: str, merge: bool, syste
 
 
 def verify_gguf_cmd(path: Path, source: Optional[Path], lora: Optional[Path] = None) -> None:
+    """`source`: the model directory (a run or checkpoint already resolved to its model/)."""
     from kiln.interop.gguf_verify import verify_gguf
     from kiln.models.auto import load_pretrained
 
     if source is None:
         raise KilnError(f"{path}: a GGUF is checked against the model it came from; give --source DIR_OR_RUN")
-    checks = verify_gguf(path, load_pretrained(source_model_dir(source)), lora=lora)
+    checks = verify_gguf(path, load_pretrained(source), lora=lora)
     for c in checks:
         out.print(styled(c.line(), "green" if c.ok else "red"))
     failed = [c for c in checks if not c.ok]

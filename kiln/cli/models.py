@@ -110,6 +110,23 @@ def checkpoint_dir(ckpt: Path) -> Path:
     return ckpt
 
 
+def source_model_dir(path: Path) -> Path:
+    """A model directory, a run checkpoint (RUN/ckpt-N) or a run directory (its newest checkpoint) -> the model
+    directory to load."""
+    from kiln.parallel.checkpoint import is_sharded
+    from kiln.train.checkpoint import list_paths
+
+    if (path / "config.json").is_file():
+        return path
+    if path.is_dir() and not (path / "manifest.json").is_file() and list_paths(path):
+        path = list_paths(path)[-1]
+    ckpt = checkpoint_dir(path)
+    if is_sharded(ckpt):
+        raise KilnError(f"{ckpt}: a sharded checkpoint; export it to an HF directory first (kiln export "
+                        f"--checkpoint {ckpt} --out DIR), then to GGUF from DIR")
+    return ckpt / "model"
+
+
 def export(src: Optional[Path] = typer.Argument(None, help="An HF model directory."),
            out_dir: Path = typer.Option(..., "--out", help="Directory to write (--format gguf: the .gguf file)."),
            checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="A run checkpoint, RUN_DIR/ckpt-N."),
@@ -142,7 +159,7 @@ def export(src: Optional[Path] = typer.Argument(None, help="An HF model director
     if fmt not in ("hf", "gguf"):
         raise KilnError(f"--format {fmt!r}: choose hf or gguf")
     if fmt == "gguf":
-        from kiln.cli.gguf import export_gguf, source_model_dir
+        from kiln.cli.gguf import export_gguf
 
         given = [f for f, v in (("--head", head), ("--max-shard-mb", max_shard_mb), ("--dtype", dtype),
                                 ("--quantize", quantize)) if v is not None]
@@ -216,7 +233,7 @@ def verify_export_cmd(model_dir: Path = typer.Argument(..., help="An exported HF
     if model_dir.suffix == ".gguf":
         from kiln.cli.gguf import verify_gguf_cmd
 
-        verify_gguf_cmd(model_dir, source, lora)
+        verify_gguf_cmd(model_dir, None if source is None else source_model_dir(resolve_model_dir(source)), lora)
         return
     if lora is not None:
         raise KilnError("--lora: a GGUF adapter is checked over a base .gguf; DIR is not one")
