@@ -14,6 +14,7 @@ goes beside it.
 from __future__ import annotations
 
 import copy
+import ctypes
 import os
 import tempfile
 from dataclasses import dataclass
@@ -167,6 +168,6 @@ def llama_quantize(src: str, dst: str, file_type: FT, threads: int | None = None
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = int(file_type)
     params.nthread = threads or 1
-    rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
+    rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
     if rc != 0:
         raise KilnError(f"llama.cpp's quantizer failed on {src} ({file_type.name}, return code {rc})")

@@ -25,7 +25,7 @@ from kiln.hub import Tokenizer
 # the split rule of tokenizer.json's pre-tokenizer -> llama.cpp's name for it (tokenizer.ggml.pre)
 _GPT2_RULE = "ByteLevel(use_regex)"
 _PRE_BY_RULE = {
-    _GPT2_RULE: "gpt2",
+    _GPT2_RULE: "gpt-2",
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
         "llama-bpe",
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":

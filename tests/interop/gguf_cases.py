@@ -4,8 +4,10 @@ whose matrices split into llama.cpp's quant blocks, with a real byte-level BPE t
 
 from __future__ import annotations
 
+import json
 import shutil
 import zlib
+from importlib import resources
 from pathlib import Path
 
 from kiln.data.bpe import train_bpe
@@ -49,6 +51,10 @@ def tiny_dir(root: Path, family: str, hidden: int = 64, **overrides) -> Path:
                     **{**sizes, **FAMILIES[family], **overrides})
     for f in tok.iterdir():
         shutil.copy(f, out / f.name)
+    if family == "qwen3":  # Qwen3's own template (tool calls, reasoning) rather than the trained tokenizer's ChatML
+        config = json.loads((out / "tokenizer_config.json").read_text())
+        config["chat_template"] = (resources.files("trl") / "chat_templates" / "qwen3.jinja").read_text()
+        (out / "tokenizer_config.json").write_text(json.dumps(config))
     _sharpen(out / "model.safetensors")
     return out
 

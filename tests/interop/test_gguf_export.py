@@ -41,7 +41,7 @@ def test_llama_metadata_tokenizer_and_tensors(root):
     assert f["llama.context_length"] == 128 and f["llama.rope.freq_base"] == 10000.0
     assert f["llama.attention.layer_norm_rms_epsilon"] == pytest.approx(c.rms_norm_eps)
     tok = json.loads((src / "tokenizer.json").read_text())
-    assert f["tokenizer.ggml.model"] == "gpt2" and f["tokenizer.ggml.pre"] == "gpt2"
+    assert f["tokenizer.ggml.model"] == "gpt2" and f["tokenizer.ggml.pre"] == "gpt-2"
     assert len(f["tokenizer.ggml.tokens"]) == c.vocab_size  # padded past the tokenizer's 300 to vocab_size
     assert f["tokenizer.ggml.tokens"][:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     assert f["tokenizer.ggml.token_type"][:3] == [gguf.TokenType.CONTROL] * 3
