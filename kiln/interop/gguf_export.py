@@ -168,6 +168,9 @@ def llama_quantize(src: str, dst: str, file_type: FT, threads: int | None = None
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = int(file_type)
     params.nthread = threads or 1
-    rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
+    from llama_cpp._utils import suppress_stdout_stderr
+
+    with suppress_stdout_stderr(disable=False):  # llama.cpp prints every tensor it converts
+        rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
     if rc != 0:
         raise KilnError(f"llama.cpp's quantizer failed on {src} ({file_type.name}, return code {rc})")

@@ -158,8 +158,9 @@ def verify_gguf(path: str | os.PathLike, model: PreTrainedModel, prompts: list[s
     fam = gguf_family(config.model_type, config)
     n_ctx = min(getattr(config, "max_position_embeddings", 512), 512)
     llm = _load(path, n_ctx, None if lora is None else Path(lora))
-    checks = [Check("llama.cpp loads", llm.n_vocab() == config.vocab_size,
-                    f"{type_name}{' + LoRA adapter ' + Path(lora).name if lora else ''}, arch {llm.metadata.get('general.architecture')}, vocab {llm.n_vocab()}")]
+    adapter = f" + LoRA adapter {Path(lora).name}" if lora else ""
+    checks = [Check("llama.cpp loads", llm.n_vocab() == config.vocab_size, f"{type_name}{adapter}, arch "
+                    f"{llm.metadata.get('general.architecture')}, vocab {llm.n_vocab()}")]
     encoded = [tok.backend.encode(p, add_special_tokens=True).ids for p in prompts]
     theirs = [llm.tokenize(p.encode(), add_bos=True, special=False) for p in prompts]
     bad = [p for p, a, b in zip(prompts, encoded, theirs) if a != b]
