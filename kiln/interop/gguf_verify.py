@@ -188,7 +188,7 @@ def _greedy_check(llm, model, encoded: list[list[int]], n: int, n_ctx: int, type
     only when kiln's margin between the two tokens is under the logit error the type's rounding explains
     (weights and activations each half an ulp, over 2 matmuls a layer, 3x headroom; see `_kl_bound`)."""
     diverged, ties = [], []
-    for ids in encoded:
+    for i, ids in enumerate(encoded):
         n_new = min(n, n_ctx - len(ids))
         ours = _greedy(lambda s: _kiln_logits(model, s)[-1], ids, n_new)
         theirs = _greedy(lambda s: _llama_logits(llm, s)[-1], ids, n_new)
@@ -197,7 +197,7 @@ def _greedy_check(llm, model, encoded: list[list[int]], n: int, n_ctx: int, type
             logits = _kiln_logits(model, ids + ours[:k])[-1]
             margin = float(logits[ours[k]] - logits[theirs[k]])
             _, s = _kl_bound(ACT_REL[type_name], logits[None], model.config.num_hidden_layers, act=ACT_REL[type_name])
-            (ties if margin <= s else diverged).append(f"step {k}: kiln {ours[k]} llama.cpp {theirs[k]} (kiln's "
+            (ties if margin <= s else diverged).append(f"prompt {i + 1} step {k}: kiln {ours[k]} llama.cpp {theirs[k]} (kiln's "
                                                        f"margin {margin:.3g}, rounding explains {s:.3g})")
     detail = f"{len(encoded)} prompts x {n} tokens: {len(encoded) - len(diverged) - len(ties)} equal"
     if ties:
