@@ -169,3 +169,31 @@ def test_lora_adapter_applied_by_llama_cpp(root, tmp_path):
     r = CliRunner().invoke(app, ["verify-export", str(tmp_path / "base.gguf"), "--lora", str(tmp_path / "a" / "lora.gguf"),
                                  "--source", str(src)])
     assert r.exit_code == 0 and "PASS  f32 logits" in r.output, r.output
+
+
+def test_qlora_merged_from_the_dequantized_base(root, tmp_path):
+    """A QLoRA model (nf4 base + LoRA) exports merged over the dequantized base; llama.cpp computes what kiln's
+    4-bit model computes within f32 rounding (kiln's reference: the same dequantize-then-merge)."""
+    from kiln.models.common.lora import LoraConfig, apply_lora
+
+    model = load_pretrained(tiny_dir(root, "qwen3"), quantize="nf4")
+    apply_lora(model, LoraConfig(r=4, alpha=8, targets=["q_proj", "down_proj"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+        ids = torch.tensor([model.tokenizer.backend.encode(PROMPTS[0]).ids])
+        qlora_logits = model(input_ids=ids).logits[0].double()
+    path = write_gguf(model, tmp_path / "q.gguf", "f32")
+    checks, text = _verify(model, path)
+    assert checks["f32 logits"].ok, text
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=1,
+                          type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+    llm.eval(ids[0].tolist())
+    theirs = torch.tensor(llm.scores[: ids.shape[1]], dtype=torch.float64)
+    # the 4-bit model's own forward (dequantized per matmul, compute dtype float32, adapter beside) against the
+    # merged file: the same sums in another order, so f32 rounding only (~1e-6), bound as verify-export's f32 check
+    assert model.model.layers[0].self_attn.q_proj.compute_dtype == torch.float32
+    assert ((theirs - qlora_logits).abs().max() / qlora_logits.abs().max()).item() < 1e-4
