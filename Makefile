@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench bench-check clean
+.PHONY: setup demo test test-fast bench bench-check clean gguf-peer
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "kiln needs Python 3.11 or newer (pyproject requires-python; tomllib): make PY=python3.11 ...")'
@@ -22,8 +22,25 @@ demo: $(STAMP)
 # TEST_WORKERS processes (pytest-xdist; a file's tests stay on one worker, one torch thread each).
 TEST_WORKERS ?= 2
 test: $(STAMP)
+	$(GGUF_FROM_CACHE)
 	$(BIN)/kiln verify-matrix
 	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=25
+
+# llama.cpp for the GGUF tests (tests/interop/test_gguf_llama_cpp.py, skipped without it): llama-cpp-python has
+# no CPU wheel on PyPI, so `make gguf-peer` builds one from its source distribution ONCE (portable x86-64: AVX2,
+# no -march=native, so one wheel serves Intel and AMD CI machines) into $(WHEELS) and installs it. `make test`
+# installs it from that cache when it is there (seconds) and never builds it (a build takes many minutes on 2 cores).
+LLAMA_CPP := llama-cpp-python==0.3.36
+WHEELS ?= $(HOME)/.cache/kiln/wheels
+GGUF_FROM_CACHE = @if ls $(WHEELS)/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1; then \
+	$(BIN)/pip install -q --disable-pip-version-check --no-index --find-links $(WHEELS) --no-deps $(LLAMA_CPP) \
+	&& $(BIN)/pip install -q --disable-pip-version-check -c requirements-dev.txt diskcache jinja2 numpy typing-extensions; \
+	else echo "llama-cpp-python wheel not cached in $(WHEELS): the GGUF llama.cpp tests skip (make gguf-peer builds it)"; fi
+gguf-peer: $(STAMP)
+	mkdir -p $(WHEELS)
+	ls $(WHEELS)/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1 || CMAKE_ARGS="-DGGML_NATIVE=OFF" \
+		$(BIN)/pip wheel --no-deps --no-binary llama-cpp-python -w $(WHEELS) $(LLAMA_CPP)
+	$(GGUF_FROM_CACHE)
 
 # Everything but the tests marked slow (spawned process groups, SIGKILL + resume, real checkpoints).
 test-fast: $(STAMP)

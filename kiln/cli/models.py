@@ -110,8 +110,25 @@ def checkpoint_dir(ckpt: Path) -> Path:
     return ckpt
 
 
+def source_model_dir(path: Path) -> Path:
+    """A model directory, a run checkpoint (RUN/ckpt-N) or a run directory (its newest checkpoint) -> the model
+    directory to load."""
+    from kiln.parallel.checkpoint import is_sharded
+    from kiln.train.checkpoint import list_paths
+
+    if (path / "config.json").is_file():
+        return path
+    if path.is_dir() and not (path / "manifest.json").is_file() and list_paths(path):
+        path = list_paths(path)[-1]
+    ckpt = checkpoint_dir(path)
+    if is_sharded(ckpt):
+        raise KilnError(f"{ckpt}: a sharded checkpoint; export it to an HF directory first (kiln export "
+                        f"--checkpoint {ckpt} --out DIR), then to GGUF from DIR")
+    return ckpt / "model"
+
+
 def export(src: Optional[Path] = typer.Argument(None, help="An HF model directory."),
-           out_dir: Path = typer.Option(..., "--out", help="Directory to write."),
+           out_dir: Path = typer.Option(..., "--out", help="Directory to write (--format gguf: the .gguf file)."),
            checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="A run checkpoint, RUN_DIR/ckpt-N."),
            head: Optional[str] = typer.Option(None, "--head", help="Re-target to this head (base, masked-lm, ...)."),
            max_shard_mb: Optional[int] = typer.Option(None, "--max-shard-mb", help="Shard weights past this size."),
@@ -121,13 +138,43 @@ def export(src: Optional[Path] = typer.Argument(None, help="An HF model director
            dtype: Optional[str] = typer.Option(None, "--dtype", help="Write every weight as bf16, fp16 or fp32 "
                                                "(an FP8 source: dequantized, quantization_config dropped)."),
            quantize: Optional[str] = typer.Option(None, "--quantize", help="Write the Linears 4-bit, nf4 or fp4 "
-                                                  "(a bitsandbytes-4bit directory; after any LoRA merge).")) -> None:
-    """Write an HF directory (config.json, model.safetensors, tokenizer) from a directory or checkpoint."""
+                                                  "(a bitsandbytes-4bit directory; after any LoRA merge)."),
+           fmt: str = typer.Option("hf", "--format", help="hf (an HF directory) or gguf (one file for llama.cpp / "
+                                   "Ollama, with a Modelfile beside it)."),
+           gguf_type: str = typer.Option("f16", "--gguf-type", help="GGUF tensor type: f32, f16, bf16, q8_0, "
+                                         "q4_k_m, q5_k_m, q6_k (K-quants by llama.cpp's quantizer)."),
+           merge: bool = typer.Option(False, "--merge", help="GGUF: merge the LoRA adapter into the base "
+                                      "(a QLoRA base dequantized first)."),
+           system: Optional[str] = typer.Option(None, "--system", help="GGUF: the SYSTEM prompt of the "
+                                                "Ollama Modelfile."),
+           lora_adapter: bool = typer.Option(False, "--lora-adapter", help="GGUF: write the LoRA adapter alone as "
+                                             "a GGUF adapter llama.cpp applies over the base's GGUF.")) -> None:
+    """Write an HF directory (config.json, model.safetensors, tokenizer) from a directory or checkpoint,
+    or with --format gguf one GGUF file (+ Ollama Modelfile)."""
     from kiln.hub.outdir import check_out_dir, staged_dir
     from kiln.interop.export import export_model
 
     if (src is None) == (checkpoint is None):
         raise KilnError("give exactly one of SRC or --checkpoint RUN_DIR/ckpt-N")
+    if fmt not in ("hf", "gguf"):
+        raise KilnError(f"--format {fmt!r}: choose hf or gguf")
+    if fmt == "gguf":
+        from kiln.cli.gguf import export_gguf
+
+        given = [f for f, v in (("--head", head), ("--max-shard-mb", max_shard_mb), ("--dtype", dtype),
+                                ("--quantize", quantize)) if v is not None]
+        if given:
+            raise KilnError(f"{', '.join(given)}: HF-directory options; a GGUF's type is --gguf-type")
+        if src is not None:
+            from kiln.hub.resolve import resolve_model_dir
+
+            src = resolve_model_dir(src)
+        export_gguf(source_model_dir(src if src is not None else checkpoint), out_dir, gguf_type, merge, system,
+                    overwrite, lora_adapter)
+        return
+    if merge or system is not None or lora_adapter:
+        raise KilnError("--merge, --lora-adapter and --system are GGUF options (an HF export always merges LoRA); "
+                        "add --format gguf")
     if max_shard_mb is not None:
         check_range("--max-shard-mb", max_shard_mb, 1)
     if src is not None:
@@ -173,11 +220,23 @@ def _device(name: str) -> str:
     return name
 
 
-def verify_export_cmd(model_dir: Path = typer.Argument(..., help="An exported HF directory."),
-                      source: Optional[Path] = typer.Option(None, "--source", help="Also check tensors equal SRC's."),
-                      device: str = typer.Option("cpu", "--device", help="Run both models on this device (cpu, cuda, cuda:1).")) -> None:
-    """Load DIR into transformers and kiln, run fixed inputs, require max abs diff = 0 everywhere."""
+def verify_export_cmd(model_dir: Path = typer.Argument(..., help="An exported HF directory, or a .gguf file."),
+                      source: Optional[Path] = typer.Option(None, "--source", help="Also check tensors equal SRC's "
+                                                            "(a .gguf: the model dir or run it came from)."),
+                      device: str = typer.Option("cpu", "--device", help="Run both models on this device (cpu, cuda, cuda:1)."),
+                      lora: Optional[Path] = typer.Option(None, "--lora", help="A .gguf: llama.cpp applies this GGUF "
+                                                          "LoRA adapter over it (--source: the LoRA directory or run).")) -> None:
+    """Load DIR into transformers and kiln, run fixed inputs, require max abs diff = 0 everywhere
+    (a FILE.gguf: llama.cpp against kiln's model from --source)."""
     from kiln.hub.resolve import resolve_model_dir
+
+    if model_dir.suffix == ".gguf":
+        from kiln.cli.gguf import verify_gguf_cmd
+
+        verify_gguf_cmd(model_dir, None if source is None else source_model_dir(resolve_model_dir(source)), lora)
+        return
+    if lora is not None:
+        raise KilnError("--lora: a GGUF adapter is checked over a base .gguf; DIR is not one")
     from kiln.interop.verify import verify_export
 
     checks = verify_export(resolve_model_dir(model_dir), source=None if source is None else resolve_model_dir(source),

@@ -1,0 +1,60 @@
+"""The GGUF side of `kiln export --format gguf` and `kiln verify-export FILE.gguf --source ...`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from kiln.cli.output import out, styled
+from kiln.errors import KilnError
+
+
+def export_gguf(source: Path, out_file: Path, gguf_type: str, merge: bool, system: Optional[str],
+                overwrite: bool, lora_adapter: bool = False) -> None:
+    from kiln.interop.gguf_export import gguf_type as check_type
+    from kiln.interop.gguf_export import write_gguf
+    from kiln.models.auto import load_pretrained
+
+    check_type(gguf_type)
+    if out_file.exists() and not overwrite:
+        raise KilnError(f"--out {out_file}: exists; pass --overwrite to replace it")
+    model = load_pretrained(source)
+    if lora_adapter:
+        from kiln.interop.gguf_lora import write_gguf_lora
+
+        if merge:
+            raise KilnError("--merge and --lora-adapter: choose one (merged weights, or the adapter file alone)")
+        path = write_gguf_lora(model, out_file, name=source.name)
+        out.print(f"exported the LoRA adapter of {source} -> {path} ({path.stat().st_size / 2**20:.2f} MiB); "
+                  f"llama.cpp applies it over the base's GGUF (llama-cli -m BASE.gguf --lora {path.name})")
+        return
+    if getattr(model, "lora_config", None) is not None and not merge:
+        raise KilnError(f"{source}: holds a LoRA adapter; pass --merge to export the base with the adapter merged "
+                        "in, or --lora-adapter to write the adapter as its own GGUF")
+    if merge and getattr(model, "lora_config", None) is None:
+        raise KilnError(f"--merge: {source} holds no LoRA adapter to merge")
+    start = time.perf_counter()
+    path = write_gguf(model, out_file, gguf_type, name=source.name, system=system)
+    took = time.perf_counter() - start
+    out.print(f"exported {source} -> {path} ({gguf_type}, {path.stat().st_size / 2**20:.2f} MiB, {took:.1f} s); "
+              f"Ollama Modelfile: {path.with_name('Modelfile')}")
+
+
+def verify_gguf_cmd(path: Path, source: Optional[Path], lora: Optional[Path] = None) -> None:
+    """`source`: the model directory (a run or checkpoint already resolved to its model/)."""
+    from kiln.interop.gguf_verify import verify_gguf
+    from kiln.models.auto import load_pretrained
+
+    if source is None:
+        raise KilnError(f"{path}: a GGUF is checked against the model it came from; give --source DIR_OR_RUN")
+    checks = verify_gguf(path, load_pretrained(source), lora=lora)
+    for c in checks:
+        out.print(styled(c.line(), "green" if c.ok else "red"))
+    failed = [c for c in checks if not c.ok]
+    if failed:
+        out.print(styled(f"{len(failed)} of {len(checks)} checks failed", "red"))
+        raise typer.Exit(1)
+    out.print(styled(f"all {len(checks)} checks passed", "green"))

@@ -1,0 +1,189 @@
+"""GGUF architectures: which kiln families llama.cpp runs, their hyperparameter keys and tensor layouts.
+
+A family is exported only if it has an entry in `GGUF_FAMILIES` (kiln model_type -> `GgufFamily`); any
+other is refused by name. Tensor names come from the `gguf` package's own map (`gguf.get_tensor_name_map`,
+the table llama.cpp's converter uses), applied to the HF names kiln writes; a family adds only what
+differs from HF's layout:
+
+- Llama: llama.cpp turns rotary pairs that sit next to each other (x0, x1), (x2, x3), ..., HF pairs dim i
+  with dim i + d/2, so the q and k rows of each head are re-ordered (`_permute_heads`); llama3 rope scaling
+  is a per-frequency divisor tensor `rope_freqs.weight`.
+- Qwen2 / Qwen3 / Qwen3-MoE: llama.cpp uses HF's half-split rotary order (NEOX), no permutation; the MoE
+  family's per-expert matrices are stacked into one (E, out, in) tensor per projection.
+- Mamba: llama.cpp keeps A = -exp(A_log) and the depthwise conv kernel as (inner, kernel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import gguf
+import torch
+
+from kiln.errors import KilnError
+from kiln.models.common.rope import _base_inv_freq, _llama3
+
+Tensors = dict[str, torch.Tensor]
+
+
+def _decoder_hparams(w: gguf.GGUFWriter, c) -> None:
+    """Attention decoders: hyperparameters under llama.cpp's keys ({arch}.context_length, ...)."""
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.kv_heads)
+    w.add_key_length(c.dim_head)
+    w.add_value_length(c.dim_head)
+    w.add_rope_dimension_count(c.dim_head)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    rope = c.rope_parameters or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", type(c).default_theta)))
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+
+
+def _moe_hparams(w: gguf.GGUFWriter, c) -> None:
+    _decoder_hparams(w, c)
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+
+
+def _mamba_hparams(w: gguf.GGUFWriter, c) -> None:
+    # no positions and no attention: the context length is only the KV-free state's bookkeeping in llama.cpp
+    w.add_context_length(2 ** 20)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_ssm_conv_kernel(c.conv_kernel)
+    w.add_ssm_inner_size(c.expand * c.hidden_size)
+    w.add_ssm_state_size(c.state_size)
+    w.add_ssm_time_step_rank(c.time_step_rank)
+    w.add_layer_norm_rms_eps(c.layer_norm_epsilon)
+    w.add_vocab_size(c.vocab_size)
+
+
+def _mamba_tensor(key: str, t: torch.Tensor, c) -> torch.Tensor:
+    if key.endswith(".A_log"):  # llama.cpp stores A itself
+        return -torch.exp(t.float())
+    if key.endswith(".conv1d.weight"):  # (I, 1, K) depthwise kernel -> (I, K)
+        return t.squeeze(1)
+    return t
+
+
+def _no_linear_bias(config) -> str | None:
+    return "use_bias (in_proj / out_proj biases) has no tensor in llama.cpp's mamba" if config.use_bias else None
+
+
+@dataclass(frozen=True)
+class GgufFamily:
+    arch: gguf.MODEL_ARCH
+    hparams: Callable[[gguf.GGUFWriter, object], None]
+    rope_types: tuple[str, ...] | None = None           # rope_type values llama.cpp reproduces (None: no rope)
+    permute_qk: bool = False                            # Llama: rotary pairs adjacent in llama.cpp
+    experts: bool = False                               # per-expert HF matrices stacked into one tensor
+    adjust: Callable[[str, torch.Tensor, object], torch.Tensor] | None = None  # (HF key, tensor, config)
+    checks: tuple[Callable[[object], str | None], ...] = field(default_factory=tuple)  # config -> refusal or None
+
+    @property
+    def name(self) -> str:
+        return gguf.MODEL_ARCH_NAMES[self.arch]
+
+
+def _all_layers_sparse(config) -> str | None:
+    dense = [i for i in range(config.num_hidden_layers) if not config.is_sparse(i)]
+    if dense:
+        return (f"layers {dense} are dense MLPs (mlp_only_layers / decoder_sparse_step); llama.cpp's qwen3moe "
+                "graph has a MoE block in every layer")
+    return None
+
+
+def _topk_renormalised(config) -> str | None:
+    if not config.norm_topk_prob:
+        return ("norm_topk_prob is false; llama.cpp's qwen3moe graph always renormalises the top-k router "
+                "weights, so its outputs would differ")
+    return None
+
+
+GGUF_FAMILIES: dict[str, GgufFamily] = {
+    "llama": GgufFamily(gguf.MODEL_ARCH.LLAMA, _decoder_hparams, ("default", "linear", "llama3"), permute_qk=True),
+    "qwen2": GgufFamily(gguf.MODEL_ARCH.QWEN2, _decoder_hparams, ("default", "linear")),
+    "qwen3": GgufFamily(gguf.MODEL_ARCH.QWEN3, _decoder_hparams, ("default", "linear")),
+    "qwen3_moe": GgufFamily(gguf.MODEL_ARCH.QWEN3MOE, _moe_hparams, ("default", "linear"), experts=True,
+                            checks=(_all_layers_sparse, _topk_renormalised)),
+    "mamba": GgufFamily(gguf.MODEL_ARCH.MAMBA, _mamba_hparams, adjust=_mamba_tensor, checks=(_no_linear_bias,)),
+}
+
+
+def gguf_family(model_type: str, config) -> GgufFamily:
+    """The family's GGUF entry, or a KilnError that names the family and why it cannot be exported."""
+    fam = GGUF_FAMILIES.get(model_type)
+    if fam is None:
+        raise KilnError(f"--format gguf: kiln cannot export family {model_type!r} to GGUF yet; exportable: "
+                        f"{', '.join(GGUF_FAMILIES)}")
+    if fam.rope_types is not None:
+        kind = (config.rope_parameters or {}).get("rope_type", "default")
+        if kind not in fam.rope_types:
+            raise KilnError(f"--format gguf: {model_type} with rope_type {kind!r} is not exported (llama.cpp's "
+                            f"{fam.name} is checked here with rope types {', '.join(fam.rope_types)})")
+    for check in fam.checks:
+        problem = check(config)
+        if problem is not None:
+            raise KilnError(f"--format gguf: {model_type}: {problem}")
+    return fam
+
+
+def _permute_heads(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """HF's rotary order within each head (first half, second half) -> llama.cpp's adjacent pairs."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _stack_experts(hf: Tensors, n_layers: int, n_experts: int) -> Tensors:
+    """Per-expert HF matrices -> one (E, out, in) tensor per layer and projection, under the merged HF name
+    the gguf name map knows (`model.layers.{i}.mlp.experts.gate_proj.weight`)."""
+    out = dict(hf)
+    for i in range(n_layers):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names = [f"model.layers.{i}.mlp.experts.{e}.{proj}.weight" for e in range(n_experts)]
+            if names[0] not in out:
+                continue
+            out[f"model.layers.{i}.mlp.experts.{proj}.weight"] = torch.stack([out.pop(n) for n in names])
+    return out
+
+
+def gguf_tensors(fam: GgufFamily, c, hf: Tensors) -> Iterator[tuple[str, gguf.MODEL_TENSOR, torch.Tensor]]:
+    """(GGUF name, its kind, tensor in HF orientation) for every tensor of the model, plus generated ones
+    (rope_freqs)."""
+    if fam.experts:
+        hf = _stack_experts(hf, c.num_hidden_layers, c.num_experts)
+    names = gguf.get_tensor_name_map(fam.arch, c.num_hidden_layers)
+    rope = getattr(c, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "llama3":
+        # llama.cpp divides each base frequency by this factor; kiln's scaled frequencies give it exactly
+        base = _base_inv_freq(float(rope["rope_theta"]), c.dim_head)
+        yield (gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", gguf.MODEL_TENSOR.ROPE_FREQS,
+               (base / _llama3(base, rope)).float())
+    unmapped = []
+    for key, t in hf.items():
+        found = names.get_type_and_name(key, try_suffixes=(".weight", ".bias"))
+        if found is None:
+            unmapped.append(key)
+            continue
+        kind, name = found
+        if fam.adjust is not None:
+            t = fam.adjust(key, t, c)
+        if fam.permute_qk and key.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            t = _permute_heads(t, c.num_attention_heads)
+        elif fam.permute_qk and key.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+            t = _permute_heads(t, c.kv_heads)
+        yield name, kind, t
+    if unmapped:
+        raise KilnError(f"--format gguf: {len(unmapped)} tensors have no llama.cpp name for {fam.name}: "
+                        f"{unmapped[:5]}")

@@ -1,0 +1,196 @@
+"""GGUF tokenizer metadata and the Ollama Modelfile, from kiln's tokenizer of a model directory.
+
+Written: `tokenizer.ggml.model` (byte-level BPE is llama.cpp's "gpt2"), `.pre` (the pre-tokenizer's split
+rule, recognised from tokenizer.json: llama.cpp needs its name, a guess would split text differently),
+tokens, merges, token types (added special tokens are CONTROL, other added tokens USER_DEFINED, ids past the
+tokenizer up to the model's vocab_size UNUSED), BOS/EOS/PAD/UNK ids, whether BOS/EOS are added (measured
+by encoding a text), the chat template, and the end-of-turn token.
+
+The Modelfile's TEMPLATE is written only for a chat template recognised by rendering: kiln renders probe
+conversations with the model's own template and compares them with a known layout's rendering (ChatML);
+any other template gets a comment saying it was not translated.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+import gguf
+
+from kiln.errors import KilnError
+from kiln.hub import Tokenizer
+
+# the split rule of tokenizer.json's pre-tokenizer -> llama.cpp's name for it (tokenizer.ggml.pre)
+_GPT2_RULE = "ByteLevel(use_regex)"
+_PRE_BY_RULE = {
+    _GPT2_RULE: "gpt-2",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
+        "llama-bpe",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
+        "qwen2",
+}
+
+
+def _split_rule(pre: dict | None, where: str) -> str:
+    """The regex (or the GPT-2 ByteLevel rule) a byte-level pre-tokenizer splits by."""
+    if pre is None:
+        raise KilnError(f"{where}: tokenizer.json has no pre-tokenizer; llama.cpp's BPE needs one it knows")
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return _GPT2_RULE
+    if pre.get("type") == "Sequence":
+        parts = pre.get("pretokenizers", [])
+        splits = [p for p in parts if p.get("type") == "Split"]
+        bytelevel = [p for p in parts if p.get("type") == "ByteLevel"]
+        if len(splits) == 1 and len(bytelevel) == 1 and not bytelevel[0].get("use_regex", True) \
+                and len(parts) == 2 and "Regex" in splits[0].get("pattern", {}):
+            return splits[0]["pattern"]["Regex"]
+    raise KilnError(f"{where}: tokenizer.json pre-tokenizer {json.dumps(pre)[:160]} is not one llama.cpp is known "
+                    f"to split the same way")
+
+
+@dataclass
+class Vocab:
+    model: str
+    pre: str
+    tokens: list[str]
+    types: list[int]
+    merges: list[str]
+    specials: dict[str, int]      # bos/eos/pad/unk/eot -> id
+    add_bos: bool
+    add_eos: bool
+    chat_template: str | None
+    end_of_turn: list[str]        # texts of the tokens that end an assistant turn
+
+
+def read_vocab(tok: Tokenizer, vocab_size: int, config_eos: list[int], where: str) -> Vocab:
+    """Everything the GGUF tokenizer keys need, from a byte-level BPE tokenizer; other kinds refused by name."""
+    spec = json.loads(tok.backend.to_str())
+    model = spec.get("model", {})
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        kind = model.get("type", "?") + (" with byte fallback" if model.get("byte_fallback") else "")
+        raise KilnError(f"{where}: tokenizer kind {kind} is not exported to GGUF yet (kiln writes byte-level BPE, "
+                        f"llama.cpp's 'gpt2' vocab, as Llama 3 and Qwen use)")
+    pre = _PRE_BY_RULE.get(_split_rule(spec.get("pre_tokenizer"), where))
+    if pre is None:
+        raise KilnError(f"{where}: the pre-tokenizer's split pattern is not one kiln maps to a llama.cpp "
+                        f"pre-tokenizer ({', '.join(sorted(set(_PRE_BY_RULE.values())))})")
+    n = tok.vocab_size
+    if n > vocab_size:
+        raise KilnError(f"{where}: tokenizer has {n} tokens but the model's vocab_size is {vocab_size}")
+    by_id = {i: t for t, i in tok.backend.get_vocab(with_added_tokens=True).items()}
+    added = tok.backend.get_added_tokens_decoder()
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif i in added:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.NORMAL)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    specials = {role: tok.token_id(f"{role}_token") for role in ("bos", "eos", "pad", "unk")}
+    specials = {r: i for r, i in specials.items() if i is not None}
+    if "eos" not in specials and config_eos:
+        specials["eos"] = config_eos[0]
+    probe = tok.backend.encode("a", add_special_tokens=True).ids
+    plain = tok.backend.encode("a", add_special_tokens=False).ids
+    add_bos = "bos" in specials and len(probe) > len(plain) and probe[0] == specials["bos"]
+    add_eos = "eos" in specials and len(probe) > len(plain) and probe[-1] == specials["eos"]
+    template = tok.chat_template
+    fmt = chat_format(tok) if template else None
+    end_of_turn = list(fmt.end_of_turn) if fmt else []
+    if end_of_turn and tok.backend.token_to_id(end_of_turn[0]) is not None:
+        specials["eot"] = tok.backend.token_to_id(end_of_turn[0])
+    return Vocab("gpt2", pre, tokens, types, merges, specials, add_bos, add_eos, template, end_of_turn)
+
+
+def write_vocab(w: gguf.GGUFWriter, v: Vocab) -> None:
+    w.add_tokenizer_model(v.model)
+    w.add_tokenizer_pre(v.pre)
+    w.add_token_list(v.tokens)
+    w.add_token_types(v.types)
+    w.add_token_merges(v.merges)
+    add = {"bos": w.add_bos_token_id, "eos": w.add_eos_token_id, "pad": w.add_pad_token_id,
+           "unk": w.add_unk_token_id, "eot": w.add_eot_token_id}
+    for role, i in v.specials.items():
+        add[role](i)
+    w.add_add_bos_token(v.add_bos)
+    w.add_add_eos_token(v.add_eos)
+    if v.chat_template:
+        w.add_chat_template(v.chat_template)
+
+
+# ---- chat formats kiln can translate for Ollama ------------------------------------------------------
+
+@dataclass(frozen=True)
+class ChatFormat:
+    name: str
+    render: Callable[[list[dict], bool], str]   # (messages, add_generation_prompt) -> text
+    ollama_template: str
+    end_of_turn: tuple[str, ...]
+
+
+def _chatml(messages: list[dict], add_generation_prompt: bool) -> str:
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+# Go template (Ollama): each message as ChatML, then the assistant's opening after the last non-assistant one
+_CHATML_OLLAMA = (
+    '{{- range $i, $_ := .Messages }}\n'
+    '{{- $last := eq (len (slice $.Messages $i)) 1 -}}\n'
+    '<|im_start|>{{ .Role }}\n'
+    '{{ .Content }}<|im_end|>\n'
+    '{{ if and $last (ne .Role "assistant") }}<|im_start|>assistant\n'
+    '{{ end }}\n'
+    '{{- end }}')
+
+CHAT_FORMATS = (ChatFormat("ChatML", _chatml, _CHATML_OLLAMA, ("<|im_end|>",)),)
+
+_PROBES = (
+    [{"role": "user", "content": "Hi there"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Name a colour."}],
+)
+
+
+def chat_format(tok: Tokenizer) -> ChatFormat | None:
+    """The known layout the tokenizer's chat template renders exactly like on every probe, or None."""
+    try:
+        tpl = tok.chat()
+    except KilnError:
+        return None
+    for fmt in CHAT_FORMATS:
+        try:
+            same = all(tpl.render(p, add_generation_prompt=g) == fmt.render(p, g) for p in _PROBES for g in (True, False))
+        except KilnError:
+            same = False
+        if same:
+            return fmt
+    return None
+
+
+def modelfile(gguf_name: str, tok: Tokenizer, eos_texts: list[str], system: str | None) -> str:
+    """An Ollama Modelfile: FROM the GGUF beside it, TEMPLATE where translated, a stop per end-of-turn token."""
+    lines = [f"FROM ./{gguf_name}", ""]
+    fmt = chat_format(tok) if tok.chat_template else None
+    if fmt is not None:
+        lines += [f"# chat template: {fmt.name} (kiln rendered the model's template on probe conversations and it "
+                  f"matched this layout exactly; tool calls are not translated)",
+                  f'TEMPLATE """{fmt.ollama_template}"""', ""]
+    elif tok.chat_template:
+        lines += ["# TEMPLATE not written: kiln could not translate this model's chat template (it matches no "
+                  "layout kiln knows: " + ", ".join(f.name for f in CHAT_FORMATS) + "). The GGUF carries the "
+                  "original Jinja template as tokenizer.chat_template; write a TEMPLATE by hand for Ollama.", ""]
+    else:
+        lines += ["# TEMPLATE not written: the model has no chat template.", ""]
+    stops = list(dict.fromkeys([*(fmt.end_of_turn if fmt else ()), *eos_texts]))
+    lines += [f'PARAMETER stop "{s}"' for s in stops]
+    if system:
+        lines += ["", f'SYSTEM """{system}"""']
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,71 @@
+"""Tiny checkpoints for the GGUF tests: each family's tiny config (built and saved by transformers) at sizes
+whose matrices split into llama.cpp's quant blocks, with a real byte-level BPE tokenizer trained here (kiln's
+`train_bpe`, ChatML template, <|im_end|> as EOS) so llama.cpp has a vocabulary to load."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zlib
+from importlib import resources
+from pathlib import Path
+
+from kiln.data.bpe import train_bpe
+from kiln.interop.tiny import make_tiny
+
+TEXT = ("Paris is the capital of France.\nhello world, how are you?\nthe cat sat on the mat\nOnce upon a time\n"
+        "What is the weather in Paris? It is 18 degrees. Thanks!\nYou are a helpful assistant.\n"
+        '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>\n')
+VOCAB = 320
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+# family -> overrides of its registered tiny config (sizes first; then what llama.cpp's graph needs)
+FAMILIES = {
+    "llama": {},                                       # keeps the tiny's llama3 rope scaling and tied embeddings
+    "qwen2": {"rope_parameters": DEFAULT_ROPE},        # the tiny's yarn rope is refused (see gguf_arch)
+    "qwen3": {},
+    "qwen3_moe": {"mlp_only_layers": []},              # llama.cpp's qwen3moe has a MoE block in every layer
+    "mamba": {},
+}
+
+
+def tokenizer_dir(root: Path) -> Path:
+    out = root / "tok"
+    if not (out / "tokenizer.json").is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "text.txt").write_text(TEXT * 3)
+        train_bpe([root / "text.txt"], out, vocab_size=300, min_frequency=1)
+    return out
+
+
+def tiny_dir(root: Path, family: str, hidden: int = 64, **overrides) -> Path:
+    """A saved tiny `family` causal LM with the BPE tokenizer; hidden 64 (q8_0 blocks of 32 fit every row),
+    256 for the K-quants (blocks of 256)."""
+    tok = tokenizer_dir(root)
+    sizes = dict(vocab_size=VOCAB, hidden_size=hidden, eos_token_id=2, pad_token_id=0, bos_token_id=None)
+    if family != "mamba":  # attention decoders
+        sizes.update(intermediate_size=2 * hidden, head_dim=hidden // 4, max_position_embeddings=128)
+    if family == "qwen3_moe":
+        sizes["moe_intermediate_size"] = hidden
+    name = f"{family}-{hidden}" + (f"-{zlib.crc32(repr(sorted(overrides.items())).encode())}" if overrides else "")
+    out = make_tiny(family, "causal-lm", root / name, tokenizer=False,
+                    **{**sizes, **FAMILIES[family], **overrides})
+    for f in tok.iterdir():
+        shutil.copy(f, out / f.name)
+    if family == "qwen3":  # Qwen3's own template (tool calls, reasoning) rather than the trained tokenizer's ChatML
+        config = json.loads((out / "tokenizer_config.json").read_text())
+        config["chat_template"] = (resources.files("trl") / "chat_templates" / "qwen3.jinja").read_text()
+        (out / "tokenizer_config.json").write_text(json.dumps(config))
+    _sharpen(out / "model.safetensors")
+    return out
+
+
+def _sharpen(path: Path, factor: float = 10.0) -> None:
+    """The final norm's weight times `factor`: random N(0, 0.2) weights give logits of std ~0.3, so flat that
+    greedy decoding meets near-ties any rounding flips; x10 gives the std of a trained model's logits (~3)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(path))
+    final = [k for k in weights if k in ("model.norm.weight", "backbone.norm_f.weight")]
+    assert len(final) == 1, sorted(weights)[-5:]
+    weights[final[0]] = weights[final[0]] * factor
+    save_file(weights, str(path), metadata={"format": "pt"})

@@ -1,0 +1,199 @@
+"""GGUF exports checked by llama.cpp itself (llama-cpp-python): every family x type on tiny models, a LoRA run
+merged, the chat template, and controls that show the checks can fail. Skipped, with the reason, where
+llama-cpp-python is not installed (`make gguf-peer` builds and installs it)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the GGUF peer): `make gguf-peer` "
+                                        "builds it from source once and installs it")
+
+from kiln.cli.main import app  # noqa: E402
+from kiln.interop.gguf_export import write_gguf  # noqa: E402
+from kiln.interop.gguf_verify import PROMPTS, verify_gguf  # noqa: E402
+from kiln.models.auto import load_pretrained  # noqa: E402
+from tests.interop.gguf_cases import FAMILIES, tiny_dir  # noqa: E402
+
+FEW = PROMPTS[:2]  # the CLI checks 10 prompts x 32 tokens; the tests keep to 2 x 16 on 2 shared cores
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("gguf-llama")
+
+
+def _verify(model, path, **kw):
+    kw.setdefault("n_greedy", 16)
+    kw.setdefault("n_kl_positions", 128)
+    checks = verify_gguf(path, model, prompts=kw.pop("prompts", FEW), **kw)
+    return {c.name: c for c in checks}, "\n".join(c.line() for c in checks)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "q8_0"])
+def test_family_type_verified_by_llama_cpp(root, family, kind):
+    model = load_pretrained(tiny_dir(root, family))
+    path = write_gguf(model, root / f"{family}-{kind}" / "m.gguf", kind)
+    checks, text = _verify(model, path)
+    assert all(c.ok for c in checks.values()), text
+    assert "tokenizer" in checks and "end-of-turn tokens end generation" in checks
+    assert "llama-cpp-python Jinja chat rendering" in checks and "llama.cpp built-in chat rendering" in checks
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["q4_k_m", "q5_k_m", "q6_k"])
+def test_k_quants_by_llama_cpp(root, family, kind):
+    """hidden 256: rows split into the K-quants' 256-wide blocks, so llama.cpp quantizes every matrix."""
+    import gguf
+
+    model = load_pretrained(tiny_dir(root, family, hidden=256))
+    path = write_gguf(model, root / f"{family}-{kind}" / "m.gguf", kind)
+    types = {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert {"Q4_K", "Q5_K", "Q6_K"} & types
+    checks, text = _verify(model, path)
+    assert all(c.ok for c in checks.values()), text
+
+
+def test_unpermuted_llama_fails_f32(root, monkeypatch):
+    """Control: without the Q/K permutation llama.cpp's logits differ and the f32 check says so."""
+    import kiln.interop.gguf_arch as arch
+
+    model = load_pretrained(tiny_dir(root, "llama"))
+    import dataclasses
+
+    monkeypatch.setitem(arch.GGUF_FAMILIES, "llama", dataclasses.replace(arch.GGUF_FAMILIES["llama"],
+                                                                         permute_qk=False))
+    path = write_gguf(model, root / "unpermuted" / "m.gguf", "f32")
+    checks, text = _verify(model, path)
+    assert not checks["f32 logits"].ok, text
+
+
+def test_changed_weights_fail_greedy_and_kl(root):
+    """Control: a GGUF of other weights than the source's fails the greedy and KL checks."""
+    model = load_pretrained(tiny_dir(root, "qwen3"))
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.lm_head.weight.mul_(-1.0)
+    for kind in ("f16", "q8_0"):
+        path = write_gguf(other, root / f"other-{kind}" / "m.gguf", kind)
+        checks, text = _verify(model, path)
+        assert not all(c.ok for c in checks.values()), text
+
+
+def test_lora_run_merged(root, tmp_path):
+    """A LoRA model (adapter beside its base) exported with --merge: llama.cpp computes the merged model."""
+    from kiln.models.common.lora import LoraConfig, apply_lora
+
+    model = load_pretrained(tiny_dir(root, "qwen3"))
+    apply_lora(model, LoraConfig(r=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    src = model.save_pretrained(tmp_path / "lora")
+    out = tmp_path / "merged.gguf"
+    r = CliRunner().invoke(app, ["export", str(src), "--format", "gguf", "--out", str(out), "--gguf-type", "f32"])
+    assert r.exit_code != 0 and "--merge" in r.output
+    r = CliRunner().invoke(app, ["export", str(src), "--format", "gguf", "--out", str(out), "--gguf-type", "f32",
+                                 "--merge"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["verify-export", str(out), "--source", str(src)])
+    assert r.exit_code == 0 and "PASS  f32 logits" in r.output, r.output
+    base = tiny_dir(root, "qwen3")  # the base alone is not what the file holds
+    r = CliRunner().invoke(app, ["verify-export", str(out), "--source", str(base)])
+    assert r.exit_code != 0 and "FAIL  f32 logits" in r.output, r.output
+
+
+TRICKY = ["It's 12345 apples,\n\n  don't  you think?", "Ünïcödé 3.14159 ok!!\t\ttabs\r\nnew", "I'LL   go'VE 2024-11-29"]
+
+
+@pytest.mark.parametrize("rule", ["gpt-2", "llama-bpe", "qwen2"])
+def test_pre_tokenizer_rules_split_like_kiln(root, tmp_path, rule):
+    """Each split rule kiln maps to a llama.cpp pre-tokenizer: a BPE trained with it tokenizes digits, contractions,
+    spaces, newlines and non-ASCII text to the same ids in llama.cpp as in kiln."""
+    import json
+
+    from tokenizers import Regex, pre_tokenizers
+
+    from kiln.interop.gguf_vocab import _PRE_BY_RULE
+
+    src = tiny_dir(root, "qwen3")
+    pattern = next(p for p, name in _PRE_BY_RULE.items() if name == rule)
+    tok = json.loads((src / "tokenizer.json").read_text())
+    if rule != "gpt-2":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        t = HFTokenizer.from_str(json.dumps(tok))
+        t.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok = json.loads(t.to_str())
+    d = tmp_path / "m"
+    d.mkdir()
+    for f in src.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    model = load_pretrained(d)
+    path = write_gguf(model, tmp_path / "m.gguf", "f32")
+    import gguf
+
+    assert gguf.GGUFReader(str(path)).get_field("tokenizer.ggml.pre").contents() == rule
+    checks, text = _verify(model, path, prompts=TRICKY)
+    assert checks["tokenizer"].ok, text
+
+
+def test_lora_adapter_applied_by_llama_cpp(root, tmp_path):
+    """A LoRA on llama's q/k (permuted rows in B), v and MLP written as a GGUF adapter: llama.cpp applying it over
+    the base's GGUF computes kiln's LoRA model within f32 rounding."""
+    from kiln.models.common.lora import LoraConfig, apply_lora
+
+    base = tiny_dir(root, "llama")
+    model = load_pretrained(base)
+    apply_lora(model, LoraConfig(r=4, alpha=8, targets=["q_proj", "k_proj", "v_proj", "up_proj"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    src = model.save_pretrained(tmp_path / "lora")
+    r = CliRunner().invoke(app, ["export", str(base), "--format", "gguf", "--out", str(tmp_path / "base.gguf"),
+                                 "--gguf-type", "f32"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["export", str(src), "--format", "gguf", "--out", str(tmp_path / "a" / "lora.gguf"),
+                                 "--lora-adapter"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["verify-export", str(tmp_path / "base.gguf"), "--lora", str(tmp_path / "a" / "lora.gguf"),
+                                 "--source", str(src)])
+    assert r.exit_code == 0 and "PASS  f32 logits" in r.output, r.output
+
+
+def test_qlora_merged_from_the_dequantized_base(root, tmp_path):
+    """A QLoRA model (nf4 base + LoRA) exports merged over the dequantized base; llama.cpp computes what kiln's
+    4-bit model computes within f32 rounding (kiln's reference: the same dequantize-then-merge)."""
+    from kiln.models.common.lora import LoraConfig, apply_lora
+
+    model = load_pretrained(tiny_dir(root, "qwen3"), quantize="nf4")
+    apply_lora(model, LoraConfig(r=4, alpha=8, targets=["q_proj", "down_proj"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+        ids = torch.tensor([model.tokenizer.backend.encode(PROMPTS[0]).ids])
+        qlora_logits = model(input_ids=ids).logits[0].double()
+    path = write_gguf(model, tmp_path / "q.gguf", "f32")
+    checks, text = _verify(model, path)
+    assert checks["f32 logits"].ok, text
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=1,
+                          type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+    llm.eval(ids[0].tolist())
+    theirs = torch.tensor(llm.scores[: ids.shape[1]], dtype=torch.float64)
+    # the 4-bit model's own forward (dequantized per matmul, compute dtype float32, adapter beside) against the
+    # merged file: the same sums in another order, so f32 rounding only (~1e-6), bound as verify-export's f32 check
+    assert model.model.layers[0].self_attn.q_proj.compute_dtype == torch.float32
+    assert ((theirs - qlora_logits).abs().max() / qlora_logits.abs().max()).item() < 1e-4
