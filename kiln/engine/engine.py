@@ -158,7 +158,7 @@ class Engine:
         if was:
             self.model.eval()  # no dropout (LoRA's included) while generating
         try:
-            logits = self.runner.step([p for _, p in planned], self.pool)
+            logits = self.runner.step([p for _, p in planned], self.pool, self.scheduler.max_seqs)
         finally:
             if was:
                 self.model.train(was)
