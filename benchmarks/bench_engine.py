@@ -183,9 +183,11 @@ def main() -> None:
             held = [k for k in kv if k["tokens"]]
             peak = max(held, key=lambda k: k["tokens"])
             ratio = max(k["slots"] / k["tokens"] for k in held)
-            print(f"  engine KV at c={c}: peak {peak['tokens']} tokens in {peak['slots']} slots "
-                  f"({peak['bytes'] / 2**20:.1f} MiB); slots/tokens at most {ratio:.3f} over {len(held)} steps "
-                  f"(block size 16); transformers' static batches hold batch x longest row", flush=True)
+            mean = sum(k["slots"] for k in held) / sum(k["tokens"] for k in held)
+            print(f"  engine KV at c={c} (block size 16): at the peak {peak['tokens']} tokens in {peak['slots']} "
+                  f"slots ({peak['slots'] / peak['tokens']:.3f}x, {peak['bytes'] / 2**20:.1f} MiB); over {len(held)} "
+                  f"steps {mean:.3f}x (slots / tokens summed), at most {ratio:.3f}x; transformers' static batches "
+                  "hold batch x longest row", flush=True)
     scoring(ours)
     print(load_average())
     for c, got in rows:
