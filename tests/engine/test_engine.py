@@ -285,3 +285,21 @@ def test_text_stop_strings_and_top_logprobs():
     assert out.text == text[:text.index(stop)] and out.finish_reason == "stop"
     assert out.token_ids == tokens[:len(out.token_ids)]
     assert rid == "req-0"
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_beside_running_decodes():
+    """step_tokens = 8: a 40-token prompt takes several steps of chunks, and the running request still gets a
+    token at every one of them (the budget serves decodes first)."""
+    model = tiny_model()
+    engine = Engine(model, block_size=4, step_tokens=8)
+    a = engine.add_request([5, 6, 7], SamplingParams(max_tokens=12, temperature=0.0))
+    engine.step()
+    b = engine.add_request(prompts(1, 40, 41, seed=14)[0], SamplingParams(max_tokens=2, temperature=0.0))
+    steps_until_b = 0
+    while True:
+        outs = engine.step()
+        steps_until_b += 1
+        assert [o.request_id for o in outs if o.request_id == a] == [a]  # a decodes at every step
+        if any(o.request_id == b for o in outs):
+            break
+    assert steps_until_b == 6  # 40 prompt tokens, 7 a step beside a's decode token: 6 steps
