@@ -73,7 +73,7 @@ def generate(src: Source, prompt: str, max_new_tokens: int = 40, temperature: fl
     ids = torch.tensor([ids])
     if ids.numel() == 0:
         raise KilnError("the prompt is empty after tokenization")
-    if unsupported(model) is None and set(kwargs) <= {"eos_token_id"}:  # the engine (kiln.engine) runs this family
+    if unsupported(model) is None and set(kwargs) <= {"eos_token_id"} and max_new_tokens >= 1:  # kiln.engine runs it
         eos = kwargs.get("eos_token_id")
         blocks = (ids.size(1) + max_new_tokens) // 16 + 2  # the pool this one request needs, not a default's
         engine = Engine(model, kv_blocks=blocks, max_seqs=1, eos_token_ids=[eos] if isinstance(eos, int) else eos)

@@ -14,10 +14,11 @@ same bits as kiln.engine.score.token_logps on the finished sequence.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence as Seq
+from typing import Sequence as Seq
 
 import torch
 
@@ -115,9 +116,9 @@ class Engine:
 
     def _sequence(self, r: Request, index: int, tokens: list[int]) -> Sequence:
         p = r.params
+        # without a seed of its own, a request's draws follow the engine's seed and its arrival number
         seed = p.seed if p.seed is not None else int.from_bytes(
-            torch.randint(0, 2**62, (1,), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + r.order)
-                          ).numpy().tobytes()[:8], "little")
+            hashlib.blake2b(f"kiln-engine:{self.seed}:{r.order}".encode(), digest_size=8).digest(), "little") >> 1
         detok = None
         if self.tokenizer is not None:
             from kiln.engine.stops import Detokenizer

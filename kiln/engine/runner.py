@@ -169,7 +169,9 @@ class DecoderRunner:
 
         x = self._run(torch.tensor(ids, device=dev), pos_t, kv)
         last = [rows[j][1] - 1 for j in range(len(pieces)) if pieces[j].logits]
-        return self.logits(x[last], limit) if last else x.new_zeros((0, self.model.config.vocab_size), dtype=torch.float32)
+        if not last:
+            return x.new_zeros((0, self.model.config.vocab_size), dtype=torch.float32)
+        return self.logits(x[last], limit)
 
     def logits(self, x: torch.Tensor, limit: int = 64) -> torch.Tensor:
         """float32 logits (N, V) of last-layer hidden states (N, C): the final norm, then the head, in calls of
