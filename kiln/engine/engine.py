@@ -143,6 +143,10 @@ class Engine:
         for j in range(r.params.n):
             self._cancelled.append(RequestOutput(r.request_id, j, [], [], [], "", True, "cancelled"))
 
+    def forget_prefixes(self) -> None:
+        """Call after changing the model's weights: prompts are no longer matched against blocks computed before."""
+        self.pool.forget()
+
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._cancelled)
 
@@ -168,6 +172,7 @@ class Engine:
         row = 0
         for s, piece in planned:
             s.computed += len(piece.ids)
+            self.scheduler.remember(s)
             if piece.logits:
                 chosen += [(q, row) for q in (self._fork(s) if not s.request.forked else [s])]
                 row += 1
@@ -197,7 +202,7 @@ class Engine:
             if len(r.prompt_ids) % bs:
                 table[-1] = self.pool.copy(table[-1])
             q = self._sequence(r, j, list(leader.tokens))
-            q.table, q.computed = table, leader.computed
+            q.table, q.computed, q.keys = table, leader.computed, list(leader.keys)
             seqs.append(q)
         r.seqs = seqs
         return seqs
