@@ -6,7 +6,9 @@ vector code and the tail, or a thread's chunk edge, through the scalar code: exp
 an ulp between the two). So every op here has a shape that depends on nothing but the model:
 
 - `tiled`: row-wise work (norms, projections, the MLP) runs on tiles of exactly `TILE` rows, zero-padded; a
-  product's row depends on its own row and the product's (M, N, K), which is fixed;
+  product's row depends on its own row and the product's (M, N, K), which is fixed; the LM head, the costly
+  product, runs on HEAD_TILE rows or on another row count that `head_tiles` proved, on this machine and model,
+  to give HEAD_TILE's bits (none proven: HEAD_TILE alone);
 - `lanewise`: a transcendental elementwise op runs on a flat copy padded to whole SIMD blocks, in calls small
   enough never to be split between threads, so every element goes through the same vector code;
 - `attend`: each query row is its own (groups x D) @ (D x block) product against each key block; the softmax
