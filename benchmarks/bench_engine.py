@@ -183,9 +183,11 @@ def main() -> None:
             held = [k for k in kv if k["tokens"]]
             peak = max(held, key=lambda k: k["tokens"])
             ratio = max(k["slots"] / k["tokens"] for k in held)
-            print(f"  engine KV at c={c}: peak {peak['tokens']} tokens in {peak['slots']} slots "
-                  f"({peak['bytes'] / 2**20:.1f} MiB); slots/tokens at most {ratio:.3f} over {len(held)} steps "
-                  f"(block size 16); transformers' static batches hold batch x longest row", flush=True)
+            mean = sum(k["slots"] for k in held) / sum(k["tokens"] for k in held)
+            print(f"  engine KV at c={c} (block size 16): at the peak {peak['tokens']} tokens in {peak['slots']} "
+                  f"slots ({peak['slots'] / peak['tokens']:.3f}x, {peak['bytes'] / 2**20:.1f} MiB); over {len(held)} "
+                  f"steps {mean:.3f}x (slots / tokens summed), at most {ratio:.3f}x; transformers' static batches "
+                  "hold batch x longest row", flush=True)
     scoring(ours)
     print(load_average())
     for c, got in rows:
@@ -224,9 +226,9 @@ def scoring(model) -> None:
         lp.backward()
         times[side] = min(times.get(side, float("inf")), time.perf_counter() - t)
     model.eval()
-    print(f"log-probs of 8 x 48 completion tokens, forward + backward: training forward "
-          f"{times['training forward'] * 1000:.0f} ms, the engine's scoring forward {times['scoring forward'] * 1000:.0f}"
-          f" ms ({times['scoring forward'] / times['training forward']:.2f}x)", flush=True)
+    train, score = times["training forward"], times["scoring forward"]
+    print(f"log-probs of 8 x 48 completion tokens, forward + backward: training forward {train * 1000:.0f} ms, "
+          f"the engine's scoring forward {score * 1000:.0f} ms ({score / train:.2f}x)", flush=True)
 
 if __name__ == "__main__":
     main()

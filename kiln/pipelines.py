@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from kiln.engine import Engine, SamplingParams
+from kiln.engine.runner import unsupported
 from kiln.errors import KilnError
 from kiln.hub.resolve import resolve_model_dir
 from kiln.models import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification
@@ -71,6 +73,13 @@ def generate(src: Source, prompt: str, max_new_tokens: int = 40, temperature: fl
     ids = torch.tensor([ids])
     if ids.numel() == 0:
         raise KilnError("the prompt is empty after tokenization")
+    if unsupported(model) is None and set(kwargs) <= {"eos_token_id"} and max_new_tokens >= 1:  # kiln.engine runs it
+        eos = kwargs.get("eos_token_id")
+        blocks = (ids.size(1) + max_new_tokens) // 16 + 2  # the pool this one request needs, not a default's
+        engine = Engine(model, kv_blocks=blocks, max_seqs=1, eos_token_ids=[eos] if isinstance(eos, int) else eos)
+        params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                seed=seed)
+        return model.tokenizer.decode(engine.generate([ids[0].tolist()], params)[0][0].token_ids)
     sampling = dict(do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0,
                     top_k=top_k, top_p=top_p, seed=seed)
     out = model.generate(ids, max_new_tokens=max_new_tokens, **sampling, **kwargs)

@@ -5,9 +5,18 @@ table[t // block_size]. Blocks are reference-counted: the n completions of one r
 blocks (the prompt is stored and prefilled once); a block is written only by a sequence that holds it alone
 (the prompt's last, partly filled block is copied for each completion when they part: copy-on-write). A block
 returns to the free list when its last holder lets go (finish, cancel, preemption).
+
+Full prompt blocks are also remembered by their content (a digest of every token up to the block's end): a
+later request whose prompt starts the same (a common system prompt, the same question again) takes those blocks
+instead of prefilling them. A freed block keeps its content until it is lent again (the least recently freed
+first), so a remembered block may outlive its request. Reusing keys is exact: a token's keys do not depend on
+what was computed beside it.
 """
 
 from __future__ import annotations
+
+import hashlib
+from collections import deque
 
 import torch
 
@@ -27,7 +36,9 @@ class BlockPool:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.block_size, self.num_blocks = block_size, num_blocks
         self.refs = [0] * num_blocks
-        self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # popped from the end: lowest ids first
+        self.free: deque[int] = deque(range(num_blocks))  # lent from the left: the least recently freed first
+        self.known: dict[bytes, int] = {}   # prefix digest -> the block holding that prefix's last block
+        self.key_of: dict[int, bytes] = {}
 
     @property
     def num_free(self) -> int:
@@ -40,8 +51,35 @@ class BlockPool:
     def allocate(self) -> int:
         if not self.free:
             raise KilnError("the KV cache is out of blocks")  # the scheduler checks first; an internal slip
-        b = self.free.pop()
+        b = self.free.popleft()
+        key = self.key_of.pop(b, None)
+        if key is not None:  # its remembered content is overwritten from now on
+            del self.known[key]
         self.refs[b] = 1
+        return b
+
+    @staticmethod
+    def digest(prev: bytes, tokens: list[int]) -> bytes:
+        """The key of a full block: its tokens after the key of the prefix before it."""
+        return hashlib.blake2b(prev + b"|" + ",".join(map(str, tokens)).encode(), digest_size=16).digest()
+
+    def remember(self, block: int, key: bytes) -> None:
+        if key not in self.known and block not in self.key_of:
+            self.known[key], self.key_of[block] = block, key
+
+    def forget(self) -> None:
+        """Drop every remembered prefix (the model's weights changed: the keys they hold are stale)."""
+        self.known.clear()
+        self.key_of.clear()
+
+    def reuse(self, key: bytes) -> int | None:
+        """The block remembered under `key`, now held once more, or None."""
+        b = self.known.get(key)
+        if b is None:
+            return None
+        if self.refs[b] == 0:
+            self.free.remove(b)
+        self.refs[b] += 1
         return b
 
     def share(self, block: int) -> None:

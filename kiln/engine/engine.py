@@ -14,10 +14,11 @@ same bits as kiln.engine.score.token_logps on the finished sequence.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence as Seq
+from typing import Sequence as Seq
 
 import torch
 
@@ -115,9 +116,9 @@ class Engine:
 
     def _sequence(self, r: Request, index: int, tokens: list[int]) -> Sequence:
         p = r.params
+        # without a seed of its own, a request's draws follow the engine's seed and its arrival number
         seed = p.seed if p.seed is not None else int.from_bytes(
-            torch.randint(0, 2**62, (1,), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + r.order)
-                          ).numpy().tobytes()[:8], "little")
+            hashlib.blake2b(f"kiln-engine:{self.seed}:{r.order}".encode(), digest_size=8).digest(), "little") >> 1
         detok = None
         if self.tokenizer is not None:
             from kiln.engine.stops import Detokenizer
@@ -142,6 +143,10 @@ class Engine:
         for j in range(r.params.n):
             self._cancelled.append(RequestOutput(r.request_id, j, [], [], [], "", True, "cancelled"))
 
+    def forget_prefixes(self) -> None:
+        """Call after changing the model's weights: prompts are no longer matched against blocks computed before."""
+        self.pool.forget()
+
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._cancelled)
 
@@ -158,7 +163,7 @@ class Engine:
         if was:
             self.model.eval()  # no dropout (LoRA's included) while generating
         try:
-            logits = self.runner.step([p for _, p in planned], self.pool)
+            logits = self.runner.step([p for _, p in planned], self.pool, self.scheduler.max_seqs)
         finally:
             if was:
                 self.model.train(was)
@@ -167,6 +172,7 @@ class Engine:
         row = 0
         for s, piece in planned:
             s.computed += len(piece.ids)
+            self.scheduler.remember(s)
             if piece.logits:
                 chosen += [(q, row) for q in (self._fork(s) if not s.request.forked else [s])]
                 row += 1
@@ -196,7 +202,7 @@ class Engine:
             if len(r.prompt_ids) % bs:
                 table[-1] = self.pool.copy(table[-1])
             q = self._sequence(r, j, list(leader.tokens))
-            q.table, q.computed = table, leader.computed
+            q.table, q.computed, q.keys = table, leader.computed, list(leader.keys)
             seqs.append(q)
         r.seqs = seqs
         return seqs

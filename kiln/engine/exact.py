@@ -6,7 +6,9 @@ vector code and the tail, or a thread's chunk edge, through the scalar code: exp
 an ulp between the two). So every op here has a shape that depends on nothing but the model:
 
 - `tiled`: row-wise work (norms, projections, the MLP) runs on tiles of exactly `TILE` rows, zero-padded; a
-  product's row depends on its own row and the product's (M, N, K), which is fixed;
+  product's row depends on its own row and the product's (M, N, K), which is fixed; the LM head, the costly
+  product, runs on HEAD_TILE rows or on another row count that `head_tiles` proved, on this machine and model,
+  to give HEAD_TILE's bits (none proven: HEAD_TILE alone);
 - `lanewise`: a transcendental elementwise op runs on a flat copy padded to whole SIMD blocks, in calls small
   enough never to be split between threads, so every element goes through the same vector code;
 - `attend`: each query row is its own (groups x D) @ (D x block) product against each key block; the softmax
@@ -46,19 +48,22 @@ def tiled(fn: Callable[..., torch.Tensor], *xs: torch.Tensor, tile: int = TILE) 
 
 
 def head_tiles(fn: Callable[[torch.Tensor], torch.Tensor], width: int, dtype: torch.dtype,
-               device: torch.device) -> tuple[int, ...]:
-    """The LM head's row counts that give the bits of HEAD_TILE-row calls on this machine, HEAD_TILE first.
+               device: torch.device, limit: int = max(HEAD_SIZES)) -> tuple[int, ...]:
+    """The LM head's row counts up to `limit` that give the bits of HEAD_TILE-row calls on this machine,
+    HEAD_TILE first.
 
     The head's (rows x vocab) product dominates a decode step, and its per-row cost falls steeply with the row
     count, so one call per step of about the running rows is worth having. A row count joins only if calls of
-    that many rows reproduce HEAD_TILE-row calls bit for bit on 64 random rows (a product that orders a row's
-    sum differently differs on nearly every one of the 64 x vocab outputs). Unproven sizes are never used, so
+    that many rows reproduce HEAD_TILE-row calls bit for bit on random rows (a product that orders a row's sum
+    differently differs on nearly every one of the rows x vocab outputs). Unproven sizes are never used, so
     the guarantee stays that of fixed shapes."""
+    sizes = tuple(m for m in HEAD_SIZES if m <= max(limit, min(HEAD_SIZES)))
+    rows = max((HEAD_TILE,) + sizes)
     g = torch.Generator(device="cpu").manual_seed(0)
-    probe = torch.randn(64, width, generator=g).to(device=device, dtype=dtype)
+    probe = torch.randn(rows, width, generator=g).to(device=device, dtype=dtype)
     with torch.no_grad():
         ref = tiled(fn, probe, tile=HEAD_TILE)
-        return (HEAD_TILE,) + tuple(m for m in HEAD_SIZES if torch.equal(tiled(fn, probe, tile=m), ref))
+        return (HEAD_TILE,) + tuple(m for m in sizes if torch.equal(tiled(fn, probe, tile=m), ref))
 
 
 def tiled_menu(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:

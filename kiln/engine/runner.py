@@ -80,7 +80,7 @@ class DecoderRunner:
             self.cos, self.sin = rope_table(self.backbone.rotary_emb, max_positions,
                                             torch.zeros((), dtype=self.dtype, device=self.device))
         self.mlps = [_mlp_fn(layer.mlp) for layer in self.backbone.layers]
-        self.head_sizes = head_tiles(self._head, weight.shape[1], self.dtype, self.device)
+        self._menus: dict[int, tuple[int, ...]] = {}  # row limit -> LM-head call sizes proven equal (exact.py)
 
     def new_pool(self, num_blocks: int, block_size: int) -> BlockPool:
         return BlockPool(self.num_layers, num_blocks, block_size, self.kv_heads, self.head_dim, self.dtype,
@@ -129,7 +129,7 @@ class DecoderRunner:
 
     # ---- the engine's step ----------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, pieces: list[Piece], pool: BlockPool) -> torch.Tensor:
+    def step(self, pieces: list[Piece], pool: BlockPool, limit: int = 64) -> torch.Tensor:
         """Feed every piece's tokens (their keys/values go into the pool); float32 logits (P, V) of the last
         token of each piece with `logits`, in order. Decode pieces (one token) come first in `pieces`' order
         of rows and attend in one call, each over its own blocks (the block lists padded to the longest: the
@@ -169,11 +169,17 @@ class DecoderRunner:
 
         x = self._run(torch.tensor(ids, device=dev), pos_t, kv)
         last = [rows[j][1] - 1 for j in range(len(pieces)) if pieces[j].logits]
-        return self.logits(x[last]) if last else x.new_zeros((0, self.model.config.vocab_size), dtype=torch.float32)
+        if not last:
+            return x.new_zeros((0, self.model.config.vocab_size), dtype=torch.float32)
+        return self.logits(x[last], limit)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 logits (N, V) of last-layer hidden states (N, C): the final norm, then the head, on tiles."""
-        return tiled_menu(self._head, x, self.head_sizes).float()
+    def logits(self, x: torch.Tensor, limit: int = 64) -> torch.Tensor:
+        """float32 logits (N, V) of last-layer hidden states (N, C): the final norm, then the head, in calls of
+        row counts proven to give the same bits (up to about `limit` rows a call: the caller's usual count)."""
+        if limit not in self._menus:
+            width = self.backbone.embed_tokens.weight.shape[1]
+            self._menus[limit] = head_tiles(self._head, width, self.dtype, self.device, limit)
+        return tiled_menu(self._head, x, self._menus[limit]).float()
 
     def _head(self, t: torch.Tensor) -> torch.Tensor:
         return self.model.head(self.backbone.norm(t))

@@ -43,6 +43,7 @@ class Sequence:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    keys: list[bytes] = field(default_factory=list)  # content keys of its full blocks (kiln.engine.cache)
 
     @property
     def output(self) -> list[int]:
@@ -73,7 +74,7 @@ class Scheduler:
         """Free the request's blocks; its sequences recompute their tokens when they run again."""
         for s in victim.seqs:
             self.pool.release(s.table)
-            s.table, s.computed = [], 0
+            s.table, s.computed, s.keys = [], 0, []
         self.running.remove(victim)
         self.waiting.insert(0, victim)
 
@@ -85,9 +86,33 @@ class Scheduler:
         s.table += [self.pool.allocate() for _ in range(need)]
         return True
 
+    def _reuse(self, s: Sequence) -> None:
+        """A sequence about to prefill from nothing takes the remembered blocks its tokens start with (at least
+        its last token is left to run: its logits are wanted)."""
+        bs = self.pool.block_size
+        for j in range((len(s.tokens) - 1) // bs):
+            key = self.pool.digest(s.keys[-1] if s.keys else b"", s.tokens[j * bs:(j + 1) * bs])
+            block = self.pool.reuse(key)
+            if block is None:
+                break
+            s.table.append(block)
+            s.keys.append(key)
+        s.computed = len(s.table) * bs
+
+    def remember(self, s: Sequence) -> None:
+        """Remember s's full blocks whose keys are all in the pool now."""
+        bs = self.pool.block_size
+        for j in range(len(s.keys), s.computed // bs):
+            s.keys.append(self.pool.digest(s.keys[-1] if s.keys else b"", s.tokens[j * bs:(j + 1) * bs]))
+            self.pool.remember(s.table[j], s.keys[-1])
+
     def schedule(self) -> list[tuple[Sequence, Piece]]:
         """This step's pieces. Decodes first, then prefill chunks, within the budget and the pool."""
         self._admit()
+        for r in self.running:
+            for s in r.seqs:
+                if s.finish_reason is None and s.computed == 0 and not s.table:
+                    self._reuse(s)
         while True:
             live = [s for r in self.running for s in r.seqs if s.finish_reason is None]
             decodes = [s for s in live if len(s.tokens) - s.computed == 1]

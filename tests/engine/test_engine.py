@@ -285,3 +285,40 @@ def test_text_stop_strings_and_top_logprobs():
     assert out.text == text[:text.index(stop)] and out.finish_reason == "stop"
     assert out.token_ids == tokens[:len(out.token_ids)]
     assert rid == "req-0"
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_beside_running_decodes():
+    """step_tokens = 8: a 40-token prompt takes several steps of chunks, and the running request still gets a
+    token at every one of them (the budget serves decodes first)."""
+    model = tiny_model()
+    engine = Engine(model, block_size=4, step_tokens=8)
+    a = engine.add_request([5, 6, 7], SamplingParams(max_tokens=12, temperature=0.0))
+    engine.step()
+    b = engine.add_request(prompts(1, 40, 41, seed=14)[0], SamplingParams(max_tokens=2, temperature=0.0))
+    steps_until_b = 0
+    while True:
+        outs = engine.step()
+        steps_until_b += 1
+        assert [o.request_id for o in outs if o.request_id == a] == [a]  # a decodes at every step
+        if any(o.request_id == b for o in outs):
+            break
+    assert steps_until_b == 6  # 40 prompt tokens, 7 a step beside a's decode token: 6 steps
+
+
+def test_a_common_prompt_prefix_is_computed_once():
+    """A later request whose prompt starts with an earlier one's (a system prompt) takes its full blocks: only
+    the rest is fed, and its tokens and log-probs are those it gets alone. After forget_prefixes, all is fed."""
+    model = tiny_model()
+    system = prompts(1, 13, 14, seed=15)[0]  # 13 tokens: 3 full blocks of 4
+    a, b = system + [5, 6], system + [7, 8, 9]
+    engine = Engine(model, block_size=4)
+    engine.generate([a], GREEDY)
+    fed = engine.tokens_fed
+    out = engine.generate([b], GREEDY)[0]
+    assert engine.tokens_fed - fed == len(b) - 12 + (10 - 1)  # the 12 tokens of the 3 full blocks were not fed
+    assert results(out) == results(Engine(model, block_size=4).generate([b], GREEDY)[0])
+    engine.forget_prefixes()
+    fed = engine.tokens_fed
+    engine.generate([b], GREEDY)
+    assert engine.tokens_fed - fed == len(b) + 10 - 1
+    assert engine.pool.num_free == engine.pool.num_blocks
