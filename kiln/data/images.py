@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from kiln.errors import KilnError
+from kiln.hub.files import why_unreadable
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -46,8 +47,9 @@ def open_image(image: ImageLike, max_pixels: int | None = None, what: str = "ima
     name = what
     if isinstance(image, (str, os.PathLike)):
         name = str(image)
-        if not Path(image).is_file():
-            raise KilnError(f"{what}: image file {name} does not exist")
+        why = why_unreadable(image, empty_ok=False)
+        if why is not None:  # a dangling link or an unreadable file is named, not "does not exist"
+            raise KilnError(f"{what}: image file {name} {why}")
         try:
             with Image.open(image) as f:
                 f.load()
