@@ -39,13 +39,15 @@ from kiln.data.hfdata import source_sha256
 from kiln.data.loader import pad_collate
 from kiln.data.preference import Example, encode_preferences
 from kiln.errors import ConfigError, KilnError
+from kiln.hub.config import read_config
+from kiln.hub.resolve import resolve_model_dir
 from kiln.models.auto import load_pretrained
 from kiln.models.common.lora import LoraLinear
 from kiln.models.common.lora_experts import ExpertLora
 from kiln.models.common.tied_grad import coalesce_tied_gradient
 from kiln.models.tasks import CAUSAL_LM
 from kiln.parallel.world import World, all_reduce_sum, barrier
-from kiln.train.config import RunConfig, Section
+from kiln.train.config import NonNegative, Positive, RunConfig, Section, finite
 from kiln.train.logps import token_logps
 from kiln.train.preference import REFERENCE_FREE, LossType, PairLosses, preference_losses
 from kiln.train.recipes.base import Extension, RunParts, add_lora, build_model, check_text_model
@@ -68,10 +70,10 @@ class DPOSection(Section):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_by_name=True,
                               serialize_by_alias=True)
     loss_type: LossType = "sigmoid"
-    beta: float = 0.1                  # sigmoid / hinge / ipo / simpo temperature
-    label_smoothing: float = 0.0       # sigmoid and simpo: the chance a label is flipped (conservative DPO)
-    gamma: float = 0.5                 # simpo: the target margin (TRL's simpo_gamma)
-    lambda_: float = Field(0.1, alias="lambda")  # orpo: weight of the odds-ratio term (TRL's ORPO beta)
+    beta: Positive = 0.1                  # sigmoid / hinge / ipo / simpo temperature
+    label_smoothing: finite(ge=0, lt=0.5) = 0.0       # sigmoid and simpo: the chance a label is flipped (conservative DPO)
+    gamma: NonNegative = 0.5                 # simpo: the target margin (TRL's simpo_gamma)
+    lambda_: NonNegative = Field(0.1, alias="lambda")  # orpo: weight of the odds-ratio term (TRL's ORPO beta)
     reference: str | None = None       # an HF directory; default: the starting weights
     precompute_reference: bool = False  # reference log-probs computed once, cached with the run
 
@@ -393,6 +395,8 @@ class DPOExtension(Extension):
 
     def extend(self, cfg: RunConfig, parts: RunParts) -> None:
         c, evals = cfg.dpo, parts.eval_data
+        if c.reference is not None and c.loss_type not in REFERENCE_FREE:
+            check_reference_vocab(c.reference, parts.model)
         copy_needed = c.loss_type not in REFERENCE_FREE and c.reference is None and cfg.lora is None \
             and not c.precompute_reference
         if copy_needed and getattr(parts.model, "pending_read", None) is not None:
@@ -405,6 +409,18 @@ class DPOExtension(Extension):
         parts.step = run.step
         parts.evaluate = run.evaluate if evals else None
         parts.callbacks.append(run)
+
+
+def check_reference_vocab(reference: str, model: nn.Module) -> None:
+    """dpo.reference scores the tokenizer's ids: its vocabulary must hold them all (read from its config.json now,
+    so a smaller one is refused naming both sizes, not an IndexError at the first step)."""
+    config = read_config(resolve_model_dir(reference))
+    vocab = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    tok = getattr(model, "tokenizer", None)
+    if isinstance(vocab, int) and tok is not None and tok.vocab_size > vocab:
+        raise ConfigError(f"dpo.reference {reference}: its vocab_size is {vocab} but the tokenizer has "
+                          f"{tok.vocab_size} tokens; ids {vocab}..{tok.vocab_size - 1} would index past the "
+                          "reference's embedding table. Use a reference with the policy's vocabulary")
 
 
 RECIPE = DPO()

@@ -29,7 +29,7 @@ from kiln.errors import ConfigError, KilnError
 from kiln.models.sentence import Pooling, pool, sentence_model
 from kiln.models.tasks import BASE, SENTENCE_EMBEDDING
 from kiln.parallel.world import World
-from kiln.train.config import DataSection, RunConfig, Section
+from kiln.train.config import DataSection, NonNegative, Positive, RunConfig, Section
 from kiln.train.recipes.base import Extension, Recipe, RunParts, add_lora, build_model, check_text_model
 from kiln.train.recipes.finetune import RecordsData
 
@@ -49,8 +49,8 @@ class EmbeddingData(RecordsData):
 class EmbeddingSection(Section):
     """How the embeddings are trained and pooled."""
     loss: Literal["mnrl", "cosent", "triplet"] = "mnrl"
-    scale: float = 20.0                  # mnrl, cosent: multiplies the cosines
-    margin: float = 5.0                  # triplet: Euclidean margin
+    scale: Positive = 20.0                  # mnrl, cosent: multiplies the cosines
+    margin: NonNegative = 5.0                  # triplet: Euclidean margin
     pooling: Mode | None = None          # default: the directory's 1_Pooling, else mean
     normalize: bool | None = None        # default: the directory's 2_Normalize, else true
 
