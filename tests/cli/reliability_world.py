@@ -43,13 +43,13 @@ def raw_shards(folder: Path, n: int = 4, tokens: int = 400, seed: int = 0) -> Pa
     return folder
 
 
-def pretrain_config(path: Path, train: Path, out_dir: Path, config: dict | None = None, family: str = "qwen3",
+def pretrain_config(path: Path, tokens: Path, out_dir: Path, config: dict | None = None, family: str = "qwen3",
                     **sections) -> Path:
     """A from-scratch pretrain run on raw uint16 token ids (config: changes to the tiny config; None drops a key)."""
     config = {k: v for k, v in {**TINY_QWEN3, **(config or {})}.items() if v is not None}
     return write_toml(path, {
         "model": {"family": family, "task": "causal-lm", "config": config},
-        "data": {"train": train, "max_length": 16, "dtype": "uint16", **sections.pop("data", {})},
+        "data": {"train": tokens, "max_length": 16, "dtype": "uint16", **sections.pop("data", {})},
         "train": {"out_dir": out_dir, "steps": 2, "batch_size": 2, "progress": False, "device": "cpu",
                   **sections.pop("train", {})}, **sections})
 
