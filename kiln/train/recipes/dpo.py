@@ -26,6 +26,7 @@ import copy
 import hashlib
 import json
 import math
+import sys
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
@@ -49,7 +50,7 @@ from kiln.models.tasks import CAUSAL_LM
 from kiln.parallel.world import World, all_reduce_sum, barrier
 from kiln.train.config import NonNegative, Positive, RunConfig, Section, finite
 from kiln.train.logps import token_logps
-from kiln.train.preference import REFERENCE_FREE, LossType, PairLosses, preference_losses
+from kiln.train.preference import LEARNS_CHOSEN, REFERENCE_FREE, LossType, PairLosses, preference_losses
 from kiln.train.recipes.base import Extension, RunParts, add_lora, build_model, check_text_model
 from kiln.train.engine import StepEngine
 from kiln.train.plans import place_frozen
@@ -368,6 +369,7 @@ class DPO(FineTune):
             print(f"dpo: data.train {d.train}: {stats.line()}")
         if not train:
             raise KilnError(f"data.train {d.train}: no preference pair left within data.max_length = {d.max_length}")
+        check_signal(cfg, stats, world)
         evals = None
         if eval_records is not None:
             evals, estats = encode_preferences(eval_records, model.tokenizer, d.max_length)
@@ -409,6 +411,23 @@ class DPOExtension(Extension):
         parts.step = run.step
         parts.evaluate = run.evaluate if evals else None
         parts.callbacks.append(run)
+
+
+def check_signal(cfg: RunConfig, stats: Any, world: World) -> None:
+    """A pair whose chosen and rejected tokens are the same carries no preference: its loss has no gradient
+    (only ORPO's NLL on the chosen reply still learns from it). All such: refused; some: said once, counted."""
+    n, same = stats.pairs, stats.identical
+    if not same:
+        return
+    learns_chosen = cfg.dpo.loss_type in LEARNS_CHOSEN
+    if same == n and not learns_chosen:
+        raise KilnError(f"data.train {cfg.data.train}: every one of its {n} preference pairs has chosen = rejected "
+                        f"(once tokenized and cut to data.max_length = {cfg.data.max_length}), so dpo.loss_type "
+                        f"{cfg.dpo.loss_type!r} has nothing to learn from them")
+    if world.main:
+        print(f"warning: data.train {cfg.data.train}: {same} of {n} preference pairs have chosen = rejected and carry "
+              f"no preference signal{' (only the chosen reply is learned from them)' if learns_chosen else ''}; "
+              f"{n - same} carry signal", file=sys.stderr)
 
 
 def check_reference_vocab(reference: str, model: nn.Module) -> None:
