@@ -180,8 +180,8 @@ class ShardSet:
         path, entry = self.paths[i], self.entries[i]
         why = why_unreadable(path)
         if why is not None:
-            raise ShardError(f"{path}: shard listed in {MANIFEST} is "
-                             f"{'missing' if why == 'does not exist' else why}")
+            raise ShardError(f"{path}: shard listed in {MANIFEST} "
+                             f"{'is missing' if why == 'does not exist' else why}")
         size = path.stat().st_size
         if size == 0 or entry["tokens"] == 0:
             raise ShardError(f"{path}: empty shard (0 {'bytes' if size == 0 else 'tokens'})")

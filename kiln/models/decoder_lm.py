@@ -8,6 +8,8 @@ ones every causal backbone shares (`common/causal_lm.py`): the base model and ba
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
@@ -86,6 +88,17 @@ class DecoderConfig(FamilyConfig):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{source}: {name} must be an integer >= 1, got {value!r}")
+        if self.max_position_embeddings is not None and not (
+                isinstance(self.max_position_embeddings, int) and self.max_position_embeddings >= 1):
+            raise ConfigError(f"{source}: max_position_embeddings must be an integer >= 1, got "
+                              f"{self.max_position_embeddings!r}")
+        for name, want, fits in (("rms_norm_eps", "> 0", lambda v: v > 0),
+                                 ("attention_dropout", ">= 0 and < 1", lambda v: 0 <= v < 1),
+                                 ("initializer_range", ">= 0", lambda v: v >= 0)):
+            value = getattr(self, name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not (number and fits(value)):  # a NaN eps turns every step NaN; a dropout of 2 fails at the forward
+                raise ConfigError(f"{source}: {name} must be a finite number {want}, got {value!r}")
         r = self.rotary_dim
         if r % 2:
             from_what = (f"head_dim ({self.head_dim})" if self.head_dim is not None else

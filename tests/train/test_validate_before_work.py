@@ -155,3 +155,20 @@ def test_a_nan_in_a_4bit_quant_state_is_refused_naming_the_tensor(tiny_factory, 
     code, out = run_cli("train", "--config", cfg)
     assert code == 1 and f"quant-state tensor '{name}' holds 1 non-finite value" in out, out
     assert snapshot(bad) == before and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("config,says", [
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a finite number > 0, got nan"),
+    ({"rope_theta": -1.0}, "rope_theta must be a finite number > 0, got -1.0"),
+    ({"attention_dropout": 2.0}, "attention_dropout must be a finite number >= 0 and < 1, got 2.0"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings must be an integer >= 1, got 0"),
+], ids=["eps-nan", "theta-negative", "dropout-2", "positions-0"])
+def test_from_config_float_fields_refused(tmp_path, config, says):
+    """Found by the sweep: a NaN eps or a negative rope base ran every step as NaN and ended "done"; a dropout
+    of 2 was a traceback (exit 70); 0 positions trained."""
+    tok = raw_shards(tmp_path / "tok", 1)
+    cfg = pretrain_config(tmp_path / "run.toml", tok, tmp_path / "out", config=config)
+    before = snapshot(tmp_path)
+    code, out = run_cli("train", "--config", cfg)
+    assert code == 1 and says in out and "Traceback" not in out, out
+    assert snapshot(tmp_path) == before and not (tmp_path / "out").exists()
