@@ -426,4 +426,9 @@ def load_run_config(path: str | os.PathLike, overrides: Sequence[tuple[str, Any]
         if key == "path" and not joined.exists() and parse_repo_id(value) is not None:
             continue  # model.path = "org/name": a Hub repo id, resolved through the HF cache when loaded
         table[key] = str(joined)
+    for key in ("train", "eval"):  # before a recipe is picked by what the path is: a dangling link is no kind of data
+        value = data.get("data", {}).get(key) if isinstance(data.get("data"), dict) else None
+        if isinstance(value, str) and os.path.islink(value) and not os.path.exists(value):
+            raise ConfigError(f"data.{key} {value}: a dangling symbolic link (to {os.readlink(value)}, which does "
+                              "not exist: an unmounted share?)")
     return parse_run_config(data, str(path), text, overridden)

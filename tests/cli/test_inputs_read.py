@@ -185,3 +185,13 @@ def test_a_linked_class_folder_is_read_and_a_link_loop_walked_once(tmp_path):
     names = [p.relative_to(tmp_path / "root").as_posix() for p in
              folder_files(tmp_path / "root", lambda p: p.suffix == ".png", recursive=True)]
     assert names == ["a/0.png", "b/1.png"], names
+
+
+def test_data_train_a_dangling_link_to_a_folder_is_named_not_taken_for_records(tmp_path):
+    """Found by the sweep: the recipe was picked as if the path were a records file ("unknown key data.dtype")."""
+    (tmp_path / "tok").symlink_to("/nfs/unmounted/tokdir")
+    cfg = pretrain_config(tmp_path / "run.toml", tmp_path / "tok", tmp_path / "out")
+    before = snapshot(tmp_path)
+    code, out = run_cli("train", "--config", cfg)
+    assert code == 1 and "data.train " in out and "tok: a dangling symbolic link (to /nfs/unmounted/tokdir" in out, out
+    assert snapshot(tmp_path) == before
