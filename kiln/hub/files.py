@@ -99,7 +99,11 @@ def folder_files(folder: str | os.PathLike, selects: Callable[[Path], bool], *, 
     folder = Path(folder)
     found, bad = [], []
     for p in sorted(_entries(folder, recursive)):
-        if not selects(p) or (recursive and p.is_dir()):  # a folder's files are entries of their own
+        dangling = p.is_symlink() and not p.exists()
+        # walking a tree, a dangling link without a suffix may be a sub-folder of the data (an unmounted class
+        # folder): refused too (a dot-name without a suffix is not taken for one)
+        lost_folder = recursive and dangling and not p.suffix and not p.name.startswith(".")
+        if not (selects(p) or lost_folder) or (recursive and p.is_dir()):  # a folder's files are entries of their own
             continue
         why = why_unreadable(p, empty_ok=empty_ok)
         if why is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -75,7 +76,8 @@ def test_train_refuses_a_named_dangling_token_file_and_a_folder_named_like_a_sha
     (tok / "shard-009.bin").mkdir()
     before = snapshot(tmp_path)
     code, out = run_cli("train", "--config", pretrain_config(tmp_path / "a.toml", tmp_path / "gone.bin", tmp_path / "o"))
-    assert code == 1 and "gone.bin: the token file is a dangling symbolic link" in out, out
+    # named at config load, before a recipe is picked by what the path is
+    assert code == 1 and "data.train " in out and "gone.bin: a dangling symbolic link" in out, out
     code, out = run_cli("train", "--config", pretrain_config(tmp_path / "b.toml", tok, tmp_path / "o"))
     assert code == 1 and "shard-009.bin is not a regular file" in out, out
     before.pop("a.toml", None), before.pop("b.toml", None)
@@ -110,7 +112,7 @@ def test_records_file_behind_a_dangling_link_is_named(tmp_path, tiny_factory):
         "train": {"out_dir": tmp_path / "out", "steps": 1, "batch_size": 2, "progress": False, "device": "cpu"}})
     before = snapshot(tmp_path)
     code, out = run_cli("train", "--config", cfg)
-    assert code == 1 and "train.jsonl: data file is a dangling symbolic link (to /nfs/unmounted/train.jsonl" in out, out
+    assert code == 1 and "train.jsonl: a dangling symbolic link (to /nfs/unmounted/train.jsonl" in out, out
     assert snapshot(tmp_path) == before
 
 
@@ -195,3 +197,30 @@ def test_data_train_a_dangling_link_to_a_folder_is_named_not_taken_for_records(t
     code, out = run_cli("train", "--config", cfg)
     assert code == 1 and "data.train " in out and "tok: a dangling symbolic link (to /nfs/unmounted/tokdir" in out, out
     assert snapshot(tmp_path) == before
+
+
+def test_an_image_class_folder_behind_a_dangling_link_is_refused(tmp_path):
+    """Found by the sweep: class folder b, a link into an unmounted share, was skipped; the run trained on a."""
+    train = _images(tmp_path)
+    shutil.rmtree(train / "b")
+    (train / "b").symlink_to("/nfs/unmounted/b")
+    cfg = _vit_config(tmp_path, train)
+    before = snapshot(tmp_path)
+    code, out = run_cli("train", "--config", cfg)
+    assert code == 1 and "1 image of this folder cannot be read" in out, out
+    assert "train/b is a dangling symbolic link (to /nfs/unmounted/b" in out, out
+    assert snapshot(tmp_path) == before and not (tmp_path / "out").exists()
+
+
+def test_readers_refuse_a_dangling_file_named_from_python(tmp_path):
+    """The same reasons from the Python API, where no run config names the file first."""
+    from kiln.data import read_records
+    from kiln.data.raw import raw_files
+    from kiln.errors import KilnError
+
+    (tmp_path / "gone.bin").symlink_to("/nfs/unmounted/gone.bin")
+    (tmp_path / "rows.jsonl").symlink_to("/nfs/unmounted/rows.jsonl")
+    with pytest.raises(KilnError, match="gone.bin: the token file is a dangling symbolic link"):
+        raw_files(tmp_path / "gone.bin")
+    with pytest.raises(KilnError, match="rows.jsonl: data file is a dangling symbolic link"):
+        read_records(tmp_path / "rows.jsonl")

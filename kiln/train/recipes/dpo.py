@@ -433,7 +433,10 @@ def check_signal(cfg: RunConfig, stats: Any, world: World) -> None:
 def check_reference_vocab(reference: str, model: nn.Module) -> None:
     """dpo.reference scores the tokenizer's ids: its vocabulary must hold them all (read from its config.json now,
     so a smaller one is refused naming both sizes, not an IndexError at the first step)."""
-    config = read_config(resolve_model_dir(reference))
+    try:
+        config = read_config(resolve_model_dir(reference))
+    except ConfigError as e:
+        raise ConfigError(f"dpo.reference: {e}") from None
     vocab = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
     tok = getattr(model, "tokenizer", None)
     if isinstance(vocab, int) and tok is not None and tok.vocab_size > vocab:

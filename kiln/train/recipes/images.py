@@ -38,7 +38,8 @@ class ImageData(RecordsData):
 def read_image_records(path: str, d: ImageData) -> list[Record]:
     """Records {image_field: absolute path, label_field: label} from a class-per-folder tree or a records file."""
     root = Path(path)
-    if root.is_dir() and any(p.is_dir() for p in root.iterdir()):
+    if root.is_dir() and any(p.is_dir() or (p.is_symlink() and not p.exists() and not p.suffix)
+                             for p in root.iterdir()):
         # one listing of the whole tree, so every class folder's unreadable images are named at once
         files = folder_files(root, lambda f: f.parent.parent == root and f.suffix.lower() in SUFFIXES,
                              recursive=True, what="image", empty_ok=False)
