@@ -199,7 +199,7 @@ pad_token_id = 0          # <|endoftext|>
 train = "data/train.jsonl"  # {"text": ..., "label": ...} per line; labels are read from the data
 eval = "data/eval.jsonl"
 max_length = 64            # the first 64 tokens of an article tell its topic
-""" + TRAIN.format(name=name, steps=150, lr=3e-3, eval_every=50, batch=16, warmup=15)
+""" + TRAIN.format(name=name, steps=150, lr=3e-3, eval_every=50, batch=16, warmup=0)
         what = ("500 generated news-like articles of 5 topics split 400 train / 100 eval, and a 512-token BPE "
                 "trained on the train split (data/tokenizer).")
     elif template == "sft":
