@@ -4,3 +4,8 @@ IGNORE_INDEX = -100  # a target position that carries no loss (the value transfo
 # `kiln launch` names a folder here where each rank leaves its pid once it catches SIGTERM / SIGINT
 # (kiln.train.preempt), so the launcher can pass a signal on to the ranks themselves.
 LAUNCH_DIR_ENV = "KILN_LAUNCH_DIR"
+# ... and, when the launcher itself got SIGTERM / SIGINT, a file of this name, so a rank tells the launcher's
+# signal (say so, stop) from torchrun's teardown after a lost peer (stay quiet: the launcher says what happened)
+LAUNCHER_SIGNAL_FILE = "launcher-signal"
+# ... and where kiln.cli.torchrun leaves its one line on how the ranks ended, for the launcher to print
+LAUNCH_CAUSE_FILE = "launch-cause.txt"

@@ -14,9 +14,11 @@ wins and nothing is said. A process that started earlier keeps the count it chos
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import math
 import os
+import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -25,6 +27,7 @@ from typing import Any, Callable
 import typer
 
 from kiln.cli.output import note
+from kiln.constants import LAUNCH_DIR_ENV
 from kiln.errors import KilnError
 
 # Exit codes of `kiln train` (README, "Exit codes"): what a scheduler script needs to decide on a requeue.
@@ -35,6 +38,8 @@ EXIT_NON_FINITE = 3      # non-finite loss or gradient with train.non_finite = "
 EXIT_INTERNAL = 70       # a bug in kiln (traceback printed); EX_SOFTWARE of sysexits.h
 EXIT_STOPPED = 75        # stopped by SIGTERM / SIGINT or train.max_time, checkpoint written: requeue with --resume
                          # (EX_TEMPFAIL of sysexits.h)
+EXIT_PEER_LOST = 76      # a rank lost a peer (one killed, a node gone, a collective timed out): every rank ends;
+                         # requeue with --resume from the newest checkpoint (EX_PROTOCOL of sysexits.h)
 
 
 def exit_codes(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -53,11 +58,31 @@ def exit_codes(command: Callable[..., Any]) -> Callable[..., Any]:
         except (typer.Exit, typer.Abort):
             raise
         except Exception as e:
+            from kiln.parallel.world import lost_peer
+
+            why = lost_peer(e)
+            if why is not None:
+                peer_lost_exit(why)
             if user_message(e) is not None:
                 raise
             traceback.print_exc()
             raise typer.Exit(EXIT_INTERNAL) from None
     return run
+
+
+def peer_lost_exit(why: str) -> None:
+    """End this rank at once with EXIT_PEER_LOST: no barrier or teardown (the group is broken). Under `kiln
+    launch` the launcher says, in one line, which rank was lost; elsewhere this rank says it."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if not os.environ.get(LAUNCH_DIR_ENV):
+        print(f"kiln: rank {rank} lost a peer ({why}); every rank ends: requeue with --resume "
+              f"(exit {EXIT_PEER_LOST})", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(EXIT_PEER_LOST)
 
 
 ALLOW_MISSING = typer.Option(False, "--allow-missing", help="Use tensors the directory lacks (e.g. a head) "

@@ -17,6 +17,10 @@ from typer.core import TyperGroup
 
 from kiln.cli.boundary import report, user_message
 from kiln.cli.common import share_cores_for
+from kiln.cli.lifeline import die_with_parent
+from kiln.constants import LAUNCH_DIR_ENV
+
+_parent_at_start = os.getppid()  # before the imports below take their time: a parent gone by then is noticed
 
 # Command groups, in help order. A new group is one module with `register(app)` and one line here.
 COMMAND_MODULES = [
@@ -77,6 +81,8 @@ for _name in COMMAND_MODULES:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if os.environ.get(LAUNCH_DIR_ENV):  # a rank of `kiln launch`: it ends when torchrun (its parent) does
+        die_with_parent(_parent_at_start)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     share_cores_for(sys.argv[1:] if argv is None else argv)  # a train beside other kiln runs: its share of the cores
     app(args=argv)

@@ -3,17 +3,24 @@
 When a rank fails, torchrun prints a traceback of its agent (ChildFailedError) under the rank's
 message. Here the failure ends the process quietly with the rank's exit code; `kiln launch` then
 prints the message each failed rank left in KILN_ERROR_DIR, once. A rank that died without one
-(a signal, a bug) is still described.
+(a signal, a bug) is still described. A rank killed, or one that lost its peer, ends the launch with
+EXIT_PEER_LOST (76) and one line naming the first rank torchrun saw fail.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
+
+from kiln.cli.common import EXIT_PEER_LOST, EXIT_STOPPED
+from kiln.constants import LAUNCH_CAUSE_FILE, LAUNCH_DIR_ENV
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,20 +29,39 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
-        codes = []
-        # After a rank exits 75 (every rank saved and passed the barrier) torchrun ends the others with SIGTERM.
-        stopped = any(f.exitcode == 75 for f in e.failures.values())
-        for rank, failure in sorted(e.failures.items()):
-            codes.append(failure.exitcode)
-            # not kiln's own 1 (a message), 3 (non-finite, a message) or 75 (stopped, its line said): say how it ended.
-            if failure.exitcode not in (1, 3, 75) and not (stopped and failure.exitcode < 0):
-                how = failure.signal_name() if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-                print(f"kiln launch: rank {rank} ended with {how}", file=sys.stderr)
-        # a rank's own code first; else one ended by a signal N, as a shell says it (128 + N)
-        return next((c for c in codes if c > 0), next((128 - c for c in codes if c < 0), 1))
+        return _exit_for(e)
     except SignalException as e:  # a signal reached torchrun itself (before any rank caught it): it ended them
         return 128 + int(e.sigval)
     return 0
+
+
+def _exit_for(e: ChildFailedError) -> int:
+    """The launch's exit code for failed ranks, with at most one line about how they ended."""
+    codes = [f.exitcode for _, f in sorted(e.failures.items())]
+    # After a rank exits 75 (every rank saved and passed the barrier) torchrun ends the others with SIGTERM.
+    if EXIT_STOPPED in codes:
+        return EXIT_STOPPED
+    rank, first = e.get_first_failure()  # the first failure torchrun saw: the cause, the rest followed it
+    if first.exitcode < 0 or first.exitcode == EXIT_PEER_LOST:
+        # a rank killed (SIGKILL, the OOM killer) or one that lost its own peer: every rank has ended with it;
+        # the run itself is sound and resumes from its newest checkpoint
+        how = f"ended by {first.signal_name()}" if first.exitcode < 0 else "lost a peer"
+        _say(f"kiln launch: rank {rank} {how}; every rank of the run ended with it (exit {EXIT_PEER_LOST}: "
+             "requeue with --resume)")
+        return EXIT_PEER_LOST
+    if first.exitcode not in (1, 3):  # kiln's 1 and 3 said their message; say how any other code came
+        _say(f"kiln launch: rank {rank} ended with exit code {first.exitcode}")
+    return first.exitcode
+
+
+def _say(line: str) -> None:
+    """Hand the line to `kiln launch` (it prints it unless a rank left a user error, which is the cause then)."""
+    folder = os.environ.get(LAUNCH_DIR_ENV)
+    if folder:
+        with contextlib.suppress(OSError):
+            (Path(folder) / LAUNCH_CAUSE_FILE).write_text(line, encoding="utf-8")
+            return
+    print(line, file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ import typer
 
 from kiln.cli.boundary import ERROR_DIR_ENV
 from kiln.cli.common import EXIT_STOPPED, exit_codes, share_cores
-from kiln.constants import LAUNCH_DIR_ENV
+from kiln.cli.lifeline import child_of_launcher
+from kiln.constants import LAUNCH_CAUSE_FILE, LAUNCH_DIR_ENV, LAUNCHER_SIGNAL_FILE
 from kiln.errors import KilnError
 
 
@@ -126,13 +127,24 @@ def launch(ctx: typer.Context,
         env["OMP_NUM_THREADS"] = str(threads)
     with tempfile.TemporaryDirectory(prefix="kiln-launch-") as errors:
         # each rank leaves its user error here instead of printing it; shown once below
-        code = _run_passing_signals(argv, {**env, ERROR_DIR_ENV: errors, LAUNCH_DIR_ENV: errors}, Path(errors))
+        code, signals = _run_passing_signals(argv, {**env, ERROR_DIR_ENV: errors, LAUNCH_DIR_ENV: errors},
+                                             Path(errors))
         messages = {p.stem.removeprefix("rank-").lstrip("0") or "0": p.read_text(encoding="utf-8")
                     for p in sorted(Path(errors).glob("rank-*.txt"))}
+        cause = Path(errors) / LAUNCH_CAUSE_FILE
+        cause = cause.read_text(encoding="utf-8") if cause.is_file() else None
+        stopped = any(Path(errors).glob("stopped-*"))
         # a rank that stopped on a signal did so only after every rank agreed and the checkpoint was sealed; a
         # rank torn down after that (torchrun ends the others, gloo may abort at exit) changes nothing
-        if code != 0 and not messages and any(Path(errors).glob("stopped-*")):
+        if code != 0 and not messages and stopped:
             code = EXIT_STOPPED
+    if len(signals) >= 2:  # a second signal to the launcher ended the ranks at once: as `kiln train` would end
+        raise typer.Exit(128 + signals[-1])
+    if code == EXIT_STOPPED and not signals and stopped:  # the signal went to a rank, not to this launcher
+        typer.echo("kiln launch: the run stopped on a signal sent to one of its ranks (not to kiln launch); "
+                   "every rank saved: resume with --resume", err=True)
+    if cause is not None and not messages and code not in (0, EXIT_STOPPED):
+        typer.echo(cause, err=True)
     if messages:
         distinct = list(dict.fromkeys(messages.values()))
         if len(distinct) == 1:
@@ -147,13 +159,19 @@ def launch(ctx: typer.Context,
         raise typer.Exit(code)
 
 
-def _run_passing_signals(argv: list[str], env: dict[str, str], folder: Path) -> int:
+def _run_passing_signals(argv: list[str], env: dict[str, str], folder: Path) -> tuple[int, list[int]]:
     """Run torchrun in a session of its own (a terminal's Ctrl-C reaches this process alone) and pass each
     SIGINT / SIGTERM on once to every rank that has its handlers in place (their pids in `folder`,
-    kiln.train.preempt): they agree on a step, save and exit 75. Before any rank is ready, torchrun gets it."""
-    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    kiln.train.preempt): they agree on a step, save and exit 75. Before any rank is ready, torchrun gets it.
+    Returns torchrun's exit code and the signals this process received, in order."""
+    received: list[int] = []
+    # torchrun dies with this process (any signal, SIGKILL included), and its ranks with it (kiln.cli.lifeline)
+    proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=child_of_launcher(os.getpid()))
 
     def pass_on(signum: int, frame: Any) -> None:
+        received.append(signum)
+        with contextlib.suppress(OSError):  # the ranks tell the launcher's signal from torchrun's teardown by it
+            (folder / LAUNCHER_SIGNAL_FILE).write_text(signal.Signals(signum).name)
         pids = []
         for f in folder.glob("pid-*"):
             with contextlib.suppress(OSError, ValueError):
@@ -166,7 +184,7 @@ def _run_passing_signals(argv: list[str], env: dict[str, str], folder: Path) -> 
 
     previous = {s: signal.signal(s, pass_on) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return proc.wait()
+        return proc.wait(), received
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from kiln.errors import KilnError
-from kiln.hub.files import file_sha256
+from kiln.hub.files import file_sha256, folder_files
 
 TABLE_FILES = {".parquet": "parquet", ".arrow": "arrow", ".json": "json"}
 
@@ -81,7 +81,7 @@ def source_sha256(path: str | os.PathLike) -> str:
     if not path.is_dir():
         return file_sha256(path)
     h = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+    for f in folder_files(path, lambda p: True, recursive=True, what="dataset file"):
         h.update(f"{f.relative_to(path).as_posix()}\0{file_sha256(f)}\n".encode())
     return h.hexdigest()
 

@@ -10,6 +10,8 @@ does, with the same arithmetic, so the outputs are equal bit for bit:
   repeated over the temporal patch; `image_grid_thw` (1, grid_h, grid_w) per image.
 
 `ImageClassifierProcessor` is ViTImageProcessor's: resize to a square, rescale, normalise, (C, H, W).
+A one-channel image wider than 8 bits (16-bit grayscale PNG: mode I;16; I; F) is first scaled to 8-bit grey over
+its value range (where Pillow's convert would clip it, and transformers with it), or refused outside that range.
 Pillow is the `kiln[vision]` extra.
 """
 
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from kiln.errors import KilnError
+from kiln.hub.files import why_unreadable
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -46,8 +49,9 @@ def open_image(image: ImageLike, max_pixels: int | None = None, what: str = "ima
     name = what
     if isinstance(image, (str, os.PathLike)):
         name = str(image)
-        if not Path(image).is_file():
-            raise KilnError(f"{what}: image file {name} does not exist")
+        why = why_unreadable(image, empty_ok=False)
+        if why is not None:  # a dangling link or an unreadable file is named, not "does not exist"
+            raise KilnError(f"{what}: image file {name} {why}")
         try:
             with Image.open(image) as f:
                 f.load()
@@ -59,11 +63,33 @@ def open_image(image: ImageLike, max_pixels: int | None = None, what: str = "ima
     w, h = image.size
     if max_pixels is not None and w * h > max_pixels:
         raise KilnError(f"{what}: image {name} is {w}x{h} = {w * h} pixels, over the budget of {max_pixels}")
+    image = _to_8bit(image, name, what)
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         image = image.convert("RGBA")
         white = Image.new("RGBA", image.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, image).convert("RGB")
     return image.convert("RGB")
+
+
+# Pillow's modes of one wide channel: 16-bit (a 16-bit grayscale PNG opens as I;16), 32-bit integer, float
+_WIDE = {"I;16": 65535, "I;16L": 65535, "I;16B": 65535, "I;16N": 65535, "I": 65535, "F": 1.0}
+
+
+def _to_8bit(image, name: str, what: str):
+    """A one-channel image wider than 8 bits as 8-bit grey over its value range (0..65535 for the integer
+    modes, 0..1 for float), rounded: Pillow's convert("RGB") clips instead, so a 16-bit PNG came out almost all
+    white. Values outside that range (a 32-bit or float image of other units) are refused, naming the range."""
+    top = _WIDE.get(image.mode)
+    if top is None:
+        return image
+    Image = _pil()
+    values = np.asarray(image).astype(np.float64)
+    lo, hi = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+    if not (np.isfinite(values).all() and lo >= 0 and hi <= top):
+        raise KilnError(f"{what}: image {name} is mode {image.mode} with values {lo:g}..{hi:g}, outside the "
+                        f"0..{top:g} that kiln reads as black..white for this mode; save it as 8- or 16-bit")
+    grey = np.rint(values * (255.0 / top)).astype(np.uint8)
+    return Image.fromarray(grey, mode="L")
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:

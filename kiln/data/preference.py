@@ -35,10 +35,12 @@ class PreferenceStats:
     dropped: int = 0        # prompt alone fills max_length
     truncated: int = 0      # sequences cut to max_length
     prompt_cut: int = 0     # pairs whose tokenized prompt is not a prefix of prompt + completion
+    identical: int = 0      # kept pairs whose chosen and rejected tokens are the same: no preference to learn
 
     def line(self) -> str:
         return (f"{self.pairs} preference pairs; {self.dropped} dropped (prompt fills max_length), "
-                f"{self.truncated} sequences truncated, {self.prompt_cut} prompts cut where the tokens diverge")
+                f"{self.truncated} sequences truncated, {self.prompt_cut} prompts cut where the tokens diverge"
+                + (f"; {self.identical} with chosen = rejected (no signal)" if self.identical else ""))
 
 
 def _is_messages(value: Any) -> bool:
@@ -134,6 +136,7 @@ def encode_preferences(records: list[Record], tokenizer: Tokenizer, max_length: 
             example[f"{name}_ids"] = torch.tensor(seq, dtype=torch.long)
             example[f"{name}_mask"] = torch.tensor([0] * cut + [1] * (len(seq) - cut), dtype=torch.long)
             example[f"{name}_len"] = torch.tensor(len(seq), dtype=torch.long)
+        stats.identical += torch.equal(example["chosen_ids"], example["rejected_ids"])
         example["index"] = torch.tensor(len(out), dtype=torch.long)
         out.append(example)
         stats.pairs += 1

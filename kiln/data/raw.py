@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kiln.data.shards import MANIFEST, ShardError
+from kiln.hub.files import check_readable, folder_files
 
 # token id dtypes kiln reads; float, bool and 8-bit arrays are not token ids
 ID_DTYPES = ("uint16", "int32", "uint32", "int64")
@@ -30,11 +31,11 @@ def raw_files(path: str | os.PathLike, extension: str = ".bin") -> list[Path] | 
     """The token files `path` names: itself when a .npy/.bin file, or a manifest-less folder's files ending with
     `extension` (sorted); None when `path` is neither (a shard directory, records, ...)."""
     path = Path(path)
-    if path.is_file():
-        return [path] if path.suffix.lower() in RAW_SUFFIXES else None
+    if path.suffix.lower() in RAW_SUFFIXES and not path.is_dir():  # named explicitly: read or refused
+        return [check_readable(path, "token file")] if path.exists() or path.is_symlink() else None
     if not path.is_dir() or (path / MANIFEST).exists():
         return None
-    found = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(extension))
+    found = folder_files(path, lambda p: p.name.endswith(extension), what="token file")
     return found or None
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from kiln.data.hfdata import is_hf_source, iter_rows
 from kiln.errors import KilnError
+from kiln.hub.files import why_unreadable
 from kiln.hub.jsonio import iter_jsonl
 
 
@@ -47,8 +48,10 @@ def detect_format(path: Path, fmt: str = "auto") -> str:
 def read_records(path: str | os.PathLike, fmt: str = "auto") -> list[Record]:
     """All rows of a JSONL or CSV file, or of an HF datasets source. Blank JSONL lines are skipped."""
     path = Path(path)
-    if not path.is_file() and not (path.is_dir() and fmt in ("auto", "datasets")):
-        raise KilnError(f"{path}: data file not found")
+    if not (path.is_dir() and fmt in ("auto", "datasets")):
+        why = why_unreadable(path)
+        if why is not None:
+            raise KilnError(f"{path}: data file {'not found' if why == 'does not exist' else why}")
     fmt = detect_format(path, fmt)
     records: list[Record] = []
     if fmt == "datasets":

@@ -25,6 +25,7 @@ import torch
 
 from kiln.constants import IGNORE_INDEX
 from kiln.data.images import QwenImageProcessor
+from kiln.hub.files import why_unreadable
 from kiln.data.records import Record
 from kiln.errors import KilnError
 
@@ -66,6 +67,9 @@ def flatten_parts(messages: Any, spec: ImageTokens, where: str) -> tuple[Any, li
             if kind == "text" and isinstance(part.get("text"), str):
                 text.append(part["text"])
             elif kind == "image" and isinstance(part.get("image"), str):
+                why = why_unreadable(spec.root / part["image"], empty_ok=False)
+                if why is not None:
+                    raise KilnError(f"{at}: image {spec.root / part['image']} {why}")
                 images.append(spec.root / part["image"])
                 text.append(spec.image_text())
             else:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import KilnError
-from kiln.hub.files import file_sha256, fsync_dir
+from kiln.hub.files import file_sha256, fsync_dir, why_unreadable
 from kiln.hub.jsonio import read_json
 
 FORMAT = "kiln-token-shards"
@@ -178,8 +178,10 @@ class ShardSet:
 
     def _check(self, i: int) -> None:
         path, entry = self.paths[i], self.entries[i]
-        if not path.is_file():
-            raise ShardError(f"{path}: shard listed in {MANIFEST} is missing")
+        why = why_unreadable(path)
+        if why is not None:
+            raise ShardError(f"{path}: shard listed in {MANIFEST} "
+                             f"{'is missing' if why == 'does not exist' else why}")
         size = path.stat().st_size
         if size == 0 or entry["tokens"] == 0:
             raise ShardError(f"{path}: empty shard (0 {'bytes' if size == 0 else 'tokens'})")

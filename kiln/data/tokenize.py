@@ -24,6 +24,7 @@ import numpy as np
 from kiln.data.shards import MANIFEST, ShardError, ShardWriter, dtype_for_vocab, tokenizer_digest, write_manifest
 from kiln.data.hfdata import is_hf_source, iter_rows
 from kiln.errors import KilnError
+from kiln.hub.files import check_readable, folder_files
 from kiln.hub.jsonio import iter_jsonl
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
@@ -47,11 +48,12 @@ def input_files(paths: list[str | os.PathLike]) -> list[Path]:
         if is_hf_source(p):  # a datasets save_to_disk folder or a JSON array: read whole by kiln.data.hfdata
             out.append(p)
         elif p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in known)
+            found = folder_files(p, lambda f: f.suffix.lower() in known, recursive=True, what="document file")
             if not found:
                 raise KilnError(f"{p}: no {', '.join(known)} files in this directory")
             out += found
-        elif p.is_file():
+        elif p.is_file() or p.is_symlink():
+            check_readable(p, "document file")
             if p.suffix.lower() not in known:
                 raise KilnError(f"{p}: cannot tell the format from the extension {p.suffix!r}; use one of "
                                 f"{', '.join(known)}")
@@ -213,6 +215,7 @@ def tokenize_to_shards(inputs: list[str | os.PathLike], tokenizer: str | os.Path
         raise KilnError(f"--val-fraction must be within [0, 1), got {o.val_fraction}")
     if o.shard_tokens < 1 or o.workers < 1:
         raise KilnError("--shard-tokens and --workers must be >= 1")
+    files = input_files(list(inputs))  # every input read or refused before the tokenizer loads
     tok_path = Path(tokenizer)
     tok = Tokenizer.from_dir(tok_path) if tok_path.is_dir() else Tokenizer(_load_from_file(tok_path))
     eos_text = o.eos or tok.specials.get("eos_token")
@@ -223,7 +226,6 @@ def tokenize_to_shards(inputs: list[str | os.PathLike], tokenizer: str | os.Path
         raise KilnError(f"{tok_path}: the end-of-document token {eos_text!r} is not in the vocabulary")
     vocab = tok.vocab_size
     dtype = dtype_for_vocab(vocab, o.dtype)
-    files = input_files(list(inputs))
     out = Path(out_dir)
     _prepare_out(out, o.overwrite)
     tokenizer_json = tok.backend.to_str()

@@ -25,6 +25,7 @@ two roundings), rounded once to the output dtype.
 from __future__ import annotations
 
 import json
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -361,6 +362,7 @@ def read_quant4(state: dict[str, torch.Tensor], name: str, source: str = "checkp
     if nested:
         q.nested_absmax, q.nested_code = state[f"{name}.nested_absmax"], state[f"{name}.nested_quant_map"]
         q.offset, q.nested_blocksize = float(raw["nested_offset"]), int(raw.get("nested_blocksize", NESTED_BLOCKSIZE))
+    _check_finite(q, name, source)
     n = 1
     for s in shape:
         n *= s
@@ -369,6 +371,24 @@ def read_quant4(state: dict[str, torch.Tensor], name: str, source: str = "checkp
         raise WeightsError(f"{where}: packed {tuple(q.packed.shape)} and absmax {tuple(q.absmax.shape)} do not fit "
                            f"shape {list(shape)} in blocks of {blocksize} (want {-(-n // 2)} bytes, {blocks} blocks)")
     return q
+
+
+def _check_finite(q: Quant4, name: str, source: str) -> None:
+    """The float parts of a quant state are finite: one NaN in a (nested) absmax makes every weight of its
+    blocks NaN, so every step would be skipped as non-finite without saying why."""
+    parts = {"absmax": q.absmax, "quant_map": q.code, "nested_absmax": q.nested_absmax,
+             "nested_quant_map": q.nested_code}
+    for part, t in parts.items():
+        if t is None or not t.is_floating_point() or t.device.type == "meta":
+            continue
+        bad = ~torch.isfinite(t.reshape(-1))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise WeightsError(f"{source}: quant-state tensor '{name}.{part}' holds {int(bad.sum())} non-finite "
+                               f"value(s) (the first at index {i}: {t.reshape(-1)[i].item()}); every weight of its "
+                               "blocks would be non-finite. The file is damaged: quantize the model again")
+    if q.offset is not None and not math.isfinite(q.offset):
+        raise WeightsError(f"{source}: 4-bit weight {name!r}: nested_offset is {q.offset}, not a finite number")
 
 
 def split_state(state: dict[str, torch.Tensor], source: str = "checkpoint"

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
+
+from kiln.errors import KilnError
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -51,3 +54,83 @@ def umask() -> int:
 def as_umask_allows(path: str | os.PathLike) -> None:
     """Give a file written by a library that forces 0600 the mode open() gives a new file: 0666 & ~umask."""
     os.chmod(path, 0o666 & ~umask())
+
+
+class UnreadableInput(KilnError):
+    """An input file that cannot be read: a dangling link, not a regular file, unreadable, or empty."""
+
+
+def why_unreadable(path: str | os.PathLike, *, empty_ok: bool = True) -> str | None:
+    """Why `path` cannot be read as an input file (None: it can). A dangling symbolic link (an unmounted
+    NFS path, a moved target), a directory or device where a file is expected, a file the process may not
+    read, and (with `empty_ok=False`) an empty file each get their own reason."""
+    p = Path(path)
+    if p.is_symlink() and not p.exists():
+        return f"is a dangling symbolic link (to {os.readlink(p)}, which does not exist)"
+    if not p.exists():
+        return "does not exist"
+    if not p.is_file():
+        return "is not a regular file"
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+        os.close(fd)
+    except OSError as e:
+        return f"cannot be opened ({e.strerror})"
+    if not empty_ok and p.stat().st_size == 0:
+        return "is empty"
+    return None
+
+
+def check_readable(path: str | os.PathLike, what: str = "input file", *, empty_ok: bool = True) -> Path:
+    """`path`, or UnreadableInput naming it and why it cannot be read."""
+    why = why_unreadable(path, empty_ok=empty_ok)
+    if why is not None:
+        raise UnreadableInput(f"{path}: the {what} {why}")
+    return Path(path)
+
+
+def folder_files(folder: str | os.PathLike, selects: Callable[[Path], bool], *, recursive: bool = False,
+                 what: str = "input file", empty_ok: bool = True) -> list[Path]:
+    """The files of `folder` whose path `selects` accepts, sorted, after checking every one can be read.
+
+    The one listing every reader of a folder of inputs uses: an entry `selects` accepts that is a dangling
+    link, not a regular file, or unreadable is refused naming each such entry, so a run never silently
+    trains on part of its data (a `p.is_file()` filter would skip a link into an unmounted share)."""
+    folder = Path(folder)
+    found, bad = [], []
+    for p in sorted(_entries(folder, recursive)):
+        dangling = p.is_symlink() and not p.exists()
+        # walking a tree, a dangling link without a suffix may be a sub-folder of the data (an unmounted class
+        # folder): refused too (a dot-name without a suffix is not taken for one)
+        lost_folder = recursive and dangling and not p.suffix and not p.name.startswith(".")
+        if not (selects(p) or lost_folder) or (recursive and p.is_dir()):  # a folder's files are entries of their own
+            continue
+        why = why_unreadable(p, empty_ok=empty_ok)
+        if why is None:
+            found.append(p)
+        else:
+            bad.append(f"{p} {why}")
+    if bad:
+        shown = "; ".join(bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise UnreadableInput(f"{folder}: {len(bad)} {what}{'s' if len(bad) > 1 else ''} of this folder cannot be "
+                              f"read, so the run would silently use part of its data: {shown}")
+    return found
+
+
+def _entries(folder: Path, recursive: bool) -> list[Path]:
+    """`folder`'s entries, and with `recursive` those of every folder below it, linked folders included (a
+    folder of documents may be a link to a share; Path.rglob would skip it); a link loop is walked once."""
+    if not recursive:
+        return list(folder.iterdir())
+    out, seen, todo = [], set(), [folder]
+    while todo:
+        d = todo.pop()
+        real = os.path.realpath(d)
+        if real in seen:
+            continue
+        seen.add(real)
+        for p in d.iterdir():
+            out.append(p)
+            if p.is_dir():
+                todo.append(p)
+    return out

@@ -5,7 +5,10 @@ source)` compiles it once into a shared library under the user cache dir (`$KILN
 `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`; then `native/`), named by the hash of the source, the compiler
 command and this CPU (the code is built for `-march=native`), so a later process only loads it. The library
 is written under a temporary name and renamed into place: two processes compiling at once both succeed and
-the one left is whole.
+the one left is whole. Beside it, `<lib>.sum` holds its size and sha256; a cached library is checked against
+them before it is loaded (a library truncated after a valid ELF header, by a full disk or a killed copy, would
+otherwise crash the process with SIGBUS inside dlopen), and one that does not match, or has no record, is
+rebuilt, with one warning.
 
 `load` returns None where there is no native path: `KILN_NATIVE=0` or no compiler (`$CC`, a command with
 its own flags if need be, else `cc`), logged at debug level; a failed compile or load, logged once as a
@@ -80,22 +83,73 @@ def library_path(name: str, source: str) -> Path | None:
     return cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
 
 
+def _record(lib: Path) -> str:
+    """What `<lib>.sum` holds for a library: its size and sha256."""
+    h = hashlib.sha256()
+    with open(lib, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return f"{lib.stat().st_size} {h.hexdigest()}\n"
+
+
+def sum_path(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".sum")
+
+
+def _cached_ok(path: Path) -> str | None:
+    """None when the cached library matches its record; else why it does not (it is then rebuilt)."""
+    try:
+        want = sum_path(path).read_text()
+    except OSError:
+        return "it has no size and digest record beside it"
+    try:
+        have = _record(path)
+    except OSError as e:
+        return f"it cannot be read ({e.strerror})"
+    if have != want:
+        size = want.split()[0] if want.split() else "?"
+        return f"it does not match its record ({path.stat().st_size} bytes, recorded {size}, or another digest)"
+    return None
+
+
 def _build(name: str, source: str) -> Path:
     path = library_path(name, source)
     if path is None:
         raise OSError(f"no C compiler ({os.environ.get('CC') or 'cc'} not found)")
-    if path.exists():
+    why = _cached_ok(path) if path.exists() else None
+    if path.exists() and why is None:
         return path
+    try:
+        _compile(name, source, path)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise OSError(f"the cached library {path} was refused ({why}) and rebuilding it failed: {e}" if why else e)
+    if why is not None:  # one warning: the refusal and its mend together
+        log.warning("kiln native kernel %r: the cached library %s was rebuilt: %s", name, path, why)
+    return path
+
+
+def _compile(name: str, source: str, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{name}-") as tmp:
         src, lib = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
         src.write_text(source)
-        run = subprocess.run([*_compiler(), *FLAGS, "-o", str(lib), str(src)], capture_output=True, text=True,
-                             timeout=120)
+        # relative names, run inside the temporary folder: the library embeds no temporary path, so two builds
+        # of one source are the same bytes (a concurrent build's record matches the other's library)
+        run = subprocess.run([*_compiler(), *FLAGS, "-o", lib.name, src.name], capture_output=True, text=True,
+                             timeout=120, cwd=tmp)
         if run.returncode != 0:
             raise OSError(f"compile failed ({run.returncode}): {run.stderr.strip()[-2000:]}")
-        os.replace(lib, path)  # atomic: a concurrent build renames an identical file over it
-    return path
+        record = Path(tmp) / "sum"
+        record.write_text(_record(lib))
+        for f in (lib, record):
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        # the record first: a reader between the renames sees a library that does not match it and rebuilds
+        # (never loads an unchecked one); a concurrent build renames identical files over both
+        os.replace(record, sum_path(path))
+        os.replace(lib, path)
+    if _cached_ok(path) is not None:  # another process's build landed between our renames: theirs is whole too
+        raise OSError(f"{path} changed while it was written (another process building it?); try again")
 
 
 def load(name: str, source: str) -> ctypes.CDLL | None:

@@ -8,6 +8,8 @@ ones every causal backbone shares (`common/causal_lm.py`): the base model and ba
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
@@ -73,13 +75,49 @@ class DecoderConfig(FamilyConfig):
     def rope(self, source: str = "config.json") -> dict[str, Any]:
         return rope_parameters(self.rope_parameters, self.extra, self.max_position_embeddings, self.default_theta, source)
 
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of a head that RoPE turns, in pairs (so it must be even)."""
+        return self.dim_head
+
+    def check_sizes(self, source: str) -> None:
+        """Sizes a from-config model is built from: each a whole number >= 1, and the rotary dims even (an odd
+        head_dim would fail deep in RoPE's first forward with a shape error that names no key)."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{source}: {name} must be an integer >= 1, got {value!r}")
+        if self.max_position_embeddings is not None and not (
+                isinstance(self.max_position_embeddings, int) and self.max_position_embeddings >= 1):
+            raise ConfigError(f"{source}: max_position_embeddings must be an integer >= 1, got "
+                              f"{self.max_position_embeddings!r}")
+        for name, want, fits in (("rms_norm_eps", "> 0", lambda v: v > 0),
+                                 ("attention_dropout", ">= 0 and < 1", lambda v: 0 <= v < 1),
+                                 ("initializer_range", ">= 0", lambda v: v >= 0)):
+            value = getattr(self, name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not (number and fits(value)):  # a NaN eps turns every step NaN; a dropout of 2 fails at the forward
+                raise ConfigError(f"{source}: {name} must be a finite number {want}, got {value!r}")
+        r = self.rotary_dim
+        if r % 2:
+            from_what = (f"head_dim ({self.head_dim})" if self.head_dim is not None else
+                         f"hidden_size / num_attention_heads ({self.hidden_size} / {self.num_attention_heads})")
+            part = "" if r == self.dim_head else f", of which RoPE turns {r}"
+            raise ConfigError(f"{source}: RoPE turns a head's dims in pairs, so they must be even; {from_what} gives "
+                              f"{self.dim_head} dims per head{part}: make head_dim even")
+
     def validate(self, source: str = "config.json") -> None:
+        if not (isinstance(self.num_attention_heads, int) and self.num_attention_heads >= 1) or not (
+                isinstance(self.kv_heads, int) and self.kv_heads >= 1):
+            self.check_sizes(source)  # names the head count that is not a whole number >= 1
         if self.num_attention_heads % self.kv_heads:
             raise ConfigError(f"{source}: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                               f"num_key_value_heads ({self.kv_heads})")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ConfigError(f"{source}: hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
                               f"({self.num_attention_heads}) when head_dim is not given")
+        self.check_sizes(source)
         if self.extra.get("use_sliding_window"):
             raise ConfigError(f"{source}: use_sliding_window=true is not supported (sliding-window attention)")
         self.rope(source)

@@ -84,8 +84,13 @@ class MLAConfig(DecoderConfig):
         """None (dense attention), "full" (the layer's own indexer) or "shared" (the previous choice)."""
         return None
 
+    @property
+    def rotary_dim(self) -> int:
+        return self.qk_rope_head_dim  # MLA: only the rope part of each head turns
+
     def validate(self, source: str = "config.json") -> None:
         self.rope(source)
+        self.check_sizes(source)
         if self.kv_heads != self.num_attention_heads:
             raise ConfigError(f"{source}: num_key_value_heads ({self.kv_heads}) must equal num_attention_heads "
                               f"({self.num_attention_heads}) for latent attention (every head expands the latent)")

@@ -2,14 +2,40 @@
 
 It lives here, beside the plans it configures, so `kiln.parallel` reads it typed (`parallelize`,
 `resolve_degrees`) and the train layer only embeds it in the run config. `Section` is the base of
-every run-config table: unknown keys are errors, assignments are validated.
+every run-config table: unknown keys are errors, assignments are validated; `finite(...)` the type of every
+float setting in every table (TOML's `inf` and `nan` are floats, and `beta > 0` lets `inf` through).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
+
+
+def finite(*, ge: float | None = None, gt: float | None = None, le: float | None = None,
+           lt: float | None = None) -> Any:
+    """The type of a float setting: finite (inf and nan refused) and within the bounds given; the error reads
+    `must be a finite number > 0, got inf` after the key the run-config loader names."""
+    bounds = [(">=", ge, float.__ge__), (">", gt, float.__gt__), ("<=", le, float.__le__), ("<", lt, float.__lt__)]
+    bounds = [(op, float(b), f) for op, b, f in bounds if b is not None]
+    want = "a finite number" + "".join(f"{' and' if i else ''} {op} {b:g}" for i, (op, b, _) in enumerate(bounds))
+
+    def check(value: float) -> float:
+        if not (math.isfinite(value) and all(f(float(value), b) for _, b, f in bounds)):
+            raise ValueError(f"must be {want}, got {value}")
+        return value
+
+    return Annotated[float, AfterValidator(check)]
+
+
+Finite = finite()
+NonNegative = finite(ge=0)
+Positive = finite(gt=0)
+Fraction = finite(ge=0, le=1)       # a share, 0 and 1 included
+OpenFraction = finite(gt=0, lt=1)   # a share strictly between 0 and 1
+Dropout = finite(ge=0, lt=1)
 
 
 class Section(BaseModel):
@@ -20,7 +46,7 @@ class Section(BaseModel):
 class CadenceSection(Section):
     """Adaptive sync cadence for mixed devices (kiln.parallel.cadence); present = on."""
     anchor: int = 1                      # batches per sync of the slowest rank, to start with; then tuned
-    target_sync_share: float = 0.1       # the anchor grows until syncing takes at most this share of the time
+    target_sync_share: OpenFraction = 0.1       # the anchor grows until syncing takes at most this share of the time
     max_staleness: int = 16              # no rank runs more batches than this between two syncs
     max_batch_diff: int = 8              # a fast rank runs at most this many batches more than the anchor; 0 = lockstep
     average: Literal["params", "grads"] = "params"  # what is averaged (weighted by batches done) at a sync

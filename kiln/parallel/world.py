@@ -103,6 +103,25 @@ def _exit_watchdog(timeout: float, rank: int) -> Callable[[], None]:
     return cancel
 
 
+# What gloo's and the store's errors say when a peer process is gone or a collective timed out: gloo raises a
+# plain RuntimeError (no type to tell it by), nccl a DistBackendError, the TCP store a DistNetworkError.
+_LOST_PEER_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
+                    "timed out", "Timeout", "connection refused", "Connection refused", "Socket Timeout")
+
+
+def lost_peer(e: BaseException) -> str | None:
+    """Why `e` means this rank lost a peer (a rank killed, a node gone, a collective timing out), in a few
+    words; None when it is something else (a bug or a user error keeps its own exit)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    if isinstance(e, (getattr(dist, "DistNetworkError", ()), getattr(dist, "DistBackendError", ()))):
+        return str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    if isinstance(e, RuntimeError) and any(w in str(e) for w in _LOST_PEER_WORDS):
+        text = str(e).strip().splitlines()[0]
+        return text.split("] ", 1)[-1][:200]  # gloo prefixes its source file and line
+    return None
+
+
 def all_reduce_sum(t: torch.Tensor, world: World) -> torch.Tensor:
     if world.active:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)

@@ -31,7 +31,10 @@ from kiln.errors import ConfigError, KilnError
 from kiln.hub.resolve import parse_repo_id
 from kiln.models.tasks import SEQUENCE_CLASSIFICATION, get_task
 # The [parallel] table lives beside the plans it configures; re-exported as part of the run config.
-from kiln.parallel.config import CadenceSection, ParallelSection, Section
+from kiln.parallel.config import (CadenceSection, Dropout, Finite, Fraction, NonNegative, ParallelSection, Positive,
+                                  Section, finite)
+
+Beta = finite(ge=0, lt=1)  # an Adam moment's decay
 
 __all__ = ["Section", "ModelSection", "DataSection", "TrainSection", "LoraSection", "ParallelSection",
            "CadenceSection", "RunConfig", "RunSchema", "use_run_schema", "load_run_config", "parse_run_config",
@@ -87,17 +90,17 @@ class TrainSection(Section):
     out_dir: str = "runs/run"
     seed: int = 42
     steps: int | None = None
-    epochs: float | None = None
+    epochs: Positive | None = None
     batch_size: int = 16                  # per process, per micro-batch
     grad_accum: int = 1
-    lr: float = 5e-5
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
+    lr: NonNegative = 5e-5
+    weight_decay: NonNegative = 0.01
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
+    eps: Positive = 1e-8
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = 0
-    min_lr_ratio: float = 0.0             # the schedule's floor, as a fraction of lr
-    clip_grad_norm: float | None = 1.0
+    min_lr_ratio: Fraction = 0.0             # the schedule's floor, as a fraction of lr
+    clip_grad_norm: NonNegative | None = 1.0
     eval_every: int = 0                   # 0: only at the end (when there is eval data)
     eval_batches: int | None = None       # at most this many batches per evaluation; None: all of the eval data
     save_every: int = 0                   # 0: only at the end
@@ -170,8 +173,8 @@ def check_freeze_specs(specs: list[str]) -> list[str]:
 
 class LoraSection(Section):
     r: int = 16
-    alpha: float = 32
-    dropout: float = 0.0
+    alpha: Finite = 32
+    dropout: Dropout = 0.0
     targets: list[str] | Literal["all-linear"] = ["q_proj", "v_proj"]  # module names, or every Linear
     use_rslora: bool = False             # scaling alpha / sqrt(r) instead of alpha / r
     target_parameters: list[str] = []    # stacked routed-expert weights by name, PEFT's form ("experts.gate_up_proj")
@@ -271,8 +274,13 @@ def parse_run_config(data: dict[str, Any], source: str = "run config", text: str
         for err in e.errors():
             loc = [str(p) for p in err["loc"]]
             key = ".".join(loc)
-            section, leaf = (loc[0], loc[-1]) if len(loc) > 1 else (None, loc[0] if loc else "")
-            line = _line_of(text, section, leaf) if text and leaf else None
+            named = list(loc)
+            while len(named) > 2 and named[-1].isdigit():  # train.betas.1: the line of train.betas
+                named.pop()
+            section, leaf = (loc[0], named[-1]) if len(named) > 1 else (None, named[0] if named else "")
+            line = None
+            if text and leaf:  # [parallel.cadence] target_sync_share, else a key of the top table
+                line = _line_of(text, ".".join(named[:-1]), leaf) or _line_of(text, section, leaf)
             where = f"{source}:{line}" if line else source
             if any(key == o or key.startswith(o + ".") or o.startswith(key + ".") for o in overridden):
                 where = "command line"  # the TOML line holds the value the flag replaced, not the bad one
@@ -283,14 +291,19 @@ def parse_run_config(data: dict[str, Any], source: str = "run config", text: str
                 problems.append(f"{where}: missing key {key!r}")
             else:
                 msg = err["msg"].removeprefix("Value error, ")
-                problems.append(f"{where}: {key + ': ' if key else ''}{msg}")
+                # a range check reads as a sentence ("train.lr must be a finite number >= 0, got nan")
+                joint = " " if msg.startswith("must be a finite number") else ": "
+                problems.append(f"{where}: {key + joint if key else ''}{msg}")
         raise ConfigError("; ".join(problems)) from None
 
 
 def _where(source: str, text: str, key: str, overridden: Sequence[str]) -> str:
     if any(key == o or key.startswith(o + ".") for o in overridden):
         return "command line"
-    section, _, leaf = key.rpartition(".")
+    parts = key.split(".")
+    while len(parts) > 1 and parts[-1].isdigit():  # train.betas.1: the line of train.betas
+        parts.pop()
+    section, _, leaf = ".".join(parts).rpartition(".")
     line = _line_of(text, section.split(".")[0] if section else None, leaf) if text else None
     return f"{source}:{line}" if line else source
 
@@ -298,6 +311,8 @@ def _where(source: str, text: str, key: str, overridden: Sequence[str]) -> str:
 def _leaf_types(annotation: Any) -> set[Any]:
     """The plain types a field annotation admits (through Optional, unions, lists, Literal)."""
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:  # a checked float (kiln.parallel.config.finite) is a float
+        return _leaf_types(typing.get_args(annotation)[0])
     if origin is Literal:
         return {type(a) for a in typing.get_args(annotation)}
     if origin in (typing.Union, types.UnionType, list, tuple, set, dict) or (
@@ -411,4 +426,9 @@ def load_run_config(path: str | os.PathLike, overrides: Sequence[tuple[str, Any]
         if key == "path" and not joined.exists() and parse_repo_id(value) is not None:
             continue  # model.path = "org/name": a Hub repo id, resolved through the HF cache when loaded
         table[key] = str(joined)
+    for key in ("train", "eval"):  # before a recipe is picked by what the path is: a dangling link is no kind of data
+        value = data.get("data", {}).get(key) if isinstance(data.get("data"), dict) else None
+        if isinstance(value, str) and os.path.islink(value) and not os.path.exists(value):
+            raise ConfigError(f"data.{key} {value}: a dangling symbolic link (to {os.readlink(value)}, which does "
+                              "not exist: an unmounted share?)")
     return parse_run_config(data, str(path), text, overridden)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kiln.constants import LAUNCH_DIR_ENV
+from kiln.constants import LAUNCH_DIR_ENV, LAUNCHER_SIGNAL_FILE
 from kiln.train import checkpoint as ckpt
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -112,7 +112,11 @@ class Stop:
             os.kill(os.getpid(), signum)
             return
         self.signal = signal.Signals(signum).name
-        if self.trainer.world.main:  # os.write to fd 2: print() may not be re-entered from a handler
+        folder = os.environ.get(LAUNCH_DIR_ENV)
+        # under `kiln launch`, a signal the launcher did not send is torchrun ending the ranks after a lost peer
+        # (the launcher says so in one line) or a signal sent to this rank alone (the stop line says where)
+        from_launcher = not folder or (Path(folder) / LAUNCHER_SIGNAL_FILE).exists()
+        if self.trainer.world.main and from_launcher:  # os.write to fd 2: print() may not be re-entered here
             with contextlib.suppress(OSError):
                 os.write(2, f"{self.signal} received: stopping after the step in flight "
                             f"(send it again to stop at once)\n".encode())

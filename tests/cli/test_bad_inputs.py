@@ -247,7 +247,7 @@ CASES = [
     C("train-lr-negative", lambda w: ["train", "--config", run_config(w, "lrneg", train={"lr": -0.1})], 1,
       "train.lr must be a finite number >= 0, got -0.1"),
     C("train-betas", lambda w: ["train", "--config", run_config(w, "betas", train={"betas": [0.9, 1.5]})], 1,
-      "train.betas must be two numbers within [0, 1)"),
+      "betas.toml:15: train.betas.1 must be a finite number >= 0 and < 1, got 1.5"),
     C("train-warmup-past-steps", lambda w: ["train", "--config", run_config(w, "warm", train={"warmup_steps": 9})], 1,
       "train.warmup_steps must be at most train.steps"),
     C("train-epochs-zero", lambda w: ["train", "--config", run_config(w, "ep0", train={"steps": None}), "--set",

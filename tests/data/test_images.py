@@ -80,3 +80,42 @@ def test_bad_images_by_message(tmp_path):
     PIL.new("RGB", (50, 41)).save(tmp_path / "big.png")
     with pytest.raises(KilnError, match="big.png is 50x41 = 2050 pixels, over the budget of 1600"):
         ours([tmp_path / "big.png"])
+
+
+def test_16bit_and_float_grayscale_keep_their_value_range(tmp_path):
+    """A 16-bit grayscale PNG (mode I;16) used to come out ~all white (Pillow's convert clips to 255); now its
+    pixels are the 8-bit image of the same picture: equal to rounding value * 255 / 65535, statistics and all."""
+    from kiln.data.images import open_image
+
+    rng = np.random.default_rng(0)
+    wide = rng.integers(0, 65536, (48, 40), dtype=np.uint16)
+    PIL.fromarray(wide).save(tmp_path / "g16.png")
+    opened = PIL.open(tmp_path / "g16.png")
+    assert opened.mode == "I;16"
+    assert (np.asarray(opened.convert("RGB")) == 255).mean() > 0.9  # the bug this guards against: clipped white
+    got = np.asarray(open_image(tmp_path / "g16.png"))
+    want = np.rint(wide / 257.0).astype(np.uint8)
+    assert got.shape == (48, 40, 3) and (got == want[..., None]).all()
+    # statistics of a uniform 0..65535 picture: mean 127.5 and 1/256 of the pixels white (within 5 sigma)
+    n = wide.size
+    assert abs(got.mean() - 127.5) < 5 * 73.6 / np.sqrt(n), got.mean()
+    assert (got == 255).mean() < 1 / 256 + 5 * np.sqrt(1 / 256 / n)
+    # mode I (32-bit, what older Pillow opened 16-bit PNGs as) and F (float in 0..1) read the same way
+    i32 = PIL.fromarray(wide.astype(np.int32), mode="I")
+    assert (np.asarray(open_image(i32))[..., 0] == want).all()
+    f32 = PIL.fromarray((wide / 65535.0).astype(np.float32), mode="F")
+    assert np.abs(np.asarray(open_image(f32))[..., 0].astype(int) - want).max() <= 1  # float32 rounding
+    # an 8-bit grey image is untouched (a control: the scaling applies to wide modes only)
+    grey = rng.integers(0, 256, (8, 8), dtype=np.uint8)
+    assert (np.asarray(open_image(PIL.fromarray(grey, mode="L")))[..., 0] == grey).all()
+
+
+def test_wide_images_outside_their_range_are_refused():
+    from kiln.data.images import open_image
+
+    with pytest.raises(KilnError, match=r"mode F with values -1\.\.2, outside the 0\.\.1"):
+        open_image(PIL.fromarray(np.array([[-1.0, 2.0]], dtype=np.float32), mode="F"), what="row 3")
+    with pytest.raises(KilnError, match=r"mode I with values 0\.\.70000, outside the 0\.\.65535"):
+        open_image(PIL.fromarray(np.array([[0, 70000]], dtype=np.int32), mode="I"))
+    with pytest.raises(KilnError, match=r"mode F with values nan"):
+        open_image(PIL.fromarray(np.array([[np.nan, 0.5]], dtype=np.float32), mode="F"))

@@ -6,6 +6,7 @@ cannot be had (KILN_NATIVE=0, no compiler, a compiler that fails), and the cache
 from __future__ import annotations
 
 import logging
+import subprocess
 import threading
 
 import pytest
@@ -103,7 +104,8 @@ def test_concurrent_builds_leave_one_whole_library(monkeypatch, tmp_path):
     for t in threads:
         t.join()
     assert not errors and len(set(paths)) == 1
-    assert sorted(p.name for p in (tmp_path / "native").iterdir()) == [paths[0].name]  # no temporaries left
+    # no temporaries left: the library and its size and digest record
+    assert sorted(p.name for p in (tmp_path / "native").iterdir()) == [paths[0].name, paths[0].name + ".sum"]
     assert native._build("dequant4", native4.SOURCE) == paths[0]  # cached: found, not built again
     # a different source is a different library
     assert native.library_path("dequant4", native4.SOURCE + "\n") != paths[0]
@@ -127,3 +129,62 @@ def test_cc_with_its_own_words_builds_and_a_failing_one_is_named(monkeypatch, tm
         assert len(warned) == 1 and "dequant4" in warned[0].getMessage() and "compile failed" in warned[0].getMessage()
     finally:
         native.forget("dequant4")
+
+
+def _poisoned_loads(monkeypatch, tmp_path, caplog, poison) -> tuple[object, list[str]]:
+    """Build the kernel, `poison(path)` the cached library, then load it afresh in a new process's manner."""
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    native.forget("dequant4")
+    path = native._build("dequant4", native4.SOURCE)
+    poison(path)
+    native.forget("dequant4")
+    with caplog.at_level(logging.WARNING, logger="kiln.hub.native"):
+        lib = native.load("dequant4", native4.SOURCE)
+    native.forget("dequant4")
+    return lib, [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_a_truncated_cached_library_is_rebuilt_not_loaded(monkeypatch, tmp_path, caplog):
+    """A library cut after a valid ELF header (a full disk, a killed copy) crashed dlopen with SIGBUS; now its
+    size and digest record refuse it, it is rebuilt with one warning, and the kernel gives the torch values."""
+    def truncate(path):
+        data = path.read_bytes()
+        assert data[:4] == b"\x7fELF"
+        path.write_bytes(data[:len(data) // 3])
+
+    lib, warned = _poisoned_loads(monkeypatch, tmp_path, caplog, truncate)
+    assert lib is not None
+    assert len(warned) == 1 and "was rebuilt" in warned[0] and "does not match its record" in warned[0], warned
+    path = native.library_path("dequant4", native4.SOURCE)
+    assert native._cached_ok(path) is None and path.read_bytes()[:4] == b"\x7fELF"
+    q = bnb4.quantize(torch.randn(3, 64), "nf4", 64, double_quant=True)
+    out = torch.empty(3, 64, dtype=torch.float32)
+    assert native4.dequantize4(q.packed, 192, 64, q.code, q.absmax, q.nested_absmax, q.nested_code, 256, q.offset, out)
+    assert torch.equal(out, _torch_path(monkeypatch, q, torch.float32))
+    native.forget("dequant4")
+
+
+def test_a_library_without_its_record_or_with_one_flipped_byte_is_rebuilt(monkeypatch, tmp_path, caplog):
+    def flip(path):
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # same size, another digest
+        path.write_bytes(bytes(data))
+
+    for poison, says in ((lambda p: native.sum_path(p).unlink(), "has no size and digest record"),
+                         (flip, "does not match its record")):
+        caplog.clear()
+        lib, warned = _poisoned_loads(monkeypatch, tmp_path, caplog, poison)
+        assert lib is not None and len(warned) == 1 and says in warned[0], warned
+
+
+def test_a_poisoned_library_that_cannot_be_rebuilt_falls_back_with_one_warning(monkeypatch, tmp_path, caplog):
+    def truncate_and_break_cc(path):
+        path.write_bytes(path.read_bytes()[:200])
+        # the compiler fails now (a full disk); the same command, so the same cache key
+        monkeypatch.setattr(native.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+            a, 1, "", "cc1: fatal error: No space left on device"))
+
+    lib, warned = _poisoned_loads(monkeypatch, tmp_path, caplog, truncate_and_break_cc)
+    assert lib is None
+    assert len(warned) == 1 and "using the slower torch path" in warned[0], warned
+    assert "was refused (it does not match its record" in warned[0] and "No space left on device" in warned[0]

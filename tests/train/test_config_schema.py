@@ -94,7 +94,7 @@ def test_a_key_no_recipe_has_is_plainly_unknown(tmp_path):
 
 
 def test_bad_values_of_recipe_keys_name_them(shards):
-    with pytest.raises(ConfigError, match=r"data\.val_fraction must be within \[0, 1\), got 1\.5"):
+    with pytest.raises(ConfigError, match=r"data\.val_fraction must be a finite number >= 0 and < 1, got 1\.5"):
         parse_run_config(_table("causal-lm", str(shards), val_fraction=1.5))
     with pytest.raises(ConfigError, match="data.max_length must be >= 1, got 0"):
         parse_run_config(_table("causal-lm", "chat.jsonl", max_length=0))

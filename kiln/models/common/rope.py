@@ -85,6 +85,10 @@ def rope_parameters(raw: dict[str, Any] | None, legacy: dict[str, Any], max_posi
     missing = [k for k in need if k not in p]
     if missing:
         raise ConfigError(f"{source}: rope_parameters of type {p['rope_type']!r} needs {', '.join(missing)}")
+    theta = p["rope_theta"]
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+        # a zero, negative or NaN base turns every position into NaN: each step would be skipped, none said why
+        raise ConfigError(f"{source}: rope_theta must be a finite number > 0, got {theta!r}")
     return p
 
 

@@ -26,6 +26,7 @@ import copy
 import hashlib
 import json
 import math
+import sys
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
@@ -39,15 +40,17 @@ from kiln.data.hfdata import source_sha256
 from kiln.data.loader import pad_collate
 from kiln.data.preference import Example, encode_preferences
 from kiln.errors import ConfigError, KilnError
+from kiln.hub.config import read_config
+from kiln.hub.resolve import resolve_model_dir
 from kiln.models.auto import load_pretrained
 from kiln.models.common.lora import LoraLinear
 from kiln.models.common.lora_experts import ExpertLora
 from kiln.models.common.tied_grad import coalesce_tied_gradient
 from kiln.models.tasks import CAUSAL_LM
 from kiln.parallel.world import World, all_reduce_sum, barrier
-from kiln.train.config import RunConfig, Section
+from kiln.train.config import NonNegative, Positive, RunConfig, Section, finite
 from kiln.train.logps import token_logps
-from kiln.train.preference import REFERENCE_FREE, LossType, PairLosses, preference_losses
+from kiln.train.preference import LEARNS_CHOSEN, REFERENCE_FREE, LossType, PairLosses, preference_losses
 from kiln.train.recipes.base import Extension, RunParts, add_lora, build_model, check_text_model
 from kiln.train.engine import StepEngine
 from kiln.train.plans import place_frozen
@@ -68,10 +71,10 @@ class DPOSection(Section):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_by_name=True,
                               serialize_by_alias=True)
     loss_type: LossType = "sigmoid"
-    beta: float = 0.1                  # sigmoid / hinge / ipo / simpo temperature
-    label_smoothing: float = 0.0       # sigmoid and simpo: the chance a label is flipped (conservative DPO)
-    gamma: float = 0.5                 # simpo: the target margin (TRL's simpo_gamma)
-    lambda_: float = Field(0.1, alias="lambda")  # orpo: weight of the odds-ratio term (TRL's ORPO beta)
+    beta: Positive = 0.1                  # sigmoid / hinge / ipo / simpo temperature
+    label_smoothing: finite(ge=0, lt=0.5) = 0.0       # sigmoid and simpo: the chance a label is flipped (conservative DPO)
+    gamma: NonNegative = 0.5                 # simpo: the target margin (TRL's simpo_gamma)
+    lambda_: NonNegative = Field(0.1, alias="lambda")  # orpo: weight of the odds-ratio term (TRL's ORPO beta)
     reference: str | None = None       # an HF directory; default: the starting weights
     precompute_reference: bool = False  # reference log-probs computed once, cached with the run
 
@@ -366,6 +369,7 @@ class DPO(FineTune):
             print(f"dpo: data.train {d.train}: {stats.line()}")
         if not train:
             raise KilnError(f"data.train {d.train}: no preference pair left within data.max_length = {d.max_length}")
+        check_signal(cfg, stats, world)
         evals = None
         if eval_records is not None:
             evals, estats = encode_preferences(eval_records, model.tokenizer, d.max_length)
@@ -393,6 +397,8 @@ class DPOExtension(Extension):
 
     def extend(self, cfg: RunConfig, parts: RunParts) -> None:
         c, evals = cfg.dpo, parts.eval_data
+        if c.reference is not None and c.loss_type not in REFERENCE_FREE:
+            check_reference_vocab(c.reference, parts.model)
         copy_needed = c.loss_type not in REFERENCE_FREE and c.reference is None and cfg.lora is None \
             and not c.precompute_reference
         if copy_needed and getattr(parts.model, "pending_read", None) is not None:
@@ -405,6 +411,38 @@ class DPOExtension(Extension):
         parts.step = run.step
         parts.evaluate = run.evaluate if evals else None
         parts.callbacks.append(run)
+
+
+def check_signal(cfg: RunConfig, stats: Any, world: World) -> None:
+    """A pair whose chosen and rejected tokens are the same carries no preference: its loss has no gradient
+    (only ORPO's NLL on the chosen reply still learns from it). All such: refused; some: said once, counted."""
+    n, same = stats.pairs, stats.identical
+    if not same:
+        return
+    learns_chosen = cfg.dpo.loss_type in LEARNS_CHOSEN
+    if same == n and not learns_chosen:
+        raise KilnError(f"data.train {cfg.data.train}: every one of its {n} preference pairs has chosen = rejected "
+                        f"(once tokenized and cut to data.max_length = {cfg.data.max_length}), so dpo.loss_type "
+                        f"{cfg.dpo.loss_type!r} has nothing to learn from them")
+    if world.main:
+        print(f"warning: data.train {cfg.data.train}: {same} of {n} preference pairs have chosen = rejected and carry "
+              f"no preference signal{' (only the chosen reply is learned from them)' if learns_chosen else ''}; "
+              f"{n - same} carry signal", file=sys.stderr)
+
+
+def check_reference_vocab(reference: str, model: nn.Module) -> None:
+    """dpo.reference scores the tokenizer's ids: its vocabulary must hold them all (read from its config.json now,
+    so a smaller one is refused naming both sizes, not an IndexError at the first step)."""
+    try:
+        config = read_config(resolve_model_dir(reference))
+    except ConfigError as e:
+        raise ConfigError(f"dpo.reference: {e}") from None
+    vocab = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    tok = getattr(model, "tokenizer", None)
+    if isinstance(vocab, int) and tok is not None and tok.vocab_size > vocab:
+        raise ConfigError(f"dpo.reference {reference}: its vocab_size is {vocab} but the tokenizer has "
+                          f"{tok.vocab_size} tokens; ids {vocab}..{tok.vocab_size - 1} would index past the "
+                          "reference's embedding table. Use a reference with the policy's vocabulary")
 
 
 RECIPE = DPO()

@@ -16,6 +16,8 @@ eval_retrieval_accuracy, the share of eval anchors whose nearest eval positive (
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Any, Callable, Literal, Mapping
 
 import torch
@@ -29,7 +31,7 @@ from kiln.errors import ConfigError, KilnError
 from kiln.models.sentence import Pooling, pool, sentence_model
 from kiln.models.tasks import BASE, SENTENCE_EMBEDDING
 from kiln.parallel.world import World
-from kiln.train.config import DataSection, RunConfig, Section
+from kiln.train.config import DataSection, NonNegative, Positive, RunConfig, Section
 from kiln.train.recipes.base import Extension, Recipe, RunParts, add_lora, build_model, check_text_model
 from kiln.train.recipes.finetune import RecordsData
 
@@ -49,8 +51,8 @@ class EmbeddingData(RecordsData):
 class EmbeddingSection(Section):
     """How the embeddings are trained and pooled."""
     loss: Literal["mnrl", "cosent", "triplet"] = "mnrl"
-    scale: float = 20.0                  # mnrl, cosent: multiplies the cosines
-    margin: float = 5.0                  # triplet: Euclidean margin
+    scale: Positive = 20.0                  # mnrl, cosent: multiplies the cosines
+    margin: NonNegative = 5.0                  # triplet: Euclidean margin
     pooling: Mode | None = None          # default: the directory's 1_Pooling, else mean
     normalize: bool | None = None        # default: the directory's 2_Normalize, else true
 
@@ -203,6 +205,8 @@ class SentenceEmbedding(Recipe):
         if e.loss == "mnrl" and len(train) > 1 and cfg.train.batch_size < 2:
             raise ConfigError("embedding.loss = 'mnrl' takes the other rows of a batch as negatives: "
                               "train.batch_size must be at least 2")
+        if e.loss == "mnrl":
+            check_negatives(train_records, d, any(name == "negative" for name, _ in sides), world)
         parts = RunParts(model, train, step=embedding_loss(e, pooling),
                          fingerprint={"train": str(d.train), "train_sha256": source_sha256(d.train),
                                       "max_length": d.max_length, "loss": e.loss, "fields": [f for _, f in sides]})
@@ -210,6 +214,24 @@ class SentenceEmbedding(Recipe):
             evals = encode_rows(eval_records, model.tokenizer, sides, score, d.max_length)
             parts.evaluate = make_evaluate(evals, e, pooling, model.tokenizer.pad_token_id)
         return parts
+
+
+def check_negatives(records: list[Record], d: Any, hard_negatives: bool, world: World) -> None:
+    """mnrl scores each anchor against every positive of its batch: rows that share a positive text are each
+    other's negatives of the same text, which carries no signal. Every row sharing one positive (one row alone
+    included) and no hard negative: nothing to learn, refused; some repeats: said once, counted."""
+    positives = [json.dumps(r.fields.get(d.positive_field), sort_keys=True) for r in records]
+    distinct = len(set(positives))
+    if distinct == 1 and not hard_negatives:
+        what = "its one row" if len(records) == 1 else f"all {len(records)} rows share one positive"
+        raise KilnError(f"data.train {d.train}: {what}, so embedding.loss = 'mnrl' has no other positive to tell it "
+                        "from (the loss is constant, its gradient 0); add rows with other positives, or a "
+                        f"{d.negative_field!r} field (hard negatives)")
+    repeats = len(records) - distinct
+    if repeats and world.main:
+        print(f"warning: data.train {d.train}: {repeats} of {len(records)} rows repeat another row's positive; in a "
+              "batch together each is the other's negative of the same text (no signal from that pair); "
+              f"{distinct} distinct positives carry signal", file=sys.stderr)
 
 
 class EmbeddingExtension(Extension):

@@ -33,7 +33,7 @@ from torch import nn
 from kiln.data.loader import batch_tokens
 from kiln.errors import ConfigError
 from kiln.models.mamba import MambaMixer
-from kiln.train.config import Section
+from kiln.train.config import NonNegative, Section
 from kiln.train.engine import StepContext, StepEngine, StepOutcome
 from kiln.train.recipes.base import Extension, RunParts, Shortcut
 from kiln.train.steps import as_sum_and_count
@@ -45,12 +45,12 @@ D_INIT_STD = 0.02     # the seed's random init of every parameter, D included
 
 class FFSection(Section):
     """Forward-Forward updates of Mamba's D between backprop steps (present = on); defaults are the seed's."""
-    ff_lr: float = 1e-4                 # SGD step of the local FF update
+    ff_lr: NonNegative = 1e-4                 # SGD step of the local FF update
     bp_cadence_steps: int = 32          # every N-th step is a full backprop step (1: every step)
     surgery: Literal["pcgrad", "gradnorm", "cagradstep"] = "pcgrad"  # changes the FF gradient of D on bp steps
-    epsilon: float = 1e-8               # surgery: added to |bp|^2 and to the norms
-    gradnorm_alpha: float = 0.2         # gradnorm: ff scaled by exp(alpha * disagreement)
-    cagrad_lambda: float = 1.0          # cagradstep: how much of the conflicting projection is removed
+    epsilon: NonNegative = 1e-8               # surgery: added to |bp|^2 and to the norms
+    gradnorm_alpha: NonNegative = 0.2         # gradnorm: ff scaled by exp(alpha * disagreement)
+    cagrad_lambda: NonNegative = 1.0          # cagradstep: how much of the conflicting projection is removed
     d_init: Literal["model", "normal"] = "model"  # normal: D ~ N(0, 0.02) from scratch, grown layers' D = 0
 
     @field_validator("surgery", mode="before")

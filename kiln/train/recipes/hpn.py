@@ -10,22 +10,22 @@ import torch
 from pydantic import model_validator
 from torch import nn
 
-from kiln.train.config import RunConfig, Section
+from kiln.train.config import NonNegative, Positive, RunConfig, Section
 from kiln.train.recipes.base import Extension, RunParts, Shortcut
 
 
 class HpnSection(Section):
     """A hyperspherical prototype head over the vocabulary on top of the causal LM (kiln.models.hpn)."""
     proto_dim: int | None = None       # default: the model's hidden size
-    scale: float = 10.0
+    scale: Positive = 10.0
     mode: Literal["fixed", "learnable"] = "fixed"
     loss: Literal["ce", "cosine"] = "cosine"
     spread_steps: int = 300
     lm_loss: bool = True               # keep the LM head's loss as a second objective
     objectives: Literal["sum", "pcgrad", "gradnorm", "cagrad"] = "sum"
-    cagrad_c: float = 0.5              # CAGrad: how far the update may leave the mean gradient
-    gradnorm_alpha: float = 1.5        # GradNorm: strength of the pull toward equal training rates
-    gradnorm_lr: float = 0.025         # GradNorm: step of the loss weights
+    cagrad_c: NonNegative = 0.5              # CAGrad: how far the update may leave the mean gradient
+    gradnorm_alpha: NonNegative = 1.5        # GradNorm: strength of the pull toward equal training rates
+    gradnorm_lr: NonNegative = 0.025         # GradNorm: step of the loss weights
 
     @model_validator(mode="after")
     def _check(self) -> "HpnSection":

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kiln.data import read_records
+from kiln.hub.files import folder_files, why_unreadable
 from kiln.data.hfdata import source_sha256
 from kiln.data.images import ImageClassifierProcessor
 from kiln.data.records import Record
@@ -37,19 +38,27 @@ class ImageData(RecordsData):
 def read_image_records(path: str, d: ImageData) -> list[Record]:
     """Records {image_field: absolute path, label_field: label} from a class-per-folder tree or a records file."""
     root = Path(path)
-    if root.is_dir() and any(p.is_dir() for p in root.iterdir()):
-        rows = [Record({d.image_field: str(f), d.label_field: cls.name}, str(f))
-                for cls in sorted(p for p in root.iterdir() if p.is_dir())
-                for f in sorted(cls.iterdir()) if f.suffix.lower() in SUFFIXES]
+    if root.is_dir() and any(p.is_dir() or (p.is_symlink() and not p.exists() and not p.suffix)
+                             for p in root.iterdir()):
+        # one listing of the whole tree, so every class folder's unreadable images are named at once
+        files = folder_files(root, lambda f: f.parent.parent == root and f.suffix.lower() in SUFFIXES,
+                             recursive=True, what="image", empty_ok=False)
+        rows = [Record({d.image_field: str(f), d.label_field: f.parent.name}, str(f)) for f in files]
         if not rows:
             raise KilnError(f"{root}: no images ({', '.join(SUFFIXES)}) in its class folders")
         return rows
-    out = []
+    out, bad = [], []
     for r in read_records(path, d.format):
         image = r.get(d.image_field)
         if not isinstance(image, str):
             raise KilnError(f"{r.where}: {d.image_field!r} must be an image path, got {type(image).__name__}")
+        why = why_unreadable(root.parent / image, empty_ok=False)
+        if why is not None:
+            bad.append(f"{r.where}: {root.parent / image} {why}")
         out.append(Record({**r.fields, d.image_field: str(root.parent / image)}, r.where))
+    if bad:  # every image is checked before the first is encoded, and all that cannot be read are named
+        raise KilnError(f"{len(bad)} image{'s' if len(bad) > 1 else ''} named in {path} cannot be read: "
+                        + "; ".join(bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else ""))
     return out
 
 

@@ -32,7 +32,7 @@ from kiln.errors import ConfigError, KilnError
 from kiln.models.common.dsa import Indexer
 from kiln.models.common.moe_routing import SharedExpertMoE
 from kiln.parallel.world import all_reduce_sum
-from kiln.train.config import RunConfig, Section
+from kiln.train.config import NonNegative, Positive, RunConfig, Section
 from kiln.train.moe_balance import AuxFreeBalance, routers, segment_ids, sequence_aux_loss
 from kiln.train.recipes.base import Extension, RunParts, Shortcut
 from kiln.train.steps import StepFn, as_sum_and_count, default_step
@@ -42,11 +42,11 @@ from kiln.train.trainer import Callback, Trainer
 class MoeSection(Section):
     """Load balancing, multi-token prediction and indexer training for DeepSeek-style MoE models."""
     balance: Literal["aux_free", "seq_aux", "none"] = "aux_free"
-    bias_update_speed: float = 1e-3
-    seq_aux_alpha: float = 1e-4
-    mtp_weight: float = 0.0
+    bias_update_speed: Positive = 1e-3
+    seq_aux_alpha: Positive = 1e-4
+    mtp_weight: NonNegative = 0.0
     indexer: Literal["frozen", "kl"] = "frozen"
-    indexer_loss_weight: float = 1.0
+    indexer_loss_weight: Positive = 1.0
 
     @model_validator(mode="after")
     def _check(self) -> "MoeSection":

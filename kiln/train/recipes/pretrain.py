@@ -35,7 +35,7 @@ from kiln.models.common.loss import lm_loss_sum
 from kiln.models.tasks import CAUSAL_LM
 from kiln.parallel.world import World, all_reduce_sum
 from kiln.train.checks import check_model_tokenizer
-from kiln.train.config import DataSection, RunConfig
+from kiln.train.config import DataSection, RunConfig, finite
 from kiln.train.plans import data_shard
 from kiln.train.recipes.base import Evaluate, Recipe, RunParts, Shortcut, build_model
 from kiln.train.trainer import Trainer
@@ -53,7 +53,7 @@ class PretrainData(DataSection):
     dtype: Literal["uint16", "int32", "uint32", "int64"] | None = None  # of .bin files (a .npy says its own)
     extension: str = ".bin"              # a folder's token files end with this (".txt": token text files)
     shuffle_shards: bool = True          # false: every epoch reads the token shards / files in their sorted order
-    val_fraction: float = 0.0            # held out at train time: a flat file's tail, or a folder's last shards
+    val_fraction: finite(ge=0, lt=1) = 0.0            # held out at train time: a flat file's tail, or a folder's last shards
 
     @model_validator(mode="after")
     def _check_stream(self) -> "PretrainData":
