@@ -120,8 +120,10 @@ def test_a_teacher_of_another_vocabulary_or_tokenizer_is_refused(d, tmp_path):
     with pytest.raises(ConfigError, match="its tokenizer differs from the student's"):
         build_trainer(load_run_config(run_toml(d, "bad", alien)))
     assert not (d / "bad").exists()  # refused before anything was written
-    with pytest.raises(ConfigError, match="distill.beta must lie in"):
+    with pytest.raises(ConfigError, match="distill.beta must be a finite number >= 0 and <= 1, got 2"):
         load_run_config(_with(d, "beta = 2"))
+    with pytest.raises(ConfigError, match="distill.temperature must be a finite number > 0, got nan"):
+        load_run_config(_with(d, "temperature = nan"))
 
 
 def _with(d: Path, line: str) -> Path:

@@ -158,8 +158,10 @@ def test_a_row_without_a_label_is_refused_before_work(rows_dir, tmp_path):
         build_trainer(load_run_config(run_toml(rows_dir, "bad", train=paired)))
     with pytest.raises(ConfigError, match="train.batch_size must be at least 2"):
         build_trainer(load_run_config(run_toml(rows_dir, "bad", batch_size=1)))
-    with pytest.raises(ConfigError, match="kto.undesirable_weight must be > 0"):
+    with pytest.raises(ConfigError, match="kto.undesirable_weight must be a finite number > 0, got 0"):
         load_run_config(run_toml(rows_dir, "bad", kto="undesirable_weight = 0"))
+    with pytest.raises(ConfigError, match="kto.desirable_weight must be a finite number > 0, got inf"):
+        load_run_config(run_toml(rows_dir, "bad", kto="desirable_weight = inf"))
 
 
 def test_desirable_margin_grows(rows_dir):

@@ -162,8 +162,10 @@ def test_a_row_without_both_sides_is_refused_before_work(pairs, tmp_path):
                          + arithmetic_pairs(1))
     with pytest.raises(KilnError, match=r"margin\.jsonl:3: 'margin' must be given on every row or on none"):
         build_trainer(load_run_config(run_toml(pairs, "bad", train=margin)))
-    with pytest.raises(ConfigError, match="center_rewards_coefficient must be >= 0"):
+    with pytest.raises(ConfigError, match="center_rewards_coefficient must be a finite number >= 0, got -1"):
         load_run_config(run_toml(pairs, "x", rm="[reward_model]\ncenter_rewards_coefficient = -1"))
+    with pytest.raises(ConfigError, match="center_rewards_coefficient must be a finite number >= 0, got inf"):
+        load_run_config(run_toml(pairs, "x", rm="[reward_model]\ncenter_rewards_coefficient = inf"))
     with pytest.raises(ConfigError, match="one output"):
         build_trainer(load_run_config(_rewrite(pairs, "x", "num_labels = 3")))
     with pytest.raises(ConfigError, match="trains full weights for now"):

@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 import torch
-from pydantic import model_validator
 from torch import nn
 
 from kiln.errors import ConfigError, KilnError
@@ -26,7 +25,7 @@ from kiln.models.auto import load_pretrained
 from kiln.models.common.loss import shift_labels
 from kiln.models.tasks import CAUSAL_LM
 from kiln.parallel.world import World, all_reduce_sum
-from kiln.train.config import RunConfig, Section
+from kiln.train.config import Positive, RunConfig, Section, finite
 from kiln.train.divergence import linear_divergence
 from kiln.train.engine import StepEngine
 from kiln.train.plans import place_frozen
@@ -42,16 +41,9 @@ INPUTS = ("input_ids", "attention_mask", "position_ids")
 class DistillSection(Section):
     """[distill]: the teacher and the divergence."""
     teacher: str                       # an HF directory, a checkpoint or a run directory
-    beta: float = 0.0                  # 0: forward KL, 1: reverse KL, between: generalized JSD
-    temperature: float = 1.0
+    beta: finite(ge=0, le=1) = 0.0     # 0: forward KL, 1: reverse KL, between: generalized JSD
+    temperature: Positive = 1.0
 
-    @model_validator(mode="after")
-    def _check(self) -> "DistillSection":
-        if not 0.0 <= self.beta <= 1.0:
-            raise ValueError(f"distill.beta must lie in [0, 1] (0 forward KL, 1 reverse KL), got {self.beta}")
-        if not self.temperature > 0:
-            raise ValueError(f"distill.temperature must be > 0, got {self.temperature}")
-        return self
 
 
 def check_teacher(teacher: nn.Module, student: nn.Module, where: str) -> None:

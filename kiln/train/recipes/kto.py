@@ -21,7 +21,6 @@ import copy
 from typing import Any, Callable, Literal, Mapping
 
 import torch
-from pydantic import model_validator
 from torch import nn
 from torch.nn import functional as F
 
@@ -32,7 +31,7 @@ from kiln.errors import ConfigError, KilnError
 from kiln.models.auto import load_pretrained
 from kiln.models.tasks import CAUSAL_LM
 from kiln.parallel.world import World, all_reduce_sum
-from kiln.train.config import RunConfig, Section
+from kiln.train.config import Positive, RunConfig, Section
 from kiln.train.engine import StepEngine
 from kiln.train.logps import token_logps
 from kiln.train.plans import place_frozen
@@ -55,19 +54,11 @@ class UnpairedData(RecordsData):
 class KTOSection(Section):
     """[kto]: TRL's KTOConfig options of the loss, and the reference."""
     loss_type: Literal["kto", "apo_zero_unpaired"] = "kto"
-    beta: float = 0.1
-    desirable_weight: float = 1.0
-    undesirable_weight: float = 1.0
+    beta: Positive = 0.1
+    desirable_weight: Positive = 1.0
+    undesirable_weight: Positive = 1.0
     reference: str | None = None   # an HF directory; default: the starting weights
 
-    @model_validator(mode="after")
-    def _check(self) -> "KTOSection":
-        if not self.beta > 0:
-            raise ValueError(f"kto.beta must be > 0, got {self.beta}")
-        for k in ("desirable_weight", "undesirable_weight"):
-            if not getattr(self, k) > 0:
-                raise ValueError(f"kto.{k} must be > 0, got {getattr(self, k)}")
-        return self
 
 
 def unpaired_batch(batch: Mapping[str, torch.Tensor], max_length: int, shift: int = 0

@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 import torch
-from pydantic import model_validator
 from torch import nn
 from torch.nn import functional as F
 
@@ -27,7 +26,7 @@ from kiln.data.reward import encode_reward_pairs
 from kiln.errors import ConfigError, KilnError
 from kiln.models.tasks import REWARD_MODEL, SEQUENCE_CLASSIFICATION
 from kiln.parallel.world import World, all_reduce_sum
-from kiln.train.config import RunConfig, Section
+from kiln.train.config import NonNegative, RunConfig, Section
 from kiln.train.recipes.base import Extension, RunParts, build_model, check_text_model
 from kiln.train.recipes.finetune import FineTune, RecordsData
 from kiln.train.shares import eval_share, record_tokens
@@ -42,14 +41,8 @@ class RewardData(RecordsData):
 
 class RewardSection(Section):
     """[reward_model]: TRL's RewardConfig options of the loss."""
-    center_rewards_coefficient: float | None = None  # pushes the rewards toward mean zero (Eisenstein et al.)
+    center_rewards_coefficient: NonNegative | None = None  # pushes the rewards toward mean zero (Eisenstein et al.)
 
-    @model_validator(mode="after")
-    def _check(self) -> "RewardSection":
-        if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
-            raise ValueError(f"reward_model.center_rewards_coefficient must be >= 0, got "
-                             f"{self.center_rewards_coefficient}")
-        return self
 
 
 def pair_batch(batch: Mapping[str, torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, int]:
