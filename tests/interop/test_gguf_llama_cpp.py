@@ -5,6 +5,7 @@ llama-cpp-python is not installed (`make gguf-peer` builds and installs it)."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -197,3 +198,47 @@ def test_qlora_merged_from_the_dequantized_base(root, tmp_path):
     # merged file: the same sums in another order, so f32 rounding only (~1e-6), bound as verify-export's f32 check
     assert model.model.layers[0].self_attn.q_proj.compute_dtype == torch.float32
     assert ((theirs - qlora_logits).abs().max() / qlora_logits.abs().max()).item() < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+def test_moe_parting_at_a_routing_tie_is_explained(root, kind):
+    """The tiny Qwen3-MoE's 3rd prompt parts at step 31: a router's top-k edge experts are 1.2e-4 apart in logit
+    there, under what the type's rounding moves; kiln's model with that tie flipped gives llama.cpp's token, so the
+    check passes and says why. (Where another CPU's kernels happen to route like kiln, the prompt does not part;
+    that passes too, but never as a plain difference.)"""
+    model = load_pretrained(tiny_dir(root, "qwen3_moe"))
+    path = write_gguf(model, root / f"qwen3_moe-{kind}" / "m.gguf", kind)
+    checks, text = _verify(model, path, prompts=PROMPTS[2:3], n_greedy=32)
+    greedy = checks["greedy 32 tokens"]
+    assert greedy.ok and ("1 part at a routing tie" in greedy.detail or "1 equal" in greedy.detail), text
+
+
+def test_routing_near_tie_flip_changes_kiln_token(root):
+    """kiln alone: on that sequence the near-tie is found and flipping it turns kiln's greedy token into another
+    (llama.cpp's 207 here); the flip is what the check above relies on. A dense model has no near-ties."""
+    from kiln.interop.gguf_routing import flipped_logits, near_ties
+    from kiln.interop.gguf_verify import _greedy, _kiln_logits
+
+    model = load_pretrained(tiny_dir(root, "qwen3_moe")).float().eval()
+    ids = model.tokenizer.backend.encode(PROMPTS[2], add_special_tokens=True).ids
+    seq = ids + _greedy(lambda s: _kiln_logits(model, s)[-1], ids, 31)
+    layers = model.config.num_hidden_layers  # the f16 rounding estimate verify-export uses (see _greedy_check)
+    ties = near_ties(model, seq, lambda logits: 3 * math.sqrt(2 * 2.0 ** -22 * 2 * (layers + 1)) * logits.std(-1))
+    assert ties and all(t.margin <= t.explained for t in ties), ties
+    base = int(_kiln_logits(model, seq)[-1].argmax())
+    assert any(int(flipped_logits(model, seq, t).argmax()) != base for t in ties)
+    dense = load_pretrained(tiny_dir(root, "qwen3")).float().eval()
+    assert near_ties(dense, ids, lambda logits: 1e9) == []
+
+
+def test_moe_changed_expert_weights_fail_greedy(root):
+    """Control: a Qwen3-MoE GGUF whose routed experts differ from the source's is not excused as a routing tie."""
+    model = load_pretrained(tiny_dir(root, "qwen3_moe"))
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in other.named_parameters():
+            if name.endswith("experts.down_proj"):
+                p.mul_(-1.0)
+    path = write_gguf(other, root / "qwen3_moe-other-experts" / "m.gguf", "f16")
+    checks, text = _verify(model, path, prompts=PROMPTS[2:3], n_greedy=32)
+    assert not checks["greedy 32 tokens"].ok and "differ" in checks["greedy 32 tokens"].detail, text
