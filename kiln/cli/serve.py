@@ -3,6 +3,7 @@ directory, a checkpoint or a run (its newest checkpoint), with LoRA adapters ser
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -38,11 +39,15 @@ def build_state(target: Path, loras: list[str], *, name: Optional[str] = None, m
     model_dir, _ = model_dir_of(target)
     base = load_for_prediction(model_dir, CAUSAL_LM, allow_missing, allow_unused)
     models = {base_name: base} | {n: adapter_model(base, d, n) for n, d in adapters.items()}
-    engines = {n: Engine(m, base.tokenizer, max_seqs=max_seqs, kv_blocks=kv_blocks) for n, m in models.items()}
+    # factories, not engines: the AsyncEngine makes a fresh one over the same model when a step fails
+    factories = {n: functools.partial(Engine, m, base.tokenizer, max_seqs=max_seqs, kv_blocks=kv_blocks)
+                 for n, m in models.items()}
+    engine = AsyncEngine(factories, max_queue)
+    engines = engine.engines
     created = now()
     served = {n: ServedModel(n, base.tokenizer, engines[n].vocab_size, engines[n].max_positions, created,
                              None if n == base_name else base_name) for n in models}
-    return ServerState(served, AsyncEngine(engines, max_queue), max_tokens)
+    return ServerState(served, engine, max_tokens)
 
 
 # uvicorn's own bound on open connections after the engine's: the cancelled requests' last chunks go out in it

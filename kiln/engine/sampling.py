@@ -34,6 +34,7 @@ import torch
 
 from kiln.engine.params import MAX_TOP_LOGPROBS, SamplingParams
 from kiln.errors import KilnError
+from kiln.models.generation import inverse_cdf
 
 BLOCK = 1024  # the vocabulary is read in blocks of this many entries (maxima, sums)
 SORT_BELOW = 4096  # top-p sorts a row this short; a longer one goes through a radix select
@@ -58,9 +59,12 @@ def request_generator(seed: int | None, index: int, device: torch.device | str) 
 
 @torch.no_grad()
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], prompt_ids: Sequence[Sequence[int]],
-           output_ids: Sequence[Sequence[int]], generators: Sequence[torch.Generator | None]) -> SampleOut:
+           output_ids: Sequence[Sequence[int]], generators: Sequence[torch.Generator | None], *,
+           logprobs: bool = True) -> SampleOut:
     """Choose one token per row of `logits` (B, V) float32. Row b uses params[b], its prompt and output ids so
-    far (for the penalties) and generators[b] (None: torch's default generator of the logits' device)."""
+    far (for the penalties) and generators[b] (None: torch's default generator of the logits' device).
+    logprobs=False: skip the log-probs (for a caller that computes them itself): SampleOut.logprobs is all NaN
+    and top_ids / top_logprobs have no columns, whatever params ask; the tokens are the same."""
     if logits.dim() != 2 or logits.size(0) == 0:
         raise ValueError(f"sample: logits must be (batch>0, vocab), got shape {tuple(logits.shape)}")
     B, V = logits.shape
@@ -82,6 +86,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], prompt_ids: S
                          for b in sampled])  # one uniform per sampled row, from that row's own generator
         idx = torch.tensor(sampled, device=dev)
         tokens.index_copy_(0, idx, _draw(_rows(penalized, sampled, "scaled"), [params[b] for b in sampled], u))
+    if not logprobs:
+        return SampleOut(tokens, torch.full((B,), float("nan"), device=dev),
+                         torch.empty((B, 0), dtype=torch.long, device=dev), torch.empty((B, 0), device=dev))
     return SampleOut(tokens, *_logprobs(logits, params, tokens))
 
 
@@ -288,7 +295,7 @@ def _draw(logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tenso
         floor[idx] = torch.maximum(floor[idx], _mass_threshold(w, frac))
     if bool((floor > 0).any()):
         probs.masked_fill_(torch.lt(probs, floor[:, None], out=_buffer("mask", G, probs, torch.bool)), 0.0)
-    return _inverse_cdf(probs, u)
+    return inverse_cdf(probs, block=BLOCK, u=u)
 
 
 def _mass_threshold(w: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
@@ -345,31 +352,3 @@ def _crossing(hist: torch.Tensor, target: torch.Tensor, above: torch.Tensor) -> 
     b = ((from_top >= target[:, None]).sum(-1) - 1).clamp(min=0)  # from_top falls with the bucket index
     nxt = (b + 1).clamp(max=hist.size(1) - 1)[:, None]
     return b, torch.where(b + 1 < hist.size(1), from_top.gather(1, nxt).squeeze(1), above)
-
-
-def _inverse_cdf(q: torch.Tensor, u: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """(G,) indices, row g's drawn with probability q[g] / q[g].sum() (q (G, N) >= 0, some > 0 in each row) by
-    its uniform u[g] in [0, 1): a block of `block` entries by the float64 running sum of the blocks' float32
-    sums, then an entry by the float64 running sum inside that block (as kiln.models.generation.inverse_cdf,
-    with each row's uniform given). An entry of probability 0 is never drawn."""
-    G, N = q.shape
-    block = min(block, N)
-    whole, rest = _blocks(q, block)
-    sums = whole.sum(-1)  # (G, N // block), each block summed alone
-    if rest.size(1):
-        sums = torch.cat([sums, rest.sum(-1, keepdim=True)], 1)
-    cdf = sums.double().cumsum(-1)  # (G, blocks)
-    total = cdf[:, -1:]
-    if not bool((total > 0).all()):
-        raise KilnError("sample: a row has no token of positive probability left after its filters")
-    target = u[:, None] * total  # (G, 1)
-    # the first block whose running sum passes the target (u * total may round up to the total: the last
-    # block of positive mass then)
-    blk = torch.minimum(torch.searchsorted(cdf, target, right=True), (cdf < total).sum(-1, keepdim=True))
-    before = torch.where(blk > 0, cdf.gather(1, (blk - 1).clamp(min=0)), 0.0)
-    col = blk * block + torch.arange(block, device=q.device)  # (G, block)
-    inside = q.gather(1, col.clamp(max=N - 1)).masked_fill(col >= N, 0.0).double().cumsum(-1)
-    last = inside[:, -1:]
-    rest = (target - before) / (cdf.gather(1, blk) - before) * last  # the target's place on the block's own sum
-    entry = torch.minimum(torch.searchsorted(inside, rest, right=True), (inside < last).sum(-1, keepdim=True))
-    return (blk * block + entry).squeeze(1)

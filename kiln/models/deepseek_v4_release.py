@@ -4,7 +4,8 @@
   the later rules of each head's list are read-only aliases, so DeepSeek's own release layout loads too;
 - `release_name`: a causal LM's name as DeepSeek's release writes it (no `model.`, `embed`, `head`,
   `hc_head_fn`), kept for a checkpoint read in that layout; the MLA key/value norm is read as the release's
-  `attn.kv_norm` or transformers' `attn.norm` and written back as read (`release_kv_norm`);
+  `attn.kv_norm` or transformers' `attn.norm` (the key map's write name; the release's is a read alias) and
+  written back as read (`release_kv_norm`);
 - `V4TaskModel`: the `mtp.*` tensors carried through (or handed to the live MTP layer), and the
   hyper-connection, sink, position-bias and norm parameters held in float32, written back in the
   half dtype they were stored in while that is lossless.
@@ -24,8 +25,10 @@ MTP_TENSOR = re.compile(r"(^|\.)mtp\.")
 # Parameters transformers keeps in float32 under a half-precision model (its _keep_in_fp32_modules_strict);
 # the routers' balancing bias keeps itself (moe_routing.GroupLimitedRouter).
 KEEP_FP32 = re.compile(r"attn_hc|ffn_hc|hc_head|sinks|position_bias|norm")
-# The MLA key/value norm in the release's spelling; transformers' save writes `attn.norm` for it instead.
+# The MLA key/value norm in the release's spelling (a read alias in the key map), and in transformers' (the key map's
+# write name): a checkpoint read in the release's is written back in it.
 RELEASE_KV_NORM = re.compile(r"(^|\.)attn\.kv_norm\.")
+TRANSFORMERS_KV_NORM = re.compile(r"(^|\.)attn\.norm\.")
 
 
 class V4TaskModel:
@@ -69,8 +72,8 @@ class V4TaskModel:
         mtp = dict(getattr(self, "mtp_tensors", {}))
         if getattr(self, "fp8_state", None) is not None:  # dequantized at load: back to FP8 / FP4 + scales
             mtp = self.fp8_state.export(mtp)
-        if not getattr(self, "release_kv_norm", False):
-            hf = {RELEASE_KV_NORM.sub(r"\1attn.norm.", k): v for k, v in hf.items()}
+        if getattr(self, "release_kv_norm", False):  # before the MTP tensors join: those keep the names read
+            hf = {TRANSFORMERS_KV_NORM.sub(r"\1attn.kv_norm.", k): v for k, v in hf.items()}
         hf.update(mtp)
         if getattr(self, "release_layout", False):
             hf = {release_name(k): v for k, v in hf.items()}
@@ -120,10 +123,10 @@ V4_KEYS = [
         ("self_attn.q_a_norm", "attn.q_norm"),
         ("self_attn.q_b_proj", "attn.wq_b"),
         ("self_attn.kv_proj", "attn.wkv"),
-        # the release's name (its weight index: layers.N.attn.kv_norm.weight), and the one transformers' reverse
-        # renaming writes (`.norm.` <- `.kv_norm.`), read too; a save writes the one read (V4TaskModel.hf_state_dict)
-        ("self_attn.kv_norm", "attn.kv_norm"),
+        # the name transformers' reverse renaming writes (`.norm.` <- `.kv_norm.`), and the release's (its weight
+        # index: layers.N.attn.kv_norm.weight) read too; a save writes the one read (V4TaskModel.hf_state_dict)
         ("self_attn.kv_norm", "attn.norm"),
+        ("self_attn.kv_norm", "attn.kv_norm"),
         ("self_attn.o_a_proj", "attn.wo_a"),
         ("self_attn.o_b_proj", "attn.wo_b"),
         ("mlp.gate.e_score_correction_bias", "ffn.gate.bias"),

@@ -35,29 +35,38 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0
     return logits
 
 
-def inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None = None, block: int = 1024) -> torch.Tensor:
+def inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None = None, block: int = 1024,
+                u: torch.Tensor | None = None) -> torch.Tensor:
     """(B,) token ids, row b's drawn with probability probs[b] / probs[b].sum() (probs (B, V) >= 0, some > 0 in
     each row), from one uniform number per row: it picks a block of `block` entries by the float64 running sum
     of the blocks' sums, then an entry by the float64 running sum inside that block. The same distribution as
     torch.multinomial(probs, 1) (to float32 rounding of each block's sum), not the same draws: multinomial
     spends an exponential variate per vocabulary entry (~40 ms for 8 rows of 151,936 on one core), this ~1.5 ms.
-    An entry of probability 0 is never drawn."""
+    `u` (B,) float64 in [0, 1): each row's uniform, given (the engine draws each from its row's own generator);
+    None: drawn here from `generator`. An entry of probability 0 is never drawn."""
     B, V = probs.shape
     block = min(block, V)
     full = V // block * block
-    sums = probs[:, :full].reshape(B, -1, block).sum(-1)  # (B, V // block)
+    sums = probs[:, :full].reshape(B, -1, block).sum(-1)  # (B, V // block), each block summed alone
     if full < V:
         sums = torch.cat([sums, probs[:, full:].sum(-1, keepdim=True)], 1)
     cdf = sums.double().cumsum(-1)  # (B, blocks)
     total = cdf[:, -1:]
-    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device) * total  # (B, 1)
-    # the first block whose running sum passes u (u * total may round up to the total: then the last nonempty)
-    blk = torch.minimum(torch.searchsorted(cdf, u, right=True), (cdf < total).sum(-1, keepdim=True))
+    if not bool((total > 0).all()):
+        raise KilnError("inverse_cdf: a row has no token of positive probability (left after its filters)")
+    if u is None:
+        u = torch.rand((B,), generator=generator, dtype=torch.float64, device=probs.device)
+    elif u.shape != (B,):
+        raise ValueError(f"inverse_cdf: u must be one uniform per row, shape ({B},), got {tuple(u.shape)}")
+    target = u[:, None] * total  # (B, 1)
+    # the first block whose running sum passes the target (u * total may round up to the total: then the last
+    # block of positive mass)
+    blk = torch.minimum(torch.searchsorted(cdf, target, right=True), (cdf < total).sum(-1, keepdim=True))
     before = torch.where(blk > 0, cdf.gather(1, (blk - 1).clamp(min=0)), 0.0)  # the mass of the blocks before it
     idx = blk * block + torch.arange(block, device=probs.device)  # (B, block)
     inside = probs.gather(1, idx.clamp(max=V - 1)).masked_fill(idx >= V, 0.0).double().cumsum(-1)
     last = inside[:, -1:]
-    rest = (u - before) / (cdf.gather(1, blk) - before) * last  # u's place in the block, on its float64 sum
+    rest = (target - before) / (cdf.gather(1, blk) - before) * last  # the target's place on the block's own sum
     token = torch.minimum(torch.searchsorted(inside, rest, right=True), (inside < last).sum(-1, keepdim=True))
     return (blk * block + token).squeeze(1)
 

@@ -118,16 +118,38 @@ async def _watch(request: Request, stream: Stream) -> None:
 
 
 async def _gather(request: Request, stream: Stream, prompts: int, n: int) -> list[Gathered]:
-    """Every completion of a non-streamed request, by choice index (prompt index x n + completion index)."""
+    """Every completion of a non-streamed request, by choice index (prompt index x n + completion index). A client
+    that left gets a 499 (nginx's 'client closed request': nobody reads it), an engine that failed a 500."""
     got = [Gathered() for _ in range(prompts * n)]
     watch = asyncio.ensure_future(_watch(request, stream))
     try:
         async for prompt, out in stream:
             got[prompt * n + out.index].add(out)
+    except ClientGone as e:
+        raise P.RequestError(str(e), None, 499, "invalid_request_error", "client_closed_request") from None
+    except (EngineFailed, EngineStopped) as e:
+        raise _engine_error(e) from None
     finally:
         watch.cancel()
         stream.close()
     return got
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events of one Stream, which is closed (its request cancelled if unfinished, its slot freed) however
+    the response ends: also when the client is gone before the first send, so the events generator never starts and
+    its own `finally` never runs."""
+
+    def __init__(self, events: AsyncIterator[bytes], stream: Stream):
+        super().__init__(events, media_type="text/event-stream")
+        self._stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.close()
+            await self.body_iterator.aclose()  # an unstarted generator just closes; a started one runs its finally
 
 
 def _finish(reason: str | None, calls: list) -> str | None:
@@ -152,14 +174,8 @@ async def chat_completions(request: Request) -> Response:
     stream = await _submit(state, req.model, [ids], params)
     rid, created = P.new_id("chatcmpl"), P.now()
     if req.stream:
-        return StreamingResponse(_chat_events(stream, req, served, rid, created, len(ids), tools_offered),
-                                 media_type="text/event-stream")
-    try:
-        got = await _gather(request, stream, 1, req.n)
-    except ClientGone:
-        return Response(status_code=499)  # nginx's 'client closed request': nobody reads it
-    except (EngineFailed, EngineStopped) as e:
-        raise _engine_error(e) from None
+        return _EventStream(_chat_events(stream, req, served, rid, created, len(ids), tools_offered), stream)
+    got = await _gather(request, stream, 1, req.n)
     choices = []
     for i, g in enumerate(got):
         content, calls = reply(g.text, tools_offered)
@@ -247,14 +263,8 @@ async def completions(request: Request) -> Response:
     rid, created = P.new_id("cmpl"), P.now()
     echoes = [served.tokenizer.decode(p) if req.echo else "" for p in prompts]
     if req.stream:
-        return StreamingResponse(_completion_events(stream, req, served, rid, created, prompts, echoes),
-                                 media_type="text/event-stream")
-    try:
-        got = await _gather(request, stream, len(prompts), req.n)
-    except ClientGone:
-        return Response(status_code=499)  # nginx's 'client closed request': nobody reads it
-    except (EngineFailed, EngineStopped) as e:
-        raise _engine_error(e) from None
+        return _EventStream(_completion_events(stream, req, served, rid, created, prompts, echoes), stream)
+    got = await _gather(request, stream, len(prompts), req.n)
     choices = []
     for i, g in enumerate(got):
         echo = echoes[i // req.n]
@@ -307,10 +317,16 @@ async def list_models(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.kiln
-    ok = state.engine.alive
-    body = {"status": "ok" if ok else "stopping", "requests": state.engine.held, "max_queue": state.engine.max_queue}
-    if state.engine.failure is not None:
-        body["error"] = f"{type(state.engine.failure).__name__}: {state.engine.failure}"
+    engine = state.engine
+    ok = engine.alive
+    # degraded: serving, but some engine's step raised and it was replaced (its requests then failed with a 500)
+    status = "stopping" if not ok else "degraded" if any(engine.rebuilds.values()) else "ok"
+    body = {"status": status, "requests": engine.held, "max_queue": engine.max_queue,
+            "engine_rebuilds": dict(engine.rebuilds)}
+    if engine.last_failure is not None:
+        body["last_engine_failure"] = engine.last_failure
+    if engine.failure is not None:
+        body["error"] = f"{type(engine.failure).__name__}: {engine.failure}"
     return JSONResponse(body, status_code=200 if ok else 503)
 
 

@@ -8,6 +8,10 @@ A request holds a slot from `submit` until its Stream is closed (the HTTP respon
 `max_queue` bounds what is queued and running together; past it `submit` raises QueueFull (429). Engines of several
 models are stepped in turn; since a request's tokens depend only on its own inputs (the engine's batch invariance),
 the interleaving changes no result.
+
+When a step raises, the engine may be left inconsistent (blocks lent to no sequence), so its model's requests fail
+(EngineFailed, naming the cause) and the thread replaces it with a fresh Engine from the same factory (same model and
+settings); `rebuilds` counts these per model for /health.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import queue
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from kiln.errors import KilnError
 
@@ -96,10 +100,17 @@ class Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engines: dict[str, Any], max_queue: int):
+    """`factories` maps each served model name to a function making its Engine: called once here, and again to
+    replace an engine whose step raised."""
+
+    def __init__(self, factories: dict[str, Callable[[], Any]], max_queue: int):
         if max_queue < 1:
             raise KilnError(f"--max-queue must be >= 1, got {max_queue}")
-        self.engines = engines
+        self._factories = dict(factories)
+        self.engines = {name: make() for name, make in self._factories.items()}
+        self.rebuilds: dict[str, int] = {name: 0 for name in self.engines}  # engines replaced after a failed step
+        self.last_failure: str | None = None  # the cause of the latest failed step, for /health
+        self._closed = False  # the thread's final drain has begun: no command put from now on would be read
         self.max_queue = max_queue
         self._lock = threading.Lock()
         self._held = 0                         # slots held by open Streams
@@ -142,6 +153,8 @@ class AsyncEngine:
         if not self.alive:
             raise EngineStopped("the server is shutting down")
         with self._lock:
+            if self._closed:  # the thread ended after the check above: its final drain would never see the add
+                raise EngineStopped("the server is shutting down")
             if self._held + len(prompts) > self.max_queue:
                 raise QueueFull(f"the server holds {self._held} of its {self.max_queue} requests (--max-queue); "
                                 "retry later")
@@ -152,7 +165,13 @@ class AsyncEngine:
         request = _Request(model, ids, loop, asyncio.Queue(), remaining=len(prompts) * params.n,
                            added=loop.create_future(), index_of={rid: i for i, rid in enumerate(ids)})
         stream = Stream(self, request)
-        self._command(("add", request, prompts, params, prompt_inputs))
+        with self._lock:  # put under the lock: either the final drain reads it, or _closed refuses it
+            closed = self._closed
+            if not closed:
+                self._command(("add", request, prompts, params, prompt_inputs))
+        if closed:
+            stream.close()
+            raise EngineStopped("the server is shutting down")
         try:
             await asyncio.shield(request.added)
         except BaseException:  # refused, or the client left while waiting: nothing stays held
@@ -255,14 +274,27 @@ class AsyncEngine:
         try:
             outputs = engine.step()
         except Exception as e:  # noqa: BLE001 - this model's requests fail; the others go on
+            cause = f"{type(e).__name__}: {e}"
             failed = {id(r): r for r in self._requests.values() if r.model == name}
             for request in failed.values():
-                self._cancel(request)
-                self._send(request, EngineFailed(f"the engine failed: {type(e).__name__}: {e}"))
+                self._drop(request)  # not cancelled on the broken engine: it is replaced below
+            self.last_failure = f"{name}: {cause}"
+            try:  # replaced before the requests hear of it, so a client that then asks /health sees the rebuild
+                self._rebuild(name)
+            finally:
+                for request in failed.values():
+                    self._send(request, EngineFailed(f"the engine failed: {cause}"))
             return False
         for out in outputs:
             self._deliver(out)
         return True
+
+    def _rebuild(self, name: str) -> None:
+        """Replace the engine of `name` by a fresh one (its failed step may have left blocks lent to nobody).
+        If even that fails the thread ends (failure, /health 503): there is no engine left to serve it."""
+        self.engines[name] = None  # drop the broken one (and its KV pool) before allocating the new
+        self.engines[name] = self._factories[name]()
+        self.rebuilds[name] += 1
 
     def _run(self) -> None:
         try:
@@ -279,6 +311,8 @@ class AsyncEngine:
             self.failure = e
         finally:
             self._stopping = True
+            with self._lock:
+                self._closed = True
             for request in {id(r): r for r in self._requests.values()}.values():
                 try:
                     self._cancel(request)

@@ -15,11 +15,12 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kiln.engine.params import MAX_TOP_LOGPROBS
+
 # fields clients send that change nothing here (bookkeeping on OpenAI's side)
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
                   "safety_identifier")
 MAX_N = 64
-MAX_TOP_LOGPROBS = 20
 
 
 class RequestError(Exception):

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from kiln.engine.params import SamplingParams as SP
-from kiln.engine.sampling import (_first_argmax, _inverse_cdf, _mass_threshold, _penalize, _radix_threshold, _top,
+from kiln.engine.sampling import (_first_argmax, _mass_threshold, _penalize, _radix_threshold, _top,
                                   request_generator, sample)
 from kiln.errors import KilnError
+from kiln.models.generation import inverse_cdf
 
 
 # ---- direct implementations ----------------------------------------------------------------------------------
@@ -180,8 +181,8 @@ def test_a_zero_probability_token_is_never_drawn():
     q = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25, 0.0, 0.0]])
     u = torch.tensor([1 - 2.0**-53], dtype=torch.float64)
     for block in (1, 2, 3, 7):
-        assert _inverse_cdf(q, u, block).item() == 4
-        assert _inverse_cdf(q, torch.zeros(1, dtype=torch.float64), block).item() == 1
+        assert inverse_cdf(q, block=block, u=u).item() == 4
+        assert inverse_cdf(q, block=block, u=torch.zeros(1, dtype=torch.float64)).item() == 1
 
 
 def test_a_vocabulary_of_many_blocks():
@@ -268,6 +269,19 @@ def test_logprobs_are_log_softmax_of_the_raw_logits():
         assert torch.equal(out.top_logprobs[b, :n], full[b, out.top_ids[b, :n]])
         assert (out.top_ids[b, n:] == -1).all() and out.top_logprobs[b, n:].isnan().all()
     assert (out.top_ids[1:3] == -1).all()
+
+
+def test_logprobs_off_gives_the_same_tokens_and_no_logprobs():
+    """sample(..., logprobs=False) is for a caller computing log-probs itself: the same tokens from the same
+    generators (the log-probs draw no random numbers), none of the log-prob work."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 300, generator=g) * 4
+    params = _mixed_params(5)
+    run = [sample(x, params, [[1, 2]] * 5, [[3]] * 5, [request_generator(0, i, "cpu") for i in range(5)], logprobs=on)
+           for on in (True, False)]
+    assert torch.equal(run[0].tokens, run[1].tokens)
+    assert run[1].logprobs.isnan().all() and run[1].top_ids.shape == (5, 0) and run[1].top_logprobs.shape == (5, 0)
+    assert not run[0].logprobs.isnan().all()  # some of these rows ask for log-probs: the default computes them
 
 
 # ---- seeds and streams -------------------------------------------------------------------------------------------

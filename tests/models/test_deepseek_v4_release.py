@@ -163,6 +163,21 @@ def test_release_format_errors_are_named(release, tmp_path):
         load_pretrained(bad)
 
 
+def test_the_key_map_names_the_kv_norm_as_transformers_writes_it():
+    """Every user of the key map's write names (to_hf, hf_name: the sharded FP8 export, load messages) gets
+    transformers' `attn.norm`; the release's `attn.kv_norm` is a read alias, written only by a model that read it."""
+    from kiln.models.auto import REGISTRY
+    from kiln.models.tasks import BASE, CAUSAL_LM
+
+    family = REGISTRY["deepseek_v4"]
+    for task, prefix in ((CAUSAL_LM, "model."), (BASE, "")):  # kiln's names keep `model.`; a base's hf names don't
+        keymap = family.keymap(task)
+        kiln_name = "model.layers.0.self_attn.kv_norm.weight"
+        assert keymap.hf_name(kiln_name) == f"{prefix}layers.0.attn.norm.weight"
+        hf, unmatched = keymap.to_hf({kiln_name: torch.ones(4)})
+        assert list(hf) == [f"{prefix}layers.0.attn.norm.weight"] and unmatched == []
+
+
 def test_release_kv_norm_name_loads_trains_and_exports_as_read(release, tiny_factory, tmp_path):
     """The release names the MLA key/value norm `layers.N.attn.kv_norm.weight` (transformers' save writes
     `attn.norm`): it loads into the norm, trains, and an export writes it back under the name read."""
