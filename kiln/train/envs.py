@@ -16,7 +16,9 @@ methods the tools, optional `get_reward()`) is recognised by having `reset` and 
 `TRLEnvironment`: the episode ends on a turn without tool calls; its reward is `get_reward()` once it is over.
 
 Everything user-written runs in a daemon thread with a timeout: a raise, a hang or a malformed observation becomes
-an `EpisodeError` naming the call, which ends that episode (kiln.train.agent_rollout), never the run.
+an `EpisodeError` naming the call, which ends that episode (kiln.train.agent_rollout), never the run. The same
+worker runs users' reward functions (kiln.train.rewards). A call still running when the run is stopping
+(kiln.train.preempt caught SIGTERM / SIGINT) is abandoned at once, so the stop is never held up by user code.
 """
 
 from __future__ import annotations
@@ -26,11 +28,15 @@ import inspect
 import json
 import math
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import torch
+
 from kiln.errors import ConfigError, KilnError
+from kiln.train import preempt
 
 OBS_KEYS = ("messages", "tools", "done", "reward", "info")
 ROLES = ("system", "user", "assistant", "tool")
@@ -38,6 +44,17 @@ ROLES = ("system", "user", "assistant", "tool")
 
 class EpisodeError(KilnError):
     """User code (an environment or a tool) failed for one episode: raised, hung, or returned something malformed."""
+
+
+class UserTimeout(EpisodeError):
+    """User code did not return within its timeout; it was abandoned."""
+
+
+class Abandoned(EpisodeError):
+    """User code was abandoned while still running because the run is stopping (SIGTERM / SIGINT)."""
+
+
+_POLL = 0.05  # seconds between looks at the stop flag while user code runs
 
 
 @dataclass
@@ -50,25 +67,36 @@ class Obs:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def call_user(fn: Callable[..., Any], *args: Any, timeout: float, what: str, **kwargs: Any) -> Any:
-    """fn(*args, **kwargs) (awaited when it returns a coroutine) in a daemon thread, within `timeout` seconds.
-    A hang is abandoned (a thread cannot be stopped; it is a daemon, so it never holds the process open)."""
+def call_user(fn: Callable[..., Any], *args: Any, timeout: float, what: str, key: str = "grpo.env_timeout",
+              **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) (awaited when it returns a coroutine) in a daemon thread, within `timeout` seconds
+    (`key`: the setting, for the message). A hang is abandoned (a thread cannot be stopped; it is a daemon, so it
+    never holds the process open): past the timeout (UserTimeout), or as soon as the run is stopping by a signal
+    (Abandoned), so the step in flight ends and the stop's checkpoint is written within the grace period."""
     box: dict[str, Any] = {}
+    grad = torch.is_grad_enabled()  # thread-local: the worker computes as the caller would
 
     def run() -> None:
         try:
-            out = fn(*args, **kwargs)
-            if inspect.isawaitable(out):
-                out = asyncio.run(_awaited(out))
+            with torch.set_grad_enabled(grad):
+                out = fn(*args, **kwargs)
+                if inspect.isawaitable(out):
+                    out = asyncio.run(_awaited(out))
             box["value"] = out
         except BaseException as e:  # noqa: BLE001  (user code: everything it raises is the episode's failure)
             box["error"] = e
 
-    worker = threading.Thread(target=run, name=f"kiln-env:{what}", daemon=True)
+    worker = threading.Thread(target=run, name=f"kiln-user:{what}", daemon=True)
     worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
-        raise EpisodeError(f"{what} did not return within {timeout:g} s (grpo.env_timeout)")
+    deadline = time.monotonic() + timeout
+    while worker.is_alive():  # short joins: the stop flag is seen within _POLL, whatever the timeout
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise UserTimeout(f"{what} did not return within {timeout:g} s ({key})")
+        caught = preempt.signalled()
+        if caught is not None:
+            raise Abandoned(f"{what} was abandoned while running: the run is stopping ({caught})")
+        worker.join(min(left, _POLL))
     if "error" in box:
         e = box["error"]
         raise EpisodeError(f"{what} raised {type(e).__name__}: {e}") from e
