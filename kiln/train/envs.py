@@ -17,8 +17,8 @@ methods the tools, optional `get_reward()`) is recognised by having `reset` and 
 
 Everything user-written runs in a daemon thread with a timeout: a raise, a hang or a malformed observation becomes
 an `EpisodeError` naming the call, which ends that episode (kiln.train.agent_rollout), never the run. The same
-worker runs users' reward functions (kiln.train.rewards). A call still running when the run is stopping
-(kiln.train.preempt caught SIGTERM / SIGINT) is abandoned at once, so the stop is never held up by user code.
+worker runs users' reward functions (kiln.train.rewards). A call still running STOP_GRACE seconds after the run
+was told to stop (kiln.train.preempt caught SIGTERM / SIGINT) is abandoned, so user code never holds up the stop.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class Abandoned(EpisodeError):
 
 
 _POLL = 0.05  # seconds between looks at the stop flag while user code runs
+STOP_GRACE = 2.0  # seconds a call may still run once the run is stopping, before it is abandoned
 
 
 @dataclass
@@ -71,8 +72,8 @@ def call_user(fn: Callable[..., Any], *args: Any, timeout: float, what: str, key
               **kwargs: Any) -> Any:
     """fn(*args, **kwargs) (awaited when it returns a coroutine) in a daemon thread, within `timeout` seconds
     (`key`: the setting, for the message). A hang is abandoned (a thread cannot be stopped; it is a daemon, so it
-    never holds the process open): past the timeout (UserTimeout), or as soon as the run is stopping by a signal
-    (Abandoned), so the step in flight ends and the stop's checkpoint is written within the grace period."""
+    never holds the process open): past the timeout (UserTimeout), or STOP_GRACE seconds after the run is told to
+    stop by a signal (Abandoned), so the step in flight ends and the stop's checkpoint is written in time."""
     box: dict[str, Any] = {}
     grad = torch.is_grad_enabled()  # thread-local: the worker computes as the caller would
 
@@ -88,15 +89,18 @@ def call_user(fn: Callable[..., Any], *args: Any, timeout: float, what: str, key
 
     worker = threading.Thread(target=run, name=f"kiln-user:{what}", daemon=True)
     worker.start()
-    deadline = time.monotonic() + timeout
+    deadline, stop_by = time.monotonic() + timeout, None
     while worker.is_alive():  # short joins: the stop flag is seen within _POLL, whatever the timeout
-        left = deadline - time.monotonic()
-        if left <= 0:
+        now = time.monotonic()
+        if now >= deadline:
             raise UserTimeout(f"{what} did not return within {timeout:g} s ({key})")
         caught = preempt.signalled()
-        if caught is not None:
-            raise Abandoned(f"{what} was abandoned while running: the run is stopping ({caught})")
-        worker.join(min(left, _POLL))
+        if caught is not None:  # a call that ends within STOP_GRACE keeps its result: the step stays exact
+            stop_by = now + STOP_GRACE if stop_by is None else stop_by
+            if now >= stop_by:
+                raise Abandoned(f"{what} was abandoned: still running {STOP_GRACE:g} s after the run was told to "
+                                f"stop ({caught})")
+        worker.join(min(deadline - now, _POLL))
     if "error" in box:
         e = box["error"]
         raise EpisodeError(f"{what} raised {type(e).__name__}: {e}") from e

@@ -12,8 +12,8 @@ None means "does not apply" (as TRL); a wrong length or a NaN/inf is an error na
 A user's function ("module:function") runs in a daemon thread under `grpo.reward_timeout`
 (kiln.train.envs.call_user): a call that raises or does not return in time gives None for its completions, with a
 warning and the counts `reward_errors` / `reward_timeouts` in the metrics; `grpo.reward_max_failures` failing
-calls of one function in a row stop the run by message. A call still running when the run is told to stop
-(SIGTERM / SIGINT) is abandoned (None, not a failure), so the stop's checkpoint is written in time.
+calls of one function in a row stop the run by message. A call still running 2 s (envs.STOP_GRACE) after the run
+is told to stop (SIGTERM / SIGINT) is abandoned (None, not a failure), so the stop's checkpoint is written in time.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Users' reward functions cannot hang or kill a [grpo] run: one that sleeps forever is abandoned after
 grpo.reward_timeout (None rewards, counted in reward_timeouts) or, after grpo.reward_max_failures calls in a row,
 stops the run by message; one that raises is counted in reward_errors the same way; SIGTERM while a reward function
-sleeps writes the stop's checkpoint within seconds; the table's checks name the key."""
+sleeps abandons it after envs.STOP_GRACE and the stop's checkpoint is written within 10 s; the table's checks name
+the key."""
 
 from __future__ import annotations
 
@@ -105,12 +106,13 @@ def test_failures_in_a_row_reset_on_success():
     assert guard.take() == (3, 0) and guard.take() == (0, 0)
 
 
-def test_a_signal_abandons_running_user_code_at_once(monkeypatch):
+def test_a_signal_abandons_running_user_code_after_the_grace(monkeypatch):
     monkeypatch.setattr(preempt, "_CAUGHT", "SIGTERM")
+    assert envs.call_user(lambda x: x + 1, 1, timeout=60, what="quick") == 2  # ends within the grace: kept
     t0 = time.monotonic()
-    with pytest.raises(envs.Abandoned, match=r"abandoned while running: the run is stopping \(SIGTERM\)"):
+    with pytest.raises(envs.Abandoned, match=r"still running 2 s after the run was told to stop \(SIGTERM\)"):
         envs.call_user(time.sleep, 30, timeout=60, what="sleeper")
-    assert time.monotonic() - t0 < 5
+    assert envs.STOP_GRACE <= time.monotonic() - t0 < envs.STOP_GRACE + 5
     guard = RewardGuard(60, 1)  # abandoned on a stop: None, and not a failure (max_failures = 1 would stop)
     assert guard.call(Reward("s", lambda **_: time.sleep(30), 1.0, spec="m:s"), 2, "f:1", {}) == [None, None]
     assert guard.take() == (0, 0)
@@ -133,21 +135,26 @@ def test_sigterm_while_a_reward_sleeps_saves_within_10_s(slow_dir, tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "train", "--config", str(cfg)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     try:
-        deadline = time.monotonic() + 25
+        deadline = time.monotonic() + 120  # start-up (imports, the tiny model) on a loaded machine
         while not marker.exists() and p.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert marker.exists(), f"the reward function was never called:\n{p.communicate(timeout=30)}"
         t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)
-        out, err = p.communicate(timeout=30)
+        saved = slow_dir / "sleepy-term" / "ckpt-000001"  # renamed into place once complete (atomic)
+        while not saved.is_dir() and p.poll() is None and time.monotonic() - t0 < 60:
+            time.sleep(0.02)
         took = time.monotonic() - t0
+        out, err = p.communicate(timeout=60)
+        exited = time.monotonic() - t0
     finally:
         if p.poll() is None:
             p.kill()
             p.communicate()
-    print(f"SIGTERM to exit: {took:.2f} s")  # the figure, shown with -s
+    # 2 s of grace (envs.STOP_GRACE), the rest of a tiny step and its save: about 3 s on an idle machine
+    print(f"SIGTERM to checkpoint: {took:.2f} s, to exit: {exited:.2f} s")  # the figures, shown with -s
     assert p.returncode == STOPPED, (p.returncode, out, err)
     assert took < 10, took
-    assert "abandoned while running: the run is stopping (SIGTERM)" in err, err
+    assert "still running 2 s after the run was told to stop (SIGTERM)" in err, err
     assert "stopped by SIGTERM at step 1; checkpoint ckpt-000001" in out, out
     assert (slow_dir / "sleepy-term" / "ckpt-000001").is_dir()
