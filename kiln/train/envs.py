@@ -16,9 +16,9 @@ methods the tools, optional `get_reward()`) is recognised by having `reset` and 
 `TRLEnvironment`: the episode ends on a turn without tool calls; its reward is `get_reward()` once it is over.
 
 Everything user-written runs in a daemon thread with a timeout: a raise, a hang or a malformed observation becomes
-an `EpisodeError` naming the call, which ends that episode (kiln.train.agent_rollout), never the run. The same
-worker runs users' reward functions (kiln.train.rewards). A call still running STOP_GRACE seconds after the run
-was told to stop (kiln.train.preempt caught SIGTERM / SIGINT) is abandoned, so user code never holds up the stop.
+an `EpisodeError` naming the call, which ends that episode (kiln.train.agent_rollout), never the run. The worker
+is kiln.train.usercode's, which also runs users' reward functions and abandons a call still running shortly after
+the run is told to stop (SIGTERM / SIGINT).
 """
 
 from __future__ import annotations
@@ -27,35 +27,19 @@ import asyncio
 import inspect
 import json
 import math
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import torch
-
-from kiln.errors import ConfigError, KilnError
-from kiln.train import preempt
+from kiln.errors import ConfigError
+from kiln.train.usercode import Abandoned, UserCodeError, UserTimeout, call_user  # noqa: F401  (re-exported)
 
 OBS_KEYS = ("messages", "tools", "done", "reward", "info")
 ROLES = ("system", "user", "assistant", "tool")
 
 
-class EpisodeError(KilnError):
-    """User code (an environment or a tool) failed for one episode: raised, hung, or returned something malformed."""
-
-
-class UserTimeout(EpisodeError):
-    """User code did not return within its timeout; it was abandoned."""
-
-
-class Abandoned(EpisodeError):
-    """User code was abandoned while still running because the run is stopping (SIGTERM / SIGINT)."""
-
-
-_POLL = 0.05  # seconds between looks at the stop flag while user code runs
-STOP_GRACE = 2.0  # seconds a call may still run once the run is stopping, before it is abandoned
+# A failed call into user code (raised, hung, malformed) ends that episode (kiln.train.agent_rollout).
+EpisodeError = UserCodeError
 
 
 @dataclass
@@ -66,45 +50,6 @@ class Obs:
     done: bool = False
     reward: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
-
-
-def call_user(fn: Callable[..., Any], *args: Any, timeout: float, what: str, key: str = "grpo.env_timeout",
-              **kwargs: Any) -> Any:
-    """fn(*args, **kwargs) (awaited when it returns a coroutine) in a daemon thread, within `timeout` seconds
-    (`key`: the setting, for the message). A hang is abandoned (a thread cannot be stopped; it is a daemon, so it
-    never holds the process open): past the timeout (UserTimeout), or STOP_GRACE seconds after the run is told to
-    stop by a signal (Abandoned), so the step in flight ends and the stop's checkpoint is written in time."""
-    box: dict[str, Any] = {}
-    grad = torch.is_grad_enabled()  # thread-local: the worker computes as the caller would
-
-    def run() -> None:
-        try:
-            with torch.set_grad_enabled(grad):
-                out = fn(*args, **kwargs)
-                if inspect.isawaitable(out):
-                    out = asyncio.run(_awaited(out))
-            box["value"] = out
-        except BaseException as e:  # noqa: BLE001  (user code: everything it raises is the episode's failure)
-            box["error"] = e
-
-    worker = threading.Thread(target=run, name=f"kiln-user:{what}", daemon=True)
-    worker.start()
-    deadline, stop_by = time.monotonic() + timeout, None
-    while worker.is_alive():  # short joins: the stop flag is seen within _POLL, whatever the timeout
-        now = time.monotonic()
-        if now >= deadline:
-            raise UserTimeout(f"{what} did not return within {timeout:g} s ({key})")
-        caught = preempt.signalled()
-        if caught is not None:  # a call that ends within STOP_GRACE keeps its result: the step stays exact
-            stop_by = now + STOP_GRACE if stop_by is None else stop_by
-            if now >= stop_by:
-                raise Abandoned(f"{what} was abandoned: still running {STOP_GRACE:g} s after the run was told to "
-                                f"stop ({caught})")
-        worker.join(min(deadline - now, _POLL))
-    if "error" in box:
-        e = box["error"]
-        raise EpisodeError(f"{what} raised {type(e).__name__}: {e}") from e
-    return box.get("value")
 
 
 async def _awaited(x: Any) -> Any:

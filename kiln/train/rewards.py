@@ -12,7 +12,7 @@ None means "does not apply" (as TRL); a wrong length or a NaN/inf is an error na
 A user's function ("module:function") runs in a daemon thread under `grpo.reward_timeout`
 (kiln.train.envs.call_user): a call that raises or does not return in time gives None for its completions, with a
 warning and the counts `reward_errors` / `reward_timeouts` in the metrics; `grpo.reward_max_failures` failing
-calls of one function in a row stop the run by message. A call still running 2 s (envs.STOP_GRACE) after the run
+calls of one function in a row stop the run by message. A call still running 2 s (usercode.STOP_GRACE) after the run
 is told to stop (SIGTERM / SIGINT) is abandoned (None, not a failure), so the stop's checkpoint is written in time.
 """
 
@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kiln.errors import ConfigError, KilnError
-from kiln.train.envs import Abandoned, UserTimeout, call_user
+from kiln.train.usercode import Abandoned, UserTimeout, call_user
 
 RewardFn = Callable[..., Sequence[float | None]]
 

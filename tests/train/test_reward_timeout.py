@@ -1,7 +1,7 @@
 """Users' reward functions cannot hang or kill a [grpo] run: one that sleeps forever is abandoned after
 grpo.reward_timeout (None rewards, counted in reward_timeouts) or, after grpo.reward_max_failures calls in a row,
 stops the run by message; one that raises is counted in reward_errors the same way; SIGTERM while a reward function
-sleeps abandons it after envs.STOP_GRACE and the stop's checkpoint is written within 10 s; the table's checks name
+sleeps abandons it after usercode.STOP_GRACE and the stop's checkpoint is written within 10 s; the table's checks name
 the key."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kiln.errors import KilnError
-from kiln.train import envs, load_run_config, preempt
+from kiln.train import load_run_config, preempt, usercode as envs
 from kiln.train.metrics import read_metrics
 from kiln.train.rewards import Reward, RewardGuard
 from kiln.train.run import build_trainer
@@ -151,7 +151,7 @@ def test_sigterm_while_a_reward_sleeps_saves_within_10_s(slow_dir, tmp_path):
         if p.poll() is None:
             p.kill()
             p.communicate()
-    # 2 s of grace (envs.STOP_GRACE), the rest of a tiny step and its save: about 3 s on an idle machine
+    # 2 s of grace (usercode.STOP_GRACE), the rest of a tiny step and its save: about 3 s on an idle machine
     print(f"SIGTERM to checkpoint: {took:.2f} s, to exit: {exited:.2f} s")  # the figures, shown with -s
     assert p.returncode == STOPPED, (p.returncode, out, err)
     assert took < 10, took
