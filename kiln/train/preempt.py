@@ -110,6 +110,8 @@ class Stop:
         return self
 
     def uninstall(self) -> None:
+        global _CAUGHT
+        _CAUGHT = None  # user code called after this fit is not cut short by its stop
         if self._pid_file is not None:
             self._pid_file.unlink(missing_ok=True)
         for s, handler in self._previous.items():
