@@ -16,7 +16,9 @@ methods the tools, optional `get_reward()`) is recognised by having `reset` and 
 `TRLEnvironment`: the episode ends on a turn without tool calls; its reward is `get_reward()` once it is over.
 
 Everything user-written runs in a daemon thread with a timeout: a raise, a hang or a malformed observation becomes
-an `EpisodeError` naming the call, which ends that episode (kiln.train.agent_rollout), never the run.
+an `EpisodeError` naming the call, which ends that episode (kiln.train.agent_rollout), never the run. The worker
+is kiln.train.usercode's, which also runs users' reward functions and abandons a call still running shortly after
+the run is told to stop (SIGTERM / SIGINT).
 """
 
 from __future__ import annotations
@@ -25,19 +27,19 @@ import asyncio
 import inspect
 import json
 import math
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from kiln.errors import ConfigError, KilnError
+from kiln.errors import ConfigError
+from kiln.train.usercode import Abandoned, UserCodeError, UserTimeout, call_user  # noqa: F401  (re-exported)
 
 OBS_KEYS = ("messages", "tools", "done", "reward", "info")
 ROLES = ("system", "user", "assistant", "tool")
 
 
-class EpisodeError(KilnError):
-    """User code (an environment or a tool) failed for one episode: raised, hung, or returned something malformed."""
+# A failed call into user code (raised, hung, malformed) ends that episode (kiln.train.agent_rollout).
+EpisodeError = UserCodeError
 
 
 @dataclass
@@ -48,31 +50,6 @@ class Obs:
     done: bool = False
     reward: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
-
-
-def call_user(fn: Callable[..., Any], *args: Any, timeout: float, what: str, **kwargs: Any) -> Any:
-    """fn(*args, **kwargs) (awaited when it returns a coroutine) in a daemon thread, within `timeout` seconds.
-    A hang is abandoned (a thread cannot be stopped; it is a daemon, so it never holds the process open)."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out = fn(*args, **kwargs)
-            if inspect.isawaitable(out):
-                out = asyncio.run(_awaited(out))
-            box["value"] = out
-        except BaseException as e:  # noqa: BLE001  (user code: everything it raises is the episode's failure)
-            box["error"] = e
-
-    worker = threading.Thread(target=run, name=f"kiln-env:{what}", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
-        raise EpisodeError(f"{what} did not return within {timeout:g} s (grpo.env_timeout)")
-    if "error" in box:
-        e = box["error"]
-        raise EpisodeError(f"{what} raised {type(e).__name__}: {e}") from e
-    return box.get("value")
 
 
 async def _awaited(x: Any) -> Any:

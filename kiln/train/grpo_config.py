@@ -3,6 +3,7 @@ runs it)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import field_validator, model_validator
@@ -54,6 +55,8 @@ class GRPOSection(Section):
     max_turns: int = 4                  # policy turns per episode
     max_episode_tokens: int = 1024      # every token after the prompt (policy and environment)
     env_timeout: float = 30.0           # seconds for each call into an environment or a tool
+    reward_timeout: float = 60.0        # seconds for each call of a user's reward function (then: None rewards)
+    reward_max_failures: int = 3        # failing calls (raised / timed out) of one reward function in a row: stop
     log_rollouts_every: int = 0         # every N rollouts, RUN_DIR/rollouts.jsonl gets each completion (0: off)
 
     @field_validator("scale_rewards", mode="before")
@@ -75,6 +78,10 @@ class GRPOSection(Section):
             raise ValueError(f"grpo.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0 or self.epsilon < 0 or (self.epsilon_high or 0) < 0 or self.beta < 0:
             raise ValueError("grpo.top_k, epsilon, epsilon_high and beta must be >= 0")
+        if not (math.isfinite(self.reward_timeout) and self.reward_timeout > 0):
+            raise ValueError(f"grpo.reward_timeout must be a finite number of seconds > 0, got {self.reward_timeout}")
+        if self.reward_max_failures < 1:
+            raise ValueError(f"grpo.reward_max_failures must be >= 1, got {self.reward_max_failures}")
         if not self.env_timeout > 0:
             raise ValueError(f"grpo.env_timeout must be > 0 seconds, got {self.env_timeout}")
         if self.log_rollouts_every < 0:

@@ -20,7 +20,7 @@ from kiln.train.config import RunConfig
 from kiln.train.grpo_loss import combine_rewards
 from kiln.train.logps import token_logps
 from kiln.train.recipes.dpo import adapters_off  # under [lora], the reference: the base with the adapters off
-from kiln.train.rewards import Reward, score
+from kiln.train.rewards import Reward, RewardGuard, score
 from kiln.train.trainer import Trainer
 
 
@@ -177,6 +177,8 @@ class GRPORun:
         self.g = cfg.grpo  # kiln.train.grpo_config.GRPOSection
         self.seed, self.lora = cfg.train.seed, cfg.lora is not None
         self.prompts, self.eval_prompts, self.rewards, self.tokenizer = prompts, eval_prompts, rewards, tokenizer
+        self.guard = RewardGuard(self.g.reward_timeout, self.g.reward_max_failures)  # users' functions, guarded
+        self.guarded = any(r.spec for r in rewards)
         self.reference = reference
         self.weights = torch.tensor([r.weight for r in rewards], dtype=torch.float32)
         self.episodes = episodes  # kiln.train.agent_rollout.EpisodeRunner under [grpo] env / tools, else None
@@ -219,7 +221,7 @@ class GRPORun:
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in lists]
         decoded = [[{"role": "assistant", "content": t}] for t in texts] if prompts.conversational else texts
         p, columns, where = prompts.reward_inputs(rows, repeat)
-        per_func = score(self.rewards, p, decoded, lists, columns, where)
+        per_func = score(self.rewards, p, decoded, lists, columns, where, self.guard)
         eos = torch.tensor(self.eos_ids(core), device=completions.device, dtype=torch.long)
         truncated = ~torch.isin(completions, eos).any(1)  # no end token within max_new_tokens: cut by the budget
         return {"input_ids": torch.cat([ids, completions], 1), "attention_mask": torch.cat([mask, cmask], 1),
@@ -247,7 +249,8 @@ class GRPORun:
         p, columns, where = prompts.reward_inputs(rows, repeat)
         columns = {**columns, "environments": inner_envs(episodes), ENV_COLUMN: env_column(episodes)}
         completions = [e.messages[e.opening:] for e in episodes]
-        micro["per_func"] = score(self.rewards, p, completions, [e.ids for e in episodes], columns, where)
+        micro["per_func"] = score(self.rewards, p, completions, [e.ids for e in episodes], columns, where,
+                                  self.guard)
         for i, e in enumerate(episodes):  # a failed episode carries no reward (and no loss: to_micro)
             if e.end == "error":
                 micro["per_func"][i] = float("nan")

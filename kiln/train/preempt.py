@@ -38,7 +38,15 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # Reasons as integers for the all-reduce; MAX picks the most urgent one any rank has.
 _REASONS = {0: None, 1: "max_time", 2: "SIGINT", 3: "SIGTERM"}
 _CODES = {v: k for k, v in _REASONS.items()}
+# The signal the installed Stop caught (None: none yet). Code waiting on user work (kiln.train.envs.call_user)
+# polls it, so a hung reward function or environment is abandoned at once instead of holding up the stop.
+_CAUGHT: str | None = None
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?$")
+
+
+def signalled() -> str | None:
+    """The signal ("SIGTERM", "SIGINT") a running fit has caught and is stopping for; None when none."""
+    return _CAUGHT
 
 
 def parse_duration(text: str, key: str = "train.max_time") -> float:
@@ -85,6 +93,8 @@ class Stop:
     # ---- handlers ---------------------------------------------------------------------------------------
     def install(self) -> "Stop":
         """Catch SIGINT and SIGTERM (main thread only) until `uninstall`."""
+        global _CAUGHT
+        _CAUGHT = None
         try:
             for s in _SIGNALS:
                 self._previous[s] = signal.signal(s, self._on_signal)
@@ -100,6 +110,8 @@ class Stop:
         return self
 
     def uninstall(self) -> None:
+        global _CAUGHT
+        _CAUGHT = None  # user code called after this fit is not cut short by its stop
         if self._pid_file is not None:
             self._pid_file.unlink(missing_ok=True)
         for s, handler in self._previous.items():
@@ -111,7 +123,8 @@ class Stop:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        self.signal = signal.Signals(signum).name
+        global _CAUGHT
+        self.signal = _CAUGHT = signal.Signals(signum).name
         folder = os.environ.get(LAUNCH_DIR_ENV)
         # under `kiln launch`, a signal the launcher did not send is torchrun ending the ranks after a lost peer
         # (the launcher says so in one line) or a signal sent to this rank alone (the stop line says where)

@@ -7,8 +7,13 @@ max_new_tokens: shorter scores higher). Every function has TRL's signature,
 `f(prompts, completions, completion_ids, **columns) -> list[float | None]`, so a TRL user's function runs
 unchanged: `prompts` as the data holds them (strings or message lists), `completions` decoded (a string, or
 `[{"role": "assistant", "content": ...}]` for message-list prompts), the data's other columns one list each.
-None means "does not apply" (as TRL); a raise, a wrong length or a NaN/inf is an error naming the
-function and the row.
+None means "does not apply" (as TRL); a wrong length or a NaN/inf is an error naming the function and the row.
+
+A user's function ("module:function") runs in a daemon thread under `grpo.reward_timeout`
+(kiln.train.envs.call_user): a call that raises or does not return in time gives None for its completions, with a
+warning and the counts `reward_errors` / `reward_timeouts` in the metrics; `grpo.reward_max_failures` failing
+calls of one function in a row stop the run by message. A call still running 2 s (usercode.STOP_GRACE) after the run
+is told to stop (SIGTERM / SIGINT) is abandoned (None, not a failure), so the stop's checkpoint is written in time.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kiln.errors import ConfigError, KilnError
+from kiln.train.usercode import Abandoned, UserTimeout, call_user
 
 RewardFn = Callable[..., Sequence[float | None]]
 
@@ -71,6 +77,48 @@ class Reward:
     name: str          # the metric's name: reward/<name>
     fn: RewardFn
     weight: float
+    spec: str = ""     # as the config names it ("module:function"); set for user code, which runs guarded
+
+
+class RewardGuard:
+    """Runs users' reward functions under a timeout, counts their failures, stops the run after too many in a row."""
+
+    def __init__(self, timeout: float, max_failures: int):
+        self.timeout, self.max_failures = timeout, max_failures
+        self.in_a_row: dict[str, int] = {}
+        self.errors = self.timeouts = 0   # since the last `take`
+
+    def take(self) -> tuple[int, int]:
+        """(errors, timeouts) counted since the last call."""
+        out = (self.errors, self.timeouts)
+        self.errors = self.timeouts = 0
+        return out
+
+    def call(self, r: Reward, n: int, where: str, kwargs: dict[str, Any]) -> Any:
+        """r.fn(**kwargs) in a worker; None for each of the `n` completions when it raises, hangs or is abandoned."""
+        what = f"reward function {r.name!r} ({r.spec})"
+        try:
+            values = call_user(r.fn, timeout=self.timeout, what=what, key="grpo.reward_timeout", **kwargs)
+        except Abandoned as e:
+            print(f"warning: {e}; its {n} rewards are None", file=sys.stderr, flush=True)
+            return [None] * n
+        except KilnError as e:  # raised (EpisodeError) or timed out (UserTimeout)
+            timed_out = isinstance(e, UserTimeout)
+            if timed_out:
+                self.timeouts += 1
+            else:
+                self.errors += 1
+            k = self.in_a_row[r.name] = self.in_a_row.get(r.name, 0) + 1
+            detail = f"{e} (on a batch whose first prompt is {where})"
+            if k >= self.max_failures:
+                raise KilnError(f"stopping: {what} failed {k} calls in a row (grpo.reward_max_failures = "
+                                f"{self.max_failures}, grpo.reward_timeout = {self.timeout:g} s); the last: {detail}") \
+                    from None
+            print(f"warning: {detail}; its {n} rewards are None ({k} failing call(s) in a row; the run stops at "
+                  f"{self.max_failures})", file=sys.stderr, flush=True)
+            return [None] * n
+        self.in_a_row[r.name] = 0
+        return values
 
 
 def _import(module: str, search: Sequence[Path], key: str = "grpo.rewards") -> Any:
@@ -157,7 +205,7 @@ def resolve_rewards(names: Sequence[str], weights: Sequence[float] | None, searc
                                   f"function {attr!r}")
         if not callable(target):
             raise ConfigError(f"grpo.rewards: {spec} is not callable")
-        out.append(Reward(attr.split(".")[-1], target, weight))
+        out.append(Reward(attr.split(".")[-1], target, weight, spec=spec))
     names_seen = [r.name for r in out]
     dup = next((n for n in names_seen if names_seen.count(n) > 1), None)
     if dup is not None:
@@ -166,14 +214,18 @@ def resolve_rewards(names: Sequence[str], weights: Sequence[float] | None, searc
 
 
 def score(rewards: Sequence[Reward], prompts: list, completions: list, completion_ids: list[list[int]],
-          columns: dict[str, list], rows: Sequence[str]) -> torch.Tensor:
+          columns: dict[str, list], rows: Sequence[str], guard: RewardGuard | None = None) -> torch.Tensor:
     """(N, F) float32 rewards of N completions under F functions (NaN where a function returned None).
-    `rows[i]` says where completion i's prompt comes from (file:line), for messages."""
+    `rows[i]` says where completion i's prompt comes from (file:line), for messages. With a `guard`, users'
+    functions (those with a spec) run under it; kiln's own (built-ins, reward models) run here."""
     n = len(completions)
     out = torch.empty(n, len(rewards), dtype=torch.float32)
     for j, r in enumerate(rewards):
+        kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
         try:
-            values = r.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+            values = guard.call(r, n, rows[0], kwargs) if guard is not None and r.spec else r.fn(**kwargs)
+        except KilnError:
+            raise
         except Exception as e:
             raise KilnError(f"reward function {r.name!r} raised {type(e).__name__}: {e} (on a batch whose first "
                             f"prompt is {rows[0]})") from e

@@ -146,13 +146,14 @@ def test_unknown_reward_module_and_function_are_named(grpo_dir):
 
 
 @pytest.mark.parametrize("fn, message", [
-    ("boom", r"reward function 'boom' raised RuntimeError: no score for you \(on a batch whose first prompt is "
-             r".*prompts.jsonl:\d+\)"),
+    ("boom", r"reward function 'boom' \(myrewards:boom\) raised RuntimeError: no score for you \(on a batch whose "
+             r"first prompt is .*prompts.jsonl:\d+\)"),
     ("short", r"reward function 'short' returned 7 rewards for 8 completions"),
     ("nan_on_second", r"reward function 'nan_on_second' returned nan for completion 1 of .*prompts.jsonl:\d+"),
 ])
 def test_a_bad_reward_function_is_named_with_the_row(grpo_dir, fn, message):
-    cfg = load_run_config(_toml(grpo_dir, f"bad-{fn}", steps=1), overrides=[("grpo.rewards", [f"myrewards:{fn}"])])
+    cfg = load_run_config(_toml(grpo_dir, f"bad-{fn}", steps=1), overrides=[("grpo.rewards", [f"myrewards:{fn}"]),
+                                                                         ("grpo.reward_max_failures", 1)])
     with pytest.raises(KilnError, match=message):
         build_trainer(cfg).fit()
 

@@ -18,7 +18,8 @@ the KL is to the starting weights: under [lora] the base with the adapters off (
 Each rollout's sampling seed derives from (train.seed, rollout, the micro-batch's place in the global batch: one
 process with grad_accum k samples what k processes do), and the rollout being worked on is saved with each
 checkpoint: a run resumed mid-rollout continues exactly. Metrics: reward,
-reward/<function>, reward_std, completion_length, clip_ratio, kl (beta > 0), logprob_gap; with data.eval,
+reward/<function>, reward_std, completion_length, clip_ratio, kl (beta > 0), logprob_gap, reward_errors and
+reward_timeouts (users' reward calls that raised or hung, when any did); with data.eval,
 eval_reward and eval_reward/<function> of greedy completions.
 """
 
@@ -141,6 +142,11 @@ class GRPOEngine(StepEngine):
         self.stats = self._reward_stats(run, per_func, rewards, torch.cat(lengths))
         total = all_reduce_sum(alarm_counts.to(run.device), run.world).cpu()
         self.stats.update(grpo_alarms.metrics(total, g.multi_turn))
+        if r.guarded:  # users' reward calls that failed this rollout, every rank's (named only when some did)
+            failed = all_reduce_sum(torch.tensor(r.guard.take(), dtype=torch.float64).to(run.device), run.world)
+            for name, count in zip(("reward_errors", "reward_timeouts"), failed.cpu().tolist()):
+                if count:
+                    self.stats[name] = count
 
     def _log_rollouts(self, run: StepContext, index: int, micros: list[dict[str, Any]], row_lists: list[list[int]],
                       episodes: list[Any], per_func: torch.Tensor) -> None:
