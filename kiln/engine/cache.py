@@ -93,12 +93,12 @@ class BlockPool:
             if self.refs[b] == 0:
                 self.free.append(b)
 
-    def copy(self, src: int) -> int:
-        """A fresh block holding src's keys and values (copy-on-write of a shared, partly filled block)."""
-        dst = self.allocate()
+    def copy(self, src: int, dst: int) -> None:
+        """src's keys and values into dst, a block already lent (copy-on-write of a shared, partly filled block:
+        the scheduler lends dst beforehand, so a fork never runs out of blocks halfway)."""
+        assert self.refs[dst] > 0, f"block {dst} is not held"
         for pool in (*self.keys, *self.values):
             pool[dst].copy_(pool[src])
-        return dst
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (N, kv_heads, head_dim) into flat slots (N,) = block * block_size + offset."""

@@ -136,6 +136,8 @@ class Engine:
                 q.finish_reason = "cancelled"
                 self.pool.release(q.table)
                 q.table = []
+        self.pool.release(r.copies)
+        r.copies = []
         if r in s.waiting:
             s.waiting.remove(r)
         if r in s.running:
@@ -190,17 +192,23 @@ class Engine:
         return outs
 
     def _fork(self, leader: Sequence) -> list[Sequence]:
-        """The prompt is in the cache: n completions sharing its blocks (the last, partly filled one copied)."""
+        """The prompt is in the cache: n completions sharing its blocks (the last, partly filled one copied into
+        the blocks the scheduler lent for it with this step's piece: nothing here can run out of blocks)."""
         r = leader.request
-        r.forked = True
-        seqs = [leader]
         bs = self.pool.block_size
+        partial = len(r.prompt_ids) % bs != 0
+        if len(r.copies) != (r.params.n - 1 if partial else 0):
+            raise KilnError(f"request {r.request_id}: the fork has {len(r.copies)} copy blocks lent, needs "
+                            f"{r.params.n - 1 if partial else 0} (a scheduler slip)")
+        copies, r.copies, r.forked = r.copies, [], True
+        seqs = [leader]
         for j in range(1, r.params.n):
             table = list(leader.table)
             for b in table[:len(r.prompt_ids) // bs]:
                 self.pool.share(b)
-            if len(r.prompt_ids) % bs:
-                table[-1] = self.pool.copy(table[-1])
+            if partial:
+                self.pool.copy(table[-1], copies[j - 1])
+                table[-1] = copies[j - 1]
             q = self._sequence(r, j, list(leader.tokens))
             q.table, q.computed, q.keys = table, leader.computed, list(leader.keys)
             seqs.append(q)

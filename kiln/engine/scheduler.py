@@ -28,6 +28,7 @@ class Request:
     order: int                        # arrival number (FIFO, preemption picks the largest)
     seqs: list["Sequence"] = field(default_factory=list)
     forked: bool = False              # the n completions exist (the prompt's logits came)
+    copies: list[int] = field(default_factory=list)  # blocks lent for the fork's copies of the prompt's last block
 
 
 @dataclass
@@ -62,12 +63,28 @@ class Scheduler:
     def blocks_for(self, tokens: int) -> int:
         return (tokens + self.pool.block_size - 1) // self.pool.block_size
 
+    def fork_copies(self, r: Request) -> int:
+        """Blocks r's fork still needs: a copy of the prompt's partly filled last block per completion but one."""
+        if r.forked or len(r.prompt_ids) % self.pool.block_size == 0:
+            return 0
+        return r.params.n - 1 - len(r.copies)
+
+    def _need(self, r: Request) -> int:
+        """Blocks r needs to run its next tokens and grow each completion once (its prompt's full blocks once)."""
+        if not r.forked:
+            return self.blocks_for(len(r.prompt_ids)) + self.fork_copies(r) + r.params.n
+        live = [s for s in r.seqs if s.finish_reason is None]
+        full = len(r.prompt_ids) // self.pool.block_size
+        return full + sum(self.blocks_for(len(s.tokens)) - full + 1 for s in live)
+
     def _admit(self) -> None:
+        free = self.pool.num_free  # less what this call has admitted already: they take blocks in this step too
         while self.waiting:
             r = self.waiting[0]
-            need = self.blocks_for(len(r.prompt_ids)) + r.params.n  # the prompt, and one block each to grow
-            if self.seats() + r.params.n > self.max_seqs or (self.running and need > self.pool.num_free):
+            need = self._need(r)
+            if self.seats() + r.params.n > self.max_seqs or (self.running and need > free):
                 return
+            free -= need
             self.running.append(self.waiting.pop(0))
 
     def preempt(self, victim: Request) -> None:
@@ -75,15 +92,20 @@ class Scheduler:
         for s in victim.seqs:
             self.pool.release(s.table)
             s.table, s.computed, s.keys = [], 0, []
+        self.pool.release(victim.copies)
+        victim.copies = []
         self.running.remove(victim)
         self.waiting.insert(0, victim)
 
     def _grow(self, s: Sequence, upto: int) -> bool:
-        """Blocks for tokens[:upto]; False when the pool is dry."""
+        """Blocks for tokens[:upto], and for the fork's copies when they end an unforked prompt (so the fork
+        after the step never allocates); False, changing nothing, when the pool is dry."""
         need = self.blocks_for(upto) - len(s.table)
-        if need > self.pool.num_free:
+        copies = self.fork_copies(s.request) if upto == len(s.tokens) else 0
+        if need + copies > self.pool.num_free:
             return False
         s.table += [self.pool.allocate() for _ in range(need)]
+        s.request.copies += [self.pool.allocate() for _ in range(copies)]
         return True
 
     def _reuse(self, s: Sequence) -> None:
