@@ -100,10 +100,15 @@ class Engine:
             raise KilnError(f"n={params.n} completions exceed the engine's max_seqs={self.scheduler.max_seqs}")
         if params.stop and self.tokenizer is None:
             raise KilnError("stop strings need a tokenizer: Engine(model, tokenizer)")
-        blocks = self.scheduler.blocks_for(min(len(prompt) + params.max_tokens, self.max_positions)) + params.n
+        total = min(len(prompt) + params.max_tokens, self.max_positions)
+        blocks = self.scheduler.peak_blocks(len(prompt), params.n, total)
         if blocks > self.pool.num_blocks:
-            raise KilnError(f"the request needs up to {blocks} KV blocks, the cache has {self.pool.num_blocks} "
-                            "(raise kv_blocks or lower max_tokens)")
+            full = len(prompt) // self.pool.block_size
+            raise KilnError(
+                f"the request needs up to {blocks} KV blocks of {self.pool.block_size} tokens ({full} shared prompt "
+                f"block{'s' * (full != 1)} + {params.n} completions x {(blocks - full) // params.n} "
+                f"own blocks for {total - 1} fed tokens), the cache has {self.pool.num_blocks} "
+                "(raise kv_blocks, or lower max_tokens or n)")
         number = next(self._count)
         rid = request_id if request_id is not None else f"req-{number}"
         if rid in self.requests:

@@ -63,6 +63,13 @@ class Scheduler:
     def blocks_for(self, tokens: int) -> int:
         return (tokens + self.pool.block_size - 1) // self.pool.block_size
 
+    def peak_blocks(self, prompt: int, n: int, total: int) -> int:
+        """The most blocks a request holds running alone: its prompt's full blocks once (shared), then each
+        completion's own blocks (the copy of the prompt's partly filled last block among them) up to its last
+        fed token (the last of `total` tokens is sampled, never fed)."""
+        full = prompt // self.pool.block_size
+        return full + n * (self.blocks_for(total - 1) - full)
+
     def fork_copies(self, r: Request) -> int:
         """Blocks r's fork still needs: a copy of the prompt's partly filled last block per completion but one."""
         if r.forked or len(r.prompt_ids) % self.pool.block_size == 0:
@@ -148,7 +155,7 @@ class Scheduler:
                     break
                 if not self._grow(s, s.computed + n):
                     dry = s
-                    break
+                    continue  # the sequences after it may still fit (this one waits for a freed block)
                 plan.append((s, n))
                 budget -= n
             if dry is None or len(self.running) == 1:

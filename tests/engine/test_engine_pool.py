@@ -52,3 +52,48 @@ def test_admission_counts_what_it_admitted_and_the_fork_copies(cancel):
             else:
                 assert reasons == ["length"] and tokens == c.token_ids
 
+
+def test_a_request_that_can_never_fit_is_refused_at_add_and_one_that_fits_completes():
+    """The add-time bound is the true peak: the prompt's full blocks once, then each completion's own blocks
+    (the copied last prompt block included) up to its last fed token. n=4, a 4-token prompt, max_tokens=28,
+    block_size 4: 1 + 4 * (ceil(31 / 4) - 1) = 29 blocks."""
+    model = tiny_model()
+    params = SamplingParams(max_tokens=28, n=4, temperature=1.0, seed=1, ignore_eos=True)
+    with pytest.raises(KilnError, match=r"29 KV blocks.*1 shared prompt block.*4 completions x 7.*has 12"):
+        Engine(model, block_size=4, kv_blocks=12).add_request([5, 6, 7, 8], params)
+    for prompt in ([5, 6, 7, 8], [5, 6, 7, 8, 9, 10]):  # the last prompt block full, and partly filled (copied)
+        full = len(prompt) // 4
+        peak = full + 4 * ((len(prompt) + 28 - 1 + 3) // 4 - full)
+        engine = Engine(model, block_size=4, kv_blocks=peak)
+        with pytest.raises(KilnError, match=f"{peak + 16} KV blocks"):
+            engine.add_request(prompt, SamplingParams(**{**params.__dict__, "max_tokens": 28 + 16}))
+        engine.add_request(prompt, params)
+        most, allocate = [0], engine.pool.allocate
+
+        def counted() -> int:  # the peak is inside a step: the last keys are fed, then the completions finish
+            b = allocate()
+            most[0] = max(most[0], engine.pool.held())
+            return b
+
+        engine.pool.allocate = counted
+        drain(engine)
+        assert most[0] == peak and engine.pool.held() == 0
+
+
+def test_a_dry_sequence_does_not_stop_the_plan():
+    """With one request running and no block left for its first completion, the ones after it still run (the
+    plan goes on past a dry sequence). Completion 1 is handed a block ahead, so only completion 0 is dry."""
+    model = tiny_model()
+    engine = Engine(model, block_size=4, kv_blocks=8)
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=6, n=2, temperature=1.0, seed=3, ignore_eos=True))
+    engine.step()  # prefill and fork: each completion's own copy of the 3-token block
+    engine.step()  # the 4th key fills that block
+    seqs = engine.requests["req-0"].seqs
+    hog = [engine.pool.allocate() for _ in range(engine.pool.num_free)]  # the pool is dry now
+    seqs[1].table.append(hog.pop())  # completion 1 holds the block its 5th key goes to; completion 0 has none
+    outs = engine.step()
+    assert [o.index for o in outs] == [1] and len(seqs[0].table) == 1
+    engine.pool.release(hog)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pool.held() == 0
