@@ -136,6 +136,9 @@ class Engine:
         if r is None:
             return  # finished already (or never known): nothing to free
         s = self.scheduler
+        # before the fork only the leader exists and stands for all n; after it, a completion that finished
+        # already has had its finish
+        running = [q.index for q in r.seqs if q.finish_reason is None] if r.forked else list(range(r.params.n))
         for q in r.seqs:
             if q.finish_reason is None:
                 q.finish_reason = "cancelled"
@@ -147,7 +150,7 @@ class Engine:
             s.waiting.remove(r)
         if r in s.running:
             s.running.remove(r)
-        for j in range(r.params.n):
+        for j in running:
             self._cancelled.append(RequestOutput(r.request_id, j, [], [], [], "", True, "cancelled"))
 
     def forget_prefixes(self) -> None:

@@ -97,3 +97,34 @@ def test_a_dry_sequence_does_not_stop_the_plan():
     while engine.has_unfinished():
         engine.step()
     assert engine.pool.held() == 0
+
+
+def test_cancel_emits_a_finish_only_for_completions_still_running():
+    """A request with n=2 whose completion 0 stopped already: cancel finishes completion 1 alone (one finish per
+    completion in all)."""
+    model = tiny_model()
+    prompt = prompts(1, 5, 6, seed=22)[0]
+    base = SamplingParams(max_tokens=6, n=2, temperature=1.0, ignore_eos=True)
+    for seed in range(50):  # a seed whose completion 0 draws, first, a token completion 1 never draws
+        a, b = Engine(model, block_size=4).generate([prompt], SamplingParams(**{**base.__dict__, "seed": seed}))[0]
+        if a.token_ids[0] not in b.token_ids:
+            break
+    else:
+        pytest.fail("no seed in 0..49 separates the two completions' first tokens")
+    engine = Engine(model, block_size=4)
+    rid = engine.add_request(prompt, SamplingParams(**{**base.__dict__, "seed": seed,
+                                                      "stop_token_ids": (a.token_ids[0],)}))
+    finishes = [(o.index, o.finish_reason) for o in engine.step() if o.finished]
+    assert finishes == [(0, "stop")]
+    engine.cancel(rid)
+    finishes += [(o.index, o.finish_reason) for o in drain_outputs(engine) if o.finished]
+    assert finishes == [(0, "stop"), (1, "cancelled")]
+    assert engine.pool.held() == 0
+
+
+def drain_outputs(engine: Engine) -> list:
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    return outs
+
