@@ -24,8 +24,11 @@ from kiln.errors import KilnError
 
 
 class BlockPool:
-    """keys / values per layer: (num_blocks, block_size, kv_heads, head_dim), zeros at first (an unwritten slot
-    is only ever multiplied by an exact 0 weight, which must not meet an inf or NaN)."""
+    """keys / values per layer: (num_blocks, block_size, kv_heads, head_dim), zeros at first. A block is not
+    cleared when freed or lent again, and the decode step pads its block tables with block 0 (any sequence's):
+    a slot a query may read without it being written for that sequence can hold another request's numbers, inf
+    or NaN included. `exact.attend` masks both the score and the values of every slot past the query's
+    position, so such numbers never reach a row."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):

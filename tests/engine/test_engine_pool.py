@@ -128,3 +128,24 @@ def drain_outputs(engine: Engine) -> list:
         outs += engine.step()
     return outs
 
+
+def test_stale_inf_and_nan_in_freed_blocks_never_reach_a_row():
+    """Freed blocks keep what they held and the decode tables are padded to the longest: poison every free
+    block with NaN and inf (keys and values), then run requests of mixed lengths beside each other: the same
+    tokens and bit-equal, finite log-probs as on a clean engine."""
+    model = tiny_model()
+    ps, params = prompts(6, 1, 20, seed=23), [SamplingParams(max_tokens=8, temperature=1.0, seed=s, n=1 + s % 2,
+                                                                logprobs=True, ignore_eos=True) for s in range(6)]
+    clean = Engine(model, block_size=4, max_seqs=16).generate(ps, params)
+    engine = Engine(model, block_size=4, max_seqs=16)
+    engine.generate(prompts(3, 5, 30, seed=24), SamplingParams(max_tokens=5, temperature=1.0, seed=9))
+    engine.forget_prefixes()  # remembered blocks are content to keep; the others are only stale
+    free = torch.tensor(list(engine.pool.free))
+    assert len(free) == engine.pool.num_blocks
+    for layer, pool in enumerate((*engine.pool.keys, *engine.pool.values)):
+        pool[free] = float("nan") if layer % 2 else float("inf")
+        pool[free[::3], 1::2] = -float("inf")
+    poisoned = engine.generate(ps, params)
+    for c, d in zip(clean, poisoned):
+        assert [(x.token_ids, x.logprobs) for x in c] == [(x.token_ids, x.logprobs) for x in d]
+        assert all(torch.isfinite(torch.tensor(x.logprobs)).all() for x in d)
