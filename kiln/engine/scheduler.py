@@ -56,6 +56,7 @@ class Scheduler:
         self.pool, self.max_seqs, self.step_tokens = pool, max_seqs, step_tokens
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admitted, in arrival order
+        self.preemptions = 0              # requests preempted so far (their blocks freed, recomputed later)
 
     def seats(self) -> int:
         return sum(r.params.n for r in self.running)  # a request holds its n seats from admission on
@@ -96,6 +97,7 @@ class Scheduler:
 
     def preempt(self, victim: Request) -> None:
         """Free the request's blocks; its sequences recompute their tokens when they run again."""
+        self.preemptions += 1
         for s in victim.seqs:
             self.pool.release(s.table)
             s.table, s.computed, s.keys = [], 0, []
