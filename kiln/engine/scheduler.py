@@ -130,6 +130,16 @@ class Scheduler:
             s.keys.append(key)
         s.computed = len(s.table) * bs
 
+    def _waits(self, s: Sequence) -> bool:
+        """A completion of a preempted, forked request holds nothing until the first live one has recomputed the
+        prompt's full blocks, then takes them (the prompt is stored once, as at the fork: the add-time peak
+        holds, rather than n copies of the prompt that could leave every completion waiting for a block)."""
+        r = s.request
+        if not r.forked or s.table or s.computed:
+            return False
+        lead = next(q for q in r.seqs if q.finish_reason is None)
+        return s is not lead and lead.computed < len(r.prompt_ids) // self.pool.block_size * self.pool.block_size
+
     def remember(self, s: Sequence) -> None:
         """Remember s's full blocks whose keys are all in the pool now."""
         bs = self.pool.block_size
@@ -142,10 +152,10 @@ class Scheduler:
         self._admit()
         for r in self.running:
             for s in r.seqs:
-                if s.finish_reason is None and s.computed == 0 and not s.table:
+                if s.finish_reason is None and s.computed == 0 and not s.table and not self._waits(s):
                     self._reuse(s)
         while True:
-            live = [s for r in self.running for s in r.seqs if s.finish_reason is None]
+            live = [s for r in self.running for s in r.seqs if s.finish_reason is None and not self._waits(s)]
             decodes = [s for s in live if len(s.tokens) - s.computed == 1]
             prefills = [s for s in live if len(s.tokens) - s.computed > 1]
             plan: list[tuple[Sequence, int]] = []

@@ -149,3 +149,23 @@ def test_stale_inf_and_nan_in_freed_blocks_never_reach_a_row():
     for c, d in zip(clean, poisoned):
         assert [(x.token_ids, x.logprobs) for x in c] == [(x.token_ids, x.logprobs) for x in d]
         assert all(torch.isfinite(torch.tensor(x.logprobs)).all() for x in d)
+
+
+def test_a_preempted_fork_recomputes_its_prompt_once():
+    """A forked n=3 request in a pool of exactly its peak (12 blocks) is preempted by an older request's growth;
+    when it runs again its completions wait for the first to recompute the prompt's full blocks and share them
+    (n private copies of the prompt would exceed the peak and leave every completion waiting for a block).
+    It completes with what it gives alone, and no block is left held."""
+    model = tiny_model()
+    engine = Engine(model, block_size=4, kv_blocks=12, step_tokens=64)
+    pa, pb = prompts(1, 6, 7, seed=40)[0], prompts(1, 12, 13, seed=30)[0]
+    sa = SamplingParams(max_tokens=40, temperature=1.0, seed=0, ignore_eos=True)
+    sb = SamplingParams(max_tokens=10, n=3, temperature=1.0, seed=0, ignore_eos=True)
+    a = engine.add_request(pa, sa)
+    early = engine.step()
+    b = engine.add_request(pb, sb)
+    seen = drain(engine)
+    assert engine.scheduler.preemptions > 0 and engine.pool.held() == 0
+    assert early[0].token_ids + seen[(a, 0)][0] == Engine(model, block_size=4).generate([pa], sa)[0][0].token_ids
+    for c in Engine(model, block_size=4).generate([pb], sb)[0]:
+        assert seen[(b, c.index)] == (c.token_ids, ["length"])
