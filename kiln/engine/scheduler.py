@@ -6,7 +6,9 @@ then prefill chunks in arrival order until `step_tokens` is spent, so a long pro
 decodes. A request with n completions is admitted as one sequence that prefills the prompt once; when its last
 prompt token's logits come, it forks into n (kiln.engine.engine). When the pool runs dry the youngest request
 is preempted: its blocks are freed and it recomputes later (bit-identical: a token's numbers do not depend on
-the batch).
+the batch). The blocks for the fork's copies of the prompt's partly filled last block are lent with the prompt's
+last piece (the fork itself never allocates); a preempted, forked request recomputes the prompt once, its other
+completions taking its full blocks, so no request ever holds more than the peak `add_request` checked.
 """
 
 from __future__ import annotations
