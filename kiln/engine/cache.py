@@ -24,8 +24,11 @@ from kiln.errors import KilnError
 
 
 class BlockPool:
-    """keys / values per layer: (num_blocks, block_size, kv_heads, head_dim), zeros at first (an unwritten slot
-    is only ever multiplied by an exact 0 weight, which must not meet an inf or NaN)."""
+    """keys / values per layer: (num_blocks, block_size, kv_heads, head_dim), zeros at first. A block is not
+    cleared when freed or lent again, and the decode step pads its block tables with block 0 (any sequence's):
+    a slot a query may read without it being written for that sequence can hold another request's numbers, inf
+    or NaN included. `exact.attend` masks both the score and the values of every slot past the query's
+    position, so such numbers never reach a row."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
@@ -93,12 +96,12 @@ class BlockPool:
             if self.refs[b] == 0:
                 self.free.append(b)
 
-    def copy(self, src: int) -> int:
-        """A fresh block holding src's keys and values (copy-on-write of a shared, partly filled block)."""
-        dst = self.allocate()
+    def copy(self, src: int, dst: int) -> None:
+        """src's keys and values into dst, a block already lent (copy-on-write of a shared, partly filled block:
+        the scheduler lends dst beforehand, so a fork never runs out of blocks halfway)."""
+        assert self.refs[dst] > 0, f"block {dst} is not held"
         for pool in (*self.keys, *self.values):
             pool[dst].copy_(pool[src])
-        return dst
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (N, kv_heads, head_dim) into flat slots (N,) = block * block_size + offset."""

@@ -100,10 +100,15 @@ class Engine:
             raise KilnError(f"n={params.n} completions exceed the engine's max_seqs={self.scheduler.max_seqs}")
         if params.stop and self.tokenizer is None:
             raise KilnError("stop strings need a tokenizer: Engine(model, tokenizer)")
-        blocks = self.scheduler.blocks_for(min(len(prompt) + params.max_tokens, self.max_positions)) + params.n
+        total = min(len(prompt) + params.max_tokens, self.max_positions)
+        blocks = self.scheduler.peak_blocks(len(prompt), params.n, total)
         if blocks > self.pool.num_blocks:
-            raise KilnError(f"the request needs up to {blocks} KV blocks, the cache has {self.pool.num_blocks} "
-                            "(raise kv_blocks or lower max_tokens)")
+            full = len(prompt) // self.pool.block_size
+            raise KilnError(
+                f"the request needs up to {blocks} KV blocks of {self.pool.block_size} tokens ({full} shared prompt "
+                f"block{'s' * (full != 1)} + {params.n} completions x {(blocks - full) // params.n} "
+                f"own blocks for {total - 1} fed tokens), the cache has {self.pool.num_blocks} "
+                "(raise kv_blocks, or lower max_tokens or n)")
         number = next(self._count)
         rid = request_id if request_id is not None else f"req-{number}"
         if rid in self.requests:
@@ -131,16 +136,21 @@ class Engine:
         if r is None:
             return  # finished already (or never known): nothing to free
         s = self.scheduler
+        # before the fork only the leader exists and stands for all n; after it, a completion that finished
+        # already has had its finish
+        running = [q.index for q in r.seqs if q.finish_reason is None] if r.forked else list(range(r.params.n))
         for q in r.seqs:
             if q.finish_reason is None:
                 q.finish_reason = "cancelled"
                 self.pool.release(q.table)
                 q.table = []
+        self.pool.release(r.copies)
+        r.copies = []
         if r in s.waiting:
             s.waiting.remove(r)
         if r in s.running:
             s.running.remove(r)
-        for j in range(r.params.n):
+        for j in running:
             self._cancelled.append(RequestOutput(r.request_id, j, [], [], [], "", True, "cancelled"))
 
     def forget_prefixes(self) -> None:
@@ -190,17 +200,23 @@ class Engine:
         return outs
 
     def _fork(self, leader: Sequence) -> list[Sequence]:
-        """The prompt is in the cache: n completions sharing its blocks (the last, partly filled one copied)."""
+        """The prompt is in the cache: n completions sharing its blocks (the last, partly filled one copied into
+        the blocks the scheduler lent for it with this step's piece: nothing here can run out of blocks)."""
         r = leader.request
-        r.forked = True
-        seqs = [leader]
         bs = self.pool.block_size
+        partial = len(r.prompt_ids) % bs != 0
+        if len(r.copies) != (r.params.n - 1 if partial else 0):
+            raise KilnError(f"request {r.request_id}: the fork has {len(r.copies)} copy blocks lent, needs "
+                            f"{r.params.n - 1 if partial else 0} (a scheduler slip)")
+        copies, r.copies, r.forked = r.copies, [], True
+        seqs = [leader]
         for j in range(1, r.params.n):
             table = list(leader.table)
             for b in table[:len(r.prompt_ids) // bs]:
                 self.pool.share(b)
-            if len(r.prompt_ids) % bs:
-                table[-1] = self.pool.copy(table[-1])
+            if partial:
+                self.pool.copy(table[-1], copies[j - 1])
+                table[-1] = copies[j - 1]
             q = self._sequence(r, j, list(leader.tokens))
             q.table, q.computed, q.keys = table, leader.computed, list(leader.keys)
             seqs.append(q)

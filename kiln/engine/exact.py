@@ -111,8 +111,10 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: tor
     q (T, KVH, G, D) (query head kvh * G + g reads kv head kvh, transformers' repeat_kv order); keys and values
     (X, NB, BS, KVH, D) with X = 1 (every query reads the same sequence's blocks) or X = T (row t its own),
     block j holding positions j * BS ...; q_pos (T,) each query's position (it sees keys at positions <= its
-    own: blocks past it, a padding of the block list included, add exact zeros). Returns (T, KVH * G, D) in
-    q's dtype."""
+    own: blocks past it, a padding of the block list included, add exact zeros). A slot past every query that
+    reads it is never written for them (a stale freed block, the padding, the unfilled rest of a block) and may
+    hold inf or NaN: its score is masked to -inf and its values to 0, so 0 * inf never makes a NaN. Returns
+    (T, KVH * G, D) in q's dtype."""
     T, KVH, G, D = q.shape
     NB, BS = keys.shape[1:3]
     k = keys.permute(0, 1, 3, 4, 2)  # (X, NB, KVH, D, BS)
@@ -124,7 +126,10 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: tor
     m = s.amax(dim=(1, 4), keepdim=True)  # (T, 1, KVH, G, 1): a max is exact in any order
     p = lanewise(torch.exp, s - m)        # masked keys give exactly 0
     l = seqsum(seqsum(p, 4), 1)           # (T, KVH, G)
-    o = seqsum(torch.matmul(p, v.float()), 1)  # (T, KVH, G, D): (G x BS) @ (BS x D) per block, summed in order
+    # the values at key positions past the last query reading them: exact 0 (one row each, or all rows' last)
+    last = q_pos.view(T, 1, 1, 1, 1) if values.shape[0] == T else q_pos.max()
+    v = v.float().masked_fill(key_pos.view(1, NB, 1, BS, 1) > last, 0.0)
+    o = seqsum(torch.matmul(p, v), 1)  # (T, KVH, G, D): (G x BS) @ (BS x D) per block, summed in order
     return (o / l[..., None]).reshape(T, KVH * G, D).to(q.dtype)
 
 

@@ -6,7 +6,9 @@ then prefill chunks in arrival order until `step_tokens` is spent, so a long pro
 decodes. A request with n completions is admitted as one sequence that prefills the prompt once; when its last
 prompt token's logits come, it forks into n (kiln.engine.engine). When the pool runs dry the youngest request
 is preempted: its blocks are freed and it recomputes later (bit-identical: a token's numbers do not depend on
-the batch).
+the batch). The blocks for the fork's copies of the prompt's partly filled last block are lent with the prompt's
+last piece (the fork itself never allocates); a preempted, forked request recomputes the prompt once, its other
+completions taking its full blocks, so no request ever holds more than the peak `add_request` checked.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Request:
     order: int                        # arrival number (FIFO, preemption picks the largest)
     seqs: list["Sequence"] = field(default_factory=list)
     forked: bool = False              # the n completions exist (the prompt's logits came)
+    copies: list[int] = field(default_factory=list)  # blocks lent for the fork's copies of the prompt's last block
 
 
 @dataclass
@@ -55,6 +58,7 @@ class Scheduler:
         self.pool, self.max_seqs, self.step_tokens = pool, max_seqs, step_tokens
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admitted, in arrival order
+        self.preemptions = 0              # requests preempted so far (their blocks freed, recomputed later)
 
     def seats(self) -> int:
         return sum(r.params.n for r in self.running)  # a request holds its n seats from admission on
@@ -62,28 +66,57 @@ class Scheduler:
     def blocks_for(self, tokens: int) -> int:
         return (tokens + self.pool.block_size - 1) // self.pool.block_size
 
+    def peak_blocks(self, prompt: int, n: int, total: int) -> int:
+        """The most blocks a request holds running alone: its prompt's full blocks once (shared), then each
+        completion's own blocks (the copy of the prompt's partly filled last block among them) up to its last
+        fed token (the last of `total` tokens is sampled, never fed)."""
+        full = prompt // self.pool.block_size
+        return full + n * (self.blocks_for(total - 1) - full)
+
+    def fork_copies(self, r: Request) -> int:
+        """Blocks r's fork still needs: a copy of the prompt's partly filled last block per completion but one."""
+        if r.forked or len(r.prompt_ids) % self.pool.block_size == 0:
+            return 0
+        return r.params.n - 1 - len(r.copies)
+
+    def _need(self, r: Request) -> int:
+        """Blocks r needs to run its next tokens and grow each completion once (its prompt's full blocks once)."""
+        if not r.forked:
+            return self.blocks_for(len(r.prompt_ids)) + self.fork_copies(r) + r.params.n
+        live = [s for s in r.seqs if s.finish_reason is None]
+        full = len(r.prompt_ids) // self.pool.block_size
+        return full + sum(self.blocks_for(len(s.tokens)) - full + 1 for s in live)
+
     def _admit(self) -> None:
+        free = self.pool.num_free  # less what this call has admitted already: they take blocks in this step too
         while self.waiting:
             r = self.waiting[0]
-            need = self.blocks_for(len(r.prompt_ids)) + r.params.n  # the prompt, and one block each to grow
-            if self.seats() + r.params.n > self.max_seqs or (self.running and need > self.pool.num_free):
+            need = self._need(r)
+            if self.seats() + r.params.n > self.max_seqs or (self.running and need > free):
                 return
+            free -= need
             self.running.append(self.waiting.pop(0))
 
     def preempt(self, victim: Request) -> None:
         """Free the request's blocks; its sequences recompute their tokens when they run again."""
+        self.preemptions += 1
         for s in victim.seqs:
             self.pool.release(s.table)
             s.table, s.computed, s.keys = [], 0, []
+        self.pool.release(victim.copies)
+        victim.copies = []
         self.running.remove(victim)
         self.waiting.insert(0, victim)
 
     def _grow(self, s: Sequence, upto: int) -> bool:
-        """Blocks for tokens[:upto]; False when the pool is dry."""
+        """Blocks for tokens[:upto], and for the fork's copies when they end an unforked prompt (so the fork
+        after the step never allocates); False, changing nothing, when the pool is dry."""
         need = self.blocks_for(upto) - len(s.table)
-        if need > self.pool.num_free:
+        copies = self.fork_copies(s.request) if upto == len(s.tokens) else 0
+        if need + copies > self.pool.num_free:
             return False
         s.table += [self.pool.allocate() for _ in range(need)]
+        s.request.copies += [self.pool.allocate() for _ in range(copies)]
         return True
 
     def _reuse(self, s: Sequence) -> None:
@@ -99,6 +132,16 @@ class Scheduler:
             s.keys.append(key)
         s.computed = len(s.table) * bs
 
+    def _waits(self, s: Sequence) -> bool:
+        """A completion of a preempted, forked request holds nothing until the first live one has recomputed the
+        prompt's full blocks, then takes them (the prompt is stored once, as at the fork: the add-time peak
+        holds, rather than n copies of the prompt that could leave every completion waiting for a block)."""
+        r = s.request
+        if not r.forked or s.table or s.computed:
+            return False
+        lead = next(q for q in r.seqs if q.finish_reason is None)
+        return s is not lead and lead.computed < len(r.prompt_ids) // self.pool.block_size * self.pool.block_size
+
     def remember(self, s: Sequence) -> None:
         """Remember s's full blocks whose keys are all in the pool now."""
         bs = self.pool.block_size
@@ -111,10 +154,10 @@ class Scheduler:
         self._admit()
         for r in self.running:
             for s in r.seqs:
-                if s.finish_reason is None and s.computed == 0 and not s.table:
+                if s.finish_reason is None and s.computed == 0 and not s.table and not self._waits(s):
                     self._reuse(s)
         while True:
-            live = [s for r in self.running for s in r.seqs if s.finish_reason is None]
+            live = [s for r in self.running for s in r.seqs if s.finish_reason is None and not self._waits(s)]
             decodes = [s for s in live if len(s.tokens) - s.computed == 1]
             prefills = [s for s in live if len(s.tokens) - s.computed > 1]
             plan: list[tuple[Sequence, int]] = []
@@ -126,7 +169,7 @@ class Scheduler:
                     break
                 if not self._grow(s, s.computed + n):
                     dry = s
-                    break
+                    continue  # the sequences after it may still fit (this one waits for a freed block)
                 plan.append((s, n))
                 budget -= n
             if dry is None or len(self.running) == 1:
