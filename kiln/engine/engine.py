@@ -194,7 +194,8 @@ class Engine:
         logp = dict(zip(wanted, log_softmax_rows(logits[wanted]))) if wanted else {}
         picked = sample(logits if rows == list(range(logits.shape[0])) else logits[rows],
                         [q.request.params for q, _ in chosen], [q.request.prompt_ids for q, _ in chosen],
-                        [q.output for q, _ in chosen], [q.generator for q, _ in chosen]).tokens.tolist()
+                        [q.output for q, _ in chosen], [q.generator for q, _ in chosen],
+                        logprobs=False).tokens.tolist()  # the log-probs are the per-row ones above
         for (q, r), token in zip(chosen, picked):
             outs.append(self._advance(q, int(token), logp.get(r)))
         return outs
