@@ -316,6 +316,8 @@ EXAMPLES = [
      ".venv/bin/python examples/grpo/run.py"),
     ("examples/digits_vlm", "a tiny image-text model on scikit-learn's digits 0-4, then LoRA-tuned to all ten",
      ".venv/bin/python examples/digits_vlm/run.py"),
+    ("examples/agent", "multi-turn GRPO on a number-guessing environment with feedback turns; the reward curve",
+     ".venv/bin/python examples/agent/run.py"),
 ]
 
 
