@@ -9,3 +9,9 @@ LAUNCH_DIR_ENV = "KILN_LAUNCH_DIR"
 LAUNCHER_SIGNAL_FILE = "launcher-signal"
 # ... and where kiln.cli.torchrun leaves its one line on how the ranks ended, for the launcher to print
 LAUNCH_CAUSE_FILE = "launch-cause.txt"
+# Exit codes that the launcher's torchrun wrapper (which must not import the CLI) shares with `kiln train`; the
+# whole table is kiln.cli.common's (README, "Exit codes")
+EXIT_STOPPED = 75        # stopped by SIGTERM / SIGINT or train.max_time, checkpoint written: requeue with --resume
+                         # (EX_TEMPFAIL of sysexits.h)
+EXIT_PEER_LOST = 76      # a rank lost a peer (one killed, a node gone, a collective timed out): every rank ends;
+                         # requeue with --resume from the newest checkpoint (EX_PROTOCOL of sysexits.h)

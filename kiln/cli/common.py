@@ -27,7 +27,7 @@ from typing import Any, Callable
 import typer
 
 from kiln.cli.output import note
-from kiln.constants import LAUNCH_DIR_ENV
+from kiln.constants import EXIT_PEER_LOST, EXIT_STOPPED, LAUNCH_DIR_ENV  # noqa: F401 (the table)
 from kiln.errors import KilnError
 
 # Exit codes of `kiln train` (README, "Exit codes"): what a scheduler script needs to decide on a requeue.
@@ -36,10 +36,7 @@ EXIT_OK = 0
 EXIT_USER_ERROR = 1      # bad config, data or paths: the message says what to fix; rerunning as is fails again
 EXIT_NON_FINITE = 3      # non-finite loss or gradient with train.non_finite = "fail"
 EXIT_INTERNAL = 70       # a bug in kiln (traceback printed); EX_SOFTWARE of sysexits.h
-EXIT_STOPPED = 75        # stopped by SIGTERM / SIGINT or train.max_time, checkpoint written: requeue with --resume
-                         # (EX_TEMPFAIL of sysexits.h)
-EXIT_PEER_LOST = 76      # a rank lost a peer (one killed, a node gone, a collective timed out): every rank ends;
-                         # requeue with --resume from the newest checkpoint (EX_PROTOCOL of sysexits.h)
+# EXIT_STOPPED (75) and EXIT_PEER_LOST (76) live in kiln.constants (the torchrun wrapper needs them without typer)
 
 
 def exit_codes(command: Callable[..., Any]) -> Callable[..., Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -19,8 +20,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
-from kiln.cli.common import EXIT_PEER_LOST, EXIT_STOPPED
-from kiln.constants import LAUNCH_CAUSE_FILE, LAUNCH_DIR_ENV
+from kiln.constants import EXIT_PEER_LOST, EXIT_STOPPED, LAUNCH_CAUSE_FILE, LAUNCH_DIR_ENV
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +41,10 @@ def _exit_for(e: ChildFailedError) -> int:
     # After a rank exits 75 (every rank saved and passed the barrier) torchrun ends the others with SIGTERM.
     if EXIT_STOPPED in codes:
         return EXIT_STOPPED
-    rank, first = e.get_first_failure()  # the first failure torchrun saw: the cause, the rest followed it
+    # the cause: a rank ended by a signal other than SIGTERM (SIGKILL, the OOM killer) if there is one, since the
+    # peers it left may exit 76 before torchrun notices it; else the first failure torchrun saw
+    killed = [(r, f) for r, f in sorted(e.failures.items()) if f.exitcode < 0 and -f.exitcode != signal.SIGTERM]
+    rank, first = killed[0] if killed else e.get_first_failure()
     if first.exitcode < 0 or first.exitcode == EXIT_PEER_LOST:
         # a rank killed (SIGKILL, the OOM killer) or one that lost its own peer: every rank has ended with it;
         # the run itself is sound and resumes from its newest checkpoint

@@ -98,7 +98,8 @@ def test_a_failed_step_is_a_500_naming_the_cause_and_the_engine_is_rebuilt(state
     assert health.json()["status"] == "degraded" and health.json()["engine_rebuilds"] == {"tiny": 1}
     assert "injected step fault" in health.json()["last_engine_failure"]
     assert state.engine.engines["tiny"] is not broken
-    assert after.status_code == 200 and after.json()["choices"][0]["finish_reason"] == "length"
+    # the rebuilt engine answers (greedy text may end on the model's end token or at max_tokens)
+    assert after.status_code == 200 and after.json()["choices"][0]["finish_reason"] in ("length", "stop"), after.text
     assert state.engine.held == 0
 
 

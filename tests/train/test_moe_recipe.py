@@ -307,7 +307,7 @@ def test_toml_indexer_kl_trains_the_indexer(tmp_path, ids_file):
 
 # ---- config errors ------------------------------------------------------------------------------------
 def test_bad_configs_are_named(tmp_path, ids_file, tiny_factory):
-    with pytest.raises(ConfigError, match="moe.seq_aux_alpha must be > 0"):
+    with pytest.raises(ConfigError, match="moe.seq_aux_alpha must be a finite number > 0, got 0"):
         load_run_config(_toml(tmp_path, ids_file, "deepseek_v3", "seq_aux_alpha = 0"))
     with pytest.raises(ConfigError, match="balance"):
         load_run_config(_toml(tmp_path, ids_file, "deepseek_v3", 'balance = "loss_free"'))

@@ -245,10 +245,11 @@ def test_bad_image_rows_by_message(data, tmp_path):
     with pytest.raises(KilnError, match=r"rows.jsonl:2: 1 image part\(s\) but 2 image placeholder\(s\) .*more "
                                         r"placeholders than image parts"):
         encode([chat("digits/1.png", 1), chat("digits/1.png", 1, extra=" <|image_pad|>")])
-    with pytest.raises(KilnError, match=r"rows.jsonl:1: image file .*missing.png does not exist"):
+    with pytest.raises(KilnError, match=r"rows.jsonl:1: messages\[0\].content\[0\]: image .*missing.png does not exist"):
         encode([chat("missing.png", 1)])
     with pytest.raises(KilnError, match=r"rows.jsonl:1: messages\[0\].content\[1\] must be"):
-        encode([{"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "audio"}]}]}])
+        encode([{"messages": [{"role": "user", "content": [{"type": "image", "image": "digits/1.png"},
+                                                          {"type": "audio"}]}]}])
     with pytest.raises(KilnError, match=r"rows.jsonl:1: messages\[0\].content is a list of parts .* need an image-text"):
         f = tmp_path / "rows.jsonl"
         f.write_text(json.dumps(chat("digits/1.png", 1)) + "\n")
