@@ -21,11 +21,20 @@ DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 # family -> overrides of its registered tiny config (sizes first; then what llama.cpp's graph needs)
 FAMILIES = {
     "llama": {},                                       # keeps the tiny's llama3 rope scaling and tied embeddings
-    "qwen2": {"rope_parameters": DEFAULT_ROPE},        # the tiny's yarn rope is refused (see gguf_arch)
+    "qwen2": {"rope_parameters": DEFAULT_ROPE},        # plain rope here; YaRN is checked in test_yarn_rope_metadata
     "qwen3": {},
     "qwen3_moe": {"mlp_only_layers": []},              # llama.cpp's qwen3moe has a MoE block in every layer
     "mamba": {},
+    # MLA sizes whose matrices split into 32-wide q8_0 blocks; 8 experts in 4 groups (2 kept), 2 shared, layer 0
+    # dense; DeepSeek-V3's own interleaved rope rows; the tiny's yarn has mscale != mscale_all_dim (refused)
+    "deepseek_v3": {"num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 32,
+                    "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "n_routed_experts": 8,
+                    "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2, "n_shared_experts": 2,
+                    "first_k_dense_replace": 1, "rope_parameters": DEFAULT_ROPE},
 }
+# DeepSeek-V3's release rope: yarn with mscale == mscale_all_dim (llama.cpp's deepseek2 assumes it)
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                 "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1}
 
 
 def tokenizer_dir(root: Path) -> Path:
@@ -44,8 +53,8 @@ def tiny_dir(root: Path, family: str, hidden: int = 64, **overrides) -> Path:
     sizes = dict(vocab_size=VOCAB, hidden_size=hidden, eos_token_id=2, pad_token_id=0, bos_token_id=None)
     if family != "mamba":  # attention decoders
         sizes.update(intermediate_size=2 * hidden, head_dim=hidden // 4, max_position_embeddings=128)
-    if family == "qwen3_moe":
-        sizes["moe_intermediate_size"] = hidden
+    if family in ("qwen3_moe", "deepseek_v3"):
+        sizes["moe_intermediate_size"] = hidden // 2 if family == "deepseek_v3" else hidden
     name = f"{family}-{hidden}" + (f"-{zlib.crc32(repr(sorted(overrides.items())).encode())}" if overrides else "")
     out = make_tiny(family, "causal-lm", root / name, tokenizer=False,
                     **{**sizes, **FAMILIES[family], **overrides})

@@ -18,7 +18,7 @@ from kiln.cli.main import app  # noqa: E402
 from kiln.interop.gguf_export import write_gguf  # noqa: E402
 from kiln.interop.gguf_verify import PROMPTS, verify_gguf  # noqa: E402
 from kiln.models.auto import load_pretrained  # noqa: E402
-from tests.interop.gguf_cases import FAMILIES, tiny_dir  # noqa: E402
+from tests.interop.gguf_cases import DEEPSEEK_YARN, FAMILIES, tiny_dir  # noqa: E402
 
 FEW = PROMPTS[:2]  # the CLI checks 10 prompts x 32 tokens; the tests keep to 2 x 16 on 2 shared cores
 
@@ -242,3 +242,92 @@ def test_moe_changed_expert_weights_fail_greedy(root):
     path = write_gguf(other, root / "qwen3_moe-other-experts" / "m.gguf", "f16")
     checks, text = _verify(model, path, prompts=PROMPTS[2:3], n_greedy=32)
     assert not checks["greedy 32 tokens"].ok and "differ" in checks["greedy 32 tokens"].detail, text
+
+
+# ---- DeepSeek-V3 (deepseek2, MLA) and RoPE scaling ----------------------------------------------------------
+
+@pytest.mark.parametrize("overrides", [{"rope_interleave": False}, {"rope_parameters": DEEPSEEK_YARN}],
+                         ids=["half-split-rope-rows", "yarn"])
+def test_deepseek_rope_variants_f32(root, overrides):
+    """DeepSeek-V3 with half-split rope rows (re-ordered for llama.cpp's adjacent pairs) and with the release's YaRN
+    (mscale == mscale_all_dim: llama.cpp's softmax mscale): llama.cpp's logits are kiln's."""
+    model = load_pretrained(tiny_dir(root, "deepseek_v3", **overrides))
+    path = write_gguf(model, root / f"deepseek-{sorted(overrides)[0]}" / "m.gguf", "f32")
+    checks, text = _verify(model, path)
+    assert checks["f32 logits"].ok, text
+
+
+def test_deepseek_controls_fail(root, monkeypatch):
+    """Controls: the half-split rope rows left unordered, or the balancing bias dropped from the file, fail f32."""
+    import dataclasses
+
+    import gguf
+
+    import kiln.interop.gguf_arch as arch
+    from kiln.interop.gguf_deepseek import mla_tensors
+
+    model = load_pretrained(tiny_dir(root, "deepseek_v3", rope_interleave=False))
+
+    class Interleaved:  # the config as seen by the rewrite: claims interleaved rows, so none are re-ordered
+        def __getattr__(self, k):
+            return True if k == "rope_interleave" else getattr(model.config, k)
+
+    fam = arch.GGUF_FAMILIES["deepseek_v3"]
+    monkeypatch.setitem(arch.GGUF_FAMILIES, "deepseek_v3",
+                        dataclasses.replace(fam, rewrite=lambda hf, c: mla_tensors(hf, Interleaved())))
+    checks, text = _verify(model, write_gguf(model, root / "ds-unordered" / "m.gguf", "f32"))
+    assert not checks["f32 logits"].ok, text
+
+    model = load_pretrained(tiny_dir(root, "deepseek_v3"))
+    no_bias = lambda hf, c: {k: v for k, v in mla_tensors(hf, c).items() if "e_score_correction" not in k}  # noqa: E731
+    monkeypatch.setitem(arch.GGUF_FAMILIES, "deepseek_v3", dataclasses.replace(fam, rewrite=no_bias))
+    path = write_gguf(model, root / "ds-no-bias" / "m.gguf", "f32")
+    assert not any(t.name.endswith("exp_probs_b.bias") for t in gguf.GGUFReader(str(path)).tensors)
+    checks, text = _verify(model, path)
+    assert not checks["f32 logits"].ok, text
+
+
+def test_deepseek_refusals(root, tmp_path):
+    """Refused by name: YaRN with mscale != mscale_all_dim (the tiny's own), a LoRA adapter on kv_b_proj (split in
+    the file)."""
+    from kiln.errors import KilnError
+    from kiln.interop.gguf_lora import write_gguf_lora
+    from kiln.models.common.lora import LoraConfig, apply_lora
+
+    yarn = dict(DEEPSEEK_YARN, mscale=0.8)
+    model = load_pretrained(tiny_dir(root, "deepseek_v3", rope_parameters=yarn))
+    with pytest.raises(KilnError, match="mscale_all_dim"):
+        write_gguf(model, tmp_path / "m.gguf", "f32")
+    model = load_pretrained(tiny_dir(root, "deepseek_v3"))
+    apply_lora(model, LoraConfig(r=4, alpha=8, targets=["kv_b_proj"]))
+    with pytest.raises(KilnError, match="kv_b_proj.*--merge"):
+        write_gguf_lora(model, tmp_path / "a.gguf")
+
+
+@pytest.mark.parametrize("family,rope", [
+    ("qwen2", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}),
+    ("qwen3", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 16,
+               "attention_factor": 0.7}),
+], ids=["qwen2-yarn", "qwen3-yarn-attention-factor"])
+def test_yarn_rope_metadata(root, monkeypatch, family, rope):
+    """YaRN as metadata (type, factor, original context, attention factor where not YaRN's default): llama.cpp's f32
+    logits are kiln's; control: the same file without the scaling keys fails."""
+    import kiln.interop.gguf_arch as arch
+
+    model = load_pretrained(tiny_dir(root, family, rope_parameters=rope))
+    checks, text = _verify(model, write_gguf(model, root / f"{family}-yarn" / "m.gguf", "f32"))
+    assert checks["f32 logits"].ok, text
+    plain = arch.rope_hparams
+    monkeypatch.setattr(arch, "rope_hparams", lambda w, r, n, mla=False: plain(w, {"rope_theta": r["rope_theta"]}, n))
+    checks, text = _verify(model, write_gguf(model, root / f"{family}-yarn-dropped" / "m.gguf", "f32"))
+    assert not checks["f32 logits"].ok, text
+
+
+def test_yarn_betas_refused(root, tmp_path):
+    from kiln.errors import KilnError
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+            "beta_fast": 16}
+    model = load_pretrained(tiny_dir(root, "qwen3", rope_parameters=rope))
+    with pytest.raises(KilnError, match="beta_fast"):
+        write_gguf(model, tmp_path / "m.gguf", "f32")
