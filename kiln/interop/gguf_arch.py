@@ -12,6 +12,7 @@ differs from HF's layout:
   family's per-expert matrices are stacked into one (E, out, in) tensor per projection.
 - Mamba: llama.cpp keeps A = -exp(A_log) and the depthwise conv kernel as (inner, kernel).
 - DeepSeek-V3 (deepseek2, MLA): kiln.interop.gguf_deepseek re-lays the HF tensors (`rewrite`).
+- Qwen3-Next / Qwen3.5 text (qwen3next, qwen35, qwen35moe): kiln.interop.gguf_hybrid.
 RoPE scaling metadata (linear, YaRN) and the shared row helpers are in kiln.interop.gguf_layout.
 """
 
@@ -24,6 +25,7 @@ import gguf
 import torch
 
 from kiln.errors import KilnError
+from kiln.interop.gguf_hybrid import hybrid_checks, hybrid_hparams, hybrid_tensors
 from kiln.interop.gguf_deepseek import mla_bias, mla_hparams, mla_rewritten, mla_tensors, mla_yarn
 from kiln.interop.gguf_layout import Tensors, permute_heads, rope_hparams, stack_experts, yarn_problem
 from kiln.models.common.rope import _base_inv_freq, _llama3
@@ -125,6 +127,12 @@ GGUF_FAMILIES: dict[str, GgufFamily] = {
                             checks=(_all_layers_sparse, _topk_renormalised, _yarn)),
     "deepseek_v3": GgufFamily(gguf.MODEL_ARCH.DEEPSEEK2, mla_hparams, ("default", "yarn"), rewrite=mla_tensors,
                               rewritten=mla_rewritten, checks=(mla_yarn, mla_bias)),
+    "qwen3_next": GgufFamily(gguf.MODEL_ARCH.QWEN3NEXT, hybrid_hparams, ("default",), rewrite=hybrid_tensors,
+                             checks=(hybrid_checks,)),
+    "qwen3_5_text": GgufFamily(gguf.MODEL_ARCH.QWEN35, hybrid_hparams, ("default",), rewrite=hybrid_tensors,
+                               checks=(hybrid_checks,)),
+    "qwen3_5_moe_text": GgufFamily(gguf.MODEL_ARCH.QWEN35MOE, hybrid_hparams, ("default",), rewrite=hybrid_tensors,
+                                   checks=(hybrid_checks,)),
     "mamba": GgufFamily(gguf.MODEL_ARCH.MAMBA, _mamba_hparams, adjust=_mamba_tensor, checks=(_no_linear_bias,)),
 }
 

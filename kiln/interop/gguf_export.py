@@ -49,7 +49,7 @@ GGUF_TYPES: dict[str, GgufType] = {
     "q6_k": GgufType(None, FT.MOSTLY_Q6_K),
 }
 # kept in f32 whatever the type (llama.cpp's converter does the same): small, and precision-critical
-_F32_TENSORS = (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.ROPE_FREQS, gguf.MODEL_TENSOR.SSM_A,
+_F32_TENSORS = (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP, gguf.MODEL_TENSOR.ROPE_FREQS, gguf.MODEL_TENSOR.SSM_A,
                 gguf.MODEL_TENSOR.SSM_D, gguf.MODEL_TENSOR.SSM_CONV1D)
 
 

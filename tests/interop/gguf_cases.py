@@ -31,7 +31,13 @@ FAMILIES = {
                     "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "n_routed_experts": 8,
                     "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2, "n_shared_experts": 2,
                     "first_k_dense_replace": 1, "rope_parameters": DEFAULT_ROPE},
+    # hybrids: 2 layers (DeltaNet, attention); DeltaNet heads 2 key x 4 value of 32 dims; every layer MoE in the
+    # MoE kinds; the tokenizer's specials
+    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"], "mlp_only_layers": []},
+    "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"]},
+    "qwen3_5_moe_text": {"layer_types": ["linear_attention", "full_attention"]},
 }
+HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # DeepSeek-V3's release rope: yarn with mscale == mscale_all_dim (llama.cpp's deepseek2 assumes it)
 DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                  "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1}
@@ -55,6 +61,12 @@ def tiny_dir(root: Path, family: str, hidden: int = 64, **overrides) -> Path:
         sizes.update(intermediate_size=2 * hidden, head_dim=hidden // 4, max_position_embeddings=128)
     if family in ("qwen3_moe", "deepseek_v3"):
         sizes["moe_intermediate_size"] = hidden // 2 if family == "deepseek_v3" else hidden
+    if family in HYBRIDS:
+        sizes.update(num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_key_head_dim=hidden // 2, linear_value_head_dim=hidden // 2)
+    if family in ("qwen3_next", "qwen3_5_moe_text"):
+        sizes.update(moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden, num_experts=4,
+                     num_experts_per_tok=2)
     name = f"{family}-{hidden}" + (f"-{zlib.crc32(repr(sorted(overrides.items())).encode())}" if overrides else "")
     out = make_tiny(family, "causal-lm", root / name, tokenizer=False,
                     **{**sizes, **FAMILIES[family], **overrides})
