@@ -13,6 +13,7 @@ differs from HF's layout:
 - Mamba: llama.cpp keeps A = -exp(A_log) and the depthwise conv kernel as (inner, kernel).
 - DeepSeek-V3 (deepseek2, MLA): kiln.interop.gguf_deepseek re-lays the HF tensors (`rewrite`).
 - Qwen3-Next / Qwen3.5 text (qwen3next, qwen35, qwen35moe): kiln.interop.gguf_hybrid.
+- BERT / ModernBERT embeddings (bert, modern-bert): kiln.interop.gguf_encoder.
 RoPE scaling metadata (linear, YaRN) and the shared row helpers are in kiln.interop.gguf_layout.
 """
 
@@ -25,6 +26,8 @@ import gguf
 import torch
 
 from kiln.errors import KilnError
+from kiln.interop.gguf_encoder import (bert_checks, bert_hparams, encoder_tensors, modernbert_checks,
+                                     modernbert_hparams)
 from kiln.interop.gguf_hybrid import hybrid_checks, hybrid_hparams, hybrid_tensors
 from kiln.interop.gguf_deepseek import mla_bias, mla_hparams, mla_rewritten, mla_tensors, mla_yarn
 from kiln.interop.gguf_layout import Tensors, permute_heads, rope_hparams, stack_experts, yarn_problem
@@ -93,6 +96,7 @@ class GgufFamily:
     checks: tuple[Callable[[object], str | None], ...] = field(default_factory=tuple)  # config -> refusal or None
     rewrite: Callable[[Tensors, object], Tensors] | None = None  # HF tensors -> the names / layouts the map takes
     rewritten: Callable[[str, object], bool] | None = None       # (HF name, config): not kiln's matrix in the file
+    encoder: bool = False                                       # pooled embeddings (gguf_encoder), no LM head
 
     @property
     def name(self) -> str:
@@ -133,6 +137,10 @@ GGUF_FAMILIES: dict[str, GgufFamily] = {
                                checks=(hybrid_checks,)),
     "qwen3_5_moe_text": GgufFamily(gguf.MODEL_ARCH.QWEN35MOE, hybrid_hparams, ("default",), rewrite=hybrid_tensors,
                                    checks=(hybrid_checks,)),
+    "bert": GgufFamily(gguf.MODEL_ARCH.BERT, bert_hparams, rewrite=encoder_tensors, checks=(bert_checks,),
+                       encoder=True),
+    "modernbert": GgufFamily(gguf.MODEL_ARCH.MODERN_BERT, modernbert_hparams, rewrite=encoder_tensors,
+                             checks=(modernbert_checks,), encoder=True),
     "mamba": GgufFamily(gguf.MODEL_ARCH.MAMBA, _mamba_hparams, adjust=_mamba_tensor, checks=(_no_linear_bias,)),
 }
 

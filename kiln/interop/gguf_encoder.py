@@ -9,8 +9,8 @@ is not metadata: llama.cpp's callers normalise (llama-cpp-python's `embed(normal
 - BERT: post-LN encoder with absolute positions and token types (llama.cpp adds type 0, as kiln does for one
   text); `causal_attention = false`; the pooler and any task head are not written.
 - ModernBERT: pre-LN, rotary (a theta for global and one for local layers: `rope.freq_base` /
-  `rope.freq_base_swa`), local layers every layer but each `global_attn_every_n_layers`-th (`sliding_window`,
-  `sliding_window_pattern`; llama.cpp's symmetric window), GeGLU (`hidden_act`); no biases (llama.cpp's graph has
+  `rope.freq_base_swa`), which layers are local (`sliding_window_pattern`, one flag per layer) and the window
+  (`sliding_window`; llama.cpp's symmetric window sees |i - j| <= window / 2, as kiln's), GeGLU (`hidden_act`); no biases (llama.cpp's graph has
   none, so a model with `attention_bias`, `mlp_bias` or `norm_bias` is refused).
 """
 
@@ -41,23 +41,12 @@ def bert_hparams(w: gguf.GGUFWriter, c) -> None:
 
 def modernbert_hparams(w: gguf.GGUFWriter, c) -> None:
     _common(w, c, c.intermediate_size, c.norm_eps)
-    theta = c.rope_thetas() if hasattr(c, "rope_thetas") else None
-    w.add_rope_freq_base(float(_theta(c, "full_attention") if theta is None else theta["full_attention"]))
-    w.add_rope_freq_base_swa(float(_theta(c, "sliding_attention") if theta is None else theta["sliding_attention"]))
+    w.add_rope_freq_base(float(c.rope("full_attention")["rope_theta"]))
+    w.add_rope_freq_base_swa(float(c.rope("sliding_attention")["rope_theta"]))
     w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
     w.add_sliding_window(c.local_attention)
-    w.add_sliding_window_pattern(_global_every(c))
-    w.add_string(gguf.Keys.LLM.HIDDEN_ACT.format(arch=w.arch) if hasattr(gguf.Keys.LLM, "HIDDEN_ACT")
-                 else f"{w.arch}.hidden_act", c.hidden_activation)
-
-
-def _theta(c, kind: str) -> float:
-    params = (c.rope_parameters or {}).get(kind) or {}
-    return float(params["rope_theta"])
-
-
-def _global_every(c) -> int:
-    return int(getattr(c, "global_attn_every_n_layers", None) or 1)
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in c.attention_types])  # per layer: local?
+    w.add_string(f"{w.arch}.hidden_activation", c.hidden_activation)
 
 
 def encoder_tensors(hf: Tensors, c) -> Tensors:
@@ -82,12 +71,9 @@ def modernbert_checks(c) -> str | None:
     for flag in ("attention_bias", "mlp_bias", "norm_bias"):
         if getattr(c, flag, False):
             return f"{flag} is true; llama.cpp's modern-bert graph has no bias tensors"
-    every = _global_every(c)
-    kinds = c.layer_types or []
-    expect = ["full_attention" if i % every == 0 else "sliding_attention" for i in range(c.num_hidden_layers)]
-    if kinds and list(kinds) != expect:
-        return (f"layer_types {kinds} are not global every {every}-th layer from layer 0, the schedule llama.cpp's "
-                "modern-bert reads (sliding_window_pattern)")
+    for kind in ("full_attention", "sliding_attention"):
+        if c.rope(kind).get("rope_type", "default") != "default":
+            return f"{kind} rope_type {c.rope(kind)['rope_type']!r}; llama.cpp's modern-bert rotates unscaled"
     if c.hidden_activation not in ("gelu", "silu"):
         return f"hidden_activation {c.hidden_activation!r}; llama.cpp's modern-bert runs GeGLU or SwiGLU"
     return None

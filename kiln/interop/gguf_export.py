@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -26,7 +27,8 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.interop.gguf_arch import GgufFamily, gguf_family, gguf_tensors
-from kiln.interop.gguf_vocab import modelfile, read_vocab, write_vocab
+from kiln.interop.gguf_encoder import POOLING, pooling_problem
+from kiln.interop.gguf_vocab import modelfile, read_vocab, read_wordpiece, write_vocab
 from kiln.models.pretrained import PreTrainedModel
 
 Q = gguf.GGMLQuantizationType
@@ -49,7 +51,8 @@ GGUF_TYPES: dict[str, GgufType] = {
     "q6_k": GgufType(None, FT.MOSTLY_Q6_K),
 }
 # kept in f32 whatever the type (llama.cpp's converter does the same): small, and precision-critical
-_F32_TENSORS = (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP, gguf.MODEL_TENSOR.ROPE_FREQS, gguf.MODEL_TENSOR.SSM_A,
+_F32_TENSORS = (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP, gguf.MODEL_TENSOR.POS_EMBD,
+                gguf.MODEL_TENSOR.TOKEN_TYPES, gguf.MODEL_TENSOR.ROPE_FREQS, gguf.MODEL_TENSOR.SSM_A,
                 gguf.MODEL_TENSOR.SSM_D, gguf.MODEL_TENSOR.SSM_CONV1D)
 
 
@@ -62,6 +65,12 @@ def gguf_type(name: str) -> GgufType:
 def eos_ids(config) -> list[int]:
     e = getattr(config, "eos_token_id", None)
     return [] if e is None else ([e] if isinstance(e, int) else list(e))
+
+
+def pooling_mode(model: PreTrainedModel) -> str:
+    """An embedding model's sentence-transformers pooling mode; mean where it has none (load_sentence_model's)."""
+    pooling = getattr(model, "pooling", None)
+    return "mean" if pooling is None else pooling.mode
 
 
 def _plain_model(model: PreTrainedModel) -> PreTrainedModel:
@@ -105,7 +114,13 @@ def write_gguf(model: PreTrainedModel, out: str | os.PathLike, type_name: str = 
     fam = gguf_family(config.model_type, config)
     if model.tokenizer is None:
         raise KilnError(f"{name or 'the model'}: no tokenizer; llama.cpp needs the vocabulary in the GGUF")
-    vocab = read_vocab(model.tokenizer, config.vocab_size, eos_ids(config), name or "the model")
+    where = name or "the model"
+    if json.loads(model.tokenizer.backend.to_str()).get("model", {}).get("type") == "WordPiece":
+        vocab = read_wordpiece(model.tokenizer, config.vocab_size, getattr(config, "type_vocab_size", 1), where)
+    else:
+        vocab = read_vocab(model.tokenizer, config.vocab_size, eos_ids(config), where)
+    if fam.encoder and pooling_problem(pooling_mode(model)):
+        raise KilnError(f"--format gguf: {config.model_type}: {pooling_problem(pooling_mode(model))}")
     model = _plain_model(model)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
@@ -147,6 +162,8 @@ def _write(model: PreTrainedModel, fam: GgufFamily, vocab, path: str, kind: Gguf
     w.add_file_type(kind.file_type)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     fam.hparams(w, config)
+    if fam.encoder:
+        w.add_pooling_type(POOLING[pooling_mode(model)])
     write_vocab(w, vocab)
     with torch.no_grad():
         for gname, tensor, t in gguf_tensors(fam, config, model.hf_state_dict()):

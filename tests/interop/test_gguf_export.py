@@ -132,9 +132,9 @@ def test_modelfile_chatml_and_untranslated(root):
 def test_refusals_name_the_thing(root, tmp_path):
     from kiln.interop.tiny import make_tiny
 
-    bert = load_pretrained(make_tiny("bert", "base", tmp_path / "bert"))
-    with pytest.raises(KilnError, match="family 'bert'"):
-        write_gguf(bert, tmp_path / "b.gguf", "f16")
+    roberta = load_pretrained(make_tiny("roberta", "base", tmp_path / "roberta"))
+    with pytest.raises(KilnError, match="family 'roberta'"):
+        write_gguf(roberta, tmp_path / "b.gguf", "f16")
     moe = load_pretrained(tiny_dir(root, "qwen3_moe", mlp_only_layers=[1]))
     with pytest.raises(KilnError, match=r"layers \[1\] are dense"):
         write_gguf(moe, tmp_path / "m.gguf", "f16")
