@@ -31,7 +31,7 @@ def _load(source: Path):
 
 
 def export_gguf(source: Path, out_file: Path, gguf_type: str, merge: bool, system: Optional[str],
-                overwrite: bool, lora_adapter: bool = False) -> None:
+                overwrite: bool, lora_adapter: bool = False, imatrix: Optional[Path] = None) -> None:
     from kiln.interop.gguf_export import gguf_type as check_type
     from kiln.interop.gguf_export import write_gguf
 
@@ -54,7 +54,12 @@ def export_gguf(source: Path, out_file: Path, gguf_type: str, merge: bool, syste
     if merge and getattr(model, "lora_config", None) is None:
         raise KilnError(f"--merge: {source} holds no LoRA adapter to merge")
     start = time.perf_counter()
-    path = write_gguf(model, out_file, gguf_type, name=source.name, system=system)
+    text = None
+    if imatrix is not None:
+        from kiln.interop.gguf_imatrix import read_calibration
+
+        text = read_calibration(imatrix)
+    path = write_gguf(model, out_file, gguf_type, name=source.name, system=system, imatrix_text=text)
     took = time.perf_counter() - start
     out.print(f"exported {source} -> {path} ({gguf_type}, {path.stat().st_size / 2**20:.2f} MiB, {took:.1f} s); "
               f"Ollama Modelfile: {path.with_name('Modelfile')}")

@@ -102,9 +102,13 @@ def _encode(t: torch.Tensor, qtype: Q) -> np.ndarray:
 
 
 def write_gguf(model: PreTrainedModel, out: str | os.PathLike, type_name: str = "f16", name: str | None = None,
-               system: str | None = None, modelfile_too: bool = True) -> Path:
-    """Write `model` to `out` (.gguf) in `type_name`; with `modelfile_too`, an Ollama Modelfile beside it."""
+               system: str | None = None, modelfile_too: bool = True, imatrix_text: str | None = None) -> Path:
+    """Write `model` to `out` (.gguf) in `type_name`; with `modelfile_too`, an Ollama Modelfile beside it; with
+    `imatrix_text` (K-quants), llama.cpp's quantizer weighs each column by kiln's importance matrix on that text."""
     kind = gguf_type(type_name)
+    if imatrix_text is not None and kind.qtype is not None:
+        raise KilnError(f"--imatrix: an importance matrix steers llama.cpp's K-quants; --gguf-type {type_name} "
+                        "does not use one")
     out = Path(out)
     if out.suffix != ".gguf":
         raise KilnError(f"--out {out}: a GGUF export is one file; name it *.gguf")
@@ -132,7 +136,12 @@ def write_gguf(model: PreTrainedModel, out: str | os.PathLike, type_name: str = 
             f32 = tmp + ".f32"
             try:
                 _write(model, fam, vocab, f32, GGUF_TYPES["f32"], name)
-                llama_quantize(f32, tmp, kind.file_type)
+                imatrix = None
+                if imatrix_text is not None:
+                    from kiln.interop.gguf_imatrix import importance
+
+                    imatrix = importance(model, fam, imatrix_text)
+                llama_quantize(f32, tmp, kind.file_type, imatrix=imatrix)
             finally:
                 if os.path.exists(f32):
                     os.remove(f32)
@@ -175,8 +184,10 @@ def _write(model: PreTrainedModel, fam: GgufFamily, vocab, path: str, kind: Gguf
     w.close()
 
 
-def llama_quantize(src: str, dst: str, file_type: FT, threads: int | None = None) -> None:
-    """llama.cpp's own quantizer (through llama-cpp-python) from `src` to `dst`."""
+def llama_quantize(src: str, dst: str, file_type: FT, threads: int | None = None,
+                   imatrix: dict[str, np.ndarray] | None = None) -> None:
+    """llama.cpp's own quantizer (through llama-cpp-python) from `src` to `dst`, with an importance matrix
+    (GGUF tensor name -> per-column weights, kiln.interop.gguf_imatrix) when given."""
     try:
         import llama_cpp
     except ImportError:
@@ -185,9 +196,16 @@ def llama_quantize(src: str, dst: str, file_type: FT, threads: int | None = None
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = int(file_type)
     params.nthread = threads or 1
+    held = None
+    if imatrix is not None:
+        from kiln.interop.gguf_imatrix import ImatrixArray
+
+        held = ImatrixArray(imatrix)  # alive until the quantizer returns
+        params.imatrix = ctypes.cast(held.entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
     from llama_cpp._utils import suppress_stdout_stderr
 
     with suppress_stdout_stderr(disable=False):  # llama.cpp prints every tensor it converts
         rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
     if rc != 0:
         raise KilnError(f"llama.cpp's quantizer failed on {src} ({file_type.name}, return code {rc})")
+    del held
