@@ -35,10 +35,11 @@ def _verify(model, path, **kw):
     return {c.name: c for c in checks}, "\n".join(c.line() for c in checks)
 
 
-# Cells not verified (README): the tiny MoE hybrids' q8_0 KL is over the rounding bound, and kiln's own model with
-# its matrices rounded to q8_0 moves as far (KL 0.017 / 0.032: 4 experts, top-2, flip under the rounding);
-# Qwen3.5-MoE's bf16 greedy parts with a wide margin that no single router near-tie explains
-UNVERIFIED = {("qwen3_next", "q8_0"), ("qwen3_5_moe_text", "q8_0"), ("qwen3_5_moe_text", "bf16")}
+# Cells not verified (README): the hybrids' q8_0 (over 512 positions a position with a decisive top-2 margin
+# differs; the MoE ones' KL is over the bound too): the DeltaNet carries rounding along the sequence, which the
+# per-layer estimate does not cover, and kiln's own model with its matrices rounded to q8_0 moves as far (KL 0.005 /
+# 0.017 / 0.032, top-1 0.91-0.94); Qwen3.5-MoE's bf16 greedy parts with a wide margin no single router near-tie explains
+UNVERIFIED = {("qwen3_next", "q8_0"), ("qwen3_5_text", "q8_0"), ("qwen3_5_moe_text", "q8_0"), ("qwen3_5_moe_text", "bf16")}
 CELLS = [(f, k) for f in FAMILIES for k in ("f32", "f16", "bf16", "q8_0") if (f, k) not in UNVERIFIED]
 
 
