@@ -90,3 +90,33 @@ def _sharpen(path: Path, factor: float = 10.0) -> None:
     assert len(final) == 1, sorted(weights)[-5:]
     weights[final[0]] = weights[final[0]] * factor
     save_file(weights, str(path), metadata={"format": "pt"})
+
+
+def sentencepiece_dir(root: Path, family: str = "llama", vocab: int = 512) -> Path:
+    """A tiny `family` model with a Llama-2-style tokenizer: BPE with byte fallback (<0x00>..<0xFF> at ids 3..258),
+    spaces as "\u2581" with one prepended by the normaliser, `<s> $A` added."""
+    from tokenizers import Tokenizer, models, normalizers, processors, trainers
+
+    out = root / f"spm-{family}"
+    if (out / "tokenizer.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    trained.train_from_iterator([TEXT * 3], trainers.BpeTrainer(vocab_size=vocab - 60, special_tokens=specials,
+                                                                show_progress=False))
+    spec = json.loads(trained.to_str())
+    spec["model"].update(byte_fallback=True, fuse_unk=True)
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in specials[:3]]  # bytes: plain vocab
+    tok = Tokenizer.from_str(json.dumps(spec))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    src = tiny_dir(root, family, vocab_size=vocab, eos_token_id=2, bos_token_id=1)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name not in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(f, out / f.name)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                           "unk_token": "<unk>", "add_bos_token": True}))
+    return out

@@ -492,3 +492,37 @@ def test_imatrix_refusals(root, tmp_path):
         write_gguf(load_pretrained(tiny_dir(root, "qwen3")), tmp_path / "a.gguf", "q8_0", imatrix_text="hello")
     with pytest.raises(KilnError, match="qwen3_moe is not supported"):
         write_gguf(load_pretrained(tiny_dir(root, "qwen3_moe")), tmp_path / "b.gguf", "q4_k_m", imatrix_text="hi there")
+
+
+# ---- SentencePiece-style (byte-fallback BPE) tokenizers -----------------------------------------------------
+
+SPM_TEXTS = TRICKY + ["日本語 emoji 🙂 ok", "Paris is the capital of France."]
+
+
+def test_sentencepiece_tokenizer_as_llama_vocab(root, monkeypatch):
+    """A Llama-2-style tokenizer (byte fallback, \u2581 spaces) as llama.cpp's "llama" vocab: llama.cpp tokenizes
+    digits, spacing, non-ASCII and byte-fallback text to kiln's ids and the f32 logits are kiln's. Control: the
+    same file with every score 0 (no merge order) tokenizes differently."""
+    import gguf
+
+    import kiln.interop.gguf_vocab as vocab_mod
+    from tests.interop.gguf_cases import sentencepiece_dir
+
+    model = load_pretrained(sentencepiece_dir(root))
+    path = write_gguf(model, root / "spm" / "m.gguf", "f32")
+    reader = gguf.GGUFReader(str(path))
+    assert reader.get_field("tokenizer.ggml.model").contents() == "llama"
+    checks, text = _verify(model, path, prompts=SPM_TEXTS)
+    assert checks["tokenizer"].ok and checks["f32 logits"].ok, text
+
+    read = vocab_mod.read_sentencepiece
+
+    def flat(*a, **k):
+        v = read(*a, **k)
+        v.scores = [0.0] * len(v.scores)
+        return v
+
+    monkeypatch.setattr(vocab_mod, "read_sentencepiece", flat)
+    path = write_gguf(model, root / "spm-flat" / "m.gguf", "f32")
+    checks, text = _verify(model, path, prompts=SPM_TEXTS)
+    assert not checks["tokenizer"].ok, text
