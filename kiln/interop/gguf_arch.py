@@ -29,10 +29,10 @@ from kiln.errors import KilnError
 from kiln.interop.gguf_encoder import (bert_checks, bert_hparams, encoder_tensors, modernbert_checks,
                                      modernbert_hparams)
 from kiln.interop.gguf_hybrid import hybrid_checks, hybrid_hparams, hybrid_tensors
-from kiln.interop.gguf_deepseek import mla_bias, mla_hparams, mla_rewritten, mla_tensors, mla_yarn
+from kiln.interop.gguf_deepseek import (dsa_checks, dsa_hparams, mla_bias, mla_hparams, mla_rewritten, mla_tensors,
+                                      mla_yarn)
 from kiln.interop.gguf_layout import Tensors, permute_heads, rope_hparams, stack_experts, yarn_problem
 from kiln.models.common.rope import _base_inv_freq, _llama3
-
 
 
 def _decoder_hparams(w: gguf.GGUFWriter, c) -> None:
@@ -129,6 +129,8 @@ GGUF_FAMILIES: dict[str, GgufFamily] = {
     "qwen3": GgufFamily(gguf.MODEL_ARCH.QWEN3, _decoder_hparams, ("default", "linear", "yarn"), checks=(_yarn,)),
     "qwen3_moe": GgufFamily(gguf.MODEL_ARCH.QWEN3MOE, _moe_hparams, ("default", "linear", "yarn"), experts=True,
                             checks=(_all_layers_sparse, _topk_renormalised, _yarn)),
+    "glm_moe_dsa": GgufFamily(gguf.MODEL_ARCH.GLM_DSA, dsa_hparams, ("default", "yarn"), rewrite=mla_tensors,
+                              rewritten=mla_rewritten, checks=(mla_yarn, mla_bias, dsa_checks)),
     "deepseek_v3": GgufFamily(gguf.MODEL_ARCH.DEEPSEEK2, mla_hparams, ("default", "yarn"), rewrite=mla_tensors,
                               rewritten=mla_rewritten, checks=(mla_yarn, mla_bias)),
     "qwen3_next": GgufFamily(gguf.MODEL_ARCH.QWEN3NEXT, hybrid_hparams, ("default",), rewrite=hybrid_tensors,

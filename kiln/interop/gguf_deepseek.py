@@ -15,6 +15,9 @@ What llama.cpp's deepseek2 loader and graph expect, and what kiln writes for it:
   asserts against), `routed_scaling_factor`, `norm_topk_prob`, shared experts; the first `first_k_dense_replace`
   layers are dense.
 - Multi-token-prediction layers (past num_hidden_layers) are not written: the main model is what llama.cpp runs.
+
+GLM-5 (`glm-dsa`) is the same layout plus the DSA lightning indexer (its q_b, k with a biased LayerNorm, the per-head
+weights; rope on its first dims, adjacent pairs), the indexer keys and the full / shared layer types.
 """
 
 from __future__ import annotations
@@ -60,6 +63,30 @@ def mla_hparams(w: gguf.GGUFWriter, c) -> None:
         w.add_expert_group_used_count(c.topk_group)
 
 
+def dsa_hparams(w: gguf.GGUFWriter, c) -> None:
+    """GLM-5 (glm-dsa): deepseek2's keys plus the lightning indexer's (heads, key length, top-k, which layers run
+    their own indexer: "full" ones, the "shared" ones reuse the last full layer's choice)."""
+    mla_hparams(w, c)
+    w.add_indexer_head_count(c.index_n_heads)
+    w.add_indexer_key_length(c.index_head_dim)
+    w.add_indexer_top_k(c.index_topk)
+    w.add_array(f"{w.arch}.attention.indexer.types", [t == "full" for t in c.indexer_types])
+
+
+def dsa_checks(c) -> str | None:
+    if not c.q_lora_rank:
+        return "q_lora_rank is unset; llama.cpp's glm-dsa needs the query latent (its indexer reads it)"
+    if not getattr(c, "index_interleave", True):
+        return "index_interleave is false; llama.cpp's glm-dsa indexer rotates adjacent pairs"
+    if (c.rope_parameters or {}).get("rope_type", "default") != "default":
+        return ("rope_type {!r}: llama.cpp's glm-dsa loader does not read rope.scaling.yarn_log_multiplier (deepseek2's "
+                "does), so its YaRN would not scale the softmax as kiln does".format(c.rope_parameters["rope_type"]))
+    if c.index_head_dim % 64:
+        return (f"index_head_dim {c.index_head_dim}: llama.cpp's glm-dsa rotates the indexer keys in 64-wide "
+                "Hadamard blocks")
+    return None
+
+
 def mla_tensors(hf: Tensors, c) -> Tensors:
     """HF names and layouts -> the ones the gguf name map and llama.cpp's deepseek2 take (see the docstring)."""
     n, heads = c.num_hidden_layers, c.num_attention_heads
@@ -74,7 +101,7 @@ def mla_tensors(hf: Tensors, c) -> Tensors:
         kv_b = out.pop(p + "kv_b_proj.weight").reshape(heads, nope + v, c.kv_lora_rank)
         out[p + "k_b_proj.weight"] = kv_b[:, :nope].transpose(1, 2).contiguous()
         out[p + "v_b_proj.weight"] = kv_b[:, nope:].contiguous()
-        if not c.rope_interleave:  # half-split rotary rows -> llama.cpp's adjacent pairs
+        if not c.interleaved_rope:  # half-split rotary rows -> llama.cpp's adjacent pairs
             q_key = p + ("q_b_proj.weight" if c.q_lora_rank else "q_proj.weight")
             q = out[q_key].reshape(heads, nope + rot, -1).clone()
             q[:, nope:] = torch.stack([permute_heads(h, 1) for h in q[:, nope:]])
@@ -89,7 +116,7 @@ def mla_rewritten(hf_name: str, c) -> bool:
     """Whether the file holds `hf_name` other than as kiln's matrix (split or re-ordered): no LoRA adapter there."""
     if hf_name.endswith("kv_b_proj.weight"):
         return True
-    return not c.rope_interleave and hf_name.endswith(("q_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight"))
+    return not c.interleaved_rope and hf_name.endswith(("q_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight"))
 
 
 def mla_yarn(c) -> str | None:

@@ -39,9 +39,10 @@ def _verify(model, path, **kw):
 # differs; the MoE ones' KL is over the bound too): the DeltaNet carries rounding along the sequence, which the
 # per-layer estimate does not cover, and kiln's own model with its matrices rounded to q8_0 moves as far (KL 0.005 /
 # 0.017 / 0.032, top-1 0.91-0.94); and the greedy partings of Qwen3-Next bf16 and Qwen3.5-MoE f16 / bf16 at the CLI's
-# 10 prompts x 32 tokens that neither a rounding tie nor one router flip explains
+# 10 prompts x 32 tokens that neither a rounding tie nor one router flip explains; GLM-5's bf16 / q8_0, where
+# the indexer's discrete top-5 choice (like a router's) moves under the rounding
 UNVERIFIED = {("qwen3_next", "bf16"), ("qwen3_next", "q8_0"), ("qwen3_5_text", "q8_0"), ("qwen3_5_moe_text", "f16"),
-              ("qwen3_5_moe_text", "bf16"), ("qwen3_5_moe_text", "q8_0")}
+              ("qwen3_5_moe_text", "bf16"), ("qwen3_5_moe_text", "q8_0"), ("glm_moe_dsa", "bf16"), ("glm_moe_dsa", "q8_0")}
 CELLS = [(f, k) for f in FAMILIES for k in ("f32", "f16", "bf16", "q8_0") if (f, k) not in UNVERIFIED]
 
 
@@ -526,3 +527,28 @@ def test_sentencepiece_tokenizer_as_llama_vocab(root, monkeypatch):
     path = write_gguf(model, root / "spm-flat" / "m.gguf", "f32")
     checks, text = _verify(model, path, prompts=SPM_TEXTS)
     assert not checks["tokenizer"].ok, text
+
+
+# ---- GLM-5 (glm-dsa: MLA + the DSA lightning indexer) --------------------------------------------------------
+
+def test_glm5_indexer_control_and_refusals(root, tmp_path, monkeypatch):
+    """Control: the indexer's key norm bias left out of the file changes llama.cpp's sparse choice (top-5 keys) and
+    the f32 check fails. Refused by name: YaRN (glm-dsa's loader does not read the softmax mscale key), an indexer
+    head size llama.cpp's 64-wide rotation does not fit."""
+    import dataclasses
+
+    import kiln.interop.gguf_arch as arch
+    from kiln.errors import KilnError
+    from kiln.interop.gguf_deepseek import mla_tensors
+
+    model = load_pretrained(tiny_dir(root, "glm_moe_dsa"))
+    no_bias = lambda hf, c: {k: v for k, v in mla_tensors(hf, c).items() if not k.endswith("k_norm.bias")}  # noqa: E731
+    fam = arch.GGUF_FAMILIES["glm_moe_dsa"]
+    monkeypatch.setitem(arch.GGUF_FAMILIES, "glm_moe_dsa", dataclasses.replace(fam, rewrite=no_bias))
+    checks, text = _verify(model, write_gguf(model, root / "glm-no-knorm-bias" / "m.gguf", "f32"))
+    assert not checks["f32 logits"].ok, text
+    monkeypatch.undo()
+    with pytest.raises(KilnError, match="yarn_log_multiplier"):
+        write_gguf(load_pretrained(tiny_dir(root, "glm_moe_dsa", rope_parameters=DEEPSEEK_YARN)), tmp_path / "a.gguf")
+    with pytest.raises(KilnError, match="64-wide"):
+        write_gguf(load_pretrained(tiny_dir(root, "glm_moe_dsa", index_head_dim=32)), tmp_path / "b.gguf")
