@@ -26,33 +26,17 @@ import gguf
 import torch
 
 from kiln.errors import KilnError
+from kiln.interop.gguf_deepseek import (dsa_checks, dsa_hparams, mla_bias, mla_hparams, mla_rewritten, mla_tensors,
+                                      mla_yarn)
 from kiln.interop.gguf_encoder import (bert_checks, bert_hparams, encoder_tensors, modernbert_checks,
                                      modernbert_hparams)
 from kiln.interop.gguf_hybrid import hybrid_checks, hybrid_hparams, hybrid_tensors
-from kiln.interop.gguf_deepseek import (dsa_checks, dsa_hparams, mla_bias, mla_hparams, mla_rewritten, mla_tensors,
-                                      mla_yarn)
-from kiln.interop.gguf_layout import Tensors, permute_heads, rope_hparams, stack_experts, yarn_problem
+from kiln.interop.gguf_layout import Tensors, decoder_hparams, permute_heads, stack_experts, yarn_problem
 from kiln.models.common.rope import _base_inv_freq, _llama3
 
 
-def _decoder_hparams(w: gguf.GGUFWriter, c) -> None:
-    """Attention decoders: hyperparameters under llama.cpp's keys ({arch}.context_length, ...)."""
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.kv_heads)
-    w.add_key_length(c.dim_head)
-    w.add_value_length(c.dim_head)
-    w.add_rope_dimension_count(c.dim_head)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
-    rope_hparams(w, {"rope_theta": type(c).default_theta, **(c.rope_parameters or {})}, c.max_position_embeddings)
-
-
 def _moe_hparams(w: gguf.GGUFWriter, c) -> None:
-    _decoder_hparams(w, c)
+    decoder_hparams(w, c)
     w.add_expert_count(c.num_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
     w.add_expert_feed_forward_length(c.moe_intermediate_size)
@@ -123,10 +107,10 @@ def _yarn(config) -> str | None:
 
 
 GGUF_FAMILIES: dict[str, GgufFamily] = {
-    "llama": GgufFamily(gguf.MODEL_ARCH.LLAMA, _decoder_hparams, ("default", "linear", "llama3", "yarn"),
+    "llama": GgufFamily(gguf.MODEL_ARCH.LLAMA, decoder_hparams, ("default", "linear", "llama3", "yarn"),
                         permute_qk=True, checks=(_yarn,)),
-    "qwen2": GgufFamily(gguf.MODEL_ARCH.QWEN2, _decoder_hparams, ("default", "linear", "yarn"), checks=(_yarn,)),
-    "qwen3": GgufFamily(gguf.MODEL_ARCH.QWEN3, _decoder_hparams, ("default", "linear", "yarn"), checks=(_yarn,)),
+    "qwen2": GgufFamily(gguf.MODEL_ARCH.QWEN2, decoder_hparams, ("default", "linear", "yarn"), checks=(_yarn,)),
+    "qwen3": GgufFamily(gguf.MODEL_ARCH.QWEN3, decoder_hparams, ("default", "linear", "yarn"), checks=(_yarn,)),
     "qwen3_moe": GgufFamily(gguf.MODEL_ARCH.QWEN3MOE, _moe_hparams, ("default", "linear", "yarn"), experts=True,
                             checks=(_all_layers_sparse, _topk_renormalised, _yarn)),
     "glm_moe_dsa": GgufFamily(gguf.MODEL_ARCH.GLM_DSA, dsa_hparams, ("default", "yarn"), rewrite=mla_tensors,

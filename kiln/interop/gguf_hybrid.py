@@ -25,7 +25,7 @@ import re
 import gguf
 import torch
 
-from kiln.interop.gguf_layout import Tensors, rope_hparams, stack_experts
+from kiln.interop.gguf_layout import Tensors, decoder_hparams, stack_experts
 
 _MTP = re.compile(r"^(model\.)?mtp\.")
 
@@ -50,19 +50,7 @@ def _mrope_sections(c) -> list[int]:
 
 
 def hybrid_hparams(w: gguf.GGUFWriter, c) -> None:
-    rope = {"rope_theta": type(c).default_theta, **(c.rope_parameters or {})}
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.kv_heads)
-    w.add_key_length(c.dim_head)
-    w.add_value_length(c.dim_head)
-    w.add_rope_dimension_count(c.rotary_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
-    rope_hparams(w, rope, c.max_position_embeddings)
+    decoder_hparams(w, c, c.rotary_dim)
     w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
     w.add_ssm_state_size(c.linear_key_head_dim)
     w.add_ssm_group_count(c.linear_num_key_heads)

@@ -92,3 +92,20 @@ def rope_hparams(w: gguf.GGUFWriter, rope: dict, max_positions: int, mla: bool =
             a = _attention_factor(rope, factor)
             if not math.isclose(a, yarn_mscale(factor), rel_tol=1e-9):
                 w.add_rope_scaling_attn_factors(a / yarn_mscale(factor))
+
+
+def decoder_hparams(w: gguf.GGUFWriter, c, rotary_dim: int | None = None) -> None:
+    """Attention decoders: hyperparameters under llama.cpp's keys ({arch}.context_length, ...); `rotary_dim` where
+    rope turns only part of each head (default: all of it)."""
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.kv_heads)
+    w.add_key_length(c.dim_head)
+    w.add_value_length(c.dim_head)
+    w.add_rope_dimension_count(c.dim_head if rotary_dim is None else rotary_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    rope_hparams(w, {"rope_theta": type(c).default_theta, **(c.rope_parameters or {})}, c.max_position_embeddings)

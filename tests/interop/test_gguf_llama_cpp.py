@@ -324,13 +324,13 @@ def test_deepseek_refusals(root, tmp_path):
 def test_yarn_rope_metadata(root, monkeypatch, family, rope):
     """YaRN as metadata (type, factor, original context, attention factor where not YaRN's default): llama.cpp's f32
     logits are kiln's; control: the same file without the scaling keys fails."""
-    import kiln.interop.gguf_arch as arch
+    import kiln.interop.gguf_layout as layout
 
     model = load_pretrained(tiny_dir(root, family, rope_parameters=rope))
     checks, text = _verify(model, write_gguf(model, root / f"{family}-yarn" / "m.gguf", "f32"))
     assert checks["f32 logits"].ok, text
-    plain = arch.rope_hparams
-    monkeypatch.setattr(arch, "rope_hparams", lambda w, r, n, mla=False: plain(w, {"rope_theta": r["rope_theta"]}, n))
+    plain = layout.rope_hparams
+    monkeypatch.setattr(layout, "rope_hparams", lambda w, r, n, mla=False: plain(w, {"rope_theta": r["rope_theta"]}, n))
     checks, text = _verify(model, write_gguf(model, root / f"{family}-yarn-dropped" / "m.gguf", "f32"))
     assert not checks["f32 logits"].ok, text
 
