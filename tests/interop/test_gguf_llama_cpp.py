@@ -282,7 +282,7 @@ def test_deepseek_controls_fail(root, monkeypatch):
 
     class Interleaved:  # the config as seen by the rewrite: claims interleaved rows, so none are re-ordered
         def __getattr__(self, k):
-            return True if k == "rope_interleave" else getattr(model.config, k)
+            return True if k == "interleaved_rope" else getattr(model.config, k)
 
     fam = arch.GGUF_FAMILIES["deepseek_v3"]
     monkeypatch.setitem(arch.GGUF_FAMILIES, "deepseek_v3",
