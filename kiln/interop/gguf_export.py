@@ -3,9 +3,11 @@
 The file is written by the `gguf` package's GGUFWriter (llama.cpp's own Python writer): metadata from
 kiln.interop.gguf_arch (hyperparameters, tensor names) and kiln.interop.gguf_vocab (tokenizer, chat
 template), tensors in the asked type. f32 / f16 / bf16 / q8_0 are the `gguf` package's conversions; the
-K-quants are llama.cpp's own quantizer (llama-cpp-python's `llama_model_quantize`) run over an f32 GGUF.
-As llama.cpp's converter does, 1-D tensors (norms, biases), the router and rope factors stay f32, and a
-matrix whose rows do not split into the type's blocks falls back to f16.
+K-quants are llama.cpp's own quantizer (llama-cpp-python's `llama_model_quantize`) run over an f32 GGUF, optionally
+with kiln's importance matrix (kiln.interop.gguf_imatrix). As llama.cpp's converter does, 1-D tensors (norms,
+biases), the routers (the shared expert's gate too), rope factors and BERT's position / token-type embeddings (which
+llama.cpp's CPU adds to f32 activations) stay f32, and a matrix whose rows do not split into the type's blocks falls
+back to f16. An embedding encoder's file names its pooling (kiln.interop.gguf_encoder).
 
 The file is written under a temporary name beside `out` and renamed when complete; an Ollama Modelfile
 goes beside it.
