@@ -148,7 +148,9 @@ def export(src: Optional[Path] = typer.Argument(None, help="An HF model director
            system: Optional[str] = typer.Option(None, "--system", help="GGUF: the SYSTEM prompt of the "
                                                 "Ollama Modelfile."),
            lora_adapter: bool = typer.Option(False, "--lora-adapter", help="GGUF: write the LoRA adapter alone as "
-                                             "a GGUF adapter llama.cpp applies over the base's GGUF.")) -> None:
+                                             "a GGUF adapter llama.cpp applies over the base's GGUF."),
+           imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="GGUF K-quants: a calibration text file; "
+                                                  "kiln's importance matrix on it steers llama.cpp's quantizer.")) -> None:
     """Write an HF directory (config.json, model.safetensors, tokenizer) from a directory or checkpoint,
     or with --format gguf one GGUF file (+ Ollama Modelfile)."""
     from kiln.hub.outdir import check_out_dir, staged_dir
@@ -170,10 +172,10 @@ def export(src: Optional[Path] = typer.Argument(None, help="An HF model director
 
             src = resolve_model_dir(src)
         export_gguf(source_model_dir(src if src is not None else checkpoint), out_dir, gguf_type, merge, system,
-                    overwrite, lora_adapter)
+                    overwrite, lora_adapter, imatrix)
         return
-    if merge or system is not None or lora_adapter:
-        raise KilnError("--merge, --lora-adapter and --system are GGUF options (an HF export always merges LoRA); "
+    if merge or system is not None or lora_adapter or imatrix is not None:
+        raise KilnError("--merge, --lora-adapter, --imatrix and --system are GGUF options (an HF export always merges LoRA); "
                         "add --format gguf")
     if max_shard_mb is not None:
         check_range("--max-shard-mb", max_shard_mb, 1)
