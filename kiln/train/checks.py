@@ -41,7 +41,8 @@ def check_train_args(args: TrainSection) -> None:
         bad("clip_grad_norm", args.clip_grad_norm, "a finite number >= 0 (0 or unset: no clipping)")
     if args.epochs is not None and not (math.isfinite(args.epochs) and args.epochs > 0):
         bad("epochs", args.epochs, "a finite number > 0")
-    for name in ("warmup_steps", "eval_every", "save_every", "early_stopping_patience"):
+    # seed: numpy's generators (data order) take no negative seed (exit 70 from deep inside numpy before)
+    for name in ("warmup_steps", "eval_every", "save_every", "early_stopping_patience", "seed"):
         if getattr(args, name) < 0:
             bad(name, getattr(args, name), ">= 0")
     if args.steps is not None and args.warmup_steps > args.steps:

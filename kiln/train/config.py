@@ -406,6 +406,8 @@ def load_run_config(path: str | os.PathLike, overrides: Sequence[tuple[str, Any]
     to the working directory. A model.path that is no such path but reads as a Hub repo id (org/name[@rev])
     stays as it is."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a folder, not a run config file (a .toml)")
     if not path.is_file():
         raise ConfigError(f"{path}: no such run config file")
     text = path.read_text(encoding="utf-8")
