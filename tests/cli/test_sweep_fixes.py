@@ -59,3 +59,13 @@ def test_a_missing_eval_file_is_named_as_missing(tmp_path):
 def test_a_folder_given_as_the_run_config_is_named(tmp_path):
     (tmp_path / "cfgdir").mkdir()
     _refused(tmp_path, tmp_path / "cfgdir", says=f"{tmp_path / 'cfgdir'}: is a folder, not a run config file")
+
+
+def test_out_dir_naming_the_data_folder_is_refused(tmp_path):
+    """A folder of raw token files looks empty to the out_dir check; the run wrote its checkpoints into it, exit 0."""
+    tok = raw_shards(tmp_path / "tok", 1)
+    cfg = pretrain_config(tmp_path / "r.toml", tok, tok)
+    before = snapshot(tmp_path)
+    code, out = run_cli("train", "--config", cfg)
+    assert code == 1 and f"train.out_dir {tok} is data.train's folder" in out and "Traceback" not in out, out
+    assert snapshot(tmp_path) == before
