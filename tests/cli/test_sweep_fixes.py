@@ -69,3 +69,34 @@ def test_out_dir_naming_the_data_folder_is_refused(tmp_path):
     code, out = run_cli("train", "--config", cfg)
     assert code == 1 and f"train.out_dir {tok} is data.train's folder" in out and "Traceback" not in out, out
     assert snapshot(tmp_path) == before
+
+
+
+def test_some_examples_without_a_target_are_counted_once(capsys):
+    """Examples whose every target is ignored (an SFT reply past data.max_length) teach nothing: refused when all
+    are so (held through the CLI by tests/cli/test_bad_inputs.py), counted in one warning when some are."""
+    import torch
+    from torch import nn
+
+    from kiln.constants import IGNORE_INDEX
+    from kiln.errors import KilnError
+    from kiln.models.tasks import get_task
+    from kiln.train.checks import check_examples
+
+    task = get_task("causal-lm")
+    ids = torch.arange(6)
+
+    def example(learn: bool) -> dict:
+        return {"input_ids": ids, "labels": ids.clone() if learn else torch.full_like(ids, IGNORE_INDEX)}
+
+    check_examples([example(True), example(False), example(False), example(True)], nn.Linear(1, 1), task,
+                   "data.train x.jsonl", "replies past max_length")
+    err = capsys.readouterr().err
+    assert err.count("warning: data.train x.jsonl: 2 of 4 example(s) have every target ignored, so nothing is "
+                     "learned from them (replies past max_length); 2 carry signal") == 1, err
+    check_examples([example(True), example(False)], nn.Linear(1, 1), task, "data.train x.jsonl", say=False)
+    assert capsys.readouterr().err == ""  # another rank: the main one said it
+    check_examples([example(True)] * 3, nn.Linear(1, 1), task, "data.train x.jsonl")
+    assert capsys.readouterr().err == ""
+    with pytest.raises(KilnError, match="nothing to learn: every target of its 2 example"):
+        check_examples([example(False)] * 2, nn.Linear(1, 1), task, "data.train x.jsonl")
