@@ -27,7 +27,8 @@ from typing import Any, Callable
 import typer
 
 from kiln.cli.output import note
-from kiln.constants import EXIT_PEER_LOST, EXIT_STOPPED, LAUNCH_DIR_ENV, LAUNCH_PEER_LOST_PREFIX  # noqa: F401 (the table)
+from kiln.constants import EXIT_PEER_LOST, EXIT_STOPPED, LAUNCH_DIR_ENV  # noqa: F401 (the table)
+from kiln.constants import LAUNCH_PEER_LOST_PREFIX
 from kiln.errors import KilnError
 
 # Exit codes of `kiln train` (README, "Exit codes"): what a scheduler script needs to decide on a requeue.
