@@ -100,3 +100,18 @@ def test_some_examples_without_a_target_are_counted_once(capsys):
     assert capsys.readouterr().err == ""
     with pytest.raises(KilnError, match="nothing to learn: every target of its 2 example"):
         check_examples([example(False)] * 2, nn.Linear(1, 1), task, "data.train x.jsonl")
+
+
+def test_a_run_config_not_in_utf8_is_named(tmp_path):
+    bad = tmp_path / "r.toml"
+    bad.write_bytes(b"[train]\nsteps = 2 # \xff\xfe\n")
+    _refused(tmp_path, bad, says=f"{bad}: not valid UTF-8 (byte 20); TOML files are UTF-8")
+
+
+def test_a_data_link_that_loops_is_told_from_a_dangling_one(tmp_path):
+    import os
+
+    loop = tmp_path / "loop.bin"
+    os.symlink(loop, loop)
+    cfg = pretrain_config(tmp_path / "r.toml", loop, tmp_path / "out")
+    _refused(tmp_path, cfg, says=f"data.train {loop}: a symbolic link that leads back to itself")
