@@ -35,43 +35,14 @@ from safetensors import safe_open
 from kiln.errors import KilnError
 from kiln.hub.config import write_json_atomic
 from kiln.hub.fp8 import FP8, dequantize, logical_shape
-from kiln.hub.weights import tensor_spans, weight_files
+from kiln.hub.index import CarriedRef, CheckpointIndex, tensor_spans
 
 CARRIED_FILE = "carried.json"  # beside model/config.json of a sharded checkpoint
 HOLDERS = ("hf_extras", "hf_passthrough", "mtp_tensors")  # the attributes a family carries tensors in
 
 
-@dataclasses.dataclass(frozen=True)
-class CarriedRef:
-    """Where one carried tensor lies: `key` in `file` of directory `source`, as the run read it."""
-
-    source: str
-    file: str
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    size: int
-    mtime_ns: int
-    # an FP8 (packed FP4) weight a whole load holds dequantized: (the name its scale is carried under, in the same
-    # holder; the dtype the whole load dequantizes it to; the scale blocks, or None: one scale), so an export that
-    # writes no FP8 writes it as that load holds it
-    dequantized: tuple[str, str, tuple[int, int] | None] | None = None
-
-    @classmethod
-    def from_row(cls, row: dict[str, Any]) -> "CarriedRef":
-        """A reference as `dataclasses.asdict` wrote it to JSON (lists back to tuples)."""
-        deq = row.get("dequantized")
-        if deq is not None:
-            scale, dtype, block = deq
-            deq = (scale, dtype, None if block is None else tuple(block))
-        return cls(**{**row, "shape": tuple(row["shape"]), "dequantized": deq})
-
-    def meta(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=getattr(torch, self.dtype), device="meta")
-
-
-def note_carried(model: torch.nn.Module, weights: dict[str, torch.Tensor], unplaced: list[str], path: Path
-                 ) -> list[str]:
+def note_carried(model: torch.nn.Module, weights: dict[str, torch.Tensor], unplaced: list[str],
+                 index: CheckpointIndex) -> list[str]:
     """After the family's own load ran on the headers (`weights`: the meta tensors it was given): each carried
     tensor that is one of the `unplaced` checkpoint tensors as stored stays in its holder as a meta placeholder,
     referenced in `model.carried_refs` ((holder, name) -> CarriedRef); so does, for a family that `carries_fp8_pairs`,
@@ -80,7 +51,7 @@ def note_carried(model: torch.nn.Module, weights: dict[str, torch.Tensor], unpla
     tensor a holder got is dropped (a read cannot fill it). Returns the unplaced keys not carried so: a whole
     load decides on those."""
     wanted = set(unplaced)
-    spans = {k: (f, s) for f in weight_files(path) for k, s in tensor_spans(f).items() if k in wanted}
+    spans = {k: (index.file_of(k), s) for k, s in index.spans.items() if k in wanted}
     # the very tensor the load was given for that key, as stored (not a dequantized or renamed stand-in)
     by_id = {id(weights[k]): k for k in unplaced if k in weights and k in spans
              and (weights[k].dtype, tuple(weights[k].shape)) == (spans[k][1].dtype, tuple(spans[k][1].shape))}
@@ -105,11 +76,8 @@ def note_carried(model: torch.nn.Module, weights: dict[str, torch.Tensor], unpla
                     kept[name] = t
                 continue
             for n, key, placeholder, deq in found:
-                stat = os.stat(spans[key][0])
                 kept[n] = placeholder
-                refs[(holder, n)] = CarriedRef(str(Path(path).resolve()), spans[key][0].name, key,
-                                               str(placeholder.dtype).removeprefix("torch."), tuple(placeholder.shape),
-                                               stat.st_size, stat.st_mtime_ns, deq)
+                refs[(holder, n)] = index.ref(key, placeholder.dtype, tuple(placeholder.shape), deq)
         held.clear()  # (in place: the family may hold the same dict elsewhere)
         held.update(kept)
     model.carried_refs = refs

@@ -19,18 +19,17 @@ whole model), FP8 or 4-bit bases, a fresh buffer, and a tensor the checkpoint ow
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from kiln.errors import WeightsError
-from kiln.hub.weights import tensor_spans, weight_files
+from kiln.hub.index import CheckpointIndex
 from kiln.models.pretrained import PreTrainedModel, draw_fresh
 
 
-def init_fresh(model: PreTrainedModel, path: Path, missing: list[str], seed: int | None) -> bool:
+def init_fresh(model: PreTrainedModel, index: CheckpointIndex, missing: list[str], seed: int | None) -> bool:
     """Initialise `missing` (the model's tensors no checkpoint tensor fills; the model built on meta) as a whole
     load with `seed` initialises them. False when this read cannot (see the module's docstring)."""
     if type(model).load_hf_state_dict is not PreTrainedModel.load_hf_state_dict \
@@ -40,10 +39,9 @@ def init_fresh(model: PreTrainedModel, path: Path, missing: list[str], seed: int
     params = dict(model.named_parameters())
     if any(n not in params for n in missing):
         return False  # a buffer: a whole load leaves it as built
-    meta = {k: torch.empty(s.shape, dtype=s.dtype, device="meta")
-            for f in weight_files(path) for k, s in tensor_spans(f).items()}  # in load_weights' order
+    meta = index.meta()  # in the whole load's order
     try:  # the whole load's own matching, on the headers: which tensors are fresh, which owed
-        used, _, fresh, _ = model._match_hf(meta, str(path), model.source_task)
+        used, _, fresh, _ = model._match_hf(meta, str(index.root), model.source_task)
     except WeightsError:
         return False  # the whole load raises it, with its message
     if sorted(fresh) != sorted(missing):
@@ -61,7 +59,7 @@ def init_fresh(model: PreTrainedModel, path: Path, missing: list[str], seed: int
     return True
 
 
-def with_adapter(model: PreTrainedModel, path: Path, seed: int | None,
+def with_adapter(model: PreTrainedModel, path: Any, seed: int | None,
                  init_adapters: Callable[[nn.Module, torch.device | str, int | None], int]) -> bool:
     """Put the PEFT LoRA adapter saved beside the checkpoint on the meta-built model as a whole load puts it
     (`load_adapter`): its adapters on the modules it names, drawn as `apply_lora` draws them on the loaded model

@@ -36,13 +36,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from kiln.errors import WeightsError
 from kiln.hub import bnb4
-from kiln.hub.weights import Span, read_into
+from kiln.hub.index import CheckpointIndex, Span, read_into
 from kiln.models.common.quant4 import BUFFERS, Bnb4State, Linear4, Q4Meta, is_4bit, prepare_bnb4, quantizable
 
 # stored values quantized at a time (whole blocks): bounds the host temporaries of a quantize at load
@@ -87,14 +86,15 @@ class Q4Read:
         return out
 
 
-def place_q4(model: nn.Module, groups: dict[str, list[tuple[str, str]]], spans: dict[str, Span], files: list[Path],
-             path: Path, extra: dict[str, Any], quantize: str | None) -> Q4Read | None:
+def place_q4(model: nn.Module, groups: dict[str, list[tuple[str, str]]], index: CheckpointIndex,
+             extra: dict[str, Any], quantize: str | None) -> Q4Read | None:
     """Make the Linears that hold 4-bit weights `Linear4` on meta, as a whole load would (`prepare_bnb4` for a
     bitsandbytes directory, `quantize_model` for `quantize`), from the checkpoint's headers and its quant-state
     JSON tensors (a few hundred bytes each); None for a checkpoint without 4 bits. WholeLoad4 where this read
     does not reach (the caller loads whole, which also names any mistake such as quantizing a 4-bit directory)."""
     from kiln.models.pretrained import PreTrainedModel
 
+    path, spans = index.root, index.spans
     scheme = bnb4.bnb4_scheme_from_config(extra, str(path / "config.json"))
     if scheme is None and quantize is None:
         return None
@@ -103,11 +103,8 @@ def place_q4(model: nn.Module, groups: dict[str, list[tuple[str, str]]], spans: 
         raise WholeLoad4(f"{path}: this 4-bit base loads whole")
     if scheme is not None:
         states = [k for k in spans if f".{bnb4.STATE_PREFIX}" in k]
-        state: dict[str, torch.Tensor] = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in spans.items()}
-        for f in files:
-            with safe_open(str(f), framework="pt") as h:
-                here = set(h.keys())
-                state.update({k: h.get_tensor(k) for k in states if k in here})
+        state = index.meta()
+        state.update({k: index.read(k) for k in states})  # the quant-state JSON tensors: a few hundred bytes each
         prepare_bnb4(model, state, scheme, str(path))
         return Q4Read(_plain_weights(model, [n for n, m in model.named_modules() if is_4bit(m)], groups, path))
     bnb4.check_quant_type(quantize, "model.quantize")
