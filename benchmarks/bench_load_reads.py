@@ -214,7 +214,7 @@ def main() -> None:
             with Counter() as lean, ModuleTrace({"lean_pretrained", "read_shards"}) as trace:
                 model = lean_pretrained(path, "causal-lm", None, **kw)
                 if model is not None:
-                    read_shards(model, model.pending_read if hasattr(model, "pending_read") else path)
+                    read_shards(model, path)
             with Counter() as plan:
                 read_plan(path, "causal-lm", kw.get("fp8", "dequantize"), kw.get("quantize"))
             print(f"== {name}: {len(files)} weight file(s)")

@@ -6,7 +6,7 @@ release's `mtp.*` in `hf_passthrough`, DeepSeek-V4's `mtp.*` in `mtp_tensors`). 
 real size they are large (V3's MTP layer is ~11B parameters with its experts), so a sharded run does not read
 them: `lean_pretrained` runs the family's load on the headers, and each tensor it carries exactly as stored (the
 same checkpoint tensor, its stored dtype and shape) stays a meta placeholder in its holder, with a `CarriedRef`
-(source directory, file, tensor name, dtype, shape, the file's size and mtime) in `model.carried_refs`. An FP8 (or
+(source directory, file, tensor name, dtype, shape, the file's size and mtime) in `model.carried.refs`. An FP8 (or
 packed FP4) weight a whole load dequantizes to carry (an FP8 release's MTP layer; the whole load keeps its pair aside
 to write it back unchanged) is held so too, as its stored pair, where the family `carries_fp8_pairs` (DeepSeek-V3 and
 the families built on it, V4): the weight and its scale, each a placeholder with its reference, the weight's noting
@@ -45,7 +45,7 @@ def note_carried(model: torch.nn.Module, weights: dict[str, torch.Tensor], unpla
                  index: CheckpointIndex) -> list[str]:
     """After the family's own load ran on the headers (`weights`: the meta tensors it was given): each carried
     tensor that is one of the `unplaced` checkpoint tensors as stored stays in its holder as a meta placeholder,
-    referenced in `model.carried_refs` ((holder, name) -> CarriedRef); so does, for a family that `carries_fp8_pairs`,
+    referenced in `model.carried.refs` ((holder, name) -> CarriedRef); so does, for a family that `carries_fp8_pairs`,
     each FP8 (or packed FP4) weight a whole load dequantized to carry: its stored weight and its scale, the scale
     right after it under the name the whole load's export writes it under (`scheme.scale_key`). Any other meta
     tensor a holder got is dropped (a read cannot fill it). Returns the unplaced keys not carried so: a whole
@@ -80,11 +80,11 @@ def note_carried(model: torch.nn.Module, weights: dict[str, torch.Tensor], unpla
                 refs[(holder, n)] = index.ref(key, placeholder.dtype, tuple(placeholder.shape), deq)
         held.clear()  # (in place: the family may hold the same dict elsewhere)
         held.update(kept)
-    model.carried_refs = refs
+    model.carried.refs = refs
     carried = {r.key for r in refs.values()}
-    if pairs and getattr(model, "fp8_refs", None):  # kept FP8: a pair carried as stored is written as held, not
+    if pairs and model.carried.fp8_pairs:  # kept FP8: a pair carried as stored is written as held, not
         # also written back from the pairs a whole load keeps (kiln.parallel.sharded_fp8_export)
-        model.fp8_refs = {n: pair for n, pair in model.fp8_refs.items() if pair[0].key not in carried}
+        model.carried.fp8_pairs = {n: pair for n, pair in model.carried.fp8_pairs.items() if pair[0].key not in carried}
     return [k for k in unplaced if k not in carried]
 
 
@@ -108,7 +108,7 @@ def _stored_pairs(model: torch.nn.Module, weights: dict[str, torch.Tensor], unpl
 def placeholders(model: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     """The carried placeholders still held (holder -> name -> meta tensor): those a live MTP module took are gone."""
     out: dict[str, dict[str, torch.Tensor]] = {}
-    for (holder, name) in getattr(model, "carried_refs", None) or {}:
+    for (holder, name) in model.carried.refs:
         t = (getattr(model, holder, None) or {}).get(name)
         if t is not None and t.is_meta:
             out.setdefault(holder, {})[name] = t
@@ -118,7 +118,7 @@ def placeholders(model: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]:
 def read_keys(model: torch.nn.Module) -> set[str]:
     """The checkpoint keys the family's load took (held by reference, or since made live: an MTP module's
     parameters, its copies of the shared embedding and head): a read reports them used, not ignored."""
-    return {r.key for r in (getattr(model, "carried_refs", None) or {}).values()}
+    return {r.key for r in model.carried.refs.values()}
 
 
 def carried_keys(model: torch.nn.Module, live_mtp: bool = False, checkpoint_keys: Iterable[str] = ()
@@ -133,7 +133,7 @@ def carried_keys(model: torch.nn.Module, live_mtp: bool = False, checkpoint_keys
     if not live_mtp or not keys or not hasattr(model, "enable_mtp"):
         return keys, set()
     model.enable_mtp("kiln plan")
-    refs = model.carried_refs
+    refs = model.carried.refs
     still = {refs[(holder, name)].key for holder, held in placeholders(model).items() for name in held}
     keymap, params = model.family.keymap(model.task), model.state_dict(keep_vars=True)
     names = model.normalise_hf_names(list(keys | set(checkpoint_keys)))
@@ -144,7 +144,7 @@ def write_refs(out_dir: Path, model: torch.nn.Module) -> None:
     """The references of the placeholders `model` holds, to out_dir/CARRIED_FILE atomically (none: no file)."""
     held = placeholders(model)
     # in the holders' order (the family's load's): the export writes them in it, as a whole load's export does
-    refs = [{"holder": h, "name": n, **dataclasses.asdict(r)} for (h, n), r in model.carried_refs.items()
+    refs = [{"holder": h, "name": n, **dataclasses.asdict(r)} for (h, n), r in model.carried.refs.items()
             if n in held.get(h, {})] if held else []
     if refs:
         write_json_atomic(out_dir / CARRIED_FILE, refs)

@@ -37,7 +37,7 @@ _HOLDER = "fp8 pair"  # how a missing source names what it was (sharded_carried'
 def note_pairs(model: nn.Module, stored: dict[str, torch.Tensor], index: CheckpointIndex) -> None:
     """At a shard-by-shard load kept FP8, before its meta pairs are dropped: where each pair a whole load would keep
     (`model.fp8_state.originals`, its tensors those of `stored`, the checkpoint's meta tensors by key) lies in the
-    files of `index`, as `model.fp8_refs` (name the save writes -> (weight ref, scale ref))."""
+    files of `index`, as `model.carried.fp8_pairs` (name the save writes -> (weight ref, scale ref))."""
     state = model.fp8_state
     if state.mode != "keep" or not state.originals:
         return
@@ -46,7 +46,7 @@ def note_pairs(model: nn.Module, stored: dict[str, torch.Tensor], index: Checkpo
     def ref(t: torch.Tensor) -> CarriedRef:
         return index.ref(key_of[id(t)], t.dtype, tuple(t.shape))
 
-    model.fp8_refs = {name: (ref(q), ref(s)) for name, (q, s) in state.originals.items()}
+    model.carried.fp8_pairs = {name: (ref(q), ref(s)) for name, (q, s) in state.originals.items()}
 
 
 def decisions(model: nn.Module) -> dict[str, Any]:
@@ -54,7 +54,7 @@ def decisions(model: nn.Module) -> dict[str, Any]:
     state = getattr(model, "fp8_state", None)
     if state is None or state.mode != "keep":
         return {}
-    refs = getattr(model, "fp8_refs", None) or {}
+    refs = model.carried.fp8_pairs
     names = sorted(set(state.originals) | set(refs))
     return {FP8_KEY: {"scale_names": state.scheme.scale_names, "dequantized": names,
                       "refs": {n: [dataclasses.asdict(r) for r in refs[n]] for n in sorted(refs)}}}
@@ -66,7 +66,7 @@ def held_pairs(model: nn.Module) -> dict[str, torch.Tensor]:
     state = getattr(model, "fp8_state", None)
     if state is None or state.mode != "keep":
         return {}
-    refs = getattr(model, "fp8_refs", None) or {}
+    refs = model.carried.fp8_pairs
     out: dict[str, torch.Tensor] = {}
     for name, (q, s) in state.originals.items():
         if name not in refs and not q.is_meta:

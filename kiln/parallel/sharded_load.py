@@ -58,6 +58,7 @@ from kiln.hub.fp8 import scale_renames, scheme_from_config
 from kiln.hub.pickled import NotInPlace
 from kiln.hub.index import CheckpointIndex, Span, read_into
 from kiln.models.auto import apply_changes, config_of_dir
+from kiln.models.load_plan import DeferredRead
 from kiln.models.pretrained import LoadReport, PreTrainedModel
 from kiln.models.tasks import BASE
 from kiln.parallel.sharded_carried import note_carried, placeholders, read_keys
@@ -77,8 +78,8 @@ def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None,
     """`empty_pretrained` when this checkpoint can be read shard by shard (safetensors, or .bin stored in place; a new
     head or an adapter beside it: kiln.parallel.sharded_fresh; 4-bit: kiln.parallel.sharded_q4); else None: the
     caller loads it whole.
-    The model carries `pending_read` (the directory) and `pending_seed` for the Trainer (`read_shards`,
-    `init_adapters`)."""
+    The model's `deferred_read` (kiln.models.load_plan.DeferredRead: the checkpoint's index, the seed) is what the
+    Trainer reads it by (`init_adapters`, `read_shards`)."""
     index = CheckpointIndex.open(path)  # the path resolved once; each file's header read once, for every step
     empty = readable_empty(index, task, fp8, quantize, **changes)
     if empty is None:
@@ -89,7 +90,7 @@ def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None,
     if missing and not init_fresh(model, index, missing, seed) or not with_adapter(model, index.root, seed,
                                                                                      init_adapters):
         return None  # a new head or an adapter that only a whole load puts on (kiln.parallel.sharded_fresh)
-    model.pending_read, model.pending_seed = index, seed
+    model.deferred_read.seed = seed
     if Tokenizer.present(index.root):
         model.tokenizer = Tokenizer.from_dir(index.root)
     return model
@@ -161,13 +162,13 @@ def _empty(index: CheckpointIndex, task: str | None, fp8: str, changes: dict[str
     config = apply_changes(config, dict(changes))
     with torch.device("meta"):
         model = family.build(config, task or source_task or BASE)
-    model.source_task = source_task
+    model.deferred_read = DeferredRead(index, source_task)  # what this build decides, for the read
     spans = index.spans
     weights = index.meta()
     if scheme is not None:
         weights = _place_fp8(model, weights, scheme, index, fp8)
     groups, extras = _sources(model, spans)
-    model.q4_read = place_q4(model, groups, index, config.extra, quantize)
+    model.deferred_read.q4 = place_q4(model, groups, index, config.extra, quantize)
     q4 = q4_names(model)
     tensors = model.state_dict(keep_vars=True)
     placed = {k for kiln, sources in groups.items() if kiln in tensors for k, _ in sources} | q4_keys(model, spans)
@@ -253,7 +254,7 @@ def load_to_device(path: str | os.PathLike, device: torch.device | str, task: st
     model = lean_pretrained(path, task, seed, fp8=fp8, quantize=quantize, **changes)
     if model is None or needs_pairs(model) or placeholders(model):  # one process exports FP8 it dequantized from
         return None  # the pairs a whole load keeps (Fp8State.originals), and the tensors a family carries
-    read_shards(model, model.pending_read, device)
+    read_shards(model, model.deferred_read.index, device)
     return model.eval()
 
 
@@ -316,9 +317,9 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike | CheckpointInde
     used = {k for kiln, sources in groups.items() if kiln in held for k, _ in sources} | set(extras)
     used |= q4_keys(model, spans) | {s for k, s in dequantized.items() if k in used} | read_keys(model)
     model.load_report = LoadReport(ignored=sorted(names[k][0] for k in spans if k not in used),
-                                   initialized=getattr(model, "fresh_names", []))  # a new head (sharded_fresh)
+                                   initialized=model.deferred_read.fresh_names if model.deferred_read else [])
     model.tie_weights()
-    model.pending_read = model.q4_read = None
+    model.deferred_read = None  # read: the model holds its weights
 
 
 def _index_of(model: PreTrainedModel, path: str | os.PathLike | CheckpointIndex) -> CheckpointIndex:
@@ -326,9 +327,9 @@ def _index_of(model: PreTrainedModel, path: str | os.PathLike | CheckpointIndex)
     directory (no header read again), else a new one."""
     if isinstance(path, CheckpointIndex):
         return path
-    built = getattr(model, "pending_read", None)
-    if isinstance(built, CheckpointIndex) and Path(path) == built.root:
-        return built
+    built = model.deferred_read
+    if built is not None and Path(path) == built.index.root:
+        return built.index
     return CheckpointIndex.open(path)
 
 

@@ -157,3 +157,39 @@ def test_the_index_reads_what_the_library_reads(tmp_path):
     for k, t in state.items():
         assert got[k].dtype == t.dtype and torch.equal(got[k].view(torch.uint8), t.view(torch.uint8)), k
         assert torch.equal(index.read(k).view(torch.uint8), t.view(torch.uint8))
+
+
+# ---- what a load leaves on the model: declared, nothing else ---------------------------------------------------
+OLD_ATTRIBUTES = ("pending_read", "pending_seed", "source_task", "q4_read", "unheld_fp8", "fresh_names", "fresh_rng",
+                  "carried_refs", "fp8_refs")
+
+
+def test_the_old_undeclared_load_attributes_are_gone_from_kiln():
+    """The attributes the two loading paths passed on the model (now kiln.models.load_plan.DeferredRead's and
+    Carried's fields, held in `deferred_read` and `carried`) are neither set nor read on a model anywhere in kiln/."""
+    import re
+
+    kiln_dir = Path(__file__).resolve().parents[2] / "kiln"
+    names = "|".join(OLD_ATTRIBUTES)
+    on_model = re.compile(rf"(?<![\w.])(model|self|lean|m)\.({names})\b|[\"']({names})[\"']")
+    found = [f"{p.relative_to(kiln_dir)}:{i}: {line.strip()}" for p in sorted(kiln_dir.rglob("*.py"))
+             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if on_model.search(line)]
+    assert found == [], "\n".join(found)
+    assert on_model.search("    model.pending_read = path") and on_model.search('getattr(m, "fp8_refs", None)')
+
+
+@pytest.mark.parametrize("name,kw", [("safetensors", {}), ("fp8", {"fp8": "keep"}), ("safetensors", {"quantize": "nf4"})])
+def test_a_sharded_load_leaves_only_declared_attributes_on_the_model(dirs, name, kw):
+    from kiln.models.auto import load_config
+    from kiln.models.pretrained import PreTrainedModel
+    from kiln.parallel.sharded_load import lean_pretrained, read_shards
+
+    family, config, task = load_config(dirs[name])
+    with torch.device("meta"):
+        built = family.build(config, "causal-lm")
+    declared = set(vars(built)) | set(PreTrainedModel.__annotations__)
+    lean = lean_pretrained(dirs[name], "causal-lm", None, **kw)
+    assert set(vars(lean)) <= declared, set(vars(lean)) - declared
+    assert lean.deferred_read is not None and lean.deferred_read.index.root == dirs[name]
+    read_shards(lean, dirs[name])
+    assert set(vars(lean)) <= declared and lean.deferred_read is None, set(vars(lean)) - declared
