@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kiln.errors import ConfigError, WeightsError
-from kiln.hub import Tokenizer, load_weights, read_config, save_weights, write_config
+from kiln.hub import Tokenizer, save_weights, write_config
 from kiln.models.config import FamilyConfig
 from kiln.models.keymap import KeyMap
 from kiln.models.load_plan import Carried, DeferredRead
