@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kiln.engine.exact import top_keys
-from kiln.engine.mla import MLARunner, _main_layers
+from kiln.engine.mla import MLARunner, main_layers
 from kiln.engine.runner import register
 from kiln.models.common.mla import MLADecoderLayer
 
@@ -30,7 +30,7 @@ class DSARunner(MLARunner):
 
     @classmethod
     def accepts(cls, model: nn.Module) -> bool:
-        return cls.latent(model) and any(layer.self_attn.sparse for layer in _main_layers(model.model))
+        return cls.latent(model) and any(layer.self_attn.sparse for layer in main_layers(model.model))
 
     def _setup(self) -> None:
         super()._setup()

@@ -26,7 +26,7 @@ from kiln.models.common.causal_lm import ForCausalLM
 from kiln.models.common.mla import MLADecoder, MLADecoderLayer, MLAttention
 
 
-def _main_layers(backbone: nn.Module) -> list[nn.Module]:
+def main_layers(backbone: nn.Module) -> list[nn.Module]:
     return list(backbone.layers)[:backbone.num_main_layers]
 
 
@@ -42,15 +42,15 @@ class MLARunner(DecoderRunner):
         backbone = getattr(model, "model", None)
         return (isinstance(model, ForCausalLM) and type(backbone) is MLADecoder
                 and all(type(layer) is MLADecoderLayer and type(layer.self_attn) is MLAttention
-                        for layer in _main_layers(backbone)))
+                        for layer in main_layers(backbone)))
 
     @classmethod
     def accepts(cls, model: nn.Module) -> bool:
-        return cls.latent(model) and not any(layer.self_attn.sparse for layer in _main_layers(model.model))
+        return cls.latent(model) and not any(layer.self_attn.sparse for layer in main_layers(model.model))
 
     @classmethod
     def refuse(cls, model: nn.Module, name: str) -> str | None:
-        layers = _main_layers(model.model)
+        layers = main_layers(model.model)
         if any(layer.self_attn.context is not None for layer in layers):
             return f"the generation engine does not run {name!r} under context parallelism (a gathered latent)"
         return None
