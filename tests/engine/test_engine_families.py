@@ -259,3 +259,14 @@ def test_a_forked_request_with_state_is_preempted_and_recomputes(family, monkeyp
     assert len(engine.pool.free_states) == 4 and engine.pool.num_free == 15
     monkeypatch.setattr(Scheduler, "preempt", preempt)
     assert results(out[1]) == results(Engine(model, block_size=4).generate([b], pb)[0])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"])
+def test_the_other_hybrids_score_exactly(family):
+    """The hybrid runner's other families (Qwen3.5-MoE text; the image-text Qwen3.5 models on text prompts, their
+    multimodal rotary at text positions): engine = scoring forward, and the model's forward to fp32 rounding."""
+    model = tiny_model(family)
+    for p, c, s in generate_and_score(model, prompts(2, 3, 14, seed=16), mixed(2)):
+        engine = torch.tensor(c.logprobs)
+        assert torch.equal(engine, s.detach())
+        assert float((engine - train_logps(model, p, c.token_ids)).abs().max()) < 1e-4
