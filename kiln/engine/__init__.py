@@ -3,6 +3,7 @@
 `Engine` (engine.py) drives requests; `token_logps` (score.py) scores whole sequences with the same bits.
 """
 
+from kiln.engine import dsa, hybrid, mamba, mla  # noqa: F401  (each registers its runner)
 from kiln.engine.engine import Completion, Engine, RequestOutput
 from kiln.engine.params import SamplingParams
 from kiln.engine.score import token_logps

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 
@@ -24,32 +25,66 @@ from kiln.errors import KilnError
 
 
 class BlockPool:
-    """keys / values per layer: (num_blocks, block_size, kv_heads, head_dim), zeros at first. A block is not
+    """keys / values per layer: (num_blocks, block_size, *slot shape), zeros at first. Each layer names its own
+    key and value slot shapes (`slots`): (kv_heads, head_dim) each for an attention decoder, (1, kv_lora_rank)
+    and (1, qk_rope_head_dim) for latent attention (kiln.engine.mla). A block is not
     cleared when freed or lent again, and the decode step pads its block tables with block 0 (any sequence's):
     a slot a query may read without it being written for that sequence can hold another request's numbers, inf
     or NaN included. `exact.attend` masks both the score and the values of every slot past the query's
     position, so such numbers never reach a row."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(self, num_blocks: int, block_size: int, slots: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+                 dtype: torch.dtype, device: torch.device,
+                 states: Sequence[Sequence[tuple[tuple[int, ...], torch.dtype]]] = (), num_states: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise KilnError(f"the KV cache needs kv_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
-        shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.keys = [torch.zeros((num_blocks, block_size, *k), dtype=dtype, device=device) for k, _ in slots]
+        self.values = [torch.zeros((num_blocks, block_size, *v), dtype=dtype, device=device) for _, v in slots]
         self.block_size, self.num_blocks = block_size, num_blocks
         self.refs = [0] * num_blocks
         self.free: deque[int] = deque(range(num_blocks))  # lent from the left: the least recently freed first
         self.known: dict[bytes, int] = {}   # prefix digest -> the block holding that prefix's last block
         self.key_of: dict[int, bytes] = {}
+        # per-sequence recurrent state (kiln.engine.hybrid): per layer, its tensors (num_states, *shape), none for
+        # an attention layer; a slot is lent to one sequence at a time, zeroed when lent
+        self.states = [[torch.zeros((num_states, *shape), dtype=dt, device=device) for shape, dt in layer]
+                       for layer in states]
+        self.free_states: deque[int] = deque(range(num_states) if any(self.states) else ())
+
+    @property
+    def has_states(self) -> bool:
+        """Whether sequences hold recurrent state: their keys alone do not say what follows a block, so no
+        prefix is remembered and no completion joins another's recomputed prompt (kiln.engine.scheduler)."""
+        return any(self.states)
+
+    def allocate_state(self) -> int:
+        if not self.free_states:
+            raise KilnError("the engine is out of state slots")  # one per seat: an internal slip
+        i = self.free_states.popleft()
+        for layer in self.states:
+            for t in layer:
+                t[i].zero_()
+        return i
+
+    def release_state(self, i: int) -> None:
+        assert i not in self.free_states, f"state slot {i} released twice"
+        self.free_states.append(i)
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """A fork: the leader's state (after the prompt) into each completion's own slot."""
+        for layer in self.states:
+            for t in layer:
+                t[dst].copy_(t[src])
 
     @property
     def num_free(self) -> int:
         return len(self.free)
 
     def bytes_per_block(self) -> int:
-        k = self.keys[0]
-        return 2 * len(self.keys) * k[0].numel() * k.element_size()
+        return sum(t[0].numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def bytes_per_state(self) -> int:
+        return sum(t[0].numel() * t.element_size() for layer in self.states for t in layer)
 
     def allocate(self) -> int:
         if not self.free:
@@ -67,6 +102,8 @@ class BlockPool:
         return hashlib.blake2b(prev + b"|" + ",".join(map(str, tokens)).encode(), digest_size=16).digest()
 
     def remember(self, block: int, key: bytes) -> None:
+        if self.has_states:
+            return  # a block's keys without the state at its end cannot stand for its prefix
         if key not in self.known and block not in self.key_of:
             self.known[key], self.key_of[block] = block, key
 
@@ -104,12 +141,12 @@ class BlockPool:
             pool[dst].copy_(pool[src])
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v (N, kv_heads, head_dim) into flat slots (N,) = block * block_size + offset."""
+        """k, v (N, *the layer's slot shapes) into flat slots (N,) = block * block_size + offset."""
         self.keys[layer].view(-1, *k.shape[1:])[slots] = k.to(self.keys[layer].dtype)
         self.values[layer].view(-1, *v.shape[1:])[slots] = v.to(self.values[layer].dtype)
 
     def gather(self, layer: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sequence's blocks (NB, block_size, kv_heads, head_dim), contiguous, for `exact.attend`."""
+        """One sequence's blocks (NB, block_size, *slot shape) of keys and values, contiguous, for `exact.attend`."""
         return self.keys[layer].index_select(0, table), self.values[layer].index_select(0, table)
 
     def held(self) -> int:

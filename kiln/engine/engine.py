@@ -71,8 +71,9 @@ class Engine:
         if kv_blocks is None:
             per_seq = math.ceil(min(self.max_positions, 4096) / block_size)
             probe = self.runner.new_pool(1, block_size)
-            kv_blocks = max(per_seq + 1, min(max_seqs * per_seq, _KV_BYTES_DEFAULT // probe.bytes_per_block()))
-        self.pool = self.runner.new_pool(kv_blocks, block_size)
+            per_block = max(1, probe.bytes_per_block())  # 0 for a stack of recurrent layers alone
+            kv_blocks = max(per_seq + 1, min(max_seqs * per_seq, _KV_BYTES_DEFAULT // per_block))
+        self.pool = self.runner.new_pool(kv_blocks, block_size, max_seqs)
         self.scheduler = Scheduler(self.pool, max_seqs, step_tokens)
         eos = config.eos_token_id if eos_token_ids is None else eos_token_ids
         self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else list(eos))
@@ -103,7 +104,7 @@ class Engine:
         total = min(len(prompt) + params.max_tokens, self.max_positions)
         blocks = self.scheduler.peak_blocks(len(prompt), params.n, total)
         if blocks > self.pool.num_blocks:
-            full = len(prompt) // self.pool.block_size
+            full = 0 if self.pool.has_states else len(prompt) // self.pool.block_size  # (scheduler.peak_blocks)
             raise KilnError(
                 f"the request needs up to {blocks} KV blocks of {self.pool.block_size} tokens ({full} shared prompt "
                 f"block{'s' * (full != 1)} + {params.n} completions x {(blocks - full) // params.n} "
@@ -144,6 +145,9 @@ class Engine:
                 q.finish_reason = "cancelled"
                 self.pool.release(q.table)
                 q.table = []
+                if q.state is not None:
+                    self.pool.release_state(q.state)
+                    q.state = None
         self.pool.release(r.copies)
         r.copies = []
         if r in s.waiting:
@@ -220,6 +224,9 @@ class Engine:
                 table[-1] = copies[j - 1]
             q = self._sequence(r, j, list(leader.tokens))
             q.table, q.computed, q.keys = table, leader.computed, list(leader.keys)
+            if leader.state is not None:  # the recurrent state after the prompt, one copy per completion
+                q.state = self.pool.allocate_state()
+                self.pool.copy_state(leader.state, q.state)
             seqs.append(q)
         r.seqs = seqs
         return seqs
@@ -274,8 +281,11 @@ class Engine:
                             s.finish_reason or "length") for s in r.seqs] for r in reqs]
 
     def kv_usage(self) -> dict[str, int]:
-        """Blocks and slots held by the pool, and the tokens whose keys/values they hold."""
+        """Blocks and slots held by the pool, the tokens whose keys/values they hold, and the recurrent-state
+        slots held (families with state)."""
         held = self.pool.held()
         tokens = sum(s.computed for r in self.scheduler.running for s in r.seqs if s.finish_reason is None)
+        states = sum(s.state is not None for r in self.scheduler.running for s in r.seqs)  # recurrent state slots
         return {"blocks": held, "slots": held * self.pool.block_size, "tokens": tokens,
-                "bytes": held * self.pool.bytes_per_block()}
+                "bytes": held * self.pool.bytes_per_block(), "states": states,
+                "state_bytes": states * self.pool.bytes_per_state()}

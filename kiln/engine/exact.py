@@ -104,17 +104,18 @@ def rope_table(rotary: torch.nn.Module, length: int, like: torch.Tensor) -> tupl
     return cos[0].contiguous(), sin[0].contiguous()
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor, scale: float
-           ) -> torch.Tensor:
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor, scale: float,
+           keep: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of queries over key blocks.
 
-    q (T, KVH, G, D) (query head kvh * G + g reads kv head kvh, transformers' repeat_kv order); keys and values
-    (X, NB, BS, KVH, D) with X = 1 (every query reads the same sequence's blocks) or X = T (row t its own),
-    block j holding positions j * BS ...; q_pos (T,) each query's position (it sees keys at positions <= its
-    own: blocks past it, a padding of the block list included, add exact zeros). A slot past every query that
-    reads it is never written for them (a stale freed block, the padding, the unfilled rest of a block) and may
-    hold inf or NaN: its score is masked to -inf and its values to 0, so 0 * inf never makes a NaN. Returns
-    (T, KVH * G, D) in q's dtype."""
+    q (T, KVH, G, D) (query head kvh * G + g reads kv head kvh, transformers' repeat_kv order); keys
+    (X, NB, BS, KVH, D) and values (X, NB, BS, KVH, DV) with X = 1 (every query reads the same sequence's
+    blocks) or X = T (row t its own), block j holding positions j * BS ...; q_pos (T,) each query's position
+    (it sees keys at positions <= its own: blocks past it, a padding of the block list included, add exact
+    zeros). A slot past every query that reads it is never written for them (a stale freed block, the padding,
+    the unfilled rest of a block) and may hold inf or NaN: its score is masked to -inf and its values to 0, so
+    0 * inf never makes a NaN. `keep` (T, NB * BS) bool, when given, masks every key it does not hold (sparse
+    attention's choice, `top_keys`). Returns (T, KVH * G, DV) in q's dtype."""
     T, KVH, G, D = q.shape
     NB, BS = keys.shape[1:3]
     k = keys.permute(0, 1, 3, 4, 2)  # (X, NB, KVH, D, BS)
@@ -123,6 +124,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: tor
     # s (T, NB, KVH, G, BS): one (G x D) @ (D x BS) product per query row, block and kv head
     key_pos = torch.arange(NB * BS, device=q.device).view(1, NB, 1, 1, BS)
     s = s.masked_fill(key_pos > q_pos.view(T, 1, 1, 1, 1), float("-inf"))
+    if keep is not None:
+        s = s.masked_fill(~keep.view(T, NB, 1, 1, BS), float("-inf"))
     m = s.amax(dim=(1, 4), keepdim=True)  # (T, 1, KVH, G, 1): a max is exact in any order
     p = lanewise(torch.exp, s - m)        # masked keys give exactly 0
     l = seqsum(seqsum(p, 4), 1)           # (T, KVH, G)
@@ -130,7 +133,18 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: tor
     last = q_pos.view(T, 1, 1, 1, 1) if values.shape[0] == T else q_pos.max()
     v = v.float().masked_fill(key_pos.view(1, NB, 1, BS, 1) > last, 0.0)
     o = seqsum(torch.matmul(p, v), 1)  # (T, KVH, G, D): (G x BS) @ (BS x D) per block, summed in order
-    return (o / l[..., None]).reshape(T, KVH * G, D).to(q.dtype)
+    return (o / l[..., None]).reshape(T, KVH * G, -1).to(q.dtype)
+
+
+def top_keys(scores: torch.Tensor, q_pos: torch.Tensor, k: int) -> torch.Tensor:
+    """Each query row's k best keys (T, K) bool from scores (T, K) over key positions 0..K-1 (sparse attention's
+    choice): keys past the row's position never count, and equal scores go to the earlier key (a stable sort),
+    so the choice does not depend on how far K runs past the row (a decode's padded block list, a chunk, the
+    whole sequence). A row with fewer than k keys at or before it keeps them all."""
+    K = scores.shape[1]
+    future = torch.arange(K, device=scores.device)[None] > q_pos[:, None]
+    order = torch.sort(scores.masked_fill(future, float("-inf")), dim=1, descending=True, stable=True).indices
+    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, order[:, :k], True)
 
 
 def log_softmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""The engine's forward over kiln's pre-norm attention decoders (Llama, Qwen2, Qwen3, Qwen3-MoE), token-packed.
+"""The engine's forward over kiln's pre-norm attention decoders (Llama, Qwen2, Qwen3, Qwen3-MoE), token-packed,
+and the registry of runners (one class per model kind, each in its own module: kiln.engine.mla latent
+attention, kiln.engine.dsa its sparse kind, kiln.engine.hybrid Gated DeltaNet hybrids, kiln.engine.mamba Mamba;
+kiln.engine's __init__ imports them all).
 
 A step feeds a flat list of tokens from many sequences (decode tokens and prefill chunks side by side, no
 padding to a common length). Everything row-wise runs on fixed tiles (`exact.tiled`); attention runs per
@@ -7,19 +10,28 @@ sequence with its keys in a private buffer instead of the pool (the scoring forw
 engine's log-probs and the scoring forward's are the same bits.
 
 The runner reads the model's own modules (projections, norms, MLPs, LoRA-wrapped or not) and calls them on
-tiles; what it cannot run exactly it refuses by name (`supports`).
+tiles. `unsupported(model)` names what no runner runs exactly: the registered runner classes are matched by the
+classes of the model's modules (`accepts`), never by the family's name, and refuse what they cannot run exactly
+(`refuse`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
 
 from kiln.engine.cache import BlockPool
-from kiln.engine.exact import attend, head_tiles, lanewise, rope_table, tiled, tiled_menu
+from kiln.engine.exact import (
+    attend,
+    head_tiles,
+    lanewise,
+    rope_table,
+    tiled,
+    tiled_menu,
+)
 from kiln.errors import KilnError
 from kiln.models.common.causal_lm import ForCausalLM
 from kiln.models.common.decoder import Attention, Decoder, DecoderLayer
@@ -34,23 +46,39 @@ class Piece:
     start: int
     table: list[int]
     logits: bool  # whether its last token's logits are wanted
+    state: int | None = None  # its recurrent-state slot in the pool (families with state)
+
+
+RUNNERS: list[type[DecoderRunner]] = []  # every runner class, by the model kind it runs (`register`)
+
+
+def register(cls: type[DecoderRunner]) -> type[DecoderRunner]:
+    """Add a runner class to the registry (its module is imported by kiln.engine's __init__)."""
+    RUNNERS.append(cls)
+    return cls
+
+
+def runner_class(model: nn.Module) -> type[DecoderRunner] | None:
+    """The registered runner whose model kind `model` is (by the classes of its modules), or None."""
+    return next((cls for cls in RUNNERS if cls.accepts(model)), None)
+
+
+def families() -> str:
+    """The families the engine runs, for messages."""
+    return ", ".join(f for cls in RUNNERS for f in cls.families)
 
 
 def unsupported(model: nn.Module) -> str | None:
     """Why the engine cannot run `model` exactly (naming the family), or None when it can."""
     name = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-    if not isinstance(model, ForCausalLM) or type(model).forward is not ForCausalLM.forward:
-        return (f"the generation engine does not run {name!r} yet (it runs the pre-norm attention decoders: llama, "
-                f"qwen2, qwen3, qwen3_moe); this model's forward is its own ({type(model).__name__})")
-    backbone = model.model
-    if type(backbone) is not Decoder or any(type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention
-                                            for layer in backbone.layers):
-        return (f"the generation engine does not run {name!r} yet: its backbone {type(backbone).__name__} is not "
-                "the pre-norm attention decoder (MLA, hybrid, Mamba, sliding/compressed and sparse attention "
-                "families are not wired to the paged cache)")
-    if any(layer.self_attn.core is not None for layer in backbone.layers):
-        return f"the generation engine does not run {name!r} with a parallel attention core (context parallelism)"
-    return None
+    cls = runner_class(model)
+    if cls is None:
+        backbone = getattr(model, "model", model)
+        return (f"the generation engine does not run {name!r} yet (it runs {families()}): its "
+                f"{type(model).__name__} over {type(backbone).__name__} is no kind a runner is registered for "
+                "(DeepSeek-V4's sliding-window and compressed caches are not on the engine; image prompts are "
+                "refused by add_request)")
+    return cls.refuse(model, name)
 
 
 def _mlp_fn(mlp: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -61,30 +89,64 @@ def _mlp_fn(mlp: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda h: torch.cat([mlp(h[i:i + 1].unsqueeze(0)).reshape(1, -1) for i in range(h.shape[0])])
 
 
+@register
 class DecoderRunner:
-    """Runs `model` (a ForCausalLM over `Decoder`) over packed pieces, keys and values in `pool`."""
+    """Runs `model` over packed pieces, its per-token cache in `pool`. `DecoderRunner(model, n)` makes the
+    registered runner of the model's kind (this class runs the pre-norm attention decoders: Llama, Qwen2,
+    Qwen3, Qwen3-MoE; a subclass overrides `accepts`, `refuse`, `_setup`, `new_pool` and `_layer`)."""
+
+    families: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+    def __new__(cls, model: nn.Module, max_positions: int):
+        picked = runner_class(model) if cls is DecoderRunner else None
+        return super().__new__(picked or cls)  # __init__ refuses a model no runner takes
+
+    @classmethod
+    def accepts(cls, model: nn.Module) -> bool:
+        backbone = getattr(model, "model", None)
+        return (isinstance(model, ForCausalLM) and type(model).forward is ForCausalLM.forward
+                and type(backbone) is Decoder
+                and all(type(layer) is DecoderLayer and type(layer.self_attn) is Attention
+                        for layer in backbone.layers))
+
+    @classmethod
+    def refuse(cls, model: nn.Module, name: str) -> str | None:
+        """Why this runner cannot run `model` (of its kind) exactly, or None."""
+        if any(layer.self_attn.core is not None for layer in model.model.layers):
+            return f"the generation engine does not run {name!r} with a parallel attention core (context parallelism)"
+        return None
 
     def __init__(self, model: ForCausalLM, max_positions: int):
         why = unsupported(model)
         if why:
             raise KilnError(why)
         self.model, self.backbone = model, model.model
-        attn = self.backbone.layers[0].self_attn
-        self.head_dim, self.groups, self.scale = attn.head_dim, attn.groups, attn.scaling
-        self.kv_heads = attn.k_proj.out_features // attn.head_dim
-        self.num_layers = len(self.backbone.layers)
+        # the layers the main forward runs (multi-token-prediction layers sit past them, common/mtp.py)
+        self.num_layers = int(getattr(self.backbone, "num_main_layers", len(self.backbone.layers)))
         self.max_positions = max_positions
         weight = self.backbone.embed_tokens.weight
         self.dtype, self.device = weight.dtype, weight.device
-        with torch.no_grad():
-            self.cos, self.sin = rope_table(self.backbone.rotary_emb, max_positions,
-                                            torch.zeros((), dtype=self.dtype, device=self.device))
-        self.mlps = [_mlp_fn(layer.mlp) for layer in self.backbone.layers]
+        rotary = getattr(self.backbone, "rotary_emb", None)  # none in a state-space model (kiln.engine.mamba)
+        self.cos = self.sin = None
+        if rotary is not None:
+            with torch.no_grad():
+                self.cos, self.sin = rope_table(rotary, max_positions,
+                                                torch.zeros((), dtype=self.dtype, device=self.device))
+        self.mlps = [_mlp_fn(layer.mlp) if hasattr(layer, "mlp") else None  # Mamba's blocks have none
+                     for layer in list(self.backbone.layers)[:self.num_layers]]
         self._menus: dict[int, tuple[int, ...]] = {}  # row limit -> LM-head call sizes proven equal (exact.py)
+        self._setup()
 
-    def new_pool(self, num_blocks: int, block_size: int) -> BlockPool:
-        return BlockPool(self.num_layers, num_blocks, block_size, self.kv_heads, self.head_dim, self.dtype,
-                         self.device)
+    def _setup(self) -> None:
+        """The kind's own dimensions."""
+        attn = self.backbone.layers[0].self_attn
+        self.head_dim, self.groups, self.scale = attn.head_dim, attn.groups, attn.scaling
+        self.kv_heads = attn.k_proj.out_features // attn.head_dim
+
+    def new_pool(self, num_blocks: int, block_size: int, seqs: int = 1) -> BlockPool:
+        """The paged cache (and, for a family with recurrent state, a state slot per seat: `seqs`)."""
+        slot = (self.kv_heads, self.head_dim)
+        return BlockPool(num_blocks, block_size, [(slot, slot)] * self.num_layers, self.dtype, self.device)
 
     # ---- one layer ------------------------------------------------------------------------------
     def _qkv(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -167,7 +229,7 @@ class DecoderRunner:
                 groups.append((s, e, pos_t[s:e], kb[None], vb[None]))
             return groups
 
-        x = self._run(torch.tensor(ids, device=dev), pos_t, kv)
+        x = self._run(torch.tensor(ids, device=dev), pos_t, kv, *self._step_extras(pieces, rows, pool))
         last = [rows[j][1] - 1 for j in range(len(pieces)) if pieces[j].logits]
         if not last:
             return x.new_zeros((0, self.model.config.vocab_size), dtype=torch.float32)
@@ -200,4 +262,11 @@ class DecoderRunner:
             vb = torch.cat([v, v.new_zeros((pad,) + tuple(v.shape[1:]))]).view(1, nb, bs, *v.shape[1:])
             return [(0, S, pos, kb, vb)]
 
-        return self._run(torch.tensor(ids, device=self.device), pos, kv)
+        return self._run(torch.tensor(ids, device=self.device), pos, kv, *self._dense_extras(S))
+
+    def _step_extras(self, pieces: list[Piece], rows: dict[int, tuple[int, int]], pool: BlockPool) -> tuple:
+        """What `_run` takes after kv in a step beyond the attention decoders' (recurrent state: kiln.engine.hybrid)."""
+        return ()
+
+    def _dense_extras(self, length: int) -> tuple:
+        return ()

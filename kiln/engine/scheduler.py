@@ -28,7 +28,7 @@ class Request:
     prompt_ids: list[int]
     params: Any                       # kiln.engine.params.SamplingParams
     order: int                        # arrival number (FIFO, preemption picks the largest)
-    seqs: list["Sequence"] = field(default_factory=list)
+    seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False              # the n completions exist (the prompt's logits came)
     copies: list[int] = field(default_factory=list)  # blocks lent for the fork's copies of the prompt's last block
 
@@ -47,6 +47,7 @@ class Sequence:
     text: str = ""
     finish_reason: str | None = None
     keys: list[bytes] = field(default_factory=list)  # content keys of its full blocks (kiln.engine.cache)
+    state: int | None = None          # its recurrent-state slot (families with state: kiln.engine.hybrid)
 
     @property
     def output(self) -> list[int]:
@@ -69,8 +70,9 @@ class Scheduler:
     def peak_blocks(self, prompt: int, n: int, total: int) -> int:
         """The most blocks a request holds running alone: its prompt's full blocks once (shared), then each
         completion's own blocks (the copy of the prompt's partly filled last block among them) up to its last
-        fed token (the last of `total` tokens is sampled, never fed)."""
-        full = prompt // self.pool.block_size
+        fed token (the last of `total` tokens is sampled, never fed). With recurrent state a preempted
+        completion recomputes its prompt in blocks of its own (`_waits`): the prompt counts once per completion."""
+        full = 0 if self.pool.has_states else prompt // self.pool.block_size
         return full + n * (self.blocks_for(total - 1) - full)
 
     def fork_copies(self, r: Request) -> int:
@@ -84,7 +86,7 @@ class Scheduler:
         if not r.forked:
             return self.blocks_for(len(r.prompt_ids)) + self.fork_copies(r) + r.params.n
         live = [s for s in r.seqs if s.finish_reason is None]
-        full = len(r.prompt_ids) // self.pool.block_size
+        full = 0 if self.pool.has_states else len(r.prompt_ids) // self.pool.block_size
         return full + sum(self.blocks_for(len(s.tokens)) - full + 1 for s in live)
 
     def _admit(self) -> None:
@@ -103,6 +105,7 @@ class Scheduler:
         for s in victim.seqs:
             self.pool.release(s.table)
             s.table, s.computed, s.keys = [], 0, []
+            self._drop_state(s)
         self.pool.release(victim.copies)
         victim.copies = []
         self.running.remove(victim)
@@ -119,9 +122,19 @@ class Scheduler:
         s.request.copies += [self.pool.allocate() for _ in range(copies)]
         return True
 
-    def _reuse(self, s: Sequence) -> None:
-        """A sequence about to prefill from nothing takes the remembered blocks its tokens start with (at least
-        its last token is left to run: its logits are wanted)."""
+    def _drop_state(self, s: Sequence) -> None:
+        if s.state is not None:
+            self.pool.release_state(s.state)
+            s.state = None
+
+    def _start(self, s: Sequence) -> None:
+        """A sequence about to prefill from nothing: a zeroed state slot where the family keeps state (nothing
+        is reused), else the remembered blocks its tokens start with (at least its last token is left to run:
+        its logits are wanted)."""
+        if self.pool.has_states:
+            if s.state is None:
+                s.state = self.pool.allocate_state()
+            return
         bs = self.pool.block_size
         for j in range((len(s.tokens) - 1) // bs):
             key = self.pool.digest(s.keys[-1] if s.keys else b"", s.tokens[j * bs:(j + 1) * bs])
@@ -135,9 +148,10 @@ class Scheduler:
     def _waits(self, s: Sequence) -> bool:
         """A completion of a preempted, forked request holds nothing until the first live one has recomputed the
         prompt's full blocks, then takes them (the prompt is stored once, as at the fork: the add-time peak
-        holds, rather than n copies of the prompt that could leave every completion waiting for a block)."""
+        holds, rather than n copies of the prompt that could leave every completion waiting for a block). With
+        recurrent state each recomputes alone: the state after the prompt's full blocks is nowhere kept."""
         r = s.request
-        if not r.forked or s.table or s.computed:
+        if not r.forked or s.table or s.computed or self.pool.has_states:
             return False
         lead = next(q for q in r.seqs if q.finish_reason is None)
         return s is not lead and lead.computed < len(r.prompt_ids) // self.pool.block_size * self.pool.block_size
@@ -155,7 +169,7 @@ class Scheduler:
         for r in self.running:
             for s in r.seqs:
                 if s.finish_reason is None and s.computed == 0 and not s.table and not self._waits(s):
-                    self._reuse(s)
+                    self._start(s)
         while True:
             live = [s for r in self.running for s in r.seqs if s.finish_reason is None and not self._waits(s)]
             decodes = [s for s in live if len(s.tokens) - s.computed == 1]
@@ -177,12 +191,13 @@ class Scheduler:
             # out of blocks: the youngest request waits and recomputes later (plan again without it)
             self.preempt(max(self.running, key=lambda r: r.order))
         return [(s, Piece(s.tokens[s.computed:s.computed + n], s.computed, s.table,
-                          s.computed + n == len(s.tokens))) for s, n in plan]
+                          s.computed + n == len(s.tokens), s.state)) for s, n in plan]
 
     def finish(self, s: Sequence, reason: str) -> None:
         s.finish_reason = reason
         self.pool.release(s.table)
         s.table = []
+        self._drop_state(s)
         r = s.request
         if r.forked and all(q.finish_reason is not None for q in r.seqs):
             self.running.remove(r)

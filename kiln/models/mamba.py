@@ -170,6 +170,12 @@ class MambaBackbone(nn.Module):
         self.layers = nn.ModuleList(MambaBlock(c) for _ in range(c.num_hidden_layers))
         self.norm_f = RMSNorm(c.hidden_size, eps=c.layer_norm_epsilon)
 
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        """The embeddings under the other decoders' name (kiln.engine reads `model.model.embed_tokens`); not a
+        module of its own: state dicts and key maps see `embeddings` alone."""
+        return self.embeddings
+
     def new_cache(self) -> None:
         """No incremental-decoding state: generation feeds the whole sequence each step."""
         return None

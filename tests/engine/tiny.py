@@ -29,3 +29,22 @@ def prompts(count: int, low: int, high: int, seed: int = 1, vocab: int = 99) -> 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high, (count,), generator=g)
     return [torch.randint(4, vocab, (int(n),), generator=g).tolist() for n in lengths]
+
+
+def generate_and_score(model, ps: list[list[int]], params) -> list[tuple[list[int], object, torch.Tensor]]:
+    """Each prompt through the engine (blocks of 4, chunks of 16) and its first completion through the scoring
+    forward: (prompt, completion, scored log-probs)."""
+    from kiln.engine import Engine, token_logps
+
+    outs = Engine(model, block_size=4, step_tokens=16).generate(ps, params)
+    scored = token_logps(model, [p + c[0].token_ids for p, c in zip(ps, outs)], [len(p) for p in ps], block_size=4)
+    return [(p, c[0], s) for p, c, s in zip(ps, outs, scored)]
+
+
+def train_logps(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The model's own forward (ForCausalLM.token_logps, batched SDPA) on prompt + tokens: the tokens' log-probs."""
+    ids = torch.tensor([prompt + tokens])
+    targets = torch.full_like(ids, -100)
+    targets[0, len(prompt) - 1:-1] = ids[0, len(prompt):]
+    with torch.no_grad():
+        return model.token_logps(ids, None, targets)[0, len(prompt) - 1:-1]
