@@ -201,3 +201,34 @@ class DecoderRunner:
             return [(0, S, pos, kb, vb)]
 
         return self._run(torch.tensor(ids, device=self.device), pos, kv)
+
+    # grpoeng: the packed scoring forward (kiln.engine.score.token_logps over many sequences at once)
+    def dense_many(self, sequences: list[list[int]], block_size: int) -> torch.Tensor:
+        """Last-layer hidden states (sum of lengths, C) of several whole sequences in one pass, sequence i's rows
+        right after sequence i - 1's. The row-wise work runs on the packed rows' 16-row tiles (a row's bits depend
+        on its own row and the tile's fixed shape, never on the tile's other rows, as in a step that packs many
+        requests); attention runs per sequence over its own keys laid out as the pool's blocks, as in `dense`.
+        So each sequence's rows are `dense`'s bits. Differentiable when grad is on."""
+        bs = block_size
+        bounds, flat, pos = [], [], []
+        for ids in sequences:
+            if len(ids) > self.max_positions:
+                raise KilnError(f"a sequence of {len(ids)} tokens is longer than the model's {self.max_positions} "
+                                "positions")
+            bounds.append((len(flat), len(flat) + len(ids)))
+            flat += ids
+            pos += range(len(ids))
+        pos_t = torch.tensor(pos, device=self.device)
+
+        def kv(i: int, k: torch.Tensor, v: torch.Tensor):
+            groups = []
+            for s, e in bounds:
+                if s == e:
+                    continue
+                nb, pad = (e - s + bs - 1) // bs, -(e - s) % bs
+                kb = torch.cat([k[s:e], k.new_zeros((pad,) + tuple(k.shape[1:]))]).view(1, nb, bs, *k.shape[1:])
+                vb = torch.cat([v[s:e], v.new_zeros((pad,) + tuple(v.shape[1:]))]).view(1, nb, bs, *v.shape[1:])
+                groups.append((s, e, pos_t[s:e], kb, vb))
+            return groups
+
+        return self._run(torch.tensor(flat, device=self.device), pos_t, kv)

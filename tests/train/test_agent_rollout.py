@@ -5,6 +5,7 @@ unchanged; templates that cannot run episodes are refused before any work."""
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import types
@@ -148,11 +149,70 @@ def test_policy_tokens_given_to_the_trainer_are_the_sampled_ones(model, monkeypa
         on = micro["loss_mask"][i].bool()
         assert micro["input_ids"][i, p:][on].tolist() == per_ep[i][0]
         torch.testing.assert_close(micro["sampler_logps"][i][on], torch.tensor(per_ep[i][1]))
-    run = types.SimpleNamespace(g=types.SimpleNamespace(temperature=1.0))
-    trainer = GRPORun.logps(run, model, micro)
+    run = types.SimpleNamespace(g=types.SimpleNamespace(temperature=1.0), exact=lambda m: False)
+    trainer = GRPORun.logps(run, model, micro)  # the training forward
     on = micro["loss_mask"].bool()
     gap = (trainer[on] - micro["sampler_logps"][on]).abs().max()
     assert gap <= 1e-4, gap  # the cached decode against the full forward: fp32 rounding over 2 layers
+
+
+def test_engine_episodes_reuse_earlier_turns_and_their_logps_equal_the_scorers(model, monkeypatch):
+    """On the generation engine (kiln.train.grpo_engine): each turn of each episode is one request over its whole
+    history; the earlier turns' full KV blocks are reused (remembered by content), so fewer tokens run through the
+    model than the histories hold; the policy tokens given to the trainer are the drawn ones, and the scorer
+    through the engine's kernels (exact_logps) gives their log-probs at the temperature bit for bit."""
+    from kiln.train.grpo_engine import EngineDecoder, EngineRollouts, exact_logps
+
+    drawn, contexts = [], []
+    real = ar.sample_turns
+
+    def spy(decoder, ctx, *a, **k):
+        out = real(decoder, ctx, *a, **k)
+        drawn.append(out)
+        contexts.append([list(c) for c in ctx])
+        return out
+
+    monkeypatch.setattr(ar, "sample_turns", spy)
+
+    class Chatty:
+        def reset(self, row, seed):
+            return Obs([{"role": "user", "content": row["prompt"]}])
+
+        def step(self, message):
+            return Obs([{"role": "user", "content": "more"}])
+
+    # the random model made to end its turns: the end token's head row moved along the mean hidden state (the
+    # end token's probability then averages ~0.1 over random contexts: turns of ~10 tokens)
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        ids = torch.randint(3, 400, (4, 40), generator=torch.Generator().manual_seed(0))
+        u = model.model(input_ids=ids).reshape(-1, model.config.hidden_size).mean(0)
+        model.lm_head.weight[EOS] += 2.5 * u / u.norm() ** 2
+    g = _g(max_turns=3, max_new_tokens=30, temperature=0.7, top_k=40, min_p=0.0, repetition_penalty=1.1)
+    runner, _ = _runner(model, Chatty, g)
+    rollouts = EngineRollouts(g)
+    eps = runner.run(EngineDecoder(rollouts, model), [ROW, {"prompt": "another one", "answer": "3"}], [0, 1],
+                     [[1], [1]], [0, 1], torch.Generator().manual_seed(5), 0, torch.device("cpu"))
+    assert len(drawn) >= 2 and all(e.turns >= 2 for e in eps)
+    # without reuse, every request's whole history would be fed, and every drawn token but the last of each turn
+    naive = sum(len(c) for turn in contexts for c in turn) + sum(len(t) - 1 for turn in drawn for t, _, _ in turn)
+    later = sum(len(turn) for turn in contexts[1:])
+    # each later turn's history starts with the previous request's computed tokens: at least one full block of 16
+    assert rollouts.engine.tokens_fed <= naive - 16 * later, (rollouts.engine.tokens_fed, naive)
+    micro = ar.to_micro(eps, 0, [EOS], torch.device("cpu"))
+    on = micro["loss_mask"].bool()
+    p = micro["prompt_len"]
+    per_ep: dict[int, list[int]] = {i: [] for i in range(len(eps))}
+    active = list(range(len(eps)))
+    for turn in drawn:
+        for i, (toks, _, _) in zip(active, turn):
+            per_ep[i] += toks
+        active = [i for i, (_, _, ended) in zip(active, turn) if ended]  # Chatty never ends an episode itself
+    for i in range(len(eps)):
+        assert micro["input_ids"][i, p:][on[i]].tolist() == per_ep[i]
+    with torch.no_grad():
+        scored = exact_logps(model, micro, 0.7)
+    assert torch.equal(scored[on], micro["sampler_logps"][on])
 
 
 @pytest.mark.parametrize("kind, message", [
