@@ -127,6 +127,22 @@ def test_logprob_gap_is_zero_at_every_step_on_engine_rollouts_and_not_through_th
         assert all(g <= 1e-5 for g in gaps) and any(g > 0 for g in gaps), gaps
 
 
+def test_the_same_seed_gives_the_same_run_on_the_engine(grpo_dir):
+    """What changed with the engine: completion j of a prompt draws from its own generator (seeded from the
+    micro-batch's generator, itself seeded by the run's seed and the rollout's place), where kiln's earlier loop
+    drew every row of a micro-batch from one generator. So a seed gives other completions than before the engine,
+    and the same run every time (metrics and weights bit for bit); `rollout = "generate"` keeps the earlier loop
+    and its runs (the resume tests cover its exactness). A control: another seed gives other completions."""
+    def run(name: str, seed: int) -> tuple[list, dict]:
+        rows = _fit(_toml(grpo_dir, name, grpo="temperature = 0.9\ntop_p = 0.9", steps=3), [("train.seed", seed)])
+        weights = load_file(str(grpo_dir / name / "ckpt-000003" / "model" / "model.safetensors"))
+        return [sorted((k, v) for k, v in r.items() if not k.endswith("_per_s")) for r in rows], weights
+
+    (a, wa), (b, wb), (c, _) = run("seed-a", 4), run("seed-b", 4), run("seed-c", 5)
+    assert a == b and wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert a != c
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["copy", "lora"])
 def test_kl_to_the_reference_starts_at_zero_then_grows(grpo_dir, lora):
     """At step 1 the policy is the reference (a frozen copy; under [lora] B = 0, the base with adapters off gives
@@ -213,6 +229,33 @@ def test_ddp_two_processes_kill_and_resume_mid_rollout_is_exact(grpo_dir):
         return [sorted((k, v) for k, v in r.items() if not k.endswith("_per_s"))
                 for r in read_metrics(run / "metrics.jsonl")]
     assert curve(grpo_dir / "ddp-killed") == curve(grpo_dir / "ddp-ref")
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_roll_out_on_their_own_engines_and_equal_one_process(grpo_dir):
+    """`kiln launch` with 2 gloo processes, DDP: each rank rolls out its own prompts on its own engine (request
+    seeds from the micro-batch's place in the global batch), scores through the engine's kernels (DDP's forward
+    bypassed: the gradients averaged by hand) and ends where one process with grad_accum 2 ends, logprob_gap 0
+    at every step on both."""
+    grpo = "temperature = 0.8\nbeta = 0.05"
+    one = _toml(grpo_dir, "ddp-one", grpo=grpo, train="grad_accum = 2", steps=3)
+    _fit(one)
+    two = _toml(grpo_dir, "ddp-two", grpo=grpo, steps=3)
+    p = kiln("launch", "--nproc-per-node", "2", "--", "train", "--config", str(two))
+    assert "generate loop" not in p.stdout
+    a, b = (read_metrics(grpo_dir / name / "metrics.jsonl") for name in ("ddp-one", "ddp-two"))
+    a, b = [r for r in a if "loss" in r], [r for r in b if "loss" in r]
+    assert len(a) == len(b) == 3
+    assert [r["logprob_gap"] for r in a] == [r["logprob_gap"] for r in b] == [0.0, 0.0, 0.0]
+    assert [r["reward"] for r in a] == [r["reward"] for r in b]  # the same completions drawn
+    for k in ("loss", "kl", "completion_length"):
+        # fp32 sums in another order (two ranks' halves): ~1e-7 relative per step, grown by AdamW over 3 steps
+        torch.testing.assert_close(torch.tensor([r[k] for r in b]), torch.tensor([r[k] for r in a]), rtol=1e-5,
+                                   atol=1e-6, msg=k)
+    wa = load_file(str(grpo_dir / "ddp-one" / "ckpt-000003" / "model" / "model.safetensors"))
+    wb = load_file(str(grpo_dir / "ddp-two" / "ckpt-000003" / "model" / "model.safetensors"))
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
 @pytest.mark.parametrize("grpo, message", [
