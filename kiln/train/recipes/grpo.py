@@ -3,16 +3,19 @@
 data.train is a prompts file (JSONL, CSV or HF datasets): `prompt` (grpo.prompt_field) a string or a message
 list (rendered with the chat template and its generation prompt); every other column goes to the reward
 functions. A step's rollout: `grad_accum` batches of `train.batch_size` prompts, each prompt sampled
-`num_generations` times by kiln's own `generate` (KV cache, temperature / top-k / top-p) on the weights being
-trained, in place; the completions scored (kiln.train.rewards), advantages taken within each prompt's group
+`num_generations` times on the generation engine (kiln.train.grpo_engine: one request per prompt, its prefill
+shared by the group; kiln's `generate` where the engine does not run the model) on the weights being trained, in
+place; the completions scored (kiln.train.rewards), advantages taken within each prompt's group
 (kiln.train.grpo_loss), then `num_iterations` optimizer steps on that rollout, each through the Trainer's one
-`update`. Log-probs are those of logits / temperature (as TRL's), chunked through the LM head
-(kiln.train.logps).
+`update`. Log-probs are those of logits / temperature (as TRL's): after engine rollouts with `exact_logprobs`,
+through the engine's kernels in one packed pass (the sampler's bits); else chunked through the LM head of the
+training forward (kiln.train.logps).
 
 `sampler = "fast"` (default) takes the sampler's log-probs from the decode itself (no extra forward) as the old
 policy's; `"exact"` recomputes them with the trainer's own forward on the same micro-batches, so they equal the
 first update's bit for bit. `logprob_gap` is the largest |sampler - trainer| log-prob of a completion token at
-the rollout's first update: 0 on the exact path, the cached decode's rounding on the fast one. With beta > 0
+the rollout's first update: 0 on the engine's kernels and on the exact path, the rounding between two
+computations otherwise. With beta > 0
 the KL is to the starting weights: under [lora] the base with the adapters off (no copy), else a frozen copy.
 
 Each rollout's sampling seed derives from (train.seed, rollout, the micro-batch's place in the global batch: one
