@@ -106,29 +106,38 @@ def test_loss_mask_of_a_multi_turn_episode_equals_a_hand_made_one(model, monkeyp
     assert micro["loss_mask"][0].tolist() == e.mask
 
 
+class Chatty:
+    """Answers every turn with one more user message; never ends an episode itself."""
+
+    def reset(self, row, seed):
+        return Obs([{"role": "user", "content": row["prompt"]}])
+
+    def step(self, message):
+        return Obs([{"role": "user", "content": "more"}])
+
+
+def _spy(monkeypatch) -> tuple[list, list]:
+    """sample_turns watched: each call's results and contexts, in order."""
+    drawn, contexts = [], []
+    real = ar.sample_turns
+
+    def spy(decoder, ctx, *a, **k):
+        out = real(decoder, ctx, *a, **k)
+        drawn.append(out)
+        contexts.append([list(c) for c in ctx])
+        return out
+
+    monkeypatch.setattr(ar, "sample_turns", spy)
+    return drawn, contexts
+
+
 def test_policy_tokens_given_to_the_trainer_are_the_sampled_ones(model, monkeypatch):
     """Real sampling (tiny random model, several turns through a user-message environment): every token under
     loss_mask 1 is one sample_turns drew, in order, with its log-prob; the trainer's forward gives the same
     log-probs (the rollout's logprob_gap) to fp32 rounding."""
     from kiln.train.grpo_rollout import GRPORun, RolloutModel
 
-    drawn = []
-    real = ar.sample_turns
-
-    def spy(*a, **k):
-        out = real(*a, **k)
-        drawn.append(out)
-        return out
-
-    monkeypatch.setattr(ar, "sample_turns", spy)
-
-    class Chatty:
-        def reset(self, row, seed):
-            return Obs([{"role": "user", "content": row["prompt"]}])
-
-        def step(self, message):
-            return Obs([{"role": "user", "content": "more"}])
-
+    drawn, _ = _spy(monkeypatch)
     runner, _ = _runner(model, Chatty, _g(max_turns=3, max_new_tokens=12))
     rows = [ROW, {"prompt": "another one", "answer": "3"}]
     gen = torch.Generator().manual_seed(5)
@@ -163,24 +172,7 @@ def test_engine_episodes_reuse_earlier_turns_and_their_logps_equal_the_scorers(m
     through the engine's kernels (exact_logps) gives their log-probs at the temperature bit for bit."""
     from kiln.train.grpo_engine import EngineDecoder, EngineRollouts, exact_logps
 
-    drawn, contexts = [], []
-    real = ar.sample_turns
-
-    def spy(decoder, ctx, *a, **k):
-        out = real(decoder, ctx, *a, **k)
-        drawn.append(out)
-        contexts.append([list(c) for c in ctx])
-        return out
-
-    monkeypatch.setattr(ar, "sample_turns", spy)
-
-    class Chatty:
-        def reset(self, row, seed):
-            return Obs([{"role": "user", "content": row["prompt"]}])
-
-        def step(self, message):
-            return Obs([{"role": "user", "content": "more"}])
-
+    drawn, contexts = _spy(monkeypatch)
     # the random model made to end its turns: the end token's head row moved along the mean hidden state (the
     # end token's probability then averages ~0.1 over random contexts: turns of ~10 tokens)
     model = copy.deepcopy(model)
