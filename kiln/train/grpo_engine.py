@@ -80,7 +80,9 @@ class EngineRollouts:
     def _engine(self, core: nn.Module, blocks: int, seqs: int) -> Engine:
         e = self.engine
         if e is None or self.core is not core or e.pool.num_blocks < blocks or e.scheduler.max_seqs < seqs:
-            e = Engine(core, None, block_size=BLOCK, kv_blocks=blocks, max_seqs=seqs,
+            # twice the need: an episode's later turns (longer histories) then fit in the pool that holds the
+            # earlier turns' blocks, which a new pool would not have
+            e = Engine(core, None, block_size=BLOCK, kv_blocks=2 * blocks, max_seqs=seqs,
                        step_tokens=max(512, 4 * seqs), eos_token_ids=[])
             e.runner = TemperedRunner(e.runner)
             self.engine, self.core = e, core
@@ -93,12 +95,14 @@ class EngineRollouts:
                               stop_token_ids=tuple(eos), logprobs=True, n=n)
 
     def run(self, core: nn.Module, prompts: list[list[int]], max_tokens: list[int], n: int,
-            gen: torch.Generator | None, eos: list[int]) -> list[list[tuple[list[int], list[float], bool]]]:
+            gen: torch.Generator | None, eos: list[int], grows: int = 0
+            ) -> list[list[tuple[list[int], list[float], bool]]]:
         """Each prompt's n completions as (tokens, log-probs at the temperature, ended on an end token); greedy
-        when `gen` is None, else request i seeded by the i-th draw from `gen`."""
+        when `gen` is None, else request i seeded by the i-th draw from `gen`. `grows`: how many more tokens a
+        later request over the same history may hold (an episode's budget), for the pool's size."""
         if not prompts:
             return []
-        blocks = sum(n * (math.ceil((len(p) + m) / BLOCK) + 1) for p, m in zip(prompts, max_tokens))
+        blocks = sum(n * (math.ceil((len(p) + max(m, grows)) / BLOCK) + 1) for p, m in zip(prompts, max_tokens))
         engine = self._engine(core, blocks, n * len(prompts))
         seeds: list[int | None] = [None] * len(prompts) if gen is None else \
             torch.randint(0, 2**62, (len(prompts),), generator=gen, device=gen.device).tolist()

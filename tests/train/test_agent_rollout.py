@@ -117,14 +117,14 @@ class Chatty:
 
 
 def _spy(monkeypatch) -> tuple[list, list]:
-    """sample_turns watched: each call's results and contexts, in order."""
+    """sample_turns watched: each call's results, and its contexts with the engine that ran them (None off it)."""
     drawn, contexts = [], []
     real = ar.sample_turns
 
     def spy(decoder, ctx, *a, **k):
         out = real(decoder, ctx, *a, **k)
         drawn.append(out)
-        contexts.append([list(c) for c in ctx])
+        contexts.append(([list(c) for c in ctx], getattr(getattr(decoder, "rollouts", None), "engine", None)))
         return out
 
     monkeypatch.setattr(ar, "sample_turns", spy)
@@ -186,9 +186,10 @@ def test_engine_episodes_reuse_earlier_turns_and_their_logps_equal_the_scorers(m
     eps = runner.run(EngineDecoder(rollouts, model), [ROW, {"prompt": "another one", "answer": "3"}], [0, 1],
                      [[1], [1]], [0, 1], torch.Generator().manual_seed(5), 0, torch.device("cpu"))
     assert len(drawn) >= 2 and all(e.turns >= 2 for e in eps)
+    assert all(engine is rollouts.engine for _, engine in contexts)  # one engine (one pool) for every turn
     # without reuse, every request's whole history would be fed, and every drawn token but the last of each turn
-    naive = sum(len(c) for turn in contexts for c in turn) + sum(len(t) - 1 for turn in drawn for t, _, _ in turn)
-    later = sum(len(turn) for turn in contexts[1:])
+    naive = sum(len(c) for turn, _ in contexts for c in turn) + sum(len(t) - 1 for turn in drawn for t, _, _ in turn)
+    later = sum(len(turn) for turn, _ in contexts[1:])
     # each later turn's history starts with the previous request's computed tokens: at least one full block of 16
     assert rollouts.engine.tokens_fed <= naive - 16 * later, (rollouts.engine.tokens_fed, naive)
     micro = ar.to_micro(eps, 0, [EOS], torch.device("cpu"))
