@@ -127,8 +127,7 @@ def sample_turns(decoder: Any, contexts: list[list[int]], budgets: list[int], g:
     """One turn of each context: (tokens, their log-probs under logits / temperature, ended on an end token),
     at most budgets[i] tokens (greedy when `gen` is None); on the engine when `decoder` is its EngineDecoder."""
     if isinstance(decoder, EngineDecoder):
-        return [group[0] for group in decoder.rollouts.run(decoder.model, contexts, budgets, 1, gen, eos_ids,
-                                                           grows=g.max_episode_tokens)]
+        return decoder.rollouts.turns(decoder.model, contexts, budgets, gen, eos_ids, g.max_episode_tokens)
     width = max(len(c) for c in contexts)
     ids = torch.full((len(contexts), width), pad, dtype=torch.long)
     mask = torch.zeros((len(contexts), width), dtype=torch.long)

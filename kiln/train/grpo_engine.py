@@ -94,21 +94,38 @@ class EngineRollouts:
                               top_p=g.top_p, min_p=g.min_p, repetition_penalty=g.repetition_penalty, seed=seed,
                               stop_token_ids=tuple(eos), logprobs=True, n=n)
 
-    def run(self, core: nn.Module, prompts: list[list[int]], max_tokens: list[int], n: int,
+    def run(self, core: nn.Module, prompts: list[list[int]], max_tokens: list[int], n: int | list[int],
             gen: torch.Generator | None, eos: list[int], grows: int = 0
             ) -> list[list[tuple[list[int], list[float], bool]]]:
-        """Each prompt's n completions as (tokens, log-probs at the temperature, ended on an end token); greedy
-        when `gen` is None, else request i seeded by the i-th draw from `gen`. `grows`: how many more tokens a
-        later request over the same history may hold (an episode's budget), for the pool's size."""
+        """Each prompt's n (or n[i]) completions as (tokens, log-probs at the temperature, ended on an end
+        token); greedy when `gen` is None, else request i seeded by the i-th draw from `gen`. `grows`: how many
+        more tokens a later request over the same history may hold (an episode's budget), for the pool's size."""
         if not prompts:
             return []
-        blocks = sum(n * (math.ceil((len(p) + max(m, grows)) / BLOCK) + 1) for p, m in zip(prompts, max_tokens))
-        engine = self._engine(core, blocks, n * len(prompts))
+        ns = [n] * len(prompts) if isinstance(n, int) else list(n)
+        blocks = sum(k * (math.ceil((len(p) + max(m, grows)) / BLOCK) + 1) for p, m, k in zip(prompts, max_tokens, ns))
+        engine = self._engine(core, blocks, sum(ns))
         seeds: list[int | None] = [None] * len(prompts) if gen is None else \
             torch.randint(0, 2**62, (len(prompts),), generator=gen, device=gen.device).tolist()
         engine.runner.temperature = float(self.g.temperature)  # greedy: the argmax of the same scaled logits
-        out = engine.generate(prompts, [self.params(m, n, s, eos) for m, s in zip(max_tokens, seeds)])
+        out = engine.generate(prompts, [self.params(m, k, s, eos) for m, k, s in zip(max_tokens, ns, seeds)])
         return [[(c.token_ids, c.logprobs, c.finish_reason == "stop") for c in group] for group in out]
+
+    def turns(self, core: nn.Module, contexts: list[list[int]], budgets: list[int], gen: torch.Generator | None,
+              eos: list[int], grows: int) -> list[tuple[list[int], list[float], bool]]:
+        """One completion per context, in order; contexts equal in tokens and budget (a group's episodes at their
+        first turn) go as one request with n = their count, so their prompt is prefilled once."""
+        same: dict[tuple[tuple[int, ...], int], list[int]] = {}
+        for i, (c, b) in enumerate(zip(contexts, budgets)):
+            same.setdefault((tuple(c), b), []).append(i)
+        keys = list(same)
+        groups = self.run(core, [list(c) for c, _ in keys], [b for _, b in keys], [len(same[k]) for k in keys], gen,
+                          eos, grows)
+        out: list[tuple[list[int], list[float], bool]] = [([], [], False)] * len(contexts)
+        for key, group in zip(keys, groups):
+            for i, completion in zip(same[key], group):
+                out[i] = completion
+        return out
 
 
 class EngineDecoder:

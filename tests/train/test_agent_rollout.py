@@ -183,15 +183,19 @@ def test_engine_episodes_reuse_earlier_turns_and_their_logps_equal_the_scorers(m
     g = _g(max_turns=3, max_new_tokens=30, temperature=0.7, top_k=40, min_p=0.0, repetition_penalty=1.1)
     runner, _ = _runner(model, Chatty, g)
     rollouts = EngineRollouts(g)
-    eps = runner.run(EngineDecoder(rollouts, model), [ROW, {"prompt": "another one", "answer": "3"}], [0, 1],
-                     [[1], [1]], [0, 1], torch.Generator().manual_seed(5), 0, torch.device("cpu"))
+    # two episodes of one row (a group): their first turns share the prompt, one request with n = 2
+    eps = runner.run(EngineDecoder(rollouts, model), [ROW, ROW, {"prompt": "another one", "answer": "3"}], [0, 0, 1],
+                     [[1], [1], [1]], [0, 1, 2], torch.Generator().manual_seed(5), 0, torch.device("cpu"))
     assert len(drawn) >= 2 and all(e.turns >= 2 for e in eps)
+    assert contexts[0][0][0] == contexts[0][0][1] and drawn[0][0][0] != drawn[0][1][0]  # own generators
     assert all(engine is rollouts.engine for _, engine in contexts)  # one engine (one pool) for every turn
     # without reuse, every request's whole history would be fed, and every drawn token but the last of each turn
     naive = sum(len(c) for turn, _ in contexts for c in turn) + sum(len(t) - 1 for turn in drawn for t, _, _ in turn)
     later = sum(len(turn) for turn, _ in contexts[1:])
-    # each later turn's history starts with the previous request's computed tokens: at least one full block of 16
-    assert rollouts.engine.tokens_fed <= naive - 16 * later, (rollouts.engine.tokens_fed, naive)
+    # the shared prompt is fed once, not twice; each later turn's history starts with the previous request's
+    # computed tokens: at least one full block of 16
+    saved = len(contexts[0][0][0]) + 16 * later
+    assert rollouts.engine.tokens_fed <= naive - saved, (rollouts.engine.tokens_fed, naive)
     micro = ar.to_micro(eps, 0, [EOS], torch.device("cpu"))
     on = micro["loss_mask"].bool()
     p = micro["prompt_len"]
