@@ -26,7 +26,10 @@ class GRPOSection(Section):
     min_p: float = 0.0                  # keep tokens with probability >= min_p x the highest (0: off; TRL's None)
     repetition_penalty: float = 1.0     # HF's, over prompt + completion tokens (1: off)
     rollout: Literal["engine", "generate"] = "engine"  # kiln.engine, or kiln's earlier loop (the runs it gave)
-    exact_logprobs: bool = True         # engine rollouts: the trainer's log-probs through the engine's kernels
+    # engine rollouts: the trainer's log-probs through the engine's kernels, the sampler's bits (logprob_gap 0);
+    # off by default: that scoring costs ~2.6x the training forward's update (benchmarks/bench_grpo.py), to remove
+    # a gap of fp32 rounding (~1e-6)
+    exact_logprobs: bool = False
     scale_rewards: Literal["group", "batch", "none"] = "group"
     loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
     importance_sampling_level: Literal["token", "sequence"] = "token"   # "sequence": GSPO

@@ -110,14 +110,14 @@ def test_mean_reward_rises_on_a_learnable_task(grpo_dir):
 
 def test_logprob_gap_is_zero_at_every_step_on_engine_rollouts_and_not_through_the_training_forward(grpo_dir):
     """At temperature 0.7, top_k 50, num_iterations 2: the engine's log_softmax(logits / T) of the sampled tokens
-    against the trainer's, through the engine's kernels (kiln.engine.score): exactly 0 at every rollout. Controls
-    that can fail: the same rollouts scored by the training forward (exact_logprobs = false), and kiln's earlier
+    against the trainer's, through the engine's kernels (kiln.engine.score, exact_logprobs = true): exactly 0 at
+    every rollout. Controls that can fail: the same rollouts scored by the training forward (the default), and kiln's earlier
     loop (rollout = "generate"), differ from the sampler by fp32 rounding; its exact path (the trainer's forward
     as the sampler's log-probs) is 0 by construction."""
     grpo = 'temperature = 0.7\ntop_k = 50\nnum_iterations = 2\n'
-    engine = _fit(_toml(grpo_dir, "gap-engine", grpo=grpo, steps=6))
+    engine = _fit(_toml(grpo_dir, "gap-engine", grpo=grpo + "exact_logprobs = true", steps=6))
     assert [r["logprob_gap"] for r in engine if "logprob_gap" in r] == [0.0, 0.0, 0.0]
-    training = _fit(_toml(grpo_dir, "gap-training", grpo=grpo + "exact_logprobs = false", steps=2))
+    training = _fit(_toml(grpo_dir, "gap-training", grpo=grpo, steps=2))  # the default
     fast = _fit(_toml(grpo_dir, "gap-fast", grpo='rollout = "generate"\ntemperature = 0.7'))
     exact = _fit(_toml(grpo_dir, "gap-exact", grpo='rollout = "generate"\nsampler = "exact"\ntemperature = 0.7'))
     assert [r["logprob_gap"] for r in exact] == [0.0, 0.0]
@@ -237,7 +237,7 @@ def test_ddp_two_processes_roll_out_on_their_own_engines_and_equal_one_process(g
     seeds from the micro-batch's place in the global batch), scores through the engine's kernels (DDP's forward
     bypassed: the gradients averaged by hand) and ends where one process with grad_accum 2 ends, logprob_gap 0
     at every step on both."""
-    grpo = "temperature = 0.8\nbeta = 0.05"
+    grpo = "temperature = 0.8\nbeta = 0.05\nexact_logprobs = true"
     one = _toml(grpo_dir, "ddp-one", grpo=grpo, train="grad_accum = 2", steps=3)
     _fit(one)
     two = _toml(grpo_dir, "ddp-two", grpo=grpo, steps=3)
