@@ -11,13 +11,22 @@ dapo, beta 0, one iteration, scale_rewards group, full fine-tuning, AdamW lr 1e-
 weight decay, gradient clipping at 1.0, fp32. Random weights almost never sample EOS, so both sides generate
 every completion to full length and process the same tokens.
 
-kiln runs what `kiln train --config run.toml` runs (its defaults: fast path, KV-cache decode by kiln's `generate`
-with the LM head at the last position through MKL's packed GEMM and one uniform draw per row (inverse CDF), sampler
-log-probs from the decode (no extra forward for the old policy), log-probs chunked through the LM head, the tied
-embedding's gradient coalesced into the head's); TRL runs GRPOTrainer.train() with transformers' generate (with
-num_iterations 1 it too skips the old policy's forward). tokens/s counts prompt + completion tokens per step (TRL's
-num_input_tokens_seen, kiln's step tokens), generation and update together; peak memory is the process's RSS
-high-water mark above its baseline. Each side runs in its own process; rounds interleave. Ratios last.
+kiln runs what `kiln train --config run.toml` runs (its defaults: rollouts on the generation engine, kiln.engine:
+one request per prompt with n = 4 sharing its prefill, continuous batching over a paged KV cache, the sampler's
+log-probs at the temperature from the engine (no extra forward for the old policy), the trainer's log-probs chunked
+through the LM head of the training forward, the tied embedding's gradient coalesced into the head's); TRL runs GRPOTrainer.train() with
+transformers' generate (with num_iterations 1 it too skips the old policy's forward). tokens/s counts prompt +
+completion tokens per step (TRL's num_input_tokens_seen, kiln's step tokens), generation and update together; peak
+memory is the process's RSS high-water mark above its baseline. Each side runs in its own process; rounds
+interleave. Ratios last.
+
+Two more kiln sides, in the same rounds: `old`, `[grpo] rollout = "generate"` (kiln's loop before the engine:
+KV-cache decode of the left-padded batch, the LM head at the last position through MKL's packed GEMM, the trainer's
+log-probs through the training forward), and `exact`, the engine's rollouts with `exact_logprobs = true` (the
+trainer's log-probs through the engine's kernels in one packed pass: logprob_gap 0). Each kiln side times its
+rollouts (generation and rewards; GRPOEngine.rollout) and the rest of each step (the update: log-probs, loss,
+backward, optimizer) apart: the engine's rollout against the old loop's (issue 39's goal: >= 2x), and the update
+with the engine's kernels against the training forward (the price of logprob_gap 0).
 
     python benchmarks/bench_grpo.py [--steps 2] [--warmup 1] [--rounds 2] [--max-new-tokens 32]
 """
@@ -72,15 +81,28 @@ def prepare(tmp: Path) -> int:
     return sum(p.numel() for p in model.parameters())  # the tied embedding and head once
 
 
-def run_kiln(tmp: Path, steps: int, warmup: int, new_tokens: int) -> dict:
+KILN_SIDES = {"kiln": "", "old": 'rollout = "generate"', "exact": "exact_logprobs = true"}
+
+
+def run_kiln(tmp: Path, steps: int, warmup: int, new_tokens: int, side: str = "kiln") -> dict:
     import torch  # noqa: F401  (imported before the baseline, as on the peer side)
     from kiln.train import Callback
     from kiln.train.config import load_run_config
+    from kiln.train.recipes.grpo import GRPOEngine
     from kiln.train.run import build_trainer
 
     setup_torch()
     base = rss_kb()
     stamps: list[tuple[float, int]] = []
+    rollouts: list[float] = []
+    real = GRPOEngine.rollout
+
+    def timed(self, run) -> None:  # this child's own clock around each rollout
+        t = time.perf_counter()
+        real(self, run)
+        rollouts.append(time.perf_counter() - t)
+
+    GRPOEngine.rollout = timed
 
     class Clock(Callback):
         def on_step(self, trainer, record):
@@ -108,15 +130,20 @@ rewards = ["bench_rewards:exact"]
 num_generations = {GENERATIONS}
 max_new_tokens = {new_tokens}
 loss_type = "dapo"
+{KILN_SIDES[side]}
 """)
     trainer = build_trainer(load_run_config(cfg))
     trainer.callbacks.append(Clock())
     trainer.fit()
     shutil.rmtree(trainer.out_dir, ignore_errors=True)
-    timed = stamps[warmup - 1:] if warmup else [(stamps[0][0], 0), *stamps]
-    tokens = sum(n for _, n in timed[1:])
-    return {"tokens_per_s": tokens / (timed[-1][0] - timed[0][0]), "peak_mb": peak_mb_above(base),
-            "tokens_per_step": tokens / (len(timed) - 1)}
+    if not warmup:
+        raise SystemExit("bench_grpo: kiln's sides need --warmup >= 1 (the first step's start is not stamped)")
+    marks = stamps[warmup - 1:]
+    tokens = sum(n for _, n in marks[1:])
+    step_s = (marks[-1][0] - marks[0][0]) / (len(marks) - 1)
+    rollout_s = sum(rollouts[warmup:]) / len(rollouts[warmup:])  # one rollout per step (num_iterations 1)
+    return {"tokens_per_s": tokens / (marks[-1][0] - marks[0][0]), "peak_mb": peak_mb_above(base),
+            "tokens_per_step": tokens / (len(marks) - 1), "rollout_s": rollout_s, "update_s": step_s - rollout_s}
 
 
 def run_peer(tmp: Path, steps: int, warmup: int, new_tokens: int) -> dict:
@@ -165,11 +192,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-bench-grpo-") as tmp:
         n_params = prepare(Path(tmp))
         res = interleaved(__file__, a.rounds, tmp, str(a.steps), str(a.warmup), str(a.max_new_tokens),
-                          describe=lambda out: f"{out['tokens_per_s']:8.1f} tokens/s ({out['tokens_per_step']:.0f} "
-                                               f"tokens/step), peak +{out['peak_mb']:.0f} MB")
+                          sides=("peer", "kiln", "old", "exact"), describe=describe)
     k, p = res["kiln"], res["peer"]
     print(f"Qwen3 shape, vocab 151,936, hidden 512, 4 layers; GRPO full weights, {PROMPTS} prompts x {GENERATIONS} "
           f"generations, {a.max_new_tokens} new tokens, dapo, beta 0")
+    best = {side: {key: min(x[key] for x in res[side]) for key in ("rollout_s", "update_s")}
+            for side in KILN_SIDES}
+    engine = min(best["kiln"]["rollout_s"], best["exact"]["rollout_s"])  # both sides roll out on the engine
+    print(f"rollout per step: old loop {best['old']['rollout_s']:.2f} s, engine {engine:.2f} s; "
+          f"engine / old speed {best['old']['rollout_s'] / engine:.3f}x (goal >= 2x)")
+    print(f"update per step (log-probs, loss, backward, optimizer): training forward "
+          f"{best['kiln']['update_s']:.2f} s, engine's kernels (exact_logprobs) {best['exact']['update_s']:.2f} s; "
+          f"cost {best['exact']['update_s'] / best['kiln']['update_s']:.3f}x")
     kiln_mem, peer_mem = min(x["peak_mb"] for x in k), min(x["peak_mb"] for x in p)
     note = floor_note(n_params, [], kiln_mem, peer_mem)  # beta 0: no reference
     print(note)
@@ -178,10 +212,17 @@ def main() -> None:
            kiln_mem=kiln_mem, peer_mem=peer_mem, goal=">= 2x, <= 0.6x memory", note=note)
 
 
+def describe(out: dict) -> str:
+    line = f"{out['tokens_per_s']:8.1f} tokens/s ({out['tokens_per_step']:.0f} tokens/step), peak +{out['peak_mb']:.0f} MB"
+    if "rollout_s" in out:
+        line += f"; rollout {out['rollout_s']:.2f} s/step, update {out['update_s']:.2f} s/step"
+    return line
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 7 and sys.argv[1] == "--child":
         side, tmp, steps, warmup, new_tokens = sys.argv[2:]
-        fn = {"kiln": run_kiln, "peer": run_peer}[side]
-        print(json.dumps(fn(Path(tmp), int(steps), int(warmup), int(new_tokens))))
+        args = (Path(tmp), int(steps), int(warmup), int(new_tokens))
+        print(json.dumps(run_peer(*args) if side == "peer" else run_kiln(*args, side=side)))
     else:
         main()

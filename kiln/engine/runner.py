@@ -250,23 +250,46 @@ class DecoderRunner:
     def dense(self, ids: list[int], block_size: int) -> torch.Tensor:
         """Last-layer hidden states (S, C) of one whole sequence, its keys in a private buffer laid out as the
         pool's blocks. Differentiable when grad is on."""
-        S, bs = len(ids), block_size
-        if S > self.max_positions:
-            raise KilnError(f"a sequence of {S} tokens is longer than the model's {self.max_positions} positions")
-        nb = (S + bs - 1) // bs
-        pos = torch.arange(S, device=self.device)
-
-        def kv(i: int, k: torch.Tensor, v: torch.Tensor):
-            pad = nb * bs - S
-            kb = torch.cat([k, k.new_zeros((pad,) + tuple(k.shape[1:]))]).view(1, nb, bs, *k.shape[1:])
-            vb = torch.cat([v, v.new_zeros((pad,) + tuple(v.shape[1:]))]).view(1, nb, bs, *v.shape[1:])
-            return [(0, S, pos, kb, vb)]
-
-        return self._run(torch.tensor(ids, device=self.device), pos, kv, *self._dense_extras(S))
+        return self.dense_many([ids], block_size)
 
     def _step_extras(self, pieces: list[Piece], rows: dict[int, tuple[int, int]], pool: BlockPool) -> tuple:
         """What `_run` takes after kv in a step beyond the attention decoders' (recurrent state: kiln.engine.hybrid)."""
         return ()
 
     def _dense_extras(self, length: int) -> tuple:
+        """What `_run` takes after kv for one whole sequence from its start."""
+        return self._packed_extras([(0, length)])
+
+    def _packed_extras(self, bounds: list[tuple[int, int]]) -> tuple:
+        """What `_run` takes after kv for whole sequences packed at row ranges `bounds`, each from its start."""
         return ()
+
+    def dense_many(self, sequences: list[list[int]], block_size: int) -> torch.Tensor:
+        """Last-layer hidden states (sum of lengths, C) of several whole sequences in one pass, sequence i's rows
+        right after sequence i - 1's. The row-wise work runs on the packed rows' 16-row tiles (a row's bits depend
+        on its own row and the tile's fixed shape, never on the tile's other rows, as in a step that packs many
+        requests); attention runs per sequence over its own keys laid out as the pool's blocks, as in `dense`.
+        So each sequence's rows are `dense`'s bits. Differentiable when grad is on."""
+        bs = block_size
+        bounds, flat, pos = [], [], []
+        for ids in sequences:
+            if len(ids) > self.max_positions:
+                raise KilnError(f"a sequence of {len(ids)} tokens is longer than the model's {self.max_positions} "
+                                "positions")
+            bounds.append((len(flat), len(flat) + len(ids)))
+            flat += ids
+            pos += range(len(ids))
+        pos_t = torch.tensor(pos, device=self.device)
+
+        def kv(i: int, k: torch.Tensor, v: torch.Tensor):
+            groups = []
+            for s, e in bounds:
+                if s == e:
+                    continue
+                nb, pad = (e - s + bs - 1) // bs, -(e - s) % bs
+                kb = torch.cat([k[s:e], k.new_zeros((pad,) + tuple(k.shape[1:]))]).view(1, nb, bs, *k.shape[1:])
+                vb = torch.cat([v[s:e], v.new_zeros((pad,) + tuple(v.shape[1:]))]).view(1, nb, bs, *v.shape[1:])
+                groups.append((s, e, pos_t[s:e], kb, vb))
+            return groups
+
+        return self._run(torch.tensor(flat, device=self.device), pos_t, kv, *self._packed_extras(bounds))

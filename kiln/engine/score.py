@@ -1,13 +1,17 @@
 """The scoring forward: per-token log-probs of whole sequences through the engine's own kernels.
 
-`token_logps(model, sequences, starts)` runs each sequence once, its keys in a private buffer laid out as the
-paged cache's blocks, through the same tiled projections, block attention and per-row log_softmax as a
-generation step (kiln.engine.runner). A token's log-prob therefore has the same bits whether the engine
-produced it in a decode step, in a chunk of a prefill, beside 31 other requests, or here: RL's gap between the
-sampler's and the scorer's log-probs is 0 when the scorer is this. It is differentiable (autograd through
-every op), so a trainer can take its gradient; against kiln's training forward (`ForCausalLM.token_logps`:
-one batched matrix product per layer, SDPA) it agrees to fp32 rounding, not bit for bit: the training
-forward's products see every row of the batch at once, which is what makes them fast.
+`token_logps(model, sequences, starts)` runs the sequences packed into one pass (`DecoderRunner.dense_many`:
+each sequence's keys in a private buffer laid out as the paged cache's blocks), through the same tiled
+projections, block attention and per-row log_softmax as a generation step (kiln.engine.runner). A token's
+log-prob therefore has the same bits whether the engine produced it in a decode step, in a chunk of a prefill,
+beside 31 other requests, or here, alone or packed with other sequences: RL's gap between the sampler's and the
+scorer's log-probs is 0 when the scorer is this. `temperature` divides the float32 logits before the
+log_softmax, the op a rollout applies to the engine's logits (kiln.train.grpo_engine), so log-probs at a
+sampling temperature match too. It is differentiable (autograd through every op; the LM head's chunks are
+recomputed in the backward instead of keeping rows x vocabulary logits), so a trainer can take its gradient;
+against kiln's training forward (`ForCausalLM.token_logps`: one batched matrix product per layer, SDPA) it
+agrees to fp32 rounding, not bit for bit: the training forward's products see every row of the batch at
+once, which is what makes them fast.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from kiln.engine.exact import log_softmax_rows
 from kiln.engine.runner import DecoderRunner, unsupported
@@ -37,24 +42,42 @@ def runner_for(model) -> DecoderRunner:
     return cached
 
 
-def token_logps(model, sequences: Sequence[Sequence[int]], starts: Sequence[int], *, block_size: int = 16
-                ) -> list[torch.Tensor]:
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 logits / temperature (elementwise division is correctly rounded: the same bits in any layout)."""
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def token_logps(model, sequences: Sequence[Sequence[int]], starts: Sequence[int], *, block_size: int = 16,
+                temperature: float = 1.0) -> list[torch.Tensor]:
     """For each sequence ids (S,) and start s >= 1: float32 (S - s,) log p(ids[t] | ids[:t]) for t >= s, the
-    raw logits' log_softmax (temperature 1). `block_size` must be the engine's (it fixes the summation order)."""
+    log_softmax of logits / temperature (no filters). `block_size` must be the engine's (it fixes the
+    summation order). All sequences run in one packed pass."""
     if len(sequences) != len(starts):
         raise KilnError(f"token_logps: {len(sequences)} sequences but {len(starts)} starts")
+    if not temperature > 0:
+        raise KilnError(f"token_logps: temperature must be > 0, got {temperature}")
     runner = runner_for(model)
-    out = []
-    for ids, s in zip(sequences, starts):
-        ids = [int(t) for t in ids]
+    seqs = [[int(t) for t in ids] for ids in sequences]
+    rows, targets, sizes, at = [], [], [], 0
+    for ids, s in zip(seqs, starts):
         if not 1 <= s <= len(ids):
             raise KilnError(f"token_logps: start {s} is outside [1, {len(ids)}] for a sequence of {len(ids)} tokens")
-        hidden = runner.dense(ids, block_size)[s - 1:len(ids) - 1]  # (S - s, C): the positions before each target
-        target = torch.tensor(ids[s:], device=hidden.device)
-        parts = []
-        for r in range(0, hidden.shape[0], _LOGIT_ROWS):
-            lp = log_softmax_rows(runner.logits(hidden[r:r + _LOGIT_ROWS]))
-            parts.append(lp.gather(1, target[r:r + _LOGIT_ROWS, None]).squeeze(1))
-        out.append(torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32))
-    return out
+        rows += range(at + s - 1, at + len(ids) - 1)  # the positions before each target
+        targets += ids[s:]
+        sizes.append(len(ids) - s)
+        at += len(ids)
+    if not seqs:
+        return []
+    hidden = runner.dense_many(seqs, block_size)[torch.tensor(rows, dtype=torch.long, device=runner.device)]
+    target = torch.tensor(targets, dtype=torch.long, device=hidden.device)
 
+    def chunk(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        lp = log_softmax_rows(tempered(runner.logits(h, _LOGIT_ROWS), temperature))
+        return lp.gather(1, t[:, None]).squeeze(1)
+
+    keep = torch.is_grad_enabled() and hidden.requires_grad  # recompute the chunk's logits in the backward
+    parts = [checkpoint(chunk, hidden[r:r + _LOGIT_ROWS], target[r:r + _LOGIT_ROWS], use_reentrant=False) if keep
+             else chunk(hidden[r:r + _LOGIT_ROWS], target[r:r + _LOGIT_ROWS])
+             for r in range(0, hidden.shape[0], _LOGIT_ROWS)]
+    picked = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+    return list(picked.split(sizes))

@@ -51,10 +51,10 @@ class StateRunner(DecoderRunner):
 
         return (states,)
 
-    def _dense_extras(self, length: int) -> tuple:
-        def states(i: int):
-            return [(0, length, [torch.zeros(shape, dtype=dt, device=self.device)
-                                 for shape, dt in self.state_shapes(i)], None)]
+    def _packed_extras(self, bounds: list[tuple[int, int]]) -> tuple:
+        def states(i: int):  # each sequence from its own zeroed state, written nowhere
+            return [(s, e, [torch.zeros(shape, dtype=dt, device=self.device)
+                            for shape, dt in self.state_shapes(i)], None) for s, e in bounds]
 
         return (states,)
 

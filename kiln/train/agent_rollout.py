@@ -11,7 +11,9 @@ turn or episode token budget (a turn cut by a budget still goes to the environme
 tool calls are not run), or a failure of user code (the episode then carries no loss and no reward, and its
 message is kept).
 
-`sample_turns` is the one place tokens are drawn (kiln's `generate` today; the generation engine later).
+`sample_turns` is the one place tokens are drawn: on the generation engine (kiln.train.grpo_engine) each active
+episode's history is one request, so the blocks of its earlier turns, remembered by their content, are reused
+instead of prefilled again; kiln's `generate` where the engine does not run the model.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kiln.errors import ConfigError
 from kiln.hub.chat import parse_reply
 from kiln.models.generation import filter_logits, generate, inverse_cdf
 from kiln.train.envs import EnvSpec, EpisodeError, Tool, TRLEnvironment, as_obs, as_tool, call_user, tool_message
+from kiln.train.grpo_engine import EngineDecoder
 
 _PROBE_TOOL = {"type": "function", "function": {"name": "kiln_probe_tool", "description": "A probe.",
                                                 "parameters": {"type": "object", "properties": {}}}}
@@ -122,7 +125,9 @@ class Dialect:
 def sample_turns(decoder: Any, contexts: list[list[int]], budgets: list[int], g: Any, gen: torch.Generator | None,
                  pad: int, eos_ids: list[int], device: torch.device) -> list[tuple[list[int], list[float], bool]]:
     """One turn of each context: (tokens, their log-probs under logits / temperature, ended on an end token),
-    at most budgets[i] tokens (greedy when `gen` is None). The one call to switch to the engine."""
+    at most budgets[i] tokens (greedy when `gen` is None); on the engine when `decoder` is its EngineDecoder."""
+    if isinstance(decoder, EngineDecoder):
+        return decoder.rollouts.turns(decoder.model, contexts, budgets, gen, eos_ids, g.max_episode_tokens)
     width = max(len(c) for c in contexts)
     ids = torch.full((len(contexts), width), pad, dtype=torch.long)
     mask = torch.zeros((len(contexts), width), dtype=torch.long)

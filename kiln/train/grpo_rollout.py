@@ -1,7 +1,9 @@
-"""A GRPO rollout's parts ([grpo], kiln.train.recipes.grpo): prompts, sampling through kiln's `generate` with the
-sampler's log-probs kept, scoring, the trainer's log-probs of the same tokens (logits / temperature, chunked
-through the LM head), the reference's (a frozen copy, or under [lora] the base with the adapters off), and the
-held-out evaluation of greedy completions."""
+"""A GRPO rollout's parts ([grpo], kiln.train.recipes.grpo): prompts, sampling on the generation engine
+(kiln.train.grpo_engine; kiln's `generate` where the engine cannot run the model, or under
+`rollout = "generate"`) with the sampler's log-probs kept, scoring, the trainer's log-probs of the same tokens
+(logits / temperature: through the engine's kernels after engine rollouts with `exact_logprobs`, else chunked
+through the LM head of the training forward), the reference's (a frozen copy, or under [lora] the base with the
+adapters off), and the held-out evaluation of greedy completions."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from kiln.models.common.causal_lm import CausalLMOutput, ForCausalLM
 from kiln.models.generation import filter_logits, generate, inverse_cdf
 from kiln.parallel.world import all_reduce_sum
 from kiln.train.config import RunConfig
+from kiln.train.grpo_engine import EngineDecoder, EngineRollouts, exact_logps, refusal
 from kiln.train.grpo_loss import combine_rewards
 from kiln.train.logps import token_logps
 from kiln.train.recipes.dpo import adapters_off  # under [lora], the reference: the base with the adapters off
@@ -183,6 +186,35 @@ class GRPORun:
         self.weights = torch.tensor([r.weight for r in rewards], dtype=torch.float32)
         self.episodes = episodes  # kiln.train.agent_rollout.EpisodeRunner under [grpo] env / tools, else None
         self.last_episodes: list[Any] = []  # the latest micro-batch's episodes (alarms, rollouts.jsonl)
+        self.rollouts = EngineRollouts(self.g) if self.g.rollout == "engine" else None
+        self.refusals: dict[int, str | None] = {}  # id(model) -> why the engine cannot run it (None: it can)
+        self.said: set[str] = set()  # fallback reasons already logged
+
+    def on_engine(self, core: nn.Module) -> bool:
+        """Whether rollouts of `core` run on the engine ([grpo] rollout = "engine" and the engine runs it)."""
+        if self.rollouts is None:
+            return False
+        if id(core) not in self.refusals:
+            self.refusals[id(core)] = refusal(core)
+        return self.refusals[id(core)] is None
+
+    def decoder(self, core: nn.Module, sharded: bool, main: bool = True) -> Any:
+        """What a rollout samples through: the engine where it runs the model, else kiln's `generate` (said once
+        in a log line on the main process)."""
+        if self.on_engine(core):
+            assert self.rollouts is not None
+            return EngineDecoder(self.rollouts, core)
+        why = self.refusals.get(id(core))
+        if why is not None and why not in self.said:
+            self.said.add(why)
+            if main:
+                print(f"[grpo] rollouts on kiln's generate loop, not the generation engine: {why}", flush=True)
+        return RolloutModel(core, sharded)
+
+    def exact(self, model: nn.Module) -> bool:
+        """The trainer's log-probs under `model` come through the engine's kernels: equal to the engine's
+        (logprob_gap 0) when its rollouts ran on the engine."""
+        return self.g.exact_logprobs and self.on_engine(core_of(model))
 
     def eos_ids(self, core: nn.Module) -> list[int]:
         eos = core.config.eos_token_id
@@ -193,7 +225,7 @@ class GRPORun:
         eos = self.eos_ids(core)
         return pad if pad is not None else (eos[0] if eos else 0)
 
-    def sample(self, decoder: RolloutModel, rows: list[int], prompts: Prompts, repeat: int, seed: int | None,
+    def sample(self, decoder: Any, rows: list[int], prompts: Prompts, repeat: int, seed: int | None,
                device: torch.device) -> dict[str, Any]:
         """Completions of `rows` (`repeat` each; greedy when `seed` is None) and the log-probs of the sampled
         tokens under logits / temperature (unfiltered, the trainer's formula). Sharded weights (decoder.sharded):
@@ -204,6 +236,22 @@ class GRPORun:
             return self.sample_episodes(decoder, rows, prompts, repeat, seed, device)
         ids, mask = prompts.left_padded(rows, repeat, self.pad_id(core), device)
         gen = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+        if isinstance(decoder, EngineDecoder):
+            groups = decoder.rollouts.run(core, [prompts.ids[r] for r in rows], [g.max_new_tokens] * len(rows),
+                                          repeat, None if seed is None else torch.Generator().manual_seed(seed),
+                                          self.eos_ids(core))
+            done = [c for group in groups for c in group]
+            width = max(1, max(len(t) for t, _, _ in done))
+            completions = torch.full((len(done), width), self.pad_id(core), dtype=torch.long)
+            cmask = torch.zeros((len(done), width), dtype=torch.long)
+            lps = torch.zeros((len(done), width), dtype=torch.float32)
+            for i, (toks, lp, _) in enumerate(done):
+                completions[i, :len(toks)], cmask[i, :len(toks)] = torch.tensor(toks, dtype=torch.long), 1
+                if lp:
+                    lps[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+            return self._scored(rows, prompts, repeat, ids, mask, completions.to(device), cmask.to(device),
+                                torch.tensor([not ended for _, _, ended in done], device=device), lps.to(device),
+                                core)
         steps: list[torch.Tensor] = []
 
         def draw(logits: torch.Tensor) -> torch.Tensor:  # (N, V) float32 -> (N,)
@@ -217,19 +265,25 @@ class GRPORun:
                        pad_token_id=self.pad_id(core), eos_token_id=[] if decoder.sharded else None)
         completions = out[:, ids.size(1):]
         cmask = completion_mask(completions, self.eos_ids(core))
+        eos = torch.tensor(self.eos_ids(core), device=completions.device, dtype=torch.long)
+        truncated = ~torch.isin(completions, eos).any(1)  # no end token within max_new_tokens: cut by the budget
+        logps = torch.stack(steps, 1) * cmask if steps else torch.zeros_like(cmask, dtype=torch.float)
+        return self._scored(rows, prompts, repeat, ids, mask, completions, cmask, truncated, logps, core)
+
+    def _scored(self, rows: list[int], prompts: Prompts, repeat: int, ids: torch.Tensor, mask: torch.Tensor,
+                completions: torch.Tensor, cmask: torch.Tensor, truncated: torch.Tensor, logps: torch.Tensor,
+                core: nn.Module) -> dict[str, Any]:
+        """The micro-batch of sampled completions (N, C) (cmask: each one's tokens), with its rewards."""
         lists = [completions[i, : int(cmask[i].sum())].tolist() for i in range(completions.size(0))]
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in lists]
         decoded = [[{"role": "assistant", "content": t}] for t in texts] if prompts.conversational else texts
         p, columns, where = prompts.reward_inputs(rows, repeat)
         per_func = score(self.rewards, p, decoded, lists, columns, where, self.guard)
-        eos = torch.tensor(self.eos_ids(core), device=completions.device, dtype=torch.long)
-        truncated = ~torch.isin(completions, eos).any(1)  # no end token within max_new_tokens: cut by the budget
         return {"input_ids": torch.cat([ids, completions], 1), "attention_mask": torch.cat([mask, cmask], 1),
                 "prompt_len": ids.size(1), "completion_mask": cmask, "loss_mask": cmask.clone(),
-                "truncated": truncated, "per_func": per_func,
-                "sampler_logps": torch.stack(steps, 1) * cmask if steps else torch.zeros_like(cmask, dtype=torch.float)}
+                "truncated": truncated, "per_func": per_func, "sampler_logps": logps}
 
-    def sample_episodes(self, decoder: RolloutModel, rows: list[int], prompts: Prompts, repeat: int,
+    def sample_episodes(self, decoder: Any, rows: list[int], prompts: Prompts, repeat: int,
                         seed: int | None, device: torch.device) -> dict[str, Any]:
         """Multi-turn episodes of `rows` (`repeat` each; greedy when `seed` is None), scored: the reward functions
         see each episode's messages after its opening, TRL's `environments`, and the environment's own reward
@@ -257,7 +311,10 @@ class GRPORun:
         return micro
 
     def logps(self, model: nn.Module, micro: dict[str, Any]) -> torch.Tensor:
-        """(N, C) log-probs of the completion tokens under `model` (through its wrapper), logits / temperature."""
+        """(N, C) log-probs of the completion tokens under `model` (through its wrapper), logits / temperature:
+        through the engine's kernels (`exact`), else the training forward."""
+        if self.exact(model):
+            return exact_logps(core_of(model), micro, self.g.temperature)
         p, cmask = micro["prompt_len"], micro["completion_mask"]
         targets = torch.cat([torch.zeros_like(micro["input_ids"][:, :p]), cmask], 1)
         full = token_logps(model, micro["input_ids"], micro["attention_mask"], targets, temperature=self.g.temperature)
@@ -275,10 +332,10 @@ class GRPORun:
         assert self.eval_prompts is not None
         core, rank, shards = core_of(trainer.model), trainer.data_rank, trainer.data_shards
         # sharded weights: every rank decodes every prompt (the same forwards on all, which gather the weights)
-        split = not trainer.sharded
+        decoder = self.decoder(core, trainer.sharded, trainer.world.main)
+        split = not decoder.sharded  # the engine runs on each process alone
         mine = list(range(rank, len(self.eval_prompts), shards)) if split else list(range(len(self.eval_prompts)))
         sums = torch.zeros(2 + 2 * len(self.rewards), dtype=torch.float64)
-        decoder = RolloutModel(core, sharded=not split)
         for s in range(0, len(mine), trainer.args.batch_size * self.g.num_generations):
             rows = mine[s: s + trainer.args.batch_size * self.g.num_generations]
             with torch.no_grad(), trainer.autocast():

@@ -5,6 +5,7 @@ unchanged; templates that cannot run episodes are refused before any work."""
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import types
@@ -105,29 +106,38 @@ def test_loss_mask_of_a_multi_turn_episode_equals_a_hand_made_one(model, monkeyp
     assert micro["loss_mask"][0].tolist() == e.mask
 
 
+class Chatty:
+    """Answers every turn with one more user message; never ends an episode itself."""
+
+    def reset(self, row, seed):
+        return Obs([{"role": "user", "content": row["prompt"]}])
+
+    def step(self, message):
+        return Obs([{"role": "user", "content": "more"}])
+
+
+def _spy(monkeypatch) -> tuple[list, list]:
+    """sample_turns watched: each call's results, and its contexts with the engine that ran them (None off it)."""
+    drawn, contexts = [], []
+    real = ar.sample_turns
+
+    def spy(decoder, ctx, *a, **k):
+        out = real(decoder, ctx, *a, **k)
+        drawn.append(out)
+        contexts.append(([list(c) for c in ctx], getattr(getattr(decoder, "rollouts", None), "engine", None)))
+        return out
+
+    monkeypatch.setattr(ar, "sample_turns", spy)
+    return drawn, contexts
+
+
 def test_policy_tokens_given_to_the_trainer_are_the_sampled_ones(model, monkeypatch):
     """Real sampling (tiny random model, several turns through a user-message environment): every token under
     loss_mask 1 is one sample_turns drew, in order, with its log-prob; the trainer's forward gives the same
     log-probs (the rollout's logprob_gap) to fp32 rounding."""
     from kiln.train.grpo_rollout import GRPORun, RolloutModel
 
-    drawn = []
-    real = ar.sample_turns
-
-    def spy(*a, **k):
-        out = real(*a, **k)
-        drawn.append(out)
-        return out
-
-    monkeypatch.setattr(ar, "sample_turns", spy)
-
-    class Chatty:
-        def reset(self, row, seed):
-            return Obs([{"role": "user", "content": row["prompt"]}])
-
-        def step(self, message):
-            return Obs([{"role": "user", "content": "more"}])
-
+    drawn, _ = _spy(monkeypatch)
     runner, _ = _runner(model, Chatty, _g(max_turns=3, max_new_tokens=12))
     rows = [ROW, {"prompt": "another one", "answer": "3"}]
     gen = torch.Generator().manual_seed(5)
@@ -148,11 +158,58 @@ def test_policy_tokens_given_to_the_trainer_are_the_sampled_ones(model, monkeypa
         on = micro["loss_mask"][i].bool()
         assert micro["input_ids"][i, p:][on].tolist() == per_ep[i][0]
         torch.testing.assert_close(micro["sampler_logps"][i][on], torch.tensor(per_ep[i][1]))
-    run = types.SimpleNamespace(g=types.SimpleNamespace(temperature=1.0))
-    trainer = GRPORun.logps(run, model, micro)
+    run = types.SimpleNamespace(g=types.SimpleNamespace(temperature=1.0), exact=lambda m: False)
+    trainer = GRPORun.logps(run, model, micro)  # the training forward
     on = micro["loss_mask"].bool()
     gap = (trainer[on] - micro["sampler_logps"][on]).abs().max()
     assert gap <= 1e-4, gap  # the cached decode against the full forward: fp32 rounding over 2 layers
+
+
+def test_engine_episodes_reuse_earlier_turns_and_their_logps_equal_the_scorers(model, monkeypatch):
+    """On the generation engine (kiln.train.grpo_engine): each turn of each episode is one request over its whole
+    history; the earlier turns' full KV blocks are reused (remembered by content), so fewer tokens run through the
+    model than the histories hold; the policy tokens given to the trainer are the drawn ones, and the scorer
+    through the engine's kernels (exact_logps) gives their log-probs at the temperature bit for bit."""
+    from kiln.train.grpo_engine import EngineDecoder, EngineRollouts, exact_logps
+
+    drawn, contexts = _spy(monkeypatch)
+    # the random model made to end its turns: the end token's head row moved along the mean hidden state (the
+    # end token's probability then averages ~0.1 over random contexts: turns of ~10 tokens)
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        ids = torch.randint(3, 400, (4, 40), generator=torch.Generator().manual_seed(0))
+        u = model.model(input_ids=ids).reshape(-1, model.config.hidden_size).mean(0)
+        model.lm_head.weight[EOS] += 2.5 * u / u.norm() ** 2
+    g = _g(max_turns=3, max_new_tokens=30, temperature=0.7, top_k=40, min_p=0.0, repetition_penalty=1.1)
+    runner, _ = _runner(model, Chatty, g)
+    rollouts = EngineRollouts(g)
+    # two episodes of one row (a group): their first turns share the prompt, one request with n = 2
+    eps = runner.run(EngineDecoder(rollouts, model), [ROW, ROW, {"prompt": "another one", "answer": "3"}], [0, 0, 1],
+                     [[1], [1], [1]], [0, 1, 2], torch.Generator().manual_seed(5), 0, torch.device("cpu"))
+    assert len(drawn) >= 2 and all(e.turns >= 2 for e in eps)
+    assert contexts[0][0][0] == contexts[0][0][1] and drawn[0][0][0] != drawn[0][1][0]  # own generators
+    assert all(engine is rollouts.engine for _, engine in contexts)  # one engine (one pool) for every turn
+    # without reuse, every request's whole history would be fed, and every drawn token but the last of each turn
+    naive = sum(len(c) for turn, _ in contexts for c in turn) + sum(len(t) - 1 for turn in drawn for t, _, _ in turn)
+    later = sum(len(turn) for turn, _ in contexts[1:])
+    # the shared prompt is fed once, not twice; each later turn's history starts with the previous request's
+    # computed tokens: at least one full block of 16
+    saved = len(contexts[0][0][0]) + 16 * later
+    assert rollouts.engine.tokens_fed <= naive - saved, (rollouts.engine.tokens_fed, naive)
+    micro = ar.to_micro(eps, 0, [EOS], torch.device("cpu"))
+    on = micro["loss_mask"].bool()
+    p = micro["prompt_len"]
+    per_ep: dict[int, list[int]] = {i: [] for i in range(len(eps))}
+    active = list(range(len(eps)))
+    for turn in drawn:
+        for i, (toks, _, _) in zip(active, turn):
+            per_ep[i] += toks
+        active = [i for i, (_, _, ended) in zip(active, turn) if ended]  # Chatty never ends an episode itself
+    for i in range(len(eps)):
+        assert micro["input_ids"][i, p:][on[i]].tolist() == per_ep[i]
+    with torch.no_grad():
+        scored = exact_logps(model, micro, 0.7)
+    assert torch.equal(scored[on], micro["sampler_logps"][on])
 
 
 @pytest.mark.parametrize("kind, message", [

@@ -3,16 +3,19 @@
 data.train is a prompts file (JSONL, CSV or HF datasets): `prompt` (grpo.prompt_field) a string or a message
 list (rendered with the chat template and its generation prompt); every other column goes to the reward
 functions. A step's rollout: `grad_accum` batches of `train.batch_size` prompts, each prompt sampled
-`num_generations` times by kiln's own `generate` (KV cache, temperature / top-k / top-p) on the weights being
-trained, in place; the completions scored (kiln.train.rewards), advantages taken within each prompt's group
+`num_generations` times on the generation engine (kiln.train.grpo_engine: one request per prompt, its prefill
+shared by the group; kiln's `generate` where the engine does not run the model) on the weights being trained, in
+place; the completions scored (kiln.train.rewards), advantages taken within each prompt's group
 (kiln.train.grpo_loss), then `num_iterations` optimizer steps on that rollout, each through the Trainer's one
-`update`. Log-probs are those of logits / temperature (as TRL's), chunked through the LM head
-(kiln.train.logps).
+`update`. Log-probs are those of logits / temperature (as TRL's): after engine rollouts with `exact_logprobs`,
+through the engine's kernels in one packed pass (the sampler's bits); else chunked through the LM head of the
+training forward (kiln.train.logps).
 
 `sampler = "fast"` (default) takes the sampler's log-probs from the decode itself (no extra forward) as the old
 policy's; `"exact"` recomputes them with the trainer's own forward on the same micro-batches, so they equal the
 first update's bit for bit. `logprob_gap` is the largest |sampler - trainer| log-prob of a completion token at
-the rollout's first update: 0 on the exact path, the cached decode's rounding on the fast one. With beta > 0
+the rollout's first update: 0 on the engine's kernels and on the exact path, the rounding between two
+computations otherwise. With beta > 0
 the KL is to the starting weights: under [lora] the base with the adapters off (no copy), else a frozen copy.
 
 Each rollout's sampling seed derives from (train.seed, rollout, the micro-batch's place in the global batch: one
@@ -31,6 +34,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from kiln.data import read_records
 from kiln.data.hfdata import source_sha256
@@ -46,7 +50,7 @@ from kiln.train.grpo_alarms import named
 from kiln.train.grpo_config import GRPOSection
 from kiln.train.grpo_loss import advantages, clipped, combine_rewards, is_correction, loss_parts, rloo_advantages, \
     token_loss
-from kiln.train.grpo_rollout import GRPORun, Prompts, RolloutModel, core_of, rollout_seed
+from kiln.train.grpo_rollout import GRPORun, Prompts, core_of, rollout_seed
 from kiln.train.plans import place_frozen
 from kiln.train.recipes.base import Extension, Recipe, RunParts, add_lora, build_model, check_text_model
 from kiln.train.recipes.finetune import RecordsData
@@ -91,7 +95,7 @@ class GRPOEngine(StepEngine):
             self.placed = True
         index = run.step // g.num_iterations
         micros, per_funcs, lengths, row_lists, episodes = [], [], [], [], []
-        decoder = RolloutModel(core, run.sharded)  # its packed head serves every micro-batch of this rollout
+        decoder = r.decoder(core, run.sharded, run.world.main)  # serves every micro-batch of this rollout
         for m in range(run.args.grad_accum):
             rows = run.next_batch()["row"].tolist()
             with torch.no_grad(), run.autocast():
@@ -235,6 +239,8 @@ class GRPOEngine(StepEngine):
                 if iteration == 0 and on.any():
                     sampler = micro["old_logps"] if g.sampler == "exact" else micro["sampler_logps"]
                     sums[3] = max(float(sums[3]), float((sampler - logps.detach())[on].abs().max()))
+        if self.run.exact(run.model) and isinstance(run.model, DistributedDataParallel):
+            average_gradients(run.model, run.world.size)
         if run.plan is not None:
             run.plan.sync_gradients()
         loss = mean_gradients(run, window)
@@ -273,14 +279,33 @@ class GRPOEngine(StepEngine):
         self.stats = dict(mine["stats"])
 
 
+def average_gradients(model: nn.Module, world_size: int) -> None:
+    """DDP's gradient average, by hand: the engine's kernels call the module's submodules, not DDP's forward, so
+    DDP's reducer is never armed for that backward (its hooks return at once) and each rank holds its own sum.
+    Divided before the sum, as DDP divides."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return
+    flat = _flatten_dense_tensors(grads).div_(world_size)
+    torch.distributed.all_reduce(flat)
+    for g, f in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(f)
+
+
 class GRPOCallback(Callback):
-    """Installs the GRPO engine."""
+    """Installs the GRPO engine; after each optimizer update, the generation engine forgets its prompt blocks."""
 
     def __init__(self, run: GRPORun):
         self.run = run
 
     def wrap_engine(self, trainer: Trainer, engine: StepEngine) -> StepEngine:
         return GRPOEngine(engine, self.run)
+
+    def on_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        if self.run.rollouts is not None:  # the weights changed: blocks remembered before hold stale keys
+            self.run.rollouts.forget()
 
 
 # ---- the recipe and its table -------------------------------------------------------------------
