@@ -11,8 +11,7 @@ from typing import Any
 
 import torch
 
-from kiln.engine import Engine, SamplingParams
-from kiln.engine.runner import unsupported
+from kiln.engine.continuer import Continuer
 from kiln.errors import KilnError
 from kiln.hub.resolve import resolve_model_dir
 from kiln.models import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification
@@ -54,47 +53,6 @@ def embed(src: Source, texts: list[str], normalize: bool | None = None) -> torch
         model = _model(load_sentence_model(resolve_model_dir(src)), AutoModel)
         return model.embed(texts, normalize=normalize)
     return _model(src, AutoModel).embed(texts, normalize=True if normalize is None else normalize)
-
-
-class Continuer:
-    """Continues token lists with a causal LM: through kiln.engine where it runs the family (continuous
-    batching; one engine kept, so a chat's earlier turns are found in its cache by prefix and not recomputed),
-    else through the model's own generate loop (image prompts, families the engine does not run yet).
-
-    `many(prompts)` runs every prompt at once (the engine batches them as they come and go); `__call__` runs
-    one. Each returns the new token ids, the end token included when one ended the text."""
-
-    def __init__(self, model: torch.nn.Module, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, eos_token_ids: int | list[int] | None = None,
-                 stop: tuple[str, ...] = (), max_seqs: int = 64):
-        self.model, self.max_new_tokens, self.stop = model, max_new_tokens, tuple(stop)
-        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        self.eos = [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids
-        self.engine: Engine | None = None
-        self.why_not = unsupported(model)  # None: the engine runs it
-        if self.why_not is None and max_new_tokens >= 1:
-            self.engine = Engine(model, getattr(model, "tokenizer", None) if stop else None,
-                                 max_seqs=max_seqs, eos_token_ids=self.eos)
-
-    def many(self, prompts: list[list[int]]) -> list[list[int]]:
-        if self.max_new_tokens < 1:
-            return [[] for _ in prompts]
-        if self.engine is not None:
-            params = SamplingParams(max_tokens=self.max_new_tokens, stop=self.stop, **self.sampling)
-            return [done[0].token_ids for done in self.engine.generate(prompts, params)]
-        return [self(p) for p in prompts]
-
-    def __call__(self, prompt: list[int], prompt_inputs: dict | None = None) -> list[int]:
-        if self.engine is not None and not prompt_inputs:
-            return self.many([prompt])[0]
-        t, kw = self.sampling["temperature"], dict(self.sampling)
-        kw.update(do_sample=t > 0, temperature=t if t > 0 else 1.0)
-        if self.eos is not None:
-            kw["eos_token_id"] = self.eos
-        if prompt_inputs:
-            kw["prompt_inputs"] = prompt_inputs
-        ids = torch.tensor([prompt], device=next(self.model.parameters()).device)
-        return self.model.generate(ids, max_new_tokens=self.max_new_tokens, **kw)[0, len(prompt):].tolist()
 
 
 def generate(src: Source, prompt: str, max_new_tokens: int = 40, temperature: float = 0.0, top_k: int = 0,

@@ -15,7 +15,7 @@ ALLOWED = {
     "engine": {"models", "hub", "data"},
     "parallel": {"models", "hub"},
     "train": {"engine", "parallel", "models", "data", "hub"},
-    "interop": {"models", "hub"},
+    "interop": {"engine", "models", "hub"},
     "pipelines": {"engine", "models", "hub"},
     "serve": {"engine", "models", "data", "hub"},
     "cli": {"hub", "data", "models", "engine", "parallel", "train", "interop", "pipelines", "serve"},

@@ -121,7 +121,7 @@ class KilnLM(TemplateLM):  # type: ignore[misc,valid-type]
         """Greedy (or sampled, when the task's gen_kwargs say do_sample) continuations cut at `until`. Requests
         with the same settings run together through kiln.engine (continuous batching; the stop strings end a
         sequence as soon as one appears), or one by one through the model's loop for families it does not run."""
-        from kiln.pipelines import Continuer
+        from kiln.engine.continuer import Continuer
 
         jobs: dict[tuple, list[int]] = {}  # the generation settings -> the requests that share them
         settings, contexts = [], []

@@ -47,17 +47,17 @@ def qwen3_chat_model(tmp_path_factory):
 
 def test_chat_shows_tool_calls_and_sends_results_back(qwen3_chat_model, monkeypatch):
     """The model's replies are scripted (a tiny random model calls no tool); all else is the real command."""
-    import kiln.pipelines as pipelines
+    import kiln.engine.continuer as continuer
 
     model_dir, tools = qwen3_chat_model
     prompts = []
 
-    class Scripted(pipelines.Continuer):
+    class Scripted(continuer.Continuer):
         def __call__(self, prompt, prompt_inputs=None):
             prompts.append(self.model.tokenizer.decode(prompt, skip_special_tokens=False))
             return self.model.tokenizer.backend.encode(SCRIPT[len(prompts) - 1], add_special_tokens=False).ids
 
-    monkeypatch.setattr(pipelines, "Continuer", Scripted)
+    monkeypatch.setattr(continuer, "Continuer", Scripted)
     r = CliRunner().invoke(app, ["chat", str(model_dir), "--tools", str(tools)], input='Weather in Paris?\n{"temp": 18}\n\n')
     assert r.exit_code == 0, r.output
     assert "think> The user wants weather." in r.output

@@ -1,0 +1,55 @@
+"""Continuing token lists with a causal LM: on the engine where it runs the family, else on the model's loop.
+
+`Continuer` is what `kiln generate`, `kiln chat`, `kiln eval`'s generation tasks and `kiln.pipelines.generate`
+call: one engine kept for its life (so a chat's earlier turns are found in the cache by prefix), and the model's
+own generate loop for image prompts and families the engine refuses (`kiln.engine.runner.unsupported` says why).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.engine.engine import Engine
+from kiln.engine.params import SamplingParams
+from kiln.engine.runner import unsupported
+
+
+class Continuer:
+    """Continues token lists with a causal LM: through kiln.engine where it runs the family (continuous
+    batching; one engine kept, so a chat's earlier turns are found in its cache by prefix and not recomputed),
+    else through the model's own generate loop (image prompts, families the engine does not run yet).
+
+    `many(prompts)` runs every prompt at once (the engine batches them as they come and go); `__call__` runs
+    one. Each returns the new token ids, the end token included when one ended the text."""
+
+    def __init__(self, model: torch.nn.Module, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, eos_token_ids: int | list[int] | None = None,
+                 stop: tuple[str, ...] = (), max_seqs: int = 64):
+        self.model, self.max_new_tokens, self.stop = model, max_new_tokens, tuple(stop)
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        self.eos = [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids
+        self.engine: Engine | None = None
+        self.why_not = unsupported(model)  # None: the engine runs it
+        if self.why_not is None and max_new_tokens >= 1:
+            self.engine = Engine(model, getattr(model, "tokenizer", None) if stop else None,
+                                 max_seqs=max_seqs, eos_token_ids=self.eos)
+
+    def many(self, prompts: list[list[int]]) -> list[list[int]]:
+        if self.max_new_tokens < 1:
+            return [[] for _ in prompts]
+        if self.engine is not None:
+            params = SamplingParams(max_tokens=self.max_new_tokens, stop=self.stop, **self.sampling)
+            return [done[0].token_ids for done in self.engine.generate(prompts, params)]
+        return [self(p) for p in prompts]
+
+    def __call__(self, prompt: list[int], prompt_inputs: dict | None = None) -> list[int]:
+        if self.engine is not None and not prompt_inputs:
+            return self.many([prompt])[0]
+        t, kw = self.sampling["temperature"], dict(self.sampling)
+        kw.update(do_sample=t > 0, temperature=t if t > 0 else 1.0)
+        if self.eos is not None:
+            kw["eos_token_id"] = self.eos
+        if prompt_inputs:
+            kw["prompt_inputs"] = prompt_inputs
+        ids = torch.tensor([prompt], device=next(self.model.parameters()).device)
+        return self.model.generate(ids, max_new_tokens=self.max_new_tokens, **kw)[0, len(prompt):].tolist()
