@@ -13,7 +13,7 @@ where a completion token is scored, padded or packed alike, so packing saves the
 shape's body-to-head cost per token (12 x layers x hidden / vocabulary = 4.5) is that of real models (Qwen3-0.6B
 2.3, Llama-3-8B 12), where bench_dpo.py's 151,936-word vocabulary on a 4-layer body would be mostly head.
 Full weights, loss "sigmoid", beta 0.1, the reference a frozen copy of the starting weights, batch 8 pairs,
-max_length 400, AdamW lr 1e-5, fp32, seed 0: both sides see the same pairs in the same micro-batches, so the
+max_length 400, AdamW lr 1e-5, fp32, kiln's default seed: both sides see the same pairs in the same micro-batches, so the
 losses are equal (within float32 rounding: the first step's to 1e-5 relative, checked, every step's printed).
 
 Each side runs in its own process; rounds interleave; tokens/s counts the real (unpadded) chosen + rejected tokens
@@ -28,16 +28,15 @@ import argparse
 import json
 import math
 import random
-import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dpo import LR, BETA, pairs as chatterbot_pairs, timed_rate  # noqa: E402
-from common import interleaved, peak_mb_above, report, rss_kb, setup_torch  # noqa: E402
+from bench_dpo import pairs as chatterbot_pairs
+from bench_dpo import run_kiln
+from common import interleaved, report
 
 SIZE = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=False,
@@ -88,49 +87,6 @@ def prepare(tmp: Path, n_pairs: int) -> dict:
     return {"min": min(lengths), "median": statistics.median(lengths), "max": max(lengths)}
 
 
-def run_side(tmp: Path, pack: bool, steps: int, warmup: int) -> dict:
-    import torch  # noqa: F401
-    from kiln.train import Callback
-    from kiln.train.config import load_run_config
-    from kiln.train.run import build_trainer
-
-    setup_torch()
-    base = rss_kb()
-    stamps: list[tuple[float, int]] = []
-    losses: list[float] = []
-
-    class Clock(Callback):
-        def on_step(self, trainer, record):  # after the dpo callback put the pairs' real tokens in the record
-            stamps.append((time.perf_counter(), (stamps[-1][1] if stamps else 0) + record["tokens"]))
-            losses.append(record["loss"])
-
-    out = tmp / f"run-{time.time_ns()}"
-    cfg = tmp / f"{out.name}.toml"
-    cfg.write_text(f"""[model]
-path = "{tmp / 'model'}"
-task = "causal-lm"
-[data]
-train = "{tmp / 'pairs.jsonl'}"
-max_length = {MAX_LENGTH}
-pack = {str(pack).lower()}
-[train]
-out_dir = "{out}"
-steps = {steps + warmup}
-batch_size = {BATCH}
-lr = {LR}
-seed = 0
-save_at_end = false
-progress = false
-[dpo]
-beta = {BETA}
-""")
-    trainer = build_trainer(load_run_config(cfg))
-    trainer.callbacks.append(Clock())
-    trainer.fit()
-    shutil.rmtree(out, ignore_errors=True)
-    return {"tokens_per_s": timed_rate(stamps, warmup), "peak_mb": peak_mb_above(base), "losses": losses}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
@@ -160,6 +116,7 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 6 and sys.argv[1] == "--child":
         side, tmp, steps, warmup = sys.argv[2:]
-        print(json.dumps(run_side(Path(tmp), side == "packed", int(steps), int(warmup))))
+        print(json.dumps(run_kiln(Path(tmp), False, int(steps), int(warmup), BATCH, MAX_LENGTH,
+                                  f"pack = {str(side == 'packed').lower()}")))
     else:
         main()

@@ -14,8 +14,9 @@ alike: kept where the model keeps packed samples apart, otherwise refused when a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -181,8 +181,8 @@ def test_a_model_that_cannot_keep_samples_apart_is_refused_or_unpacked(tmp_path)
     said: list[str] = []
     default = PreferenceData(train=str(tmp_path / "x.jsonl"))
     settle_pack(default, mamba, "mamba-tiny", said.append)
-    assert default.pack is False and said == ["data.pack: mamba-tiny does not keep packed samples apart, so each "
-                                              "row holds one sample"]
+    assert default.pack is False
+    assert said == ["data.pack: mamba-tiny does not keep packed samples apart, so each row holds one sample"]
     settle_pack(kept := PreferenceData(train=str(tmp_path / "x.jsonl")), tiny(), "qwen3")
     assert kept.pack is True
 

@@ -26,10 +26,11 @@ import copy
 import hashlib
 import json
 import math
-import sys
 import os
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from pydantic import ConfigDict, Field, model_validator
@@ -49,11 +50,11 @@ from kiln.models.common.tied_grad import coalesce_tied_gradient
 from kiln.models.tasks import CAUSAL_LM
 from kiln.parallel.world import World, all_reduce_sum, barrier
 from kiln.train.config import NonNegative, Positive, RunConfig, Section, finite
+from kiln.train.engine import StepEngine
 from kiln.train.packing import Layout, lay_out, layout_logps, settle_pack
+from kiln.train.plans import place_frozen
 from kiln.train.preference import LEARNS_CHOSEN, REFERENCE_FREE, LossType, PairLosses, preference_losses
 from kiln.train.recipes.base import Extension, RunParts, add_lora, build_model, check_text_model
-from kiln.train.engine import StepEngine
-from kiln.train.plans import place_frozen
 from kiln.train.recipes.finetune import FineTune, RecordsData
 from kiln.train.trainer import Callback, Trainer
 
