@@ -85,7 +85,9 @@ def timed_rate(stamps: list[tuple[float, int]], warmup: int) -> float:
     return (n1 - n0) / (t1 - t0)
 
 
-def run_kiln(tmp: Path, precompute: bool, steps: int, warmup: int) -> dict:
+def run_kiln(tmp: Path, precompute: bool, steps: int, warmup: int, batch: int = BATCH, max_length: int = MAX_LENGTH,
+             data: str = "") -> dict:
+    """`kiln train` on tmp's model and pairs; `data`: more [data] lines. Tokens/s, peak memory, each step's loss."""
     import torch  # noqa: F401  (imported before the baseline, as on the peer side)
     from kiln.train import Callback
     from kiln.train.config import load_run_config
@@ -94,10 +96,12 @@ def run_kiln(tmp: Path, precompute: bool, steps: int, warmup: int) -> dict:
     setup_torch()
     base = rss_kb()
     stamps: list[tuple[float, int]] = []
+    losses: list[float] = []
 
     class Clock(Callback):
         def on_step(self, trainer, record):  # after the dpo callback put the pairs' real tokens in the record
             stamps.append((time.perf_counter(), (stamps[-1][1] if stamps else 0) + record["tokens"]))
+            losses.append(record["loss"])
 
     out = tmp / f"run-{time.time_ns()}"
     cfg = tmp / f"{out.name}.toml"
@@ -106,11 +110,12 @@ path = "{tmp / 'model'}"
 task = "causal-lm"
 [data]
 train = "{tmp / 'pairs.jsonl'}"
-max_length = {MAX_LENGTH}
+max_length = {max_length}
+{data}
 [train]
 out_dir = "{out}"
 steps = {steps + warmup}
-batch_size = {BATCH}
+batch_size = {batch}
 lr = {LR}
 save_at_end = false
 progress = false
@@ -122,7 +127,7 @@ precompute_reference = {str(precompute).lower()}
     trainer.callbacks.append(Clock())
     trainer.fit()
     shutil.rmtree(out, ignore_errors=True)
-    return {"tokens_per_s": timed_rate(stamps, warmup), "peak_mb": peak_mb_above(base)}
+    return {"tokens_per_s": timed_rate(stamps, warmup), "peak_mb": peak_mb_above(base), "losses": losses}
 
 
 def run_peer(tmp: Path, precompute: bool, steps: int, warmup: int) -> dict:

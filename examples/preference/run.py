@@ -41,16 +41,16 @@ def preference_accuracy(model_dir: Path, pairs: Path, max_length: int = 64) -> f
     from kiln.data.loader import pad_collate
     from kiln.data.preference import encode_preferences
     from kiln.models import AutoModelForCausalLM
-    from kiln.train.logps import token_logps
-    from kiln.train.recipes.dpo import join_pairs
+    from kiln.train.packing import layout_logps
+    from kiln.train.recipes.dpo import pair_layout
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     examples, _ = encode_preferences(read_records(pairs), model.tokenizer, max_length)
     right = 0
     with torch.no_grad():
         for s in range(0, len(examples), 32):
-            ids, attn, comp, n = join_pairs(pad_collate(examples[s:s + 32]))
-            total = (token_logps(model, ids, attn, comp)[:, :-1] * comp[:, 1:]).sum(-1)
+            layout = pair_layout(pad_collate(examples[s:s + 32]), pack=model.packs_samples())
+            total, n = layout.per_sequence(layout_logps(model, layout, "comp")), layout.n // 2
             right += int((total[:n] > total[n:]).sum())
     return right / len(examples)
 

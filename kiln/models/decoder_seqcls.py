@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kiln.errors import KilnError
+from kiln.models.common.causal_lm import ForCausalLM
 from kiln.models.heads import ForSequenceClassification, ModelOutput
 from kiln.models.pretrained import PreTrainedModel
 
@@ -37,14 +38,22 @@ class DecoderForSequenceClassification(ForSequenceClassification):
         self.model = model
         self.score = nn.Linear(hidden_size, num_labels, bias=False)
 
+    # whether packed rows keep samples apart: the causal LM's question, asked of the same backbone
+    packs_samples = ForCausalLM.packs_samples
+
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
-                labels=None) -> ModelOutput:
+                labels=None, read_at: torch.Tensor | None = None) -> ModelOutput:
+        """`read_at` (2, N): the (row, position) of each score for rows that hold several sequences (packed, their
+        positions restarting per sequence): one score per sequence, read at its last token."""
         if input_ids is None:
             raise KilnError("a decoder's sequence score reads input_ids to find each row's last token")
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             inputs_embeds=inputs_embeds)  # (B, T, C)
-        rows = torch.arange(input_ids.shape[0], device=hidden.device)
-        # the head over every position, then one row each, as transformers (the exact path stays bitwise equal)
-        logits = self.score(hidden)[rows, last_token_index(input_ids, self.config.pad_token_id).to(hidden.device)]
+        if read_at is not None:
+            logits = self.score(hidden[read_at[0], read_at[1]])  # (N, labels): only where a score is read
+        else:
+            rows = torch.arange(input_ids.shape[0], device=hidden.device)
+            # the head over every position, then one row each, as transformers (the exact path stays bitwise equal)
+            logits = self.score(hidden)[rows, last_token_index(input_ids, self.config.pad_token_id).to(hidden.device)]
         return ModelOutput(logits=logits, loss=None if labels is None else self.loss(logits, labels),
                            last_hidden_state=hidden)

@@ -191,7 +191,8 @@ def test_export_scored_equally_by_transformers(pairs, tmp_path):
     examples, batch, _ = _kiln(arithmetic_pairs(6, 9), out)
     from kiln.train.recipes.reward_model import pair_batch
 
-    ids, attn, _ = pair_batch(batch, ours.config.pad_token_id)
+    layout = pair_batch(batch, ours.config.pad_token_id)
+    ids, attn = layout.input_ids, layout.attention_mask
     with torch.no_grad():
         a = ours(input_ids=ids, attention_mask=attn).logits
         b = hf(input_ids=ids, attention_mask=attn).logits

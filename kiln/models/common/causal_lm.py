@@ -107,16 +107,19 @@ class ForCausalLM(PreTrainedModel):
         return fast_lm_loss_sum(hidden, self.output_weight, targets)
 
     def token_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, targets: torch.Tensor, *,
-                    chunk: int | None = None, temperature: float = 1.0) -> torch.Tensor:
+                    chunk: int | None = None, temperature: float = 1.0,
+                    position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T) fp32 log-probs of `targets` (B, T: the next token at each position, IGNORE_INDEX where
         nothing is scored, 0 there) under logits / temperature: the backbone's hidden states through
         `hidden_token_logps` (this class's forward would also run the head on the last position, unused).
-        Under DDP call the wrapper's forward and `hidden_token_logps` instead."""
+        `position_ids`: packed rows' (positions restarting per sample). Under DDP call the wrapper's forward
+        and `hidden_token_logps` instead."""
         head = deferred_head(self)  # before the backbone (kiln.models.common.tied_grad)
         if type(self).forward is ForCausalLM.forward:
-            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask)
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
         else:  # a family's own forward (what it adds to the backbone's hidden states)
-            out = self.forward(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1)
+            out = self.forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               logits_to_keep=1)
             hidden = out.last_hidden_state
         return self.hidden_token_logps(hidden, targets, chunk=chunk, temperature=temperature, head=head)
 

@@ -26,10 +26,11 @@ import copy
 import hashlib
 import json
 import math
-import sys
 import os
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from pydantic import ConfigDict, Field, model_validator
@@ -49,11 +50,11 @@ from kiln.models.common.tied_grad import coalesce_tied_gradient
 from kiln.models.tasks import CAUSAL_LM
 from kiln.parallel.world import World, all_reduce_sum, barrier
 from kiln.train.config import NonNegative, Positive, RunConfig, Section, finite
-from kiln.train.logps import token_logps
+from kiln.train.engine import StepEngine
+from kiln.train.packing import Layout, lay_out, layout_logps, settle_pack
+from kiln.train.plans import place_frozen
 from kiln.train.preference import LEARNS_CHOSEN, REFERENCE_FREE, LossType, PairLosses, preference_losses
 from kiln.train.recipes.base import Extension, RunParts, add_lora, build_model, check_text_model
-from kiln.train.engine import StepEngine
-from kiln.train.plans import place_frozen
 from kiln.train.recipes.finetune import FineTune, RecordsData
 from kiln.train.trainer import Callback, Trainer
 
@@ -64,6 +65,8 @@ STATS = ("pairs", "tokens", "loss", "rewards/chosen", "rewards/rejected", "rewar
 
 class PreferenceData(RecordsData):
     """[data] of a dpo run: preference rows; max_length caps each prompt + reply (the start is kept)."""
+    pack: bool = True  # a micro-batch's sequences packed into rows, attention kept per sequence
+                       # (where the model cannot keep them apart, one per row: kiln.train.packing)
 
 
 class DPOSection(Section):
@@ -90,18 +93,18 @@ class DPOSection(Section):
         return self
 
 
-def join_pairs(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """(input_ids, attention_mask, completion_mask), each (2B, T): the B chosen rows, then the B rejected."""
-    width = max(batch["chosen_ids"].shape[1], batch["rejected_ids"].shape[1])
-
-    def pad(t: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (0, width - t.shape[1]))
-
-    ids = torch.cat([pad(batch["chosen_ids"]), pad(batch["rejected_ids"])])
-    comp = torch.cat([pad(batch["chosen_mask"]), pad(batch["rejected_mask"])])
-    lengths = torch.cat([batch["chosen_len"], batch["rejected_len"]])
-    attn = (torch.arange(width, device=ids.device)[None, :] < lengths[:, None]).long()
-    return ids, attn, comp, batch["chosen_ids"].shape[0]
+def pair_layout(batch: Mapping[str, torch.Tensor], pack: bool, whole: bool = False) -> Layout:
+    """The B chosen sequences, then the B rejected, padded or packed (kiln.train.packing); mask "comp" scores
+    their completions, and with `whole` mask "whole" every token (ORPO's NLL reads the prompt too)."""
+    ids, comp = [], []
+    for side in ("chosen", "rejected"):
+        for i, n in enumerate(batch[f"{side}_len"].tolist()):
+            ids.append(batch[f"{side}_ids"][i, :n])
+            comp.append(batch[f"{side}_mask"][i, :n])
+    masks = {"comp": comp}
+    if whole:
+        masks["whole"] = [torch.ones_like(c) for c in comp]
+    return lay_out(ids, masks, pack)
 
 
 @contextlib.contextmanager
@@ -139,8 +142,8 @@ class DPORun(Callback):
     """The step, the evaluation, the reference and the per-step reward metrics of one dpo run."""
 
     def __init__(self, cfg: DPOSection, train: list[Example], evals: list[Example] | None,
-                 starting_copy: nn.Module | None):
-        self.cfg, self.train, self.evals = cfg, train, evals
+                 starting_copy: nn.Module | None, pack: bool = False):
+        self.cfg, self.train, self.evals, self.pack = cfg, train, evals, pack
         self.trainer: Trainer | None = None
         self.ready = False
         self.started = False  # the first step's one-time setup done
@@ -181,12 +184,11 @@ class DPORun(Callback):
         return model, adapters_off(model)
 
     @torch.no_grad()
-    def _live_reference(self, model: nn.Module, ids: torch.Tensor, attn: torch.Tensor,
-                        comp: torch.Tensor) -> torch.Tensor:
+    def _live_reference(self, model: nn.Module, layout: Layout) -> torch.Tensor:
         """(2B,) the reference's summed completion log-probs."""
         ref, off = self._reference_model(model)
         with off, evaluating(ref):
-            return (token_logps(ref, ids, attn, comp)[:, :-1] * comp[:, 1:]).sum(-1)
+            return layout.per_sequence(layout_logps(ref, layout, "comp"))
 
     def _write_cache(self, path: Path) -> None:
         from safetensors.torch import save_file
@@ -197,9 +199,10 @@ class DPORun(Callback):
         for split, examples in (("train", self.train), ("eval", self.evals or [])):
             values = torch.zeros(len(examples), 2, dtype=torch.float64, device=t.device)
             for idx, batch in self._share(examples, rank, shards):
-                ids, attn, comp, n = join_pairs(batch)
+                layout = pair_layout(batch, self.pack)
+                n = layout.n // 2
                 with t.autocast():
-                    ref = self._live_reference(t.model, ids, attn, comp)
+                    ref = self._live_reference(t.model, layout)
                 values[idx] = torch.stack([ref[:n], ref[n:]], dim=1).double()
             out[split] = all_reduce_sum(values, world).float().cpu()
         if world.main:
@@ -236,36 +239,35 @@ class DPORun(Callback):
             raise KilnError(f"{trainer.out_dir / CACHE}: sha256 {self.cache_sha} differs from the {want} recorded "
                             "in the checkpoint; the cached reference log-probs changed since it was saved")
 
-    def _reference(self, model: nn.Module, batch: Mapping[str, torch.Tensor], split: str, ids: torch.Tensor,
-                   attn: torch.Tensor, comp: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _reference(self, model: nn.Module, batch: Mapping[str, torch.Tensor], split: str,
+                   layout: Layout) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self.cfg.loss_type in REFERENCE_FREE:
             return None, None
         if self.cache is not None:
-            values = self.cache[split].to(ids.device)[batch["index"]]  # (B, 2)
+            values = self.cache[split].to(layout.input_ids.device)[batch["index"]]  # (B, 2)
             return values[:, 0], values[:, 1]
-        ref = self._live_reference(model, ids, attn, comp)
-        n = ids.shape[0] // 2
+        ref = self._live_reference(model, layout)
+        n = layout.n // 2
         return ref[:n], ref[n:]
 
     # ---- the step -----------------------------------------------------------------------------
     def pair_losses(self, model: nn.Module, batch: Mapping[str, torch.Tensor], split: str) -> tuple[PairLosses, int]:
         """The micro-batch's per-pair losses (through the policy's one forward over chosen + rejected)."""
         c = self.cfg
-        ids, attn, comp, n = join_pairs(batch)
-        ref_chosen, ref_rejected = self._reference(model, batch, split, ids, attn, comp)  # before the policy:
+        orpo = c.loss_type == "orpo"
+        layout = pair_layout(batch, self.pack, whole=orpo)
+        n = layout.n // 2
+        ref_chosen, ref_rejected = self._reference(model, batch, split, layout)  # before the policy:
         # under DDP the forward that builds the graph must be the last one before backward
-        scored = attn if c.loss_type == "orpo" else comp  # ORPO's NLL reads the prompt too (as TRL's)
-        logps = token_logps(model, ids, attn, scored)[:, :-1]  # (2B, T-1)
-        target = comp[:, 1:]
-        sums, counts = (logps * target).sum(-1), target.sum(-1)
+        logps = layout_logps(model, layout, "whole" if orpo else "comp")  # (R, W); ORPO's NLL reads the prompt
+        sums, counts = layout.per_sequence(logps * layout.scored["comp"]), layout.count("comp")
         nll = None
-        if c.loss_type == "orpo":
-            whole = attn[:n, 1:]
-            nll = -(logps[:n] * whole).sum() / whole.sum().clamp(min=1)
+        if orpo:  # the mean over the chosen sequences' tokens (as TRL's)
+            nll = -layout.per_sequence(logps)[:n].sum() / layout.count("whole")[:n].sum().clamp(min=1)
         pl = preference_losses(c.loss_type, sums[:n], sums[n:], counts[:n], counts[n:], ref_chosen=ref_chosen,
                                ref_rejected=ref_rejected, beta=c.beta, label_smoothing=c.label_smoothing,
                                gamma=c.gamma, lam=c.lambda_, chosen_nll=nll)
-        return pl, int(attn.sum())
+        return pl, layout.tokens()
 
     def step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         if not self.started:  # a tied embedding's gradient without its dense transient (unsharded weights),
@@ -362,6 +364,7 @@ class DPO(FineTune):
         eval_records = read_records(d.eval, d.format) if d.eval else None
         model = build_model(cfg, None)
         on_model(model)
+        settle_pack(d, model, cfg.model.path or cfg.model.family, lambda m: print(m) if world.main else None)
         check_text_model(cfg, model, d.max_length)
         add_lora(cfg, model)
         train, stats = encode_preferences(train_records, model.tokenizer, d.max_length)
@@ -407,7 +410,7 @@ class DPOExtension(Extension):
                               "(the reference is the base), dpo.reference or dpo.precompute_reference")
         # the starting weights (a resume loads its own later): frozen, sharded beside the policy at the first step
         starting = copy.deepcopy(parts.model) if copy_needed else None
-        run = DPORun(c, list(parts.data), list(evals) if evals is not None else None, starting)
+        run = DPORun(c, list(parts.data), list(evals) if evals is not None else None, starting, cfg.data.pack)
         parts.step = run.step
         parts.evaluate = run.evaluate if evals else None
         parts.callbacks.append(run)

@@ -33,7 +33,7 @@ from kiln.models.tasks import CAUSAL_LM
 from kiln.parallel.world import World, all_reduce_sum
 from kiln.train.config import Positive, RunConfig, Section
 from kiln.train.engine import StepEngine
-from kiln.train.logps import token_logps
+from kiln.train.packing import Layout, lay_out, layout_logps, settle_pack
 from kiln.train.plans import place_frozen
 from kiln.train.recipes.base import Extension, RunParts, add_lora, build_model, check_text_model
 from kiln.train.recipes.dpo import adapters_off, evaluating
@@ -49,6 +49,8 @@ SUMS = ("rows", "tokens", "loss", "kl", "batches", "chosen", "rewards/chosen", "
 
 class UnpairedData(RecordsData):
     """[data] of a kto run: rows {prompt, completion, label}; max_length caps each prompt + completion."""
+    pack: bool = True  # a micro-batch's sequences packed into rows, attention kept per sequence
+                       # (where the model cannot keep them apart, one per row: kiln.train.packing)
 
 
 class KTOSection(Section):
@@ -61,25 +63,21 @@ class KTOSection(Section):
 
 
 
-def unpaired_batch(batch: Mapping[str, torch.Tensor], max_length: int, shift: int = 0
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask, completion_mask), each (B, T), right-padded with 0: row i is prompt i followed
-    by completion i - shift (cyclic; shift 1 is TRL's KL pairing), cut to `max_length`."""
+def unpaired_layout(batch: Mapping[str, torch.Tensor], max_length: int, pack: bool, shift: int = 0) -> Layout:
+    """The micro-batch's sequences, padded with 0 or packed (kiln.train.packing): sequence i is prompt i followed
+    by completion i - shift (cyclic; shift 1 is TRL's KL pairing), cut to `max_length`; mask "comp" scores the
+    completion."""
     n = batch["prompt_ids"].shape[0]
-    rows = []
+    plens, clens = batch["prompt_len"].tolist(), batch["completion_len"].tolist()
+    ids, comp = [], []
     for i in range(n):
         j = (i - shift) % n
-        p = batch["prompt_ids"][i][:int(batch["prompt_len"][i])]
-        c = batch["completion_ids"][j][:int(batch["completion_len"][j])]
-        rows.append((torch.cat([p, c])[:max_length], len(p)))
-    width = max(len(r) for r, _ in rows)
-    device = batch["prompt_ids"].device
-    ids = torch.zeros(n, width, dtype=torch.long, device=device)
-    attn = torch.zeros_like(ids)
-    comp = torch.zeros_like(ids)
-    for i, (seq, plen) in enumerate(rows):
-        ids[i, :len(seq)], attn[i, :len(seq)], comp[i, plen:len(seq)] = seq, 1, 1
-    return ids, attn, comp
+        seq = torch.cat([batch["prompt_ids"][i][:plens[i]], batch["completion_ids"][j][:clens[j]]])[:max_length]
+        mask = torch.zeros_like(seq)
+        mask[plens[i]:] = 1
+        ids.append(seq)
+        comp.append(mask)
+    return lay_out(ids, {"comp": comp}, pack)
 
 
 def kto_losses(loss_type: str, logratios: torch.Tensor, labels: torch.Tensor, kl: torch.Tensor, beta: float,
@@ -98,8 +96,8 @@ class KTORun(Callback):
     """The step, the evaluation, the reference and the per-step metrics of one kto run."""
 
     def __init__(self, cfg: KTOSection, max_length: int, evals: list[dict[str, torch.Tensor]] | None,
-                 starting_copy: nn.Module | None):
-        self.cfg, self.max_length, self.evals = cfg, max_length, evals
+                 starting_copy: nn.Module | None, pack: bool = False):
+        self.cfg, self.max_length, self.evals, self.pack = cfg, max_length, evals, pack
         self.ref_model = starting_copy
         self.trainer: Trainer | None = None
         self.ready = False
@@ -120,7 +118,7 @@ class KTORun(Callback):
             self.ref_model = place_frozen(self.ref_model, t.device, t.plan, t.parallel, not t.args.exact)
 
     @torch.no_grad()
-    def _seq_logps(self, model: nn.Module, ids, attn, comp, reference: bool) -> torch.Tensor:
+    def _seq_logps(self, model: nn.Module, layout: Layout, reference: bool) -> torch.Tensor:
         """(B,) summed completion log-probs, no gradient: the policy's (in its current mode, as TRL's KL pass), or
         the reference's (the frozen copy in eval mode, or under [lora] the policy with its adapters off)."""
         ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
@@ -129,7 +127,7 @@ class KTORun(Callback):
         elif reference:
             ctx = adapters_off(model)
         with ctx:
-            return (token_logps(model, ids, attn, comp)[:, :-1] * comp[:, 1:]).sum(-1)
+            return layout.per_sequence(layout_logps(model, layout, "comp"))
 
     def row_losses(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         """(per-row losses (B,), what the metrics need) for one micro-batch."""
@@ -140,20 +138,20 @@ class KTORun(Callback):
             if labels.shape[0] < 2:
                 raise KilnError("kto: the KL reference point pairs each prompt with another row's completion; "
                                 "a micro-batch of one row has none (set train.batch_size >= 2)")
-            kids, kattn, kcomp = unpaired_batch(batch, self.max_length, shift=1)
-            kl_rows = self._seq_logps(model, kids, kattn, kcomp, False) - self._seq_logps(model, kids, kattn, kcomp, True)
+            mismatched = unpaired_layout(batch, self.max_length, self.pack, shift=1)
+            kl_rows = self._seq_logps(model, mismatched, False) - self._seq_logps(model, mismatched, True)
             kl = kl_rows.mean()
             world = self.trainer.world if self.trainer is not None else None
             if world is not None and world.size > 1:  # TRL gathers the per-process means and averages them
                 kl = all_reduce_sum(kl.reshape(1).double(), world)[0].float() / world.size
             kl = kl.clamp(min=0)
-        ids, attn, comp = unpaired_batch(batch, self.max_length)
-        ref = self._seq_logps(model, ids, attn, comp, True)  # before the policy: under DDP the graph's forward is last
-        logps = (token_logps(model, ids, attn, comp)[:, :-1] * comp[:, 1:]).sum(-1)
+        layout = unpaired_layout(batch, self.max_length, self.pack)
+        ref = self._seq_logps(model, layout, True)  # before the policy: under DDP the graph's forward is last
+        logps = layout.per_sequence(layout_logps(model, layout, "comp"))
         ratios = logps - ref
         losses = kto_losses(c.loss_type, ratios, labels, kl, c.beta, c.desirable_weight, c.undesirable_weight)
         return losses, {"labels": labels, "kl": kl.detach(), "rewards": c.beta * ratios.detach(),
-                        "logps": logps.detach(), "tokens": float(attn.sum())}
+                        "logps": logps.detach(), "tokens": float(layout.tokens())}
 
     @staticmethod
     def _stats(losses: torch.Tensor, info: dict[str, Any], weight: torch.Tensor) -> torch.Tensor:
@@ -231,6 +229,7 @@ class KTO(FineTune):
         eval_records = read_records(d.eval, d.format) if d.eval else None
         model = build_model(cfg, None)
         on_model(model)
+        settle_pack(d, model, cfg.model.path or cfg.model.family, lambda m: print(m) if world.main else None)
         check_text_model(cfg, model, d.max_length)
         add_lora(cfg, model)
         train, stats = encode_unpaired(train_records, model.tokenizer, d.max_length)
@@ -267,7 +266,7 @@ class KTOExtension(Extension):
             raise ConfigError("[kto] with the weights read sharded: the default reference is a whole copy of the "
                               "starting weights, which no process holds; use [lora] or kto.reference")
         starting = copy.deepcopy(parts.model) if copy_needed else None
-        run = KTORun(c, cfg.data.max_length, list(evals) if evals is not None else None, starting)
+        run = KTORun(c, cfg.data.max_length, list(evals) if evals is not None else None, starting, cfg.data.pack)
         parts.step = run.step
         parts.evaluate = run.evaluate if evals else None
         parts.callbacks.append(run)

@@ -27,6 +27,7 @@ from kiln.errors import ConfigError, KilnError
 from kiln.models.tasks import REWARD_MODEL, SEQUENCE_CLASSIFICATION
 from kiln.parallel.world import World, all_reduce_sum
 from kiln.train.config import NonNegative, RunConfig, Section
+from kiln.train.packing import Layout, lay_out, settle_pack
 from kiln.train.recipes.base import Extension, RunParts, build_model, check_text_model
 from kiln.train.recipes.finetune import FineTune, RecordsData
 from kiln.train.shares import eval_share, record_tokens
@@ -37,6 +38,8 @@ STATS = ("pairs", "tokens", "loss", "accuracy", "margin", "rewards/chosen", "rew
 
 class RewardData(RecordsData):
     """[data] of a reward-model run: preference rows; a pair with a side longer than max_length is dropped."""
+    pack: bool = True  # a micro-batch's sequences packed into rows, attention kept per sequence
+                       # (where the model cannot keep them apart, one per row: kiln.train.packing)
 
 
 class RewardSection(Section):
@@ -45,18 +48,12 @@ class RewardSection(Section):
 
 
 
-def pair_batch(batch: Mapping[str, torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(input_ids, attention_mask), each (2B, T): the B chosen rows then the B rejected, right-padded with
-    `pad_id` (the head reads each row at its last non-pad token, as TRL's collator pads)."""
-    n = batch["chosen_ids"].shape[0]
-    lengths = torch.cat([batch["chosen_len"], batch["rejected_len"]])
-    width = int(lengths.max())
-    attn = (torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]).long()
-    ids = torch.full((2 * n, width), pad_id, dtype=torch.long, device=lengths.device)
-    for i, key in enumerate(("chosen_ids", "rejected_ids")):
-        t = batch[key][:, :width]
-        ids[i * n:(i + 1) * n, :t.shape[1]] = t
-    return ids.masked_fill(attn == 0, pad_id), attn, n
+def pair_batch(batch: Mapping[str, torch.Tensor], pad_id: int, pack: bool = False) -> Layout:
+    """The B chosen sequences then the B rejected, padded with `pad_id` (the head reads each row at its last
+    non-pad token, as TRL's collator pads) or packed (each read at its last token; kiln.train.packing)."""
+    ids = [batch[f"{side}_ids"][i, :n] for side in ("chosen", "rejected")
+           for i, n in enumerate(batch[f"{side}_len"].tolist())]
+    return lay_out(ids, {}, pack, pad_id)
 
 
 def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None,
@@ -72,18 +69,24 @@ def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Te
 class RewardRun(Callback):
     """The step, the evaluation and the per-step metrics of one reward-model run."""
 
-    def __init__(self, cfg: RewardSection, pad_id: int, evals: list[dict[str, torch.Tensor]] | None):
-        self.cfg, self.pad_id, self.evals = cfg, pad_id, evals
+    def __init__(self, cfg: RewardSection, pad_id: int, evals: list[dict[str, torch.Tensor]] | None,
+                 pack: bool = False):
+        self.cfg, self.pad_id, self.evals, self.pack = cfg, pad_id, evals, pack
         self.sums = torch.zeros(len(STATS), dtype=torch.float64)
 
     def pair_losses(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
                                                                                           torch.Tensor, int]:
         """(losses (B,), chosen rewards (B,), rejected rewards (B,), real tokens): one forward over both sides."""
-        ids, attn, n = pair_batch(batch, self.pad_id)
-        rewards = model(input_ids=ids, attention_mask=attn).logits.squeeze(-1).float()  # (2B,)
+        layout = pair_batch(batch, self.pad_id, self.pack)
+        if layout.packed:
+            out = model(input_ids=layout.input_ids, position_ids=layout.position_ids, read_at=layout.last)
+        else:
+            out = model(input_ids=layout.input_ids, attention_mask=layout.attention_mask)
+        rewards = out.logits.squeeze(-1).float()  # (2B,)
+        n = layout.n // 2
         chosen, rejected = rewards[:n], rewards[n:]
         losses = bradley_terry(chosen, rejected, batch.get("margin"), self.cfg.center_rewards_coefficient)
-        return losses, chosen.detach(), rejected.detach(), int(attn.sum())
+        return losses, chosen.detach(), rejected.detach(), layout.tokens()
 
     @staticmethod
     def _stats(losses, chosen, rejected, tokens: float, weight: torch.Tensor) -> torch.Tensor:
@@ -170,6 +173,7 @@ class RewardModelRecipe(FineTune):
         head_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"task": SEQUENCE_CLASSIFICATION})})
         model = build_model(head_cfg, ["LABEL_0"])
         on_model(model)
+        settle_pack(d, model, cfg.model.path or cfg.model.family, lambda m: print(m) if world.main else None)
         check_text_model(cfg, model, d.max_length)
         model.config.pad_token_id = pad_id_of(model)
         train, stats = encode_reward_pairs(train_records, model.tokenizer, d.max_length)
@@ -183,7 +187,7 @@ class RewardModelRecipe(FineTune):
         if not train:
             raise KilnError(f"data.train {d.train}: no pair left within data.max_length = {d.max_length}")
         section = getattr(cfg, "reward_model", None) or RewardSection()
-        run = RewardRun(section, model.config.pad_token_id, evals)
+        run = RewardRun(section, model.config.pad_token_id, evals, d.pack)
         return RunParts(model, train, eval_data=evals, step=run.step, evaluate=run.evaluate if evals else None,
                         callbacks=[run], fingerprint=self.fingerprint(cfg, None))
 

@@ -14,11 +14,11 @@ from typing import Any, Callable, Literal, Mapping
 from torch import nn
 
 from kiln.data.sft_images import ImageTokens
-from kiln.errors import ConfigError
 from kiln.hub.resolve import resolve_model_dir
 from kiln.models.tasks import CAUSAL_LM, Task
 from kiln.parallel.world import World
 from kiln.train.config import DataSection, RunConfig
+from kiln.train.packing import settle_pack
 from kiln.train.recipes.base import RunParts
 from kiln.train.recipes.finetune import FineTune, RecordsData
 
@@ -49,14 +49,7 @@ class SFT(FineTune):
 
         def check_packing(model: nn.Module) -> None:
             on_model(model)
-            if not d.pack or getattr(model, "packs_samples", lambda: True)():
-                return
-            name = cfg.model.path or cfg.model.family
-            if "pack" in d.model_fields_set:  # asked for explicitly: refuse rather than train across samples
-                raise ConfigError(f"data.pack = true: {name} does not keep packed samples apart (its output for a "
-                                  f"sample changes with what precedes it in the row); set data.pack = false")
-            print(f"data.pack: {name} does not keep packed samples apart, so each row holds one sample")
-            d.pack = False
+            settle_pack(d, model, cfg.model.path or cfg.model.family)
 
         return super().build(cfg, check_packing, world)
 
