@@ -12,8 +12,8 @@ Input: `.txt` (one text per line) or `.jsonl` (a `text` field, `messages` conten
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, pre_tokenizers, processors

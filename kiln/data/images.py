@@ -130,7 +130,7 @@ class QwenImageProcessor:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "QwenImageProcessor":
+    def from_dict(cls, data: dict[str, Any]) -> QwenImageProcessor:
         data = dict(data)
         size = data.pop("size", None) or {}
         data.setdefault("min_pixels", size.get("shortest_edge", cls.min_pixels))
@@ -144,7 +144,7 @@ class QwenImageProcessor:
 
     @classmethod
     def for_model(cls, model_dir: str | os.PathLike, vision_config: dict[str, Any] | None = None
-                  ) -> "QwenImageProcessor":
+                  ) -> QwenImageProcessor:
         """From the directory's preprocessor_config.json, else the vision config's patch sizes (CLIP mean/std)."""
         path = Path(model_dir) / "preprocessor_config.json"
         if path.is_file():

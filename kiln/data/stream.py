@@ -31,7 +31,8 @@ from __future__ import annotations
 import copy
 import math
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,7 +41,6 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from kiln.constants import IGNORE_INDEX
 from kiln.data.shards import ShardSet
 from kiln.errors import KilnError
-
 
 Batch = dict[str, torch.Tensor]
 # (rows, lengths, sizes): rows (N, T+1) of window tokens in the shards' dtype, padded with EOS;

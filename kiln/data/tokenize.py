@@ -15,14 +15,14 @@ import hashlib
 import multiprocessing
 import os
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
-from kiln.data.shards import MANIFEST, ShardError, ShardWriter, dtype_for_vocab, tokenizer_digest, write_manifest
 from kiln.data.hfdata import is_hf_source, iter_rows
+from kiln.data.shards import MANIFEST, ShardError, ShardWriter, dtype_for_vocab, tokenizer_digest, write_manifest
 from kiln.errors import KilnError
 from kiln.hub.files import check_readable, folder_files
 from kiln.hub.jsonio import iter_jsonl
@@ -238,7 +238,7 @@ def tokenize_to_shards(inputs: list[str | os.PathLike], tokenizer: str | os.Path
             if ids.size:
                 max_id = max(max_id, int(ids.max()))
             starts = np.concatenate([[0], np.cumsum(lengths)])
-            for d, doc in enumerate(batch):
+            for d in range(len(batch)):
                 split = "val" if in_validation(index, o.val_fraction, o.seed) else "train"
                 writers[split].add(np.append(ids[starts[d]:starts[d + 1]], eos_id))
                 index += 1
@@ -268,7 +268,7 @@ def _load_from_file(path: Path):
         raise KilnError(f"{path}: no such tokenizer directory or tokenizer.json")
     try:
         return _load_backend(path.read_text(encoding="utf-8"))
-    except Exception as e:  # the Rust library reports parse errors as plain Exceptions
+    except Exception as e:  # noqa: BLE001 - the Rust library reports parse errors as plain Exceptions
         raise KilnError(f"{path}: cannot be read by the tokenizers library ({e})") from None
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from kiln.errors import KilnError
 
@@ -47,7 +48,7 @@ def iter_jsonl(path: str | os.PathLike, error: type[KilnError] = KilnError, obje
     """
     path = Path(path)
     try:
-        f = open(path, "rb")
+        f = open(path, "rb")  # noqa: SIM115 - closed by the `with f:` below; the open alone is guarded
     except FileNotFoundError:
         raise error(f"{path}: no such file") from None
     except OSError as e:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -140,8 +139,8 @@ class KilnLM(TemplateLM):  # type: ignore[misc,valid-type]
             new: list[int] = []
 
             def on_token(column: torch.Tensor) -> None:
-                new.append(int(column[0]))
-                if any(u in self.tok.decode(new, skip_special_tokens=False) for u in until):
+                new.append(int(column[0]))  # noqa: B023 - generate() below calls it within this iteration
+                if any(u in self.tok.decode(new, skip_special_tokens=False) for u in until):  # noqa: B023 - this call's
                     raise _Stop
 
             try:

@@ -14,14 +14,21 @@ import numpy as np
 import torch
 
 from kiln.errors import ConfigError
+from kiln.models import bert
 from kiln.models.common.encoder import Embeddings, Encoder, EncoderLayer
 from kiln.models.config import FamilyConfig
-from kiln.models.heads import (BaseModel, FirstTokenClassifier, ForMaskedLM, ForQuestionAnswering,
-                               ForSequenceClassification, ForTokenClassification, MLMHead)
+from kiln.models.heads import (
+    BaseModel,
+    FirstTokenClassifier,
+    ForMaskedLM,
+    ForQuestionAnswering,
+    ForSequenceClassification,
+    ForTokenClassification,
+    MLMHead,
+)
 from kiln.models.keymap import KeyMap
 from kiln.models.pretrained import Family, TaskSpec, Tiny
 from kiln.models.tasks import BASE, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
-from kiln.models import bert
 
 EPS = 1e-12
 

@@ -45,7 +45,7 @@ class Pooling:
             raise KilnError(f"pooling mode {self.mode!r} is not one of {', '.join(MODES)}")
 
     @classmethod
-    def read(cls, model_dir: str | os.PathLike) -> "Pooling | None":
+    def read(cls, model_dir: str | os.PathLike) -> Pooling | None:
         """The pooling of a sentence-transformers directory, or None when it has no modules.json."""
         d = Path(model_dir)
         if not (d / "modules.json").is_file():

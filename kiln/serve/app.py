@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -24,11 +25,17 @@ from kiln.data.sft import chat_prompt_ids
 from kiln.engine.params import SamplingParams
 from kiln.errors import KilnError
 from kiln.serve import protocol as P
-from kiln.serve.async_engine import (AsyncEngine, ClientGone, EngineFailed, EngineStopped, QueueFull, RequestRefused,
-                                     Stream)
+from kiln.serve.async_engine import (
+    AsyncEngine,
+    ClientGone,
+    EngineFailed,
+    EngineStopped,
+    QueueFull,
+    RequestRefused,
+    Stream,
+)
 from kiln.serve.results import Gathered, chat_logprobs, completion_logprobs
 from kiln.serve.tools import StreamFilter, reply, template_messages
-
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streamed answer's wait looks whether its client is still there
 

@@ -21,8 +21,9 @@ import itertools
 import queue
 import threading
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from kiln.errors import KilnError
 
@@ -66,7 +67,7 @@ class Stream:
     every completion of every prompt has finished; raises EngineFailed if the engine could not go on. Close it when
     the response is over: an unfinished request is cancelled and its slot freed."""
 
-    def __init__(self, owner: "AsyncEngine", request: _Request):
+    def __init__(self, owner: AsyncEngine, request: _Request):
         self._owner, self._request, self._closed = owner, request, False
         self.finished = False
 
@@ -108,7 +109,7 @@ class AsyncEngine:
             raise KilnError(f"--max-queue must be >= 1, got {max_queue}")
         self._factories = dict(factories)
         self.engines = {name: make() for name, make in self._factories.items()}
-        self.rebuilds: dict[str, int] = {name: 0 for name in self.engines}  # engines replaced after a failed step
+        self.rebuilds: dict[str, int] = dict.fromkeys(self.engines, 0)  # engines replaced after a failed step
         self.last_failure: str | None = None  # the cause of the latest failed step, for /health
         self._closed = False  # the thread's final drain has begun: no command put from now on would be read
         self.max_queue = max_queue

@@ -26,8 +26,9 @@ import random
 import re
 import shutil
 import signal
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -188,7 +189,7 @@ def _dcp_missing(path: Path) -> str | None:
 
     try:
         meta = FileSystemReader(str(path / "dcp")).read_metadata()
-    except Exception as e:  # torch's reader: a torn or foreign .metadata
+    except Exception as e:  # noqa: BLE001 - torch's reader: a torn or foreign .metadata
         return f"dcp/.metadata cannot be read ({type(e).__name__}: {e})"
     named = sorted({info.relative_path for info in (meta.storage_data or {}).values()})
     missing = [rel for rel in named if not (path / "dcp" / rel).is_file()]
@@ -206,7 +207,7 @@ def _unreadable(f: Path) -> str | None:
             json.loads(f.read_text(encoding="utf-8"))
     except PermissionError:
         return "permission denied"
-    except Exception as e:  # safetensors' own error type, JSON, encoding: any of them means "cannot load"
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type, JSON, encoding: any of them means "cannot load"
         return str(e).splitlines()[0] if str(e) else type(e).__name__
     return None
 

@@ -10,8 +10,8 @@ run stops in seconds instead of with an IndexError at step N.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from torch import nn

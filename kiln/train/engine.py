@@ -21,8 +21,9 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -71,7 +72,7 @@ class StepContext(Protocol):
     data_shards: int
     sharded: bool
 
-    def autocast(self) -> ContextManager: ...
+    def autocast(self) -> contextlib.AbstractContextManager[Any]: ...
     def update(self, loss: float) -> float: ...
     def next_batch(self) -> dict[str, torch.Tensor]: ...
 
@@ -98,7 +99,7 @@ class Window:
     objectives: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def on(cls, device: torch.device) -> "Window":
+    def on(cls, device: torch.device) -> Window:
         return cls(torch.zeros((), dtype=torch.float64, device=device),
                    torch.zeros((), dtype=torch.float64, device=device))
 
@@ -121,7 +122,7 @@ class StepEngine(abc.ABC):
         """Called on every rank at each save (may be collective); rank 0's result goes into the checkpoint."""
         return None
 
-    def load_state_dict(self, run: StepContext, state: dict[str, Any]) -> None:
+    def load_state_dict(self, run: StepContext, state: dict[str, Any]) -> None:  # noqa: B027 - optional hook
         """On resume, every rank gets what `state_dict` saved."""
 
 

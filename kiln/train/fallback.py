@@ -22,6 +22,7 @@ from kiln.train import plans
 from kiln.train.ckpt_check import PER_ELEMENT, CheckpointLoadError, loading
 from kiln.train.optim import param_groups
 from kiln.train.resume import check_resume
+
 # `trainer` below is a kiln.train.Trainer in its setup (typed Any: the Trainer imports this module)
 
 

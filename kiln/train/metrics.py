@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kiln.train.trackers import open_trackers, scalars
-
 
 REJECTED = "metrics.rejected.jsonl"
 
@@ -101,7 +101,7 @@ class MetricsLog:
             return
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across records; close()
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
         values = scalars(record)

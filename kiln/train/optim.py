@@ -8,13 +8,13 @@ but the step.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from kiln.train.freeze import freeze  # re-exported: kiln.train.trainer imports it from here
+from kiln.train.freeze import freeze as freeze  # re-exported: kiln.train.trainer imports it from here
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 

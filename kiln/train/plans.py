@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kiln.errors import ConfigError, KilnError
 from kiln.models.common.fast import set_fast
 from kiln.parallel.apply import Parallelized, parallelize
 from kiln.parallel.checkpoint import is_sharded, load_sharded, save_sharded
@@ -29,7 +30,6 @@ from kiln.parallel.config import ParallelSection
 from kiln.parallel.fsdp import apply_fsdp
 from kiln.parallel.mesh import DIMS, holds_shards, resolve_degrees
 from kiln.parallel.sharded_load import read_shards
-from kiln.errors import ConfigError, KilnError
 from kiln.train import checkpoint as ckpt
 from kiln.train.cadence_loop import CadenceEngine
 from kiln.train.engine import DataParallel, StepEngine

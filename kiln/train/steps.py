@@ -8,7 +8,8 @@ gradient of one k-times batch even when their token counts differ.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn

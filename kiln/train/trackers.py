@@ -13,8 +13,9 @@ import abc
 import importlib.util
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kiln.errors import ConfigError
 

@@ -10,14 +10,29 @@ kiln.train.config below, so that module imports no recipe).
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from pydantic import create_model
 
 from kiln.train.config import ModelSection, RunConfig, use_run_schema
-from kiln.train.recipes import (distill, dpo, embedding, ff, finetune, grow, grpo, hpn, images, kto, moe, pretrain,
-                                reward_model, sft)
+from kiln.train.recipes import (
+    distill,
+    dpo,
+    embedding,
+    ff,
+    finetune,
+    grow,
+    grpo,
+    hpn,
+    images,
+    kto,
+    moe,
+    pretrain,
+    reward_model,
+    sft,
+)
 from kiln.train.recipes.base import Extension, Recipe, RunParts, Shortcut
 
 # Tried in order; the first that matches a run config runs it (fine-tune is the fallback); a table that
@@ -93,5 +108,17 @@ class _Schema:
 SCHEMA = _Schema()
 use_run_schema(SCHEMA)
 
-__all__ = ["Extension", "Recipe", "RunParts", "Shortcut", "RECIPES", "EXTENSIONS", "SCHEMA", "recipe_for",
-           "select_recipe", "active_extensions", "shortcuts", "run_config_model"]
+__all__ = [
+    "EXTENSIONS",
+    "RECIPES",
+    "SCHEMA",
+    "Extension",
+    "Recipe",
+    "RunParts",
+    "Shortcut",
+    "active_extensions",
+    "recipe_for",
+    "run_config_model",
+    "select_recipe",
+    "shortcuts",
+]

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import abc
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn

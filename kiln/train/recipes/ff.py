@@ -59,7 +59,7 @@ class FFSection(Section):
         return "cagradstep" if value == "cagrad" else value  # the seed's parser takes both spellings
 
     @model_validator(mode="after")
-    def _check(self) -> "FFSection":
+    def _check(self) -> FFSection:
         if self.bp_cadence_steps < 1:
             raise ValueError(f"ff.bp_cadence_steps must be >= 1, got {self.bp_cadence_steps}")
         for name in ("ff_lr", "epsilon", "gradnorm_alpha", "cagrad_lambda"):
@@ -70,7 +70,7 @@ class FFSection(Section):
 
 def summaries(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sums over (batch, time) of x (B, T, I) and of its negative x[(t + 1) mod T] * (+1 if t + d even else -1)."""
-    B, T, I = x.shape
+    _, T, I = x.shape
     t, d = torch.arange(T, device=x.device), torch.arange(I, device=x.device)
     sign = 1.0 - 2.0 * ((t[:, None] + d[None, :]) % 2).to(x.dtype)                     # (T, I)
     return x.sum((0, 1)), (torch.roll(x, -1, dims=1) * sign).sum((0, 1))                # roll -1: x[(t+1) % T]
@@ -129,7 +129,7 @@ class FFCallback(Callback):
             # A plain function (not a bound method): a layer deep-copied by growth shares it, and it keys the
             # sums by the module it is called on, so a copy's capture never lands in its template's slot.
             if not any(getattr(h, "_kiln_ff", False) for h in m.in_proj._forward_hooks.values()):
-                def hook(module: nn.Module, _args: Any, out: torch.Tensor, ff: "FFCallback" = self) -> None:
+                def hook(module: nn.Module, _args: Any, out: torch.Tensor, ff: FFCallback = self) -> None:
                     ff._capture(module, out)
                 hook._kiln_ff = True
                 m.in_proj.register_forward_hook(hook)

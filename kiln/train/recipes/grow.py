@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+
 from pydantic import field_validator, model_validator
 from torch import nn
 
@@ -36,7 +37,7 @@ class GrowSection(Section):
         return check_freeze_specs(value)
 
     @model_validator(mode="after")
-    def _check(self) -> "GrowSection":
+    def _check(self) -> GrowSection:
         if self.at_step < 1 or self.target_layers < 1:
             raise ValueError(f"grow.at_step and grow.target_layers must be >= 1, got {self.at_step} and "
                              f"{self.target_layers}")

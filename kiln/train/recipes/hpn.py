@@ -28,7 +28,7 @@ class HpnSection(Section):
     gradnorm_lr: NonNegative = 0.025         # GradNorm: step of the loss weights
 
     @model_validator(mode="after")
-    def _check(self) -> "HpnSection":
+    def _check(self) -> HpnSection:
         for name in ("cagrad_c", "gradnorm_alpha", "gradnorm_lr"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"hpn.{name} must be >= 0, got {getattr(self, name)}")

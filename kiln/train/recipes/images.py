@@ -5,18 +5,19 @@ config, the source head or the data (sorted, numbers in numeric order)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from kiln.data import read_records
-from kiln.hub.files import folder_files, why_unreadable
 from kiln.data.hfdata import source_sha256
 from kiln.data.images import ImageClassifierProcessor
 from kiln.data.records import Record
 from kiln.errors import ConfigError, KilnError
+from kiln.hub.files import folder_files, why_unreadable
 from kiln.models.tasks import IMAGE_CLASSIFICATION, get_task
 from kiln.parallel.world import World
 from kiln.train.config import DataSection, RunConfig

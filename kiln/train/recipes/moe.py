@@ -49,7 +49,7 @@ class MoeSection(Section):
     indexer_loss_weight: Positive = 1.0
 
     @model_validator(mode="after")
-    def _check(self) -> "MoeSection":
+    def _check(self) -> MoeSection:
         for name in ("bias_update_speed", "seq_aux_alpha", "indexer_loss_weight"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"moe.{name} must be > 0, got {getattr(self, name)}")

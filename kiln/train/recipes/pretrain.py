@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Literal
 
 import torch
 from pydantic import model_validator
@@ -56,7 +57,7 @@ class PretrainData(DataSection):
     val_fraction: finite(ge=0, lt=1) = 0.0            # held out at train time: a flat file's tail, or a folder's last shards
 
     @model_validator(mode="after")
-    def _check_stream(self) -> "PretrainData":
+    def _check_stream(self) -> PretrainData:
         if self.num_workers < 0 or self.prefetch < 1:
             raise ValueError("data.prefetch must be >= 1, data.num_workers >= 0")
         if not 0.0 <= self.val_fraction < 1.0:
