@@ -45,7 +45,7 @@ class FamilyConfig:
 
     # ---- dict round trip ------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "config.json") -> FamilyConfig:
+    def from_dict(cls, data: dict[str, Any], source: str = "config.json") -> "FamilyConfig":
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs: dict[str, Any] = {}
         extra: dict[str, Any] = {}
@@ -92,5 +92,5 @@ class FamilyConfig:
         out["model_type"] = self.model_type
         return out
 
-    def replace(self, **changes: Any) -> FamilyConfig:
+    def replace(self, **changes: Any) -> "FamilyConfig":
         return dataclasses.replace(self, **changes)

@@ -18,7 +18,10 @@ from kiln.models.tasks import BASE, task_of
 from kiln.parallel.world import World, all_reduce_sum
 
 StepResult = tuple[torch.Tensor, torch.Tensor | int]
-StepFn = Callable[[nn.Module, dict], Any]
+# What a step may return: (loss_sum, count), a mean loss over the micro-batch's rows, or {name: loss} for a run
+# with several objectives (kiln.train.multiobjective).
+StepReturn = StepResult | torch.Tensor | dict[str, torch.Tensor]
+StepFn = Callable[[nn.Module, dict[str, Any]], StepReturn]
 
 
 def default_step(model: nn.Module, batch: dict) -> StepResult:
@@ -27,7 +30,7 @@ def default_step(model: nn.Module, batch: dict) -> StepResult:
     return loss_sum, count
 
 
-def as_sum_and_count(result: Any, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def as_sum_and_count(result: StepResult | torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept `(loss_sum, count)` or a plain mean loss (weighted by the micro-batch's size)."""
     if isinstance(result, tuple):
         loss_sum, count = result

@@ -134,6 +134,7 @@ def build_model(cfg: RunConfig, labels: list[str] | None, need_tokenizer: bool =
             if direct is not None:
                 return direct
         return load_pretrained(m.path, task=m.task, seed=m.init_seed, fp8=m.fp8, quantize=m.quantize, **changes)
+    assert m.family is not None  # ModelSection's validator: exactly one of model.path and model.family
     config = AutoConfig.for_model(m.family, **m.config)
     if labels:
         config.set_labels(labels)
@@ -152,7 +153,7 @@ def check_text_model(cfg: RunConfig, model: nn.Module, max_length: int | None) -
     if model.tokenizer is None:
         raise KilnError(f"{cfg.model.path}: no tokenizer files (tokenizer.json or vocab.txt) in the model directory")
     if max_length is not None:
-        check_model_tokenizer(model, max_length, cfg.model.path or cfg.model.family, cfg.train.precision)
+        check_model_tokenizer(model, max_length, str(cfg.model.path or cfg.model.family), cfg.train.precision)
 
 
 def add_lora(cfg: RunConfig, model: nn.Module) -> None:
