@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -86,7 +87,7 @@ def chat(model_dir: Path = typer.Argument(..., help="An HF causal-LM directory w
             raise KilnError(error)
     spec = None  # the model's image tokens and processor, from the first image on
     pending = [{"type": "image", "image": str(p.resolve())} for p in image or []]  # for the next user message
-    messages = [{"role": "system", "content": system}] if system else []
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []  # chat messages
     calling = False  # the last reply called tools: the next line is their result
     while True:
         try:

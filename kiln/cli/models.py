@@ -168,7 +168,9 @@ def export(src: Path | None = typer.Argument(None, help="An HF model directory."
             from kiln.hub.resolve import resolve_model_dir
 
             src = resolve_model_dir(src)
-        export_gguf(source_model_dir(src if src is not None else checkpoint), out_dir, gguf_type, merge, system,
+        given_dir = src if src is not None else checkpoint
+        assert given_dir is not None  # exactly one of SRC and --checkpoint (checked above)
+        export_gguf(source_model_dir(given_dir), out_dir, gguf_type, merge, system,
                     overwrite, lora_adapter)
         return
     if merge or system is not None or lora_adapter:
@@ -200,6 +202,7 @@ def export(src: Path | None = typer.Argument(None, help="An HF model directory."
         out.print(f"exported {ckpt} (sharded) -> {out_dir}")
         return
     source = ckpt / "model" if ckpt is not None else src
+    assert source is not None  # exactly one of SRC and --checkpoint (checked above)
     path = export_model(source, out_dir, head=head, max_shard_bytes=shard_bytes, overwrite=overwrite,
                         allow_missing=allow_missing, allow_unused=allow_unused, on_note=note,
                         dtype=dtypes[dtype] if dtype else None, quantize=quantize)
@@ -270,11 +273,11 @@ def verify_matrix(cells: Path | None = typer.Option(None, "--cells", help="JSON 
         grid.add_row(fam, *row)
     out.print(grid)
     # Tallies per kind of row: encoder families (five heads each) and causal LMs.
-    for kind, heads in (("encoder", ENCODER_HEADS), (CAUSAL_LM, (BASE, CAUSAL_LM))):
-        cells = [c for c in results if c.head in heads and
-                 set(heads) <= {x.head for x in results if x.family == c.family}]
-        if cells:
-            out.print(f"{kind} families x heads: {sum(c.ok for c in cells)}/{len(cells)} PASS")
+    for kind, kind_heads in (("encoder", ENCODER_HEADS), (CAUSAL_LM, (BASE, CAUSAL_LM))):
+        tallied = [c for c in results if c.head in kind_heads and
+                   set(kind_heads) <= {x.head for x in results if x.family == c.family}]
+        if tallied:
+            out.print(f"{kind} families x heads: {sum(c.ok for c in tallied)}/{len(tallied)} PASS")
     failed = [c for c in results if not c.ok]
     if failed:
         for c in failed:

@@ -102,7 +102,7 @@ def serve(target: Path = typer.Argument(..., help="A causal-LM directory, a run 
                         allow_unused=allow_unused)
     app = build_app(state, stop_timeout=CLOSE_GRACE_S)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                            timeout_graceful_shutdown=shutdown_timeout + CLOSE_GRACE_S)
+                            timeout_graceful_shutdown=shutdown_timeout + CLOSE_GRACE_S)  # type: ignore[arg-type]
     server = _server(config, state.engine, shutdown_timeout)
     out.print(f"kiln serve: {', '.join(state.models)} on http://{host}:{port}/v1 "
               "(GET /health; Ctrl-C or SIGTERM stops)")

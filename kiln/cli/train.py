@@ -132,8 +132,8 @@ def launch(ctx: typer.Context,
                                              Path(errors))
         messages = {p.stem.removeprefix("rank-").lstrip("0") or "0": p.read_text(encoding="utf-8")
                     for p in sorted(Path(errors).glob("rank-*.txt"))}
-        cause = Path(errors) / LAUNCH_CAUSE_FILE
-        cause = cause.read_text(encoding="utf-8") if cause.is_file() else None
+        cause_file = Path(errors) / LAUNCH_CAUSE_FILE
+        cause = cause_file.read_text(encoding="utf-8") if cause_file.is_file() else None
         stopped = any(Path(errors).glob("stopped-*"))
         # a rank that stopped on a signal did so only after every rank agreed and the checkpoint was sealed; a
         # rank torn down after that (torchrun ends the others, gloo may abort at exit) changes nothing

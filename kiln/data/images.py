@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 import torch
@@ -29,9 +30,12 @@ import torch
 from kiln.errors import KilnError
 from kiln.hub.files import why_unreadable
 
+if TYPE_CHECKING:
+    from PIL.Image import Image as PILImage
+
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-ImageLike = Union[str, os.PathLike, "Any"]  # a path or a PIL.Image.Image
+ImageLike = Union[str, os.PathLike[str], "PILImage"]  # a path or a PIL image
 
 
 def _pil():
@@ -110,7 +114,7 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 def _normalised(image, mean: tuple[float, ...], std: tuple[float, ...], rescale: float) -> np.ndarray:
     """(H, W, 3) uint8 -> (3, H, W) float32 as transformers rescales (in float64) and normalises (in float32)."""
-    x = (np.asarray(image, dtype=np.uint8).astype(np.float64) * rescale).astype(np.float32)
+    x: np.ndarray = (np.asarray(image, dtype=np.uint8).astype(np.float64) * rescale).astype(np.float32)
     x = (x - np.array(mean, dtype=np.float32)) / np.array(std, dtype=np.float32)
     return np.ascontiguousarray(x.transpose(2, 0, 1))
 
@@ -181,7 +185,7 @@ class QwenImageProcessor:
         blocks = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], tp, p, p))  # still image over time
         return torch.from_numpy(np.ascontiguousarray(blocks).reshape(gh * gw, C * tp * p * p)), [1, gh, gw]
 
-    def __call__(self, images: list[ImageLike], what: str = "image") -> dict[str, torch.Tensor]:
+    def __call__(self, images: Sequence[ImageLike], what: str = "image") -> dict[str, torch.Tensor]:
         """{"pixel_values": (patches, C*Tp*P*P) float32, "image_grid_thw": (images, 3) long}."""
         Image = _pil()
         patches, grids = [], []
@@ -205,7 +209,7 @@ class ImageClassifierProcessor:
     rescale_factor: float = 1 / 255
     max_input_pixels: int | None = None
 
-    def __call__(self, images: list[ImageLike], what: str = "image") -> torch.Tensor:
+    def __call__(self, images: Sequence[ImageLike], what: str = "image") -> torch.Tensor:
         """(N, 3, size, size) float32."""
         Image = _pil()
         out = []

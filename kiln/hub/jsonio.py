@@ -15,10 +15,10 @@ from typing import Any
 
 from kiln.errors import KilnError
 
-_KINDS = {dict: "object", list: "array"}
+_KINDS: dict[type, str] = {dict: "object", list: "array"}
 
 
-def read_json(path: str | os.PathLike, error: type[KilnError] = KilnError, want: type | None = None) -> Any:
+def read_json(path: str | os.PathLike[str], error: type[KilnError] = KilnError, want: type | None = None) -> Any:
     """The JSON document in `path`; `want` (dict or list) is the type the top level must have."""
     path = Path(path)
     try:

@@ -91,8 +91,7 @@ class Tokenizer:
             except Exception as e:  # noqa: BLE001 - the Rust library reports parse errors as plain Exceptions
                 raise KilnError(f"{tj}: cannot be read by the tokenizers library ({e})") from None
         elif (model_dir / "vocab.txt").is_file():
-            specials = {n: _token_text(config.get(n) or smap.get(n)) for n in _SPECIALS}
-            specials = {n: t for n, t in specials.items() if t}
+            specials = {n: t for n in _SPECIALS if (t := _token_text(config.get(n) or smap.get(n)))}
             backend = _wordpiece_from_vocab(model_dir / "vocab.txt", bool(config.get("do_lower_case", True)), specials)
         else:
             raise KilnError(f"{model_dir}: no tokenizer.json or vocab.txt in this directory")

@@ -12,6 +12,7 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -69,7 +70,8 @@ def export_model(src: str | os.PathLike | PreTrainedModel, out: str | os.PathLik
 
     if (dtype is not None or getattr(model, "lora_config", None) is not None) and any(map(is_4bit, model.modules())):
         # a merged or plain-dtype export of a 4-bit base: every weight dequantized (re-quantized below if asked)
-        model = dequantize_bnb4_model(copy.deepcopy(model) if model is src else model, dtype)
+        # dequantized in place: the model it was given comes back
+        model = cast(PreTrainedModel, dequantize_bnb4_model(copy.deepcopy(model) if model is src else model, dtype))
     if getattr(model, "lora_config", None) is not None:  # an HF directory is plain weights: fold LoRA in
         from kiln.models.common.lora import merge_lora
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -157,7 +158,7 @@ class KilnLM(TemplateLM):  # type: ignore[misc,valid-type]
         return out
 
 
-def evaluate(model: Any, tasks: list[str], include: list[str | os.PathLike] | None = None, num_fewshot: int | None = None,
+def evaluate(model: Any, tasks: list[str], include: Sequence[str | os.PathLike[str]] | None = None, num_fewshot: int | None = None,
              limit: int | None = None, batch_size: int = 8, device: str = "cpu", seed: int = 0) -> dict[str, Any]:
     """lm-eval's results for `tasks` (names, or names defined by YAMLs under `include`), JSON-ready."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local YAMLs read local files; nothing is fetched

@@ -79,6 +79,7 @@ def tiny_tokenizer(specials: dict[str, str], vocab_size: int) -> HFTokenizer:
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     cls = specials.get("cls_token") or specials.get("bos_token")
     sep = specials.get("sep_token") or specials.get("eos_token")
+    assert cls is not None and sep is not None, specials  # every tiny family names both
     tok.post_processor = processors.TemplateProcessing(
         single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1", special_tokens=[(cls, ids[cls]), (sep, ids[sep])])
     tok.decoder = decoders.WordPiece()

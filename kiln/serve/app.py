@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,16 +147,16 @@ class _EventStream(StreamingResponse):
     the response ends: also when the client is gone before the first send, so the events generator never starts and
     its own `finally` never runs."""
 
-    def __init__(self, events: AsyncIterator[bytes], stream: Stream):
+    def __init__(self, events: AsyncGenerator[bytes, None], stream: Stream):
         super().__init__(events, media_type="text/event-stream")
-        self._stream = stream
+        self._stream, self._events = stream, events
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self._stream.close()
-            await self.body_iterator.aclose()  # an unstarted generator just closes; a started one runs its finally
+            await self._events.aclose()  # an unstarted generator just closes; a started one runs its finally
 
 
 def _finish(reason: str | None, calls: list) -> str | None:
@@ -171,7 +171,7 @@ async def chat_completions(request: Request) -> Response:
     if req.top_logprobs and not req.logprobs:
         raise P.RequestError("top_logprobs needs logprobs: true", "top_logprobs")
     tools_offered = bool(req.tools) and req.tool_choice != "none"
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if tools_offered else None
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and tools_offered else None
     try:
         ids = chat_prompt_ids(served.tokenizer, template_messages(req.messages), tools)
     except KilnError as e:  # the template refused the conversation (raise_exception, no template)
@@ -198,7 +198,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _chat_events(stream: Stream, req: P.ChatRequest, served: ServedModel, rid: str, created: int,
-                       prompt_len: int, tools_offered: bool) -> AsyncIterator[bytes]:
+                       prompt_len: int, tools_offered: bool) -> AsyncGenerator[bytes, None]:
     def chunk(index: int, delta: dict, logprobs=None, finish=None) -> bytes:
         return P.sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
                       "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
@@ -284,7 +284,7 @@ async def completions(request: Request) -> Response:
 
 
 async def _completion_events(stream: Stream, req: P.CompletionRequest, served: ServedModel, rid: str, created: int,
-                             prompts: list[list[int]], echoes: list[str]) -> AsyncIterator[bytes]:
+                             prompts: list[list[int]], echoes: list[str]) -> AsyncGenerator[bytes, None]:
     def chunk(index: int, text: str, logprobs=None, finish=None) -> bytes:
         return P.sse({"id": rid, "object": "text_completion", "created": created, "model": req.model,
                       "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]})
@@ -337,11 +337,13 @@ async def health(request: Request) -> Response:
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
-async def _request_error(request: Request, e: P.RequestError) -> Response:
+async def _request_error(request: Request, e: Exception) -> Response:
+    assert isinstance(e, P.RequestError)  # registered for RequestError alone (starlette types handlers by Exception)
     return _error(e)
 
 
-async def _http_error(request: Request, e: HTTPException) -> Response:
+async def _http_error(request: Request, e: Exception) -> Response:
+    assert isinstance(e, HTTPException)  # registered for HTTPException alone
     kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
     message = f"{request.method} {request.url.path}: {e.detail}"
     return _error(P.RequestError(message, None, e.status_code, kind))

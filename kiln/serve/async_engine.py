@@ -21,11 +21,14 @@ import itertools
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.errors import KilnError
+
+if TYPE_CHECKING:
+    from kiln.engine.engine import Engine
 
 IDLE_WAIT_S = 0.05  # how long the idle thread sleeps between looks at its inbox (a submit wakes it at once)
 
@@ -104,7 +107,7 @@ class AsyncEngine:
     """`factories` maps each served model name to a function making its Engine: called once here, and again to
     replace an engine whose step raised."""
 
-    def __init__(self, factories: dict[str, Callable[[], Any]], max_queue: int):
+    def __init__(self, factories: Mapping[str, Callable[[], Engine]], max_queue: int):
         if max_queue < 1:
             raise KilnError(f"--max-queue must be >= 1, got {max_queue}")
         self._factories = dict(factories)

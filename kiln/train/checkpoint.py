@@ -70,7 +70,7 @@ def rng_state() -> dict[str, Any]:
     """Every generator this process draws from: Python, NumPy, torch CPU and accelerators."""
     py = random.getstate()
     npst = np.random.get_state()
-    state = {"python": [py[0], list(py[1]), py[2]],
+    state: dict[str, Any] = {"python": [py[0], list(py[1]), py[2]],
              "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
              "torch": torch.get_rng_state().tolist()}
     if torch.cuda.is_available():
@@ -222,8 +222,10 @@ def resume_target(path: str | os.PathLike) -> Path:
     problem = verify_checkpoint(path, resume=True)
     if problem is not None:
         raise KilnError(f"{path}: not a usable checkpoint to resume from: {problem}")
+    named = CKPT_RE.match(path.name)
+    assert named is not None  # matched above
     newer = [p.name for step, p in list_checkpoints(path.parent)
-             if step > int(CKPT_RE.match(path.name).group(1)) and verify_checkpoint(p, resume=True) is None]
+             if step > int(named.group(1)) and verify_checkpoint(p, resume=True) is None]
     if newer:
         raise KilnError(f"{path}: the run {path.parent} holds newer checkpoints ({', '.join(newer)}); a resume "
                         f"continues from the newest (--resume {path.parent}); to branch off {path.name}, copy the "
@@ -291,9 +293,9 @@ def load_model_weights(path: str | os.PathLike, model: Any) -> None:
         if has_adapter(model_dir):  # a LoRA run: the adapter sits beside the frozen base
             tensors.update(read_adapter_tensors(model_dir))
         if isinstance(model, PreTrainedModel):
-            model.copy_hf_state_dict(tensors, source=str(path / "model"))
+            model.copy_hf_state_dict(tensors, source=str(model_dir))
         else:
-            copy_state_dict(model, tensors, source=str(path / "model"))
+            copy_state_dict(model, tensors, source=str(model_dir))
 
 
 def load_checkpoint_model(path: str | os.PathLike, dtype: torch.dtype | None = None) -> Any:

@@ -87,7 +87,9 @@ class GradientCombiner:
         if self.names is not None and names != self.names:
             raise KilnError(f"the step returned losses {names}, earlier steps returned {self.names}")
         self.names = names
-        total = sum(losses[n] for n in names)
+        total = losses[names[0]]
+        for n in names[1:]:
+            total = total + losses[n]
         if self.method == "sum":
             total.backward()
             return total.detach()
@@ -118,7 +120,7 @@ class GradientCombiner:
 
     def _gradnorm(self, grads: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
         K = grads.shape[0]
-        if self.weights is None:
+        if self.weights is None or self.initial is None:
             self.weights, self.initial = torch.ones(K), losses.clone().clamp(min=1e-12)
         w = self.weights
         combined = (w.to(grads)[:, None] * grads).sum(0)

@@ -21,7 +21,8 @@ OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two groups: matrices (decayed) and biases/norms/other vectors (not decayed)."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for _, p in model.named_parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)

@@ -96,7 +96,7 @@ def save_sharded_checkpoint(run_dir: Path, step: int, model: nn.Module, optimize
     if dist.is_initialized():
         dist.barrier()  # nobody writes shards into the directory rank 0 is clearing
     save_sharded(tmp, model, optimizer)  # ends in a barrier: every rank's shards are down
-    if main:
+    if trainer_state is not None:  # rank 0
         ckpt.fault_point("ckpt", step)  # crash-safety tests kill here: shards on disk, no manifest yet
         ckpt.seal_checkpoint(run_dir, tmp, step, trainer_state, rng_states)
     if dist.is_initialized():
@@ -130,6 +130,7 @@ def place_frozen(model: nn.Module, device: torch.device, plan: Parallelized | No
             raise ConfigError("a frozen reference model is sharded over parallel.dp only; with parallel.tp / ep / cp "
                               "/ pp use [lora] (the reference is the base) or precomputed reference log-probs")
         assert parallel is not None, "an FSDP plan comes from a [parallel] table"
+        assert plan.mesh is not None, "an FSDP plan has its device mesh"
         apply_fsdp(model, plan.mesh["dp"], parallel.param_dtype, parallel.reduce_dtype, parallel.offload)
     if pending is not None:
         read_shards(model, pending, device)

@@ -14,6 +14,7 @@ import itertools
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -295,8 +296,11 @@ def _fits(template: str, name: str) -> bool:
     return re.fullmatch(r"(\d+)".join(re.escape(p) for p in template.split("{}")), name) is not None
 
 
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
 @torch.no_grad()
-def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+def dequantize_model(model: ModuleT, dtype: torch.dtype | None = None) -> ModuleT:
     """Drop FP8 from a model: FP8 modules become plain ones, `quantization_config` leaves its config.
 
     Its weights then save in `dtype` (default: each module's compute dtype) with no scales.

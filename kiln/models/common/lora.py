@@ -23,7 +23,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -311,8 +311,11 @@ def adapter_state(model: nn.Module, adapter_dir: str | os.PathLike, tensors: dic
     return loaded
 
 
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
 @torch.no_grad()
-def merge_lora(model: nn.Module) -> nn.Module:
+def merge_lora(model: ModuleT) -> ModuleT:
     """Fold every adapter into its base weight (W += B A * scaling) and put plain Linears back."""
     fp8_state = getattr(model, "fp8_state", None)
     merge_expert_lora(model)  # routed experts: each stacked weight becomes the adapted one the forward computed
