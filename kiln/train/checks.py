@@ -10,9 +10,8 @@ run stops in seconds instead of with an IndexError at step N.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from pathlib import Path
-from typing import cast
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -69,12 +68,12 @@ def check_out_dir(out_dir: str | Path) -> None:
 
 def position_limit(model: nn.Module) -> int | None:
     """How many tokens a learned position table lets the model read (None: no table, e.g. rotary)."""
-    limit: int | None = None
+    limit = None
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] == "position_embeddings" and isinstance(module, nn.Embedding):
             parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
             # RoBERTa-style positions start after the padding index
-            offset = cast(int, parent.pad_token_id) + 1 if getattr(parent, "padding_positions", False) else 0
+            offset = parent.pad_token_id + 1 if getattr(parent, "padding_positions", False) else 0
             usable = module.num_embeddings - offset
             limit = usable if limit is None else min(limit, usable)
     return limit
