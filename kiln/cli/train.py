@@ -83,7 +83,7 @@ def _with_recipe_flags(fn: Callable) -> Callable:
         option = typer.Option([] if s.multiple else None, flag, help=help_, rich_help_panel="Recipe shortcuts")
         params.append(inspect.Parameter(s.flag, inspect.Parameter.KEYWORD_ONLY, default=option,
                                         annotation=list[str] if s.multiple else str | None))
-    fn.__signature__ = inspect.Signature(params)
+    fn.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # what typer reads the options from
     return fn
 
 

@@ -26,7 +26,7 @@ try:
     from lm_eval import utils as lm_utils
     from lm_eval.api.model import TemplateLM
 except ImportError:  # the eval extra is optional; evaluate() says how to get it
-    TemplateLM = object  # type: ignore[assignment,misc]
+    TemplateLM = object
     lm_utils = None
 
 
@@ -34,7 +34,7 @@ class _Stop(Exception):
     """Raised from generation's per-token hook once a stop string has appeared."""
 
 
-class KilnLM(TemplateLM):  # type: ignore[misc,valid-type]
+class KilnLM(TemplateLM):
     """A kiln causal LM as an lm-eval LM: loglikelihood, loglikelihood_rolling, generate_until."""
 
     def __init__(self, model: Any, batch_size: int = 8, max_length: int | None = None, max_gen_toks: int = 256,

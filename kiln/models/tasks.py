@@ -43,7 +43,8 @@ class Task(str):
         return super().__new__(cls, name)
 
     # ---- data -------------------------------------------------------------------------------
-    def encode(self, records: list, tokenizer: Any, labels: list[str] | None, data: Any,
+    # A Task is its name (a str): this `encode` is the task's record encoding, not str.encode
+    def encode(self, records: list, tokenizer: Any, labels: list[str] | None, data: Any,  # type: ignore[override]
                name: str = "train") -> list[dict]:
         """Records -> unpadded examples; `data` is the [data] section (field names, max_length ...);
         `name` (train, eval) labels what is printed about the encoding."""
@@ -84,9 +85,9 @@ class Base(Task):
 
 class SequenceClassification(Task):
     hf_auto = "AutoModelForSequenceClassification"
-    peft_type = "SEQ_CLS"
+    peft_type: str | None = "SEQ_CLS"
     short = "seqcls"
-    label_kind = "sequence"
+    label_kind: str | None = "sequence"
     encoder_head = True
 
     def encode(self, records, tokenizer, labels, data, name="train"):

@@ -28,7 +28,7 @@ import shutil
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -69,10 +69,10 @@ def _write_json(path: Path, data: Any) -> None:
 def rng_state() -> dict[str, Any]:
     """Every generator this process draws from: Python, NumPy, torch CPU and accelerators."""
     py = random.getstate()
-    npst = np.random.get_state()
+    npst = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())  # the legacy tuple (its default)
     state: dict[str, Any] = {"python": [py[0], list(py[1]), py[2]],
-             "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
-             "torch": torch.get_rng_state().tolist()}
+                             "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
+                             "torch": torch.get_rng_state().tolist()}
     if torch.cuda.is_available():
         state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
     return state
@@ -117,8 +117,9 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained(tmp / "model")
+    save_pretrained = getattr(model, "save_pretrained", None)
+    if save_pretrained is not None:
+        save_pretrained(tmp / "model")
     else:  # a plain nn.Module: its own state dict names
         (tmp / "model").mkdir()
         save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},

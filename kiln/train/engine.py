@@ -33,7 +33,7 @@ from kiln.data.loader import batch_tokens
 from kiln.errors import KilnError
 from kiln.parallel.grads import clip_grad_norm as dist_clip_grad_norm
 from kiln.parallel.world import World, all_reduce_sum
-from kiln.train.steps import StepFn, as_sum_and_count
+from kiln.train.steps import StepFn, as_sum_and_count, sum_losses
 
 if TYPE_CHECKING:
     from kiln.parallel.apply import Parallelized
@@ -198,9 +198,6 @@ class DataParallel(StepEngine):
             window.objectives[name] = window.objectives.get(name, 0.0) + float(value.detach())
         if run.objectives is not None:
             return run.objectives.backward(losses, list(run.model.parameters()), run.step)
-        names = sorted(losses)
-        total = losses[names[0]]
-        for name in names[1:]:
-            total = total + losses[name]
+        total = sum_losses(losses)
         total.backward()
         return total.detach()

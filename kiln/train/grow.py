@@ -82,8 +82,10 @@ def grow_layers(model: nn.Module, target: int, placement: str = "append", seed: 
     kept = [i for i in range(target) if i not in slots]
     for i in slots:  # template: the old layer just before the slot, else the first old layer
         template = grown[max([j for j in kept if j < i], default=kept[0])]
+        assert template is not None  # a kept (old) layer
         grown[i] = _identity_layer(template, std, seed * 100003 + i)
     for i, layer in enumerate(grown):
+        assert layer is not None  # every slot was filled above
         if i < base:
             stack[i] = layer
         else:

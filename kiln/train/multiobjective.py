@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from kiln.errors import ConfigError, KilnError
+from kiln.train.steps import sum_losses
 
 METHODS = ("sum", "pcgrad", "gradnorm", "cagrad")
 
@@ -87,9 +88,7 @@ class GradientCombiner:
         if self.names is not None and names != self.names:
             raise KilnError(f"the step returned losses {names}, earlier steps returned {self.names}")
         self.names = names
-        total = losses[names[0]]
-        for n in names[1:]:
-            total = total + losses[n]
+        total = sum_losses(losses)
         if self.method == "sum":
             total.backward()
             return total.detach()

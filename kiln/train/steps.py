@@ -8,7 +8,7 @@ gradient of one k-times batch even when their token counts differ.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -28,6 +28,15 @@ def default_step(model: nn.Module, batch: dict) -> StepResult:
     """The task model's own loss; token-level tasks summed over non-ignored tokens."""
     loss_sum, count, _ = (task_of(model) or BASE).loss(model, batch)
     return loss_sum, count
+
+
+def sum_losses(losses: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """A step's {name: loss} added up in name order (the same graph on every rank and every step)."""
+    names = sorted(losses)
+    total = losses[names[0]]
+    for name in names[1:]:
+        total = total + losses[name]
+    return total
 
 
 def as_sum_and_count(result: StepResult | torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,6 +52,7 @@ def fp8_matmul(aq: torch.Tensor, a_s: torch.Tensor, bq: torch.Tensor, b_s: torch
                                 scale_a=a_s[:, j:j + 1].float().contiguous(), scale_b=b_rows[j:j + 1],
                                 out_dtype=torch.float32)
         out = part if out is None else out + part
+    assert out is not None  # k >= 1: one block at least
     return out
 
 

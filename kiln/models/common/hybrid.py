@@ -122,10 +122,12 @@ def tap_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return _SiluTapConv.apply(x.to(weight.dtype), w, bias, *keep[1:]).to(x.dtype)
     T = x.shape[1]
     xp = F.pad(x.to(weight.dtype), (0, 0, K - 1, 0))  # (B, T + K - 1, C)
-    out = None
+    out: torch.Tensor | None = None
     for j in range(K):  # tap j looks K-1-j steps back
-        tap = xp[:, j:j + T] if keep[K - 1 - j] is None else xp[:, j:j + T] * keep[K - 1 - j]
+        mask = keep[K - 1 - j]
+        tap = xp[:, j:j + T] if mask is None else xp[:, j:j + T] * mask
         out = tap * w[j] if out is None else torch.addcmul(out, tap, w[j])
+    assert out is not None  # K >= 1 taps
     if bias is not None:
         out = out + bias
     return act(out).to(x.dtype)

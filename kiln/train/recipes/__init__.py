@@ -63,7 +63,7 @@ def active_extensions(cfg: RunConfig) -> list[Extension]:
 
 
 def shortcuts() -> list[Shortcut]:
-    return [s for r in (*RECIPES.values(), *EXTENSIONS.values()) for s in r.shortcuts]
+    return [*(s for r in RECIPES.values() for s in r.shortcuts), *(s for e in EXTENSIONS.values() for s in e.shortcuts)]
 
 
 @functools.cache
@@ -81,7 +81,7 @@ class _Schema:
 
     def model_for(self, table: Mapping[str, Any]) -> type[RunConfig]:
         for ext in EXTENSIONS.values():  # a table that brings its own recipe ([dpo]) selects it
-            if getattr(ext, "recipe", None) and ext.section in table:
+            if ext.recipe and ext.section in table:
                 return run_config_model(ext.recipe)
         model, data = table.get("model"), table.get("data")
         task = model.get("task") if isinstance(model, Mapping) else None

@@ -83,6 +83,7 @@ class Extension(Protocol):
     summary: str = ""
     shortcuts: tuple[Shortcut, ...] = ()
     recipes: tuple[str, ...] = ()           # the recipes it can extend
+    recipe: str | None = None               # a table that brings its own recipe ([dpo]): that recipe runs
 
     def check(self, cfg: RunConfig, recipe: Recipe) -> None:
         if recipe.name not in self.recipes:
@@ -91,6 +92,7 @@ class Extension(Protocol):
 
     def on_model(self, cfg: RunConfig, model: nn.Module) -> None:
         """The built model, before any data is read: refuse what cannot work on it."""
+        return None  # a default, not an abstract method: most extensions take any model
 
     @abc.abstractmethod
     def extend(self, cfg: RunConfig, parts: RunParts) -> None:

@@ -33,10 +33,11 @@ from torch import nn
 from kiln.data.loader import batch_tokens
 from kiln.errors import ConfigError
 from kiln.models.mamba import MambaMixer
-from kiln.train.config import NonNegative, Section
+from kiln.parallel.config import NonNegative
+from kiln.train.config import Section
 from kiln.train.engine import StepContext, StepEngine, StepOutcome
 from kiln.train.recipes.base import Extension, RunParts, Shortcut
-from kiln.train.steps import as_sum_and_count
+from kiln.train.steps import as_sum_and_count, sum_losses
 from kiln.train.trainer import Callback, Trainer
 
 GOODNESS_EPS = 1e-5   # the seed's: added to the population std of h and to |D|
@@ -218,7 +219,7 @@ class FFEngine(StepEngine):
                 with run.autocast():
                     result = run.step_fn(run.model, batch)
                 if isinstance(result, dict):
-                    result = sum(result[k] for k in sorted(result))
+                    result = sum_losses(result)
                 part, n = as_sum_and_count(result, batch)
                 loss_sum, count = loss_sum + float(part), count + float(n)
         grads = ff.finish(mixers)
