@@ -46,7 +46,7 @@ def _pil():
     return Image
 
 
-def open_image(image: ImageLike, max_pixels: int | None = None, what: str = "image"):
+def open_image(image: ImageLike, max_pixels: int | None = None, what: str = "image") -> PILImage:
     """A PIL image in RGB (transparency composited on white, as transformers does) from a path or an image;
     a missing or unreadable file, or one over `max_pixels` (width x height), is an error naming it."""
     Image = _pil()
@@ -79,7 +79,7 @@ def open_image(image: ImageLike, max_pixels: int | None = None, what: str = "ima
 _WIDE = {"I;16": 65535, "I;16L": 65535, "I;16B": 65535, "I;16N": 65535, "I": 65535, "F": 1.0}
 
 
-def _to_8bit(image, name: str, what: str):
+def _to_8bit(image: PILImage, name: str, what: str) -> PILImage:
     """A one-channel image wider than 8 bits as 8-bit grey over its value range (0..65535 for the integer
     modes, 0..1 for float), rounded: Pillow's convert("RGB") clips instead, so a 16-bit PNG came out almost all
     white. Values outside that range (a 32-bit or float image of other units) are refused, naming the range."""

@@ -40,7 +40,7 @@ from kiln.train.recipes.base import Extension, Recipe, RunParts, Shortcut
 RECIPES: dict[str, Recipe] = {r.name: r for r in (pretrain.RECIPE, sft.RECIPE, images.RECIPE, embedding.RECIPE,
                                                   reward_model.RECIPE, finetune.RECIPE, dpo.RECIPE, grpo.RECIPE,
                                                   kto.RECIPE, distill.RECIPE)}
-EXTENSIONS: dict[str, Extension] = {e.section: e for e in (hpn.EXTENSION, grow.EXTENSION, ff.EXTENSION, moe.EXTENSION,
+EXTENSIONS: dict[str, Extension[Any]] = {e.section: e for e in (hpn.EXTENSION, grow.EXTENSION, ff.EXTENSION, moe.EXTENSION,
                                                            embedding.EXTENSION, dpo.EXTENSION, grpo.EXTENSION,
                                                            reward_model.EXTENSION, kto.EXTENSION,
                                                            distill.EXTENSION)}
@@ -58,7 +58,7 @@ def recipe_for(cfg: RunConfig) -> Recipe:
     return select_recipe(cfg.model.task, cfg.data.model_dump())  # a core RunConfig built by hand
 
 
-def active_extensions(cfg: RunConfig) -> list[Extension]:
+def active_extensions(cfg: RunConfig) -> list[Extension[Any]]:
     return [e for e in EXTENSIONS.values() if getattr(cfg, e.section, None) is not None]
 
 

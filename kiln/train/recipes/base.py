@@ -16,7 +16,7 @@ import abc
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from kiln.train.multiobjective import GradientCombiner
 from kiln.train.steps import StepFn
 from kiln.train.trainer import Callback, Trainer
 
+SectionT = TypeVar("SectionT", bound=Section)  # an extension's table schema
 Examples = Sequence[dict[str, torch.Tensor]]    # encoded examples; the Trainer batches them (kiln.data.loader)
 Evaluate = Callable[[Trainer], dict[str, float]]  # a run's own evaluation, given the Trainer
 
@@ -77,9 +78,9 @@ class Recipe(Protocol):
         process being `world`'s rank (which part of the data it reads, who verifies files)."""
 
 
-class Extension(Protocol):
+class Extension(Protocol[SectionT]):
     section: str                            # the TOML table it owns
-    schema: type[Section]
+    schema: type[SectionT]
     summary: str = ""
     shortcuts: tuple[Shortcut, ...] = ()
     recipes: tuple[str, ...] = ()           # the recipes it can extend
@@ -89,6 +90,14 @@ class Extension(Protocol):
         if recipe.name not in self.recipes:
             raise ConfigError(f"[{self.section}] extends the {' / '.join(self.recipes)} recipe(s); this run config "
                               f"is a {recipe.name} run")
+
+    def table(self, cfg: RunConfig) -> SectionT:
+        """This extension's validated table in `cfg` (the registry adds one field per extension to the run-config
+        model it assembles); only runs that have the table are handed to an extension."""
+        value = getattr(cfg, self.section, None)
+        if not isinstance(value, self.schema):
+            raise KilnError(f"this run config has no [{self.section}] table")
+        return value
 
     def on_model(self, cfg: RunConfig, model: nn.Module) -> None:
         """The built model, before any data is read: refuse what cannot work on it."""

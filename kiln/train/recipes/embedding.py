@@ -31,9 +31,8 @@ from kiln.data.records import Record
 from kiln.errors import ConfigError, KilnError
 from kiln.models.sentence import Pooling, pool, sentence_model
 from kiln.models.tasks import BASE, SENTENCE_EMBEDDING
-from kiln.parallel.config import NonNegative, Positive
 from kiln.parallel.world import World
-from kiln.train.config import DataSection, RunConfig, Section
+from kiln.train.config import DataSection, NonNegative, Positive, RunConfig, Section
 from kiln.train.recipes.base import Extension, Recipe, RunParts, add_lora, build_model, check_text_model
 from kiln.train.recipes.finetune import RecordsData
 

@@ -44,7 +44,7 @@ class GrowSection(Section):
         return self
 
 
-class Grow(Extension):
+class Grow(Extension[GrowSection]):
     section = "grow"
     schema = GrowSection
     summary = "grow the layer stack at a step (append/prepend/insert/specific), freeze policies"
@@ -56,12 +56,13 @@ class Grow(Extension):
     def on_model(self, cfg: RunConfig, model: nn.Module) -> None:
         from kiln.train.grow import find_layers, new_layer_slots
 
-        new_layer_slots(cfg.grow.placement, len(find_layers(model)[1]), cfg.grow.target_layers)
+        grow = self.table(cfg)
+        new_layer_slots(grow.placement, len(find_layers(model)[1]), grow.target_layers)
 
     def extend(self, cfg: RunConfig, parts: RunParts) -> None:
         from kiln.train.grow import GrowthCallback, GrowthPlan
 
-        parts.callbacks.append(GrowthCallback(GrowthPlan(**cfg.grow.model_dump(), seed=cfg.train.seed)))
+        parts.callbacks.append(GrowthCallback(GrowthPlan(**self.table(cfg).model_dump(), seed=cfg.train.seed)))
 
 
 EXTENSION = Grow()
