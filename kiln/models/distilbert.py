@@ -78,6 +78,7 @@ class DistilEmbeddings(Embeddings):
     def after_init(self) -> None:
         if self.sinusoidal:
             with torch.no_grad():
+                assert self.position_embeddings is not None  # distilbert keeps a table of positions
                 w = self.position_embeddings.weight
                 w.copy_(sinusoidal_positions(*w.shape).to(w.dtype))
             w.requires_grad_(False)

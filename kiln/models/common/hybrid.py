@@ -325,7 +325,7 @@ class HybridDecoder(nn.Module):
         if attention_mask is not None and T > 1 and not bool(attention_mask.all()):
             linear_mask = attention_mask[:, -T:]
         resets = None
-        if packed:
+        if packed and text_positions is not None:
             seg = segment_ids(text_positions.expand(B, -1))
             resets = None if seg is None else torch.diff(seg, dim=-1, prepend=seg[:, :1]) != 0  # (B, T)
         rope = self.rotary_emb(x, rope_positions)
