@@ -42,8 +42,7 @@ else:
 __all__ = ["Section", "ModelSection", "DataSection", "TrainSection", "LoraSection", "ParallelSection",
            "CadenceSection", "RunConfig", "RunSchema", "use_run_schema", "load_run_config", "parse_run_config",
            "parse_override", "apply_overrides", "check_freeze_specs", "model_config_overrides",
-           # the bounded float types of the run config, defined beside the [parallel] table
-           "Dropout", "Finite", "Fraction", "NonNegative", "Positive", "finite"]
+           "Dropout", "Finite", "Fraction", "NonNegative", "Positive", "finite"]  # bounded floats, from [parallel]
 
 
 class ModelSection(Section):
