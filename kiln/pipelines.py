@@ -56,31 +56,63 @@ def embed(src: Source, texts: list[str], normalize: bool | None = None) -> torch
     return _model(src, AutoModel).embed(texts, normalize=True if normalize is None else normalize)
 
 
+class Continuer:
+    """Continues token lists with a causal LM: through kiln.engine where it runs the family (continuous
+    batching; one engine kept, so a chat's earlier turns are found in its cache by prefix and not recomputed),
+    else through the model's own generate loop (image prompts, families the engine does not run yet).
+
+    `many(prompts)` runs every prompt at once (the engine batches them as they come and go); `__call__` runs
+    one. Each returns the new token ids, the end token included when one ended the text."""
+
+    def __init__(self, model: torch.nn.Module, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, eos_token_ids: int | list[int] | None = None,
+                 stop: tuple[str, ...] = (), max_seqs: int = 64):
+        self.model, self.max_new_tokens, self.stop = model, max_new_tokens, tuple(stop)
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        self.eos = [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids
+        self.engine: Engine | None = None
+        self.why_not = unsupported(model)  # None: the engine runs it
+        if self.why_not is None and max_new_tokens >= 1:
+            self.engine = Engine(model, getattr(model, "tokenizer", None) if stop else None,
+                                 max_seqs=max_seqs, eos_token_ids=self.eos)
+
+    def many(self, prompts: list[list[int]]) -> list[list[int]]:
+        if self.max_new_tokens < 1:
+            return [[] for _ in prompts]
+        if self.engine is not None:
+            params = SamplingParams(max_tokens=self.max_new_tokens, stop=self.stop, **self.sampling)
+            return [done[0].token_ids for done in self.engine.generate(prompts, params)]
+        return [self(p) for p in prompts]
+
+    def __call__(self, prompt: list[int], prompt_inputs: dict | None = None) -> list[int]:
+        if self.engine is not None and not prompt_inputs:
+            return self.many([prompt])[0]
+        t, kw = self.sampling["temperature"], dict(self.sampling)
+        kw.update(do_sample=t > 0, temperature=t if t > 0 else 1.0)
+        if self.eos is not None:
+            kw["eos_token_id"] = self.eos
+        if prompt_inputs:
+            kw["prompt_inputs"] = prompt_inputs
+        ids = torch.tensor([prompt], device=next(self.model.parameters()).device)
+        return self.model.generate(ids, max_new_tokens=self.max_new_tokens, **kw)[0, len(prompt):].tolist()
+
+
 def generate(src: Source, prompt: str, max_new_tokens: int = 40, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | None = None, images: list | None = None, image_processor: Any = None,
-             **kwargs: Any) -> str:
-    """The continuation of `prompt` (greedy when temperature is 0), stopping at EOS. `images` (paths or PIL
-    images) go before the prompt, for an image-text model (processed as its directory's preprocessor_config.json
-    says, or `image_processor`)."""
+             eos_token_id: int | list[int] | None = None) -> str:
+    """The continuation of `prompt` (greedy when temperature is 0), stopping at EOS (or `eos_token_id`).
+    `images` (paths or PIL images) go before the prompt, for an image-text model (processed as its directory's
+    preprocessor_config.json says, or `image_processor`)."""
     model = _model(src, AutoModelForCausalLM)
     ids = model.tokenizer.backend.encode(prompt, add_special_tokens=False).ids
+    inputs = None
     if images:
         if not hasattr(model, "image_prompt"):
             raise KilnError(f"model_type {model.config.model_type!r} takes no images (it has no vision tower)")
         model_dir = None if isinstance(src, torch.nn.Module) else src
-        image_ids, kwargs["prompt_inputs"] = model.image_prompt(images, image_processor, model_dir)
+        image_ids, inputs = model.image_prompt(images, image_processor, model_dir)
         ids = image_ids + ids
-    ids = torch.tensor([ids])
-    if ids.numel() == 0:
+    if not ids:
         raise KilnError("the prompt is empty after tokenization")
-    if unsupported(model) is None and set(kwargs) <= {"eos_token_id"} and max_new_tokens >= 1:  # kiln.engine runs it
-        eos = kwargs.get("eos_token_id")
-        blocks = (ids.size(1) + max_new_tokens) // 16 + 2  # the pool this one request needs, not a default's
-        engine = Engine(model, kv_blocks=blocks, max_seqs=1, eos_token_ids=[eos] if isinstance(eos, int) else eos)
-        params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                seed=seed)
-        return model.tokenizer.decode(engine.generate([ids[0].tolist()], params)[0][0].token_ids)
-    sampling = dict(do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0,
-                    top_k=top_k, top_p=top_p, seed=seed)
-    out = model.generate(ids, max_new_tokens=max_new_tokens, **sampling, **kwargs)
-    return model.tokenizer.decode(out[0, ids.size(1):].tolist())
+    run = Continuer(model, max_new_tokens, temperature, top_k, top_p, seed, eos_token_ids=eos_token_id, max_seqs=1)
+    return model.tokenizer.decode(run(list(ids), inputs))

@@ -74,3 +74,22 @@ def test_generate_greedy_equals_transformers_generate(tiny_factory):
     stop = hf.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=eos)[0, ids.shape[1]:]
     assert stop.tolist() == want[:want.tolist().index(eos) + 1].tolist()
     assert pipelines.generate(src, "the king", max_new_tokens=12, eos_token_id=eos) == tok.decode(stop)
+
+
+def test_continuer_runs_on_the_engine_and_reuses_a_chats_earlier_turns(tiny_factory):
+    """A chat's next prompt starts with the last one: the engine finds those blocks in its cache (fewer tokens
+    fed than the two prompts hold) and the replies equal the model's own generate loop, greedy."""
+    from kiln.models import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_factory("qwen3", "causal-lm")).eval()
+    run = pipelines.Continuer(model, 6, max_seqs=1)
+    assert run.engine is not None
+    first = list(range(5, 45))  # 40 tokens: two full blocks of 16 are remembered
+    reply = run(first)
+    second = first + reply + list(range(50, 60))
+    again = run(second)
+    for prompt, got in ((first, reply), (second, again)):
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=6)[0, len(prompt):].tolist()
+        assert got == want
+    fed = run.engine.tokens_fed
+    assert fed < len(first) + len(second) + 2 * 6 - 32, fed  # the second prompt's first 32 tokens came from the cache

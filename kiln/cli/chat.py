@@ -70,18 +70,20 @@ def chat(model_dir: Path = typer.Argument(..., help="An HF causal-LM directory w
 
     Replies show reasoning (think>), tool calls (call> name(arguments)) and text (bot>); after a tool
     call the prompt is tool> and the line typed is the tool's result."""
-    import torch
-
     from kiln.data.sft import chat_prompt_ids, image_chat_prompt
     from kiln.hub.chat import parse_reply
+    from kiln.pipelines import Continuer
 
-    sampling = _sampling(max_new_tokens, temperature, top_k, top_p, seed)
+    _sampling(max_new_tokens, temperature, top_k, top_p, seed)  # every flag checked before the model loads
     tools = _read_tools(tools_file)
     for path in image or []:
         if not path.is_file():
             raise KilnError(f"--image: image file {path} does not exist")
     model = _load(model_dir, allow_missing, allow_unused)
     model.tokenizer.chat()  # fail now, not after the first question, if there is no template
+    # text turns run on kiln.engine where it runs the family (a turn's prompt starts with the last one's, so the
+    # cache holds most of it already); image turns and other families on the model's generate loop
+    continue_ = Continuer(model, max_new_tokens, temperature, top_k, top_p, seed, max_seqs=1)
     for path in image or []:
         if (error := image_error(model, model_dir, path, "--image")) is not None:
             raise KilnError(error)
@@ -114,12 +116,10 @@ def chat(model_dir: Path = typer.Argument(..., help="An HF causal-LM directory w
             spec = model.image_tokens(model_dir=model_dir)
         if spec is not None:  # the whole conversation, its images with it, each turn
             prompt, inputs = image_chat_prompt(model.tokenizer, messages, spec, tools)
-            ids = torch.tensor([prompt])
-            new = model.generate(ids, max_new_tokens=max_new_tokens, prompt_inputs=inputs, **sampling)
+            new = continue_(list(prompt), inputs)
         else:
-            ids = torch.tensor([chat_prompt_ids(model.tokenizer, messages, tools)])
-            new = model.generate(ids, max_new_tokens=max_new_tokens, **sampling)
-        reply = parse_reply(model.tokenizer.decode(new[0, ids.size(1):].tolist()))
+            new = continue_(list(chat_prompt_ids(model.tokenizer, messages, tools)))
+        reply = parse_reply(model.tokenizer.decode(new))
         for shown in show_reply(reply):
             out.print(shown)
         messages.append(reply)

@@ -5,7 +5,7 @@ scored by lm-eval's tasks without an export.
 contexts and continuations are tokenized by lm-eval's TemplateLM (trailing spaces of a context moved to
 the continuation, the whole encoded then split), an empty context is the BOS (else EOS) token, inputs keep
 their last `max_length` + 1 tokens, and rolling log-likelihoods use lm-eval's disjoint windows. Generation
-is kiln's (KV cache; greedy unless the task asks for sampling) and stops at the first `until` string.
+runs on kiln.engine (greedy unless the task asks for sampling) and stops at the first `until` string.
 `evaluate` runs lm-eval's `simple_evaluate` over task names or local task YAMLs (offline: the YAML's
 data files are read from disk) and returns its results, JSON-ready.
 """
@@ -28,10 +28,6 @@ try:
 except ImportError:  # the eval extra is optional; evaluate() says how to get it
     TemplateLM = object
     lm_utils = None
-
-
-class _Stop(Exception):
-    """Raised from generation's per-token hook once a stop string has appeared."""
 
 
 class KilnLM(TemplateLM):
@@ -122,9 +118,14 @@ class KilnLM(TemplateLM):
 
     @torch.no_grad()
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
-        """Greedy (or sampled, when the task's gen_kwargs say do_sample) continuations cut at `until`."""
-        out = []
-        for context, gen_kwargs in [r.args for r in requests]:
+        """Greedy (or sampled, when the task's gen_kwargs say do_sample) continuations cut at `until`. Requests
+        with the same settings run together through kiln.engine (continuous batching; the stop strings end a
+        sequence as soon as one appears), or one by one through the model's loop for families it does not run."""
+        from kiln.pipelines import Continuer
+
+        jobs: dict[tuple, list[int]] = {}  # the generation settings -> the requests that share them
+        settings, contexts = [], []
+        for i, (context, gen_kwargs) in enumerate(r.args for r in requests):
             kw = dict(gen_kwargs or {})
             until = kw.pop("until", None) or []
             until = [until] if isinstance(until, str) else list(until)
@@ -135,26 +136,23 @@ class KilnLM(TemplateLM):
             do_sample = bool(kw.pop("do_sample", False))
             temperature = float(kw.pop("temperature", 0.0) or 0.0)
             sample = do_sample or temperature > 0
-            ids = self.tok_encode(context)[-(self.max_length - max_new):] if max_new < self.max_length else \
-                self.tok_encode(context)[-1:]
-            new: list[int] = []
-
-            def on_token(column: torch.Tensor) -> None:
-                new.append(int(column[0]))  # noqa: B023 - generate() below calls it within this iteration
-                if any(u in self.tok.decode(new, skip_special_tokens=False) for u in until):  # noqa: B023 - this call's
-                    raise _Stop
-
-            try:
-                self.model.generate(torch.tensor([ids], device=self.device), max_new_tokens=max_new,
-                                    do_sample=sample, temperature=temperature if sample and temperature > 0 else 1.0,
-                                    top_k=int(kw.pop("top_k", 0) or 0), top_p=float(kw.pop("top_p", 1.0) or 1.0),
-                                    on_token=on_token)
-            except _Stop:
-                pass
-            text = self.tok.decode(new, skip_special_tokens=False)
-            for u in until:  # everything from the first stop string on is dropped, as lm-eval's HF backend does
-                text = text.split(u)[0]
-            out.append(text)
+            key = (max_new, (temperature if temperature > 0 else 1.0) if sample else 0.0,
+                   int(kw.pop("top_k", 0) or 0), float(kw.pop("top_p", 1.0) or 1.0), tuple(until))
+            settings.append(key)
+            jobs.setdefault(key, []).append(i)
+            contexts.append(self.tok_encode(context)[-(self.max_length - max_new):] if max_new < self.max_length
+                            else self.tok_encode(context)[-1:])
+        out = [""] * len(requests)
+        eos = self.model.config.eos_token_id  # the model's own end tokens end a text too, as its generate loop does
+        ends = [self.eot_token_id] + [t for t in ([eos] if isinstance(eos, int) else eos or []) if t != self.eot_token_id]
+        for (max_new, temperature, top_k, top_p, until), members in jobs.items():
+            run = Continuer(self.model, max_new, temperature, top_k, top_p, eos_token_ids=ends,
+                            stop=tuple(u for u in until if u), max_seqs=max(1, min(64, len(members))))
+            for i, new in zip(members, run.many([contexts[i] for i in members])):
+                text = self.tok.decode(new, skip_special_tokens=False)
+                for u in until:  # everything from the first stop string on is dropped, as lm-eval's HF backend does
+                    text = text.split(u)[0]
+                out[i] = text
         return out
 
 

@@ -47,23 +47,17 @@ def qwen3_chat_model(tmp_path_factory):
 
 def test_chat_shows_tool_calls_and_sends_results_back(qwen3_chat_model, monkeypatch):
     """The model's replies are scripted (a tiny random model calls no tool); all else is the real command."""
-    import kiln.cli.chat as chat
+    import kiln.pipelines as pipelines
 
     model_dir, tools = qwen3_chat_model
-    prompts, load = [], chat._load
+    prompts = []
 
-    def scripted(*args, **kwargs):
-        model = load(*args, **kwargs)
+    class Scripted(pipelines.Continuer):
+        def __call__(self, prompt, prompt_inputs=None):
+            prompts.append(self.model.tokenizer.decode(prompt, skip_special_tokens=False))
+            return self.model.tokenizer.backend.encode(SCRIPT[len(prompts) - 1], add_special_tokens=False).ids
 
-        def generate(ids, **_):
-            prompts.append(model.tokenizer.decode(ids[0].tolist(), skip_special_tokens=False))
-            reply = model.tokenizer.backend.encode(SCRIPT[len(prompts) - 1], add_special_tokens=False).ids
-            return torch.cat([ids, torch.tensor([reply])], dim=1)
-
-        model.generate = generate
-        return model
-
-    monkeypatch.setattr(chat, "_load", scripted)
+    monkeypatch.setattr(pipelines, "Continuer", Scripted)
     r = CliRunner().invoke(app, ["chat", str(model_dir), "--tools", str(tools)], input='Weather in Paris?\n{"temp": 18}\n\n')
     assert r.exit_code == 0, r.output
     assert "think> The user wants weather." in r.output

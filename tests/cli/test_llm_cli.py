@@ -23,7 +23,7 @@ def chat_model(tmp_path_factory):
     assert r.exit_code == 0, r.output
     assert "eos_token=<|im_end|>" in r.output
     model = make_tiny("qwen3", "causal-lm", d / "model", tokenizer=False, vocab_size=300, eos_token_id=2,
-                      pad_token_id=0)
+                      pad_token_id=0, max_position_embeddings=256)  # room for a two-turn chat
     for f in (d / "tok").iterdir():
         shutil.copy(f, model / f.name)
     return model
