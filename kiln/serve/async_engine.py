@@ -296,7 +296,8 @@ class AsyncEngine:
     def _rebuild(self, name: str) -> None:
         """Replace the engine of `name` by a fresh one (its failed step may have left blocks lent to nobody).
         If even that fails the thread ends (failure, /health 503): there is no engine left to serve it."""
-        del self.engines[name]  # drop the broken one (and its KV pool) before allocating the new
+        # drop the broken one (and its KV pool) before allocating the new; the key stays (the loop iterates the dict)
+        self.engines[name] = None  # type: ignore[assignment]
         self.engines[name] = self._factories[name]()
         self.rebuilds[name] += 1
 
