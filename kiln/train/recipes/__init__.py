@@ -81,8 +81,9 @@ class _Schema:
 
     def model_for(self, table: Mapping[str, Any]) -> type[RunConfig]:
         for ext in EXTENSIONS.values():  # a table that brings its own recipe ([dpo]) selects it
-            if ext.recipe and ext.section in table:
-                return run_config_model(ext.recipe)
+            recipe = getattr(ext, "recipe", None)  # an extension with the Protocol's shape may not declare it
+            if recipe and ext.section in table:
+                return run_config_model(recipe)
         model, data = table.get("model"), table.get("data")
         task = model.get("task") if isinstance(model, Mapping) else None
         task = task if isinstance(task, str) else ModelSection.model_fields["task"].default
