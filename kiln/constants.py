@@ -9,6 +9,9 @@ LAUNCH_DIR_ENV = "KILN_LAUNCH_DIR"
 LAUNCHER_SIGNAL_FILE = "launcher-signal"
 # ... and where kiln.cli.torchrun leaves its one line on how the ranks ended, for the launcher to print
 LAUNCH_CAUSE_FILE = "launch-cause.txt"
+# ... and where a rank that lost its peer leaves why (gloo's or the store's words), as f"{prefix}{rank:05d}", for
+# that line
+LAUNCH_PEER_LOST_PREFIX = "peer-lost-"
 # Exit codes that the launcher's torchrun wrapper (which must not import the CLI) shares with `kiln train`; the
 # whole table is kiln.cli.common's (README, "Exit codes")
 EXIT_STOPPED = 75        # stopped by SIGTERM / SIGINT or train.max_time, checkpoint written: requeue with --resume

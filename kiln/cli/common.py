@@ -28,6 +28,7 @@ import typer
 
 from kiln.cli.output import note
 from kiln.constants import EXIT_PEER_LOST, EXIT_STOPPED, LAUNCH_DIR_ENV  # noqa: F401 (the table)
+from kiln.constants import LAUNCH_PEER_LOST_PREFIX
 from kiln.errors import KilnError
 
 # Exit codes of `kiln train` (README, "Exit codes"): what a scheduler script needs to decide on a requeue.
@@ -73,7 +74,11 @@ def peer_lost_exit(why: str) -> None:
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    if not os.environ.get(LAUNCH_DIR_ENV):
+    folder = os.environ.get(LAUNCH_DIR_ENV)
+    if folder:  # the launcher's line says why (a timeout names the setting that bounds it)
+        with contextlib.suppress(OSError):
+            (Path(folder) / f"{LAUNCH_PEER_LOST_PREFIX}{rank:05d}").write_text(why, encoding="utf-8")
+    else:
         print(f"kiln: rank {rank} lost a peer ({why}); every rank ends: requeue with --resume "
               f"(exit {EXIT_PEER_LOST})", file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):

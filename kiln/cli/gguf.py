@@ -12,16 +12,33 @@ from kiln.cli.output import out, styled
 from kiln.errors import KilnError
 
 
+def _load(source: Path):
+    """The model at `source`; an embedding encoder (BERT, ModernBERT) as its sentence-transformers model, so the
+    GGUF and the check get its pooling."""
+    import json
+
+    from kiln.interop.gguf_arch import GGUF_FAMILIES
+    from kiln.models.auto import load_pretrained
+
+    config = source / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    fam = GGUF_FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if fam is not None and fam.encoder:
+        from kiln.models.sentence import load_sentence_model
+
+        return load_sentence_model(source)
+    return load_pretrained(source)
+
+
 def export_gguf(source: Path, out_file: Path, gguf_type: str, merge: bool, system: Optional[str],
-                overwrite: bool, lora_adapter: bool = False) -> None:
+                overwrite: bool, lora_adapter: bool = False, imatrix: Optional[Path] = None) -> None:
     from kiln.interop.gguf_export import gguf_type as check_type
     from kiln.interop.gguf_export import write_gguf
-    from kiln.models.auto import load_pretrained
 
     check_type(gguf_type)
     if out_file.exists() and not overwrite:
         raise KilnError(f"--out {out_file}: exists; pass --overwrite to replace it")
-    model = load_pretrained(source)
+    model = _load(source)
     if lora_adapter:
         from kiln.interop.gguf_lora import write_gguf_lora
 
@@ -37,7 +54,12 @@ def export_gguf(source: Path, out_file: Path, gguf_type: str, merge: bool, syste
     if merge and getattr(model, "lora_config", None) is None:
         raise KilnError(f"--merge: {source} holds no LoRA adapter to merge")
     start = time.perf_counter()
-    path = write_gguf(model, out_file, gguf_type, name=source.name, system=system)
+    text = None
+    if imatrix is not None:
+        from kiln.interop.gguf_imatrix import read_calibration
+
+        text = read_calibration(imatrix)
+    path = write_gguf(model, out_file, gguf_type, name=source.name, system=system, imatrix_text=text)
     took = time.perf_counter() - start
     out.print(f"exported {source} -> {path} ({gguf_type}, {path.stat().st_size / 2**20:.2f} MiB, {took:.1f} s); "
               f"Ollama Modelfile: {path.with_name('Modelfile')}")
@@ -46,11 +68,10 @@ def export_gguf(source: Path, out_file: Path, gguf_type: str, merge: bool, syste
 def verify_gguf_cmd(path: Path, source: Optional[Path], lora: Optional[Path] = None) -> None:
     """`source`: the model directory (a run or checkpoint already resolved to its model/)."""
     from kiln.interop.gguf_verify import verify_gguf
-    from kiln.models.auto import load_pretrained
 
     if source is None:
         raise KilnError(f"{path}: a GGUF is checked against the model it came from; give --source DIR_OR_RUN")
-    checks = verify_gguf(path, load_pretrained(source), lora=lora)
+    checks = verify_gguf(path, _load(source), lora=lora)
     for c in checks:
         out.print(styled(c.line(), "green" if c.ok else "red"))
     failed = [c for c in checks if not c.ok]

@@ -147,7 +147,9 @@ def export(src: Path | None = typer.Argument(None, help="An HF model directory."
            system: str | None = typer.Option(None, "--system", help="GGUF: the SYSTEM prompt of the "
                                                 "Ollama Modelfile."),
            lora_adapter: bool = typer.Option(False, "--lora-adapter", help="GGUF: write the LoRA adapter alone as "
-                                             "a GGUF adapter llama.cpp applies over the base's GGUF.")) -> None:
+                                             "a GGUF adapter llama.cpp applies over the base's GGUF."),
+           imatrix: Path | None = typer.Option(None, "--imatrix", help="GGUF K-quants: a calibration text file; "
+                                                  "kiln's importance matrix on it steers llama.cpp's quantizer.")) -> None:
     """Write an HF directory (config.json, model.safetensors, tokenizer) from a directory or checkpoint,
     or with --format gguf one GGUF file (+ Ollama Modelfile)."""
     from kiln.hub.outdir import check_out_dir, staged_dir
@@ -170,11 +172,10 @@ def export(src: Path | None = typer.Argument(None, help="An HF model directory."
             src = resolve_model_dir(src)
         given_dir = src if src is not None else checkpoint
         assert given_dir is not None  # exactly one of SRC and --checkpoint (checked above)
-        export_gguf(source_model_dir(given_dir), out_dir, gguf_type, merge, system,
-                    overwrite, lora_adapter)
+        export_gguf(source_model_dir(given_dir), out_dir, gguf_type, merge, system, overwrite, lora_adapter, imatrix)
         return
-    if merge or system is not None or lora_adapter:
-        raise KilnError("--merge, --lora-adapter and --system are GGUF options (an HF export always merges LoRA); "
+    if merge or system is not None or lora_adapter or imatrix is not None:
+        raise KilnError("--merge, --lora-adapter, --imatrix and --system are GGUF options (an HF export always merges LoRA); "
                         "add --format gguf")
     if max_shard_mb is not None:
         check_range("--max-shard-mb", max_shard_mb, 1)

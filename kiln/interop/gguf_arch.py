@@ -6,11 +6,15 @@ the table llama.cpp's converter uses), applied to the HF names kiln writes; a fa
 differs from HF's layout:
 
 - Llama: llama.cpp turns rotary pairs that sit next to each other (x0, x1), (x2, x3), ..., HF pairs dim i
-  with dim i + d/2, so the q and k rows of each head are re-ordered (`_permute_heads`); llama3 rope scaling
+  with dim i + d/2, so the q and k rows of each head are re-ordered (`gguf_layout.permute_heads`); llama3 rope scaling
   is a per-frequency divisor tensor `rope_freqs.weight`.
 - Qwen2 / Qwen3 / Qwen3-MoE: llama.cpp uses HF's half-split rotary order (NEOX), no permutation; the MoE
   family's per-expert matrices are stacked into one (E, out, in) tensor per projection.
 - Mamba: llama.cpp keeps A = -exp(A_log) and the depthwise conv kernel as (inner, kernel).
+- DeepSeek-V3 (deepseek2, MLA): kiln.interop.gguf_deepseek re-lays the HF tensors (`rewrite`).
+- Qwen3-Next / Qwen3.5 text (qwen3next, qwen35, qwen35moe): kiln.interop.gguf_hybrid.
+- BERT / ModernBERT embeddings (bert, modern-bert): kiln.interop.gguf_encoder.
+RoPE scaling metadata (linear, YaRN) and the shared row helpers are in kiln.interop.gguf_layout.
 """
 
 from __future__ import annotations
@@ -22,33 +26,17 @@ import gguf
 import torch
 
 from kiln.errors import KilnError
+from kiln.interop.gguf_deepseek import (dsa_checks, dsa_hparams, mla_bias, mla_hparams, mla_rewritten, mla_tensors,
+                                      mla_yarn)
+from kiln.interop.gguf_encoder import (bert_checks, bert_hparams, encoder_tensors, modernbert_checks,
+                                     modernbert_hparams)
+from kiln.interop.gguf_hybrid import hybrid_checks, hybrid_hparams, hybrid_tensors
+from kiln.interop.gguf_layout import Tensors, decoder_hparams, permute_heads, stack_experts, yarn_problem
 from kiln.models.common.rope import _base_inv_freq, _llama3
-
-Tensors = dict[str, torch.Tensor]
-
-
-def _decoder_hparams(w: gguf.GGUFWriter, c) -> None:
-    """Attention decoders: hyperparameters under llama.cpp's keys ({arch}.context_length, ...)."""
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.kv_heads)
-    w.add_key_length(c.dim_head)
-    w.add_value_length(c.dim_head)
-    w.add_rope_dimension_count(c.dim_head)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
-    rope = c.rope_parameters or {}
-    w.add_rope_freq_base(float(rope.get("rope_theta", type(c).default_theta)))
-    if rope.get("rope_type") == "linear":
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(float(rope["factor"]))
 
 
 def _moe_hparams(w: gguf.GGUFWriter, c) -> None:
-    _decoder_hparams(w, c)
+    decoder_hparams(w, c)
     w.add_expert_count(c.num_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
     w.add_expert_feed_forward_length(c.moe_intermediate_size)
@@ -90,6 +78,9 @@ class GgufFamily:
     experts: bool = False                               # per-expert HF matrices stacked into one tensor
     adjust: Callable[[str, torch.Tensor, object], torch.Tensor] | None = None  # (HF key, tensor, config)
     checks: tuple[Callable[[object], str | None], ...] = field(default_factory=tuple)  # config -> refusal or None
+    rewrite: Callable[[Tensors, object], Tensors] | None = None  # HF tensors -> the names / layouts the map takes
+    rewritten: Callable[[str, object], bool] | None = None       # (HF name, config): not kiln's matrix in the file
+    encoder: bool = False                                       # pooled embeddings (gguf_encoder), no LM head
 
     @property
     def name(self) -> str:
@@ -111,12 +102,31 @@ def _topk_renormalised(config) -> str | None:
     return None
 
 
+def _yarn(config) -> str | None:
+    return yarn_problem(config.rope_parameters or {}, config.max_position_embeddings)
+
+
 GGUF_FAMILIES: dict[str, GgufFamily] = {
-    "llama": GgufFamily(gguf.MODEL_ARCH.LLAMA, _decoder_hparams, ("default", "linear", "llama3"), permute_qk=True),
-    "qwen2": GgufFamily(gguf.MODEL_ARCH.QWEN2, _decoder_hparams, ("default", "linear")),
-    "qwen3": GgufFamily(gguf.MODEL_ARCH.QWEN3, _decoder_hparams, ("default", "linear")),
-    "qwen3_moe": GgufFamily(gguf.MODEL_ARCH.QWEN3MOE, _moe_hparams, ("default", "linear"), experts=True,
-                            checks=(_all_layers_sparse, _topk_renormalised)),
+    "llama": GgufFamily(gguf.MODEL_ARCH.LLAMA, decoder_hparams, ("default", "linear", "llama3", "yarn"),
+                        permute_qk=True, checks=(_yarn,)),
+    "qwen2": GgufFamily(gguf.MODEL_ARCH.QWEN2, decoder_hparams, ("default", "linear", "yarn"), checks=(_yarn,)),
+    "qwen3": GgufFamily(gguf.MODEL_ARCH.QWEN3, decoder_hparams, ("default", "linear", "yarn"), checks=(_yarn,)),
+    "qwen3_moe": GgufFamily(gguf.MODEL_ARCH.QWEN3MOE, _moe_hparams, ("default", "linear", "yarn"), experts=True,
+                            checks=(_all_layers_sparse, _topk_renormalised, _yarn)),
+    "glm_moe_dsa": GgufFamily(gguf.MODEL_ARCH.GLM_DSA, dsa_hparams, ("default", "yarn"), rewrite=mla_tensors,
+                              rewritten=mla_rewritten, checks=(mla_yarn, mla_bias, dsa_checks)),
+    "deepseek_v3": GgufFamily(gguf.MODEL_ARCH.DEEPSEEK2, mla_hparams, ("default", "yarn"), rewrite=mla_tensors,
+                              rewritten=mla_rewritten, checks=(mla_yarn, mla_bias)),
+    "qwen3_next": GgufFamily(gguf.MODEL_ARCH.QWEN3NEXT, hybrid_hparams, ("default",), rewrite=hybrid_tensors,
+                             checks=(hybrid_checks,)),
+    "qwen3_5_text": GgufFamily(gguf.MODEL_ARCH.QWEN35, hybrid_hparams, ("default",), rewrite=hybrid_tensors,
+                               checks=(hybrid_checks,)),
+    "qwen3_5_moe_text": GgufFamily(gguf.MODEL_ARCH.QWEN35MOE, hybrid_hparams, ("default",), rewrite=hybrid_tensors,
+                                   checks=(hybrid_checks,)),
+    "bert": GgufFamily(gguf.MODEL_ARCH.BERT, bert_hparams, rewrite=encoder_tensors, checks=(bert_checks,),
+                       encoder=True),
+    "modernbert": GgufFamily(gguf.MODEL_ARCH.MODERN_BERT, modernbert_hparams, rewrite=encoder_tensors,
+                             checks=(modernbert_checks,), encoder=True),
     "mamba": GgufFamily(gguf.MODEL_ARCH.MAMBA, _mamba_hparams, adjust=_mamba_tensor, checks=(_no_linear_bias,)),
 }
 
@@ -139,30 +149,13 @@ def gguf_family(model_type: str, config) -> GgufFamily:
     return fam
 
 
-def _permute_heads(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """HF's rotary order within each head (first half, second half) -> llama.cpp's adjacent pairs."""
-    rows = w.shape[0]
-    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _stack_experts(hf: Tensors, n_layers: int, n_experts: int) -> Tensors:
-    """Per-expert HF matrices -> one (E, out, in) tensor per layer and projection, under the merged HF name
-    the gguf name map knows (`model.layers.{i}.mlp.experts.gate_proj.weight`)."""
-    out = dict(hf)
-    for i in range(n_layers):
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            names = [f"model.layers.{i}.mlp.experts.{e}.{proj}.weight" for e in range(n_experts)]
-            if names[0] not in out:
-                continue
-            out[f"model.layers.{i}.mlp.experts.{proj}.weight"] = torch.stack([out.pop(n) for n in names])
-    return out
-
-
 def gguf_tensors(fam: GgufFamily, c, hf: Tensors) -> Iterator[tuple[str, gguf.MODEL_TENSOR, torch.Tensor]]:
     """(GGUF name, its kind, tensor in HF orientation) for every tensor of the model, plus generated ones
     (rope_freqs)."""
     if fam.experts:
-        hf = _stack_experts(hf, c.num_hidden_layers, c.num_experts)
+        hf = stack_experts(hf, c.num_hidden_layers, c.num_experts)
+    if fam.rewrite is not None:
+        hf = fam.rewrite(hf, c)
     names = gguf.get_tensor_name_map(fam.arch, c.num_hidden_layers)
     rope = getattr(c, "rope_parameters", None) or {}
     if rope.get("rope_type") == "llama3":
@@ -180,9 +173,9 @@ def gguf_tensors(fam: GgufFamily, c, hf: Tensors) -> Iterator[tuple[str, gguf.MO
         if fam.adjust is not None:
             t = fam.adjust(key, t, c)
         if fam.permute_qk and key.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-            t = _permute_heads(t, c.num_attention_heads)
+            t = permute_heads(t, c.num_attention_heads)
         elif fam.permute_qk and key.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
-            t = _permute_heads(t, c.kv_heads)
+            t = permute_heads(t, c.kv_heads)
         yield name, kind, t
     if unmapped:
         raise KilnError(f"--format gguf: {len(unmapped)} tensors have no llama.cpp name for {fam.name}: "

@@ -3,9 +3,11 @@
 The file is written by the `gguf` package's GGUFWriter (llama.cpp's own Python writer): metadata from
 kiln.interop.gguf_arch (hyperparameters, tensor names) and kiln.interop.gguf_vocab (tokenizer, chat
 template), tensors in the asked type. f32 / f16 / bf16 / q8_0 are the `gguf` package's conversions; the
-K-quants are llama.cpp's own quantizer (llama-cpp-python's `llama_model_quantize`) run over an f32 GGUF.
-As llama.cpp's converter does, 1-D tensors (norms, biases), the router and rope factors stay f32, and a
-matrix whose rows do not split into the type's blocks falls back to f16.
+K-quants are llama.cpp's own quantizer (llama-cpp-python's `llama_model_quantize`) run over an f32 GGUF, optionally
+with kiln's importance matrix (kiln.interop.gguf_imatrix). As llama.cpp's converter does, 1-D tensors (norms,
+biases), the routers (the shared expert's gate too), rope factors and BERT's position / token-type embeddings (which
+llama.cpp's CPU adds to f32 activations) stay f32, and a matrix whose rows do not split into the type's blocks falls
+back to f16. An embedding encoder's file names its pooling (kiln.interop.gguf_encoder).
 
 The file is written under a temporary name beside `out` and renamed when complete; an Ollama Modelfile
 goes beside it.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -26,7 +29,8 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.interop.gguf_arch import GgufFamily, gguf_family, gguf_tensors
-from kiln.interop.gguf_vocab import modelfile, read_vocab, write_vocab
+from kiln.interop.gguf_encoder import POOLING, pooling_problem
+from kiln.interop.gguf_vocab import modelfile, read_vocab, read_wordpiece, write_vocab
 from kiln.models.pretrained import PreTrainedModel
 
 Q = gguf.GGMLQuantizationType
@@ -49,7 +53,8 @@ GGUF_TYPES: dict[str, GgufType] = {
     "q6_k": GgufType(None, FT.MOSTLY_Q6_K),
 }
 # kept in f32 whatever the type (llama.cpp's converter does the same): small, and precision-critical
-_F32_TENSORS = (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.ROPE_FREQS, gguf.MODEL_TENSOR.SSM_A,
+_F32_TENSORS = (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP, gguf.MODEL_TENSOR.POS_EMBD,
+                gguf.MODEL_TENSOR.TOKEN_TYPES, gguf.MODEL_TENSOR.ROPE_FREQS, gguf.MODEL_TENSOR.SSM_A,
                 gguf.MODEL_TENSOR.SSM_D, gguf.MODEL_TENSOR.SSM_CONV1D)
 
 
@@ -62,6 +67,12 @@ def gguf_type(name: str) -> GgufType:
 def eos_ids(config) -> list[int]:
     e = getattr(config, "eos_token_id", None)
     return [] if e is None else ([e] if isinstance(e, int) else list(e))
+
+
+def pooling_mode(model: PreTrainedModel) -> str:
+    """An embedding model's sentence-transformers pooling mode; mean where it has none (load_sentence_model's)."""
+    pooling = getattr(model, "pooling", None)
+    return "mean" if pooling is None else pooling.mode
 
 
 def _plain_model(model: PreTrainedModel) -> PreTrainedModel:
@@ -93,9 +104,13 @@ def _encode(t: torch.Tensor, qtype: Q) -> np.ndarray:
 
 
 def write_gguf(model: PreTrainedModel, out: str | os.PathLike, type_name: str = "f16", name: str | None = None,
-               system: str | None = None, modelfile_too: bool = True) -> Path:
-    """Write `model` to `out` (.gguf) in `type_name`; with `modelfile_too`, an Ollama Modelfile beside it."""
+               system: str | None = None, modelfile_too: bool = True, imatrix_text: str | None = None) -> Path:
+    """Write `model` to `out` (.gguf) in `type_name`; with `modelfile_too`, an Ollama Modelfile beside it; with
+    `imatrix_text` (K-quants), llama.cpp's quantizer weighs each column by kiln's importance matrix on that text."""
     kind = gguf_type(type_name)
+    if imatrix_text is not None and kind.qtype is not None:
+        raise KilnError(f"--imatrix: an importance matrix steers llama.cpp's K-quants; --gguf-type {type_name} "
+                        "does not use one")
     out = Path(out)
     if out.suffix != ".gguf":
         raise KilnError(f"--out {out}: a GGUF export is one file; name it *.gguf")
@@ -105,7 +120,13 @@ def write_gguf(model: PreTrainedModel, out: str | os.PathLike, type_name: str = 
     fam = gguf_family(config.model_type, config)
     if model.tokenizer is None:
         raise KilnError(f"{name or 'the model'}: no tokenizer; llama.cpp needs the vocabulary in the GGUF")
-    vocab = read_vocab(model.tokenizer, config.vocab_size, eos_ids(config), name or "the model")
+    where = name or "the model"
+    if json.loads(model.tokenizer.backend.to_str()).get("model", {}).get("type") == "WordPiece":
+        vocab = read_wordpiece(model.tokenizer, config.vocab_size, getattr(config, "type_vocab_size", 1), where)
+    else:
+        vocab = read_vocab(model.tokenizer, config.vocab_size, eos_ids(config), where)
+    if fam.encoder and pooling_problem(pooling_mode(model)):
+        raise KilnError(f"--format gguf: {config.model_type}: {pooling_problem(pooling_mode(model))}")
     model = _plain_model(model)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
@@ -117,7 +138,12 @@ def write_gguf(model: PreTrainedModel, out: str | os.PathLike, type_name: str = 
             f32 = tmp + ".f32"
             try:
                 _write(model, fam, vocab, f32, GGUF_TYPES["f32"], name)
-                llama_quantize(f32, tmp, kind.file_type)
+                imatrix = None
+                if imatrix_text is not None:
+                    from kiln.interop.gguf_imatrix import importance
+
+                    imatrix = importance(model, fam, imatrix_text)
+                llama_quantize(f32, tmp, kind.file_type, imatrix=imatrix)
             finally:
                 if os.path.exists(f32):
                     os.remove(f32)
@@ -147,6 +173,8 @@ def _write(model: PreTrainedModel, fam: GgufFamily, vocab, path: str, kind: Gguf
     w.add_file_type(kind.file_type)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     fam.hparams(w, config)
+    if fam.encoder:
+        w.add_pooling_type(POOLING[pooling_mode(model)])
     write_vocab(w, vocab)
     with torch.no_grad():
         for gname, tensor, t in gguf_tensors(fam, config, model.hf_state_dict()):
@@ -158,8 +186,10 @@ def _write(model: PreTrainedModel, fam: GgufFamily, vocab, path: str, kind: Gguf
     w.close()
 
 
-def llama_quantize(src: str, dst: str, file_type: FT, threads: int | None = None) -> None:
-    """llama.cpp's own quantizer (through llama-cpp-python) from `src` to `dst`."""
+def llama_quantize(src: str, dst: str, file_type: FT, threads: int | None = None,
+                   imatrix: dict[str, np.ndarray] | None = None) -> None:
+    """llama.cpp's own quantizer (through llama-cpp-python) from `src` to `dst`, with an importance matrix
+    (GGUF tensor name -> per-column weights, kiln.interop.gguf_imatrix) when given."""
     try:
         import llama_cpp
     except ImportError:
@@ -168,9 +198,16 @@ def llama_quantize(src: str, dst: str, file_type: FT, threads: int | None = None
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = int(file_type)
     params.nthread = threads or 1
+    held = None
+    if imatrix is not None:
+        from kiln.interop.gguf_imatrix import ImatrixArray
+
+        held = ImatrixArray(imatrix)  # alive until the quantizer returns
+        params.imatrix = ctypes.cast(held.entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
     from llama_cpp._utils import suppress_stdout_stderr
 
     with suppress_stdout_stderr(disable=False):  # llama.cpp prints every tensor it converts
         rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
     if rc != 0:
         raise KilnError(f"llama.cpp's quantizer failed on {src} ({file_type.name}, return code {rc})")
+    del held

@@ -4,8 +4,9 @@ llama-cpp-python's `lora_path`).
 Layout (llama.cpp's adapter loader): `general.type = adapter`, `adapter.type = lora`, `adapter.lora.alpha`, and per
 adapted matrix `<base tensor name>.lora_a` (r, in) and `.lora_b` (out, r). llama.cpp scales B A by alpha / r, so
 alpha is written as kiln's scaling times r (rsLoRA's alpha / sqrt(r) included). Llama's q/k rows are re-ordered
-in B as they are in the base weight (kiln.interop.gguf_arch). Adapters on stacked routed experts have no
-per-matrix tensors in this layout and are refused by name.
+in B as they are in the base weight (kiln.interop.gguf_arch). Adapters on stacked routed experts, and on a matrix
+the family splits or re-orders in the file (DeepSeek's kv_b_proj), have no tensors of their own in this layout
+and are refused by name.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import gguf
 import torch
 
 from kiln.errors import KilnError
-from kiln.interop.gguf_arch import _permute_heads, gguf_family
+from kiln.interop.gguf_arch import gguf_family
+from kiln.interop.gguf_layout import permute_heads
 from kiln.models.common.lora import LoraLinear, _hf_name
 from kiln.models.pretrained import PreTrainedModel
 
@@ -43,13 +45,14 @@ def write_gguf_lora(model: PreTrainedModel, out: str | os.PathLike, name: str | 
             continue
         hf = _hf_name(model, kname + ".weight")
         base = names.get_name(hf, try_suffixes=(".weight",))
-        if base is None:
-            raise KilnError(f"--lora-adapter: adapted matrix {hf} has no llama.cpp name for {fam.name}")
+        if base is None or (fam.rewritten is not None and fam.rewritten(hf, config)):
+            raise KilnError(f"--lora-adapter: adapted matrix {hf} has no llama.cpp tensor of its own in {fam.name} "
+                            "(split or re-ordered there); export with --merge instead")
         a, b = module.lora_A.weight.detach().float(), module.lora_B.weight.detach().float()
         if fam.permute_qk and hf.endswith("self_attn.q_proj.weight"):
-            b = _permute_heads(b, config.num_attention_heads)
+            b = permute_heads(b, config.num_attention_heads)
         elif fam.permute_qk and hf.endswith("self_attn.k_proj.weight"):
-            b = _permute_heads(b, config.kv_heads)
+            b = permute_heads(b, config.kv_heads)
         pairs.append((base, a, b))
         scalings.add((module.r, float(module.scaling)))
     if len({s for _, s in scalings}) != 1 or len({r for r, _ in scalings}) != 1:

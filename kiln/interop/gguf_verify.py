@@ -7,6 +7,7 @@ Checks, each printed with its numbers:
 - q8_0 / K-quants: top-1 agreement and mean KL(kiln || llama.cpp) over 512 positions, against a bound
   estimated from the file itself (see `_kl_bound`); every position whose top-2 margin is wider than the
   error estimate must agree;
+- an embedding encoder (BERT, ModernBERT): pooled vectors instead of logits (kiln.interop.gguf_verify_embed);
 - the chat template: the GGUF carries kiln's template; llama.cpp's built-in renderer (where it knows the
   layout) and llama-cpp-python's Jinja renderer (a system prompt, two turns and a tool call) give text that
   tokenizes to kiln's ids; the template's end-of-turn token and EOS end generation in llama.cpp.
@@ -157,6 +158,12 @@ def verify_gguf(path: str | os.PathLike, model: PreTrainedModel, prompts: list[s
     model = _plain_model(model).float().eval()
     config, tok = model.config, model.tokenizer
     fam = gguf_family(config.model_type, config)
+    if fam.encoder:
+        if lora is not None:
+            raise KilnError("--lora: GGUF adapters are checked on decoders; merge an encoder's adapter instead")
+        from kiln.interop.gguf_verify_embed import embedding_checks
+
+        return embedding_checks(path, model, prompts, type_name)
     n_ctx = min(getattr(config, "max_position_embeddings", 512), 512)
     llm = _load(path, n_ctx, None if lora is None else Path(lora))
     adapter = f" + LoRA adapter {Path(lora).name}" if lora else ""

@@ -1,10 +1,20 @@
 """GGUF tokenizer metadata and the Ollama Modelfile, from kiln's tokenizer of a model directory.
 
-Written: `tokenizer.ggml.model` (byte-level BPE is llama.cpp's "gpt2"), `.pre` (the pre-tokenizer's split
+Written: `tokenizer.ggml.model` (byte-level BPE is llama.cpp's "gpt2", WordPiece its "bert"), `.pre` (the pre-tokenizer's split
 rule, recognised from tokenizer.json: llama.cpp needs its name, a guess would split text differently),
 tokens, merges, token types (added special tokens are CONTROL, other added tokens USER_DEFINED, ids past the
 tokenizer up to the model's vocab_size UNUSED), BOS/EOS/PAD/UNK ids, whether BOS/EOS are added (measured
 by encoding a text), the chat template, and the end-of-turn token.
+
+WordPiece (BERT's tokenizer, `read_wordpiece`): llama.cpp's "bert" vocab marks word starts rather than
+continuations, so a token `##x` is stored as `x` and any other non-special token `t` as `\u2581t`; the BERT
+normaliser's lowercasing and accent stripping are keys (`tokenizer.ggml.normalizer.*`, off unless written);
+[CLS] is the BOS and [SEP] the separator llama.cpp adds around every text, as BERT's post-processor does.
+
+SentencePiece-style BPE (Llama 2, Mistral, TinyLlama: `byte_fallback`, "\u2581" for spaces, `read_sentencepiece`) is
+llama.cpp's "llama" vocab: it merges the adjacent pair whose joined token scores highest, so a token's score is
+minus the rank of the merge that makes it (the BPE order); `<0xXX>` tokens are BYTE (the fallback); llama.cpp
+prepends the space the normaliser's Prepend("\u2581") adds (`add_space_prefix`).
 
 The Modelfile's TEMPLATE is written only for a chat template recognised by rendering: kiln renders probe
 conversations with the model's own template and compares them with a known layout's rendering (ChatML);
@@ -14,6 +24,7 @@ any other template gets a comment saying it was not translated.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -62,18 +73,24 @@ class Vocab:
     add_eos: bool
     chat_template: str | None
     end_of_turn: list[str]        # texts of the tokens that end an assistant turn
+    wordpiece: dict | None = None  # "bert" vocabs: lowercase, strip_accents, sep / cls / mask ids, type count
+    scores: list[float] | None = None  # "llama" (SentencePiece) vocabs: the merge priority of each token
 
 
-def read_vocab(tok: Tokenizer, vocab_size: int, config_eos: list[int], where: str) -> Vocab:
-    """Everything the GGUF tokenizer keys need, from a byte-level BPE tokenizer; other kinds refused by name."""
+def read_vocab(tok: Tokenizer, vocab_size: int, config_eos: list[int], where: str,
+               sentencepiece: bool = False) -> Vocab:
+    """Everything the GGUF tokenizer keys need, from a byte-level BPE tokenizer; other kinds refused by name.
+    With `sentencepiece`, only the specials, BOS / EOS behaviour and chat template (read_sentencepiece's part)."""
     spec = json.loads(tok.backend.to_str())
     model = spec.get("model", {})
-    if model.get("type") != "BPE" or model.get("byte_fallback"):
-        kind = model.get("type", "?") + (" with byte fallback" if model.get("byte_fallback") else "")
-        raise KilnError(f"{where}: tokenizer kind {kind} is not exported to GGUF yet (kiln writes byte-level BPE, "
-                        f"llama.cpp's 'gpt2' vocab, as Llama 3 and Qwen use)")
-    pre = _PRE_BY_RULE.get(_split_rule(spec.get("pre_tokenizer"), where))
-    if pre is None:
+    if model.get("type") == "BPE" and model.get("byte_fallback") and not sentencepiece:
+        return read_sentencepiece(tok, vocab_size, config_eos, where)
+    if model.get("type") != "BPE":
+        raise KilnError(f"{where}: tokenizer kind {model.get('type', '?')} is not exported to GGUF yet (kiln writes "
+                        "byte-level BPE, llama.cpp's 'gpt2' vocab, as Llama 3 and Qwen use; SentencePiece-style "
+                        "byte-fallback BPE as its 'llama' vocab; BERT's WordPiece as its 'bert' vocab)")
+    pre = None if sentencepiece else _PRE_BY_RULE.get(_split_rule(spec.get("pre_tokenizer"), where))
+    if pre is None and not sentencepiece:
         raise KilnError(f"{where}: the pre-tokenizer's split pattern is not one kiln maps to a llama.cpp "
                         f"pre-tokenizer ({', '.join(sorted(set(_PRE_BY_RULE.values())))})")
     n = tok.vocab_size
@@ -109,12 +126,121 @@ def read_vocab(tok: Tokenizer, vocab_size: int, config_eos: list[int], where: st
     return Vocab("gpt2", pre, tokens, types, merges, specials, add_bos, add_eos, template, end_of_turn)
 
 
+def read_wordpiece(tok: Tokenizer, vocab_size: int, type_vocab_size: int, where: str) -> Vocab:
+    """The "bert" vocab of a WordPiece tokenizer with BERT's normaliser and pre-tokenizer; others refused."""
+    spec = json.loads(tok.backend.to_str())
+    model, norm, pre = spec.get("model", {}), spec.get("normalizer") or {}, spec.get("pre_tokenizer") or {}
+    if model.get("continuing_subword_prefix", "##") != "##":
+        raise KilnError(f"{where}: WordPiece continuing_subword_prefix {model['continuing_subword_prefix']!r}; "
+                        "llama.cpp's bert vocab knows '##'")
+    if norm.get("type") != "BertNormalizer" or pre.get("type") != "BertPreTokenizer":
+        raise KilnError(f"{where}: WordPiece with normalizer {norm.get('type')} and pre-tokenizer {pre.get('type')}; "
+                        "llama.cpp's bert vocab splits and normalises as BertNormalizer + BertPreTokenizer")
+    if tok.vocab_size > vocab_size:
+        raise KilnError(f"{where}: tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {vocab_size}")
+    by_id = {i: t for t, i in tok.backend.get_vocab(with_added_tokens=True).items()}
+    added = tok.backend.get_added_tokens_decoder()
+    tokens, types = [], []
+    for i in range(vocab_size):
+        t = by_id.get(i)
+        if t is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif i in added and added[i].special:
+            tokens.append(t)
+            types.append(gguf.TokenType.CONTROL)
+        else:
+            tokens.append(t[2:] if t.startswith("##") else "\u2581" + t)
+            types.append(gguf.TokenType.USER_DEFINED if i in added else gguf.TokenType.NORMAL)
+    ids = {role: tok.token_id(f"{role}_token") for role in ("cls", "sep", "unk", "pad", "mask")}
+    if ids["cls"] is None or ids["sep"] is None:
+        raise KilnError(f"{where}: WordPiece tokenizer without cls_token / sep_token; llama.cpp adds both to every text")
+    lowercase = bool(norm.get("lowercase", True))
+    strip = norm.get("strip_accents")
+    specials = {"bos": ids["cls"], **{r: ids[r] for r in ("unk", "pad") if ids[r] is not None}}
+    return Vocab("bert", "default", tokens, types, [], specials, True, False, None, [],
+                 {"lowercase": lowercase, "strip_accents": lowercase if strip is None else bool(strip),
+                  "sep": ids["sep"], "cls": ids["cls"], "mask": ids["mask"], "type_count": type_vocab_size})
+
+
+_BYTE = re.compile(r"^<0x[0-9A-F]{2}>$")
+_SPACE = "\u2581"
+
+
+def _sentencepiece_layout(spec: dict) -> bool:
+    """Whether spaces become \u2581 with one prepended at the start, as llama.cpp's SentencePiece tokenizer does it:
+    Llama 2's normaliser (Prepend, Replace) or a Metaspace pre-tokenizer that prepends at the first word."""
+    norm, pre = spec.get("normalizer") or {}, spec.get("pre_tokenizer") or {}
+    steps = norm.get("normalizers", []) if norm.get("type") == "Sequence" else [norm] if norm else []
+    kinds = [(n.get("type"), n.get("prepend") or n.get("content")) for n in steps]
+    if kinds == [("Prepend", _SPACE), ("Replace", _SPACE)] and not pre:
+        return True
+    return not norm and pre.get("type") == "Metaspace" and pre.get("replacement") == _SPACE \
+        and pre.get("prepend_scheme", "always") in ("first", "always") and not pre.get("split", False)
+
+
+def read_sentencepiece(tok: Tokenizer, vocab_size: int, config_eos: list[int], where: str) -> Vocab:
+    """llama.cpp's "llama" vocab of a byte-fallback BPE with SentencePiece's space handling; others refused."""
+    spec = json.loads(tok.backend.to_str())
+    model = spec.get("model", {})
+    if not _sentencepiece_layout(spec):
+        raise KilnError(f"{where}: a byte-fallback BPE whose normaliser / pre-tokenizer "
+                        f"({json.dumps(spec.get('normalizer'))[:80]}, {json.dumps(spec.get('pre_tokenizer'))[:80]}) "
+                        "is not SentencePiece's (spaces as \u2581, one prepended); llama.cpp's llama vocab would "
+                        "split differently")
+    if tok.vocab_size > vocab_size:
+        raise KilnError(f"{where}: tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {vocab_size}")
+    by_id = {i: t for t, i in tok.backend.get_vocab(with_added_tokens=True).items()}
+    added = tok.backend.get_added_tokens_decoder()
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    rank = {}
+    for r, m in enumerate(merges):
+        rank.setdefault(m.replace(" ", ""), r)
+    unk = model.get("unk_token")
+    tokens, types, scores = [], [], []
+    for i in range(vocab_size):
+        t = by_id.get(i)
+        if t is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif _BYTE.match(t):
+            tokens.append(t)
+            types.append(gguf.TokenType.BYTE)
+        elif t == unk:
+            tokens.append(t)
+            types.append(gguf.TokenType.UNKNOWN)
+        elif i in added:
+            tokens.append(t)
+            types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(t)
+            types.append(gguf.TokenType.NORMAL)
+        scores.append(-float(rank[t]) if t in rank else 0.0)
+    base = read_vocab(tok, vocab_size, config_eos, where, sentencepiece=True)
+    base.model, base.pre, base.tokens, base.types, base.merges, base.scores = "llama", "default", tokens, types, [], scores
+    return base
+
+
 def write_vocab(w: gguf.GGUFWriter, v: Vocab) -> None:
     w.add_tokenizer_model(v.model)
     w.add_tokenizer_pre(v.pre)
     w.add_token_list(v.tokens)
     w.add_token_types(v.types)
-    w.add_token_merges(v.merges)
+    if v.merges:
+        w.add_token_merges(v.merges)
+    if v.scores is not None:
+        w.add_token_scores(v.scores)
+        w.add_add_space_prefix(True)
+    if v.wordpiece is not None:
+        wp = v.wordpiece
+        w.add_bool("tokenizer.ggml.normalizer.lowercase", wp["lowercase"])
+        w.add_bool("tokenizer.ggml.normalizer.strip_accents", wp["strip_accents"])
+        w.add_sep_token_id(wp["sep"])
+        w.add_uint32("tokenizer.ggml.cls_token_id", wp["cls"])
+        if wp["mask"] is not None:
+            w.add_mask_token_id(wp["mask"])
+        w.add_add_sep_token(True)
+        w.add_token_type_count(wp["type_count"])
     add = {"bos": w.add_bos_token_id, "eos": w.add_eos_token_id, "pad": w.add_pad_token_id,
            "unk": w.add_unk_token_id, "eot": w.add_eot_token_id}
     for role, i in v.specials.items():

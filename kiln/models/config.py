@@ -13,6 +13,22 @@ from typing import Any, ClassVar
 from kiln.errors import ConfigError
 
 
+# Sizes a model is built from, by transformers' names, checked for every family whose config has them before
+# anything is built: a zero or negative one fails deep inside (a modulo by zero, a tensor of negative size, a
+# reshape of 0 elements at the first forward) with an error that names no key.
+WHOLE_SIZES = ("vocab_size", "hidden_size", "moe_intermediate_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+               "n_routed_experts", "num_experts_per_tok", "kv_lora_rank", "q_lora_rank", "v_head_dim",
+               "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+               "linear_conv_kernel_dim", "embedding_size", "patch_size", "image_size", "num_channels", "state_size",
+               "conv_kernel", "expand")
+# ... and counts where 0 means "none" (num_experts 0: a dense MLP in the families that allow it)
+COUNTS = ("type_vocab_size", "first_k_dense_replace", "num_experts", "n_shared_experts", "qk_rope_head_dim",
+          "qk_nope_head_dim")
+# the expert count that bounds num_experts_per_tok, under the names families give it
+EXPERT_COUNTS = ("num_experts", "n_routed_experts")
+
+
 @dataclass
 class FamilyConfig:
     model_type: ClassVar[str] = ""
@@ -68,8 +84,25 @@ class FamilyConfig:
             cfg = cls(**kwargs, extra=extra)
         except TypeError as e:
             raise ConfigError(f"{source}: {e}") from None
+        cfg.check_whole_sizes(source)
         cfg.validate(source)
         return cfg
+
+    def check_whole_sizes(self, source: str = "config.json") -> None:
+        """Each size of WHOLE_SIZES this config has a whole number >= 1 (None: not set), each of COUNTS >= 0, and
+        the experts a token is routed to within the experts there are; a ConfigError naming the key."""
+        fields = {f.name for f in dataclasses.fields(self)}
+        for names, low in ((WHOLE_SIZES, 1), (COUNTS, 0)):
+            for name in names:
+                value = getattr(self, name) if name in fields else None
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                    raise ConfigError(f"{source}: {name} must be an integer >= {low}, got {value!r}")
+        k = getattr(self, "num_experts_per_tok", None) if "num_experts_per_tok" in fields else None
+        for name in EXPERT_COUNTS:
+            n = getattr(self, name) if name in fields else None
+            if k is not None and n and k > n:
+                raise ConfigError(f"{source}: num_experts_per_tok ({k}) must be within 1..{name} ({n}): a token "
+                                  f"cannot be routed to more experts than there are")
 
     def validate(self, source: str = "config.json") -> None:
         """Family-specific checks; raise ConfigError naming the key."""

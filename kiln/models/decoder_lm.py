@@ -83,15 +83,7 @@ class DecoderConfig(FamilyConfig):
     def check_sizes(self, source: str) -> None:
         """Sizes a from-config model is built from: each a whole number >= 1, and the rotary dims even (an odd
         head_dim would fail deep in RoPE's first forward with a shape error that names no key)."""
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"{source}: {name} must be an integer >= 1, got {value!r}")
-        if self.max_position_embeddings is not None and not (
-                isinstance(self.max_position_embeddings, int) and self.max_position_embeddings >= 1):
-            raise ConfigError(f"{source}: max_position_embeddings must be an integer >= 1, got "
-                              f"{self.max_position_embeddings!r}")
+        self.check_whole_sizes(source)  # also here: a config changed after loading is validated alone
         for name, want, fits in (("rms_norm_eps", "> 0", lambda v: v > 0),
                                  ("attention_dropout", ">= 0 and < 1", lambda v: 0 <= v < 1),
                                  ("initializer_range", ">= 0", lambda v: v >= 0)):

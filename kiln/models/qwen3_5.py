@@ -66,6 +66,12 @@ class Qwen3_5MoeTextConfig(HybridConfig):
     output_router_logits: bool = False
     router_aux_loss_coef: float = 0.001
 
+    def validate(self, source: str = "config.json") -> None:
+        super().validate(source)
+        if self.num_experts < 1:  # every layer is sparse here (no dense fallback as Qwen3-Next's num_experts = 0)
+            raise ConfigError(f"{source}: num_experts must be an integer >= 1 (every layer routes to experts), "
+                              f"got {self.num_experts!r}")
+
 
 def mixer(c: HybridConfig, layer: int) -> nn.Module:
     return deltanet(c, layer) if c.layer_types[layer] == "linear_attention" else attention(c, layer)
@@ -198,6 +204,8 @@ class ImageTextConfig:
         if "quantization_config" in cfg.outer:  # the whole checkpoint's (FP8 release): where the loader looks
             cfg.extra["quantization_config"] = cfg.outer.pop("quantization_config")
         cfg.text_tie_word_embeddings = own_tie
+        if cfg.outer.get("vision_config") is not None:  # the tower's sizes too, before anything is built
+            VisionConfig.from_dict(cfg.outer["vision_config"], f"{source} (vision_config)")
         return cfg
 
     def to_dict(self) -> dict[str, Any]:

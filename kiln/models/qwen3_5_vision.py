@@ -67,6 +67,10 @@ class VisionConfig:
         return cfg
 
     def validate(self, source: str) -> None:
+        for f in fields(self):  # every whole size of the tower >= 1 (a 0 fails in a modulo, a -1 deep in a conv)
+            value = getattr(self, f.name)
+            if f.type in ("int", int) and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{source}: vision_config.{f.name} must be an integer >= 1, got {value!r}")
         if self.hidden_size % self.num_heads:
             raise ConfigError(f"{source}: vision_config.hidden_size ({self.hidden_size}) must be a multiple of "
                               f"num_heads ({self.num_heads})")

@@ -37,6 +37,12 @@ Fraction = finite(ge=0, le=1)       # a share, 0 and 1 included
 OpenFraction = finite(gt=0, lt=1)   # a share strictly between 0 and 1
 Dropout = finite(ge=0, lt=1)
 
+# Seconds a collective (or the first rendezvous of the process group) may wait for a peer before the rank gives
+# up and exits 76 (a lost peer): torch's own NCCL default, a third of its gloo one. Long rank-0-only work between
+# two collectives (a slow disk under a big checkpoint) needs more; a requeue script learns of a hung rank sooner
+# with less.
+COLLECTIVE_TIMEOUT_S = 600.0
+
 
 class Section(BaseModel):
     """A TOML table: unknown keys are errors, assignments are validated."""
@@ -84,6 +90,7 @@ class ParallelSection(Section):
     compile: bool = False                # torch.compile each block
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"  # aot_eager: no codegen (tests)
     cadence: CadenceSection | None = None
+    collective_timeout: Positive = COLLECTIVE_TIMEOUT_S  # seconds a collective waits for a peer (gloo and nccl)
 
     @model_validator(mode="after")
     def _check(self) -> "ParallelSection":

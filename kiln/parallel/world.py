@@ -11,12 +11,14 @@ import contextlib
 import os
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from kiln.errors import KilnError
+from kiln.parallel.config import COLLECTIVE_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -43,13 +45,18 @@ def launched_world() -> World:
     return World(int(os.environ.get("RANK", "0")), size, int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def init_world(device: torch.device) -> World:
-    """Join the process group described by torchrun's environment (once), or stay single."""
+def init_world(device: torch.device, collective_timeout: float = COLLECTIVE_TIMEOUT_S) -> World:
+    """Join the process group described by torchrun's environment (once), or stay single.
+
+    `collective_timeout` (seconds, `[parallel] collective_timeout`) bounds every collective: gloo raises in the
+    waiting rank, which exits 76 (kiln.cli.common); nccl's watchdog ends the rank (its default async error
+    handling), which the launcher reports as a lost peer too."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1:
         return World()
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                timeout=timedelta(seconds=collective_timeout))
     return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 

@@ -10,6 +10,7 @@ run stops in seconds instead of with an IndexError at step N.
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -41,7 +42,8 @@ def check_train_args(args: TrainSection) -> None:
         bad("clip_grad_norm", args.clip_grad_norm, "a finite number >= 0 (0 or unset: no clipping)")
     if args.epochs is not None and not (math.isfinite(args.epochs) and args.epochs > 0):
         bad("epochs", args.epochs, "a finite number > 0")
-    for name in ("warmup_steps", "eval_every", "save_every", "early_stopping_patience"):
+    # seed: numpy's generators (data order) take no negative seed (exit 70 from deep inside numpy before)
+    for name in ("warmup_steps", "eval_every", "save_every", "early_stopping_patience", "seed"):
         if getattr(args, name) < 0:
             bad(name, getattr(args, name), ">= 0")
     if args.steps is not None and args.warmup_steps > args.steps:
@@ -123,13 +125,21 @@ def _targets(task: Task, example: dict) -> int:
     return n
 
 
-def check_examples(examples: Sequence[dict], model: nn.Module, task: Task, what: str, hint: str = "") -> None:
-    """Encoded examples: something to learn, ids inside the vocabulary, token types and lengths the model has."""
+def check_examples(examples: Sequence[dict], model: nn.Module, task: Task, what: str, hint: str = "",
+                   say: bool = True) -> None:
+    """Encoded examples: something to learn, ids inside the vocabulary, token types and lengths the model has.
+    Some examples with no target (an SFT reply cut off by max_length) are counted in one warning (`say`: this
+    process is the one that speaks)."""
     if not examples:
         raise KilnError(f"{what}: no examples after encoding")
-    if sum(_targets(task, ex) for ex in examples) == 0:
+    empty = sum(_targets(task, ex) == 0 for ex in examples)
+    if empty == len(examples):
         raise KilnError(f"{what}: nothing to learn: every target of its {len(examples)} example(s) is ignored"
                         + (f" ({hint})" if hint else ""))
+    if empty and say:
+        print(f"warning: {what}: {empty} of {len(examples)} example(s) have every target ignored, so nothing is "
+              f"learned from them{f' ({hint})' if hint else ''}; {len(examples) - empty} carry signal",
+              file=sys.stderr)
     vocab, types, limit = _vocab(model), _table_size(model, "token_type_embeddings"), position_limit(model)
     for i, ex in enumerate(examples):
         ids = ex.get("input_ids")

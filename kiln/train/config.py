@@ -17,6 +17,7 @@ refused (`model_config_overrides`).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import re
 import tomllib
@@ -403,6 +404,15 @@ def model_config_overrides(m: ModelSection) -> dict[str, Any]:
     return dict(m.config)
 
 
+def _link_loop(path: str) -> bool:
+    """Whether following the link `path` comes back around (ELOOP) rather than to a missing target."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
+
+
 def load_run_config(path: str | os.PathLike[str], overrides: Sequence[tuple[str, Any]] = ()) -> RunConfig:
     """Read and validate a run TOML, with `overrides` ((dotted key, value), e.g. from `kiln train --set`)
     applied on top; relative model/data paths resolve against the file's folder (so a config travels
@@ -410,9 +420,14 @@ def load_run_config(path: str | os.PathLike[str], overrides: Sequence[tuple[str,
     to the working directory. A model.path that is no such path but reads as a Hub repo id (org/name[@rev])
     stays as it is."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a folder, not a run config file (a .toml)")
     if not path.is_file():
         raise ConfigError(f"{path}: no such run config file")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:  # the boundary's own message for this names no file
+        raise ConfigError(f"{path}: not valid UTF-8 (byte {e.start}); TOML files are UTF-8: re-encode it") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -433,6 +448,9 @@ def load_run_config(path: str | os.PathLike[str], overrides: Sequence[tuple[str,
     for key in ("train", "eval"):  # before a recipe is picked by what the path is: a dangling link is no kind of data
         value = data.get("data", {}).get(key) if isinstance(data.get("data"), dict) else None
         if isinstance(value, str) and os.path.islink(value) and not os.path.exists(value):
+            if _link_loop(value):
+                raise ConfigError(f"data.{key} {value}: a symbolic link that leads back to itself (to "
+                                  f"{os.readlink(value)}); point it at the data")
             raise ConfigError(f"data.{key} {value}: a dangling symbolic link (to {os.readlink(value)}, which does "
                               "not exist: an unmounted share?)")
     return parse_run_config(data, str(path), text, overridden)

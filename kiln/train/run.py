@@ -52,6 +52,7 @@ def build_trainer(cfg: RunConfig, resume: str | Path | None = None, *, keep_glob
     check_train_args(cfg.train)
     if resume is None:
         check_out_dir(cfg.train.out_dir)
+        check_out_dir_is_not_data(cfg)
     recipe = recipe_for(cfg)
     if not isinstance(cfg.data, recipe.data_schema):
         raise ConfigError(f"this is a {recipe.name} run ({recipe.when}): its [data] must be a "
@@ -73,3 +74,14 @@ def build_trainer(cfg: RunConfig, resume: str | Path | None = None, *, keep_glob
                    callbacks=parts.callbacks, objectives=parts.objectives, args=args, resume=resume,
                    run_config=cfg.model_dump(mode="json"), data_fingerprint={**parts.fingerprint, **content_digests(parts.model, cfg.data.eval)},
                    parallel=cfg.parallel)
+
+
+def check_out_dir_is_not_data(cfg: RunConfig) -> None:
+    """train.out_dir naming the data folder itself (a folder of raw token files, which check_out_dir does not
+    tell from an empty one) would fill it with checkpoints and metrics: refused, naming both keys."""
+    out = Path(cfg.train.out_dir).resolve()
+    for key in ("train", "eval"):
+        value = getattr(cfg.data, key, None)
+        if isinstance(value, str) and Path(value).is_dir() and Path(value).resolve() == out:
+            raise ConfigError(f"train.out_dir {cfg.train.out_dir} is data.{key}'s folder; a run writes checkpoints "
+                              "and metrics there: choose another train.out_dir")

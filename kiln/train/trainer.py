@@ -125,7 +125,8 @@ class Trainer:
     def _setup(self) -> None:
         a = self.args
         self.device = pick_device(a.device, int(os.environ.get("LOCAL_RANK", "0")))
-        self.world: World = init_world(self.device)
+        # a Trainer built without a run config (no [parallel] table) joins with the default timeout
+        self.world: World = init_world(self.device, *([self.parallel.collective_timeout] if self.parallel else []))
         self.engine: StepEngine = plans.step_engine(self.parallel)  # how a step's gradients come to be
         for cb in self.callbacks:  # e.g. [ff]: its local steps between the engine's backprop steps
             self.engine = cb.wrap_engine(self, self.engine)

@@ -79,6 +79,38 @@ def test_a_lost_peer_is_told_from_a_bug():
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("value", [0, -5, float("inf"), float("nan")])
+def test_collective_timeout_is_a_finite_positive_number(tmp_path, value):
+    tok = raw_shards(tmp_path / "tok", 1)
+    cfg = pretrain_config(tmp_path / "r.toml", tok, tmp_path / "out", parallel={"collective_timeout": value})
+    code, out = run_cli("train", "--config", cfg)
+    assert code == 1 and f"parallel.collective_timeout must be a finite number > 0, got {float(value)}" in out, out
+    assert not (tmp_path / "out").exists()
+
+
+def test_collective_timeout_reaches_the_process_group(monkeypatch):
+    """init_world hands the setting to init_process_group (gloo here; nccl alike), the default without one."""
+    from datetime import timedelta
+
+    import torch
+
+    from kiln.parallel import world
+    from kiln.parallel.config import COLLECTIVE_TIMEOUT_S, ParallelSection
+
+    seen: list[dict] = []
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(world.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(world.dist, "init_process_group", lambda **kw: seen.append(kw))
+    monkeypatch.setattr(world.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(world.dist, "get_world_size", lambda: 2)
+    assert world.init_world(torch.device("cpu"), 12.5) == world.World(0, 2, 0)
+    world.init_world(torch.device("cpu"))
+    assert seen == [{"backend": "gloo", "timeout": timedelta(seconds=12.5)},
+                    {"backend": "gloo", "timeout": timedelta(seconds=COLLECTIVE_TIMEOUT_S)}]
+    assert ParallelSection().collective_timeout == COLLECTIVE_TIMEOUT_S == 600
+
+
 # ---- spawned: a real launch of two ranks ------------------------------------------------------------------------
 def _proc_stat(pid: int) -> tuple[str, int, int] | None:
     """(state, ppid, session) of a live process; None when it is gone (or a zombie nobody reaped)."""
@@ -122,10 +154,11 @@ def _gone(pids, within: float) -> list[int]:
 class _Launch:
     """`kiln launch --nproc-per-node 2 -- train` of a long run, started and waited for until it trains."""
 
-    def __init__(self, tmp_path: Path):
+    def __init__(self, tmp_path: Path, parallel: dict | None = None):
         tok = raw_shards(tmp_path / "tok", 2, tokens=4000)
         self.out = tmp_path / "out"
-        cfg = pretrain_config(tmp_path / "run.toml", tok, self.out, train={"steps": 100000, "save_every": 2})
+        cfg = pretrain_config(tmp_path / "run.toml", tok, self.out, train={"steps": 100000, "save_every": 2},
+                              parallel=parallel or {})
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         self.p = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "launch", "--nproc-per-node", "2", "--",
                                    "train", "--config", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -161,12 +194,15 @@ class _Launch:
 def launch(tmp_path):
     runs: list[_Launch] = []
 
-    def start() -> _Launch:
-        runs.append(_Launch(tmp_path / f"launch{len(runs)}"))
+    def start(**parallel) -> _Launch:
+        runs.append(_Launch(tmp_path / f"launch{len(runs)}", parallel))
         return runs[-1]
     yield start
     for r in runs:  # whatever a failed assertion left running
         r.kill_all()
+
+
+TIMEOUT = 10.0  # parallel.collective_timeout of the spawned runs that lose a rank
 
 
 @pytest.mark.slow
@@ -180,13 +216,38 @@ def test_launcher_sigkilled_leaves_no_process_of_the_run(launch):
 
 @pytest.mark.slow
 def test_a_rank_sigkilled_ends_every_rank_with_76_and_one_line(launch):
-    run = launch()
+    run = launch(collective_timeout=TIMEOUT)
+    killed = time.monotonic()
     os.kill(run.rank(1), signal.SIGKILL)
     code, out = run.finish()
+    assert time.monotonic() - killed < TIMEOUT, out  # torchrun sees the death; no collective has to time out
     assert code == common.EXIT_PEER_LOST, out
     assert out.count("kiln launch: rank 1 ended by SIGKILL; every rank of the run ended with it (exit 76: requeue "
                      "with --resume)") == 1, out
     assert "Traceback" not in out and "Connection" not in out and "SIGTERM received" not in out, out
+    assert _gone(list(run.procs), within=5) == []
+
+
+# torchrun's own grace between its SIGTERM to a rank and its SIGKILL (a stopped rank answers only the second)
+TORCHRUN_GRACE_S = 30
+
+
+@pytest.mark.slow
+def test_a_hung_rank_ends_every_rank_after_the_collective_timeout_with_76(launch):
+    """A rank that stops answering without dying (SIGSTOP here; a wedged driver, a swapped-out node): torchrun
+    cannot see it, the peer's next collective times out after parallel.collective_timeout and that rank exits 76;
+    torchrun then ends the hung one (SIGTERM, then SIGKILL after its grace)."""
+    run = launch(collective_timeout=TIMEOUT)
+    hung = time.monotonic()
+    os.kill(run.rank(1), signal.SIGSTOP)
+    code, out = run.finish(timeout=TIMEOUT + TORCHRUN_GRACE_S + 60)
+    took = time.monotonic() - hung
+    assert code == common.EXIT_PEER_LOST, out
+    assert out.count("kiln launch: rank 0 lost a peer (") == 1 and "parallel.collective_timeout" in out, out
+    assert "every rank of the run ended with it (exit 76: requeue with --resume)" in out, out
+    assert "Traceback" not in out, out
+    # the timeout, then torchrun's grace for the stopped rank; the margin is a loaded machine's step and exit
+    assert TIMEOUT <= took < TIMEOUT + TORCHRUN_GRACE_S + 30, (took, out)
     assert _gone(list(run.procs), within=5) == []
 
 

@@ -21,11 +21,34 @@ DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 # family -> overrides of its registered tiny config (sizes first; then what llama.cpp's graph needs)
 FAMILIES = {
     "llama": {},                                       # keeps the tiny's llama3 rope scaling and tied embeddings
-    "qwen2": {"rope_parameters": DEFAULT_ROPE},        # the tiny's yarn rope is refused (see gguf_arch)
+    "qwen2": {"rope_parameters": DEFAULT_ROPE},        # plain rope here; YaRN is checked in test_yarn_rope_metadata
     "qwen3": {},
     "qwen3_moe": {"mlp_only_layers": []},              # llama.cpp's qwen3moe has a MoE block in every layer
     "mamba": {},
+    # MLA sizes whose matrices split into 32-wide q8_0 blocks; 8 experts in 4 groups (2 kept), 2 shared, layer 0
+    # dense; DeepSeek-V3's own interleaved rope rows; the tiny's yarn has mscale != mscale_all_dim (refused)
+    "deepseek_v3": {"num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 32,
+                    "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "n_routed_experts": 8,
+                    "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2, "n_shared_experts": 2,
+                    "first_k_dense_replace": 1, "rope_parameters": DEFAULT_ROPE},
+    # hybrids: 2 layers (DeltaNet, attention); DeltaNet heads 2 key x 4 value of 32 dims; every layer MoE in the
+    # MoE kinds; the tokenizer's specials
+    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"], "mlp_only_layers": []},
+    "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"]},
+    "qwen3_5_moe_text": {"layer_types": ["linear_attention", "full_attention"]},
+    # GLM-5: the deepseek sizes with a query latent (llama.cpp's glm-dsa needs one), the lightning indexer choosing
+    # 5 keys (so the sparse choice is exercised past 5 tokens) with 16 heads (with 2, ReLU zeros tie several keys
+    # at the 5th score and the two top-k implementations break ties differently), layer 1 sharing layer 0's
+    # choice; plain rope (llama.cpp's glm-dsa YaRN is refused)
+    "glm_moe_dsa": {"rope_parameters": DEFAULT_ROPE, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32,
+                    "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "n_routed_experts": 8,
+                    "num_experts_per_tok": 3, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                    "index_n_heads": 16, "index_head_dim": 64, "index_topk": 5},
 }
+HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+# DeepSeek-V3's release rope: yarn with mscale == mscale_all_dim (llama.cpp's deepseek2 assumes it)
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                 "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1}
 
 
 def tokenizer_dir(root: Path) -> Path:
@@ -44,8 +67,14 @@ def tiny_dir(root: Path, family: str, hidden: int = 64, **overrides) -> Path:
     sizes = dict(vocab_size=VOCAB, hidden_size=hidden, eos_token_id=2, pad_token_id=0, bos_token_id=None)
     if family != "mamba":  # attention decoders
         sizes.update(intermediate_size=2 * hidden, head_dim=hidden // 4, max_position_embeddings=128)
-    if family == "qwen3_moe":
-        sizes["moe_intermediate_size"] = hidden
+    if family in ("qwen3_moe", "deepseek_v3", "glm_moe_dsa"):
+        sizes["moe_intermediate_size"] = hidden if family == "qwen3_moe" else hidden // 2
+    if family in HYBRIDS:
+        sizes.update(num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_key_head_dim=hidden // 2, linear_value_head_dim=hidden // 2)
+    if family in ("qwen3_next", "qwen3_5_moe_text"):
+        sizes.update(moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden, num_experts=4,
+                     num_experts_per_tok=2)
     name = f"{family}-{hidden}" + (f"-{zlib.crc32(repr(sorted(overrides.items())).encode())}" if overrides else "")
     out = make_tiny(family, "causal-lm", root / name, tokenizer=False,
                     **{**sizes, **FAMILIES[family], **overrides})
@@ -69,3 +98,33 @@ def _sharpen(path: Path, factor: float = 10.0) -> None:
     assert len(final) == 1, sorted(weights)[-5:]
     weights[final[0]] = weights[final[0]] * factor
     save_file(weights, str(path), metadata={"format": "pt"})
+
+
+def sentencepiece_dir(root: Path, family: str = "llama", vocab: int = 512) -> Path:
+    """A tiny `family` model with a Llama-2-style tokenizer: BPE with byte fallback (<0x00>..<0xFF> at ids 3..258),
+    spaces as "\u2581" with one prepended by the normaliser, `<s> $A` added."""
+    from tokenizers import Tokenizer, models, normalizers, processors, trainers
+
+    out = root / f"spm-{family}"
+    if (out / "tokenizer.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    trained.train_from_iterator([TEXT * 3], trainers.BpeTrainer(vocab_size=vocab - 60, special_tokens=specials,
+                                                                show_progress=False))
+    spec = json.loads(trained.to_str())
+    spec["model"].update(byte_fallback=True, fuse_unk=True)
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in specials[:3]]  # bytes: plain vocab
+    tok = Tokenizer.from_str(json.dumps(spec))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    src = tiny_dir(root, family, vocab_size=vocab, eos_token_id=2, bos_token_id=1)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name not in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(f, out / f.name)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                           "unk_token": "<unk>", "add_bos_token": True}))
+    return out

@@ -132,16 +132,17 @@ def test_modelfile_chatml_and_untranslated(root):
 def test_refusals_name_the_thing(root, tmp_path):
     from kiln.interop.tiny import make_tiny
 
-    bert = load_pretrained(make_tiny("bert", "base", tmp_path / "bert"))
-    with pytest.raises(KilnError, match="family 'bert'"):
-        write_gguf(bert, tmp_path / "b.gguf", "f16")
+    roberta = load_pretrained(make_tiny("roberta", "base", tmp_path / "roberta"))
+    with pytest.raises(KilnError, match="family 'roberta'"):
+        write_gguf(roberta, tmp_path / "b.gguf", "f16")
     moe = load_pretrained(tiny_dir(root, "qwen3_moe", mlp_only_layers=[1]))
     with pytest.raises(KilnError, match=r"layers \[1\] are dense"):
         write_gguf(moe, tmp_path / "m.gguf", "f16")
-    yarn = load_pretrained(tiny_dir(root, "qwen2", rope_parameters={
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 64}))
-    with pytest.raises(KilnError, match="rope_type 'yarn'"):
-        write_gguf(yarn, tmp_path / "y.gguf", "f16")
+    llama3 = load_pretrained(tiny_dir(root, "qwen2", rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}))
+    with pytest.raises(KilnError, match="rope_type 'llama3'"):
+        write_gguf(llama3, tmp_path / "y.gguf", "f16")
     q = load_pretrained(tiny_dir(root, "qwen3"))
     with pytest.raises(KilnError, match="--gguf-type 'q3'"):
         write_gguf(q, tmp_path / "q.gguf", "q3")
@@ -192,3 +193,26 @@ def test_lora_adapter_file_layout(root, tmp_path):
     assert np.array_equal(t["blk.1.attn_v.weight.lora_b"].reshape(32, 4), v.lora_B.weight.detach().numpy())
     with pytest.raises(KilnError, match="no LoRA adapter"):
         write_gguf_lora(load_pretrained(tiny_dir(root, "llama")), tmp_path / "b.gguf")
+
+
+def test_deepseek_mla_layout(root, tmp_path):
+    """deepseek2's file: one latent KV head, the _mla head sizes, q_lora_rank 0 without a query latent, sigmoid
+    group-limited routing keys; kv_b_proj split per head into attn_k_b (k half transposed) and attn_v_b; the
+    balancing bias as exp_probs_b.bias; experts stacked."""
+    model = load_pretrained(tiny_dir(root, "deepseek_v3"))
+    c = model.config
+    r = gguf.GGUFReader(str(write_gguf(model, tmp_path / "d.gguf", "f32")))
+    f = _fields(r)
+    assert f["general.architecture"] == "deepseek2"
+    assert (f["deepseek2.attention.head_count_kv"], f["deepseek2.attention.key_length"],
+            f["deepseek2.attention.value_length"]) == (1, c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank)
+    assert (f["deepseek2.attention.key_length_mla"], f["deepseek2.attention.value_length_mla"],
+            f["deepseek2.attention.q_lora_rank"]) == (c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim, 0)
+    assert (f["deepseek2.expert_gating_func"], f["deepseek2.expert_group_count"],
+            f["deepseek2.expert_group_used_count"], f["deepseek2.leading_dense_block_count"]) == (2, 4, 2, 1)
+    t = {x.name: np.array(x.data) for x in r.tensors}
+    kv_b = model.hf_state_dict()["model.layers.1.self_attn.kv_b_proj.weight"].reshape(4, 64, 32)
+    assert np.array_equal(t["blk.1.attn_k_b.weight"], kv_b[:, :32].transpose(1, 2).numpy())
+    assert np.array_equal(t["blk.1.attn_v_b.weight"], kv_b[:, 32:].numpy())
+    assert t["blk.1.exp_probs_b.bias"].shape == (8,) and t["blk.1.ffn_gate_exps.weight"].shape == (8, 32, 64)
+    assert "blk.0.ffn_gate.weight" in t and "blk.1.attn_kv_b.weight" not in t

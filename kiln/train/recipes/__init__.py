@@ -103,6 +103,8 @@ class _Schema:
         train = data.get("train") if isinstance(data, Mapping) else None
         if isinstance(train, str) and not Path(train).exists():  # the recipe is chosen by what data.train holds
             hint += f"; data.train {train} does not exist, so what it holds could not decide"
+        elif isinstance(train, str) and Path(train).is_dir() and not any(Path(train).iterdir()):
+            hint += f"; data.train {train} is an empty folder, so what it holds could not decide"
         return hint
 
 

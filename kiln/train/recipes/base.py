@@ -146,6 +146,7 @@ def build_model(cfg: RunConfig, labels: list[str] | None, need_tokenizer: bool =
                 return direct
         return load_pretrained(m.path, task=m.task, seed=m.init_seed, fp8=m.fp8, quantize=m.quantize, **changes)
     assert m.family is not None  # ModelSection's validator: exactly one of model.path and model.family
+    check_config_keys(m.family, m.config)
     config = AutoConfig.for_model(m.family, **m.config)
     if labels:
         config.set_labels(labels)
@@ -175,3 +176,32 @@ def add_lora(cfg: RunConfig, model: nn.Module) -> None:
         lora = cfg.lora
         apply_lora(model, LoraConfig(lora.r, lora.alpha, lora.dropout, lora.targets, lora.use_rslora,
                                      lora.target_parameters, str(cfg.model.path) if cfg.model.path else None))
+
+
+
+def check_config_keys(family: str, config: dict[str, Any]) -> None:
+    """model.config keys the family does not model are kept as transformers keeps them (written back to
+    config.json); one a single typo away from a key it does model (a letter left out, added, changed or two
+    swapped) would be ignored silently (a `hiden_size` trains at the default size): refused, naming the key."""
+    import dataclasses
+
+    from kiln.models.auto import family_for
+
+    fields = sorted({f.name for f in dataclasses.fields(family_for(family, "model.family").config_cls)} - {"extra"})
+    for key in config:
+        near = [f for f in fields if key not in fields and _one_typo(key, f)]
+        if near:
+            raise ConfigError(f"model.config.{key} is not a {family} config key; did you mean {near[0]}?")
+
+
+def _one_typo(a: str, b: str) -> bool:
+    """`a` and `b` differ by exactly one edit: a character inserted, deleted or changed, or two adjacent ones
+    swapped (transformers' own keys differ from kiln's fields by more, e.g. qk_head_dim / v_head_dim)."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        return len(diff) == 1 or (len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]]
+                                  and a[diff[1]] == b[diff[0]])
+    short, long_ = sorted((a, b), key=len)
+    return any(long_[:i] + long_[i + 1:] == short for i in range(len(long_)))

@@ -91,9 +91,9 @@ class FineTune(Recipe):
         add_lora(cfg, model)
         train = self.encode(cfg, task, model, train_records, labels, "train")
         evals = self.encode(cfg, task, model, eval_records, labels, "eval") if eval_records else None
-        check_examples(train, model, task, f"data.train {d.train}", self.empty_hint(cfg))
+        check_examples(train, model, task, f"data.train {d.train}", self.empty_hint(cfg), say=world.main)
         if evals is not None:
-            check_examples(evals, model, task, f"data.eval {d.eval}", self.empty_hint(cfg))
+            check_examples(evals, model, task, f"data.eval {d.eval}", self.empty_hint(cfg), say=world.main)
         return RunParts(model, train, eval_data=evals, fingerprint=self.fingerprint(cfg, labels))
 
 

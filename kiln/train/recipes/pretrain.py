@@ -196,6 +196,8 @@ class Pretrain(Recipe):
                               f"reads (not {cfg.model.task!r})")
         if cfg.lora is not None:
             raise ConfigError("[lora] is for fine-tuning; pre-training from token ids trains every weight")
+        if d.eval is not None and not (Path(d.eval).exists() or Path(d.eval).is_symlink()):
+            raise ConfigError(f"data.eval {d.eval}: no such file or folder")
         eval_files = raw_files(d.eval, d.extension) if d.eval is not None else None
         if d.eval is not None and eval_files is None:
             raise ConfigError(f"data.eval {d.eval} must hold raw token ids too (data.train does)")
