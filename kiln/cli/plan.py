@@ -23,22 +23,22 @@ def _host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def read_q4_shapes(model_dir: Path, tensors: dict) -> dict[str, tuple[int, ...]]:
+def read_q4_shapes(source, tensors: dict) -> dict[str, tuple[int, ...]]:
     """A bitsandbytes-4bit directory's packed weights -> the shape each dequantizes to, from their quant-state
-    JSON tensors (a few hundred bytes each; no weights read); empty for any other directory."""
+    JSON tensors (a few hundred bytes each; no weights read); empty for any other directory. `source`: the
+    directory, or its kiln.hub.index.CheckpointIndex (safetensors or .bin alike: each file's header read once)."""
     import json
 
     from kiln.errors import WeightsError
-    from kiln.hub.weights import SpanReader, tensor_spans
+    from kiln.hub.index import CheckpointIndex
     from kiln.parallel.memory_q4 import is_state
 
+    index = source if isinstance(source, CheckpointIndex) else CheckpointIndex(Path(source))
+    model_dir = index.root
     states = [k for k in tensors if is_state(k) and ".quant_state." in k]
     out: dict[str, tuple[int, ...]] = {}
-    spans: dict[Path, dict] = {}
-    for key in states:  # safetensors or .bin alike: each file's spans read once
-        file = model_dir / tensors[key].file
-        with open(file, "rb", buffering=0) as f:
-            raw = bytes(SpanReader(f, spans.setdefault(file, tensor_spans(file))).get_tensor(key).tolist())
+    for key in states:
+        raw = bytes(index.read(key).tolist())
         try:
             out[key.split(".quant_state.")[0]] = tuple(int(d) for d in json.loads(raw.decode("utf-8"))["shape"])
         except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
@@ -54,7 +54,7 @@ def plan_inputs(cfg, nproc: int, device: str, source: str = "run config") -> tup
 
     from kiln.errors import ConfigError
     from kiln.hub.config import read_config
-    from kiln.hub.headers import read_headers
+    from kiln.hub.index import CheckpointIndex
     from kiln.models.auto import family_for
     from kiln.parallel.memory import ModelDims, RunSettings, check_shapes, params_from_headers
     from kiln.parallel.memory_q4 import compute_dtype
@@ -68,8 +68,9 @@ def plan_inputs(cfg, nproc: int, device: str, source: str = "run config") -> tup
     hf_config = read_config(model_dir)
     family = family_for(hf_config.get("model_type"), str(model_dir / "config.json"))
     dims = ModelDims.from_config(hf_config, str(model_dir / "config.json"), family.config_cls.attn_output_gate)
-    tensors, sizes = read_headers(model_dir)
-    q4_shapes = read_q4_shapes(model_dir, tensors)
+    index = CheckpointIndex(model_dir)  # every header read once, for the sizes and read_plan alike
+    tensors, sizes = index.headers()
+    q4_shapes = read_q4_shapes(index, tensors)
     logical = {k: replace(t, shape=q4_shapes[k]) if k in q4_shapes else t for k, t in tensors.items()}
     dims = check_shapes(logical, dims, str(model_dir / "config.json"))
     par, lora = cfg.parallel, cfg.lora
@@ -90,7 +91,7 @@ def plan_inputs(cfg, nproc: int, device: str, source: str = "run config") -> tup
     # what the family carries beside the model (an MTP layer) is not trained, and a read shard by shard does not
     # hold it (a whole load holds it whole), unless [moe] mtp_weight makes it live: parameters like any other, less
     # what the live layer drops. A checkpoint no read takes shard by shard loads whole on every rank (`loads_whole`)
-    empty, _, why = read_plan(model_dir, cfg.model.task, cfg.model.fp8, cfg.model.quantize)
+    empty, _, why = read_plan(index, cfg.model.task, cfg.model.fp8, cfg.model.quantize)
     settings = replace(settings, loads_whole=why)
     carried, dropped = carried_keys(empty, getattr(getattr(cfg, "moe", None), "mtp_weight", 0) > 0, tensors) \
         if empty is not None else (set(), set())

@@ -82,40 +82,81 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
     )
 
 
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """One safetensors file's header, parsed and checked once: each tensor's (dtype, shape, first byte, end byte)
+    from the start of the file, in the header's order."""
+    tensors: dict[str, tuple[str, tuple[int, ...], int, int]]
+
+
+def parse_safetensors(path: str | os.PathLike) -> SafetensorsHeader:
+    """Read and check one safetensors file's header (8 + header-length bytes; no tensor data): the checks the
+    safetensors library makes on open (a JSON object, known dtypes, each tensor's bytes its shape times its width,
+    the tensors' byte ranges tiling the data buffer to the end of the file), so a truncated file or another format
+    is named here, once, not when a tensor is read."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise WeightsError(_unreadable(path, f"{len(head)} bytes, too short for a header length"))
+            (length,) = struct.unpack("<Q", head)
+            if length > min(_MAX_HEADER, size - 8):
+                raise WeightsError(_unreadable(path, f"header length {length} does not fit the file ({size} bytes)"))
+            raw = f.read(length)
+    except PermissionError:
+        raise WeightsError(f"{path}: permission denied: this user may not read the file; ask its owner to make "
+                           "it readable (chmod a+r) or copy it somewhere you can read") from None
+    except OSError as e:
+        raise WeightsError(f"{path}: cannot read ({e})") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WeightsError(_unreadable(path, f"the header is not valid JSON: {e}")) from None
+    if not isinstance(header, dict):
+        raise WeightsError(_unreadable(path, "the header is not a JSON object"))
+    data = 8 + length
+    out: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not isinstance(info, dict) or info.get("dtype") not in DTYPE_BYTES or not isinstance(info.get("shape"), list) \
+                or not all(isinstance(d, int) and d >= 0 for d in info["shape"]) or not isinstance(offsets, list) \
+                or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets):
+            raise WeightsError(_unreadable(path, f"tensor {name!r} has no readable dtype/shape/data_offsets ({info!r})"))
+        shape = tuple(info["shape"])
+        begin, end = offsets
+        numel = 1
+        for d in shape:
+            numel *= d
+        if not 0 <= begin <= end or end - begin != numel * DTYPE_BYTES[info["dtype"]]:
+            raise WeightsError(_unreadable(path, f"tensor {name!r} has data_offsets {offsets}, which do not hold "
+                                                 f"{info['dtype']}{list(shape)}"))
+        out[name] = (info["dtype"], shape, data + begin, data + end)
+    covered = data
+    for _, _, begin, end in sorted(out.values(), key=lambda t: (t[2], t[3])):
+        if begin != covered:
+            raise WeightsError(_unreadable(path, f"its tensors' bytes leave a gap or overlap at byte {covered}"))
+        covered = end
+    if covered != size:
+        raise WeightsError(_unreadable(path, f"its tensors end at byte {covered}, the file at {size}"))
+    return SafetensorsHeader(out)
+
+
+def _unreadable(path: Path, why: str) -> str:
+    return f"{path}: not a readable safetensors file ({why}); is it truncated or another format?"
+
+
 def read_header(path: str | os.PathLike) -> dict[str, TensorHeader]:
     """The tensors one safetensors file holds, from its header alone (reads 8 + header-length bytes); of a .bin
     file, from its pickle."""
     path = Path(path)
     if path.suffix == ".bin":
         return _bin_header(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise WeightsError(f"{path}: {len(head)} bytes, too short for a safetensors file")
-            (length,) = struct.unpack("<Q", head)
-            if length > min(_MAX_HEADER, size - 8):
-                raise WeightsError(f"{path}: header length {length} does not fit the file ({size} bytes); "
-                                   f"is it truncated or another format?")
-            raw = f.read(length)
-    except OSError as e:
-        raise WeightsError(f"{path}: cannot read ({e})") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise WeightsError(f"{path}: the safetensors header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise WeightsError(f"{path}: the safetensors header is not a JSON object")
-    out: dict[str, TensorHeader] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if not isinstance(info, dict) or info.get("dtype") not in DTYPE_BYTES or \
-                not isinstance(info.get("shape"), list):
-            raise WeightsError(f"{path}: tensor {name!r} has no readable dtype/shape in the header ({info!r})")
-        out[name] = TensorHeader(name, tuple(int(d) for d in info["shape"]), info["dtype"], path.name)
-    return out
+    return {name: TensorHeader(name, shape, dtype, path.name)
+            for name, (dtype, shape, _, _) in parse_safetensors(path).tensors.items()}
 
 
 def _bin_header(path: Path) -> dict[str, TensorHeader]:

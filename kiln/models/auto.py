@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from kiln.errors import ConfigError
-from kiln.hub import Tokenizer, load_weights, read_config
+from kiln.hub import Tokenizer, read_config
+from kiln.hub.index import CheckpointIndex
 from kiln.hub.resolve import resolve_model_dir
 from kiln.models import (albert, bert, deberta_v2, distilbert, llama, mamba, modernbert, qwen2, qwen3, qwen3_moe,
                          roberta, xlm_roberta)
@@ -69,7 +70,11 @@ def family_for(model_type: Any, source: str = "config.json") -> Family:
 
 def load_config(path: str | os.PathLike) -> tuple[Family, FamilyConfig, str | None]:
     """(family, typed config, task named by `architectures` or None) for a model directory or Hub repo id."""
-    path = resolve_model_dir(path)
+    return config_of_dir(resolve_model_dir(path))
+
+
+def config_of_dir(path: Path) -> tuple[Family, FamilyConfig, str | None]:
+    """`load_config` of a resolved local directory (a load resolves its path once: kiln.hub.index)."""
     raw = read_config(path)
     source = str(Path(path) / "config.json")
     if "model_type" not in raw:
@@ -108,13 +113,14 @@ def load_pretrained(path: str | os.PathLike, task: str | None = None, dtype: tor
     """
     if seed is not None:
         torch.manual_seed(seed)
-    path = resolve_model_dir(path)
-    family, config, source_task = load_config(path)
+    index = CheckpointIndex.open(path)  # the path resolved once; each file's header read once
+    path = index.root
+    family, config, source_task = config_of_dir(path)
     task = task or source_task or BASE
     config = apply_changes(config, dict(changes))
     with torch.device("meta"):
         model = family.build(config, task)
-    weights = load_weights(path)
+    weights = index.load_all()
     q4 = bnb4_scheme_from_config(config.extra, str(Path(path) / "config.json"))
     scheme = None if q4 is not None else scheme_from_config(config.extra, str(Path(path) / "config.json"))
     if scheme is not None:

@@ -12,18 +12,22 @@ import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 from kiln.errors import ConfigError, WeightsError
-from kiln.hub import Tokenizer, load_weights, read_config, save_weights, write_config
+from kiln.hub import Tokenizer, save_weights, write_config
 from kiln.models.config import FamilyConfig
 from kiln.models.keymap import KeyMap
+from kiln.models.load_plan import Carried, DeferredRead
 from kiln.models.parallel_plan import ParallelPlan
 from kiln.models.tasks import BASE
 
+if TYPE_CHECKING:
+    from kiln.models.common.fp8 import Fp8State
+    from kiln.models.common.quant4 import Bnb4State
 
 
 @dataclass(frozen=True)
@@ -116,17 +120,24 @@ def init_module(module: nn.Module, std: float) -> None:
 
 
 class PreTrainedModel(nn.Module):
-    """Base of every kiln model: `family`, `task` and `config` are set by `Family.build`."""
+    """Base of every kiln model: `family`, `task` and `config` are set by `Family.build`. What a load leaves on the
+    model is declared here, and nothing else rides on it: the quantized base's state (FP8, 4-bit), the half dtypes
+    a family writes back, the read still to do of a model built on meta, and what it holds by reference."""
 
     family: Family
     task: str
     config: FamilyConfig
     tokenizer: Tokenizer | None = None
+    fp8_state: "Fp8State | None" = None     # an FP8 base: its scheme and the pairs written back (common/fp8.py)
+    bnb4_state: "Bnb4State | None" = None   # a 4-bit base: written back under bitsandbytes' names (common/quant4.py)
 
     def __init__(self) -> None:
         super().__init__()
         self.hf_extras: dict[str, torch.Tensor] = {}
         self.load_report = LoadReport()
+        self.stored_half: dict[str, torch.dtype] = {}  # kiln name -> the half dtype it was stored in (written back)
+        self.deferred_read: DeferredRead | None = None  # built on meta: the read still to do (kiln.models.load_plan)
+        self.carried = Carried()  # tensors held by reference, not read (written back from their source files)
 
     # ---- HF state dicts ------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

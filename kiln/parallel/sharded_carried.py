@@ -6,7 +6,7 @@ release's `mtp.*` in `hf_passthrough`, DeepSeek-V4's `mtp.*` in `mtp_tensors`). 
 real size they are large (V3's MTP layer is ~11B parameters with its experts), so a sharded run does not read
 them: `lean_pretrained` runs the family's load on the headers, and each tensor it carries exactly as stored (the
 same checkpoint tensor, its stored dtype and shape) stays a meta placeholder in its holder, with a `CarriedRef`
-(source directory, file, tensor name, dtype, shape, the file's size and mtime) in `model.carried_refs`. An FP8 (or
+(source directory, file, tensor name, dtype, shape, the file's size and mtime) in `model.carried.refs`. An FP8 (or
 packed FP4) weight a whole load dequantizes to carry (an FP8 release's MTP layer; the whole load keeps its pair aside
 to write it back unchanged) is held so too, as its stored pair, where the family `carries_fp8_pairs` (DeepSeek-V3 and
 the families built on it, V4): the weight and its scale, each a placeholder with its reference, the weight's noting
@@ -35,52 +35,23 @@ from safetensors import safe_open
 from kiln.errors import KilnError
 from kiln.hub.config import write_json_atomic
 from kiln.hub.fp8 import FP8, dequantize, logical_shape
-from kiln.hub.weights import tensor_spans, weight_files
+from kiln.hub.index import CarriedRef, CheckpointIndex, tensor_spans
 
 CARRIED_FILE = "carried.json"  # beside model/config.json of a sharded checkpoint
 HOLDERS = ("hf_extras", "hf_passthrough", "mtp_tensors")  # the attributes a family carries tensors in
 
 
-@dataclasses.dataclass(frozen=True)
-class CarriedRef:
-    """Where one carried tensor lies: `key` in `file` of directory `source`, as the run read it."""
-
-    source: str
-    file: str
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    size: int
-    mtime_ns: int
-    # an FP8 (packed FP4) weight a whole load holds dequantized: (the name its scale is carried under, in the same
-    # holder; the dtype the whole load dequantizes it to; the scale blocks, or None: one scale), so an export that
-    # writes no FP8 writes it as that load holds it
-    dequantized: tuple[str, str, tuple[int, int] | None] | None = None
-
-    @classmethod
-    def from_row(cls, row: dict[str, Any]) -> "CarriedRef":
-        """A reference as `dataclasses.asdict` wrote it to JSON (lists back to tuples)."""
-        deq = row.get("dequantized")
-        if deq is not None:
-            scale, dtype, block = deq
-            deq = (scale, dtype, None if block is None else tuple(block))
-        return cls(**{**row, "shape": tuple(row["shape"]), "dequantized": deq})
-
-    def meta(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=getattr(torch, self.dtype), device="meta")
-
-
-def note_carried(model: torch.nn.Module, weights: dict[str, torch.Tensor], unplaced: list[str], path: Path
-                 ) -> list[str]:
+def note_carried(model: torch.nn.Module, weights: dict[str, torch.Tensor], unplaced: list[str],
+                 index: CheckpointIndex) -> list[str]:
     """After the family's own load ran on the headers (`weights`: the meta tensors it was given): each carried
     tensor that is one of the `unplaced` checkpoint tensors as stored stays in its holder as a meta placeholder,
-    referenced in `model.carried_refs` ((holder, name) -> CarriedRef); so does, for a family that `carries_fp8_pairs`,
+    referenced in `model.carried.refs` ((holder, name) -> CarriedRef); so does, for a family that `carries_fp8_pairs`,
     each FP8 (or packed FP4) weight a whole load dequantized to carry: its stored weight and its scale, the scale
     right after it under the name the whole load's export writes it under (`scheme.scale_key`). Any other meta
     tensor a holder got is dropped (a read cannot fill it). Returns the unplaced keys not carried so: a whole
     load decides on those."""
     wanted = set(unplaced)
-    spans = {k: (f, s) for f in weight_files(path) for k, s in tensor_spans(f).items() if k in wanted}
+    spans = {k: (index.file_of(k), s) for k, s in index.spans.items() if k in wanted}
     # the very tensor the load was given for that key, as stored (not a dequantized or renamed stand-in)
     by_id = {id(weights[k]): k for k in unplaced if k in weights and k in spans
              and (weights[k].dtype, tuple(weights[k].shape)) == (spans[k][1].dtype, tuple(spans[k][1].shape))}
@@ -105,18 +76,15 @@ def note_carried(model: torch.nn.Module, weights: dict[str, torch.Tensor], unpla
                     kept[name] = t
                 continue
             for n, key, placeholder, deq in found:
-                stat = os.stat(spans[key][0])
                 kept[n] = placeholder
-                refs[(holder, n)] = CarriedRef(str(Path(path).resolve()), spans[key][0].name, key,
-                                               str(placeholder.dtype).removeprefix("torch."), tuple(placeholder.shape),
-                                               stat.st_size, stat.st_mtime_ns, deq)
+                refs[(holder, n)] = index.ref(key, placeholder.dtype, tuple(placeholder.shape), deq)
         held.clear()  # (in place: the family may hold the same dict elsewhere)
         held.update(kept)
-    model.carried_refs = refs
+    model.carried.refs = refs
     carried = {r.key for r in refs.values()}
-    if pairs and getattr(model, "fp8_refs", None):  # kept FP8: a pair carried as stored is written as held, not
+    if pairs and model.carried.fp8_pairs:  # kept FP8: a pair carried as stored is written as held, not
         # also written back from the pairs a whole load keeps (kiln.parallel.sharded_fp8_export)
-        model.fp8_refs = {n: pair for n, pair in model.fp8_refs.items() if pair[0].key not in carried}
+        model.carried.fp8_pairs = {n: pair for n, pair in model.carried.fp8_pairs.items() if pair[0].key not in carried}
     return [k for k in unplaced if k not in carried]
 
 
@@ -140,7 +108,7 @@ def _stored_pairs(model: torch.nn.Module, weights: dict[str, torch.Tensor], unpl
 def placeholders(model: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     """The carried placeholders still held (holder -> name -> meta tensor): those a live MTP module took are gone."""
     out: dict[str, dict[str, torch.Tensor]] = {}
-    for (holder, name) in getattr(model, "carried_refs", None) or {}:
+    for (holder, name) in model.carried.refs:
         t = (getattr(model, holder, None) or {}).get(name)
         if t is not None and t.is_meta:
             out.setdefault(holder, {})[name] = t
@@ -150,7 +118,7 @@ def placeholders(model: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]:
 def read_keys(model: torch.nn.Module) -> set[str]:
     """The checkpoint keys the family's load took (held by reference, or since made live: an MTP module's
     parameters, its copies of the shared embedding and head): a read reports them used, not ignored."""
-    return {r.key for r in (getattr(model, "carried_refs", None) or {}).values()}
+    return {r.key for r in model.carried.refs.values()}
 
 
 def carried_keys(model: torch.nn.Module, live_mtp: bool = False, checkpoint_keys: Iterable[str] = ()
@@ -165,7 +133,7 @@ def carried_keys(model: torch.nn.Module, live_mtp: bool = False, checkpoint_keys
     if not live_mtp or not keys or not hasattr(model, "enable_mtp"):
         return keys, set()
     model.enable_mtp("kiln plan")
-    refs = model.carried_refs
+    refs = model.carried.refs
     still = {refs[(holder, name)].key for holder, held in placeholders(model).items() for name in held}
     keymap, params = model.family.keymap(model.task), model.state_dict(keep_vars=True)
     names = model.normalise_hf_names(list(keys | set(checkpoint_keys)))
@@ -176,7 +144,7 @@ def write_refs(out_dir: Path, model: torch.nn.Module) -> None:
     """The references of the placeholders `model` holds, to out_dir/CARRIED_FILE atomically (none: no file)."""
     held = placeholders(model)
     # in the holders' order (the family's load's): the export writes them in it, as a whole load's export does
-    refs = [{"holder": h, "name": n, **dataclasses.asdict(r)} for (h, n), r in model.carried_refs.items()
+    refs = [{"holder": h, "name": n, **dataclasses.asdict(r)} for (h, n), r in model.carried.refs.items()
             if n in held.get(h, {})] if held else []
     if refs:
         write_json_atomic(out_dir / CARRIED_FILE, refs)

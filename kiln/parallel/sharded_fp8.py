@@ -28,11 +28,12 @@ from kiln.hub.fp8 import FP8, dequantize
 def dequantized_pairs(model: Any, spans: dict[str, Any]) -> dict[str, str]:
     """Checkpoint key of each FP8 (or packed FP4) weight the model holds dequantized -> the key of its scale:
     every one when the model was built to dequantize an FP8 checkpoint (`fp8_state.mode == "dequantize"`); kept
-    FP8, those no FP8 module holds (`unheld_fp8`); else none."""
+    FP8, those no FP8 module holds (`deferred_read.unheld_fp8`); else none."""
     state = getattr(model, "fp8_state", None)
     if state is None:
         return {}
-    scheme, unheld = state.scheme, getattr(model, "unheld_fp8", frozenset())
+    deferred = getattr(model, "deferred_read", None)
+    scheme, unheld = state.scheme, deferred.unheld_fp8 if deferred is not None else frozenset()
     return {k: scheme.scale_key(k) for k, span in spans.items()
             if (span.dtype == FP8 or span.dtype == torch.int8) and scheme.scale_key(k) in spans
             and (state.mode == "dequantize" or k in unheld)}
@@ -41,18 +42,19 @@ def dequantized_pairs(model: Any, spans: dict[str, Any]) -> dict[str, str]:
 def note_unheld(model: Any, stored: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> None:
     """Kept FP8 (`fp8 = "keep"`): the FP8 weights no FP8 module holds (DeepSeek-V4's grouped `wo_a`), which a
     whole load dequantizes (`stored`: the checkpoint's tensors, `weights`: the state a whole load loads; meta),
-    go to `unheld_fp8`, read as the dequantized are. A whole load keeps their FP8 pairs for a one-process export
-    (`Fp8State.originals`); this read does not, so the model `needs_pairs`."""
+    go to `deferred_read.unheld_fp8`, read as the dequantized are. A whole load keeps their FP8 pairs for a
+    one-process export (`Fp8State.originals`); this read does not, so the model `needs_pairs`."""
     if model.fp8_state.mode == "keep":
-        model.unheld_fp8 = frozenset(k for k, t in stored.items() if (t.dtype == FP8 or t.dtype == torch.int8)
-                                     and k in weights and weights[k].dtype != t.dtype)
+        model.deferred_read.unheld_fp8 = frozenset(k for k, t in stored.items() if t.dtype in (FP8, torch.int8)
+                                                   and k in weights and weights[k].dtype != t.dtype)
 
 
 def needs_pairs(model: Any) -> bool:
     """Whether a one-process export of `model` needs the FP8 pairs only a whole load keeps: it dequantized FP8
     weights it read (all of them, or those no FP8 module holds)."""
     state = getattr(model, "fp8_state", None)
-    return state is not None and (state.mode == "dequantize" or bool(getattr(model, "unheld_fp8", None)))
+    deferred = getattr(model, "deferred_read", None)
+    return state is not None and (state.mode == "dequantize" or bool(deferred and deferred.unheld_fp8))
 
 
 def _scale_box(index: tuple[slice, ...], block: tuple[int, int] | None) -> tuple[slice, ...]:

@@ -17,7 +17,6 @@ sharded_carried), and the export reads them from there. A whole load holds them:
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,7 +25,7 @@ from torch import nn
 
 from kiln.errors import KilnError
 from kiln.hub.fp8 import FP8, SCALE_SUFFIX, is_fp4, scheme_from_config
-from kiln.hub.weights import tensor_spans, weight_files
+from kiln.hub.index import CheckpointIndex
 from kiln.models.common.fp8 import dequantize_model, prepare_fp8
 from kiln.parallel.sharded_carried import CarriedRef, load_ref
 
@@ -35,24 +34,19 @@ PAIRS = "fp8_pairs"  # in the DCP state: a whole load's pairs, `name` and `name 
 _HOLDER = "fp8 pair"  # how a missing source names what it was (sharded_carried's message)
 
 
-def note_pairs(model: nn.Module, stored: dict[str, torch.Tensor], path: Path) -> None:
+def note_pairs(model: nn.Module, stored: dict[str, torch.Tensor], index: CheckpointIndex) -> None:
     """At a shard-by-shard load kept FP8, before its meta pairs are dropped: where each pair a whole load would keep
     (`model.fp8_state.originals`, its tensors those of `stored`, the checkpoint's meta tensors by key) lies in the
-    files of `path`, as `model.fp8_refs` (name the save writes -> (weight ref, scale ref))."""
+    files of `index`, as `model.carried.fp8_pairs` (name the save writes -> (weight ref, scale ref))."""
     state = model.fp8_state
     if state.mode != "keep" or not state.originals:
         return
     key_of = {id(t): k for k, t in stored.items()}
-    files = {k: f for f in weight_files(path) for k in tensor_spans(f)}
-    root = str(Path(path).resolve())
 
     def ref(t: torch.Tensor) -> CarriedRef:
-        key = key_of[id(t)]
-        stat = os.stat(files[key])
-        return CarriedRef(root, files[key].name, key, str(t.dtype).removeprefix("torch."), tuple(t.shape),
-                          stat.st_size, stat.st_mtime_ns)
+        return index.ref(key_of[id(t)], t.dtype, tuple(t.shape))
 
-    model.fp8_refs = {name: (ref(q), ref(s)) for name, (q, s) in state.originals.items()}
+    model.carried.fp8_pairs = {name: (ref(q), ref(s)) for name, (q, s) in state.originals.items()}
 
 
 def decisions(model: nn.Module) -> dict[str, Any]:
@@ -60,7 +54,7 @@ def decisions(model: nn.Module) -> dict[str, Any]:
     state = getattr(model, "fp8_state", None)
     if state is None or state.mode != "keep":
         return {}
-    refs = getattr(model, "fp8_refs", None) or {}
+    refs = model.carried.fp8_pairs
     names = sorted(set(state.originals) | set(refs))
     return {FP8_KEY: {"scale_names": state.scheme.scale_names, "dequantized": names,
                       "refs": {n: [dataclasses.asdict(r) for r in refs[n]] for n in sorted(refs)}}}
@@ -72,7 +66,7 @@ def held_pairs(model: nn.Module) -> dict[str, torch.Tensor]:
     state = getattr(model, "fp8_state", None)
     if state is None or state.mode != "keep":
         return {}
-    refs = getattr(model, "fp8_refs", None) or {}
+    refs = model.carried.fp8_pairs
     out: dict[str, torch.Tensor] = {}
     for name, (q, s) in state.originals.items():
         if name not in refs and not q.is_meta:

@@ -8,9 +8,9 @@ compute dtype. `init_fresh` makes the same draws on the meta-built model: the sa
 the same seed, whole on the CPU (a classifier is small, `num_labels x hidden`; an untied `lm_head` is one
 vocabulary-sized tensor, held whole on each rank until the plans shard it). The values are then
 real before the plans: a plan shards them as it shards LoRA's adapters, and `read_shards` keeps them (each rank its
-piece); a one-process read copies them to the device. The generator state after the draws is kept on the model
-(`fresh_rng`) so that `init_adapters` draws the LoRA adapters from where a whole load leaves the generator, not from
-the bare seed. A PEFT adapter saved beside the checkpoint (`with_adapter`) is put on as the whole load puts it: its
+piece); a one-process read copies them to the device. The generator state after the draws is kept in the model's
+`deferred_read.fresh_rng` so that `init_adapters` draws the LoRA adapters from where a whole load leaves the
+generator, not from the bare seed. A PEFT adapter saved beside the checkpoint (`with_adapter`) is put on as the whole load puts it: its
 adapters drawn (then overwritten) as `load_adapter` draws them, its tensors read whole (an adapter is small).
 
 Not taken (False, and the caller loads whole): a new head on a family with its own load (its fresh init runs on the
@@ -19,31 +19,29 @@ whole model), FP8 or 4-bit bases, a fresh buffer, and a tensor the checkpoint ow
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from kiln.errors import WeightsError
-from kiln.hub.weights import tensor_spans, weight_files
+from kiln.hub.index import CheckpointIndex
 from kiln.models.pretrained import PreTrainedModel, draw_fresh
 
 
-def init_fresh(model: PreTrainedModel, path: Path, missing: list[str], seed: int | None) -> bool:
+def init_fresh(model: PreTrainedModel, index: CheckpointIndex, missing: list[str], seed: int | None) -> bool:
     """Initialise `missing` (the model's tensors no checkpoint tensor fills; the model built on meta) as a whole
     load with `seed` initialises them. False when this read cannot (see the module's docstring)."""
     if type(model).load_hf_state_dict is not PreTrainedModel.load_hf_state_dict \
             or getattr(model, "fp8_state", None) is not None or getattr(model, "bnb4_state", None) is not None \
-            or getattr(model, "q4_read", None):
+            or model.deferred_read is None or model.deferred_read.q4:
         return False
     params = dict(model.named_parameters())
     if any(n not in params for n in missing):
         return False  # a buffer: a whole load leaves it as built
-    meta = {k: torch.empty(s.shape, dtype=s.dtype, device="meta")
-            for f in weight_files(path) for k, s in tensor_spans(f).items()}  # in load_weights' order
+    meta = index.meta()  # in the whole load's order
     try:  # the whole load's own matching, on the headers: which tensors are fresh, which owed
-        used, _, fresh, _ = model._match_hf(meta, str(path), model.source_task)
+        used, _, fresh, _ = model._match_hf(meta, str(index.root), model.deferred_read.source_task)
     except WeightsError:
         return False  # the whole load raises it, with its message
     if sorted(fresh) != sorted(missing):
@@ -56,31 +54,31 @@ def init_fresh(model: PreTrainedModel, path: Path, missing: list[str], seed: int
     draw_fresh(model, set(fresh), dtype)  # the whole load's draws (_materialise_fresh), on the fresh tensors only
     model.tie_weights()
     keymap = model.family.keymap(model.task)
-    model.fresh_names = [keymap.hf_name(k) or k for k in fresh]  # the whole load's report of them
-    model.fresh_rng = torch.get_rng_state()
+    model.deferred_read.fresh_names = [keymap.hf_name(k) or k for k in fresh]  # the whole load's report of them
+    model.deferred_read.fresh_rng = torch.get_rng_state()
     return True
 
 
-def with_adapter(model: PreTrainedModel, path: Path, seed: int | None,
+def with_adapter(model: PreTrainedModel, path: Any, seed: int | None,
                  init_adapters: Callable[[nn.Module, torch.device | str, int | None], int]) -> bool:
     """Put the PEFT LoRA adapter saved beside the checkpoint on the meta-built model as a whole load puts it
     (`load_adapter`): its adapters on the modules it names, drawn as `apply_lora` draws them on the loaded model
     (`init_adapters`: from the seed, past a new head's draws), then its tensors, read whole (an adapter is small),
     in their place; real before the plans, which shard them as they shard trained adapters. The generator state
-    after is kept (`fresh_rng`) for the next adapters' draws. True at once when there is no adapter; False for an
-    FP8 or 4-bit base (loaded whole)."""
+    after is kept (`deferred_read.fresh_rng`) for the next adapters' draws. True at once when there is no adapter;
+    False for an FP8 or 4-bit base (loaded whole)."""
     from kiln.models.common.lora import adapter_state, apply_adapter, has_adapter
 
     if not has_adapter(path):
         return True
-    if getattr(model, "fp8_state", None) is not None or getattr(model, "q4_read", None):
+    if model.fp8_state is not None or model.deferred_read is None or model.deferred_read.q4:
         return False
     tensors = apply_adapter(model, path)
     init_adapters(model, "cpu", seed)
     with torch.no_grad():
         for name, value in adapter_state(model, path, tensors).items():
             model.get_parameter(name).copy_(value)
-    model.fresh_rng = torch.get_rng_state()
+    model.deferred_read.fresh_rng = torch.get_rng_state()
     return True
 
 
@@ -88,7 +86,8 @@ def start_draws(model: nn.Module, seed: int | None, device: torch.device | str) 
     """Put the generator where a whole load with `seed` leaves it (after the fresh tensors' draws, if any), and the
     fresh tensors (CPU, whole, before any plan) on `device`: what `init_adapters` draws next, it draws as
     `apply_lora` does on the whole-loaded model."""
-    state = getattr(model, "fresh_rng", None)
+    deferred = getattr(model, "deferred_read", None)
+    state = deferred.fresh_rng if deferred is not None else None
     if state is None:
         if seed is not None:
             torch.manual_seed(seed)

@@ -36,7 +36,7 @@ Not covered yet (loaded whole): other carried tensors the family's load does not
 does not take, `.bin` weights that are FP8 or 4-bit, carry tensors, or are not stored in place (a pre-1.6 or
 compressed PyTorch file, a strided tensor: `kiln.hub.pickled.NotInPlace`). Plain `.bin` weights (pytorch_model.bin,
 or shards and their index) read like safetensors: where each tensor lies comes from their pickle read onto meta (no
-data), and each rank reads its slices from the file (`kiln.hub.weights.tensor_spans`, `SpanReader`). 4-bit bases (a
+data), and each rank reads its slices from the file (`kiln.hub.index.CheckpointIndex`, `SpanReader`). 4-bit bases (a
 bitsandbytes-4bit directory, or `[model] quantize`) read as kiln.parallel.sharded_q4 says: each rank its run of the
 packed bytes (quantized at load from the stored values of its blocks), and the small quant state whole.
 """
@@ -44,12 +44,10 @@ packed bytes (quantized at load from the stored values of its blocks), and the s
 from __future__ import annotations
 
 import os
-from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -57,10 +55,10 @@ from kiln.errors import WeightsError
 from kiln.hub import Tokenizer
 from kiln.hub.bnb4 import bnb4_scheme_from_config
 from kiln.hub.fp8 import scale_renames, scheme_from_config
-from kiln.hub.resolve import resolve_model_dir
 from kiln.hub.pickled import NotInPlace
-from kiln.hub.weights import Span, SpanReader, read_into, tensor_spans, weight_files
-from kiln.models.auto import apply_changes, load_config
+from kiln.hub.index import CheckpointIndex, Span, read_into
+from kiln.models.auto import apply_changes, config_of_dir
+from kiln.models.load_plan import DeferredRead
 from kiln.models.pretrained import LoadReport, PreTrainedModel
 from kiln.models.tasks import BASE
 from kiln.parallel.sharded_carried import note_carried, placeholders, read_keys
@@ -80,24 +78,25 @@ def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None,
     """`empty_pretrained` when this checkpoint can be read shard by shard (safetensors, or .bin stored in place; a new
     head or an adapter beside it: kiln.parallel.sharded_fresh; 4-bit: kiln.parallel.sharded_q4); else None: the
     caller loads it whole.
-    The model carries `pending_read` (the directory) and `pending_seed` for the Trainer (`read_shards`,
-    `init_adapters`)."""
-    path = resolve_model_dir(path)
-    empty = readable_empty(path, task, fp8, quantize, **changes)
+    The model's `deferred_read` (kiln.models.load_plan.DeferredRead: the checkpoint's index, the seed) is what the
+    Trainer reads it by (`init_adapters`, `read_shards`)."""
+    index = CheckpointIndex.open(path)  # the path resolved once; each file's header read once, for every step
+    empty = readable_empty(index, task, fp8, quantize, **changes)
     if empty is None:
         return None
     model, groups = empty
     q4 = q4_names(model)
     missing = [n for n, _ in (*model.named_parameters(), *model.named_buffers()) if n not in groups and n not in q4]
-    if missing and not init_fresh(model, path, missing, seed) or not with_adapter(model, path, seed, init_adapters):
+    if missing and not init_fresh(model, index, missing, seed) or not with_adapter(model, index.root, seed,
+                                                                                     init_adapters):
         return None  # a new head or an adapter that only a whole load puts on (kiln.parallel.sharded_fresh)
-    model.pending_read, model.pending_seed = path, seed
-    if Tokenizer.present(path):
-        model.tokenizer = Tokenizer.from_dir(path)
+    model.deferred_read.seed = seed
+    if Tokenizer.present(index.root):
+        model.tokenizer = Tokenizer.from_dir(index.root)
     return model
 
 
-def readable_empty(path: str | os.PathLike, task: str | None = None, fp8: str = "dequantize",
+def readable_empty(path: str | os.PathLike | CheckpointIndex, task: str | None = None, fp8: str = "dequantize",
                    quantize: str | None = None, **changes: Any
                    ) -> tuple[PreTrainedModel, dict[str, list[tuple[str, str]]]] | None:
     """`empty_pretrained`'s model (and the checkpoint keys of each of its tensors) when the checkpoint can be read
@@ -106,26 +105,27 @@ def readable_empty(path: str | os.PathLike, task: str | None = None, fp8: str = 
     return None if why is not None else (model, groups)
 
 
-def read_plan(path: str | os.PathLike, task: str | None = None, fp8: str = "dequantize", quantize: str | None = None,
+def read_plan(path: str | os.PathLike | CheckpointIndex, task: str | None = None, fp8: str = "dequantize", quantize: str | None = None,
               **changes: Any) -> tuple[PreTrainedModel | None, dict[str, list[tuple[str, str]]], str | None]:
     """(model, groups, why): `empty_pretrained`'s model and the checkpoint keys of each of its tensors, and why the
     checkpoint loads whole on every rank (None: it reads shard by shard). The model is the family's load run on the
     headers also where the checkpoint loads whole (what it carries: sharded_carried.carried_keys; an FP8 or 4-bit .bin
     is built for that alone, with no groups); None (and {}) where the headers cannot be taken so (a .bin not stored
     in place, a 4-bit base no read takes: `why` says which)."""
-    path = resolve_model_dir(path)
+    index = path if isinstance(path, CheckpointIndex) else CheckpointIndex.open(path)
+    path = index.root
     try:
-        model, groups, unplaced = _empty(path, task, fp8, changes, quantize)
+        model, groups, unplaced = _empty(index, task, fp8, changes, quantize)
     except QuantizedBin as e:  # an FP8 or 4-bit .bin: the family's load on its headers still says what it carries
         try:
-            model = _empty(path, task, fp8, changes, quantize, quantized_bin=True)[0]
-        except (WholeLoad4, NotInPlace, SafetensorError):  # (a 4-bit base's quant state is read as safetensors)
+            model = _empty(index, task, fp8, changes, quantize, quantized_bin=True)[0]
+        except (WholeLoad4, NotInPlace, WeightsError):  # (a 4-bit base's quant state is read as safetensors)
             model = None
         return model, {}, str(e)
     except (WholeLoad4, NotInPlace) as e:
         return None, {}, str(e)
-    if placeholders(model) and any(f.suffix == ".bin" for f in weight_files(path)):
-        bins = sorted(f.name for f in weight_files(path) if f.suffix == ".bin")
+    if placeholders(model) and any(f.suffix == ".bin" for f in index.files):
+        bins = sorted(f.name for f in index.files if f.suffix == ".bin")
         return model, groups, (f"{path}: {bins[0]}{' ...' if len(bins) > 1 else ''}: .bin weights with tensors "
                                f"the family carries beside the model (an MTP layer) load whole: a sharded read "
                                f"refers to carried tensors in safetensors files only")  # (sharded_carried)
@@ -136,38 +136,39 @@ def read_plan(path: str | os.PathLike, task: str | None = None, fp8: str = "dequ
     return model, groups, None
 
 
-def empty_pretrained(path: str | os.PathLike, task: str | None = None, fp8: str = "dequantize",
+def empty_pretrained(path: str | os.PathLike | CheckpointIndex, task: str | None = None, fp8: str = "dequantize",
                      quantize: str | None = None, **changes: Any) -> PreTrainedModel:
     """The model of an HF directory built on the meta device (no weights read): for `read_shards`.
 
     A block-scaled FP8 checkpoint is built kept FP8 (`fp8 = "keep"`: FP8 modules, each weight and its scale in
     the stored dtypes, read shard by shard as bytes like any other tensor), or dequantized piece by piece as read.
     A bitsandbytes-4bit directory, or `quantize` ("nf4" | "fp4"), is built with 4-bit Linears (sharded_q4)."""
-    return _empty(path, task, fp8, changes, quantize)[0]
+    index = path if isinstance(path, CheckpointIndex) else CheckpointIndex.open(path)
+    return _empty(index, task, fp8, changes, quantize)[0]
 
 
-def _empty(path: str | os.PathLike, task: str | None, fp8: str, changes: dict[str, Any], quantize: str | None = None,
+def _empty(index: CheckpointIndex, task: str | None, fp8: str, changes: dict[str, Any], quantize: str | None = None,
            quantized_bin: bool = False) -> tuple[PreTrainedModel, dict[str, list[tuple[str, str]]], list[str]]:
     """`empty_pretrained`'s model, its `_sources` groups and the checkpoint keys that land in none of its tensors
     (extras, unmatched, or a kiln name it lacks), from one read of the checkpoint's headers. `quantized_bin`: an FP8
     or 4-bit .bin is built too (not to be read: `read_plan` asks what its family's load carries)."""
-    path = resolve_model_dir(path)
-    family, config, source_task = load_config(path)
+    path = index.root
+    family, config, source_task = config_of_dir(path)
     source = str(Path(path) / "config.json")
     scheme = None if bnb4_scheme_from_config(config.extra, source) else scheme_from_config(config.extra, source)
-    files = weight_files(path)
+    files = index.files
     if any(f.suffix == ".bin" for f in files) and "quantization_config" in config.extra and not quantized_bin:
         raise QuantizedBin(f"{path}: FP8 or 4-bit .bin weights load whole; a sharded read takes them as safetensors")
     config = apply_changes(config, dict(changes))
     with torch.device("meta"):
         model = family.build(config, task or source_task or BASE)
-    model.source_task = source_task
-    spans = {k: v for f in files for k, v in tensor_spans(f).items()}
-    weights = _meta(spans)
+    model.deferred_read = DeferredRead(index, source_task)  # what this build decides, for the read
+    spans = index.spans
+    weights = index.meta()
     if scheme is not None:
-        weights = _place_fp8(model, weights, scheme, path, fp8)
+        weights = _place_fp8(model, weights, scheme, index, fp8)
     groups, extras = _sources(model, spans)
-    model.q4_read = place_q4(model, groups, spans, files, Path(path), config.extra, quantize)
+    model.deferred_read.q4 = place_q4(model, groups, index, config.extra, quantize)
     q4 = q4_names(model)
     tensors = model.state_dict(keep_vars=True)
     placed = {k for kiln, sources in groups.items() if kiln in tensors for k, _ in sources} | q4_keys(model, spans)
@@ -184,21 +185,21 @@ def _empty(path: str | os.PathLike, task: str | None, fp8: str, changes: dict[st
         # as on a whole load; the read fills the values; what it carries stays a reference (sharded_carried)
         model.load_hf_state_dict({k: v for k, v in weights.items() if k not in extras}, source=str(path),
                                  source_task=source_task)
-        return model, groups, note_carried(model, weights, [k for k in spans if k not in placed], path)
+        return model, groups, note_carried(model, weights, [k for k in spans if k not in placed], index)
     return model, groups, [k for k in spans if k not in placed]
 
 
-def _place_fp8(model: PreTrainedModel, weights: dict[str, torch.Tensor], scheme: Any, path: Path, fp8: str
-               ) -> dict[str, torch.Tensor]:
+def _place_fp8(model: PreTrainedModel, weights: dict[str, torch.Tensor], scheme: Any, index: CheckpointIndex,
+               fp8: str) -> dict[str, torch.Tensor]:
     """Put the FP8 modules where the FP8 weights land (kept), or note the weights to dequantize, decided from the
     headers (`weights`: meta tensors) as a whole load decides it from the tensors; returns the state a whole load
     would load (meta). An FP8 weight to dequantize (all of them, or kept, those no FP8 module holds) is read
     dequantized piece by piece; the pairs a whole load keeps for a one-process export are not held (sharded_fp8)."""
     from kiln.models.common.fp8 import prepare_fp8
 
-    stored, weights = weights, prepare_fp8(model, weights, scheme, fp8, None, str(path))
+    stored, weights = weights, prepare_fp8(model, weights, scheme, fp8, None, str(index.root))
     note_unheld(model, stored, weights)
-    note_pairs(model, stored, path)  # where the pairs not held lie, for a sharded checkpoint's export
+    note_pairs(model, stored, index)  # where the pairs not held lie, for a sharded checkpoint's export
     model.fp8_state.originals = {}
     return weights
 
@@ -253,24 +254,25 @@ def load_to_device(path: str | os.PathLike, device: torch.device | str, task: st
     model = lean_pretrained(path, task, seed, fp8=fp8, quantize=quantize, **changes)
     if model is None or needs_pairs(model) or placeholders(model):  # one process exports FP8 it dequantized from
         return None  # the pairs a whole load keeps (Fp8State.originals), and the tensors a family carries
-    read_shards(model, model.pending_read, device)
+    read_shards(model, model.deferred_read.index, device)
     return model.eval()
 
 
-def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.device | str = "cpu",
+def read_shards(model: PreTrainedModel, path: str | os.PathLike | CheckpointIndex, device: torch.device | str = "cpu",
                 stage: HostStage | None = None) -> None:
     """Materialise `model` (built on meta, plans applied) on `device` and fill each tensor this rank holds.
 
-    A device other than the CPU is filled through a `HostStage` (made here unless one is given; a given one
-    is used on the CPU too, which is how the tests exercise the device path)."""
+    `path`: the checkpoint's index, or its directory (the index the model was built from is used when it names
+    the same directory: its headers are not read again). A device other than the CPU is filled through a
+    `HostStage` (made here unless one is given; a given one is used on the CPU too, which is how the tests exercise
+    the device path)."""
     device = torch.device(device)
     stage = stage if stage is not None else host_stage(device)
-    path = resolve_model_dir(path)
-    files = weight_files(path)
+    index = _index_of(model, path)
+    index.refresh()  # a file rewritten since the model was built is read as it now is
+    path = index.root
     keymap = model.family.keymap(model.task)
-    by_file = {f: tensor_spans(f) for f in files}  # file -> where each of its tensors' bytes lie in it
-    where = {k: f for f, got in by_file.items() for k in got}  # key -> its file, mapped only while one is read
-    spans = {k: s for got in by_file.values() for k, s in got.items()}  # key -> where its bytes lie in that file
+    spans = index.spans  # key -> where its bytes lie in its file
     groups, extras = _sources(model, spans)
     q4 = q4_names(model)  # 4-bit Linears: their packed rows and quant state (sharded_q4)
     dequantized = dequantized_pairs(model, spans)  # FP8 weight key -> its scale's, when the model dequantizes them
@@ -284,14 +286,7 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
     kept = {n: _local(t).detach().clone() for n, t in (*model.named_parameters(), *model.named_buffers())
             if not t.is_meta}
     model.to_empty(device=device)
-    with ExitStack() as stack:
-        opened: dict[Path, Any] = {}
-
-        def file_of(key: str) -> Any:
-            if where[key] not in opened:
-                opened[where[key]] = stack.enter_context(open(where[key], "rb", buffering=0))
-            return opened[where[key]]
-
+    with index.opened() as file_of:
         read_q4(model, spans, file_of, path)
         for name, target in (*model.named_parameters(), *model.named_buffers()):
             if name in q4:
@@ -302,40 +297,40 @@ def read_shards(model: PreTrainedModel, path: str | os.PathLike, device: torch.d
             elif name in groups:
                 keys = [k for k, _ in groups[name]]
                 if dequantized.keys() & set(keys):  # FP8 to dequantize (sharded_fp8): its piece and scale blocks
-                    with _mapped(where, keys + [dequantized[k] for k in keys if k in dequantized], by_file) as handles:
+                    with index.readers(keys + [dequantized[k] for k in keys if k in dequantized]) as handles:
                         read_dequantized(name, target, _box(target), groups[name], handles, dequantized, keymap, path,
                                          stage, model.fp8_state.scheme)
                     continue
                 if _read_rows(target, groups[name], spans, file_of(groups[name][0][0]), keymap, path, stage) \
                         or _read_experts(target, groups[name], spans, file_of, keymap, path, stage):
                     continue
-                # the pages a mapping touched count in this process's RSS until it is closed: map the files
-                # of one tensor at a time, so the read never holds more than its shards plus one tensor
-                with _mapped(where, [k for k, _ in groups[name]], by_file) as handles:
+                # read, not mapped (a mapping's pages would count in this process's RSS until closed): the read
+                # never holds more than its shards plus one tensor
+                with index.readers([k for k, _ in groups[name]]) as handles:
                     _fill(name, target, groups[name], handles, keymap, path, stage)
-    names = model.normalise_hf_names(list(where))  # from all keys, as a whole load: one alone reads a head's as base
-    with _mapped(where, extras, by_file) as handles:  # beside the carried placeholders (sharded_carried)
+    names = model.normalise_hf_names(list(spans))  # from all keys, as a whole load: one alone reads a head's as base
+    with index.readers(extras) as handles:  # beside the carried placeholders (sharded_carried)
         model.hf_extras = placeholders(model).get("hf_extras", {}) | {
             names[k][0]: handles[k].get_tensor(k) for k in extras}
     # a checkpoint tensor whose kiln name the model lacks is reported ignored, as a whole load reports it
     held = model.state_dict(keep_vars=True)
     used = {k for kiln, sources in groups.items() if kiln in held for k, _ in sources} | set(extras)
     used |= q4_keys(model, spans) | {s for k, s in dequantized.items() if k in used} | read_keys(model)
-    model.load_report = LoadReport(ignored=sorted(names[k][0] for k in where if k not in used),
-                                   initialized=getattr(model, "fresh_names", []))  # a new head (sharded_fresh)
+    model.load_report = LoadReport(ignored=sorted(names[k][0] for k in spans if k not in used),
+                                   initialized=model.deferred_read.fresh_names if model.deferred_read else [])
     model.tie_weights()
-    model.pending_read = model.q4_read = None
+    model.deferred_read = None  # read: the model holds its weights
 
 
-@contextmanager
-def _mapped(where: dict[str, Path], keys: list[str], by_file: dict[Path, dict[str, Span]]) -> Iterator[dict[str, Any]]:
-    """key -> an open safe_open handle of its file, for `keys` (a .bin file: a SpanReader over that file's spans in
-    `by_file`, which reads, not maps); the files are unmapped on exit."""
-    with ExitStack() as stack:
-        files = {f: stack.enter_context(safe_open(str(f), framework="pt")) if f.suffix != ".bin" else
-                 SpanReader(stack.enter_context(open(f, "rb", buffering=0)), by_file[f])
-                 for f in {where[k] for k in keys}}
-        yield {k: files[where[k]] for k in keys}
+def _index_of(model: PreTrainedModel, path: str | os.PathLike | CheckpointIndex) -> CheckpointIndex:
+    """The index to read `model` from: `path` itself, or the one the model was built from when `path` names its
+    directory (no header read again), else a new one."""
+    if isinstance(path, CheckpointIndex):
+        return path
+    built = model.deferred_read
+    if built is not None and Path(path) == built.index.root:
+        return built.index
+    return CheckpointIndex.open(path)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -30,20 +30,19 @@ flattened blocks and whole quant state do not follow) is refused by name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from kiln.errors import WeightsError
 from kiln.hub import bnb4
-from kiln.hub.weights import Span, read_into
+from kiln.hub.index import CheckpointIndex, Span, read_into
 from kiln.models.common.quant4 import BUFFERS, Bnb4State, Linear4, Q4Meta, is_4bit, prepare_bnb4, quantizable
+from kiln.models.load_plan import Q4Read
 
 # stored values quantized at a time (whole blocks): bounds the host temporaries of a quantize at load
 # (bnb4.quantize holds about 30 bytes per value: ~8 MB) whatever the weight's size; 1M-value chunks ran no
@@ -55,46 +54,15 @@ class WholeLoad4(WeightsError):
     """A 4-bit base this read cannot take as a whole load would (the caller loads it whole)."""
 
 
-@dataclass
-class Q4Read:
-    """The 4-bit modules of a model built on meta, and where their weights are in the checkpoint."""
-    modules: dict[str, str]          # module name -> checkpoint key of its weight
-    quantize: str | None = None      # "nf4" | "fp4": quantized at load (double quant, as `[model] quantize`); None: read
-
-    def held(self, model: nn.Module) -> dict[str, nn.Module]:
-        """module name -> the 4-bit module, for those the model still has (a pipeline stage holds its layers)."""
-        out = {}
-        for m in self.modules:
-            try:
-                out[m] = model.get_submodule(m)
-            except AttributeError:
-                continue
-        return out
-
-    def names(self, model: nn.Module) -> set[str]:
-        """The model's tensor names this read fills (packed weight and quant-state buffers; not the bias)."""
-        out = set()
-        for m, module in self.held(model).items():
-            out.add(f"{m}.weight")
-            out.update(f"{m}.{b}" for b in BUFFERS if module._buffers.get(b) is not None)
-        return out
-
-    def keys(self, spans: dict[str, Span]) -> set[str]:
-        """The checkpoint keys this read uses (the weights, and a bitsandbytes directory's quant-state tensors)."""
-        out = set(self.modules.values())
-        if self.quantize is None:  # `<m>.weight.absmax` ... beside each `<m>.weight`
-            out.update(k for k in spans if ".weight." in k and k.split(".weight.", 1)[0] + ".weight" in out)
-        return out
-
-
-def place_q4(model: nn.Module, groups: dict[str, list[tuple[str, str]]], spans: dict[str, Span], files: list[Path],
-             path: Path, extra: dict[str, Any], quantize: str | None) -> Q4Read | None:
+def place_q4(model: nn.Module, groups: dict[str, list[tuple[str, str]]], index: CheckpointIndex,
+             extra: dict[str, Any], quantize: str | None) -> Q4Read | None:
     """Make the Linears that hold 4-bit weights `Linear4` on meta, as a whole load would (`prepare_bnb4` for a
     bitsandbytes directory, `quantize_model` for `quantize`), from the checkpoint's headers and its quant-state
     JSON tensors (a few hundred bytes each); None for a checkpoint without 4 bits. WholeLoad4 where this read
     does not reach (the caller loads whole, which also names any mistake such as quantizing a 4-bit directory)."""
     from kiln.models.pretrained import PreTrainedModel
 
+    path, spans = index.root, index.spans
     scheme = bnb4.bnb4_scheme_from_config(extra, str(path / "config.json"))
     if scheme is None and quantize is None:
         return None
@@ -103,11 +71,8 @@ def place_q4(model: nn.Module, groups: dict[str, list[tuple[str, str]]], spans: 
         raise WholeLoad4(f"{path}: this 4-bit base loads whole")
     if scheme is not None:
         states = [k for k in spans if f".{bnb4.STATE_PREFIX}" in k]
-        state: dict[str, torch.Tensor] = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in spans.items()}
-        for f in files:
-            with safe_open(str(f), framework="pt") as h:
-                here = set(h.keys())
-                state.update({k: h.get_tensor(k) for k in states if k in here})
+        state = index.meta()
+        state.update({k: index.read(k) for k in states})  # the quant-state JSON tensors: a few hundred bytes each
         prepare_bnb4(model, state, scheme, str(path))
         return Q4Read(_plain_weights(model, [n for n, m in model.named_modules() if is_4bit(m)], groups, path))
     bnb4.check_quant_type(quantize, "model.quantize")
@@ -160,23 +125,29 @@ def _bytes_run(packed: torch.Tensor, name: str) -> tuple[tuple[int, int], Any]:
     return (offset[0], offset[0] + shape[0]), group
 
 
+def _q4(model: nn.Module) -> Q4Read | None:
+    """The 4-bit read a model built on meta still has to do (kiln.models.load_plan.DeferredRead.q4), or None."""
+    deferred = getattr(model, "deferred_read", None)
+    return deferred.q4 if deferred is not None else None
+
+
 def q4_names(model: nn.Module) -> set[str]:
     """The tensors `read_q4` fills in a model built on meta (none without 4-bit Linears)."""
-    plan = getattr(model, "q4_read", None)
+    plan = _q4(model)
     return plan.names(model) if plan else set()
 
 
 def q4_keys(model: nn.Module, spans: dict[str, Span]) -> set[str]:
     """The checkpoint keys `read_q4` reads for a model built on meta."""
-    plan = getattr(model, "q4_read", None)
+    plan = _q4(model)
     return plan.keys(spans) if plan else set()
 
 
 def read_q4(model: nn.Module, spans: dict[str, Span], file_of: Any, path: Path) -> None:
-    """Fill every 4-bit module of a model built on meta (materialised, plans applied; `model.q4_read`): this rank's
+    """Fill every 4-bit module of a model built on meta (materialised, plans applied; `deferred_read.q4`): this rank's
     packed bytes and the whole quant state, equal to a whole load then the same plans. `file_of(key)` is the
     open file (read, not mapped). Nothing without 4-bit Linears."""
-    plan = getattr(model, "q4_read", None)
+    plan = _q4(model)
     for name, module in (plan.held(model) if plan else {}).items():
         key = plan.modules[name]
         packed = module.weight

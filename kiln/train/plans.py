@@ -121,7 +121,7 @@ def place_frozen(model: nn.Module, device: torch.device, plan: Parallelized | No
     model.requires_grad_(False).eval()
     # a copy of a model built on meta (kiln.parallel.sharded_load: the run reads its weights shard by shard) has
     # no weights yet: it reads its own share once sharded, as the policy did
-    pending = getattr(model, "pending_read", None)
+    pending = getattr(model, "deferred_read", None)
     if pending is None:
         model.to(device)
     if plan is not None and plan.fsdp:
@@ -133,6 +133,6 @@ def place_frozen(model: nn.Module, device: torch.device, plan: Parallelized | No
         assert plan.mesh is not None, "an FSDP plan has its device mesh"
         apply_fsdp(model, plan.mesh["dp"], parallel.param_dtype, parallel.reduce_dtype, parallel.offload)
     if pending is not None:
-        read_shards(model, pending, device)
+        read_shards(model, pending.index, device)
     set_fast(model, fast)
     return model

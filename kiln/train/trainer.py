@@ -139,10 +139,10 @@ class Trainer:
         model = self._model_arg(self.device) if callable(self._model_arg) and not isinstance(
             self._model_arg, nn.Module) else self._model_arg
         # a model built on meta (kiln.parallel.sharded_load): each rank reads its share once the plans are applied
-        self.pending_read = getattr(model, "pending_read", None)
-        self.model: nn.Module = model if self.pending_read else model.to(self.device)
-        if self.pending_read:
-            init_adapters(self.model, self.device, getattr(model, "pending_seed", None))
+        deferred = getattr(model, "deferred_read", None)  # (kiln.models.load_plan.DeferredRead)
+        self.model: nn.Module = model if deferred else model.to(self.device)
+        if deferred:
+            init_adapters(self.model, self.device, deferred.seed)
         if a.precision == "fp8":  # before any plan wraps the blocks: their Linears run FP8 matmuls
             swap_fp8(self.model, a.fp8_recipe)
         torch.manual_seed(a.seed + self.data_rank)  # dropout differs between replicas, as in one big batch
@@ -175,16 +175,16 @@ class Trainer:
             self.reshard, self.config_notes = check_resume(start, resumed, self.fingerprint, self.run_config,
                                                            self.data_shards)
         whole = start is not None and not plans.is_sharded(start)
-        if self.pending_read and (whole or self.parallel is None):  # weights needed before (or without) the plans
-            read_shards(self.model, self.pending_read, self.device)
+        if deferred and (whole or self.parallel is None):  # weights needed before (or without) the plans
+            read_shards(self.model, deferred.index, self.device)
         self._preloaded: tuple[dict, list] | None = None
         if whole:  # whole weights: in before any plan shards them (another checkpoint if this one fails to load)
             start, optim, rngs = fallback.read_whole(self, start)
             self._preloaded = (optim, rngs)
         if self.parallel is not None:  # the model's final shape is known: shard it before the optimizer sees it
             self.plan = plans.apply_plans(self.model, self.parallel, self.world.size, self.device)
-        if getattr(self.model, "pending_read", None):  # this rank's slices, straight from the files
-            read_shards(self.model, self.pending_read, self.device)
+        if getattr(self.model, "deferred_read", None):  # this rank's slices, straight from the files
+            read_shards(self.model, deferred.index, self.device)
         self.sharded = plans.is_sharded_run(self.plan)
         groups = param_groups(self.model, a.weight_decay)
         self.optimizer = (self.optimizer_factory or (lambda g: adamw(g, a.lr, a.betas, a.eps)))(groups)

@@ -297,7 +297,8 @@ def _int32_weight(w: World) -> Path:
 
 def unreadable(monkeypatch, w: World) -> None:
     """Opening the classifier's weights fails as it does for a file this user may not read (tests run as root,
-    which reads anything, so the refusal is injected where kiln opens the file)."""
+    which reads anything, so the refusal is injected where kiln opens the file: its one header read,
+    kiln.hub.headers)."""
     import builtins
     import errno
 
@@ -306,7 +307,7 @@ def unreadable(monkeypatch, w: World) -> None:
             raise PermissionError(errno.EACCES, "Permission denied", str(file))
         return builtins.open(file, *args, **kwargs)
 
-    monkeypatch.setattr("kiln.hub.weights.open", deny, raising=False)
+    monkeypatch.setattr("kiln.hub.headers.open", deny, raising=False)
 
 
 def _exported_modes(w: World, name: str, mode: int) -> None:

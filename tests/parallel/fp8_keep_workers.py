@@ -317,7 +317,7 @@ def dequantized_checkpoint(rank: int, world: int, model_dir: str, out: str) -> N
     model = lean_pretrained(model_dir, "causal-lm", 0)
     assert model is not None and model.fp8_state.mode == "dequantize" and not model.fp8_state.originals
     parallelize(model, ParallelSection(fsdp=True), world_size=world, device=torch.device("cpu"))
-    read_shards(model, model.pending_read, "cpu")
+    read_shards(model, model.deferred_read.index, "cpu")
     ids = batch()
     model(input_ids=ids, labels=ids).loss.backward()
     with torch.no_grad():
@@ -342,13 +342,13 @@ def v4_keep_checkpoints(rank: int, world: int, model_dir: str, out: str) -> None
     for how in V4_LOADS:
         model = lean_pretrained(model_dir, "causal-lm", 0, fp8="keep") if how == "lean" else \
             load_pretrained(model_dir, task="causal-lm", fp8="keep", seed=0)
-        assert (getattr(model, "pending_read", None) is not None) == (how == "lean")
+        assert (getattr(model, "deferred_read", None) is not None) == (how == "lean")
         for p in model.parameters():  # FSDP2 trains one dtype per unit: V4's float32 ones (hyper connections,
             p.requires_grad_(p.requires_grad and p.dtype != torch.float32)  # sinks, norms) stay as read
         model.model.layers[0].self_attn.o_a_proj.weight.requires_grad_(False)
         parallelize(model, ParallelSection(fsdp=True), world_size=world, device=torch.device("cpu"))
         if how == "lean":
-            read_shards(model, model.pending_read, "cpu")
+            read_shards(model, model.deferred_read.index, "cpu")
         ids = batch().chunk(world)[rank]
         model(input_ids=ids, labels=ids).loss.backward()
         with torch.no_grad():

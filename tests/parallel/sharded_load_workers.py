@@ -10,7 +10,7 @@ import resource
 import torch
 from torch.distributed.tensor import DTensor
 
-from kiln.hub import weights
+from kiln.hub import index as weights  # where a read into place lives (SpanReader)
 from kiln.models.auto import load_config, load_pretrained
 from kiln.models.common.lora import LoraConfig, apply_lora, has_adapter
 from kiln.parallel.apply import parallelize
@@ -88,7 +88,7 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str
     parallelize(lean, parallel, world_size=world, device=torch.device("cpu"))
     read_whole = []  # the tensors read whole (one checkpoint tensor at a time), then cut to this rank's piece
     q4_reads = []
-    reads = []  # (file, offset, bytes) of the reads into place (kiln.parallel.sharded_load, kiln.hub.weights)
+    reads = []  # (file, offset, bytes) of the reads into place (kiln.parallel.sharded_load, kiln.hub.index)
     fill, dequantized, read_into = sharded_load._fill, sharded_load.read_dequantized, sharded_q4.read_into
     sharded_load._fill = lambda name, *args: fill(name, *args) and read_whole.append(name)
     sharded_load.read_dequantized = lambda name, *args: dequantized(name, *args) and read_whole.append(name)

@@ -43,14 +43,14 @@ def test_one_process_read_of_a_bin_checkpoint_equals_a_whole_load(bin_dirs, name
 
 
 def test_each_bin_file_offers_only_its_own_tensors(bin_dirs):
-    """The reader a sharded read opens on a .bin shard lists (`keys`) the tensors of that file alone, as safe_open
-    lists a safetensors file's."""
-    from kiln.parallel import sharded_load
+    """The reader a sharded read opens on a .bin shard (kiln.hub.index.CheckpointIndex.readers) lists (`keys`) the
+    tensors of that file alone, as safe_open lists a safetensors file's."""
+    from kiln.hub.index import CheckpointIndex
 
     by_file = {f: tensor_spans(f) for f in weight_files(bin_dirs["bin-sharded"])}
     where = {k: f for f, spans in by_file.items() for k in spans}
     assert len(by_file) > 1
-    with sharded_load._mapped(where, list(where), by_file) as handles:
+    with CheckpointIndex(bin_dirs["bin-sharded"]).readers(list(where)) as handles:
         for k, h in handles.items():
             assert set(h.keys()) == set(by_file[where[k]]), k
 

@@ -48,7 +48,7 @@ def test_the_fp8_mtp_layer_is_carried_by_reference_or_read_dequantized_once_live
     assert lean.load_report.ignored == whole.load_report.ignored == []
     assert all(t.is_meta for t in lean.mtp_tensors.values())  # none of its bytes held
     # each carried tensor references its own checkpoint tensor as stored: FP8 weights and their scales too
-    refs = {name: r for (holder, name), r in lean.carried_refs.items() if holder == "mtp_tensors"}
+    refs = {name: r for (holder, name), r in lean.carried.refs.items() if holder == "mtp_tensors"}
     assert list(refs) == list(lean.mtp_tensors) and {r.key for r in refs.values()} == set(stored)
     assert {r.dtype for r in refs.values()} >= {"float8_e4m3fn", "float8_e8m0fnu", "int8"}
     for name, r in refs.items():
@@ -131,7 +131,7 @@ def test_a_v3_fp8_release_s_mtp_layer_is_carried_as_its_pairs_and_exported_as_on
     assert lean is not None
     read_shards(lean, v3_release)
     assert lean.load_report.ignored == [] and all(t.is_meta for t in lean.hf_extras.values())
-    assert {r.dtype for r in lean.carried_refs.values()} >= {"float8_e4m3fn", "float32"}
+    assert {r.dtype for r in lean.carried.refs.values()} >= {"float8_e4m3fn", "float32"}
     assert whole.hf_extras.keys() == {k for k in lean.hf_extras if not k.endswith("_scale_inv")}
     a, b = whole.state_dict(), lean.state_dict()
     assert a.keys() == b.keys() and _differ(a, b) == []

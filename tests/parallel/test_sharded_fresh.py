@@ -64,7 +64,7 @@ def test_a_new_head_or_an_adapter_is_put_on_as_a_whole_load_puts_it(dirs, name, 
     lean = lean_pretrained(dirs[name], task, 7, **changes)
     assert lean is not None and torch.equal(torch.get_rng_state(), after)
     torch.manual_seed(98)
-    init_adapters(lean, "cpu", lean.pending_seed)  # nothing left to draw: it puts the generator back
+    init_adapters(lean, "cpu", lean.deferred_read.seed)  # nothing left to draw: it puts the generator back
     assert torch.equal(torch.get_rng_state(), after)
     read_shards(lean, dirs[name])
     _same(whole, lean)

@@ -147,7 +147,7 @@ def test_a_carried_tensor_whose_source_is_gone_or_changed_is_named_at_export(hoo
     read_shards(model, src)
     save_sharded(tmp_path / "ckpt", model)  # one process, no group: the same shards and references
     export_sharded(tmp_path / "ckpt", tmp_path / "ok", max_shard_bytes=20_000)
-    held = {r.file for r in model.carried_refs.values()}
+    held = {r.file for r in model.carried.refs.values()}
     f = src / sorted(held)[0]
     f.touch()  # the same bytes, a new mtime: the run's source cannot be vouched for
     with pytest.raises(KilnError, match=rf"carried tensor 'layers\.2\.[\w.]+' \(hf_extras\).*{f.name}.*changed since"):

@@ -195,7 +195,7 @@ def test_a_run_on_an_accelerator_reads_its_model_straight_to_it(dirs, monkeypatc
     monkeypatch.setattr(base, "load_pretrained", lambda *a, **k: pytest.fail("loaded whole into host memory"))
     direct = base.build_model(cfg, None, need_tokenizer=False)
     assert {t.device.type for t in direct.state_dict().values()} == {"meta"}
-    assert direct.pending_read is None
+    assert direct.deferred_read is None
 
 
 def test_tensors_a_family_carries_beyond_its_model_are_held_by_reference(hook_dirs):
@@ -212,7 +212,7 @@ def test_tensors_a_family_carries_beyond_its_model_are_held_by_reference(hook_di
     read_shards(lean, src)
     assert lean.load_report.ignored == [] and lean.hf_extras.keys() == whole.hf_extras.keys()
     assert all(t.is_meta for t in lean.hf_extras.values())  # no bytes held
-    refs = {name: r for (holder, name), r in lean.carried_refs.items() if holder == "hf_extras"}
+    refs = {name: r for (holder, name), r in lean.carried.refs.items() if holder == "hf_extras"}
     assert {k: (r.key, r.dtype, r.shape) for k, r in refs.items()} == {
         k: ("model." + k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in whole.hf_extras.items()}
     with pytest.raises(WeightsError, match="have no data .*export its sharded checkpoint"):
@@ -355,7 +355,7 @@ def test_a_tensor_a_family_carries_in_its_own_holder_is_held_by_reference(hook_d
     lean = lean_pretrained(src, "causal-lm", None)
     read_shards(lean, src)
     assert lean.load_report.ignored == [] and list(lean.hf_passthrough) == ["mtp.fc.weight"]
-    [(where, ref)] = lean.carried_refs.items()
+    [(where, ref)] = lean.carried.refs.items()
     assert where == ("hf_passthrough", "mtp.fc.weight") and lean.hf_passthrough["mtp.fc.weight"].is_meta
     assert (ref.key, ref.file, ref.shape, ref.dtype) == ("mtp.fc.weight", "model.safetensors", (4, 4), "float32")
 

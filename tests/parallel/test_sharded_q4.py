@@ -85,6 +85,6 @@ def test_a_qlora_run_of_one_process_never_loads_the_bf16_model_whole(q4_dirs, mo
                             "data": {"train": "unused.jsonl"}, "train": {"out_dir": "unused", "steps": 1, "device": "cpu"}})
     monkeypatch.setattr(base, "load_pretrained", lambda *a, **k: pytest.fail("loaded whole"))
     model = base.build_model(cfg, None, need_tokenizer=False)
-    assert model.pending_read is None and model.bnb4_state.scheme.quant_type == "nf4"
+    assert model.deferred_read is None and model.bnb4_state.scheme.quant_type == "nf4"
     assert model.get_submodule("model.layers.0.mlp.up_proj").q4.offset != 0.0  # the read's double quant
 

@@ -401,7 +401,7 @@ class DPOExtension(Extension):
             check_reference_vocab(c.reference, parts.model)
         copy_needed = c.loss_type not in REFERENCE_FREE and c.reference is None and cfg.lora is None \
             and not c.precompute_reference
-        if copy_needed and getattr(parts.model, "pending_read", None) is not None:
+        if copy_needed and getattr(parts.model, "deferred_read", None) is not None:
             raise ConfigError("[dpo] with the weights read sharded (fsdp / tp / pp from model.path): the default "
                               "reference is a whole copy of the starting weights, which no process holds; use [lora] "
                               "(the reference is the base), dpo.reference or dpo.precompute_reference")

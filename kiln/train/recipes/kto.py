@@ -263,7 +263,7 @@ class KTOExtension(Extension):
     def extend(self, cfg: RunConfig, parts: RunParts) -> None:
         c, evals = cfg.kto, parts.eval_data
         copy_needed = c.reference is None and cfg.lora is None
-        if copy_needed and getattr(parts.model, "pending_read", None) is not None:
+        if copy_needed and getattr(parts.model, "deferred_read", None) is not None:
             raise ConfigError("[kto] with the weights read sharded: the default reference is a whole copy of the "
                               "starting weights, which no process holds; use [lora] or kto.reference")
         starting = copy.deepcopy(parts.model) if copy_needed else None
