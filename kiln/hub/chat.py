@@ -34,7 +34,7 @@ CHATML_TEMPLATE = (
 
 class _Generation(Extension):
     """`{% generation %}...{% endgeneration %}`: transformers' assistant-mask marker; rendered as its body."""
-    tags = {"generation"}  # noqa: RUF012 - jinja reads the class attribute, as its Extension declares it
+    tags = {"generation"}
 
     def parse(self, parser):
         lineno = next(parser.stream).lineno

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from kiln.errors import KilnError
 
-_KINDS: dict[type, str] = {dict: "object", list: "array"}
+_KINDS = {dict: "object", list: "array"}
 
 
-def read_json(path: str | os.PathLike[str], error: type[KilnError] = KilnError, want: type | None = None) -> Any:
+def read_json(path: str | os.PathLike, error: type[KilnError] = KilnError, want: type | None = None) -> Any:
     """The JSON document in `path`; `want` (dict or list) is the type the top level must have."""
     path = Path(path)
     try:
@@ -48,7 +47,7 @@ def iter_jsonl(path: str | os.PathLike, error: type[KilnError] = KilnError, obje
     """
     path = Path(path)
     try:
-        f = open(path, "rb")  # noqa: SIM115 - closed by the `with f:` below; the open alone is guarded
+        f = open(path, "rb")
     except FileNotFoundError:
         raise error(f"{path}: no such file") from None
     except OSError as e:

@@ -15,8 +15,8 @@ import os
 import shutil
 import signal
 import threading
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Iterator
 
 from kiln.errors import KilnError
 from kiln.hub.files import fsync_dir
@@ -126,8 +126,9 @@ def _publish(tmp: Path, out: Path) -> None:
                 stale.unlink()
     for p in sorted(tmp.iterdir()):
         target = out / p.name
-        if p.is_dir() and target.exists():
-            shutil.rmtree(target)
+        if p.is_dir():
+            if target.exists():
+                shutil.rmtree(target)
         os.replace(p, target)
     tmp.rmdir()
     fsync_dir(out)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer as _HFTokenizer
@@ -19,9 +19,6 @@ from tokenizers.models import WordPiece
 from kiln.errors import KilnError
 from kiln.hub.config import write_json_atomic
 from kiln.hub.jsonio import read_json
-
-if TYPE_CHECKING:
-    from kiln.hub.chat import ChatTemplate
 
 _SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -79,7 +76,7 @@ class Tokenizer:
 
     # ---- loading and saving -------------------------------------------------------------
     @classmethod
-    def from_dir(cls, model_dir: str | os.PathLike) -> Tokenizer:
+    def from_dir(cls, model_dir: str | os.PathLike) -> "Tokenizer":
         model_dir = Path(model_dir)
         tc, sm = model_dir / "tokenizer_config.json", model_dir / "special_tokens_map.json"
         config = read_json(tc, want=dict) if tc.is_file() else {}
@@ -88,10 +85,11 @@ class Tokenizer:
         if tj.is_file():
             try:
                 backend = _HFTokenizer.from_file(str(tj))
-            except Exception as e:  # noqa: BLE001 - the Rust library reports parse errors as plain Exceptions
+            except Exception as e:  # the Rust library reports parse errors as plain Exceptions
                 raise KilnError(f"{tj}: cannot be read by the tokenizers library ({e})") from None
         elif (model_dir / "vocab.txt").is_file():
-            specials = {n: t for n in _SPECIALS if (t := _token_text(config.get(n) or smap.get(n)))}
+            specials = {n: _token_text(config.get(n) or smap.get(n)) for n in _SPECIALS}
+            specials = {n: t for n, t in specials.items() if t}
             backend = _wordpiece_from_vocab(model_dir / "vocab.txt", bool(config.get("do_lower_case", True)), specials)
         else:
             raise KilnError(f"{model_dir}: no tokenizer.json or vocab.txt in this directory")
@@ -191,7 +189,7 @@ class Tokenizer:
             tpl = (self.source_dir / "chat_template.jinja").read_text(encoding="utf-8")
         return tpl
 
-    def chat(self) -> ChatTemplate:
+    def chat(self) -> "ChatTemplate":
         """The chat template, ready to render with this tokenizer's special tokens."""
         from kiln.hub.chat import ChatTemplate
 
@@ -200,7 +198,7 @@ class Tokenizer:
         if not tpl:
             raise KilnError(f"{where}: no chat template (tokenizer_config.json has no chat_template and there is "
                             "no chat_template.jinja); train one with `kiln tokenizer train` or add one")
-        specials = dict(self.specials)
+        specials = {k: v for k, v in self.specials.items()}
         for name in _SPECIALS:  # template variables are the strings, present in the vocabulary or not
             text = _token_text(self.config.get(name)) or _token_text(self.special_map.get(name))
             if text is not None:

@@ -9,7 +9,7 @@ the others finish. Positions follow the attention mask (pads do not count).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Callable
 
 import torch
 

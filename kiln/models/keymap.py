@@ -9,8 +9,8 @@ maps one kiln tensor to many HF tensors: experts held stacked in kiln, one tenso
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -60,7 +60,7 @@ def _full(template: str, last: str = r"(\d+)") -> re.Pattern:
 class KeyMap:
     """Renames state-dict keys between kiln and HF; an unmatched key is returned as such."""
 
-    def __init__(self, rules: Sequence[Rule | Stack | tuple[str, str]]):
+    def __init__(self, rules: list[Rule | Stack | tuple[str, str]]):
         all_rules = [r if isinstance(r, (Rule, Stack)) else Rule(*r) for r in rules]
         self.rules = [r for r in all_rules if isinstance(r, Rule)]
         self.stacks = [r for r in all_rules if isinstance(r, Stack)]
@@ -186,13 +186,13 @@ class KeyMap:
         hit = self._apply(kiln_key, self._to_hf, "hf")
         return None if hit is None else hit[0]
 
-    def prefixed(self, kiln_prefix: str, hf_prefix: str) -> KeyMap:
+    def prefixed(self, kiln_prefix: str, hf_prefix: str) -> "KeyMap":
         """The same rules under module prefixes on both sides (e.g. `model.` and `bert.`)."""
         def join(p: str, s: str) -> str:
             return f"{p}.{s}" if p and s else (p or s)
-        return KeyMap([*(Stack(join(kiln_prefix, s.kiln), tuple(join(hf_prefix, t) for t in s.hf), s.dim)
-                         for s in self.stacks),
-                       *(Rule(join(kiln_prefix, r.kiln), join(hf_prefix, r.hf), r.step) for r in self.rules)])
+        return KeyMap([Stack(join(kiln_prefix, s.kiln), tuple(join(hf_prefix, t) for t in s.hf), s.dim)
+                       for s in self.stacks]
+                      + [Rule(join(kiln_prefix, r.kiln), join(hf_prefix, r.hf), r.step) for r in self.rules])
 
-    def __add__(self, other: KeyMap) -> KeyMap:
-        return KeyMap([*self.stacks, *other.stacks, *self.rules, *other.rules])
+    def __add__(self, other: "KeyMap") -> "KeyMap":
+        return KeyMap(self.stacks + other.stacks + self.rules + other.rules)

@@ -39,12 +39,11 @@ class Task(str):
     encoder_head = False             # one of the five heads every encoder family has
     target_keys: tuple[str, ...] = ("labels",)  # batch keys that are targets, not model inputs
 
-    def __new__(cls, name: str) -> Task:
+    def __new__(cls, name: str) -> "Task":
         return super().__new__(cls, name)
 
     # ---- data -------------------------------------------------------------------------------
-    # A Task is its name (a str): this `encode` is the task's record encoding, not str.encode
-    def encode(self, records: list, tokenizer: Any, labels: list[str] | None, data: Any,  # type: ignore[override]
+    def encode(self, records: list, tokenizer: Any, labels: list[str] | None, data: Any,
                name: str = "train") -> list[dict]:
         """Records -> unpadded examples; `data` is the [data] section (field names, max_length ...);
         `name` (train, eval) labels what is printed about the encoding."""
@@ -85,9 +84,9 @@ class Base(Task):
 
 class SequenceClassification(Task):
     hf_auto = "AutoModelForSequenceClassification"
-    peft_type: str | None = "SEQ_CLS"
+    peft_type = "SEQ_CLS"
     short = "seqcls"
-    label_kind: str | None = "sequence"
+    label_kind = "sequence"
     encoder_head = True
 
     def encode(self, records, tokenizer, labels, data, name="train"):

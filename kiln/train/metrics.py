@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, Sequence
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kiln.train.trackers import open_trackers, scalars
+
 
 REJECTED = "metrics.rejected.jsonl"
 
@@ -65,7 +65,7 @@ class MetricsLog:
                  config: dict[str, Any] | None = None, project: str = "kiln"):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
-        self._file: TextIO | None = None  # opened on the first record
+        self._file = None
         self._trackers = open_trackers(list(report_to), run_dir, project, config or {}) if enabled else []
 
     def truncate_after(self, step: int, report: Callable[[str], None] = print) -> None:
@@ -101,7 +101,7 @@ class MetricsLog:
             return
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across records; close()
+            self._file = open(self.path, "a", encoding="utf-8")
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
         values = scalars(record)

@@ -11,6 +11,7 @@ from model.path: under FSDP2 its reference is a copy of a model built on meta, w
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest

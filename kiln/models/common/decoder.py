@@ -11,8 +11,8 @@ MLP they pass in; nothing here knows a family by name.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -46,11 +46,12 @@ class KVCache:
         return 0 if self.keys[0] is None else self.keys[0].shape[-2]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.keys[layer], self.values[layer]
-        if keys is not None and values is not None:
-            k, v = torch.cat([keys, k], dim=-2), torch.cat([values, v], dim=-2)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
+        if self.keys[layer] is None:
+            self.keys[layer], self.values[layer] = k, v
+        else:
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=-2)
+            self.values[layer] = torch.cat([self.values[layer], v], dim=-2)
+        return self.keys[layer], self.values[layer]
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep batch rows `index` (e.g. after some sequences finished)."""
@@ -88,7 +89,7 @@ def causal_mask(batch: int, q_len: int, past: int, attention_mask: torch.Tensor 
     q_idx = (torch.arange(q_len, device=device) + past)[None, None, :, None]  # (1, 1, Q, 1)
     kv_idx = torch.arange(kv_len, device=device)[None, None, None, :]        # (1, 1, 1, K)
     b_idx = torch.arange(batch, device=device)[:, None, None, None]           # (B, 1, 1, 1)
-    if seg is not None and position_ids is not None:  # seg comes from position_ids
+    if seg is not None:
         pos = position_ids.expand(batch, -1)
         mask = pos[b_idx, kv_idx] <= pos[b_idx, q_idx]
         mask = mask & (seg[b_idx, q_idx] == seg[b_idx, kv_idx])
@@ -127,7 +128,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape  # (B, T, C)
         shape = (B, T, -1, self.head_dim)
         q, k = self.q_proj(x).view(shape), self.k_proj(x).view(shape)  # (B, T, H, D), (B, T, KVH, D)
-        if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
+        if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D)
         v = self.v_proj(x).view(shape).transpose(1, 2)

@@ -15,6 +15,7 @@ import functools
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from kiln.hub.fp8 import FP8, dequantize, quantize
 
@@ -52,7 +53,6 @@ def fp8_matmul(aq: torch.Tensor, a_s: torch.Tensor, bq: torch.Tensor, b_s: torch
                                 scale_a=a_s[:, j:j + 1].float().contiguous(), scale_b=b_rows[j:j + 1],
                                 out_dtype=torch.float32)
         out = part if out is None else out + part
-    assert out is not None  # k >= 1: one block at least
     return out
 
 

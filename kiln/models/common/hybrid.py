@@ -13,8 +13,7 @@ and the recurrent state at each sample. Norm classes, projections and the MLP co
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -122,12 +121,10 @@ def tap_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return _SiluTapConv.apply(x.to(weight.dtype), w, bias, *keep[1:]).to(x.dtype)
     T = x.shape[1]
     xp = F.pad(x.to(weight.dtype), (0, 0, K - 1, 0))  # (B, T + K - 1, C)
-    out: torch.Tensor | None = None
+    out = None
     for j in range(K):  # tap j looks K-1-j steps back
-        mask = keep[K - 1 - j]
-        tap = xp[:, j:j + T] if mask is None else xp[:, j:j + T] * mask
+        tap = xp[:, j:j + T] if keep[K - 1 - j] is None else xp[:, j:j + T] * keep[K - 1 - j]
         out = tap * w[j] if out is None else torch.addcmul(out, tap, w[j])
-    assert out is not None  # K >= 1 taps
     if bias is not None:
         out = out + bias
     return act(out).to(x.dtype)
@@ -176,7 +173,7 @@ def _samples(resets: torch.Tensor) -> list[tuple[int, int, int]]:
     out = []
     for b, row in enumerate(resets.tolist()):
         starts = [0] + [t for t, r in enumerate(row) if r and t > 0] + [len(row)]
-        out += [(b, s, e) for s, e in itertools.pairwise(starts)]
+        out += [(b, s, e) for s, e in zip(starts[:-1], starts[1:])]
     return out
 
 
@@ -325,7 +322,7 @@ class HybridDecoder(nn.Module):
         if attention_mask is not None and T > 1 and not bool(attention_mask.all()):
             linear_mask = attention_mask[:, -T:]
         resets = None
-        if packed and text_positions is not None:
+        if packed:
             seg = segment_ids(text_positions.expand(B, -1))
             resets = None if seg is None else torch.diff(seg, dim=-1, prepend=seg[:, :1]) != 0  # (B, T)
         rope = self.rotary_emb(x, rope_positions)

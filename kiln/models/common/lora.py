@@ -23,7 +23,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -33,16 +33,10 @@ from kiln.errors import KilnError
 from kiln.hub.files import as_umask_allows
 from kiln.hub.jsonio import read_json
 from kiln.models.common.fp8 import FP8Linear, fp8_linear, merged_fp8_linear
-from kiln.models.common.lora_experts import (
-    add_expert_lora,
-    expert_adapter_names,
-    expert_targets,
-    merge_expert_lora,
-    peft_target_parameters,
-)
+from kiln.models.common.lora_experts import (add_expert_lora, expert_adapter_names, expert_targets,
+                                             merge_expert_lora, peft_target_parameters)
 from kiln.models.common.qlora import qlora_linear
-from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS
-from kiln.models.common.quant4 import KeepsQuantState, dequantized, is_4bit, linear4
+from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS, KeepsQuantState, dequantized, is_4bit, linear4
 from kiln.models.tasks import task_of
 
 PEFT_PREFIX = "base_model.model."
@@ -311,11 +305,8 @@ def adapter_state(model: nn.Module, adapter_dir: str | os.PathLike, tensors: dic
     return loaded
 
 
-ModuleT = TypeVar("ModuleT", bound=nn.Module)
-
-
 @torch.no_grad()
-def merge_lora(model: ModuleT) -> ModuleT:
+def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight (W += B A * scaling) and put plain Linears back."""
     fp8_state = getattr(model, "fp8_state", None)
     merge_expert_lora(model)  # routed experts: each stacked weight becomes the adapted one the forward computed

@@ -74,9 +74,8 @@ class MLACache(KVCache):
 
     def update_index(self, layer: int, k: torch.Tensor) -> torch.Tensor:
         old = self.index_keys[layer]
-        keys = k if old is None else torch.cat([old, k], dim=1)
-        self.index_keys[layer] = keys
-        return keys
+        self.index_keys[layer] = k if old is None else torch.cat([old, k], dim=1)
+        return self.index_keys[layer]
 
     def reorder(self, index: torch.Tensor) -> None:
         super().reorder(index)

@@ -142,7 +142,6 @@ class _WeightGrad:
                                     self.tau).to(w.dtype)
                 grad_w = _add_product(grad_w, g, h[s:e])
                 del g
-        assert grad_w is not None  # `order` holds the kept chunk at least
         grad_w = grad_w.to(w.dtype)
         return grad_w if total is None else total.add_(grad_w)
 
