@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench bench-check clean gguf-peer
+.PHONY: setup demo lint test test-fast bench bench-check clean gguf-peer
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "kiln needs Python 3.11 or newer (pyproject requires-python; tomllib): make PY=python3.11 ...")'
@@ -18,10 +18,17 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
+# The linter and the type checker (their rules and the strict seams: pyproject.toml's [tool.ruff] and [tool.mypy]).
+# Any finding fails the target, and so `make test` before a test runs. mypy keeps its cache in .mypy_cache.
+LINT_PATHS := kiln tests benchmarks examples
+lint: $(STAMP)
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/mypy
+
 # The verify matrix prints its family x head grid first; pytest's summary closes the run. The suite runs on
 # TEST_WORKERS processes (pytest-xdist; a file's tests stay on one worker, one torch thread each).
 TEST_WORKERS ?= 2
-test: $(STAMP)
+test: $(STAMP) lint
 	$(GGUF_FROM_CACHE)
 	$(BIN)/kiln verify-matrix
 	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=25

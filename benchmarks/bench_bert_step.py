@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import report, setup_torch  # noqa: E402
+from common import report, setup_torch
 
 SIZE = dict(hidden_size=768, num_attention_heads=12, intermediate_size=3072, vocab_size=30522,
             max_position_embeddings=512, num_hidden_layers=12, num_labels=2)
@@ -28,6 +28,7 @@ SIZE = dict(hidden_size=768, num_attention_heads=12, intermediate_size=3072, voc
 def main() -> None:
     import torch
     import transformers
+
     from kiln.models import load_pretrained
     from kiln.models.common.fast import set_fast
     from kiln.train.optim import adamw, param_groups

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import loaded_pair, report, setup_torch  # noqa: E402
+from common import loaded_pair, report, setup_torch
 
 SIZE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
             num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=8, num_key_value_heads=8,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import sys
 import tempfile
@@ -35,12 +34,12 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # spawn.py: processes without torchrun
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
+from spawn import spawn
 
-from kiln.parallel.apply import parallelize  # noqa: E402
-from spawn import spawn  # noqa: E402
-from kiln.models.auto import AutoConfig, from_config  # noqa: E402
+from kiln.models.auto import AutoConfig, from_config
+from kiln.parallel.apply import parallelize
 
 SIZE = dict(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=4, head_dim=32, max_position_embeddings=4096)

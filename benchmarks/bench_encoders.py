@@ -20,8 +20,8 @@ import time
 import torch
 import transformers
 
-from kiln.models.tasks import get_task
 from kiln.models import load_pretrained
+from kiln.models.tasks import get_task
 
 SIZES = {  # base-sized configs per family (only the keys that differ from the tiny ones)
     "bert": dict(hidden_size=768, num_attention_heads=12, intermediate_size=3072, vocab_size=30522,

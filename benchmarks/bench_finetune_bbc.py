@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bbc_articles, peak_mb_above, report, rss_kb, run_child, setup_torch  # noqa: E402
+from common import bbc_articles, peak_mb_above, report, rss_kb, run_child, setup_torch
 
 BATCH, LENGTH, LR = 8, 256, 5e-5
 
@@ -43,6 +43,7 @@ def _records(n: int) -> tuple[list[str], list[int]]:
 
 def run_kiln(steps: int, warmup: int) -> dict:
     import torch
+
     from kiln.hub import Tokenizer
     from kiln.models.auto import AutoModelForSequenceClassification
     from kiln.train import Callback, Trainer
@@ -102,8 +103,14 @@ def run_kiln_cli(steps: int, warmup: int) -> dict:
 
 def run_hf(steps: int, warmup: int) -> dict:
     import transformers
-    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
-                              TrainerCallback, TrainingArguments)
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
 
     setup_torch()
     transformers.logging.set_verbosity_error()
@@ -145,7 +152,7 @@ def main() -> None:
             res[side].append(out)
             print(f"round {r + 1} {side:>4}: {out['samples_per_s']:6.2f} samples/s, peak +{out['peak_mb']:.0f} MB",
                   flush=True)
-    texts, _ = _records(BATCH * (a.steps + a.warmup))
+    _texts, _ = _records(BATCH * (a.steps + a.warmup))
     print(f"all-MiniLM-L6-v2 + 5-way head, BBC News (title + body) at max_length {LENGTH}, batch {BATCH}")
     report("encoder fine-tune (MiniLM, BBC, max_length 256)" + (", kiln train" if a.cli else ""),
            "transformers Trainer", "samples/s",

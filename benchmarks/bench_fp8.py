@@ -32,10 +32,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import peak_mb_above, rss_kb, setup_torch  # noqa: E402
+from common import peak_mb_above, rss_kb, setup_torch
 
-from kiln.models.common.fp8_train import scaled_mm_works, swap_fp8_linears  # noqa: E402
-from kiln.models.common.mlp import GatedMLP  # noqa: E402
+from kiln.models.common.fp8_train import scaled_mm_works, swap_fp8_linears
+from kiln.models.common.mlp import GatedMLP
 
 
 def _sync(device: torch.device) -> None:
@@ -84,8 +84,11 @@ def agreement(build, tokens: int, dim: int, device: torch.device) -> None:
           f"(max |g| {float(gb.abs().max()):.3e})")
 
 
+_CPU = torch.device("cpu")
+
+
 def throughput(title: str, build, tokens: int, dim: int, flops: float, rounds: int,
-               device: torch.device = torch.device("cpu")) -> dict[str, float]:
+               device: torch.device = _CPU) -> dict[str, float]:
     x = torch.randn(tokens, dim, device=device, requires_grad=True)
     variants = _variants(build, device)
     times: dict[str, list[float]] = {k: [] for k in variants}

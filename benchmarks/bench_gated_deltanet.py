@@ -113,8 +113,10 @@ def main() -> None:
         decay = (-torch.rand(args.batch, T, H, generator=g)).requires_grad_()
         beta = torch.rand(args.batch, T, H, generator=g).requires_grad_()
         rule_in = (q, k, v, decay, beta)
-        hf_rule = (lambda *a: hf_qwen3_5.torch_chunk_gated_delta_rule(*a[:3], g=a[3], beta=a[4],
-                                                                      use_qk_l2norm_in_kernel=True))
+
+        def hf_rule(*a):
+            return hf_qwen3_5.torch_chunk_gated_delta_rule(*a[:3], g=a[3], beta=a[4], use_qk_l2norm_in_kernel=True)
+
         t = timed("rule", {"kiln fast": lambda: rule_fwd_bwd(delta_rule.chunk_fast, rule_in),
                            "transformers": lambda: rule_fwd_bwd(hf_rule, rule_in)}, args.rounds)
         rule_ratio[T] = (min(t["transformers"]) / min(t["kiln fast"]),
@@ -122,8 +124,10 @@ def main() -> None:
         # the non-rule parts that differ (the projections are the same Linears on both sides)
         mixed = torch.randn(args.batch, T, ours.conv1d.weight.shape[0], generator=g).requires_grad_()
         w = ours.conv1d.weight
-        hf_conv = (lambda x: hf_qwen3_5.causal_conv1d_fn(x.transpose(1, 2), w.squeeze(1), None,
-                                                          activation="silu").transpose(1, 2))
+
+        def hf_conv(x, w=w):
+            return hf_qwen3_5.causal_conv1d_fn(x.transpose(1, 2), w.squeeze(1), None, activation="silu").transpose(1, 2)
+
         t = timed("conv", {"kiln fast": lambda: rule_fwd_bwd(lambda x: (tap_conv(x, w, None, ours.act),), [mixed]),
                            "transformers": lambda: rule_fwd_bwd(lambda x: (hf_conv(x),), [mixed])}, args.rounds)
         part_ratio.setdefault("conv", {})[T] = min(t["transformers"]) / min(t["kiln fast"])

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bbc_articles, interleaved, peak_mb_on, report, rss_kb, setup_torch, sync  # noqa: E402
+from common import bbc_articles, interleaved, peak_mb_on, report, rss_kb, setup_torch, sync
 
 SIZE = dict(vocab_size=151936, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=4, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True,
@@ -102,6 +102,7 @@ precision = "{'bf16' if bf16 else 'fp32'}"
 def run_kiln(tmp: Path, full: bool, steps: int, warmup: int, targets: list[str] = TARGETS, device: str = "cpu",
              bf16: bool = False) -> dict:
     import torch  # noqa: F401  (imported before the baseline, as on the peer side)
+
     from kiln.train import Callback
     from kiln.train.config import load_run_config
     from kiln.train.run import build_trainer
@@ -133,6 +134,7 @@ def run_peer(tmp: Path, full: bool, steps: int, warmup: int, targets: list[str] 
              pad_id: int = SIZE["pad_token_id"], device: str = "cpu", bf16: bool = False) -> dict:
     import torch
     import transformers
+
     from kiln.data.records import read_records
     from kiln.data.sft import encode_sft
     from kiln.hub import Tokenizer

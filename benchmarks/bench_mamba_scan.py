@@ -16,15 +16,16 @@ import argparse
 import statistics
 import sys
 import tempfile
-from pathlib import Path
 import time
+from pathlib import Path
 
 import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import setup_torch  # noqa: E402
-from kiln.models import load_pretrained  # noqa: E402
+from common import setup_torch
+
+from kiln.models import load_pretrained
 
 
 def fwd_bwd(model, ids: torch.Tensor) -> float:

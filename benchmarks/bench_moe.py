@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, report, setup_torch  # noqa: E402
+from common import machine, report, setup_torch
 
 HIDDEN, EXPERT, EXPERTS, TOP_K = 512, 256, 64, 8
 
@@ -28,6 +28,7 @@ HIDDEN, EXPERT, EXPERTS, TOP_K = 512, 256, 64, 8
 def blocks():
     import torch
     import transformers
+
     from kiln.models.common.fast import set_fast
     from kiln.models.common.moe import MoEBlock
 
@@ -95,7 +96,7 @@ def main() -> None:
     exact_ratio = max(rate["exact"]) / max(rate["hf"])
     by_cpu = {k: min(cpu["hf"]) / min(v) for k, v in cpu.items()}
     print(f"kiln exact path (bit-identical): {max(rate['exact']):.0f} tokens/s; kiln exact/transformers {exact_ratio:.3f}")
-    print(f"process CPU time per step (min): " + ", ".join(f"{k} {min(v) * 1e3:.1f} ms" for k, v in cpu.items())
+    print("process CPU time per step (min): " + ", ".join(f"{k} {min(v) * 1e3:.1f} ms" for k, v in cpu.items())
           + f"; ratio by CPU time kiln fast/transformers {by_cpu['kiln']:.3f}, kiln exact/transformers "
           f"{by_cpu['exact']:.3f}")
     print(f"transformers eager experts (per-expert loop, {a.eager_tokens} tokens): {max(rate['eager']):.0f} tokens/s; "

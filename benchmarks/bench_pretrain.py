@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_lora_sft import SIZE, flops_per_token, prepare  # noqa: E402
-from common import peak_mb_above, report, rss_kb, run_child, setup_torch  # noqa: E402
+from bench_lora_sft import SIZE, flops_per_token, prepare
+from common import peak_mb_above, report, rss_kb, run_child, setup_torch
 
 LR = 3e-4
 
@@ -40,6 +40,7 @@ def shards(tmp: Path) -> None:
 
 def run_kiln(tmp: Path, batch: int, seq: int, steps: int, warmup: int) -> dict:
     import torch  # noqa: F401
+
     from kiln.train import Callback
     from kiln.train.config import load_run_config
     from kiln.train.run import build_trainer
@@ -80,6 +81,7 @@ def run_loop(tmp: Path, batch: int, seq: int, steps: int, warmup: int) -> dict:
     import numpy as np
     import torch
     from torch.nn import functional as F
+
     from kiln.models import AutoModelForCausalLM
 
     setup_torch()

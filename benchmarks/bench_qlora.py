@@ -28,8 +28,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_lora_sft as sft  # noqa: E402
-from common import report, run_child  # noqa: E402
+import bench_lora_sft as sft
+from common import report, run_child
 
 FULL = dict(sft.SIZE, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16, num_attention_heads=16,
             num_key_value_heads=8, head_dim=128)

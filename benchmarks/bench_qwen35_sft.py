@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_lora_sft as sft  # noqa: E402
-from common import interleaved, peak_mb_above, report, rss_kb, setup_torch  # noqa: E402
+import bench_lora_sft as sft
+from common import interleaved, report
 
 SIZE = dict(vocab_size=32768, hidden_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=256, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128,

@@ -26,13 +26,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,  # noqa: E402
-                                                    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                                                    TopKLogitsWarper, TopPLogitsWarper)
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from kiln.engine.params import SamplingParams as SP  # noqa: E402
-from kiln.engine.sampling import request_generator, sample  # noqa: E402
+from kiln.engine.params import SamplingParams as SP
+from kiln.engine.sampling import request_generator, sample
 
 B, V = 32, 151_936
 CONFIGS = {

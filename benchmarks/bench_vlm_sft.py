@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved, peak_mb_above, report, rss_kb, setup_torch  # noqa: E402
+from common import interleaved, peak_mb_above, report, rss_kb, setup_torch
 
 TEXT = dict(vocab_size=32768, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
@@ -106,6 +106,7 @@ targets = {json.dumps(TARGETS)}
 
 def run_kiln(tmp: Path, steps: int, warmup: int) -> dict:
     import torch  # noqa: F401  (imported before the baseline, as on the peer side)
+
     from kiln.train import Callback
     from kiln.train.config import load_run_config
     from kiln.train.run import build_trainer
@@ -133,6 +134,7 @@ def run_peer(tmp: Path, steps: int, warmup: int) -> dict:
     import peft
     import torch
     import transformers
+
     from kiln.data.images import QwenImageProcessor
     from kiln.data.loader import Loader
     from kiln.data.records import read_records
@@ -154,7 +156,7 @@ def run_peer(tmp: Path, steps: int, warmup: int) -> dict:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     loader = Loader(examples, BATCH, seed=SEED, pad_id=TEXT["pad_token_id"], group_by_length=True)  # kiln's batches
     stamps = []
-    for step in range(steps + warmup):
+    for _step in range(steps + warmup):
         batch = loader.next_batch()
         types = (batch["input_ids"] == TOKENS["image_token_id"]).long()
         loss = model(**batch, mm_token_type_ids=types, use_cache=False).loss

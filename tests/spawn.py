@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 
 HOST = "127.0.0.1"
 

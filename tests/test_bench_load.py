@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_load as bench  # noqa: E402
+import bench_load as bench
 
 
 def _hf_count(kind: str, shape: dict) -> int:

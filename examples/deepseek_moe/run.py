@@ -92,7 +92,7 @@ def plot(runs: dict[str, list[dict]]) -> None:
 
 def summary(runs: dict[str, list[dict]]) -> None:
     for name, rs in runs.items():
-        train = [r for r in rs if "lm_loss" in r or "loss" in r and "eval_loss" not in r]
+        train = [r for r in rs if "lm_loss" in r or ("loss" in r and "eval_loss" not in r)]
         evals = [(r["step"], r["eval_loss"]) for r in rs if "eval_loss" in r]
         imb = [(r["step"], r["moe_imbalance"]) for r in rs if "moe_imbalance" in r]
         first, last = train[0], train[-1]

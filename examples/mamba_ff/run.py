@@ -53,7 +53,7 @@ def train_seconds(rows: list[dict]) -> dict[int, float]:
     """Cumulative training time (evaluation left out) at each step, from each record's tokens / tokens_per_s."""
     total, out = 0.0, {}
     for r in rows:
-        if "tokens_per_s" in r and r["tokens_per_s"]:
+        if r.get("tokens_per_s"):
             total += r["tokens"] / r["tokens_per_s"]
             out[r["step"]] = total
     return out

@@ -11,10 +11,14 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from kiln.errors import KilnError
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 ERROR_DIR_ENV = "KILN_ERROR_DIR"
 
@@ -32,7 +36,7 @@ def _os_message(e: OSError) -> str:
     return f"{' -> '.join(names)}: {what}" if names else what
 
 
-def _validation_message(e) -> str:
+def _validation_message(e: ValidationError) -> str:
     return "; ".join(f"{'.'.join(map(str, x['loc'])) or 'value'}: {x['msg']}" for x in e.errors())
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List, Optional
+from typing import Any
 
 import typer
 
@@ -17,7 +17,7 @@ from kiln.errors import KilnError
 IMAGE_COMMAND = "/image"
 
 
-def _read_tools(path: Optional[Path]) -> Optional[list]:
+def _read_tools(path: Path | None) -> list | None:
     """The --tools file: a JSON list of OpenAI function schemas."""
     if path is None:
         return None
@@ -54,14 +54,14 @@ def image_error(model, model_dir: Path, path: Path, where: str) -> str | None:
 
 
 def chat(model_dir: Path = typer.Argument(..., help="An HF causal-LM directory with a chat template."),
-         system: Optional[str] = typer.Option(None, "--system", help="A system message."),
-         tools_file: Optional[Path] = typer.Option(None, "--tools", help="A JSON list of function schemas the "
+         system: str | None = typer.Option(None, "--system", help="A system message."),
+         tools_file: Path | None = typer.Option(None, "--tools", help="A JSON list of function schemas the "
                                                    "template offers the model; its calls are shown as call> lines "
                                                    "and the next line you type is their result."),
          max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
          temperature: float = TEMPERATURE, top_k: int = TOP_K, top_p: float = TOP_P,
-         seed: Optional[int] = SEED,
-         image: Optional[List[Path]] = typer.Option(None, "--image", help="An image shown with the first message "
+         seed: int | None = SEED,
+         image: list[Path] | None = typer.Option(None, "--image", help="An image shown with the first message "
                                                     "(image-text models; repeatable)."),
          allow_missing: bool = ALLOW_MISSING, allow_unused: bool = ALLOW_UNUSED) -> None:
     """Talk to the model turn by turn through its chat template. An empty line or Ctrl-D ends.
@@ -89,7 +89,7 @@ def chat(model_dir: Path = typer.Argument(..., help="An HF causal-LM directory w
             raise KilnError(error)
     spec = None  # the model's image tokens and processor, from the first image on
     pending = [{"type": "image", "image": str(p.resolve())} for p in image or []]  # for the next user message
-    messages = [{"role": "system", "content": system}] if system else []
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []  # chat messages
     calling = False  # the last reply called tools: the next line is their result
     while True:
         try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 
@@ -12,7 +11,7 @@ from kiln.cli.output import out
 from kiln.errors import KilnError
 
 
-def _sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: Optional[int]) -> dict:
+def _sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None) -> dict:
     check_range("--max-new-tokens", max_new_tokens, 0)
     check_range("--temperature", temperature, 0)
     check_range("--top-k", top_k, 0)
@@ -38,8 +37,8 @@ def generate(model_dir: Path = typer.Argument(..., help="An HF causal-LM directo
              prompt: str = typer.Argument(..., help="Text to continue."),
              max_new_tokens: int = typer.Option(40, "--max-new-tokens", "-n"),
              temperature: float = TEMPERATURE, top_k: int = TOP_K, top_p: float = TOP_P,
-             seed: Optional[int] = SEED,
-             image: Optional[List[Path]] = typer.Option(None, "--image", help="An image before the prompt "
+             seed: int | None = SEED,
+             image: list[Path] | None = typer.Option(None, "--image", help="An image before the prompt "
                                                         "(image-text models; repeatable)."),
              allow_missing: bool = ALLOW_MISSING, allow_unused: bool = ALLOW_UNUSED) -> None:
     """Continue PROMPT with the model (KV cache; greedy unless --temperature > 0); stops at EOS."""
@@ -64,7 +63,7 @@ tokenizer_app = typer.Typer(help="Tokenizer tools.", no_args_is_help=True)
 
 
 @tokenizer_app.command("train")
-def tokenizer_train(files: List[Path] = typer.Argument(..., help=".txt (a text per line) or .jsonl files."),
+def tokenizer_train(files: list[Path] = typer.Argument(..., help=".txt (a text per line) or .jsonl files."),
                     out_dir: Path = typer.Option(..., "--out", help="Directory to write the tokenizer to."),
                     vocab_size: int = typer.Option(4096, "--vocab-size"),
                     min_frequency: int = typer.Option(2, "--min-frequency"),

@@ -10,9 +10,12 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 import typer
 from typer._click import exceptions as click_errors  # typer vendors its own click
+from typer._click.core import Context
 from typer.core import TyperGroup
 
 from kiln.cli.boundary import report, user_message
@@ -41,11 +44,12 @@ class _KilnGroup(TyperGroup):
     """Turns a user error raised by any command into one printed message and exit status 1, and a
     usage error (unknown option, missing value) into one plain line and exit status 2."""
 
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, windows_expand_args: bool = True, **extra: Any) -> Any:
         if not standalone_mode:
-            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            return super().main(args, prog_name, complete_var, False, windows_expand_args, **extra)
         try:
-            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            code = super().main(args, prog_name, complete_var, False, windows_expand_args, **extra)
         except click_errors.UsageError as e:
             hint = f" (try '{e.ctx.command_path} --help')" if e.ctx is not None else ""
             typer.echo(f"kiln: {e.format_message()}{hint}", err=True)
@@ -58,7 +62,7 @@ class _KilnGroup(TyperGroup):
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
 
-    def invoke(self, ctx):
+    def invoke(self, ctx: Context) -> Any:
         try:
             return super().invoke(ctx)
         except (typer.Exit, typer.Abort):

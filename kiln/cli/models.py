@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 from rich.table import Table
@@ -127,17 +126,17 @@ def source_model_dir(path: Path) -> Path:
     return ckpt / "model"
 
 
-def export(src: Optional[Path] = typer.Argument(None, help="An HF model directory."),
+def export(src: Path | None = typer.Argument(None, help="An HF model directory."),
            out_dir: Path = typer.Option(..., "--out", help="Directory to write (--format gguf: the .gguf file)."),
-           checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="A run checkpoint, RUN_DIR/ckpt-N."),
-           head: Optional[str] = typer.Option(None, "--head", help="Re-target to this head (base, masked-lm, ...)."),
-           max_shard_mb: Optional[int] = typer.Option(None, "--max-shard-mb", help="Shard weights past this size."),
+           checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A run checkpoint, RUN_DIR/ckpt-N."),
+           head: str | None = typer.Option(None, "--head", help="Re-target to this head (base, masked-lm, ...)."),
+           max_shard_mb: int | None = typer.Option(None, "--max-shard-mb", help="Shard weights past this size."),
            overwrite: bool = typer.Option(False, "--overwrite",
                                           help="Replace the model or tokenizer already in --out."),
            allow_missing: bool = ALLOW_MISSING, allow_unused: bool = ALLOW_UNUSED,
-           dtype: Optional[str] = typer.Option(None, "--dtype", help="Write every weight as bf16, fp16 or fp32 "
+           dtype: str | None = typer.Option(None, "--dtype", help="Write every weight as bf16, fp16 or fp32 "
                                                "(an FP8 source: dequantized, quantization_config dropped)."),
-           quantize: Optional[str] = typer.Option(None, "--quantize", help="Write the Linears 4-bit, nf4 or fp4 "
+           quantize: str | None = typer.Option(None, "--quantize", help="Write the Linears 4-bit, nf4 or fp4 "
                                                   "(a bitsandbytes-4bit directory; after any LoRA merge)."),
            fmt: str = typer.Option("hf", "--format", help="hf (an HF directory) or gguf (one file for llama.cpp / "
                                    "Ollama, with a Modelfile beside it)."),
@@ -145,11 +144,11 @@ def export(src: Optional[Path] = typer.Argument(None, help="An HF model director
                                          "q4_k_m, q5_k_m, q6_k (K-quants by llama.cpp's quantizer)."),
            merge: bool = typer.Option(False, "--merge", help="GGUF: merge the LoRA adapter into the base "
                                       "(a QLoRA base dequantized first)."),
-           system: Optional[str] = typer.Option(None, "--system", help="GGUF: the SYSTEM prompt of the "
+           system: str | None = typer.Option(None, "--system", help="GGUF: the SYSTEM prompt of the "
                                                 "Ollama Modelfile."),
            lora_adapter: bool = typer.Option(False, "--lora-adapter", help="GGUF: write the LoRA adapter alone as "
                                              "a GGUF adapter llama.cpp applies over the base's GGUF."),
-           imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="GGUF K-quants: a calibration text file; "
+           imatrix: Path | None = typer.Option(None, "--imatrix", help="GGUF K-quants: a calibration text file; "
                                                   "kiln's importance matrix on it steers llama.cpp's quantizer.")) -> None:
     """Write an HF directory (config.json, model.safetensors, tokenizer) from a directory or checkpoint,
     or with --format gguf one GGUF file (+ Ollama Modelfile)."""
@@ -171,8 +170,9 @@ def export(src: Optional[Path] = typer.Argument(None, help="An HF model director
             from kiln.hub.resolve import resolve_model_dir
 
             src = resolve_model_dir(src)
-        export_gguf(source_model_dir(src if src is not None else checkpoint), out_dir, gguf_type, merge, system,
-                    overwrite, lora_adapter, imatrix)
+        given_dir = src if src is not None else checkpoint
+        assert given_dir is not None  # exactly one of SRC and --checkpoint (checked above)
+        export_gguf(source_model_dir(given_dir), out_dir, gguf_type, merge, system, overwrite, lora_adapter, imatrix)
         return
     if merge or system is not None or lora_adapter or imatrix is not None:
         raise KilnError("--merge, --lora-adapter, --imatrix and --system are GGUF options (an HF export always merges LoRA); "
@@ -186,9 +186,9 @@ def export(src: Optional[Path] = typer.Argument(None, help="An HF model director
         if not src.is_dir():
             raise KilnError(f"{src}: no such model directory")
     shard_bytes = max_shard_mb * 2**20 if max_shard_mb else None
-    from kiln.parallel.checkpoint import export_sharded, is_sharded
-
     import torch
+
+    from kiln.parallel.checkpoint import export_sharded, is_sharded
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     if dtype is not None and dtype not in dtypes:
@@ -203,6 +203,7 @@ def export(src: Optional[Path] = typer.Argument(None, help="An HF model director
         out.print(f"exported {ckpt} (sharded) -> {out_dir}")
         return
     source = ckpt / "model" if ckpt is not None else src
+    assert source is not None  # exactly one of SRC and --checkpoint (checked above)
     path = export_model(source, out_dir, head=head, max_shard_bytes=shard_bytes, overwrite=overwrite,
                         allow_missing=allow_missing, allow_unused=allow_unused, on_note=note,
                         dtype=dtypes[dtype] if dtype else None, quantize=quantize)
@@ -223,10 +224,10 @@ def _device(name: str) -> str:
 
 
 def verify_export_cmd(model_dir: Path = typer.Argument(..., help="An exported HF directory, or a .gguf file."),
-                      source: Optional[Path] = typer.Option(None, "--source", help="Also check tensors equal SRC's "
+                      source: Path | None = typer.Option(None, "--source", help="Also check tensors equal SRC's "
                                                             "(a .gguf: the model dir or run it came from)."),
                       device: str = typer.Option("cpu", "--device", help="Run both models on this device (cpu, cuda, cuda:1)."),
-                      lora: Optional[Path] = typer.Option(None, "--lora", help="A .gguf: llama.cpp applies this GGUF "
+                      lora: Path | None = typer.Option(None, "--lora", help="A .gguf: llama.cpp applies this GGUF "
                                                           "LoRA adapter over it (--source: the LoRA directory or run).")) -> None:
     """Load DIR into transformers and kiln, run fixed inputs, require max abs diff = 0 everywhere
     (a FILE.gguf: llama.cpp against kiln's model from --source)."""
@@ -252,7 +253,7 @@ def verify_export_cmd(model_dir: Path = typer.Argument(..., help="An exported HF
     out.print(styled(f"all {len(checks)} checks passed", "green"))
 
 
-def verify_matrix(cells: Optional[Path] = typer.Option(None, "--cells", help="JSON list of {family, head, path}."),
+def verify_matrix(cells: Path | None = typer.Option(None, "--cells", help="JSON list of {family, head, path}."),
                   device: str = typer.Option("cpu", "--device", help="Run both models on this device (cpu, cuda, cuda:1).")) -> None:
     """Every family x head: build tiny with transformers, export with kiln, verify-export; print the grid."""
     from kiln.interop.matrix import default_cells, read_cells, run_matrix
@@ -273,11 +274,11 @@ def verify_matrix(cells: Optional[Path] = typer.Option(None, "--cells", help="JS
         grid.add_row(fam, *row)
     out.print(grid)
     # Tallies per kind of row: encoder families (five heads each) and causal LMs.
-    for kind, heads in (("encoder", ENCODER_HEADS), (CAUSAL_LM, (BASE, CAUSAL_LM))):
-        cells = [c for c in results if c.head in heads and
-                 set(heads) <= {x.head for x in results if x.family == c.family}]
-        if cells:
-            out.print(f"{kind} families x heads: {sum(c.ok for c in cells)}/{len(cells)} PASS")
+    for kind, kind_heads in (("encoder", ENCODER_HEADS), (CAUSAL_LM, (BASE, CAUSAL_LM))):
+        tallied = [c for c in results if c.head in kind_heads and
+                   set(kind_heads) <= {x.head for x in results if x.family == c.family}]
+        if tallied:
+            out.print(f"{kind} families x heads: {sum(c.ok for c in tallied)}/{len(tallied)} PASS")
     failed = [c for c in results if not c.ok]
     if failed:
         for c in failed:
@@ -312,7 +313,7 @@ def fill_mask(model_dir: Path = typer.Argument(..., help="An HF masked-LM direct
 
 
 def classify(model_dir: Path = typer.Argument(..., help="An HF sequence-classification directory."),
-             texts: List[str] = typer.Argument(..., help="One or more texts."),
+             texts: list[str] = typer.Argument(..., help="One or more texts."),
              top: int = typer.Option(3, "--top", help="How many labels to show per text."),
              allow_missing: bool = ALLOW_MISSING, allow_unused: bool = ALLOW_UNUSED) -> None:
     """Label each text with the model's classes and their probabilities."""

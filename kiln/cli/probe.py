@@ -17,7 +17,7 @@ def _compile_works() -> str:
         fn = torch.compile(lambda x: x * 2 + 1, backend="inductor")
         ok = torch.equal(fn(torch.arange(4.0)), torch.arange(4.0) * 2 + 1)
         return "yes" if ok else "no (wrong result)"
-    except Exception as e:  # any failure means "not usable here"; say why
+    except Exception as e:  # noqa: BLE001 - any failure means "not usable here"; say why
         return f"no ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
 
 
@@ -30,7 +30,7 @@ def _fp8(device: str) -> str:
         got = torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1, device=device),
                                scale_b=torch.full((1, 16), 2.0, device=device), out_dtype=torch.float32)
         return "yes (_scaled_mm)" if bool(torch.all(got == 64.0)) else "no (_scaled_mm gave a wrong result)"
-    except Exception as e:  # any failure means "not usable here"; say why
+    except Exception as e:  # noqa: BLE001 - any failure means "not usable here"; say why
         return f"no, emulated ({type(e).__name__}: {str(e).splitlines()[0][:60] if str(e) else ''})"
 
 

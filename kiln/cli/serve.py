@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any, List, Optional
 
 import typer
 
@@ -16,8 +15,8 @@ from kiln.errors import KilnError
 DEFAULT_PORT = 8000
 
 
-def build_state(target: Path, loras: list[str], *, name: Optional[str] = None, max_tokens: int = 2048,
-                max_queue: int = 64, max_seqs: int = 64, kv_blocks: Optional[int] = None,
+def build_state(target: Path, loras: list[str], *, name: str | None = None, max_tokens: int = 2048,
+                max_queue: int = 64, max_seqs: int = 64, kv_blocks: int | None = None,
                 allow_missing: bool = False, allow_unused: bool = False):
     """The served models (the base as `name`, default DIR_OR_RUN as given, and one per --lora NAME=ADAPTER) with one
     Engine each, behind one AsyncEngine (not started)."""
@@ -73,15 +72,15 @@ def serve(target: Path = typer.Argument(..., help="A causal-LM directory, a run 
                                                   "or a checkpoint RUN_DIR/ckpt-N."),
           host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
           port: int = typer.Option(DEFAULT_PORT, "--port"),
-          lora: Optional[List[str]] = typer.Option(None, "--lora", help="NAME=ADAPTER_DIR: a PEFT LoRA adapter over "
+          lora: list[str] | None = typer.Option(None, "--lora", help="NAME=ADAPTER_DIR: a PEFT LoRA adapter over "
                                                    "the base, served as model NAME (repeatable)."),
-          name: Optional[str] = typer.Option(None, "--name", help="The base model's name in requests "
+          name: str | None = typer.Option(None, "--name", help="The base model's name in requests "
                                              "(default: DIR_OR_RUN as given)."),
           max_tokens: int = typer.Option(2048, "--max-tokens", help="The most tokens one completion may ask for."),
           max_queue: int = typer.Option(64, "--max-queue", help="The most requests queued and running together; "
                                         "more are answered 429."),
           max_seqs: int = typer.Option(64, "--max-seqs", help="The most sequences an engine step runs together."),
-          kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV-cache blocks per served model "
+          kv_blocks: int | None = typer.Option(None, "--kv-blocks", help="KV-cache blocks per served model "
                                                   "(default: the engine's)."),
           shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="On SIGTERM / Ctrl-C: seconds "
                                                  "running requests may take to finish before they are cancelled."),
@@ -103,7 +102,7 @@ def serve(target: Path = typer.Argument(..., help="A causal-LM directory, a run 
                         allow_unused=allow_unused)
     app = build_app(state, stop_timeout=CLOSE_GRACE_S)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                            timeout_graceful_shutdown=shutdown_timeout + CLOSE_GRACE_S)
+                            timeout_graceful_shutdown=shutdown_timeout + CLOSE_GRACE_S)  # type: ignore[arg-type]
     server = _server(config, state.engine, shutdown_timeout)
     out.print(f"kiln serve: {', '.join(state.models)} on http://{host}:{port}/v1 "
               "(GET /health; Ctrl-C or SIGTERM stops)")

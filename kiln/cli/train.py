@@ -9,8 +9,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import typer
 
@@ -23,7 +24,7 @@ from kiln.errors import KilnError
 
 @exit_codes
 def train(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."),
-          resume: Optional[Path] = typer.Option(None, "--resume", help="A run directory to continue from its "
+          resume: Path | None = typer.Option(None, "--resume", help="A run directory to continue from its "
                                                                         "newest complete checkpoint."),
           set_: list[str] = typer.Option([], "--set", help="Override a run-config key: section.key=value "
                                                            "(a TOML value, or a plain string); repeatable."),
@@ -81,8 +82,8 @@ def _with_recipe_flags(fn: Callable) -> Callable:
         help_ = f"Sets {s.key}{' (repeat for several)' if s.multiple else ''}; same as --set {s.key}=..."
         option = typer.Option([] if s.multiple else None, flag, help=help_, rich_help_panel="Recipe shortcuts")
         params.append(inspect.Parameter(s.flag, inspect.Parameter.KEYWORD_ONLY, default=option,
-                                        annotation=list[str] if s.multiple else Optional[str]))
-    fn.__signature__ = inspect.Signature(params)
+                                        annotation=list[str] if s.multiple else str | None))
+    fn.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # what typer reads the options from
     return fn
 
 
@@ -92,16 +93,16 @@ _TORCHRUN_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_ba
 
 def launch(ctx: typer.Context,
            nproc_per_node: str = typer.Option("1", "--nproc-per-node", help="Processes on this node (or 'gpu')."),
-           nnodes: Optional[str] = typer.Option(None, "--nnodes", help="Nodes, or MIN:MAX for elastic runs."),
-           node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This node's rank, 0 .. nnodes-1 "
+           nnodes: str | None = typer.Option(None, "--nnodes", help="Nodes, or MIN:MAX for elastic runs."),
+           node_rank: int | None = typer.Option(None, "--node-rank", help="This node's rank, 0 .. nnodes-1 "
                                                     "(node 0 holds global rank 0, which writes the run files)."),
-           master_addr: Optional[str] = typer.Option(None, "--master-addr"),
-           master_port: Optional[int] = typer.Option(None, "--master-port"),
-           rdzv_backend: Optional[str] = typer.Option(None, "--rdzv-backend"),
-           rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT on node 0 where the "
+           master_addr: str | None = typer.Option(None, "--master-addr"),
+           master_port: int | None = typer.Option(None, "--master-port"),
+           rdzv_backend: str | None = typer.Option(None, "--rdzv-backend"),
+           rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT on node 0 where the "
                                                         "nodes meet; the same on every node."),
-           rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id"),
-           max_restarts: Optional[int] = typer.Option(None, "--max-restarts")) -> None:
+           rdzv_id: str | None = typer.Option(None, "--rdzv-id"),
+           max_restarts: int | None = typer.Option(None, "--max-restarts")) -> None:
     """Run a kiln command in N processes per node via torch.distributed.run: `kiln launch --nproc-per-node 2 -- train --config run.toml`."""
     command = list(ctx.args)
     if not command:
@@ -131,8 +132,8 @@ def launch(ctx: typer.Context,
                                              Path(errors))
         messages = {p.stem.removeprefix("rank-").lstrip("0") or "0": p.read_text(encoding="utf-8")
                     for p in sorted(Path(errors).glob("rank-*.txt"))}
-        cause = Path(errors) / LAUNCH_CAUSE_FILE
-        cause = cause.read_text(encoding="utf-8") if cause.is_file() else None
+        cause_file = Path(errors) / LAUNCH_CAUSE_FILE
+        cause = cause_file.read_text(encoding="utf-8") if cause_file.is_file() else None
         stopped = any(Path(errors).glob("stopped-*"))
         # a rank that stopped on a signal did so only after every rank agreed and the checkpoint was sealed; a
         # rank torn down after that (torchrun ends the others, gloo may abort at exit) changes nothing
@@ -217,7 +218,7 @@ def _check_nodes(nnodes: str | None, node_rank: int | None, master_addr: str | N
 
 
 def plot(run_dir: Path = typer.Argument(..., help="A run directory with metrics.jsonl."),
-         out: Optional[Path] = typer.Option(None, "--out", help="PNG path (default RUN_DIR/curves.png).")) -> None:
+         out: Path | None = typer.Option(None, "--out", help="PNG path (default RUN_DIR/curves.png).")) -> None:
     """Plot loss, learning rate and eval curves of a run as a PNG."""
     from kiln.train.plot import plot_run
 

@@ -12,8 +12,8 @@ Input: `.txt` (one text per line) or `.jsonl` (a `text` field, `messages` conten
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, pre_tokenizers, processors
@@ -45,7 +45,7 @@ def _texts_of(obj: object, where: str, text_field: str) -> Iterator[str]:
         raise KilnError(f"{where}: no {text_field!r}, 'messages' or 'prompt'/'response' field")
 
 
-def iter_texts(paths: list[str | os.PathLike], text_field: str = "text") -> Iterator[str]:
+def iter_texts(paths: Sequence[str | os.PathLike[str]], text_field: str = "text") -> Iterator[str]:
     """Every text in the files, in order; errors name file:line."""
     for p in paths:
         path = Path(p)
@@ -67,7 +67,7 @@ def iter_texts(paths: list[str | os.PathLike], text_field: str = "text") -> Iter
                     yield line.rstrip("\n")
 
 
-def train_bpe(paths: list[str | os.PathLike], out_dir: str | os.PathLike, vocab_size: int = 4096,
+def train_bpe(paths: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike, vocab_size: int = 4096,
               min_frequency: int = 2, text_field: str = "text", model_max_length: int = 2048,
               extra_special_tokens: tuple[str, ...] = ()) -> Tokenizer:
     """Train on `paths`, write tokenizer.json + tokenizer_config.json + special_tokens_map.json to `out_dir`.

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

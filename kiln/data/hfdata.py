@@ -10,8 +10,9 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from kiln.errors import KilnError
 from kiln.hub.files import file_sha256, folder_files
@@ -69,7 +70,7 @@ def load_dataset_rows(path: str | os.PathLike) -> Any:
                                          keep_in_memory=True, cache_dir=cache)
     except KilnError:
         raise
-    except Exception as e:  # datasets and pyarrow raise many kinds for an unreadable file
+    except Exception as e:  # noqa: BLE001 - datasets and pyarrow raise many kinds for an unreadable file
         raise KilnError(f"{path}: cannot be read with datasets ({type(e).__name__}: {e})") from None
     return ds
 

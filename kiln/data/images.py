@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 import torch
@@ -29,9 +30,12 @@ import torch
 from kiln.errors import KilnError
 from kiln.hub.files import why_unreadable
 
+if TYPE_CHECKING:
+    from PIL.Image import Image as PILImage
+
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-ImageLike = Union[str, os.PathLike, "Any"]  # a path or a PIL.Image.Image
+ImageLike = Union[str, os.PathLike[str], "PILImage"]  # a path or a PIL image
 
 
 def _pil():
@@ -42,7 +46,7 @@ def _pil():
     return Image
 
 
-def open_image(image: ImageLike, max_pixels: int | None = None, what: str = "image"):
+def open_image(image: ImageLike, max_pixels: int | None = None, what: str = "image") -> PILImage:
     """A PIL image in RGB (transparency composited on white, as transformers does) from a path or an image;
     a missing or unreadable file, or one over `max_pixels` (width x height), is an error naming it."""
     Image = _pil()
@@ -75,7 +79,7 @@ def open_image(image: ImageLike, max_pixels: int | None = None, what: str = "ima
 _WIDE = {"I;16": 65535, "I;16L": 65535, "I;16B": 65535, "I;16N": 65535, "I": 65535, "F": 1.0}
 
 
-def _to_8bit(image, name: str, what: str):
+def _to_8bit(image: PILImage, name: str, what: str) -> PILImage:
     """A one-channel image wider than 8 bits as 8-bit grey over its value range (0..65535 for the integer
     modes, 0..1 for float), rounded: Pillow's convert("RGB") clips instead, so a 16-bit PNG came out almost all
     white. Values outside that range (a 32-bit or float image of other units) are refused, naming the range."""
@@ -110,7 +114,7 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 def _normalised(image, mean: tuple[float, ...], std: tuple[float, ...], rescale: float) -> np.ndarray:
     """(H, W, 3) uint8 -> (3, H, W) float32 as transformers rescales (in float64) and normalises (in float32)."""
-    x = (np.asarray(image, dtype=np.uint8).astype(np.float64) * rescale).astype(np.float32)
+    x: np.ndarray = (np.asarray(image, dtype=np.uint8).astype(np.float64) * rescale).astype(np.float32)
     x = (x - np.array(mean, dtype=np.float32)) / np.array(std, dtype=np.float32)
     return np.ascontiguousarray(x.transpose(2, 0, 1))
 
@@ -130,7 +134,7 @@ class QwenImageProcessor:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "QwenImageProcessor":
+    def from_dict(cls, data: dict[str, Any]) -> QwenImageProcessor:
         data = dict(data)
         size = data.pop("size", None) or {}
         data.setdefault("min_pixels", size.get("shortest_edge", cls.min_pixels))
@@ -144,7 +148,7 @@ class QwenImageProcessor:
 
     @classmethod
     def for_model(cls, model_dir: str | os.PathLike, vision_config: dict[str, Any] | None = None
-                  ) -> "QwenImageProcessor":
+                  ) -> QwenImageProcessor:
         """From the directory's preprocessor_config.json, else the vision config's patch sizes (CLIP mean/std)."""
         path = Path(model_dir) / "preprocessor_config.json"
         if path.is_file():
@@ -181,7 +185,7 @@ class QwenImageProcessor:
         blocks = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], tp, p, p))  # still image over time
         return torch.from_numpy(np.ascontiguousarray(blocks).reshape(gh * gw, C * tp * p * p)), [1, gh, gw]
 
-    def __call__(self, images: list[ImageLike], what: str = "image") -> dict[str, torch.Tensor]:
+    def __call__(self, images: Sequence[ImageLike], what: str = "image") -> dict[str, torch.Tensor]:
         """{"pixel_values": (patches, C*Tp*P*P) float32, "image_grid_thw": (images, 3) long}."""
         Image = _pil()
         patches, grids = [], []
@@ -205,7 +209,7 @@ class ImageClassifierProcessor:
     rescale_factor: float = 1 / 255
     max_input_pixels: int | None = None
 
-    def __call__(self, images: list[ImageLike], what: str = "image") -> torch.Tensor:
+    def __call__(self, images: Sequence[ImageLike], what: str = "image") -> torch.Tensor:
         """(N, 3, size, size) float32."""
         Image = _pil()
         out = []

@@ -82,6 +82,7 @@ def encode_unpaired(records: list[Record], tokenizer: Tokenizer, max_length: int
             p = list(tokenizer.backend.encode(prompt, add_special_tokens=True).ids)
             pc = list(tokenizer.backend.encode(prompt + completion, add_special_tokens=True).ids)
         else:
+            assert template is not None  # loaded above: this row is conversational
             p = list(tokenizer.backend.encode(template.render(prompt, add_generation_prompt=True),
                                               add_special_tokens=False).ids)
             pc = list(tokenizer.backend.encode(template.render(prompt + completion), add_special_tokens=False).ids)

@@ -16,7 +16,8 @@ function of (seed, epoch), so the cursor resumes it exactly, and it covers the s
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 

@@ -117,7 +117,7 @@ def encode_preferences(records: list[Record], tokenizer: Tokenizer, max_length: 
             template = template or tokenizer.chat()
 
             def render(messages: list[dict[str, Any]], gen: bool = False) -> list[int]:
-                text = template.render(messages, add_generation_prompt=gen)
+                text = template.render(messages, add_generation_prompt=gen)  # noqa: B023 - called in this iteration
                 return list(tokenizer.backend.encode(text, add_special_tokens=False).ids)
 
             p, pc, pr = render(prompt, True), render(prompt + chosen), render(prompt + rejected)

@@ -49,7 +49,7 @@ def _leading_tokens_settled(enc: Any, cut: int, max_length: int) -> bool:
         return False
     last_word = words[-1]
     last_start = min(s for (s, _), w in zip(offsets, words) if w == last_word)
-    kept_words = {w for w in words[:max_length]}
+    kept_words = set(words[:max_length])
     if last_word in kept_words or None in kept_words:
         return False
     end = max(e for (_, e), w in zip(offsets, words) if w in kept_words)

@@ -143,7 +143,8 @@ class RawTokens:
             raise ShardError(f"{self.root}: raw token data has no {split!r} split; set data.val_fraction")
         self.paths = [p for p, _, _ in self.pieces]
         self.lengths = np.array([end - lo for _, lo, end in self.pieces], dtype=np.int64)
-        self._dtype_arg, self._maps = dtype, {}
+        self._dtype_arg = dtype
+        self._maps: dict[int, np.ndarray] = {}  # piece -> its memmap, opened on first use in this process
 
     def _split(self, pieces: list[tuple[Path, int, int]], fraction: float, split: str) -> list[tuple[Path, int, int]]:
         if len(pieces) == 1:  # the tail of one flat file

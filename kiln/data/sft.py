@@ -132,7 +132,9 @@ def record_tools(record: Record) -> list[dict[str, Any]] | None:
 def _reply_end(text: str, start: int, stop: int, eos: str | None) -> int:
     """End of the reply that starts at `start`: through the first EOS before `stop`, else the text's end there."""
     at = text.find(eos, start, stop) if eos else -1
-    return at + len(eos) if at >= 0 else start + len(text[start:stop].rstrip())
+    if eos and at >= 0:
+        return at + len(eos)
+    return start + len(text[start:stop].rstrip())
 
 
 def _incremental_spans(template: ChatTemplate, messages: list[dict[str, Any]], text: str, eos: str | None,
@@ -275,7 +277,10 @@ def pack_samples(samples: list[tuple[list[int], list[int]]], max_length: int,
             if extras is not None:
                 row.update({k: torch.cat([e[k] for e in extra]) for k in extra[0]})
             rows.append(row)
-            ids.clear(), labels.clear(), pos.clear(), extra.clear()
+            ids.clear()
+            labels.clear()
+            pos.clear()
+            extra.clear()
 
     for n, (s_ids, s_labels) in enumerate(samples):
         if len(ids) + len(s_ids) > max_length:

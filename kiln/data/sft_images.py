@@ -25,9 +25,9 @@ import torch
 
 from kiln.constants import IGNORE_INDEX
 from kiln.data.images import QwenImageProcessor
-from kiln.hub.files import why_unreadable
 from kiln.data.records import Record
 from kiln.errors import KilnError
+from kiln.hub.files import why_unreadable
 
 
 @dataclass

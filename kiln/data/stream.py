@@ -31,7 +31,8 @@ from __future__ import annotations
 import copy
 import math
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -41,11 +42,11 @@ from kiln.constants import IGNORE_INDEX
 from kiln.data.shards import ShardSet
 from kiln.errors import KilnError
 
-
 Batch = dict[str, torch.Tensor]
 # (rows, lengths, sizes): rows (N, T+1) of window tokens in the shards' dtype, padded with EOS;
 # lengths (N,) real tokens per row (0 = filler row); sizes: rows per batch, in order, summing to N
 Pack = tuple[np.ndarray, np.ndarray, tuple[int, ...]]
+_T = TypeVar("_T")
 
 
 class Windows:
@@ -213,7 +214,7 @@ class EpochStream(IterableDataset):
             yield _join([self.windows.pack(keys[i * B: (i + 1) * B]) for i in range(c * K, min(c * K + K, batches))])
 
 
-def _as_is(pack: Pack) -> Pack:
+def _as_is(pack: _T) -> _T:
     # the DataLoader's default conversion would turn the pack's arrays into tensors in the worker,
     # which is the costly hand-off this module avoids; module level, so spawned workers can pickle it
     return pack

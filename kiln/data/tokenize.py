@@ -15,17 +15,21 @@ import hashlib
 import multiprocessing
 import os
 from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kiln.data.shards import MANIFEST, ShardError, ShardWriter, dtype_for_vocab, tokenizer_digest, write_manifest
 from kiln.data.hfdata import is_hf_source, iter_rows
+from kiln.data.shards import MANIFEST, ShardError, ShardWriter, dtype_for_vocab, tokenizer_digest, write_manifest
 from kiln.errors import KilnError
 from kiln.hub.files import check_readable, folder_files
 from kiln.hub.jsonio import iter_jsonl
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -40,7 +44,7 @@ class Doc:
     progress: int     # input bytes this document accounts for (the progress bar's unit)
 
 
-def input_files(paths: list[str | os.PathLike]) -> list[Path]:
+def input_files(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
     """The files named, with directories expanded (recursively, sorted) to the readable suffixes."""
     out: list[Path] = []
     known = TEXT_SUFFIXES + JSONL_SUFFIXES + TABLE_SUFFIXES
@@ -148,10 +152,10 @@ def in_validation(index: int, fraction: float, seed: int) -> bool:
 
 
 # ---- the tokenizer, once per worker process -------------------------------------------------
-_WORKER_TOKENIZER = None
+_WORKER_TOKENIZER: Tokenizer | None = None
 
 
-def _load_backend(tokenizer_json: str):
+def _load_backend(tokenizer_json: str) -> Tokenizer:
     from tokenizers import Tokenizer as _HF
 
     return _HF.from_str(tokenizer_json)
@@ -162,9 +166,11 @@ def _init_worker(tokenizer_json: str) -> None:
     _WORKER_TOKENIZER = _load_backend(tokenizer_json)
 
 
-def _encode_batch(texts: list[str], backend=None) -> tuple[np.ndarray, np.ndarray]:
+def _encode_batch(texts: list[str], backend: Tokenizer | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(all ids concatenated as int64, per-document lengths); no special tokens: EOS is added by the caller."""
-    encs = (backend or _WORKER_TOKENIZER).encode_batch(texts, add_special_tokens=False)
+    backend = backend or _WORKER_TOKENIZER
+    assert backend is not None, "a worker encodes with the tokenizer _init_worker loaded"
+    encs = backend.encode_batch(texts, add_special_tokens=False)
     lengths = np.fromiter((len(e.ids) for e in encs), dtype=np.int64, count=len(encs))
     ids = np.fromiter((i for e in encs for i in e.ids), dtype=np.int64, count=int(lengths.sum()))
     return ids, lengths
@@ -205,7 +211,7 @@ def _prepare_out(out_dir: Path, overwrite: bool) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
 
 
-def tokenize_to_shards(inputs: list[str | os.PathLike], tokenizer: str | os.PathLike, out_dir: str | os.PathLike,
+def tokenize_to_shards(inputs: Sequence[str | os.PathLike[str]], tokenizer: str | os.PathLike, out_dir: str | os.PathLike,
                        options: TokenizeOptions = TokenizeOptions()) -> dict:
     """Tokenize `inputs` with `tokenizer` (an HF directory or a tokenizer.json) into shards; the manifest."""
     from kiln.hub import Tokenizer
@@ -238,7 +244,7 @@ def tokenize_to_shards(inputs: list[str | os.PathLike], tokenizer: str | os.Path
             if ids.size:
                 max_id = max(max_id, int(ids.max()))
             starts = np.concatenate([[0], np.cumsum(lengths)])
-            for d, doc in enumerate(batch):
+            for d in range(len(batch)):
                 split = "val" if in_validation(index, o.val_fraction, o.seed) else "train"
                 writers[split].add(np.append(ids[starts[d]:starts[d + 1]], eos_id))
                 index += 1
@@ -268,7 +274,7 @@ def _load_from_file(path: Path):
         raise KilnError(f"{path}: no such tokenizer directory or tokenizer.json")
     try:
         return _load_backend(path.read_text(encoding="utf-8"))
-    except Exception as e:  # the Rust library reports parse errors as plain Exceptions
+    except Exception as e:  # noqa: BLE001 - the Rust library reports parse errors as plain Exceptions
         raise KilnError(f"{path}: cannot be read by the tokenizers library ({e})") from None
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,11 +26,11 @@ try:
     from lm_eval import utils as lm_utils
     from lm_eval.api.model import TemplateLM
 except ImportError:  # the eval extra is optional; evaluate() says how to get it
-    TemplateLM = object  # type: ignore[assignment,misc]
+    TemplateLM = object
     lm_utils = None
 
 
-class KilnLM(TemplateLM):  # type: ignore[misc,valid-type]
+class KilnLM(TemplateLM):
     """A kiln causal LM as an lm-eval LM: loglikelihood, loglikelihood_rolling, generate_until."""
 
     def __init__(self, model: Any, batch_size: int = 8, max_length: int | None = None, max_gen_toks: int = 256,
@@ -156,7 +156,7 @@ class KilnLM(TemplateLM):  # type: ignore[misc,valid-type]
         return out
 
 
-def evaluate(model: Any, tasks: list[str], include: list[str | os.PathLike] | None = None, num_fewshot: int | None = None,
+def evaluate(model: Any, tasks: list[str], include: Sequence[str | os.PathLike[str]] | None = None, num_fewshot: int | None = None,
              limit: int | None = None, batch_size: int = 8, device: str = "cpu", seed: int = 0) -> dict[str, Any]:
     """lm-eval's results for `tasks` (names, or names defined by YAMLs under `include`), JSON-ready."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local YAMLs read local files; nothing is fetched

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 from kiln.errors import KilnError
 from kiln.hub.jsonio import read_json
@@ -57,7 +57,7 @@ def run_cell(model_type: str, head: str, src: str | None, work: Path, device: st
             src = str(make_tiny(model_type, head, work / f"{model_type}-{head}-src"))
         out = export_model(src, work / f"{model_type}-{head}-export", head=head)
         checks = verify_export(out, source=src, device=device)
-    except Exception as e:  # keep going past any failure; the grid shows it
+    except Exception as e:  # noqa: BLE001 - keep going past any failure; the grid shows it
         return Cell(model_type, head, False, None, f"{type(e).__name__}: {e}")
     diffs = [float(c.detail.rsplit("max abs diff ", 1)[1]) for c in checks if "max abs diff" in c.detail]
     bad = [c.line() for c in checks if not c.ok]

@@ -10,8 +10,9 @@ dropped tensor cannot hide behind an initial value.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -61,8 +62,7 @@ def missing_tiny_message(model_type: str) -> str:
             f"in kiln/models/ so the verify matrix and the parity tests can build it")
 
 
-_WORDS = ("the a of to and in is was for on that with as by at from it be are this an paris france capital city "
-          "london king queen man woman dog cat runs red blue green good bad day night river sea".split())
+_WORDS = (["the", "a", "of", "to", "and", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "it", "be", "are", "this", "an", "paris", "france", "capital", "city", "london", "king", "queen", "man", "woman", "dog", "cat", "runs", "red", "blue", "green", "good", "bad", "day", "night", "river", "sea"])
 
 
 def tiny_tokenizer(specials: dict[str, str], vocab_size: int) -> HFTokenizer:
@@ -79,6 +79,7 @@ def tiny_tokenizer(specials: dict[str, str], vocab_size: int) -> HFTokenizer:
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     cls = specials.get("cls_token") or specials.get("bos_token")
     sep = specials.get("sep_token") or specials.get("eos_token")
+    assert cls is not None and sep is not None, specials  # every tiny family names both
     tok.post_processor = processors.TemplateProcessing(
         single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1", special_tokens=[(cls, ids[cls]), (sep, ids[sep])])
     tok.decoder = decoders.WordPiece()

@@ -179,8 +179,9 @@ def verify_export(model_dir: str | os.PathLike, source: str | os.PathLike | None
                        f"load them)" if mtp else ""))]
     use_types = getattr(config, "type_vocab_size", 0) > 1
     batches = _batches(kiln_model.tokenizer, config.vocab_size, use_types) if hasattr(config, "vocab_size") else []
-    if hasattr(kiln_model, "verify_batches"):  # a model that takes images: its own inputs (FP8 releases too)
-        batches = kiln_model.verify_batches(batches)
+    own_batches = getattr(kiln_model, "verify_batches", None)
+    if own_batches is not None:  # a model that takes images: its own inputs (FP8 releases too)
+        batches = own_batches(batches)
     checks += compare_models(kiln_model.to(device), hf_model.to(device), task, config, batches, device=device)
     if source is not None:
         checks.append(compare_weights(model_dir, source))

@@ -13,6 +13,7 @@ Choices (each a delta from the BERT scaffold):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -21,8 +22,15 @@ from kiln.errors import ConfigError
 from kiln.models.common.attention import bidirectional_mask
 from kiln.models.common.encoder import Embeddings, Encoder, EncoderLayer, Pooler
 from kiln.models.config import FamilyConfig
-from kiln.models.heads import (BaseModel, ForMaskedLM, ForQuestionAnswering, ForSequenceClassification,
-                               ForTokenClassification, MLMHead, PooledClassifier)
+from kiln.models.heads import (
+    BaseModel,
+    ForMaskedLM,
+    ForQuestionAnswering,
+    ForSequenceClassification,
+    ForTokenClassification,
+    MLMHead,
+    PooledClassifier,
+)
 from kiln.models.keymap import KeyMap
 from kiln.models.pretrained import Family, TaskSpec, Tiny
 from kiln.models.tasks import BASE, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
@@ -92,7 +100,7 @@ class AlbertEncoder(Encoder):
         mask = bidirectional_mask(attention_mask, x.shape[1])
         per_group = self.num_hidden_layers / len(self.layers)  # a float, as HF computes the group index
         for i in range(self.num_hidden_layers):
-            for layer in self.layers[int(i / per_group)]:  # ALBERT: the group's weights, reused
+            for layer in cast(nn.ModuleList, self.layers[int(i / per_group)]):  # ALBERT: the group's weights, reused
                 x = layer(x, mask)
         return x, (self.pooler(x) if self.pooler is not None else None)
 

@@ -11,8 +11,15 @@ from dataclasses import dataclass
 from kiln.errors import ConfigError
 from kiln.models.common.encoder import Embeddings, Encoder, EncoderLayer, Pooler
 from kiln.models.config import FamilyConfig
-from kiln.models.heads import (BaseModel, ForMaskedLM, ForQuestionAnswering, ForSequenceClassification,
-                               ForTokenClassification, MLMHead, PooledClassifier)
+from kiln.models.heads import (
+    BaseModel,
+    ForMaskedLM,
+    ForQuestionAnswering,
+    ForSequenceClassification,
+    ForTokenClassification,
+    MLMHead,
+    PooledClassifier,
+)
 from kiln.models.keymap import KeyMap
 from kiln.models.pretrained import Family, TaskSpec, Tiny
 from kiln.models.tasks import BASE, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION

@@ -29,8 +29,15 @@ from kiln.errors import ConfigError
 from kiln.models.common.activations import activation
 from kiln.models.common.encoder import EncoderLayer
 from kiln.models.config import FamilyConfig
-from kiln.models.heads import (BaseModel, ForMaskedLM, ForQuestionAnswering, ForSequenceClassification,
-                               ForTokenClassification, MLMHead, ModelOutput)
+from kiln.models.heads import (
+    BaseModel,
+    ForMaskedLM,
+    ForQuestionAnswering,
+    ForSequenceClassification,
+    ForTokenClassification,
+    MLMHead,
+    ModelOutput,
+)
 from kiln.models.keymap import KeyMap
 from kiln.models.pretrained import Family, TaskSpec, Tiny
 from kiln.models.tasks import BASE, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION

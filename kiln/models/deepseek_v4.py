@@ -162,7 +162,7 @@ class DeepseekV4Config(DecoderConfig):
         return {k: v for k, v in out.items() if v is not None or k in self.extra}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "config.json") -> "DeepseekV4Config":
+    def from_dict(cls, data: dict[str, Any], source: str = "config.json") -> DeepseekV4Config:
         data = dict(data)
         if "num_local_experts" in data:
             data.setdefault("n_routed_experts", data.pop("num_local_experts"))

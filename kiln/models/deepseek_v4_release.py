@@ -20,7 +20,6 @@ import torch
 from kiln.models.keymap import Stack
 from kiln.models.tasks import BASE
 
-
 MTP_TENSOR = re.compile(r"(^|\.)mtp\.")
 # Parameters transformers keeps in float32 under a half-precision model (its _keep_in_fp32_modules_strict);
 # the routers' balancing bias keeps itself (moe_routing.GroupLimitedRouter).

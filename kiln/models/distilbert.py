@@ -14,14 +14,21 @@ import numpy as np
 import torch
 
 from kiln.errors import ConfigError
+from kiln.models import bert
 from kiln.models.common.encoder import Embeddings, Encoder, EncoderLayer
 from kiln.models.config import FamilyConfig
-from kiln.models.heads import (BaseModel, FirstTokenClassifier, ForMaskedLM, ForQuestionAnswering,
-                               ForSequenceClassification, ForTokenClassification, MLMHead)
+from kiln.models.heads import (
+    BaseModel,
+    FirstTokenClassifier,
+    ForMaskedLM,
+    ForQuestionAnswering,
+    ForSequenceClassification,
+    ForTokenClassification,
+    MLMHead,
+)
 from kiln.models.keymap import KeyMap
 from kiln.models.pretrained import Family, TaskSpec, Tiny
 from kiln.models.tasks import BASE, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
-from kiln.models import bert
 
 EPS = 1e-12
 
@@ -71,6 +78,7 @@ class DistilEmbeddings(Embeddings):
     def after_init(self) -> None:
         if self.sinusoidal:
             with torch.no_grad():
+                assert self.position_embeddings is not None  # distilbert keeps a table of positions
                 w = self.position_embeddings.weight
                 w.copy_(sinusoidal_positions(*w.shape).to(w.dtype))
             w.requires_grad_(False)

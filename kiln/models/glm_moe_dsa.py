@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.errors import ConfigError
-from kiln.models.deepseek_v32 import DeepseekV32Config
 from kiln.models.deepseek_v3 import SPECIALS, mla_family, random_bias
+from kiln.models.deepseek_v32 import DeepseekV32Config
 from kiln.models.pretrained import Tiny
 
 INDEXER_KINDS = ("full", "shared")

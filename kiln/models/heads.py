@@ -228,6 +228,8 @@ class ForMaskedLM(PreTrainedModel):
         batch = tok.encode([text])
         ids = batch["input_ids"][0]
         mask_id = tok.token_id("mask_token")
+        if mask_id is None:
+            raise KilnError(f"the mask token {tok.mask_token} is not in the tokenizer's vocabulary")
         where = (ids == mask_id).nonzero().flatten().tolist()
         if not where:
             raise KilnError(f"no {tok.mask_token} token in the text; put {tok.mask_token} where a word should go")

@@ -11,8 +11,9 @@ the classifier or the (tied) decoder; sequence classification pools the CLS toke
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,17 +21,23 @@ from torch.nn import functional as F
 
 from kiln.constants import IGNORE_INDEX
 from kiln.errors import ConfigError
+from kiln.models import bert
 from kiln.models.common.activations import activation
 from kiln.models.common.attention import bidirectional_mask, sliding_window_mask
 from kiln.models.common.encoder import Embeddings
 from kiln.models.common.rope import RotaryEmbedding, apply_rope, rope_parameters
 from kiln.models.config import FamilyConfig
-from kiln.models.heads import (BaseModel, ForMaskedLM, ForQuestionAnswering, ForSequenceClassification,
-                               ForTokenClassification, ModelOutput)
+from kiln.models.heads import (
+    BaseModel,
+    ForMaskedLM,
+    ForQuestionAnswering,
+    ForSequenceClassification,
+    ForTokenClassification,
+    ModelOutput,
+)
 from kiln.models.keymap import KeyMap
 from kiln.models.pretrained import Family, TaskSpec, Tiny
 from kiln.models.tasks import BASE, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
-from kiln.models import bert
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _DEFAULT_THETA = {"full_attention": 160_000.0, "sliding_attention": 10_000.0}

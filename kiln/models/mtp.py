@@ -28,7 +28,6 @@ from kiln.models.common.loss import shift_labels
 from kiln.models.common.mtp import mtp_targets, next_inputs
 from kiln.models.pretrained import check_tensors, init_module
 
-
 MTP_HOOKS = ("mtp_module", "mtp_carried", "new_mtp", "mtp_released", "mtp_states")
 
 

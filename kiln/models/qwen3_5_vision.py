@@ -297,7 +297,7 @@ def image_positions(input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor, im
         starts = [0] + ([] if packed is None else
                         [i for i, step in enumerate(torch.diff(packed[b]).tolist(), 1) if step != 1]) + [len(types)]
         row = torch.cat([_run_positions(types[s:e], grids, merge, f"row {b}", len(image_grid_thw))
-                         for s, e in zip(starts[:-1], starts[1:])], dim=1).to(positions)
+                         for s, e in itertools.pairwise(starts)], dim=1).to(positions)
         positions[:, b, keep] = row
         last = row[:, starts[-2]:]
         deltas.append((int(last.max()) + 1 if last.numel() else 0) - last.shape[1])

@@ -41,7 +41,7 @@ class Qwen3MoeConfig(qwen3.Qwen3Config):
     mlp_only_layers: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "config.json") -> "Qwen3MoeConfig":
+    def from_dict(cls, data: dict[str, Any], source: str = "config.json") -> Qwen3MoeConfig:
         # transformers 5 writes the expert count as num_local_experts; older files say num_experts
         data = dict(data)
         if "num_local_experts" in data:

@@ -15,8 +15,9 @@ Deltas from Qwen3-MoE:
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -98,7 +99,7 @@ class Qwen3NextConfig(HybridConfig):
     mlp_only_layers: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "config.json") -> "Qwen3NextConfig":
+    def from_dict(cls, data: dict[str, Any], source: str = "config.json") -> Qwen3NextConfig:
         data = dict(data)
         data["mlp_only_layers"] = data.get("mlp_only_layers") or []
         return super().from_dict(data, source)

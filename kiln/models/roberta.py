@@ -10,8 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.models import bert
-from kiln.models.heads import (BaseModel, FirstTokenClassifier, ForMaskedLM, ForQuestionAnswering,
-                               ForSequenceClassification, ForTokenClassification, MLMHead)
+from kiln.models.heads import (
+    BaseModel,
+    FirstTokenClassifier,
+    ForMaskedLM,
+    ForQuestionAnswering,
+    ForSequenceClassification,
+    ForTokenClassification,
+    MLMHead,
+)
 from kiln.models.keymap import KeyMap
 from kiln.models.pretrained import Family, TaskSpec, Tiny
 from kiln.models.tasks import BASE, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION

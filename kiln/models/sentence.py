@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn import functional as F
@@ -45,7 +45,7 @@ class Pooling:
             raise KilnError(f"pooling mode {self.mode!r} is not one of {', '.join(MODES)}")
 
     @classmethod
-    def read(cls, model_dir: str | os.PathLike) -> "Pooling | None":
+    def read(cls, model_dir: str | os.PathLike) -> Pooling | None:
         """The pooling of a sentence-transformers directory, or None when it has no modules.json."""
         d = Path(model_dir)
         if not (d / "modules.json").is_file():
@@ -130,7 +130,13 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
     raise KilnError(f"pooling mode {mode!r} is not one of {', '.join(MODES)}")
 
 
-class SentenceModelMixin:
+if TYPE_CHECKING:  # the mixin always sits in front of a kiln model class (sentence_model builds that class)
+    from kiln.models.pretrained import PreTrainedModel as _MixedInto
+else:
+    _MixedInto = object
+
+
+class SentenceModelMixin(_MixedInto):
     """What `sentence_model` adds to a base model class: pooled embeddings and sentence-transformers files."""
     pooling: Pooling
 
@@ -167,7 +173,7 @@ class SentenceModelMixin:
         return torch.cat(out).float().cpu()
 
     def save_pretrained(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> Path:
-        out = super().save_pretrained(path, *args, **kwargs)  # type: ignore[misc]
+        out = super().save_pretrained(path, *args, **kwargs)
         self.pooling.write(out, self.config.hidden_size)
         return out
 

@@ -96,9 +96,9 @@ class ViTEmbeddings(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool = False) -> torch.Tensor:
         B, C, H, W = pixel_values.shape
-        if C != self.num_channels:
+        if self.num_channels != C:
             raise KilnError(f"pixel_values has {C} channels; this model takes {self.num_channels}")
-        if not interpolate_pos_encoding and (H, W) != (self.image_size, self.image_size):
+        if not interpolate_pos_encoding and (self.image_size, self.image_size) != (H, W):
             raise KilnError(f"input image size ({H}*{W}) doesn't match the model's ({self.image_size}*"
                             f"{self.image_size}); pass interpolate_pos_encoding=True to resample the positions")
         x = self.patch_embeddings.projection(pixel_values).flatten(2).transpose(1, 2)  # (B, N, D)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -24,11 +25,17 @@ from kiln.data.sft import chat_prompt_ids
 from kiln.engine.params import SamplingParams
 from kiln.errors import KilnError
 from kiln.serve import protocol as P
-from kiln.serve.async_engine import (AsyncEngine, ClientGone, EngineFailed, EngineStopped, QueueFull, RequestRefused,
-                                     Stream)
+from kiln.serve.async_engine import (
+    AsyncEngine,
+    ClientGone,
+    EngineFailed,
+    EngineStopped,
+    QueueFull,
+    RequestRefused,
+    Stream,
+)
 from kiln.serve.results import Gathered, chat_logprobs, completion_logprobs
 from kiln.serve.tools import StreamFilter, reply, template_messages
-
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streamed answer's wait looks whether its client is still there
 
@@ -140,16 +147,16 @@ class _EventStream(StreamingResponse):
     the response ends: also when the client is gone before the first send, so the events generator never starts and
     its own `finally` never runs."""
 
-    def __init__(self, events: AsyncIterator[bytes], stream: Stream):
+    def __init__(self, events: AsyncGenerator[bytes, None], stream: Stream):
         super().__init__(events, media_type="text/event-stream")
-        self._stream = stream
+        self._stream, self._events = stream, events
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self._stream.close()
-            await self.body_iterator.aclose()  # an unstarted generator just closes; a started one runs its finally
+            await self._events.aclose()  # an unstarted generator just closes; a started one runs its finally
 
 
 def _finish(reason: str | None, calls: list) -> str | None:
@@ -164,7 +171,7 @@ async def chat_completions(request: Request) -> Response:
     if req.top_logprobs and not req.logprobs:
         raise P.RequestError("top_logprobs needs logprobs: true", "top_logprobs")
     tools_offered = bool(req.tools) and req.tool_choice != "none"
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if tools_offered else None
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and tools_offered else None
     try:
         ids = chat_prompt_ids(served.tokenizer, template_messages(req.messages), tools)
     except KilnError as e:  # the template refused the conversation (raise_exception, no template)
@@ -191,7 +198,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _chat_events(stream: Stream, req: P.ChatRequest, served: ServedModel, rid: str, created: int,
-                       prompt_len: int, tools_offered: bool) -> AsyncIterator[bytes]:
+                       prompt_len: int, tools_offered: bool) -> AsyncGenerator[bytes, None]:
     def chunk(index: int, delta: dict, logprobs=None, finish=None) -> bytes:
         return P.sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
                       "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
@@ -277,7 +284,7 @@ async def completions(request: Request) -> Response:
 
 
 async def _completion_events(stream: Stream, req: P.CompletionRequest, served: ServedModel, rid: str, created: int,
-                             prompts: list[list[int]], echoes: list[str]) -> AsyncIterator[bytes]:
+                             prompts: list[list[int]], echoes: list[str]) -> AsyncGenerator[bytes, None]:
     def chunk(index: int, text: str, logprobs=None, finish=None) -> bytes:
         return P.sse({"id": rid, "object": "text_completion", "created": created, "model": req.model,
                       "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]})
@@ -330,11 +337,13 @@ async def health(request: Request) -> Response:
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
-async def _request_error(request: Request, e: P.RequestError) -> Response:
+async def _request_error(request: Request, e: Exception) -> Response:
+    assert isinstance(e, P.RequestError)  # registered for RequestError alone (starlette types handlers by Exception)
     return _error(e)
 
 
-async def _http_error(request: Request, e: HTTPException) -> Response:
+async def _http_error(request: Request, e: Exception) -> Response:
+    assert isinstance(e, HTTPException)  # registered for HTTPException alone
     kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
     message = f"{request.method} {request.url.path}: {e.detail}"
     return _error(P.RequestError(message, None, e.status_code, kind))

@@ -21,10 +21,14 @@ import itertools
 import queue
 import threading
 import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
 
 from kiln.errors import KilnError
+
+if TYPE_CHECKING:
+    from kiln.engine.engine import Engine
 
 IDLE_WAIT_S = 0.05  # how long the idle thread sleeps between looks at its inbox (a submit wakes it at once)
 
@@ -66,7 +70,7 @@ class Stream:
     every completion of every prompt has finished; raises EngineFailed if the engine could not go on. Close it when
     the response is over: an unfinished request is cancelled and its slot freed."""
 
-    def __init__(self, owner: "AsyncEngine", request: _Request):
+    def __init__(self, owner: AsyncEngine, request: _Request):
         self._owner, self._request, self._closed = owner, request, False
         self.finished = False
 
@@ -103,12 +107,12 @@ class AsyncEngine:
     """`factories` maps each served model name to a function making its Engine: called once here, and again to
     replace an engine whose step raised."""
 
-    def __init__(self, factories: dict[str, Callable[[], Any]], max_queue: int):
+    def __init__(self, factories: Mapping[str, Callable[[], Engine]], max_queue: int):
         if max_queue < 1:
             raise KilnError(f"--max-queue must be >= 1, got {max_queue}")
         self._factories = dict(factories)
         self.engines = {name: make() for name, make in self._factories.items()}
-        self.rebuilds: dict[str, int] = {name: 0 for name in self.engines}  # engines replaced after a failed step
+        self.rebuilds: dict[str, int] = dict.fromkeys(self.engines, 0)  # engines replaced after a failed step
         self.last_failure: str | None = None  # the cause of the latest failed step, for /health
         self._closed = False  # the thread's final drain has begun: no command put from now on would be read
         self.max_queue = max_queue
@@ -292,7 +296,8 @@ class AsyncEngine:
     def _rebuild(self, name: str) -> None:
         """Replace the engine of `name` by a fresh one (its failed step may have left blocks lent to nobody).
         If even that fails the thread ends (failure, /health 503): there is no engine left to serve it."""
-        self.engines[name] = None  # drop the broken one (and its KV pool) before allocating the new
+        # drop the broken one (and its KV pool) before allocating the new; the key stays (the loop iterates the dict)
+        self.engines[name] = None  # type: ignore[assignment]
         self.engines[name] = self._factories[name]()
         self.rebuilds[name] += 1
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -58,9 +58,9 @@ class _Strict(BaseModel):
 
 class FunctionSpec(_Strict):
     name: str = Field(min_length=1)
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = None
-    strict: Optional[bool] = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class Tool(_Strict):
@@ -86,16 +86,16 @@ class ContentPart(_Strict):
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[ContentPart], None] = None
-    name: Optional[str] = None
-    tool_calls: Optional[list[ToolCall]] = None
-    tool_call_id: Optional[str] = None
-    reasoning_content: Optional[str] = None
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
     # what an assistant message of a response carries back when a client appends it as it came; not rendered
-    refusal: Optional[str] = None
-    annotations: Optional[list[Any]] = None
-    audio: Optional[dict[str, Any]] = None
-    function_call: Optional[dict[str, Any]] = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
 
 
 class StreamOptions(_Strict):
@@ -105,14 +105,14 @@ class StreamOptions(_Strict):
 class _Sampling(_Strict):
     """What chat and completions requests share."""
     model: str
-    max_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     # vLLM's extensions, same names
@@ -121,12 +121,12 @@ class _Sampling(_Strict):
     repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
     # OpenAI bookkeeping; accepted, unused
-    user: Optional[str] = None
-    metadata: Optional[dict[str, Any]] = None
-    store: Optional[bool] = None
-    service_tier: Optional[str] = None
-    prompt_cache_key: Optional[str] = None
-    safety_identifier: Optional[str] = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -149,13 +149,13 @@ class _Sampling(_Strict):
 
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: Optional[list[Tool]] = None
-    tool_choice: Union[Literal["none", "auto"], None] = None
-    parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[dict[str, Any]] = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
 
     @field_validator("response_format")
     @classmethod
@@ -166,12 +166,12 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = Field(16, ge=1)
-    logprobs: Optional[int] = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
-    best_of: Optional[int] = Field(None, ge=1)
-    suffix: Optional[str] = None
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
 
     @field_validator("suffix")
     @classmethod

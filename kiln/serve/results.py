@@ -32,7 +32,9 @@ def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
     """A token's own bytes (OpenAI's `bytes`): for a byte-level BPE the bytes it stands for, so the pieces of a
     multi-byte character join up; otherwise its text's UTF-8 (`text`: token_text's)."""
     backend = getattr(tokenizer, "backend", None)
-    piece = backend.id_to_token(token_id) if isinstance(getattr(backend, "decoder", None), decoders.ByteLevel) else None
+    piece = None
+    if backend is not None and isinstance(getattr(backend, "decoder", None), decoders.ByteLevel):
+        piece = backend.id_to_token(token_id)
     table = _byte_of_char()
     if piece is not None and all(ch in table for ch in piece):
         return [table[ch] for ch in piece]

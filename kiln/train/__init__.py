@@ -1,9 +1,16 @@
 """Training: the Trainer, its run config, optimizers and schedules, checkpoints, metrics."""
 
+from kiln.train import recipes  # noqa: F401 - imported for its effect: the recipe registry installs the run-config schema load_run_config validates
 from kiln.train.checkpoint import latest_checkpoint, load_checkpoint_model
 from kiln.train.config import RunConfig, TrainSection, load_run_config
 from kiln.train.trainer import Callback, Trainer
-from kiln.train import recipes  # the recipe registry installs the run-config schema load_run_config validates
 
-__all__ = ["Trainer", "Callback", "TrainSection", "RunConfig", "load_run_config", "latest_checkpoint",
-           "load_checkpoint_model"]
+__all__ = [
+           "Callback",
+           "RunConfig",
+           "TrainSection",
+           "Trainer",
+           "latest_checkpoint",
+           "load_checkpoint_model",
+           "load_run_config",
+]

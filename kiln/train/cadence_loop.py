@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -87,7 +87,7 @@ class CadenceEngine(StepEngine):
 
     def state_dict(self, run: StepContext) -> dict[str, Any] | None:
         """Collective: every rank's data cursor (the ranks ran different numbers of batches)."""
-        cursors = [None] * run.world.size
+        cursors: list[dict[str, Any] | None] = [None] * run.world.size  # each rank's loader state
         if run.world.active:
             dist.all_gather_object(cursors, run.loader.state_dict())
         else:
@@ -104,10 +104,12 @@ class CadenceEngine(StepEngine):
     def gradients(self, run: StepContext) -> StepOutcome:
         if self.planner is None:
             self._start(run)
+        planner = self.planner
+        assert planner is not None  # _start made it
         t_round = time.perf_counter()
-        by_grads = self.section.average == "grads" or self.planner.lockstep
-        counts = fit_to_budget(self.planner.plan(), self.budget - self.done)
-        anchor = self.planner.anchor
+        by_grads = self.section.average == "grads" or planner.lockstep
+        counts = fit_to_budget(planner.plan(), self.budget - self.done)
+        anchor = planner.anchor
         loss_sum, units, tokens, norms = 0.0, 0.0, 0, []
         run.optimizer.zero_grad(set_to_none=False)
         t0 = time.perf_counter()
@@ -134,14 +136,15 @@ class CadenceEngine(StepEngine):
             dist.all_gather(rows, mine)
         else:
             rows = [mine]
-        self.planner.observe([float(r[0]) for r in rows], max(float(r[1]) for r in rows))
+        planner.observe([float(r[0]) for r in rows], max(float(r[1]) for r in rows))
         total_units = sum(float(r[3]) for r in rows)
         t2 = time.perf_counter()
         if by_grads:  # the gradient summed over every unit of the round / units = the mean gradient
-            tensors = [p.grad for p in self.params]
+            # every parameter has its .grad here: the round's backward passes ran with zero_grad(set_to_none=False)
+            tensors = cast(list[torch.Tensor], [p.grad for p in self.params])
             flat_ = flat(tensors) / total_units
         else:  # parameters and optimizer state, each rank weighted by its share of the units
-            tensors = self.params + self._optimizer_tensors(run.optimizer)
+            tensors = [*self.params, *self._optimizer_tensors(run.optimizer)]
             flat_ = flat(tensors) * (units / total_units)
         if self.world > 1:
             dist.all_reduce(flat_)

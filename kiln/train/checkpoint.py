@@ -26,8 +26,9 @@ import random
 import re
 import shutil
 import signal
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -68,10 +69,10 @@ def _write_json(path: Path, data: Any) -> None:
 def rng_state() -> dict[str, Any]:
     """Every generator this process draws from: Python, NumPy, torch CPU and accelerators."""
     py = random.getstate()
-    npst = np.random.get_state()
-    state = {"python": [py[0], list(py[1]), py[2]],
-             "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
-             "torch": torch.get_rng_state().tolist()}
+    npst = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())  # the legacy tuple (its default)
+    state: dict[str, Any] = {"python": [py[0], list(py[1]), py[2]],
+                             "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
+                             "torch": torch.get_rng_state().tolist()}
     if torch.cuda.is_available():
         state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
     return state
@@ -116,8 +117,9 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained(tmp / "model")
+    save_pretrained = getattr(model, "save_pretrained", None)
+    if save_pretrained is not None:
+        save_pretrained(tmp / "model")
     else:  # a plain nn.Module: its own state dict names
         (tmp / "model").mkdir()
         save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
@@ -188,7 +190,7 @@ def _dcp_missing(path: Path) -> str | None:
 
     try:
         meta = FileSystemReader(str(path / "dcp")).read_metadata()
-    except Exception as e:  # torch's reader: a torn or foreign .metadata
+    except Exception as e:  # noqa: BLE001 - torch's reader: a torn or foreign .metadata
         return f"dcp/.metadata cannot be read ({type(e).__name__}: {e})"
     named = sorted({info.relative_path for info in (meta.storage_data or {}).values()})
     missing = [rel for rel in named if not (path / "dcp" / rel).is_file()]
@@ -206,7 +208,7 @@ def _unreadable(f: Path) -> str | None:
             json.loads(f.read_text(encoding="utf-8"))
     except PermissionError:
         return "permission denied"
-    except Exception as e:  # safetensors' own error type, JSON, encoding: any of them means "cannot load"
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type, JSON, encoding: any of them means "cannot load"
         return str(e).splitlines()[0] if str(e) else type(e).__name__
     return None
 
@@ -221,8 +223,10 @@ def resume_target(path: str | os.PathLike) -> Path:
     problem = verify_checkpoint(path, resume=True)
     if problem is not None:
         raise KilnError(f"{path}: not a usable checkpoint to resume from: {problem}")
+    named = CKPT_RE.match(path.name)
+    assert named is not None  # matched above
     newer = [p.name for step, p in list_checkpoints(path.parent)
-             if step > int(CKPT_RE.match(path.name).group(1)) and verify_checkpoint(p, resume=True) is None]
+             if step > int(named.group(1)) and verify_checkpoint(p, resume=True) is None]
     if newer:
         raise KilnError(f"{path}: the run {path.parent} holds newer checkpoints ({', '.join(newer)}); a resume "
                         f"continues from the newest (--resume {path.parent}); to branch off {path.name}, copy the "
@@ -290,9 +294,9 @@ def load_model_weights(path: str | os.PathLike, model: Any) -> None:
         if has_adapter(model_dir):  # a LoRA run: the adapter sits beside the frozen base
             tensors.update(read_adapter_tensors(model_dir))
         if isinstance(model, PreTrainedModel):
-            model.copy_hf_state_dict(tensors, source=str(path / "model"))
+            model.copy_hf_state_dict(tensors, source=str(model_dir))
         else:
-            copy_state_dict(model, tensors, source=str(path / "model"))
+            copy_state_dict(model, tensors, source=str(model_dir))
 
 
 def load_checkpoint_model(path: str | os.PathLike, dtype: torch.dtype | None = None) -> Any:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -70,12 +71,12 @@ def check_out_dir(out_dir: str | Path) -> None:
 
 def position_limit(model: nn.Module) -> int | None:
     """How many tokens a learned position table lets the model read (None: no table, e.g. rotary)."""
-    limit = None
+    limit: int | None = None
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] == "position_embeddings" and isinstance(module, nn.Embedding):
             parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
             # RoBERTa-style positions start after the padding index
-            offset = parent.pad_token_id + 1 if getattr(parent, "padding_positions", False) else 0
+            offset = cast(int, parent.pad_token_id) + 1 if getattr(parent, "padding_positions", False) else 0
             usable = module.num_embeddings - offset
             limit = usable if limit is None else min(limit, usable)
     return limit

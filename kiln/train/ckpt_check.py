@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from safetensors import safe_open
 
@@ -53,7 +54,7 @@ def loading(path: Path, file: str) -> Iterator[None]:
         raise
     except (KilnError, OSError, RuntimeError, KeyError, TypeError, IndexError, AssertionError) as e:
         raise CheckpointLoadError(path, file, _first_line(e)) from None
-    except Exception as e:  # safetensors' SafetensorError and the like: any of them means "cannot load"
+    except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError and the like: any of them means "cannot load"
         raise CheckpointLoadError(path, file, _first_line(e)) from None
 
 
@@ -145,6 +146,6 @@ def missing_structure(path: Path) -> str | None:
             problem = _rng(path, state["fingerprint"]["world_size"])
         if problem is None and not sharded:
             problem = _optimizer(path)
-    except Exception as e:  # unreadable JSON or header: verify_checkpoint's reader names most of these first
+    except Exception as e:  # noqa: BLE001 - unreadable JSON or header: verify_checkpoint's reader names most of these first
         return _first_line(e)
     return problem

@@ -35,11 +35,15 @@ from kiln.models.tasks import SEQUENCE_CLASSIFICATION, get_task
 from kiln.parallel.config import (CadenceSection, Dropout, Finite, Fraction, NonNegative, ParallelSection, Positive,
                                   Section, finite)
 
-Beta = finite(ge=0, lt=1)  # an Adam moment's decay
+if typing.TYPE_CHECKING:  # finite() builds an Annotated float at run time; the checker sees the float
+    Beta = float
+else:
+    Beta = finite(ge=0, lt=1)  # an Adam moment's decay
 
 __all__ = ["Section", "ModelSection", "DataSection", "TrainSection", "LoraSection", "ParallelSection",
            "CadenceSection", "RunConfig", "RunSchema", "use_run_schema", "load_run_config", "parse_run_config",
-           "parse_override", "apply_overrides", "check_freeze_specs", "model_config_overrides"]
+           "parse_override", "apply_overrides", "check_freeze_specs", "model_config_overrides",
+           "Dropout", "Finite", "Fraction", "NonNegative", "Positive", "finite"]  # bounded floats, from [parallel]
 
 
 class ModelSection(Section):
@@ -409,7 +413,7 @@ def _link_loop(path: str) -> bool:
     return False
 
 
-def load_run_config(path: str | os.PathLike, overrides: Sequence[tuple[str, Any]] = ()) -> RunConfig:
+def load_run_config(path: str | os.PathLike[str], overrides: Sequence[tuple[str, Any]] = ()) -> RunConfig:
     """Read and validate a run TOML, with `overrides` ((dotted key, value), e.g. from `kiln train --set`)
     applied on top; relative model/data paths resolve against the file's folder (so a config travels
     with its data), those given as overrides against the working directory; out_dir stays relative
@@ -434,7 +438,7 @@ def load_run_config(path: str | os.PathLike, overrides: Sequence[tuple[str, Any]
     for section, key in (("model", "path"), ("model", "tokenizer"), ("data", "train"), ("data", "eval")):
         table = data.get(section)
         value = table.get(key) if isinstance(table, dict) else None
-        if not isinstance(value, str) or os.path.isabs(value):
+        if not isinstance(table, dict) or not isinstance(value, str) or os.path.isabs(value):
             continue  # unset, absolute, or not a string (validation names the bad type)
         base = Path.cwd() if f"{section}.{key}" in overridden else path.resolve().parent
         joined = base / value

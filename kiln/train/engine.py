@@ -22,17 +22,23 @@ import abc
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from kiln.data.loader import batch_tokens
 from kiln.errors import KilnError
 from kiln.parallel.grads import clip_grad_norm as dist_clip_grad_norm
 from kiln.parallel.world import World, all_reduce_sum
-from kiln.train.steps import as_sum_and_count
+from kiln.train.steps import StepFn, as_sum_and_count, sum_losses
+
+if TYPE_CHECKING:
+    from kiln.parallel.apply import Parallelized
+    from kiln.parallel.config import ParallelSection
+    from kiln.train.config import TrainSection
 
 
 class BatchSource(Protocol):
@@ -54,15 +60,15 @@ class Objectives(Protocol):
 
 class StepContext(Protocol):
     """The Trainer as an engine sees it (kiln.train.trainer.Trainer)."""
-    args: Any                      # kiln.train.config.TrainSection
+    args: TrainSection
     device: torch.device
     world: World
     model: nn.Module
     loader: BatchSource
-    step_fn: Callable[[nn.Module, dict], Any]
+    step_fn: StepFn
     optimizer: torch.optim.Optimizer
-    plan: Any                      # kiln.parallel.apply.Parallelized | None
-    parallel: Any                  # kiln.parallel.config.ParallelSection | None: the [parallel] table
+    plan: Parallelized | None
+    parallel: ParallelSection | None  # the [parallel] table
     scaler: torch.amp.GradScaler | None
     objectives: Objectives | None
     step: int
@@ -71,7 +77,7 @@ class StepContext(Protocol):
     data_shards: int
     sharded: bool
 
-    def autocast(self) -> ContextManager: ...
+    def autocast(self) -> contextlib.AbstractContextManager[Any]: ...
     def update(self, loss: float) -> float: ...
     def next_batch(self) -> dict[str, torch.Tensor]: ...
 
@@ -98,7 +104,7 @@ class Window:
     objectives: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def on(cls, device: torch.device) -> "Window":
+    def on(cls, device: torch.device) -> Window:
         return cls(torch.zeros((), dtype=torch.float64, device=device),
                    torch.zeros((), dtype=torch.float64, device=device))
 
@@ -121,7 +127,7 @@ class StepEngine(abc.ABC):
         """Called on every rank at each save (may be collective); rank 0's result goes into the checkpoint."""
         return None
 
-    def load_state_dict(self, run: StepContext, state: dict[str, Any]) -> None:
+    def load_state_dict(self, run: StepContext, state: dict[str, Any]) -> None:  # noqa: B027 - optional hook
         """On resume, every rank gets what `state_dict` saved."""
 
 
@@ -134,15 +140,15 @@ def mean_gradients(run: StepContext, window: Window) -> float:
     # Gradients now hold the mean over the data shards of each shard's summed-unit gradient; turn that
     # into the mean over every unit. totals[1] counts every unit tp times, and world = shards * tp. Under cp,
     # DDP / FSDP average over the dp x cp ranks, each unit is counted once, and world = dp * cp: the same scale.
-    params = [p for p in run.model.parameters() if p.grad is not None]
+    grads = [p.grad for p in run.model.parameters() if p.grad is not None]
     if run.scaler:
         run.scaler.unscale_(run.optimizer)
     scale = run.world.size / float(totals[1])
     if run.sharded:
-        for p in params:  # DTensor gradients: foreach ops would need one mesh for all of them
-            p.grad.mul_(scale)
+        for g in grads:  # DTensor gradients: foreach ops would need one mesh for all of them
+            g.mul_(scale)
     else:
-        torch._foreach_mul_([p.grad for p in params], scale)
+        torch._foreach_mul_(grads, scale)
     return loss
 
 
@@ -161,11 +167,11 @@ class DataParallel(StepEngine):
                            extra={f"loss_{k}": v / accum for k, v in sorted(window.objectives.items())})
 
     @staticmethod
-    def _sync_context(run: StepContext, last: bool) -> contextlib.AbstractContextManager:
+    def _sync_context(run: StepContext, last: bool) -> contextlib.AbstractContextManager[Any]:
         """Only the window's last micro-batch reduces gradients (DDP, FSDP); the others accumulate locally."""
         sync = last or not run.world.active
         if run.plan is not None and run.plan.fsdp:
-            run.model.set_requires_gradient_sync(sync)
+            cast(FSDPModule, run.model).set_requires_gradient_sync(sync)  # the plan applied fully_shard to it
         if not sync and isinstance(run.model, DistributedDataParallel):
             return run.model.no_sync()
         return contextlib.nullcontext()
@@ -192,6 +198,6 @@ class DataParallel(StepEngine):
             window.objectives[name] = window.objectives.get(name, 0.0) + float(value.detach())
         if run.objectives is not None:
             return run.objectives.backward(losses, list(run.model.parameters()), run.step)
-        total = sum(losses[name] for name in sorted(losses))
+        total = sum_losses(losses)
         total.backward()
         return total.detach()

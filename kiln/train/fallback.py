@@ -22,6 +22,7 @@ from kiln.train import plans
 from kiln.train.ckpt_check import PER_ELEMENT, CheckpointLoadError, loading
 from kiln.train.optim import param_groups
 from kiln.train.resume import check_resume
+
 # `trainer` below is a kiln.train.Trainer in its setup (typed Any: the Trainer imports this module)
 
 
@@ -32,7 +33,9 @@ def previous(trainer: Any, failed: Path, error: CheckpointLoadError) -> Path:
     reasons.append(f"{failed.name}: {error.file} cannot be loaded ({error.why})")
     if trainer.world.main:
         print(f"resume: {reasons[-1]}; using the previous checkpoint")
-    step = int(ckpt.CKPT_RE.match(failed.name).group(1))
+    named = ckpt.CKPT_RE.match(failed.name)
+    assert named is not None, failed  # a checkpoint directory (ckpt-N) failed to load
+    step = int(named.group(1))
     for older_step, path in reversed(ckpt.list_checkpoints(failed.parent)):
         if older_step >= step:
             continue

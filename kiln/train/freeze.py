@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Sequence
 
 from torch import nn
 
@@ -48,7 +49,9 @@ def _name_hit(name: str, pattern: str) -> bool:
 
 def _policy_layers(model: nn.Module, spec: str, key: str) -> list[nn.Module]:
     """`first:N` / `last:N` / `layers:i,j` (`indices:i,j`) -> the layers it picks from the model's stack."""
-    kind, arg = _POLICY.fullmatch(spec).groups()
+    match = _POLICY.fullmatch(spec)
+    assert match is not None, spec  # only a spec _POLICY matched comes here
+    kind, arg = match.groups()
     _, stack = find_layers(model)
     n = len(stack)
     try:
@@ -56,7 +59,7 @@ def _policy_layers(model: nn.Module, spec: str, key: str) -> list[nn.Module]:
     except ValueError:
         values = []
     if kind in ("first", "last") and len(values) == 1 and 0 <= values[0] <= n:
-        picked = range(values[0]) if kind == "first" else range(n - values[0], n)
+        picked: Sequence[int] = range(values[0]) if kind == "first" else range(n - values[0], n)
     elif kind in ("layers", "indices") and values and all(0 <= v < n for v in values):
         picked = values
     else:

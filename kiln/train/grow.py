@@ -18,8 +18,9 @@ Choices:
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -54,9 +55,15 @@ def new_layer_slots(placement: str, base: int, target: int) -> list[int]:
                       f"prepend, insert:N (0 <= N <= {base}) or specific:i,j,... ({k} distinct indices below {target})")
 
 
+@runtime_checkable
+class ResidualBlock(Protocol):
+    """A pre-norm residual block that names the projections writing into the residual stream."""
+
+    def residual_outputs(self) -> list[nn.Linear]: ...
+
+
 def _identity_layer(template: nn.Module, std: float, seed: int) -> nn.Module:
-    outputs = getattr(template, "residual_outputs", None)
-    if outputs is None:
+    if not isinstance(template, ResidualBlock):
         raise ConfigError(f"layer growth needs a pre-norm residual block that names its output projections "
                           f"(residual_outputs()); {type(template).__name__} does not")
     layer = copy.deepcopy(template)
@@ -82,8 +89,10 @@ def grow_layers(model: nn.Module, target: int, placement: str = "append", seed: 
     kept = [i for i in range(target) if i not in slots]
     for i in slots:  # template: the old layer just before the slot, else the first old layer
         template = grown[max([j for j in kept if j < i], default=kept[0])]
+        assert template is not None  # a kept (old) layer
         grown[i] = _identity_layer(template, std, seed * 100003 + i)
     for i, layer in enumerate(grown):
+        assert layer is not None  # every slot was filled above
         if i < base:
             stack[i] = layer
         else:

@@ -29,7 +29,8 @@ class RunLock:
     """The held lock of one run directory; `release()` (or the process's end) frees it."""
 
     def __init__(self, run_dir: Path, fd: int, made: list[Path], before: tuple[bytes, os.stat_result] | None):
-        self.run_dir, self._fd, self._made, self._before = run_dir, fd, made, before
+        self.run_dir, self._made, self._before = run_dir, made, before
+        self._fd: int | None = fd  # None once released
 
     def release(self, undo: bool = False) -> None:
         """Free the lock. With `undo` (a run that failed) the lock file goes back to what it was: removed with

@@ -118,21 +118,21 @@ class AuxFreeBalance(Callback):
         self.last: dict[str, float] = {}   # the latest step's statistics
         self.history: list[dict[str, float]] = []
 
-    def _found(self, trainer: "Trainer") -> list[tuple[str, GroupLimitedRouter]]:
+    def _found(self, trainer: Trainer) -> list[tuple[str, GroupLimitedRouter]]:
         found = routers(trainer.unwrapped())
         if not found:
             raise KilnError("AuxFreeBalance: the model has no sigmoid-routed MoE layer (GroupLimitedRouter) whose "
                             "e_score_correction_bias it could adjust")
         return found
 
-    def on_setup(self, trainer: "Trainer", step: int) -> None:
+    def on_setup(self, trainer: Trainer, step: int) -> None:
         if getattr(trainer.parallel, "pp", 1) > 1:  # (the plans are applied after on_setup)
             raise KilnError("expert-load balancing ([moe]) with parallel.pp > 1 is not supported: each pipeline "
                             "stage holds different MoE layers; use dp, fsdp, tp or ep")
         for _, router in self._found(trainer):
             router.take_load()  # counts start with the first step of this run (resumed or not)
 
-    def on_step(self, trainer: "Trainer", record: dict[str, Any]) -> None:
+    def on_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
         found = self._found(trainer)
         loads = torch.stack([r.take_load().cpu() for _, r in found])  # (L, E) int64
         device = trainer.device if trainer.world.active and trainer.device.type == "cuda" else torch.device("cpu")

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from kiln.errors import ConfigError, KilnError
+from kiln.train.steps import sum_losses
 
 METHODS = ("sum", "pcgrad", "gradnorm", "cagrad")
 
@@ -87,7 +88,7 @@ class GradientCombiner:
         if self.names is not None and names != self.names:
             raise KilnError(f"the step returned losses {names}, earlier steps returned {self.names}")
         self.names = names
-        total = sum(losses[n] for n in names)
+        total = sum_losses(losses)
         if self.method == "sum":
             total.backward()
             return total.detach()
@@ -118,7 +119,7 @@ class GradientCombiner:
 
     def _gradnorm(self, grads: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
         K = grads.shape[0]
-        if self.weights is None:
+        if self.weights is None or self.initial is None:
             self.weights, self.initial = torch.ones(K), losses.clone().clamp(min=1e-12)
         w = self.weights
         combined = (w.to(grads)[:, None] * grads).sum(0)

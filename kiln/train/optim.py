@@ -8,20 +8,21 @@ but the step.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from kiln.train.freeze import freeze  # re-exported: kiln.train.trainer imports it from here
+from kiln.train.freeze import freeze as freeze  # re-exported: kiln.train.trainer imports it from here
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two groups: matrices (decayed) and biases/norms/other vectors (not decayed)."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for _, p in model.named_parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from kiln.data.loader import batch_tokens
-from kiln.parallel.pipeline import check_microbatches
+from kiln.parallel.pipeline import Pipeline, check_microbatches
 from kiln.parallel.world import all_reduce_sum
 from kiln.train.engine import StepContext, StepEngine, StepOutcome, Window
 
@@ -25,7 +25,7 @@ class PipelineEngine(StepEngine):
         self.checked = False
 
     def gradients(self, run: StepContext) -> StepOutcome:
-        pipe = run.plan.pipeline
+        pipe = _pipeline(run)
         a = run.args
         if not self.checked:  # before any rank sends anything: every rank refuses alike
             check_microbatches(pipe.microbatches, a.batch_size)
@@ -47,4 +47,11 @@ class PipelineEngine(StepEngine):
                            a.batch_size * a.grad_accum * run.data_shards)
 
     def clip(self, run: StepContext, max_norm: float) -> float:
-        return run.plan.pipeline.clip(max_norm)
+        return _pipeline(run).clip(max_norm)
+
+
+def _pipeline(run: StepContext) -> Pipeline:
+    """The run's pipeline schedule: this engine is chosen only for runs whose plan has one (pp > 1)."""
+    pipe = run.plan.pipeline if run.plan is not None else None
+    assert pipe is not None, "the pipeline engine runs under a pp plan"
+    return pipe

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kiln.errors import ConfigError, KilnError
 from kiln.models.common.fast import set_fast
 from kiln.parallel.apply import Parallelized, parallelize
 from kiln.parallel.checkpoint import is_sharded, load_sharded, save_sharded
@@ -29,7 +30,6 @@ from kiln.parallel.config import ParallelSection
 from kiln.parallel.fsdp import apply_fsdp
 from kiln.parallel.mesh import DIMS, holds_shards, resolve_degrees
 from kiln.parallel.sharded_load import read_shards
-from kiln.errors import ConfigError, KilnError
 from kiln.train import checkpoint as ckpt
 from kiln.train.cadence_loop import CadenceEngine
 from kiln.train.engine import DataParallel, StepEngine
@@ -96,7 +96,7 @@ def save_sharded_checkpoint(run_dir: Path, step: int, model: nn.Module, optimize
     if dist.is_initialized():
         dist.barrier()  # nobody writes shards into the directory rank 0 is clearing
     save_sharded(tmp, model, optimizer)  # ends in a barrier: every rank's shards are down
-    if main:
+    if trainer_state is not None:  # rank 0
         ckpt.fault_point("ckpt", step)  # crash-safety tests kill here: shards on disk, no manifest yet
         ckpt.seal_checkpoint(run_dir, tmp, step, trainer_state, rng_states)
     if dist.is_initialized():
@@ -130,6 +130,7 @@ def place_frozen(model: nn.Module, device: torch.device, plan: Parallelized | No
             raise ConfigError("a frozen reference model is sharded over parallel.dp only; with parallel.tp / ep / cp "
                               "/ pp use [lora] (the reference is the base) or precomputed reference log-probs")
         assert parallel is not None, "an FSDP plan comes from a [parallel] table"
+        assert plan.mesh is not None, "an FSDP plan has its device mesh"
         apply_fsdp(model, plan.mesh["dp"], parallel.param_dtype, parallel.reduce_dtype, parallel.offload)
     if pending is not None:
         read_shards(model, pending.index, device)

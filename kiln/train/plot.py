@@ -16,7 +16,6 @@ from pathlib import Path
 from kiln.errors import KilnError
 from kiln.hub.jsonio import iter_jsonl
 
-
 _LABELS = {"loss": "train", "eval_loss": "eval"}
 
 

@@ -91,7 +91,7 @@ class Stop:
         self._pid_file: Path | None = None
 
     # ---- handlers ---------------------------------------------------------------------------------------
-    def install(self) -> "Stop":
+    def install(self) -> Stop:
         """Catch SIGINT and SIGTERM (main thread only) until `uninstall`."""
         global _CAUGHT
         _CAUGHT = None

@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from torch import nn
 
 from kiln.data.hfdata import source_sha256

@@ -23,7 +23,8 @@ from kiln.train.checks import check_out_dir, check_train_args
 from kiln.train.config import RunConfig
 from kiln.train.plans import data_shard
 from kiln.train.recipes import active_extensions, recipe_for
-from kiln.train.resume import content_digests, keep_global_batch as global_batch_on
+from kiln.train.resume import content_digests
+from kiln.train.resume import keep_global_batch as global_batch_on
 from kiln.train.trainer import Trainer
 
 

@@ -8,7 +8,8 @@ gradient of one k-times batch even when their token counts differ.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,7 +18,10 @@ from kiln.models.tasks import BASE, task_of
 from kiln.parallel.world import World, all_reduce_sum
 
 StepResult = tuple[torch.Tensor, torch.Tensor | int]
-StepFn = Callable[[nn.Module, dict], Any]
+# What a step may return: (loss_sum, count), a mean loss over the micro-batch's rows, or {name: loss} for a run
+# with several objectives (kiln.train.multiobjective).
+StepReturn = StepResult | torch.Tensor | dict[str, torch.Tensor]
+StepFn = Callable[[nn.Module, dict[str, Any]], StepReturn]
 
 
 def default_step(model: nn.Module, batch: dict) -> StepResult:
@@ -26,7 +30,16 @@ def default_step(model: nn.Module, batch: dict) -> StepResult:
     return loss_sum, count
 
 
-def as_sum_and_count(result: Any, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def sum_losses(losses: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """A step's {name: loss} added up in name order (the same graph on every rank and every step)."""
+    names = sorted(losses)
+    total = losses[names[0]]
+    for name in names[1:]:
+        total = total + losses[name]
+    return total
+
+
+def as_sum_and_count(result: StepResult | torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept `(loss_sum, count)` or a plain mean loss (weighted by the micro-batch's size)."""
     if isinstance(result, tuple):
         loss_sum, count = result

@@ -13,8 +13,9 @@ import abc
 import importlib.util
 import json
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kiln.errors import ConfigError
 
@@ -60,7 +61,7 @@ class TensorBoardTracker(Tracker):
         # the hparams plugin's three summaries written into this run's own file, so the scalars and
         # the config sit in one run (SummaryWriter.add_hparams would open a sub-run per call)
         for summary in hparams(flat_config(config), {}):
-            self.writer.file_writer.add_summary(summary)
+            self.writer._get_file_writer().add_summary(summary)  # what SummaryWriter.add_hparams does, without the sub-run
         self.writer.add_text("run_config", "```\n" + json.dumps(config, indent=2, sort_keys=True) + "\n```")
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -108,7 +109,7 @@ TRACKERS: dict[str, tuple[str, str, Callable[[Path, str, dict], Tracker]]] = {
 }
 
 
-def check_trackers(names: list[str]) -> None:
+def check_trackers(names: Sequence[str]) -> None:
     """Each of `names` is a known tracker whose library is installed; else a ConfigError saying what to install."""
     for name in names:
         if name not in TRACKERS:

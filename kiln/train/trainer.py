@@ -315,7 +315,7 @@ class Trainer:
                 for cb in self.callbacks:  # before the log line is written: callbacks may add to the record
                     cb.on_step(self, record)
                 def due(every: int) -> bool:  # a multiple of `every` reached since the last step
-                    return bool(every) and self.step // every > before // every
+                    return bool(every) and self.step // every > before // every  # noqa: B023 - used in this iteration
 
                 if due(a.log_every) or self.step == self.total_steps:
                     self.metrics.log(record)

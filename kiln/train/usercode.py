@@ -13,7 +13,8 @@ import asyncio
 import inspect
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -101,7 +101,7 @@ def test_control_a_cut_mid_word_changes_the_kept_tokens(backend):
     """Cut inside the word that holds the last kept token: the kept tokens differ, so the tests above can fail."""
     text = "supercalifragilistic " * 3 + "antidisestablishmentarianism " * 40
     whole = backend.encode(text)
-    start, end = next((a, b) for a, b in reversed(whole.offsets) if b - a >= 2)  # a kept token of 2+ characters
+    start, _end = next((a, b) for a, b in reversed(whole.offsets) if b - a >= 2)  # a kept token of 2+ characters
     assert not _same(backend.encode(text[:start + 1]), whole)
 
 

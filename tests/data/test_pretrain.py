@@ -21,7 +21,6 @@ from kiln.train.checkpoint import read_trainer_state
 from kiln.train.config import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.run import build_trainer
-
 from tests.data.tokdata import kiln, make_docs, make_tokenizer_dir
 
 TINY_QWEN3 = {"vocab_size": 300, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -96,7 +95,7 @@ def test_attention_stays_inside_documents(shard_dir):
     shards = ShardSet(shard_dir, "train")
     windows = Windows(shards, 63, within_doc=True)
     # a window holding a whole document after the start of another one
-    batch = next(b for b in map(lambda k: windows.batch([k]), range(40))
+    batch = next(b for b in (windows.batch([k]) for k in range(40))
                  if int((b["input_ids"][0] == shards.eos_id).sum()) >= 2)
     x, pos = batch["input_ids"], batch["position_ids"]
     ends = (x[0] == shards.eos_id).nonzero().flatten().tolist()

@@ -8,9 +8,9 @@ import pytest
 import torch
 import transformers
 
+from kiln.constants import IGNORE_INDEX as IGNORE
 from kiln.data.bpe import train_bpe
 from kiln.data.records import read_records
-from kiln.constants import IGNORE_INDEX as IGNORE
 from kiln.data.sft import encode_conversation, encode_sft, pack_samples
 from kiln.errors import KilnError
 from kiln.hub import ChatTemplate
@@ -159,6 +159,6 @@ def test_packed_batch_gives_each_sample_its_own_loss(tiny_factory):
 
 def test_tokenizer_training_names_a_line_that_is_not_utf8(tmp_path):
     bad = tmp_path / "corpus.txt"
-    bad.write_bytes("first line\nsecond line\n".encode() + b"caf\xe9 au lait\n")
+    bad.write_bytes(b"first line\nsecond line\n" + b"caf\xe9 au lait\n")
     with pytest.raises(KilnError, match=r"corpus\.txt:3: not valid UTF-8"):
         train_bpe([bad], tmp_path / "tok", vocab_size=300)

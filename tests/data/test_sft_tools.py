@@ -166,5 +166,5 @@ def test_bad_tool_rows_are_named(tok_dirs, tmp_path):
         with pytest.raises(KilnError, match=msg):
             encode_sft(read_records(f), tok, max_length=512)
     f.write_text(json.dumps(good) + "\n" + json.dumps({"messages": AGENT, "tools": TOOLS}) + "\n")
-    examples, stats = encode_sft(read_records(f), tok, max_length=4096)  # the control: the good rows pass
+    _examples, stats = encode_sft(read_records(f), tok, max_length=4096)  # the control: the good rows pass
     assert stats.samples == 2 and stats.truncated == 0

@@ -13,7 +13,6 @@ import torch
 from kiln.data.shards import ShardSet
 from kiln.data.stream import EpochStream, StreamLoader, Windows, data_loader
 from kiln.errors import KilnError
-
 from tests.data.tokdata import write_synthetic_shards
 
 LENGTHS = [50, 37, 64, 11, 90, 23]   # 275 tokens, shards of uneven size

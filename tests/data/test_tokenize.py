@@ -16,7 +16,6 @@ from kiln.data.shards import ShardError, ShardSet, check_tokenizer, file_sha256,
 from kiln.data.tokenize import TokenizeOptions, tokenize_to_shards
 from kiln.errors import KilnError
 from kiln.hub import Tokenizer
-
 from tests.data.tokdata import kiln, make_docs
 
 

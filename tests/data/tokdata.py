@@ -12,11 +12,10 @@ from tokenizers import decoders, pre_tokenizers
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
-from tests.kiln_cli import kiln  # noqa: F401  (re-exported for the tests here)
 from kiln.data.shards import ShardWriter, write_manifest
+from tests.kiln_cli import kiln  # noqa: F401  (re-exported for the tests here)
 
-WORDS = ("the cat sat on a mat while dogs ran past red houses and blue cars in the rain; birds flew over "
-         "green trees near quiet water").split()
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "past", "red", "houses", "and", "blue", "cars", "in", "the", "rain;", "birds", "flew", "over", "green", "trees", "near", "quiet", "water"]
 
 
 def make_docs(n: int, seed: int = 0) -> list[str]:

@@ -11,9 +11,8 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from tests.models.fp8_cases import make_fp8
-
 from kiln.cli.main import app
+from tests.models.fp8_cases import make_fp8
 
 
 def _run(*args):

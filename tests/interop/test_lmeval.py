@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from kiln.cli.main import app
 
-WORDS = "the cat dog sat ran on under mat log hill red blue big small a quick lazy fox jumps over".split()
+WORDS = ["the", "cat", "dog", "sat", "ran", "on", "under", "mat", "log", "hill", "red", "blue", "big", "small", "a", "quick", "lazy", "fox", "jumps", "over"]
 
 
 @pytest.fixture(scope="module")

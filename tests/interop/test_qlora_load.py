@@ -11,13 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.interop.qlora_cases import bf16_source, logits, transformers_bnb4, transformers_model
-
 from kiln.errors import ConfigError, WeightsError
 from kiln.hub import bnb4
 from kiln.interop.export import export_model
 from kiln.models.auto import load_pretrained
 from kiln.models.common.quant4 import Linear4, dequantized
+from tests.interop.qlora_cases import bf16_source, logits, transformers_bnb4, transformers_model
 
 pytest.importorskip("bitsandbytes")
 

@@ -11,9 +11,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tests.interop.qlora_cases import logits, transformers_bnb4, transformers_model
-
 from kiln.cli.main import app
+from tests.interop.qlora_cases import logits, transformers_bnb4, transformers_model
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")

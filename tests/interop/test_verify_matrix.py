@@ -47,7 +47,7 @@ def test_family_without_a_tiny_config_is_a_failed_row(monkeypatch):
     r = CliRunner().invoke(app, ["verify-matrix"], terminal_width=200)
     assert r.exit_code == 1, r.output
     text = " ".join(r.output.split())
-    assert re.search(r"│ distilbert( │ FAIL){%d} │" % len(heads), text), text  # the grid row
+    assert re.search(rf"│ distilbert( │ FAIL){{{len(heads)}}} │", text), text  # the grid row
     assert text.count("registered family 'distilbert' declares no tiny test model") == len(heads)
     assert f"{len(heads)} of {len(heads)} cells failed" in text
 

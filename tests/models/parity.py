@@ -132,7 +132,7 @@ def hf_param_name(kiln_name: str, family: Family, head: str, hf_names: set[str])
         candidates.append(f"{family.hf_prefix}.{rest}" if head != BASE else rest)
     try:
         candidates.append(family.keymap(head).hf_name(kiln_name))
-    except Exception:  # a stacked tensor has no single on-disk name; the in-memory ones are tried above
+    except Exception:  # noqa: BLE001 - a stacked tensor has no single on-disk name; the in-memory ones are tried above
         pass
     for name in candidates:
         if name in hf_names:

@@ -12,8 +12,8 @@ from kiln.errors import ConfigError
 from kiln.interop.verify import verify_export
 from kiln.models import load_pretrained
 from kiln.models.auto import AutoConfig
-
 from tests.models.encoder_cases import batches
+
 
 def test_untied_decoder_keeps_its_own_bias(tiny_factory, tmp_path):
     """tie_word_embeddings=false: HF's decoder has its own weight and bias; predictions.bias goes unused."""

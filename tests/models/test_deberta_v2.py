@@ -13,7 +13,6 @@ from kiln.errors import ConfigError
 from kiln.interop.verify import verify_export
 from kiln.models import deberta_v2, load_pretrained
 from kiln.models.auto import AutoConfig
-
 from tests.models.encoder_cases import batches, labels_for, run_both
 
 CONFIGS = {"v3": {}, **deberta_v2.TINY.variants}  # the tiny default and the variants (kiln/models/deberta_v2.py)

@@ -12,7 +12,6 @@ from kiln.errors import WeightsError
 from kiln.interop.export import export_model
 from kiln.models import AutoModelForCausalLM
 from kiln.models.keymap import KeyMap, Stack
-
 from tests.models.causal_cases import batches
 
 transformers.logging.set_verbosity_error()

@@ -11,16 +11,15 @@ import shutil
 import pytest
 import torch
 import transformers
-from torch.nn import functional as F
 from safetensors.torch import load_file, save_file
+from torch.nn import functional as F
 
 from kiln.errors import ConfigError
 from kiln.interop.export import export_model
-from kiln.interop.verify import compare_weights, verify_export
+from kiln.interop.verify import compare_weights
 from kiln.models import AutoModelForCausalLM
 from kiln.models.common.mla import MLACache
 from kiln.models.common.moe_routing import SharedExpertMoE
-
 from tests.models.causal_cases import batches, model_pair, same
 from tests.models.rounding import assert_within, rounding_error
 

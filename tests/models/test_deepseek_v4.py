@@ -18,7 +18,6 @@ from kiln.interop.verify import compare_weights
 from kiln.models import AutoModelForCausalLM
 from kiln.models.common.compressor import SlidingCompressedCache
 from kiln.models.common.hash_moe import HashRouter, ScoredTopKRouter
-
 from tests.models.causal_cases import batches, model_pair, same
 
 transformers.logging.set_verbosity_error()

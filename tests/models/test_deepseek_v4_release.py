@@ -21,8 +21,7 @@ from kiln.errors import WeightsError
 from kiln.hub.fp8 import dequantize, pack_fp4, quantize_fp4, unpack_fp4
 from kiln.interop.verify import compare_weights
 from kiln.models.auto import load_pretrained
-from kiln.models.common.fp8 import FP8Linear, Fp8Experts
-
+from kiln.models.common.fp8 import Fp8Experts, FP8Linear
 from tests.models.causal_cases import same
 from tests.models.v4_release import E2M1, fp4_rows, make_release, tiny_release_source
 

@@ -18,9 +18,13 @@ from kiln.models.common.fast import fast_state, set_fast
 from kiln.models.common.loss import fast_lm_loss_sum, linear_cross_entropy, lm_loss_sum, shift_labels
 from kiln.models.tasks import CAUSAL_LM
 from kiln.train.recipes.pretrain import lm_step
-
-from tests.models.rounding import (U_FP32, assert_all_within, assert_within, rounding_error,  # noqa: F401
-                                  threads)  # (threads: a fixture)
+from tests.models.rounding import (  # noqa: F401
+    U_FP32,
+    assert_all_within,
+    assert_within,
+    rounding_error,
+    threads,  # (threads: a fixture)
+)
 
 CAUSAL = [mt for mt in TINY if CAUSAL_LM in REGISTRY[mt].tasks]
 

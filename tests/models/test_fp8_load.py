@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from kiln.interop.verify import compare_weights
 from kiln.models.auto import REGISTRY, load_pretrained
-from kiln.models.common.fp8 import FP8Linear, Fp8Experts, dequantize_model
+from kiln.models.common.fp8 import Fp8Experts, FP8Linear, dequantize_model
 from tests.models.causal_cases import same
 from tests.models.fp8_cases import make_fp8, transformers_dequantized
 

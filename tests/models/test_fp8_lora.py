@@ -3,18 +3,16 @@ model gives the same logits; merging re-quantizes the changed weights in their b
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from tests.models.causal_cases import same
-from tests.models.fp8_cases import make_fp8, transformers_dequantized
 
 from kiln.hub.fp8 import dequantize, quantize
 from kiln.models.auto import load_pretrained
 from kiln.models.common.fp8 import FP8Linear, dequantize_model
 from kiln.models.common.lora import LoraConfig, LoraLinear, apply_lora, merge_lora, save_adapter
+from tests.models.causal_cases import same
+from tests.models.fp8_cases import make_fp8, transformers_dequantized
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 

@@ -13,7 +13,6 @@ from kiln.models import AutoConfig
 from kiln.models.auto import from_config
 from kiln.models.common.prototypes import PrototypeHead, min_pairwise_angle, simplex_angle, spread_prototypes
 from kiln.models.hpn import PrototypeModel
-
 from tests.models.rounding import assert_all_within
 
 
@@ -86,7 +85,7 @@ def test_prototype_lm_on_mamba_returns_both_objectives():
     torch.testing.assert_close(out.loss, out.losses["prototype"] + out.losses["lm"])
     before = model.head.prototypes.clone()
     out.loss.backward()
-    torch.optim.SGD([p for p in model.parameters()], lr=0.1).step()
+    torch.optim.SGD(list(model.parameters()), lr=0.1).step()
     assert torch.equal(model.head.prototypes, before)
     # The prototype loss alone is the (1 - cos)^2 of position t against token t+1.
     cos = out.logits[:, :-1].gather(2, ids[:, 1:, None])[..., 0] / 10.0

@@ -13,13 +13,12 @@ import transformers
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from tests.parallel.sft_runs import losses, make_data, run_toml
-
 from kiln.cli.main import app
 from kiln.errors import KilnError
 from kiln.interop.export import export_model
 from kiln.models import AutoModelForCausalLM
 from kiln.models.common.lora import LoraConfig, apply_lora, load_adapter, save_adapter
+from tests.parallel.sft_runs import losses, make_data, run_toml
 
 peft = pytest.importorskip("peft")
 transformers.logging.set_verbosity_error()

@@ -9,11 +9,9 @@ import torch
 import transformers
 
 from kiln.errors import ConfigError
-from kiln.models import AutoConfig, AutoModelForCausalLM
-from kiln.models import mamba
+from kiln.models import AutoConfig, AutoModelForCausalLM, mamba
 from kiln.models.auto import from_config
 from kiln.models.common.ssm import LinearRecurrence, recurrence
-
 from tests.models.causal_cases import batches, same
 from tests.models.rounding import assert_all_within, threads  # noqa: F401 (threads: a fixture)
 

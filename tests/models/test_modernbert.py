@@ -15,8 +15,8 @@ from kiln.cli.main import app
 from kiln.errors import ConfigError
 from kiln.models import AutoModelForMaskedLM, load_pretrained
 from kiln.models.auto import AutoConfig
-
 from tests.models.encoder_cases import batches, labels_for, run_both
+
 
 def test_transformers_runs_sdpa_on_cpu(tiny_factory):
     """The attention transformers runs on CPU by default, which kiln matches bit for bit (test_parity)."""

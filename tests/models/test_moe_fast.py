@@ -16,9 +16,13 @@ from kiln.models.common.fast import fast_state, set_fast
 from kiln.models.common.moe import MoEBlock, SharedExpertMoEBlock
 from kiln.models.common.moe_routing import GroupLimitedRouter, SharedExpertMoE
 from kiln.models.tasks import CAUSAL_LM
-
-from tests.models.rounding import (U_BF16, assert_all_within, assert_within, rounding_error,  # noqa: F401
-                                  threads)  # (threads: a fixture)
+from tests.models.rounding import (  # noqa: F401
+    U_BF16,
+    assert_all_within,
+    assert_within,
+    rounding_error,
+    threads,  # (threads: a fixture)
+)
 
 
 def _block(kind: str, dim: int, hidden: int, experts: int) -> torch.nn.Module:

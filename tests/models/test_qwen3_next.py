@@ -20,10 +20,13 @@ from kiln.models import AutoConfig, AutoModelForCausalLM
 from kiln.models.auto import from_config
 from kiln.models.common import delta_rule
 from kiln.models.common.hybrid import HybridCache
-
 from tests.models.causal_cases import batches, same
-from tests.models.rounding import (assert_all_within, assert_within, rounding_error,  # noqa: F401
-                                  threads)  # (threads: a fixture)
+from tests.models.rounding import (  # noqa: F401
+    assert_all_within,
+    assert_within,
+    rounding_error,
+    threads,  # (threads: a fixture)
+)
 
 transformers.logging.set_verbosity_error()
 HYBRIDS = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kiln.errors import KilnError
-from kiln.pipelines import embed
 from kiln.models.sentence import MODES, Pooling, load_sentence_model, pool, sentence_model
+from kiln.pipelines import embed
 
 SENTENCES = ["A man is eating food.", "The central bank raised interest rates again.", "Paris",
              " ".join(["a long text that sentence-transformers truncates to its max_seq_length"] * 40)]

@@ -3,6 +3,8 @@ torch's depthwise conv1d, with packed-row restarts, a bias and windows longer th
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -18,7 +20,7 @@ def _reference(x, weight, bias, resets):
     out = torch.empty_like(x)
     for b in range(B):
         starts = [0] + [t for t in range(1, T) if resets is not None and resets[b, t]] + [T]
-        for s, e in zip(starts[:-1], starts[1:]):
+        for s, e in itertools.pairwise(starts):
             seg = x[b:b + 1, s:e].transpose(1, 2)
             y = F.conv1d(F.pad(seg, (K - 1, 0)), weight, bias, groups=C)
             out[b, s:e] = F.silu(y)[0].transpose(0, 1)

@@ -21,7 +21,7 @@ def _teach(model, examples: list[tuple[list[int], list[int]]], steps: int = 400)
     torch.manual_seed(0)
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model.train()
-    for step in range(steps):
+    for _step in range(steps):
         loss, ok = 0.0, True
         for prompt, reply in examples:
             ids = torch.tensor([prompt + reply])
@@ -45,8 +45,8 @@ def served_dirs(tmp_path_factory):
     directory (as a kiln LoRA checkpoint holds them, for `kiln generate`)}."""
     from kiln.data.bpe import train_bpe
     from kiln.data.sft import chat_prompt_ids
-    from kiln.hub.chat import ChatTemplate
     from kiln.hub import Tokenizer
+    from kiln.hub.chat import ChatTemplate
     from kiln.models.auto import AutoConfig, from_config, load_pretrained
     from kiln.models.common.lora import LoraConfig, apply_lora, save_adapter
     from kiln.models.tasks import CAUSAL_LM

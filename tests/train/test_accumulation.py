@@ -8,7 +8,6 @@ import torch
 from kiln.data.loader import Loader
 from kiln.models.auto import from_config
 from kiln.train import Trainer
-
 from tests.train.train_helpers import tiny_config
 
 

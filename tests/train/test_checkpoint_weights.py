@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kiln.train.ckpt_check import CheckpointLoadError  # a WeightsError's message, naming the checkpoint file
 from kiln.models import AutoModelForCausalLM
 from kiln.train.checkpoint import load_model_weights
+from kiln.train.ckpt_check import CheckpointLoadError  # a WeightsError's message, naming the checkpoint file
 
 
 def _ckpt(tmp_path, model):
@@ -26,7 +26,7 @@ def test_weights_copy_in_place_through_the_key_map(tiny_factory, tmp_path):
             p.add_(0.5)
     ckpt = _ckpt(tmp_path, saved)
     live = AutoModelForCausalLM.from_pretrained(src)
-    params = {n: p for n, p in live.named_parameters()}
+    params = dict(live.named_parameters())
     load_model_weights(ckpt, live)
     for n, p in live.named_parameters():
         assert p is params[n], f"{n} was replaced, not copied into"

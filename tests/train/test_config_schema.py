@@ -19,11 +19,10 @@ from kiln.train.recipes.dpo import PreferenceData
 from kiln.train.recipes.embedding import EmbeddingData
 from kiln.train.recipes.finetune import FineTuneData, RecordsData
 from kiln.train.recipes.images import ImageData
+from kiln.train.recipes.kto import UnpairedData
 from kiln.train.recipes.pretrain import PretrainData
+from kiln.train.recipes.reward_model import RewardData
 from kiln.train.recipes.sft import SFTData
-
-from kiln.train.recipes.kto import UnpairedData  # noqa: E402
-from kiln.train.recipes.reward_model import RewardData  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,7 +8,6 @@ import torch
 from safetensors.torch import load_file
 
 from kiln.train.metrics import read_metrics
-
 from tests.train.train_helpers import kiln, write_toml
 
 

@@ -14,7 +14,6 @@ from typer.testing import CliRunner
 
 from kiln.cli.main import app
 from kiln.train.metrics import read_metrics
-
 from tests.models.v4_release import make_release, tiny_release_source
 from tests.train.test_sft_train import CHATS
 

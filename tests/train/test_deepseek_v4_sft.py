@@ -13,7 +13,6 @@ from typer.testing import CliRunner
 from kiln.cli.main import app
 from kiln.interop.tiny import TINY
 from kiln.train.metrics import read_metrics
-
 from tests.train.test_sft_train import CHATS
 from tests.train.train_helpers import kiln
 

@@ -10,7 +10,6 @@ import torch
 from kiln.models.auto import from_config
 from kiln.train import Trainer
 from kiln.train.metrics import read_metrics
-
 from tests.train.train_helpers import tiny_config
 
 

@@ -77,7 +77,6 @@ def test_mnrl_on_bbc_titles_improves_held_out_retrieval(tmp_path, minilm_dir):
     from kiln.hub import Tokenizer
     from kiln.models.auto import AutoConfig, from_config
     from kiln.models.sentence import sentence_model
-
     from tests.train.bbc_pairs import write_split
 
     train, held_out = write_split(tmp_path / "data", 1024, 300)

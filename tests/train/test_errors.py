@@ -7,7 +7,6 @@ import pytest
 from kiln.errors import ConfigError, KilnError
 from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
-
 from tests.train.train_helpers import kiln, make_rows, write_jsonl, write_toml
 
 

@@ -13,13 +13,10 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from kiln.cli.main import app
-from kiln.errors import ConfigError
 from kiln.train.metrics import read_metrics
 from kiln.train.recipes.ff import FFSection, ff_loss_and_grad, goodness, summaries, surgery
-
-from tests.kiln_cli import kiln
-from tests.train.train_helpers import killed_then_resumed_matches
 from tests.train.test_mamba_hpn_toml import shards  # noqa: F401  (the module-scoped fixture: tokenizer + token shards)
+from tests.train.train_helpers import killed_then_resumed_matches
 
 EPS = 1e-5  # the seed's goodness epsilon
 
@@ -157,7 +154,7 @@ def _rows(run: Path) -> list[dict]:
     return [x for x in read_metrics(run / "metrics.jsonl") if "step" in x and "loss" in x]
 
 
-def test_ff_steps_move_only_D_and_the_hinge_engages_from_transformers_init(tmp_path, shards):  # noqa: F811
+def test_ff_steps_move_only_D_and_the_hinge_engages_from_transformers_init(tmp_path, shards):
     tok, shard_dir = shards
     cfg = _run_toml(tmp_path / "run.toml", tok, shard_dir, tmp_path / "run", "[ff]\n", steps=6, freeze='["layers:0"]')
     # the named flags (recipe shortcuts) set the [ff] keys
@@ -184,7 +181,7 @@ def test_ff_steps_move_only_D_and_the_hinge_engages_from_transformers_init(tmp_p
     assert all(torch.equal(s4[k], init[k]) for k in init if k.startswith("backbone.layers.0."))
 
 
-def test_d_init_normal_starts_D_small_and_the_hinge_engages(tmp_path, shards):  # noqa: F811
+def test_d_init_normal_starts_D_small_and_the_hinge_engages(tmp_path, shards):
     tok, shard_dir = shards
     ff = "[ff]\nff_lr = 1e-4\nbp_cadence_steps = 4\nd_init = \"normal\"\n"
     cfg = _run_toml(tmp_path / "run.toml", tok, shard_dir, tmp_path / "run", ff, steps=2, scratch=True)
@@ -205,7 +202,7 @@ def test_d_init_normal_starts_D_small_and_the_hinge_engages(tmp_path, shards):  
     assert r.exit_code == 1 and "from-scratch" in " ".join(r.output.split())
 
 
-def test_d_init_normal_starts_grown_layers_D_at_zero(tmp_path, shards):  # noqa: F811
+def test_d_init_normal_starts_grown_layers_D_at_zero(tmp_path, shards):
     tok, shard_dir = shards
     # ff_lr = 0: FF steps leave D where it is, so the checkpoint shows the initial values
     ff = ("[ff]\nff_lr = 0.0\nbp_cadence_steps = 8\nd_init = \"normal\"\n"
@@ -220,7 +217,7 @@ def test_d_init_normal_starts_grown_layers_D_at_zero(tmp_path, shards):  # noqa:
 
 
 @pytest.mark.slow
-def test_ff_sigkill_then_resume_is_exact(tmp_path, shards):  # noqa: F811
+def test_ff_sigkill_then_resume_is_exact(tmp_path, shards):
     tok, shard_dir = shards
     ref = _run_toml(tmp_path / "ref.toml", tok, shard_dir, tmp_path / "ref", FF)
     cfg = _run_toml(tmp_path / "run.toml", tok, shard_dir, tmp_path / "run", FF)
@@ -228,7 +225,7 @@ def test_ff_sigkill_then_resume_is_exact(tmp_path, shards):  # noqa: F811
     assert any(dict(r).get("ff_loss", 0) > 0 for r in ref_curve)  # the FF rule was engaged in what resumed
 
 
-def test_ff_refuses_a_model_without_mamba_layers(tmp_path, shards):  # noqa: F811
+def test_ff_refuses_a_model_without_mamba_layers(tmp_path, shards):
     tok, shard_dir = shards
     cfg = tmp_path / "q.toml"
     cfg.write_text(f"""[model]

@@ -4,7 +4,6 @@ run on a tiny pre-training task, and survive SIGKILL + resume exactly."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +13,7 @@ from kiln.models.auto import AutoConfig, from_config
 from kiln.models.common.fp8_train import Fp8TrainLinear
 from kiln.train import Trainer
 from kiln.train.fp8 import swap_fp8
-
-from tests.train.train_helpers import kiln, killed_then_resumed_matches, write_toml
+from tests.train.train_helpers import killed_then_resumed_matches, write_toml
 
 VOCAB = 64
 

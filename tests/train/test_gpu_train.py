@@ -10,7 +10,6 @@ import torch
 from kiln.models.common.fp8_train import scaled_mm_works
 from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
-
 from tests.parallel.sft_runs import losses
 from tests.train.test_fp8_train import fp8_tracks_bf16
 from tests.train.train_helpers import make_model_dir, make_rows, write_jsonl, write_toml

@@ -78,7 +78,7 @@ def test_optimizer_state_follows_parameters_through_growth():
     regroup_optimizer(opt, param_groups(model, 0.1))
     for p, s in old_state.items():
         assert all(torch.equal(opt.state[p][k], v) for k, v in s.items())
-    new = [p for p in find_layers(model)[1][1].parameters()]
+    new = list(find_layers(model)[1][1].parameters())
     assert all(p not in opt.state for p in new) and all(any(p is q for q in opt.param_groups[0]["params"]
                                                             + opt.param_groups[1]["params"]) for p in new)
     model(**_batch()).loss.backward()

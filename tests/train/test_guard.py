@@ -13,7 +13,6 @@ from kiln.train import Callback, Trainer
 from kiln.train.checkpoint import verify_checkpoint
 from kiln.train.metrics import read_metrics
 from kiln.train.steps import default_step
-
 from tests.train.train_helpers import tiny_config
 
 

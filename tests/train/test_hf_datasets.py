@@ -15,7 +15,6 @@ from kiln.data.tokenize import TokenizeOptions, tokenize_to_shards
 from kiln.errors import KilnError
 from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
-
 from tests.train.test_sft_train import CHATS, _toml, sft_setup  # noqa: F401  (fixture)
 from tests.train.train_helpers import LABELS, make_rows, write_jsonl, write_toml
 
@@ -63,7 +62,7 @@ def test_without_datasets_the_extra_is_named(sources, monkeypatch):
 
 
 @pytest.mark.slow
-def test_finetune_and_sft_train_from_datasets_sources(sources, tiny_dir, sft_setup, tmp_path):  # noqa: F811
+def test_finetune_and_sft_train_from_datasets_sources(sources, tiny_dir, sft_setup, tmp_path):
     d, _ = sources
     cfg = load_run_config(write_toml(tmp_path / "ft.toml", tiny_dir, d / "saved", d / "rows.parquet",
                                      tmp_path / "ft", steps=2, save_every=0, eval_every=0))
@@ -78,7 +77,7 @@ def test_finetune_and_sft_train_from_datasets_sources(sources, tiny_dir, sft_set
     assert len((sft_setup / "sft_ds" / "metrics.jsonl").read_text().splitlines()) >= 2
 
 
-def test_tokenize_reads_a_datasets_folder_like_the_jsonl(sources, sft_setup, tmp_path):  # noqa: F811
+def test_tokenize_reads_a_datasets_folder_like_the_jsonl(sources, sft_setup, tmp_path):
     d, _ = sources
     opts = TokenizeOptions(progress=False)
     a = tokenize_to_shards([d / "saved"], sft_setup / "tok", tmp_path / "a", opts)

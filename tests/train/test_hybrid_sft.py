@@ -20,7 +20,6 @@ from typer.testing import CliRunner
 from kiln.cli.main import app
 from kiln.interop.tiny import TINY
 from kiln.train.metrics import read_metrics
-
 from tests.train.test_sft_train import CHATS
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]

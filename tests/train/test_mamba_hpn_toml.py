@@ -22,7 +22,7 @@ from kiln.cli.main import app
 from kiln.train.config import load_run_config
 from kiln.train.metrics import read_metrics
 
-WORDS = "the cat sat on a mat while dogs ran past red houses and blue cars in the rain near quiet water".split()
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "past", "red", "houses", "and", "blue", "cars", "in", "the", "rain", "near", "quiet", "water"]
 
 
 def _docs(n: int, seed: int) -> list[str]:

@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 
-from kiln.errors import ConfigError, KilnError
+from kiln.errors import ConfigError
 from kiln.interop.tiny import TINY
 from kiln.models.auto import AutoConfig, AutoModelForCausalLM, from_config
 from kiln.models.common.dsa import Indexer
-from kiln.models.common.moe_routing import GroupLimitedRouter, SharedExpertMoE
+from kiln.models.common.moe_routing import GroupLimitedRouter
 from kiln.train.config import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.moe_balance import segment_ids, sequence_aux_loss

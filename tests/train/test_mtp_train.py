@@ -13,7 +13,6 @@ from safetensors.torch import load_file
 from kiln.interop.tiny import TINY
 from kiln.models.qwen3_next import TINY_HYBRID_MOE
 from kiln.train.metrics import read_metrics
-
 from tests.train.test_sft_train import CHATS
 from tests.train.train_helpers import killed_then_resumed_matches
 

@@ -40,7 +40,7 @@ def test_dpo_with_no_preference_in_any_pair_is_refused(world, rows, loss):
     before = snapshot(d)
     code, out = run_cli("train", "--config", cfg)
     assert code == 1, out
-    assert f"every one of its 4 preference pairs has chosen = rejected" in out and repr(loss) in out, out
+    assert "every one of its 4 preference pairs has chosen = rejected" in out and repr(loss) in out, out
     assert snapshot(d) == before and not (d / "runs" / f"same-{loss}").exists()
 
 

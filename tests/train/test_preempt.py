@@ -22,7 +22,6 @@ from kiln.train import lock
 from kiln.train.config import TrainSection
 from kiln.train.metrics import read_metrics
 from kiln.train.plot import plot_run
-
 from tests.kiln_cli import REPO
 from tests.train.train_helpers import kiln, write_toml
 

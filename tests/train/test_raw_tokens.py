@@ -16,8 +16,7 @@ from kiln.errors import KilnError
 from kiln.train.config import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.run import build_trainer
-
-from tests.train.train_helpers import TINY_QWEN3_TOML, kiln, killed_then_resumed_matches
+from tests.train.train_helpers import TINY_QWEN3_TOML, killed_then_resumed_matches
 
 VOCAB = 64
 

@@ -13,7 +13,6 @@ from kiln.train.checkpoint import latest_checkpoint
 from kiln.train.config import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.run import build_trainer
-
 from tests.train.train_helpers import TINY, kiln, make_rows, write_jsonl, write_toml
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -9,7 +10,6 @@ import pytest
 from kiln.models.auto import from_config
 from kiln.train.optim import freeze, lr_factor, param_groups
 from kiln.train.plot import plot_run
-
 from tests.train.train_helpers import kiln, tiny_config
 
 
@@ -17,7 +17,7 @@ def test_warmup_then_cosine_to_floor():
     f = [lr_factor(s, 10, 2, "cosine", 0.1) for s in range(10)]
     assert f[:2] == [0.5, 1.0]
     assert f[2] == pytest.approx(1.0) and f[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 7 / 8)))
-    assert all(a >= b for a, b in zip(f[1:], f[2:])) and min(f) >= 0.1
+    assert all(a >= b for a, b in itertools.pairwise(f[1:])) and min(f) >= 0.1
     assert lr_factor(10, 10, 2, "linear", 0.2) == pytest.approx(0.2)
     assert lr_factor(6, 10, 2, "linear", 0.0) == pytest.approx(0.5)
     assert lr_factor(7, 10, 0, "constant", 0.0) == 1.0

@@ -106,7 +106,6 @@ def test_lora_sft_on_an_fp8_base_keeps_the_base_fp8(sft_setup, tmp_path):
 
     from kiln.hub import Tokenizer
     from kiln.models.auto import AutoConfig, from_config
-
     from tests.models.fp8_cases import make_fp8
 
     d = sft_setup

@@ -14,7 +14,6 @@ from kiln.models.auto import from_config, load_pretrained
 from kiln.train.config import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.run import build_trainer
-
 from tests.train.train_helpers import WORDS, tiny_config, write_jsonl
 
 

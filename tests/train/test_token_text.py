@@ -15,9 +15,8 @@ from kiln.data.shards import ShardError
 from kiln.train.config import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.run import build_trainer
-
 from tests.train.test_raw_tokens import VOCAB, _ids, _snapshot, _toml
-from tests.train.train_helpers import kiln, killed_then_resumed_matches
+from tests.train.train_helpers import killed_then_resumed_matches
 
 
 def _write(path: Path, ids: np.ndarray, per_line: int = 13) -> Path:

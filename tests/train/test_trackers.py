@@ -15,7 +15,6 @@ from kiln.train.config import TrainSection, load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.run import build_trainer
 from kiln.train.trackers import scalars
-
 from tests.train.train_helpers import kiln, write_toml
 
 

@@ -5,11 +5,9 @@ the message naming the key or tensor, the exit code, and that nothing in the cas
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from kiln.errors import ConfigError, WeightsError

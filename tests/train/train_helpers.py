@@ -9,9 +9,9 @@ import json
 import random
 from pathlib import Path
 
-from tests.kiln_cli import kiln  # noqa: F401  (re-exported for the tests here)
 from kiln.hub import Tokenizer
 from kiln.models.auto import AutoConfig, from_config
+from tests.kiln_cli import kiln
 
 WORDS = ["red", "blue", "green", "cat", "dog", "bird", "runs", "sits", "flies", "fast", "slow", "big", "small",
          "the", "a", "and", "on", "in", "tree", "house", "car", "road", "sky", "water", "fish", "swims"]

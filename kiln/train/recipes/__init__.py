@@ -10,14 +10,29 @@ kiln.train.config below, so that module imports no recipe).
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from pydantic import create_model
 
 from kiln.train.config import ModelSection, RunConfig, use_run_schema
-from kiln.train.recipes import (distill, dpo, embedding, ff, finetune, grow, grpo, hpn, images, kto, moe, pretrain,
-                                reward_model, sft)
+from kiln.train.recipes import (
+    distill,
+    dpo,
+    embedding,
+    ff,
+    finetune,
+    grow,
+    grpo,
+    hpn,
+    images,
+    kto,
+    moe,
+    pretrain,
+    reward_model,
+    sft,
+)
 from kiln.train.recipes.base import Extension, Recipe, RunParts, Shortcut
 
 # Tried in order; the first that matches a run config runs it (fine-tune is the fallback); a table that
@@ -25,7 +40,7 @@ from kiln.train.recipes.base import Extension, Recipe, RunParts, Shortcut
 RECIPES: dict[str, Recipe] = {r.name: r for r in (pretrain.RECIPE, sft.RECIPE, images.RECIPE, embedding.RECIPE,
                                                   reward_model.RECIPE, finetune.RECIPE, dpo.RECIPE, grpo.RECIPE,
                                                   kto.RECIPE, distill.RECIPE)}
-EXTENSIONS: dict[str, Extension] = {e.section: e for e in (hpn.EXTENSION, grow.EXTENSION, ff.EXTENSION, moe.EXTENSION,
+EXTENSIONS: dict[str, Extension[Any]] = {e.section: e for e in (hpn.EXTENSION, grow.EXTENSION, ff.EXTENSION, moe.EXTENSION,
                                                            embedding.EXTENSION, dpo.EXTENSION, grpo.EXTENSION,
                                                            reward_model.EXTENSION, kto.EXTENSION,
                                                            distill.EXTENSION)}
@@ -43,12 +58,12 @@ def recipe_for(cfg: RunConfig) -> Recipe:
     return select_recipe(cfg.model.task, cfg.data.model_dump())  # a core RunConfig built by hand
 
 
-def active_extensions(cfg: RunConfig) -> list[Extension]:
+def active_extensions(cfg: RunConfig) -> list[Extension[Any]]:
     return [e for e in EXTENSIONS.values() if getattr(cfg, e.section, None) is not None]
 
 
 def shortcuts() -> list[Shortcut]:
-    return [s for r in (*RECIPES.values(), *EXTENSIONS.values()) for s in r.shortcuts]
+    return [*(s for r in RECIPES.values() for s in r.shortcuts), *(s for e in EXTENSIONS.values() for s in e.shortcuts)]
 
 
 @functools.cache
@@ -66,8 +81,9 @@ class _Schema:
 
     def model_for(self, table: Mapping[str, Any]) -> type[RunConfig]:
         for ext in EXTENSIONS.values():  # a table that brings its own recipe ([dpo]) selects it
-            if getattr(ext, "recipe", None) and ext.section in table:
-                return run_config_model(ext.recipe)
+            recipe = getattr(ext, "recipe", None)  # an extension with the Protocol's shape may not declare it
+            if recipe and ext.section in table:
+                return run_config_model(recipe)
         model, data = table.get("model"), table.get("data")
         task = model.get("task") if isinstance(model, Mapping) else None
         task = task if isinstance(task, str) else ModelSection.model_fields["task"].default
@@ -95,5 +111,17 @@ class _Schema:
 SCHEMA = _Schema()
 use_run_schema(SCHEMA)
 
-__all__ = ["Extension", "Recipe", "RunParts", "Shortcut", "RECIPES", "EXTENSIONS", "SCHEMA", "recipe_for",
-           "select_recipe", "active_extensions", "shortcuts", "run_config_model"]
+__all__ = [
+    "EXTENSIONS",
+    "RECIPES",
+    "SCHEMA",
+    "Extension",
+    "Recipe",
+    "RunParts",
+    "Shortcut",
+    "active_extensions",
+    "recipe_for",
+    "run_config_model",
+    "select_recipe",
+    "shortcuts",
+]

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import abc
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -33,6 +34,7 @@ from kiln.train.multiobjective import GradientCombiner
 from kiln.train.steps import StepFn
 from kiln.train.trainer import Callback, Trainer
 
+SectionT = TypeVar("SectionT", bound=Section)  # an extension's table schema
 Examples = Sequence[dict[str, torch.Tensor]]    # encoded examples; the Trainer batches them (kiln.data.loader)
 Evaluate = Callable[[Trainer], dict[str, float]]  # a run's own evaluation, given the Trainer
 
@@ -76,20 +78,30 @@ class Recipe(Protocol):
         process being `world`'s rank (which part of the data it reads, who verifies files)."""
 
 
-class Extension(Protocol):
+class Extension(Protocol[SectionT]):
     section: str                            # the TOML table it owns
-    schema: type[Section]
+    schema: type[SectionT]
     summary: str = ""
     shortcuts: tuple[Shortcut, ...] = ()
     recipes: tuple[str, ...] = ()           # the recipes it can extend
+    recipe: str | None = None               # a table that brings its own recipe ([dpo]): that recipe runs
 
     def check(self, cfg: RunConfig, recipe: Recipe) -> None:
         if recipe.name not in self.recipes:
             raise ConfigError(f"[{self.section}] extends the {' / '.join(self.recipes)} recipe(s); this run config "
                               f"is a {recipe.name} run")
 
+    def table(self, cfg: RunConfig) -> SectionT:
+        """This extension's validated table in `cfg` (the registry adds one field per extension to the run-config
+        model it assembles); only runs that have the table are handed to an extension."""
+        value = getattr(cfg, self.section, None)
+        if not isinstance(value, self.schema):
+            raise KilnError(f"this run config has no [{self.section}] table")
+        return value
+
     def on_model(self, cfg: RunConfig, model: nn.Module) -> None:
         """The built model, before any data is read: refuse what cannot work on it."""
+        return None  # a default, not an abstract method: most extensions take any model
 
     @abc.abstractmethod
     def extend(self, cfg: RunConfig, parts: RunParts) -> None:
@@ -133,6 +145,7 @@ def build_model(cfg: RunConfig, labels: list[str] | None, need_tokenizer: bool =
             if direct is not None:
                 return direct
         return load_pretrained(m.path, task=m.task, seed=m.init_seed, fp8=m.fp8, quantize=m.quantize, **changes)
+    assert m.family is not None  # ModelSection's validator: exactly one of model.path and model.family
     check_config_keys(m.family, m.config)
     config = AutoConfig.for_model(m.family, **m.config)
     if labels:
@@ -152,7 +165,7 @@ def check_text_model(cfg: RunConfig, model: nn.Module, max_length: int | None) -
     if model.tokenizer is None:
         raise KilnError(f"{cfg.model.path}: no tokenizer files (tokenizer.json or vocab.txt) in the model directory")
     if max_length is not None:
-        check_model_tokenizer(model, max_length, cfg.model.path or cfg.model.family, cfg.train.precision)
+        check_model_tokenizer(model, max_length, str(cfg.model.path or cfg.model.family), cfg.train.precision)
 
 
 def add_lora(cfg: RunConfig, model: nn.Module) -> None:

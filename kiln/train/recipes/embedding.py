@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Callable, Literal, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -60,6 +61,7 @@ class EmbeddingSection(Section):
 def _sides(cfg: RunConfig, loss: str, first: Record) -> list[tuple[str, str]]:
     """(side name, record field) per text of a row, for this loss."""
     d = cfg.data
+    assert isinstance(d, EmbeddingData), f"the embedding recipe reads its own [data] schema, got {type(d).__name__}"
     if loss == "cosent":
         return [("s1", d.sentence1_field), ("s2", d.sentence2_field)]
     sides = [("anchor", d.anchor_field), ("positive", d.positive_field)]
@@ -153,7 +155,8 @@ def make_evaluate(examples: list[dict[str, torch.Tensor]], e: EmbeddingSection, 
     def evaluate(trainer: Any) -> dict[str, float]:
         model, size = trainer.model, trainer.args.batch_size
         model.eval()
-        loss_sum, count, sides = 0.0, 0, {"anchor": [], "positive": []}
+        loss_sum, count = 0.0, 0
+        sides: dict[str, list[torch.Tensor]] = {"anchor": [], "positive": []}
         try:
             for i in range(0, len(examples), size):
                 batch = {k: v.to(trainer.device) for k, v in pad_collate(examples[i:i + size], pad_id).items()}

@@ -33,10 +33,10 @@ from torch import nn
 from kiln.data.loader import batch_tokens
 from kiln.errors import ConfigError
 from kiln.models.mamba import MambaMixer
-from kiln.train.config import NonNegative, Section
+from kiln.train.config import NonNegative, RunConfig, Section
 from kiln.train.engine import StepContext, StepEngine, StepOutcome
 from kiln.train.recipes.base import Extension, RunParts, Shortcut
-from kiln.train.steps import as_sum_and_count
+from kiln.train.steps import as_sum_and_count, sum_losses
 from kiln.train.trainer import Callback, Trainer
 
 GOODNESS_EPS = 1e-5   # the seed's: added to the population std of h and to |D|
@@ -59,7 +59,7 @@ class FFSection(Section):
         return "cagradstep" if value == "cagrad" else value  # the seed's parser takes both spellings
 
     @model_validator(mode="after")
-    def _check(self) -> "FFSection":
+    def _check(self) -> FFSection:
         if self.bp_cadence_steps < 1:
             raise ValueError(f"ff.bp_cadence_steps must be >= 1, got {self.bp_cadence_steps}")
         for name in ("ff_lr", "epsilon", "gradnorm_alpha", "cagrad_lambda"):
@@ -70,7 +70,7 @@ class FFSection(Section):
 
 def summaries(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sums over (batch, time) of x (B, T, I) and of its negative x[(t + 1) mod T] * (+1 if t + d even else -1)."""
-    B, T, I = x.shape
+    _, T, I = x.shape
     t, d = torch.arange(T, device=x.device), torch.arange(I, device=x.device)
     sign = 1.0 - 2.0 * ((t[:, None] + d[None, :]) % 2).to(x.dtype)                     # (T, I)
     return x.sum((0, 1)), (torch.roll(x, -1, dims=1) * sign).sum((0, 1))                # roll -1: x[(t+1) % T]
@@ -129,9 +129,9 @@ class FFCallback(Callback):
             # A plain function (not a bound method): a layer deep-copied by growth shares it, and it keys the
             # sums by the module it is called on, so a copy's capture never lands in its template's slot.
             if not any(getattr(h, "_kiln_ff", False) for h in m.in_proj._forward_hooks.values()):
-                def hook(module: nn.Module, _args: Any, out: torch.Tensor, ff: "FFCallback" = self) -> None:
+                def hook(module: nn.Module, _args: Any, out: torch.Tensor, ff: FFCallback = self) -> None:
                     ff._capture(module, out)
-                hook._kiln_ff = True
+                hook._kiln_ff = True  # type: ignore[attr-defined]  # the marker the check above reads
                 m.in_proj.register_forward_hook(hook)
         return found
 
@@ -218,7 +218,7 @@ class FFEngine(StepEngine):
                 with run.autocast():
                     result = run.step_fn(run.model, batch)
                 if isinstance(result, dict):
-                    result = sum(result[k] for k in sorted(result))
+                    result = sum_losses(result)
                 part, n = as_sum_and_count(result, batch)
                 loss_sum, count = loss_sum + float(part), count + float(n)
         grads = ff.finish(mixers)
@@ -248,7 +248,7 @@ def init_d_normal(model: nn.Module, seed: int) -> None:
                 m.D.copy_(torch.randn(m.D.shape, generator=gen) * D_INIT_STD)
 
 
-class FF(Extension):
+class FF(Extension[FFSection]):
     section = "ff"
     schema = FFSection
     summary = "Forward-Forward updates of Mamba's D between backprop steps, one-sided surgery on backprop steps"
@@ -256,25 +256,27 @@ class FF(Extension):
     shortcuts = (Shortcut("ff_lr", "ff.ff_lr"), Shortcut("bp_cadence_steps", "ff.bp_cadence_steps"),
                  Shortcut("gradient_surgery_method", "ff.surgery"))
 
-    def on_model(self, cfg: Any, model: nn.Module) -> None:
+    def on_model(self, cfg: RunConfig, model: nn.Module) -> None:
         if not any(isinstance(m, MambaMixer) for m in model.modules()):
             raise ConfigError(f"[ff] updates the skip vectors D of Mamba layers; a {cfg.model.family or 'loaded'} "
                               "model has none")
-        if cfg.ff.d_init == "normal":
+        if self.table(cfg).d_init == "normal":
             if cfg.model.path is not None:
                 raise ConfigError(f"ff.d_init = 'normal' initialises a from-scratch model's D; model.path "
                                   f"({cfg.model.path}) loads trained ones: drop ff.d_init or use model.family")
             init_d_normal(model, cfg.model.init_seed)
 
-    def extend(self, cfg: Any, parts: RunParts) -> None:
-        growth = None
-        if cfg.ff.d_init == "normal" and getattr(cfg, "grow", None) is not None:
+    def extend(self, cfg: RunConfig, parts: RunParts) -> None:
+        from kiln.train.recipes.grow import EXTENSION as GROW
+
+        ff, growth = self.table(cfg), None
+        if ff.d_init == "normal" and getattr(cfg, GROW.section, None) is not None:
             from kiln.train.freeze import find_layers
             from kiln.train.grow import new_layer_slots
 
-            base = len(find_layers(parts.model)[1])
-            growth = (cfg.grow.at_step, new_layer_slots(cfg.grow.placement, base, cfg.grow.target_layers))
-        parts.callbacks.append(FFCallback(cfg.ff, growth))
+            grow, base = GROW.table(cfg), len(find_layers(parts.model)[1])
+            growth = (grow.at_step, new_layer_slots(grow.placement, base, grow.target_layers))
+        parts.callbacks.append(FFCallback(ff, growth))
 
 
 EXTENSION = FF()

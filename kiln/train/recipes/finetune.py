@@ -4,7 +4,8 @@ the source checkpoint's head, or the data (sorted)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 from torch import nn
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+
 from pydantic import field_validator, model_validator
 from torch import nn
 
@@ -36,14 +37,14 @@ class GrowSection(Section):
         return check_freeze_specs(value)
 
     @model_validator(mode="after")
-    def _check(self) -> "GrowSection":
+    def _check(self) -> GrowSection:
         if self.at_step < 1 or self.target_layers < 1:
             raise ValueError(f"grow.at_step and grow.target_layers must be >= 1, got {self.at_step} and "
                              f"{self.target_layers}")
         return self
 
 
-class Grow(Extension):
+class Grow(Extension[GrowSection]):
     section = "grow"
     schema = GrowSection
     summary = "grow the layer stack at a step (append/prepend/insert/specific), freeze policies"
@@ -55,12 +56,13 @@ class Grow(Extension):
     def on_model(self, cfg: RunConfig, model: nn.Module) -> None:
         from kiln.train.grow import find_layers, new_layer_slots
 
-        new_layer_slots(cfg.grow.placement, len(find_layers(model)[1]), cfg.grow.target_layers)
+        grow = self.table(cfg)
+        new_layer_slots(grow.placement, len(find_layers(model)[1]), grow.target_layers)
 
     def extend(self, cfg: RunConfig, parts: RunParts) -> None:
         from kiln.train.grow import GrowthCallback, GrowthPlan
 
-        parts.callbacks.append(GrowthCallback(GrowthPlan(**cfg.grow.model_dump(), seed=cfg.train.seed)))
+        parts.callbacks.append(GrowthCallback(GrowthPlan(**self.table(cfg).model_dump(), seed=cfg.train.seed)))
 
 
 EXTENSION = Grow()

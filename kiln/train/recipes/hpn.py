@@ -28,7 +28,7 @@ class HpnSection(Section):
     gradnorm_lr: NonNegative = 0.025         # GradNorm: step of the loss weights
 
     @model_validator(mode="after")
-    def _check(self) -> "HpnSection":
+    def _check(self) -> HpnSection:
         for name in ("cagrad_c", "gradnorm_alpha", "gradnorm_lr"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"hpn.{name} must be >= 0, got {getattr(self, name)}")
@@ -40,7 +40,7 @@ def hpn_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torc
     return model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), targets=batch["targets"]).losses
 
 
-class Hpn(Extension):
+class Hpn(Extension[HpnSection]):
     section = "hpn"
     schema = HpnSection
     summary = "prototype head over the vocabulary + LM loss, combined by sum/pcgrad/gradnorm/cagrad"
@@ -52,7 +52,7 @@ class Hpn(Extension):
         from kiln.models.hpn import PrototypeModel
         from kiln.train.multiobjective import GradientCombiner
 
-        h = cfg.hpn
+        h = self.table(cfg)
         inner = parts.model
         parts.model = PrototypeModel(inner, inner.config.vocab_size, proto_dim=h.proto_dim, scale=h.scale,
                                      mode=h.mode, loss=h.loss, spread_steps=h.spread_steps, lm_loss=h.lm_loss,

@@ -5,18 +5,19 @@ config, the source head or the data (sorted, numbers in numeric order)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from kiln.data import read_records
-from kiln.hub.files import folder_files, why_unreadable
 from kiln.data.hfdata import source_sha256
 from kiln.data.images import ImageClassifierProcessor
 from kiln.data.records import Record
 from kiln.errors import ConfigError, KilnError
+from kiln.hub.files import folder_files, why_unreadable
 from kiln.models.tasks import IMAGE_CLASSIFICATION, get_task
 from kiln.parallel.world import World
 from kiln.train.config import DataSection, RunConfig
@@ -101,10 +102,11 @@ class ImageClassificationRecipe(FineTune):
         size = getattr(model.config, "image_size", None)
         if size is None:
             raise ConfigError(f"model.task = {IMAGE_CLASSIFICATION!r} needs an image model (config image_size); "
-                              f"{model.config.model_type!r} has none")
+                              f"{getattr(model.config, 'model_type', None)!r} has none")
         add_lora(cfg, model)
         processor = ImageClassifierProcessor(size=size, image_mean=tuple(d.image_mean), image_std=tuple(d.image_std),
                                              max_input_pixels=d.max_image_pixels)
+        assert labels is not None  # a label set: image classification reads one from the data
         train = encode_images(train_records, labels, processor, d)
         evals = encode_images(eval_records, labels, processor, d) if eval_records else None
         return RunParts(model, train, eval_data=evals, fingerprint=self.fingerprint(cfg, labels))

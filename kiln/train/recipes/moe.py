@@ -49,7 +49,7 @@ class MoeSection(Section):
     indexer_loss_weight: Positive = 1.0
 
     @model_validator(mode="after")
-    def _check(self) -> "MoeSection":
+    def _check(self) -> MoeSection:
         for name in ("bias_update_speed", "seq_aux_alpha", "indexer_loss_weight"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"moe.{name} must be > 0, got {getattr(self, name)}")
@@ -113,7 +113,7 @@ class MoeLosses(Callback):
         segments = segment_ids(ids, batch.get("position_ids"), batch.get("attention_mask"))
         total = None
         for moe in m.modules():
-            if isinstance(moe, SharedExpertMoE) and moe.router_logits is not None:
+            if isinstance(moe, SharedExpertMoE) and moe.router_logits is not None and moe.router_index is not None:
                 part = sequence_aux_loss(moe.router_logits, moe.router_index, moe.gate.top_k, segments)
                 total = part if total is None else total + part
                 moe.router_logits = moe.router_index = None  # this forward's; free the graph they hold
@@ -133,7 +133,7 @@ class MoeLosses(Callback):
         self.sums, self.units = {}, 0.0
 
 
-class Moe(Extension):
+class Moe(Extension[MoeSection]):
     section = "moe"
     schema = MoeSection
     summary = "DeepSeek-style MoE training: aux-free or sequence-wise balancing, MTP loss, indexer KL loss"
@@ -142,7 +142,7 @@ class Moe(Extension):
                  Shortcut("indexer", "moe.indexer"))
 
     def on_model(self, cfg: RunConfig, model: nn.Module) -> None:
-        c, kind = cfg.moe, _model_type(model)
+        c, kind = self.table(cfg), _model_type(model)
         if c.balance != "none" and not routers(model):
             raise ConfigError(f"[moe] balance = {c.balance!r} balances sigmoid-routed MoE layers (DeepSeek-V3 style, "
                               f"with e_score_correction_bias); a {kind} model has none; set balance = \"none\"")
@@ -151,18 +151,19 @@ class Moe(Extension):
                               "balance loss needs each whole sequence's routing, and every cp rank sees only its "
                               "chunks of it; use balance = \"aux_free\" (its expert loads add up over the ranks)")
         if c.mtp_weight > 0:
-            if not hasattr(model, "enable_mtp"):
+            enable_mtp = getattr(model, "enable_mtp", None)
+            if enable_mtp is None:
                 raise ConfigError(f"[moe] mtp_weight = {c.mtp_weight}: a {kind} {getattr(model, 'task', '')} model has "
                                   "no multi-token-prediction layer (deepseek_v3 / deepseek_v32 / glm_moe_dsa / deepseek_v4 "
                                   "causal LMs and qwen3_5 / qwen3_5_moe image-text releases do)")
-            model.enable_mtp(f"[moe] mtp_weight = {c.mtp_weight}: {cfg.model.path or cfg.model.family}",
+            enable_mtp(f"[moe] mtp_weight = {c.mtp_weight}: {cfg.model.path or cfg.model.family}",
                              fresh=cfg.model.path is None)
         if c.indexer == "kl" and not any(isinstance(m, Indexer) for m in model.modules()):
             raise ConfigError(f"[moe] indexer = \"kl\" trains a sparse-attention indexer (deepseek_v32, glm_moe_dsa); "
                               f"a {kind} model has none")
 
     def extend(self, cfg: RunConfig, parts: RunParts) -> None:
-        c = cfg.moe
+        c = self.table(cfg)
         if routers(parts.model):  # load statistics whatever the balancing; only aux_free moves the biases
             parts.callbacks.append(AuxFreeBalance(c.bias_update_speed, update=c.balance == "aux_free"))
         if c.indexer == "kl":  # after [lora] froze the base: the indexer trains on its own loss

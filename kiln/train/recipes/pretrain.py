@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import model_validator
@@ -33,12 +34,18 @@ from kiln.errors import ConfigError
 from kiln.hub.files import file_sha256
 from kiln.models.common.loss import lm_loss_sum
 from kiln.models.tasks import CAUSAL_LM
+from kiln.parallel.config import finite
 from kiln.parallel.world import World, all_reduce_sum
 from kiln.train.checks import check_model_tokenizer
-from kiln.train.config import DataSection, RunConfig, finite
+from kiln.train.config import DataSection, RunConfig
 from kiln.train.plans import data_shard
 from kiln.train.recipes.base import Evaluate, Recipe, RunParts, Shortcut, build_model
 from kiln.train.trainer import Trainer
+
+if TYPE_CHECKING:  # finite() builds an Annotated float at run time; the checker sees the float
+    HeldOut = float
+else:
+    HeldOut = finite(ge=0, lt=1)
 
 
 class PretrainData(DataSection):
@@ -53,10 +60,10 @@ class PretrainData(DataSection):
     dtype: Literal["uint16", "int32", "uint32", "int64"] | None = None  # of .bin files (a .npy says its own)
     extension: str = ".bin"              # a folder's token files end with this (".txt": token text files)
     shuffle_shards: bool = True          # false: every epoch reads the token shards / files in their sorted order
-    val_fraction: finite(ge=0, lt=1) = 0.0            # held out at train time: a flat file's tail, or a folder's last shards
+    val_fraction: HeldOut = 0.0          # held out at train time: a flat file's tail, or a folder's last shards
 
     @model_validator(mode="after")
-    def _check_stream(self) -> "PretrainData":
+    def _check_stream(self) -> PretrainData:
         if self.num_workers < 0 or self.prefetch < 1:
             raise ValueError("data.prefetch must be >= 1, data.num_workers >= 0")
         if not 0.0 <= self.val_fraction < 1.0:
