@@ -11,7 +11,8 @@ differs from HF's layout:
 - Qwen2 / Qwen3 / Qwen3-MoE: llama.cpp uses HF's half-split rotary order (NEOX), no permutation; the MoE
   family's per-expert matrices are stacked into one (E, out, in) tensor per projection.
 - Mamba: llama.cpp keeps A = -exp(A_log) and the depthwise conv kernel as (inner, kernel).
-- DeepSeek-V3 (deepseek2, MLA): kiln.interop.gguf_deepseek re-lays the HF tensors (`rewrite`).
+- DeepSeek-V3 (deepseek2, MLA), DeepSeek-V3.2 (deepseek32) and GLM-5 (glm-dsa), MLA + the DSA indexer:
+  kiln.interop.gguf_deepseek re-lays the HF tensors (`rewrite`).
 - Qwen3-Next / Qwen3.5 text (qwen3next, qwen35, qwen35moe): kiln.interop.gguf_hybrid.
 - BERT / ModernBERT embeddings (bert, modern-bert): kiln.interop.gguf_encoder.
 RoPE scaling metadata (linear, YaRN) and the shared row helpers are in kiln.interop.gguf_layout.
@@ -26,8 +27,8 @@ import gguf
 import torch
 
 from kiln.errors import KilnError
-from kiln.interop.gguf_deepseek import (dsa_checks, dsa_hparams, mla_bias, mla_hparams, mla_rewritten, mla_tensors,
-                                      mla_yarn)
+from kiln.interop.gguf_deepseek import (dense_lead, dsa_checks, dsa_hparams, indexer_hparams, mla_bias, mla_hparams,
+                                      mla_rewritten, mla_tensors, mla_yarn, v32_checks)
 from kiln.interop.gguf_encoder import (bert_checks, bert_hparams, encoder_tensors, modernbert_checks,
                                      modernbert_hparams)
 from kiln.interop.gguf_hybrid import hybrid_checks, hybrid_hparams, hybrid_tensors
@@ -81,10 +82,13 @@ class GgufFamily:
     rewrite: Callable[[Tensors, object], Tensors] | None = None  # HF tensors -> the names / layouts the map takes
     rewritten: Callable[[str, object], bool] | None = None       # (HF name, config): not kiln's matrix in the file
     encoder: bool = False                                       # pooled embeddings (gguf_encoder), no LM head
+    # the architecture the file names, where the bundled llama.cpp knows one the installed `gguf` package (0.19.0
+    # on PyPI) predates; tensor names then come from `arch`, whose name table is the same
+    file_arch: str | None = None
 
     @property
     def name(self) -> str:
-        return gguf.MODEL_ARCH_NAMES[self.arch]
+        return self.file_arch or gguf.MODEL_ARCH_NAMES[self.arch]
 
 
 def _all_layers_sparse(config) -> str | None:
@@ -114,9 +118,13 @@ GGUF_FAMILIES: dict[str, GgufFamily] = {
     "qwen3_moe": GgufFamily(gguf.MODEL_ARCH.QWEN3MOE, _moe_hparams, ("default", "linear", "yarn"), experts=True,
                             checks=(_all_layers_sparse, _topk_renormalised, _yarn)),
     "glm_moe_dsa": GgufFamily(gguf.MODEL_ARCH.GLM_DSA, dsa_hparams, ("default", "yarn"), rewrite=mla_tensors,
-                              rewritten=mla_rewritten, checks=(mla_yarn, mla_bias, dsa_checks)),
+                              rewritten=mla_rewritten, checks=(mla_yarn, mla_bias, dense_lead, dsa_checks)),
     "deepseek_v3": GgufFamily(gguf.MODEL_ARCH.DEEPSEEK2, mla_hparams, ("default", "yarn"), rewrite=mla_tensors,
                               rewritten=mla_rewritten, checks=(mla_yarn, mla_bias)),
+    # deepseek32's tensors are glm-dsa's less attn_kv_b (never written: kv_b is split into k_b / v_b)
+    "deepseek_v32": GgufFamily(gguf.MODEL_ARCH.GLM_DSA, indexer_hparams, ("default", "yarn"), rewrite=mla_tensors,
+                               rewritten=mla_rewritten, checks=(mla_yarn, mla_bias, dense_lead, v32_checks),
+                               file_arch="deepseek32"),
     "qwen3_next": GgufFamily(gguf.MODEL_ARCH.QWEN3NEXT, hybrid_hparams, ("default",), rewrite=hybrid_tensors,
                              checks=(hybrid_checks,)),
     "qwen3_5_text": GgufFamily(gguf.MODEL_ARCH.QWEN35, hybrid_hparams, ("default",), rewrite=hybrid_tensors,
