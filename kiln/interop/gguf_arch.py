@@ -14,6 +14,8 @@ differs from HF's layout:
 - DeepSeek-V3 (deepseek2, MLA), DeepSeek-V3.2 (deepseek32) and GLM-5 (glm-dsa), MLA + the DSA indexer:
   kiln.interop.gguf_deepseek re-lays the HF tensors (`rewrite`).
 - Qwen3-Next / Qwen3.5 text (qwen3next, qwen35, qwen35moe): kiln.interop.gguf_hybrid.
+- DeepSeek-V4 (deepseek4): kiln.interop.gguf_deepseek4 names its tensors and keys itself (`named`; the installed
+  gguf package has no deepseek4).
 - BERT / ModernBERT embeddings (bert, modern-bert): kiln.interop.gguf_encoder.
 RoPE scaling metadata (linear, YaRN) and the shared row helpers are in kiln.interop.gguf_layout.
 """
@@ -29,6 +31,7 @@ import torch
 from kiln.errors import KilnError
 from kiln.interop.gguf_deepseek import (dense_lead, dsa_checks, dsa_hparams, indexer_hparams, mla_bias, mla_hparams,
                                       mla_rewritten, mla_tensors, mla_yarn, v32_checks)
+from kiln.interop.gguf_deepseek4 import v4_checks, v4_hparams, v4_tensors
 from kiln.interop.gguf_encoder import (bert_checks, bert_hparams, encoder_tensors, modernbert_checks,
                                      modernbert_hparams)
 from kiln.interop.gguf_hybrid import hybrid_checks, hybrid_hparams, hybrid_tensors
@@ -70,9 +73,12 @@ def _no_linear_bias(config) -> str | None:
     return "use_bias (in_proj / out_proj biases) has no tensor in llama.cpp's mamba" if config.use_bias else None
 
 
+Named = Callable[[Tensors, object], Iterator[tuple[str, "gguf.MODEL_TENSOR | None", torch.Tensor]]]
+
+
 @dataclass(frozen=True)
 class GgufFamily:
-    arch: gguf.MODEL_ARCH
+    arch: gguf.MODEL_ARCH | None                        # None: the gguf package has no such arch (`named`)
     hparams: Callable[[gguf.GGUFWriter, object], None]
     rope_types: tuple[str, ...] | None = None           # rope_type values llama.cpp reproduces (None: no rope)
     permute_qk: bool = False                            # Llama: rotary pairs adjacent in llama.cpp
@@ -85,10 +91,15 @@ class GgufFamily:
     # the architecture the file names, where the bundled llama.cpp knows one the installed `gguf` package (0.19.0
     # on PyPI) predates; tensor names then come from `arch`, whose name table is the same
     file_arch: str | None = None
+    # HF tensors -> (llama.cpp name, the package's kind where it has one, tensor), for an arch with no name table
+    named: Named | None = None
 
     @property
     def name(self) -> str:
-        return self.file_arch or gguf.MODEL_ARCH_NAMES[self.arch]
+        if self.file_arch is not None:
+            return self.file_arch
+        assert self.arch is not None, "a family without a gguf arch names its file_arch"
+        return gguf.MODEL_ARCH_NAMES[self.arch]
 
 
 def _all_layers_sparse(config) -> str | None:
@@ -131,6 +142,7 @@ GGUF_FAMILIES: dict[str, GgufFamily] = {
                                checks=(hybrid_checks,)),
     "qwen3_5_moe_text": GgufFamily(gguf.MODEL_ARCH.QWEN35MOE, hybrid_hparams, ("default",), rewrite=hybrid_tensors,
                                    checks=(hybrid_checks,)),
+    "deepseek_v4": GgufFamily(None, v4_hparams, checks=(v4_checks,), named=v4_tensors, file_arch="deepseek4"),
     "bert": GgufFamily(gguf.MODEL_ARCH.BERT, bert_hparams, rewrite=encoder_tensors, checks=(bert_checks,),
                        encoder=True),
     "modernbert": GgufFamily(gguf.MODEL_ARCH.MODERN_BERT, modernbert_hparams, rewrite=encoder_tensors,
@@ -160,6 +172,9 @@ def gguf_family(model_type: str, config) -> GgufFamily:
 def gguf_tensors(fam: GgufFamily, c, hf: Tensors) -> Iterator[tuple[str, gguf.MODEL_TENSOR, torch.Tensor]]:
     """(GGUF name, its kind, tensor in HF orientation) for every tensor of the model, plus generated ones
     (rope_freqs)."""
+    if fam.named is not None:
+        yield from fam.named(hf, c)
+        return
     if fam.experts:
         hf = stack_experts(hf, c.num_hidden_layers, c.num_experts)
     if fam.rewrite is not None:

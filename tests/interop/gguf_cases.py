@@ -51,6 +51,15 @@ FAMILIES = {
                      "v_head_dim": 32, "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2,
                      "n_shared_experts": 1, "first_k_dense_replace": 1, "index_n_heads": 16, "index_head_dim": 64,
                      "index_topk": 5},
+    # DeepSeek-V4: what llama.cpp's deepseek4 fixes (4 streams, ratios 4 / 128, heads in 64-wide blocks), plain
+    # rope; 3 layers (sliding, CSA, HCA; hash-routed first); 16 indexer heads keeping 3 compressed entries (with 4,
+    # ReLU zeros tie entries at the 3rd score); 256 positions so a long prompt passes HCA's 128-token block
+    "deepseek_v4": {"hc_mult": 4, "head_dim": 128, "index_head_dim": 128, "index_n_heads": 16, "index_topk": 3,
+                    "q_lora_rank": 32, "o_lora_rank": 16, "max_position_embeddings": 256,
+                    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+                    "rope_parameters": {"main": {**DEFAULT_ROPE, "partial_rotary_factor": 0.5},
+                                        "compress": {"rope_type": "default", "rope_theta": 160000.0,
+                                                     "partial_rotary_factor": 0.5}}},
 }
 HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # DeepSeek-V3's release rope: yarn with mscale == mscale_all_dim (llama.cpp's deepseek2 assumes it)

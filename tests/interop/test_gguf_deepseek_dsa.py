@@ -1,6 +1,7 @@
-"""DeepSeek-V3.2 as llama.cpp's `deepseek32` (MLA + the DSA lightning indexer in every layer): the file read back with
-the gguf package, llama.cpp's f32 logits under YaRN, a control that fails, and refusals by name. The family x type
-cells (f32 logits, f16 greedy) are in test_gguf_llama_cpp.py's grid."""
+"""DeepSeek-V3.2 as llama.cpp's `deepseek32` (MLA + the DSA lightning indexer in every layer) and DeepSeek-V4 as
+`deepseek4` (hyper-connections, sliding + CSA / HCA compressed attention with its indexer, hash routing): the files
+read back with the gguf package, llama.cpp's f32 logits (V3.2 under YaRN, V4 past HCA's 128-token block), controls
+that fail, and refusals by name. The family x type cells are in test_gguf_llama_cpp.py's grid."""
 
 from __future__ import annotations
 
@@ -24,11 +25,12 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("gguf-dsa")
 
 
-def _llama_checks(model, path):
+def _llama_checks(model, path, long: bool = False):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the GGUF peer): `make gguf-peer`")
     from kiln.interop.gguf_verify import PROMPTS, verify_gguf
 
-    checks = verify_gguf(path, model, prompts=PROMPTS[:2], n_greedy=16, n_kl_positions=128)
+    prompts = [" ".join(PROMPTS)] if long else PROMPTS[:2]  # long: 158 tokens, past one 128-token HCA block
+    checks = verify_gguf(path, model, prompts=prompts, n_greedy=16, n_kl_positions=128)
     return {c.name: c for c in checks}, "\n".join(c.line() for c in checks)
 
 
@@ -85,3 +87,57 @@ def test_v32_refusals(root, tmp_path):
     late_dense = tiny_dir(root, "deepseek_v32", first_k_dense_replace=0, mlp_layer_types=["sparse", "dense"])
     with pytest.raises(KilnError, match=r"layers \[1\] are dense after MoE layer 0"):
         write_gguf(load_pretrained(late_dense), tmp_path / "b.gguf")
+
+
+# ---- DeepSeek-V4 (deepseek4) ----------------------------------------------------------------------------------
+
+def test_v4_file_names_deepseek4(root):
+    """deepseek4's keys (named here: the gguf package has none), the hash table as int32, the grouped output
+    projection one matrix per group, the routed experts stacked; no MTP tensors."""
+    model = load_pretrained(tiny_dir(root, "deepseek_v4"))
+    r = gguf.GGUFReader(str(write_gguf(model, root / "v4.gguf", "f16")))
+    f = {k: v.contents() for k, v in r.fields.items() if not k.startswith("GGUF.")}
+    assert f["general.architecture"] == "deepseek4"
+    assert f["deepseek4.attention.compress_ratios"] == [0, 4, 128] and f["deepseek4.hash_layer_count"] == 1
+    assert (f["deepseek4.hyper_connection.count"], f["deepseek4.attention.output_group_count"]) == (4, 2)
+    t = {x.name: x for x in r.tensors}
+    assert t["blk.0.ffn_gate_tid2eid.weight"].tensor_type == gguf.GGMLQuantizationType.I32
+    assert "blk.0.exp_probs_b.bias" not in t and "blk.1.exp_probs_b.bias" in t
+    assert t["blk.1.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32  # the router stays f32
+    assert list(t["blk.0.attn_output_a.weight"].shape) == [256, 16, 2]  # ggml order: (in, o_lora_rank, groups)
+    assert list(t["blk.0.ffn_gate_exps.weight"].shape) == [64, model.config.moe_intermediate_size, 8]
+    assert "blk.1.indexer.attn_q_b.weight" in t and "blk.2.indexer.attn_q_b.weight" not in t  # CSA only
+    assert not any("nextn" in n or "mtp" in n for n in t)
+
+
+def test_v4_long_prompt_f32_and_hca_control(root, monkeypatch):
+    """158 tokens: CSA's indexer picks 3 of up to 39 compressed entries, HCA compresses its first 128-token block;
+    llama.cpp's logits are kiln's. Control: the HCA compressor's position bias rows reversed: the 2-prompt check
+    (under 128 tokens) cannot see it, the long prompt fails."""
+    model = load_pretrained(tiny_dir(root, "deepseek_v4"))
+    checks, text = _llama_checks(model, write_gguf(model, root / "v4-long" / "m.gguf", "f32"), long=True)
+    assert checks["f32 logits"].ok, text
+    fam = arch.GGUF_FAMILIES["deepseek_v4"]
+
+    def reversed_hca_ape(hf, c):
+        for name, kind, t in fam.named(hf, c):
+            yield name, kind, (t.flip(0) if name == "blk.2.attn_compressor_ape.weight" else t)
+
+    monkeypatch.setitem(arch.GGUF_FAMILIES, "deepseek_v4", dataclasses.replace(fam, named=reversed_hca_ape))
+    path = write_gguf(model, root / "v4-hca-control" / "m.gguf", "f32")
+    short, text = _llama_checks(model, path)
+    assert short["f32 logits"].ok, text
+    checks, text = _llama_checks(model, path, long=True)
+    assert not checks["f32 logits"].ok, text
+
+
+def test_v4_refusals(root, tmp_path):
+    """Refused by name: what llama.cpp's deepseek4 fixes (4 streams, hash-routed layers first) and a LoRA adapter
+    file (no name table to map kiln's adapted matrices through)."""
+    with pytest.raises(KilnError, match="4 hyper-connection streams"):
+        write_gguf(load_pretrained(tiny_dir(root, "deepseek_v4", hc_mult=2)), tmp_path / "a.gguf")
+    late_hash = tiny_dir(root, "deepseek_v4", mlp_layer_types=["moe", "hash_moe", "moe"])
+    with pytest.raises(KilnError, match="leading run"):
+        write_gguf(load_pretrained(late_hash), tmp_path / "b.gguf")
+    with pytest.raises(KilnError, match="64-wide"):
+        write_gguf(load_pretrained(tiny_dir(root, "deepseek_v4", head_dim=32)), tmp_path / "c.gguf")
