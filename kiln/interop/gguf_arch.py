@@ -22,20 +22,41 @@ RoPE scaling metadata (linear, YaRN) and the shared row helpers are in kiln.inte
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import gguf
 import torch
 
 from kiln.errors import KilnError
-from kiln.interop.gguf_deepseek import (dense_lead, dsa_checks, dsa_hparams, indexer_hparams, mla_bias, mla_hparams,
-                                      mla_rewritten, mla_tensors, mla_yarn, v32_checks)
+from kiln.interop.gguf_deepseek import (
+    dense_lead,
+    dsa_checks,
+    dsa_hparams,
+    indexer_hparams,
+    mla_bias,
+    mla_hparams,
+    mla_rewritten,
+    mla_tensors,
+    mla_yarn,
+    v32_checks,
+)
 from kiln.interop.gguf_deepseek4 import v4_checks, v4_hparams, v4_tensors
-from kiln.interop.gguf_encoder import (bert_checks, bert_hparams, encoder_tensors, modernbert_checks,
-                                     modernbert_hparams)
+from kiln.interop.gguf_encoder import (
+    bert_checks,
+    bert_hparams,
+    encoder_tensors,
+    modernbert_checks,
+    modernbert_hparams,
+)
 from kiln.interop.gguf_hybrid import hybrid_checks, hybrid_hparams, hybrid_tensors
-from kiln.interop.gguf_layout import Tensors, decoder_hparams, permute_heads, stack_experts, yarn_problem
+from kiln.interop.gguf_layout import (
+    Tensors,
+    decoder_hparams,
+    permute_heads,
+    stack_experts,
+    yarn_problem,
+)
 from kiln.models.common.rope import _base_inv_freq, _llama3
 
 

@@ -29,36 +29,30 @@ import re
 import gguf
 import torch
 
-from kiln.interop.gguf_layout import Tensors, permute_heads, rope_hparams, stack_experts, yarn_problem
+from kiln.interop.gguf_layout import (
+    Tensors,
+    attention_hparams,
+    permute_heads,
+    rope_hparams,
+    routed_expert_hparams,
+    stack_experts,
+    yarn_problem,
+)
 
 _MTP = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def mla_hparams(w: gguf.GGUFWriter, c) -> None:
     rope = c.rope_parameters or {}
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(1)
-    w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
-    w.add_value_length(c.kv_lora_rank)
+    attention_hparams(w, c, c.intermediate_size, 1, c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank,
+                      c.qk_rope_head_dim)
     w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
     w.add_value_length_mla(c.v_head_dim)
-    w.add_rope_dimension_count(c.qk_rope_head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
     rope_hparams(w, {"rope_theta": type(c).default_theta, **rope}, c.max_position_embeddings, mla=True)
     w.add_q_lora_rank(c.q_lora_rank or 0)
     w.add_kv_lora_rank(c.kv_lora_rank)
     w.add_leading_dense_block_count(_leading_dense(c))
-    w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    w.add_expert_count(c.n_routed_experts)
-    w.add_expert_used_count(c.num_experts_per_tok)
-    w.add_expert_shared_count(c.n_shared_experts)
-    w.add_expert_weights_scale(float(c.routed_scaling_factor))
-    w.add_expert_weights_norm(bool(c.norm_topk_prob))
+    routed_expert_hparams(w, c)
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if c.n_group > 1 and c.topk_group < c.n_group:
         w.add_expert_group_count(c.n_group)

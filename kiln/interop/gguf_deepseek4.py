@@ -15,12 +15,12 @@ Multi-token-prediction tensors are not written (llama.cpp runs the main model).
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import gguf
 import torch
 
-from kiln.interop.gguf_layout import Tensors
+from kiln.interop.gguf_layout import Tensors, attention_hparams, routed_expert_hparams
 
 SQRT_SOFTPLUS = 4  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS (the gguf package has no member)
 RATIOS = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
@@ -29,27 +29,13 @@ RATIOS = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_com
 def v4_hparams(w: gguf.GGUFWriter, c) -> None:
     a, n = w.arch, c.num_hidden_layers
     kinds = c.attention_kinds()
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(n)
-    w.add_feed_forward_length(c.moe_intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(1)  # one shared key = value head
-    w.add_key_length(c.dim_head)
-    w.add_value_length(c.dim_head)
-    w.add_rope_dimension_count(c.rope_dim)
+    # one shared key = value head
+    attention_hparams(w, c, c.moe_intermediate_size, 1, c.dim_head, c.dim_head, c.rope_dim)
     ropes = c.ropes()
     w.add_rope_freq_base(float(ropes["main"]["rope_theta"]))
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
     w.add_q_lora_rank(c.q_lora_rank)
     w.add_sliding_window(c.sliding_window)
-    w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    w.add_expert_count(c.n_routed_experts)
-    w.add_expert_used_count(c.num_experts_per_tok)
-    w.add_expert_shared_count(c.n_shared_experts)
-    w.add_expert_weights_scale(float(c.routed_scaling_factor))
-    w.add_expert_weights_norm(bool(c.norm_topk_prob))
+    routed_expert_hparams(w, c)
     w.add_uint32(f"{a}.expert_gating_func", SQRT_SOFTPLUS)
     w.add_array(f"{a}.swiglu_clamp_exp", [float(c.swiglu_limit)] * n)  # the shared expert's defaults to it
     w.add_indexer_head_count(c.index_n_heads)
