@@ -11,27 +11,52 @@ differs from HF's layout:
 - Qwen2 / Qwen3 / Qwen3-MoE: llama.cpp uses HF's half-split rotary order (NEOX), no permutation; the MoE
   family's per-expert matrices are stacked into one (E, out, in) tensor per projection.
 - Mamba: llama.cpp keeps A = -exp(A_log) and the depthwise conv kernel as (inner, kernel).
-- DeepSeek-V3 (deepseek2, MLA): kiln.interop.gguf_deepseek re-lays the HF tensors (`rewrite`).
+- DeepSeek-V3 (deepseek2, MLA), DeepSeek-V3.2 (deepseek32) and GLM-5 (glm-dsa), MLA + the DSA indexer:
+  kiln.interop.gguf_deepseek re-lays the HF tensors (`rewrite`).
 - Qwen3-Next / Qwen3.5 text (qwen3next, qwen35, qwen35moe): kiln.interop.gguf_hybrid.
+- DeepSeek-V4 (deepseek4): kiln.interop.gguf_deepseek4 names its tensors and keys itself (`named`; the installed
+  gguf package has no deepseek4).
 - BERT / ModernBERT embeddings (bert, modern-bert): kiln.interop.gguf_encoder.
 RoPE scaling metadata (linear, YaRN) and the shared row helpers are in kiln.interop.gguf_layout.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import gguf
 import torch
 
 from kiln.errors import KilnError
-from kiln.interop.gguf_deepseek import (dsa_checks, dsa_hparams, mla_bias, mla_hparams, mla_rewritten, mla_tensors,
-                                      mla_yarn)
-from kiln.interop.gguf_encoder import (bert_checks, bert_hparams, encoder_tensors, modernbert_checks,
-                                     modernbert_hparams)
+from kiln.interop.gguf_deepseek import (
+    dense_lead,
+    dsa_checks,
+    dsa_hparams,
+    indexer_hparams,
+    mla_bias,
+    mla_hparams,
+    mla_rewritten,
+    mla_tensors,
+    mla_yarn,
+    v32_checks,
+)
+from kiln.interop.gguf_deepseek4 import v4_checks, v4_hparams, v4_tensors
+from kiln.interop.gguf_encoder import (
+    bert_checks,
+    bert_hparams,
+    encoder_tensors,
+    modernbert_checks,
+    modernbert_hparams,
+)
 from kiln.interop.gguf_hybrid import hybrid_checks, hybrid_hparams, hybrid_tensors
-from kiln.interop.gguf_layout import Tensors, decoder_hparams, permute_heads, stack_experts, yarn_problem
+from kiln.interop.gguf_layout import (
+    Tensors,
+    decoder_hparams,
+    permute_heads,
+    stack_experts,
+    yarn_problem,
+)
 from kiln.models.common.rope import _base_inv_freq, _llama3
 
 
@@ -69,9 +94,12 @@ def _no_linear_bias(config) -> str | None:
     return "use_bias (in_proj / out_proj biases) has no tensor in llama.cpp's mamba" if config.use_bias else None
 
 
+Named = Callable[[Tensors, object], Iterator[tuple[str, "gguf.MODEL_TENSOR | None", torch.Tensor]]]
+
+
 @dataclass(frozen=True)
 class GgufFamily:
-    arch: gguf.MODEL_ARCH
+    arch: gguf.MODEL_ARCH | None                        # None: the gguf package has no such arch (`named`)
     hparams: Callable[[gguf.GGUFWriter, object], None]
     rope_types: tuple[str, ...] | None = None           # rope_type values llama.cpp reproduces (None: no rope)
     permute_qk: bool = False                            # Llama: rotary pairs adjacent in llama.cpp
@@ -81,9 +109,17 @@ class GgufFamily:
     rewrite: Callable[[Tensors, object], Tensors] | None = None  # HF tensors -> the names / layouts the map takes
     rewritten: Callable[[str, object], bool] | None = None       # (HF name, config): not kiln's matrix in the file
     encoder: bool = False                                       # pooled embeddings (gguf_encoder), no LM head
+    # the architecture the file names, where the bundled llama.cpp knows one the installed `gguf` package (0.19.0
+    # on PyPI) predates; tensor names then come from `arch`, whose name table is the same
+    file_arch: str | None = None
+    # HF tensors -> (llama.cpp name, the package's kind where it has one, tensor), for an arch with no name table
+    named: Named | None = None
 
     @property
     def name(self) -> str:
+        if self.file_arch is not None:
+            return self.file_arch
+        assert self.arch is not None, "a family without a gguf arch names its file_arch"
         return gguf.MODEL_ARCH_NAMES[self.arch]
 
 
@@ -114,15 +150,20 @@ GGUF_FAMILIES: dict[str, GgufFamily] = {
     "qwen3_moe": GgufFamily(gguf.MODEL_ARCH.QWEN3MOE, _moe_hparams, ("default", "linear", "yarn"), experts=True,
                             checks=(_all_layers_sparse, _topk_renormalised, _yarn)),
     "glm_moe_dsa": GgufFamily(gguf.MODEL_ARCH.GLM_DSA, dsa_hparams, ("default", "yarn"), rewrite=mla_tensors,
-                              rewritten=mla_rewritten, checks=(mla_yarn, mla_bias, dsa_checks)),
+                              rewritten=mla_rewritten, checks=(mla_yarn, mla_bias, dense_lead, dsa_checks)),
     "deepseek_v3": GgufFamily(gguf.MODEL_ARCH.DEEPSEEK2, mla_hparams, ("default", "yarn"), rewrite=mla_tensors,
                               rewritten=mla_rewritten, checks=(mla_yarn, mla_bias)),
+    # deepseek32's tensors are glm-dsa's less attn_kv_b (never written: kv_b is split into k_b / v_b)
+    "deepseek_v32": GgufFamily(gguf.MODEL_ARCH.GLM_DSA, indexer_hparams, ("default", "yarn"), rewrite=mla_tensors,
+                               rewritten=mla_rewritten, checks=(mla_yarn, mla_bias, dense_lead, v32_checks),
+                               file_arch="deepseek32"),
     "qwen3_next": GgufFamily(gguf.MODEL_ARCH.QWEN3NEXT, hybrid_hparams, ("default",), rewrite=hybrid_tensors,
                              checks=(hybrid_checks,)),
     "qwen3_5_text": GgufFamily(gguf.MODEL_ARCH.QWEN35, hybrid_hparams, ("default",), rewrite=hybrid_tensors,
                                checks=(hybrid_checks,)),
     "qwen3_5_moe_text": GgufFamily(gguf.MODEL_ARCH.QWEN35MOE, hybrid_hparams, ("default",), rewrite=hybrid_tensors,
                                    checks=(hybrid_checks,)),
+    "deepseek_v4": GgufFamily(None, v4_hparams, checks=(v4_checks,), named=v4_tensors, file_arch="deepseek4"),
     "bert": GgufFamily(gguf.MODEL_ARCH.BERT, bert_hparams, rewrite=encoder_tensors, checks=(bert_checks,),
                        encoder=True),
     "modernbert": GgufFamily(gguf.MODEL_ARCH.MODERN_BERT, modernbert_hparams, rewrite=encoder_tensors,
@@ -152,6 +193,9 @@ def gguf_family(model_type: str, config) -> GgufFamily:
 def gguf_tensors(fam: GgufFamily, c, hf: Tensors) -> Iterator[tuple[str, gguf.MODEL_TENSOR, torch.Tensor]]:
     """(GGUF name, its kind, tensor in HF orientation) for every tensor of the model, plus generated ones
     (rope_freqs)."""
+    if fam.named is not None:
+        yield from fam.named(hf, c)
+        return
     if fam.experts:
         hf = stack_experts(hf, c.num_hidden_layers, c.num_experts)
     if fam.rewrite is not None:

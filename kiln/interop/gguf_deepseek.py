@@ -18,6 +18,8 @@ What llama.cpp's deepseek2 loader and graph expect, and what kiln writes for it:
 
 GLM-5 (`glm-dsa`) is the same layout plus the DSA lightning indexer (its q_b, k with a biased LayerNorm, the per-head
 weights; rope on its first dims, adjacent pairs), the indexer keys and the full / shared layer types.
+DeepSeek-V3.2 (`deepseek32`) is GLM-5's layout with an indexer in every layer (no types key) whose rope turns
+halves (NEOX), as kiln's deepseek_v32 does; its loader reads `yarn_log_multiplier` like deepseek2's.
 """
 
 from __future__ import annotations
@@ -27,50 +29,65 @@ import re
 import gguf
 import torch
 
-from kiln.interop.gguf_layout import Tensors, permute_heads, rope_hparams, stack_experts, yarn_problem
+from kiln.interop.gguf_layout import (
+    Tensors,
+    attention_hparams,
+    permute_heads,
+    rope_hparams,
+    routed_expert_hparams,
+    stack_experts,
+    yarn_problem,
+)
 
 _MTP = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def mla_hparams(w: gguf.GGUFWriter, c) -> None:
     rope = c.rope_parameters or {}
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(1)
-    w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
-    w.add_value_length(c.kv_lora_rank)
+    attention_hparams(w, c, c.intermediate_size, 1, c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank,
+                      c.qk_rope_head_dim)
     w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
     w.add_value_length_mla(c.v_head_dim)
-    w.add_rope_dimension_count(c.qk_rope_head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
     rope_hparams(w, {"rope_theta": type(c).default_theta, **rope}, c.max_position_embeddings, mla=True)
     w.add_q_lora_rank(c.q_lora_rank or 0)
     w.add_kv_lora_rank(c.kv_lora_rank)
-    w.add_leading_dense_block_count(min(c.first_k_dense_replace, c.num_hidden_layers))
-    w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    w.add_expert_count(c.n_routed_experts)
-    w.add_expert_used_count(c.num_experts_per_tok)
-    w.add_expert_shared_count(c.n_shared_experts)
-    w.add_expert_weights_scale(float(c.routed_scaling_factor))
-    w.add_expert_weights_norm(bool(c.norm_topk_prob))
+    w.add_leading_dense_block_count(_leading_dense(c))
+    routed_expert_hparams(w, c)
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if c.n_group > 1 and c.topk_group < c.n_group:
         w.add_expert_group_count(c.n_group)
         w.add_expert_group_used_count(c.topk_group)
 
 
-def dsa_hparams(w: gguf.GGUFWriter, c) -> None:
-    """GLM-5 (glm-dsa): deepseek2's keys plus the lightning indexer's (heads, key length, top-k, which layers run
-    their own indexer: "full" ones, the "shared" ones reuse the last full layer's choice)."""
+def _leading_dense(c) -> int:
+    n = c.num_hidden_layers
+    return next((i for i in range(n) if c.is_sparse(i)), n)
+
+
+def indexer_hparams(w: gguf.GGUFWriter, c) -> None:
+    """DeepSeek-V3.2 (deepseek32): deepseek2's keys plus the lightning indexer's (heads, key length, top-k)."""
     mla_hparams(w, c)
     w.add_indexer_head_count(c.index_n_heads)
     w.add_indexer_key_length(c.index_head_dim)
     w.add_indexer_top_k(c.index_topk)
-    w.add_array(f"{w.arch}.attention.indexer.types", [t == "full" for t in c.indexer_types])
+
+
+def dsa_hparams(w: gguf.GGUFWriter, c) -> None:
+    """GLM-5 (glm-dsa): the indexer keys plus which layers run their own indexer ("full"; the "shared" ones reuse
+    the last full layer's choice)."""
+    indexer_hparams(w, c)
+    w.add_array(f"{w.arch}.attention.indexer.types", [c.sparse_attention(i) == "full"
+                                                      for i in range(c.num_hidden_layers)])
+
+
+def dense_lead(c) -> str | None:
+    """llama.cpp's MLA graphs take the dense layers as a leading run (`leading_dense_block_count`)."""
+    lead = _leading_dense(c)
+    late = [i for i in range(lead, c.num_hidden_layers) if not c.is_sparse(i)]
+    if late:
+        return (f"layers {late} are dense after MoE layer {lead} (mlp_layer_types); llama.cpp's MLA graphs take the "
+                "dense layers as one leading run")
+    return None
 
 
 def dsa_checks(c) -> str | None:
@@ -83,6 +100,15 @@ def dsa_checks(c) -> str | None:
                 "does), so its YaRN would not scale the softmax as kiln does".format(c.rope_parameters["rope_type"]))
     if c.index_head_dim % 64:
         return (f"index_head_dim {c.index_head_dim}: llama.cpp's glm-dsa rotates the indexer keys in 64-wide "
+                "Hadamard blocks")
+    return None
+
+
+def v32_checks(c) -> str | None:
+    if getattr(c, "index_interleave", False):
+        return "index_interleave is true; llama.cpp's deepseek32 indexer rotates halves (NEOX)"
+    if c.index_head_dim % 64:
+        return (f"index_head_dim {c.index_head_dim}: llama.cpp's deepseek32 rotates the indexer keys in 64-wide "
                 "Hadamard blocks")
     return None
 

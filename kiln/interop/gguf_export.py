@@ -91,7 +91,7 @@ def _plain_model(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
-def _tensor_type(kind: GgufType, tensor: gguf.MODEL_TENSOR, t: torch.Tensor) -> Q:
+def _tensor_type(kind: GgufType, tensor: gguf.MODEL_TENSOR | None, t: torch.Tensor) -> Q:
     if kind.qtype is None or t.dim() < 2 or kind.qtype == Q.F32 or tensor in _F32_TENSORS:
         return Q.F32
     block = gguf.GGML_QUANT_SIZES[kind.qtype][0]
@@ -178,6 +178,9 @@ def _write(model: PreTrainedModel, fam: GgufFamily, vocab, path: str, kind: Gguf
     write_vocab(w, vocab)
     with torch.no_grad():
         for gname, tensor, t in gguf_tensors(fam, config, model.hf_state_dict()):
+            if not t.is_floating_point():  # an index table (DeepSeek-V4's tid2eid): int32 as llama.cpp reads it
+                w.add_tensor(gname, t.to(torch.int32).cpu().numpy())
+                continue
             qtype = _tensor_type(kind, tensor, t)
             w.add_tensor(gname, _encode(t, qtype), raw_dtype=qtype)
     w.write_header_to_file()

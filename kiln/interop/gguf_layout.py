@@ -94,18 +94,35 @@ def rope_hparams(w: gguf.GGUFWriter, rope: dict, max_positions: int, mla: bool =
                 w.add_rope_scaling_attn_factors(a / yarn_mscale(factor))
 
 
-def decoder_hparams(w: gguf.GGUFWriter, c, rotary_dim: int | None = None) -> None:
-    """Attention decoders: hyperparameters under llama.cpp's keys ({arch}.context_length, ...); `rotary_dim` where
-    rope turns only part of each head (default: all of it)."""
+def attention_hparams(w: gguf.GGUFWriter, c, ff: int, kv_heads: int, key_length: int, value_length: int,
+                      rotary_dim: int) -> None:
+    """The shape keys every attention decoder writes ({arch}.context_length, ...), rope's own keys aside."""
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
+    w.add_feed_forward_length(ff)
     w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.kv_heads)
-    w.add_key_length(c.dim_head)
-    w.add_value_length(c.dim_head)
-    w.add_rope_dimension_count(c.dim_head if rotary_dim is None else rotary_dim)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(key_length)
+    w.add_value_length(value_length)
+    w.add_rope_dimension_count(rotary_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
+
+
+def routed_expert_hparams(w: gguf.GGUFWriter, c) -> None:
+    """DeepSeek-style MoE keys: routed experts' size, count and top-k, shared experts, the weights' scale and norm."""
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_count(c.n_routed_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_shared_count(c.n_shared_experts)
+    w.add_expert_weights_scale(float(c.routed_scaling_factor))
+    w.add_expert_weights_norm(bool(c.norm_topk_prob))
+
+
+def decoder_hparams(w: gguf.GGUFWriter, c, rotary_dim: int | None = None) -> None:
+    """Attention decoders: hyperparameters under llama.cpp's keys; `rotary_dim` where rope turns only part of each
+    head (default: all of it)."""
+    attention_hparams(w, c, c.intermediate_size, c.kv_heads, c.dim_head, c.dim_head,
+                      c.dim_head if rotary_dim is None else rotary_dim)
     rope_hparams(w, {"rope_theta": type(c).default_theta, **(c.rope_parameters or {})}, c.max_position_embeddings)

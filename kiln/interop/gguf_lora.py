@@ -37,6 +37,9 @@ def write_gguf_lora(model: PreTrainedModel, out: str | os.PathLike, name: str | 
         raise KilnError("--lora-adapter: adapters on stacked routed experts (target_parameters) have no GGUF "
                         "adapter layout; export with --merge instead")
     fam = gguf_family(config.model_type, config)
+    if fam.arch is None:
+        raise KilnError(f"--lora-adapter: {fam.name} has no name table in the installed gguf package, so kiln writes "
+                        "no GGUF adapter for it; export with --merge instead")
     names = gguf.get_tensor_name_map(fam.arch, config.num_hidden_layers)
     pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     scalings = set()

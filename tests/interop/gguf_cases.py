@@ -44,6 +44,22 @@ FAMILIES = {
                     "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "n_routed_experts": 8,
                     "num_experts_per_tok": 3, "n_shared_experts": 1, "first_k_dense_replace": 1,
                     "index_n_heads": 16, "index_head_dim": 64, "index_topk": 5},
+    # DeepSeek-V3.2: the GLM-5 sizes with DeepSeek-V3's 4 expert groups (2 kept), an indexer in every layer whose
+    # rope turns halves
+    "deepseek_v32": {"rope_parameters": DEFAULT_ROPE, "num_attention_heads": 4, "num_key_value_heads": 4,
+                     "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+                     "v_head_dim": 32, "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2,
+                     "n_shared_experts": 1, "first_k_dense_replace": 1, "index_n_heads": 16, "index_head_dim": 64,
+                     "index_topk": 5},
+    # DeepSeek-V4: what llama.cpp's deepseek4 fixes (4 streams, ratios 4 / 128, heads in 64-wide blocks), plain
+    # rope; 3 layers (sliding, CSA, HCA; hash-routed first); 16 indexer heads keeping 3 compressed entries (with 4,
+    # ReLU zeros tie entries at the 3rd score); 256 positions so a long prompt passes HCA's 128-token block
+    "deepseek_v4": {"hc_mult": 4, "head_dim": 128, "index_head_dim": 128, "index_n_heads": 16, "index_topk": 3,
+                    "q_lora_rank": 32, "o_lora_rank": 16, "max_position_embeddings": 256,
+                    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+                    "rope_parameters": {"main": {**DEFAULT_ROPE, "partial_rotary_factor": 0.5},
+                                        "compress": {"rope_type": "default", "rope_theta": 160000.0,
+                                                     "partial_rotary_factor": 0.5}}},
 }
 HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # DeepSeek-V3's release rope: yarn with mscale == mscale_all_dim (llama.cpp's deepseek2 assumes it)
@@ -67,7 +83,7 @@ def tiny_dir(root: Path, family: str, hidden: int = 64, **overrides) -> Path:
     sizes = dict(vocab_size=VOCAB, hidden_size=hidden, eos_token_id=2, pad_token_id=0, bos_token_id=None)
     if family != "mamba":  # attention decoders
         sizes.update(intermediate_size=2 * hidden, head_dim=hidden // 4, max_position_embeddings=128)
-    if family in ("qwen3_moe", "deepseek_v3", "glm_moe_dsa"):
+    if family in ("qwen3_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
         sizes["moe_intermediate_size"] = hidden if family == "qwen3_moe" else hidden // 2
     if family in HYBRIDS:
         sizes.update(num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
