@@ -30,8 +30,8 @@ from importlib import resources
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_grpo import SIZE  # noqa: E402
-from common import interleaved, peak_mb_above, report, rss_kb, setup_torch  # noqa: E402
+from bench_grpo import SIZE
+from common import interleaved, peak_mb_above, report, rss_kb, setup_torch
 
 PROMPTS, GENERATIONS, LR, ROWS, TOKENS, TOOL_ROUNDS = 2, 4, 1e-6, 64, 32, 2
 
@@ -71,9 +71,9 @@ def prepare(tmp: Path) -> None:
     template = (resources.files("trl") / "chat_templates" / "qwen2_5.jinja").read_text()
     sys.path.insert(0, str(tmp))
     (tmp / "bench_env.py").write_text(ENV, encoding="utf-8")
+    from bench_env import Calculator
     from transformers.utils import get_json_schema
 
-    from bench_env import Calculator
     from kiln.hub import ChatTemplate
 
     # the BPE learns the rendered prompts, tools block included (else that block is ~1 token a byte on both sides)
@@ -92,6 +92,7 @@ def prepare(tmp: Path) -> None:
 
 def run_kiln(tmp: Path, steps: int, warmup: int) -> dict:
     import torch  # noqa: F401
+
     from kiln.train import Callback
     from kiln.train.config import load_run_config
     from kiln.train.run import build_trainer

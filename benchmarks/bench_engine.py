@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import load_average, report, setup_torch  # noqa: E402
+from common import load_average, report, setup_torch
 
 SIZE = dict(vocab_size=151936, hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True,
@@ -146,7 +146,6 @@ def main() -> None:
     setup_torch()
     import torch
     import transformers
-
     from common import loaded_pair
 
     with tempfile.TemporaryDirectory() as tmp:

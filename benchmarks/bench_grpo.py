@@ -43,8 +43,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dpo import floor_note  # noqa: E402
-from common import interleaved, peak_mb_above, report, rss_kb, setup_torch  # noqa: E402
+from bench_dpo import floor_note
+from common import interleaved, peak_mb_above, report, rss_kb, setup_torch
 
 SIZE = dict(vocab_size=151936, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=4, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True,
@@ -86,6 +86,7 @@ KILN_SIDES = {"kiln": "", "old": 'rollout = "generate"', "exact": "exact_logprob
 
 def run_kiln(tmp: Path, steps: int, warmup: int, new_tokens: int, side: str = "kiln") -> dict:
     import torch  # noqa: F401  (imported before the baseline, as on the peer side)
+
     from kiln.train import Callback
     from kiln.train.config import load_run_config
     from kiln.train.recipes.grpo import GRPOEngine

@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dpo import BATCH, LR, MAX_LENGTH, prepare, timed_rate  # noqa: E402
-from common import interleaved, peak_mb_above, report, rss_kb, setup_torch  # noqa: E402
+from bench_dpo import BATCH, LR, MAX_LENGTH, prepare, timed_rate
+from common import interleaved, peak_mb_above, report, rss_kb, setup_torch
 
 BETA = 0.1
 
@@ -44,6 +44,7 @@ def unpair(tmp: Path) -> None:
 
 def run_kiln(tmp: Path, steps: int, warmup: int) -> dict:
     import torch  # noqa: F401  (imported before the baseline, as on the peer side)
+
     from kiln.train import Callback
     from kiln.train.config import load_run_config
     from kiln.train.run import build_trainer

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, bbc_articles, report  # noqa: E402
+from common import ROOT, bbc_articles, report
 
 GiB = 1024 ** 3
 # Qwen3 layout at ~1B: Qwen3's vocabulary, hidden 1536, 24 layers (between Qwen3-0.6B and -1.7B), tied.
@@ -358,9 +358,9 @@ def peer_first_step(model: Path, targets: list[str]) -> dict:
     """transformers + peft in this (fresh) process: from_pretrained + get_peft_model + one forward / backward /
     AdamW step on a batch of BATCH x MAX_LENGTH tokens; seconds from process start (as `kiln train` is timed
     from its process start) and this process's peak RSS."""
+    import peft
     import torch
     import transformers
-    import peft
 
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import launched_ranks, load_args, load_average, rank_load, rank_report, report  # noqa: E402
+from common import launched_ranks, load_args, load_average, rank_load, rank_report, report
 
 MiB = 1024 ** 2
 SHARD_BYTES = 100 * 1000 ** 2  # several files + the index, as a release shipped them
@@ -68,9 +68,9 @@ def mmap_load(model_dir: str, plan) -> tuple[int, int, float]:
     """Each rank's rows copied out of mapped shards: (the load's peak RSS rise, the bytes it holds, its seconds)."""
     import torch
     import torch.distributed as dist
+    from common import rss_kb
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from common import rss_kb
     from kiln.hub.weights import weight_files
     from kiln.parallel.apply import parallelize
     from kiln.parallel.sharded_load import empty_pretrained, loaded_bytes

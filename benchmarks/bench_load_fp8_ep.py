@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import launched_ranks, load_args, load_average, rank_load, rank_report, report  # noqa: E402
+from common import launched_ranks, load_args, load_average, rank_load, rank_report, report
 
 MiB = 1024 ** 2
 BLOCK = (128, 128)

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import launched_ranks, load_args, load_average, rank_load, rank_report, report  # noqa: E402
+from common import launched_ranks, load_args, load_average, rank_load, rank_report, report
 
 MiB = 1024 ** 2
 SHARD_SIZE = "100MB"  # several files + the index, as a release ships them

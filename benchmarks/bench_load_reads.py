@@ -24,15 +24,16 @@ import collections
 import json
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import safetensors  # noqa: E402
-import torch  # noqa: E402
+import safetensors
+import torch
 
-import kiln  # noqa: E402
+import kiln
 
 KILN_DIR = Path(kiln.__file__).resolve().parent
 
@@ -54,7 +55,7 @@ class Counter:
                         self._undo.append((mod, attr, value))
                         setattr(mod, attr, wrapped)
 
-    def __enter__(self) -> "Counter":
+    def __enter__(self) -> Counter:
         import kiln.hub.pickled as pickled
         import kiln.hub.resolve as resolve
 
@@ -125,7 +126,7 @@ class ModuleTrace:
         name = ".".join(rel.with_suffix("").parts)
         return None if name in ("errors", "constants") else name
 
-    def __enter__(self) -> "ModuleTrace":
+    def __enter__(self) -> ModuleTrace:
         depth_of: dict[int, int] = {}
 
         def prof(frame, event, arg):

@@ -18,9 +18,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_load as bl  # noqa: E402
-import bench_load_q4 as bq  # noqa: E402
-from common import report  # noqa: E402
+import bench_load as bl
+import bench_load_q4 as bq
+from common import report
 
 GiB = 1024 ** 3
 

@@ -71,8 +71,8 @@ def chat(model_dir: Path = typer.Argument(..., help="An HF causal-LM directory w
     Replies show reasoning (think>), tool calls (call> name(arguments)) and text (bot>); after a tool
     call the prompt is tool> and the line typed is the tool's result."""
     from kiln.data.sft import chat_prompt_ids, image_chat_prompt
-    from kiln.hub.chat import parse_reply
     from kiln.engine.continuer import Continuer
+    from kiln.hub.chat import parse_reply
 
     _sampling(max_new_tokens, temperature, top_k, top_p, seed)  # every flag checked before the model loads
     tools = _read_tools(tools_file)

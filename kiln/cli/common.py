@@ -21,14 +21,14 @@ import os
 import sys
 import tempfile
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import typer
 
 from kiln.cli.output import note
-from kiln.constants import EXIT_PEER_LOST, EXIT_STOPPED, LAUNCH_DIR_ENV  # noqa: F401 (the table)
-from kiln.constants import LAUNCH_PEER_LOST_PREFIX
+from kiln.constants import EXIT_PEER_LOST, EXIT_STOPPED, LAUNCH_DIR_ENV, LAUNCH_PEER_LOST_PREFIX  # noqa: F401 (the table)
 from kiln.errors import KilnError
 
 # Exit codes of `kiln train` (README, "Exit codes"): what a scheduler script needs to decide on a requeue.

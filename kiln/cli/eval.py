@@ -46,14 +46,14 @@ def load_for_eval(target: Path) -> tuple[Any, Path]:
 def eval_cmd(target: Path = typer.Argument(..., help="A causal-LM directory, a run directory (its newest "
                                                     "checkpoint) or a checkpoint RUN_DIR/ckpt-N."),
              tasks: str = typer.Option(..., "--tasks", help="Comma-separated lm-eval task names."),
-             include: Optional[List[Path]] = typer.Option(None, "--include", help="A folder of task YAMLs of your "
+             include: list[Path] | None = typer.Option(None, "--include", help="A folder of task YAMLs of your "
                                                           "own (local data files work offline); repeatable."),
-             num_fewshot: Optional[int] = typer.Option(None, "--num-fewshot"),
-             limit: Optional[int] = typer.Option(None, "--limit", help="At most this many documents per task."),
+             num_fewshot: int | None = typer.Option(None, "--num-fewshot"),
+             limit: int | None = typer.Option(None, "--limit", help="At most this many documents per task."),
              batch_size: int = typer.Option(8, "--batch-size"),
              device: str = typer.Option("cpu", "--device"),
              seed: int = typer.Option(0, "--seed"),
-             out_file: Optional[Path] = typer.Option(None, "--out", help=f"Results JSON (default: {RESULTS_FILE} "
+             out_file: Path | None = typer.Option(None, "--out", help=f"Results JSON (default: {RESULTS_FILE} "
                                                      "in the run or model directory).")) -> None:
     """Score a model on lm-evaluation-harness tasks (log-likelihood, rolling log-likelihood, generation)."""
     from kiln.interop.lmeval import evaluate

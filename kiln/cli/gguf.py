@@ -30,8 +30,8 @@ def _load(source: Path):
     return load_pretrained(source)
 
 
-def export_gguf(source: Path, out_file: Path, gguf_type: str, merge: bool, system: Optional[str],
-                overwrite: bool, lora_adapter: bool = False, imatrix: Optional[Path] = None) -> None:
+def export_gguf(source: Path, out_file: Path, gguf_type: str, merge: bool, system: str | None,
+                overwrite: bool, lora_adapter: bool = False, imatrix: Path | None = None) -> None:
     from kiln.interop.gguf_export import gguf_type as check_type
     from kiln.interop.gguf_export import write_gguf
 
@@ -65,7 +65,7 @@ def export_gguf(source: Path, out_file: Path, gguf_type: str, merge: bool, syste
               f"Ollama Modelfile: {path.with_name('Modelfile')}")
 
 
-def verify_gguf_cmd(path: Path, source: Optional[Path], lora: Optional[Path] = None) -> None:
+def verify_gguf_cmd(path: Path, source: Path | None, lora: Path | None = None) -> None:
     """`source`: the model directory (a run or checkpoint already resolved to its model/)."""
     from kiln.interop.gguf_verify import verify_gguf
 

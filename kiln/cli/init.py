@@ -49,8 +49,7 @@ TOPICS = {
     "tech": "software computer internet phone users digital network mobile games broadband online chip "
             "device data security website",
 }
-FILLER = ("the a said on in this year new last week after more than its their was will be has have it "
-          "for with at by from").split()
+FILLER = ["the", "a", "said", "on", "in", "this", "year", "new", "last", "week", "after", "more", "than", "its", "their", "was", "will", "be", "has", "have", "it", "for", "with", "at", "by", "from"]
 
 
 def _article(rng: random.Random, topic: str) -> str:

@@ -102,7 +102,7 @@ def plan_inputs(cfg, nproc: int, device: str, source: str = "run config") -> tup
 def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."),
          nproc: int = typer.Option(1, "--nproc", help="Processes the run is launched on "
                                                       "(kiln launch --nproc-per-node)."),
-         gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="Memory of one GPU, e.g. 80GiB; "
+         gpu_memory: str | None = typer.Option(None, "--gpu-memory", help="Memory of one GPU, e.g. 80GiB; "
                                                   "the plan is then for device cuda."),
          set_: list[str] = typer.Option([], "--set", help="Override a run-config key: section.key=value; "
                                                           "repeatable."),

@@ -22,7 +22,6 @@ from torch.distributed.run import parse_args, run
 
 from kiln.constants import EXIT_PEER_LOST, EXIT_STOPPED, LAUNCH_CAUSE_FILE, LAUNCH_DIR_ENV, LAUNCH_PEER_LOST_PREFIX
 
-
 # failures torchrun saw within this many seconds of the first came from one event (its SIGKILL of a rank that
 # outlived SIGTERM comes after its shutdown grace, 30 s)
 _SAME_MOMENT_S = 5

@@ -17,16 +17,16 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Sequence as Seq
 
 import torch
 
 from kiln.engine.exact import log_softmax_rows
 from kiln.engine.params import MAX_TOP_LOGPROBS, SamplingParams
 from kiln.engine.sampling import request_generator, sample
-from kiln.engine.score import runner_for
 from kiln.engine.scheduler import Request, Scheduler, Sequence
+from kiln.engine.score import runner_for
 from kiln.errors import KilnError
 
 _KV_BYTES_DEFAULT = 1 << 30  # the default pool holds at most 1 GiB of keys and values

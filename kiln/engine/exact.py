@@ -24,7 +24,7 @@ kernels are built; the tests compare a request alone with the same request among
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.nn import functional as F

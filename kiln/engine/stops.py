@@ -13,7 +13,8 @@ is held back until a later token decides it (`finish()` releases it when the seq
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from kiln.errors import KilnError
 

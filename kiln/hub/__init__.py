@@ -3,10 +3,18 @@
 This layer imports nothing else of kiln except `kiln.errors`.
 """
 
-from kiln.hub.config import read_config, write_config
-from kiln.hub.weights import load_weights, save_weights, weight_files
-from kiln.hub.tokenizer import Tokenizer
 from kiln.hub.chat import CHATML_TEMPLATE, ChatTemplate
+from kiln.hub.config import read_config, write_config
+from kiln.hub.tokenizer import Tokenizer
+from kiln.hub.weights import load_weights, save_weights, weight_files
 
-__all__ = ["read_config", "write_config", "load_weights", "save_weights", "weight_files", "Tokenizer", "ChatTemplate",
-           "CHATML_TEMPLATE"]
+__all__ = [
+           "CHATML_TEMPLATE",
+           "ChatTemplate",
+           "Tokenizer",
+           "load_weights",
+           "read_config",
+           "save_weights",
+           "weight_files",
+           "write_config",
+]

@@ -114,7 +114,7 @@ class SpanReader:
         s = self.spans[key]
         return _read_into_alignment(self.f, s.offset, s.nbytes, s.dtype, list(s.shape))
 
-    def get_slice(self, key: str) -> "_SpanSlice":
+    def get_slice(self, key: str) -> _SpanSlice:
         return _SpanSlice(self.f, self.spans[key])
 
 
@@ -171,7 +171,7 @@ class CarriedRef:
     dequantized: tuple[str, str, tuple[int, int] | None] | None = None
 
     @classmethod
-    def from_row(cls, row: dict[str, Any]) -> "CarriedRef":
+    def from_row(cls, row: dict[str, Any]) -> CarriedRef:
         """A reference as `dataclasses.asdict` wrote it to JSON (lists back to tuples)."""
         deq = row.get("dequantized")
         if deq is not None:
@@ -196,7 +196,7 @@ class CheckpointIndex:
         self._file_of: dict[str, Path] = {}
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "CheckpointIndex":
+    def open(cls, path: str | os.PathLike) -> CheckpointIndex:
         """The index of a model directory or Hub repo id (resolved here, once)."""
         return cls(resolve_model_dir(path))
 

@@ -174,7 +174,7 @@ def load(name: str, source: str) -> ctypes.CDLL | None:
         return lib
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def glibc(symbol: str) -> Any:
     """The C library's function `symbol` (Linux only), or None where there is none (another OS, musl without
     glibc's malloc tuning). For the heap controls: kiln.parallel.memory_heap, kiln.models.common.tied_grad."""

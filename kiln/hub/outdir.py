@@ -15,8 +15,8 @@ import os
 import shutil
 import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from kiln.errors import KilnError
 from kiln.hub.files import fsync_dir

@@ -48,8 +48,14 @@ def resolve_model_dir(name_or_path: str | os.PathLike, cache_dir: str | os.PathL
     shown = f"{repo}@{revision}" if revision else repo
     try:
         from huggingface_hub import constants, snapshot_download
-        from huggingface_hub.utils import (GatedRepoError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
-                                           RepositoryNotFoundError, RevisionNotFoundError)
+        from huggingface_hub.utils import (
+            GatedRepoError,
+            HfHubHTTPError,
+            HFValidationError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
     except ImportError:
         raise KilnError(f"{shown}: no such directory; to load it as a Hub repo id, install huggingface_hub "
                         "(pip install 'kiln[hub]')") from None

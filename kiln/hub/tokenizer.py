@@ -76,7 +76,7 @@ class Tokenizer:
 
     # ---- loading and saving -------------------------------------------------------------
     @classmethod
-    def from_dir(cls, model_dir: str | os.PathLike) -> "Tokenizer":
+    def from_dir(cls, model_dir: str | os.PathLike) -> Tokenizer:
         model_dir = Path(model_dir)
         tc, sm = model_dir / "tokenizer_config.json", model_dir / "special_tokens_map.json"
         config = read_json(tc, want=dict) if tc.is_file() else {}
@@ -189,7 +189,7 @@ class Tokenizer:
             tpl = (self.source_dir / "chat_template.jinja").read_text(encoding="utf-8")
         return tpl
 
-    def chat(self) -> "ChatTemplate":
+    def chat(self) -> ChatTemplate:
         """The chat template, ready to render with this tokenizer's special tokens."""
         from kiln.hub.chat import ChatTemplate
 

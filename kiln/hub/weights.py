@@ -16,9 +16,14 @@ from safetensors.torch import save_file
 
 from kiln.hub.config import write_json_atomic
 from kiln.hub.files import as_umask_allows
-from kiln.hub.headers import BIN_INDEX, SAFE_INDEX, SAFE_SINGLE
+
 # the reading names, where callers have long imported them from (kiln.hub.index reads)
-from kiln.hub.headers import weight_files  # noqa: F401
+from kiln.hub.headers import (
+    BIN_INDEX,
+    SAFE_INDEX,
+    SAFE_SINGLE,
+    weight_files,  # noqa: F401
+)
 from kiln.hub.index import Span, SpanReader, load_weights, read_into, tensor_spans  # noqa: F401
 
 

@@ -308,7 +308,7 @@ def _chat_checks(llm, llama_cpp, model) -> list[Check]:
     checks.append(Check("llama-cpp-python Jinja chat rendering", ok, detail))
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
     ends = {t: tok.backend.token_to_id(t) for t in ([specials["eos_token"]] if "eos_token" in specials else [])
-            + list((chat_format(tok).end_of_turn if chat_format(tok) else ()))}
+            + list(chat_format(tok).end_of_turn if chat_format(tok) else ())}
     not_eog = [t for t, i in ends.items() if i is None or not llama_cpp.llama_vocab_is_eog(vocab, i)]
     checks.append(Check("end-of-turn tokens end generation", bool(ends) and not not_eog,
                         f"{', '.join(ends)} end generation in llama.cpp" if ends and not not_eog

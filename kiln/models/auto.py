@@ -15,21 +15,45 @@ import torch
 
 from kiln.errors import ConfigError
 from kiln.hub import Tokenizer, read_config
-from kiln.hub.index import CheckpointIndex
-from kiln.hub.resolve import resolve_model_dir
-from kiln.models import (albert, bert, deberta_v2, distilbert, llama, mamba, modernbert, qwen2, qwen3, qwen3_moe,
-                         roberta, xlm_roberta)
-from kiln.models import deepseek_v3, deepseek_v32, deepseek_v4, glm_moe_dsa
-from kiln.models import qwen3_5, qwen3_next, vit
 from kiln.hub.bnb4 import bnb4_scheme_from_config
 from kiln.hub.fp8 import scheme_from_config
+from kiln.hub.index import CheckpointIndex
+from kiln.hub.resolve import resolve_model_dir
+from kiln.models import (
+    albert,
+    bert,
+    deberta_v2,
+    deepseek_v3,
+    deepseek_v4,
+    deepseek_v32,
+    distilbert,
+    glm_moe_dsa,
+    llama,
+    mamba,
+    modernbert,
+    qwen2,
+    qwen3,
+    qwen3_5,
+    qwen3_moe,
+    qwen3_next,
+    roberta,
+    vit,
+    xlm_roberta,
+)
 from kiln.models.common.fp8 import prepare_fp8
-from kiln.models.common.quant4 import prepare_bnb4, quantize_model
 from kiln.models.common.lora import has_adapter, load_adapter
+from kiln.models.common.quant4 import prepare_bnb4, quantize_model
 from kiln.models.config import FamilyConfig
 from kiln.models.pretrained import Family, PreTrainedModel
-from kiln.models.tasks import (BASE, CAUSAL_LM, IMAGE_CLASSIFICATION, MASKED_LM, QUESTION_ANSWERING,
-                              SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION)
+from kiln.models.tasks import (
+    BASE,
+    CAUSAL_LM,
+    IMAGE_CLASSIFICATION,
+    MASKED_LM,
+    QUESTION_ANSWERING,
+    SEQUENCE_CLASSIFICATION,
+    TOKEN_CLASSIFICATION,
+)
 
 REGISTRY: dict[str, Family] = {
     # encoders

@@ -12,7 +12,6 @@ from typing import Any, ClassVar
 
 from kiln.errors import ConfigError
 
-
 # Sizes a model is built from, by transformers' names, checked for every family whose config has them before
 # anything is built: a zero or negative one fails deep inside (a modulo by zero, a tensor of negative size, a
 # reshape of 0 elements at the first forward) with an error that names no key.
@@ -61,7 +60,7 @@ class FamilyConfig:
 
     # ---- dict round trip ------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "config.json") -> "FamilyConfig":
+    def from_dict(cls, data: dict[str, Any], source: str = "config.json") -> FamilyConfig:
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs: dict[str, Any] = {}
         extra: dict[str, Any] = {}
@@ -125,5 +124,5 @@ class FamilyConfig:
         out["model_type"] = self.model_type
         return out
 
-    def replace(self, **changes: Any) -> "FamilyConfig":
+    def replace(self, **changes: Any) -> FamilyConfig:
         return dataclasses.replace(self, **changes)

@@ -9,9 +9,9 @@ ones every causal backbone shares (`common/causal_lm.py`): the base model and ba
 from __future__ import annotations
 
 import math
-
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -25,8 +25,17 @@ from kiln.models.parallel_plan import ParallelPlan
 from kiln.models.pretrained import Family, TaskSpec
 from kiln.models.tasks import BASE, CAUSAL_LM, SEQUENCE_CLASSIFICATION
 
-__all__ = ["CausalLMOutput", "DECODER_PLAN", "DecoderConfig", "DecoderModel", "ForCausalLM", "SPECIALS",
-           "base_attention", "build_decoder", "decoder_family"]
+__all__ = [
+    "DECODER_PLAN",
+    "SPECIALS",
+    "CausalLMOutput",
+    "DecoderConfig",
+    "DecoderModel",
+    "ForCausalLM",
+    "base_attention",
+    "build_decoder",
+    "decoder_family",
+]
 
 
 @dataclass

@@ -9,7 +9,7 @@ the others finish. Positions follow the attention mask (pads do not count).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -9,8 +9,8 @@ maps one kiln tensor to many HF tensors: experts held stacked in kiln, one tenso
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -186,7 +186,7 @@ class KeyMap:
         hit = self._apply(kiln_key, self._to_hf, "hf")
         return None if hit is None else hit[0]
 
-    def prefixed(self, kiln_prefix: str, hf_prefix: str) -> "KeyMap":
+    def prefixed(self, kiln_prefix: str, hf_prefix: str) -> KeyMap:
         """The same rules under module prefixes on both sides (e.g. `model.` and `bert.`)."""
         def join(p: str, s: str) -> str:
             return f"{p}.{s}" if p and s else (p or s)
@@ -194,5 +194,5 @@ class KeyMap:
                        for s in self.stacks]
                       + [Rule(join(kiln_prefix, r.kiln), join(hf_prefix, r.hf), r.step) for r in self.rules])
 
-    def __add__(self, other: "KeyMap") -> "KeyMap":
+    def __add__(self, other: KeyMap) -> KeyMap:
         return KeyMap(self.stacks + other.stacks + self.rules + other.rules)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class TaskSpec:
     architecture: str                          # HF class name written to config.json
-    build: Callable[[Any], "PreTrainedModel"]  # config -> model (on the current default device)
+    build: Callable[[Any], PreTrainedModel]  # config -> model (on the current default device)
     keys: KeyMap = field(default_factory=lambda: KeyMap([]))  # kiln head names <-> HF head names
 
 
@@ -70,7 +71,7 @@ class Family:
     parallel_plan: ParallelPlan | None = None  # how kiln.parallel may split it (None: blocks found by size, no TP/EP)
     tiny: Tiny | None = None  # its tiny test model (None: the verify matrix and parity tests fail it by name)
 
-    def with_tiny(self, tiny: Tiny) -> "Family":
+    def with_tiny(self, tiny: Tiny) -> Family:
         return replace(self, tiny=tiny)
 
     def keymap(self, task: str) -> KeyMap:
@@ -85,7 +86,7 @@ class Family:
                 return task
         return None
 
-    def build(self, config: FamilyConfig, task: str) -> "PreTrainedModel":
+    def build(self, config: FamilyConfig, task: str) -> PreTrainedModel:
         if task not in self.tasks:
             raise ConfigError(f"model_type {self.model_type!r} has no {task!r} head; it has: {', '.join(self.tasks)}")
         model = self.tasks[task].build(config)
@@ -128,8 +129,8 @@ class PreTrainedModel(nn.Module):
     task: str
     config: FamilyConfig
     tokenizer: Tokenizer | None = None
-    fp8_state: "Fp8State | None" = None     # an FP8 base: its scheme and the pairs written back (common/fp8.py)
-    bnb4_state: "Bnb4State | None" = None   # a 4-bit base: written back under bitsandbytes' names (common/quant4.py)
+    fp8_state: Fp8State | None = None     # an FP8 base: its scheme and the pairs written back (common/fp8.py)
+    bnb4_state: Bnb4State | None = None   # a 4-bit base: written back under bitsandbytes' names (common/quant4.py)
 
     def __init__(self) -> None:
         super().__init__()
@@ -297,7 +298,7 @@ def dtype_message(source: str, name: str, got: torch.dtype, want: torch.dtype, m
             "wrong or holds another tensor under this name")
 
 
-def stored_dtype_problems(model: "PreTrainedModel", hf: dict[str, torch.Tensor], source: str) -> list[str]:
+def stored_dtype_problems(model: PreTrainedModel, hf: dict[str, torch.Tensor], source: str) -> list[str]:
     """One message per stored tensor (by its HF name) whose kind differs from what `model` (built on meta is
     enough) holds under that name: what a load refuses, for `kiln inspect` to say without loading. Packed
     low-precision weights (integer bytes beside their scales: FP4 experts, bitsandbytes 4-bit) are a quantized

@@ -31,14 +31,23 @@ from kiln.models.common.mlp import GatedMLP
 from kiln.models.common.moe import SharedExpertMoEBlock
 from kiln.models.common.norms import ZeroCenteredRMSNorm
 from kiln.models.common.rope import MRotaryEmbedding
+from kiln.models.decoder_lm import SPECIALS
 from kiln.models.keymap import KeyMap, Stack
 from kiln.models.mtp import TrainsMtp
-from kiln.models.decoder_lm import SPECIALS
 from kiln.models.pretrained import Family, TaskSpec, Tiny
+from kiln.models.qwen3_5_vision import ImageTextForCausalLM as VisionTextForCausalLM
+from kiln.models.qwen3_5_vision import VisionConfig
 from kiln.models.qwen3_moe import EXPERT_KEYS
-from kiln.models.qwen3_5_vision import ImageTextForCausalLM as VisionTextForCausalLM, VisionConfig
-from kiln.models.qwen3_next import (TINY_HYBRID, TINY_HYBRID_MOE, HybridConfig, HybridForCausalLM, attention,
-                                   build_hybrid, deltanet, hybrid_family)
+from kiln.models.qwen3_next import (
+    TINY_HYBRID,
+    TINY_HYBRID_MOE,
+    HybridConfig,
+    HybridForCausalLM,
+    attention,
+    build_hybrid,
+    deltanet,
+    hybrid_family,
+)
 from kiln.models.tasks import CAUSAL_LM
 
 

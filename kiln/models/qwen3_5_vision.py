@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from pathlib import Path
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,7 +55,7 @@ class VisionConfig:
     rope_theta: float = 10000.0
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None, source: str = "config.json") -> "VisionConfig":
+    def from_dict(cls, data: dict[str, Any] | None, source: str = "config.json") -> VisionConfig:
         data = dict(data or {})
         rope = data.pop("rope_parameters", None) or {}
         if rope.get("rope_type", "axial") != "axial":

@@ -39,7 +39,7 @@ class Task(str):
     encoder_head = False             # one of the five heads every encoder family has
     target_keys: tuple[str, ...] = ("labels",)  # batch keys that are targets, not model inputs
 
-    def __new__(cls, name: str) -> "Task":
+    def __new__(cls, name: str) -> Task:
         return super().__new__(cls, name)
 
     # ---- data -------------------------------------------------------------------------------

@@ -30,10 +30,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, get_state_dict,
-                                                     set_optimizer_state_dict, set_state_dict)
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 
 from kiln.errors import KilnError
 from kiln.hub.bnb4 import bnb4_scheme_from_config
@@ -41,12 +46,14 @@ from kiln.hub.config import write_config, write_json_atomic
 from kiln.hub.jsonio import read_json
 from kiln.models.common.lora import LoraConfig, apply_lora, linear_names, merge_lora
 from kiln.models.common.lora_experts import HOLDER, has_expert_lora
-from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS, dequantize_bnb4_model, is_4bit, prepare_bnb4_modules
+from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS
+from kiln.models.common.quant4 import dequantize_bnb4_model, is_4bit, prepare_bnb4_modules
 from kiln.models.tasks import BASE
-from kiln.parallel.sharded_carried import HOLDERS as CARRIED, as_written, load_written, read_refs, write_refs
-from kiln.parallel.sharded_fp8_export import (PAIRS, decisions as fp8_decisions, held_pairs, place_fp8,
-                                              restore as restore_fp8)
-
+from kiln.parallel.sharded_carried import HOLDERS as CARRIED
+from kiln.parallel.sharded_carried import as_written, load_written, read_refs, write_refs
+from kiln.parallel.sharded_fp8_export import PAIRS, held_pairs, place_fp8
+from kiln.parallel.sharded_fp8_export import decisions as fp8_decisions
+from kiln.parallel.sharded_fp8_export import restore as restore_fp8
 
 LORA_FILE = "lora.json"  # a LoRA run's adapter settings (kiln's LoraConfig fields), beside model/config.json
 

@@ -58,7 +58,7 @@ class CadenceSection(Section):
     average: Literal["params", "grads"] = "params"  # what is averaged (weighted by batches done) at a sync
 
     @model_validator(mode="after")
-    def _check(self) -> "CadenceSection":
+    def _check(self) -> CadenceSection:
         if not 1 <= self.anchor <= self.max_staleness:
             raise ValueError(f"parallel.cadence.anchor must be within 1..max_staleness ({self.max_staleness}), "
                              f"got {self.anchor}")
@@ -93,7 +93,7 @@ class ParallelSection(Section):
     collective_timeout: Positive = COLLECTIVE_TIMEOUT_S  # seconds a collective waits for a peer (gloo and nccl)
 
     @model_validator(mode="after")
-    def _check(self) -> "ParallelSection":
+    def _check(self) -> ParallelSection:
         for name in ("tp", "ep", "pp", "cp", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")

@@ -9,7 +9,7 @@ mix of plain and DTensor gradients (torch's stacks per-tensor norms, which mixed
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist

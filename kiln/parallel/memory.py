@@ -34,17 +34,36 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Mapping
 
 from kiln.errors import ConfigError
 from kiln.parallel import memory_q4
 from kiln.parallel.memory_hybrid import HybridDims, deltanet_block_bytes, gated_attention_extra
-from kiln.parallel.memory_inputs import (MLP_TARGETS, QKV_TARGETS, ModelDims, Param, RunSettings,
-                                         check_shapes, params_from_headers)
+from kiln.parallel.memory_inputs import (
+    MLP_TARGETS,
+    QKV_TARGETS,
+    ModelDims,
+    Param,
+    RunSettings,
+    check_shapes,
+    params_from_headers,
+)
 
-__all__ = ["ModelDims", "Param", "RunSettings", "RankMemory", "MemoryPlan", "check_shapes", "params_from_headers",
-           "block_activation_bytes", "plan_memory", "alternatives", "fmt_bytes", "parse_size"]
+__all__ = [
+    "MemoryPlan",
+    "ModelDims",
+    "Param",
+    "RankMemory",
+    "RunSettings",
+    "alternatives",
+    "block_activation_bytes",
+    "check_shapes",
+    "fmt_bytes",
+    "params_from_headers",
+    "parse_size",
+    "plan_memory",
+]
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2

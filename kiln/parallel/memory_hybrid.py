@@ -10,8 +10,9 @@ normalized tensor, so with a trainable weight that tensor is kept in float32 (4 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from kiln.parallel.memory_inputs import MLP_TARGETS, ModelDims
 
@@ -31,7 +32,7 @@ class HybridDims:
     conv_kernel: int = 4
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> "HybridDims | None":
+    def from_config(cls, cfg: Mapping[str, Any]) -> HybridDims | None:
         """From a Qwen3-Next / Qwen3.5 config.json (its text_config for the image-text ones); None for a config
         without the DeltaNet's sizes (`linear_num_value_heads`: any other family) or without linear-attention
         layers. A missing `layer_types` is every `full_attention_interval`-th layer (4) full."""

@@ -6,8 +6,9 @@ whose shapes are checked against config.json. No torch.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from kiln.errors import ConfigError, WeightsError
 from kiln.parallel import memory_q4
@@ -47,7 +48,7 @@ class ModelDims:
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], source: str = "config.json", output_gate: bool = False
-                    ) -> "ModelDims":
+                    ) -> ModelDims:
         cfg = dict(cfg.get("text_config") or {}, **{k: v for k, v in cfg.items() if k != "text_config"}) \
             if isinstance(cfg.get("text_config"), dict) else dict(cfg)
 

@@ -26,8 +26,9 @@ matmul, the largest weight's at a time. No torch here.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 BLOCKSIZE, NESTED_BLOCKSIZE = 64, 256          # kiln.hub.bnb4
 CHUNK_BYTES = 1 << 19                          # kiln.models.common.quant4._CHUNK_BYTES

@@ -17,8 +17,9 @@ sharded_carried), and the export reads them from there. A whole load holds them:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn

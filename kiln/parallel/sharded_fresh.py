@@ -19,7 +19,8 @@ whole model), FP8 or 4-bit bases, a fresh buffer, and a tensor the checkpoint ow
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -55,15 +55,15 @@ from kiln.errors import WeightsError
 from kiln.hub import Tokenizer
 from kiln.hub.bnb4 import bnb4_scheme_from_config
 from kiln.hub.fp8 import scale_renames, scheme_from_config
-from kiln.hub.pickled import NotInPlace
 from kiln.hub.index import CheckpointIndex, Span, read_into
+from kiln.hub.pickled import NotInPlace
 from kiln.models.auto import apply_changes, config_of_dir
 from kiln.models.load_plan import DeferredRead
 from kiln.models.pretrained import LoadReport, PreTrainedModel
 from kiln.models.tasks import BASE
 from kiln.parallel.sharded_carried import note_carried, placeholders, read_keys
-from kiln.parallel.sharded_fp8_export import note_pairs
 from kiln.parallel.sharded_fp8 import dequantized_pairs, needs_pairs, note_unheld, read_dequantized, whole_piece
+from kiln.parallel.sharded_fp8_export import note_pairs
 from kiln.parallel.sharded_fresh import init_fresh, start_draws, with_adapter
 from kiln.parallel.sharded_q4 import WholeLoad4, place_q4, q4_keys, q4_names, read_q4
 from kiln.parallel.sharded_stage import HostStage, host_stage
@@ -87,7 +87,7 @@ def lean_pretrained(path: str | os.PathLike, task: str | None, seed: int | None,
     model, groups = empty
     q4 = q4_names(model)
     missing = [n for n, _ in (*model.named_parameters(), *model.named_buffers()) if n not in groups and n not in q4]
-    if missing and not init_fresh(model, index, missing, seed) or not with_adapter(model, index.root, seed,
+    if (missing and not init_fresh(model, index, missing, seed)) or not with_adapter(model, index.root, seed,
                                                                                      init_adapters):
         return None  # a new head or an adapter that only a whole load puts on (kiln.parallel.sharded_fresh)
     model.deferred_read.seed = seed
@@ -426,7 +426,7 @@ def _read_experts(target: torch.Tensor, sources: list[tuple[str, str]], spans: d
     local, run = _local(target).detach(), _row_run(target)
     dtype = spans[sources[0][0]].dtype
     if run is None or not local.is_contiguous() or (stage is None and local.device.type != "cpu") \
-            or not (local.dtype == dtype or local.dtype == torch.uint8 and dtype.itemsize == 1):
+            or not (local.dtype == dtype or (local.dtype == torch.uint8 and dtype.itemsize == 1)):
         return False
     parts, dim = len(stack.hf), stack.dim
     num = max(e for _, e in slots) + 1

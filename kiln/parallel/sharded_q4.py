@@ -66,7 +66,7 @@ def place_q4(model: nn.Module, groups: dict[str, list[tuple[str, str]]], index: 
     scheme = bnb4.bnb4_scheme_from_config(extra, str(path / "config.json"))
     if scheme is None and quantize is None:
         return None
-    if (scheme is not None and quantize is not None) or "quantization_config" in extra and scheme is None \
+    if (scheme is not None and quantize is not None) or ("quantization_config" in extra and scheme is None) \
             or type(model).load_hf_state_dict is not PreTrainedModel.load_hf_state_dict:
         raise WholeLoad4(f"{path}: this 4-bit base loads whole")
     if scheme is not None:

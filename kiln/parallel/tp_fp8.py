@@ -12,7 +12,7 @@ per-tensor scale (no blocks) is one number and stays whole on every rank.
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn

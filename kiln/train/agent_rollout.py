@@ -19,8 +19,9 @@ instead of prefilled again; kiln's `generate` where the engine does not run the 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -64,10 +65,10 @@ class Dialect:
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, generation: bool) -> str:
         return self.template.render(messages, add_generation_prompt=generation, tools=tools or None)
 
-    def check(self) -> "Dialect":
+    def check(self) -> Dialect:
         where = self.template.source
         if not self.eos_texts:
-            raise ConfigError(f"[grpo] env/tools: the model has no end-of-turn (EOS) token to end a turn on")
+            raise ConfigError("[grpo] env/tools: the model has no end-of-turn (EOS) token to end a turn on")
         probe = [{"role": "user", "content": "kiln probe"}]
         if "kiln_probe_tool" not in self.render(probe, [_PROBE_TOOL], True):
             raise ConfigError(f"{where}: the chat template does not render `tools` (a tool's name is missing from "

@@ -23,27 +23,58 @@ import re
 import tomllib
 import types
 import typing
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Mapping, Protocol, Sequence
+from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from kiln.errors import ConfigError, KilnError
 from kiln.hub.resolve import parse_repo_id
 from kiln.models.tasks import SEQUENCE_CLASSIFICATION, get_task
+
 # The [parallel] table lives beside the plans it configures; re-exported as part of the run config.
-from kiln.parallel.config import (CadenceSection, Dropout, Finite, Fraction, NonNegative, ParallelSection, Positive,
-                                  Section, finite)
+from kiln.parallel.config import (
+    CadenceSection,
+    Dropout,
+    Finite,
+    Fraction,
+    NonNegative,
+    ParallelSection,
+    Positive,
+    Section,
+    finite,
+)
 
 if typing.TYPE_CHECKING:  # finite() builds an Annotated float at run time; the checker sees the float
     Beta = float
 else:
     Beta = finite(ge=0, lt=1)  # an Adam moment's decay
 
-__all__ = ["Section", "ModelSection", "DataSection", "TrainSection", "LoraSection", "ParallelSection",
-           "CadenceSection", "RunConfig", "RunSchema", "use_run_schema", "load_run_config", "parse_run_config",
-           "parse_override", "apply_overrides", "check_freeze_specs", "model_config_overrides",
-           "Dropout", "Finite", "Fraction", "NonNegative", "Positive", "finite"]  # bounded floats, from [parallel]
+__all__ = [
+    "CadenceSection",
+    "DataSection",
+    "Dropout",
+    "Finite",
+    "Fraction",
+    "LoraSection",
+    "ModelSection",
+    "NonNegative",
+    "ParallelSection",
+    "Positive",
+    "RunConfig",
+    "RunSchema",
+    "Section",
+    "TrainSection",
+    "apply_overrides",
+    "check_freeze_specs",
+    "finite",
+    "load_run_config",
+    "model_config_overrides",
+    "parse_override",
+    "parse_run_config",
+    "use_run_schema",
+]  # bounded floats, from [parallel]
 
 
 class ModelSection(Section):
@@ -69,7 +100,7 @@ class ModelSection(Section):
             raise ValueError(str(e).removeprefix("model.task: ")) from None
 
     @model_validator(mode="after")
-    def _source(self) -> "ModelSection":
+    def _source(self) -> ModelSection:
         if (self.path is None) == (self.family is None):
             raise ValueError("set exactly one of model.path (an HF directory) or model.family (build from scratch)")
         if self.labels is not None and self.num_labels is not None and len(self.labels) != self.num_labels:
@@ -85,7 +116,7 @@ class DataSection(Section):
     max_length: int = 128                # tokens per example (pre-training: per window)
 
     @model_validator(mode="after")
-    def _check(self) -> "DataSection":
+    def _check(self) -> DataSection:
         if self.max_length < 1:
             raise ValueError(f"data.max_length must be >= 1, got {self.max_length}")
         return self
@@ -143,7 +174,7 @@ class TrainSection(Section):
         return check_freeze_specs(value)
 
     @model_validator(mode="after")
-    def _check(self) -> "TrainSection":
+    def _check(self) -> TrainSection:
         if self.steps is None and self.epochs is None:
             raise ValueError("set train.steps or train.epochs")
         if self.eval_batches is not None and self.eval_batches < 1:

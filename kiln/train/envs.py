@@ -27,9 +27,10 @@ import asyncio
 import inspect
 import json
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from kiln.errors import ConfigError
 from kiln.train.usercode import Abandoned, UserCodeError, UserTimeout, call_user  # noqa: F401  (re-exported)

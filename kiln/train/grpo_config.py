@@ -72,7 +72,7 @@ class GRPOSection(Section):
         return {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
 
     @model_validator(mode="after")
-    def _check(self) -> "GRPOSection":
+    def _check(self) -> GRPOSection:
         if self.num_generations < 2:
             raise ValueError(f"grpo.num_generations must be >= 2, got {self.num_generations}: advantages compare "
                              "the completions of one prompt with each other, and a group of 1 has nothing to compare")

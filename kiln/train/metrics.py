@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kiln.train.trackers import open_trackers, scalars
-
 
 REJECTED = "metrics.rejected.jsonl"
 

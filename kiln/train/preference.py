@@ -26,7 +26,7 @@ from torch.nn import functional as F
 LossType = Literal["sigmoid", "ipo", "hinge", "simpo", "orpo"]
 REFERENCE_FREE = ("simpo", "orpo")
 LEARNS_CHOSEN = ("orpo",)  # a loss with an NLL term on the chosen reply: a pair with chosen = rejected still teaches
-__all__ = ["LossType", "PairLosses", "REFERENCE_FREE", "log1mexp", "preference_losses"]
+__all__ = ["REFERENCE_FREE", "LossType", "PairLosses", "log1mexp", "preference_losses"]
 
 
 @dataclass

@@ -12,8 +12,9 @@ process's device, as the policy's), frozen and in eval mode.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

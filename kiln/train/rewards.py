@@ -23,9 +23,10 @@ import importlib.util
 import math
 import re
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -54,7 +55,7 @@ def format_reward(pattern: str) -> RewardFn:
     """1.0 where the whole completion matches `pattern` (re.fullmatch, DOTALL), else 0.0."""
     compiled = re.compile(pattern, re.DOTALL)
 
-    def format(prompts: list, completions: list, **_: Any) -> list[float]:  # noqa: A001  (the metric's name)
+    def format(prompts: list, completions: list, **_: Any) -> list[float]:
         return [float(compiled.fullmatch(_text(c)) is not None) for c in completions]
 
     return format

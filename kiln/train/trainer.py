@@ -28,8 +28,9 @@ import itertools
 import math
 import os
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from pydantic import ValidationError
@@ -46,11 +47,11 @@ from kiln.parallel.config import ParallelSection
 from kiln.parallel.sharded_load import init_adapters, read_shards
 from kiln.parallel.world import World, barrier, gather_objects, init_world, pick_device
 from kiln.train import checkpoint as ckpt
-from kiln.train.fp8 import swap_fp8
 from kiln.train import fallback, lock, plans, preempt
-from kiln.train.config import TrainSection
 from kiln.train.checks import check_train_args
+from kiln.train.config import TrainSection
 from kiln.train.engine import StepEngine
+from kiln.train.fp8 import swap_fp8
 from kiln.train.metrics import MetricsLog, ProgressBar
 from kiln.train.optim import OptimizerFactory, adamw, freeze, lr_factor, param_groups, set_lr
 from kiln.train.resume import check_resume, model_fingerprint, reseed
@@ -62,25 +63,25 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 class Callback:
     """Hooks into the loop; override what you need. `record` is the metrics.jsonl line."""
 
-    def on_setup(self, trainer: "Trainer", step: int) -> None:
+    def on_setup(self, trainer: Trainer, step: int) -> None:
         """Before weights load and the optimizer exists (`step`: the resumed step, 0 when fresh); may reshape the model."""
-    def wrap_engine(self, trainer: "Trainer", engine: StepEngine) -> StepEngine:
+    def wrap_engine(self, trainer: Trainer, engine: StepEngine) -> StepEngine:
         """The engine that takes this run's steps (kiln.train.engine): return `engine`, or one wrapping it."""
         return engine
 
-    def before_update(self, trainer: "Trainer") -> None:
+    def before_update(self, trainer: Trainer) -> None:
         """Gradients hold the mean over every unit of the window (before clipping): a last change to them."""
-    def state_dict(self, trainer: "Trainer") -> dict[str, Any] | None:
+    def state_dict(self, trainer: Trainer) -> dict[str, Any] | None:
         """Called on every rank at each save (may be collective); rank 0's result goes into the checkpoint."""
         return None
 
-    def load_state_dict(self, trainer: "Trainer", state: dict[str, Any]) -> None:
+    def load_state_dict(self, trainer: Trainer, state: dict[str, Any]) -> None:
         """On resume, every rank gets what `state_dict` saved (after the Trainer's own state is restored)."""
-    def on_step(self, trainer: "Trainer", record: dict[str, Any]) -> None:
+    def on_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
         """After each step; keys added to `record` go into its metrics.jsonl line."""
-    def on_eval(self, trainer: "Trainer", metrics: dict[str, float]) -> None: ...
-    def on_save(self, trainer: "Trainer", path: Path) -> None: ...
-    def on_end(self, trainer: "Trainer") -> None: ...
+    def on_eval(self, trainer: Trainer, metrics: dict[str, float]) -> None: ...
+    def on_save(self, trainer: Trainer, path: Path) -> None: ...
+    def on_end(self, trainer: Trainer) -> None: ...
 
 
 _FAST_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # no cuDNN (Trainer.autocast)
@@ -89,7 +90,7 @@ class Trainer:
     def __init__(self, model: nn.Module | Callable[[torch.device], nn.Module], data: Loader | Sequence[dict], *,
                  optimizer: OptimizerFactory | None = None, step: StepFn | None = None,
                  eval_data: Sequence[dict] | None = None,
-                 evaluate: Callable[["Trainer"], dict[str, float]] | None = None,
+                 evaluate: Callable[[Trainer], dict[str, float]] | None = None,
                  callbacks: Sequence[Callback] = (), args: TrainSection | None = None,
                  resume: str | Path | None = None, run_config: dict | None = None,
                  objectives: Any = None, parallel: ParallelSection | None = None,
@@ -296,7 +297,7 @@ class Trainer:
             stack.enter_context(sdpa_kernel(_FAST_SDPA))
         return stack
 
-    def fit(self) -> "Trainer":
+    def fit(self) -> Trainer:
         """Train to `steps` (or `epochs`), evaluating and saving on schedule; returns self, its model back on
         the exact path (training ran the fast one unless `train.exact`)."""
         try:

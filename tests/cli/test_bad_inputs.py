@@ -9,15 +9,15 @@ from __future__ import annotations
 import errno
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
 from typer.testing import CliRunner
 
-from tests.cli.bad_inputs_world import World, build_world, snapshot, write_toml
 from kiln.cli.main import app
+from tests.cli.bad_inputs_world import World, build_world, snapshot, write_toml
 from tests.kiln_cli import kiln_cli
 
 

@@ -10,9 +10,9 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from tests.cli.bad_inputs_world import write_toml
 from kiln.cli.main import app
 from kiln.errors import KilnError
+from tests.cli.bad_inputs_world import write_toml
 
 
 def test_a_bug_keeps_its_traceback_and_a_user_error_does_not(monkeypatch, tmp_path):

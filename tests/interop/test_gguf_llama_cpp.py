@@ -14,11 +14,11 @@ from typer.testing import CliRunner
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the GGUF peer): `make gguf-peer` "
                                         "builds it from source once and installs it")
 
-from kiln.cli.main import app  # noqa: E402
-from kiln.interop.gguf_export import write_gguf  # noqa: E402
-from kiln.interop.gguf_verify import PROMPTS, verify_gguf  # noqa: E402
-from kiln.models.auto import load_pretrained  # noqa: E402
-from tests.interop.gguf_cases import DEEPSEEK_YARN, FAMILIES, tiny_dir  # noqa: E402
+from kiln.cli.main import app
+from kiln.interop.gguf_export import write_gguf
+from kiln.interop.gguf_verify import PROMPTS, verify_gguf
+from kiln.models.auto import load_pretrained
+from tests.interop.gguf_cases import DEEPSEEK_YARN, FAMILIES, tiny_dir
 
 FEW = PROMPTS[:2]  # the CLI checks 10 prompts x 32 tokens; the tests keep to 2 x 16 on 2 shared cores
 

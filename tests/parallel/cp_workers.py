@@ -21,7 +21,6 @@ from kiln.parallel.apply import parallelize
 from kiln.parallel.grads import clip_grad_norm
 from kiln.train.recipes.moe import MoeLosses, MoeSection
 from kiln.train.steps import default_step
-
 from tests.parallel import workers
 
 LLAMA = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,

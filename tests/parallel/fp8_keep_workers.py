@@ -214,8 +214,8 @@ def tp_steps(rank: int, world: int, model_dir: str, out: str) -> None:
     from kiln.parallel.apply import parallelize
     from kiln.parallel.sharded_load import empty_pretrained, read_shards
     from kiln.parallel.sharded_stage import HostStage
-    from kiln.parallel.tp_fp8 import fp8_splits
     from kiln.parallel.tp import tensor_plan
+    from kiln.parallel.tp_fp8 import fp8_splits
     from kiln.train.config import ParallelSection
 
     class Noting(HostStage):

@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor
 from kiln.hub import index as weights  # where a read into place lives (SpanReader)
 from kiln.models.auto import load_config, load_pretrained
 from kiln.models.common.lora import LoraConfig, apply_lora, has_adapter
-from kiln.parallel.apply import parallelize
 from kiln.parallel import sharded_load
+from kiln.parallel.apply import parallelize
 from kiln.parallel.sharded_carried import HOLDERS
 from kiln.parallel.sharded_load import empty_pretrained, init_adapters, loaded_bytes, read_shards
 from kiln.train.config import ParallelSection

@@ -15,9 +15,8 @@ import torch
 from torch import nn
 
 from kiln.parallel.cadence import CadencePlanner, fit_to_budget
-from tests.spawn import spawn
-
 from tests.parallel import cadence_workers as cw
+from tests.spawn import spawn
 
 TOTAL, DELAY = 200, 0.02
 # max_staleness below anchor + max_batch_diff, so the staleness bound is what caps the fast rank

@@ -9,14 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.spawn import spawn
-
-from tests.parallel import cp_workers
-from tests.parallel import workers
 from kiln.constants import IGNORE_INDEX
 from kiln.errors import ConfigError, KilnError
 from kiln.models.common.loss import shift_labels
-from kiln.parallel.context import ContextParallel, chunk_index, check_model, gather_sequence
+from kiln.parallel.context import ContextParallel, check_model, chunk_index, gather_sequence
+from tests.parallel import cp_workers, workers
+from tests.spawn import spawn
 
 JOBS_2 = [("cp-2", "qwen3", "plain", {"cp": 2}),
           ("cp-2-ring-packed", "qwen3", "packed", {"cp": 2, "cp_method": "ring"}),
@@ -195,7 +193,8 @@ def test_gathered_chunks_come_back_in_row_order(monkeypatch):
 
 
 def test_cp_with_tp_ep_or_pp_is_refused_by_message():
-    from kiln.parallel.mesh import Degrees, check_model as check_degrees
+    from kiln.parallel.mesh import Degrees
+    from kiln.parallel.mesh import check_model as check_degrees
 
     model = workers.build("qwen3")
     for other in ({"tp": 2}, {"pp": 2}):

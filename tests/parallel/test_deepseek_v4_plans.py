@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.spawn import spawn
-
 from tests.parallel import workers
+from tests.spawn import spawn
 
 JOBS = [("fsdp-ac-2-deepseek-v4", "deepseek_v4", {"fsdp": True, "activation_checkpointing": "block"}),
         ("fsdp-ep-2-deepseek-v4", "deepseek_v4", {"fsdp": True, "ep": 2})]  # expert shards: FSDP units of their own

@@ -14,7 +14,6 @@ from kiln.parallel.blocks import apply_activation_checkpointing, compile_blocks,
 from kiln.parallel.ep import expert_modules
 from kiln.parallel.mesh import Degrees, check_model, resolve_degrees
 from kiln.train.config import ParallelSection, parse_run_config
-
 from tests.parallel import workers
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.spawn import spawn
-
 from tests.parallel import workers
+from tests.spawn import spawn
 
 
 @pytest.mark.slow

@@ -11,10 +11,10 @@ import torch
 
 from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
-
 from tests.parallel import test_kiln_train_cp as cp_run
 from tests.parallel import test_kiln_train_pipeline as pp_run
-from tests.parallel.sft_runs import losses as _losses, make_data
+from tests.parallel.sft_runs import losses as _losses
+from tests.parallel.sft_runs import make_data
 
 RUNS = [("pp-1f1b", pp_run, {"pp": 2}), ("pp-interleaved", pp_run, {"pp": 2, "pp_schedule": "interleaved"}),
         ("cp-allgather", cp_run, {"cp": 2}), ("cp-ring", cp_run, {"cp": 2, "cp_method": "ring"}),

@@ -14,8 +14,9 @@ import torch
 from kiln.hub import load_weights
 from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
-
-from tests.parallel.sft_runs import launch as _launch, losses as _losses, make_data, run_toml
+from tests.parallel.sft_runs import launch as _launch
+from tests.parallel.sft_runs import losses as _losses
+from tests.parallel.sft_runs import make_data, run_toml
 
 CHATS = [[{"role": "user", "content": f"what is {a} times {b}?"}, {"role": "assistant", "content": f"{a * b}."}]
          for a in range(6) for b in range(4)]

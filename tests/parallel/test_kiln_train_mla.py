@@ -17,9 +17,7 @@ from kiln.interop.tiny import TINY
 from kiln.parallel.checkpoint import is_sharded
 from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
-
-from tests.parallel.sft_runs import make_data, run_toml
-from tests.parallel.sft_runs import launch, losses, weights
+from tests.parallel.sft_runs import launch, losses, make_data, run_toml, weights
 
 # the query latent on (q_lora_rank), as the released DeepSeek-V3 has it; vocabulary of the BPE tokenizer
 MLA = {"deepseek_v3": {**TINY["deepseek_v3"], "q_lora_rank": 24},

@@ -19,9 +19,10 @@ from kiln.interop.verify import verify_export
 from kiln.parallel.checkpoint import export_sharded, is_sharded
 from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
-
 from tests.kiln_cli import kiln_cli
-from tests.parallel.sft_runs import CHATS, DENSE as TWO_BLOCKS, launch as _launch, make_data, run_toml
+from tests.parallel.sft_runs import CHATS, make_data, run_toml
+from tests.parallel.sft_runs import DENSE as TWO_BLOCKS
+from tests.parallel.sft_runs import launch as _launch
 
 HELD_OUT = CHATS[:6]
 DENSE = {**TWO_BLOCKS, "num_hidden_layers": 4}

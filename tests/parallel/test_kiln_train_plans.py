@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.parallel.checkpoint import is_sharded
 from kiln.hub import load_weights
 from kiln.interop.verify import verify_export
+from kiln.parallel.checkpoint import is_sharded
 from kiln.train.checkpoint import verify_checkpoint
 from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
-
 from tests.kiln_cli import kiln_cli
 from tests.parallel.sft_runs import DENSE, launch, losses, make_data, run_toml, weights
 

@@ -13,7 +13,6 @@ import pytest
 from kiln.errors import ConfigError
 from kiln.parallel.config import ParallelSection
 from kiln.parallel.memory_heap import pays_off
-
 from tests.kiln_cli import REPO
 
 CHILD = """

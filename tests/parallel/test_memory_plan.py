@@ -16,8 +16,16 @@ from typer.testing import CliRunner
 
 from kiln.errors import ConfigError, WeightsError
 from kiln.hub.headers import TensorHeader, read_headers
-from kiln.parallel.memory import (ModelDims, RunSettings, alternatives, block_activation_bytes, check_shapes,
-                                  params_from_headers, parse_size, plan_memory)
+from kiln.parallel.memory import (
+    ModelDims,
+    RunSettings,
+    alternatives,
+    block_activation_bytes,
+    check_shapes,
+    params_from_headers,
+    parse_size,
+    plan_memory,
+)
 
 # A tiny Qwen3-shaped model: hidden 8, 2 layers, 2 heads of 4 over 1 kv head, MLP 12, vocab 16, untied head.
 CONFIG = dict(model_type="qwen3", hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -278,7 +286,7 @@ def write_checkpoint(d: Path, shards: int = 2, bad: dict | None = None) -> Path:
         part = names[i::shards]
         fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         save_file({k: torch.zeros(shapes[k], dtype=torch.bfloat16) for k in part}, str(d / fname))
-        weight_map.update({k: fname for k in part})
+        weight_map.update(dict.fromkeys(part, fname))
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return d
 

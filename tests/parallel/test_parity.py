@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.spawn import spawn
-
 from tests.parallel import workers
+from tests.spawn import spawn
 
 JOBS_2 = [("fsdp-2", "qwen3", {"fsdp": True}),
           ("tp-2", "qwen3", {"tp": 2}),

@@ -13,9 +13,8 @@ import torch
 
 from kiln.errors import ConfigError
 from kiln.parallel.apply import parallelize
-from tests.spawn import spawn
-
 from tests.parallel import pipeline_workers as workers
+from tests.spawn import spawn
 
 JOBS_2 = [("gpipe-2", {"pp": 2, "pp_schedule": "gpipe"}),
           ("1f1b-2", {"pp": 2}),

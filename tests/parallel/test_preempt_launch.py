@@ -21,7 +21,6 @@ import torch
 
 from kiln.parallel.checkpoint import is_sharded
 from kiln.train import lock
-
 from tests.kiln_cli import REPO, kiln_cli
 from tests.parallel.sft_runs import losses, make_data, run_toml, weights
 

@@ -12,11 +12,10 @@ from unittest import mock
 import pytest
 import torch
 
-from tests.parallel.sft_runs import DENSE, launch, losses, make_data, run_toml
-
 from kiln.hub import load_weights
 from kiln.train.config import load_run_config
 from kiln.train.run import build_trainer
+from tests.parallel.sft_runs import DENSE, launch, losses, make_data, run_toml
 
 STEPS, GLOBAL_BATCH = 4, 4
 

@@ -6,15 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.parallel.checkpoint import export_sharded, load_sharded
-from tests.spawn import spawn
 from kiln.errors import KilnError
 from kiln.hub import load_weights
 from kiln.interop.verify import verify_export
-
-from tests.parallel import workers
-
+from kiln.parallel.checkpoint import export_sharded, load_sharded
 from tests.kiln_cli import kiln_cli
+from tests.parallel import workers
+from tests.spawn import spawn
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import torch
 from safetensors import safe_open
 
 from kiln.errors import KilnError
-
 from kiln.models.auto import load_pretrained
 from kiln.parallel.sharded_carried import CARRIED_FILE
 from kiln.parallel.sharded_load import lean_pretrained, load_to_device, read_shards

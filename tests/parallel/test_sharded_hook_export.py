@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from kiln.interop.export import export_model
 from kiln.errors import KilnError
+from kiln.interop.export import export_model
 from kiln.parallel.checkpoint import export_sharded, save_sharded
 from kiln.parallel.sharded_carried import CARRIED_FILE
 from kiln.parallel.sharded_load import lean_pretrained, read_shards
@@ -30,7 +30,7 @@ def _files(d) -> dict[str, dict[str, torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def runs(hook_dirs, tmp_path_factory):  # noqa: F811
+def runs(hook_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("hook_export")
     mtp = root / "fused-mtp"  # the fused release with an MTP tensor its family carries (hf_passthrough)
     shutil.copytree(hook_dirs["fused"], mtp)
@@ -138,7 +138,7 @@ def _dcp_carried(ckpt) -> list[str]:
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # a sharded save in one process, meant
-def test_a_carried_tensor_whose_source_is_gone_or_changed_is_named_at_export(hook_dirs, tmp_path):  # noqa: F811
+def test_a_carried_tensor_whose_source_is_gone_or_changed_is_named_at_export(hook_dirs, tmp_path):
     """A run read shard by shard recorded where its MTP layer lies, not its bytes: exporting after the source file
     changed or went away names the tensor and the file, and writes nothing."""
     src = tmp_path / "src"

@@ -14,9 +14,8 @@ from kiln.hub.weights import tensor_spans, weight_files
 from kiln.models.auto import AutoConfig, from_config, load_pretrained
 from kiln.parallel.sharded_load import empty_pretrained, load_to_device, read_shards
 from kiln.parallel.sharded_stage import HostStage
-from tests.spawn import spawn
-
 from tests.parallel import sharded_load_workers as sw
+from tests.spawn import spawn
 
 QWEN3 = dict(vocab_size=99, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
@@ -412,7 +411,7 @@ def test_each_rank_reads_what_a_whole_load_then_shard_gives(rank_results, mode, 
             assert r["expert_dtypes"] == ["torch.float32", "torch.float8_e4m3fn"], r
         if mode in ("fsdp", "pp"):  # every tensor split over 2 ranks, or 2 stages: about half the model each
             assert r["bytes"] <= 0.6 * r["whole_bytes"], r
-        if mode.startswith("tp") or mode == "fsdp-deq" and name != "v4mtp":  # each rank its rows or columns (under
+        if mode.startswith("tp") or (mode == "fsdp-deq" and name != "v4mtp"):  # each rank its rows or columns (under
             assert r["read_whole"] == [], r["read_whole"]  # fsdp its part of them) by slice reads, FP8 scale blocks too
         if mode == "ep-deq" or (mode, name) == ("fsdp-deq", "v4mtp"):  # a stack of FP8 (V4: packed FP4) experts to
             # dequantize is read whole (one at a time), then cut

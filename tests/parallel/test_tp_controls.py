@@ -14,9 +14,8 @@ import os
 import pytest
 import torch
 
-from tests.spawn import spawn
-
 from tests.parallel import workers
+from tests.spawn import spawn
 
 
 def _without_shared_key(rank: int, world: int, out: str) -> None:
@@ -39,7 +38,7 @@ def test_mla_tp_without_the_shared_key_sum_differs(tmp_path):
 
 
 def _shares_round_trip(rank: int, world: int, out: str) -> None:
-    from kiln.parallel.tp import _GatherRows, _TakeRows, _row_sizes
+    from kiln.parallel.tp import _GatherRows, _row_sizes, _TakeRows
 
     x = torch.arange(5 * 3, dtype=torch.float32).view(5, 3).requires_grad_()  # 5 rows over 2 ranks: 3 + 2
     sizes = _row_sizes(5, world)

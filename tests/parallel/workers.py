@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from kiln.interop.tiny import TINY
+from kiln.models.auto import AutoConfig, from_config
 from kiln.parallel.apply import parallelize
 from kiln.parallel.blocks import plan_of
 from kiln.parallel.config import ParallelSection
 from kiln.parallel.grads import clip_grad_norm
-from kiln.interop.tiny import TINY
-from kiln.models.auto import AutoConfig, from_config
 
 DENSE = {**TINY["qwen3"], "intermediate_size": 40}
 MOE = {**TINY["qwen3_moe"], "mlp_only_layers": [], "intermediate_size": 40}  # tp checks the (unused) dense size

@@ -13,7 +13,6 @@ from kiln.errors import ConfigError
 from kiln.train import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.run import build_trainer
-
 from tests.train.agent_helpers import MODEL_CONFIG, make_tokenizer
 
 

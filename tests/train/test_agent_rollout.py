@@ -16,7 +16,6 @@ import torch
 from kiln.errors import ConfigError
 from kiln.train import agent_rollout as ar
 from kiln.train.envs import EnvSpec, EpisodeError, Obs, as_obs, as_tool, call_user
-
 from tests.train.agent_helpers import ADD, Calculator, GuessEnv, make_model, make_tokenizer
 
 EOS = 2

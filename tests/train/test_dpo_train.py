@@ -17,7 +17,14 @@ from kiln.train.config import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.recipes.dpo import CACHE, adapters_off
 from kiln.train.run import build_trainer
-from tests.train.dpo_helpers import QWEN3, model_section, arithmetic_pairs, chatterbot_pairs, make_tokenizer, write_jsonl
+from tests.train.dpo_helpers import (
+    QWEN3,
+    arithmetic_pairs,
+    chatterbot_pairs,
+    make_tokenizer,
+    model_section,
+    write_jsonl,
+)
 from tests.train.train_helpers import kiln
 
 

@@ -9,8 +9,17 @@ import types
 import pytest
 import torch
 
-from kiln.train.grpo_loss import (LOSS_TYPES, LossSpec, advantages, clipped, combine_rewards, is_correction,
-                                  loss_parts, rloo_advantages, token_loss)
+from kiln.train.grpo_loss import (
+    LOSS_TYPES,
+    LossSpec,
+    advantages,
+    clipped,
+    combine_rewards,
+    is_correction,
+    loss_parts,
+    rloo_advantages,
+    token_loss,
+)
 
 CLASSIC = ["grpo", "dr_grpo", "dapo", "bnpo"]
 MAX_NEW = 7

@@ -17,7 +17,6 @@ from kiln.errors import ConfigError, KilnError
 from kiln.train import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.run import build_trainer
-
 from tests.kiln_cli import kiln
 
 LOW = 100  # the learnable reward: the share of completion tokens with an id below this (a third of the vocabulary)

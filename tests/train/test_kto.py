@@ -19,8 +19,14 @@ from kiln.train.config import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.recipes.kto import KTORun, KTOSection
 from kiln.train.run import build_trainer
-from tests.train.dpo_helpers import arithmetic_pairs, hf_model_dir, make_tokenizer, model_section, standard_pairs, \
-    write_jsonl
+from tests.train.dpo_helpers import (
+    arithmetic_pairs,
+    hf_model_dir,
+    make_tokenizer,
+    model_section,
+    standard_pairs,
+    write_jsonl,
+)
 
 
 def unpaired(pairs: list[dict], pattern: str = "ggb") -> list[dict]:

@@ -16,12 +16,19 @@ from kiln.data.reward import encode_reward_pairs
 from kiln.errors import ConfigError, KilnError
 from kiln.hub import Tokenizer
 from kiln.models.auto import load_pretrained
+from kiln.parallel.world import launched_world
 from kiln.train.config import load_run_config
 from kiln.train.metrics import read_metrics
-from kiln.parallel.world import launched_world
 from kiln.train.recipes.reward_model import RECIPE, RewardRun, RewardSection
 from kiln.train.run import build_trainer
-from tests.train.dpo_helpers import QWEN3, arithmetic_pairs, chatterbot_pairs, make_tokenizer, standard_pairs, write_jsonl
+from tests.train.dpo_helpers import (
+    QWEN3,
+    arithmetic_pairs,
+    chatterbot_pairs,
+    make_tokenizer,
+    standard_pairs,
+    write_jsonl,
+)
 from tests.train.train_helpers import kiln
 
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from kiln.errors import KilnError
-from kiln.train import load_run_config, preempt, usercode as envs
+from kiln.train import load_run_config, preempt
+from kiln.train import usercode as envs
 from kiln.train.metrics import read_metrics
 from kiln.train.rewards import Reward, RewardGuard
 from kiln.train.run import build_trainer
-
 from tests.kiln_cli import REPO
 from tests.train.test_grpo_recipe import _toml, grpo_dir  # noqa: F401  (grpo_dir: the shared tiny GRPO folder)
 
@@ -44,7 +44,7 @@ def oops(prompts, completions, **columns):
 
 
 @pytest.fixture(scope="module")
-def slow_dir(grpo_dir):  # noqa: F811
+def slow_dir(grpo_dir):
     (grpo_dir / "slowrewards.py").write_text(SLOW)
     return grpo_dir
 

@@ -11,8 +11,8 @@ MLP they pass in; nothing here knows a family by name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn

@@ -21,8 +21,21 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.nn import functional as F
 
 from kiln.errors import KilnError
-from kiln.hub.fp8 import (FP4_BLOCK, FP8, SCALE_SUFFIX, Fp8Scheme, canonical_scales, dequantize, dequantize_state, fp8_pairs,
-                          is_fp4, logical_shape, quantize, requantize_state, scale_grid)
+from kiln.hub.fp8 import (
+    FP4_BLOCK,
+    FP8,
+    SCALE_SUFFIX,
+    Fp8Scheme,
+    canonical_scales,
+    dequantize,
+    dequantize_state,
+    fp8_pairs,
+    is_fp4,
+    logical_shape,
+    quantize,
+    requantize_state,
+    scale_grid,
+)
 from kiln.models.common.moe import Experts
 from kiln.models.keymap import KeyMap, Stack
 from kiln.models.tasks import BASE
@@ -201,7 +214,7 @@ def compute_dtype_of(state: dict[str, torch.Tensor]) -> torch.dtype:
     return counts.most_common(1)[0][0] if counts else torch.float32
 
 
-def carried_as_loaded(held: dict[str, torch.Tensor], state: "Fp8State | None") -> dict[str, torch.Tensor]:
+def carried_as_loaded(held: dict[str, torch.Tensor], state: Fp8State | None) -> dict[str, torch.Tensor]:
     """Tensors a family carries beside its model, as a whole load holds them: each FP8 (packed FP4) weight a sharded
     read holds by reference as its stored pair (meta placeholders, kiln.parallel.sharded_carried) as a meta tensor of
     its values' shape in the dtype a whole load dequantizes to, its scale dropped (an MTP layer made live from them

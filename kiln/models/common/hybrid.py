@@ -13,7 +13,7 @@ and the recurrent state at each sample. Norm classes, projections and the MLP co
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

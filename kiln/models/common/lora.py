@@ -33,10 +33,16 @@ from kiln.errors import KilnError
 from kiln.hub.files import as_umask_allows
 from kiln.hub.jsonio import read_json
 from kiln.models.common.fp8 import FP8Linear, fp8_linear, merged_fp8_linear
-from kiln.models.common.lora_experts import (add_expert_lora, expert_adapter_names, expert_targets,
-                                             merge_expert_lora, peft_target_parameters)
+from kiln.models.common.lora_experts import (
+    add_expert_lora,
+    expert_adapter_names,
+    expert_targets,
+    merge_expert_lora,
+    peft_target_parameters,
+)
 from kiln.models.common.qlora import qlora_linear
-from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS, KeepsQuantState, dequantized, is_4bit, linear4
+from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS
+from kiln.models.common.quant4 import KeepsQuantState, dequantized, is_4bit, linear4
 from kiln.models.tasks import task_of
 
 PEFT_PREFIX = "base_model.model."

@@ -53,7 +53,7 @@ class Q4Meta:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @classmethod
-    def of(cls, q: Quant4) -> "Q4Meta":
+    def of(cls, q: Quant4) -> Q4Meta:
         return cls(q.shape, q.dtype, q.quant_type, q.blocksize, q.offset, q.nested_blocksize, dict(q.extra))
 
 

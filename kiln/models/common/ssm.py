@@ -14,7 +14,7 @@ with dt = softplus(dt_raw + dt_bias).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.nn import functional as F

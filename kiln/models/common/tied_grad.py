@@ -29,7 +29,7 @@ it the freed activations and the new gradient would both count in the process's 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

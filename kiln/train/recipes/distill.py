@@ -15,7 +15,8 @@ Metrics: at evaluation `eval_loss` is the same divergence over the eval rows.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn

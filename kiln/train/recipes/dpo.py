@@ -82,7 +82,7 @@ class DPOSection(Section):
     precompute_reference: bool = False  # reference log-probs computed once, cached with the run
 
     @model_validator(mode="after")
-    def _check(self) -> "DPOSection":
+    def _check(self) -> DPOSection:
         if not self.beta > 0:
             raise ValueError(f"dpo.beta must be > 0, got {self.beta}")
         if not 0 <= self.label_smoothing < 0.5:

@@ -29,8 +29,9 @@ eval_reward and eval_reward/<function> of greedy completions.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,8 +49,15 @@ from kiln.train.engine import DataParallel, StepContext, StepEngine, StepOutcome
 from kiln.train.envs import resolve_env
 from kiln.train.grpo_alarms import named
 from kiln.train.grpo_config import GRPOSection
-from kiln.train.grpo_loss import advantages, clipped, combine_rewards, is_correction, loss_parts, rloo_advantages, \
-    token_loss
+from kiln.train.grpo_loss import (
+    advantages,
+    clipped,
+    combine_rewards,
+    is_correction,
+    loss_parts,
+    rloo_advantages,
+    token_loss,
+)
 from kiln.train.grpo_rollout import GRPORun, Prompts, core_of, rollout_seed
 from kiln.train.plans import place_frozen
 from kiln.train.recipes.base import Extension, Recipe, RunParts, add_lora, build_model, check_text_model

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable, Literal, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 import torch
 from torch import nn

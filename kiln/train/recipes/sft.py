@@ -8,8 +8,9 @@ pixels ride with the rows, packed rows included, and its checkpoints carry the i
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Literal
 
 from torch import nn
 
