@@ -112,7 +112,7 @@ def run_old(model, requests, c) -> tuple[float, list[float]]:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
         seen = []
 
-        def first(_tok, seen=seen, rows=len(batch)):
+        def first(_tok, seen=seen, rows=len(batch)):  # noqa: B008 - binds this batch's row count, on purpose
             if not seen:
                 seen.append(1)
                 firsts.extend([time.perf_counter()] * rows)
@@ -190,7 +190,6 @@ def main() -> None:
     scoring(ours)
     print(load_average())
     for c, got in rows:
-        best = {side: max(v) for side, v in got.items()}
         fast = {side: min(t for _, t in v) for side, v in got.items()}
         print(f"c={c:>2}: TTFT (best round) engine {fast['engine'] * 1000:.0f} ms, transformers "
               f"{fast['transformers'] * 1000:.0f} ms, old loop {fast['old loop'] * 1000:.0f} ms: engine/transformers "

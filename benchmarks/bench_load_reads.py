@@ -220,7 +220,7 @@ def main() -> None:
                 read_plan(path, "causal-lm", kw.get("fp8", "dequantize"), kw.get("quantize"))
             print(f"== {name}: {len(files)} weight file(s)")
             for what, c in (("whole load", whole), ("sharded load (1 process)", lean), ("kiln plan", plan)):
-                per = sorted(set(c.headers[f] for f in files))
+                per = sorted({c.headers[f] for f in files})
                 print(f"  {what}: header reads per file {per} (total {sum(c.headers[f] for f in files)}), "
                       f"path resolutions {c.resolves}")
             print(f"  sharded load: {'whole load taken' if model is None else trace.summary()}")

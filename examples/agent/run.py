@@ -79,7 +79,9 @@ def main() -> None:
         import matplotlib.pyplot as plt
         plt.figure(figsize=(5, 3))
         plt.plot([r["step"] for r in rows], [r["reward"] for r in rows])
-        plt.xlabel("step"); plt.ylabel("episode reward"); plt.tight_layout()
+        plt.xlabel("step")
+        plt.ylabel("episode reward")
+        plt.tight_layout()
         plt.savefig(run / "curve.png", dpi=100)
     except ImportError:
         pass

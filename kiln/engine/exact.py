@@ -116,7 +116,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: tor
     the unfilled rest of a block) and may hold inf or NaN: its score is masked to -inf and its values to 0, so
     0 * inf never makes a NaN. `keep` (T, NB * BS) bool, when given, masks every key it does not hold (sparse
     attention's choice, `top_keys`). Returns (T, KVH * G, DV) in q's dtype."""
-    T, KVH, G, D = q.shape
+    T, KVH, G, _D = q.shape
     NB, BS = keys.shape[1:3]
     k = keys.permute(0, 1, 3, 4, 2)  # (X, NB, KVH, D, BS)
     v = values.permute(0, 1, 3, 2, 4)  # (X, NB, KVH, BS, D)

@@ -67,7 +67,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], prompt_ids: S
     and top_ids / top_logprobs have no columns, whatever params ask; the tokens are the same."""
     if logits.dim() != 2 or logits.size(0) == 0:
         raise ValueError(f"sample: logits must be (batch>0, vocab), got shape {tuple(logits.shape)}")
-    B, V = logits.shape
+    B, _V = logits.shape
     for name, seq in (("params", params), ("prompt_ids", prompt_ids), ("output_ids", output_ids),
                       ("generators", generators)):
         if len(seq) != B:
@@ -193,7 +193,7 @@ def _top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _logprobs(logits: torch.Tensor, params: Sequence[SamplingParams],
               tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """log_softmax of the raw logits at the chosen tokens and the top-n alternatives, for the rows that ask."""
-    B, V = logits.shape
+    B, _V = logits.shape
     dev = logits.device
     K = max(p.top_logprobs for p in params)
     chosen = torch.full((B,), float("nan"), device=dev)
@@ -320,7 +320,7 @@ def _radix_threshold(w: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
     """_mass_threshold without a sort: the float32 bits of w >= 0 are in the values' order, so the mass per
     bucket of the top 12 bits (values <= 1: < 1,024 buckets) says which bucket the cut is in, then the next 10
     bits inside it, then the last 10. Each row's masses are summed in its column order (bincount)."""
-    C, N = w.shape
+    C, _N = w.shape
     dev = w.device
     bits = w.view(torch.int32)
     rows = torch.arange(C, device=dev, dtype=torch.int32)[:, None]

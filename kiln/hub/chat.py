@@ -34,7 +34,7 @@ CHATML_TEMPLATE = (
 
 class _Generation(Extension):
     """`{% generation %}...{% endgeneration %}`: transformers' assistant-mask marker; rendered as its body."""
-    tags = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 - jinja2 declares Extension.tags a plain set attribute; ClassVar may not override it
 
     def parse(self, parser):
         lineno = next(parser.stream).lineno

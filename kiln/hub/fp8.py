@@ -237,7 +237,7 @@ def quantize_fp4(weight: torch.Tensor, ue8m0: bool = True, scale_dtype: torch.dt
     """(packed int8 Q, S) for `weight` (..., rows, cols), cols even: per 32-input block amax, S = amax / 6
     (rounded up to a power of two for UE8M0, so no value passes 6), Q = nearest e2m1 of W / S."""
     w = weight.detach().to(torch.float32)
-    rows, cols = w.shape[-2:]
+    _rows, cols = w.shape[-2:]
     nb = math.ceil(cols / FP4_BLOCK[1])
     padded = torch.zeros(*w.shape[:-1], nb * FP4_BLOCK[1], dtype=torch.float32, device=w.device)
     padded[..., :cols] = w.abs()

@@ -48,7 +48,7 @@ def iter_jsonl(path: str | os.PathLike, error: type[KilnError] = KilnError, obje
     """
     path = Path(path)
     try:
-        f = open(path, "rb")
+        f = open(path, "rb")  # noqa: SIM115 - opened apart from the `with` so only the open's errors read "cannot be read"
     except FileNotFoundError:
         raise error(f"{path}: no such file") from None
     except OSError as e:

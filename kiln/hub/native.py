@@ -122,7 +122,7 @@ def _build(name: str, source: str) -> Path:
     try:
         _compile(name, source, path)
     except (OSError, subprocess.SubprocessError) as e:
-        raise OSError(f"the cached library {path} was refused ({why}) and rebuilding it failed: {e}" if why else e)
+        raise OSError(f"the cached library {path} was refused ({why}) and rebuilding it failed: {e}" if why else e) from e
     if why is not None:  # one warning: the refusal and its mend together
         log.warning("kiln native kernel %r: the cached library %s was rebuilt: %s", name, path, why)
     return path

@@ -215,7 +215,9 @@ def dequantize4(packed: torch.Tensor, n: int, blocksize: int, code: torch.Tensor
         return False
     if threads is None:
         threads = max(1, min(torch.get_num_threads(), n // _PER_THREAD))
-    ptr = (lambda t: t.data_ptr() if t is not None else None)
+    def ptr(t: torch.Tensor | None) -> int | None:
+        return t.data_ptr() if t is not None else None
+
     rc = lib.kiln_dequant4(packed.data_ptr(), n, blocksize, code.data_ptr(),
                            None if nested else absmax.data_ptr(), absmax.data_ptr() if nested else None,
                            ptr(nested_code), ptr(nested_absmax), nested_blocksize if nested else 0,

@@ -126,9 +126,8 @@ def _publish(tmp: Path, out: Path) -> None:
                 stale.unlink()
     for p in sorted(tmp.iterdir()):
         target = out / p.name
-        if p.is_dir():
-            if target.exists():
-                shutil.rmtree(target)
+        if p.is_dir() and target.exists():
+            shutil.rmtree(target)
         os.replace(p, target)
     tmp.rmdir()
     fsync_dir(out)

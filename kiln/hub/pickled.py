@@ -28,7 +28,7 @@ def load_bin(path: str | os.PathLike, map_location: str = "cpu") -> dict[str, to
     """The dict of tensors a PyTorch weights file holds (weights_only=True: no code in it runs)."""
     try:
         sd = torch.load(str(path), map_location=map_location, weights_only=True)
-    except Exception as e:  # torch raises many types for a bad pickle; all mean "not loadable"
+    except Exception as e:  # noqa: BLE001 - torch raises many types for a bad pickle; all mean "not loadable"
         raise WeightsError(f"{path}: not a loadable PyTorch weights file ({type(e).__name__}: {e})") from None
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise WeightsError(f"{path}: expected a dict of tensors")

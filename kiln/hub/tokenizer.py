@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tokenizers import Tokenizer as _HFTokenizer
@@ -19,6 +19,9 @@ from tokenizers.models import WordPiece
 from kiln.errors import KilnError
 from kiln.hub.config import write_json_atomic
 from kiln.hub.jsonio import read_json
+
+if TYPE_CHECKING:
+    from kiln.hub.chat import ChatTemplate
 
 _SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -85,7 +88,7 @@ class Tokenizer:
         if tj.is_file():
             try:
                 backend = _HFTokenizer.from_file(str(tj))
-            except Exception as e:  # the Rust library reports parse errors as plain Exceptions
+            except Exception as e:  # noqa: BLE001 - the Rust library reports parse errors as plain Exceptions
                 raise KilnError(f"{tj}: cannot be read by the tokenizers library ({e})") from None
         elif (model_dir / "vocab.txt").is_file():
             specials = {n: _token_text(config.get(n) or smap.get(n)) for n in _SPECIALS}
@@ -198,7 +201,7 @@ class Tokenizer:
         if not tpl:
             raise KilnError(f"{where}: no chat template (tokenizer_config.json has no chat_template and there is "
                             "no chat_template.jinja); train one with `kiln tokenizer train` or add one")
-        specials = {k: v for k, v in self.specials.items()}
+        specials = dict(self.specials)
         for name in _SPECIALS:  # template variables are the strings, present in the vocabulary or not
             text = _token_text(self.config.get(name)) or _token_text(self.special_map.get(name))
             if text is not None:

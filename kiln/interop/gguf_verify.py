@@ -303,7 +303,7 @@ def _chat_checks(llm, llama_cpp, model) -> list[Check]:
         text = fmt(messages=CONVERSATION if convo.startswith("system, two") else plain, tools=TOOLS).prompt
         ok = llama_ids(text) == ours
         detail = f"{convo}: " + ("same ids as kiln's" if ok else "ids differ from kiln's")
-    except Exception as e:  # llama-cpp-python's Jinja fails where kiln's rendered: said, not hidden
+    except Exception as e:  # noqa: BLE001 - llama-cpp-python's Jinja fails where kiln's rendered: said, not hidden
         ok, detail = False, f"llama-cpp-python cannot render what kiln rendered ({convo}): {e}"
     checks.append(Check("llama-cpp-python Jinja chat rendering", ok, detail))
     vocab = llama_cpp.llama_model_get_vocab(llm.model)

@@ -133,7 +133,7 @@ class MambaMixer(nn.Module):
             self.out_proj.weight /= math.sqrt(rescale_layers)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        I, N, R = self.dims
+        _I, N, R = self.dims
         dtype = x.dtype
         xz = self.in_proj(mask_padding(x, attention_mask)).transpose(1, 2)  # (B, 2I, T)
         A = -torch.exp(self.A_log.float())  # (I, N)

@@ -309,7 +309,7 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
                     if p.block is None and share(p, stage) > 0 and not replicated(p) and not p.carried]
 
             def whole(p: Param) -> float:  # this rank's tp/ep piece of `p`, before FSDP splits it
-                return p.numel * share(p, stage) * dp * cp * (1 if p.expert or ep == 1 else ep)
+                return p.numel * share(p, stage) * dp * cp * (1 if p.expert or ep == 1 else ep)  # noqa: B023 - called only in this iteration
 
             biggest = max((sum(whole(p) * (p.itemsize if p.q4_shape else gather or p.itemsize) for p in ps)
                            for ps in by_block.values()), default=0)
@@ -350,7 +350,7 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
         # adaptive ceiling 32 MiB; 4 MiB on sharded ranks, kiln.parallel.memory_heap) and go back when freed
         allocator = ALLOCATOR_SHARE * block_acts if s.device == "cpu" else 0.0
         r = RankMemory(f"stage {stage}" if pp > 1 else "every rank", keep_grads=s.keep_grads,
-                       backward_comm=int(round(grad_unit)))
+                       backward_comm=round(grad_unit))
         r.terms = {"weights": weights, "gradients": grads, "optimizer": optim, "activations": acts,
                    "communication": comm, "autocast": autocast, **({"dequant": dequant} if q4 else {}),
                    "load": load, "allocator": allocator,
@@ -363,8 +363,8 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
             r = _today(r, file_sizes, full, piece, host=s.device == "cpu")
         if s.offload and s.fsdp and s.device != "cpu":
             r.host = {k: r.terms.pop(k) for k in ("weights", "gradients", "optimizer")}
-        r.terms = {k: int(round(v)) for k, v in r.terms.items()}
-        r.host = {k: int(round(v)) for k, v in r.host.items()}
+        r.terms = {k: round(v) for k, v in r.terms.items()}
+        r.host = {k: round(v) for k, v in r.host.items()}
         ranks.append(r)
     return MemoryPlan(s, ranks, ckpt_bytes)
 
@@ -436,4 +436,4 @@ def parse_size(text: str) -> int:
     value, unit = float(m.group(1)), (m.group(2) or "B").upper().removesuffix("B") or ""
     scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2 ** 10, "MI": 2 ** 20, "GI": 2 ** 30,
              "TI": 2 ** 40}[unit]
-    return int(math.floor(value * scale))
+    return math.floor(value * scale)

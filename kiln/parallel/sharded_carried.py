@@ -190,7 +190,7 @@ def load_ref(ckpt: Path, holder: str, name: str, ref: CarriedRef) -> torch.Tenso
     why = _changed(ref)
     if why is None:
         with safe_open(str(Path(ref.source) / ref.file), framework="pt") as h:
-            t = h.get_tensor(ref.key) if ref.key in h.keys() else None
+            t = h.get_tensor(ref.key) if ref.key in h.keys() else None  # noqa: SIM118 - safe_open has keys(), no `in`
         if t is None or str(t.dtype).removeprefix("torch.") != ref.dtype or tuple(t.shape) != ref.shape:
             why = f"no longer holds {ref.key!r} as {ref.dtype}{list(ref.shape)}"
     if why is not None:

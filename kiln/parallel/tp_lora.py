@@ -10,6 +10,8 @@ parameter of the module tree alike (and cannot name a submodule's), hence these.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
@@ -29,7 +31,7 @@ def _split(style, placements: dict[str, dict[str, Placement]], name: str, module
 class LoraColwiseParallel(ColwiseParallel):
     """ColwiseParallel for a LoRA layer: base weight, bias and B by output rows; A whole."""
 
-    PLACEMENTS = {"": {"weight": Shard(0), "bias": Shard(0)}, "lora_B": {"weight": Shard(0)}}
+    PLACEMENTS: ClassVar[dict[str, dict[str, Placement]]] = {"": {"weight": Shard(0), "bias": Shard(0)}, "lora_B": {"weight": Shard(0)}}
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         _split(self, self.PLACEMENTS, name, module, device_mesh)
@@ -38,7 +40,7 @@ class LoraColwiseParallel(ColwiseParallel):
 class LoraRowwiseParallel(RowwiseParallel):
     """RowwiseParallel for a LoRA layer: base weight and A by input columns; bias and B whole."""
 
-    PLACEMENTS = {"": {"weight": Shard(1), "bias": Replicate()}, "lora_A": {"weight": Shard(1)}}
+    PLACEMENTS: ClassVar[dict[str, dict[str, Placement]]] = {"": {"weight": Shard(1), "bias": Replicate()}, "lora_A": {"weight": Shard(1)}}
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         _split(self, self.PLACEMENTS, name, module, device_mesh)

@@ -80,7 +80,7 @@ class Dialect:
                 raise ConfigError(f"{where}: no parser for this template's tool calls (the tokenizer has no "
                                   f"response_template, and the template writes none of kiln's layouts: "
                                   f"{', '.join(p.marker for p in PARSERS)})")
-        for role, msgs in (("tool", [{"role": "tool", "name": "kiln_probe_tool", "content": "1"}]),
+        for _role, msgs in (("tool", [{"role": "tool", "name": "kiln_probe_tool", "content": "1"}]),
                            ("user", [{"role": "user", "content": "again"}])):
             try:
                 self.suffix({"role": "assistant", "content": "ok", "tool_calls": _PROBE_CALL}, msgs, [_PROBE_TOOL])
@@ -230,7 +230,7 @@ class EpisodeRunner:
             budgets = [min(g.max_new_tokens, g.max_episode_tokens - len(e.ids)) for e in active]
             outs = sample_turns(decoder, [e.prompt_ids + e.ids for e in active], budgets, g, gen, pad, d.eos_ids,
                                 device)
-            for e, budget, (toks, lps, ended) in zip(active, budgets, outs):
+            for e, _budget, (toks, lps, ended) in zip(active, budgets, outs):
                 prefix_ids = e.prompt_ids + e.ids
                 e.ids += toks
                 e.mask += [1] * len(toks)

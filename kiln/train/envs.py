@@ -115,7 +115,7 @@ def as_tool(x: Any, what: str) -> Tool:
 
         try:
             schema = get_json_schema(x)
-        except Exception as e:  # transformers names the missing docstring or type hint
+        except Exception as e:  # noqa: BLE001 - transformers names the missing docstring or type hint
             raise ConfigError(f"{what}: {getattr(x, '__name__', x)!r} cannot be a tool: {e}") from None
         return Tool(schema["function"]["name"], schema, x)
     raise ConfigError(f"{what}: a tool is a JSON schema (dict) or a function, got {type(x).__name__}")

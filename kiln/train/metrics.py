@@ -101,7 +101,7 @@ class MetricsLog:
             return
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held open across log() calls; close() closes it
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
         values = scalars(record)

@@ -74,7 +74,8 @@ def _rows(lengths: list[int], pack: bool) -> list[list[int]]:
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: equal lengths keep their order
         r = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
         if r is None:
-            rows.append([]), room.append(width)
+            rows.append([])
+            room.append(width)
             r = len(rows) - 1
         rows[r].append(i)
         room[r] -= lengths[i]
@@ -138,13 +139,14 @@ def layout_logps(model: nn.Module, layout: Layout, key: str, temperature: float 
     """(R, W) fp32 log-probs of the targets of mask `key` (0 elsewhere), one forward over the layout's rows:
     kiln.train.logps' chunked head, with the packed rows' positions. `model` is a kiln causal LM, or DDP / FSDP2
     around one."""
-    core = getattr(model, "module", model)
+    core: Any = getattr(model, "module", model)  # duck-typed: any kiln ForCausalLM, checked just below
     if not hasattr(core, "hidden_token_logps"):
         raise KilnError(f"layout_logps needs a causal LM (kiln ForCausalLM); got {type(core).__name__}")
     ids = layout.input_ids
     targets = F.pad(ids[:, 1:], (0, 1)).masked_fill(~layout.scored[key], IGNORE_INDEX)
     attn, pos = layout.attention_mask, layout.position_ids
-    if model is core:  # plain, or FSDP2 (which hooks the model's token_logps as a forward)
+    plain = model is core  # a flag, not `if model is core`: that would narrow `core` to nn.Module for mypy
+    if plain:  # plain, or FSDP2 (which hooks the model's token_logps as a forward)
         return core.token_logps(ids, attn, targets, temperature=temperature, position_ids=pos)
     head = deferred_head(core)  # DDP: through its forward (which readies the gradient sync), then the head
     out = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=1)

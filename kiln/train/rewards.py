@@ -137,7 +137,7 @@ def _import(module: str, search: Sequence[Path], key: str = "grpo.rewards") -> A
             sys.modules[name] = mod
             try:
                 spec.loader.exec_module(mod)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a user's module may raise anything on import; reported, not hidden
                 del sys.modules[name]
                 raise ConfigError(f"{key}: importing {path} failed: {type(e).__name__}: {e}") from None
             return mod

@@ -8,7 +8,6 @@ import shutil
 from importlib import resources
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from kiln.cli.main import app

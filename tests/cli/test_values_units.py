@@ -165,7 +165,7 @@ def test_dcp_shard_that_does_not_read_falls_back(tmp_path, capsys):
     from kiln.parallel.world import World
     from kiln.train import fallback
 
-    model, opt, fp = _sharded_run(tmp_path, [1, 2])
+    model, _opt, fp = _sharded_run(tmp_path, [1, 2])
     want = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = SimpleNamespace(model=torch.nn.Linear(4, 3), fingerprint=fp, run_config={}, data_shards=1,
                               world=World(), reshard=None, config_notes=[])

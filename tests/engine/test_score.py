@@ -36,7 +36,7 @@ def test_packed_gradient_is_the_sum_of_the_sequences_gradients():
     the rows in another grouping)."""
     model = tiny_model(max_position_embeddings=128).train()
     seqs = prompts(3, 5, 90, seed=8)  # over 64 scored rows: several head chunks
-    packed = torch.cat([lp for lp in token_logps(model, seqs, [2, 2, 2], temperature=0.9)]).sum()
+    packed = torch.cat(list(token_logps(model, seqs, [2, 2, 2], temperature=0.9))).sum()
     packed.backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()

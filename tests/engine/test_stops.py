@@ -11,7 +11,7 @@ from tokenizers.trainers import BpeTrainer
 from kiln.engine.stops import Detokenizer
 from kiln.errors import KilnError
 
-CORPUS = ["我的猫很可爱。今天天气很好！", "emoji 🎉🎉 party 😀 and 👍🏽 thumbs", "the cat sat on the mat </s> done",
+CORPUS = ["我的猫很可爱。今天天气很好！", "emoji 🎉🎉 party 😀 and 👍🏽 thumbs", "the cat sat on the mat </s> done",  # noqa: RUF001 - the full-width mark is the test data (CJK text)
           "naïve café 日本語のテキスト"]
 
 
@@ -100,7 +100,7 @@ def test_no_stop_emits_everything_and_finish_releases_the_held_start(bpe):
 def test_an_incomplete_character_at_the_end_is_released_by_finish(bpe):
     ids = bpe.encode("ok 猫猫 日本").ids[:-1]  # the last character's last byte(s) never come
     assert bpe.decode(ids).endswith("\ufffd")
-    det, deltas, _ = run(bpe, ids)
+    det, _deltas, _ = run(bpe, ids)
     assert "\ufffd" not in det.text and det.text.startswith("ok 猫猫")
     assert det.finish().endswith("\ufffd") and det.text == bpe.decode(ids)
 

@@ -184,7 +184,7 @@ def test_a_sharded_load_leaves_only_declared_attributes_on_the_model(dirs, name,
     from kiln.models.pretrained import PreTrainedModel
     from kiln.parallel.sharded_load import lean_pretrained, read_shards
 
-    family, config, task = load_config(dirs[name])
+    family, config, _task = load_config(dirs[name])
     with torch.device("meta"):
         built = family.build(config, "causal-lm")
     declared = set(vars(built)) | set(PreTrainedModel.__annotations__)

@@ -131,7 +131,7 @@ def test_span_slices_read_a_run_of_whole_rows_at_once_and_give_safetensors_dtype
     with open(tmp_path / "pytorch_model.bin", "rb", buffering=0) as f, \
             safe_open(str(tmp_path / "model.safetensors"), framework="pt") as h:
         reader = SpanReader(f, tensor_spans(tmp_path / "pytorch_model.bin"))
-        for k, t in state.items():
+        for k in state:
             assert reader.get_slice(k).get_dtype() == h.get_slice(k).get_dtype(), k
         for k, box in [("w", (slice(1, 4), slice(0, 9))), ("x", (slice(2, 5), slice(0, 4))), ("x", (slice(0, 2),))]:
             reads.clear()

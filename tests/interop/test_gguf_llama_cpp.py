@@ -460,7 +460,6 @@ def test_imatrix_steers_llama_cpp_quantizer(root, tmp_path):
     stored matrices' rounding error weighted by the importance is lower than without it, and the file passes
     verify-export's checks."""
     import gguf
-    import numpy as np
 
     from kiln.interop.gguf_arch import GGUF_FAMILIES, gguf_tensors
     from kiln.interop.gguf_imatrix import importance

@@ -62,7 +62,7 @@ def _launch(cfg: Path, *extra: str, env: dict | None = None):
 
 
 def _records(run: Path) -> list[dict]:
-    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
+    return list(map(json.loads, (run / "metrics.jsonl").read_text().splitlines()))
 
 
 @pytest.mark.slow

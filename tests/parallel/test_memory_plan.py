@@ -371,7 +371,7 @@ def test_cli_keeps_deepseek_v4s_residual_whole_under_tp(tmp_path):
         r = CliRunner().invoke(app, ["plan", "--config", str(cfg), "--nproc", "2", "--set", "train.batch_size=64",
                                      "--set", "data.max_length=1024"])
         assert r.exit_code == 0, r.output
-        return [line for line in r.output.splitlines() if "activations" in line][0]
+        return next(line for line in r.output.splitlines() if "activations" in line)
 
     v4 = from_config(AutoConfig.for_model("deepseek_v4", **TINY["deepseek_v4"]), task="causal-lm")
     qwen3, v4 = write_checkpoint(tmp_path / "m"), v4.save_pretrained(tmp_path / "v4")  # the plan builds its model

@@ -38,7 +38,7 @@ def test_two_nodes_train_as_one_run_and_only_rank_0_writes(tmp_path):
         outs = [n.communicate(timeout=600) for n in nodes]
     finally:
         del store
-    for n, (out, err) in zip(nodes, outs):
+    for n, (_out, err) in zip(nodes, outs):
         assert n.returncode == 0, err[-3000:]
     # c10d numbers the nodes itself: the one that printed the end of the run held global rank 0
     main = [i for i, (out, _) in enumerate(outs) if "done: step 4" in out]

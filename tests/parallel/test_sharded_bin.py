@@ -102,7 +102,7 @@ def test_each_rank_reads_its_share_of_a_bin_checkpoint(bin_dirs, bin_ranks, mode
         assert set(r["torch_loads"]) == {"meta"} and r["read_whole"] == [], r
         read = {key: _overlap(r["reads"], f, s.offset, s.nbytes) for (f, key), s in spans.items()}
         if mode == "fsdp":
-            for (f, key), s in spans.items():  # FSDP2's dim-0 chunks: ceil(rows / 2) on rank 0
+            for (_f, key), s in spans.items():  # FSDP2's dim-0 chunks: ceil(rows / 2) on rank 0
                 rows = s.shape[0] if s.shape else 1
                 assert 0 < read[key] <= -(-rows // 2) * (s.nbytes // rows), (rank, key, read[key], s.nbytes)
         elif mode == "tp":  # each q/k/v/gate/up its rows, each o/down its columns; the rest (norms, embedding) whole

@@ -38,7 +38,7 @@ def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]
 @pytest.mark.parametrize("fp8", ["dequantize", "keep"])
 def test_the_fp8_mtp_layer_is_carried_by_reference_or_read_dequantized_once_live(release, fp8):
     with safe_open(str(release / "model.safetensors"), framework="pt") as h:
-        stored = {k: h.get_slice(k) for k in h.keys() if k.startswith("mtp.")}
+        stored = {k: h.get_slice(k) for k in h.keys() if k.startswith("mtp.")}  # noqa: SIM118 - safe_open: no __iter__
         stored = {k: (s.get_dtype(), tuple(s.get_shape())) for k, s in stored.items()}
     whole = load_pretrained(release, task="causal-lm", fp8=fp8)
     lean = lean_pretrained(release, "causal-lm", None, fp8=fp8)
@@ -167,5 +167,5 @@ def _tensors(d) -> dict[str, torch.Tensor]:
     out = {}
     for f in sorted(d.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
+            out.update({k: h.get_tensor(k) for k in h.keys()})  # noqa: SIM118 - safe_open: no __iter__
     return out

@@ -25,7 +25,7 @@ def _files(d) -> dict[str, dict[str, torch.Tensor]]:
     out = {}
     for f in sorted(d.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
-            out[f.name] = {k: h.get_tensor(k) for k in h.keys()}
+            out[f.name] = {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118 - safe_open: no __iter__
     return out
 
 

@@ -16,7 +16,7 @@ import torch
 from kiln.errors import ConfigError
 from kiln.train import agent_rollout as ar
 from kiln.train.envs import EnvSpec, EpisodeError, Obs, as_obs, as_tool, call_user
-from tests.train.agent_helpers import ADD, Calculator, GuessEnv, make_model, make_tokenizer
+from tests.train.agent_helpers import Calculator, GuessEnv, make_model, make_tokenizer
 
 EOS = 2
 
@@ -147,13 +147,13 @@ def test_policy_tokens_given_to_the_trainer_are_the_sampled_ones(model, monkeypa
     active = list(range(len(eps)))
     per_ep = {i: ([], []) for i in active}
     for turn in drawn:
-        for i, (toks, lps, ended) in zip(active, turn):
+        for i, (toks, lps, _ended) in zip(active, turn):
             per_ep[i][0].extend(toks)
             per_ep[i][1].extend(lps)
         active = [i for i, (toks, lps, ended) in zip(active, turn) if ended]  # the environment never ends one
     micro = ar.to_micro(eps, 0, [EOS], torch.device("cpu"))
     p = micro["prompt_len"]
-    for i, e in enumerate(eps):
+    for i in range(len(eps)):
         on = micro["loss_mask"][i].bool()
         assert micro["input_ids"][i, p:][on].tolist() == per_ep[i][0]
         torch.testing.assert_close(micro["sampler_logps"][i][on], torch.tensor(per_ep[i][1]))

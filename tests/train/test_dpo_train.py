@@ -3,7 +3,6 @@ SIGKILL + resume exact with precomputed reference log-probs."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -39,7 +38,7 @@ def pairs(tmp_path_factory) -> Path:
 
 
 def run_toml(d: Path, out: str, dpo: str = "", extra: str = "", steps: int = 8, **data: str) -> Path:
-    cfg = {k: (str(v) if not isinstance(v, Path) else str(v)) for k, v in data.items()}
+    cfg = {k: str(v) for k, v in data.items()}
     train, eval_ = cfg.get("train", d / "train.jsonl"), cfg.get("eval", d / "eval.jsonl")
     body = f"""
 {model_section(d)}[data]

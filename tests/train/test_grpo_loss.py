@@ -144,7 +144,7 @@ def test_is_corrected_loss_equals_trls(loss_type, mode):
     inside its Gamma weight, token modes only)."""
     if loss_type == "vespo" and mode.startswith("sequence"):
         pytest.skip("TRL refuses vespo with a sequence-level correction, as kiln's config does")
-    logps, old, _, _, mask = _batch(4)
+    _logps, old, _, _, mask = _batch(4)
     sampler = old + torch.randn(old.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * 0.3
     ratio = is_correction(old, sampler, mask, mode, 0.5, 2.0)
     spec = LossSpec(loss_type, 0.2, 0.28)
@@ -212,7 +212,7 @@ def test_the_loss_by_hand_on_fixed_numbers():
 def test_micro_batches_aggregate_as_trls_window():
     """Two micro-batches: dapo over every token of the window, bnpo the mean of per-micro-batch token means,
     grpo / dr_grpo over every sequence (what TRL's gradient accumulation adds up to)."""
-    logps, old, ref, adv, mask = _batch(1)
+    logps, old, _ref, adv, mask = _batch(1)
     t = token_loss(logps, old, adv, LossSpec("dapo", 0.2, 0.2))
     halves = [(t.loss[:3], mask[:3]), (t.loss[3:], mask[3:])]
     for kind in CLASSIC:

@@ -11,7 +11,6 @@ from model.path: under FSDP2 its reference is a copy of a model built on meta, w
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest

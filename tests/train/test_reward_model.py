@@ -195,7 +195,7 @@ def test_export_scored_equally_by_transformers(pairs, tmp_path):
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(out).eval()
     ours = load_pretrained(out).eval()
     assert hf.config.num_labels == 1 and hf.config.pad_token_id == ours.config.pad_token_id
-    examples, batch, _ = _kiln(arithmetic_pairs(6, 9), out)
+    _examples, batch, _ = _kiln(arithmetic_pairs(6, 9), out)
     from kiln.train.recipes.reward_model import pair_batch
 
     layout = pair_batch(batch, ours.config.pad_token_id)

@@ -15,7 +15,6 @@ import functools
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from kiln.hub.fp8 import FP8, dequantize, quantize
 

@@ -13,6 +13,7 @@ and the recurrent state at each sample. Norm classes, projections and the MLP co
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -173,7 +174,7 @@ def _samples(resets: torch.Tensor) -> list[tuple[int, int, int]]:
     out = []
     for b, row in enumerate(resets.tolist()):
         starts = [0] + [t for t, r in enumerate(row) if r and t > 0] + [len(row)]
-        out += [(b, s, e) for s, e in zip(starts[:-1], starts[1:])]
+        out += [(b, s, e) for s, e in itertools.pairwise(starts)]
     return out
 
 

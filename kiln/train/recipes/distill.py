@@ -15,7 +15,7 @@ Metrics: at evaluation `eval_loss` is the same divergence over the eval rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from kiln.errors import ConfigError, KilnError
 from kiln.models.auto import load_pretrained
 from kiln.models.common.loss import shift_labels
 from kiln.models.tasks import CAUSAL_LM
-from kiln.parallel.world import World, all_reduce_sum
+from kiln.parallel.world import all_reduce_sum
 from kiln.train.config import Positive, RunConfig, Section, finite
 from kiln.train.divergence import linear_divergence
 from kiln.train.engine import StepEngine
@@ -94,10 +94,8 @@ class DistillRun(Callback):
             teacher = _core(self.teacher)
             th = teacher.model(**inputs)[keep]  # (N, C_t) the teacher's backbone only
         core = _core(model)
-        if core is model:
-            hs = core.model(**inputs)
-        else:  # DDP: through its forward (readies the gradient sync), one position's logits at most
-            hs = model(**inputs, logits_to_keep=1).last_hidden_state
+        # under DDP through its forward (readies the gradient sync), one position's logits at most
+        hs = core.model(**inputs) if core is model else model(**inputs, logits_to_keep=1).last_hidden_state
         bias = None if core.lm_head is None else core.lm_head.bias
         tbias = None if teacher.lm_head is None else teacher.lm_head.bias
         total = linear_divergence(hs[keep], core.output_weight, th, teacher.output_weight, beta=self.cfg.beta,
