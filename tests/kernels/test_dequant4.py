@@ -134,6 +134,15 @@ def test_cc_with_its_own_words_builds_and_a_failing_one_is_named(monkeypatch, tm
         build.forget("dequant4")
 
 
+def _rewrite(path, data: bytes) -> None:
+    """Put `data` at `path` as a new file, as another process's broken copy would: writing into the file in place
+    would also change the pages of a copy this process has loaded (the loop below loads one, then poisons it
+    again), which crashed the test process at exit."""
+    tmp = path.with_name(path.name + ".poison")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
 def _poisoned_loads(monkeypatch, tmp_path, caplog, poison) -> tuple[object, list[str]]:
     """Build the kernel, `poison(path)` the cached library, then load it afresh in a new process's manner."""
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
@@ -153,7 +162,7 @@ def test_a_truncated_cached_library_is_rebuilt_not_loaded(monkeypatch, tmp_path,
     def truncate(path):
         data = path.read_bytes()
         assert data[:4] == b"\x7fELF"
-        path.write_bytes(data[:len(data) // 3])
+        _rewrite(path, data[:len(data) // 3])
 
     lib, warned = _poisoned_loads(monkeypatch, tmp_path, caplog, truncate)
     assert lib is not None
@@ -171,7 +180,7 @@ def test_a_library_without_its_record_or_with_one_flipped_byte_is_rebuilt(monkey
     def flip(path):
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF  # same size, another digest
-        path.write_bytes(bytes(data))
+        _rewrite(path, bytes(data))
 
     for poison, says in ((lambda p: build.sum_path(p).unlink(), "has no size and digest record"),
                          (flip, "does not match its record")):
@@ -182,7 +191,7 @@ def test_a_library_without_its_record_or_with_one_flipped_byte_is_rebuilt(monkey
 
 def test_a_poisoned_library_that_cannot_be_rebuilt_falls_back_with_one_warning(monkeypatch, tmp_path, caplog):
     def truncate_and_break_cc(path):
-        path.write_bytes(path.read_bytes()[:200])
+        _rewrite(path, path.read_bytes()[:200])
         # the compiler fails now (a full disk); the same command, so the same cache key
         monkeypatch.setattr(build.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
             a, 1, "", "cc1: fatal error: No space left on device"))
