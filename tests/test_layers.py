@@ -9,16 +9,17 @@ from pathlib import Path
 KILN = Path(__file__).resolve().parents[1] / "kiln"
 OPEN = {"errors", "constants", "__init__"}  # modules every layer may import
 ALLOWED = {
-    "hub": set(),
-    "data": {"hub"},
-    "models": {"hub", "data"},
-    "engine": {"models", "hub", "data"},
-    "parallel": {"models", "hub"},
-    "train": {"engine", "parallel", "models", "data", "hub"},
-    "interop": {"engine", "models", "hub"},
-    "pipelines": {"engine", "models", "hub"},
-    "serve": {"engine", "models", "data", "hub"},
-    "cli": {"hub", "data", "models", "engine", "parallel", "train", "interop", "pipelines", "serve"},
+    "kernels": set(),
+    "hub": {"kernels"},
+    "data": {"hub", "kernels"},
+    "models": {"hub", "data", "kernels"},
+    "engine": {"models", "hub", "data", "kernels"},
+    "parallel": {"models", "hub", "kernels"},
+    "train": {"engine", "parallel", "models", "data", "hub", "kernels"},
+    "interop": {"engine", "models", "hub", "kernels"},
+    "pipelines": {"engine", "models", "hub", "kernels"},
+    "serve": {"engine", "models", "data", "hub", "kernels"},
+    "cli": {"hub", "data", "models", "engine", "parallel", "train", "interop", "pipelines", "serve", "kernels"},
 }
 
 

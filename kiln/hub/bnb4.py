@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from kiln.errors import ConfigError, WeightsError
-from kiln.hub import native4
+from kiln.kernels import dequant4 as native4
 
 QUANT_TYPES = ("nf4", "fp4")
 BLOCKSIZE = 64

@@ -26,7 +26,7 @@ import ctypes
 import os
 from typing import Any
 
-from kiln.hub.native import glibc
+from kiln.kernels.libc import glibc
 from kiln.parallel.mesh import holds_shards
 
 M_MMAP_THRESHOLD = -3           # mallopt's parameter number (malloc.h)

@@ -27,8 +27,8 @@ class GRPOSection(Section):
     repetition_penalty: float = 1.0     # HF's, over prompt + completion tokens (1: off)
     rollout: Literal["engine", "generate"] = "engine"  # kiln.engine, or kiln's earlier loop (the runs it gave)
     # engine rollouts: the trainer's log-probs through the engine's kernels, the sampler's bits (logprob_gap 0);
-    # off by default: that scoring costs ~2.6x the training forward's update (benchmarks/bench_grpo.py), to remove
-    # a gap of fp32 rounding (~1e-6)
+    # off by default: that scoring makes the update ~6x the training forward's (benchmarks/bench_grpo.py: 25.7 s
+    # against 4.2 s a step; 2.6x single-threaded) and holds more memory, to remove a gap of fp32 rounding (~1e-6)
     exact_logprobs: bool = False
     scale_rewards: Literal["group", "batch", "none"] = "group"
     loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = "dapo"

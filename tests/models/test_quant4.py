@@ -52,7 +52,7 @@ def test_quantize_equals_bitsandbytes_byte_for_byte(quant_type, double, dtype):
 
 
 @pytest.mark.parametrize("quant_type", bnb4.QUANT_TYPES)
-@pytest.mark.parametrize("native", ["1", "0"])  # the C kernel (kiln.hub.native4), and the torch path without it
+@pytest.mark.parametrize("native", ["1", "0"])  # the C kernel (kiln.kernels.dequant4), and the torch path without it
 def test_dequantize_equals_bitsandbytes_bit_for_bit(monkeypatch, quant_type, native):
     monkeypatch.setenv("KILN_NATIVE", native)
     # bitsandbytes compiles its generic (odd last dimension) path; eager runs the same ops, without the wait

@@ -8,7 +8,7 @@ rounding of the reference but not bit-identical to it:
 - `scan`: Mamba's selective scan, "fast" or "reference" (common/ssm.py);
 - `fast` on stacked `Experts` (the routed experts as one autograd node, common/moe_fast.py) and on
   the group-limited router (fewer ops, the same experts; common/moe_routing.py);
-- `fast` on a LoRA layer over a 4-bit base: its float32 update in fused C kernels (common/lora_native.py).
+- `fast` on a LoRA layer over a 4-bit base: its float32 update in fused C kernels (kiln/kernels/lora_update.py).
 The Trainer calls it in setup with `not train.exact`; everything else (verify-export, the parity
 tests, `from_pretrained`) keeps the exact path, which is every module's default.
 """

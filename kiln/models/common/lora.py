@@ -85,7 +85,7 @@ class LoraLinear(KeepsQuantState, nn.Linear):
                 if name in base._buffers:
                     self.register_buffer(name, base._buffers[name])
             self.compute_dtype = base.compute_dtype
-            self.fast = False  # set_fast: the update's fused float32 kernels (common/lora_native.py)
+            self.fast = False  # set_fast: the update's fused float32 kernels (kiln/kernels/lora_update.py)
         self.r, self.alpha, self.scaling = r, alpha, scaling
         # adapters over a 4-bit base are float32, as PEFT makes them over bitsandbytes' Linear4bit
         dtype = torch.float32 if self.q4 is not None else base.compute_dtype if self.fp8 else base.weight.dtype

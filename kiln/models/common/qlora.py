@@ -13,7 +13,7 @@ power of two (alpha / r = 2, PEFT's usual) multiplies the (tokens, r) product in
 one: exact, so the values are the plain form's bit for bit either way.
 
 `fast` (the Trainer's fast path, models/common/fast.py) computes the same update and gradients with the fused
-kernels of common/lora_native.py, which read each bf16 activation once instead of going through float32 copies:
+kernels of kiln/kernels/lora_update.py, which read each bf16 activation once instead of going through float32 copies:
 within float32 rounding of this path, before the same roundings to bf16.
 """
 
@@ -24,8 +24,9 @@ import math
 import torch
 from torch import nn
 
-from kiln.models.common import lora_native
-from kiln.models.common.quant4 import linear4, scratch
+from kiln.kernels import lora_update as lora_native
+from kiln.kernels.scratch import scratch
+from kiln.models.common.quant4 import linear4
 
 
 def _power_of_two(s: float) -> bool:

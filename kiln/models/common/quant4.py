@@ -6,7 +6,7 @@ quant state as plain tensors (`weight_absmax`, `weight_quant_map`, `weight_neste
 tensor a sharding plan can move as bytes. Each matmul dequantizes the weight into the compute dtype
 (bitsandbytes' `bnb_4bit_compute_dtype`): x is cast to it, y = x W^T + b, y cast back to x's dtype,
 as bitsandbytes' Linear4bit computes on CPU. Under autograd only the packed weight is kept; the
-backward dequantizes again. On CPU each matmul dequantizes (with the C kernel of kiln.hub.native4 where
+backward dequantizes again. On CPU each matmul dequantizes (with the C op of kiln.kernels.dequant4 where
 it builds) into one buffer per weight shape, reused by every layer and step (`matmul_weight`), rather than
 into a fresh tensor.
 
@@ -78,32 +78,14 @@ _CHUNK_BYTES = 1 << 19
 
 
 class _Buffers(threading.local):
-    """Per thread: one dequantized-weight buffer per (shape, dtype, device) and the named scratch tensors of
-    `scratch`; kept for the thread's life (at bench_qlora's 1.2B Qwen3 shape: four weight shapes, 62 MB in
-    bf16, and 50 MB of float32 scratch at 1,024 tokens)."""
+    """Per thread: one dequantized-weight buffer per (shape, dtype, device), kept for the thread's life (at
+    bench_qlora's 1.2B Qwen3 shape: four weight shapes, 62 MB in bf16); temporaries: kiln.kernels.scratch."""
 
     def __init__(self):
         self.weights: dict[tuple, torch.Tensor] = {}
-        self.scratch: dict[tuple, torch.Tensor] = {}
 
 
 _BUFFERS = _Buffers()
-
-
-def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of `shape` for a temporary that dies within one call (a float32 copy of an activation),
-    from one flat buffer per (name, dtype) on this thread, grown as needed: what `matmul_weight` does for
-    dequantized weights, for temporaries of varying shape. Valid until the next call with this name."""
-    n = 1
-    for s in shape:
-        n *= s
-    key = (name, dtype)
-    flat = _BUFFERS.scratch.get(key)
-    if flat is None or flat.numel() < n:
-        _BUFFERS.scratch.pop(key, None)  # the old one goes before the larger one comes
-        with torch.inference_mode(False):
-            flat = _BUFFERS.scratch[key] = torch.empty(n, dtype=dtype)
-    return flat[:n].view(shape)
 
 
 @torch.no_grad()

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kiln.hub.native import glibc
+from kiln.kernels.libc import glibc
 
 
 class _CoalescedLookup(torch.autograd.Function):

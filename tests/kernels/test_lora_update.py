@@ -1,7 +1,8 @@
-"""The fused float32 LoRA update kernels (kiln.models.common.lora_native), QLoRA's fast path: every output and
-gradient within float32 rounding of a float64 reference of the same products (and, for the bf16 outputs, within
-the bf16 roundings the exact path makes), on the AVX-512 path and the plain C loop, for shapes whose rows,
-features and rank are not multiples of the kernels' blocks; the LoRA layer takes them only on the fast path.
+"""The fused float32 LoRA update kernels (kiln.kernels.lora_update, the ops kiln::lora_forward / lora_backward),
+QLoRA's fast path: every output and gradient within float32 rounding of a float64 reference of the same products
+(and, for the bf16 outputs, within the bf16 roundings the exact path makes), on the AVX-512 path and the plain C
+loop, for shapes whose rows, features and rank are not multiples of the kernels' blocks; the LoRA layer takes
+them only on the fast path.
 
 Bounds: a float32 sum of n products, in any order and with fused multiply-adds, is within (n + 2) 2^-24 of the
 sum of the products' magnitudes (the usual gamma_n bound, with headroom for the final scaling); a value rounded
@@ -17,15 +18,14 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.hub import native
-from kiln.models.common import lora_native
+from kiln.kernels import build, lora_update
 from kiln.models.common.fast import fast_state, set_fast
 from kiln.models.common.lora import LoraLinear
 from tests.models.test_quant4_matmul import _linear4
 
 EPS32 = 2.0 ** -24
 
-needs_kernel = pytest.mark.skipif(native.load("lora_update", lora_native.SOURCE) is None,
+needs_kernel = pytest.mark.skipif(build.load("lora_update", build.read_source("lora_update")) is None,
                                   reason="no C compiler here: the fast path falls back to torch (tested below)")
 
 
@@ -52,7 +52,7 @@ SHAPES = [(37, 50, 70, 5), (19, 96, 160, 16), (9, 33, 17, 20)]  # tails in every
 @pytest.mark.parametrize("s1, s2", [(2.0, 1.0), (1.0, 1.5)])  # the scaling on (T, r) (a power of two) or (T, out)
 @pytest.mark.parametrize("threads", [1, 3])  # rows split over threads, each with its own adapter gradients
 def test_kernels_within_float32_rounding_of_float64(monkeypatch, vector, rows, inn, out, r, s1, s2, threads):
-    monkeypatch.setattr(lora_native, "_threads", lambda rows: threads)
+    monkeypatch.setattr(lora_update, "_threads", lambda rows: threads)
     _check(vector, rows, inn, out, r, s1, s2)
 
 
@@ -61,13 +61,13 @@ def test_kernels_within_float32_rounding_of_float64(monkeypatch, vector, rows, i
 def test_a_build_without_avx512_runs_the_plain_loops(monkeypatch, tmp_path):
     """The vector code is behind AVX-512 F/BW/VL: a build for a CPU without it compiles and gives the same bounds."""
     src, lib = tmp_path / "k.c", tmp_path / "k.so"
-    src.write_text(lora_native.SOURCE)
-    cc = native._compiler()
-    run = subprocess.run([*cc, *native.FLAGS, "-march=x86-64-v3", "-o", str(lib), str(src)], capture_output=True,
-                         text=True)
+    src.write_text(build.read_source("lora_update"))
+    cc = build._compiler()
+    run = subprocess.run([*cc, *build.FLAGS, "-march=x86-64-v3", "-o", str(lib), str(src)], capture_output=True,
+                         text=True, check=False)
     assert run.returncode == 0, run.stderr[-2000:]
-    plain = lora_native.typed(ctypes.CDLL(str(lib)))
-    monkeypatch.setattr(lora_native, "_lib", lambda: plain)
+    plain = lora_update.typed(ctypes.CDLL(str(lib)))
+    monkeypatch.setattr(lora_update, "_lib", lambda: plain)
     for shape in SHAPES:
         _check(True, *shape, 2.0, 1.0)  # vector=True asks for lanes the build does not have: the plain loops
 
@@ -76,7 +76,7 @@ def _check(vector, rows, inn, out, r, s1, s2):
     x, a, b, y, grad = _operands(rows, inn, out, r)
     x64, a64, b64, g64 = x.double(), a.double(), b.double(), grad.double()
     y2 = y.clone()
-    down = lora_native.forward(x, y2, a, b, s1, s2, vector=vector)
+    down = lora_update.forward(x, y2, a, b, s1, s2, vector=vector)
 
     want_down = (x64 @ a64.t()) * s1
     assert (down.double() - want_down).abs().le(_gamma(inn) * (x64.abs() @ a64.abs().t()) * s1).all()
@@ -89,7 +89,7 @@ def _check(vector, rows, inn, out, r, s1, s2):
 
     for need in [(True, True, True), (False, True, False), (True, False, True)]:  # (a, b, x)
         sg, sd = (1.0, s1) if s1 != 1.0 else (s2, 1.0)  # the gradient's scale: on (T, out) or on (T, r)
-        gx, ga, gb = lora_native.backward(grad, x, a, b, down, sg, sd, *need, vector=vector)
+        gx, ga, gb = lora_update.backward(grad, x, a, b, down, sg, sd, *need, vector=vector)
         gs = g64 * sg
         gd = (gs @ b64) * sd
         bound_gd = _gamma(out) * (gs.abs() @ b64.abs()) * sd
@@ -139,8 +139,8 @@ def test_lora_layer_takes_the_kernels_only_on_the_fast_path(monkeypatch, scaling
     m, run = _layer(scaling)
     calls = []
     for name in ("forward", "backward"):
-        real = getattr(lora_native, name)
-        monkeypatch.setattr(lora_native, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+        real = getattr(lora_update, name)
+        monkeypatch.setattr(lora_update, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
     exact = run()
     assert calls == [] and fast_state(m) == {"": False}
     set_fast(m, True)
@@ -158,11 +158,11 @@ def test_without_the_library_the_fast_path_is_the_exact_one(monkeypatch):
     m, run = _layer(2.0)
     exact = run()
     monkeypatch.setenv("KILN_NATIVE", "0")
-    native.forget("lora_update")
+    build.forget("lora_update")
     try:
         set_fast(m, True)
-        assert not lora_native.runs(exact[0], exact[0], m.lora_A.weight, m.lora_B.weight)
+        assert not lora_update.runs(exact[0], exact[0], m.lora_A.weight, m.lora_B.weight)
         assert all(torch.equal(e, g) for e, g in zip(exact, run()))
     finally:
         monkeypatch.delenv("KILN_NATIVE")
-        native.forget("lora_update")
+        build.forget("lora_update")

@@ -1,26 +1,7 @@
-"""The fused 4-bit dequantization kernel (NF4 / FP4, bitsandbytes layout) in C: one pass from packed bytes to
-bf16 / fp16 / fp32, equal bit for bit to kiln.hub.bnb4's torch path.
+/* kiln::dequant4: NF4 / FP4 (bitsandbytes layout) to float32 / bf16 / fp16 in one pass, equal bit for bit to
+   kiln.hub.bnb4's torch path. The binding, its checks and the op: kiln/kernels/dequant4.py. Plain C (no torch
+   headers), built by kiln/kernels/build.py with -march=native -ffp-contract=off on first use. */
 
-Per block it computes the block's absmax in float32 (nested: code8[byte] * nested absmax, then + offset, two
-roundings), the 16 products code[i] * absmax in float32, and rounds those once to the output dtype: bf16 by
-round-to-nearest-even with every NaN written 0xFFFF (as torch's vectorized float -> bf16 on x86), fp16 as the
-x86 conversion instruction (IEEE nearest-even; a NaN stays quiet with the top of its payload). Every value of
-the block is then one lookup of its nibble in that 16-entry table (AVX-512: 32 values per permute); the high
-nibble of a byte is the first value. No temporaries, nothing allocated.
-
-`dequantize4` returns False where it cannot run (no native library: see kiln.hub.native; a tensor not on
-CPU or not contiguous; an odd blocksize, whose blocks split bytes), and the caller uses torch.
-"""
-
-from __future__ import annotations
-
-import ctypes
-
-import torch
-
-from kiln.hub import native
-
-SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 #include <pthread.h>
@@ -169,57 +150,3 @@ int kiln_dequant4(const uint8_t *packed, int64_t n, int64_t bs, const float *cod
     }
     return 0;
 }
-"""
-
-_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# values per thread (up to torch's thread count): 6144 x 2048 took 2.2-3.2 ms on one thread and no less on two
-# here (2 cores, shared, where a second thread that waits for a busy core made it up to 2.5x slower)
-_PER_THREAD = 1 << 23
-
-
-def _lib():
-    lib = native.load("dequant4", SOURCE)
-    if lib is not None and not getattr(lib, "_kiln_typed", False):
-        f = lib.kiln_dequant4
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        f.argtypes = [p, i64, i64, p, p, p, p, p, i64, ctypes.c_float, p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        f.restype = ctypes.c_int
-        lib._kiln_typed = True
-    return lib
-
-
-def _cpu_contiguous(*tensors) -> bool:
-    return all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in tensors)
-
-
-def dequantize4(packed: torch.Tensor, n: int, blocksize: int, code: torch.Tensor, absmax: torch.Tensor,
-                nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None, nested_blocksize: int,
-                offset: float | None, out: torch.Tensor, threads: int | None = None, vector: bool = True) -> bool:
-    """Write the `n` dequantized values into `out` (contiguous, float32 / bf16 / fp16); False (nothing
-    written) where the kernel does not run. `absmax` is float32 per block, or uint8 with the nested tensors.
-    `vector=False` takes the plain C loop (the one machines without AVX-512 run), for tests."""
-    nested = nested_absmax is not None
-    if out.dtype not in _KINDS or blocksize % 2 or out.numel() != n or packed.dtype != torch.uint8 \
-            or code.dtype != torch.float32 or code.numel() != 16 \
-            or absmax.dtype != (torch.uint8 if nested else torch.float32) \
-            or (nested and (nested_code.dtype != torch.float32 or nested_absmax.dtype != torch.float32
-                            or nested_code.numel() != 256)) \
-            or not _cpu_contiguous(packed, code, absmax, nested_absmax, nested_code, out):
-        return False
-    if packed.numel() != (n + 1) // 2 or absmax.numel() != -(-n // blocksize):
-        return False
-    if nested and (nested_blocksize <= 0 or nested_absmax.numel() < -(-absmax.numel() // nested_blocksize)):
-        return False  # the C loop would read past nested_absmax: the torch path names the bad state
-    lib = _lib()
-    if lib is None:
-        return False
-    if threads is None:
-        threads = max(1, min(torch.get_num_threads(), n // _PER_THREAD))
-    def ptr(t: torch.Tensor | None) -> int | None:
-        return t.data_ptr() if t is not None else None
-
-    rc = lib.kiln_dequant4(packed.data_ptr(), n, blocksize, code.data_ptr(),
-                           None if nested else absmax.data_ptr(), absmax.data_ptr() if nested else None,
-                           ptr(nested_code), ptr(nested_absmax), nested_blocksize if nested else 0,
-                           float(offset) if nested else 0.0, out.data_ptr(), _KINDS[out.dtype], threads, int(vector))
-    return rc == 0

@@ -1,38 +1,38 @@
-"""Small native CPU kernels: plain C compiled on first use with the system compiler, loaded with ctypes.
+"""Building kiln's C kernels: a source under kiln/kernels/csrc/ compiled on first use with the system compiler.
 
-A kernel is a C source string (no Python or torch headers, so it compiles in about a second). `load(name,
-source)` compiles it once into a shared library under the user cache dir (`$KILN_CACHE_DIR`, else
-`$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`; then `native/`), named by the hash of the source, the compiler
-command and this CPU (the code is built for `-march=native`), so a later process only loads it. The library
-is written under a temporary name and renamed into place: two processes compiling at once both succeed and
-the one left is whole. Beside it, `<lib>.sum` holds its size and sha256; a cached library is checked against
-them before it is loaded (a library truncated after a valid ELF header, by a full disk or a killed copy, would
-otherwise crash the process with SIGBUS inside dlopen), and one that does not match, or has no record, is
-rebuilt, with one warning.
+A kernel is a C file shipped as package data (no Python or torch headers, so it compiles in about a second);
+`read_source(name)` reads `csrc/<name>.c`. `load(name, source)` compiles it once into a shared library under the user
+cache dir (`$KILN_CACHE_DIR`, else `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`; then `native/`), named by the
+hash of the source text, the compiler command and this CPU (the code is built for `-march=native`), so a later
+process only loads it. The library is written under a temporary name and renamed into place: two processes
+compiling at once both succeed and the one left is whole. Beside it, `<lib>.sum` holds its size and sha256; a
+cached library is checked against them before it is loaded (a library truncated after a valid ELF header, by a
+full disk or a killed copy, would otherwise crash the process with SIGBUS inside dlopen), and one that does not
+match, or has no record, is rebuilt, with one warning.
 
 `load` returns None where there is no native path: `KILN_NATIVE=0` or no compiler (`$CC`, a command with
 its own flags if need be, else `cc`), logged at debug level; a failed compile or load, logged once as a
 warning with the compiler's last words (the torch path is slower). The caller then uses its torch
-implementation, which gives the same values (or, for a fast path, values within its rounding).
+implementation, which gives the same values (or, for a fast path, values within its rounding). The ops over
+these libraries (their checks, fake implementations, torch.compile) are kiln/kernels/dequant4.py and
+lora_update.py.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import hashlib
+import importlib.resources
 import logging
 import os
 import platform
 import shlex
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,12 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-pthr
 _LOCK = threading.Lock()
 _LOADED: dict[str, ctypes.CDLL | None] = {}
 _OFF_LOGGED: list[bool] = []
+
+
+@functools.cache
+def read_source(name: str) -> str:
+    """The C source of kernel `name`: kiln/kernels/csrc/<name>.c, read from the installed package (once)."""
+    return (importlib.resources.files("kiln.kernels") / "csrc" / f"{name}.c").read_text(encoding="utf-8")
 
 
 def enabled() -> bool:
@@ -135,8 +141,11 @@ def _compile(name: str, source: str, path: Path) -> None:
         src.write_text(source)
         # relative names, run inside the temporary folder: the library embeds no temporary path, so two builds
         # of one source are the same bytes (a concurrent build's record matches the other's library)
-        run = subprocess.run([*_compiler(), *FLAGS, "-o", lib.name, src.name], capture_output=True, text=True,
-                             timeout=120, cwd=tmp)
+        cc = _compiler()
+        if cc is None:  # library_path found one a moment ago
+            raise OSError(f"no C compiler ({os.environ.get('CC') or 'cc'} not found)")
+        run = subprocess.run([*cc, *FLAGS, "-o", lib.name, src.name], capture_output=True, text=True,
+                             check=False, timeout=120, cwd=tmp)
         if run.returncode != 0:
             raise OSError(f"compile failed ({run.returncode}): {run.stderr.strip()[-2000:]}")
         record = Path(tmp) / "sum"
@@ -172,18 +181,6 @@ def load(name: str, source: str) -> ctypes.CDLL | None:
             lib = None
         _LOADED[name] = lib
         return lib
-
-
-@functools.cache
-def glibc(symbol: str) -> Any:
-    """The C library's function `symbol` (Linux only), or None where there is none (another OS, musl without
-    glibc's malloc tuning). For the heap controls: kiln.parallel.memory_heap, kiln.models.common.tied_grad."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), symbol)
-    except (OSError, AttributeError):
-        return None
 
 
 def forget(name: str) -> None:
