@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.constants import IGNORE_INDEX
+from kiln.constants import BASE_TASK, IGNORE_INDEX
 from kiln.data import encode as enc
 from kiln.errors import ConfigError, KilnError
 from kiln.models.common.loss import lm_loss_sum, shift_labels
@@ -239,7 +239,7 @@ class SentenceEmbedding(Task):
     short = "emb"
 
 
-BASE = Base("base")
+BASE = Base(BASE_TASK)
 SEQUENCE_CLASSIFICATION = SequenceClassification("sequence-classification")
 TOKEN_CLASSIFICATION = TokenClassification("token-classification")
 QUESTION_ANSWERING = QuestionAnswering("question-answering")

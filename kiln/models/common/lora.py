@@ -37,9 +37,14 @@ from kiln.models.common.lora_experts import (add_expert_lora, expert_adapter_nam
                                              merge_expert_lora, peft_target_parameters)
 from kiln.models.common.qlora import qlora_linear
 from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS, KeepsQuantState, dequantized, is_4bit, linear4
-from kiln.models.tasks import task_of
 
 PEFT_PREFIX = "base_model.model."
+
+
+def peft_task_type(model: nn.Module) -> str | None:
+    """PEFT's task_type for adapters of this model's head: its Task's (`Family.build` sets the registry Task on the
+    model), None for a model that names no task."""
+    return getattr(getattr(getattr(model, "module", model), "task", None), "peft_type", None)  # (through DDP)
 
 
 @dataclass
@@ -209,7 +214,7 @@ def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_o
     targets = peft_targets(model)
     base = base_model_name_or_path or config.base_model_name_or_path
     peft_config = {
-        "peft_type": "LORA", "task_type": getattr(task_of(model), "peft_type", None),
+        "peft_type": "LORA", "task_type": peft_task_type(model),
         "base_model_name_or_path": base, "r": config.r, "lora_alpha": config.alpha,
         "lora_dropout": config.dropout, "target_modules": targets, "use_rslora": config.use_rslora,
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,

@@ -31,7 +31,7 @@ from torch.nn import functional as F
 from kiln.errors import ConfigError, WeightsError
 from kiln.hub import bnb4
 from kiln.hub.bnb4 import Bnb4Scheme, Quant4
-from kiln.models.tasks import BASE
+from kiln.constants import BASE_TASK
 
 # module buffer name -> the suffix after `<m>.weight.` on disk (the quant state's suffix ends in its type)
 BUFFERS = {"weight_absmax": "absmax", "weight_quant_map": "quant_map", "weight_nested_absmax": "nested_absmax",
@@ -299,7 +299,7 @@ def prepare_bnb4_modules(model: nn.Module, state: dict[str, torch.Tensor], schem
 def quantizable(model: nn.Module) -> list[str]:
     """The Linears `quantize_model` turns 4-bit: every Linear of the backbone (not task heads, not lm_head),
     as transformers' bitsandbytes quantizer converts them."""
-    prefix = "" if getattr(model, "task", BASE) == BASE else "model."
+    prefix = "" if getattr(model, "task", BASE_TASK) == BASE_TASK else "model."
     return [n for n, m in model.named_modules() if type(m) is nn.Linear and n.startswith(prefix)
             and n.rsplit(".", 1)[-1] != "lm_head"]
 
