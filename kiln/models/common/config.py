@@ -127,3 +127,11 @@ class FamilyConfig:
 
     def replace(self, **changes: Any) -> "FamilyConfig":
         return dataclasses.replace(self, **changes)
+
+    def dequantized(self, dtype: Any = None) -> None:
+        """The config of a model whose quantized base was dequantized (to `dtype`, a torch dtype): no
+        quantization_config, and the dtype keys transformers' "auto" dtype reads say `dtype` where present."""
+        self.extra.pop("quantization_config", None)
+        for key in ("dtype", "torch_dtype"):
+            if dtype is not None and key in self.extra:
+                self.extra[key] = str(dtype).removeprefix("torch.")

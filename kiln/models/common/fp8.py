@@ -309,12 +309,8 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
             module.weight = nn.Parameter(w, requires_grad=False)
             module.fp8 = False
     model.fp8_state = None
-    config = getattr(model, "config", None)
-    if config is not None:
-        config.extra.pop("quantization_config", None)
-        for key in ("dtype", "torch_dtype"):  # what transformers' "auto" dtype reads
-            if dtype is not None and key in config.extra:
-                config.extra[key] = str(dtype).removeprefix("torch.")
+    if getattr(model, "config", None) is not None:
+        model.config.dequantized(dtype)
     if dtype is not None:
         model.to(dtype)
     return model

@@ -34,7 +34,8 @@ from kiln.hub.files import as_umask_allows
 from kiln.hub.jsonio import read_json
 from kiln.models.common.fp8 import FP8Linear, fp8_linear, merged_fp8_linear
 from kiln.models.common.lora_experts import (add_expert_lora, expert_adapter_names, expert_targets,
-                                             merge_expert_lora, peft_target_parameters)
+                                             matches_target, merge_expert_lora, peft_target_parameters,
+                                             shortest_suffixes)
 from kiln.models.common.qlora import qlora_linear
 from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS, KeepsQuantState, dequantized, is_4bit, linear4
 
@@ -125,10 +126,6 @@ class LoraLinear(KeepsQuantState, nn.Linear):
         return f"{super().extra_repr()}, r={self.r}, alpha={self.alpha}"
 
 
-def _matches(name: str, target: str) -> bool:
-    return name == target or name.endswith("." + target)
-
-
 def linear_names(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, LoraLinear)
             and n.rsplit(".", 1)[-1] not in ("lora_A", "lora_B")]
@@ -143,12 +140,12 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> list[str]:
         chosen = [n for n in names if n.rsplit(".", 1)[-1] != "lm_head"]
     else:
         targets = [config.targets] if isinstance(config.targets, str) else list(config.targets)
-        unmatched = [t for t in targets if not any(_matches(n, t) for n in names)]
+        unmatched = [t for t in targets if not any(matches_target(n, t) for n in names)]
         if unmatched:
             leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
             raise KilnError(f"lora target module(s) {unmatched} match no Linear layer in this model; "
                             f"Linear names here: {', '.join(leaves)} (or 'all-linear')")
-        chosen = [n for n in names if any(_matches(n, t) for t in targets)]
+        chosen = [n for n in names if any(matches_target(n, t) for t in targets)]
     experts = expert_targets(model, list(config.target_parameters), config.dropout)
     if not chosen and not experts:
         raise KilnError("lora: no targets (give lora.targets module names, or target_parameters for routed experts)")
@@ -187,16 +184,7 @@ def peft_targets(model: nn.Module) -> list[str]:
     no Linear left without an adapter (PEFT matches a name or a '.'-suffix of it). Leaf names when they
     suffice (q_proj); `shared_experts.gate_proj` where another `gate_proj` is not adapted. kiln's module
     names are transformers' in-memory ones, which is what PEFT matches (not the names on disk)."""
-    others = set(linear_names(model)) - set(model.lora_targets)
-    out = set()
-    for name in model.lora_targets:
-        parts = name.split(".")
-        for k in range(1, len(parts) + 1):
-            suffix = ".".join(parts[-k:])
-            if not any(_matches(o, suffix) for o in others):
-                out.add(suffix)
-                break
-    return sorted(out)
+    return shortest_suffixes(model.lora_targets, set(linear_names(model)) - set(model.lora_targets))
 
 
 def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_or_path: str | None = None) -> Path:

@@ -358,10 +358,6 @@ def dequantize_bnb4_model(model: nn.Module, dtype: torch.dtype | None = None) ->
             module.weight = nn.Parameter(w, requires_grad=False)
             module.q4 = None
     model.bnb4_state = None
-    config = getattr(model, "config", None)
-    if config is not None:
-        config.extra.pop("quantization_config", None)
-        for key in ("dtype", "torch_dtype"):
-            if dtype is not None and key in config.extra:
-                config.extra[key] = str(dtype).removeprefix("torch.")
+    if getattr(model, "config", None) is not None:
+        model.config.dequantized(dtype)
     return model
