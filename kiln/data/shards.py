@@ -24,7 +24,13 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import KilnError
-from kiln.hub.files import file_sha256, fsync_dir, why_unreadable, write_atomic, write_text_atomic
+from kiln.hub.files import (
+    file_sha256,
+    fsync_dir,
+    why_unreadable,
+    write_atomic,
+    write_text_atomic,
+)
 from kiln.hub.jsonio import read_json
 
 FORMAT = "kiln-token-shards"

@@ -19,8 +19,13 @@ import math
 import torch
 from torch.nn import functional as F
 
-from kiln.models.common.loss import (CHUNK_ELEMENTS, head_grad_buffers, head_operands, keep_head_grads,
-                                     kept_head_grads)
+from kiln.models.common.loss import (
+    CHUNK_ELEMENTS,
+    head_grad_buffers,
+    head_operands,
+    keep_head_grads,
+    kept_head_grads,
+)
 
 __all__ = ["divergence", "linear_divergence"]
 

@@ -38,6 +38,7 @@ from kiln.models.common.lora_experts import (add_expert_lora, expert_adapter_nam
                                              shortest_suffixes)
 from kiln.models.common.qlora import qlora_linear
 from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS, KeepsQuantState, dequantized, is_4bit, linear4
+from kiln.models.common.wrapped import unwrap
 
 PEFT_PREFIX = "base_model.model."
 
@@ -45,7 +46,7 @@ PEFT_PREFIX = "base_model.model."
 def peft_task_type(model: nn.Module) -> str | None:
     """PEFT's task_type for adapters of this model's head: its Task's (`Family.build` sets the registry Task on the
     model), None for a model that names no task."""
-    return getattr(getattr(getattr(model, "module", model), "task", None), "peft_type", None)  # (through DDP)
+    return getattr(getattr(unwrap(model), "task", None), "peft_type", None)
 
 
 @dataclass

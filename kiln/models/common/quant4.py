@@ -28,10 +28,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kiln.constants import BASE_TASK
 from kiln.errors import ConfigError, WeightsError
 from kiln.hub import bnb4
 from kiln.hub.bnb4 import Bnb4Scheme, Quant4
-from kiln.constants import BASE_TASK
 
 # module buffer name -> the suffix after `<m>.weight.` on disk (the quant state's suffix ends in its type)
 BUFFERS = {"weight_absmax": "absmax", "weight_quant_map": "quant_map", "weight_nested_absmax": "nested_absmax",
