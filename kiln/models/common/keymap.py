@@ -119,6 +119,17 @@ class KeyMap:
                 return name + (groups[-1] or ""), rule
         return None
 
+    def _rename(self, key: str, value: torch.Tensor, to_hf: bool, out: dict[str, torch.Tensor],
+                unmatched: list[str]) -> None:
+        """One plain (not stacked) tensor renamed by its rule, the rule's step (to HF: its first, else its second)
+        applied, into `out`; a key no rule matches goes to `unmatched`."""
+        hit = self._apply(key, self._to_hf if to_hf else self._to_kiln, "hf" if to_hf else "kiln")
+        if hit is None:
+            unmatched.append(key)
+            return
+        name, rule = hit
+        out[name] = rule.step[0 if to_hf else 1](value) if rule.step else value
+
     def to_hf(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
         out, unmatched = {}, []
         for k, v in state.items():
@@ -127,12 +138,7 @@ class KeyMap:
                 if parts is not None:
                     out.update(parts)
                     continue
-            hit = self._apply(k, self._to_hf, "hf")
-            if hit is None:
-                unmatched.append(k)
-                continue
-            name, rule = hit
-            out[name] = rule.step[0](v) if rule.step else v
+            self._rename(k, v, True, out, unmatched)
         return out, unmatched
 
     def to_kiln(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -144,12 +150,7 @@ class KeyMap:
                 stack, outer, part, expert = stacked
                 found.setdefault((stack, outer), {})[(part, expert)] = v
                 continue
-            hit = self._apply(k, self._to_kiln, "kiln")
-            if hit is None:
-                unmatched.append(k)
-                continue
-            name, rule = hit
-            out[name] = rule.step[1](v) if rule.step else v
+            self._rename(k, v, False, out, unmatched)
         out.update(self._restack(found))
         return out, unmatched
 
