@@ -1,6 +1,7 @@
 """Constants shared by every layer (this module imports nothing)."""
 
 IGNORE_INDEX = -100  # a target position that carries no loss (the value transformers and torch use)
+BASE_TASK = "base"  # the bare backbone's task (no head, HF names unprefixed); kiln.models.tasks.BASE is its Task
 # `kiln launch` names a folder here where each rank leaves its pid once it catches SIGTERM / SIGINT
 # (kiln.train.preempt), so the launcher can pass a signal on to the ranks themselves.
 LAUNCH_DIR_ENV = "KILN_LAUNCH_DIR"

@@ -187,3 +187,40 @@ def test_the_cycle_check_can_fail(tmp_path):
     assert shortest_cycle(graph, "pkg.a") == ["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]
     (pkg / "c.py").write_text("import os\n")  # the control: the cycle broken, nothing is found
     assert cycles(import_graph(pkg)) == []
+
+
+# ---- models/common is a floor ---------------------------------------------------------------------
+# The blocks every family builds on import nothing of kiln.models outside common (not the families, the
+# task registry, the Auto loaders), so a family sits on them and never under them. Every import counts.
+
+COMMON = "kiln.models.common"
+
+
+def upward_from_common(graph: dict[str, set[str]]) -> list[str]:
+    """'a -> b' for each kiln/models/common module `a` importing a kiln.models module `b` outside common."""
+    inside = (COMMON, COMMON + ".")
+    return [f"{a} -> {b}" for a in sorted(graph) if a.startswith(inside)
+            for b in sorted(graph[a]) if b.startswith("kiln.models") and not b.startswith(inside)]
+
+
+def test_models_common_imports_nothing_above_it():
+    graph = import_graph(KILN)
+    assert sum(m.startswith(COMMON + ".") for m in graph) > 30  # the walk found the floor
+    bad = upward_from_common(graph)
+    assert not bad, "kiln/models/common imports kiln.models modules outside common:\n" + "\n".join(bad)
+
+
+def test_the_floor_check_can_fail(tmp_path):
+    pkg = tmp_path / "kiln"
+    (pkg / "models" / "common").mkdir(parents=True)
+    for f in ("__init__.py", "models/__init__.py", "models/common/__init__.py", "models/tasks.py"):
+        (pkg / f).write_text("")
+    (pkg / "models" / "common" / "a.py").write_text("def f():\n    from kiln.models.tasks import BASE\n")
+    (pkg / "models" / "common" / "b.py").write_text("from . import a\nfrom ..tasks import x\n")
+    (pkg / "models" / "llama.py").write_text("from kiln.models.common import a\n")  # downward: fine
+    graph = import_graph(pkg)
+    assert upward_from_common(graph) == ["kiln.models.common.a -> kiln.models.tasks",
+                                         "kiln.models.common.b -> kiln.models.tasks"]
+    (pkg / "models" / "common" / "a.py").write_text("import os\n")
+    (pkg / "models" / "common" / "b.py").write_text("from . import a\n")
+    assert upward_from_common(import_graph(pkg)) == []

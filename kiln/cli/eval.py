@@ -13,6 +13,7 @@ import typer
 from kiln.cli.common import check_range
 from kiln.cli.output import out
 from kiln.errors import KilnError
+from kiln.hub.files import write_text_atomic
 
 RESULTS_FILE = "lm_eval_results.json"
 
@@ -76,9 +77,7 @@ def eval_cmd(target: Path = typer.Argument(..., help="A causal-LM directory, a r
                           if isinstance(v, (int, float)) and not k.startswith(("alias", "sample")) and "stderr" not in k)
         out.print(f"{task}: {shown}")
     dest = out_file or home / RESULTS_FILE
-    tmp = dest.with_name(dest.name + ".tmp")
-    tmp.write_text(json.dumps({"model": str(target), **results}, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(dest)  # whole or not at all
+    write_text_atomic(dest, json.dumps({"model": str(target), **results}, indent=2) + "\n")  # whole or not at all
     out.print(f"wrote {dest}")
 
 

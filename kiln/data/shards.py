@@ -24,7 +24,13 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import KilnError
-from kiln.hub.files import file_sha256, fsync_dir, why_unreadable
+from kiln.hub.files import (
+    file_sha256,
+    fsync_dir,
+    why_unreadable,
+    write_atomic,
+    write_text_atomic,
+)
 from kiln.hub.jsonio import read_json
 
 FORMAT = "kiln-token-shards"
@@ -58,25 +64,19 @@ def tokenizer_digest(tokenizer_json: str) -> str:
 
 def write_shard(path: Path, tokens: np.ndarray) -> dict[str, Any]:
     """Write one .npy shard atomically (temp, fsync, rename); its manifest entry."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, np.ascontiguousarray(tokens), allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    def save(tmp: Path) -> None:
+        with open(tmp, "wb") as f:  # through a file: np.save on a path would append ".npy" to the temp name
+            np.save(f, np.ascontiguousarray(tokens), allow_pickle=False)
+
+    write_atomic(path, save)
     return {"file": path.name, "tokens": int(tokens.size), "bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> Path:
     """manifest.json, written last: a directory without one is an unfinished tokenize run."""
     path = out_dir / MANIFEST
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"format": FORMAT, "version": VERSION, **manifest}, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps({"format": FORMAT, "version": VERSION, **manifest}, indent=1, sort_keys=True)
+                      + "\n")
     fsync_dir(out_dir)
     return path
 

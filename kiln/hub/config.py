@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import ConfigError
+from kiln.hub.files import write_text_atomic
 from kiln.hub.jsonio import read_json
 
 
@@ -26,13 +27,7 @@ def read_config(model_dir: str | os.PathLike) -> dict[str, Any]:
 
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write JSON to a temp file, fsync, rename: a reader never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def write_config(model_dir: str | os.PathLike, config: dict[str, Any]) -> Path:

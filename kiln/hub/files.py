@@ -29,6 +29,25 @@ def fsync_file(path: str | os.PathLike) -> None:
         os.fsync(f.fileno())
 
 
+def write_atomic(path: str | os.PathLike, write: Callable[[Path], object], *, umask_mode: bool = False) -> Path:
+    """`write(tmp)` writes the file under a temporary name beside `path`; it is fsynced (with `umask_mode`, given
+    the mode open() would: for writers that force 0600, like safetensors) and renamed to `path`, so a reader sees
+    the old file or the whole new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    fsync_file(tmp)
+    if umask_mode:
+        as_umask_allows(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """`text` (UTF-8) written to `path` as `write_atomic` writes."""
+    return write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a rename or a new entry in `path` durable (the directory's own metadata)."""
     fd = os.open(Path(path), os.O_RDONLY)

@@ -18,6 +18,7 @@ from tokenizers.models import WordPiece
 
 from kiln.errors import KilnError
 from kiln.hub.config import write_json_atomic
+from kiln.hub.files import write_atomic
 from kiln.hub.jsonio import read_json
 
 if TYPE_CHECKING:
@@ -108,13 +109,11 @@ class Tokenizer:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         written = [out / "tokenizer.json"]
-        tmp = out / "tokenizer.json.tmp"
         src = self.source_dir / "tokenizer.json" if self.source_dir is not None else None
         if src is not None and src.is_file():
-            shutil.copyfile(src, tmp)  # unchanged tokenizer: keep the file byte for byte
+            write_atomic(written[0], lambda tmp: shutil.copyfile(src, tmp))  # unchanged: kept byte for byte
         else:
-            self.backend.save(str(tmp))
-        os.replace(tmp, written[0])
+            write_atomic(written[0], lambda tmp: self.backend.save(str(tmp)))
         config = dict(self.config)
         config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
         for name, text in self.specials.items():

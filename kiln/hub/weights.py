@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
 from kiln.hub.config import write_json_atomic
-from kiln.hub.files import as_umask_allows
+from kiln.hub.files import write_atomic
 
 # the reading names, where callers have long imported them from (kiln.hub.index reads)
 from kiln.hub.headers import (
@@ -27,19 +26,9 @@ from kiln.hub.headers import (
 from kiln.hub.index import Span, SpanReader, load_weights, read_into, tensor_spans  # noqa: F401
 
 
-def _atomic(path: Path, write: Any) -> None:
-    """`write(tmp)` writes the file under a temporary name; fsynced, given the umask's mode, then renamed to path."""
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    as_umask_allows(tmp)  # safetensors makes it 0600
-    os.replace(tmp, path)
-
-
 def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    _atomic(path, lambda tmp: save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp),
-                                        metadata=metadata))
+    write_atomic(path, lambda tmp: save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp),
+                                             metadata=metadata), umask_mode=True)  # safetensors makes it 0600
 
 
 def save_weights(
@@ -108,7 +97,8 @@ def save_bin_weights(model_dir: str | os.PathLike, state: dict[str, torch.Tensor
     groups = shard_plan([(k, v.nbytes) for k, v in state.items()], max_shard_bytes)
     names = shard_names(len(groups), ".bin")
     for name, group in zip(names, groups):
-        _atomic(model_dir / name, lambda tmp, group=group: torch.save({k: state[k] for k in group}, tmp))
+        write_atomic(model_dir / name, lambda tmp, group=group: torch.save({k: state[k] for k in group}, tmp),
+                     umask_mode=True)
     if len(groups) > 1:
         write_index(model_dir, sum(v.nbytes for v in state.values()),
                     {k: name for name, group in zip(names, groups) for k in group}, BIN_INDEX)

@@ -19,14 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.constants import IGNORE_INDEX
+from kiln.constants import BASE_TASK, IGNORE_INDEX
 from kiln.data import encode as enc
 from kiln.errors import ConfigError, KilnError
 from kiln.models.common.loss import lm_loss_sum, shift_labels
-
-
-def _inner(model: nn.Module) -> nn.Module:
-    return getattr(model, "module", model)  # through DDP
+from kiln.models.common.wrapped import unwrap
 
 
 class Task(str):
@@ -154,7 +151,7 @@ class TokenLevel(Task):
     def _with_aux(model, out, loss_sum, count):
         aux = getattr(out, "aux_loss", None)
         if aux is not None:  # MoE load balancing (output_router_logits): weighted per token like the loss it joins
-            loss_sum = loss_sum + _inner(model).config.router_aux_loss_coef * aux * count
+            loss_sum = loss_sum + unwrap(model).config.router_aux_loss_coef * aux * count
         return loss_sum, count, out
 
     def verify_labels(self, batch, config, g):
@@ -199,7 +196,7 @@ class CausalLM(TokenLevel):
     def loss(self, model, batch):
         """A model that sums over targets itself (ForCausalLM: `targets=`) gets them, so on its fast path
         the head runs only where a target is (kiln.models.common.causal_lm); others go through logits."""
-        if "labels" not in batch or not getattr(_inner(model), "sums_targets", False):
+        if "labels" not in batch or not getattr(unwrap(model), "sums_targets", False):
             return super().loss(model, batch)
         out = model(**self.inputs(batch), targets=self.targets(batch["labels"]))
         return self._with_aux(model, out, out.loss_sum, out.loss_count)
@@ -239,7 +236,7 @@ class SentenceEmbedding(Task):
     short = "emb"
 
 
-BASE = Base("base")
+BASE = Base(BASE_TASK)
 SEQUENCE_CLASSIFICATION = SequenceClassification("sequence-classification")
 TOKEN_CLASSIFICATION = TokenClassification("token-classification")
 QUESTION_ANSWERING = QuestionAnswering("question-answering")
@@ -266,5 +263,5 @@ def get_task(name: str | None, where: str = "task") -> Task:
 
 def task_of(model: nn.Module) -> Task | None:
     """The Task of a kiln model (through DDP), or None for a model that names none."""
-    name = getattr(_inner(model), "task", None)
+    name = getattr(unwrap(model), "task", None)
     return TASKS.get(name) if isinstance(name, str) else None

@@ -19,7 +19,13 @@ import math
 import torch
 from torch.nn import functional as F
 
-from kiln.models.common.loss import CHUNK_ELEMENTS, head_operands
+from kiln.models.common.loss import (
+    CHUNK_ELEMENTS,
+    head_grad_buffers,
+    head_operands,
+    keep_head_grads,
+    kept_head_grads,
+)
 
 __all__ = ["divergence", "linear_divergence"]
 
@@ -51,9 +57,7 @@ class _LinearDivergence(torch.autograd.Function):
     def forward(ctx, h, weight, bias, th, tweight, tbias, beta, temperature, rows, need_h, need_w, need_b):
         with torch.autocast(h.device.type, enabled=False):  # dtypes were settled by the caller
             total = torch.zeros((), dtype=torch.float32, device=h.device)
-            grad_h = torch.empty_like(h) if need_h else None
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
-            grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if need_b else None
+            grad_h, grad_w, grad_b = head_grad_buffers(h, weight, need_h, need_w, need_b)
             for a in range(0, h.shape[0], rows):
                 hc = h[a:a + rows]  # (n, C)
                 s = F.log_softmax(F.linear(hc, weight, bias).float() / temperature, dim=-1)  # (n, V)
@@ -71,24 +75,12 @@ class _LinearDivergence(torch.autograd.Function):
                     grad_w.addmm_(dz.t().float(), hc.float())
                 if need_b:
                     grad_b += dz.float().sum(0)
-        ctx.save_for_backward(*(x for x in (grad_h, grad_w, grad_b) if x is not None))
-        ctx.needs = (need_h, need_w, need_b)
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        keep_head_grads(ctx, (grad_h, grad_w, grad_b), weight, bias)
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved = iter(ctx.saved_tensors)
-        need_h, need_w, need_b = ctx.needs
-        one = float(grad_out) == 1.0
-
-        def scaled(g, dtype):
-            return (g if one else g * grad_out).to(dtype)
-
-        grad_h = scaled(next(saved), ctx.dtypes[0]) if need_h else None
-        grad_w = scaled(next(saved), ctx.dtypes[0]) if need_w else None
-        grad_b = scaled(next(saved), ctx.dtypes[1]) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None, None
+        return *kept_head_grads(ctx, grad_out), None, None, None, None, None, None, None, None, None
 
 
 def linear_divergence(h: torch.Tensor, weight: torch.Tensor, teacher_h: torch.Tensor, teacher_weight: torch.Tensor,

@@ -16,6 +16,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from kiln.hub.files import write_text_atomic
 from kiln.train.trackers import open_trackers, scalars
 
 REJECTED = "metrics.rejected.jsonl"
@@ -84,12 +85,7 @@ class MetricsLog:
             report(f"resume: {self.path}: line(s) {shown} hold no metrics record (not JSON, or no numeric step); "
                    f"kept aside in {rejected.name}; the {len(records)} valid record(s) stay")
         kept = [r for r in records if r["step"] <= step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        write_text_atomic(self.path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
 
     def clear(self) -> None:
         """Drop every record (a restart from step 0 of a run that saved no checkpoint)."""

@@ -42,6 +42,7 @@ from kiln.data.loader import Loader
 from kiln.errors import ConfigError, KilnError, NonFiniteError
 from kiln.hub.config import write_json_atomic
 from kiln.models.common.fast import set_fast
+from kiln.models.common.wrapped import unwrap
 from kiln.parallel.checkpoint import load_full_optimizer
 from kiln.parallel.config import ParallelSection
 from kiln.parallel.sharded_load import init_adapters, read_shards
@@ -451,7 +452,7 @@ class Trainer:
 
     # ---- checkpoints ------------------------------------------------------------------------
     def unwrapped(self) -> nn.Module:
-        return getattr(self.model, "module", self.model)
+        return unwrap(self.model)
 
     def save(self) -> Path:
         """Checkpoint now (rank 0 writes; every rank contributes its RNG state and waits)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -10,6 +12,7 @@ from kiln.errors import KilnError
 from kiln.interop.export import export_model
 from kiln.models import AutoModelForCausalLM
 from kiln.models.common.lora import LoraConfig, apply_lora, load_adapter, save_adapter
+from kiln.models.tasks import CAUSAL_LM
 
 transformers.logging.set_verbosity_error()
 
@@ -86,6 +89,9 @@ def test_save_pretrained_keeps_adapter_beside_base_and_reloads(tiny_factory, tmp
     _train_a_little(ours.train(), steps=1)
     ours.save_pretrained(tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "adapter_model.safetensors").is_file()
+    # the PEFT task type comes off the model's registry Task (Family.build turns the name into it)
+    assert type(ours.task) is type(CAUSAL_LM) and ours.task == CAUSAL_LM
+    assert json.loads((tmp_path / "ckpt" / "adapter_config.json").read_text())["task_type"] == "CAUSAL_LM"
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
     with torch.no_grad():
         torch.testing.assert_close(again(**_batch()).logits, ours(**_batch()).logits, rtol=0, atol=0)

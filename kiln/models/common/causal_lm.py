@@ -26,9 +26,9 @@ from torch.nn import functional as F
 from kiln.models.common.decoder import KVCache
 from kiln.models.common.loss import IGNORE_INDEX, causal_lm_loss, fast_lm_loss_sum, lm_loss_sum, shift_labels
 from kiln.models.common.moe import load_balancing_loss
+from kiln.models.common.pretrained import PreTrainedModel
 from kiln.models.common.tied_grad import deferred_head
 from kiln.models.common.token_logps import exact_token_logps, linear_token_logps
-from kiln.models.pretrained import PreTrainedModel
 
 
 @dataclass
@@ -204,6 +204,6 @@ class ForCausalLM(PreTrainedModel):
 
     def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """Prompt (B, T) -> prompt + new tokens; see `kiln.models.generation.generate`."""
-        from kiln.models.generation import generate
+        from kiln.models.common.generation import generate
 
         return generate(self, input_ids, **kwargs)

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.nn import functional as F
 
+from kiln.constants import BASE_TASK
 from kiln.errors import KilnError
 from kiln.hub.fp8 import (
     FP4_BLOCK,
@@ -36,9 +37,8 @@ from kiln.hub.fp8 import (
     requantize_state,
     scale_grid,
 )
+from kiln.models.common.keymap import KeyMap, Stack
 from kiln.models.common.moe import Experts
-from kiln.models.keymap import KeyMap, Stack
-from kiln.models.tasks import BASE
 
 MODES = ("dequantize", "keep")
 
@@ -241,7 +241,7 @@ def prepare_fp8(model: nn.Module, state: dict[str, torch.Tensor], scheme: Fp8Sch
     dtype = dtype or scheme.dtype or compute_dtype_of(state)
     pairs = fp8_pairs(state, scheme, source)
     names = model.normalise_hf_names(state)
-    prefix = "" if model.task == BASE else model.family.hf_prefix + "."
+    prefix = "" if model.task == BASE_TASK else model.family.hf_prefix + "."
     # checkpoint name -> the name hf_state_dict writes it under (extras: bare, under the head's prefix)
     out_name = {k: prefix + name if extra else name for k, (name, extra) in names.items()}
     kept: set[str] = set()
@@ -322,12 +322,8 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
             module.weight = nn.Parameter(w, requires_grad=False)
             module.fp8 = False
     model.fp8_state = None
-    config = getattr(model, "config", None)
-    if config is not None:
-        config.extra.pop("quantization_config", None)
-        for key in ("dtype", "torch_dtype"):  # what transformers' "auto" dtype reads
-            if dtype is not None and key in config.extra:
-                config.extra[key] = str(dtype).removeprefix("torch.")
+    if getattr(model, "config", None) is not None:
+        model.config.dequantized(dtype)
     if dtype is not None:
         model.to(dtype)
     return model

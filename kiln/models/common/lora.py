@@ -37,15 +37,23 @@ from kiln.models.common.lora_experts import (
     add_expert_lora,
     expert_adapter_names,
     expert_targets,
+    matches_target,
     merge_expert_lora,
     peft_target_parameters,
+    shortest_suffixes,
 )
 from kiln.models.common.qlora import qlora_linear
 from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS
 from kiln.models.common.quant4 import KeepsQuantState, dequantized, is_4bit, linear4
-from kiln.models.tasks import task_of
+from kiln.models.common.wrapped import unwrap
 
 PEFT_PREFIX = "base_model.model."
+
+
+def peft_task_type(model: nn.Module) -> str | None:
+    """PEFT's task_type for adapters of this model's head: its Task's (`Family.build` sets the registry Task on the
+    model), None for a model that names no task."""
+    return getattr(getattr(unwrap(model), "task", None), "peft_type", None)
 
 
 @dataclass
@@ -126,10 +134,6 @@ class LoraLinear(KeepsQuantState, nn.Linear):
         return f"{super().extra_repr()}, r={self.r}, alpha={self.alpha}"
 
 
-def _matches(name: str, target: str) -> bool:
-    return name == target or name.endswith("." + target)
-
-
 def linear_names(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, LoraLinear)
             and n.rsplit(".", 1)[-1] not in ("lora_A", "lora_B")]
@@ -144,12 +148,12 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> list[str]:
         chosen = [n for n in names if n.rsplit(".", 1)[-1] != "lm_head"]
     else:
         targets = [config.targets] if isinstance(config.targets, str) else list(config.targets)
-        unmatched = [t for t in targets if not any(_matches(n, t) for n in names)]
+        unmatched = [t for t in targets if not any(matches_target(n, t) for n in names)]
         if unmatched:
             leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
             raise KilnError(f"lora target module(s) {unmatched} match no Linear layer in this model; "
                             f"Linear names here: {', '.join(leaves)} (or 'all-linear')")
-        chosen = [n for n in names if any(_matches(n, t) for t in targets)]
+        chosen = [n for n in names if any(matches_target(n, t) for t in targets)]
     experts = expert_targets(model, list(config.target_parameters), config.dropout)
     if not chosen and not experts:
         raise KilnError("lora: no targets (give lora.targets module names, or target_parameters for routed experts)")
@@ -188,16 +192,7 @@ def peft_targets(model: nn.Module) -> list[str]:
     no Linear left without an adapter (PEFT matches a name or a '.'-suffix of it). Leaf names when they
     suffice (q_proj); `shared_experts.gate_proj` where another `gate_proj` is not adapted. kiln's module
     names are transformers' in-memory ones, which is what PEFT matches (not the names on disk)."""
-    others = set(linear_names(model)) - set(model.lora_targets)
-    out = set()
-    for name in model.lora_targets:
-        parts = name.split(".")
-        for k in range(1, len(parts) + 1):
-            suffix = ".".join(parts[-k:])
-            if not any(_matches(o, suffix) for o in others):
-                out.add(suffix)
-                break
-    return sorted(out)
+    return shortest_suffixes(model.lora_targets, set(linear_names(model)) - set(model.lora_targets))
 
 
 def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_or_path: str | None = None) -> Path:
@@ -215,7 +210,7 @@ def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_o
     targets = peft_targets(model)
     base = base_model_name_or_path or config.base_model_name_or_path
     peft_config = {
-        "peft_type": "LORA", "task_type": getattr(task_of(model), "peft_type", None),
+        "peft_type": "LORA", "task_type": peft_task_type(model),
         "base_model_name_or_path": base, "r": config.r, "lora_alpha": config.alpha,
         "lora_dropout": config.dropout, "target_modules": targets, "use_rslora": config.use_rslora,
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,

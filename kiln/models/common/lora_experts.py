@@ -83,8 +83,22 @@ def _lora_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def _matches(name: str, target: str) -> bool:
+def matches_target(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
+
+
+def shortest_suffixes(names: list[str], others: set[str], least: int = 1) -> list[str]:
+    """Per name the shortest trailing dotted part (`least` parts at least) that matches none of `others` (PEFT
+    matches a target as a name or a '.'-suffix of one), sorted; a name with no such part adds nothing."""
+    out = set()
+    for name in names:
+        parts = name.split(".")
+        for k in range(least, len(parts) + 1):
+            suffix = ".".join(parts[-k:])
+            if not any(matches_target(o, suffix) for o in others):
+                out.add(suffix)
+                break
+    return sorted(out)
 
 
 def expert_params(model: nn.Module) -> list[str]:
@@ -98,7 +112,7 @@ def expert_targets(model: nn.Module, targets: list[str], dropout: float) -> list
     if not targets:
         return []
     names = expert_params(model)
-    unmatched = [t for t in targets if not any(_matches(n, t) for n in names)]
+    unmatched = [t for t in targets if not any(matches_target(n, t) for n in names)]
     if unmatched:
         shown = sorted({".".join(n.split(".")[-2:]) for n in names}) or ["none: this model has no stacked experts"]
         raise KilnError(f"lora target parameter(s) {unmatched} match no stacked expert weight of this model; "
@@ -106,7 +120,7 @@ def expert_targets(model: nn.Module, targets: list[str], dropout: float) -> list
     if dropout:
         raise KilnError("lora.dropout must be 0 with target_parameters: a dropout on the input cannot be "
                         "folded into an adapted expert weight (PEFT refuses it too)")
-    return [n for n in names if any(_matches(n, t) for t in targets)]
+    return [n for n in names if any(matches_target(n, t) for t in targets)]
 
 
 def add_expert_lora(model: nn.Module, name: str, r: int, scaling: float) -> None:
@@ -131,15 +145,7 @@ def peft_target_parameters(model: nn.Module) -> list[str]:
     """`target_parameters` for PEFT: per adapted weight the shortest trailing `<module>.<param>` (two parts at
     least, `experts.gate_up_proj`) that selects no stacked weight left without an adapter."""
     done = adapted_params(model)
-    others, out = set(expert_params(model)) - set(done), set()
-    for name in done:
-        parts = name.split(".")
-        for k in range(2, len(parts) + 1):
-            suffix = ".".join(parts[-k:])
-            if not any(_matches(o, suffix) for o in others):
-                out.add(suffix)
-                break
-    return sorted(out)
+    return shortest_suffixes(done, set(expert_params(model)) - set(done), least=2)
 
 
 def adapted_params(model: nn.Module) -> list[str]:

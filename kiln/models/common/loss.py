@@ -14,6 +14,8 @@ so (tokens x vocab) fp32 logits never exist. Within fp32 rounding of the exact p
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.nn import functional as F
 
@@ -50,6 +52,47 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 CHUNK_ELEMENTS = 1 << 24
 
 
+
+# ---- a chunked head loss's written-out gradient -------------------------------------------------
+# The forward of a loss over (hidden states h, LM head weight, bias) computes dL/dh, dL/dW, dL/db chunk by chunk into
+# these buffers (fp32 for the head's, which sums over every row); the backward only scales them (also
+# kiln.train.divergence).
+
+
+def head_grad_buffers(h: torch.Tensor, weight: torch.Tensor, need_h: bool, need_w: bool, need_b: bool
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Empty dL/dh (h's dtype, every row written), zeroed fp32 dL/dW and dL/db (summed into); None where not needed."""
+    grad_h = torch.empty_like(h) if need_h else None
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
+    grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if need_b else None
+    return grad_h, grad_w, grad_b
+
+
+def keep_head_grads(ctx: Any, grads: tuple[torch.Tensor | None, ...], weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> None:
+    """Keep the forward's gradients (those not None) on an autograd Function's ctx for `kept_head_grads`."""
+    ctx.save_for_backward(*(g for g in grads if g is not None))
+    ctx.needs = tuple(g is not None for g in grads)
+    ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+
+
+def kept_head_grads(ctx: Any, grad_out: torch.Tensor
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(dL/dh, dL/dW, dL/db) the forward kept, times the incoming gradient, in h's / the weight's / the bias' dtype."""
+    saved = iter(ctx.saved_tensors)
+    # A summed loss is backpropagated with gradient 1: hand the kept gradients over as they are (autograd
+    # copies what it keeps), so no second (vocab x hidden) buffer exists at the peak.
+    one = float(grad_out) == 1.0
+
+    def scaled(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (g if one else g * grad_out).to(dtype)
+
+    need_h, need_w, need_b = ctx.needs
+    return (scaled(next(saved), ctx.dtypes[0]) if need_h else None,
+            scaled(next(saved), ctx.dtypes[0]) if need_w else None,
+            scaled(next(saved), ctx.dtypes[1]) if need_b else None)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum_i CE(h_i W^T (+ b), t_i) over rows that all carry a target, never holding (rows x vocab) logits.
 
@@ -62,9 +105,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, weight, bias, targets, rows, need_h, need_w, need_b):  # h (N, C), weight (V, C), targets (N,)
         with torch.autocast(h.device.type, enabled=False):  # dtypes were settled by the caller
             total = torch.zeros((), dtype=torch.float32, device=h.device)
-            grad_h = torch.empty_like(h) if need_h else None
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
-            grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if need_b else None
+            grad_h, grad_w, grad_b = head_grad_buffers(h, weight, need_h, need_w, need_b)
             for s in range(0, h.shape[0], rows):
                 hc, tc = h[s:s + rows], targets[s:s + rows]  # (n, C), (n,)
                 logits = F.linear(hc, weight, bias).float()  # (n, V)
@@ -86,26 +127,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_w += (g.t() @ hc).float()
                 if need_b:
                     grad_b += probs.sum(0)
-        ctx.save_for_backward(*(x for x in (grad_h, grad_w, grad_b) if x is not None))
-        ctx.needs = (need_h, need_w, need_b)
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        keep_head_grads(ctx, (grad_h, grad_w, grad_b), weight, bias)
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved = iter(ctx.saved_tensors)
-        need_h, need_w, need_b = ctx.needs
-        # A summed loss is backpropagated with gradient 1: hand the kept gradients over as they are (autograd
-        # copies what it keeps), so no second (vocab x hidden) buffer exists at the peak.
-        one = float(grad_out) == 1.0
-
-        def scaled(g, dtype):
-            return (g if one else g * grad_out).to(dtype)
-
-        grad_h = scaled(next(saved), ctx.dtypes[0]) if need_h else None
-        grad_w = scaled(next(saved), ctx.dtypes[0]) if need_w else None
-        grad_b = scaled(next(saved), ctx.dtypes[1]) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return *kept_head_grads(ctx, grad_out), None, None, None, None, None
 
 
 def head_operands(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None

@@ -28,10 +28,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kiln.constants import BASE_TASK
 from kiln.errors import ConfigError, WeightsError
 from kiln.hub import bnb4
 from kiln.hub.bnb4 import Bnb4Scheme, Quant4
-from kiln.models.tasks import BASE
 
 # module buffer name -> the suffix after `<m>.weight.` on disk (the quant state's suffix ends in its type)
 BUFFERS = {"weight_absmax": "absmax", "weight_quant_map": "quant_map", "weight_nested_absmax": "nested_absmax",
@@ -281,7 +281,7 @@ def prepare_bnb4_modules(model: nn.Module, state: dict[str, torch.Tensor], schem
 def quantizable(model: nn.Module) -> list[str]:
     """The Linears `quantize_model` turns 4-bit: every Linear of the backbone (not task heads, not lm_head),
     as transformers' bitsandbytes quantizer converts them."""
-    prefix = "" if getattr(model, "task", BASE) == BASE else "model."
+    prefix = "" if getattr(model, "task", BASE_TASK) == BASE_TASK else "model."
     return [n for n, m in model.named_modules() if type(m) is nn.Linear and n.startswith(prefix)
             and n.rsplit(".", 1)[-1] != "lm_head"]
 
@@ -340,10 +340,6 @@ def dequantize_bnb4_model(model: nn.Module, dtype: torch.dtype | None = None) ->
             module.weight = nn.Parameter(w, requires_grad=False)
             module.q4 = None
     model.bnb4_state = None
-    config = getattr(model, "config", None)
-    if config is not None:
-        config.extra.pop("quantization_config", None)
-        for key in ("dtype", "torch_dtype"):
-            if dtype is not None and key in config.extra:
-                config.extra[key] = str(dtype).removeprefix("torch.")
+    if getattr(model, "config", None) is not None:
+        model.config.dequantized(dtype)
     return model

@@ -29,6 +29,7 @@ from kiln.data import read_records
 from kiln.data.hfdata import source_sha256
 from kiln.data.records import Record
 from kiln.errors import ConfigError, KilnError
+from kiln.models.common.wrapped import unwrap
 from kiln.models.sentence import Pooling, pool, sentence_model
 from kiln.models.tasks import BASE, SENTENCE_EMBEDDING
 from kiln.parallel.world import World
@@ -246,7 +247,7 @@ class EmbeddingExtension(Extension):
 
     def extend(self, cfg: RunConfig, parts: RunParts) -> None:
         # the recipe built the step and eval from this table; what is left is to check they are its own
-        if not hasattr(getattr(parts.model, "module", parts.model), "pooling"):
+        if not hasattr(unwrap(parts.model), "pooling"):
             raise ConfigError("[embedding] belongs to model.task = 'sentence-embedding' runs")
 
 

@@ -31,6 +31,7 @@ from torch import nn
 from kiln.errors import ConfigError, KilnError
 from kiln.models.common.dsa import Indexer
 from kiln.models.common.moe_routing import SharedExpertMoE
+from kiln.models.common.wrapped import unwrap
 from kiln.parallel.world import all_reduce_sum
 from kiln.train.config import NonNegative, Positive, RunConfig, Section
 from kiln.train.moe_balance import AuxFreeBalance, routers, segment_ids, sequence_aux_loss
@@ -77,7 +78,7 @@ class MoeLosses(Callback):
             raise KilnError("[moe] adds its losses to a step with one loss; this run's step returns several "
                             f"({', '.join(result)})")
         loss_sum, count = as_sum_and_count(result, batch)
-        m, c = getattr(model, "module", model), self.cfg
+        m, c = unwrap(model), self.cfg
         units = count.to(loss_sum.device, loss_sum.dtype)
         # each part's mean times the units it is weighted by, as it joins the loss sum: loss = lm_loss + the rest
         terms = {"lm_loss": loss_sum}

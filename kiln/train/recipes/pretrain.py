@@ -33,6 +33,7 @@ from kiln.data.stream import EpochStream, StreamLoader, Windows, data_loader
 from kiln.errors import ConfigError
 from kiln.hub.files import file_sha256
 from kiln.models.common.loss import lm_loss_sum
+from kiln.models.common.wrapped import unwrap
 from kiln.models.tasks import CAUSAL_LM
 from kiln.parallel.config import finite
 from kiln.parallel.world import World, all_reduce_sum
@@ -93,7 +94,7 @@ def lm_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
     A causal LM that sums over targets itself (ForCausalLM) is given them, so on its fast path the head
     and the loss run fused, chunk by chunk; any other model (a prototype head) is scored on its logits."""
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch.get("position_ids")}
-    if getattr(getattr(model, "module", model), "sums_targets", False):
+    if getattr(unwrap(model), "sums_targets", False):
         out = model(**inputs, targets=batch["targets"])  # targets (B, T) are already shifted
         return out.loss_sum, out.loss_count
     return lm_loss_sum(model(**inputs).logits, batch["targets"])
