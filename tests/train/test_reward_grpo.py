@@ -75,7 +75,7 @@ train = "prompts.jsonl"
 max_length = 32
 [train]
 out_dir = "{tmp_path / 'grpo'}"
-steps = 12
+steps = 20
 batch_size = 2
 lr = 5e-2
 weight_decay = 0.0
