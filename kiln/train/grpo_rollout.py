@@ -45,12 +45,25 @@ def encode_prompt(prompt: Any, tokenizer: Any, where: str) -> list[int]:
     return list(ids)
 
 
+def check_prompt_kinds(records: list[Record], field: str, source: str) -> None:
+    """One file, one kind: plain-text prompts (strings) or conversational ones (message lists), decided per row;
+    a file mixing them is refused naming the first row of each (the rewards see completions in one shape)."""
+    first: dict[bool, Record] = {}
+    for r in records:
+        first.setdefault(isinstance(r.get(field), list), r)
+        if len(first) == 2:
+            raise KilnError(f"{source} mixes plain-text prompts (first at {first[False].where}) and conversational "
+                            f"message lists (first at {first[True].where}): a run's rewards see one kind of "
+                            "completion; put each kind in its own file")
+
+
 class Prompts:
     """A prompts file: each row's prompt as written, its token ids, its other columns and where it sits."""
 
     def __init__(self, records: list[Record], tokenizer: Any, field: str, max_length: int, source: str):
         if not records:
             raise KilnError(f"{source}: no prompts")
+        check_prompt_kinds(records, field, source)
         self.prompts, self.ids, self.columns, self.where = [], [], [], []
         for r in records:
             prompt = r.get(field)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import re
 import sys
@@ -36,11 +37,9 @@ from kiln.train.usercode import Abandoned, UserTimeout, call_user
 RewardFn = Callable[..., Sequence[float | None]]
 
 
-def exact_match(prompts: list, completions: list, answer: list | None = None, **_: Any) -> list[float]:
-    """1.0 where the completion's text (stripped) equals str(answer) (stripped), else 0.0."""
-    if answer is None:
-        raise KilnError("the exact_match reward compares completions with an 'answer' column, and the prompts "
-                        "file has none")
+def exact_match(prompts: list, completions: list, answer: list, **_: Any) -> list[float]:
+    """1.0 where the completion's text (stripped) equals str(answer) (stripped), else 0.0 (`answer`: a column of
+    the prompts file, checked before the first rollout by `required_columns`)."""
     return [float(_text(c).strip() == str(a).strip()) for c, a in zip(completions, answer)]
 
 
@@ -212,6 +211,32 @@ def resolve_rewards(names: Sequence[str], weights: Sequence[float] | None, searc
     if dup is not None:
         raise ConfigError(f"grpo.rewards names {dup!r} twice (each function's metric is reward/<name>)")
     return out
+
+
+GIVEN = frozenset({"prompts", "completions", "completion_ids"})  # what every reward call passes besides the columns
+
+
+def required_columns(fn: RewardFn) -> list[str]:
+    """The prompts file's columns a reward function cannot do without: its parameters with no default, beyond the
+    ones every call passes (TRL passes the dataset's other columns as keyword arguments)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: nothing to check
+        return []
+    return [p.name for p in params if p.default is p.empty and p.name not in GIVEN
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def check_columns(rewards: Sequence[Reward], records: Sequence[Any], source: str) -> None:
+    """Refuse, before any rollout, a prompts file whose rows lack a column a reward function requires (naming the
+    function, the column and the first row without it)."""
+    for r in rewards:
+        for column in required_columns(r.fn):
+            missing = next((rec for rec in records if column not in rec.fields), None)
+            if missing is not None:
+                have = ", ".join(sorted(missing.fields)) or "none"
+                raise ConfigError(f"{missing.where}: the reward function {r.name!r} takes a {column!r} column, and "
+                                  f"this row of {source} has none (its columns: {have})")
 
 
 def score(rewards: Sequence[Reward], prompts: list, completions: list, completion_ids: list[list[int]],

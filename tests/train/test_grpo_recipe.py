@@ -33,6 +33,9 @@ def short(prompts, completions, **columns):
 
 def nan_on_second(prompts, completions, **columns):
     return [float("nan") if i == 1 else 0.0 for i in range(len(completions))]
+
+def by_level(prompts, completions, level, **columns):
+    return [float(x) for x in level]
 '''
 
 
@@ -166,6 +169,30 @@ def test_unknown_reward_module_and_function_are_named(grpo_dir):
         build_trainer(cfg)
     cfg = load_run_config(_toml(grpo_dir, "bad-builtin"), overrides=[("grpo.rewards", ["exactmatch"])])
     with pytest.raises(ConfigError, match="'exactmatch' is neither"):
+        build_trainer(cfg)
+
+
+def test_a_reward_column_missing_or_mixed_prompt_kinds_are_refused_before_the_model(grpo_dir, monkeypatch):
+    """A reward function's required column (a parameter without a default) must be in every row, and a file's
+    prompts all plain text or all message lists: both refused naming the row, before the model is built."""
+    import kiln.train.recipes.grpo as recipe
+
+    def no_model(*_, **__):
+        raise AssertionError("the model was built before the data was checked")
+
+    monkeypatch.setattr(recipe, "build_model", no_model)
+    cfg = load_run_config(_toml(grpo_dir, "no-level"), overrides=[("grpo.rewards", ["myrewards:by_level"])])
+    with pytest.raises(ConfigError, match=r"prompts.jsonl:1: the reward function 'by_level' takes a 'level' column, "
+                                          r"and this row of data.train .* has none \(its columns: answer, prompt\)"):
+        build_trainer(cfg)
+    cfg = load_run_config(_toml(grpo_dir, "no-answer"), overrides=[("grpo.rewards", ["exact_match"])])
+    with pytest.raises(AssertionError, match="the model was built"):  # control: 'answer' is in every row
+        build_trainer(cfg)
+    mixed = [{"prompt": "plain"}, {"prompt": [{"role": "user", "content": "hi"}]}]
+    (grpo_dir / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mixed))
+    cfg = load_run_config(_toml(grpo_dir, "mixed"), overrides=[("data.train", str(grpo_dir / "mixed.jsonl"))])
+    with pytest.raises(KilnError, match=r"mixes plain-text prompts \(first at .*mixed.jsonl:1\) and conversational "
+                                        r"message lists \(first at .*mixed.jsonl:2\)"):
         build_trainer(cfg)
 
 

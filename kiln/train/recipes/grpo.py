@@ -58,11 +58,11 @@ from kiln.train.grpo_loss import (
     rloo_advantages,
     token_loss,
 )
-from kiln.train.grpo_rollout import GRPORun, Prompts, core_of, rollout_seed
+from kiln.train.grpo_rollout import GRPORun, Prompts, check_prompt_kinds, core_of, rollout_seed
 from kiln.train.plans import place_frozen
 from kiln.train.recipes.base import Extension, Recipe, RunParts, add_lora, build_model, check_text_model
 from kiln.train.recipes.finetune import RecordsData
-from kiln.train.rewards import Reward, resolve_rewards
+from kiln.train.rewards import Reward, check_columns, resolve_rewards
 from kiln.train.trainer import Callback, Trainer
 
 
@@ -340,6 +340,10 @@ class GRPORecipe(Recipe):
             rewards.append(Reward("env", env_reward, 1.0))
         train_records = read_records(d.train, d.format)
         eval_records = read_records(d.eval, d.format) if d.eval else None
+        for records, source in ((train_records, f"data.train {d.train}"), (eval_records, f"data.eval {d.eval}")):
+            if records:  # before the model is built: a file the rewards cannot score is refused now
+                check_prompt_kinds(records, g.prompt_field, source)
+                check_columns(rewards, records, source)
         model = build_model(cfg, None)
         on_model(model)
         check_text_model(cfg, model, None)
