@@ -204,6 +204,13 @@ def check_pair(name: str, weight: torch.Tensor, scale: torch.Tensor, block: tupl
         raise WeightsError(f"{source}: scale {scale_name!r} has shape {tuple(scale.shape)}, but {'FP4 ' if is_fp4(weight) else ''}weight "
                            f"{name!r} of shape {shape}{packed} in blocks of {list(block) if block else 'one'} "
                            f"needs {want}; does weight_block_size match the checkpoint?")
+    if scale.device.type != "meta":  # a NaN or infinite scale would make every weight of its block NaN or inf
+        bad = scale == 255 if scale.dtype == torch.uint8 else ~torch.isfinite(scale.to(torch.float32))  # E8M0 0xFF: NaN
+        if bool(bad.any()):
+            where = tuple(int(i) for i in bad.nonzero()[0])
+            raise WeightsError(f"{source}: scale {scale_name!r} holds {int(bad.sum())} non-finite value(s) (first at "
+                               f"index {where}: {scale[where].item()!r}{' = NaN in E8M0' if scale.dtype == torch.uint8 else ''}); "
+                               f"weight {name!r} cannot be dequantized")
 
 
 def _expand(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int] | None,

@@ -136,6 +136,17 @@ def test_bad_pairs_by_message():
         fp8.fp8_pairs({"lm_head.weight": q, "lm_head.weight_scale_inv": s}, scheme, "dir")
     with pytest.raises(WeightsError, match="scale\\(s\\) without an FP8 \\(or FP4\\) weight: 'b.weight_scale_inv'"):
         fp8.fp8_pairs({"b.weight": _w(4, 4), "b.weight_scale_inv": s}, scheme, "dir")
+    fp8.fp8_pairs({"a.weight": q, "a.weight_scale_inv": s}, scheme, "dir")  # control: finite scales pass
+    for value, shown in ((float("nan"), "nan"), (float("inf"), "inf")):
+        bad = s.clone()
+        bad[2, 1] = value
+        with pytest.raises(WeightsError, match=rf"dir: scale 'a.weight_scale_inv' holds 1 non-finite value\(s\) "
+                                               rf"\(first at index \(2, 1\): {shown}\); weight 'a.weight' cannot"):
+            fp8.fp8_pairs({"a.weight": q, "a.weight_scale_inv": bad}, scheme, "dir")
+    e8 = torch.full((3, 2), 127, dtype=torch.uint8)
+    e8[0, 1] = 255
+    with pytest.raises(WeightsError, match=r"index \(0, 1\): 255 = NaN in E8M0"):
+        fp8.fp8_pairs({"a.weight": q, "a.weight_scale_inv": e8}, scheme, "dir")
 
 
 def test_bad_checkpoint_through_load_pretrained(tiny_factory, tmp_path):

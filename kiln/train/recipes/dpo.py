@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
 import math
 import os
@@ -42,6 +41,7 @@ from kiln.data.loader import pad_collate
 from kiln.data.preference import Example, encode_preferences
 from kiln.errors import ConfigError, KilnError
 from kiln.hub.config import read_config
+from kiln.hub.files import file_sha256
 from kiln.hub.resolve import resolve_model_dir
 from kiln.models.auto import load_pretrained
 from kiln.models.common.lora import LoraLinear
@@ -128,14 +128,6 @@ def evaluating(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.train(was)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class DPORun(Callback):
