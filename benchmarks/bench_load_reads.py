@@ -16,6 +16,9 @@ at most two calls below its entry points, as the sequence of modules entered; "r
 module the sequence had already left.
 
     PYTHONPATH=$PWD python benchmarks/bench_load_reads.py
+
+Run by hand (not in `make bench`): it counts reads and module crossings for the loading note; it has no peer and
+no ratio.
 """
 
 from __future__ import annotations

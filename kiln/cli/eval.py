@@ -13,7 +13,6 @@ import typer
 from kiln.cli.common import check_range
 from kiln.cli.output import out
 from kiln.errors import KilnError
-from kiln.hub.files import write_text_atomic
 
 RESULTS_FILE = "lm_eval_results.json"
 
@@ -77,6 +76,8 @@ def eval_cmd(target: Path = typer.Argument(..., help="A causal-LM directory, a r
                           if isinstance(v, (int, float)) and not k.startswith(("alias", "sample")) and "stderr" not in k)
         out.print(f"{task}: {shown}")
     dest = out_file or home / RESULTS_FILE
+    from kiln.hub.files import write_text_atomic  # kiln.hub imports torch: `kiln --help` stays light
+
     write_text_atomic(dest, json.dumps({"model": str(target), **results}, indent=2) + "\n")  # whole or not at all
     out.print(f"wrote {dest}")
 
