@@ -9,6 +9,7 @@ update a state by value, never in place, so the scoring forward stays differenti
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
@@ -20,16 +21,17 @@ from kiln.engine.runner import DecoderRunner, Piece
 States = Callable[[int], list[tuple[int, int, list[torch.Tensor], Callable | None]]]
 
 
-class StateRunner(DecoderRunner):
-    """A runner whose layers (some or all) keep a state per sequence; `state_shapes(i)` says which."""
+class StateRunner(DecoderRunner, ABC):
+    """A runner whose layers (some or all) keep a state per sequence; `state_shapes(i)` says which (each
+    registered subclass defines it: an abstract method, so a subclass without it cannot be made)."""
 
     @classmethod
     def accepts(cls, model) -> bool:
         return False  # a base: the registered subclasses say which models they run
 
+    @abstractmethod
     def state_shapes(self, i: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """Layer i's state tensors per sequence ([] for a layer without state)."""
-        raise NotImplementedError
 
     def state_pool(self, num_blocks: int, block_size: int, seqs: int,
                    slots: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> BlockPool:
