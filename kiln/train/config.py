@@ -406,12 +406,18 @@ def model_config_overrides(m: ModelSection) -> dict[str, Any]:
     family, config, _ = load_config(m.path)
     fields = {f.name for f in dataclasses.fields(config)} - {"extra"}
 
-    def shapes(c: Any) -> dict[str, tuple[int, ...]]:
+    def shapes(c: Any) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
+        """The stored weights' shapes, and every integer a module holds (heads, head size, padding row...):
+        a key can keep each shape and still change how the weights are read (num_attention_heads re-splits
+        the same projections into other heads)."""
         with torch.device("meta"):
             built = family.build(c, m.task)
-        return {k: tuple(v.shape) for k, v in built.state_dict().items()}
+        layout = {f"{name}.{attr}" if name else attr: value for name, module in built.named_modules()
+                  for attr, value in vars(module).items()
+                  if type(value) is int and not attr.startswith("_")}
+        return {k: tuple(v.shape) for k, v in built.state_dict().items()}, layout
 
-    base = shapes(config)
+    base, base_layout = shapes(config)
     for key, value in m.config.items():
         where = f"model.config.{key} = {value!r} beside model.path"
         if key not in fields:
@@ -427,11 +433,19 @@ def model_config_overrides(m: ModelSection) -> dict[str, Any]:
             changed = apply_changes(config, {key: value})
         except (ConfigError, ValueError, TypeError) as e:
             raise ConfigError(f"{where}: {e}") from None
-        if shapes(changed) != base:
+        changed_shapes, layout = shapes(changed)
+        if changed_shapes != base:
             raise ConfigError(f"{where}: changes the shape of weights stored in {m.path} ({key} is {stored!r} "
                               "there), so they could not load; a load applies only keys that keep every weight's "
                               "shape (dropout, eps, ...). Build a different architecture from model.family + "
                               "model.config, or grow this one with the grow recipe")
+        moved = [f"{k} {base_layout[k]} -> {v}" for k, v in layout.items() if k in base_layout and base_layout[k] != v]
+        if moved:
+            raise ConfigError(f"{where}: keeps every stored weight's shape but changes how {m.path}'s weights are "
+                              f"read ({key} is {stored!r} there; {', '.join(moved[:3])}"
+                              f"{f' and {len(moved) - 3} more' if len(moved) > 3 else ''}), so the loaded model "
+                              "would not be the stored one; a load applies only keys such as dropout and eps. "
+                              "Build a different architecture from model.family + model.config")
     return dict(m.config)
 
 

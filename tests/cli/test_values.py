@@ -179,6 +179,9 @@ CONFIG = [
       f"model.config.num_hidden_layers = 6 {RESHAPE}"),
     C("config-hidden-size-beside-path", lambda w: ["train", "--config", classifier(
         w, "hid", model={"config": {"hidden_size": 64}})], 1, f"model.config.hidden_size = 64 {RESHAPE}"),
+    C("config-heads-beside-path", lambda w: ["train", "--config", classifier(
+        w, "heads", model={"config": {"num_attention_heads": 2}})], 1,
+      "model.config.num_attention_heads = 2 beside model.path: keeps every stored weight's shape but changes how"),
     C("config-unknown-field-beside-path", lambda w: ["train", "--config", classifier(
         w, "unk", model={"config": {"drop_out": 0.0}})], 1, "'drop_out' is not a config field of model_type 'bert'"),
     C("config-wrong-kind-beside-path", lambda w: ["train", "--config", classifier(
