@@ -1,8 +1,9 @@
 """Continuing token lists with a causal LM: on the engine where it runs the family, else on the model's loop.
 
 `Continuer` is what `kiln generate`, `kiln chat`, `kiln eval`'s generation tasks and `kiln.pipelines.generate`
-call: one engine kept for its life (so a chat's earlier turns are found in the cache by prefix), and the model's
-own generate loop for image prompts and families the engine refuses (`kiln.engine.runner.unsupported` says why).
+call: one engine kept for its life (so a chat's earlier turns are found in the cache by prefix, and the images it
+shows again are not run through the vision tower again), and the model's own generate loop for families the engine
+refuses (`kiln.engine.runner.unsupported` says why).
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ from kiln.engine.runner import unsupported
 
 class Continuer:
     """Continues token lists with a causal LM: through kiln.engine where it runs the family (continuous
-    batching; one engine kept, so a chat's earlier turns are found in its cache by prefix and not recomputed),
-    else through the model's own generate loop (image prompts, families the engine does not run yet).
+    batching; one engine kept, so a chat's earlier turns are found in its cache by prefix and not recomputed, and
+    its images' features are made once), else through the model's own generate loop (families the engine does not
+    run yet).
 
-    `many(prompts)` runs every prompt at once (the engine batches them as they come and go); `__call__` runs
-    one. Each returns the new token ids, the end token included when one ended the text."""
+    `many(prompts, prompt_inputs)` runs every prompt at once (the engine batches them as they come and go);
+    `__call__` runs one. `prompt_inputs`: an image-text model's images per prompt (pixel_values and
+    image_grid_thw as kiln's processor gives them), or None. Each returns the new token ids, the end token included
+    when one ended the text."""
 
     def __init__(self, model: torch.nn.Module, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, eos_token_ids: int | list[int] | None = None,
@@ -34,17 +38,18 @@ class Continuer:
             self.engine = Engine(model, getattr(model, "tokenizer", None) if stop else None,
                                  max_seqs=max_seqs, eos_token_ids=self.eos)
 
-    def many(self, prompts: list[list[int]]) -> list[list[int]]:
+    def many(self, prompts: list[list[int]], prompt_inputs: list[dict | None] | None = None) -> list[list[int]]:
         if self.max_new_tokens < 1:
             return [[] for _ in prompts]
+        inputs = prompt_inputs if prompt_inputs is not None else [None] * len(prompts)
         if self.engine is not None:
             params = SamplingParams(max_tokens=self.max_new_tokens, stop=self.stop, **self.sampling)
-            return [done[0].token_ids for done in self.engine.generate(prompts, params)]
-        return [self(p) for p in prompts]
+            return [done[0].token_ids for done in self.engine.generate(prompts, params, inputs)]
+        return [self(p, x) for p, x in zip(prompts, inputs, strict=True)]
 
     def __call__(self, prompt: list[int], prompt_inputs: dict | None = None) -> list[int]:
-        if self.engine is not None and not prompt_inputs:
-            return self.many([prompt])[0]
+        if self.engine is not None:
+            return self.many([prompt], [prompt_inputs])[0]
         t, kw = self.sampling["temperature"], dict(self.sampling)
         kw.update(do_sample=t > 0, temperature=t if t > 0 else 1.0)
         if self.eos is not None:

@@ -27,6 +27,7 @@ from kiln.engine.params import MAX_TOP_LOGPROBS, SamplingParams
 from kiln.engine.sampling import request_generator, sample
 from kiln.engine.scheduler import Request, Scheduler, Sequence
 from kiln.engine.score import runner_for
+from kiln.engine.vision import ImageFeatures, prompt_images  # engvis
 from kiln.errors import KilnError
 
 _KV_BYTES_DEFAULT = 1 << 30  # the default pool holds at most 1 GiB of keys and values
@@ -81,12 +82,11 @@ class Engine:
         self._cancelled: list[RequestOutput] = []
         self._count = itertools.count()
         self.tokens_fed = 0  # tokens run through the model so far (a shared prompt counts once)
+        self.image_features = ImageFeatures()  # engvis: image features by image digest, for the engine's life
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     prompt_inputs: dict | None = None) -> str:
-        if prompt_inputs:
-            raise KilnError("the generation engine does not take image-text prompts yet (prompt_inputs given)")
         params.validate(self.vocab_size)
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
@@ -110,11 +110,14 @@ class Engine:
                 f"block{'s' * (full != 1)} + {params.n} completions x {(blocks - full) // params.n} "
                 f"own blocks for {total - 1} fed tokens), the cache has {self.pool.num_blocks} "
                 "(raise kv_blocks, or lower max_tokens or n)")
+        # engvis: an image-text prompt's images, each through the vision tower once (kiln.engine.vision)
+        images = prompt_images(self.model, prompt, prompt_inputs, self.image_features) if prompt_inputs else None
         number = next(self._count)
         rid = request_id if request_id is not None else f"req-{number}"
         if rid in self.requests:
             raise KilnError(f"request_id {rid!r} is already running")
         r = Request(rid, prompt, params, number)
+        r.images = images  # engvis
         r.seqs.append(self._sequence(r, 0, list(prompt)))
         self.requests[rid] = r
         self.scheduler.waiting.append(r)
@@ -160,6 +163,7 @@ class Engine:
     def forget_prefixes(self) -> None:
         """Call after changing the model's weights: prompts are no longer matched against blocks computed before."""
         self.pool.forget()
+        self.image_features.clear()  # engvis: the vision tower's weights may have changed too
 
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._cancelled)
@@ -176,6 +180,8 @@ class Engine:
         was = self.model.training
         if was:
             self.model.eval()  # no dropout (LoRA's included) while generating
+        for s, piece in planned:
+            piece.images = s.request.images  # engvis: an image-text prompt's features and rotary positions
         try:
             logits = self.runner.step([p for _, p in planned], self.pool, self.scheduler.max_seqs)
         finally:
@@ -267,13 +273,17 @@ class Engine:
                              reason is not None, reason)
 
     # ---- run to completion ----------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams | Seq[SamplingParams]
-                 ) -> list[list[Completion]]:
-        """Every prompt to the end; result[i][j] = completion j of prompt i."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | Seq[SamplingParams],
+                 prompt_inputs: Seq[dict | None] | None = None) -> list[list[Completion]]:  # engvis: images
+        """Every prompt to the end; result[i][j] = completion j of prompt i. `prompt_inputs[i]`: prompt i's images
+        (an image-text model's pixel_values and image_grid_thw), or None."""
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
             raise KilnError(f"generate: {len(prompts)} prompts but {len(plist)} SamplingParams")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        inputs = [None] * len(prompts) if prompt_inputs is None else list(prompt_inputs)  # engvis
+        if len(inputs) != len(prompts):  # engvis
+            raise KilnError(f"generate: {len(prompts)} prompts but {len(inputs)} prompt_inputs")
+        ids = [self.add_request(p, sp, prompt_inputs=x) for p, sp, x in zip(prompts, plist, inputs)]  # engvis
         reqs = [self.requests[i] for i in ids]
         while self.has_unfinished():
             self.step()

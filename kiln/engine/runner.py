@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,6 +48,7 @@ class Piece:
     table: list[int]
     logits: bool  # whether its last token's logits are wanted
     state: int | None = None  # its recurrent-state slot in the pool (families with state)
+    images: Any = None  # engvis: its request's kiln.engine.vision.ImagePrompt (image-text prompts)
 
 
 RUNNERS: list[type[DecoderRunner]] = []  # every runner class, by the model kind it runs (`register`)
@@ -76,8 +78,7 @@ def unsupported(model: nn.Module) -> str | None:
         backbone = getattr(model, "model", model)
         return (f"the generation engine does not run {name!r} yet (it runs {families()}): its "
                 f"{type(model).__name__} over {type(backbone).__name__} is no kind a runner is registered for "
-                "(DeepSeek-V4's sliding-window and compressed caches are not on the engine; image prompts are "
-                "refused by add_request)")
+                "(DeepSeek-V4's sliding-window and compressed caches are not on the engine)")  # engvis: images run
     return cls.refuse(model, name)
 
 

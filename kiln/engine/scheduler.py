@@ -31,6 +31,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False              # the n completions exist (the prompt's logits came)
     copies: list[int] = field(default_factory=list)  # blocks lent for the fork's copies of the prompt's last block
+    images: Any = None                # engvis: kiln.engine.vision.ImagePrompt of an image-text prompt
 
 
 @dataclass
@@ -137,7 +138,7 @@ class Scheduler:
             return
         bs = self.pool.block_size
         for j in range((len(s.tokens) - 1) // bs):
-            key = self.pool.digest(s.keys[-1] if s.keys else b"", s.tokens[j * bs:(j + 1) * bs])
+            key = self.block_key(s, j)  # engvis
             block = self.pool.reuse(key)
             if block is None:
                 break
@@ -160,7 +161,7 @@ class Scheduler:
         """Remember s's full blocks whose keys are all in the pool now."""
         bs = self.pool.block_size
         for j in range(len(s.keys), s.computed // bs):
-            s.keys.append(self.pool.digest(s.keys[-1] if s.keys else b"", s.tokens[j * bs:(j + 1) * bs]))
+            s.keys.append(self.block_key(s, j))  # engvis
             self.pool.remember(s.table[j], s.keys[-1])
 
     def schedule(self) -> list[tuple[Sequence, Piece]]:
@@ -201,3 +202,13 @@ class Scheduler:
         r = s.request
         if r.forked and all(q.finish_reason is not None for q in r.seqs):
             self.running.remove(r)
+
+    def block_key(self, s: Sequence, j: int) -> bytes:  # engvis
+        """The content key of s's full block j: its tokens after the key of the prefix before it, and the digests
+        of the images whose placeholders it holds (kiln.engine.vision): the same tokens with other images are
+        other content."""
+        bs = self.pool.block_size
+        prev = s.keys[j - 1] if j else b""
+        if s.request.images is not None:
+            prev += s.request.images.salt(j * bs, (j + 1) * bs)
+        return self.pool.digest(prev, s.tokens[j * bs:(j + 1) * bs])
