@@ -1,8 +1,8 @@
-"""Sequences of a preference, KTO or reward-model micro-batch laid out for one forward: padded (one per row) or
+"""Sequences of a preference, KTO, reward-model or GRPO micro-batch laid out for one forward: padded (one per row) or
 packed (several per row, positions restarting at each, so the model keeps them apart as SFT's packed rows).
 
 A micro-batch's sequences (DPO's chosen and rejected, KTO's completions and its mismatched KL pairs, a reward
-model's two sides) vary in length; padded to the longest, most of a batch of mixed lengths is padding. Packed,
+model's two sides, GRPO's prompt + completion) vary in length; padded to the longest, most of a batch of mixed lengths is padding. Packed,
 they go first-fit-decreasing into rows no longer than the longest sequence, so no row is wider (and no row's
 attention larger) than a padded one, and the tokens run are close to the real ones. The micro-batch is the same
 either way: per-sequence results (summed log-probs, the last token's score) are equal within fp32 rounding, so
@@ -26,7 +26,7 @@ from kiln.constants import IGNORE_INDEX
 from kiln.errors import ConfigError, KilnError
 from kiln.models.common.tied_grad import deferred_head
 
-__all__ = ["Layout", "lay_out", "layout_logps", "settle_pack"]
+__all__ = ["Layout", "completion_logps", "lay_out", "layout_logps", "settle_pack"]
 
 
 @dataclass
@@ -151,6 +151,32 @@ def layout_logps(model: nn.Module, layout: Layout, key: str, temperature: float 
     head = deferred_head(core)  # DDP: through its forward (which readies the gradient sync), then the head
     out = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=1)
     return core.hidden_token_logps(out.last_hidden_state, targets, temperature=temperature, head=head)
+
+
+def completion_logps(model: nn.Module, micro: dict[str, Any], temperature: float = 1.0) -> torch.Tensor:
+    """(N, C) fp32 log-probs of a GRPO micro-batch's completion tokens, its sequences packed: the rollout's layout
+    (prompts left-padded to P, then completions right-padded to C; `attention_mask` (N, P + C) marks each one's
+    tokens, contiguous; `completion_mask` (N, C) the scored ones) in and out, the forward over packed rows. Equal to
+    the padded forward's within fp32 rounding: positions restart at 0 for each sequence where the padded rows run
+    on from the left padding, and RoPE's scores depend only on the distance between positions."""
+    ids, attn, cmask, p = micro["input_ids"], micro["attention_mask"], micro["completion_mask"], micro["prompt_len"]
+    keep = attn.bool()
+    lengths = keep.sum(1)
+    first = keep.long().argmax(1)
+    hole = (keep.long().cumsum(1) - 1 != torch.arange(keep.size(1), device=keep.device) - first[:, None]) & keep
+    if bool(hole.any()) or bool((lengths == 0).any()):
+        raise KilnError("completion_logps: each row's tokens must be one contiguous, non-empty run of the "
+                        "attention mask")
+    scored = torch.cat([torch.zeros_like(attn[:, :p]), cmask], 1).bool()
+    rows = range(ids.size(0))
+    layout = lay_out([ids[i][keep[i]] for i in rows], {"comp": [scored[i][keep[i]] for i in rows]}, True)
+    packed = layout_logps(model, layout, "comp", temperature)  # (R, W): the target t+1 scored at t
+    # each token's (row, column) in the packed rows: its sequence's start, plus its place in the sequence
+    start = layout.last[1] - lengths + 1
+    where = keep.long().cumsum(1) - 1 + start[:, None]
+    full = packed.new_zeros(ids.shape)
+    full[keep] = packed[layout.last[0][:, None].expand_as(where)[keep], where[keep]]
+    return full[:, p - 1: p - 1 + cmask.size(1)]
 
 
 def settle_pack(data: Any, model: nn.Module, name: str, log: Callable[[str], None] = print) -> None:

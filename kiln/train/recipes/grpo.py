@@ -9,7 +9,9 @@ place; the completions scored (kiln.train.rewards), advantages taken within each
 (kiln.train.grpo_loss), then `num_iterations` optimizer steps on that rollout, each through the Trainer's one
 `update`. Log-probs are those of logits / temperature (as TRL's): after engine rollouts with `exact_logprobs`,
 through the engine's kernels in one packed pass (the sampler's bits); else chunked through the LM head of the
-training forward (kiln.train.logps).
+training forward (kiln.train.logps). The training forward packs each micro-batch's prompt + completion sequences
+into rows, attention and positions per sequence (`data.pack`, on by default where the model keeps samples apart:
+kiln.train.packing.completion_logps), equal to its padded rows within fp32 rounding.
 
 `sampler = "fast"` (default) takes the sampler's log-probs from the decode itself (no extra forward) as the old
 policy's; `"exact"` recomputes them with the trainer's own forward on the same micro-batches, so they equal the
@@ -59,8 +61,10 @@ from kiln.train.grpo_loss import (
     token_loss,
 )
 from kiln.train.grpo_rollout import GRPORun, Prompts, check_prompt_kinds, core_of, rollout_seed
+from kiln.train.packing import completion_logps, settle_pack
 from kiln.train.plans import place_frozen
 from kiln.train.recipes.base import Extension, Recipe, RunParts, add_lora, build_model, check_text_model
+from kiln.train.recipes.dpo import adapters_off
 from kiln.train.recipes.finetune import RecordsData
 from kiln.train.rewards import Reward, check_columns, resolve_rewards
 from kiln.train.trainer import Callback, Trainer
@@ -82,11 +86,11 @@ def _unpack(v: Any, device: torch.device) -> Any:
 class GRPOEngine(StepEngine):
     """A step: (every num_iterations-th step) a new rollout, then forward and backward of its micro-batches."""
 
-    def __init__(self, inner: StepEngine, run: GRPORun):
+    def __init__(self, inner: StepEngine, run: GRPORun, pack: bool = False):
         if not isinstance(inner, DataParallel):
             raise ConfigError(f"[grpo] runs on the data-parallel engine (one process, DDP, FSDP2); this run's "
                               f"[parallel] settings make a {type(inner).__name__}")
-        self.inner, self.run = inner, run
+        self.inner, self.run, self.pack = inner, run, pack
         self.placed = False  # the reference copy (full weights, beta > 0) is placed beside the policy on first use
         self.started = False  # the first step's one-time setup done
         self.keep_grads = inner.keep_grads
@@ -138,7 +142,7 @@ class GRPOEngine(StepEngine):
                 micro["loss_mask"] = micro["loss_mask"] * (~micro["truncated"]).long()[:, None]
             with torch.no_grad(), run.autocast():
                 if g.sampler == "exact":  # the trainer's forward on the same micro-batch: the first update's values
-                    micro["old_logps"] = r.logps(run.model, micro)
+                    micro["old_logps"] = self.logps(run.model, micro)
                 else:
                     micro["old_logps"] = micro["sampler_logps"]
                 if g.importance_sampling_correction:
@@ -146,7 +150,7 @@ class GRPOEngine(StepEngine):
                                                       g.importance_sampling_mode, g.importance_sampling_clip_min,
                                                       g.importance_sampling_clip_max)
                 if g.beta != 0.0:
-                    micro["ref_logps"] = r.reference_logps(run.model, micro)
+                    micro["ref_logps"] = self.reference_logps(run.model, micro)
             del micro["per_func"]
         if g.log_rollouts_every and index % g.log_rollouts_every == 0:
             self._log_rollouts(run, index, micros, row_lists, episodes, per_func)
@@ -159,6 +163,23 @@ class GRPOEngine(StepEngine):
             for name, count in zip(("reward_errors", "reward_timeouts"), failed.cpu().tolist()):
                 if count:
                     self.stats[name] = count
+
+    def logps(self, model: nn.Module, micro: dict[str, Any]) -> torch.Tensor:
+        """(N, C) the completions' log-probs under `model`: the micro-batch's sequences packed (data.pack), or the
+        rollout's own padded rows (and the engine's kernels with exact_logprobs)."""
+        if self.pack and not self.run.exact(model):
+            return completion_logps(model, micro, self.run.g.temperature)
+        return self.run.logps(model, micro)
+
+    @torch.no_grad()
+    def reference_logps(self, model: nn.Module, micro: dict[str, Any]) -> torch.Tensor:
+        """The reference's: the frozen copy, or under [lora] the policy with its adapters off."""
+        if not self.pack:
+            return self.run.reference_logps(model, micro)
+        if self.run.reference is not None:
+            return self.logps(self.run.reference, micro)
+        with adapters_off(core_of(model)):
+            return self.logps(core_of(model), micro)
 
     def _log_rollouts(self, run: StepContext, index: int, micros: list[dict[str, Any]], row_lists: list[list[int]],
                       episodes: list[Any], per_func: torch.Tensor) -> None:
@@ -228,7 +249,7 @@ class GRPOEngine(StepEngine):
         for m, micro in enumerate(self.buffer):
             last = m == len(self.buffer) - 1
             with DataParallel._sync_context(run, last), run.autocast():
-                logps = self.run.logps(run.model, micro)
+                logps = self.logps(run.model, micro)
                 lmask = micro.get("loss_mask", micro["completion_mask"])  # the policy's own tokens
                 t = token_loss(logps, micro["old_logps"], micro["advantages"], spec, micro.get("ref_logps"), lmask,
                                micro.get("is_ratio"), micro["sampler_logps"])
@@ -305,11 +326,11 @@ def average_gradients(model: nn.Module, world_size: int) -> None:
 class GRPOCallback(Callback):
     """Installs the GRPO engine; after each optimizer update, the generation engine forgets its prompt blocks."""
 
-    def __init__(self, run: GRPORun):
-        self.run = run
+    def __init__(self, run: GRPORun, pack: bool = False):
+        self.run, self.pack = run, pack
 
     def wrap_engine(self, trainer: Trainer, engine: StepEngine) -> StepEngine:
-        return GRPOEngine(engine, self.run)
+        return GRPOEngine(engine, self.run, self.pack)
 
     def on_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
         if self.run.rollouts is not None:  # the weights changed: blocks remembered before hold stale keys
@@ -317,11 +338,17 @@ class GRPOCallback(Callback):
 
 
 # ---- the recipe and its table -------------------------------------------------------------------
+class PromptsData(RecordsData):
+    """[data] of a grpo run: the prompts file."""
+    pack: bool = True  # the update's sequences (prompt + completion) packed into rows, attention kept per sequence
+                       # (where the model cannot keep them apart, one per row: kiln.train.packing)
+
+
 class GRPORecipe(Recipe):
     name = "grpo"
     summary = "RL with verifiable rewards: sampled groups, reward functions, group-relative clipped policy loss"
     when = "a [grpo] table"
-    data_schema: type[DataSection] = RecordsData   # data.train: the prompts; data.eval: held-out prompts
+    data_schema: type[DataSection] = PromptsData   # data.train: the prompts; data.eval: held-out prompts
 
     def matches(self, task: str, data: Mapping[str, Any]) -> bool:
         return False  # chosen by its table ([grpo]), never by the data alone
@@ -349,6 +376,7 @@ class GRPORecipe(Recipe):
         check_text_model(cfg, model, None)
         if not hasattr(model, "new_cache"):
             raise ConfigError(f"[grpo] samples from a causal LM; {type(model).__name__} is not one")
+        settle_pack(d, model, cfg.model.path or cfg.model.family, lambda m: print(m) if world.main else None)
         reference = None
         if g.beta != 0.0 and cfg.lora is None:  # the starting weights, frozen (under [lora]: the adapters off)
             reference = copy.deepcopy(model).eval().requires_grad_(False)
@@ -365,7 +393,7 @@ class GRPORecipe(Recipe):
         fingerprint = {"train": str(d.train), "train_sha256": source_sha256(d.train), "max_length": d.max_length,
                        "prompt_field": g.prompt_field}
         return RunParts(model, prompts.examples(), evaluate=run.evaluate if evals is not None else None,
-                        callbacks=[GRPOCallback(run)], fingerprint=fingerprint)
+                        callbacks=[GRPOCallback(run, d.pack)], fingerprint=fingerprint)
 
 
 
