@@ -22,6 +22,8 @@ from kiln.models.common.hyper import HyperConnection, HyperHead
 from kiln.models.common.rope import apply_rope_tail
 
 ENTRY_BLOCK = 16  # compressed entries per attention block: a fixed split, so a row's sums never see the count
+EXPERT_TILE = 4   # rows per routed-expert call: fixed (a row's bits see only its own row), small (decode sends
+                  # one or two rows to most experts)
 
 
 def softmax_rows(z: torch.Tensor, dim: int) -> torch.Tensor:
@@ -156,7 +158,7 @@ def moe_rows(moe: HashOrTopKMoE, x: torch.Tensor, ids: torch.Tensor) -> torch.Te
     outs = x.new_zeros((N, k, x.shape[1]))
     for e in torch.unique(index).tolist():
         rows, slots = (index == e).nonzero(as_tuple=True)
-        outs = outs.index_put((rows, slots), tiled(lambda t, e=e: expert(t, e), x[rows]))
+        outs = outs.index_put((rows, slots), tiled(lambda t, e=e: expert(t, e), x[rows], tile=EXPERT_TILE))
     routed = outs[:, 0] * weights[:, :1].to(x.dtype)
     for j in range(1, k):
         routed = routed + outs[:, j] * weights[:, j:j + 1].to(x.dtype)
