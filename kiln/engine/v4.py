@@ -48,6 +48,7 @@ from kiln.engine.v4_ops import (
     hc_merge,
     hc_read,
     hc_split,
+    moe_rows,
     pool_entries,
     rotate,
     sink_attend,
@@ -201,8 +202,7 @@ class V4Runner(StateRunner):
             streams = hc_merge(streams, self._attention(i, h, positions, call), post, comb)
             post, comb, h = hc_split(hc_read(layer.ffn_hc, streams), n, x.dtype)
             h = tiled(layer.post_attention_layernorm, h)
-            moe = torch.cat([layer.mlp(h[t].view(1, 1, -1), ids[t].view(1, 1)).view(1, -1) for t in range(h.shape[0])])
-            streams = hc_merge(streams, moe, post, comb)
+            streams = hc_merge(streams, moe_rows(layer.mlp, h, ids), post, comb)
         return hc_head(b.hc_head, streams)
 
     def _attention(self, i: int, x: torch.Tensor, positions: torch.Tensor, call: Call) -> torch.Tensor:

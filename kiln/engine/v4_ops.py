@@ -10,15 +10,20 @@ model's own forward they agree to fp32 rounding (its sums run in other orders).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch.nn import functional as F
 
 from kiln.engine.exact import lanewise, seqsum, tiled
 from kiln.models.common.compressor import WindowPool
+from kiln.models.common.hash_moe import HashOrTopKMoE, HashRouter, ScoredTopKRouter
 from kiln.models.common.hyper import HyperConnection, HyperHead
 from kiln.models.common.rope import apply_rope_tail
 
 ENTRY_BLOCK = 16  # compressed entries per attention block: a fixed split, so a row's sums never see the count
+EXPERT_TILE = 4   # rows per routed-expert call: fixed (a row's bits see only its own row), small (decode sends
+                  # one or two rows to most experts)
 
 
 def softmax_rows(z: torch.Tensor, dim: int) -> torch.Tensor:
@@ -118,3 +123,49 @@ def sink_attend(q: torch.Tensor, window: torch.Tensor, win_ok: torch.Tensor, ent
         o = o + seqsum(torch.matmul(pe, ke), 1)  # (H x EB) @ (EB x D) per block, summed in order
     l = l + lanewise(torch.exp, sinks.float()[None] - m)
     return (o / l[..., None]).to(q.dtype)
+
+
+def moe_rows(moe: HashOrTopKMoE, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """HashOrTopKMoE.forward for normed rows x (N, C) of token ids (N,): the router on tiles (scores lanewise;
+    top-k, or the hash table, per row); each expert runs the rows routed to it on tiles of fixed shape (as every
+    row-wise product here: a row's bits depend on its own row alone); each row's k outputs are weighted and
+    summed over its slots in expert order; then the shared expert on tiles. The model's forward (grouped
+    products over every row's pairs) agrees to fp32 rounding."""
+    gate, experts, shared = moe.gate, moe.experts, moe.shared_experts
+    logits = tiled(lambda t: F.linear(t, gate.weight), x)  # (N, E)
+    scores = lanewise(gate.score, logits)
+    if isinstance(gate, HashRouter):
+        index = cast(torch.Tensor, gate.tid2eid)[ids].long()
+    else:
+        assert isinstance(gate, ScoredTopKRouter)
+        bias = cast(torch.Tensor, gate.e_score_correction_bias)
+        index = torch.topk(scores + bias, gate.top_k, dim=-1).indices
+        if gate.training:
+            gate._count(index)  # the balancing callback's load, as the model's router counts it
+    index = index.sort(-1).values  # the slots in expert order: a fixed summation order
+    weights = scores.gather(1, index)
+    weights = weights / (seqsum(weights, 1)[:, None] + 1e-20) * gate.routed_scaling_factor
+    gate_up, down = experts.stacked("gate_up_proj"), experts.stacked("down_proj")
+    limit = experts.limit
+
+    def expert(t: torch.Tensor, e: int) -> torch.Tensor:
+        g, u = F.linear(t, gate_up[e]).chunk(2, dim=-1)
+        if limit is not None:
+            g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+        return F.linear(lanewise(experts.act_fn, g) * u, down[e])
+
+    N, k = index.shape
+    outs = x.new_zeros((N, k, x.shape[1]))
+    for e in torch.unique(index).tolist():
+        rows, slots = (index == e).nonzero(as_tuple=True)
+        outs = outs.index_put((rows, slots), tiled(lambda t, e=e: expert(t, e), x[rows], tile=EXPERT_TILE))
+    routed = outs[:, 0] * weights[:, :1].to(x.dtype)
+    for j in range(1, k):
+        routed = routed + outs[:, j] * weights[:, j:j + 1].to(x.dtype)
+
+    def shared_tile(t: torch.Tensor) -> torch.Tensor:
+        g = shared.gate_proj(t).clamp(max=shared.limit)
+        u = shared.up_proj(t).clamp(min=-shared.limit, max=shared.limit)
+        return shared.down_proj(lanewise(shared.act_fn, g) * u)
+
+    return routed + tiled(shared_tile, x)

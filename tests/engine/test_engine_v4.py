@@ -247,3 +247,25 @@ def test_scoring_forward_is_differentiable_and_refuses_nothing_it_runs():
     assert all(torch.isfinite(g).all() for g in grads.values())
     for part in ("attn_hc.fn", "sinks", "compressor.kv_proj", "compressor.position_bias", "hc_head.hc_fn"):
         assert any(part in n and float(g.abs().max()) > 0 for n, g in grads.items()), part
+
+
+def test_under_lora_the_adapters_are_read():
+    """LoRA on the query, key = value and output projections, the compressors' and the shared expert's: engine =
+    scoring forward, near the model's forward, and not what the bare model gives (the control)."""
+    from kiln.models.common.lora import LoraConfig, apply_lora
+
+    model = v4(**NO_TIES)
+    apply_lora(model, LoraConfig(r=4, alpha=8, targets=["q_b_proj", "kv_proj", "o_b_proj", "gate_proj", "up_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.2)
+    model.eval()
+    p = prompts(1, 9, 10, seed=12)[0]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True)
+    out = Engine(model, block_size=4).generate([p], greedy)[0][0]
+    assert torch.equal(torch.tensor(out.logprobs), token_logps(model, [p + out.token_ids], [len(p)], block_size=4)[0])
+    assert no_boundary_ties(model, p + out.token_ids)
+    assert float((torch.tensor(out.logprobs) - train_logps(model, p, out.token_ids)).abs().max()) < TRAIN_BOUND
+    bare = Engine(v4(**NO_TIES), block_size=4).generate([p], greedy)[0][0]
+    assert bare.logprobs != out.logprobs
