@@ -16,7 +16,7 @@ from kiln.engine.continuer import Continuer
 from kiln.engine.scheduler import Request, Scheduler, Sequence
 from kiln.errors import KilnError
 from kiln.models.qwen3_next import TINY_HYBRID, TINY_HYBRID_MOE
-from tests.engine.tiny import prompts, tiny_model
+from tests.engine.tiny import prompts, run_streams, tiny_model
 
 IMG, START, END = 95, 97, 98  # the tiny config's image placeholder and vision start / end ids
 EPS = torch.finfo(torch.float32).eps
@@ -215,14 +215,7 @@ def test_preemption_cancel_and_no_leak(model):
     engine = Engine(model, block_size=4, kv_blocks=24, max_seqs=8, step_tokens=64)
     engine.image_features.max_bytes = 4 * 32 * 4 * 2  # two images' features
     ids = [engine.add_request(p, sp, prompt_inputs=x) for p, sp, x in zip(ps, params, cases)]
-    seen: dict[tuple[str, int], list[int]] = {}
-    steps = 0
-    while engine.has_unfinished():
-        for o in engine.step():
-            seen.setdefault((o.request_id, o.index), []).extend(o.token_ids)
-        steps += 1
-        if steps == 3:
-            engine.cancel(ids[2])
+    seen = run_streams(engine, cancel_at=3, cancel=ids[2])
     assert engine.scheduler.preemptions > 0 and engine.image_features.tower_calls > 4
     assert len(engine.image_features) <= 2
     assert engine.pool.num_free == engine.pool.num_blocks and not any(engine.pool.refs)
@@ -274,6 +267,13 @@ def test_bad_image_inputs_are_refused_by_name(model):
     with pytest.raises(KilnError, match="an image run of 3 placeholder tokens"):
         engine.add_request(p[:p.index(IMG) + 3] + [END], SamplingParams(), prompt_inputs=a)
     assert not engine.requests and engine.image_features.tower_calls == 0
+    # no image at all (an image-text chat's text-only turn): the text prompt's result; placeholders without images
+    text = prompts(1, 4, 8, seed=142)[0]
+    none = {"pixel_values": torch.zeros(0, model.visual.config.patch_dim), "image_grid_thw": torch.zeros(0, 3)}
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, logprobs=True)
+    assert results(engine.generate([text], greedy, [none])[0]) == results(engine.generate([text], greedy)[0])
+    with pytest.raises(KilnError, match="more image runs"):
+        engine.add_request(p, SamplingParams(), prompt_inputs=none)
     with pytest.raises(KilnError, match="'qwen3' takes no images"):
         Engine(tiny_model("qwen3")).add_request(p, SamplingParams(), prompt_inputs=a)
 
