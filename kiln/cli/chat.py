@@ -81,8 +81,9 @@ def chat(model_dir: Path = typer.Argument(..., help="An HF causal-LM directory w
             raise KilnError(f"--image: image file {path} does not exist")
     model = _load(model_dir, allow_missing, allow_unused)
     model.tokenizer.chat()  # fail now, not after the first question, if there is no template
-    # text turns run on kiln.engine where it runs the family (a turn's prompt starts with the last one's, so the
-    # cache holds most of it already); image turns and other families on the model's generate loop
+    # turns run on kiln.engine where it runs the family (a turn's prompt starts with the last one's, so the cache
+    # holds most of it already; an image-text model's images, re-sent each turn, go through the vision tower once);
+    # other families on the model's generate loop
     continue_ = Continuer(model, max_new_tokens, temperature, top_k, top_p, seed, max_seqs=1)
     for path in image or []:
         if (error := image_error(model, model_dir, path, "--image")) is not None:

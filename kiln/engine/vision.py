@@ -129,8 +129,9 @@ def _check_inputs(model: ImageTextForCausalLM, prompt: list[int], inputs: dict) 
     return pixels, grid.long()
 
 
-def prompt_images(model: nn.Module, prompt: list[int], inputs: dict, cache: ImageFeatures) -> ImagePrompt:
-    """Check a request's images against its prompt and make (or reuse) each image's features."""
+def prompt_images(model: nn.Module, prompt: list[int], inputs: dict, cache: ImageFeatures) -> ImagePrompt | None:
+    """Check a request's images against its prompt and make (or reuse) each image's features; None for inputs
+    without an image (an image-text chat's text-only turns: `image_grid_thw` (0, 3)), the prompt then being text."""
     if not isinstance(model, ImageTextForCausalLM) or model.visual is None:
         raise KilnError(f"model_type {getattr(model.config, 'model_type', type(model).__name__)!r} takes no images: "
                         "image-text prompts (prompt_inputs given) need an image-text model with a vision tower")
@@ -141,6 +142,8 @@ def prompt_images(model: nn.Module, prompt: list[int], inputs: dict, cache: Imag
     # the model's own positions (they also check each run of placeholders against its image's grid)
     pos, delta = image_positions(ids, token_types(ids, model.image_token_id, model.video_token_id), grid, None,
                                  visual.spatial_merge_size)
+    if not len(grid):
+        return None
     embed = backbone.embed_tokens.weight
     marks = (ids[0] == model.image_token_id).tolist()
     starts = [i for i, m in enumerate(marks) if m and (i == 0 or not marks[i - 1])]
@@ -269,7 +272,8 @@ def token_logps(model: nn.Module, sequences: Sequence[Sequence[int]], starts: Se
                 ) -> list[torch.Tensor]:
     """kiln.engine.score.token_logps with images: sequence i's images (`prompt_inputs[i]`, None for none) sit
     at the placeholders of its first starts[i] tokens (its prompt; what follows is text, as the engine generates
-    it). The tower runs once per distinct image of the call. The same bits as the engine's log-probs."""
+    it). The tower runs once per distinct image of the call, without gradient (the features are inputs here: a
+    gradient reaches the text model, not the tower). The same bits as the engine's log-probs."""
     from kiln.engine.score import runner_for
     from kiln.engine.score import token_logps as score
 
@@ -279,7 +283,7 @@ def token_logps(model: nn.Module, sequences: Sequence[Sequence[int]], starts: Se
     if any(prompt_inputs) and not isinstance(runner, ImageTextRunner):
         prompt_images(model, [], {}, ImageFeatures())  # raises: the model takes no images
     cache = ImageFeatures()
-    images = [prompt_images(model, [int(t) for t in ids[:s]], inp, cache) if inp else None
+    images: list[ImagePrompt | None] = [prompt_images(model, [int(t) for t in ids[:s]], inp, cache) if inp else None
               for ids, s, inp in zip(sequences, starts, prompt_inputs)]
     if not isinstance(runner, ImageTextRunner):
         return score(model, sequences, starts, block_size=block_size, temperature=temperature)

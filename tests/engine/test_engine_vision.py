@@ -15,19 +15,20 @@ from kiln.engine.cache import BlockPool
 from kiln.engine.continuer import Continuer
 from kiln.engine.scheduler import Request, Scheduler, Sequence
 from kiln.errors import KilnError
-from kiln.models.qwen3_next import TINY_HYBRID
-from tests.engine.tiny import prompts, tiny_model
+from kiln.models.qwen3_next import TINY_HYBRID, TINY_HYBRID_MOE
+from tests.engine.tiny import prompts, run_streams, tiny_model
 
 IMG, START, END = 95, 97, 98  # the tiny config's image placeholder and vision start / end ids
 EPS = torch.finfo(torch.float32).eps
 
 
-def vision_model(**text):
+def vision_model(family: str = "qwen3_5", **text):
     """Rotary over every head dim with sections (2, 3, 3) of its 8 frequencies (time, height and width all
     turn something; the release's 0.25 would leave the tiny head's 2 frequencies to time and height), weights
     at std 0.1 so images and positions move the log-probs well past fp32 rounding."""
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0, "mrope_section": [2, 3, 3]}
-    return tiny_model("qwen3_5", text_config=dict(TINY_HYBRID, initializer_range=0.1, rope_parameters=rope, **text))
+    base = TINY_HYBRID_MOE if family == "qwen3_5_moe" else TINY_HYBRID
+    return tiny_model(family, text_config=dict(base, initializer_range=0.1, rope_parameters=rope, **text))
 
 
 def image(model, h: int, w: int, seed: int) -> dict:
@@ -112,6 +113,19 @@ def test_engine_logps_equal_the_scoring_forward_and_near_the_models(model, monke
     monkeypatch.setattr(vision.ImagePrompt, "rope", lambda self, s, e: torch.arange(s, e).expand(3, -1))
     flat = vision.token_logps(model, [p + toks], [len(p)], [x], block_size=4)[0].detach()
     assert float((flat - own).abs().max()) > 10 * fp32_bound(top)
+
+
+def test_moe_image_prompts_score_exactly():
+    """qwen3_5_moe (every layer's MLP routed, one row per call): engine = scoring forward with images, and the
+    model's forward within the bound."""
+    model = vision_model("qwen3_5_moe")
+    x = joined(image(model, 4, 4, 5), image(model, 4, 8, 6))
+    p = prompt_with(x, 7)
+    out = Engine(model, block_size=4, step_tokens=8).generate([p], sample(1), [x])[0][0]
+    scored = vision.token_logps(model, [p + out.token_ids], [len(p)], [x], block_size=4)[0].detach()
+    assert torch.equal(torch.tensor(out.logprobs), scored)
+    own, top = model_logps(model, p + out.token_ids, x, len(p))
+    assert float((scored - own).abs().max()) < fp32_bound(top)
 
 
 def test_greedy_tokens_are_the_models_argmax(model):
@@ -201,14 +215,7 @@ def test_preemption_cancel_and_no_leak(model):
     engine = Engine(model, block_size=4, kv_blocks=24, max_seqs=8, step_tokens=64)
     engine.image_features.max_bytes = 4 * 32 * 4 * 2  # two images' features
     ids = [engine.add_request(p, sp, prompt_inputs=x) for p, sp, x in zip(ps, params, cases)]
-    seen: dict[tuple[str, int], list[int]] = {}
-    steps = 0
-    while engine.has_unfinished():
-        for o in engine.step():
-            seen.setdefault((o.request_id, o.index), []).extend(o.token_ids)
-        steps += 1
-        if steps == 3:
-            engine.cancel(ids[2])
+    seen = run_streams(engine, cancel_at=3, cancel=ids[2])
     assert engine.scheduler.preemptions > 0 and engine.image_features.tower_calls > 4
     assert len(engine.image_features) <= 2
     assert engine.pool.num_free == engine.pool.num_blocks and not any(engine.pool.refs)
@@ -260,6 +267,13 @@ def test_bad_image_inputs_are_refused_by_name(model):
     with pytest.raises(KilnError, match="an image run of 3 placeholder tokens"):
         engine.add_request(p[:p.index(IMG) + 3] + [END], SamplingParams(), prompt_inputs=a)
     assert not engine.requests and engine.image_features.tower_calls == 0
+    # no image at all (an image-text chat's text-only turn): the text prompt's result; placeholders without images
+    text = prompts(1, 4, 8, seed=142)[0]
+    none = {"pixel_values": torch.zeros(0, model.visual.config.patch_dim), "image_grid_thw": torch.zeros(0, 3)}
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, logprobs=True)
+    assert results(engine.generate([text], greedy, [none])[0]) == results(engine.generate([text], greedy)[0])
+    with pytest.raises(KilnError, match="more image runs"):
+        engine.add_request(p, SamplingParams(), prompt_inputs=none)
     with pytest.raises(KilnError, match="'qwen3' takes no images"):
         Engine(tiny_model("qwen3")).add_request(p, SamplingParams(), prompt_inputs=a)
 

@@ -48,3 +48,17 @@ def train_logps(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     targets[0, len(prompt) - 1:-1] = ids[0, len(prompt):]
     with torch.no_grad():
         return model.token_logps(ids, None, targets)[0, len(prompt) - 1:-1]
+
+
+def run_streams(engine, cancel_at: int | None = None, cancel: str | None = None) -> dict[tuple[str, int], list[int]]:
+    """Step `engine` until nothing is left (cancelling request `cancel` after step `cancel_at`): the tokens each
+    (request id, completion index) streamed. (engvis)"""
+    seen: dict[tuple[str, int], list[int]] = {}
+    steps = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            seen.setdefault((o.request_id, o.index), []).extend(o.token_ids)
+        steps += 1
+        if steps == cancel_at and cancel is not None:
+            engine.cancel(cancel)
+    return seen

@@ -26,7 +26,10 @@ VOCAB = 304  # the tokenizer's 300 and room for a video id no text produces
 
 
 def model_config(full_attention: bool = False) -> dict:
-    text = {**TINY["qwen3_5"]["text_config"], "vocab_size": VOCAB, "pad_token_id": 0, "eos_token_id": 2}
+    # 128 positions: room for `kiln chat`'s two image turns on the engine, which holds a sequence to the model's
+    # max_position_embeddings (transformers' loop does not)
+    text = {**TINY["qwen3_5"]["text_config"], "vocab_size": VOCAB, "pad_token_id": 0, "eos_token_id": 2,
+            "max_position_embeddings": 128}
     if full_attention:  # transformers keeps packed samples apart only in attention (its DeltaNet runs on across)
         text["layer_types"] = ["full_attention", "full_attention"]
     return {**TINY["qwen3_5"], "text_config": text, "vision_start_token_id": 3, "image_token_id": 4,
@@ -306,6 +309,33 @@ def test_kiln_chat_with_images_equals_transformers_generate(data):
         messages.append(reply)
     r = CliRunner().invoke(app, ["chat", str(src), "--image", str(data / "none.png")], input="hi\n\n")
     assert r.exit_code != 0 and "none.png does not exist" in r.output
+
+
+def test_kiln_generate_with_an_image_runs_on_the_engine(data, monkeypatch):
+    """`kiln generate DIR TEXT --image A` (engvis): the image goes through the generation engine (its admission makes
+    the image's features once) and the greedy continuation is the one transformers' generate gives."""
+    import transformers
+    from typer.testing import CliRunner
+
+    import kiln.engine.engine as engine_module
+    from kiln.cli.main import app
+    from kiln.models import AutoModelForImageTextToText
+
+    src = _model_dir(data, "full", full_attention=True)
+    admitted = []
+    real = engine_module.prompt_images
+    monkeypatch.setattr(engine_module, "prompt_images", lambda *a: admitted.append(a[2]) or real(*a))
+    picture, text = data / "digits" / "3.png", "what digit is this?"
+    r = CliRunner().invoke(app, ["generate", str(src), text, "--image", str(picture), "-n", "6"])
+    assert r.exit_code == 0, r.output
+    assert [x["image_grid_thw"].tolist() for x in admitted] == [[[1, 6, 4]]]  # (16 x 24 pixels)
+    ours = AutoModelForImageTextToText.from_pretrained(src)
+    hf = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(src).eval()
+    ids, inputs = ours.image_prompt([picture], model_dir=src)
+    prompt = torch.tensor([ids + ours.tokenizer.backend.encode(text, add_special_tokens=False).ids])
+    want = hf.generate(input_ids=prompt, **inputs, mm_token_type_ids=(prompt == 4).long(), max_new_tokens=6,
+                       do_sample=False)[0, prompt.shape[1]:]
+    assert r.output.strip() == (text + ours.tokenizer.decode(want.tolist())).strip()
 
 
 def test_batches_without_images_reach_the_tower_when_asked(data):
