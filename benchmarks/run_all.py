@@ -36,7 +36,7 @@ WORKLOADS = [("bench_lora_sft.py", []), ("bench_lora_sft.py", ["--full"]), ("ben
              ("bench_load_bin.py", []), ("bench_plan_q4.py", []), ("bench_qlora.py", []),
              ("bench_dpo.py", []), ("bench_grpo.py", []), ("bench_vlm_sft.py", []), ("bench_engine.py", []),
              ("bench_reward.py", []), ("bench_kto.py", []), ("bench_agent_grpo.py", []), ("bench_dpo_pack.py", []),
-             ("bench_grpo_pack.py", [])]
+             ("bench_grpo_pack.py", []), ("bench_distill.py", [])]
 NOTES = "## Notes"
 
 

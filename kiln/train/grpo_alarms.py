@@ -5,7 +5,8 @@ token), `alarm/zero_std_groups` (the share of prompt groups whose rewards are al
 gradient), `alarm/none_rewards` (the share no reward function scored), and with env / tools `alarm/turn_limit`
 (episodes stopped by max_turns), `alarm/parse_failures` (episodes with a tool call that did not parse) and
 `alarm/env_errors` (episodes failed by user code). Each, and `logprob_gap`, is warned about once per run when over
-its threshold, saying what to change. `rollouts.jsonl` gets one JSON object per completion or episode.
+its threshold, saying what to change. `groups_with_signal` counts the groups whose rewards differ (the ones that
+teach); a rollout where none do is warned about once (kiln.train.preference.Signal). `rollouts.jsonl` gets one JSON object per completion or episode.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def counts(micro: dict[str, Any], rewards: torch.Tensor, group: int, episodes: l
 
 def metrics(total: torch.Tensor, multi_turn: bool) -> dict[str, float]:
     out = {"alarm/truncated": float(total[1] / total[0]), "alarm/none_rewards": float(total[2] / total[0]),
-           "alarm/zero_std_groups": float(total[4] / total[3])}
+           "alarm/zero_std_groups": float(total[4] / total[3]), "groups_with_signal": float(total[3] - total[4])}
     if multi_turn:
         out.update({"alarm/turn_limit": float(total[6] / total[5]), "alarm/parse_failures": float(total[7] / total[5]),
                     "alarm/env_errors": float(total[8] / total[5])})

@@ -12,21 +12,68 @@ logged beside them. The formulas are TRL 1.16's:
 - orpo: `ORPOTrainer` (trl.experimental.orpo): length-averaged log-probs, the log odds ratio weighted by
   `lambda` (TRL's ORPO `beta`), plus the NLL of the whole chosen sequence (prompt included, as TRL
   computes it), a mean over the micro-batch's chosen tokens.
+
+`Signal` counts, step by step, the samples that carried a learning signal (DPO's and reward models' pairs whose
+sides differ, KTO's rows with a completion token, GRPO's groups whose rewards differ) for the metrics, and
+warns once in a run at a step where none did.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch.nn import functional as F
 
+from kiln.parallel.world import World, all_reduce_sum
+
 LossType = Literal["sigmoid", "ipo", "hinge", "simpo", "orpo"]
 REFERENCE_FREE = ("simpo", "orpo")
 LEARNS_CHOSEN = ("orpo",)  # a loss with an NLL term on the chosen reply: a pair with chosen = rejected still teaches
-__all__ = ["REFERENCE_FREE", "LossType", "PairLosses", "log1mexp", "preference_losses"]
+__all__ = ["REFERENCE_FREE", "LossType", "PairLosses", "Signal", "differing_pairs", "log1mexp", "preference_losses"]
+
+
+def differing_pairs(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """(B,) bool: the pairs whose chosen and rejected sequences differ (equal ones carry no preference)."""
+    c, r = batch["chosen_len"], batch["rejected_len"]
+    width = min(batch["chosen_ids"].size(1), batch["rejected_ids"].size(1))
+    at = torch.arange(width, device=c.device)[None, :]
+    both = (at < c[:, None]) & (at < r[:, None])
+    differ = ((batch["chosen_ids"][:, :width] != batch["rejected_ids"][:, :width]) & both).any(1)
+    return differ | (c != r)
+
+
+class Signal:
+    """The samples of each step that carried a learning signal: `add` per micro-batch, `log` at the step (every
+    rank's, as `<unit>_with_signal` in the record); a step where none did is warned about once per run."""
+
+    def __init__(self, unit: str, why: str):
+        self.unit, self.why = unit, why
+        self.counts = torch.zeros(2, dtype=torch.float64)  # carried, of
+        self.warned = False
+
+    def add(self, carried: torch.Tensor) -> None:
+        self.counts += torch.tensor([float(carried.sum()), float(carried.numel())], dtype=torch.float64)
+
+    def log(self, record: dict[str, Any], world: World, device: torch.device, step: int) -> None:
+        carried, of = all_reduce_sum(self.counts.to(device, copy=True), world).cpu().tolist()
+        self.counts.zero_()
+        record[f"{self.unit}_with_signal"] = int(carried)
+        self.check(carried, of, step, world.main)
+
+    def check(self, carried: float, of: float, step: int, main: bool) -> str | None:
+        """The warning when none of `of` > 0 samples carried signal (once per run; printed on the main process)."""
+        if self.warned or carried > 0 or of == 0:
+            return None
+        self.warned = True
+        line = (f"warning: step {step}: none of its {int(of)} {self.unit} carried a learning signal ({self.why}); "
+                f"a run of such steps learns nothing")
+        if main:
+            print(line, flush=True)
+        return line
 
 
 @dataclass

@@ -17,7 +17,8 @@ from kiln.train.config import DataSection, RunConfig, load_run_config, parse_run
 from kiln.train.recipes import EXTENSIONS, RECIPES, recipe_for, run_config_model
 from kiln.train.recipes.dpo import PreferenceData
 from kiln.train.recipes.embedding import EmbeddingData
-from kiln.train.recipes.finetune import FineTuneData, RecordsData
+from kiln.train.recipes.finetune import FineTuneData
+from kiln.train.recipes.grpo import PromptsData
 from kiln.train.recipes.images import ImageData
 from kiln.train.recipes.kto import UnpairedData
 from kiln.train.recipes.pretrain import PretrainData
@@ -46,7 +47,7 @@ def test_the_core_data_section_holds_only_the_common_keys():
     assert "pack" not in PretrainData.model_fields and "pack" not in FineTuneData.model_fields
     assert {r.name: r.data_schema for r in RECIPES.values()} == {
         "pretrain": PretrainData, "sft": SFTData, "image-classification": ImageData,
-        "sentence-embedding": EmbeddingData, "fine-tune": FineTuneData, "dpo": PreferenceData, "grpo": RecordsData,
+        "sentence-embedding": EmbeddingData, "fine-tune": FineTuneData, "dpo": PreferenceData, "grpo": PromptsData,
         "reward-model": RewardData, "kto": UnpairedData, "distill": SFTData}
 
 

@@ -53,9 +53,18 @@ from kiln.train.config import NonNegative, Positive, RunConfig, Section, finite
 from kiln.train.engine import StepEngine
 from kiln.train.packing import Layout, lay_out, layout_logps, settle_pack
 from kiln.train.plans import place_frozen
-from kiln.train.preference import LEARNS_CHOSEN, REFERENCE_FREE, LossType, PairLosses, preference_losses
+from kiln.train.preference import (
+    LEARNS_CHOSEN,
+    REFERENCE_FREE,
+    LossType,
+    PairLosses,
+    Signal,
+    differing_pairs,
+    preference_losses,
+)
 from kiln.train.recipes.base import Extension, RunParts, add_lora, build_model, check_text_model
 from kiln.train.recipes.finetune import FineTune, RecordsData
+from kiln.train.shares import record_tokens
 from kiln.train.trainer import Callback, Trainer
 
 CACHE = "reference_logps.safetensors"
@@ -143,6 +152,7 @@ class DPORun(Callback):
         self.cache: dict[str, torch.Tensor] | None = None  # split -> (pairs, 2) reference summed log-probs
         self.cache_sha: str | None = None
         self.sums = torch.zeros(len(STATS), dtype=torch.float64)
+        self.signal = Signal("pairs", "chosen = rejected in every pair")
 
     # ---- the reference ------------------------------------------------------------------------
     def wrap_engine(self, trainer: Trainer, engine: StepEngine) -> StepEngine:
@@ -269,6 +279,8 @@ class DPORun(Callback):
                 coalesce_tied_gradient(getattr(model, "module", model), defer_head_grad=True)
         self._ready()
         pl, tokens = self.pair_losses(model, batch, "train")
+        learns_chosen = self.cfg.loss_type in LEARNS_CHOSEN  # its NLL term learns the chosen side of any pair
+        self.signal.add(differing_pairs(batch) | learns_chosen)
         self.sums += self._stats(pl, tokens, torch.ones_like(pl.losses))
         return pl.losses.sum(), pl.losses.shape[0]
 
@@ -293,9 +305,8 @@ class DPORun(Callback):
         means = self._means(sums, "")
         means.pop("loss")  # the Trainer's own (the same mean)
         record.update(means)
-        # the loader counts no tokens in pair examples: the step's real tokens (chosen + rejected), all ranks
-        seconds = float(sums[0]) / record["samples_per_s"] if record.get("samples_per_s") else math.nan
-        record["tokens"], record["tokens_per_s"] = int(sums[1]), float(sums[1]) / seconds
+        record_tokens(record, float(sums[0]), float(sums[1]))  # the step's real chosen + rejected tokens
+        self.signal.log(record, trainer.world, trainer.device, trainer.step)
 
     # ---- evaluation ---------------------------------------------------------------------------
     def _share(self, examples: list[Example], rank: int, shards: int,
@@ -425,17 +436,18 @@ def check_signal(cfg: RunConfig, stats: Any, world: World) -> None:
               f"{n - same} carry signal", file=sys.stderr)
 
 
-def check_reference_vocab(reference: str, model: nn.Module) -> None:
-    """dpo.reference scores the tokenizer's ids: its vocabulary must hold them all (read from its config.json now,
-    so a smaller one is refused naming both sizes, not an IndexError at the first step)."""
+def check_reference_vocab(reference: str, model: nn.Module, key: str = "dpo.reference") -> None:
+    """A reference (`key`: dpo.reference, kto.reference) scores the tokenizer's ids: its vocabulary must hold them
+    all (read from its config.json now, so a smaller one is refused naming both sizes, not an IndexError at the
+    first step)."""
     try:
         config = read_config(resolve_model_dir(reference))
     except ConfigError as e:
-        raise ConfigError(f"dpo.reference: {e}") from None
+        raise ConfigError(f"{key}: {e}") from None
     vocab = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
     tok = getattr(model, "tokenizer", None)
     if isinstance(vocab, int) and tok is not None and tok.vocab_size > vocab:
-        raise ConfigError(f"dpo.reference {reference}: its vocab_size is {vocab} but the tokenizer has "
+        raise ConfigError(f"{key} {reference}: its vocab_size is {vocab} but the tokenizer has "
                           f"{tok.vocab_size} tokens; ids {vocab}..{tok.vocab_size - 1} would index past the "
                           "reference's embedding table. Use a reference with the policy's vocabulary")
 

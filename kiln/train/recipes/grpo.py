@@ -63,6 +63,7 @@ from kiln.train.grpo_loss import (
 from kiln.train.grpo_rollout import GRPORun, Prompts, check_prompt_kinds, core_of, rollout_seed
 from kiln.train.packing import completion_logps, settle_pack
 from kiln.train.plans import place_frozen
+from kiln.train.preference import Signal
 from kiln.train.recipes.base import Extension, Recipe, RunParts, add_lora, build_model, check_text_model
 from kiln.train.recipes.dpo import adapters_off
 from kiln.train.recipes.finetune import RecordsData
@@ -97,6 +98,7 @@ class GRPOEngine(StepEngine):
         self.buffer: list[dict[str, Any]] | None = None   # the rollout being worked on
         self.stats: dict[str, float] = {}                  # its reward metrics
         self.alarms = grpo_alarms.Alarms()
+        self.signal = Signal("groups", "each prompt's completions rewarded alike, or not at all")
 
     # -- the rollout --
     def rollout(self, run: StepContext) -> None:
@@ -158,6 +160,7 @@ class GRPOEngine(StepEngine):
         self.stats = self._reward_stats(run, per_func, rewards, torch.cat(lengths))
         total = all_reduce_sum(alarm_counts.to(run.device), run.world).cpu()
         self.stats.update(grpo_alarms.metrics(total, g.multi_turn))
+        self.signal.check(float(total[3] - total[4]), float(total[3]), run.step + 1, run.world.main)
         if r.guarded:  # users' reward calls that failed this rollout, every rank's (named only when some did)
             failed = all_reduce_sum(torch.tensor(r.guard.take(), dtype=torch.float64).to(run.device), run.world)
             for name, count in zip(("reward_errors", "reward_timeouts"), failed.cpu().tolist()):

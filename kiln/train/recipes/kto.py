@@ -36,8 +36,9 @@ from kiln.train.config import Positive, RunConfig, Section
 from kiln.train.engine import StepEngine
 from kiln.train.packing import Layout, lay_out, layout_logps, settle_pack
 from kiln.train.plans import place_frozen
+from kiln.train.preference import Signal
 from kiln.train.recipes.base import Extension, RunParts, add_lora, build_model, check_text_model
-from kiln.train.recipes.dpo import adapters_off, evaluating
+from kiln.train.recipes.dpo import adapters_off, check_reference_vocab, evaluating
 from kiln.train.recipes.finetune import FineTune, RecordsData
 from kiln.train.shares import eval_share, record_tokens
 from kiln.train.trainer import Callback, Trainer
@@ -103,6 +104,7 @@ class KTORun(Callback):
         self.trainer: Trainer | None = None
         self.ready = False
         self.sums = torch.zeros(len(SUMS), dtype=torch.float64)
+        self.signal = Signal("rows", "no completion token within max_length")
 
     def wrap_engine(self, trainer: Trainer, engine: StepEngine) -> StepEngine:
         self.trainer = trainer
@@ -169,6 +171,8 @@ class KTORun(Callback):
         self._ready()
         losses, info = self.row_losses(model, batch)
         self.sums += self._stats(losses, info, torch.ones_like(losses))
+        # every row teaches that scores a completion token (the weights are > 0; empty completions refused at read)
+        self.signal.add(torch.minimum(batch["completion_len"], self.max_length - batch["prompt_len"]) > 0)
         return losses.sum(), losses.shape[0]
 
     @staticmethod
@@ -189,6 +193,7 @@ class KTORun(Callback):
         means.pop("loss")  # the Trainer's own
         record.update(means)
         record_tokens(record, float(sums[0]), float(sums[1]))
+        self.signal.log(record, trainer.world, trainer.device, trainer.step)
 
     @torch.no_grad()
     def evaluate(self, trainer: Trainer) -> dict[str, float]:
@@ -262,6 +267,8 @@ class KTOExtension(Extension):
 
     def extend(self, cfg: RunConfig, parts: RunParts) -> None:
         c, evals = cfg.kto, parts.eval_data
+        if c.reference is not None:
+            check_reference_vocab(c.reference, parts.model, "kto.reference")
         copy_needed = c.reference is None and cfg.lora is None
         if copy_needed and getattr(parts.model, "deferred_read", None) is not None:
             raise ConfigError("[kto] with the weights read sharded: the default reference is a whole copy of the "

@@ -29,6 +29,7 @@ from kiln.models.tasks import REWARD_MODEL, SEQUENCE_CLASSIFICATION
 from kiln.parallel.world import World, all_reduce_sum
 from kiln.train.config import NonNegative, RunConfig, Section
 from kiln.train.packing import Layout, lay_out, settle_pack
+from kiln.train.preference import Signal, differing_pairs
 from kiln.train.recipes.base import Extension, RunParts, build_model, check_text_model
 from kiln.train.recipes.finetune import FineTune, RecordsData
 from kiln.train.shares import eval_share, record_tokens
@@ -74,6 +75,7 @@ class RewardRun(Callback):
                  pack: bool = False):
         self.cfg, self.pad_id, self.evals, self.pack = cfg, pad_id, evals, pack
         self.sums = torch.zeros(len(STATS), dtype=torch.float64)
+        self.signal = Signal("pairs", "chosen = rejected in every pair")
 
     def pair_losses(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
                                                                                           torch.Tensor, int]:
@@ -99,6 +101,7 @@ class RewardRun(Callback):
 
     def step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         losses, chosen, rejected, tokens = self.pair_losses(model, batch)
+        self.signal.add(differing_pairs(batch))
         self.sums += self._stats(losses, chosen, rejected, tokens, torch.ones_like(chosen))
         return losses.sum(), losses.shape[0]
 
@@ -114,6 +117,7 @@ class RewardRun(Callback):
         means.pop("loss")  # the Trainer's own (the same mean)
         record.update(means)
         record_tokens(record, float(sums[0]), float(sums[1]))
+        self.signal.log(record, trainer.world, trainer.device, trainer.step)
 
     @torch.no_grad()
     def evaluate(self, trainer: Trainer) -> dict[str, float]:
