@@ -20,9 +20,10 @@ completion tokens per step (TRL's num_input_tokens_seen, kiln's step tokens), ge
 memory is the process's RSS high-water mark above its baseline. Each side runs in its own process; rounds
 interleave. Ratios last.
 
-Two more kiln sides, in the same rounds: `old`, `[grpo] rollout = "generate"` (kiln's loop before the engine:
-KV-cache decode of the left-padded batch, the LM head at the last position through MKL's packed GEMM, the trainer's
-log-probs through the training forward), and `exact`, the engine's rollouts with `exact_logprobs = true` (the
+Two more kiln sides, in the same rounds: `old`, kiln's loop before the engine (KV-cache decode of the left-padded
+batch, the LM head at the last position through MKL's packed GEMM, the trainer's log-probs through the training
+forward) as a copy kept in benchmarks/old_loop.py (the measured baseline: kiln retires the loop), installed in place
+of the run's rollouts, and `exact`, the engine's rollouts with `exact_logprobs = true` (the
 trainer's log-probs through the engine's kernels in one packed pass: logprob_gap 0). Each kiln side times its
 rollouts (generation and rewards; GRPOEngine.rollout) and the rest of each step (the update: log-probs, loss,
 backward, optimizer) apart: the engine's rollout against the old loop's (issue 39's goal: >= 2x), and the update
@@ -81,7 +82,7 @@ def prepare(tmp: Path) -> int:
     return sum(p.numel() for p in model.parameters())  # the tied embedding and head once
 
 
-KILN_SIDES = {"kiln": "", "old": 'rollout = "generate"', "exact": "exact_logprobs = true"}
+KILN_SIDES = {"kiln": "", "old": "", "exact": "exact_logprobs = true"}  # `old`: old_loop.install()
 
 
 def run_kiln(tmp: Path, steps: int, warmup: int, new_tokens: int, side: str = "kiln") -> dict:
@@ -93,6 +94,10 @@ def run_kiln(tmp: Path, steps: int, warmup: int, new_tokens: int, side: str = "k
     from kiln.train.run import build_trainer
 
     setup_torch()
+    if side == "old":
+        from old_loop import install
+
+        install()  # this child's rollouts on the copy of kiln's earlier loop
     base = rss_kb()
     stamps: list[tuple[float, int]] = []
     rollouts: list[float] = []

@@ -8,15 +8,26 @@ After tensor parallelism on a 2-D mesh, FSDP shards the tp-local pieces over the
 Frozen low-precision parameters (an FP8 checkpoint kept FP8, a packed 4-bit base) cross the
 collectives as bytes (`frozen_as_bytes`): gloo has no float8 (nor does every nccl build), and a
 mixed-precision policy would otherwise widen them to `param_dtype` before the all-gather.
+
+Code that is not a unit's forward (the generation engine's runners call a model's submodules directly, and
+check their exact classes): `own_classes` shows the units as the classes the model was built with, `gathered`
+all-gathers every unit's parameters for a while (a rollout: no collective inside, so each rank generates on
+its own), `unit_forward` runs a function as a unit's forward (gathered before, freed after, its gradients
+reduce-scattered in the backward: the engine's scoring forward, one block at a time).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
@@ -161,3 +172,86 @@ def _load_as_bytes(module: nn.Module, state: dict, prefix: str, *args) -> None:
         t = state.get(prefix + name)
         if t is not None and t.dtype == dtype:  # bytes, not a numeric cast into uint8
             state[prefix + name] = retype(t, torch.uint8)
+
+
+# ---- code other than a unit's forward on a sharded model ------------------------------------------
+def units(model: nn.Module) -> list[nn.Module]:
+    """The model's FSDP2 units (each `fully_shard`-ed module: the blocks, then the root), in module order."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _state(unit: nn.Module) -> Any:
+    # the unit's FSDP state by the module (not its class: own_classes may have swapped that)
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+
+    state = _get_module_fsdp_state(unit)
+    if state is None:
+        raise KilnError(f"{type(unit).__name__} is not an FSDP2 unit")
+    return state
+
+
+@contextmanager
+def own_classes(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` with each unit's class the one it was built with for the duration (fully_shard makes a unit an
+    instance of FSDP<Class>, a subclass): code that accepts a module by its exact class (the generation engine's
+    runner registry) sees the model as built. Nothing else changes (parameters, hooks, state), and the FSDP
+    classes come back on exit. The units' own methods (`unshard`, a registered forward method) are not there
+    meanwhile: `gathered` and `unit_forward` reach the state without them."""
+    swapped: list[tuple[nn.Module, type]] = []
+    try:
+        for m in units(model):
+            cls = type(m)
+            m.__class__ = cls.__mro__[cls._orig_cls_mro_index]  # FSDP's own record of where the built class sits
+            swapped.append((m, cls))
+        yield model
+    finally:
+        for m, cls in reversed(swapped):
+            m.__class__ = cls
+
+
+def gathered_bytes(model: nn.Module) -> int:
+    """Bytes every unit's parameters take gathered whole, in the dtype the forward computes in (the
+    mixed-precision policy's param_dtype, else each parameter's own): what `gathered` allocates on each rank,
+    beside the shards it keeps."""
+    total = 0
+    for unit in units(model):
+        state = _state(unit)
+        cast = state._mp_policy.param_dtype
+        for group in state._fsdp_param_groups:
+            for fp in group.fsdp_params:
+                own = fp.sharded_param.dtype  # uint8 for what crosses as bytes: never cast
+                dtype = cast if cast is not None and own.is_floating_point else own
+                total += fp._orig_size.numel() * torch.empty((), dtype=dtype).element_size()
+    return total
+
+
+@contextmanager
+def gathered(model: nn.Module) -> Iterator[nn.Module]:
+    """Every unit's parameters all-gathered (whole, in the forward's dtype) for the duration, then resharded:
+    code inside uses the model as one process's, with no collective of its own (each rank may run it as long as
+    it likes). Entering is collective: every rank enters together. Enter it before `own_classes` (it calls the
+units' own unshard and reshard). Under no_grad: gradients of gathered
+    parameters would not reach the shards (`unit_forward` is the way for a forward with a backward)."""
+    if torch.is_grad_enabled():
+        raise KilnError("fsdp.gathered runs under torch.no_grad(): a backward through gathered parameters would "
+                        "not reduce its gradients into the shards (use unit_forward)")
+    done: list[Any] = []
+    try:
+        for unit in units(model):
+            unit.unshard()  # waits for the all-gather
+            done.append(unit)
+        yield model
+    finally:
+        for unit in reversed(done):
+            unit.reshard()
+
+
+def unit_forward(unit: nn.Module, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) run as `unit`'s forward, for FSDP2: its parameters gathered before (the tensors in args cast
+    to the policy's param_dtype, as a forward's inputs are; the backward's post-hook put on those requiring
+    grad), then freed after as its forward would free them, with the pre-backward hook on the output that
+    gathers them again for the backward, whose gradients are reduce-scattered into the shards. What
+    `register_fsdp_forward_method` does for a method, for any function (and with own_classes in force)."""
+    state = _state(unit)
+    args, _ = state._pre_forward(unit, args, {})
+    return state._post_forward(unit, args, fn(*args))

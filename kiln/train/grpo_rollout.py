@@ -8,6 +8,7 @@ adapters off), and the held-out evaluation of greedy completions."""
 from __future__ import annotations
 
 import hashlib
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -19,7 +20,16 @@ from kiln.models.common.causal_lm import CausalLMOutput, ForCausalLM
 from kiln.models.generation import filter_logits, generate, inverse_cdf
 from kiln.parallel.world import all_reduce_sum
 from kiln.train.config import RunConfig
-from kiln.train.grpo_engine import EngineDecoder, EngineRollouts, exact_logps, refusal
+from kiln.train.grpo_engine import (
+    EngineDecoder,
+    EngineRollouts,
+    exact_logps,
+    exact_refusal,
+    fits,
+    gathered_bytes,
+    is_fsdp,
+    refusal,
+)
 from kiln.train.grpo_loss import combine_rewards
 from kiln.train.logps import token_logps
 from kiln.train.recipes.dpo import adapters_off  # under [lora], the reference: the base with the adapters off
@@ -211,23 +221,40 @@ class GRPORun:
             self.refusals[id(core)] = refusal(core)
         return self.refusals[id(core)] is None
 
+    def say(self, line: str, main: bool) -> None:
+        """A log line on the main process, once a run."""
+        if line not in self.said:
+            self.said.add(line)
+            if main:
+                print(line, flush=True)
+
     def decoder(self, core: nn.Module, sharded: bool, main: bool = True) -> Any:
         """What a rollout samples through: the engine where it runs the model, else kiln's `generate` (said once
-        in a log line on the main process)."""
-        if self.on_engine(core):
-            assert self.rollouts is not None
+        in a log line on the main process). Under FSDP2 collective (every rank asks together): the engine
+        gathers the whole model, where every rank has the memory for it (kiln.train.grpo_engine.fits)."""
+        why = self.refusals.get(id(core)) if not self.on_engine(core) else None
+        if why is None and self.rollouts is not None and is_fsdp(core):
+            why = fits(core)
+            if why is None:
+                self.say(f"[grpo] rollouts on the generation engine under FSDP2: the whole model gathered for each "
+                         f"rollout ({gathered_bytes(core) / 2**20:.1f} MiB a rank), every rank generating its own "
+                         "prompts", main)
+        if self.rollouts is not None and why is None:
             return EngineDecoder(self.rollouts, core)
-        why = self.refusals.get(id(core))
-        if why is not None and why not in self.said:
-            self.said.add(why)
-            if main:
-                print(f"[grpo] rollouts on kiln's generate loop, not the generation engine: {why}", flush=True)
+        if why is not None:
+            self.say(f"[grpo] rollouts on kiln's generate loop, not the generation engine: {why}", main)
         return RolloutModel(core, sharded)
 
     def exact(self, model: nn.Module) -> bool:
         """The trainer's log-probs under `model` come through the engine's kernels: equal to the engine's
         (logprob_gap 0) when its rollouts ran on the engine."""
-        return self.g.exact_logprobs and self.on_engine(core_of(model))
+        core = core_of(model)
+        if not (self.g.exact_logprobs and self.on_engine(core)):
+            return False
+        why = exact_refusal(core)
+        if why is not None:
+            self.say(f"[grpo] exact_logprobs: {why}", True)
+        return why is None
 
     def eos_ids(self, core: nn.Module) -> list[int]:
         eos = core.config.eos_token_id
@@ -349,6 +376,20 @@ class GRPORun:
         split = not decoder.sharded  # the engine runs on each process alone
         mine = list(range(rank, len(self.eval_prompts), shards)) if split else list(range(len(self.eval_prompts)))
         sums = torch.zeros(2 + 2 * len(self.rewards), dtype=torch.float64)
+        # FSDP2 on the engine: one gather for every batch (ranks may run different counts of them)
+        held = decoder.rollouts.weights(core) if isinstance(decoder, EngineDecoder) else nullcontext()
+        with held:
+            self._evaluate(decoder, mine, sums, trainer)
+        if split:
+            sums = all_reduce_sum(sums.to(trainer.device), trainer.world).cpu()
+        metrics = {"eval_reward": float(sums[0] / sums[1].clamp(min=1))}
+        for j, r in enumerate(self.rewards):
+            metrics[f"eval_reward/{r.name}"] = float(sums[2 + 2 * j] / sums[3 + 2 * j].clamp(min=1))
+        return metrics
+
+    def _evaluate(self, decoder: Any, mine: list[int], sums: torch.Tensor, trainer: Trainer) -> None:
+        """Adds the greedy completions' rewards of prompts `mine` into `sums` (total, count, then per function)."""
+        assert self.eval_prompts is not None
         for s in range(0, len(mine), trainer.args.batch_size * self.g.num_generations):
             rows = mine[s: s + trainer.args.batch_size * self.g.num_generations]
             with torch.no_grad(), trainer.autocast():
@@ -360,9 +401,3 @@ class GRPORun:
                 col = out["per_func"][:, j]
                 sums[2 + 2 * j] += float(torch.nansum(col))
                 sums[3 + 2 * j] += float((~torch.isnan(col)).sum())
-        if split:
-            sums = all_reduce_sum(sums.to(trainer.device), trainer.world).cpu()
-        metrics = {"eval_reward": float(sums[0] / sums[1].clamp(min=1))}
-        for j, r in enumerate(self.rewards):
-            metrics[f"eval_reward/{r.name}"] = float(sums[2 + 2 * j] / sums[3 + 2 * j].clamp(min=1))
-        return metrics

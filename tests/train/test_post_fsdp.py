@@ -3,8 +3,8 @@ process's on the same global batch (one process: 2 micro-batches of grad_accum; 
 
 Both exercise the parts FSDP2 could break: the policy's log-probs reach the sharded LM head through the
 model's own `token_logps` (registered as a forward, so the head is gathered), and the frozen reference copy
-of the starting weights is sharded like the policy. GRPO also samples through the sharded model (every rank
-decodes as many steps) and with beta > 0 takes the KL to the sharded reference; its sampling seeds depend on
+of the starting weights is sharded like the policy. GRPO also samples through the sharded model (on the
+generation engine, the weights gathered for the rollout) and with beta > 0 takes the KL to the sharded reference; its sampling seeds depend on
 the micro-batch's place in the global batch, so both runs draw the same completions. GRPO's runs read the model
 from model.path: under FSDP2 its reference is a copy of a model built on meta, which reads its own shards.
 """
@@ -56,11 +56,11 @@ def _saved_model(d: Path) -> Path:
 
 
 def _toml(d: Path, name: str, table: str, fsdp: bool) -> Path:
-    # GRPO under FSDP2 rolls out on kiln's generate loop (the engine does not run sharded weights): the one-process
-    # run is told to, so both draw the same completions
+    # GRPO rolls out on the generation engine in both (under FSDP2 on the gathered weights: engfsdp), so both
+    # draw the same completions
     train, section = ("pairs.jsonl", "[dpo]\nbeta = 0.1") if table == "dpo" else (
         "prompts.jsonl", '[grpo]\nrewards = ["fsdp_rewards:share_low"]\nnum_generations = 4\nmax_new_tokens = 5\n'
-                         'beta = 0.05\nloss_type = "grpo"' + ('' if fsdp else '\nrollout = "generate"'))
+                         'beta = 0.05\nloss_type = "grpo"')
     model = model_section(d) if table == "dpo" else f'[model]\npath = "{_saved_model(d)}"\ntask = "causal-lm"\n'
     path = d / f"{name}.toml"
     path.write_text(f"""
@@ -100,7 +100,7 @@ def test_fsdp_two_processes_equal_one_process(data, table, keys):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "(FSDP)" in p.stdout
     if table == "grpo":
-        assert "[grpo] rollouts on kiln's generate loop, not the generation engine: its weights are sharded" in p.stdout
+        assert "[grpo] rollouts on the generation engine under FSDP2" in p.stdout  # engfsdp
     one, two = _curve(data / f"{table}-one", keys), _curve(data / f"{table}-fsdp", keys)
     assert len(one["loss"]) == 3
     assert one["loss"][0] != one["loss"][-1]  # the runs learn: a curve, not a constant

@@ -5,15 +5,30 @@ One prefill pass over the (left-padded) prompt fills the cache; each later step 
 temperature, then top-k, then top-p (nucleus) to float32 logits and draws with a seeded generator, so a
 seed reproduces a reply (a caller may bring its own draw instead). Rows that reached EOS are padded while
 the others finish. Positions follow the attention mask (pads do not count).
+
+`generate` first offers the call to the registered generators (`register_generator`; kiln.engine registers its
+padded-batch backend, kiln.engine.padded, when imported): the first that takes it runs it; the loop runs the rest.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from kiln.errors import KilnError
+
+# generators a call is offered to before the loop: fn(model, input_ids, **generate's keywords) -> (B, T + n) ids,
+# or None when the call is not theirs (a layer above registers one: kiln.engine.padded)
+GENERATORS: list[Callable[..., torch.Tensor | None]] = []
+
+
+def register_generator(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Offer every `generate` call to `fn` before the loop (in registration order); returns fn."""
+    if fn not in GENERATORS:
+        GENERATORS.append(fn)
+    return fn
 
 
 def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -84,6 +99,13 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     and the seeded multinomial draw (the caller then owns the randomness; `seed` is not used)."""
     if input_ids.dim() != 2 or input_ids.size(1) == 0:
         raise KilnError(f"input_ids must be (batch, length>0), got shape {tuple(input_ids.shape)}")
+    for fn in GENERATORS:
+        taken = fn(model, input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                   do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                   eos_token_id=eos_token_id, pad_token_id=pad_token_id, on_token=on_token,
+                   prompt_inputs=prompt_inputs, draw=draw)
+        if taken is not None:
+            return taken
     config = model.config
     eos = eos_token_id if eos_token_id is not None else config.eos_token_id
     eos_ids = torch.tensor([] if eos is None else ([eos] if isinstance(eos, int) else list(eos)), device=input_ids.device)
