@@ -90,7 +90,8 @@ def prepare(tmp: Path) -> None:
     transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SIZE)).save_pretrained(tmp / "model")
 
 
-def run_kiln(tmp: Path, steps: int, warmup: int) -> dict:
+def run_kiln(tmp: Path, steps: int, warmup: int, grpo: str = "") -> dict:
+    """`grpo`: more [grpo] keys (benchmarks/bench_grpo_async.py's async = true)."""
     import torch  # noqa: F401
 
     from kiln.train import Callback
@@ -129,6 +130,7 @@ max_new_tokens = {TOKENS}
 max_episode_tokens = {TOKENS}
 max_turns = {TOOL_ROUNDS + 1}
 loss_type = "dapo"
+{grpo}
 """)
     trainer = build_trainer(load_run_config(cfg))
     trainer.callbacks.append(Clock())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from kiln.train.config import Section
 from kiln.train.grpo_loss import LossSpec
@@ -14,6 +14,7 @@ from kiln.train.grpo_loss import LossSpec
 
 class GRPOSection(Section):
     """RL with verifiable rewards (present = on); defaults are TRL 1.16's GRPOConfig's where it has the key."""
+    model_config = ConfigDict(populate_by_name=True)  # agent3: `async` (a Python keyword) is the field async_
     rewards: list[str] = []             # "module:function" (beside the prompts file, or on sys.path) or a built-in
     reward_weights: list[float] | None = None
     format_pattern: str | None = None   # the `format` built-in's regular expression (whole completion)
@@ -65,6 +66,10 @@ class GRPOSection(Section):
     reward_timeout: float = 60.0        # seconds for each call of a user's reward function (then: None rewards)
     reward_max_failures: int = 3        # failing calls (raised / timed out) of one reward function in a row: stop
     log_rollouts_every: int = 0         # every N rollouts, RUN_DIR/rollouts.jsonl gets each completion (0: off)
+    # agent3: off-policy steps (kiln.train.grpo_async): the next rollouts sampled by a background worker from a
+    # copy of the weights while this one trains, each at most max_staleness optimizer steps behind
+    async_: bool = Field(False, alias="async")
+    max_staleness: int = 1              # TRL's AsyncGRPOConfig key (its default 4: it drops staler samples)
 
     @field_validator("scale_rewards", mode="before")
     @classmethod
@@ -104,8 +109,15 @@ class GRPOSection(Section):
         if lo is not None and hi is not None and lo >= hi:
             raise ValueError(f"grpo.importance_sampling_clip_min ({lo}) must be below "
                              f"grpo.importance_sampling_clip_max ({hi})")
+        if self.max_staleness < 0:  # agent3
+            raise ValueError(f"grpo.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.async_ and not self.importance_sampling_correction:  # agent3
+            raise ValueError("grpo.async = true trains on rollouts sampled up to grpo.max_staleness optimizer steps "
+                             "ago: set grpo.importance_sampling_correction = true (the correction against the "
+                             "rollout's log-probs; importance_sampling_mode and _clip_min / _clip_max choose "
+                             "truncated or masked IS)")
         if self.importance_sampling_correction:
-            if self.sampler != "exact":
+            if self.sampler != "exact" and not self.async_:  # agent3: async recomputes the old log-probs
                 raise ValueError("grpo.importance_sampling_correction corrects the trainer's old log-probs towards "
                                  "the sampler's, and with grpo.sampler = \"fast\" they are the sampler's (nothing to "
                                  "correct): set grpo.sampler = \"exact\" or turn the correction off")

@@ -103,25 +103,23 @@ class GRPOEngine(StepEngine):
     # -- the rollout --
     def rollout(self, run: StepContext) -> None:
         r, g = self.run, self.run.g
-        core = core_of(run.model)
         if r.reference is not None and not self.placed:  # beside the policy: on its device, sharded as it is
             r.reference = place_frozen(r.reference, run.device, run.plan, run.parallel, not run.args.exact)
             self.placed = True
         index = run.step // g.num_iterations
-        micros, per_funcs, lengths, row_lists, episodes = [], [], [], [], []
-        decoder = r.decoder(core, run.sharded, run.world.main)  # serves every micro-batch of this rollout
-        for m in range(run.args.grad_accum):
-            rows = run.next_batch()["row"].tolist()
-            with torch.no_grad(), run.autocast():
-                micro = r.sample(decoder, rows, r.prompts, g.num_generations,
-                                 rollout_seed(r.seed, index, m * run.data_shards + run.data_rank), run.device)
-            row_lists.append(rows)
-            episodes.append(r.last_episodes if g.multi_turn else None)
-            per_funcs.append(micro["per_func"])
-            lengths.append(micro["completion_mask"].sum(1).double().cpu())  # beside the rewards (CPU) for the stats
-            micros.append(micro)
-        del decoder
-        per_func = torch.cat(per_funcs)
+        self.finish_rollout(run, index, *self.sampled(run, index))  # agent3: split for async
+
+    def sampled(self, run: StepContext, index: int) -> tuple[list[dict[str, Any]], list[list[int]], list[Any]]:
+        """Rollout `index` sampled now from the policy (agent3: grpo_async's engine takes it from its worker)."""
+        rows = [run.next_batch()["row"].tolist() for _ in range(run.args.grad_accum)]
+        return sample_rollout(self.run, core_of(run.model), run, index, rows)
+
+    def finish_rollout(self, run: StepContext, index: int, micros: list[dict[str, Any]],  # agent3: split for async
+                       row_lists: list[list[int]], episodes: list[Any]) -> None:
+        """Rewards to advantages, the trainer's log-probs, the alarms and the metrics of a sampled rollout."""
+        r, g = self.run, self.run.g
+        per_func = torch.cat([m["per_func"] for m in micros])
+        lengths = [m["completion_mask"].sum(1).double().cpu() for m in micros]  # beside the rewards (CPU)
         rewards = combine_rewards(per_func, r.weights)
         if g.advantage_estimator == "rloo":
             adv = rloo_advantages(rewards, g.num_generations)
@@ -143,7 +141,7 @@ class GRPOEngine(StepEngine):
             if g.mask_truncated_completions:  # TRL's: a completion cut by the budget carries no loss
                 micro["loss_mask"] = micro["loss_mask"] * (~micro["truncated"]).long()[:, None]
             with torch.no_grad(), run.autocast():
-                if g.sampler == "exact":  # the trainer's forward on the same micro-batch: the first update's values
+                if g.sampler == "exact" or g.async_:  # the trainer's forward: the first update's values (agent3: async)
                     micro["old_logps"] = self.logps(run.model, micro)
                 else:
                     micro["old_logps"] = micro["sampler_logps"]
@@ -311,6 +309,20 @@ class GRPOEngine(StepEngine):
         self.stats = dict(mine["stats"])
 
 
+def sample_rollout(r: GRPORun, core: nn.Module, run: StepContext, index: int, rows: list[list[int]]  # agent3
+                   ) -> tuple[list[dict[str, Any]], list[list[int]], list[Any]]:
+    """Rollout `index`'s micro-batches of prompt `rows` sampled from `core` (the policy, or under [grpo] async a
+    copy of it at an earlier step): (micro-batches, their rows, their episodes or None each)."""
+    micros, episodes = [], []
+    decoder = r.decoder(core, run.sharded, run.world.main)  # serves every micro-batch of this rollout
+    for m, batch in enumerate(rows):
+        with torch.no_grad(), run.autocast():
+            micros.append(r.sample(decoder, batch, r.prompts, r.g.num_generations,
+                                   rollout_seed(r.seed, index, m * run.data_shards + run.data_rank), run.device))
+        episodes.append(r.last_episodes if r.g.multi_turn else None)
+    return micros, list(rows), episodes
+
+
 def average_gradients(model: nn.Module, world_size: int) -> None:
     """DDP's gradient average, by hand: the engine's kernels call the module's submodules, not DDP's forward, so
     DDP's reducer is never armed for that backward (its hooks return at once) and each rank holds its own sum.
@@ -395,8 +407,12 @@ class GRPORecipe(Recipe):
         run = GRPORun(cfg, prompts, evals, rewards, model.tokenizer, reference, runner)
         fingerprint = {"train": str(d.train), "train_sha256": source_sha256(d.train), "max_length": d.max_length,
                        "prompt_field": g.prompt_field}
+        callback = GRPOCallback(run, d.pack)
+        if g.async_:  # agent3: the next rollouts sampled while this one trains (kiln.train.grpo_async)
+            from kiln.train.grpo_async import AsyncCallback
+            callback = AsyncCallback(run, d.pack)
         return RunParts(model, prompts.examples(), evaluate=run.evaluate if evals is not None else None,
-                        callbacks=[GRPOCallback(run, d.pack)], fingerprint=fingerprint)
+                        callbacks=[callback], fingerprint=fingerprint)
 
 
 
