@@ -8,7 +8,7 @@ default ~/.cache/kiln-bench/load). Two gloo ranks, `fsdp = true`, each side in f
 
 - quantize at load (`[model] quantize = "nf4"` on the bf16 checkpoint): kiln (sharded) builds the 4-bit model on
   meta, applies FSDP2 there and `read_shards`: each rank reads the bf16 values of its blocks and quantizes them
-  (kiln.parallel.sharded_q4); whole: `load_pretrained(quantize="nf4")` on every rank (the bf16 model, then
+  (kiln.models.loading.q4); whole: `load_pretrained(quantize="nf4")` on every rank (the bf16 model, then
   quantized), then FSDP2;
 - the bitsandbytes-4bit directory: kiln (sharded) reads each rank's packed bytes; whole: `load_pretrained`, then FSDP2.
 

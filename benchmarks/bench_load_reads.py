@@ -15,7 +15,7 @@ Modules passed through: every call from one kiln module into another (kiln.error
 at most two calls below its entry points, as the sequence of modules entered; "returns" counts the entries into a
 module the sequence had already left.
 
-    PYTHONPATH=$PWD python benchmarks/bench_load_reads.py
+    PYTHONPATH=$PWD python benchmarks/bench_load_reads.py [--depth 2]
 
 Run by hand (not in `make bench`): it counts reads and module crossings for the loading note; it has no peer and
 no ratio.
@@ -205,6 +205,12 @@ def build(root: Path) -> dict[str, tuple[Path, dict]]:
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--depth", type=int, default=2, help="module changes below the entry points that count (a deeper "
+                    "call chain in one tree hides modules the other shows: compare trees at a depth both reach)")
+    depth = ap.parse_args().depth
     torch.manual_seed(0)
     from kiln.models.auto import load_pretrained
     from kiln.parallel.sharded_load import lean_pretrained, read_plan, read_shards
@@ -215,7 +221,7 @@ def main() -> None:
             files = sorted(p.name for p in path.iterdir() if p.suffix in (".safetensors", ".bin"))
             with Counter() as whole:
                 load_pretrained(path, task="causal-lm", **kw)
-            with Counter() as lean, ModuleTrace({"lean_pretrained", "read_shards"}) as trace:
+            with Counter() as lean, ModuleTrace({"lean_pretrained", "read_shards"}, depth) as trace:
                 model = lean_pretrained(path, "causal-lm", None, **kw)
                 if model is not None:
                     read_shards(model, path)

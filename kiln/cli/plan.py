@@ -55,9 +55,9 @@ def plan_inputs(cfg, nproc: int, device: str, source: str = "run config") -> tup
     from kiln.hub.config import read_config
     from kiln.hub.index import CheckpointIndex
     from kiln.models.auto import family_for
+    from kiln.models.loading.carried import carried_keys
     from kiln.parallel.memory import ModelDims, RunSettings, check_shapes, params_from_headers
     from kiln.parallel.memory_q4 import compute_dtype
-    from kiln.parallel.sharded_carried import carried_keys
     from kiln.parallel.sharded_load import read_plan
 
     if cfg.model.path is None or not Path(cfg.model.path).is_dir():
@@ -90,8 +90,8 @@ def plan_inputs(cfg, nproc: int, device: str, source: str = "run config") -> tup
     # what the family carries beside the model (an MTP layer) is not trained, and a read shard by shard does not
     # hold it (a whole load holds it whole), unless [moe] mtp_weight makes it live: parameters like any other, less
     # what the live layer drops. A checkpoint no read takes shard by shard loads whole on every rank (`loads_whole`)
-    empty, _, why = read_plan(index, cfg.model.task, cfg.model.fp8, cfg.model.quantize)
-    settings = replace(settings, loads_whole=why)
+    empty, load_plan = read_plan(index, cfg.model.task, cfg.model.fp8, cfg.model.quantize)  # the plan every load reads
+    settings = replace(settings, loads_whole=load_plan.whole)
     carried, dropped = carried_keys(empty, getattr(getattr(cfg, "moe", None), "mtp_weight", 0) > 0, tensors) \
         if empty is not None else (set(), set())
     params = params_from_headers([t for k, t in tensors.items() if k not in dropped], settings, q4_shapes, carried)

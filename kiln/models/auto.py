@@ -41,9 +41,12 @@ from kiln.models import (
     xlm_roberta,
 )
 from kiln.models.common.fp8 import prepare_fp8
+from kiln.models.common.load_plan import LoadPlan
 from kiln.models.common.lora import has_adapter, load_adapter
 from kiln.models.common.quant4 import prepare_bnb4, quantize_model
 from kiln.models.config import FamilyConfig
+from kiln.models.loading.plan import build_plan, one_process
+from kiln.models.loading.read import materialize
 from kiln.models.pretrained import Family, PreTrainedModel
 from kiln.models.tasks import (
     BASE,
@@ -124,6 +127,38 @@ def apply_changes(config: FamilyConfig, changes: dict[str, Any]) -> FamilyConfig
     return config
 
 
+def plan_load(path: str | os.PathLike | CheckpointIndex, task: str | None = None, fp8: str = "dequantize",
+              quantize: str | None = None, seed: int | None = None, tokenizer: bool = True, **changes: Any
+              ) -> tuple[PreTrainedModel | None, LoadPlan]:
+    """The load plan of an HF directory (or Hub repo id, or its index): the model built on meta holding the plan
+    (`deferred_read`), and the plan: one typed source per tensor, or why the checkpoint loads whole
+    (kiln.models.loading.plan). Every load reads it: `load_pretrained`, the sharded load, `kiln plan`."""
+    index = path if isinstance(path, CheckpointIndex) else CheckpointIndex.open(path)  # the path resolved once
+    family, config, source_task = config_of_dir(index.root)
+    config = apply_changes(config, dict(changes))
+    return build_plan(index, family, config, source_task, task or source_task or BASE, fp8, quantize, seed,
+                      tokenizer)
+
+
+def read_pretrained(path: str | os.PathLike | CheckpointIndex, device: torch.device | str = "cpu",
+                    task: str | None = None, seed: int | None = None, fp8: str = "dequantize",
+                    quantize: str | None = None, dtype: torch.dtype | None = None, **changes: Any
+                    ) -> PreTrainedModel | None:
+    """The model of an HF directory read from its load plan on one process, file -> `device` tensor by tensor (no
+    whole copy in host memory), then cast to `dtype`, in eval mode; None where one process loads the checkpoint
+    whole (kiln.models.loading.plan.one_process says why; FP8 modules given a dtype too: the whole load dequantizes
+    and computes in it as it places them)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    model, plan = plan_load(path, task, fp8, quantize, seed, **changes)
+    if model is None or one_process(model, plan) is not None or (dtype is not None and model.fp8_state is not None):
+        return None
+    materialize(model, plan.index, device)
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval()
+
+
 def load_pretrained(path: str | os.PathLike, task: str | None = None, dtype: torch.dtype | None = None,
                     seed: int | None = None, fp8: str = "dequantize", quantize: str | None = None,
                     **changes: Any) -> PreTrainedModel:
@@ -134,10 +169,26 @@ def load_pretrained(path: str | os.PathLike, task: str | None = None, dtype: tor
     directory is dequantized to `dtype` (default: its non-FP8 tensors' dtype), or with `fp8="keep"`
     held in FP8 modules (kiln.models.common.fp8). A bitsandbytes-4bit directory loads 4-bit as it is;
     `quantize` ("nf4" or "fp4") quantizes a plain one's Linears at load (kiln.models.common.quant4).
+
+    The load plan's path on one process (`read_pretrained`), the same path a sharded load takes on each rank; where
+    one process cannot read the plan (kiln.models.loading.plan lists each case and why), `load_whole`.
     """
+    rng = torch.get_rng_state()
+    index = CheckpointIndex.open(path)  # the path resolved once; each file's header read once, for either path
+    model = read_pretrained(index, "cpu", task, seed, fp8, quantize, dtype, **changes)
+    if model is None:
+        torch.set_rng_state(rng)  # the plan's draws undone: the whole load draws as it always did
+        return load_whole(index, task, dtype, seed, fp8, quantize, **changes)
+    return model
+
+
+def load_whole(path: str | os.PathLike | CheckpointIndex, task: str | None = None, dtype: torch.dtype | None = None,
+               seed: int | None = None, fp8: str = "dequantize", quantize: str | None = None,
+               **changes: Any) -> PreTrainedModel:
+    """The whole load: every tensor read, then the model made from them (where the plan's path does not reach)."""
     if seed is not None:
         torch.manual_seed(seed)
-    index = CheckpointIndex.open(path)  # the path resolved once; each file's header read once
+    index = path if isinstance(path, CheckpointIndex) else CheckpointIndex.open(path)
     path = index.root
     family, config, source_task = config_of_dir(path)
     task = task or source_task or BASE

@@ -8,9 +8,9 @@ the modules name them and those weights are dequantized. So `save_sharded` recor
 FP8_KEY), and `export_sharded` places the FP8 modules on the model it builds (`place_fp8`) and puts both back on
 it (`restore`) before the family's save runs.
 
-The pairs come from where the load left them: a run read shard by shard holds none (kiln.parallel.sharded_fp8);
-its load notes where each lies in the source files (`note_pairs`, `CarriedRef`s, checked as carried tensors are:
-sharded_carried), and the export reads them from there. A whole load holds them: the shards keep one copy
+The pairs come from where the load left them: a run read shard by shard holds none (kiln.models.loading.fp8); its
+load notes where each lies in the source files (kiln.models.loading.fp8.note_pairs, `CarriedRef`s, checked as
+carried tensors are: sharded_carried), and the export reads them from there. A whole load holds them: the shards keep one copy
 (`held_pairs`, under PAIRS in the DCP state).
 """
 
@@ -26,7 +26,6 @@ from torch import nn
 
 from kiln.errors import KilnError
 from kiln.hub.fp8 import FP8, SCALE_SUFFIX, is_fp4, scheme_from_config
-from kiln.hub.index import CheckpointIndex
 from kiln.models.common.fp8 import dequantize_model, prepare_fp8
 from kiln.parallel.sharded_carried import CarriedRef, load_ref
 
@@ -34,20 +33,6 @@ FP8_KEY = "fp8"  # in load.json: {"scale_names": ..., "dequantized": [name, ...]
 PAIRS = "fp8_pairs"  # in the DCP state: a whole load's pairs, `name` and `name + SCALE_SUFFIX`
 _HOLDER = "fp8 pair"  # how a missing source names what it was (sharded_carried's message)
 
-
-def note_pairs(model: nn.Module, stored: dict[str, torch.Tensor], index: CheckpointIndex) -> None:
-    """At a shard-by-shard load kept FP8, before its meta pairs are dropped: where each pair a whole load would keep
-    (`model.fp8_state.originals`, its tensors those of `stored`, the checkpoint's meta tensors by key) lies in the
-    files of `index`, as `model.carried.fp8_pairs` (name the save writes -> (weight ref, scale ref))."""
-    state = model.fp8_state
-    if state.mode != "keep" or not state.originals:
-        return
-    key_of = {id(t): k for k, t in stored.items()}
-
-    def ref(t: torch.Tensor) -> CarriedRef:
-        return index.ref(key_of[id(t)], t.dtype, tuple(t.shape))
-
-    model.carried.fp8_pairs = {name: (ref(q), ref(s)) for name, (q, s) in state.originals.items()}
 
 
 def decisions(model: nn.Module) -> dict[str, Any]:

@@ -62,11 +62,11 @@ def with_adapters(model: nn.Module) -> nn.Module:
 def lora_steps(rank: int, world: int, model_dir: str, out: str) -> None:
     """STEPS SGD steps of LoRA on the FP8-kept base, this rank on its rows; losses (global means) and the
     adapters after the steps go to `out`. world == 1: the one-process reference (no plans)."""
-    from kiln.models.auto import load_pretrained
+    from kiln.models.auto import load_whole
     from kiln.parallel.apply import parallelize
     from kiln.train.config import ParallelSection
 
-    model = with_adapters(load_pretrained(model_dir, fp8="keep", seed=0))
+    model = with_adapters(load_whole(model_dir, fp8="keep", seed=0))
     whole = {k: v.clone() for k, v in model.state_dict().items() if v.dtype == FP8}
     facts: dict = {"fp8_tensors": len(whole)}
     if world > 1:
@@ -159,7 +159,7 @@ def ep_steps(rank: int, world: int, model_dir: str, out: str) -> None:
     reads this rank's share (its experts' FP8 bytes and scale grids only), each rank on its half of the batch.
     The global mean losses and what each rank holds of the experts go to `out`, with the model after the steps
     (saved by one process, a sharded checkpoint by the ranks)."""
-    from kiln.models.auto import load_pretrained
+    from kiln.models.auto import load_whole
     from kiln.parallel.apply import parallelize
     from kiln.parallel.checkpoint import save_sharded
     from kiln.parallel.ep import expert_modules
@@ -169,7 +169,7 @@ def ep_steps(rank: int, world: int, model_dir: str, out: str) -> None:
     for name, plan in EP_PLANS.items() if world > 1 else [("one", None)]:
         facts: dict = {}
         if plan is None:
-            model, par = load_pretrained(model_dir, fp8="keep"), None
+            model, par = load_whole(model_dir, fp8="keep"), None
         else:
             model = empty_pretrained(model_dir, fp8="keep")
             par = parallelize(model, ParallelSection(**plan), world_size=world, device=torch.device("cpu"))
@@ -210,10 +210,10 @@ def tp_steps(rank: int, world: int, model_dir: str, out: str) -> None:
     rank's FP8 rows or columns and their scale blocks (through a host stage, which notes every piece it read),
     each data rank on its share of the batch. The global mean losses and what this rank holds of each FP8 Linear
     go to `out`."""
-    from kiln.models.auto import load_pretrained
+    from kiln.models.auto import load_whole
+    from kiln.models.loading.stage import HostStage
     from kiln.parallel.apply import parallelize
     from kiln.parallel.sharded_load import empty_pretrained, read_shards
-    from kiln.parallel.sharded_stage import HostStage
     from kiln.parallel.tp import tensor_plan
     from kiln.parallel.tp_fp8 import fp8_splits
     from kiln.train.config import ParallelSection
@@ -227,7 +227,7 @@ def tp_steps(rank: int, world: int, model_dir: str, out: str) -> None:
         facts: dict = {}
         lora = name.endswith("-lora")  # LoRA on q_proj, v_proj (column parallel), down_proj (row parallel)
         if plan is None:
-            model, par = load_pretrained(model_dir, task="causal-lm", fp8="keep"), None
+            model, par = load_whole(model_dir, task="causal-lm", fp8="keep"), None
             model = with_adapters(model) if lora else model
             ids = batch()
         else:
@@ -333,7 +333,7 @@ def v4_keep_checkpoints(rank: int, world: int, model_dir: str, out: str) -> None
     """DeepSeek-V4's release kept FP8 under FSDP2, for each of V4_LOADS: layer 0's `wo_a` (dequantized at load, no
     FP8 module holds it) and the float32 parameters frozen, one SGD step of every other trained parameter on this
     rank's half of the batch, then a sharded checkpoint in OUT/v4-<load>."""
-    from kiln.models.auto import load_pretrained
+    from kiln.models.auto import load_whole
     from kiln.parallel.apply import parallelize
     from kiln.parallel.checkpoint import save_sharded
     from kiln.parallel.sharded_load import lean_pretrained, read_shards
@@ -341,7 +341,7 @@ def v4_keep_checkpoints(rank: int, world: int, model_dir: str, out: str) -> None
 
     for how in V4_LOADS:
         model = lean_pretrained(model_dir, "causal-lm", 0, fp8="keep") if how == "lean" else \
-            load_pretrained(model_dir, task="causal-lm", fp8="keep", seed=0)
+            load_whole(model_dir, task="causal-lm", fp8="keep", seed=0)
         assert (getattr(model, "deferred_read", None) is not None) == (how == "lean")
         for p in model.parameters():  # FSDP2 trains one dtype per unit: V4's float32 ones (hyper connections,
             p.requires_grad_(p.requires_grad and p.dtype != torch.float32)  # sinks, norms) stay as read

@@ -11,11 +11,11 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from kiln.hub import index as weights  # where a read into place lives (SpanReader)
-from kiln.models.auto import load_config, load_pretrained
+from kiln.models.auto import load_config, load_whole
 from kiln.models.common.lora import LoraConfig, apply_lora, has_adapter
-from kiln.parallel import sharded_load
+from kiln.models.loading import read as sharded_load
+from kiln.models.loading.carried import HOLDERS
 from kiln.parallel.apply import parallelize
-from kiln.parallel.sharded_carried import HOLDERS
 from kiln.parallel.sharded_load import empty_pretrained, init_adapters, loaded_bytes, read_shards
 from kiln.train.config import ParallelSection
 
@@ -48,10 +48,10 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str
     `quantize`: "nf4" | "fp4" at load. `q4_reads`: (file, offset, bytes) of each read of a 4-bit weight's rows;
     `reads`: the same of every other read from the files; `torch_loads`: the map_location of each torch.load the
     build on meta and the read made (a .bin's pickle read onto "meta" only: no tensor data).
-    `task` (and `labels`) other than the checkpoint's: a head the checkpoint lacks (kiln.parallel.sharded_fresh),
+    `task` (and `labels`) other than the checkpoint's: a head the checkpoint lacks (kiln.models.loading.fresh),
     built by `lean_pretrained` as `kiln train` builds it (so is a directory with an adapter beside it); under LoRA both models then take two steps (dropout on)
     from the generator state each load left (`rng_equal`: the same state), and `steps` holds both runs' losses."""
-    from kiln.parallel import sharded_q4
+    from kiln.models.loading import q4 as sharded_q4
     from kiln.parallel.sharded_load import lean_pretrained
 
     sharded_q4.CHUNK_VALUES = 101 * 64  # quantized at load: several chunks per rank's run of a weight, as at real size
@@ -66,7 +66,7 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str
     source = load_config(model_dir)[2]
     fresh = source is not None and source != task  # a head the checkpoint lacks: drawn from the seed
     adapter = has_adapter(model_dir)  # a PEFT adapter beside the weights: put on as the whole load puts it
-    whole = load_pretrained(model_dir, task=task, seed=5, fp8=fp8, quantize=quantize, **changes)
+    whole = load_whole(model_dir, task=task, seed=5, fp8=fp8, quantize=quantize, **changes)
     whole_bytes = sum(t.nbytes for t in whole.state_dict().values())  # the model one process holds
     if lora:
         apply_lora(whole, lora)
@@ -88,9 +88,9 @@ def compare(rank: int, world: int, model_dir: str, mode: str, out: str, tag: str
     parallelize(lean, parallel, world_size=world, device=torch.device("cpu"))
     read_whole = []  # the tensors read whole (one checkpoint tensor at a time), then cut to this rank's piece
     q4_reads = []
-    reads = []  # (file, offset, bytes) of the reads into place (kiln.parallel.sharded_load, kiln.hub.index)
+    reads = []  # (file, offset, bytes) of the reads into place (kiln.models.loading.read, kiln.hub.index)
     fill, dequantized, read_into = sharded_load._fill, sharded_load.read_dequantized, sharded_q4.read_into
-    sharded_load._fill = lambda name, *args: fill(name, *args) and read_whole.append(name)
+    sharded_load._fill = lambda name, *args, **kw: fill(name, *args, **kw) and read_whole.append(name)
     sharded_load.read_dequantized = lambda name, *args: dequantized(name, *args) and read_whole.append(name)
     sharded_q4.read_into = lambda f, offset, t: (q4_reads.append((f.name, offset, t.nbytes)), read_into(f, offset, t))[1]
     plain = lambda f, offset, t: (reads.append((f.name, offset, t.nbytes)), read_into(f, offset, t))[1]  # noqa: E731
@@ -183,7 +183,7 @@ def save_sharded_runs(rank: int, world: int, jobs: list[tuple[str, str]]) -> Non
     for model_dir, ckpt in jobs:
         model = lean_pretrained(model_dir, "causal-lm", None)
         lean = model is not None
-        model = model if lean else load_pretrained(model_dir, task="causal-lm")
+        model = model if lean else load_whole(model_dir, task="causal-lm")
         parallelize(model, ParallelSection(fsdp=True), world_size=world, device=torch.device("cpu"))
         if lean:
             read_shards(model, model_dir)
@@ -206,7 +206,7 @@ def q4_checkpoints(root) -> dict:
     model.save_pretrained(root / "bf16", max_shard_bytes=40_000)
     out = {"bf16": root / "bf16"}
     for quant, double in (("nf4", True), ("fp4", False)):
-        q = load_pretrained(root / "bf16", task="causal-lm")
+        q = load_whole(root / "bf16", task="causal-lm")
         quantize_model(q, quant, double_quant=double)
         q.save_pretrained(root / f"bnb-{quant}", max_shard_bytes=40_000)
         out[f"bnb-{quant}"] = root / f"bnb-{quant}"
@@ -215,7 +215,7 @@ def q4_checkpoints(root) -> dict:
 
 def with_adapter(path, base):
     """`base` saved again with a trained-looking PEFT adapter beside it (on q_proj and down_proj: columns and rows under tp), under `path`."""
-    model = load_pretrained(base, task="causal-lm")
+    model = load_whole(base, task="causal-lm")
     apply_lora(model, LoraConfig(r=4, alpha=8, dropout=0.0, targets=["q_proj", "down_proj"]))
     with torch.no_grad():
         for n, p in model.named_parameters():

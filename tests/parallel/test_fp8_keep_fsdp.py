@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from kiln.interop.export import export_model
-from kiln.models.auto import load_pretrained
+from kiln.models.auto import load_whole
 from kiln.parallel.checkpoint import export_sharded, load_sharded
 from tests.models.fp8_cases import make_fp8
 from tests.models.v4_release import fp8_release_without_mtp
@@ -125,7 +125,7 @@ def test_a_dequantized_fp8_run_exports_a_directory_whose_config_says_what_its_te
     release writes the release's FP8 bytes back under it. transformers reads both as kiln computes them."""
     from kiln.interop.verify import verify_export
 
-    one = load_pretrained(fp8_dir, task="causal-lm", seed=0)  # whole: the FP8 pairs kept (Fp8State.originals)
+    one = load_whole(fp8_dir, task="causal-lm", seed=0)  # whole: the FP8 pairs kept (Fp8State.originals)
     for out in (export_sharded(checkpoints / "deq-ckpt", tmp_path / "sharded"), export_model(one, tmp_path / "one")):
         cfg = json.loads((out / "config.json").read_text())
         weights = load_file(str(out / "model.safetensors"))
@@ -154,7 +154,7 @@ def test_a_v4_release_kept_fp8_exports_from_its_shards_as_one_process_does(v4_di
     assert set(wo_a) < fp8 and not [k for k in stored if k.endswith("_scale_inv")]
     for how in fw.V4_LOADS:
         ckpt = checkpoints / f"v4-{how}"
-        one = load_pretrained(v4_dir, task="causal-lm", fp8="keep", seed=0)  # whole: it keeps wo_a's FP8 pairs
+        one = load_whole(v4_dir, task="causal-lm", fp8="keep", seed=0)  # whole: it keeps wo_a's FP8 pairs
         load_sharded(ckpt, one)  # the same trained state, in one process
         want_dir, got_dir = export_model(one, tmp_path / f"one-{how}"), export_sharded(ckpt, tmp_path / f"sharded-{how}")
         want, got = (load_file(str(d / "model.safetensors")) for d in (want_dir, got_dir))

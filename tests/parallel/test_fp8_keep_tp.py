@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from kiln.errors import ConfigError
-from kiln.models.auto import load_pretrained
+from kiln.models.auto import load_whole
 from kiln.parallel.apply import parallelize
 from kiln.parallel.checkpoint import export_sharded
 from kiln.parallel.sharded_load import empty_pretrained
@@ -83,7 +83,7 @@ def test_tp_over_linears_kept_fp8_holds_its_blocks_and_equals_one_process(fp8_tp
 def test_a_tp_split_that_would_cut_a_scale_block_is_refused_by_name(fp8_tp_dir):
     """tp = 4 would give each rank 64 of q_proj's 256 rows, half of a 128-row scale block: refused, naming the
     tensor, its shape and blocks, and the tp degrees that keep every block whole (1, 2), whole load or on meta."""
-    for model in (load_pretrained(fp8_tp_dir, fp8="keep"), empty_pretrained(fp8_tp_dir, fp8="keep")):
+    for model in (load_whole(fp8_tp_dir, fp8="keep"), empty_pretrained(fp8_tp_dir, fp8="keep")):
         with pytest.raises(ConfigError, match=r"parallel.tp = 4 with model.fp8 = 'keep': qwen3's FP8 weight "
                                               r"'model.layers.0.self_attn.q_proj.weight' \(256, 256\) has \[128, 128\] "
                                               r"scale blocks, and splitting its 256 output rows \(column parallel\) "
@@ -93,7 +93,7 @@ def test_a_tp_split_that_would_cut_a_scale_block_is_refused_by_name(fp8_tp_dir):
             parallelize(model, ParallelSection(tp=4), world_size=4)
         assert tensor_plan(model, 2) is not None  # control: tp = 2 splits whole blocks
     # control: dequantized, the same model takes tp = 4 (every plan check passes)
-    assert tensor_plan(load_pretrained(fp8_tp_dir, fp8="dequantize"), 4) is not None
+    assert tensor_plan(load_whole(fp8_tp_dir, fp8="dequantize"), 4) is not None
 
 
 def test_an_fp8_tensor_a_plan_splits_outside_a_linear_is_refused_by_name(fp8_tp_dir):

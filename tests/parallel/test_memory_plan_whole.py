@@ -82,7 +82,7 @@ def test_a_4bit_bin_directory_is_planned_whole_without_a_crash(tiny_factory, tmp
 
     export_model(tiny_factory("qwen3", "causal-lm"), tmp_path / "nf4", quantize="nf4")
     pickled = bin_release(tmp_path / "nf4", tmp_path / "bin")
-    _model, groups, why = read_plan(pickled, "causal-lm")
-    assert "FP8 or 4-bit .bin" in why and groups == {}
+    _model, plan = read_plan(pickled, "causal-lm")
+    assert "FP8 or 4-bit .bin" in plan.whole
     _params, settings, whole = planned(tmp_path, pickled)
     assert "FP8 or 4-bit .bin" in settings.loads_whole and whole.rank.endswith("(today's loader)")

@@ -41,7 +41,7 @@ def setup(tmp_path_factory) -> Path:
     model.tokenizer = Tokenizer.from_dir(d / "tok")
     model.save_pretrained(d / "bf16")
     # the reference: one process, the bf16 model loaded whole then quantized (the two-process runs read each rank's
-    # rows and quantize them: kiln.parallel.sharded_q4)
+    # rows and quantize them: kiln.models.loading.q4)
     with mock.patch("kiln.train.recipes.base.load_to_device", lambda *a, **k: None):
         build_trainer(load_run_config(_toml(d, "one", GLOBAL_BATCH, {}))).fit()
     return d

@@ -12,9 +12,9 @@ import torch
 
 from kiln.errors import WeightsError
 from kiln.hub.weights import load_weights, tensor_spans, weight_files
-from kiln.models.auto import load_pretrained
+from kiln.models.auto import load_whole
+from kiln.models.loading.stage import HostStage
 from kiln.parallel.sharded_load import empty_pretrained, lean_pretrained, read_shards
-from kiln.parallel.sharded_stage import HostStage
 from tests.parallel import sharded_load_workers as sw
 from tests.parallel.test_sharded_load import bad_inputs_are_named
 from tests.spawn import spawn
@@ -30,7 +30,7 @@ def bin_dirs(tiny_factory, tmp_path_factory):
 @pytest.mark.parametrize("name", ["bin", "bin-sharded"])
 def test_one_process_read_of_a_bin_checkpoint_equals_a_whole_load(bin_dirs, name):
     """Straight into place, and through the host stage a GPU target takes (chunks of 100 bytes)."""
-    whole = load_pretrained(bin_dirs[name], task="causal-lm")
+    whole = load_whole(bin_dirs[name], task="causal-lm")
     for stage in (None, HostStage(limit=100)):
         lean = lean_pretrained(bin_dirs[name], "causal-lm", None)
         assert lean is not None  # read shard by shard, not loaded whole
@@ -68,8 +68,8 @@ def test_a_bin_not_stored_in_place_loads_whole(bin_dirs, tmp_path):
     assert lean_pretrained(old, "causal-lm", None) is None
     with pytest.raises(WeightsError, match=r"pytorch_model\.bin: not a zip-format PyTorch file .*loads whole"):
         empty_pretrained(old, task="causal-lm")
-    a = load_pretrained(old, task="causal-lm").state_dict()
-    b = load_pretrained(bin_dirs["bin"], task="causal-lm").state_dict()
+    a = load_whole(old, task="causal-lm").state_dict()
+    b = load_whole(bin_dirs["bin"], task="causal-lm").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 

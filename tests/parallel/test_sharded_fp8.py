@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from kiln.errors import KilnError
-from kiln.models.auto import load_pretrained
+from kiln.models.auto import load_whole
 from kiln.parallel.checkpoint import export_sharded, save_sharded
 from kiln.parallel.sharded_load import lean_pretrained, load_to_device, read_shards
 from tests.models.v4_release import fp8_release_without_mtp
@@ -30,7 +30,7 @@ def test_an_fp8_weight_no_fp8_module_holds_is_read_dequantized_and_one_process_l
     read with its scale blocks (sharded_fp8): the same tensors, bit for bit (2 ranks: test_sharded_load's spawn).
     One process (`load_to_device`) loads such a release whole: its export writes `wo_a` back from the pair a whole
     load keeps."""
-    whole = load_pretrained(v4fp8_dir, task="causal-lm", fp8="keep")
+    whole = load_whole(v4fp8_dir, task="causal-lm", fp8="keep")
     lean = lean_pretrained(v4fp8_dir, "causal-lm", None, fp8="keep")
     unheld = sorted(lean.deferred_read.unheld_fp8)  # what the read dequantizes (declared data, gone once read)
     read_shards(lean, v4fp8_dir)

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from kiln.errors import KilnError
-from kiln.models.auto import load_pretrained
+from kiln.models.auto import load_whole
 from kiln.parallel.sharded_carried import CARRIED_FILE
 from kiln.parallel.sharded_load import lean_pretrained, load_to_device, read_shards
 from tests.models.v4_release import make_release, tiny_release_source
@@ -40,7 +40,7 @@ def test_the_fp8_mtp_layer_is_carried_by_reference_or_read_dequantized_once_live
     with safe_open(str(release / "model.safetensors"), framework="pt") as h:
         stored = {k: h.get_slice(k) for k in h.keys() if k.startswith("mtp.")}  # noqa: SIM118 - safe_open: no __iter__
         stored = {k: (s.get_dtype(), tuple(s.get_shape())) for k, s in stored.items()}
-    whole = load_pretrained(release, task="causal-lm", fp8=fp8)
+    whole = load_whole(release, task="causal-lm", fp8=fp8)
     lean = lean_pretrained(release, "causal-lm", None, fp8=fp8)
     assert lean is not None  # read shard by shard, not loaded whole
     read_shards(lean, release)
@@ -58,7 +58,7 @@ def test_the_fp8_mtp_layer_is_carried_by_reference_or_read_dequantized_once_live
     assert a.keys() == b.keys() and _differ(a, b) == []
     assert load_to_device(release, "cpu", fp8=fp8) is None  # one process exports from the pairs a whole load keeps
     # made live before the read (`[moe] mtp_weight`): its parameters read as the whole load's enable_mtp holds them
-    whole = load_pretrained(release, task="causal-lm", fp8=fp8)
+    whole = load_whole(release, task="causal-lm", fp8=fp8)
     lean = lean_pretrained(release, "causal-lm", None, fp8=fp8)
     whole.enable_mtp("whole")
     lean.enable_mtp("lean")
@@ -82,13 +82,13 @@ def test_kept_fp8_a_sharded_checkpoint_exports_the_release_mtp_layer_and_all_as_
     read_shards(lean, release)
     save_sharded(tmp_path / "ckpt", lean)  # one process, no group: the same shards and references
     export_sharded(tmp_path / "ckpt", tmp_path / "sharded", max_shard_bytes=100_000)
-    export_model(load_pretrained(release, task="causal-lm", fp8="keep"), tmp_path / "one", max_shard_bytes=100_000)
+    export_model(load_whole(release, task="causal-lm", fp8="keep"), tmp_path / "one", max_shard_bytes=100_000)
     released, one, sharded = (_tensors(d) for d in (release, tmp_path / "one", tmp_path / "sharded"))
     assert any(k.startswith("mtp.") and t.dtype == torch.int8 for k, t in released.items())
     assert _differ(one, released) == [] and _differ(sharded, released) == []
     # in one dtype (`kiln export --dtype`): no FP8 written, the MTP layer's pairs dequantized as one process's too
     export_sharded(tmp_path / "ckpt", tmp_path / "sharded-bf16", max_shard_bytes=100_000, dtype=torch.bfloat16)
-    export_model(load_pretrained(release, task="causal-lm", fp8="keep"), tmp_path / "one-bf16",
+    export_model(load_whole(release, task="causal-lm", fp8="keep"), tmp_path / "one-bf16",
                  max_shard_bytes=100_000, dtype=torch.bfloat16)
     one, sharded = _tensors(tmp_path / "one-bf16"), _tensors(tmp_path / "sharded-bf16")
     assert not [k for k, t in one.items() if t.itemsize == 1] and _differ(sharded, one) == []
@@ -125,7 +125,7 @@ def test_a_v3_fp8_release_s_mtp_layer_is_carried_as_its_pairs_and_exported_as_on
     from kiln.parallel.checkpoint import export_sharded, save_sharded
 
     n = 2  # the tiny V3's num_hidden_layers: its MTP layer is model.layers.2.*
-    whole = load_pretrained(v3_release, task="causal-lm")
+    whole = load_whole(v3_release, task="causal-lm")
     lean = lean_pretrained(v3_release, "causal-lm", None)
     assert lean is not None
     read_shards(lean, v3_release)
@@ -153,7 +153,7 @@ def test_a_v3_fp8_release_s_mtp_layer_is_carried_as_its_pairs_and_exported_as_on
     released, sharded = ({k: t for k, t in _tensors(d).items() if k.startswith(f"model.layers.{n}.")}
                          for d in (v3_release, tmp_path / "kept-sharded"))
     assert any(t.dtype == torch.float8_e4m3fn for t in released.values()) and _differ(sharded, released) == []
-    whole = load_pretrained(v3_release, task="causal-lm")
+    whole = load_whole(v3_release, task="causal-lm")
     whole.enable_mtp("whole")
     lean = lean_pretrained(v3_release, "causal-lm", None)
     lean.enable_mtp("lean")

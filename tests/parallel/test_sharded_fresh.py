@@ -1,4 +1,4 @@
-"""A new head and an adapter beside the weights on a read shard by shard (kiln.parallel.sharded_fresh), in one
+"""A new head and an adapter beside the weights on a read shard by shard (kiln.models.loading.fresh), in one
 process: the tensors, the load report and the generator state a whole load gives. The ranks' pieces under the plans:
 tests/parallel/test_sharded_load.py (the FRESH and "adapter" cases of its spawn)."""
 
@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from kiln.errors import WeightsError
 from kiln.hub.weights import tensor_spans
 from kiln.interop.tiny import TINY, make_tiny
-from kiln.models.auto import AutoConfig, from_config, load_pretrained
+from kiln.models.auto import AutoConfig, from_config, load_whole
 from kiln.parallel.sharded_load import init_adapters, lean_pretrained, load_to_device, read_shards
 from tests.parallel import sharded_load_workers as sw
 
@@ -57,7 +57,7 @@ def test_a_new_head_or_an_adapter_is_put_on_as_a_whole_load_puts_it(dirs, name, 
     load leaves it (LoRA's init draws next: the Trainer's init_adapters draws from there), for the read and for one
     process (`load_to_device`) alike."""
     changes = {"labels": ["a", "b"]} if task != "causal-lm" else {}
-    whole = load_pretrained(dirs[name], task=task, seed=7, **changes)
+    whole = load_whole(dirs[name], task=task, seed=7, **changes)
     after = torch.get_rng_state()
     assert whole.load_report.initialized or name == "adapter"
     torch.manual_seed(99)  # what a load draws it draws from its seed, whatever happened before
@@ -83,4 +83,4 @@ def test_a_tensor_the_checkpoint_owes_goes_to_the_whole_load_which_names_it(dirs
     assert "lm_head.weight" not in tensor_spans(home)
     assert lean_pretrained(owing, "causal-lm", 0) is None
     with pytest.raises(WeightsError, match="missing tensor.*lm_head"):
-        load_pretrained(owing, task="causal-lm")
+        load_whole(owing, task="causal-lm")

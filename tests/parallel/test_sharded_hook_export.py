@@ -82,7 +82,7 @@ def test_a_dequantized_sharded_run_exports_the_fp8_mtp_layer_dequantized_as_one_
     FP8 pairs of its main weights), so the MTP layer goes out dequantized, each pair as it is read, as the run's
     one-process export of the same weights held dequantized writes it: names, split, dtypes, bytes, config. It used
     to write the release's FP8 / FP4 MTP bytes under that config: the export then failed to train its MTP layer."""
-    from kiln.models.auto import load_pretrained
+    from kiln.models.auto import load_whole
     from kiln.models.common.fp8 import dequantize_model
 
     root, srcs = runs
@@ -90,7 +90,7 @@ def test_a_dequantized_sharded_run_exports_the_fp8_mtp_layer_dequantized_as_one_
     assert (ckpt / "model" / CARRIED_FILE).is_file() and not _dcp_carried(ckpt)  # read by reference, not whole
     released = _mtp(_files(srcs["v4mtp"]))
     assert {t.dtype for t in released.values()} >= {torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8}
-    whole = load_pretrained(srcs["v4mtp"], task="causal-lm")  # what one process holds: dequantized, pairs aside
+    whole = load_whole(srcs["v4mtp"], task="causal-lm")  # what one process holds: dequantized, pairs aside
     export_model(dequantize_model(whole), tmp_path / "one", max_shard_bytes=100_000)
     want = _files(tmp_path / "one")
     assert {t.dtype for t in _mtp(want).values()} == {torch.bfloat16, torch.float32} and len(want) > 2
@@ -101,7 +101,7 @@ def test_a_dequantized_sharded_run_exports_the_fp8_mtp_layer_dequantized_as_one_
         assert _differ(_flat(got), _flat(want)) == [], stream
         assert (out / "config.json").read_text() == (tmp_path / "one" / "config.json").read_text()
     # reloaded, its MTP layer trains: its parameters are those the run's whole load makes live
-    again = load_pretrained(tmp_path / "sharded-True", task="causal-lm")
+    again = load_whole(tmp_path / "sharded-True", task="causal-lm")
     again.enable_mtp("export")
     whole.enable_mtp("release")
     a, b = again.state_dict(), whole.state_dict()

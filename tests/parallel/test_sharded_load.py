@@ -11,9 +11,9 @@ import torch
 
 from kiln.errors import WeightsError
 from kiln.hub.weights import tensor_spans, weight_files
-from kiln.models.auto import AutoConfig, from_config, load_pretrained
+from kiln.models.auto import AutoConfig, from_config, load_whole
+from kiln.models.loading.stage import HostStage
 from kiln.parallel.sharded_load import empty_pretrained, load_to_device, read_shards
-from kiln.parallel.sharded_stage import HostStage
 from tests.parallel import sharded_load_workers as sw
 from tests.spawn import spawn
 
@@ -37,7 +37,7 @@ def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded_load")
     return {"qwen3": _save(root / "qwen3", "qwen3", QWEN3), "moe": _save(root / "moe", "qwen3_moe", MOE),
             "tied": _save(root / "tied", "qwen3", QWEN3, tie=True),
-            # base models (no head): loaded with one, its tensors are new (kiln.parallel.sharded_fresh)
+            # base models (no head): loaded with one, its tensors are new (kiln.models.loading.fresh)
             "qwen3-base": _save(root / "qwen3-base", "qwen3", QWEN3, task="base"),
             "roberta-base": _save(root / "roberta-base", "roberta", TINY["roberta"], task="base"),
             "adapter": sw.with_adapter(root / "adapter", root / "qwen3")}
@@ -52,7 +52,7 @@ def fp8_dir(tiny_factory, tmp_path_factory):
 
 
 def test_an_fp8_release_kept_fp8_reads_as_the_whole_load_keeps_it(fp8_dir):
-    whole = load_pretrained(fp8_dir, task="causal-lm", fp8="keep")
+    whole = load_whole(fp8_dir, task="causal-lm", fp8="keep")
     lean = empty_pretrained(fp8_dir, task="causal-lm", fp8="keep")
     read_shards(lean, fp8_dir)
     a, b = whole.state_dict(), lean.state_dict()
@@ -71,7 +71,7 @@ def test_fp8_releases_to_dequantize_read_piece_by_piece_as_the_whole_load_dequan
     dequantization bit for bit; the scales are not reported ignored. One process (`load_to_device`) loads such
     a release whole: its export writes unchanged weights back from the FP8 pairs a whole load keeps."""
     for path in (fp8_dir, fp8_moe_dir):
-        whole = load_pretrained(path, task="causal-lm")
+        whole = load_whole(path, task="causal-lm")
         lean = empty_pretrained(path, task="causal-lm")
         read_shards(lean, path, stage=HostStage(limit=100))
         a, b = whole.state_dict(), lean.state_dict()
@@ -110,7 +110,7 @@ def test_scales_under_deepseek_v4_names_read_shard_by_shard_and_export_as_read(f
 
     from kiln.parallel.sharded_load import lean_pretrained
 
-    whole = load_pretrained(fp8_moe_v4_names, task="causal-lm", fp8="keep")
+    whole = load_whole(fp8_moe_v4_names, task="causal-lm", fp8="keep")
     lean = lean_pretrained(fp8_moe_v4_names, "causal-lm", None, fp8="keep")
     assert lean is not None and lean.fp8_state.scheme.scale_names == ".scale"
     read_shards(lean, fp8_moe_v4_names)
@@ -127,7 +127,7 @@ def test_scales_under_deepseek_v4_names_read_shard_by_shard_and_export_as_read(f
 def test_fp8_experts_kept_fp8_read_expert_by_expert_as_the_whole_load_keeps_them(fp8_moe_dir):
     """Routed experts kept FP8: their stacks and scale grids are read part by part in the stored dtype (through
     a host stage too), never a whole stack at once, and equal the whole load's bytes."""
-    whole = load_pretrained(fp8_moe_dir, task="causal-lm", fp8="keep")
+    whole = load_whole(fp8_moe_dir, task="causal-lm", fp8="keep")
     ids = torch.randint(1, 99, (2, 9), generator=torch.Generator().manual_seed(0))
     for stage in (None, HostStage(limit=100)):
         lean = empty_pretrained(fp8_moe_dir, task="causal-lm", fp8="keep")
@@ -144,7 +144,7 @@ def test_fp8_experts_kept_fp8_read_expert_by_expert_as_the_whole_load_keeps_them
 
 @pytest.mark.parametrize("name", ["qwen3", "moe", "tied"])
 def test_one_process_read_equals_a_whole_load(dirs, name):
-    whole = load_pretrained(dirs[name], task="causal-lm")
+    whole = load_whole(dirs[name], task="causal-lm")
     lean = empty_pretrained(dirs[name], task="causal-lm")
     read_shards(lean, dirs[name])
     a, b = whole.state_dict(), lean.state_dict()
@@ -160,7 +160,7 @@ def test_a_read_through_the_host_stage_equals_a_whole_load(dirs, name):
     """The path a GPU target takes (file -> one bounded host buffer -> the tensor), run on the CPU: the same
     tensors, and no piece held on the host was bigger than the buffer (stacked experts too: each expert's
     gate and up rows are read straight into their place in the stack)."""
-    whole = load_pretrained(dirs[name], task="causal-lm")
+    whole = load_whole(dirs[name], task="causal-lm")
     lean = empty_pretrained(dirs[name], task="causal-lm")
     stage = HostStage(limit=1000)  # ends chunks inside rows and inside elements
     read_shards(lean, dirs[name], "cpu", stage=stage)
@@ -171,7 +171,7 @@ def test_a_read_through_the_host_stage_equals_a_whole_load(dirs, name):
 
 
 def test_load_to_device_equals_a_whole_load_then_to(dirs):
-    whole = load_pretrained(dirs["tied"], task="causal-lm", seed=3)
+    whole = load_whole(dirs["tied"], task="causal-lm", seed=3)
     direct = load_to_device(dirs["tied"], "cpu", task="causal-lm", seed=3)
     assert not direct.training and direct.tokenizer is None and direct.load_report.ignored == []
     a, b = whole.state_dict(), direct.state_dict()
@@ -204,7 +204,7 @@ def test_tensors_a_family_carries_beyond_its_model_are_held_by_reference(hook_di
     from kiln.parallel.sharded_load import lean_pretrained
 
     src = hook_dirs["v3mtp"]
-    whole = load_pretrained(src)
+    whole = load_whole(src)
     n = whole.config.num_hidden_layers
     assert whole.hf_extras and all(k.startswith(f"layers.{n}.") for k in whole.hf_extras)
     lean = lean_pretrained(src, None, None)
@@ -225,7 +225,7 @@ def test_an_mtp_layer_made_live_before_the_read_reads_as_on_a_whole_load(hook_di
     from kiln.parallel.sharded_load import lean_pretrained
 
     src = hook_dirs["v3mtp"]
-    whole, lean = load_pretrained(src, task="causal-lm"), lean_pretrained(src, "causal-lm", None)
+    whole, lean = load_whole(src, task="causal-lm"), lean_pretrained(src, "causal-lm", None)
     whole.enable_mtp("whole")
     lean.enable_mtp("lean")
     read_shards(lean, src)
@@ -328,7 +328,7 @@ def test_a_family_s_own_load_decides_on_a_read_as_on_a_whole_load(hook_dirs, nam
     trains in) a read decides too: the read model writes the whole load's tensors, names, dtypes and bytes."""
     from kiln.parallel.sharded_load import lean_pretrained
 
-    whole = load_pretrained(hook_dirs[name], task="causal-lm")
+    whole = load_whole(hook_dirs[name], task="causal-lm")
     lean = lean_pretrained(hook_dirs[name], "causal-lm", None)
     read_shards(lean, hook_dirs[name])
     assert [(n, p.dtype) for n, p in whole.named_parameters()] == [(n, p.dtype) for n, p in lean.named_parameters()]
@@ -350,7 +350,7 @@ def test_a_tensor_a_family_carries_in_its_own_holder_is_held_by_reference(hook_d
     shutil.copytree(hook_dirs["fused"], src)
     state = load_file(str(src / "model.safetensors"))
     save_file({**state, "mtp.fc.weight": torch.ones(4, 4)}, str(src / "model.safetensors"), metadata={"format": "pt"})
-    assert list(load_pretrained(src, task="causal-lm").hf_passthrough) == ["mtp.fc.weight"]
+    assert list(load_whole(src, task="causal-lm").hf_passthrough) == ["mtp.fc.weight"]
     lean = lean_pretrained(src, "causal-lm", None)
     read_shards(lean, src)
     assert lean.load_report.ignored == [] and list(lean.hf_passthrough) == ["mtp.fc.weight"]
@@ -364,12 +364,12 @@ CASES_2 = [("fsdp", "qwen3"), ("tp", "qwen3"), ("fsdp-lora", "qwen3"), ("ep", "m
            ("pp", "tied"), ("fsdp-lora", "fp8"), ("ep", "fp8moe"), ("ep-fsdp-2", "fp8moe"), ("fsdp", "fp8moe"),
            ("fsdp", "fused"), ("fsdp", "v4"), ("fsdp", "v3mtp"), ("tp", "fp8tp"), ("fsdp-deq", "fp8"), ("tp-deq", "fp8tp"),
            ("ep-deq", "fp8moe"), ("fsdp", "v4fp8"), ("fsdp", "v4mtp"), ("fsdp-deq", "v4mtp")]
-# base checkpoints loaded with a head they lack (kiln.parallel.sharded_fresh): name -> (task, labels)
+# base checkpoints loaded with a head they lack (kiln.models.loading.fresh): name -> (task, labels)
 FRESH = {"qwen3-base": ("causal-lm", None), "roberta-base": ("sequence-classification", ["neg", "neu", "pos"])}
 CASES_2 += [("fsdp", "qwen3-base"), ("tp", "qwen3-base"), ("pp", "qwen3-base"), ("fsdp-lora", "roberta-base"),
             ("fsdp-adapter", "adapter"), ("tp", "adapter"), ("pp", "adapter")]  # and a PEFT adapter beside the weights
 CASES_4 = [("tp-fsdp", "qwen3"), ("ep-fsdp", "moe"), ("pp-fsdp", "qwen3"), ("ep-fsdp", "fp8moe"), ("tp-fsdp", "fp8tp")]
-# 4-bit bases (kiln.parallel.sharded_q4), on 2 ranks: (mode, checkpoint of sw.q4_checkpoints, quantize at load)
+# 4-bit bases (kiln.models.loading.q4), on 2 ranks: (mode, checkpoint of sw.q4_checkpoints, quantize at load)
 CASES_Q4 = [("fsdp", "bf16", "nf4"), ("fsdp", "bf16", "fp4"), ("fsdp", "bnb-nf4", None), ("fsdp-lora", "bnb-fp4", None),
             ("pp", "bf16", "nf4")]
 
@@ -476,7 +476,7 @@ def test_a_model_built_on_meta_answers_the_packing_question(dirs):
     """SFT asks `packs_samples` before any weight is read: a meta-built model asks its family's tiny model."""
     lean = empty_pretrained(dirs["qwen3"], task="causal-lm")
     assert next(lean.parameters()).is_meta
-    assert lean.packs_samples() == load_pretrained(dirs["qwen3"], task="causal-lm").packs_samples() is True
+    assert lean.packs_samples() == load_whole(dirs["qwen3"], task="causal-lm").packs_samples() is True
 
 
 
@@ -523,7 +523,7 @@ def test_a_gpu_read_never_holds_the_model_in_host_memory(tmp_path):
     rise = host_rise(tmp_path, "cuda")
     assert rise < 0.4 * model_bytes, (rise, model_bytes)
     direct = load_to_device(tmp_path, "cuda", task="causal-lm")
-    whole = load_pretrained(tmp_path, task="causal-lm").to("cuda")
+    whole = load_whole(tmp_path, task="causal-lm").to("cuda")
     a, b = whole.state_dict(), direct.state_dict()
     assert {t.device.type for t in b.values()} == {"cuda"}
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -1,4 +1,4 @@
-"""4-bit bases read without a whole load (kiln.parallel.sharded_q4), in one process (or DDP): a bitsandbytes-4bit
+"""4-bit bases read without a whole load (kiln.models.loading.q4), in one process (or DDP): a bitsandbytes-4bit
 directory, and a bf16 checkpoint quantized at load weight by weight, equal a whole load byte for byte. On 2 ranks
 (each its rows): tests/parallel/test_sharded_load.py, in the same spawn as the other modes.
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kiln.hub.weights import tensor_spans, weight_files
-from kiln.models.auto import load_pretrained
+from kiln.models.auto import load_whole
 from kiln.parallel.sharded_load import lean_pretrained, load_to_device, read_shards
 from tests.parallel import sharded_load_workers as sw
 
@@ -28,12 +28,12 @@ CASES = [("bf16", "nf4"), ("bnb-fp4", None)]  # (FP4 quantized at load, NF4 dire
 @pytest.mark.parametrize("name,quantize", CASES)
 def test_one_process_read_equals_a_whole_load(q4_dirs, name, quantize, monkeypatch):
     """One process (or DDP): built 4-bit on meta, each weight read (and quantized, in chunks of 101 blocks) in turn."""
-    from kiln.parallel import sharded_q4
+    from kiln.models.loading import q4 as sharded_q4
     from kiln.train.resume import _shape_changes, model_fingerprint
 
     monkeypatch.setattr(sharded_q4, "CHUNK_VALUES", 101 * 64)
 
-    whole = load_pretrained(q4_dirs[name], task="causal-lm", quantize=quantize, seed=1)
+    whole = load_whole(q4_dirs[name], task="causal-lm", quantize=quantize, seed=1)
     # a run built on meta takes its fingerprint before the read (the quant-state JSON's length is not known yet)
     unread = lean_pretrained(q4_dirs[name], "causal-lm", None, quantize=quantize)
     assert _shape_changes(model_fingerprint(unread)["shapes"], model_fingerprint(whole)["shapes"]) == []
@@ -54,7 +54,7 @@ def test_quantizing_a_4bit_directory_still_refuses_by_message(q4_dirs):
 
     assert lean_pretrained(q4_dirs["bnb-nf4"], "causal-lm", None, quantize="nf4") is None  # the whole load says why
     with pytest.raises(ConfigError, match="already 4-bit quantized"):
-        load_pretrained(q4_dirs["bnb-nf4"], quantize="nf4")
+        load_whole(q4_dirs["bnb-nf4"], quantize="nf4")
 
 
 def test_a_4bit_tensor_whose_shape_disagrees_is_named(q4_dirs, tmp_path):

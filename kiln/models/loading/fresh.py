@@ -1,4 +1,4 @@
-"""Tensors a checkpoint lacks (a new head) on a model read shard by shard (kiln.parallel.sharded_load).
+"""Tensors a checkpoint lacks (a new head) on a model built from its load plan (kiln.models.loading.plan).
 
 A whole load (`kiln.models.auto.load_pretrained(seed=...)`) seeds the generator, loads the checkpoint's tensors and
 initialises those it lacks and the source architecture does not owe (`PreTrainedModel._match_hf`'s fresh ones: the
@@ -19,7 +19,6 @@ whole model), FP8 or 4-bit bases, a fresh buffer, and a tensor the checkpoint ow
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,7 +26,7 @@ from torch import nn
 
 from kiln.errors import WeightsError
 from kiln.hub.index import CheckpointIndex
-from kiln.models.pretrained import PreTrainedModel, draw_fresh
+from kiln.models.common.pretrained import PreTrainedModel, draw_fresh
 
 
 def init_fresh(model: PreTrainedModel, index: CheckpointIndex, missing: list[str], seed: int | None) -> bool:
@@ -60,8 +59,7 @@ def init_fresh(model: PreTrainedModel, index: CheckpointIndex, missing: list[str
     return True
 
 
-def with_adapter(model: PreTrainedModel, path: Any, seed: int | None,
-                 init_adapters: Callable[[nn.Module, torch.device | str, int | None], int]) -> bool:
+def with_adapter(model: PreTrainedModel, path: Any, seed: int | None) -> bool:
     """Put the PEFT LoRA adapter saved beside the checkpoint on the meta-built model as a whole load puts it
     (`load_adapter`): its adapters on the modules it names, drawn as `apply_lora` draws them on the loaded model
     (`init_adapters`: from the seed, past a new head's draws), then its tensors, read whole (an adapter is small),
@@ -97,3 +95,23 @@ def start_draws(model: nn.Module, seed: int | None, device: torch.device | str) 
     for p in model.parameters():  # the fresh tensors, an adapter read beside the weights (those to draw are meta)
         if not p.is_meta:
             p.data = p.data.to(device)
+
+
+def init_adapters(model: nn.Module, device: torch.device | str, seed: int | None) -> int:
+    """Materialise and initialise the LoRA adapters of a model built on meta, before any plan shards them,
+    drawing exactly what `apply_lora` draws on a loaded model right after `load_pretrained(seed=seed)`
+    (a checkpoint without new tensors draws nothing before). Returns how many modules it initialised."""
+    from kiln.models.common.lora import LoraLinear
+    from kiln.models.common.lora_experts import ExpertLora
+
+    adapters = [m for m in model.modules() if isinstance(m, (LoraLinear, ExpertLora)) and m.lora_A.weight.is_meta]
+    start_draws(model, seed, device)  # the seed, then past a new head's draws
+    for m in adapters:
+        m.lora_A.to_empty(device=device)
+        m.lora_B.to_empty(device=device)
+        # the draws of LoraLinear.__init__ on a real base: each nn.Linear's own init, then reset_lora
+        m.lora_A.reset_parameters()
+        m.lora_B.reset_parameters()
+        m.reset_lora()
+    return len(adapters)
+

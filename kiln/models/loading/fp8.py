@@ -7,10 +7,10 @@ a box; the whole weight for one process) and only the scale blocks that piece to
 piece alone: Q * S is elementwise, one rounding to the compute dtype, so the piece equals the same piece of a
 whole load's dequantization bit for bit (kiln.hub.fp8.dequantize). A tensor that needs a tensor step (stacked
 experts, a transpose) is read whole, one at a time, its FP8 sources dequantized with their whole scales as a
-whole load does, then cut to this rank's piece (sharded_load's general path). The FP8 pairs a whole load keeps
+whole load does, then cut to this rank's piece (kiln.models.loading.read's general path). The FP8 pairs a whole load keeps
 beside the model for a one-process export (`Fp8State.originals`) are not read: kept FP8, where they lie is noted for
 a sharded checkpoint's export (kiln.parallel.sharded_fp8_export); one process loads such a checkpoint whole
-(`needs_pairs`).
+(kiln.models.loading.plan.needs_pairs).
 """
 
 from __future__ import annotations
@@ -23,38 +23,19 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kiln.errors import WeightsError
 from kiln.hub.fp8 import FP8, dequantize
-
-
-def dequantized_pairs(model: Any, spans: dict[str, Any]) -> dict[str, str]:
-    """Checkpoint key of each FP8 (or packed FP4) weight the model holds dequantized -> the key of its scale:
-    every one when the model was built to dequantize an FP8 checkpoint (`fp8_state.mode == "dequantize"`); kept
-    FP8, those no FP8 module holds (`deferred_read.unheld_fp8`); else none."""
-    state = getattr(model, "fp8_state", None)
-    if state is None:
-        return {}
-    deferred = getattr(model, "deferred_read", None)
-    scheme, unheld = state.scheme, deferred.unheld_fp8 if deferred is not None else frozenset()
-    return {k: scheme.scale_key(k) for k, span in spans.items()
-            if (span.dtype == FP8 or span.dtype == torch.int8) and scheme.scale_key(k) in spans
-            and (state.mode == "dequantize" or k in unheld)}
+from kiln.hub.index import CarriedRef, CheckpointIndex
+from kiln.models.common.pretrained import PreTrainedModel
 
 
 def note_unheld(model: Any, stored: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> None:
     """Kept FP8 (`fp8 = "keep"`): the FP8 weights no FP8 module holds (DeepSeek-V4's grouped `wo_a`), which a
     whole load dequantizes (`stored`: the checkpoint's tensors, `weights`: the state a whole load loads; meta),
-    go to `deferred_read.unheld_fp8`, read as the dequantized are. A whole load keeps their FP8 pairs for a
+    go to the load plan's `unheld_fp8`, read as the dequantized are. A whole load keeps their FP8 pairs for a
     one-process export (`Fp8State.originals`); this read does not, so the model `needs_pairs`."""
     if model.fp8_state.mode == "keep":
         model.deferred_read.unheld_fp8 = frozenset(k for k, t in stored.items() if t.dtype in (FP8, torch.int8)
                                                    and k in weights and weights[k].dtype != t.dtype)
 
-
-def needs_pairs(model: Any) -> bool:
-    """Whether a one-process export of `model` needs the FP8 pairs only a whole load keeps: it dequantized FP8
-    weights it read (all of them, or those no FP8 module holds)."""
-    state = getattr(model, "fp8_state", None)
-    deferred = getattr(model, "deferred_read", None)
-    return state is not None and (state.mode == "dequantize" or bool(deferred and deferred.unheld_fp8))
 
 
 def _scale_box(index: tuple[slice, ...], block: tuple[int, int] | None) -> tuple[slice, ...]:
@@ -94,6 +75,7 @@ def read_dequantized(name: str, target: torch.Tensor, index: tuple[slice, ...] |
     whole = not (len(sources) == 1 and index is not None and keymap.is_plain(sources[0][1]) \
             and handles[key].get_slice(key).get_dtype() != "I8")  # packed FP4: read whole (two values a byte)
     if not whole:
+        assert index is not None  # (a box: `whole` says so)
         weight = handles[key].get_slice(key)
         shape = tuple(weight.get_shape())
         if shape != tuple(target.shape):
@@ -115,3 +97,19 @@ def read_dequantized(name: str, target: torch.Tensor, index: tuple[slice, ...] |
     with torch.no_grad():
         local.copy_(value)
     return whole
+
+
+def note_pairs(model: PreTrainedModel, stored: dict[str, torch.Tensor], index: CheckpointIndex) -> None:
+    """At a shard-by-shard load kept FP8, before its meta pairs are dropped: where each pair a whole load would keep
+    (`model.fp8_state.originals`, its tensors those of `stored`, the checkpoint's meta tensors by key) lies in the
+    files of `index`, as `model.carried.fp8_pairs` (name the save writes -> (weight ref, scale ref))."""
+    state = model.fp8_state
+    if state is None or state.mode != "keep" or not state.originals:
+        return
+    key_of = {id(t): k for k, t in stored.items()}
+
+    def ref(t: torch.Tensor) -> CarriedRef:
+        return index.ref(key_of[id(t)], t.dtype, tuple(t.shape))
+
+    model.carried.fp8_pairs = {name: (ref(q), ref(s)) for name, (q, s) in state.originals.items()}
+

@@ -1,4 +1,4 @@
-"""4-bit bases read shard by shard: each rank reads only its rows of the packed 4-bit weights (kiln.parallel.sharded_load).
+"""4-bit bases read from the load plan: each rank reads only its rows of the packed 4-bit weights (kiln.models.loading.read).
 
 A 4-bit Linear (`quant4.Linear4`, or a LoRA layer over one) holds its weight as packed bytes, (ceil(n / 2), 1)
 uint8, which FSDP2 shards on dim 0 (a run of bytes of the flattened weight per rank), and its quant state as
@@ -21,7 +21,7 @@ against n / 2 packed bytes: 1/32 (1/8) of the packed weight, read whole as a who
 
 A single process or DDP (nothing sharded) reads each weight the same way, as one run holding every byte: the
 model is built 4-bit on meta and each weight is read and quantized in turn, so the load never holds the bf16
-model (`kiln.parallel.sharded_load.load_to_device`). A pipeline stage reads its own layers' weights. To another
+model (`kiln.models.auto.load_pretrained`, `read_pretrained`). A pipeline stage reads its own layers' weights. To another
 device (cuda) each piece passes through one host tensor of its size (a rank's bytes of one weight, or one chunk of
 values), not the bounded HostStage; the all-gather runs on the packed weight's device (nccl there). A packed
 weight placed otherwise (tensor parallelism splits a Linear's weight on dim 0 or 1, which a 4-bit weight's
@@ -41,8 +41,8 @@ from torch.distributed.tensor import DTensor
 from kiln.errors import WeightsError
 from kiln.hub import bnb4
 from kiln.hub.index import CheckpointIndex, Span, read_into
+from kiln.models.common.load_plan import Q4Read
 from kiln.models.common.quant4 import BUFFERS, Bnb4State, Linear4, Q4Meta, is_4bit, prepare_bnb4, quantizable
-from kiln.models.load_plan import Q4Read
 
 # stored values quantized at a time (whole blocks): bounds the host temporaries of a quantize at load
 # (bnb4.quantize holds about 30 bytes per value: ~8 MB) whatever the weight's size; 1M-value chunks ran no
@@ -60,7 +60,7 @@ def place_q4(model: nn.Module, groups: dict[str, list[tuple[str, str]]], index: 
     bitsandbytes directory, `quantize_model` for `quantize`), from the checkpoint's headers and its quant-state
     JSON tensors (a few hundred bytes each); None for a checkpoint without 4 bits. WholeLoad4 where this read
     does not reach (the caller loads whole, which also names any mistake such as quantizing a 4-bit directory)."""
-    from kiln.models.pretrained import PreTrainedModel
+    from kiln.models.common.pretrained import PreTrainedModel
 
     path, spans = index.root, index.spans
     scheme = bnb4.bnb4_scheme_from_config(extra, str(path / "config.json"))
@@ -125,29 +125,13 @@ def _bytes_run(packed: torch.Tensor, name: str) -> tuple[tuple[int, int], Any]:
     return (offset[0], offset[0] + shape[0]), group
 
 
-def _q4(model: nn.Module) -> Q4Read | None:
-    """The 4-bit read a model built on meta still has to do (kiln.models.load_plan.DeferredRead.q4), or None."""
-    deferred = getattr(model, "deferred_read", None)
-    return deferred.q4 if deferred is not None else None
 
 
-def q4_names(model: nn.Module) -> set[str]:
-    """The tensors `read_q4` fills in a model built on meta (none without 4-bit Linears)."""
-    plan = _q4(model)
-    return plan.names(model) if plan else set()
 
-
-def q4_keys(model: nn.Module, spans: dict[str, Span]) -> set[str]:
-    """The checkpoint keys `read_q4` reads for a model built on meta."""
-    plan = _q4(model)
-    return plan.keys(spans) if plan else set()
-
-
-def read_q4(model: nn.Module, spans: dict[str, Span], file_of: Any, path: Path) -> None:
-    """Fill every 4-bit module of a model built on meta (materialised, plans applied; `deferred_read.q4`): this rank's
-    packed bytes and the whole quant state, equal to a whole load then the same plans. `file_of(key)` is the
+def read_q4(model: nn.Module, plan: Q4Read | None, spans: dict[str, Span], file_of: Any, path: Path) -> None:
+    """Fill every 4-bit module of a model built on meta (materialised, plans applied; its load plan's `q4`): this
+    rank's packed bytes and the whole quant state, equal to a whole load then the same plans. `file_of(key)` is the
     open file (read, not mapped). Nothing without 4-bit Linears."""
-    plan = _q4(model)
     for name, module in (plan.held(model) if plan else {}).items():
         key = plan.modules[name]
         packed = module.weight

@@ -1,0 +1,125 @@
+"""One load plan every load reads (kiln.models.loading, issue 44 item 2): the whole load is the plan's path on one
+process, bit for bit the stage-3 whole load (`load_whole`, kept for the cases the plan names), for every registered
+family; the plan's sources are typed and inspected here for each kind of checkpoint a sharded mode reads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.interop.tiny import TINY
+from kiln.models import auto
+from kiln.models.auto import AutoConfig, from_config, load_pretrained, load_whole
+from kiln.models.common.load_plan import Fp8Box, Fresh, LoadPlan, Rows4, Stacked, Stored
+from kiln.models.loading import read
+
+
+@pytest.fixture
+def materialized(monkeypatch):
+    """The models `materialize` filled (the one materialization), and the whole loads taken instead."""
+    calls: dict[str, list] = {"read": [], "whole": []}
+    real_read, real_whole = read.materialize, auto.load_whole
+
+    def spy_read(model, *a, **k):
+        calls["read"].append(model.deferred_read)
+        return real_read(model, *a, **k)
+
+    def spy_whole(*a, **k):
+        calls["whole"].append(a[0])
+        return real_whole(*a, **k)
+
+    monkeypatch.setattr(auto, "materialize", spy_read)
+    monkeypatch.setattr(auto, "load_whole", spy_whole)
+    return calls
+
+
+def _equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        x, y = sa[k], sb[k]
+        assert x.dtype == y.dtype and x.shape == y.shape, k
+        assert torch.equal(x.view(torch.uint8) if x.element_size() == 1 else x,
+                           y.view(torch.uint8) if y.element_size() == 1 else y), k
+    assert sorted(a.hf_extras) == sorted(b.hf_extras)
+    assert all(torch.equal(a.hf_extras[k], b.hf_extras[k]) for k in a.hf_extras)
+    assert sorted(a.load_report.ignored) == sorted(b.load_report.ignored)
+    assert a.load_report.initialized == b.load_report.initialized
+    assert not a.training and not b.training and (a.tokenizer is None) == (b.tokenizer is None)
+
+
+def _task(model_type: str) -> str:
+    return next(iter(auto.family_for(model_type).tasks))
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY))
+def test_every_family_loads_through_its_plan_bit_for_bit_as_the_whole_load(model_type, tiny_factory, materialized):
+    path = tiny_factory(model_type, _task(model_type))
+    plan_model = load_pretrained(path, seed=1)
+    assert len(materialized["read"]) == 1 and materialized["whole"] == [], materialized  # the plan's path, once
+    assert isinstance(materialized["read"][0], LoadPlan) and plan_model.deferred_read is None
+    _equal(plan_model, load_whole(path, seed=1))
+
+
+@pytest.mark.parametrize("model_type,task", [("bert", "sequence-classification"), ("qwen3", "sequence-classification"),
+                                             ("roberta", "token-classification")])
+def test_a_new_head_is_drawn_by_the_plan_as_the_whole_load_draws_it(model_type, task, tiny_factory, materialized):
+    path = tiny_factory(model_type, _task(model_type))
+    torch.manual_seed(7)
+    plan_model = load_pretrained(path, task=task, labels=["a", "b", "c"], seed=3)
+    after_plan = torch.get_rng_state()
+    plan = materialized["read"][0]
+    fresh = {n for n, s in plan.sources.items() if isinstance(s, Fresh)}
+    assert fresh and plan.fresh_names and materialized["whole"] == []
+    torch.manual_seed(7)
+    whole = load_whole(path, task=task, labels=["a", "b", "c"], seed=3)
+    assert torch.equal(after_plan, torch.get_rng_state())  # the generator left where the whole load leaves it
+    _equal(plan_model, whole)
+
+
+def test_a_cast_follows_the_plan_s_read(tiny_factory, materialized):
+    path = tiny_factory("qwen3", "causal-lm")
+    _equal(load_pretrained(path, dtype=torch.float64), load_whole(path, dtype=torch.float64))
+    assert len(materialized["read"]) == 1
+
+
+QWEN3 = dict(vocab_size=99, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+MOE = dict(QWEN3, moe_intermediate_size=16, head_dim=8, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+
+
+@pytest.fixture(scope="module")
+def kinds(tmp_path_factory, tiny_factory):
+    from tests.models.fp8_cases import make_fp8
+
+    root = tmp_path_factory.mktemp("load_plan")
+    out = {}
+    for name, family, size in (("qwen3", "qwen3", QWEN3), ("moe", "qwen3_moe", MOE)):
+        model = from_config(AutoConfig.for_model(family, **size), task="causal-lm", seed=0)
+        out[name] = model.to(torch.bfloat16).save_pretrained(root / name, max_shard_bytes=8_000)
+    out["fp8"] = make_fp8(tiny_factory("qwen3", "causal-lm"), root / "fp8", "Qwen3ForCausalLM")
+    return out
+
+
+@pytest.mark.parametrize("name,kw,kind,taken", [
+    ("qwen3", {}, Stored, True),                              # FSDP2 / TP / PP: rows or boxes of stored tensors
+    ("moe", {}, Stacked, True),                               # EP: each rank its experts
+    ("fp8", {"fp8": "keep"}, Stored, True),                   # FP8 kept: the FP8 bytes and scales as stored
+    ("fp8", {}, Fp8Box, False),                               # FP8 dequantized: boxes (one process: whole, for pairs)
+    ("qwen3", {"quantize": "nf4"}, Rows4, True),              # 4-bit: each rank its packed bytes
+])
+def test_each_sharded_mode_s_checkpoint_has_one_typed_plan_the_whole_load_reads_too(kinds, name, kw, kind, taken,
+                                                                                     materialized):
+    from kiln.parallel.sharded_load import lean_pretrained, read_plan
+
+    lean = lean_pretrained(kinds[name], "causal-lm", None, **kw)
+    plan = lean.deferred_read
+    assert isinstance(plan, LoadPlan) and plan.whole is None and plan.counts().get(kind.__name__, 0) > 0, plan.counts()
+    held = {n for n, _ in (*lean.named_parameters(), *lean.named_buffers())}
+    q4 = plan.q4.names(lean) if plan.q4 else set()
+    assert held - q4 <= set(plan.sources)  # every tensor the model holds has its one source
+    _model, looked = read_plan(kinds[name], "causal-lm", kw.get("fp8", "dequantize"), kw.get("quantize"))
+    assert looked.sources.keys() == plan.sources.keys() and looked.whole is None  # `kiln plan` reads the same plan
+    whole = load_pretrained(kinds[name], task="causal-lm", **kw)
+    assert (len(materialized["read"]) == 1) == taken and (materialized["whole"] == []) == taken
+    _equal(whole, load_whole(kinds[name], task="causal-lm", **kw))
