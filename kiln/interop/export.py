@@ -12,7 +12,6 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
 
 import torch
 
@@ -66,20 +65,21 @@ def export_model(src: str | os.PathLike | PreTrainedModel, out: str | os.PathLik
         processor = src_path / "preprocessor_config.json"
         if getattr(model, "takes_images", False) and processor.is_file():
             carried = processor  # an image-text directory: the processor its images were read with goes along
+    from kiln.models.common.lora import lora_config_of
     from kiln.models.common.quant4 import dequantize_bnb4_model, is_4bit, quantize_model
 
-    if (dtype is not None or getattr(model, "lora_config", None) is not None) and any(map(is_4bit, model.modules())):
+    if (dtype is not None or lora_config_of(model) is not None) and any(map(is_4bit, model.modules())):
         # a merged or plain-dtype export of a 4-bit base: every weight dequantized (re-quantized below if asked)
         # each of these changes the model it is given in place and hands it back
-        model = cast(PreTrainedModel, dequantize_bnb4_model(copy.deepcopy(model) if model is src else model, dtype))
-    if getattr(model, "lora_config", None) is not None:  # an HF directory is plain weights: fold LoRA in
+        model = dequantize_bnb4_model(copy.deepcopy(model) if model is src else model, dtype)
+    if lora_config_of(model) is not None:  # an HF directory is plain weights: fold LoRA in
         from kiln.models.common.lora import merge_lora
 
-        model = cast(PreTrainedModel, merge_lora(copy.deepcopy(model) if isinstance(src, PreTrainedModel) else model))
+        model = merge_lora(copy.deepcopy(model) if isinstance(src, PreTrainedModel) else model)
     if dtype is not None:  # plain weights in one dtype: FP8 dequantized (before a merge would re-quantize)
         from kiln.models.common.fp8 import dequantize_model
 
-        model = cast(PreTrainedModel, dequantize_model(copy.deepcopy(model) if model is src else model, dtype))
+        model = dequantize_model(copy.deepcopy(model) if model is src else model, dtype)
     if quantize is not None:  # refused on a model still 4-bit: it is written 4-bit as it is
         model = copy.deepcopy(model) if model is src else model
         quantize_model(model, quantize, source="this model" if isinstance(src, PreTrainedModel) else str(src))

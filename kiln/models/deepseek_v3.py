@@ -21,7 +21,7 @@ import itertools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -37,7 +37,7 @@ from kiln.models.common.rope import RotaryEmbedding
 from kiln.models.decoder_lm import IDENTITY_KEYS, DecoderConfig, DecoderModel, ForCausalLM
 from kiln.models.keymap import KeyMap
 from kiln.models.parallel_plan import ParallelPlan
-from kiln.models.pretrained import Family, TaskSpec, Tiny, check_tensors, init_module
+from kiln.models.pretrained import Family, LoadReport, PreTrainedModel, TaskSpec, Tiny, check_tensors, init_module
 from kiln.models.qwen3_moe import EXPERT_KEYS  # transformers maps DeepSeek experts as Qwen2/3-MoE's
 from kiln.models.tasks import BASE, CAUSAL_LM
 
@@ -117,14 +117,30 @@ class DeepseekV3Config(MLAConfig):
         return self.rope_interleave
 
 
+@runtime_checkable
+class IndexedConfig(Protocol):
+    """The indexer fields of a config whose attention is sparse (DeepSeek-V3.2, GLM-5: `common/dsa.py`)."""
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    index_interleave: bool
+
+
+def _indexer(c: MLAConfig) -> tuple[int, int, int, bool]:
+    """(heads, head dim, top-k, interleaved rope) of the indexer of a config that attends sparsely."""
+    if not isinstance(c, IndexedConfig):
+        raise ConfigError(f"{c.model_type}: a layer attends sparsely, but the config has no indexer fields "
+                          "(index_n_heads, index_head_dim, index_topk, index_interleave)")
+    return c.index_n_heads, c.index_head_dim, c.index_topk, c.index_interleave
+
+
 def mla_spec(c: MLAConfig, layer: int) -> MLASpec:
     sparse = c.sparse_attention(layer)
-    index = dict(index_heads=c.index_n_heads, index_head_dim=c.index_head_dim, index_topk=c.index_topk,
-                 index_interleave=c.index_interleave) if sparse else {}
+    heads, head_dim, topk, interleave = _indexer(c) if sparse else (0, 0, 0, False)  # (MLASpec's defaults)
     return MLASpec(c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim,
                    c.qk_rope_head_dim, c.v_head_dim, softmax_scale(c.qk_nope_head_dim + c.qk_rope_head_dim, c.rope()),
                    bias=c.attention_bias, interleave=c.interleaved_rope, dropout=c.attention_dropout, sparse=sparse,
-                   **index)
+                   index_heads=heads, index_head_dim=head_dim, index_topk=topk, index_interleave=interleave)
 
 
 def mlp(c: MLAConfig, layer: int) -> nn.Module:
@@ -152,8 +168,10 @@ def build_backbone(c: MLAConfig) -> MLADecoder:
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
-class KeepsMtpLayers:
+class KeepsMtpLayers(PreTrainedModel):
     """Checkpoint layers past num_hidden_layers (multi-token prediction) go to `hf_extras` untouched."""
+
+    config: MLAConfig
 
     # A sharded read may hold the FP8 weights a whole load dequantizes as their stored pairs, by reference
     # (kiln.parallel.sharded_carried): exported kept FP8 as held (the release's bytes, as a whole load writes its
@@ -162,7 +180,7 @@ class KeepsMtpLayers:
     carries_fp8_pairs = True
 
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor], source: str = "checkpoint",
-                           source_task: str | None = None):
+                           source_task: str | None = None) -> LoadReport:
         n = self.config.num_hidden_layers
         mtp, rest = {}, {}
         for k, v in hf.items():
@@ -192,11 +210,17 @@ class MLAForCausalLM(KeepsMtpLayers, ForCausalLM):
     `mtp_loss_parts` = (cross entropy summed over the t+2 targets, their count); `.loss` is unchanged."""
 
     mtp_loss_parts: tuple[torch.Tensor, torch.Tensor] | None = None
+    model: MLADecoder
 
     @property
     def mtp(self) -> MTPLayer | None:
-        layers = self.model.layers
-        return layers[self.model.num_main_layers] if len(layers) > self.model.num_main_layers else None
+        layers, n = self.model.layers, self.model.num_main_layers
+        if len(layers) <= n:
+            return None
+        layer = layers[n]
+        if not isinstance(layer, MTPLayer):
+            raise KilnError(f"model.layers.{n}: a {type(layer).__name__}, not the multi-token-prediction layer")
+        return layer
 
     def enable_mtp(self, source: str = "the model", fresh: bool = False) -> MTPLayer:
         """Make the depth-1 MTP layer live from the checkpoint's tensors kept in `hf_extras`; with `fresh`
@@ -207,7 +231,7 @@ class MLAForCausalLM(KeepsMtpLayers, ForCausalLM):
         c = self.config
         n = c.num_hidden_layers
         held = {k: v for k, v in self.hf_extras.items() if k.startswith(f"layers.{n}.")}
-        found = carried_as_loaded(held, getattr(self, "fp8_state", None))  # a sharded read's FP8 pairs: as dequantized
+        found = carried_as_loaded(held, self.fp8_state)  # a sharded read's FP8 pairs: as dequantized
         if not found and not fresh:
             raise ConfigError(f"{source}: the checkpoint has no multi-token-prediction tensors (no "
                               f"model.layers.{n}.* beside its {n} layers) to train")
@@ -257,11 +281,13 @@ class MLAForCausalLM(KeepsMtpLayers, ForCausalLM):
             output_router_logits = self.config.output_router_logits
         if output_router_logits:
             main = itertools.islice(self.model.layers, self.model.num_main_layers)
-            out.router_logits = tuple(layer.mlp.router_logits for layer in main if isinstance(layer.mlp, SharedExpertMoE))
+            out.router_logits = tuple(_router_logits(m) for layer in main if isinstance(m := layer.mlp, SharedExpertMoE))
         if self.mtp is not None and self.training and (labels is not None or targets is not None):
             if input_ids is None:
                 raise KilnError("the MTP loss embeds the next input token: pass input_ids, not inputs_embeds")
             targets = targets if targets is not None else shift_labels(labels).to(input_ids.device)
+            if out.last_hidden_state is None:
+                raise KilnError("the MTP loss reads the main model's last hidden state; the forward returned none")
             self.mtp_loss_parts = self.mtp_loss_sum(out.last_hidden_state, input_ids, targets, attention_mask,
                                                     position_ids)
         return out
@@ -273,12 +299,21 @@ class MLAForCausalLM(KeepsMtpLayers, ForCausalLM):
 
         hidden (B, T, C): the main model's last hidden state; targets (B, T): next-token targets."""
         layer = self.mtp
+        if layer is None:
+            raise KilnError("this model has no live MTP layer (enable_mtp first)")
         next_embeds = self.model.embed_tokens(next_inputs(input_ids))  # (B, T, C)
         rope, mask = self.model.rope_and_mask(next_embeds, attention_mask, position_ids)
         return self.head_loss_sum(layer.predict(hidden, next_embeds, rope, mask), mtp_targets(targets))
 
     def new_cache(self):
         return self.model.new_cache()
+
+
+def _router_logits(moe: SharedExpertMoE) -> torch.Tensor:
+    """The router logits a MoE layer kept from the forward just run."""
+    if moe.router_logits is None:
+        raise KilnError("a MoE layer has no router logits: it has not run a forward")
+    return moe.router_logits
 
 
 # Tensor parallel by heads: q_proj / q_b_proj and kv_b_proj split by output columns, o_proj by input rows;
@@ -306,7 +341,7 @@ def mla_family(model_type: str, config_cls: type[MLAConfig], arch: str,
         model_type=model_type,
         config_cls=config_cls,
         hf_prefix="model",
-        base_keys=KeyMap(EXPERT_KEYS + IDENTITY_KEYS),
+        base_keys=KeyMap([*EXPERT_KEYS, *IDENTITY_KEYS]),
         parallel_plan=MLA_PLAN,
         tasks={
             BASE: TaskSpec(f"{arch}Model", lambda c: MLAModel(backbone(c))),

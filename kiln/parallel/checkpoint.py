@@ -25,14 +25,16 @@ import dataclasses
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 from torch.distributed.checkpoint.state_dict import (
+    OptimizerStateType,
     StateDictOptions,
     get_optimizer_state_dict,
     get_state_dict,
@@ -44,8 +46,10 @@ from kiln.errors import KilnError
 from kiln.hub.bnb4 import bnb4_scheme_from_config
 from kiln.hub.config import write_config, write_json_atomic
 from kiln.hub.jsonio import read_json
-from kiln.models.common.lora import LoraConfig, apply_lora, linear_names, merge_lora
+from kiln.models.common.keymap import KeyMap
+from kiln.models.common.lora import LoraConfig, apply_lora, linear_names, lora_config_of, merge_lora
 from kiln.models.common.lora_experts import HOLDER, has_expert_lora
+from kiln.models.common.pretrained import PreTrainedModel
 from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS
 from kiln.models.common.quant4 import dequantize_bnb4_model, is_4bit, prepare_bnb4_modules
 from kiln.models.tasks import BASE
@@ -68,18 +72,16 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
     path = Path(path)
     if _is_main():
         (path / "model").mkdir(parents=True, exist_ok=True)
-        if hasattr(model, "config") and hasattr(model, "family"):
-            cfg = model.config.to_dict()
-            cfg["architectures"] = [model.family.tasks[model.task].architecture]
-            write_config(path / "model", cfg)
-            if getattr(model, "tokenizer", None) is not None:
-                model.tokenizer.save(path / "model")
-            if getattr(model, "lora_config", None) is not None:  # alpha and rslora are in no tensor's shape
-                write_json_atomic(path / "model" / LORA_FILE, dataclasses.asdict(model.lora_config))
+        if isinstance(model, PreTrainedModel):  # a kiln model (Family.build set its config and family)
+            _write_config(path / "model", model)
+            lora = lora_config_of(model)
+            if lora is not None:  # alpha and rslora are in no tensor's shape
+                write_json_atomic(path / "model" / LORA_FILE, dataclasses.asdict(lora))
             decisions = _load_decisions(model)
             if decisions:  # what the export writes back by (see LOAD_FILE)
                 write_json_atomic(path / "model" / LOAD_FILE, decisions)
             write_refs(path / "model", model)  # carried tensors a sharded read left in their files (sharded_carried)
+    state: STATE_DICT_TYPE
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
@@ -110,6 +112,7 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
     # DCP stores every tensor whole-shaped with the pieces each rank wrote, and reads whatever pieces this
     # layout asks for: another number of processes, or one plain process without a group (no_dist)
     single = not dist.is_initialized()
+    state: STATE_DICT_TYPE
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
@@ -135,12 +138,14 @@ def load_full_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stat
     tensor. Collective: every rank calls it, with the same `state`."""
     # torch's names for the parameters, in the optimizer's order (wrappers such as activation checkpointing
     # stripped, as DCP names them)
-    names = [fqn for group in get_optimizer_state_dict(model, optimizer)["param_groups"] for fqn in group["params"]]
+    # (an optimizer state dict's "param_groups" is a list of groups by construction)
+    groups = cast(list[dict[str, Any]], get_optimizer_state_dict(model, optimizer)["param_groups"])
+    names = [fqn for group in groups for fqn in group["params"]]
     numbered = [i for group in state["param_groups"] for i in group["params"]]
     if len(numbered) != len(names):
         raise KilnError(f"the checkpoint's optimizer state covers {len(numbered)} parameters, this run's optimizer "
                         f"{len(names)}; did train.freeze, [lora] or the optimizer change?")
-    by_name = {"state": {names[int(i)]: v for i, v in state["state"].items()},
+    by_name: OptimizerStateType = {"state": {names[int(i)]: v for i, v in state["state"].items()},
                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
@@ -207,7 +212,7 @@ def export_sharded(path: str | os.PathLike, out: str | os.PathLike, max_shard_by
     return _export_streaming(model, path, Path(out), saved, max_shard_bytes, dtype, stats, meta)
 
 
-def _export_whole(model: nn.Module, path: Path, out: str | os.PathLike, lora: LoraConfig | None,
+def _export_whole(model: PreTrainedModel, path: Path, out: str | os.PathLike, lora: LoraConfig | None,
                   max_shard_bytes: int | None, dtype: torch.dtype | None, meta: dict[str, Any]) -> Path:
     """The whole model in this process's memory, then one save (FP8 bases: their merge re-quantizes blocks)."""
     model.to_empty(device="cpu")  # storage for every tensor, filled below; no init work wasted
@@ -221,14 +226,14 @@ def _export_whole(model: nn.Module, path: Path, out: str | os.PathLike, lora: Lo
         from kiln.models.common.fp8 import dequantize_model
 
         model = dequantize_model(model, dtype)
-    plain = getattr(model, "fp8_state", None) is None  # it writes no FP8: carried FP8 pairs dequantized
+    plain = model.fp8_state is None  # it writes no FP8: carried FP8 pairs dequantized
     for attr, tensors in _carried_meta(path, plain, meta).items():  # the tensors the family carries, for its save
         read = _read_carried(path, {(attr, n): t for n, t in tensors.items()}, plain)
         setattr(model, attr, {n: t for (_, n), t in read.items()})
     return model.save_pretrained(out, max_shard_bytes=max_shard_bytes)
 
 
-def _export_streaming(model: nn.Module, path: Path, out: Path, saved: dict[str, tuple[int, ...] | None],
+def _export_streaming(model: PreTrainedModel, path: Path, out: Path, saved: dict[str, tuple[int, ...] | None],
                       max_shard_bytes: int | None, dtype: torch.dtype | None, stats: dict | None,
                       meta: dict[str, Any]) -> Path:
     """Write the HF directory output file by output file: for each, only the modules whose tensors it holds
@@ -245,14 +250,14 @@ def _export_streaming(model: nn.Module, path: Path, out: Path, saved: dict[str, 
     if dtype is not None:  # the dtypes a dtype export holds (and the config it writes): dequantize_model, on meta
         dequantize_model(model, dtype)
     final = {k: v.dtype for k, v in model.state_dict().items()}
-    plain = getattr(model, "fp8_state", None) is None  # it writes no FP8: carried FP8 pairs dequantized
+    plain = model.fp8_state is None  # it writes no FP8: carried FP8 pairs dequantized
     carried = _carried_meta(path, plain, meta)
     for attr, tensors in carried.items():
         setattr(model, attr, dict(tensors))
     # what the save reads the values of (DeepSeek-V4 writes a float32 parameter in its stored half dtype when
     # that is lossless): held read throughout, small (norms, sinks, hyper-connection parameters)
-    pinned = {n: t.to(final[n]) for n, t in _read_model(path, {n: (saved[n], stored[n])
-                                                               for n in getattr(model, "stored_half", {})}).items()}
+    pinned = {n: t.to(final[n]) for n, t in _read_model(path, {n: (_whole_shape(saved, n), stored[n])
+                                                               for n in model.stored_half}).items()}
     _pin(model, pinned)
     plan = model.hf_state_dict()
     needs = _needs(model, keymap, plan, carried)
@@ -265,7 +270,7 @@ def _export_streaming(model: nn.Module, path: Path, out: Path, saved: dict[str, 
         (out / stale).unlink(missing_ok=True)
     peak = 0
     for name, group in zip(names, groups):
-        wanted = list(dict.fromkeys(needs[h] for h in group if isinstance(needs[h], str)))
+        wanted = list(dict.fromkeys(k for k in (needs[h] for h in group) if isinstance(k, str)))
         modules = list(dict.fromkeys(k.rpartition(".")[0] for k in wanted))
         # a module's own tensors only, unless it holds adapters (merged from its submodules' tensors)
         deep = {m: isinstance(owners[m], LoraLinear) or has_expert_lora(owners[m]) for m in modules}
@@ -280,6 +285,7 @@ def _export_streaming(model: nn.Module, path: Path, out: Path, saved: dict[str, 
         _dcp_load({"model": {aliases.get(k, k): v for k, v in local.items()}}, path, no_dist=True)
         for k in wanted:
             module, leaf = owners[k.rpartition(".")[0]], k.rpartition(".")[2]
+            value: torch.Tensor
             if isinstance(module, LoraLinear) and leaf == "weight":  # W + B A * scaling, as merge_lora
                 value = module.weight + module.delta_weight().to(module.weight.dtype)
             elif has_expert_lora(module):  # stacked experts: the adapted weight the forward reads, as merge_lora
@@ -288,16 +294,16 @@ def _export_streaming(model: nn.Module, path: Path, out: Path, saved: dict[str, 
                 value = local[k].detach()
             local[k].data = value.to(final[k])
         _pin(model, pinned)
-        held = {needs[h] for h in group if isinstance(needs[h], tuple)}
+        held = {w for w in (needs[h] for h in group) if isinstance(w, tuple)}
         for (a, n), t in _read_carried(path, {w: carried[w[0]][w[1]] for w in held}, plain).items():
-            getattr(model, a)[n] = t
+            _holder(model, a)[n] = t
         hf = model.hf_state_dict()
         write_shard(out, name, {h: hf[h] for h in group})
         peak = max(peak, sum(t.nbytes for t in model.state_dict().values() if not t.is_meta)
-                   + sum(getattr(model, a)[n].nbytes for a, n in held))
+                   + sum(_holder(model, a)[n].nbytes for a, n in held))
         del hf
         for a, n in held:
-            getattr(model, a)[n] = carried[a][n]
+            _holder(model, a)[n] = carried[a][n]
         for m in modules:
             owners[m].to_empty(device="meta", recurse=deep[m])
         _pin(model, pinned)
@@ -310,12 +316,33 @@ def _export_streaming(model: nn.Module, path: Path, out: Path, saved: dict[str, 
     for attr in ("lora_config", "lora_targets"):
         if hasattr(model, attr):
             delattr(model, attr)
+    _write_config(out, model)
+    return out
+
+
+def _write_config(out: Path, model: PreTrainedModel) -> None:
+    """config.json (the task's architecture named) and the tokenizer's files, as the model's save writes them."""
     cfg = model.config.to_dict()
     cfg["architectures"] = [model.family.tasks[model.task].architecture]
     write_config(out, cfg)
-    if getattr(model, "tokenizer", None) is not None:
+    if model.tokenizer is not None:
         model.tokenizer.save(out)
-    return out
+
+
+def _holder(model: nn.Module, attr: str) -> dict[str, torch.Tensor]:
+    """The dict of carried tensors a model holds under `attr` (one of sharded_carried's HOLDERS)."""
+    held = getattr(model, attr)
+    if not isinstance(held, dict):
+        raise KilnError(f"the model's carried tensors {attr!r} are a {type(held).__name__}, not a dict of tensors")
+    return held
+
+
+def _whole_shape(saved: dict[str, tuple[int, ...] | None], name: str) -> tuple[int, ...]:
+    """The whole shape the shards record for model tensor `name` (an entry without one holds no tensor)."""
+    shape = saved[name]
+    if shape is None:
+        raise KilnError(f"the shards hold model entry {name!r}, but not as a tensor")
+    return shape
 
 
 # What a family's own load decides from the checkpoint it reads, and its save writes back by (kiln/models): the
@@ -328,9 +355,9 @@ LOAD_FILE = "load.json"
 LOAD_FLAGS = ("fused_experts", "release_layout", "release_kv_norm")
 
 
-def _load_decisions(model: nn.Module) -> dict[str, Any]:
+def _load_decisions(model: PreTrainedModel) -> dict[str, Any]:
     out: dict[str, Any] = {k: getattr(model, k) for k in LOAD_FLAGS if isinstance(getattr(model, k, None), bool)}
-    if getattr(model, "stored_half", None):
+    if model.stored_half:
         out["stored_half"] = {k: str(v).removeprefix("torch.") for k, v in model.stored_half.items()}
     return out | fp8_decisions(model)  # kept FP8: the scale names and the pairs to write back
 
@@ -340,7 +367,7 @@ def _carried(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     return {a: tensors for a, tensors in held.items() if tensors}  # (meta: held by reference, write_refs)
 
 
-def _apply_decisions(model: nn.Module, path: Path, meta: dict[str, Any]) -> None:
+def _apply_decisions(model: PreTrainedModel, path: Path, meta: dict[str, Any]) -> None:
     """The load decisions a sharded checkpoint recorded, back on the model built from its config."""
     if not (path / "model" / LOAD_FILE).is_file():
         return
@@ -397,11 +424,13 @@ def _pin(model: nn.Module, pinned: dict[str, torch.Tensor]) -> None:
         owner, _, leaf = n.rpartition(".")
         module = model.get_submodule(owner)
         p = module._parameters[leaf]
+        if p is None:
+            raise KilnError(f"{n}: the model's parameter slot is empty; the pinned tensor has no parameter to fill")
         if p.is_meta:  # (a meta tensor's data cannot take a real one: a new parameter, none of them tied)
             module._parameters[leaf] = nn.Parameter(t, requires_grad=p.requires_grad)
 
 
-def _needs(model: nn.Module, keymap: Any, plan: dict[str, torch.Tensor], carried: dict[str, dict[str, torch.Tensor]]
+def _needs(model: PreTrainedModel, keymap: KeyMap, plan: dict[str, torch.Tensor], carried: dict[str, dict[str, torch.Tensor]]
            ) -> dict[str, str | tuple[str, str]]:
     """HF name the save writes -> what it is made of: the model's tensor (its kiln name, found as the load names
     it, so a release's own names and a fused layout too) or a carried tensor ((holder, name): that tensor)."""
@@ -414,7 +443,7 @@ def _needs(model: nn.Module, keymap: Any, plan: dict[str, torch.Tensor], carried
             out[h] = held[id(t)]
             continue
         kiln = keymap.kiln_name(names[h][0])
-        if kiln not in state:
+        if kiln is None or kiln not in state:
             raise KilnError(f"the export writes {h!r}, which comes from no tensor of the model nor one it carries; "
                             "this model's sharded export cannot stream it (export with stream=False)")
         out[h] = kiln
@@ -440,12 +469,13 @@ def _quant_states(path: Path, saved: dict[str, tuple[int, ...] | None], meta: di
     """The 4-bit Linears' quant-state tensors the shards hold (small: read whole), and their packed weights as meta
     tensors of the saved shape (what `prepare_bnb4_modules` needs to rebuild the modules)."""
     names = [k for k in saved if k.rpartition(".")[2] in Q4_BUFFERS]
-    state = {k: torch.empty(saved[k], dtype=meta["model." + k].properties.dtype, device="cpu") for k in names}
+    state = {k: torch.empty(_whole_shape(saved, k), dtype=meta["model." + k].properties.dtype, device="cpu")
+             for k in names}
     _dcp_load({"model": state}, path, no_dist=True)
     for k in names:
         if k.endswith(".weight_quant_state"):
             weight = k.removesuffix("_quant_state")
-            state[weight] = torch.empty(saved[weight], dtype=torch.uint8, device="meta")
+            state[weight] = torch.empty(_whole_shape(saved, weight), dtype=torch.uint8, device="meta")
     return state
 
 

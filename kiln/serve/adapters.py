@@ -12,10 +12,9 @@ import copy
 import itertools
 from pathlib import Path
 
-from torch import nn
-
 from kiln.errors import KilnError
-from kiln.models.common.lora import has_adapter, load_adapter
+from kiln.models.common.lora import has_adapter, load_adapter, lora_config_of
+from kiln.models.common.pretrained import PreTrainedModel
 
 
 def parse_lora_flags(flags: list[str]) -> dict[str, Path]:
@@ -33,15 +32,14 @@ def parse_lora_flags(flags: list[str]) -> dict[str, Path]:
     return out
 
 
-def adapter_model(base: nn.Module, adapter_dir: Path, name: str) -> nn.Module:
+def adapter_model(base: PreTrainedModel, adapter_dir: Path, name: str) -> PreTrainedModel:
     """`base` with the adapter of `adapter_dir` on a copy of its modules that shares all of base's tensors."""
-    if getattr(base, "lora_config", None) is not None:
+    if lora_config_of(base) is not None:
         raise KilnError(f"--lora {name}: the base model carries a LoRA adapter of its own; serve adapters over a plain "
                         "base (export the merged model first: kiln export)")
-    shared = {id(t): t for t in itertools.chain(base.parameters(), base.buffers())}
-    tokenizer = getattr(base, "tokenizer", None)
-    if tokenizer is not None:
-        shared[id(tokenizer)] = tokenizer
+    shared: dict[int, object] = {id(t): t for t in itertools.chain(base.parameters(), base.buffers())}
+    if base.tokenizer is not None:
+        shared[id(base.tokenizer)] = base.tokenizer
     model = copy.deepcopy(base, memo=shared)
     try:
         load_adapter(model, adapter_dir)

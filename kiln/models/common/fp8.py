@@ -13,7 +13,9 @@ from __future__ import annotations
 import itertools
 import re
 from collections import Counter
+from collections.abc import Set
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 from torch import nn
@@ -40,6 +42,11 @@ from kiln.hub.fp8 import (
 from kiln.models.common.keymap import KeyMap, Stack
 from kiln.models.common.moe import Experts
 
+if TYPE_CHECKING:  # (both import this module)
+    from kiln.models.common.lora import LoraLinear
+    from kiln.models.common.pretrained import PreTrainedModel
+
+M = TypeVar("M", bound=nn.Module)
 MODES = ("dequantize", "keep")
 
 
@@ -100,7 +107,7 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block, bias: t
     return F.linear(x, dequantize(q, s, block, _autocast_dtype(x)), bias)
 
 
-def _tp_fp8_linear(x: torch.Tensor, q: DTensor, s: torch.Tensor, block, bias: torch.Tensor | None) -> DTensor:
+def _tp_fp8_linear(x: torch.Tensor, q: DTensor, s: torch.Tensor, block, bias: torch.Tensor | None) -> torch.Tensor:
     """An FP8 Linear a tensor-parallel plan split (kiln.parallel.tp_fp8): this rank's FP8 rows (Shard(0), column
     parallel) or columns (Shard(1), row parallel) and their scale blocks, dequantized here only.
 
@@ -123,6 +130,8 @@ def _tp_fp8_linear(x: torch.Tensor, q: DTensor, s: torch.Tensor, block, bias: to
 class FP8Linear(_KeepsFp8Storage, nn.Linear):
     """A frozen Linear stored as float8_e4m3fn `weight` (out, in) + block `weight_scale_inv`."""
 
+    weight_scale_inv: torch.Tensor  # (a buffer)
+
     def __init__(self, in_features: int, out_features: int, bias: bool, block: tuple[int, int] | None,
                  scale_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None):
@@ -133,7 +142,9 @@ class FP8Linear(_KeepsFp8Storage, nn.Linear):
                                    requires_grad=False)
         self.register_buffer("weight_scale_inv", torch.empty(scale_grid((out_features, in_features), block),
                                                              dtype=scale_dtype, device=device))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=compute_dtype, device=device)) if bias else None
+        # (no bias: None, as nn.Linear holds it; torch types the attribute as a Parameter only)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=compute_dtype,  # type: ignore[assignment]
+                                             device=device)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
@@ -161,13 +172,19 @@ class Fp8Experts(_KeepsFp8Storage, Experts):
     are the stored FP8 parameters (FSDP2 re-finds its parameters by attribute).
     """
     fp8_layout: dict[str, tuple[int, int]]  # name -> (parts, cat dim within an expert)
+    fp8_block: tuple[int, int] | None        # the scale blocks (None: one scale per tensor)
+    compute_dtype: torch.dtype               # what the weights dequantize to
 
     def _weight(self, name: str) -> torch.Tensor:
-        q = self._parameters[name]
+        q, s = self._parameters[name], self._buffers.get(name + SCALE_SUFFIX)
+        if q is None:
+            raise KilnError(f"{type(self).__name__}.{name}: no stacked expert weight in this slot")
         if q.dtype != FP8 and not is_fp4(q):
             return q
+        if s is None:
+            raise KilnError(f"{type(self).__name__}.{name}: an FP8 weight without its scales ({name + SCALE_SUFFIX})")
         parts, dim = self.fp8_layout[name]
-        return dequantize_parts(q, self._buffers[name + SCALE_SUFFIX], self.fp8_block, parts, dim, self.compute_dtype)
+        return dequantize_parts(q, s, self.fp8_block, parts, dim, self.compute_dtype)
 
     def stacked(self, name: str) -> torch.Tensor:
         return self._weight(name)
@@ -179,8 +196,13 @@ class Fp8Experts(_KeepsFp8Storage, Experts):
         packed FP4 (int8, two a byte, (1, 32) scale blocks: DeepSeek-V4's routed experts)."""
         if not isinstance(experts, cls):
             experts.__class__ = cls
-            experts.fp8_layout, experts.fp8_block, experts.compute_dtype = {}, block, compute_dtype
-        shape = tuple(experts._parameters[name].shape)
+            fp8 = cast(Fp8Experts, experts)  # its class, just set
+            fp8.fp8_layout, fp8.fp8_block, fp8.compute_dtype = {}, block, compute_dtype
+        fp8 = cast(Fp8Experts, experts)  # (an Fp8Experts now)
+        param = experts._parameters[name]
+        if param is None:
+            raise KilnError(f"{type(experts).__name__}.{name}: no stacked expert weight to hold in FP8")
+        shape = tuple(param.shape)
         stored = (*shape[:-1], shape[-1] // 2) if fp4 else shape
         experts._parameters[name] = nn.Parameter(torch.empty(stored, dtype=torch.int8 if fp4 else FP8, device="meta"),
                                                  requires_grad=False)
@@ -191,7 +213,7 @@ class Fp8Experts(_KeepsFp8Storage, Experts):
         if block is not None:
             grid[1 + dim] *= parts
         experts.register_buffer(name + SCALE_SUFFIX, torch.empty(grid, dtype=scale_dtype, device="meta"))
-        experts.fp8_layout[name] = (parts, dim)
+        fp8.fp8_layout[name] = (parts, dim)
 
 
 @dataclass
@@ -228,7 +250,7 @@ def carried_as_loaded(held: dict[str, torch.Tensor], state: Fp8State | None) -> 
             for k, v in canonical.items() if not (k.endswith(SCALE_SUFFIX) and k[:-len(SCALE_SUFFIX)] in pairs)}
 
 
-def prepare_fp8(model: nn.Module, state: dict[str, torch.Tensor], scheme: Fp8Scheme, mode: str = "dequantize",
+def prepare_fp8(model: PreTrainedModel, state: dict[str, torch.Tensor], scheme: Fp8Scheme, mode: str = "dequantize",
                 dtype: torch.dtype | None = None, source: str = "checkpoint") -> dict[str, torch.Tensor]:
     """Ready a (meta-device) model and its HF state dict for loading an FP8 checkpoint; returns the state to load.
 
@@ -256,18 +278,18 @@ def prepare_fp8(model: nn.Module, state: dict[str, torch.Tensor], scheme: Fp8Sch
     return loaded
 
 
-def _swap_modules(model: nn.Module, names: dict[str, str], scheme: Fp8Scheme, dtype: torch.dtype,
-                  scales: dict[str, torch.Tensor], fp4: set[str] = frozenset()) -> set[str]:
+def _swap_modules(model: PreTrainedModel, names: dict[str, str], scheme: Fp8Scheme, dtype: torch.dtype,
+                  scales: dict[str, torch.Tensor], fp4: Set[str] = frozenset()) -> set[str]:
     """Put FP8 modules where the checkpoint's FP8 weights land (`names`: checkpoint -> normalised HF name).
 
     Returns the checkpoint names they hold."""
     keymap = model.family.keymap(model.task)
     params = dict(model.named_parameters())
     by_kiln: dict[str, list[str]] = {}
-    hf_of = {}
+    hf_of: dict[str, str] = {}
     for name, hf in names.items():
         kiln = keymap.kiln_name(hf)
-        if kiln in params:
+        if kiln is not None and kiln in params:
             by_kiln.setdefault(kiln, []).append(name)
             hf_of[name] = hf
     held = set()
@@ -296,11 +318,14 @@ def _fits(template: str, name: str) -> bool:
 
 
 @torch.no_grad()
-def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+def dequantize_model(model: M, dtype: torch.dtype | None = None) -> M:
     """Drop FP8 from a model: FP8 modules become plain ones, `quantization_config` leaves its config.
 
     Its weights then save in `dtype` (default: each module's compute dtype) with no scales.
     """
+    from kiln.models.common.lora import LoraLinear
+    from kiln.models.common.pretrained import PreTrainedModel
+
     for name, module in list(model.named_modules()):
         if isinstance(module, FP8Linear):
             plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
@@ -315,22 +340,28 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
             for n, w in weights.items():
                 del module._buffers[n + SCALE_SUFFIX]
                 module._parameters[n] = nn.Parameter(w)
-            module.__class__ = Experts
+            module.__class__ = Experts  # type: ignore[assignment]  # the conversion back: a plain Experts again
         elif isinstance(module, nn.Linear) and module.weight.dtype == FP8:  # a LoRA layer over an FP8 base
-            w = dequantize(module.weight, module._buffers.pop("weight_scale_inv"), module.block,
-                           dtype or module.compute_dtype)
+            if not isinstance(module, LoraLinear):
+                raise KilnError(f"{name}: an FP8 weight in a {type(module).__name__}, neither FP8Linear nor a LoRA "
+                                "layer over one; kiln cannot dequantize it")
+            scale = module._buffers.pop("weight_scale_inv")
+            if scale is None:
+                raise KilnError(f"{name}: an FP8 weight without its weight_scale_inv; kiln cannot dequantize it")
+            w = dequantize(module.weight, scale, module.block, dtype or module.compute_dtype)
             module.weight = nn.Parameter(w, requires_grad=False)
             module.fp8 = False
-    model.fp8_state = None
-    if getattr(model, "config", None) is not None:
-        model.config.dequantized(dtype)
+    if isinstance(model, PreTrainedModel):  # (a plain module holds no fp8_state nor config)
+        model.fp8_state = None
+        if getattr(model, "config", None) is not None:
+            model.config.dequantized(dtype)
     if dtype is not None:
         model.to(dtype)
     return model
 
 
 @torch.no_grad()
-def merged_fp8_linear(module: nn.Linear, delta: torch.Tensor, ue8m0: bool) -> FP8Linear:
+def merged_fp8_linear(module: LoraLinear, delta: torch.Tensor, ue8m0: bool) -> FP8Linear:
     """An FP8Linear holding quantize(dequantized weight + delta) in the module's blocks (a LoRA merge)."""
     merged = dequantize(module.weight, module.weight_scale_inv, module.block, torch.float32) + delta.float()
     q, s = quantize(merged, module.block, ue8m0, module.weight_scale_inv.dtype)

@@ -9,7 +9,7 @@ maps one kiln tensor to many HF tensors: experts held stacked in kiln, one tenso
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +60,7 @@ def _full(template: str, last: str = r"(\d+)") -> re.Pattern:
 class KeyMap:
     """Renames state-dict keys between kiln and HF; an unmatched key is returned as such."""
 
-    def __init__(self, rules: list[Rule | Stack | tuple[str, str]]):
+    def __init__(self, rules: Sequence[Rule | Stack | tuple[str, str]]):
         all_rules = [r if isinstance(r, (Rule, Stack)) else Rule(*r) for r in rules]
         self.rules = [r for r in all_rules if isinstance(r, Rule)]
         self.stacks = [r for r in all_rules if isinstance(r, Stack)]
@@ -131,7 +131,8 @@ class KeyMap:
         out[name] = rule.step[0 if to_hf else 1](value) if rule.step else value
 
     def to_hf(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
-        out, unmatched = {}, []
+        out: dict[str, torch.Tensor] = {}
+        unmatched: list[str] = []
         for k, v in state.items():
             if self.stacks:
                 parts = self._unstack(k, v)
@@ -142,7 +143,8 @@ class KeyMap:
         return out, unmatched
 
     def to_kiln(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
-        out, unmatched = {}, []
+        out: dict[str, torch.Tensor] = {}
+        unmatched: list[str] = []
         found: dict[tuple[Stack, tuple[str, ...]], dict[tuple[int, int], torch.Tensor]] = {}
         for k, v in state.items():
             stacked = self._stack_hit(k) if self.stacks else None
@@ -196,4 +198,4 @@ class KeyMap:
                       + [Rule(join(kiln_prefix, r.kiln), join(hf_prefix, r.hf), r.step) for r in self.rules])
 
     def __add__(self, other: KeyMap) -> KeyMap:
-        return KeyMap(self.stacks + other.stacks + self.rules + other.rules)
+        return KeyMap([*self.stacks, *other.stacks, *self.rules, *other.rules])

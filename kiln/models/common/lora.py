@@ -23,7 +23,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -42,12 +42,14 @@ from kiln.models.common.lora_experts import (
     peft_target_parameters,
     shortest_suffixes,
 )
+from kiln.models.common.pretrained import PreTrainedModel
 from kiln.models.common.qlora import qlora_linear
 from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS
 from kiln.models.common.quant4 import KeepsQuantState, dequantized, is_4bit, linear4
 from kiln.models.common.wrapped import unwrap
 
 PEFT_PREFIX = "base_model.model."
+M = TypeVar("M", bound=nn.Module)
 
 
 def peft_task_type(model: nn.Module) -> str | None:
@@ -74,6 +76,10 @@ class LoraConfig:
 class LoraLinear(KeepsQuantState, nn.Linear):
     """A Linear with a trainable low-rank update; the base weight and bias are frozen."""
 
+    block: tuple[int, int] | None    # over an FP8 base: its scale blocks
+    weight_scale_inv: torch.Tensor   # over an FP8 base: its scales (a buffer)
+    fast: bool                       # over a 4-bit base: the update's fused kernels (set_fast)
+
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float, scaling: float):
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
@@ -83,12 +89,12 @@ class LoraLinear(KeepsQuantState, nn.Linear):
             self.bias.requires_grad_(False)
         # an FP8 base (common/fp8.FP8Linear) stays FP8; the adapters take its compute dtype
         self.fp8 = isinstance(base, FP8Linear)
-        if self.fp8:
+        if isinstance(base, FP8Linear):
             self.register_buffer("weight_scale_inv", base.weight_scale_inv)
             self.block, self.compute_dtype = base.block, base.compute_dtype
         # a 4-bit base (common/quant4.Linear4, QLoRA) stays packed; the adapters take its compute dtype
-        self.q4 = getattr(base, "q4", None)
-        if self.q4 is not None:
+        self.q4 = base.q4 if is_4bit(base) else None
+        if is_4bit(base):
             for name in Q4_BUFFERS:
                 if name in base._buffers:
                     self.register_buffer(name, base._buffers[name])
@@ -96,7 +102,7 @@ class LoraLinear(KeepsQuantState, nn.Linear):
             self.fast = False  # set_fast: the update's fused float32 kernels (kiln/kernels/lora_update.py)
         self.r, self.alpha, self.scaling = r, alpha, scaling
         # adapters over a 4-bit base are float32, as PEFT makes them over bitsandbytes' Linear4bit
-        dtype = torch.float32 if self.q4 is not None else base.compute_dtype if self.fp8 else base.weight.dtype
+        dtype = torch.float32 if self.q4 is not None else self.compute_dtype if self.fp8 else base.weight.dtype
         kw = dict(device=base.weight.device, dtype=dtype)
         self.lora_A = nn.Linear(self.in_features, r, bias=False, **kw)   # (r, in)
         self.lora_B = nn.Linear(r, self.out_features, bias=False, **kw)  # (out, r)
@@ -161,16 +167,31 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> list[str]:
         p.requires_grad_(False)
     # in module order, Linears and stacked experts alike: the draws a sharded load's init_adapters repeats
     position, stacked = {n: i for i, (n, _) in enumerate(model.named_modules())}, set(experts)
-    for name in sorted(chosen + experts, key=lambda n: position.get(n, position.get(n.rpartition(".")[0]))):
+    def order(name: str) -> int:  # a Linear's own place; a stacked expert parameter's: its module's
+        at = position.get(name, position.get(name.rpartition(".")[0]))
+        if at is None:
+            raise KilnError(f"lora: target {name!r} is no module of this model, nor a parameter of one")
+        return at
+
+    for name in sorted(chosen + experts, key=order):
         if name in stacked:
             add_expert_lora(model, name, config.r, config.scaling)
             continue
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, LoraLinear(getattr(parent, leaf), config.r, config.alpha, config.dropout, config.scaling))
-    model.lora_config = config
-    model.lora_targets = chosen
+    # any module takes adapters, so the settings ride on it (torch types Module attributes as tensors or modules)
+    model.lora_config = config  # type: ignore[assignment]  # read back through lora_config_of
+    model.lora_targets = chosen  # type: ignore[assignment]  # read back through peft_targets
     return chosen
+
+
+def lora_config_of(model: nn.Module) -> LoraConfig | None:
+    """The LoRA settings `apply_lora` left on `model` (None: it holds no adapters)."""
+    config = getattr(model, "lora_config", None)
+    if config is not None and not isinstance(config, LoraConfig):
+        raise KilnError(f"model.lora_config is a {type(config).__name__}, not kiln's LoraConfig (set by apply_lora)")
+    return config
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -180,7 +201,7 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def _hf_name(model: nn.Module, kiln_key: str, experts: dict[str, str] | None = None) -> str:
     if experts and kiln_key in experts:  # a routed-expert adapter: PEFT's ParamWrapper names
         return experts[kiln_key]
-    keymap = model.family.keymap(model.task) if hasattr(model, "family") else None
+    keymap = model.family.keymap(model.task) if isinstance(model, PreTrainedModel) else None
     name = keymap.hf_name(kiln_key) if keymap is not None else kiln_key
     if name is None:
         raise KilnError(f"LoRA tensor {kiln_key!r} has no HF name")
@@ -192,12 +213,15 @@ def peft_targets(model: nn.Module) -> list[str]:
     no Linear left without an adapter (PEFT matches a name or a '.'-suffix of it). Leaf names when they
     suffice (q_proj); `shared_experts.gate_proj` where another `gate_proj` is not adapted. kiln's module
     names are transformers' in-memory ones, which is what PEFT matches (not the names on disk)."""
-    return shortest_suffixes(model.lora_targets, set(linear_names(model)) - set(model.lora_targets))
+    targets = getattr(model, "lora_targets", None)
+    if not isinstance(targets, list):
+        raise KilnError("this model has no LoRA targets (apply_lora or a [lora] section first)")
+    return shortest_suffixes(targets, set(linear_names(model)) - set(targets))
 
 
 def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_or_path: str | None = None) -> Path:
     """Write adapter_model.safetensors + adapter_config.json as PEFT writes them."""
-    config: LoraConfig | None = getattr(model, "lora_config", None)
+    config = lora_config_of(model)
     if config is None:
         raise KilnError("this model has no LoRA adapters to save (apply_lora or a [lora] section first)")
     out = Path(out_dir)
@@ -209,7 +233,7 @@ def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_o
     as_umask_allows(out / "adapter_model.safetensors")  # safetensors writes 0600
     targets = peft_targets(model)
     base = base_model_name_or_path or config.base_model_name_or_path
-    peft_config = {
+    peft_config: dict[str, Any] = {  # (adapter_config.json: JSON values)
         "peft_type": "LORA", "task_type": peft_task_type(model),
         "base_model_name_or_path": base, "r": config.r, "lora_alpha": config.alpha,
         "lora_dropout": config.dropout, "target_modules": targets, "use_rslora": config.use_rslora,
@@ -257,14 +281,14 @@ def has_adapter(model_dir: str | os.PathLike) -> bool:
     return (Path(model_dir) / "adapter_config.json").is_file()
 
 
-def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> nn.Module:
+def load_adapter(model: PreTrainedModel, adapter_dir: str | os.PathLike) -> PreTrainedModel:
     """Apply a PEFT LoRA adapter (config + weights) to a kiln model, in place."""
     tensors = apply_adapter(model, adapter_dir)
     model.load_state_dict(adapter_state(model, adapter_dir, tensors), strict=False)
     return model
 
 
-def apply_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+def apply_adapter(model: PreTrainedModel, adapter_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The adapters of a PEFT LoRA adapter directory on a kiln model (`apply_lora`: on a model built on meta, meta
     adapters), on the modules its tensors name; returns its tensors (`read_adapter_tensors`)."""
     config = read_adapter_config(adapter_dir)
@@ -281,7 +305,7 @@ def apply_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> dict[str,
     return tensors
 
 
-def adapter_state(model: nn.Module, adapter_dir: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None
+def adapter_state(model: PreTrainedModel, adapter_dir: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None
                   ) -> dict[str, torch.Tensor]:
     """The adapter directory's tensors (or `tensors`, read from it) under the model's names, in the dtypes of the
     adapters `apply_adapter` put on it; a tensor no adapter takes, or an adapter without its tensor, is named."""
@@ -307,18 +331,19 @@ def adapter_state(model: nn.Module, adapter_dir: str | os.PathLike, tensors: dic
 
 
 @torch.no_grad()
-def merge_lora(model: nn.Module) -> nn.Module:
+def merge_lora(model: M) -> M:
     """Fold every adapter into its base weight (W += B A * scaling) and put plain Linears back."""
     fp8_state = getattr(model, "fp8_state", None)
     merge_expert_lora(model)  # routed experts: each stacked weight becomes the adapted one the forward computed
     for name, module in list(model.named_modules()):
+        plain: nn.Linear
         if isinstance(module, LoraLinear) and module.fp8:  # W + B A * scaling, quantized again in its blocks
             plain = merged_fp8_linear(module, module.delta_weight(), fp8_state.scheme.ue8m0 if fp8_state else False)
             parent_name, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, leaf, plain)
         elif isinstance(module, LoraLinear):
             # a 4-bit base: dequantized to the dtype it was quantized from, then W + B A * scaling
-            weight = dequantized(module, module.q4.dtype) if is_4bit(module) else module.weight
+            weight = dequantized(module, module.q4.dtype) if module.q4 is not None else module.weight
             plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
                               device=weight.device, dtype=weight.dtype)
             plain.weight.copy_(weight + module.delta_weight().to(weight.dtype))

@@ -16,12 +16,14 @@ in PEFT, the first registered innermost, so on disk the adapter of a parameter i
 from __future__ import annotations
 
 import math
+from typing import TypeGuard
 
 import torch
 from torch import nn
 
 from kiln.errors import KilnError
 from kiln.models.common.moe import Experts
+from kiln.models.common.pretrained import PreTrainedModel
 
 HOLDER = "lora"  # the ModuleDict on an adapted experts module: param name -> ExpertLora
 
@@ -29,7 +31,7 @@ HOLDER = "lora"  # the ModuleDict on an adapted experts module: param name -> Ex
 class ExpertLora(nn.Module):
     """PEFT's adapters for one stacked parameter of shape (E, out, in)."""
 
-    def __init__(self, shape: tuple[int, int, int], r: int, scaling: float, device: torch.device | str,
+    def __init__(self, shape: tuple[int, ...], r: int, scaling: float, device: torch.device | str,
                  dtype: torch.dtype):
         super().__init__()
         E, out, inn = shape
@@ -60,13 +62,27 @@ class ExpertLora(nn.Module):
         return f"experts={self.num_experts}, r={self.r}, scaling={self.scaling}"
 
 
-class LoraExperts:
+class LoraExperts(Experts):
     """Mixed in before an `Experts` class: an adapted stacked weight reads as W + scaling * B_e A_e."""
+
+    def adapters(self) -> nn.ModuleDict:
+        """The adapters (`HOLDER`): stacked parameter name -> its ExpertLora."""
+        holder = self._modules[HOLDER]
+        if not isinstance(holder, nn.ModuleDict):
+            raise KilnError(f"{type(self).__name__}.{HOLDER}: the expert adapters are missing")
+        return holder
 
     def _adapted(self, name: str) -> torch.Tensor:
         base = self._parameters[name]
-        holder = self._modules[HOLDER]
-        return holder[name].adapted(base) if name in holder else base
+        if base is None:
+            raise KilnError(f"{type(self).__name__}.{name}: no stacked expert weight in this slot")
+        holder = self.adapters()
+        if name not in holder:
+            return base
+        lora = holder[name]
+        if not isinstance(lora, ExpertLora):
+            raise KilnError(f"{type(self).__name__}.{HOLDER}.{name}: a {type(lora).__name__}, not an ExpertLora")
+        return lora.adapted(base)
 
     gate_up_proj = property(lambda self: self._adapted("gate_up_proj"))
     down_proj = property(lambda self: self._adapted("down_proj"))
@@ -128,16 +144,20 @@ def add_expert_lora(model: nn.Module, name: str, r: int, scaling: float) -> None
     module_name, _, param = name.rpartition(".")
     module = model.get_submodule(module_name)
     weight = module._parameters[param]
+    if weight is None:
+        raise KilnError(f"{name}: no stacked expert weight to adapt")
     if not weight.dtype.is_floating_point or weight.element_size() < 2:
         raise KilnError(f"{name}: LoRA on routed experts held in {weight.dtype} (FP8 / packed) is not supported; "
                         "load the model with fp8 = \"dequantize\"")
     if HOLDER not in module._modules:
         module.add_module(HOLDER, nn.ModuleDict())
         module.__class__ = _lora_class(type(module))
-    module._modules[HOLDER][param] = ExpertLora(tuple(weight.shape), r, scaling, weight.device, weight.dtype)
+    if not has_expert_lora(module):
+        raise KilnError(f"{module_name}: a {type(module).__name__}, not stacked experts that take adapters")
+    module.adapters()[param] = ExpertLora(tuple(weight.shape), r, scaling, weight.device, weight.dtype)
 
 
-def has_expert_lora(module: nn.Module) -> bool:
+def has_expert_lora(module: nn.Module) -> TypeGuard[LoraExperts]:
     return isinstance(module, LoraExperts)
 
 
@@ -150,18 +170,20 @@ def peft_target_parameters(model: nn.Module) -> list[str]:
 
 def adapted_params(model: nn.Module) -> list[str]:
     """`<module>.<param>` of the stacked weights that carry adapters."""
-    return [f"{m_name}.{p}" for m_name, m in model.named_modules() if has_expert_lora(m) for p in m._modules[HOLDER]]
+    return [f"{m_name}.{p}" for m_name, m in model.named_modules() if has_expert_lora(m) for p in m.adapters()]
 
 
 def expert_adapter_names(model: nn.Module) -> dict[str, str]:
     """kiln tensor name -> the name PEFT gives it on the transformers model (no `base_model.model.` prefix),
     for every routed-expert adapter tensor."""
+    if not isinstance(model, PreTrainedModel):
+        raise KilnError(f"a {type(model).__name__} is no kiln model: its adapters have no HF names (no key map)")
     keymap = model.family.keymap(model.task)
     out = {}
     for m_name, module in model.named_modules():
         if not has_expert_lora(module):
             continue
-        holder = module._modules[HOLDER]
+        holder = module.adapters()
         order = [p for p in module._parameters if p in holder]  # registration order: the first is innermost
         for i, param in enumerate(order):
             hf = keymap.hf_name(f"{m_name}.{param}")
@@ -181,7 +203,9 @@ def merge_expert_lora(model: nn.Module) -> None:
     for module in model.modules():
         if not has_expert_lora(module):
             continue
-        for param, lora in module._modules[HOLDER].items():
-            module._parameters[param] = nn.Parameter(lora.adapted(module._parameters[param]), requires_grad=False)
+        for param in list(module.adapters()):
+            module._parameters[param] = nn.Parameter(module._adapted(param), requires_grad=False)
         del module._modules[HOLDER]
-        module.__class__ = next(c for c in type(module).__mro__[1:] if not issubclass(c, LoraExperts))
+        # back to the class it was before (_lora_class): a plain experts class again
+        module.__class__ = next(c for c in type(module).__mro__[1:]  # type: ignore[assignment]
+                                if not issubclass(c, LoraExperts))

@@ -118,7 +118,7 @@ def load_balancing_loss(router_logits: tuple[torch.Tensor, ...], num_experts: in
     device = router_logits[0].device
     picks = torch.zeros(num_experts, dtype=torch.float32, device=device)
     probs_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    rows = 0.0
+    rows: float | torch.Tensor = 0.0  # a count, or the mask's sum (a tensor)
     flat_mask = None if attention_mask is None else attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
     count_dtype = torch.float32 if device.type in ("cpu", "mps") else torch.int32
     for logits in router_logits:

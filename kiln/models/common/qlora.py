@@ -20,13 +20,16 @@ within float32 rounding of this path, before the same roundings to bf16.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from kiln.kernels import lora_update as lora_native
 from kiln.kernels.scratch import scratch
 from kiln.models.common.quant4 import linear4
+
+if TYPE_CHECKING:  # (it imports this module)
+    from kiln.models.common.lora import LoraLinear
 
 
 def _power_of_two(s: float) -> bool:
@@ -92,7 +95,7 @@ class QLoraUpdateFn(torch.autograd.Function):
         return grad, gx, ga, gb, None, None
 
 
-def qlora_linear(x: torch.Tensor, module: nn.Module, a: torch.Tensor, b: torch.Tensor, scaling: float,
+def qlora_linear(x: torch.Tensor, module: LoraLinear, a: torch.Tensor, b: torch.Tensor, scaling: float,
                  fast: bool = False) -> torch.Tensor:
     """The LoRA layer `module` over its 4-bit base for x in the base's compute dtype (see the module docstring);
     `fast` takes the fused kernels where they run."""

@@ -22,7 +22,7 @@ import json
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 
 import torch
 from torch import nn
@@ -32,6 +32,11 @@ from kiln.constants import BASE_TASK
 from kiln.errors import ConfigError, WeightsError
 from kiln.hub import bnb4
 from kiln.hub.bnb4 import Bnb4Scheme, Quant4
+
+if TYPE_CHECKING:  # (it imports this module)
+    from kiln.models.common.pretrained import PreTrainedModel
+
+M = TypeVar("M", bound=nn.Module)
 
 # module buffer name -> the suffix after `<m>.weight.` on disk (the quant state's suffix ends in its type)
 BUFFERS = {"weight_absmax": "absmax", "weight_quant_map": "quant_map", "weight_nested_absmax": "nested_absmax",
@@ -57,16 +62,18 @@ class Q4Meta:
         return cls(q.shape, q.dtype, q.quant_type, q.blocksize, q.offset, q.nested_blocksize, dict(q.extra))
 
 
-def quant4_of(module: nn.Module) -> Quant4:
+def quant4_of(module: KeepsQuantState) -> Quant4:
     """The Quant4 a 4-bit module (Linear4, or a LoRA layer over one) holds."""
-    m: Q4Meta = module.q4
+    m = module.q4
+    if m is None:
+        raise WeightsError(f"{type(module).__name__} holds no 4-bit weight (its q4 is None)")
     nested = m.offset is not None
     return Quant4(module.weight.data, module.weight_absmax, module.weight_quant_map, m.shape, m.dtype, m.quant_type,
                   m.blocksize, module.weight_nested_absmax if nested else None,
                   module.weight_nested_quant_map if nested else None, m.offset, m.nested_blocksize, dict(m.extra))
 
 
-def dequantized(module: nn.Module, dtype: torch.dtype | None = None) -> torch.Tensor:
+def dequantized(module: KeepsQuantState, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The module's weight in `dtype` (default: its compute dtype)."""
     return bnb4.dequantize(quant4_of(module), dtype or module.compute_dtype)
 
@@ -81,7 +88,7 @@ class _Buffers(threading.local):
     """Per thread: one dequantized-weight buffer per (shape, dtype, device), kept for the thread's life (at
     bench_qlora's 1.2B Qwen3 shape: four weight shapes, 62 MB in bf16); temporaries: kiln.kernels.scratch."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.weights: dict[tuple, torch.Tensor] = {}
 
 
@@ -89,7 +96,7 @@ _BUFFERS = _Buffers()
 
 
 @torch.no_grad()
-def matmul_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+def matmul_weight(module: KeepsQuantState, dtype: torch.dtype) -> torch.Tensor:
     """The module's weight dequantized in `dtype` for one matmul, valid until the next call on this thread:
     equal bit for bit to `dequantized`. On CPU it is written into a buffer kept per (shape, dtype) and reused
     by every weight of that shape (bnb4.dequantize with out=; chunk_bytes= for its torch path):
@@ -125,7 +132,7 @@ class _Linear4Fn(torch.autograd.Function):
         return gx, gb, None
 
 
-def linear4(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+def linear4(x: torch.Tensor, module: KeepsQuantState) -> torch.Tensor:
     """bitsandbytes' Linear4bit on CPU: x to the compute dtype, x W^T + b there, back to x's dtype."""
     in_dtype = x.dtype
     x = x.to(module.compute_dtype)
@@ -137,9 +144,19 @@ def linear4(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     return y.to(in_dtype)
 
 
-class KeepsQuantState:
+class KeepsQuantState(nn.Linear):
     """A cast of the model (`.to(bfloat16)`) only moves the quant-state tensors: rounding a float32 absmax or
-    code table to bf16 would change the weight. Mixed into Linear4 and the LoRA layer over it."""
+    code table to bf16 would change the weight. Mixed into Linear4 and the LoRA layer over it, it declares what
+    a Linear holding a 4-bit weight carries: the quant state's fixed part, the compute dtype, the state's tensors
+    (buffers; the nested two only with double quantization)."""
+
+    q4: Q4Meta | None  # None: a LoRA layer over a plain weight
+    compute_dtype: torch.dtype
+    weight_absmax: torch.Tensor
+    weight_quant_map: torch.Tensor
+    weight_nested_absmax: torch.Tensor
+    weight_nested_quant_map: torch.Tensor
+    weight_quant_state: torch.Tensor
 
     def _apply(self, fn, recurse=True):
         bufs = {n: self._buffers.pop(n) for n in list(self._buffers) if n in BUFFERS}
@@ -154,6 +171,8 @@ class KeepsQuantState:
 
 class Linear4(KeepsQuantState, nn.Linear):
     """A frozen Linear stored in 4 bits (bitsandbytes layout), computed in `compute_dtype`."""
+
+    q4: Q4Meta  # always 4-bit
 
     def __init__(self, in_features: int, out_features: int, bias: bool, meta: Q4Meta,
                  compute_dtype: torch.dtype = torch.float32, bias_dtype: torch.dtype | None = None,
@@ -173,8 +192,9 @@ class Linear4(KeepsQuantState, nn.Linear):
                                                                      dtype=torch.float32, device=device))
             self.register_buffer("weight_nested_quant_map", torch.empty(256, dtype=torch.float32, device=device))
         self.register_buffer("weight_quant_state", torch.empty(state_bytes, dtype=torch.uint8, device=device))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype or compute_dtype, device=device),
-                                 requires_grad=False) if bias else None
+        # (no bias: None, as nn.Linear holds it; torch types the attribute as a Parameter only)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype or compute_dtype,  # type: ignore[assignment]
+                                             device=device), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear4(x, self)
@@ -193,7 +213,7 @@ class Linear4(KeepsQuantState, nn.Linear):
                 f"{' (double quant)' if self.q4.offset is not None else ''}, compute {self.compute_dtype}")
 
 
-def is_4bit(module: nn.Module) -> bool:
+def is_4bit(module: nn.Module) -> TypeGuard[KeepsQuantState]:
     return getattr(module, "q4", None) is not None
 
 
@@ -232,7 +252,7 @@ class Bnb4State:
         return out
 
 
-def prepare_bnb4(model: nn.Module, state: dict[str, torch.Tensor], scheme: Bnb4Scheme,
+def prepare_bnb4(model: PreTrainedModel, state: dict[str, torch.Tensor], scheme: Bnb4Scheme,
                  source: str = "checkpoint") -> dict[str, torch.Tensor]:
     """Ready a meta-device model for a bitsandbytes-4bit state dict: the Linears holding 4-bit weights
     become `Linear4`; returns the state dict under the module's tensor names."""
@@ -253,12 +273,21 @@ def prepare_bnb4(model: nn.Module, state: dict[str, torch.Tensor], scheme: Bnb4S
         _swap(model, module_name, Linear4(module.in_features, module.out_features, module.bias is not None,
                                           Q4Meta.of(q), scheme.compute_dtype,
                                           bias.dtype if bias is not None else None, device="meta",
-                                          state_bytes=state[bnb4.state_key(hf_name, state)].numel()))
+                                          state_bytes=state[_state_key(hf_name, state, source)].numel()))
     model.bnb4_state = Bnb4State(scheme)
     return to_model_names(state)
 
 
-def prepare_bnb4_modules(model: nn.Module, state: dict[str, torch.Tensor], scheme: Bnb4Scheme,
+def _state_key(hf_name: str, state: dict[str, torch.Tensor], source: str) -> str:
+    """The key of the quant state (JSON bytes) of 4-bit weight `hf_name` in `state`."""
+    key = bnb4.state_key(hf_name, state)
+    if key is None:
+        raise WeightsError(f"{source}: 4-bit tensor {hf_name!r} has no quant state "
+                           f"({hf_name}.{bnb4.STATE_PREFIX}<nf4|fp4>)")
+    return key
+
+
+def prepare_bnb4_modules(model: PreTrainedModel, state: dict[str, torch.Tensor], scheme: Bnb4Scheme,
                          source: str = "checkpoint") -> None:
     """Ready a meta-device model for a state dict under its own module names (a sharded checkpoint of a 4-bit
     base): each Linear whose quant state `state` holds (`<m>.weight_quant_state`, `<m>.weight_absmax`, ...;
@@ -287,21 +316,21 @@ def quantizable(model: nn.Module) -> list[str]:
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, quant_type: str, double_quant: bool = True,
+def quantize_model(model: PreTrainedModel, quant_type: str, double_quant: bool = True,
                    compute_dtype: torch.dtype | None = None, source: str = "model") -> list[str]:
     """Quantize the model's backbone Linears to 4 bits in place (bitsandbytes' bytes); returns their names."""
     bnb4.check_quant_type(quant_type, "quantize")
-    if getattr(model, "bnb4_state", None) is not None or any(is_4bit(m) for m in model.modules()):
+    if model.bnb4_state is not None or any(is_4bit(m) for m in model.modules()):
         raise ConfigError(f"{source} is already 4-bit quantized (bitsandbytes); drop `quantize`, it loads 4-bit "
                           "as it is")
-    if getattr(model, "fp8_state", None) is not None:
+    if model.fp8_state is not None:
         raise ConfigError(f"{source} is an FP8 checkpoint; 4-bit quantization takes bf16/fp16/fp32 weights")
     names = quantizable(model)
     if not names:
         raise ConfigError(f"{source}: no Linear layers to quantize")
-    dtype = compute_dtype or model.get_submodule(names[0]).weight.dtype
+    dtype = compute_dtype or _linear(model, names[0]).weight.dtype
     for name in names:
-        module = model.get_submodule(name)
+        module = _linear(model, name)
         q = bnb4.quantize(module.weight.detach(), quant_type, bnb4.BLOCKSIZE, double_quant)
         new = Linear4(module.in_features, module.out_features, module.bias is not None, Q4Meta.of(q), dtype,
                       module.bias.dtype if module.bias is not None else None, device="meta")
@@ -317,13 +346,23 @@ def quantize_model(model: nn.Module, quant_type: str, double_quant: bool = True,
     return names
 
 
+def _linear(model: nn.Module, name: str) -> nn.Linear:
+    """The Linear `quantizable` named."""
+    module = model.get_submodule(name)
+    if not isinstance(module, nn.Linear):
+        raise ConfigError(f"{name}: a {type(module).__name__}, not the Linear layer 4-bit quantization takes")
+    return module
+
+
 @torch.no_grad()
-def dequantize_bnb4_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+def dequantize_bnb4_model(model: M, dtype: torch.dtype | None = None) -> M:
     """Drop 4 bits from a model: 4-bit Linears become plain ones in `dtype` (default: the dtype each weight
     was quantized from, its quant state's `dtype`),
     LoRA layers over them keep their adapters over the dequantized weight; `quantization_config` goes."""
+    from kiln.models.common.pretrained import PreTrainedModel
+
     for name, module in list(model.named_modules()):
-        if not is_4bit(module):
+        if not is_4bit(module) or module.q4 is None:  # (is_4bit: q4 is not None)
             continue
         w = dequantized(module, dtype or module.q4.dtype)
         if isinstance(module, Linear4):
@@ -339,7 +378,8 @@ def dequantize_bnb4_model(model: nn.Module, dtype: torch.dtype | None = None) ->
                 module._buffers.pop(buf, None)
             module.weight = nn.Parameter(w, requires_grad=False)
             module.q4 = None
-    model.bnb4_state = None
-    if getattr(model, "config", None) is not None:
-        model.config.dequantized(dtype)
+    if isinstance(model, PreTrainedModel):  # (a plain module holds no bnb4_state nor config)
+        model.bnb4_state = None
+        if getattr(model, "config", None) is not None:
+            model.config.dequantized(dtype)
     return model
