@@ -3,8 +3,8 @@
 `Engine` (engine.py) drives requests; `token_logps` (score.py) scores whole sequences with the same bits.
 """
 
+import kiln.engine.padded
 import kiln.engine.v4  # noqa: F401  engv4: DeepSeek-V4's runner registers itself
-import kiln.engine.padded  # noqa: F401  (model.generate's greedy calls on the engine)  # engfsdp
 from kiln.engine import dsa, hybrid, mamba, mla  # noqa: F401  (each registers its runner)
 from kiln.engine.engine import Completion, Engine, RequestOutput
 from kiln.engine.params import SamplingParams
