@@ -148,13 +148,16 @@ class V4Runner(StateRunner):
         self.layers = [cast(V4DecoderLayer, layer) for layer in list(b.layers)[:self.num_layers]]
         like = torch.zeros((), dtype=self.dt, device=self.dev)
         pos = torch.arange(self.max_positions, device=self.dev)[None]
-        tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def table(rotary: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-            if id(rotary) not in tables:  # one table per rotary module: a position's angles never depend on the call
+            # one table per distinct rope (every compressor shares the "compress" one: a release has 1M positions),
+            # built once: a position's angles never depend on the call
+            key = (tuple(torch.as_tensor(rotary.inv_freq).tolist()), float(cast(float, rotary.attention_scaling)))
+            if key not in tables:
                 cos, sin = rotary(like, pos)
-                tables[id(rotary)] = (cos[0].contiguous(), sin[0].contiguous())
-            return tables[id(rotary)]
+                tables[key] = (cos[0].contiguous(), sin[0].contiguous())
+            return tables[key]
 
         self.ropes = {name: table(rotary) for name, rotary in b.rotary.items()}
         # per layer, its compressor series: [compressor] (HCA) or [compressor, indexer] (CSA), with their rope
