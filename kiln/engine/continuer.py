@@ -8,6 +8,8 @@ refuses (`kiln.engine.runner.unsupported` says why).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kiln.engine.engine import Engine
@@ -30,7 +32,7 @@ class Continuer:
                  top_p: float = 1.0, seed: int | None = None, eos_token_ids: int | list[int] | None = None,
                  stop: tuple[str, ...] = (), max_seqs: int = 64):
         self.model, self.max_new_tokens, self.stop = model, max_new_tokens, tuple(stop)
-        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        self.sampling: dict[str, Any] = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         self.eos = [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids
         self.engine: Engine | None = None
         self.why_not = unsupported(model)  # None: the engine runs it
@@ -57,4 +59,5 @@ class Continuer:
         if prompt_inputs:
             kw["prompt_inputs"] = prompt_inputs
         ids = torch.tensor([prompt], device=next(self.model.parameters()).device)
-        return self.model.generate(ids, max_new_tokens=self.max_new_tokens, **kw)[0, len(prompt):].tolist()
+        generate: Any = self.model.generate  # the model's own loop (kiln.models.generation)
+        return generate(ids, max_new_tokens=self.max_new_tokens, **kw)[0, len(prompt):].tolist()
