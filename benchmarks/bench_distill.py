@@ -14,8 +14,9 @@ student, the generalized JSD with beta 0.5 (GKD's default) at temperature 1 (the
 uses), batch 4 rows, max_length 128, AdamW lr 1e-5, fp32; TRL's gradient checkpointing off (SFTConfig turns it on
 by default; kiln does not checkpoint), bf16 off.
 
-kiln runs what `kiln train --config run.toml` runs (build_trainer + fit; SFT's packing, its default); TRL runs
-GKDTrainer.train() (its ChatML collator, padded rows). Each side in its own process; rounds interleave; tokens/s
+kiln runs what `kiln train --config run.toml` runs (build_trainer + fit) with data.pack = false, so that a step
+holds the same 4 rows as TRL's (SFT's packing, kiln's default, would put several rows in each of the 4 and run
+the optimizer step once for more tokens); TRL runs GKDTrainer.train() (its ChatML collator, padded rows). Each side in its own process; rounds interleave; tokens/s
 counts real (unpadded) tokens of the timed steps (all but the first `--warmup`): kiln's step records, TRL's
 collator's attention masks. Peak memory is the process's peak RSS above what it held before the run. Ratio last.
 
@@ -54,7 +55,7 @@ def distill_data(tmp: Path) -> None:
 
 def run_kiln(tmp: Path, steps: int, warmup: int) -> dict:
     return kiln_rate(tmp, "causal-lm", "rows.jsonl", f"[distill]\nteacher = \"{tmp / 'teacher'}\"\nbeta = {BETA}",
-                     steps, warmup)
+                     steps, warmup, data="pack = false")
 
 
 def run_peer(tmp: Path, steps: int, warmup: int) -> dict:
