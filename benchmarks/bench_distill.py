@@ -14,8 +14,9 @@ student, the generalized JSD with beta 0.5 (GKD's default) at temperature 1 (the
 uses), batch 4 rows, max_length 128, AdamW lr 1e-5, fp32; TRL's gradient checkpointing off (SFTConfig turns it on
 by default; kiln does not checkpoint), bf16 off.
 
-kiln runs what `kiln train --config run.toml` runs (build_trainer + fit; SFT's packing, its default); TRL runs
-GKDTrainer.train() (its ChatML collator, padded rows). Each side in its own process; rounds interleave; tokens/s
+kiln runs what `kiln train --config run.toml` runs (build_trainer + fit) with data.pack = false, so that a step
+holds the same 4 rows as TRL's (SFT's packing, kiln's default, would put several rows in each of the 4 and run
+the optimizer step once for more tokens); TRL runs GKDTrainer.train() (its ChatML collator, padded rows). Each side in its own process; rounds interleave; tokens/s
 counts real (unpadded) tokens of the timed steps (all but the first `--warmup`): kiln's step records, TRL's
 collator's attention masks. Peak memory is the process's peak RSS above what it held before the run. Ratio last.
 
@@ -33,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dpo import BATCH, LR, MAX_LENGTH, SIZE, prepare, timed_rate
+from bench_dpo import BATCH, LR, MAX_LENGTH, SIZE, kiln_rate, prepare, timed_rate
 from common import interleaved, peak_mb_above, report, rss_kb, setup_torch
 
 BETA = 0.5
@@ -53,44 +54,8 @@ def distill_data(tmp: Path) -> None:
 
 
 def run_kiln(tmp: Path, steps: int, warmup: int) -> dict:
-    import torch  # noqa: F401  (imported before the baseline, as on the peer side)
-
-    from kiln.train import Callback
-    from kiln.train.config import load_run_config
-    from kiln.train.run import build_trainer
-
-    setup_torch()
-    base = rss_kb()
-    stamps: list[tuple[float, int]] = []
-
-    class Clock(Callback):
-        def on_step(self, trainer, record):
-            stamps.append((time.perf_counter(), (stamps[-1][1] if stamps else 0) + record["tokens"]))
-
-    out = tmp / f"run-{time.time_ns()}"
-    cfg = tmp / f"{out.name}.toml"
-    cfg.write_text(f"""[model]
-path = "{tmp / 'model'}"
-task = "causal-lm"
-[data]
-train = "{tmp / 'rows.jsonl'}"
-max_length = {MAX_LENGTH}
-[train]
-out_dir = "{out}"
-steps = {steps + warmup}
-batch_size = {BATCH}
-lr = {LR}
-save_at_end = false
-progress = false
-[distill]
-teacher = "{tmp / 'teacher'}"
-beta = {BETA}
-""")
-    trainer = build_trainer(load_run_config(cfg))
-    trainer.callbacks.append(Clock())
-    trainer.fit()
-    shutil.rmtree(out, ignore_errors=True)
-    return {"tokens_per_s": timed_rate(stamps, warmup), "peak_mb": peak_mb_above(base)}
+    return kiln_rate(tmp, "causal-lm", "rows.jsonl", f"[distill]\nteacher = \"{tmp / 'teacher'}\"\nbeta = {BETA}",
+                     steps, warmup, data="pack = false")
 
 
 def run_peer(tmp: Path, steps: int, warmup: int) -> dict:

@@ -85,9 +85,11 @@ def timed_rate(stamps: list[tuple[float, int]], warmup: int) -> float:
     return (n1 - n0) / (t1 - t0)
 
 
-def run_kiln(tmp: Path, precompute: bool, steps: int, warmup: int, batch: int = BATCH, max_length: int = MAX_LENGTH,
-             data: str = "") -> dict:
-    """`kiln train` on tmp's model and pairs; `data`: more [data] lines. Tokens/s, peak memory, each step's loss."""
+def kiln_rate(tmp: Path, task: str, train: str, table: str, steps: int, warmup: int, batch: int = BATCH,
+              max_length: int = MAX_LENGTH, data: str = "") -> dict:
+    """`kiln train` on tmp's model: `task`, tmp/`train` as data.train (`data`: more [data] lines), the recipe's
+    `table` (its TOML). Tokens/s over the steps after the warmup (each step's real tokens, as its record counts
+    them), the process's peak memory above its start, each step's loss."""
     import torch  # noqa: F401  (imported before the baseline, as on the peer side)
 
     from kiln.train import Callback
@@ -100,7 +102,7 @@ def run_kiln(tmp: Path, precompute: bool, steps: int, warmup: int, batch: int = 
     losses: list[float] = []
 
     class Clock(Callback):
-        def on_step(self, trainer, record):  # after the dpo callback put the pairs' real tokens in the record
+        def on_step(self, trainer, record):  # after the recipe's callback put the step's real tokens in the record
             stamps.append((time.perf_counter(), (stamps[-1][1] if stamps else 0) + record["tokens"]))
             losses.append(record["loss"])
 
@@ -108,9 +110,9 @@ def run_kiln(tmp: Path, precompute: bool, steps: int, warmup: int, batch: int = 
     cfg = tmp / f"{out.name}.toml"
     cfg.write_text(f"""[model]
 path = "{tmp / 'model'}"
-task = "causal-lm"
+task = "{task}"
 [data]
-train = "{tmp / 'pairs.jsonl'}"
+train = "{tmp / train}"
 max_length = {max_length}
 {data}
 [train]
@@ -120,15 +122,21 @@ batch_size = {batch}
 lr = {LR}
 save_at_end = false
 progress = false
-[dpo]
-beta = {BETA}
-precompute_reference = {str(precompute).lower()}
+{table}
 """)
     trainer = build_trainer(load_run_config(cfg))
     trainer.callbacks.append(Clock())
     trainer.fit()
     shutil.rmtree(out, ignore_errors=True)
     return {"tokens_per_s": timed_rate(stamps, warmup), "peak_mb": peak_mb_above(base), "losses": losses}
+
+
+def run_kiln(tmp: Path, precompute: bool, steps: int, warmup: int, batch: int = BATCH, max_length: int = MAX_LENGTH,
+             data: str = "") -> dict:
+    """`kiln train` [dpo] on tmp's model and pairs; `data`: more [data] lines."""
+    return kiln_rate(tmp, "causal-lm", "pairs.jsonl",
+                     f"[dpo]\nbeta = {BETA}\nprecompute_reference = {str(precompute).lower()}", steps, warmup,
+                     batch, max_length, data)
 
 
 def run_peer(tmp: Path, precompute: bool, steps: int, warmup: int) -> dict:

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dpo import BATCH, LR, MAX_LENGTH, prepare, timed_rate
+from bench_dpo import BATCH, LR, MAX_LENGTH, kiln_rate, prepare, timed_rate
 from common import interleaved, peak_mb_above, report, rss_kb, setup_torch
 
 BETA = 0.1
@@ -43,43 +42,7 @@ def unpair(tmp: Path) -> None:
 
 
 def run_kiln(tmp: Path, steps: int, warmup: int) -> dict:
-    import torch  # noqa: F401  (imported before the baseline, as on the peer side)
-
-    from kiln.train import Callback
-    from kiln.train.config import load_run_config
-    from kiln.train.run import build_trainer
-
-    setup_torch()
-    base = rss_kb()
-    stamps: list[tuple[float, int]] = []
-
-    class Clock(Callback):
-        def on_step(self, trainer, record):  # after the kto callback put the rows' real tokens in the record
-            stamps.append((time.perf_counter(), (stamps[-1][1] if stamps else 0) + record["tokens"]))
-
-    out = tmp / f"run-{time.time_ns()}"
-    cfg = tmp / f"{out.name}.toml"
-    cfg.write_text(f"""[model]
-path = "{tmp / 'model'}"
-task = "causal-lm"
-[data]
-train = "{tmp / 'rows.jsonl'}"
-max_length = {MAX_LENGTH}
-[train]
-out_dir = "{out}"
-steps = {steps + warmup}
-batch_size = {BATCH}
-lr = {LR}
-save_at_end = false
-progress = false
-[kto]
-beta = {BETA}
-""")
-    trainer = build_trainer(load_run_config(cfg))
-    trainer.callbacks.append(Clock())
-    trainer.fit()
-    shutil.rmtree(out, ignore_errors=True)
-    return {"tokens_per_s": timed_rate(stamps, warmup), "peak_mb": peak_mb_above(base)}
+    return kiln_rate(tmp, "causal-lm", "rows.jsonl", f"[kto]\nbeta = {BETA}", steps, warmup)
 
 
 def run_peer(tmp: Path, steps: int, warmup: int) -> dict:

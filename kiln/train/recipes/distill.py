@@ -45,7 +45,7 @@ from kiln.train.grpo_engine import EngineRollouts, refusal
 from kiln.train.packing import lay_out
 from kiln.train.plans import place_frozen
 from kiln.train.recipes.base import Extension, RunParts
-from kiln.train.recipes.dpo import evaluating
+from kiln.train.recipes.pairwise import evaluating
 from kiln.train.recipes.sft import SFT
 from kiln.train.shares import eval_share, model_dir_of
 from kiln.train.trainer import Callback, Trainer

@@ -50,7 +50,6 @@ from kiln.models.common.tied_grad import coalesce_tied_gradient
 from kiln.models.tasks import CAUSAL_LM
 from kiln.parallel.world import World, all_reduce_sum, barrier
 from kiln.train.config import NonNegative, Positive, RunConfig, Section, finite
-from kiln.train.engine import StepEngine
 from kiln.train.packing import Layout, lay_out, layout_logps, settle_pack
 from kiln.train.plans import place_frozen
 from kiln.train.preference import (
@@ -63,19 +62,17 @@ from kiln.train.preference import (
     preference_losses,
 )
 from kiln.train.recipes.base import Extension, RunParts, add_lora, build_model, check_text_model
-from kiln.train.recipes.finetune import FineTune, RecordsData
-from kiln.train.shares import record_tokens
-from kiln.train.trainer import Callback, Trainer
+from kiln.train.recipes.finetune import FineTune
+from kiln.train.recipes.pairwise import PackedData, ScoredRun, evaluating
+from kiln.train.trainer import Trainer
 
 CACHE = "reference_logps.safetensors"
 STATS = ("pairs", "tokens", "loss", "rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margins",
          "logps/chosen", "logps/rejected")
 
 
-class PreferenceData(RecordsData):
+class PreferenceData(PackedData):
     """[data] of a dpo run: preference rows; max_length caps each prompt + reply (the start is kept)."""
-    pack: bool = True  # a micro-batch's sequences packed into rows, attention kept per sequence
-                       # (where the model cannot keep them apart, one per row: kiln.train.packing)
 
 
 class DPOSection(Section):
@@ -129,44 +126,29 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
             m.scaling = s
 
 
-@contextlib.contextmanager
-def evaluating(model: nn.Module) -> Iterator[None]:
-    was = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was)
-
-
-class DPORun(Callback):
+class DPORun(ScoredRun):
     """The step, the evaluation, the reference and the per-step reward metrics of one dpo run."""
+    STATS = STATS
 
     def __init__(self, cfg: DPOSection, train: list[Example], evals: list[Example] | None,
                  starting_copy: nn.Module | None, pack: bool = False):
-        self.cfg, self.train, self.evals, self.pack = cfg, train, evals, pack
-        self.trainer: Trainer | None = None
-        self.ready = False
+        super().__init__(evals, pack, Signal("pairs", "chosen = rejected in every pair"))
+        self.cfg, self.train = cfg, train
+        self.placed = False
         self.started = False  # the first step's one-time setup done
-        self.ref_model = starting_copy  # the frozen copy of the starting weights (full weights), placed by _ready
+        self.ref_model = starting_copy  # the frozen copy of the starting weights (full weights), placed by ready()
         self.cache: dict[str, torch.Tensor] | None = None  # split -> (pairs, 2) reference summed log-probs
         self.cache_sha: str | None = None
-        self.sums = torch.zeros(len(STATS), dtype=torch.float64)
-        self.signal = Signal("pairs", "chosen = rejected in every pair")
 
     # ---- the reference ------------------------------------------------------------------------
-    def wrap_engine(self, trainer: Trainer, engine: StepEngine) -> StepEngine:
-        self.trainer = trainer  # the run this callback serves (its plans, device, output folder)
-        return engine
-
-    def _ready(self) -> None:
+    def ready(self) -> None:
         """Once, at the run's first step or evaluation (the plans are applied by then): the reference model
         placed beside the policy (sharded as it is under FSDP), or the reference log-probs cached."""
         t, c = self.trainer, self.cfg
         assert t is not None, "wrap_engine gave this callback its trainer"
-        if c.loss_type in REFERENCE_FREE or self.ready:
+        if c.loss_type in REFERENCE_FREE or self.placed:
             return
-        self.ready = True
+        self.placed = True
         if c.precompute_reference and self.cache is not None:  # resumed: read in load_state_dict
             return
         if c.precompute_reference and t.step > 0:  # resumed from a checkpoint that recorded no cache
@@ -277,7 +259,7 @@ class DPORun(Callback):
             assert self.trainer is not None, "wrap_engine gave this callback its trainer"
             if not self.trainer.sharded:
                 coalesce_tied_gradient(getattr(model, "module", model), defer_head_grad=True)
-        self._ready()
+        self.ready()
         pl, tokens = self.pair_losses(model, batch, "train")
         learns_chosen = self.cfg.loss_type in LEARNS_CHOSEN  # its NLL term learns the chosen side of any pair
         self.signal.add(differing_pairs(batch) | learns_chosen)
@@ -293,20 +275,6 @@ class DPORun(Callback):
         parts += [(x.double() * w).sum() for x in (pl.chosen_rewards, pl.rejected_rewards, (margins > 0).double(),
                                                     margins, pl.chosen_logps, pl.rejected_logps)]
         return torch.stack(parts).cpu()
-
-    @staticmethod
-    def _means(sums: torch.Tensor, prefix: str) -> dict[str, float]:
-        pairs = float(sums[0]) or 1.0
-        return {f"{prefix}{name}": float(v) / pairs for name, v in zip(STATS[2:], sums[2:])}
-
-    def on_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
-        sums = all_reduce_sum(self.sums.to(trainer.device, copy=True), trainer.world).cpu()
-        self.sums.zero_()
-        means = self._means(sums, "")
-        means.pop("loss")  # the Trainer's own (the same mean)
-        record.update(means)
-        record_tokens(record, float(sums[0]), float(sums[1]))  # the step's real chosen + rejected tokens
-        self.signal.log(record, trainer.world, trainer.device, trainer.step)
 
     # ---- evaluation ---------------------------------------------------------------------------
     def _share(self, examples: list[Example], rank: int, shards: int,
@@ -327,21 +295,15 @@ class DPORun(Callback):
             batch["weight"] = torch.tensor(weights[s:s + size], dtype=torch.float64)
             yield torch.tensor(idx, device=t.device), {k: v.to(t.device) for k, v in batch.items()}
 
-    @torch.no_grad()
-    def evaluate(self, trainer: Trainer) -> dict[str, float]:
-        self._ready()
-        sums = torch.zeros(len(STATS), dtype=torch.float64)
-        with evaluating(trainer.model):
-            for _, batch in self._share(self.evals or [], trainer.data_rank, trainer.data_shards,
-                                        trainer.args.eval_batches):
-                with trainer.autocast():
-                    pl, _ = self.pair_losses(trainer.model, batch, "eval")
-                weight = batch["weight"]
-                tokens = int((torch.cat([batch["chosen_len"], batch["rejected_len"]]).double()
-                              * weight.repeat(2)).sum())
-                sums += self._stats(pl, tokens, weight)
-        sums = all_reduce_sum(sums.to(trainer.device, copy=True), trainer.world).cpu()
-        return self._means(sums, "eval_")
+    def eval_batches(self, trainer: Trainer) -> Iterator[dict[str, torch.Tensor]]:
+        return (batch for _, batch in self._share(self.evals or [], trainer.data_rank, trainer.data_shards,
+                                                  trainer.args.eval_batches))
+
+    def eval_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        pl, _ = self.pair_losses(model, batch, "eval")
+        weight = batch["weight"]
+        tokens = int((torch.cat([batch["chosen_len"], batch["rejected_len"]]).double() * weight.repeat(2)).sum())
+        return self._stats(pl, tokens, weight)
 
 
 class DPO(FineTune):

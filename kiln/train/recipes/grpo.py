@@ -23,7 +23,8 @@ the KL is to the starting weights: under [lora] the base with the adapters off (
 Each rollout's sampling seed derives from (train.seed, rollout, the micro-batch's place in the global batch: one
 process with grad_accum k samples what k processes do), and the rollout being worked on is saved with each
 checkpoint: a run resumed mid-rollout continues exactly. Metrics: reward,
-reward/<function>, reward_std, completion_length, clip_ratio, kl (beta > 0), logprob_gap, reward_errors and
+reward/<function>, reward_std, completion_length, clip_ratio, kl (beta > 0), logprob_gap, groups_with_signal
+(prompt groups whose rewards differ; none: warned once), reward_errors and
 reward_timeouts (users' reward calls that raised or hung, when any did); with data.eval,
 eval_reward and eval_reward/<function> of greedy completions.
 """

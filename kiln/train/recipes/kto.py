@@ -33,15 +33,13 @@ from kiln.models.auto import load_pretrained
 from kiln.models.tasks import CAUSAL_LM
 from kiln.parallel.world import World, all_reduce_sum
 from kiln.train.config import Positive, RunConfig, Section
-from kiln.train.engine import StepEngine
 from kiln.train.packing import Layout, lay_out, layout_logps, settle_pack
 from kiln.train.plans import place_frozen
 from kiln.train.preference import Signal
 from kiln.train.recipes.base import Extension, RunParts, add_lora, build_model, check_text_model
-from kiln.train.recipes.dpo import adapters_off, check_reference_vocab, evaluating
-from kiln.train.recipes.finetune import FineTune, RecordsData
-from kiln.train.shares import eval_share, record_tokens
-from kiln.train.trainer import Callback, Trainer
+from kiln.train.recipes.dpo import adapters_off, check_reference_vocab
+from kiln.train.recipes.finetune import FineTune
+from kiln.train.recipes.pairwise import PackedData, ScoredRun, evaluating
 
 # sums: rows, tokens, loss, kl (per batch), batches, desirable rows, chosen reward, chosen logps, undesirable rows,
 # rejected reward, rejected logps
@@ -49,10 +47,8 @@ SUMS = ("rows", "tokens", "loss", "kl", "batches", "chosen", "rewards/chosen", "
         "rewards/rejected", "logps/rejected")
 
 
-class UnpairedData(RecordsData):
+class UnpairedData(PackedData):
     """[data] of a kto run: rows {prompt, completion, label}; max_length caps each prompt + completion."""
-    pack: bool = True  # a micro-batch's sequences packed into rows, attention kept per sequence
-                       # (where the model cannot keep them apart, one per row: kiln.train.packing)
 
 
 class KTOSection(Section):
@@ -94,27 +90,22 @@ def kto_losses(loss_type: str, logratios: torch.Tensor, labels: torch.Tensor, kl
     return torch.where(labels, desirable_weight * good, undesirable_weight * bad)
 
 
-class KTORun(Callback):
+class KTORun(ScoredRun):
     """The step, the evaluation, the reference and the per-step metrics of one kto run."""
+    STATS = SUMS
 
     def __init__(self, cfg: KTOSection, max_length: int, evals: list[dict[str, torch.Tensor]] | None,
                  starting_copy: nn.Module | None, pack: bool = False):
-        self.cfg, self.max_length, self.evals, self.pack = cfg, max_length, evals, pack
+        super().__init__(evals, pack, Signal("rows", "no completion token within max_length"))
+        self.cfg, self.max_length = cfg, max_length
         self.ref_model = starting_copy
-        self.trainer: Trainer | None = None
-        self.ready = False
-        self.sums = torch.zeros(len(SUMS), dtype=torch.float64)
-        self.signal = Signal("rows", "no completion token within max_length")
+        self.placed = False
 
-    def wrap_engine(self, trainer: Trainer, engine: StepEngine) -> StepEngine:
-        self.trainer = trainer
-        return engine
-
-    def _ready(self) -> None:
+    def ready(self) -> None:
         t = self.trainer
-        if self.ready or t is None:
+        if self.placed or t is None:
             return
-        self.ready = True
+        self.placed = True
         if self.cfg.reference is not None:
             self.ref_model = load_pretrained(self.cfg.reference, task=CAUSAL_LM)
         if self.ref_model is not None:
@@ -168,15 +159,14 @@ class KTORun(Callback):
         return torch.stack([p.to(w.device) for p in parts]).cpu()
 
     def step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        self._ready()
+        self.ready()
         losses, info = self.row_losses(model, batch)
         self.sums += self._stats(losses, info, torch.ones_like(losses))
         # every row teaches that scores a completion token (the weights are > 0; empty completions refused at read)
         self.signal.add(torch.minimum(batch["completion_len"], self.max_length - batch["prompt_len"]) > 0)
         return losses.sum(), losses.shape[0]
 
-    @staticmethod
-    def _means(s: torch.Tensor, prefix: str) -> dict[str, float]:
+    def means(self, s: torch.Tensor, prefix: str) -> dict[str, float]:
         out = {f"{prefix}loss": float(s[2] / max(float(s[0]), 1.0)), f"{prefix}kl": float(s[3] / max(float(s[4]), 1.0))}
         for side, n in (("chosen", 5), ("rejected", 8)):
             if s[n] > 0:
@@ -186,27 +176,9 @@ class KTORun(Callback):
             out[f"{prefix}rewards/margins"] = out[f"{prefix}rewards/chosen"] - out[f"{prefix}rewards/rejected"]
         return out
 
-    def on_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
-        sums = all_reduce_sum(self.sums.to(trainer.device, copy=True), trainer.world).cpu()
-        self.sums.zero_()
-        means = self._means(sums, "")
-        means.pop("loss")  # the Trainer's own
-        record.update(means)
-        record_tokens(record, float(sums[0]), float(sums[1]))
-        self.signal.log(record, trainer.world, trainer.device, trainer.step)
-
-    @torch.no_grad()
-    def evaluate(self, trainer: Trainer) -> dict[str, float]:
-        self._ready()
-        sums = torch.zeros(len(SUMS), dtype=torch.float64)
-        with evaluating(trainer.model):
-            for batch in eval_share(self.evals or [], trainer.data_rank, trainer.data_shards, trainer.args.batch_size,
-                                    trainer.device, trainer.args.eval_batches):
-                with trainer.autocast():
-                    losses, info = self.row_losses(trainer.model, batch)
-                sums += self._stats(losses, info, batch["weight"])
-        sums = all_reduce_sum(sums.to(trainer.device, copy=True), trainer.world).cpu()
-        return self._means(sums, "eval_")
+    def eval_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        losses, info = self.row_losses(model, batch)
+        return self._stats(losses, info, batch["weight"])
 
 
 class KTO(FineTune):

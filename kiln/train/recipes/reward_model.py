@@ -26,22 +26,19 @@ from kiln.data.hfdata import source_sha256
 from kiln.data.reward import encode_reward_pairs
 from kiln.errors import ConfigError, KilnError
 from kiln.models.tasks import REWARD_MODEL, SEQUENCE_CLASSIFICATION
-from kiln.parallel.world import World, all_reduce_sum
+from kiln.parallel.world import World
 from kiln.train.config import NonNegative, RunConfig, Section
 from kiln.train.packing import Layout, lay_out, settle_pack
 from kiln.train.preference import Signal, differing_pairs
 from kiln.train.recipes.base import Extension, RunParts, build_model, check_text_model
-from kiln.train.recipes.finetune import FineTune, RecordsData
-from kiln.train.shares import eval_share, record_tokens
-from kiln.train.trainer import Callback, Trainer
+from kiln.train.recipes.finetune import FineTune
+from kiln.train.recipes.pairwise import PackedData, ScoredRun
 
 STATS = ("pairs", "tokens", "loss", "accuracy", "margin", "rewards/chosen", "rewards/rejected")
 
 
-class RewardData(RecordsData):
+class RewardData(PackedData):
     """[data] of a reward-model run: preference rows; a pair with a side longer than max_length is dropped."""
-    pack: bool = True  # a micro-batch's sequences packed into rows, attention kept per sequence
-                       # (where the model cannot keep them apart, one per row: kiln.train.packing)
 
 
 class RewardSection(Section):
@@ -68,14 +65,14 @@ def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Te
     return losses
 
 
-class RewardRun(Callback):
+class RewardRun(ScoredRun):
     """The step, the evaluation and the per-step metrics of one reward-model run."""
+    STATS = STATS
 
     def __init__(self, cfg: RewardSection, pad_id: int, evals: list[dict[str, torch.Tensor]] | None,
                  pack: bool = False):
-        self.cfg, self.pad_id, self.evals, self.pack = cfg, pad_id, evals, pack
-        self.sums = torch.zeros(len(STATS), dtype=torch.float64)
-        self.signal = Signal("pairs", "chosen = rejected in every pair")
+        super().__init__(evals, pack, Signal("pairs", "chosen = rejected in every pair"))
+        self.cfg, self.pad_id = cfg, pad_id
 
     def pair_losses(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
                                                                                           torch.Tensor, int]:
@@ -105,37 +102,11 @@ class RewardRun(Callback):
         self.sums += self._stats(losses, chosen, rejected, tokens, torch.ones_like(chosen))
         return losses.sum(), losses.shape[0]
 
-    @staticmethod
-    def _means(sums: torch.Tensor, prefix: str) -> dict[str, float]:
-        pairs = float(sums[0]) or 1.0
-        return {f"{prefix}{name}": float(v) / pairs for name, v in zip(STATS[2:], sums[2:])}
-
-    def on_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
-        sums = all_reduce_sum(self.sums.to(trainer.device, copy=True), trainer.world).cpu()
-        self.sums.zero_()
-        means = self._means(sums, "")
-        means.pop("loss")  # the Trainer's own (the same mean)
-        record.update(means)
-        record_tokens(record, float(sums[0]), float(sums[1]))
-        self.signal.log(record, trainer.world, trainer.device, trainer.step)
-
-    @torch.no_grad()
-    def evaluate(self, trainer: Trainer) -> dict[str, float]:
-        sums = torch.zeros(len(STATS), dtype=torch.float64)
-        was = trainer.model.training
-        trainer.model.eval()
-        try:
-            for batch in eval_share(self.evals or [], trainer.data_rank, trainer.data_shards, trainer.args.batch_size,
-                                    trainer.device, trainer.args.eval_batches):
-                with trainer.autocast():
-                    losses, chosen, rejected, _ = self.pair_losses(trainer.model, batch)
-                w = batch["weight"]
-                tokens = float((torch.cat([batch["chosen_len"], batch["rejected_len"]]).double() * w.repeat(2)).sum())
-                sums += self._stats(losses, chosen, rejected, tokens, w)
-        finally:
-            trainer.model.train(was)
-        sums = all_reduce_sum(sums.to(trainer.device, copy=True), trainer.world).cpu()
-        return self._means(sums, "eval_")
+    def eval_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        losses, chosen, rejected, _ = self.pair_losses(model, batch)
+        w = batch["weight"]
+        tokens = float((torch.cat([batch["chosen_len"], batch["rejected_len"]]).double() * w.repeat(2)).sum())
+        return self._stats(losses, chosen, rejected, tokens, w)
 
 
 def pad_id_of(model: nn.Module) -> int:
