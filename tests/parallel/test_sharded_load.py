@@ -68,8 +68,8 @@ def test_an_fp8_release_kept_fp8_reads_as_the_whole_load_keeps_it(fp8_dir):
 def test_fp8_releases_to_dequantize_read_piece_by_piece_as_the_whole_load_dequantizes_them(fp8_dir, fp8_moe_dir):
     """The default (fp8 = "dequantize"): each FP8 weight read with its scale blocks and dequantized as it is read
     (partial blocks: this tiny's 37-wide MLP in 16-blocks; stacked experts too), equal to a whole load's
-    dequantization bit for bit; the scales are not reported ignored. One process (`load_to_device`) loads such
-    a release whole: its export writes unchanged weights back from the FP8 pairs a whole load keeps."""
+    dequantization bit for bit; the scales are not reported ignored. One process (`load_to_device`) reads the same
+    plan, then the FP8 pairs a whole load keeps (its export writes unchanged weights back from them)."""
     for path in (fp8_dir, fp8_moe_dir):
         whole = load_whole(path, task="causal-lm")
         lean = empty_pretrained(path, task="causal-lm")
@@ -79,7 +79,10 @@ def test_fp8_releases_to_dequantize_read_piece_by_piece_as_the_whole_load_dequan
         for k in a:
             assert torch.equal(a[k], b[k]), k
         assert lean.load_report == whole.load_report and whole.fp8_state.originals and not lean.fp8_state.originals
-    assert load_to_device(fp8_dir, "cpu", task="causal-lm") is None
+        one = load_to_device(path, "cpu", task="causal-lm")  # one process: then the pairs, as the whole load holds them
+        c, d = one.fp8_state.originals, whole.fp8_state.originals
+        assert list(c) == list(d) and all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                                          for n in c for x, y in zip(c[n], d[n]))
 
 
 @pytest.fixture(scope="module")
@@ -241,9 +244,8 @@ def bad_inputs_are_named(model_dir, tmp_path, second_shard: str) -> None:
     directory's `second_shard`, e.g. "model-00002"), each stop the sharded read with a message naming them."""
     import shutil
 
-    lean = empty_pretrained(model_dir, task="causal-lm", intermediate_size=40)
     with pytest.raises(WeightsError, match=r"mlp\.(gate|up|down)_proj\.weight.*shape .*expects"):
-        read_shards(lean, model_dir)
+        empty_pretrained(model_dir, task="causal-lm", intermediate_size=40)  # the plan: the whole load's checks
     broken = tmp_path / "broken"
     shutil.copytree(model_dir, broken)
     next(broken.glob(f"{second_shard}-*")).unlink()
