@@ -45,7 +45,7 @@ from kiln.models.common.load_plan import LoadPlan
 from kiln.models.common.lora import has_adapter, load_adapter
 from kiln.models.common.quant4 import prepare_bnb4, quantize_model
 from kiln.models.config import FamilyConfig
-from kiln.models.loading.plan import build_plan, one_process, read_pairs
+from kiln.models.loading.plan import build_plan, one_process, read_held
 from kiln.models.loading.read import materialize
 from kiln.models.pretrained import Family, PreTrainedModel
 from kiln.models.tasks import (
@@ -153,7 +153,7 @@ def read_pretrained(path: str | os.PathLike | CheckpointIndex, device: torch.dev
     if model is None or one_process(model, plan) is not None:
         return None
     materialize(model, plan.index, device)
-    read_pairs(model, plan)
+    read_held(model, plan)
     if dtype is not None:
         model.to(dtype)
     return model.eval()

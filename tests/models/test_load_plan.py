@@ -140,3 +140,37 @@ def test_each_sharded_mode_s_checkpoint_has_one_typed_plan_the_whole_load_reads_
     whole = load_pretrained(kinds[name], task="causal-lm", **kw)
     assert (len(materialized["read"]) == 1) == taken and (materialized["whole"] == []) == taken
     _equal(whole, load_whole(kinds[name], task="causal-lm", **kw))
+
+
+@pytest.mark.parametrize("name", ["v3mtp", "qwen35mtp"])
+def test_tensors_a_family_carries_are_held_on_one_process_as_the_whole_load_holds_them(name, tmp_path, tiny_factory,
+                                                                                       materialized):
+    """An MTP layer a family carries as stored (not trained): read into its holder after the model, so the export of
+    a one-process load writes it back byte for byte as the whole load's does."""
+    from tests.parallel.test_sharded_load import v3_with_mtp
+
+    path = v3_with_mtp(tmp_path / "v3") if name == "v3mtp" else _qwen35_with_mtp(tiny_factory, tmp_path / "q35")
+    plan_model = load_pretrained(path, task="causal-lm")
+    assert len(materialized["read"]) == 1 and materialized["whole"] == [] and not plan_model.carried.refs
+    whole = load_whole(path, task="causal-lm")
+    _equal(plan_model, whole)
+    for holder in ("hf_extras", "hf_passthrough", "mtp_tensors"):
+        a, b = getattr(plan_model, holder, None) or {}, getattr(whole, holder, None) or {}
+        assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a), holder
+    assert any(getattr(whole, h, None) for h in ("hf_extras", "hf_passthrough", "mtp_tensors"))
+    plan_model.save_pretrained(tmp_path / "plan")
+    whole.save_pretrained(tmp_path / "whole")
+    for f in sorted(p.name for p in (tmp_path / "whole").iterdir()):
+        assert (tmp_path / "plan" / f).read_bytes() == (tmp_path / "whole" / f).read_bytes(), f
+
+
+def _qwen35_with_mtp(tiny_factory, path):
+    """A tiny Qwen3.5-MoE release with a tensor of its MTP head (`mtp.*`, carried in hf_passthrough)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_factory("qwen3_5_moe", "causal-lm"), path)
+    state = load_file(str(path / "model.safetensors"))
+    save_file({**state, "mtp.fc.weight": torch.ones(4, 4)}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path

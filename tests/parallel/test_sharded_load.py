@@ -203,7 +203,7 @@ def test_a_run_on_an_accelerator_reads_its_model_straight_to_it(dirs, monkeypatc
 def test_tensors_a_family_carries_beyond_its_model_are_held_by_reference(hook_dirs):
     """A DeepSeek-V3 release's MTP layer (layer num_hidden_layers) has no place in the model; its family's load
     carries it to the export (hf_extras). A read holds each as a meta placeholder and where it lies in the source
-    (sharded_carried), reports none ignored; one process (load_to_device) still loads such a checkpoint whole."""
+    (sharded_carried), reports none ignored; one process (load_to_device) then reads them, as a whole load holds them."""
     from kiln.parallel.sharded_load import lean_pretrained
 
     src = hook_dirs["v3mtp"]
@@ -219,7 +219,9 @@ def test_tensors_a_family_carries_beyond_its_model_are_held_by_reference(hook_di
         k: ("model." + k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in whole.hf_extras.items()}
     with pytest.raises(WeightsError, match="have no data .*export its sharded checkpoint"):
         lean.save_pretrained(src.parent / "never")
-    assert load_to_device(src, "cpu") is None
+    one = load_to_device(src, "cpu")  # one process: the plan, then the carried tensors read into their holder
+    assert list(one.hf_extras) == list(whole.hf_extras) and not one.carried.refs
+    assert all(torch.equal(one.hf_extras[k], whole.hf_extras[k]) for k in whole.hf_extras)
 
 
 def test_an_mtp_layer_made_live_before_the_read_reads_as_on_a_whole_load(hook_dirs):

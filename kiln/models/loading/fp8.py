@@ -10,7 +10,7 @@ experts, a transpose) is read whole, one at a time, its FP8 sources dequantized 
 whole load does, then cut to this rank's piece (kiln.models.loading.read's general path). The FP8 pairs a whole load keeps
 beside the model for a one-process export (`Fp8State.originals`) are not read: kept FP8, where they lie is noted for
 a sharded checkpoint's export (kiln.parallel.sharded_fp8_export); one process reads them after the
-model (kiln.models.loading.plan.read_pairs).
+model (kiln.models.loading.plan.read_held).
 """
 
 from __future__ import annotations

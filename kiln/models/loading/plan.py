@@ -50,8 +50,8 @@ from kiln.models.loading.q4 import WholeLoad4, place_q4
 # - `.bin` weights with carried tensors: a carried reference points into safetensors files only;
 # - a family's own load that keeps tensors the model has no place for, not as stored: nothing to refer to;
 # - a new head on a family with its own load, FP8 or 4-bit bases (kiln.models.loading.fresh): drawn on the whole model;
-# and on one process only (`one_process`): carried tensors (`save_pretrained` writes them from memory, and an FP8
-# release's carried pairs are held dequantized beside their stored pair: a second form of them to read).
+# and on one process only (`one_process`): carried FP8 pairs (an FP8 release's MTP layer: a whole load holds each
+# weight dequantized and keeps its stored pair aside, two forms of it; carried tensors as stored are read, `read_held`).
 
 
 def build_plan(index: CheckpointIndex, family: Any, config: FamilyConfig, source_task: str | None, task: str,
@@ -98,7 +98,7 @@ def one_process(model: PreTrainedModel | None, plan: LoadPlan) -> str | None:
     export needs that only a whole load holds (the carried tensors)."""
     if plan.whole is not None or model is None:
         return plan.whole or "no model"
-    if placeholders(model):
+    if any(ref.dequantized for ref in model.carried.refs.values()):
         return f"{plan.index.root}: tensors the family carries: a one-process export writes them from memory"
     return None
 
@@ -232,9 +232,15 @@ def _groups(model: PreTrainedModel, spans: dict[str, Span]) -> tuple[dict[str, l
     return groups, extras
 
 
-def read_pairs(model: PreTrainedModel, plan: LoadPlan) -> None:
-    """One process: the stored FP8 pairs of the weights it read dequantized, held as a whole load holds them
-    (`Fp8State.originals`, what `save_pretrained` writes back); a sharded run notes where they lie instead."""
+def read_held(model: PreTrainedModel, plan: LoadPlan) -> None:
+    """One process, after the model is read: what a whole load holds beside it, for `save_pretrained` to write back
+    (a sharded run notes where these lie instead): the stored FP8 pairs of the weights read dequantized
+    (`Fp8State.originals`), and the tensors the family carries as stored (an MTP layer), in their holders."""
+    if model.carried.refs:
+        for holder, held in placeholders(model).items():
+            for name in held:  # (in place: the holder's order kept)
+                getattr(model, holder)[name] = plan.index.read(model.carried.refs[(holder, name)].key)
+        model.carried.refs = {}  # held, as on a whole load: not referred to as well
     if plan.fp8_pairs and model.fp8_state is not None:
         model.fp8_state.originals = {n: (plan.index.read(w), plan.index.read(s)) for n, (w, s) in plan.fp8_pairs.items()}
         model.carried.fp8_pairs = {}  # held, as on a whole load: not referred to as well
