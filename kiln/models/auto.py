@@ -45,7 +45,7 @@ from kiln.models.common.load_plan import LoadPlan
 from kiln.models.common.lora import has_adapter, load_adapter
 from kiln.models.common.quant4 import prepare_bnb4, quantize_model
 from kiln.models.config import FamilyConfig
-from kiln.models.loading.plan import build_plan, one_process
+from kiln.models.loading.plan import build_plan, one_process, read_held
 from kiln.models.loading.read import materialize
 from kiln.models.pretrained import Family, PreTrainedModel
 from kiln.models.tasks import (
@@ -128,8 +128,8 @@ def apply_changes(config: FamilyConfig, changes: dict[str, Any]) -> FamilyConfig
 
 
 def plan_load(path: str | os.PathLike | CheckpointIndex, task: str | None = None, fp8: str = "dequantize",
-              quantize: str | None = None, seed: int | None = None, tokenizer: bool = True, **changes: Any
-              ) -> tuple[PreTrainedModel | None, LoadPlan]:
+              quantize: str | None = None, seed: int | None = None, tokenizer: bool = True,
+              dtype: torch.dtype | None = None, **changes: Any) -> tuple[PreTrainedModel | None, LoadPlan]:
     """The load plan of an HF directory (or Hub repo id, or its index): the model built on meta holding the plan
     (`deferred_read`), and the plan: one typed source per tensor, or why the checkpoint loads whole
     (kiln.models.loading.plan). Every load reads it: `load_pretrained`, the sharded load, `kiln plan`."""
@@ -137,7 +137,7 @@ def plan_load(path: str | os.PathLike | CheckpointIndex, task: str | None = None
     family, config, source_task = config_of_dir(index.root)
     config = apply_changes(config, dict(changes))
     return build_plan(index, family, config, source_task, task or source_task or BASE, fp8, quantize, seed,
-                      tokenizer)
+                      tokenizer, dtype)
 
 
 def read_pretrained(path: str | os.PathLike | CheckpointIndex, device: torch.device | str = "cpu",
@@ -146,14 +146,14 @@ def read_pretrained(path: str | os.PathLike | CheckpointIndex, device: torch.dev
                     ) -> PreTrainedModel | None:
     """The model of an HF directory read from its load plan on one process, file -> `device` tensor by tensor (no
     whole copy in host memory), then cast to `dtype`, in eval mode; None where one process loads the checkpoint
-    whole (kiln.models.loading.plan.one_process says why; FP8 modules given a dtype too: the whole load dequantizes
-    and computes in it as it places them)."""
+    whole (kiln.models.loading.plan.one_process says why)."""
     if seed is not None:
         torch.manual_seed(seed)
-    model, plan = plan_load(path, task, fp8, quantize, seed, **changes)
-    if model is None or one_process(model, plan) is not None or (dtype is not None and model.fp8_state is not None):
+    model, plan = plan_load(path, task, fp8, quantize, seed, dtype=dtype, **changes)
+    if model is None or one_process(model, plan) is not None:
         return None
     materialize(model, plan.index, device)
+    read_held(model, plan)
     if dtype is not None:
         model.to(dtype)
     return model.eval()

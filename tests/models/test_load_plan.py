@@ -83,6 +83,23 @@ def test_a_cast_follows_the_plan_s_read(tiny_factory, materialized):
     assert len(materialized["read"]) == 1
 
 
+@pytest.mark.parametrize("kw", [{}, {"dtype": torch.float32}, {"fp8": "keep"}, {"fp8": "keep", "dtype": torch.float32}])
+def test_an_fp8_release_loads_through_its_plan_with_the_pairs_a_whole_load_keeps(kinds, kw, materialized, tmp_path):
+    """FP8 read dequantized (into `dtype` at once: one rounding) or kept: the stored pairs a one-process export
+    writes back are held as the whole load holds them, and the exports are byte for byte the same."""
+    plan_model = load_pretrained(kinds["fp8"], task="causal-lm", **kw)
+    assert len(materialized["read"]) == 1 and materialized["whole"] == []
+    whole = load_whole(kinds["fp8"], task="causal-lm", **kw)
+    _equal(plan_model, whole)
+    a, b = plan_model.fp8_state.originals, whole.fp8_state.originals
+    assert list(a) == list(b) and all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                                      for n in a for x, y in zip(a[n], b[n]))
+    plan_model.save_pretrained(tmp_path / "plan")
+    whole.save_pretrained(tmp_path / "whole")
+    for f in sorted(p.name for p in (tmp_path / "whole").iterdir()):
+        assert (tmp_path / "plan" / f).read_bytes() == (tmp_path / "whole" / f).read_bytes(), f
+
+
 QWEN3 = dict(vocab_size=99, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
 MOE = dict(QWEN3, moe_intermediate_size=16, head_dim=8, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
@@ -105,7 +122,7 @@ def kinds(tmp_path_factory, tiny_factory):
     ("qwen3", {}, Stored, True),                              # FSDP2 / TP / PP: rows or boxes of stored tensors
     ("moe", {}, Stacked, True),                               # EP: each rank its experts
     ("fp8", {"fp8": "keep"}, Stored, True),                   # FP8 kept: the FP8 bytes and scales as stored
-    ("fp8", {}, Fp8Box, False),                               # FP8 dequantized: boxes (one process: whole, for pairs)
+    ("fp8", {}, Fp8Box, True),                                # FP8 dequantized: boxes and the scale blocks they touch
     ("qwen3", {"quantize": "nf4"}, Rows4, True),              # 4-bit: each rank its packed bytes
 ])
 def test_each_sharded_mode_s_checkpoint_has_one_typed_plan_the_whole_load_reads_too(kinds, name, kw, kind, taken,
@@ -123,3 +140,37 @@ def test_each_sharded_mode_s_checkpoint_has_one_typed_plan_the_whole_load_reads_
     whole = load_pretrained(kinds[name], task="causal-lm", **kw)
     assert (len(materialized["read"]) == 1) == taken and (materialized["whole"] == []) == taken
     _equal(whole, load_whole(kinds[name], task="causal-lm", **kw))
+
+
+@pytest.mark.parametrize("name", ["v3mtp", "qwen35mtp"])
+def test_tensors_a_family_carries_are_held_on_one_process_as_the_whole_load_holds_them(name, tmp_path, tiny_factory,
+                                                                                       materialized):
+    """An MTP layer a family carries as stored (not trained): read into its holder after the model, so the export of
+    a one-process load writes it back byte for byte as the whole load's does."""
+    from tests.parallel.test_sharded_load import v3_with_mtp
+
+    path = v3_with_mtp(tmp_path / "v3") if name == "v3mtp" else _qwen35_with_mtp(tiny_factory, tmp_path / "q35")
+    plan_model = load_pretrained(path, task="causal-lm")
+    assert len(materialized["read"]) == 1 and materialized["whole"] == [] and not plan_model.carried.refs
+    whole = load_whole(path, task="causal-lm")
+    _equal(plan_model, whole)
+    for holder in ("hf_extras", "hf_passthrough", "mtp_tensors"):
+        a, b = getattr(plan_model, holder, None) or {}, getattr(whole, holder, None) or {}
+        assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a), holder
+    assert any(getattr(whole, h, None) for h in ("hf_extras", "hf_passthrough", "mtp_tensors"))
+    plan_model.save_pretrained(tmp_path / "plan")
+    whole.save_pretrained(tmp_path / "whole")
+    for f in sorted(p.name for p in (tmp_path / "whole").iterdir()):
+        assert (tmp_path / "plan" / f).read_bytes() == (tmp_path / "whole" / f).read_bytes(), f
+
+
+def _qwen35_with_mtp(tiny_factory, path):
+    """A tiny Qwen3.5-MoE release with a tensor of its MTP head (`mtp.*`, carried in hf_passthrough)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_factory("qwen3_5_moe", "causal-lm"), path)
+    state = load_file(str(path / "model.safetensors"))
+    save_file({**state, "mtp.fc.weight": torch.ones(4, 4)}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path

@@ -25,11 +25,11 @@ def v4fp8_dir(tiny_factory, tmp_path_factory):
     return fp8_release_without_mtp(tiny_factory, tmp_path_factory.mktemp("v4fp8"))
 
 
-def test_an_fp8_weight_no_fp8_module_holds_is_read_dequantized_and_one_process_loads_it_whole(v4fp8_dir):
+def test_an_fp8_weight_no_fp8_module_holds_is_read_dequantized_and_one_process_holds_its_pair(v4fp8_dir):
     """Kept FP8 (`fp8 = "keep"`), DeepSeek-V4's `wo_a` is dequantized as a whole load dequantizes it, its piece
     read with its scale blocks (sharded_fp8): the same tensors, bit for bit (2 ranks: test_sharded_load's spawn).
-    One process (`load_to_device`) loads such a release whole: its export writes `wo_a` back from the pair a whole
-    load keeps."""
+    One process (`load_to_device`) reads the plan too and then the pairs a whole load keeps (its export writes `wo_a`
+    back from them)."""
     whole = load_whole(v4fp8_dir, task="causal-lm", fp8="keep")
     lean = lean_pretrained(v4fp8_dir, "causal-lm", None, fp8="keep")
     unheld = sorted(lean.deferred_read.unheld_fp8)  # what the read dequantizes (declared data, gone once read)
@@ -40,7 +40,9 @@ def test_an_fp8_weight_no_fp8_module_holds_is_read_dequantized_and_one_process_l
         sorted(k.removeprefix("model.") for k in whole.fp8_state.originals)
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(_bits(a[k]), _bits(b[k])), k
-    assert load_to_device(v4fp8_dir, "cpu", task="causal-lm", fp8="keep") is None
+    one = load_to_device(v4fp8_dir, "cpu", task="causal-lm", fp8="keep")  # one process: the pairs held, as whole
+    c, d = one.fp8_state.originals, whole.fp8_state.originals
+    assert list(c) == list(d) and all(torch.equal(_bits(x), _bits(y)) for n in c for x, y in zip(c[n], d[n]))
 
 
 def test_a_sharded_checkpoint_reads_the_pairs_it_writes_back_from_the_source_and_names_one_gone(v4fp8_dir, tmp_path):

@@ -74,13 +74,14 @@ def test_a_new_head_or_an_adapter_is_put_on_as_a_whole_load_puts_it(dirs, name, 
     _same(whole, direct)
 
 
-def test_a_tensor_the_checkpoint_owes_goes_to_the_whole_load_which_names_it(dirs, tmp_path):
+def test_a_tensor_the_checkpoint_owes_is_named_by_the_plan_as_by_the_whole_load(dirs, tmp_path):
     owing = tmp_path / "owing"
     shutil.copytree(dirs["qwen3"], owing)
     index = json.loads((owing / "model.safetensors.index.json").read_text())
     home = owing / index["weight_map"]["lm_head.weight"]  # a causal-LM checkpoint without its own head
     save_file({k: v for k, v in load_file(str(home)).items() if k != "lm_head.weight"}, str(home))
     assert "lm_head.weight" not in tensor_spans(home)
-    assert lean_pretrained(owing, "causal-lm", 0) is None
+    with pytest.raises(WeightsError, match="missing tensor.*lm_head"):  # the plan runs the whole load's checks
+        lean_pretrained(owing, "causal-lm", 0)
     with pytest.raises(WeightsError, match="missing tensor.*lm_head"):
         load_whole(owing, task="causal-lm")

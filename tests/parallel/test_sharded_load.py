@@ -68,8 +68,8 @@ def test_an_fp8_release_kept_fp8_reads_as_the_whole_load_keeps_it(fp8_dir):
 def test_fp8_releases_to_dequantize_read_piece_by_piece_as_the_whole_load_dequantizes_them(fp8_dir, fp8_moe_dir):
     """The default (fp8 = "dequantize"): each FP8 weight read with its scale blocks and dequantized as it is read
     (partial blocks: this tiny's 37-wide MLP in 16-blocks; stacked experts too), equal to a whole load's
-    dequantization bit for bit; the scales are not reported ignored. One process (`load_to_device`) loads such
-    a release whole: its export writes unchanged weights back from the FP8 pairs a whole load keeps."""
+    dequantization bit for bit; the scales are not reported ignored. One process (`load_to_device`) reads the same
+    plan, then the FP8 pairs a whole load keeps (its export writes unchanged weights back from them)."""
     for path in (fp8_dir, fp8_moe_dir):
         whole = load_whole(path, task="causal-lm")
         lean = empty_pretrained(path, task="causal-lm")
@@ -79,7 +79,10 @@ def test_fp8_releases_to_dequantize_read_piece_by_piece_as_the_whole_load_dequan
         for k in a:
             assert torch.equal(a[k], b[k]), k
         assert lean.load_report == whole.load_report and whole.fp8_state.originals and not lean.fp8_state.originals
-    assert load_to_device(fp8_dir, "cpu", task="causal-lm") is None
+        one = load_to_device(path, "cpu", task="causal-lm")  # one process: then the pairs, as the whole load holds them
+        c, d = one.fp8_state.originals, whole.fp8_state.originals
+        assert list(c) == list(d) and all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                                          for n in c for x, y in zip(c[n], d[n]))
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +203,7 @@ def test_a_run_on_an_accelerator_reads_its_model_straight_to_it(dirs, monkeypatc
 def test_tensors_a_family_carries_beyond_its_model_are_held_by_reference(hook_dirs):
     """A DeepSeek-V3 release's MTP layer (layer num_hidden_layers) has no place in the model; its family's load
     carries it to the export (hf_extras). A read holds each as a meta placeholder and where it lies in the source
-    (sharded_carried), reports none ignored; one process (load_to_device) still loads such a checkpoint whole."""
+    (sharded_carried), reports none ignored; one process (load_to_device) then reads them, as a whole load holds them."""
     from kiln.parallel.sharded_load import lean_pretrained
 
     src = hook_dirs["v3mtp"]
@@ -216,7 +219,9 @@ def test_tensors_a_family_carries_beyond_its_model_are_held_by_reference(hook_di
         k: ("model." + k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in whole.hf_extras.items()}
     with pytest.raises(WeightsError, match="have no data .*export its sharded checkpoint"):
         lean.save_pretrained(src.parent / "never")
-    assert load_to_device(src, "cpu") is None
+    one = load_to_device(src, "cpu")  # one process: the plan, then the carried tensors read into their holder
+    assert list(one.hf_extras) == list(whole.hf_extras) and not one.carried.refs
+    assert all(torch.equal(one.hf_extras[k], whole.hf_extras[k]) for k in whole.hf_extras)
 
 
 def test_an_mtp_layer_made_live_before_the_read_reads_as_on_a_whole_load(hook_dirs):
@@ -241,9 +246,8 @@ def bad_inputs_are_named(model_dir, tmp_path, second_shard: str) -> None:
     directory's `second_shard`, e.g. "model-00002"), each stop the sharded read with a message naming them."""
     import shutil
 
-    lean = empty_pretrained(model_dir, task="causal-lm", intermediate_size=40)
     with pytest.raises(WeightsError, match=r"mlp\.(gate|up|down)_proj\.weight.*shape .*expects"):
-        read_shards(lean, model_dir)
+        empty_pretrained(model_dir, task="causal-lm", intermediate_size=40)  # the plan: the whole load's checks
     broken = tmp_path / "broken"
     shutil.copytree(model_dir, broken)
     next(broken.glob(f"{second_shard}-*")).unlink()

@@ -130,6 +130,8 @@ class LoadPlan:
     whole: str | None = None                # why every rank loads this checkpoint whole (None: the plan reads it)
     q4: Q4Read | None = None                # 4-bit Linears and where their weights lie (kiln.models.loading.q4)
     unheld_fp8: frozenset[str] = frozenset()  # kept FP8: FP8 weights no FP8 module holds, read dequantized
+    fp8_pairs: dict[str, tuple[str, str]] = field(default_factory=dict)  # FP8 weights read dequantized: name the
+    #                                         save writes -> (weight key, scale key), the pairs a whole load keeps
     fresh_names: list[str] = field(default_factory=list)  # a new head's tensors, drawn (reported initialised)
     fresh_rng: torch.Tensor | None = None   # the generator after those draws (and an adapter's): where a whole
     #                                         load leaves it, for the next adapters' draws

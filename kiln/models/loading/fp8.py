@@ -9,8 +9,8 @@ whole load's dequantization bit for bit (kiln.hub.fp8.dequantize). A tensor that
 experts, a transpose) is read whole, one at a time, its FP8 sources dequantized with their whole scales as a
 whole load does, then cut to this rank's piece (kiln.models.loading.read's general path). The FP8 pairs a whole load keeps
 beside the model for a one-process export (`Fp8State.originals`) are not read: kept FP8, where they lie is noted for
-a sharded checkpoint's export (kiln.parallel.sharded_fp8_export); one process loads such a checkpoint whole
-(kiln.models.loading.plan.needs_pairs).
+a sharded checkpoint's export (kiln.parallel.sharded_fp8_export); one process reads them after the
+model (kiln.models.loading.plan.read_held).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def note_unheld(model: Any, stored: dict[str, torch.Tensor], weights: dict[str, 
     """Kept FP8 (`fp8 = "keep"`): the FP8 weights no FP8 module holds (DeepSeek-V4's grouped `wo_a`), which a
     whole load dequantizes (`stored`: the checkpoint's tensors, `weights`: the state a whole load loads; meta),
     go to the load plan's `unheld_fp8`, read as the dequantized are. A whole load keeps their FP8 pairs for a
-    one-process export (`Fp8State.originals`); this read does not, so the model `needs_pairs`."""
+    one-process export (`Fp8State.originals`); a sharded read notes where they lie (`note_pairs`)."""
     if model.fp8_state.mode == "keep":
         model.deferred_read.unheld_fp8 = frozenset(k for k, t in stored.items() if t.dtype in (FP8, torch.int8)
                                                    and k in weights and weights[k].dtype != t.dtype)

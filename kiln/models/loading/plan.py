@@ -50,16 +50,17 @@ from kiln.models.loading.q4 import WholeLoad4, place_q4
 # - `.bin` weights with carried tensors: a carried reference points into safetensors files only;
 # - a family's own load that keeps tensors the model has no place for, not as stored: nothing to refer to;
 # - a new head on a family with its own load, FP8 or 4-bit bases (kiln.models.loading.fresh): drawn on the whole model;
-# and on one process only (`LoadPlan.one_process`): FP8 dequantized (the whole load keeps the stored pairs for a
-# one-process export, `Fp8State.originals`) and carried tensors (`save_pretrained` writes them from memory).
+# and on one process only (`one_process`): carried FP8 pairs (an FP8 release's MTP layer: a whole load holds each
+# weight dequantized and keeps its stored pair aside, two forms of it; carried tensors as stored are read, `read_held`).
 
 
 def build_plan(index: CheckpointIndex, family: Any, config: FamilyConfig, source_task: str | None, task: str,
                fp8: str = "dequantize", quantize: str | None = None, seed: int | None = None,
-               tokenizer: bool = True) -> tuple[PreTrainedModel | None, LoadPlan]:
+               tokenizer: bool = True, dtype: torch.dtype | None = None) -> tuple[PreTrainedModel | None, LoadPlan]:
     """(the model on meta holding its plan in `deferred_read`, the plan). The model is None where the headers cannot
     be taken so (a `.bin` not stored in place, a 4-bit base no read takes: `plan.whole` says which); an FP8 or 4-bit
-    `.bin` is built for what its family carries alone (`kiln plan` asks), its plan whole."""
+    `.bin` is built for what its family carries alone (`kiln plan` asks), its plan whole. `dtype`: what FP8 weights
+    dequantize to (a whole load's `dtype`: one rounding, not two)."""
     plan = LoadPlan(index, source_task, seed)
     path, source = index.root, str(index.root / "config.json")
     quantized_bin = any(f.suffix == ".bin" for f in index.files) and "quantization_config" in config.extra
@@ -69,7 +70,7 @@ def build_plan(index: CheckpointIndex, family: Any, config: FamilyConfig, source
             model = family.build(config, task)
         model.deferred_read = plan
         scheme = None if bnb4_scheme_from_config(config.extra, source) else scheme_from_config(config.extra, source)
-        unplaced = _place(model, plan, config, scheme, fp8, quantize)
+        unplaced = _place(model, plan, config, scheme, fp8, quantize, dtype)
     except (WholeLoad4, NotInPlace, WeightsError) as e:
         if quantized_bin or isinstance(e, (WholeLoad4, NotInPlace)):
             plan.whole = qbin if quantized_bin else str(e)
@@ -94,26 +95,17 @@ def build_plan(index: CheckpointIndex, family: Any, config: FamilyConfig, source
 
 def one_process(model: PreTrainedModel | None, plan: LoadPlan) -> str | None:
     """Why one process loads this checkpoint whole (None: it reads the plan): `plan.whole`, or what a one-process
-    export needs that only a whole load holds (the FP8 pairs it dequantized; the carried tensors)."""
+    export needs that only a whole load holds (the carried tensors)."""
     if plan.whole is not None or model is None:
         return plan.whole or "no model"
-    if needs_pairs(model):
-        return f"{plan.index.root}: FP8 dequantized: a one-process export writes the stored pairs a whole load keeps"
-    if placeholders(model):
+    if any(ref.dequantized for ref in model.carried.refs.values()):
         return f"{plan.index.root}: tensors the family carries: a one-process export writes them from memory"
     return None
 
 
-def needs_pairs(model: Any) -> bool:
-    """Whether a one-process export of `model` needs the FP8 pairs only a whole load keeps: it dequantized FP8
-    weights it read (all of them, or those no FP8 module holds)."""
-    state = getattr(model, "fp8_state", None)
-    plan = getattr(model, "deferred_read", None)
-    return state is not None and (state.mode == "dequantize" or bool(plan and plan.unheld_fp8))
 
-
-def _place(model: PreTrainedModel, plan: LoadPlan, config: FamilyConfig, scheme: Any, fp8: str, quantize: str | None
-           ) -> list[str]:
+def _place(model: PreTrainedModel, plan: LoadPlan, config: FamilyConfig, scheme: Any, fp8: str, quantize: str | None,
+           dtype: torch.dtype | None) -> list[str]:
     """FP8 and 4-bit modules placed, stored dtypes taken, the family's load run on the headers and every checkpoint
     key's source written down; returns the checkpoint keys that land in no tensor (extras, unmatched, a kiln name the
     model lacks, not carried)."""
@@ -123,10 +115,12 @@ def _place(model: PreTrainedModel, plan: LoadPlan, config: FamilyConfig, scheme:
     if scheme is not None:
         from kiln.models.common.fp8 import prepare_fp8
 
-        stored, weights = weights, prepare_fp8(model, weights, scheme, fp8, None, str(index.root))
+        stored, weights = weights, prepare_fp8(model, weights, scheme, fp8, dtype, str(index.root))
         note_unheld(model, stored, weights)  # kept FP8 weights no FP8 module holds: read dequantized
         note_pairs(model, stored, index)  # where the pairs a whole load keeps lie, for a sharded checkpoint's export
         assert model.fp8_state is not None  # (prepare_fp8 placed it)
+        key_of = {id(t): k for k, t in stored.items()}  # the pairs a whole load keeps: read on one process
+        plan.fp8_pairs = {n: (key_of[id(q)], key_of[id(s)]) for n, (q, s) in model.fp8_state.originals.items()}
         model.fp8_state.originals = {}
     if type(model).load_hf_state_dict is PreTrainedModel.load_hf_state_dict \
             and bnb4_scheme_from_config(config.extra, str(index.root / "config.json")) is None:
@@ -236,3 +230,17 @@ def _groups(model: PreTrainedModel, spans: dict[str, Span]) -> tuple[dict[str, l
         if kiln is not None:
             groups.setdefault(kiln, []).append((key, name))
     return groups, extras
+
+
+def read_held(model: PreTrainedModel, plan: LoadPlan) -> None:
+    """One process, after the model is read: what a whole load holds beside it, for `save_pretrained` to write back
+    (a sharded run notes where these lie instead): the stored FP8 pairs of the weights read dequantized
+    (`Fp8State.originals`), and the tensors the family carries as stored (an MTP layer), in their holders."""
+    if model.carried.refs:
+        for holder, held in placeholders(model).items():
+            for name in held:  # (in place: the holder's order kept)
+                getattr(model, holder)[name] = plan.index.read(model.carried.refs[(holder, name)].key)
+        model.carried.refs = {}  # held, as on a whole load: not referred to as well
+    if plan.fp8_pairs and model.fp8_state is not None:
+        model.fp8_state.originals = {n: (plan.index.read(w), plan.index.read(s)) for n, (w, s) in plan.fp8_pairs.items()}
+        model.carried.fp8_pairs = {}  # held, as on a whole load: not referred to as well
