@@ -248,22 +248,34 @@ def _kiln_bench_hwm():
             f.write(hwm)
     except Exception:
         pass
-if os.environ.get("KILN_BENCH_HWM_DIR"):
+# the measured processes only: a rank (or the one kiln process of a 1-process run), not a process it starts (a
+# compiler, a reward worker), which would inherit RANK and be counted as a second rank
+if os.environ.get("KILN_BENCH_HWM_DIR") and ("RANK" in os.environ or os.environ.get("KILN_BENCH_NPROC") == "1"):
     atexit.register(_kiln_bench_hwm)
+    os.environ["KILN_BENCH_HWM_CHILD"] = "1"  # what it starts by exec inherits this; a fork: see run_kiln's poll
 '''
 
 
 def _hwm_kb(pid: int) -> tuple[str, int] | None:
-    """(RANK or "main", VmHWM kB) of a kiln process, or None (not a rank / gone)."""
+    """(RANK or "main", VmHWM kB) of a kiln process, or None (not a rank / gone / a process a rank started)."""
     try:
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        if b"KILN_BENCH_HWM_DIR" not in b"".join(e.split(b"=")[0] for e in env):
+        names = {e.split(b"=")[0] for e in env}
+        if b"KILN_BENCH_HWM_DIR" not in names or b"KILN_BENCH_HWM_CHILD" in names:
             return None
         rank = next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"RANK=")), "main")
         line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmHWM"))
         return rank, int(line.split()[1])
     except (OSError, StopIteration):
         return None
+
+
+def _ppid(pid: int) -> int:
+    """The parent of `pid` (0 when gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def _descendants(pid: int) -> list[int]:
@@ -288,7 +300,7 @@ def run_kiln(run: Run, model: Path, chats: Path, work: Path, pythonpath: str = s
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
     hwm_dir = Path(tempfile.mkdtemp(dir=work, prefix="hwm-"))
-    env = {**os.environ, "PYTHONPATH": f"{hook}:{pythonpath}", "KILN_BENCH_HWM_DIR": str(hwm_dir),
+    env = {**os.environ, "PYTHONPATH": f"{hook}:{pythonpath}", "KILN_BENCH_HWM_DIR": str(hwm_dir), "KILN_BENCH_NPROC": str(run.nproc),
            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env_extra or {})}
     env.pop("RANK", None)
     cli = [sys.executable, "-m", "kiln.cli.main"]
@@ -307,6 +319,9 @@ def run_kiln(run: Run, model: Path, chats: Path, work: Path, pythonpath: str = s
         while not done.is_set():
             for pid in _descendants(proc.pid) + [proc.pid]:
                 got = _hwm_kb(pid)
+                parent = _hwm_kb(_ppid(pid)) if got is not None else None
+                if parent is not None and parent[0] == got[0]:  # forked by a measured process: not a rank
+                    continue
                 if got is not None and (run.nproc == 1 or got[0] != "main"):
                     polled[f"{got[0]}-{pid}"] = max(polled.get(f"{got[0]}-{pid}", 0), got[1])
             if not first_step and metrics.exists() and '"loss"' in metrics.read_text():
