@@ -267,7 +267,7 @@ class Trainer:
 
     def _restore(self, path: Path) -> None:
         # the checkpoint's param groups carry the old hyperparameters; this run's config wins (lr is set per step)
-        current: list[dict[str, Any]] = [{k: g[k] for k in ("weight_decay", "betas", "eps") if k in g}
+        current: list[dict[str, object]] = [{k: g[k] for k in ("weight_decay", "betas", "eps") if k in g}
                                          for g in self.optimizer.param_groups]
         optim, rngs = self._preloaded or (None, None)  # a plain checkpoint's, read before the plans
         if self.reshard is not None and self.sharded and not plans.is_sharded(path):
