@@ -69,6 +69,8 @@ def _why_lost(rank: int) -> str:
     """What the rank that lost its peer said about it, in parentheses ('' when it left nothing); a timeout
     names the setting that bounds it (the peer hung, or its node went away without closing its sockets)."""
     folder = os.environ.get(LAUNCH_DIR_ENV)
+    if folder is None:  # launched without a launch folder: nothing was left
+        return ""
     try:
         why = (Path(folder) / f"{LAUNCH_PEER_LOST_PREFIX}{rank:05d}").read_text(encoding="utf-8").strip()
     except (OSError, TypeError):

@@ -36,7 +36,7 @@ from kiln.hub.jsonio import read_json
 FORMAT = "kiln-token-shards"
 VERSION = 1
 MANIFEST = "manifest.json"
-DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+DTYPES: dict[str, type[np.unsignedinteger[Any]]] = {"uint16": np.uint16, "uint32": np.uint32}
 
 
 class ShardError(KilnError):

@@ -138,7 +138,7 @@ def moe_rows(moe: HashOrTopKMoE, x: torch.Tensor, ids: torch.Tensor) -> torch.Te
         index = cast(torch.Tensor, gate.tid2eid)[ids].long()
     else:
         assert isinstance(gate, ScoredTopKRouter)
-        bias = cast(torch.Tensor, gate.e_score_correction_bias)
+        bias = gate.e_score_correction_bias
         index = torch.topk(scores + bias, gate.top_k, dim=-1).indices
         if gate.training:
             gate._count(index)  # the balancing callback's load, as the model's router counts it

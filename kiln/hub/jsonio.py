@@ -15,7 +15,7 @@ from typing import Any
 
 from kiln.errors import KilnError
 
-_KINDS = {dict: "object", list: "array"}
+_KINDS: dict[type, str] = {dict: "object", list: "array"}
 
 
 def read_json(path: str | os.PathLike, error: type[KilnError] = KilnError, want: type | None = None) -> Any:

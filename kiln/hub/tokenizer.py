@@ -92,8 +92,7 @@ class Tokenizer:
             except Exception as e:  # noqa: BLE001 - the Rust library reports parse errors as plain Exceptions
                 raise KilnError(f"{tj}: cannot be read by the tokenizers library ({e})") from None
         elif (model_dir / "vocab.txt").is_file():
-            specials = {n: _token_text(config.get(n) or smap.get(n)) for n in _SPECIALS}
-            specials = {n: t for n, t in specials.items() if t}
+            specials = {n: t for n in _SPECIALS if (t := _token_text(config.get(n) or smap.get(n)))}
             backend = _wordpiece_from_vocab(model_dir / "vocab.txt", bool(config.get("do_lower_case", True)), specials)
         else:
             raise KilnError(f"{model_dir}: no tokenizer.json or vocab.txt in this directory")
@@ -111,7 +110,8 @@ class Tokenizer:
         written = [out / "tokenizer.json"]
         src = self.source_dir / "tokenizer.json" if self.source_dir is not None else None
         if src is not None and src.is_file():
-            write_atomic(written[0], lambda tmp: shutil.copyfile(src, tmp))  # unchanged: kept byte for byte
+            kept = src  # (narrowed, for the closure)
+            write_atomic(written[0], lambda tmp: shutil.copyfile(kept, tmp))  # unchanged: kept byte for byte
         else:
             write_atomic(written[0], lambda tmp: self.backend.save(str(tmp)))
         config = dict(self.config)

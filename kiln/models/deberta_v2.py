@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, KilnError
 from kiln.models.common.activations import activation
 from kiln.models.common.encoder import EncoderLayer
 from kiln.models.config import FamilyConfig
@@ -207,6 +207,8 @@ class DisentangledSelfAttention(nn.Module):
         scale = self.scale.to(dtype=q.dtype)
         scores = torch.bmm(q, k.transpose(-1, -2) / scale)  # (B*H, T, T); HF scales k, not the scores
         if self.relative and (self.c2p or self.p2c):
+            if rel is None:
+                raise KilnError("DeBERTa's relative attention needs the relative inputs (the encoder passes them)")
             scores = scores.add_(self.relative_scores(q, k, rel, scale))  # in place: bmm's backward reads its inputs only
         scores = scores.view(B, self.num_heads, T, T).masked_fill_(masked, torch.finfo(q.dtype).min)
         probs = self.dropout(F.softmax(scores, dim=-1))
@@ -227,16 +229,22 @@ class DisentangledSelfAttention(nn.Module):
         score = None
         if self.c2p:  # query content i against the embedding of distance i - j
             proj = self.k_proj if self.share_att_key else self.pos_key_proj
+            if proj is None:
+                raise KilnError("c2p attention without its pos_key_proj (share_att_key is off)")
             pos_k = self.heads(proj(table)).repeat(batch, 1, 1)  # (B*H, 2S, D)
             c2p = torch.bmm(q, pos_k.transpose(-1, -2))  # (B*H, T, 2S)
             c2p = torch.gather(c2p, dim=-1, index=rel.c2p_index.expand(BH, T, T))  # (B*H, T, T)
             score = c2p.div_(scale)  # in place: gather's output is fresh and its backward does not read it
         if self.p2c:  # key content j against the embedding of distance j - i, transposed to (i, j)
             proj = self.q_proj if self.share_att_key else self.pos_query_proj
+            if proj is None:
+                raise KilnError("p2c attention without its pos_query_proj (share_att_key is off)")
             pos_q = self.heads(proj(table)).repeat(batch, 1, 1)  # (B*H, 2S, D)
             p2c = torch.bmm(k, pos_q.transpose(-1, -2))  # (B*H, T, 2S)
             p2c = torch.gather(p2c, dim=-1, index=rel.p2c_index.expand(BH, T, T)).transpose(-1, -2)
             score = p2c.div_(scale) if score is None else score.add_(p2c.div_(scale))
+        if score is None:
+            raise KilnError("relative_scores runs for c2p or p2c attention; this layer has neither")
         return score
 
 
@@ -311,6 +319,8 @@ class DebertaEncoder(nn.Module):
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
         ref = input_ids if input_ids is not None else inputs_embeds
+        if ref is None:
+            raise KilnError("give input_ids or inputs_embeds")
         shape = ref.shape[:2]
         if attention_mask is None:
             attention_mask = torch.ones(shape, device=ref.device)  # float ones, as HF makes them
@@ -368,6 +378,8 @@ class DebertaForSequenceClassification(ForSequenceClassification):
             return super().forward(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, labels)
         out = super().forward(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         logits, n = out.logits, self.config.num_labels  # (B, n)
+        if logits is None:
+            raise KilnError("the sequence classifier returned no logits")
         if n == 1:
             logits = logits.view(-1).to(labels.dtype)  # HF returns these flattened logits
             out.loss = F.mse_loss(logits, labels.view(-1))

@@ -9,7 +9,7 @@ ones every causal backbone shares (`common/causal_lm.py`): the base model and ba
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -20,7 +20,7 @@ from kiln.models.common.causal_lm import CausalLMOutput, DecoderModel, ForCausal
 from kiln.models.common.decoder import AttentionSpec, Decoder
 from kiln.models.common.rope import RotaryEmbedding, rope_parameters
 from kiln.models.config import FamilyConfig
-from kiln.models.keymap import KeyMap, Rule
+from kiln.models.keymap import KeyMap, Rule, Stack
 from kiln.models.parallel_plan import ParallelPlan
 from kiln.models.pretrained import Family, TaskSpec
 from kiln.models.tasks import BASE, CAUSAL_LM, SEQUENCE_CLASSIFICATION
@@ -161,7 +161,7 @@ DECODER_PLAN = ParallelPlan(
 
 
 def decoder_family(model_type: str, config_cls: type[DecoderConfig], arch: str, attention: AttentionFn,
-                   mlp: MlpFn, rules: list[Rule] | None = None, parallel_plan: ParallelPlan = DECODER_PLAN) -> Family:
+                   mlp: MlpFn, rules: Sequence[Rule | Stack | tuple[str, str]] | None = None, parallel_plan: ParallelPlan = DECODER_PLAN) -> Family:
     """A Family with `base` ({arch}Model), `causal-lm` ({arch}ForCausalLM) and `sequence-classification`
     ({arch}ForSequenceClassification: a reward model is its one-label case) heads."""
     from kiln.models.decoder_seqcls import DecoderForSequenceClassification
@@ -176,7 +176,7 @@ def decoder_family(model_type: str, config_cls: type[DecoderConfig], arch: str, 
         model_type=model_type,
         config_cls=config_cls,
         hf_prefix="model",
-        base_keys=KeyMap(list(rules or []) + IDENTITY_KEYS),
+        base_keys=KeyMap([*(rules or []), *IDENTITY_KEYS]),
         parallel_plan=parallel_plan,
         tasks={
             BASE: TaskSpec(f"{arch}Model", lambda c: DecoderModel(build_decoder(c, attention, mlp))),

@@ -9,6 +9,8 @@ transformers' sequence-classification loss (regression for one label, as a rewar
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -16,6 +18,9 @@ from kiln.errors import KilnError
 from kiln.models.common.causal_lm import ForCausalLM
 from kiln.models.heads import ForSequenceClassification, ModelOutput
 from kiln.models.pretrained import PreTrainedModel
+
+if TYPE_CHECKING:  # (decoder_lm builds this head)
+    from kiln.models.decoder_lm import DecoderConfig
 
 
 def last_token_index(input_ids: torch.Tensor, pad_token_id: int | None) -> torch.Tensor:
@@ -40,9 +45,10 @@ class DecoderForSequenceClassification(ForSequenceClassification):
 
     # whether packed rows keep samples apart: the causal LM's question, asked of the same backbone
     packs_samples = ForCausalLM.packs_samples
+    config: DecoderConfig
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
-                labels=None, read_at: torch.Tensor | None = None) -> ModelOutput:
+    def forward(self, input_ids=None, attention_mask=None,  # type: ignore[override]  # a decoder: no token_type_ids
+                position_ids=None, inputs_embeds=None, labels=None, read_at: torch.Tensor | None = None) -> ModelOutput:
         """`read_at` (2, N): the (row, position) of each score for rows that hold several sequences (packed, their
         positions restarting per sequence): one score per sequence, read at its last token."""
         if input_ids is None:

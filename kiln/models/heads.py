@@ -203,10 +203,20 @@ class ForQuestionAnswering(PreTrainedModel):
         return ModelOutput(loss=loss, start_logits=start, end_logits=end, last_hidden_state=hidden)
 
 
+def word_embedding_weight(backbone: nn.Module) -> torch.Tensor:
+    """The encoder backbone's word embedding table (`embeddings.word_embeddings`), which a masked LM head scores
+    against."""
+    table = backbone.get_submodule("embeddings.word_embeddings")
+    if not isinstance(table, nn.Embedding):
+        raise KilnError(f"{type(backbone).__name__}.embeddings.word_embeddings is a {type(table).__name__}, "
+                        "not the nn.Embedding a masked LM head scores against")
+    return table.weight
+
+
 class ForMaskedLM(PreTrainedModel):
     default_task = MASKED_LM
 
-    def __init__(self, model: nn.Module, head: MLMHead):
+    def __init__(self, model: nn.Module, head: nn.Module):  # (hidden, embedding weight) -> logits: an MLMHead
         super().__init__()
         self.model = model
         self.head = head
@@ -214,7 +224,7 @@ class ForMaskedLM(PreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None) -> ModelOutput:
         hidden, _ = self.model(**_backbone_inputs(locals()))
-        logits = self.head(hidden, self.model.embeddings.word_embeddings.weight)  # (B, T, V)
+        logits = self.head(hidden, word_embedding_weight(self.model))  # (B, T, V)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))

@@ -26,6 +26,7 @@ from kiln.models.common.activations import activation
 from kiln.models.common.attention import bidirectional_mask, sliding_window_mask
 from kiln.models.common.encoder import Embeddings
 from kiln.models.common.rope import RotaryEmbedding, apply_rope, rope_parameters
+from kiln.models.common.typed import members
 from kiln.models.config import FamilyConfig
 from kiln.models.heads import (
     BaseModel,
@@ -199,7 +200,7 @@ def _everything(t: torch.Tensor) -> bool:
     return True
 
 
-def _trunc_normal(linear: nn.Module, std: float, cutoff: float, is_fresh: IsFresh = _everything) -> None:
+def _trunc_normal(linear: nn.Linear | nn.Embedding, std: float, cutoff: float, is_fresh: IsFresh = _everything) -> None:
     """transformers' ModernBERT init of one Linear: weight ~ N(0, std) cut at +-cutoff * std (a tensor a load filled:
     untouched, no draw)."""
     if is_fresh(linear.weight):
@@ -210,7 +211,7 @@ def _out_std(c: ModernBertConfig) -> float:
     return c.initializer_range / math.sqrt(2.0 * c.num_hidden_layers)
 
 
-def _trunc_classifier(linear: nn.Module, c: ModernBertConfig, is_fresh: IsFresh) -> None:
+def _trunc_classifier(linear: nn.Linear, c: ModernBertConfig, is_fresh: IsFresh) -> None:
     _trunc_normal(linear, c.hidden_size**-0.5, c.initializer_cutoff_factor, is_fresh)
 
 
@@ -240,7 +241,7 @@ class ModernBertEncoder(nn.Module):
         c = self.config
         cut, std = c.initializer_cutoff_factor, c.initializer_range
         _trunc_normal(self.embeddings.word_embeddings, std, cut, is_fresh)
-        for layer in self.layers:
+        for layer in members(self.layers, ModernBertLayer):
             for linear, s in ((layer.attn.qkv_proj, std), (layer.mlp.up_proj, std), (layer.attn.o_proj, _out_std(c)),
                               (layer.mlp.down_proj, _out_std(c))):
                 _trunc_normal(linear, s, cut, is_fresh)
@@ -256,7 +257,7 @@ class ModernBertEncoder(nn.Module):
         masks = {"full_attention": bidirectional_mask(attention_mask, T),
                  "sliding_attention": sliding_window_mask(attention_mask, B, T, self.config.window, x.device)}
         ropes = {t: rotary(x, position_ids) for t, rotary in self.rotary.items()}  # cos, sin: (B|1, T, D)
-        for layer in self.layers:
+        for layer in members(self.layers, ModernBertLayer):
             x = layer(x, masks[layer.attention_type], ropes[layer.attention_type])
         x = self.final_norm(x)
         return x, self.pool(x, attention_mask)
@@ -342,6 +343,9 @@ class MaskedLMHead(nn.Module):
 class ModernBertForMaskedLM(ForMaskedLM):
     """The shared masked LM, plus `sparse_prediction`: with labels, logits only at labelled positions."""
 
+    config: ModernBertConfig
+    model: ModernBertEncoder
+
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None) -> ModelOutput:
         if not (self.config.sparse_prediction and labels is not None):
@@ -360,6 +364,8 @@ class ModernBertForMaskedLM(ForMaskedLM):
 class ModernBertForTokenClassification(ForTokenClassification):
     """The shared token classifier, with ModernBERT's init of its classifier (hidden_size^-0.5)."""
 
+    config: ModernBertConfig
+
     def after_init(self) -> None:
         self.after_fresh(_everything)
 
@@ -369,6 +375,8 @@ class ModernBertForTokenClassification(ForTokenClassification):
 
 class ModernBertForQuestionAnswering(ForQuestionAnswering):
     """The shared span head, with ModernBERT's init of its classifier (HF's `classifier`: kiln's qa_outputs)."""
+
+    config: ModernBertConfig
 
     def after_init(self) -> None:
         self.after_fresh(_everything)

@@ -19,6 +19,7 @@ A family supplies, as data and small hooks:
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -28,10 +29,22 @@ from kiln.models.common.loss import shift_labels
 from kiln.models.common.mtp import mtp_targets, next_inputs
 from kiln.models.pretrained import check_tensors, init_module
 
+if TYPE_CHECKING:  # mixed in before a causal LM (ForCausalLM); at run time a plain mixin (see TrainsMtp)
+    from kiln.models.common.causal_lm import CausalLMOutput
+    from kiln.models.common.causal_lm import ForCausalLM as _CausalLM
+else:
+    _CausalLM = object
+
+@runtime_checkable
+class _InitStd(Protocol):
+    """A config that says the std a fresh module is drawn with."""
+    initializer_range: float
+
+
 MTP_HOOKS = ("mtp_module", "mtp_carried", "new_mtp", "mtp_released", "mtp_states")
 
 
-class TrainsMtp:
+class TrainsMtp(_CausalLM):
     """The shared MTP machinery; a family supplies the hooks in MTP_HOOKS (see the module docstring).
 
     Not an abc.ABC: FSDP2 swaps a module's class for a subclass it makes, and ABC's empty __slots__ makes that
@@ -40,6 +53,15 @@ class TrainsMtp:
     mtp_loss_parts: tuple[torch.Tensor, torch.Tensor] | None = None
     mtp_names: str = "mtp.*"
     mtp_depth: re.Pattern = re.compile(r"^mtp\.(\d+)\.")
+
+    if TYPE_CHECKING:  # the hooks a family supplies (MTP_HOOKS): defined here they would pass __init_subclass__'s check
+        @property
+        def mtp_module(self) -> nn.Module | None: ...
+        def mtp_carried(self) -> dict[str, torch.Tensor]: ...
+        def new_mtp(self) -> nn.Module: ...
+        def mtp_released(self, found: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None: ...
+        def mtp_states(self, out: CausalLMOutput, next_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                       position_ids: torch.Tensor | None) -> torch.Tensor: ...
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -75,9 +97,15 @@ class TrainsMtp:
                     v.copy_(tensors[k])
             self.mtp_released(found, tensors)
         else:
+            if not isinstance(self.config, _InitStd):
+                raise ConfigError(f"{source}: the {self.config.model_type} config has no initializer_range to draw "
+                                  "a fresh MTP module with")
             init_module(container, self.config.initializer_range)
         self.mtp = container
-        return self.mtp_module
+        module = self.mtp_module
+        if module is None:
+            raise KilnError(f"{type(self).__name__}: new_mtp's container holds no MTP module")
+        return module
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 cache=None, logits_to_keep: int = 0, output_router_logits: bool | None = None, targets=None, **more):
@@ -95,6 +123,9 @@ class TrainsMtp:
             return
         if input_ids is None:
             raise KilnError("the MTP loss embeds the next input token: pass input_ids, not inputs_embeds")
-        targets = targets if targets is not None else shift_labels(labels).to(input_ids.device)
+        if targets is None:
+            if labels is None:  # (one of them is given: see above)
+                return
+            targets = shift_labels(labels).to(input_ids.device)
         states = self.mtp_states(out, next_inputs(input_ids), attention_mask, position_ids)
         self.mtp_loss_parts = self.head_loss_sum(states, mtp_targets(targets))

@@ -182,6 +182,8 @@ def attention(c: HybridConfig, layer: int) -> GatedAttention:
 
 
 def mixer(c: Qwen3NextConfig, layer: int) -> nn.Module:
+    if c.layer_types is None:
+        raise ConfigError(f"{c.model_type}: no layer_types (which layers are linear attention)")
     if c.layer_types[layer] == "linear_attention":
         return deltanet(c, layer, FusedGatedDeltaNet)
     return attention(c, layer)

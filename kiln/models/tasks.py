@@ -40,8 +40,8 @@ class Task(str):
         return super().__new__(cls, name)
 
     # ---- data -------------------------------------------------------------------------------
-    def encode(self, records: list, tokenizer: Any, labels: list[str] | None, data: Any,
-               name: str = "train") -> list[dict]:
+    def encode(self, records: list, tokenizer: Any,  # type: ignore[override]  # a Task is its name; this encodes data
+               labels: list[str] | None, data: Any, name: str = "train") -> list[dict]:
         """Records -> unpadded examples; `data` is the [data] section (field names, max_length ...);
         `name` (train, eval) labels what is printed about the encoding."""
         raise ConfigError(f"task {self!r} has no record encoder; trainable from records: "
@@ -81,9 +81,9 @@ class Base(Task):
 
 class SequenceClassification(Task):
     hf_auto = "AutoModelForSequenceClassification"
-    peft_type = "SEQ_CLS"
+    peft_type: str | None = "SEQ_CLS"
     short = "seqcls"
-    label_kind = "sequence"
+    label_kind: str | None = "sequence"
     encoder_head = True
 
     def encode(self, records, tokenizer, labels, data, name="train"):

@@ -65,6 +65,14 @@ class ViTConfig(FamilyConfig):
         return out
 
 
+class PatchEmbeddings(nn.Module):
+    """The patches' projection, under HF's name (`embeddings.patch_embeddings.projection`)."""
+
+    def __init__(self, c: ViTConfig):
+        super().__init__()
+        self.projection = nn.Conv2d(c.num_channels, c.hidden_size, c.patch_size, stride=c.patch_size)
+
+
 class ViTEmbeddings(nn.Module):
     def __init__(self, c: ViTConfig):
         super().__init__()
@@ -72,15 +80,16 @@ class ViTEmbeddings(nn.Module):
         num_patches = (c.image_size // c.patch_size) ** 2
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.hidden_size))
         self.position_embeddings = nn.Parameter(torch.zeros(1, num_patches + 1, c.hidden_size))
-        self.patch_embeddings = nn.Module()
-        self.patch_embeddings.projection = nn.Conv2d(c.num_channels, c.hidden_size, c.patch_size, stride=c.patch_size)
+        self.patch_embeddings = PatchEmbeddings(c)
         self.dropout = nn.Dropout(c.hidden_dropout_prob)
 
     def reset_parameters_hf(self, std: float) -> None:
         nn.init.trunc_normal_(self.cls_token, 0.0, std)
         nn.init.trunc_normal_(self.position_embeddings, 0.0, std)
         nn.init.normal_(self.patch_embeddings.projection.weight, 0.0, std)
-        nn.init.zeros_(self.patch_embeddings.projection.bias)
+        bias = self.patch_embeddings.projection.bias
+        if bias is not None:  # (built with one: Conv2d's default)
+            nn.init.zeros_(bias)
 
     def positions(self, tokens: int, height: int, width: int) -> torch.Tensor:
         """The learned table, or (another grid) its patch part resampled bicubically to height x width patches."""
@@ -164,8 +173,10 @@ class ViTBackbone(nn.Module):
         return x, (self.pooler(x) if self.pooler is not None else None)
 
 
-class _PixelInputs:
+class _PixelInputs(PreTrainedModel):
     """What ViT task models share: batches of pixels for verify-export (the model's size and a larger one)."""
+
+    config: ViTConfig
 
     def verify_batches(self, text_batches: list[dict]) -> list[dict]:
         c, g = self.config, torch.Generator().manual_seed(0)
@@ -190,8 +201,8 @@ class ViTForImageClassification(_PixelInputs, ForSequenceClassification):
     def __init__(self, model: ViTBackbone, dim: int, num_labels: int):
         super().__init__(model, nn.Linear(dim, num_labels))
 
-    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None,
-                interpolate_pos_encoding: bool = False) -> ModelOutput:
+    def forward(self, pixel_values: torch.Tensor,  # type: ignore[override]  # pixels in, not token ids
+                labels: torch.Tensor | None = None, interpolate_pos_encoding: bool = False) -> ModelOutput:
         hidden, _ = self.model(pixel_values, interpolate_pos_encoding)
         logits = self.head(hidden[:, 0])  # (B, num_labels)
         return ModelOutput(logits=logits, loss=None if labels is None else self.loss(logits, labels),
@@ -219,7 +230,7 @@ def tiny_batches(head: str, config: Any) -> list[dict]:
     labels for the classification head."""
     g = torch.Generator().manual_seed(3)
     s, p, n = config.image_size, config.patch_size, getattr(config, "num_labels", 2)
-    out = [{"pixel_values": torch.randn(2, 3, s, s, generator=g)},
+    out: list[dict[str, Any]] = [  # forward kwargs: tensors and flags{"pixel_values": torch.randn(2, 3, s, s, generator=g)},
            {"pixel_values": torch.randn(3, 3, s + 2 * p, s + p, generator=g), "interpolate_pos_encoding": True}]
     if head == IMAGE_CLASSIFICATION:
         out += [{**b, "labels": torch.randint(0, n, (b["pixel_values"].shape[0],), generator=g)} for b in out]

@@ -7,6 +7,7 @@ left to DDP; `Parallelized.wrap_ddp` says when.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -27,9 +28,13 @@ from kiln.parallel.pipeline import Pipeline, apply_pipeline, check_pipeline
 from kiln.parallel.tp import apply_tensor_parallel
 
 
-def _ep_sharded(params) -> list[nn.Parameter]:
+def _ep_sharded(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
     """The parameters split by expert parallelism (DTensors over a mesh with an "ep" dimension)."""
-    return [p for p in params if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())]
+    return [p for p in params if _on_ep_mesh(p)]
+
+
+def _on_ep_mesh(p: torch.Tensor) -> bool:
+    return isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
 
 
 @dataclass

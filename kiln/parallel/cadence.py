@@ -47,7 +47,13 @@ class CadencePlanner:
             self.batch_seconds, self.sync_seconds = list(batch_seconds), sync_seconds
         else:
             self.batch_seconds = [a * new + (1 - a) * old for new, old in zip(batch_seconds, self.batch_seconds)]
-            self.sync_seconds = a * sync_seconds + (1 - a) * self.sync_seconds
+            self.sync_seconds = a * sync_seconds + (1 - a) * self._sync_seconds()
+
+    def _sync_seconds(self) -> float:
+        """The running sync time, measured with the batch times (they are set together)."""
+        if self.sync_seconds is None:
+            raise ValueError("CadencePlanner: batch_seconds without sync_seconds; give both or neither")
+        return self.sync_seconds
 
     def plan(self) -> list[int]:
         """Batches each rank runs before the next sync."""
@@ -57,7 +63,7 @@ class CadencePlanner:
             return [self.anchor] * self.world
         slowest = max(self.batch_seconds)
         t = self.target_sync_share
-        need = self.sync_seconds * (1 - t) / (t * max(slowest, 1e-9))
+        need = self._sync_seconds() * (1 - t) / (t * max(slowest, 1e-9))
         self.anchor = min(max(1, math.ceil(need)), self.max_staleness)
         cap = min(self.anchor + self.max_batch_diff, self.max_staleness)
         return [min(max(self.anchor, int(self.anchor * slowest / max(s, 1e-9))), cap) for s in self.batch_seconds]

@@ -9,7 +9,7 @@ float setting in every table (TOML's `inf` and `nan` are floats, and `beta > 0` 
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
@@ -18,8 +18,8 @@ def finite(*, ge: float | None = None, gt: float | None = None, le: float | None
            lt: float | None = None) -> Any:
     """The type of a float setting: finite (inf and nan refused) and within the bounds given; the error reads
     `must be a finite number > 0, got inf` after the key the run-config loader names."""
-    bounds = [(">=", ge, float.__ge__), (">", gt, float.__gt__), ("<=", le, float.__le__), ("<", lt, float.__lt__)]
-    bounds = [(op, float(b), f) for op, b, f in bounds if b is not None]
+    given = [(">=", ge, float.__ge__), (">", gt, float.__gt__), ("<=", le, float.__le__), ("<", lt, float.__lt__)]
+    bounds = [(op, float(b), f) for op, b, f in given if b is not None]
     want = "a finite number" + "".join(f"{' and' if i else ''} {op} {b:g}" for i, (op, b, _) in enumerate(bounds))
 
     def check(value: float) -> float:
@@ -30,12 +30,20 @@ def finite(*, ge: float | None = None, gt: float | None = None, le: float | None
     return Annotated[float, AfterValidator(check)]
 
 
-Finite = finite()
-NonNegative = finite(ge=0)
-Positive = finite(gt=0)
-Fraction = finite(ge=0, le=1)       # a share, 0 and 1 included
-OpenFraction = finite(gt=0, lt=1)   # a share strictly between 0 and 1
-Dropout = finite(ge=0, lt=1)
+if TYPE_CHECKING:  # finite() builds an Annotated float at run time; the checker sees the float
+    Finite = float
+    NonNegative = float
+    Positive = float
+    Fraction = float
+    OpenFraction = float
+    Dropout = float
+else:
+    Finite = finite()
+    NonNegative = finite(ge=0)
+    Positive = finite(gt=0)
+    Fraction = finite(ge=0, le=1)       # a share, 0 and 1 included
+    OpenFraction = finite(gt=0, lt=1)   # a share strictly between 0 and 1
+    Dropout = finite(ge=0, lt=1)
 
 # Seconds a collective (or the first rendezvous of the process group) may wait for a peer before the rank gives
 # up and exits 76 (a lost peer): torch's own NCCL default, a third of its gloo one. Long rank-0-only work between

@@ -185,11 +185,18 @@ class ContextParallel:
     def gather_latent(self, latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """latent (B, 1, T/cp, R), k_rot (B, 1, T/cp, rope) of this rank -> the whole row's, in row order."""
         whole = gather_sequence(torch.cat([latent, k_rot], dim=-1), self.group)  # (B, 1, T, R + rope)
-        return torch.split(whole, [latent.shape[-1], k_rot.shape[-1]], dim=-1)
+        got_latent, got_rot = torch.split(whole, [latent.shape[-1], k_rot.shape[-1]], dim=-1)
+        return got_latent, got_rot
 
     def gather_keys(self, k: torch.Tensor) -> torch.Tensor:
         """The DSA indexer's keys (B, T/cp, D) -> (B, T, D) in row order."""
         return gather_sequence(k, self.group)
+
+    def _mask(self) -> torch.Tensor:
+        """The row's mask of the forward under way (set by `split`, the model's forward pre-hook)."""
+        if self.mask is None:
+            raise KilnError("context-parallel attention outside the model's forward: no row mask split yet")
+        return self.mask
 
     # ---- the attention core ----------------------------------------------------------------
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -197,7 +204,7 @@ class ContextParallel:
         """q (B, H, T/cp, D) against the whole row's k, v (B, KVH, T, D) gathered from the cp ranks
         (or, method "ring", passed around them: kiln.parallel.ring)."""
         if self.method == "ring":
-            return ring_attention(q, k, v, self.mask, self.blocks, scale, dropout_p, self.group)
+            return ring_attention(q, k, v, self._mask(), self.blocks, scale, dropout_p, self.group)
         kv = gather_sequence(torch.stack([k, v]), self.group)  # (2, B, KVH, T, D)
         k, v = kv[0], kv[1]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self._additive(q.dtype), dropout_p=dropout_p,
@@ -207,8 +214,9 @@ class ContextParallel:
         """The mask as 0 / -inf in the queries' dtype, made once per forward: SDPA would convert a boolean one in
         every layer and keep each copy for its backward; one tensor shared by all layers is kept once."""
         if dtype not in self._bias:
-            self._bias[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
-                ~self.mask, float("-inf"))
+            mask = self._mask()
+            self._bias[dtype] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+                ~mask, float("-inf"))
         return self._bias[dtype]
 
 

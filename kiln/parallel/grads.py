@@ -37,7 +37,8 @@ def average_gradients(params: Iterable[torch.nn.Parameter], batch_group, ranks: 
     gradients (EP-sharded experts) already hold the sum over their ep group, so they are summed
     over `sharded_group` (the dp replicas of the shard) only. Both are then divided by `ranks`.
     """
-    plain, sharded = [], []
+    plain: list[torch.Tensor] = []
+    sharded: list[torch.Tensor] = []
     for p in params:
         if p.grad is None:
             continue

@@ -319,5 +319,5 @@ def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int, keep: set[str]
     return [p.name for p in doomed]
 
 
-def write_best(run_dir: str | os.PathLike, name: str, metric: str, value: float) -> None:
+def write_best(run_dir: str | os.PathLike, name: str, metric: str | None, value: float) -> None:
     write_json_atomic(Path(run_dir) / "best.json", {"checkpoint": name, "metric": metric, "value": value})

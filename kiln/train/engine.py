@@ -43,7 +43,9 @@ if TYPE_CHECKING:
 
 class BatchSource(Protocol):
     """What the Trainer reads data from: kiln.data.Loader, kiln.data.stream.StreamLoader or your own."""
-    epoch: int
+
+    @property
+    def epoch(self) -> int: ...  # (read only: a StreamLoader's is its cursor's)
 
     def next_batch(self) -> dict[str, torch.Tensor]: ...
     def state_dict(self) -> dict[str, Any]: ...
@@ -64,7 +66,6 @@ class StepContext(Protocol):
     device: torch.device
     world: World
     model: nn.Module
-    loader: BatchSource
     step_fn: StepFn
     optimizer: torch.optim.Optimizer
     plan: Parallelized | None
@@ -76,6 +77,9 @@ class StepContext(Protocol):
     data_rank: int
     data_shards: int
     sharded: bool
+
+    @property
+    def loader(self) -> BatchSource: ...  # (an engine reads batches through it; it never replaces it)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]: ...
     def update(self, loss: float) -> float: ...

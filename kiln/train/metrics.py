@@ -12,7 +12,7 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -66,7 +66,7 @@ class MetricsLog:
                  config: dict[str, Any] | None = None, project: str = "kiln"):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
-        self._file = None
+        self._file: TextIO | None = None
         self._trackers = open_trackers(list(report_to), run_dir, project, config or {}) if enabled else []
 
     def truncate_after(self, step: int, report: Callable[[str], None] = print) -> None:

@@ -24,6 +24,7 @@ from torch import nn
 
 from kiln.errors import ConfigError, KilnError
 from kiln.models.common.fast import set_fast
+from kiln.models.common.pretrained import PreTrainedModel
 from kiln.parallel.apply import Parallelized, parallelize
 from kiln.parallel.checkpoint import is_sharded, load_sharded, save_sharded
 from kiln.parallel.config import ParallelSection
@@ -121,7 +122,7 @@ def place_frozen(model: nn.Module, device: torch.device, plan: Parallelized | No
     model.requires_grad_(False).eval()
     # a copy of a model built on meta (kiln.parallel.sharded_load: the run reads its weights shard by shard) has
     # no weights yet: it reads its own share once sharded, as the policy did
-    pending = getattr(model, "deferred_read", None)
+    pending = model.deferred_read if isinstance(model, PreTrainedModel) else None
     if pending is None:
         model.to(device)
     if plan is not None and plan.fsdp:
@@ -132,7 +133,7 @@ def place_frozen(model: nn.Module, device: torch.device, plan: Parallelized | No
         assert parallel is not None, "an FSDP plan comes from a [parallel] table"
         assert plan.mesh is not None, "an FSDP plan has its device mesh"
         apply_fsdp(model, plan.mesh["dp"], parallel.param_dtype, parallel.reduce_dtype, parallel.offload)
-    if pending is not None:
+    if pending is not None and isinstance(model, PreTrainedModel):  # (pending: it is one)
         read_shards(model, pending.index, device)
     set_fast(model, fast)
     return model

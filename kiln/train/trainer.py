@@ -30,7 +30,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import torch
 from pydantic import ValidationError
@@ -42,6 +42,7 @@ from kiln.data.loader import Loader
 from kiln.errors import ConfigError, KilnError, NonFiniteError
 from kiln.hub.config import write_json_atomic
 from kiln.models.common.fast import set_fast
+from kiln.models.common.pretrained import PreTrainedModel
 from kiln.models.common.wrapped import unwrap
 from kiln.parallel.checkpoint import load_full_optimizer
 from kiln.parallel.config import ParallelSection
@@ -51,7 +52,7 @@ from kiln.train import checkpoint as ckpt
 from kiln.train import fallback, lock, plans, preempt
 from kiln.train.checks import check_train_args
 from kiln.train.config import TrainSection
-from kiln.train.engine import StepEngine
+from kiln.train.engine import BatchSource, StepEngine
 from kiln.train.fp8 import swap_fp8
 from kiln.train.metrics import MetricsLog, ProgressBar
 from kiln.train.optim import OptimizerFactory, adamw, freeze, lr_factor, param_groups, set_lr
@@ -85,10 +86,28 @@ class Callback:
     def on_end(self, trainer: Trainer) -> None: ...
 
 
+class TrainLoader(BatchSource, Protocol):
+    """What the Trainer reads of its loader beyond an engine's view (kiln.data.Loader, kiln.data.stream.StreamLoader)."""
+
+    def check_size(self) -> None: ...
+
+    @property
+    def batches_per_epoch(self) -> int: ...
+
+
+@runtime_checkable
+class _MayLeaveUnused(Protocol):
+    """A model whose step may leave trainable parameters without a gradient (an image-text model's tower)."""
+    touch_every_parameter: bool
+
+    @property
+    def may_leave_parameters_unused(self) -> bool: ...
+
+
 _FAST_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # no cuDNN (Trainer.autocast)
 
 class Trainer:
-    def __init__(self, model: nn.Module | Callable[[torch.device], nn.Module], data: Loader | Sequence[dict], *,
+    def __init__(self, model: nn.Module | Callable[[torch.device], nn.Module], data: TrainLoader | Sequence[dict], *,
                  optimizer: OptimizerFactory | None = None, step: StepFn | None = None,
                  eval_data: Sequence[dict] | None = None,
                  evaluate: Callable[[Trainer], dict[str, float]] | None = None,
@@ -141,7 +160,8 @@ class Trainer:
         model = self._model_arg(self.device) if callable(self._model_arg) and not isinstance(
             self._model_arg, nn.Module) else self._model_arg
         # a model built on meta (kiln.parallel.sharded_load): each rank reads its share once the plans are applied
-        deferred = getattr(model, "deferred_read", None)  # (kiln.models.load_plan.DeferredRead)
+        lazy = model if isinstance(model, PreTrainedModel) and model.deferred_read else None
+        deferred = lazy.deferred_read if lazy is not None else None  # (kiln.models.load_plan.DeferredRead)
         self.model: nn.Module = model if deferred else model.to(self.device)
         if deferred:
             init_adapters(self.model, self.device, deferred.seed)
@@ -151,13 +171,15 @@ class Trainer:
         if a.freeze:
             freeze(self.model, a.freeze)
         # A Loader, or anything with its protocol (kiln.data.stream.StreamLoader): used as given.
-        self.loader = self.data if hasattr(self.data, "next_batch") else Loader(
+        self.loader: TrainLoader = cast(TrainLoader, self.data) if hasattr(self.data, "next_batch") else Loader(
             self.data, a.batch_size, seed=a.seed, rank=self.data_rank, world_size=self.data_shards,
             pad_id=getattr(getattr(model, "config", None), "pad_token_id", 0) or 0,
             group_by_length=a.group_by_length, window=a.grad_accum)
         self.loader.check_size()
         if a.steps is not None:
             self.total_steps = a.steps
+        elif a.epochs is None:  # (TrainSection refuses neither)
+            raise ConfigError("set train.steps or train.epochs")
         else:
             self.total_steps = max(1, math.ceil(a.epochs * self.loader.batches_per_epoch / a.grad_accum))
         start = self._find_resume()
@@ -173,20 +195,20 @@ class Trainer:
                             "precision": a.precision, "world_size": self.world.size}
         self.config_notes: list[str] = []
         self.reshard = None  # set when resuming on another world size (kiln.train.resume.Reshard)
-        if start is not None:  # changed settings that break exactness are refused with it; the rest are noted
+        if start is not None and resumed is not None:  # changed settings that break exactness are refused with it
             self.reshard, self.config_notes = check_resume(start, resumed, self.fingerprint, self.run_config,
                                                            self.data_shards)
         whole = start is not None and not plans.is_sharded(start)
-        if deferred and (whole or self.parallel is None):  # weights needed before (or without) the plans
-            read_shards(self.model, deferred.index, self.device)
+        if lazy is not None and deferred and (whole or self.parallel is None):  # weights needed before the plans
+            read_shards(lazy, deferred.index, self.device)
         self._preloaded: tuple[dict, list] | None = None
-        if whole:  # whole weights: in before any plan shards them (another checkpoint if this one fails to load)
+        if whole and start is not None:  # whole weights: in before any plan shards them (another if this one fails)
             start, optim, rngs = fallback.read_whole(self, start)
             self._preloaded = (optim, rngs)
         if self.parallel is not None:  # the model's final shape is known: shard it before the optimizer sees it
             self.plan = plans.apply_plans(self.model, self.parallel, self.world.size, self.device)
-        if getattr(self.model, "deferred_read", None):  # this rank's slices, straight from the files
-            read_shards(self.model, deferred.index, self.device)
+        if lazy is not None and lazy.deferred_read and deferred:  # this rank's slices, straight from the files
+            read_shards(lazy, deferred.index, self.device)
         self.sharded = plans.is_sharded_run(self.plan)
         groups = param_groups(self.model, a.weight_decay)
         self.optimizer = (self.optimizer_factory or (lambda g: adamw(g, a.lr, a.betas, a.eps)))(groups)
@@ -208,7 +230,7 @@ class Trainer:
                 note = "resumed with changed settings: " + "; ".join(self.config_notes)
                 print(f"resume: {note}")
                 self.metrics.log({"step": self.step, "note": note})
-        if getattr(self.model, "may_leave_parameters_unused", False):
+        if isinstance(self.model, _MayLeaveUnused) and self.model.may_leave_parameters_unused:
             # a step that would leave trainable parameters without a gradient (an image-text model's tower on rows
             # without images) reaches them with a zero instead: DDP's and FSDP's reductions wait for every one, and
             # one process steps them as many processes do
@@ -245,11 +267,12 @@ class Trainer:
 
     def _restore(self, path: Path) -> None:
         # the checkpoint's param groups carry the old hyperparameters; this run's config wins (lr is set per step)
-        current = [{k: g[k] for k in ("weight_decay", "betas", "eps") if k in g} for g in self.optimizer.param_groups]
+        current: list[dict[str, object]] = [{k: g[k] for k in ("weight_decay", "betas", "eps") if k in g}
+                                         for g in self.optimizer.param_groups]
         optim, rngs = self._preloaded or (None, None)  # a plain checkpoint's, read before the plans
         if self.reshard is not None and self.sharded and not plans.is_sharded(path):
             # a plain checkpoint (DDP, or one process) into sharded parameters: each rank keeps its shards
-            load_full_optimizer(self.model, self.optimizer, optim)
+            load_full_optimizer(self.model, self.optimizer, _preloaded(optim, path))
         elif self.sharded or plans.is_sharded(path):  # the weights too: each rank reads its own shards
             # resharded, a DCP checkpoint loads into whatever layout this run has (plain on one process too)
             path = fallback.load_sharded(self, path,
@@ -257,7 +280,7 @@ class Trainer:
             rngs = ckpt.read_rng_states(path)
         else:
             try:
-                self.optimizer.load_state_dict(optim)
+                self.optimizer.load_state_dict(_preloaded(optim, path))
             except ValueError as e:  # torch's words for param groups of other sizes
                 raise KilnError(f"cannot resume from {path}: its optimizer state does not fit this run's trainable "
                                 f"parameters ({e}); did train.freeze, [lora] or the optimizer change?") from None
@@ -278,7 +301,7 @@ class Trainer:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if self.reshard is None:
-            ckpt.set_rng_state(rngs[self.world.rank])
+            ckpt.set_rng_state(_preloaded(rngs, path)[self.world.rank])
         else:
             reseed(self.args.seed, self.step, self.data_rank)
         self.last_checkpoint = path
@@ -416,8 +439,10 @@ class Trainer:
     def run_eval(self) -> dict[str, float]:
         if self.evaluate_fn is not None:
             return self.evaluate_fn(self)
+        if self.eval_data is None:
+            raise KilnError("no eval data: give eval_data or an evaluate function to run an eval")
         eval_loader = Loader(self.eval_data, self.args.batch_size, rank=self.world.rank, world_size=1,
-                             shuffle=False, collate=self.loader.collate) if not isinstance(self.eval_data, Loader) \
+                             shuffle=False, collate=_collate(self.loader)) if not isinstance(self.eval_data, Loader) \
             else self.eval_data
         # Every rank evaluates its share; default_evaluate sums the counts over ranks.
         eval_loader.rank, eval_loader.world_size = self.data_rank, self.data_shards
@@ -471,7 +496,7 @@ class Trainer:
                      **({"callbacks": extra} if extra else {}), "engine": engine_state}
         if self.sharded:  # every rank writes its own shards
             path = plans.save_sharded_checkpoint(self.out_dir, self.step, self.model, self.optimizer, state, rngs)
-        if self.world.main:
+        if state is not None:  # (rank 0: self.world.main)
             if not self.sharded:
                 path = ckpt.save_checkpoint(self.out_dir, self.step, self.unwrapped(), self.optimizer, state, rngs)
             # Where the run stands, readable without opening a checkpoint (the data cursor included).
@@ -487,3 +512,23 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_save(self, path)
         return path
+
+
+T = TypeVar("T")
+
+
+def _preloaded(value: T | None, path: Path) -> T:
+    """A state `_restore` reads whenever it takes that branch (a plain checkpoint's optimizer state, read with its
+    weights before the plans; the RNG states)."""
+    if value is None:
+        raise KilnError(f"cannot resume from {path}: its optimizer or RNG state was not read with its weights")
+    return value
+
+
+def _collate(loader: TrainLoader) -> Callable[[Sequence[dict]], dict]:
+    """The train loader's collate, which eval batches use too."""
+    collate = getattr(loader, "collate", None)
+    if collate is None:
+        raise KilnError(f"eval_data is batched with the train loader's collate, and a {type(loader).__name__} has "
+                        "none: give eval_data as a kiln.data.Loader")
+    return collate

@@ -8,6 +8,7 @@ kernel, so it is kept apart for bit-exact parity).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -46,7 +47,7 @@ class FastGELU(nn.Module):
         return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
 
 
-_ACTIVATIONS = {
+_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "gelu": lambda: GELU("exact"),
     "gelu_python": lambda: GELU("erf_formula"),
     "gelu_new": lambda: GELU("tanh_formula"),

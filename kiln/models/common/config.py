@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from kiln.errors import ConfigError
 
@@ -60,7 +60,7 @@ class FamilyConfig:
 
     # ---- dict round trip ------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "config.json") -> FamilyConfig:
+    def from_dict(cls, data: dict[str, Any], source: str = "config.json") -> Self:
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs: dict[str, Any] = {}
         extra: dict[str, Any] = {}

@@ -15,11 +15,23 @@ queries, under context parallelism over the whole rows' (each cp rank's loss is 
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from kiln.models.common.rope import apply_rope, apply_rope_interleaved
+
+
+class RowContext(Protocol):
+    """What context parallelism (kiln.parallel.context.ContextParallel) gives latent attention and its indexer: the
+    whole row's latent, rope and indexer keys gathered from the cp ranks, the row's mask, counts summed over them."""
+    mask: torch.Tensor | None  # (B or 1, 1, T/cp, T) for the forward under way
+
+    def gather_latent(self, latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def gather_keys(self, k: torch.Tensor) -> torch.Tensor: ...
+    def group_sum(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class Indexer(nn.Module):
@@ -35,7 +47,7 @@ class Indexer(nn.Module):
         self.softmax_scale = head_dim**-0.5
         self.requires_grad_(False)  # the LM loss never reaches it (top-k is not differentiable); see train_kl
         self.train_kl = False
-        self.context = None  # context parallelism: its keys gathered over the cp ranks (kiln.parallel.context)
+        self.context: RowContext | None = None  # context parallelism: its keys gathered over the cp ranks
         self.loss: torch.Tensor | None = None  # the last training forward's KL, when train_kl
 
     @torch.no_grad()

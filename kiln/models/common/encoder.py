@@ -8,9 +8,12 @@ knows a family by name.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
+from kiln.errors import ConfigError
 from kiln.models.common.activations import activation
 from kiln.models.common.attention import SelfAttention, bidirectional_mask
 
@@ -35,6 +38,8 @@ class Embeddings(nn.Module):
 
     def position_ids(self, input_ids: torch.Tensor | None, shape: torch.Size, device: torch.device) -> torch.Tensor:
         if self.padding_positions:
+            if self.pad_token_id is None:
+                raise ConfigError("positions that skip padding (RoBERTa) need the config's pad_token_id")
             if input_ids is not None:
                 return positions_from_padding(input_ids, self.pad_token_id)
             start = self.pad_token_id + 1
@@ -98,7 +103,7 @@ class Pooler(nn.Module):
 class Encoder(nn.Module):
     """Embeddings + layers (+ pooler). Returns (last hidden state (B, T, C), pooled (B, C) or None)."""
 
-    def __init__(self, embeddings: nn.Module, layers: list[nn.Module], pooler: nn.Module | None = None):
+    def __init__(self, embeddings: nn.Module, layers: Sequence[nn.Module], pooler: nn.Module | None = None):
         super().__init__()
         self.embeddings = embeddings
         self.layers = nn.ModuleList(layers)

@@ -233,7 +233,7 @@ def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_o
     as_umask_allows(out / "adapter_model.safetensors")  # safetensors writes 0600
     targets = peft_targets(model)
     base = base_model_name_or_path or config.base_model_name_or_path
-    peft_config: dict[str, Any] = {  # (adapter_config.json: JSON values)
+    peft_config: dict[str, object] = {  # (adapter_config.json: JSON values)
         "peft_type": "LORA", "task_type": peft_task_type(model),
         "base_model_name_or_path": base, "r": config.r, "lora_alpha": config.alpha,
         "lora_dropout": config.dropout, "target_modules": targets, "use_rslora": config.use_rslora,

@@ -30,7 +30,7 @@ from torch.nn import functional as F
 
 from kiln.errors import KilnError
 from kiln.models.common.decoder import KVCache, positions_and_mask
-from kiln.models.common.dsa import Indexer, indexer_kl, restrict_mask
+from kiln.models.common.dsa import Indexer, RowContext, indexer_kl, restrict_mask
 from kiln.models.common.norms import RMSNorm
 from kiln.models.common.rope import RotaryEmbedding, apply_rope, apply_rope_interleaved, yarn_mscale
 
@@ -74,8 +74,9 @@ class MLACache(KVCache):
 
     def update_index(self, layer: int, k: torch.Tensor) -> torch.Tensor:
         old = self.index_keys[layer]
-        self.index_keys[layer] = k if old is None else torch.cat([old, k], dim=1)
-        return self.index_keys[layer]
+        new = k if old is None else torch.cat([old, k], dim=1)
+        self.index_keys[layer] = new
+        return new
 
     def reorder(self, index: torch.Tensor) -> None:
         super().reorder(index)
@@ -104,8 +105,10 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(s.num_heads * s.v_head_dim, s.hidden_size, bias=s.bias)
         # context parallelism (kiln.parallel.context) sets it: this rank's queries attend over the whole row's
         # latent and rope keys, all-gathered (latent + rope numbers per token), under its global mask
-        self.context = None
+        self.context: RowContext | None = None
         if s.sparse == "full":
+            if s.q_lora_rank is None:
+                raise KilnError("sparse attention's indexer reads the low-rank query: q_lora_rank must be set")
             self.indexer = Indexer(s.hidden_size, s.q_lora_rank, s.index_heads, s.index_head_dim, s.qk_rope_head_dim,
                                    s.index_topk, s.index_interleave)
 
@@ -139,20 +142,29 @@ class MLAttention(nn.Module):
             latent, k_rot = cache.update(self.layer_idx, latent, k_rot)
         if self.context is not None:  # (B, 1, T, R) and (B, 1, T, rope) of the whole row; mask (B, 1, T/cp, T)
             latent, k_rot = self.context.gather_latent(latent, k_rot)
+            if self.context.mask is None:
+                raise KilnError("context-parallel latent attention outside the model's forward: no row mask yet")
             mask = self.context.mask.expand(B, -1, -1, -1)
         topk = index_scores = None
-        if self.sparse == "full" and self.indexer.train_kl and self.training:
-            # scored with gradients on detached inputs: only the indexer loss reaches the indexer
-            index_scores = self.indexer.scores(x.detach(), q_resid.detach(), rope, mask[:, 0], cache, self.layer_idx)
-            topk = self.indexer.pick(index_scores)
-        elif self.sparse == "full":
-            topk = self.indexer(x, q_resid, rope, mask[:, 0], cache, self.layer_idx)
+        if self.sparse == "full":
+            if mask is None or q_resid is None:
+                raise KilnError(f"layer {self.layer_idx}: the indexer reads the attention mask and the low-rank query "
+                                "(a sparse model's decoder always makes the mask; q_lora_rank must be set)")
+            if self.indexer.train_kl and self.training:
+                # scored with gradients on detached inputs: only the indexer loss reaches the indexer
+                index_scores = self.indexer.scores(x.detach(), q_resid.detach(), rope, mask[:, 0], cache,
+                                                   self.layer_idx)
+                topk = self.indexer.pick(index_scores)
+            else:
+                topk = self.indexer(x, q_resid, rope, mask[:, 0], cache, self.layer_idx)
         elif self.sparse == "shared":
             if shared_topk is None:
                 raise KilnError(f"layer {self.layer_idx} reuses the previous layer's sparse-attention choice, "
                                 "but no earlier layer ran an indexer (indexer_types must start with 'full')")
             topk = shared_topk
         if topk is not None:
+            if mask is None:
+                raise KilnError(f"layer {self.layer_idx}: sparse attention restricts the attention mask; none was made")
             mask = restrict_mask(mask, topk)
         if self.fast and T == 1 and not self.training and type(self.kv_b_proj) is nn.Linear:
             y = self._absorbed(q_pass, q_rot, latent, k_rot, mask)
@@ -162,7 +174,7 @@ class MLAttention(nn.Module):
             dropout = self.dropout if self.training else 0.0
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scaling,
                                                is_causal=T > 1 and mask is None)  # (B, H, T, v)
-            if index_scores is not None:
+            if index_scores is not None and mask is not None:  # (the indexer ran: a mask was made)
                 self.indexer.loss = self._indexer_loss(q, k, mask, index_scores)
         y = y.transpose(1, 2).contiguous().reshape(B, T, -1).contiguous()
         return self.o_proj(y), topk

@@ -28,6 +28,8 @@ from kiln.models.common.moe import Experts
 
 
 class GroupLimitedRouter(nn.Module):
+    e_score_correction_bias: torch.Tensor  # (a float32 buffer)
+
     def __init__(self, dim: int, num_experts: int, top_k: int, n_group: int, topk_group: int,
                  norm_topk_prob: bool, routed_scaling_factor: float):
         super().__init__()

@@ -142,6 +142,8 @@ class _WeightGrad:
                                     self.tau).to(w.dtype)
                 grad_w = _add_product(grad_w, g, h[s:e])
                 del g
+        if grad_w is None:
+            raise KilnError("the head's deferred weight gradient has no chunks to sum")
         grad_w = grad_w.to(w.dtype)
         return grad_w if total is None else total.add_(grad_w)
 

@@ -22,7 +22,7 @@ alone and the LM loss never reaches it (its top-k choice is not differentiable).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from pydantic import model_validator
@@ -59,6 +59,12 @@ class MoeSection(Section):
         return self
 
 
+@runtime_checkable
+class _LeavesMtpLoss(Protocol):
+    """A model with a live MTP layer: a training forward leaves (loss sum, count) of its t+2 predictions."""
+    mtp_loss_parts: tuple[torch.Tensor, torch.Tensor] | None
+
+
 def _model_type(model: nn.Module) -> str:
     return getattr(getattr(model, "config", None), "model_type", type(model).__name__)
 
@@ -85,8 +91,8 @@ class MoeLosses(Callback):
         if c.balance == "seq_aux":
             terms["moe_aux_loss"] = self._balance_loss(m, batch) * c.seq_aux_alpha * units
         if c.mtp_weight > 0:
-            found = getattr(m, "mtp_loss_parts", None)
-            if found is None:
+            found = m.mtp_loss_parts if isinstance(m, _LeavesMtpLoss) else None
+            if found is None or not isinstance(m, _LeavesMtpLoss):
                 raise KilnError("[moe] mtp_weight > 0 but the forward left no MTP loss (does the step pass labels "
                                 "or targets to the model?)")
             m.mtp_loss_parts = None
