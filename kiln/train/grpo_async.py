@@ -49,7 +49,7 @@ from kiln.train.agent_rollout import Episode
 from kiln.train.engine import StepContext, StepEngine
 from kiln.train.grpo_engine import EngineRollouts
 from kiln.train.grpo_rollout import GRPORun, core_of
-from kiln.train.recipes.grpo import GRPOCallback, GRPOEngine, _pack, _unpack, sample_rollout
+from kiln.train.recipes.grpo import ASYNC_CALLBACK, GRPOCallback, GRPOEngine, _pack, _unpack, sample_rollout
 from kiln.train.rewards import RewardGuard
 from kiln.train.trainer import Trainer
 
@@ -293,3 +293,6 @@ class AsyncCallback(GRPOCallback):
     def on_end(self, trainer: Trainer) -> None:
         if self.engine is not None:
             self.engine.close()
+
+
+ASYNC_CALLBACK[:] = [AsyncCallback]

@@ -125,11 +125,12 @@ def test_no_staleness_is_the_synchronous_run(grpo_dir):
     _, async0 = _run(grpo_dir, "async0", same + "async = true\nmax_staleness = 0", steps=3)
     _, async1 = _run(grpo_dir, "async1", same + "async = true\nmax_staleness = 1", steps=3)
     extra = ("staleness", "mismatch/kl", "mismatch/max_ratio")
-    assert _curve(async0, extra) == _curve(sync)
+    # pad_fraction (the prompt batches' padding) is not logged by async runs: their rows are drawn a step ahead
+    assert _curve(async0, extra) == _curve(sync, ("pad_fraction",))
     a = load_file(str(grpo_dir / "sync0" / "ckpt-000003" / "model" / "model.safetensors"))
     b = load_file(str(grpo_dir / "async0" / "ckpt-000003" / "model" / "model.safetensors"))
     assert all(torch.equal(a[key], b[key]) for key in a)
-    assert _curve(async1, extra) != _curve(sync)
+    assert _curve(async1, extra) != _curve(sync, ("pad_fraction",))
 
 
 def test_async_false_is_the_plain_engine_and_bad_settings_are_named(grpo_dir):

@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import create_model
 
+from kiln.train import grpo_async  # noqa: F401  (agent3: registers [grpo] async's callback)
 from kiln.train.config import ModelSection, RunConfig, use_run_schema
 from kiln.train.recipes import (
     distill,

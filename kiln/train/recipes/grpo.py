@@ -353,6 +353,11 @@ class GRPOCallback(Callback):
             self.run.rollouts.forget()
 
 
+# agent3: the callback of [grpo] async = true (kiln.train.grpo_async's AsyncCallback, which subclasses the engine
+# above: it registers itself here rather than be imported from here, which would make an import cycle)
+ASYNC_CALLBACK: list[type[GRPOCallback]] = []
+
+
 # ---- the recipe and its table -------------------------------------------------------------------
 class PromptsData(RecordsData):
     """[data] of a grpo run: the prompts file."""
@@ -408,10 +413,8 @@ class GRPORecipe(Recipe):
         run = GRPORun(cfg, prompts, evals, rewards, model.tokenizer, reference, runner)
         fingerprint = {"train": str(d.train), "train_sha256": source_sha256(d.train), "max_length": d.max_length,
                        "prompt_field": g.prompt_field}
-        callback = GRPOCallback(run, d.pack)
-        if g.async_:  # agent3: the next rollouts sampled while this one trains (kiln.train.grpo_async)
-            from kiln.train.grpo_async import AsyncCallback
-            callback = AsyncCallback(run, d.pack)
+        # agent3: [grpo] async = true's callback, registered by kiln.train.grpo_async (imported with the recipes)
+        callback = (ASYNC_CALLBACK[0] if g.async_ else GRPOCallback)(run, d.pack)
         return RunParts(model, prompts.examples(), evaluate=run.evaluate if evals is not None else None,
                         callbacks=[callback], fingerprint=fingerprint)
 
