@@ -98,16 +98,9 @@ def test_absorbed_decode_fast_path_within_rounding_and_skips_kv_expansion(model_
     assert_within(a, b, e, f"{model_type} absorbed decode logits")  # ... of the same maths
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_sampled_generation_equals_transformers(model_type, ckpt):
-    ours, hf = _pair(ckpt(model_type), eos=False)
-    ids = torch.randint(4, 99, (1, 6), generator=torch.Generator().manual_seed(2))
-    kw = dict(max_new_tokens=20, temperature=1.3, top_k=30, top_p=0.9, eos_token_id=None, pad_token_id=0)
-    for seed in (3, 4):
-        a = ours.generate(ids, do_sample=True, seed=seed, **kw)
-        torch.manual_seed(seed)  # transformers draws from the global generator; kiln from its own, seeded alike
-        b = hf.generate(ids, do_sample=True, **kw)
-        assert torch.equal(a, b), (a.tolist(), b.tolist())
+# engfsdp: sampled generation against transformers' draws (torch.multinomial from the global generator) tested
+# kiln's earlier loop, which drew the same way; generate runs on the engine now, whose requests draw from their own
+# generators (kiln.engine.sampling, tested against direct implementations in tests/engine/test_sampling.py).
 
 
 def test_sparse_attention_changes_outputs_and_v3_options(ckpt):
