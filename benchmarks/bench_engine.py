@@ -8,7 +8,8 @@ corpus (its ids sit inside the 151,936 vocabulary; the softmax still runs over a
 stop at an EOS id by chance, so EOS is off and each request asks for exactly its turn's length.
 
 At concurrency c (1, 8, 32) 2c requests (4 at c=1) arrive at once. transformers (`generate`, its default
-cache) and the old loop (`kiln.models.generation.generate`) take them in static batches of c, left-padded,
+cache) and the old loop (kiln's earlier `generate`, as copied into benchmarks/old_loop.py) take them in static
+batches of c, left-padded,
 each batch decoding to its longest request; the engine keeps c sequences running and admits the next request
 as one ends. Throughput counts the requested output tokens over the wall time; time to first token runs from
 the arrival (queueing included). KV memory: the engine's cache slots held against the tokens they hold, at
@@ -101,8 +102,7 @@ def run_hf(model, requests, c) -> tuple[float, list[float]]:
 
 def run_old(model, requests, c) -> tuple[float, list[float]]:
     import torch
-
-    from kiln.models.generation import generate
+    from old_loop import generate  # kiln's earlier loop, kept as the measured baseline  # engfsdp
 
     firsts: list[float] = []
     t0 = time.perf_counter()

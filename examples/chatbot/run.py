@@ -46,6 +46,7 @@ def evals(run: str) -> list[tuple[int, float]]:
 def replies(model_dir: Path, questions: list[str]) -> list[str]:
     import torch
 
+    import kiln.engine  # noqa: F401  (model.generate runs on the generation engine)  # engfsdp
     from kiln.data.sft import chat_prompt_ids
     from kiln.models import AutoModelForCausalLM
 

@@ -85,6 +85,7 @@ def replies(model_dir: Path, data: Path, held: list[tuple[str, int]]) -> list[st
     checkpoint: the base's path and the adapters) to the question about each held-out image, in one batch."""
     import torch
 
+    import kiln.engine  # noqa: F401  (model.generate runs on the generation engine)  # engfsdp
     from kiln.data.sft import image_chat_prompt
     from kiln.models import AutoModelForImageTextToText
 

@@ -84,6 +84,7 @@ def accuracy(model_dir: Path, held: list[tuple[str, str]]) -> float:
     """Share of held-out articles whose greedy answer (chat template, up to EOS) is exactly their section."""
     import torch
 
+    import kiln.engine  # noqa: F401  (model.generate runs on the generation engine)  # engfsdp
     from kiln.models import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)

@@ -1,15 +1,15 @@
 """`model.generate`'s padded-batch call on the engine: a kiln causal LM's `generate` (kiln.models.common.generation)
-runs here when the engine runs its family.
+runs here (kiln's earlier loop is gone).
 
 The call's contract is the batch one: prompt ids (B, T), left-padded where an attention mask says so, in; the
 prompts with their new tokens (B, T + n) out, n the longest completion, each row padded after its end token.
 Each row becomes one request (its padding stripped); the engine batches them continuously. Greedy calls give
-the engine's argmax, which is the loop's: the same logits to fp32 rounding (tests/engine compare them per
-family). This backend takes greedy calls only: a sampled call's seed drew the whole batch from one generator
-in kiln's loop (and from torch.multinomial, the draws transformers' `generate` makes for the same seed), where
-the engine draws each request from its own; a call with a caller's own `draw`, a per-step `on_token` (every row
-in lockstep) or image inputs is the loop's too. `register_generator` makes it the first choice of
-kiln.models.common.generation.generate when kiln.engine is imported.
+the engine's argmax, the earlier loop's tokens (the same logits to fp32 rounding). A sampled call with a seed
+seeds one generator that draws each row's request seed, so a seed gives the same batch every time; the draws
+are the engine's (each request from its own generator), not the earlier loop's one generator for the batch nor
+torch.multinomial's (transformers' `generate`). What the engine does not do is refused by name: a family it
+does not run (kiln.engine.runner.unsupported), image inputs, a caller's own `draw` (sample on kiln.engine's
+Engine with SamplingParams), a per-step `on_token` (stream with Engine.step), a mask that is not left padding.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from kiln.engine.engine import Engine
 from kiln.engine.params import SamplingParams
 from kiln.engine.runner import unsupported
+from kiln.errors import KilnError
 from kiln.models.common.generation import register_generator
 
 
@@ -40,17 +41,28 @@ def _prompts(input_ids: torch.Tensor, mask: torch.Tensor | None) -> list[list[in
 
 @register_generator
 def engine_generate(model: Any, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
-                    max_new_tokens: int = 20, do_sample: bool = False, eos_token_id: int | list[int] | None = None,
+                    max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
+                    top_p: float = 1.0, seed: int | None = None, eos_token_id: int | list[int] | None = None,
                     pad_token_id: int | None = None, on_token: Any = None, prompt_inputs: Any = None,
-                    draw: Any = None, **_: Any) -> torch.Tensor | None:
-    """(B, T + n) on the engine, or None where this call is not the engine's (module docstring)."""
-    if do_sample or draw is not None or on_token is not None or prompt_inputs or max_new_tokens < 1:
-        return None
-    if input_ids.dim() != 2 or input_ids.size(1) == 0 or unsupported(model) is not None:
-        return None
+                    draw: Any = None) -> torch.Tensor:
+    """(B, T + n) on the engine (module docstring); what it does not do raises KilnError naming it."""
+    why = unsupported(model)
+    if why is not None:
+        raise KilnError(f"generate: {why}")
+    if prompt_inputs:
+        raise KilnError("generate: image inputs (prompt_inputs) are not on the generation engine yet")
+    if draw is not None:
+        raise KilnError("generate: `draw` (a caller's own sampler) was kiln's earlier loop's; sample on "
+                        "kiln.engine.Engine with SamplingParams (temperature, top_k, top_p, min_p, penalties, seed)")
+    if on_token is not None:
+        raise KilnError("generate: `on_token` (each step's column of tokens) was kiln's earlier loop's; stream "
+                        "with kiln.engine.Engine.step, whose outputs carry each request's new tokens")
     prompts = _prompts(input_ids, attention_mask)
     if prompts is None:
-        return None
+        raise KilnError(f"generate: attention_mask must be left padding (each row's 1s at its end, at least one), "
+                        f"got {attention_mask.tolist() if attention_mask is not None else None}")
+    if max_new_tokens < 1:
+        return input_ids
     config = model.config
     eos = config.eos_token_id if eos_token_id is None else eos_token_id
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -60,10 +72,21 @@ def engine_generate(model: Any, input_ids: torch.Tensor, *, attention_mask: torc
     blocks = sum(math.ceil((len(p) + max_new_tokens) / bs) + 1 for p in prompts)
     engine = Engine(model, None, block_size=bs, kv_blocks=blocks, max_seqs=len(prompts),
                     step_tokens=max(512, 4 * len(prompts)), eos_token_ids=eos_ids)
+    if do_sample:  # one generator for the call, a seed a row from it (each request then draws from its own)
+        gen = torch.Generator()
+        if seed is not None:
+            gen.manual_seed(seed)
+        else:
+            gen.seed()
+        seeds = torch.randint(0, 2**62, (len(prompts),), generator=gen).tolist()
+        params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 seed=s) for s in seeds]
+    else:
+        params = [SamplingParams(max_tokens=max_new_tokens, temperature=0.0)] * len(prompts)
     was_training = model.training
-    model.eval()  # as the loop: any dropout a module applies in training is off
+    model.eval()  # any dropout a module applies in training is off, as a generation wants
     try:
-        done = engine.generate(prompts, SamplingParams(max_tokens=max_new_tokens, temperature=0.0))
+        done = engine.generate(prompts, params)
     finally:
         model.train(was_training)
     news = [group[0].token_ids for group in done]

@@ -13,7 +13,8 @@ message is kept).
 
 `sample_turns` is the one place tokens are drawn: on the generation engine (kiln.train.grpo_engine) each active
 episode's history is one request, so the blocks of its earlier turns, remembered by their content, are reused
-instead of prefilled again; kiln's `generate` where the engine does not run the model.
+instead of prefilled again (kiln's earlier generate loop, the fallback for models the engine does not run, was
+removed: such models are refused by GRPORun.decoder).  # engfsdp
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import torch
 
 from kiln.errors import ConfigError
 from kiln.hub.chat import parse_reply
-from kiln.models.generation import filter_logits, generate, inverse_cdf
 from kiln.train.envs import EnvSpec, EpisodeError, Tool, TRLEnvironment, as_obs, as_tool, call_user, tool_message
 from kiln.train.grpo_engine import EngineDecoder
 
@@ -123,41 +123,13 @@ class Dialect:
         return message, failed
 
 
-def sample_turns(decoder: Any, contexts: list[list[int]], budgets: list[int], g: Any, gen: torch.Generator | None,
-                 pad: int, eos_ids: list[int], device: torch.device) -> list[tuple[list[int], list[float], bool]]:
-    """One turn of each context: (tokens, their log-probs under logits / temperature, ended on an end token),
-    at most budgets[i] tokens (greedy when `gen` is None); on the engine when `decoder` is its EngineDecoder."""
-    if isinstance(decoder, EngineDecoder):
-        return decoder.rollouts.turns(decoder.model, contexts, budgets, gen, eos_ids, g.max_episode_tokens)
-    width = max(len(c) for c in contexts)
-    ids = torch.full((len(contexts), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(contexts), width), dtype=torch.long)
-    for i, c in enumerate(contexts):
-        ids[i, width - len(c):], mask[i, width - len(c):] = torch.tensor(c), 1
-    steps: list[torch.Tensor] = []
-
-    def draw(logits: torch.Tensor) -> torch.Tensor:  # the single-turn sampler's formula (grpo_rollout.sample)
-        logp = (logits if g.temperature == 1 else logits / g.temperature).log_softmax(-1)
-        if gen is None:
-            token = logp.argmax(-1)
-        else:
-            kept = filter_logits(logp, 1.0, g.top_k, g.top_p) if g.top_k or g.top_p < 1 else logp
-            token = inverse_cdf(kept.exp(), gen)
-        steps.append(logp.gather(1, token[:, None]).squeeze(1))
-        return token
-
-    out = generate(decoder, ids.to(device), mask.to(device), max_new_tokens=max(budgets), do_sample=True, draw=draw,
-                   pad_token_id=pad, eos_token_id=eos_ids)
-    new = out[:, width:].tolist()
-    logps = torch.stack(steps, 1).tolist() if steps else [[] for _ in contexts]
-    results = []
-    for i, row in enumerate(new):
-        row, lp = row[: budgets[i]], logps[i][: budgets[i]]
-        end = next((j for j, t in enumerate(row) if t in eos_ids), None)
-        if end is not None:
-            row, lp = row[: end + 1], lp[: end + 1]
-        results.append((row, lp, end is not None))
-    return results
+def sample_turns(decoder: EngineDecoder, contexts: list[list[int]], budgets: list[int], g: Any,
+                 gen: torch.Generator | None, pad: int, eos_ids: list[int], device: torch.device
+                 ) -> list[tuple[list[int], list[float], bool]]:
+    """One turn of each context on the engine: (tokens, their log-probs under logits / temperature, ended on an
+    end token), at most budgets[i] tokens (greedy when `gen` is None). (`pad`, `device`: kept for callers; the
+    earlier generate-loop path that used them was removed with the loop.)  # engfsdp"""
+    return decoder.rollouts.turns(decoder.model, contexts, budgets, gen, eos_ids, g.max_episode_tokens)
 
 
 @dataclass

@@ -26,7 +26,7 @@ class GRPOSection(Section):
     top_k: int = 0                      # 0: off
     min_p: float = 0.0                  # keep tokens with probability >= min_p x the highest (0: off; TRL's None)
     repetition_penalty: float = 1.0     # HF's, over prompt + completion tokens (1: off)
-    rollout: Literal["engine", "generate"] = "engine"  # kiln.engine, or kiln's earlier loop (the runs it gave)
+    rollout: Literal["engine", "generate"] = "engine"  # kiln.engine ("generate", the earlier loop: removed)  # engfsdp
     # engine rollouts: the trainer's log-probs through the engine's kernels, the sampler's bits (logprob_gap 0);
     # off by default: that scoring makes the update ~6x the training forward's (benchmarks/bench_grpo.py: 25.7 s
     # against 4.2 s a step; 2.6x single-threaded) and holds more memory, to remove a gap of fp32 rounding (~1e-6)
@@ -92,9 +92,10 @@ class GRPOSection(Section):
             raise ValueError(f"grpo.min_p must be in [0, 1], got {self.min_p}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ValueError(f"grpo.repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
-        if self.rollout == "generate" and (self.min_p or self.repetition_penalty != 1.0):
-            raise ValueError("grpo.min_p and grpo.repetition_penalty need grpo.rollout = \"engine\" (kiln's earlier "
-                             "loop has temperature, top_k and top_p only)")
+        if self.rollout == "generate":  # engfsdp
+            raise ValueError("grpo.rollout = \"generate\" is no more: kiln's earlier generation loop was removed "
+                             "(issue 39); rollouts run on the generation engine (\"engine\", the default; "
+                             "benchmarks/old_loop.py keeps a copy of the loop as a measured baseline)")
         if self.top_k < 0 or self.epsilon < 0 or (self.epsilon_high or 0) < 0 or self.beta < 0:
             raise ValueError("grpo.top_k, epsilon, epsilon_high and beta must be >= 0")
         if not (math.isfinite(self.reward_timeout) and self.reward_timeout > 0):

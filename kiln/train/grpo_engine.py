@@ -13,11 +13,11 @@ commutes with the division by T up to rounding), and the log-probs are log_softm
 Sampling seeds: completion j of request i draws from its own generator (kiln.engine.sampling.request_generator),
 seeded from the micro-batch's generator (itself seeded by the rollout's place in the run,
 kiln.train.grpo_rollout.rollout_seed). The same [train] seed therefore gives the same run every time, with any
-number of processes, but not the completions kiln's earlier loop (`[grpo] rollout = "generate"`) drew from one
-generator shared by the whole micro-batch: that loop is kept, and gives the runs it gave before.
+number of processes, but not the completions kiln's earlier loop drew from one generator shared by the whole
+micro-batch (that loop, and `[grpo] rollout = "generate"`, were removed: benchmarks/old_loop.py keeps a copy).
 
 The engine runs a model it supports whole on one process (kiln.engine.runner.unsupported names what it does not);
-families it refuses, and tensor-parallel weights, roll out on `generate`, said once in a log line.
+families it refuses, and tensor-parallel weights, are refused naming what the engine lacks.
 
 Under FSDP2 the engine runs the sharded model (kiln.parallel.fsdp): a rollout all-gathers every unit's weights
 once (`gathered`: one collective per unit, all ranks together), then each rank generates its own prompts with no
@@ -25,8 +25,8 @@ collective at all (ranks finish when they finish; a per-layer gather would have 
 each step one all-gather per layer, padded with empty steps to the slowest rank's count), and frees the gathered
 copy after. The cost is memory: the whole model in the forward's dtype beside the shards (`gathered_bytes`)
 for the rollout's length, when the gradients are freed and no activations are held; `fits` checks it against
-the memory free on every rank before each rollout, and where it does not fit on some rank the rollout goes to
-`generate` (one gathered layer at a time, every rank decoding as many steps) with the figures in the line. The
+the memory free on every rank before each rollout, and where it does not fit on some rank the run stops with
+the figures (the engine has no per-layer gather: every rank would step in lockstep). The
 runner registry accepts a model by the exact classes of its modules, so the engine sees the units as built
 (`own_classes`).
 
@@ -223,8 +223,7 @@ class EngineRollouts:
 
 
 class EngineDecoder:
-    """What a rollout samples through when the engine runs it: the model (`.model`) and the engine's rollouts."""
-    sharded = False
+    """What a rollout samples through: the model (`.model`) and the engine's rollouts."""
 
     def __init__(self, rollouts: EngineRollouts, core: nn.Module):
         self.rollouts, self.model = rollouts, core

@@ -1,6 +1,6 @@
 """A GRPO rollout's parts ([grpo], kiln.train.recipes.grpo): prompts, sampling on the generation engine
-(kiln.train.grpo_engine; kiln's `generate` where the engine cannot run the model, or under
-`rollout = "generate"`) with the sampler's log-probs kept, scoring, the trainer's log-probs of the same tokens
+(kiln.train.grpo_engine; a model the engine cannot run is refused naming what it lacks) with the sampler's
+log-probs kept, scoring, the trainer's log-probs of the same tokens
 (logits / temperature: through the engine's kernels after engine rollouts with `exact_logprobs`, else chunked
 through the LM head of the training forward), the reference's (a frozen copy, or under [lora] the base with the
 adapters off), and the held-out evaluation of greedy completions."""
@@ -8,7 +8,6 @@ adapters off), and the held-out evaluation of greedy completions."""
 from __future__ import annotations
 
 import hashlib
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -16,8 +15,6 @@ from torch import nn
 
 from kiln.data.records import Record
 from kiln.errors import KilnError
-from kiln.models.common.causal_lm import CausalLMOutput, ForCausalLM
-from kiln.models.generation import filter_logits, generate, inverse_cdf
 from kiln.parallel.world import all_reduce_sum
 from kiln.train.config import RunConfig
 from kiln.train.grpo_engine import (
@@ -118,74 +115,6 @@ def core_of(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
 
-def _mkl_packed_linear() -> tuple[Any, Any] | None:
-    """MKL's packed-weight GEMM (torch's own ops for inference on x86 builds with MKL), or None where absent."""
-    try:
-        return (torch.ops.mkl._mkl_reorder_linear_weight, torch.ops.mkl._mkl_linear) \
-            if torch.backends.mkl.is_available() else None
-    except (AttributeError, RuntimeError):
-        return None
-
-
-class RolloutModel:
-    """The model as `generate` sees it in a rollout or an evaluation: the backbone, then the LM head at the last
-    position alone. On the fast path (`set_fast`; `[train] exact = true` keeps F.linear), on the CPU, with a plain
-    float32 head (ForCausalLM's own forward and head), the head's weight is packed by MKL for the decode's row
-    count once: an (8 x 512) @ (512 x 151,936) product then takes ~45 ms against ~105 ms through F.linear, and a
-    decode runs one per token. The packed copy (the weight's size) lives as long as this object: one rollout,
-    while the gradients are freed. Logits agree with F.linear's to fp32 rounding (the fast path's
-    `logprob_gap`). Sharded weights (`sharded`: every forward gathers them, and every rank decodes all
-    max_new_tokens), autocast, an adapted or quantized head: the model's own forward."""
-
-    def __init__(self, core: nn.Module, sharded: bool):
-        self.model, self.config, self.sharded = core, core.config, sharded
-        self.packed: tuple[int, torch.Tensor] | None = None  # (rows, the weight packed for that many)
-        self.ops = None if sharded else _mkl_packed_linear()
-        head = getattr(core, "lm_head", None)
-        weight = getattr(core, "output_weight", None)
-        if not (isinstance(core, ForCausalLM) and core.fast and type(core).forward is ForCausalLM.forward
-                and type(core).head is ForCausalLM.head and (head is None or type(head) is nn.Linear)
-                and type(weight) in (torch.Tensor, nn.Parameter) and weight.dtype == torch.float32
-                and weight.device.type == "cpu"):
-            self.ops = None
-        self.weight, self.bias = weight, None if head is None else head.bias
-
-    @property
-    def training(self) -> bool:
-        return self.model.training
-
-    def new_cache(self) -> Any:
-        return self.model.new_cache()
-
-    def eval(self) -> None:
-        self.model.eval()
-
-    def train(self, mode: bool = True) -> None:
-        self.model.train(mode)
-
-    def __call__(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                 cache: Any, logits_to_keep: int, **extra: Any) -> Any:
-        if self.ops is None or extra or torch.is_autocast_enabled("cpu"):
-            return self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                              logits_to_keep=logits_to_keep, **extra)
-        hidden = self.model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                  cache=cache)[:, -1].contiguous()  # (B, C): ForCausalLM.forward's backbone call
-        pack, linear = self.ops
-        rows = hidden.size(0)
-        if self.packed is None or self.packed[0] != rows:
-            self.packed = (rows, pack(self.weight, rows))
-        return CausalLMOutput(logits=linear(hidden, self.packed[1], self.weight, self.bias, rows)[:, None])
-
-
-def completion_mask(completions: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
-    """(N, C) long: 1 up to and including each row's first EOS (every token where there is none)."""
-    is_eos = torch.isin(completions, torch.tensor(eos_ids, device=completions.device)) if eos_ids else \
-        torch.zeros_like(completions, dtype=torch.bool)
-    c = completions.size(1)
-    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(completions[:, 0], c))
-    return (torch.arange(c, device=completions.device)[None, :] <= first[:, None]).long()
-
-
 def rollout_seed(seed: int, rollout: int, slot: int) -> int:
     """The sampling seed of one micro-batch of one rollout: a function of where the run is, so a resume redraws
     it. `slot` is the micro-batch's place in the rollout's global order (micro * data shards + data rank, the
@@ -209,14 +138,12 @@ class GRPORun:
         self.weights = torch.tensor([r.weight for r in rewards], dtype=torch.float32)
         self.episodes = episodes  # kiln.train.agent_rollout.EpisodeRunner under [grpo] env / tools, else None
         self.last_episodes: list[Any] = []  # the latest micro-batch's episodes (alarms, rollouts.jsonl)
-        self.rollouts = EngineRollouts(self.g) if self.g.rollout == "engine" else None
+        self.rollouts = EngineRollouts(self.g)
         self.refusals: dict[int, str | None] = {}  # id(model) -> why the engine cannot run it (None: it can)
-        self.said: set[str] = set()  # fallback reasons already logged
+        self.said: set[str] = set()  # log lines already said
 
     def on_engine(self, core: nn.Module) -> bool:
-        """Whether rollouts of `core` run on the engine ([grpo] rollout = "engine" and the engine runs it)."""
-        if self.rollouts is None:
-            return False
+        """Whether the engine runs `core`."""
         if id(core) not in self.refusals:
             self.refusals[id(core)] = refusal(core)
         return self.refusals[id(core)] is None
@@ -228,28 +155,27 @@ class GRPORun:
             if main:
                 print(line, flush=True)
 
-    def decoder(self, core: nn.Module, sharded: bool, main: bool = True) -> Any:
-        """What a rollout samples through: the engine where it runs the model, else kiln's `generate` (said once
-        in a log line on the main process). Under FSDP2 collective (every rank asks together): the engine
-        gathers the whole model, where every rank has the memory for it (kiln.train.grpo_engine.fits)."""
-        why = self.refusals.get(id(core)) if not self.on_engine(core) else None
-        if why is None and self.rollouts is not None and is_fsdp(core):
+    def decoder(self, core: nn.Module, sharded: bool, main: bool = True) -> EngineDecoder:
+        """What a rollout samples through: the engine; a model it cannot run is refused naming what it lacks.
+        Under FSDP2 collective (every rank asks together): the engine gathers the whole model, where every rank
+        has the memory for it (kiln.train.grpo_engine.fits). `sharded` is the trainer's (kept for its callers)."""
+        why = None if self.on_engine(core) else self.refusals[id(core)]
+        if why is None and is_fsdp(core):
             why = fits(core)
             if why is None:
                 self.say(f"[grpo] rollouts on the generation engine under FSDP2: the whole model gathered for each "
                          f"rollout ({gathered_bytes(core) / 2**20:.1f} MiB a rank), every rank generating its own "
                          "prompts", main)
-        if self.rollouts is not None and why is None:
-            return EngineDecoder(self.rollouts, core)
         if why is not None:
-            self.say(f"[grpo] rollouts on kiln's generate loop, not the generation engine: {why}", main)
-        return RolloutModel(core, sharded)
+            raise KilnError(f"[grpo] rollouts run on the generation engine, which cannot run this one: {why} "
+                            "(kiln's earlier generate loop, which ran such rollouts, was removed: issue 39)")
+        return EngineDecoder(self.rollouts, core)
 
     def exact(self, model: nn.Module) -> bool:
         """The trainer's log-probs under `model` come through the engine's kernels: equal to the engine's
         (logprob_gap 0) when its rollouts ran on the engine."""
         core = core_of(model)
-        if not (self.g.exact_logprobs and self.on_engine(core)):
+        if not self.g.exact_logprobs:
             return False
         why = exact_refusal(core)
         if why is not None:
@@ -265,50 +191,28 @@ class GRPORun:
         eos = self.eos_ids(core)
         return pad if pad is not None else (eos[0] if eos else 0)
 
-    def sample(self, decoder: Any, rows: list[int], prompts: Prompts, repeat: int, seed: int | None,
+    def sample(self, decoder: EngineDecoder, rows: list[int], prompts: Prompts, repeat: int, seed: int | None,
                device: torch.device) -> dict[str, Any]:
-        """Completions of `rows` (`repeat` each; greedy when `seed` is None) and the log-probs of the sampled
-        tokens under logits / temperature (unfiltered, the trainer's formula). Sharded weights (decoder.sharded):
-        decode all max_new_tokens even once every row has ended (each forward gathers the weights with the other
-        ranks, so every rank must run as many); the mask still ends at EOS."""
+        """Completions of `rows` (`repeat` each; greedy when `seed` is None) on the engine and the log-probs of
+        the sampled tokens under logits / temperature (unfiltered, the trainer's formula)."""
         g, core = self.g, decoder.model
         if self.episodes is not None:
             return self.sample_episodes(decoder, rows, prompts, repeat, seed, device)
         ids, mask = prompts.left_padded(rows, repeat, self.pad_id(core), device)
-        gen = None if seed is None else torch.Generator(device=device).manual_seed(seed)
-        if isinstance(decoder, EngineDecoder):
-            groups = decoder.rollouts.run(core, [prompts.ids[r] for r in rows], [g.max_new_tokens] * len(rows),
-                                          repeat, None if seed is None else torch.Generator().manual_seed(seed),
-                                          self.eos_ids(core))
-            done = [c for group in groups for c in group]
-            width = max(1, max(len(t) for t, _, _ in done))
-            completions = torch.full((len(done), width), self.pad_id(core), dtype=torch.long)
-            cmask = torch.zeros((len(done), width), dtype=torch.long)
-            lps = torch.zeros((len(done), width), dtype=torch.float32)
-            for i, (toks, lp, _) in enumerate(done):
-                completions[i, :len(toks)], cmask[i, :len(toks)] = torch.tensor(toks, dtype=torch.long), 1
-                if lp:
-                    lps[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
-            return self._scored(rows, prompts, repeat, ids, mask, completions.to(device), cmask.to(device),
-                                torch.tensor([not ended for _, _, ended in done], device=device), lps.to(device),
-                                core)
-        steps: list[torch.Tensor] = []
-
-        def draw(logits: torch.Tensor) -> torch.Tensor:  # (N, V) float32 -> (N,)
-            logp = (logits if g.temperature == 1 else logits / g.temperature).log_softmax(-1)
-            kept = filter_logits(logp, 1.0, g.top_k, g.top_p) if g.top_k or g.top_p < 1 else logp
-            token = inverse_cdf(kept.exp(), gen)  # exp(log_softmax): the softmax top-k / top-p filtered
-            steps.append(logp.gather(1, token[:, None]).squeeze(1))
-            return token
-
-        out = generate(decoder, ids, mask, max_new_tokens=g.max_new_tokens, do_sample=seed is not None, draw=draw,
-                       pad_token_id=self.pad_id(core), eos_token_id=[] if decoder.sharded else None)
-        completions = out[:, ids.size(1):]
-        cmask = completion_mask(completions, self.eos_ids(core))
-        eos = torch.tensor(self.eos_ids(core), device=completions.device, dtype=torch.long)
-        truncated = ~torch.isin(completions, eos).any(1)  # no end token within max_new_tokens: cut by the budget
-        logps = torch.stack(steps, 1) * cmask if steps else torch.zeros_like(cmask, dtype=torch.float)
-        return self._scored(rows, prompts, repeat, ids, mask, completions, cmask, truncated, logps, core)
+        groups = decoder.rollouts.run(core, [prompts.ids[r] for r in rows], [g.max_new_tokens] * len(rows),
+                                      repeat, None if seed is None else torch.Generator().manual_seed(seed),
+                                      self.eos_ids(core))
+        done = [c for group in groups for c in group]
+        width = max(1, max(len(t) for t, _, _ in done))
+        completions = torch.full((len(done), width), self.pad_id(core), dtype=torch.long)
+        cmask = torch.zeros((len(done), width), dtype=torch.long)
+        lps = torch.zeros((len(done), width), dtype=torch.float32)
+        for i, (toks, lp, _) in enumerate(done):
+            completions[i, :len(toks)], cmask[i, :len(toks)] = torch.tensor(toks, dtype=torch.long), 1
+            if lp:
+                lps[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        return self._scored(rows, prompts, repeat, ids, mask, completions.to(device), cmask.to(device),
+                            torch.tensor([not ended for _, _, ended in done], device=device), lps.to(device), core)
 
     def _scored(self, rows: list[int], prompts: Prompts, repeat: int, ids: torch.Tensor, mask: torch.Tensor,
                 completions: torch.Tensor, cmask: torch.Tensor, truncated: torch.Tensor, logps: torch.Tensor,
@@ -371,23 +275,18 @@ class GRPORun:
         """eval_reward (and per function) of one greedy completion per held-out prompt, over every rank."""
         assert self.eval_prompts is not None
         core, rank, shards = core_of(trainer.model), trainer.data_rank, trainer.data_shards
-        # sharded weights: every rank decodes every prompt (the same forwards on all, which gather the weights)
-        decoder = self.decoder(core, trainer.sharded, trainer.world.main)
-        split = not decoder.sharded  # the engine runs on each process alone
-        mine = list(range(rank, len(self.eval_prompts), shards)) if split else list(range(len(self.eval_prompts)))
+        decoder = self.decoder(core, trainer.sharded, trainer.world.main)  # the engine: each process its share
+        mine = list(range(rank, len(self.eval_prompts), shards))
         sums = torch.zeros(2 + 2 * len(self.rewards), dtype=torch.float64)
-        # FSDP2 on the engine: one gather for every batch (ranks may run different counts of them)
-        held = decoder.rollouts.weights(core) if isinstance(decoder, EngineDecoder) else nullcontext()
-        with held:
+        with decoder.rollouts.weights(core):  # FSDP2: one gather for every batch (ranks may run different counts)
             self._evaluate(decoder, mine, sums, trainer)
-        if split:
-            sums = all_reduce_sum(sums.to(trainer.device), trainer.world).cpu()
+        sums = all_reduce_sum(sums.to(trainer.device), trainer.world).cpu()
         metrics = {"eval_reward": float(sums[0] / sums[1].clamp(min=1))}
         for j, r in enumerate(self.rewards):
             metrics[f"eval_reward/{r.name}"] = float(sums[2 + 2 * j] / sums[3 + 2 * j].clamp(min=1))
         return metrics
 
-    def _evaluate(self, decoder: Any, mine: list[int], sums: torch.Tensor, trainer: Trainer) -> None:
+    def _evaluate(self, decoder: EngineDecoder, mine: list[int], sums: torch.Tensor, trainer: Trainer) -> None:
         """Adds the greedy completions' rewards of prompts `mine` into `sums` (total, count, then per function)."""
         assert self.eval_prompts is not None
         for s in range(0, len(mine), trainer.args.batch_size * self.g.num_generations):

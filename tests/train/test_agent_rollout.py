@@ -32,7 +32,8 @@ def model(tok):
 
 
 def _g(**kw):
-    base = dict(max_turns=3, max_new_tokens=40, max_episode_tokens=400, temperature=1.0, top_k=0, top_p=1.0)
+    base = dict(max_turns=3, max_new_tokens=40, max_episode_tokens=400, temperature=1.0, top_k=0, top_p=1.0,
+                min_p=0.0, repetition_penalty=1.0)  # engfsdp: the engine's settings too
     return types.SimpleNamespace(**{**base, **kw})
 
 
@@ -134,13 +135,16 @@ def test_policy_tokens_given_to_the_trainer_are_the_sampled_ones(model, monkeypa
     """Real sampling (tiny random model, several turns through a user-message environment): every token under
     loss_mask 1 is one sample_turns drew, in order, with its log-prob; the trainer's forward gives the same
     log-probs (the rollout's logprob_gap) to fp32 rounding."""
-    from kiln.train.grpo_rollout import GRPORun, RolloutModel
+    from kiln.train.grpo_engine import EngineDecoder, EngineRollouts
+    from kiln.train.grpo_rollout import GRPORun
 
     drawn, _ = _spy(monkeypatch)
     runner, _ = _runner(model, Chatty, _g(max_turns=3, max_new_tokens=12))
     rows = [ROW, {"prompt": "another one", "answer": "3"}]
     gen = torch.Generator().manual_seed(5)
-    decoder = RolloutModel(model, sharded=False)
+    # engfsdp: the engine (the generate loop is gone), on a copy: the engine keeps its runner on the model it runs,
+    # and a model holding one no longer deep-copies (the later tests copy the module's model)
+    decoder = EngineDecoder(EngineRollouts(runner.g), copy.deepcopy(model))
     eps = runner.run(decoder, rows, [0, 1], [[1], [1]], [0, 1], gen, 0, torch.device("cpu"))
     assert drawn and all(e.turns >= 1 for e in eps)
     # per episode: the policy tokens (mask 1) in order are the concatenation of its turns' draws

@@ -113,28 +113,25 @@ def test_mean_reward_rises_on_a_learnable_task(grpo_dir):
 def test_logprob_gap_is_zero_at_every_step_on_engine_rollouts_and_not_through_the_training_forward(grpo_dir):
     """At temperature 0.7, top_k 50, num_iterations 2: the engine's log_softmax(logits / T) of the sampled tokens
     against the trainer's, through the engine's kernels (kiln.engine.score, exact_logprobs = true): exactly 0 at
-    every rollout. Controls that can fail: the same rollouts scored by the training forward (the default), and kiln's earlier
-    loop (rollout = "generate"), differ from the sampler by fp32 rounding; its exact path (the trainer's forward
-    as the sampler's log-probs) is 0 by construction."""
+    every rollout. Controls that can fail: the same rollouts scored by the training forward (the default) differ
+    from the sampler by fp32 rounding; sampler = "exact" (the trainer's forward as the sampler's log-probs) is 0
+    by construction. (kiln's earlier loop, a control here before, was removed: engfsdp.)"""
     grpo = 'temperature = 0.7\ntop_k = 50\nnum_iterations = 2\n'
     engine = _fit(_toml(grpo_dir, "gap-engine", grpo=grpo + "exact_logprobs = true", steps=6))
     assert [r["logprob_gap"] for r in engine if "logprob_gap" in r] == [0.0, 0.0, 0.0]
     training = _fit(_toml(grpo_dir, "gap-training", grpo=grpo, steps=2))  # the default
-    fast = _fit(_toml(grpo_dir, "gap-fast", grpo='rollout = "generate"\ntemperature = 0.7'))
-    exact = _fit(_toml(grpo_dir, "gap-exact", grpo='rollout = "generate"\nsampler = "exact"\ntemperature = 0.7'))
+    exact = _fit(_toml(grpo_dir, "gap-exact", grpo='sampler = "exact"\ntemperature = 0.7'))
     assert [r["logprob_gap"] for r in exact] == [0.0, 0.0]
     # a 2-layer fp32 model: its log-probs through two summation orders differ by ~1e-7 per op, well under 1e-5
-    for rows in (training, fast):
-        gaps = [r["logprob_gap"] for r in rows if "logprob_gap" in r]
-        assert all(g <= 1e-5 for g in gaps) and any(g > 0 for g in gaps), gaps
+    gaps = [r["logprob_gap"] for r in training if "logprob_gap" in r]
+    assert all(g <= 1e-5 for g in gaps) and any(g > 0 for g in gaps), gaps
 
 
 def test_the_same_seed_gives_the_same_run_on_the_engine(grpo_dir):
     """What changed with the engine: completion j of a prompt draws from its own generator (seeded from the
     micro-batch's generator, itself seeded by the run's seed and the rollout's place), where kiln's earlier loop
     drew every row of a micro-batch from one generator. So a seed gives other completions than before the engine,
-    and the same run every time (metrics and weights bit for bit); `rollout = "generate"` keeps the earlier loop
-    and its runs (the resume tests cover its exactness). A control: another seed gives other completions."""
+    and the same run every time (metrics and weights bit for bit). A control: another seed gives other completions."""
     def run(name: str, seed: int) -> tuple[list, dict]:
         rows = _fit(_toml(grpo_dir, name, grpo="temperature = 0.9\ntop_p = 0.9", steps=3), [("train.seed", seed)])
         weights = load_file(str(grpo_dir / name / "ckpt-000003" / "model" / "model.safetensors"))

@@ -12,9 +12,8 @@ import torch
 from kiln.models.common.fast import set_fast
 from kiln.models.common.tied_grad import coalesce_tied_gradient, deferred_head
 from kiln.models.generation import inverse_cdf
-from kiln.train.grpo_rollout import RolloutModel
 from kiln.train.logps import token_logps
-from tests.train.test_dpo_logps import VOCAB, tiny_lm
+from tests.train.test_dpo_logps import tiny_lm
 
 
 def _sigmas(counts: torch.Tensor, probs: torch.Tensor, draws: int) -> float:
@@ -37,26 +36,6 @@ def test_inverse_cdf_draws_the_distribution_and_never_a_zero():
         assert _sigmas(counts, probs.flip(0), draws) > 5  # the control: another distribution fails the same check
         again = inverse_cdf(probs.expand(draws, -1), torch.Generator().manual_seed(1), block)
         assert torch.equal(tokens, again)  # seeded
-
-
-def test_packed_decode_head_gives_the_models_logits():
-    """A decode step through the RolloutModel (packed head where MKL offers it) and through the model."""
-    model = tiny_lm(tied=True).eval()
-    set_fast(model)
-    ids = torch.randint(3, VOCAB, (8, 6), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones_like(ids)
-    mask[:2, :2] = 0  # left padding
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    decoder = RolloutModel(model, sharded=False)
-    with torch.no_grad():
-        want = model(ids, attention_mask=mask, position_ids=positions, cache=model.new_cache(),
-                     logits_to_keep=1).logits
-        got = decoder(ids, attention_mask=mask, position_ids=positions, cache=model.new_cache(),
-                      logits_to_keep=1).logits
-    if torch.backends.mkl.is_available():
-        assert decoder.packed is not None and decoder.packed[0] == 8  # the packed path ran
-    # logits of a 32-wide dot product, |logit| < 1: fp32 rounding ~1e-7; 1e-6 leaves headroom
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("defer", [False, True])

@@ -1,13 +1,10 @@
-"""Autoregressive generation for kiln causal LMs: KV cache, greedy or sampled, stop on EOS.
+"""Generation for kiln causal LMs: `generate` (a model's `generate`) and the sampling math under it.
 
-One prefill pass over the (left-padded) prompt fills the cache; each later step feeds one token per row
-(a backbone without a decoding cache is fed the whole sequence again instead). Sampling applies
-temperature, then top-k, then top-p (nucleus) to float32 logits and draws with a seeded generator, so a
-seed reproduces a reply (a caller may bring its own draw instead). Rows that reached EOS are padded while
-the others finish. Positions follow the attention mask (pads do not count).
-
-`generate` first offers the call to the registered generators (`register_generator`; kiln.engine registers its
-padded-batch backend, kiln.engine.padded, when imported): the first that takes it runs it; the loop runs the rest.
+`generate` hands the call to the registered generators (`register_generator`): kiln.engine registers its
+padded-batch backend (kiln.engine.padded) when imported, a layer above this one. kiln's earlier static-batch
+loop is gone (issue 39: the engine does what it did; benchmarks/old_loop.py keeps a copy as a measured
+baseline). `filter_logits` (temperature, top-k, top-p) and `inverse_cdf` (a draw from one uniform a row) are
+the floor's sampling helpers; the engine's sampler draws with `inverse_cdf`.
 """
 
 from __future__ import annotations
@@ -19,13 +16,13 @@ import torch
 
 from kiln.errors import KilnError
 
-# generators a call is offered to before the loop: fn(model, input_ids, **generate's keywords) -> (B, T + n) ids,
-# or None when the call is not theirs (a layer above registers one: kiln.engine.padded)
+# the generators a call is offered to, in order: fn(model, input_ids, **generate's keywords) -> (B, T + n) ids, or
+# None when the call is not theirs (a layer above registers one: kiln.engine.padded)
 GENERATORS: list[Callable[..., torch.Tensor | None]] = []
 
 
 def register_generator(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Offer every `generate` call to `fn` before the loop (in registration order); returns fn."""
+    """Offer every `generate` call to `fn` (in registration order); returns fn."""
     if fn not in GENERATORS:
         GENERATORS.append(fn)
     return fn
@@ -86,67 +83,17 @@ def inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None = None, b
     return (blk * block + token).squeeze(1)
 
 
-@torch.no_grad()
-def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
-             do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             seed: int | None = None, eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
-             on_token: Callable[[torch.Tensor], None] | None = None,
-             prompt_inputs: dict[str, torch.Tensor] | None = None,
-             draw: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """Prompt ids (B, T) -> (B, T + n) with n <= max_new_tokens; `on_token` sees each new (B,) column.
-    `prompt_inputs` (an image-text model's pixel_values, image_grid_thw, ...) go with the prompt's pass.
-    `draw` (with do_sample): float32 logits (B, V) -> (B,) token ids, in place of temperature / top-k / top-p
-    and the seeded multinomial draw (the caller then owns the randomness; `seed` is not used)."""
+def generate(model, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """Prompt ids (B, T) -> (B, T + n) with n <= max_new_tokens: a kiln causal LM's `generate`, run by the first
+    registered generator that takes the call (kiln.engine.padded: the generation engine, registered when
+    kiln.engine is imported). Keywords: attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
+    seed, eos_token_id, pad_token_id (and prompt_inputs for an image-text model)."""
     if input_ids.dim() != 2 or input_ids.size(1) == 0:
         raise KilnError(f"input_ids must be (batch, length>0), got shape {tuple(input_ids.shape)}")
     for fn in GENERATORS:
-        taken = fn(model, input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                   do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                   eos_token_id=eos_token_id, pad_token_id=pad_token_id, on_token=on_token,
-                   prompt_inputs=prompt_inputs, draw=draw)
+        taken = fn(model, input_ids, **kwargs)
         if taken is not None:
             return taken
-    config = model.config
-    eos = eos_token_id if eos_token_id is not None else config.eos_token_id
-    eos_ids = torch.tensor([] if eos is None else ([eos] if isinstance(eos, int) else list(eos)), device=input_ids.device)
-    pad = pad_token_id if pad_token_id is not None else (config.pad_token_id if config.pad_token_id is not None
-                                                         else (int(eos_ids[0]) if len(eos_ids) else 0))
-    device = input_ids.device
-    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None and draw is None else None
-    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
-    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # (B, T)
-    cache = model.new_cache()  # None: no incremental state, every step re-reads the sequence
-    was_training = model.training
-    model.eval()
-    out, step_ids = input_ids, input_ids
-    unfinished = torch.ones(input_ids.size(0), dtype=torch.bool, device=device)
-    try:
-        for _ in range(max_new_tokens):
-            extra = {} if prompt_inputs is None or (cache is not None and step_ids is not input_ids) else (
-                prompt_inputs if step_ids is input_ids else  # no cache: the whole sequence with its images again
-                {k: v for k, v in prompt_inputs.items() if k != "mm_token_type_ids"})
-            logits = model(step_ids, attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1,
-                           **extra).logits[:, -1, :].to(dtype=torch.float32)  # (B, V)
-            if do_sample and draw is not None:
-                token = draw(logits)
-            elif do_sample:
-                probs = filter_logits(logits, temperature, top_k, top_p).softmax(-1)
-                token = torch.multinomial(probs, 1, generator=gen).squeeze(1)
-            else:
-                token = logits.argmax(-1)
-            token = torch.where(unfinished, token, torch.full_like(token, pad))
-            out = torch.cat([out, token[:, None]], dim=-1)
-            if on_token is not None:
-                on_token(token)
-            if len(eos_ids):
-                unfinished &= ~torch.isin(token, eos_ids)
-                if not bool(unfinished.any()):
-                    break
-            mask = torch.cat([mask, mask.new_ones(mask.size(0), 1)], dim=-1)
-            if cache is not None:
-                step_ids, positions = token[:, None], positions[:, -1:] + 1
-            else:
-                step_ids, positions = out, torch.cat([positions, positions[:, -1:] + 1], dim=-1)
-    finally:
-        model.train(was_training)
-    return out
+    raise KilnError("generate: kiln's generation runs on its engine (kiln.engine), which is not loaded here: "
+                    "`import kiln.engine` first (kiln.pipelines, the CLI and the trainer do); kiln's earlier "
+                    "loop was removed (issue 39)")

@@ -4,7 +4,7 @@ data.train is a prompts file (JSONL, CSV or HF datasets): `prompt` (grpo.prompt_
 list (rendered with the chat template and its generation prompt); every other column goes to the reward
 functions. A step's rollout: `grad_accum` batches of `train.batch_size` prompts, each prompt sampled
 `num_generations` times on the generation engine (kiln.train.grpo_engine: one request per prompt, its prefill
-shared by the group; kiln's `generate` where the engine does not run the model) on the weights being trained, in
+shared by the group; a model it does not run is refused: engfsdp) on the weights being trained, in
 place; the completions scored (kiln.train.rewards), advantages taken within each prompt's group
 (kiln.train.grpo_loss), then `num_iterations` optimizer steps on that rollout, each through the Trainer's one
 `update`. Log-probs are those of logits / temperature (as TRL's): after engine rollouts with `exact_logprobs`,
