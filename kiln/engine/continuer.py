@@ -1,9 +1,9 @@
-"""Continuing token lists with a causal LM: on the engine where it runs the family, else on the model's loop.
+"""Continuing token lists with a causal LM on the generation engine.
 
 `Continuer` is what `kiln generate`, `kiln chat`, `kiln eval`'s generation tasks and `kiln.pipelines.generate`
 call: one engine kept for its life (so a chat's earlier turns are found in the cache by prefix, and the images it
-shows again are not run through the vision tower again), and the model's own generate loop for families the engine
-refuses (`kiln.engine.runner.unsupported` says why).
+shows again are not run through the vision tower again). A model the engine cannot run is refused by name when the
+Continuer is made (`kiln.engine.runner.unsupported` says why).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import torch
 from kiln.engine.engine import Engine
 from kiln.engine.params import SamplingParams
 from kiln.engine.runner import unsupported
+from kiln.errors import KilnError
 
 
 class Continuer:
-    """Continues token lists with a causal LM: through kiln.engine where it runs the family (continuous
-    batching; one engine kept, so a chat's earlier turns are found in its cache by prefix and not recomputed, and
-    its images' features are made once), else through the model's own generate loop (families the engine does not
-    run yet).
+    """Continues token lists with a causal LM through kiln.engine (continuous batching; one engine kept, so a
+    chat's earlier turns are found in its cache by prefix and not recomputed, and its images' features are made
+    once).
 
     `many(prompts, prompt_inputs)` runs every prompt at once (the engine batches them as they come and go);
     `__call__` runs one. `prompt_inputs`: an image-text model's images per prompt (pixel_values and
@@ -34,30 +34,18 @@ class Continuer:
         self.model, self.max_new_tokens, self.stop = model, max_new_tokens, tuple(stop)
         self.sampling: dict[str, Any] = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         self.eos = [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids
-        self.engine: Engine | None = None
-        self.why_not = unsupported(model)  # None: the engine runs it
-        if self.why_not is None and max_new_tokens >= 1:
-            self.engine = Engine(model, getattr(model, "tokenizer", None) if stop else None,
-                                 max_seqs=max_seqs, eos_token_ids=self.eos)
+        why_not = unsupported(model)  # None: the engine runs it
+        if why_not is not None:
+            raise KilnError(f"cannot generate with this model: {why_not}")
+        self.engine = Engine(model, getattr(model, "tokenizer", None) if stop else None,
+                             max_seqs=max_seqs, eos_token_ids=self.eos)
 
     def many(self, prompts: list[list[int]], prompt_inputs: list[dict | None] | None = None) -> list[list[int]]:
         if self.max_new_tokens < 1:
             return [[] for _ in prompts]
         inputs = prompt_inputs if prompt_inputs is not None else [None] * len(prompts)
-        if self.engine is not None:
-            params = SamplingParams(max_tokens=self.max_new_tokens, stop=self.stop, **self.sampling)
-            return [done[0].token_ids for done in self.engine.generate(prompts, params, inputs)]
-        return [self(p, x) for p, x in zip(prompts, inputs, strict=True)]
+        params = SamplingParams(max_tokens=self.max_new_tokens, stop=self.stop, **self.sampling)
+        return [done[0].token_ids for done in self.engine.generate(prompts, params, inputs)]
 
     def __call__(self, prompt: list[int], prompt_inputs: dict | None = None) -> list[int]:
-        if self.engine is not None:
-            return self.many([prompt], [prompt_inputs])[0]
-        t, kw = self.sampling["temperature"], dict(self.sampling)
-        kw.update(do_sample=t > 0, temperature=t if t > 0 else 1.0)
-        if self.eos is not None:
-            kw["eos_token_id"] = self.eos
-        if prompt_inputs:
-            kw["prompt_inputs"] = prompt_inputs
-        ids = torch.tensor([prompt], device=next(self.model.parameters()).device)
-        generate: Any = self.model.generate  # the model's own loop (kiln.models.generation)
-        return generate(ids, max_new_tokens=self.max_new_tokens, **kw)[0, len(prompt):].tolist()
+        return self.many([prompt], [prompt_inputs])[0]
