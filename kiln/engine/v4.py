@@ -21,7 +21,8 @@ Each row's attention reads a window tensor of fixed shape (sliding_window keys a
 and its sequence's entries in blocks of ENTRY_BLOCK (kiln.engine.v4_ops.sink_attend); CSA rows keep the
 indexer's top index_topk visible entries (`exact.top_keys`: equal scores go to the earlier entry, where the
 model's torch.topk leaves their order unstated). Projections, norms and hyper-connections run on fixed tiles;
-the MoE one row per call. So a decode step, a prefill chunk and the scoring forward (`dense_many`: each
+the MoE one row per call. A step's one-token sequences run their state, ring, entries and attention together
+(kiln.engine.v4_decode), each row's products of the shapes the per-sequence path uses. So a decode step, a prefill chunk and the scoring forward (`dense_many`: each
 sequence from zeroed state, its entries computed from the whole sequence) give the same bits, and the model's
 own forward agrees to fp32 rounding. Rope (YaRN included) comes from tables of the model's own rotary modules.
 The multi-token-prediction block (V4ForCausalLM.enable_mtp) is a training head: generation never runs it.
@@ -42,6 +43,7 @@ from kiln.engine.cache import BlockPool
 from kiln.engine.exact import tiled, top_keys
 from kiln.engine.runner import Piece, register
 from kiln.engine.state import StateRunner
+from kiln.engine.v4_decode import Group, series, window
 from kiln.engine.v4_ops import (
     ENTRY_BLOCK,
     hc_head,
@@ -76,7 +78,13 @@ class Call:
     forward (pool None) zeroed state, no past entries, nothing written."""
 
     def __init__(self, runner: V4Runner, seqs: list[Seq], pool: BlockPool | None):
-        self.runner, self.seqs, self.pool = runner, [q for q in seqs if q.e > q.s], pool
+        self.runner, self.pool = runner, pool
+        live = [q for q in seqs if q.e > q.s]
+        # a step's one-token sequences run together (kiln.engine.v4_decode); the others one at a time
+        ones = [q for q in live if q.e - q.s == 1] if pool is not None else []
+        self.seqs = [q for q in live if pool is None or q.e - q.s > 1]
+        self.group = Group.of(ones, runner.dev) if ones else None
+        self.group_starts = [q.start for q in ones]
 
     def state(self, i: int, q: Seq) -> list[torch.Tensor]:
         if self.pool is None:
@@ -236,6 +244,8 @@ class V4Runner(StateRunner):
         parts = tiled(project, x, cos, sin, icos, isin).split(widths, 1)
         q_all, kv_all = parts[0].view(-1, H, D), parts[1]
         y = q_all.new_empty((x.shape[0], H, D))
+        if call.group is not None:
+            y[call.group.rows] = self._decode(i, parts, q_all, call)
         for seq in call.seqs:
             rows = slice(seq.s, seq.e)
             start = seq.start
@@ -271,6 +281,31 @@ class V4Runner(StateRunner):
             return a.o_b_proj(a.o_a_proj(t.reshape(t.shape[0], -1, a.group_width)).flatten(1))
 
         return tiled(out, y, cos, sin)
+
+    def _decode(self, i: int, parts: tuple[torch.Tensor, ...], q_all: torch.Tensor, call: Call) -> torch.Tensor:
+        """The attention of the step's one-token sequences (B, H, D), all at once; their state and pieces written."""
+        g, pool = call.group, call.pool
+        assert g is not None and pool is not None
+        a, ser = self.layers[i].self_attn, self.series[i]
+        D = a.head_dim
+        q = q_all[g.rows]
+        windows, win_ok = window(pool, i, g, parts[1][g.rows], self.window)
+        if not ser:
+            return sink_attend(q, windows, win_ok, None, None, a.sinks, a.scaling)
+        r = ser[0].rate
+        NB = max(1, math.ceil(max((p + 1) // r for p in call.group_starts) / ENTRY_BLOCK))
+        entries, at = [], 1
+        for k, wp in enumerate(ser):
+            entries.append(series(pool, i, k, at, g, wp, parts[2 + 2 * k][g.rows], parts[3 + 2 * k][g.rows],
+                                  self.wp_ropes[id(wp)], NB))
+            at += 5 if wp.overlap else 3
+        last = (g.pos + 1) // r - 1
+        keep = torch.arange(NB * ENTRY_BLOCK, device=q.device)[None] <= last[:, None]
+        if len(ser) > 1:
+            ix = cast(Indexer, ser[1])
+            keep = keep & self._index(ix, parts[-2][g.rows], parts[-1][g.rows], entries[1], NB, last)
+        B = q.shape[0]
+        return sink_attend(q, windows, win_ok, entries[0].view(B, NB, ENTRY_BLOCK, D), keep, a.sinks, a.scaling)
 
     def _window(self, ring: torch.Tensor, kv: torch.Tensor, start: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -330,7 +365,9 @@ class V4Runner(StateRunner):
         among those the row may read (sum_h w_h relu(q_h . k) / sqrt(d), float32)."""
         L, Hi, di = iq.shape[0], ix.heads, ix.head_dim
         with torch.no_grad():  # a choice: nothing differentiable leaves it (the model's indexer runs so too)
-            k = F.pad(keys.float(), (0, 0, 0, NB * ENTRY_BLOCK - keys.shape[0])).view(1, NB, ENTRY_BLOCK, di)
+            if keys.dim() == 2:  # one sequence's entries, read by every row
+                keys = F.pad(keys, (0, 0, 0, NB * ENTRY_BLOCK - keys.shape[0]))[None]
+            k = keys.float().view(-1, NB, ENTRY_BLOCK, di)  # (1 or L, NB, EB, di)
             scores = F.relu(torch.matmul(iq.view(L, 1, Hi, di).float(), k.transpose(-1, -2)))
             scores = scores * ix.scorer.softmax_scale  # (L, NB, Hi, EB)
             w = iw.float() * ix.scorer.weights_scaling  # (L, Hi)
