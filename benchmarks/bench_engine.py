@@ -134,7 +134,8 @@ def run_engine(model, requests, c, kv: list | None = None) -> tuple[float, list[
         for o in engine.step():
             firsts.setdefault(o.request_id, time.perf_counter() - t0)
         if kv is not None:
-            kv.append(engine.kv_usage())
+            kv.append({**engine.kv_usage(), "block_size": engine.pool.block_size,
+                       "reserved": engine.pool.num_blocks * engine.pool.bytes_per_block()})
     return time.perf_counter() - t0, list(firsts.values())
 
 
@@ -183,10 +184,11 @@ def main() -> None:
             peak = max(held, key=lambda k: k["tokens"])
             ratio = max(k["slots"] / k["tokens"] for k in held)
             mean = sum(k["slots"] for k in held) / sum(k["tokens"] for k in held)
-            print(f"  engine KV at c={c} (block size 16): at the peak {peak['tokens']} tokens in {peak['slots']} "
-                  f"slots ({peak['slots'] / peak['tokens']:.3f}x, {peak['bytes'] / 2**20:.1f} MiB); over {len(held)} "
-                  f"steps {mean:.3f}x (slots / tokens summed), at most {ratio:.3f}x; transformers' static batches "
-                  "hold batch x longest row", flush=True)
+            print(f"  engine KV at c={c} (block size {peak['block_size']}): at the peak {peak['tokens']} tokens in "
+                  f"{peak['slots']} slots ({peak['slots'] / peak['tokens']:.3f}x, {peak['bytes'] / 2**20:.2f} MiB); "
+                  f"over {len(held)} steps {mean:.3f}x (slots / tokens summed), at most {ratio:.3f}x; the pool "
+                  f"reserves {peak['reserved'] / 2**20:.1f} MiB (the default kv_blocks: max_seqs sequences of the "
+                  "model's 1,024 positions); transformers' static batches hold batch x longest row", flush=True)
     scoring(ours)
     print(load_average())
     for c, got in rows:

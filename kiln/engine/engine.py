@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.engine.cache import BLOCK_SIZE
 from kiln.engine.exact import log_softmax_rows
 from kiln.engine.params import MAX_TOP_LOGPROBS, SamplingParams
 from kiln.engine.sampling import request_generator, sample
@@ -59,7 +60,7 @@ class Completion:
 
 
 class Engine:
-    def __init__(self, model, tokenizer=None, *, block_size: int = 16, kv_blocks: int | None = None,
+    def __init__(self, model, tokenizer=None, *, block_size: int = BLOCK_SIZE, kv_blocks: int | None = None,
                  max_seqs: int = 64, step_tokens: int = 512, eos_token_ids=None, seed: int = 0):
         if max_seqs < 1 or step_tokens < 1:
             raise KilnError(f"the engine needs max_seqs >= 1 and step_tokens >= 1, got max_seqs={max_seqs}, "

@@ -6,9 +6,11 @@ vector code and the tail, or a thread's chunk edge, through the scalar code: exp
 an ulp between the two). So every op here has a shape that depends on nothing but the model:
 
 - `tiled`: row-wise work (norms, projections, the MLP) runs on tiles of exactly `TILE` rows, zero-padded; a
-  product's row depends on its own row and the product's (M, N, K), which is fixed; the LM head, the costly
-  product, runs on HEAD_TILE rows or on another row count that `head_tiles` proved, on this machine and model,
-  to give HEAD_TILE's bits (none proven: HEAD_TILE alone);
+  product's row depends on its own row and the product's (M, N, K), which is fixed;
+- the LM head, the costly product (rows x hidden x a vocabulary of up to 150k): a call has HEAD_TILE rows or
+  another row count that `head_tiles` proved, on this machine and model, to give HEAD_TILE's bits (none proven:
+  HEAD_TILE alone), through `vocab_product` (products of (rows, hidden) by fixed column blocks of VOCAB_CHUNK
+  vocabulary rows, each read from memory once for all the call's rows);
 - `lanewise`: a transcendental elementwise op runs on a flat copy padded to whole SIMD blocks, in calls small
   enough never to be split between threads, so every element goes through the same vector code;
 - `attend`: each query row is its own (groups x D) @ (D x block) product against each key block; the softmax
@@ -32,6 +34,7 @@ from torch.nn import functional as F
 TILE = 16            # rows per row-wise call (the M of every projection)
 HEAD_TILE = 8        # rows per LM-head call when no other size is proven equal (see `head_tiles`)
 HEAD_SIZES = (4, 16, 32, 64)  # other LM-head row counts `head_tiles` may prove equal to HEAD_TILE
+VOCAB_CHUNK = 2048   # vocabulary rows of the head's weight per product (2 MiB of a 256-wide fp32 weight: cached)
 LANES = 64           # a multiple of every SIMD block torch uses (2 x 16 floats with AVX-512)
 SERIAL = 32768 // LANES * LANES  # torch's grain size: a smaller elementwise call is never split between threads
 
@@ -45,6 +48,19 @@ def tiled(fn: Callable[..., torch.Tensor], *xs: torch.Tensor, tile: int = TILE) 
     outs = [fn(*(x[s:s + tile] for x in xs)) for s in range(0, n + pad, tile)]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out[:n] if pad else out
+
+
+def vocab_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (M, C) @ weight (V, C)^T -> (M, V) in x's dtype, as one (M, C) x (C, VOCAB_CHUNK) product per block of
+    the weight's rows (the last block: V % VOCAB_CHUNK rows), written into the output's columns. Each product's
+    shape depends on M and the model alone, so with M fixed a row's bits depend on nothing else; a block is
+    read once for all M rows (one call over the whole weight takes other kernels by row count, and a call per
+    row tile re-reads the whole weight per tile)."""
+    V = weight.shape[0]
+    out = x.new_empty((x.shape[0], V))
+    for v in range(0, V, VOCAB_CHUNK):
+        torch.mm(x, weight[v:v + VOCAB_CHUNK].t(), out=out[:, v:v + VOCAB_CHUNK])
+    return out
 
 
 def head_tiles(fn: Callable[[torch.Tensor], torch.Tensor], width: int, dtype: torch.dtype,

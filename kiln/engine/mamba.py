@@ -54,8 +54,8 @@ class MambaRunner(StateRunner):
     def new_pool(self, num_blocks: int, block_size: int, seqs: int = 1) -> BlockPool:
         return self.state_pool(num_blocks, block_size, seqs, [((0,), (0,))] * self.num_layers)
 
-    def _head(self, t: torch.Tensor) -> torch.Tensor:
-        return self.model.head(self.backbone.norm_f(t))
+    def _final_norm(self, t: torch.Tensor) -> torch.Tensor:
+        return self.backbone.norm_f(t)
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, kv, states: States | None = None) -> torch.Tensor:
         """`states` None: the call is one sequence from its first token (fresh state)."""

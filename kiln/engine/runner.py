@@ -19,10 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from kiln.engine.cache import BlockPool
 from kiln.engine.exact import (
@@ -32,6 +34,7 @@ from kiln.engine.exact import (
     rope_table,
     tiled,
     tiled_menu,
+    vocab_product,
 )
 from kiln.errors import KilnError
 from kiln.models.common.causal_lm import ForCausalLM
@@ -77,8 +80,7 @@ def unsupported(model: nn.Module) -> str | None:
     if cls is None:
         backbone = getattr(model, "model", model)
         return (f"the generation engine does not run {name!r} yet (it runs {families()}): its "
-                f"{type(model).__name__} over {type(backbone).__name__} is no kind a runner is registered for "
-                "(DeepSeek-V4's sliding-window and compressed caches are not on the engine)")  # engvis: images run
+                f"{type(model).__name__} over {type(backbone).__name__} is no kind a runner is registered for")
     return cls.refuse(model, name)
 
 
@@ -135,7 +137,8 @@ class DecoderRunner:
                                                 torch.zeros((), dtype=self.dtype, device=self.device))
         self.mlps = [_mlp_fn(layer.mlp) if hasattr(layer, "mlp") else None  # Mamba's blocks have none
                      for layer in list(self.backbone.layers)[:self.num_layers]]
-        self._menus: dict[int, tuple[int, ...]] = {}  # row limit -> LM-head call sizes proven equal (exact.py)
+        # (row limit, head kind: "product" or "module") -> LM-head call sizes proven equal (exact.py)
+        self._menus: dict[tuple[int, str], tuple[int, ...]] = {}
         self._setup()
 
     def _setup(self) -> None:
@@ -237,15 +240,46 @@ class DecoderRunner:
         return self.logits(x[last], limit)
 
     def logits(self, x: torch.Tensor, limit: int = 64) -> torch.Tensor:
-        """float32 logits (N, V) of last-layer hidden states (N, C): the final norm, then the head, in calls of
-        row counts proven to give the same bits (up to about `limit` rows a call: the caller's usual count)."""
-        if limit not in self._menus:
-            width = self.backbone.embed_tokens.weight.shape[1]
-            self._menus[limit] = head_tiles(self._head, width, self.dtype, self.device, limit)
-        return tiled_menu(self._head, x, self._menus[limit]).float()
+        """float32 logits (N, V) of last-layer hidden states (N, C): the final norm on TILE-row tiles, then the
+        head (`exact.vocab_product` when it is a plain product of its weight, else the module with the norm on
+        whole tiles), in calls of row counts proven to give the same bits (up to about `limit` rows a call: the
+        caller's usual count)."""
+        weight = self.head_weight()
+        if weight is None:
+            return self._menu_call(self._head, x, limit, "module")
+        return self.product_logits(self.head_input(x, weight), weight, limit)
+
+    def head_input(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The final norm of hidden states (N, C) on TILE-row tiles, in the head weight's dtype (ForCausalLM.head's
+        cast under fp32_logits): what `product_logits` takes. Differentiable."""
+        return tiled(self._final_norm, x).to(weight.dtype)
+
+    def product_logits(self, h: torch.Tensor, weight: torch.Tensor, limit: int = 64) -> torch.Tensor:
+        """float32 logits (N, V) of normed rows h (N, C) through `exact.vocab_product` on proven row counts."""
+        return self._menu_call(partial(vocab_product, weight=weight), h, limit, "product")
+
+    def _menu_call(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, limit: int,
+                   kind: str) -> torch.Tensor:
+        if (limit, kind) not in self._menus:
+            self._menus[limit, kind] = head_tiles(fn, x.shape[1], x.dtype, self.device, limit)
+        return tiled_menu(fn, x, self._menus[limit, kind]).float()
+
+    def head_weight(self) -> torch.Tensor | None:
+        """The LM head's weight (V, C) when the head is that product alone (kiln's ForCausalLM.head over a plain
+        bias-free Linear or the tied embedding, not split between ranks), else None."""
+        m = self.model
+        lm = getattr(m, "lm_head", None)
+        if getattr(type(m), "head", None) is not ForCausalLM.head or (
+                lm is not None and (type(lm) is not nn.Linear or lm.bias is not None)):
+            return None
+        weight = m.output_weight
+        return None if isinstance(weight, DTensor) else weight
+
+    def _final_norm(self, t: torch.Tensor) -> torch.Tensor:
+        return self.backbone.norm(t)
 
     def _head(self, t: torch.Tensor) -> torch.Tensor:
-        return self.model.head(self.backbone.norm(t))
+        return self.model.head(self._final_norm(t))
 
     # ---- the scoring forward's ------------------------------------------------------------------
     def dense(self, ids: list[int], block_size: int) -> torch.Tensor:

@@ -7,8 +7,11 @@ log-prob therefore has the same bits whether the engine produced it in a decode 
 beside 31 other requests, or here, alone or packed with other sequences: RL's gap between the sampler's and the
 scorer's log-probs is 0 when the scorer is this. `temperature` divides the float32 logits before the
 log_softmax, the op a rollout applies to the engine's logits (kiln.train.grpo_engine), so log-probs at a
-sampling temperature match too. It is differentiable (autograd through every op; the LM head's chunks are
-recomputed in the backward instead of keeping rows x vocabulary logits), so a trainer can take its gradient;
+sampling temperature match too. It is differentiable, so a trainer can take its gradient: autograd through
+the body; the LM head with its log_softmax is one function (`_HeadLogps`) whose backward takes each chunk of rows'
+softmax again with one whole-chunk product (a gradient carries no bit promise: the head's row tiles are for
+the forward's bits) and makes the hidden and weight gradients of the chunk with two more, rather than keeping
+rows x vocabulary logits or differentiating the forward's tiles (a weight gradient per tile);
 against kiln's training forward (`ForCausalLM.token_logps`: one batched matrix product per layer, SDPA) it
 agrees to fp32 rounding, not bit for bit: the training forward's products see every row of the batch at
 once, which is what makes them fast.
@@ -19,8 +22,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from kiln.engine.cache import BLOCK_SIZE
 from kiln.engine.exact import log_softmax_rows
 from kiln.engine.runner import DecoderRunner, unsupported
 from kiln.errors import KilnError
@@ -47,11 +52,11 @@ def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits if temperature == 1.0 else logits / temperature
 
 
-def token_logps(model, sequences: Sequence[Sequence[int]], starts: Sequence[int], *, block_size: int = 16,
+def token_logps(model, sequences: Sequence[Sequence[int]], starts: Sequence[int], *, block_size: int = BLOCK_SIZE,
                 temperature: float = 1.0) -> list[torch.Tensor]:
     """For each sequence ids (S,) and start s >= 1: float32 (S - s,) log p(ids[t] | ids[:t]) for t >= s, the
     log_softmax of logits / temperature (no filters). `block_size` must be the engine's (it fixes the
-    summation order). All sequences run in one packed pass."""
+    summation order; the default is the Engine's, kiln.engine.cache.BLOCK_SIZE). All sequences run in one packed pass."""
     if len(sequences) != len(starts):
         raise KilnError(f"token_logps: {len(sequences)} sequences but {len(starts)} starts")
     if not temperature > 0:
@@ -75,9 +80,50 @@ def token_logps(model, sequences: Sequence[Sequence[int]], starts: Sequence[int]
         lp = log_softmax_rows(tempered(runner.logits(h, _LOGIT_ROWS), temperature))
         return lp.gather(1, t[:, None]).squeeze(1)
 
-    keep = torch.is_grad_enabled() and hidden.requires_grad  # recompute the chunk's logits in the backward
+    weight = runner.head_weight()
+    if weight is not None:
+        picked = _HeadLogps.apply(runner.head_input(hidden, weight), weight, target, runner, temperature)
+        return list(picked.split(sizes))
+    # a head that is no plain product (kiln.engine.runner.head_weight): autograd through its tiles, each chunk's
+    # logits recomputed in the backward
+    keep = torch.is_grad_enabled() and hidden.requires_grad
     parts = [checkpoint(chunk, hidden[r:r + _LOGIT_ROWS], target[r:r + _LOGIT_ROWS], use_reentrant=False) if keep
              else chunk(hidden[r:r + _LOGIT_ROWS], target[r:r + _LOGIT_ROWS])
              for r in range(0, hidden.shape[0], _LOGIT_ROWS)]
     picked = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
     return list(picked.split(sizes))
+
+
+class _HeadLogps(torch.autograd.Function):
+    """log_softmax(h @ weight^T / temperature)[target] (N,) float32 for normed rows h (N, C): the forward through
+    the runner's exact head (the engine's bits), chunk by chunk; the backward with whole-chunk products."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, runner: DecoderRunner,
+                temperature: float) -> torch.Tensor:
+        parts = []
+        for r in range(0, h.shape[0], _LOGIT_ROWS):
+            lp = log_softmax_rows(tempered(runner.product_logits(h[r:r + _LOGIT_ROWS], weight, _LOGIT_ROWS),
+                                           temperature))
+            parts.append(lp.gather(1, target[r:r + _LOGIT_ROWS, None]).squeeze(1))
+        ctx.save_for_backward(h, weight, target)
+        ctx.temperature = temperature
+        return torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        h, weight, target = ctx.saved_tensors
+        temp = ctx.temperature
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        for r in range(0, h.shape[0], _LOGIT_ROWS):
+            hc, t, u = h[r:r + _LOGIT_ROWS], target[r:r + _LOGIT_ROWS], grad[r:r + _LOGIT_ROWS] / temp
+            # d log p[t] / d logits = (onehot(t) - softmax(logits / temp)) / temp, times the incoming gradient
+            g = torch.softmax(tempered(F.linear(hc, weight).float(), temp), -1).mul_(-u[:, None])
+            g[torch.arange(t.shape[0], device=t.device), t] += u
+            g = g.to(weight.dtype)
+            if grad_h is not None:
+                grad_h[r:r + _LOGIT_ROWS] = g @ weight
+            if grad_w is not None:
+                grad_w.addmm_(g.t(), hc)
+        return grad_h, grad_w, None, None, None

@@ -12,7 +12,7 @@ import torch
 
 from kiln.engine.score import runner_for, token_logps
 from kiln.errors import KilnError
-from kiln.train.grpo_engine import EngineRollouts
+from kiln.train.grpo_engine import BLOCK, EngineRollouts
 from tests.engine.tiny import prompts, tiny_model
 
 
@@ -61,7 +61,7 @@ def test_engine_logps_at_a_temperature_equal_the_scorers_and_near_the_training_f
     for p, group, budget in zip(ps, groups, [10, 7, 12]):
         for toks, lps, ended in group:
             assert len(toks) == len(lps) and 1 <= len(toks) <= budget and ended == (toks[-1] == 2)
-            scored = token_logps(model, [p + toks], [len(p)], temperature=0.6)[0]
+            scored = token_logps(model, [p + toks], [len(p)], block_size=BLOCK, temperature=0.6)[0]
             assert torch.equal(torch.tensor(lps), scored)
             ids = torch.tensor([p + toks])
             targets = torch.full_like(ids, -100)
@@ -69,7 +69,7 @@ def test_engine_logps_at_a_temperature_equal_the_scorers_and_near_the_training_f
             with torch.no_grad():
                 train = model.token_logps(ids, None, targets, temperature=0.6)[0, len(p) - 1:-1]
             assert float((train - scored).abs().max()) < 1e-4  # fp32 rounding through 2 layers of width 32
-            assert not torch.equal(scored, token_logps(model, [p + toks], [len(p)])[0])
+            assert not torch.equal(scored, token_logps(model, [p + toks], [len(p)], block_size=BLOCK)[0])
 
 
 def test_bad_starts_and_temperatures_are_named():
