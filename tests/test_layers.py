@@ -57,8 +57,9 @@ def test_the_check_can_fail(tmp_path):
 
 
 # ---- import cycles ------------------------------------------------------------------------------
-# Every import statement counts wherever it sits (module level, inside a function, under
-# TYPE_CHECKING): a cycle hidden in a function still ties the two modules together.
+# Every import statement that can run counts wherever it sits (module level, inside a function): a cycle
+# hidden in a function still ties the two modules together. An import under `if TYPE_CHECKING:` never runs:
+# it names a type for the checker (a floor block naming the model class built on it), so it is no edge.
 
 
 def _modules(root: Path) -> dict[str, Path]:
@@ -93,6 +94,15 @@ def _targets(node: ast.AST, module: str, is_package: bool, known: set[str]) -> s
     return found
 
 
+def _type_checking(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`): a block only a type checker reads."""
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
 def import_graph(root: Path) -> dict[str, set[str]]:
     """module -> the modules of the same package tree it imports anywhere in its file."""
     modules = _modules(root)
@@ -100,8 +110,12 @@ def import_graph(root: Path) -> dict[str, set[str]]:
     graph = {}
     for name, path in modules.items():
         edges = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
-            edges |= _targets(node, name, path.name == "__init__.py", known)
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        typing_only = {id(n) for block in ast.walk(tree) if _type_checking(block)
+                       for stmt in block.body for n in ast.walk(stmt)}  # (the else branch runs)
+        for node in ast.walk(tree):
+            if id(node) not in typing_only:
+                edges |= _targets(node, name, path.name == "__init__.py", known)
         graph[name] = edges - {name}
     return graph
 

@@ -8,7 +8,7 @@ the engine's argmax, the earlier loop's tokens (the same logits to fp32 rounding
 seeds one generator that draws each row's request seed, so a seed gives the same batch every time; the draws
 are the engine's (each request from its own generator), not the earlier loop's one generator for the batch nor
 torch.multinomial's (transformers' `generate`). What the engine does not do is refused by name: a family it
-does not run (kiln.engine.runner.unsupported), image inputs, a caller's own `draw` (sample on kiln.engine's
+does not run (kiln.engine.runner.unsupported), a caller's own `draw` (sample on kiln.engine's
 Engine with SamplingParams), a per-step `on_token` (stream with Engine.step), a mask that is not left padding.
 """
 
@@ -39,6 +39,36 @@ def _prompts(input_ids: torch.Tensor, mask: torch.Tensor | None) -> list[list[in
     return [row[width - int(n):] for row, n in zip(input_ids.tolist(), lengths)]
 
 
+def _images_per_row(model: Any, prompts: list[list[int]], inputs: dict | None) -> list[dict | None] | None:
+    """The batch's images (pixel_values and image_grid_thw of every image, rows in order, as the processor gives
+    them) cut into each row's: a row takes the next images until their placeholders (t * h * w / merge^2 each)
+    make its count of image tokens."""
+    if not inputs:
+        return None
+    pixels, grid = inputs["pixel_values"], inputs["image_grid_thw"]
+    merge = model.visual.spatial_merge_size
+    out: list[dict | None] = []
+    k = at = 0
+    for prompt in prompts:
+        want, take, rows = sum(t == model.image_token_id for t in prompt), [], 0
+        while want > 0 and k < len(grid):
+            t, h, w = (int(v) for v in grid[k])
+            want -= t * h * w // merge ** 2
+            take.append(k)
+            rows += t * h * w
+            k += 1
+        if want != 0:
+            raise KilnError(f"generate: row {len(out)}'s image tokens do not match the images given "
+                            f"(image_grid_thw {grid.tolist()})")
+        # (mm_token_type_ids, the batch's (B, T) marks, is left out: the engine reads each row's from its prompt)
+        out.append({"pixel_values": pixels[at:at + rows], "image_grid_thw": grid[take[0]:take[-1] + 1]}
+                   if take else None)
+        at += rows
+    if k != len(grid):
+        raise KilnError(f"generate: {len(grid) - k} image(s) beyond the rows' image tokens")
+    return out
+
+
 @register_generator
 def engine_generate(model: Any, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
                     max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
@@ -49,8 +79,6 @@ def engine_generate(model: Any, input_ids: torch.Tensor, *, attention_mask: torc
     why = unsupported(model)
     if why is not None:
         raise KilnError(f"generate: {why}")
-    if prompt_inputs:
-        raise KilnError("generate: image inputs (prompt_inputs) are not on the generation engine yet")
     if draw is not None:
         raise KilnError("generate: `draw` (a caller's own sampler) was kiln's earlier loop's; sample on "
                         "kiln.engine.Engine with SamplingParams (temperature, top_k, top_p, min_p, penalties, seed)")
@@ -86,7 +114,7 @@ def engine_generate(model: Any, input_ids: torch.Tensor, *, attention_mask: torc
     was_training = model.training
     model.eval()  # any dropout a module applies in training is off, as a generation wants
     try:
-        done = engine.generate(prompts, params)
+        done = engine.generate(prompts, params, _images_per_row(model, prompts, prompt_inputs))
     finally:
         model.train(was_training)
     news = [group[0].token_ids for group in done]

@@ -373,20 +373,27 @@ def read_quant4(state: dict[str, torch.Tensor], name: str, source: str = "checkp
     return q
 
 
+def refuse_non_finite(t: torch.Tensor, key: str, source: str) -> None:
+    """A WeightsError naming quant-state tensor `key` when it holds a non-finite value (a read piece of one too:
+    the sharded and planned loads read the parts straight into their buffers)."""
+    if not t.is_floating_point() or t.device.type == "meta":
+        return
+    bad = ~torch.isfinite(t.reshape(-1))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise WeightsError(f"{source}: quant-state tensor '{key}' holds {int(bad.sum())} non-finite "
+                           f"value(s) (the first at index {i}: {t.reshape(-1)[i].item()}); every weight of its "
+                           "blocks would be non-finite. The file is damaged: quantize the model again")
+
+
 def _check_finite(q: Quant4, name: str, source: str) -> None:
     """The float parts of a quant state are finite: one NaN in a (nested) absmax makes every weight of its
     blocks NaN, so every step would be skipped as non-finite without saying why."""
     parts = {"absmax": q.absmax, "quant_map": q.code, "nested_absmax": q.nested_absmax,
              "nested_quant_map": q.nested_code}
     for part, t in parts.items():
-        if t is None or not t.is_floating_point() or t.device.type == "meta":
-            continue
-        bad = ~torch.isfinite(t.reshape(-1))
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
-            raise WeightsError(f"{source}: quant-state tensor '{name}.{part}' holds {int(bad.sum())} non-finite "
-                               f"value(s) (the first at index {i}: {t.reshape(-1)[i].item()}); every weight of its "
-                               "blocks would be non-finite. The file is damaged: quantize the model again")
+        if t is not None:
+            refuse_non_finite(t, f"{name}.{part}", source)
     if q.offset is not None and not math.isfinite(q.offset):
         raise WeightsError(f"{source}: 4-bit weight {name!r}: nested_offset is {q.offset}, not a finite number")
 

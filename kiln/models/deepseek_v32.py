@@ -62,6 +62,7 @@ TINY = Tiny(dict(vocab_size=99, hidden_size=32, intermediate_size=48, moe_interm
                  qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
                  topk_group=1, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=64,
                  index_topk=4, index_head_dim=16, index_n_heads=2),
-            specials=SPECIALS, randomize=random_bias, router_layers=1)
+            specials=SPECIALS, randomize=random_bias, router_layers=1,
+            skips={"greedy tokens vs transformers": "kiln generates on its engine, whose indexer keeps the earlier entry on an exact score tie where torch.topk keeps one in no stated order; this tiny config's 2 index heads give exact relu zeros, and the greedy tokens part (by 0.027 at token 11 on this config; tests/engine holds the engine to the forward with 8 heads and no tie)"})
 
 FAMILY = mla_family("deepseek_v32", DeepseekV32Config, "DeepseekV32").with_tiny(TINY)

@@ -396,7 +396,8 @@ TINY = Tiny(dict(vocab_size=99, hidden_size=32, moe_intermediate_size=16, num_hi
                  index_n_heads=2, index_head_dim=8, index_topk=3, sliding_window=4, hc_mult=3, hc_sinkhorn_iters=3,
                  swiglu_limit=1.0, max_position_embeddings=64, initializer_range=0.2,
                  rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)),
-            specials=SPECIALS, randomize=random_routing, router_layers=2)  # the hash layer records no router logits
+            specials=SPECIALS, randomize=random_routing, router_layers=2,
+            skips={"greedy tokens vs transformers": "kiln generates on its engine, whose indexer keeps the earlier entry on an exact score tie where torch.topk keeps one in no stated order; this tiny config's 2 index heads give exact relu zeros, and the greedy tokens part at token 13 by 7.7e-4 (tests/engine holds the engine to the forward with 8 heads and no tie)"})  # the hash layer records no router logits
 
 FAMILY = Family(
     model_type="deepseek_v4",

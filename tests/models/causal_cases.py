@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+import kiln.engine  # noqa: F401  (kiln models generate on the engine, which registers itself on import)
+
 
 def batches() -> list[dict]:
     """One short row; a batch with labels; the same with right and left padding (padding has no loss)."""
@@ -66,5 +68,27 @@ def same_greedy_tokens(ours, hf, inputs: list[dict], new: int = 20) -> torch.Ten
         a = ours.generate(**kw, max_new_tokens=new, eos_token_id=None, pad_token_id=0)
         b = hf.generate(**kw, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert a.shape == (kw["input_ids"].shape[0], kw["input_ids"].shape[1] + new)
-        assert torch.equal(a, b), (a.tolist(), b.tolist())
+        if not torch.equal(a, b):
+            near_tie_at_parting(hf, kw, a, b)
     return a
+
+
+def near_tie_at_parting(hf, kw: dict, a: torch.Tensor, b: torch.Tensor) -> None:
+    """kiln's generate runs on the generation engine, whose logits are the training forward's to fp32 rounding
+    (its batch-invariant kernels sum in another order): two greedy runs may part only where transformers' own
+    top two logits are that close. Checked at the first token where they part (after it the prompts differ)."""
+    width = kw["input_ids"].shape[1]
+    for r in range(a.shape[0]):
+        cols = (a[r] != b[r]).nonzero()
+        if not len(cols):
+            continue
+        c = int(cols[0])
+        mask = kw.get("attention_mask")
+        m = None if mask is None else torch.cat([mask[r:r + 1], torch.ones(1, c - width, dtype=mask.dtype)], 1)
+        with torch.no_grad():
+            logits = hf(b[r:r + 1, :c], attention_mask=m).logits[0, -1].float()
+        gap = float(logits.max() - logits[a[r, c]])
+        # fp32 rounding of a few thousand-term sums over the tiny model, times 10 for headroom
+        bound = 64 * torch.finfo(torch.float32).eps * float(logits.abs().max()) * 10
+        assert gap <= bound, (f"row {r} parts at token {c}: kiln chose {int(a[r, c])}, transformers "
+                              f"{int(b[r, c])}, {gap:.3g} below its best (bound {bound:.3g})", a.tolist(), b.tolist())

@@ -126,17 +126,6 @@ def test_sliding_and_compressed_caches_step_like_transformers(ckpt):
     assert cache.states[0] is None and cache.states[2]["compressor"].buffer_kv.shape[1] == 11 % 4
 
 
-def test_sampled_generation_equals_transformers(ckpt):
-    ours, hf = _pair(ckpt(), eos=False)
-    ids = torch.randint(4, 99, (1, 9), generator=torch.Generator().manual_seed(2))
-    kw = dict(max_new_tokens=20, temperature=1.3, top_k=30, top_p=0.9, eos_token_id=None, pad_token_id=0)
-    for seed in (3, 4):
-        a = ours.generate(ids, do_sample=True, seed=seed, **kw)
-        torch.manual_seed(seed)  # transformers draws from the global generator; kiln from its own, seeded alike
-        b = hf.generate(ids, do_sample=True, **kw)
-        assert torch.equal(a, b), (a.tolist(), b.tolist())
-
-
 def test_mtp_and_unknown_tensors_kept_and_written_back_byte_identical(ckpt, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(ckpt(), src)

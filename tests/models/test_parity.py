@@ -73,7 +73,10 @@ def test_greedy_generation_and_cached_steps(model_type, variant, tiny_factory):
     prompts = [{"input_ids": ids[:1]}, {"input_ids": ids[:1, :2]}, {"input_ids": ids}]  # 2 < a conv window
     if "left-padded generation" not in tiny.skips:
         prompts.append({"input_ids": ids, "attention_mask": attn})
-    generated = same_greedy_tokens(ours, hf, prompts)
+    if "greedy tokens vs transformers" in tiny.skips:  # (the family's reason there); the logits below still hold
+        generated = hf.generate(**prompts[-1], max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+    else:
+        generated = same_greedy_tokens(ours, hf, prompts)
     with torch.no_grad():  # and a plain forward over the last generated rows
         same(ours(generated).logits, hf(generated).logits, "logits over the generated rows")
     # the cached steps themselves are bit-identical, not only their argmax: a prefill, one token, then several

@@ -41,6 +41,7 @@ from kiln.hub.fp8 import (
 )
 from kiln.models.common.keymap import KeyMap, Stack
 from kiln.models.common.moe import Experts
+from kiln.models.common.typed import is_kiln_model
 
 if TYPE_CHECKING:  # (both import this module)
     from kiln.models.common.lora import LoraLinear
@@ -323,9 +324,6 @@ def dequantize_model(model: M, dtype: torch.dtype | None = None) -> M:
 
     Its weights then save in `dtype` (default: each module's compute dtype) with no scales.
     """
-    from kiln.models.common.lora import LoraLinear
-    from kiln.models.common.pretrained import PreTrainedModel
-
     for name, module in list(model.named_modules()):
         if isinstance(module, FP8Linear):
             plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
@@ -342,16 +340,17 @@ def dequantize_model(model: M, dtype: torch.dtype | None = None) -> M:
                 module._parameters[n] = nn.Parameter(w)
             module.__class__ = Experts  # type: ignore[assignment]  # the conversion back: a plain Experts again
         elif isinstance(module, nn.Linear) and module.weight.dtype == FP8:  # a LoRA layer over an FP8 base
-            if not isinstance(module, LoraLinear):
+            if not hasattr(module, "block") or not hasattr(module, "fp8"):  # LoraLinear's FP8 fields
                 raise KilnError(f"{name}: an FP8 weight in a {type(module).__name__}, neither FP8Linear nor a LoRA "
                                 "layer over one; kiln cannot dequantize it")
+            module = cast("LoraLinear", module)  # (lora imports this module: named by its fields, not its class)
             scale = module._buffers.pop("weight_scale_inv")
             if scale is None:
                 raise KilnError(f"{name}: an FP8 weight without its weight_scale_inv; kiln cannot dequantize it")
             w = dequantize(module.weight, scale, module.block, dtype or module.compute_dtype)
             module.weight = nn.Parameter(w, requires_grad=False)
             module.fp8 = False
-    if isinstance(model, PreTrainedModel):  # (a plain module holds no fp8_state nor config)
+    if is_kiln_model(model):  # (a plain module holds no fp8_state nor config)
         model.fp8_state = None
         if getattr(model, "config", None) is not None:
             model.config.dequantized(dtype)

@@ -23,7 +23,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -42,10 +42,13 @@ from kiln.models.common.lora_experts import (
     peft_target_parameters,
     shortest_suffixes,
 )
-from kiln.models.common.pretrained import PreTrainedModel
 from kiln.models.common.qlora import qlora_linear
 from kiln.models.common.quant4 import BUFFERS as Q4_BUFFERS
 from kiln.models.common.quant4 import KeepsQuantState, dequantized, is_4bit, linear4
+from kiln.models.common.typed import is_kiln_model
+
+if TYPE_CHECKING:  # (a type only: pretrained imports this module)
+    from kiln.models.common.pretrained import PreTrainedModel
 from kiln.models.common.wrapped import unwrap
 
 PEFT_PREFIX = "base_model.model."
@@ -201,7 +204,7 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def _hf_name(model: nn.Module, kiln_key: str, experts: dict[str, str] | None = None) -> str:
     if experts and kiln_key in experts:  # a routed-expert adapter: PEFT's ParamWrapper names
         return experts[kiln_key]
-    keymap = model.family.keymap(model.task) if isinstance(model, PreTrainedModel) else None
+    keymap = model.family.keymap(model.task) if is_kiln_model(model) else None
     name = keymap.hf_name(kiln_key) if keymap is not None else kiln_key
     if name is None:
         raise KilnError(f"LoRA tensor {kiln_key!r} has no HF name")

@@ -23,7 +23,7 @@ from torch import nn
 
 from kiln.errors import KilnError
 from kiln.models.common.moe import Experts
-from kiln.models.common.pretrained import PreTrainedModel
+from kiln.models.common.typed import is_kiln_model
 
 HOLDER = "lora"  # the ModuleDict on an adapted experts module: param name -> ExpertLora
 
@@ -176,7 +176,7 @@ def adapted_params(model: nn.Module) -> list[str]:
 def expert_adapter_names(model: nn.Module) -> dict[str, str]:
     """kiln tensor name -> the name PEFT gives it on the transformers model (no `base_model.model.` prefix),
     for every routed-expert adapter tensor."""
-    if not isinstance(model, PreTrainedModel):
+    if not is_kiln_model(model):
         raise KilnError(f"a {type(model).__name__} is no kiln model: its adapters have no HF names (no key map)")
     keymap = model.family.keymap(model.task)
     out = {}

@@ -32,6 +32,7 @@ from kiln.constants import BASE_TASK
 from kiln.errors import ConfigError, WeightsError
 from kiln.hub import bnb4
 from kiln.hub.bnb4 import Bnb4Scheme, Quant4
+from kiln.models.common.typed import is_kiln_model
 
 if TYPE_CHECKING:  # (it imports this module)
     from kiln.models.common.pretrained import PreTrainedModel
@@ -359,8 +360,6 @@ def dequantize_bnb4_model(model: M, dtype: torch.dtype | None = None) -> M:
     """Drop 4 bits from a model: 4-bit Linears become plain ones in `dtype` (default: the dtype each weight
     was quantized from, its quant state's `dtype`),
     LoRA layers over them keep their adapters over the dequantized weight; `quantization_config` goes."""
-    from kiln.models.common.pretrained import PreTrainedModel
-
     for name, module in list(model.named_modules()):
         if not is_4bit(module) or module.q4 is None:  # (is_4bit: q4 is not None)
             continue
@@ -378,7 +377,7 @@ def dequantize_bnb4_model(model: M, dtype: torch.dtype | None = None) -> M:
                 module._buffers.pop(buf, None)
             module.weight = nn.Parameter(w, requires_grad=False)
             module.q4 = None
-    if isinstance(model, PreTrainedModel):  # (a plain module holds no bnb4_state nor config)
+    if is_kiln_model(model):  # (a plain module holds no bnb4_state nor config)
         model.bnb4_state = None
         if getattr(model, "config", None) is not None:
             model.config.dequantized(dtype)

@@ -173,6 +173,7 @@ def _read_bnb(module: nn.Module, key: str, spans: dict[str, Span], file_of: Any,
             raise WeightsError(f"{path}: quant-state tensor {part!r} is {spans[part].dtype} {spans[part].shape}, "
                                f"expected {target.dtype} {tuple(target.shape)}")
         _read_exact(file_of(part), spans[part], 0, target)
+        bnb4.refuse_non_finite(target, part, str(path))
 
 
 def _quantize_rows(module: nn.Module, key: str, span: Span, f: Any, path: Path, local: torch.Tensor, first: int,
