@@ -9,7 +9,7 @@ import torch
 
 from kiln.engine import Engine, SamplingParams, token_logps
 from kiln.models.common.lora import LoraConfig, apply_lora
-from tests.engine.tiny import generate_and_score, prompts, tiny_model, train_logps
+from tests.engine.tiny import generate_and_score, preempt_cancel_and_count, prompts, tiny_model, train_logps
 
 FAMILIES = ["deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_text", "mamba"]
 STATEFUL = ["qwen3_next", "qwen3_5_text", "mamba"]
@@ -119,24 +119,7 @@ def test_preemption_cancel_and_no_leak(family):
     """A pool too small for everyone (preemptions recompute the same bits), a cancel mid-stream, n = 3: every
     block (and every recurrent-state slot) comes back."""
     model = tiny_model(family)
-    ps = prompts(8, 8, 16, seed=11)
-    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=i, n=3 if i == 6 else 1) for i in range(8)]
-    engine = Engine(model, block_size=4, kv_blocks=16, max_seqs=8, step_tokens=64)
-    ids = [engine.add_request(p, sp) for p, sp in zip(ps, params)]
-    seen: dict[tuple[str, int], list[int]] = {}
-    steps = 0
-    while engine.has_unfinished():
-        for o in engine.step():
-            seen.setdefault((o.request_id, o.index), []).extend(o.token_ids)
-        steps += 1
-        if steps == 3:
-            engine.cancel(ids[2])
-    assert engine.scheduler.preemptions > 0
-    assert engine.pool.num_free == engine.pool.num_blocks and not any(engine.pool.refs)
-    assert len(engine.pool.free_states) == (8 if engine.pool.has_states else 0)
-    for i in (0, 6, 7):
-        for c in Engine(model, block_size=4).generate([ps[i]], params[i])[0]:
-            assert seen[(ids[i], c.index)] == c.token_ids, (i, c.index)
+    preempt_cancel_and_count(model)
 
 
 def test_latent_cache_holds_latent_and_rope_key_per_token():

@@ -17,7 +17,7 @@ import torch
 from kiln.engine import Engine, SamplingParams, token_logps
 from kiln.engine.v4 import Call, Seq
 from kiln.models.common import compressor
-from tests.engine.tiny import generate_and_score, prompts, tiny_model, train_logps
+from tests.engine.tiny import generate_and_score, preempt_cancel_and_count, prompts, tiny_model, train_logps
 
 # The tiny indexer has 2 heads: an entry whose q . k is negative on both scores exactly 0 (relu), so a query often
 # has equal scores at its k-th place, where the model's torch.topk picks in no stated order (the engine: the earlier
@@ -147,25 +147,7 @@ def test_greedy_equals_the_static_loop():
 def test_preemption_cancel_and_no_leak():
     """A pool too small for everyone (preemptions recompute the same bits), a cancel mid-stream, n = 3: every
     block and every state slot comes back."""
-    model = v4()
-    ps = prompts(8, 8, 16, seed=11)
-    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=i, n=3 if i == 6 else 1) for i in range(8)]
-    engine = Engine(model, block_size=4, kv_blocks=16, max_seqs=8, step_tokens=64)
-    ids = [engine.add_request(p, sp) for p, sp in zip(ps, params)]
-    seen: dict[tuple[str, int], list[int]] = {}
-    steps = 0
-    while engine.has_unfinished():
-        for o in engine.step():
-            seen.setdefault((o.request_id, o.index), []).extend(o.token_ids)
-        steps += 1
-        if steps == 3:
-            engine.cancel(ids[2])
-    assert engine.scheduler.preemptions > 0
-    assert engine.pool.num_free == engine.pool.num_blocks and not any(engine.pool.refs)
-    assert len(engine.pool.free_states) == 8
-    for i in (0, 6, 7):
-        for c in Engine(model, block_size=4).generate([ps[i]], params[i])[0]:
-            assert seen[(ids[i], c.index)] == c.token_ids, (i, c.index)
+    assert preempt_cancel_and_count(v4()).pool.has_states
 
 
 def test_a_forked_request_is_preempted_and_recomputes(monkeypatch):

@@ -62,3 +62,23 @@ def run_streams(engine, cancel_at: int | None = None, cancel: str | None = None)
         if steps == cancel_at and cancel is not None:
             engine.cancel(cancel)
     return seen
+
+
+def preempt_cancel_and_count(model):
+    """A pool too small for everyone (preemptions recompute the same bits), a cancel mid-stream, n = 3: every
+    block, and each recurrent-state slot where the family keeps them, comes back; the finished requests stream
+    what each alone gives. Returns the engine."""
+    from kiln.engine import Engine, SamplingParams
+
+    ps = prompts(8, 8, 16, seed=11)
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=i, n=3 if i == 6 else 1) for i in range(8)]
+    engine = Engine(model, block_size=4, kv_blocks=16, max_seqs=8, step_tokens=64)
+    ids = [engine.add_request(p, sp) for p, sp in zip(ps, params)]
+    seen = run_streams(engine, cancel_at=3, cancel=ids[2])
+    assert engine.scheduler.preemptions > 0
+    assert engine.pool.num_free == engine.pool.num_blocks and not any(engine.pool.refs)
+    assert len(engine.pool.free_states) == (8 if engine.pool.has_states else 0)
+    for i in (0, 6, 7):
+        for c in Engine(model, block_size=4).generate([ps[i]], params[i])[0]:
+            assert seen[(ids[i], c.index)] == c.token_ids, (i, c.index)
+    return engine
