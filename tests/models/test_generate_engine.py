@@ -41,9 +41,9 @@ def _counting(monkeypatch) -> list[int]:
     calls: list[int] = []
     real = padded.Engine.generate
 
-    def counted(self, prompts, params):
+    def counted(self, prompts, params, prompt_inputs=None):
         calls.append(len(prompts))
-        return real(self, prompts, params)
+        return real(self, prompts, params, prompt_inputs)
 
     monkeypatch.setattr(padded.Engine, "generate", counted)
     return calls
