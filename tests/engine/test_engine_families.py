@@ -9,7 +9,14 @@ import torch
 
 from kiln.engine import Engine, SamplingParams, token_logps
 from kiln.models.common.lora import LoraConfig, apply_lora
-from tests.engine.tiny import generate_and_score, preempt_cancel_and_count, prompts, tiny_model, train_logps
+from tests.engine.tiny import (
+    generate_and_score,
+    greedy_is_the_forwards_argmax,
+    preempt_cancel_and_count,
+    prompts,
+    tiny_model,
+    train_logps,
+)
 
 FAMILIES = ["deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_text", "mamba"]
 STATEFUL = ["qwen3_next", "qwen3_5_text", "mamba"]
@@ -95,23 +102,10 @@ def test_shared_prompt_equals_unshared(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_equals_the_static_loop(family):
-    """Greedy tokens = kiln.models.generation.generate's (the model's own cache and kernels) on prompts whose
-    top two logits stay far apart at every step compared with the two orders' fp32 rounding (~1e-6 here)."""
-    model = tiny_model(family, **NO_TIES.get(family, {}))
-    checked = 0
-    for p in prompts(5, 3, 16, seed=8):
-        out = Engine(model).generate([p], SamplingParams(max_tokens=8, temperature=0.0))[0][0]
-        with torch.no_grad():
-            logits = model(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1].float()
-        top2 = logits.topk(2, -1).values
-        if float((top2[:, 0] - top2[:, 1]).min()) < 1e-4 or not no_boundary_ties(model, p + out.token_ids):
-            continue  # a near tie: either order may pick either token
-        assert model.generate(torch.tensor([p]), max_new_tokens=8)[0, len(p):].tolist() == out.token_ids
-        checked += 1
-        if checked == 2:
-            break
-    assert checked == 2
+def test_greedy_is_the_forwards_argmax(family):
+    """Greedy tokens = the argmax of the model's own forward (tiny.greedy_is_the_forwards_argmax)."""
+    greedy_is_the_forwards_argmax(tiny_model(family, **NO_TIES.get(family, {})), prompts(5, 3, 16, seed=8), 8,
+                                  no_boundary_ties)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

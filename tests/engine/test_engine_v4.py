@@ -17,7 +17,14 @@ import torch
 from kiln.engine import Engine, SamplingParams, token_logps
 from kiln.engine.v4 import Call, Seq
 from kiln.models.common import compressor
-from tests.engine.tiny import generate_and_score, preempt_cancel_and_count, prompts, tiny_model, train_logps
+from tests.engine.tiny import (
+    generate_and_score,
+    greedy_is_the_forwards_argmax,
+    preempt_cancel_and_count,
+    prompts,
+    tiny_model,
+    train_logps,
+)
 
 # The tiny indexer has 2 heads: an entry whose q . k is negative on both scores exactly 0 (relu), so a query often
 # has equal scores at its k-th place, where the model's torch.topk picks in no stated order (the engine: the earlier
@@ -125,23 +132,9 @@ def test_shared_prompt_equals_unshared():
     assert engine.pool.num_free == engine.pool.num_blocks and len(engine.pool.free_states) == engine.scheduler.max_seqs
 
 
-def test_greedy_equals_the_static_loop():
-    """Greedy tokens = kiln.models.generation.generate's (the model's own sliding / compressed cache) on prompts
-    whose top two logits stay far apart at every step compared with the two orders' fp32 rounding (~1e-6)."""
-    model = v4(**NO_TIES)
-    checked = 0
-    for p in prompts(6, 3, 16, seed=8):
-        out = Engine(model).generate([p], SamplingParams(max_tokens=10, temperature=0.0))[0][0]
-        with torch.no_grad():
-            logits = model(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1].float()
-        top2 = logits.topk(2, -1).values
-        if float((top2[:, 0] - top2[:, 1]).min()) < 1e-4 or not no_boundary_ties(model, p + out.token_ids):
-            continue  # a near tie: either order may pick either token
-        assert model.generate(torch.tensor([p]), max_new_tokens=10)[0, len(p):].tolist() == out.token_ids
-        checked += 1
-        if checked == 2:
-            break
-    assert checked == 2
+def test_greedy_is_the_forwards_argmax():
+    """Greedy tokens = the argmax of the model's own forward (tiny.greedy_is_the_forwards_argmax)."""
+    greedy_is_the_forwards_argmax(v4(**NO_TIES), prompts(6, 3, 16, seed=8), 10, no_boundary_ties)
 
 
 def test_preemption_cancel_and_no_leak():

@@ -82,3 +82,27 @@ def preempt_cancel_and_count(model):
         for c in Engine(model, block_size=4).generate([ps[i]], params[i])[0]:
             assert seen[(ids[i], c.index)] == c.token_ids, (i, c.index)
     return engine
+
+
+def greedy_is_the_forwards_argmax(model, ps: list[list[int]], max_tokens: int, no_ties) -> None:
+    """The engine's greedy tokens are the argmax of the model's own training forward over the same tokens, on
+    two prompts whose top two logits stay far apart at every step compared with the two orders' fp32 rounding
+    (~1e-6; a near tie, or a top-k tie `no_ties(model, seq)` finds, lets either order pick either token). The
+    model's `generate` runs on the engine now, so the forward is the independent side."""
+    import torch
+
+    from kiln.engine import Engine, SamplingParams
+
+    checked = 0
+    for p in ps:
+        out = Engine(model).generate([p], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0][0]
+        with torch.no_grad():
+            logits = model(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1].float()
+        top2 = logits.topk(2, -1).values
+        if float((top2[:, 0] - top2[:, 1]).min()) < 1e-4 or not no_ties(model, p + out.token_ids):
+            continue
+        assert logits.argmax(-1).tolist() == out.token_ids
+        checked += 1
+        if checked == 2:
+            break
+    assert checked == 2
