@@ -98,11 +98,9 @@ def touched(changed: set[str], recorded: dict[str, list[str]], root: Path = ROOT
 
 
 def recorded_ratios(results: str) -> dict[str, float]:
-    """Workload name -> best ratio of its first row in RESULTS.md's tables (run_all.read_table)."""
-    out: dict[str, float] = {}
-    for row in read_table(results):
-        out.setdefault(row["workload"], row["ratio_best"])
-    return out
+    """Workload name -> best ratio of its last row in RESULTS.md's tables (run_all.read_table): rows are appended
+    as they are measured, so the last row of a name is its newest measurement."""
+    return {row["workload"]: row["ratio_best"] for row in read_table(results)}
 
 
 def verdicts(rows: list[dict], recorded: dict[str, float], tolerance: float = TOLERANCE) -> list[tuple[str, str, bool]]:
