@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kiln.data.turns import TurnCodec, Turns, TurnError
+from kiln.data.turns import TurnCodec, TurnError, Turns
 from kiln.errors import ConfigError
 from kiln.hub.chat import parse_reply
 from kiln.train.envs import EnvSpec, EpisodeError, Tool, TRLEnvironment, as_obs, as_tool, call_user, tool_message

@@ -88,7 +88,6 @@ def test_sft_of_an_episodes_conversation_has_the_rollouts_tokens_and_mask(model,
     tokens (prompt + episode) and its mask token by token, and both equal the hand-made mask."""
     from kiln.constants import IGNORE_INDEX
     from kiln.data.sft import encode_conversation
-
     from kiln.data.turns import TurnCodec
 
     e, d = _tool_episode(model, monkeypatch)
