@@ -164,3 +164,54 @@ def test_generate_past_the_last_position_says_where_it_stops(chat_model):
     assert f"note: --max-new-tokens {positions + 50}: the model reads {positions} positions in all" in out, out
     code, out = run_cli("generate", model, "hi", "-n", "3")
     assert code == 0 and "note:" not in out, out
+
+
+def test_a_gguf_file_is_readable_as_the_umask_allows(tmp_path, chat_model):
+    """mkstemp made the .gguf 0600: an Ollama service running as its own user could not read the file kiln
+    wrote a Modelfile for."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        code, out = run_cli("export", chat_model, "--out", tmp_path / "m.gguf",
+                            "--format", "gguf")
+    finally:
+        os.umask(old)
+    assert code == 0, out
+    assert (tmp_path / "m.gguf").stat().st_mode & 0o777 == 0o644
+
+
+def test_an_export_cut_short_by_a_file_size_limit_says_so_and_leaves_nothing(tmp_path, tiny_factory):
+    src = tiny_factory("qwen3", "causal-lm")
+    before = snapshot(src)
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
+
+    proc = subprocess.run([sys.executable, "-m", "kiln.cli.main", "export", str(src), "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, cwd=REPO, preexec_fn=limit, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+                               "HF_HUB_OFFLINE": "1"})
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 1 and "Traceback" not in out, out
+    assert "(os error 27); a file-size limit (ulimit -f) or the filesystem's largest file stopped it" in out, out
+    assert list(tmp_path.iterdir()) == [] and snapshot(src) == before
+
+
+def test_an_unknown_chat_role_names_the_data_file_and_line(tmp_path, chat_model):
+    """Issue 41's "an unknown chat role refused without the data file and line": the message named only the
+    tokenizer's template."""
+    from tests.cli.bad_inputs_world import write_toml
+
+    good = {"messages": [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "how are you"}]}
+    bad = {"messages": [{"role": "wizard", "content": "hello"}, {"role": "assistant", "content": "hi"}]}
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [good] * 9 + [bad]))
+    cfg = write_toml(tmp_path / "r.toml", {
+        "model": {"path": chat_model, "task": "causal-lm"},
+        "data": {"train": tmp_path / "chat.jsonl", "max_length": 32},
+        "train": {"out_dir": tmp_path / "out", "steps": 1, "batch_size": 2, "progress": False, "device": "cpu"}})
+    before = snapshot(tmp_path)
+    code, out = run_cli("train", "--config", cfg)
+    assert code == 1 and "Traceback" not in out, out
+    assert f"{tmp_path / 'chat.jsonl'}:10: " in out and "unknown role wizard" in out, out
+    assert snapshot(tmp_path) == before and not (tmp_path / "out").exists()
