@@ -215,3 +215,20 @@ def test_an_unknown_chat_role_names_the_data_file_and_line(tmp_path, chat_model)
     assert code == 1 and "Traceback" not in out, out
     assert f"{tmp_path / 'chat.jsonl'}:10: " in out and "unknown role wizard" in out, out
     assert snapshot(tmp_path) == before and not (tmp_path / "out").exists()
+
+
+def test_plan_on_the_cpu_with_too_many_processes_does_not_advise_more(tmp_path, chat_model):
+    """Issue 41's `kiln plan --nproc 10000` on CPU advised "more processes": on one host they share its memory."""
+    from tests.cli.bad_inputs_world import write_toml
+
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                                  {"role": "assistant", "content": "yo"}]}) + "\n")
+    cfg = write_toml(tmp_path / "r.toml", {
+        "model": {"path": chat_model, "task": "causal-lm"},
+        "data": {"train": tmp_path / "chat.jsonl", "max_length": 32},
+        "train": {"out_dir": tmp_path / "out", "steps": 1, "batch_size": 2, "device": "cpu"}})
+    before = snapshot(tmp_path)
+    code, out = run_cli("plan", "--config", cfg, "--nproc", "10000")
+    assert code == 1 and "Traceback" not in out, out
+    assert "fits: fewer processes (they share the host's memory)" in out and "more processes" not in out, out
+    assert snapshot(tmp_path) == before
