@@ -181,7 +181,7 @@ def _header_spans(template: ChatTemplate, messages: list[dict[str, Any]], text: 
 def assistant_spans(template: ChatTemplate, messages: list[dict[str, Any]], eos: str | None, where: str,
                     tools: list[dict[str, Any]] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The rendered text and the character spans of each assistant turn (up to and including its EOS)."""
-    text = template.render(messages, tools=tools)
+    text = template.render(messages, tools=tools, where=where)  # a refusal names the data row  # sweep
     if not any(m["role"] == "assistant" for m in messages):
         return text, []
     spans = _incremental_spans(template, messages, text, eos, tools)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import ConfigError
-from kiln.hub.files import write_text_atomic
+from kiln.hub.files import why_unreadable, write_text_atomic
 from kiln.hub.jsonio import read_json
 
 
@@ -21,6 +21,8 @@ def read_config(model_dir: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"{model_dir}: not a directory (expected an HF model directory)")
     path = model_dir / "config.json"
     if not path.is_file():
+        if path.is_symlink() or path.exists():  # there, but no file behind it: say why, not "no config.json"
+            raise ConfigError(f"{path}: {why_unreadable(path)}")
         raise ConfigError(f"{model_dir}: no config.json in this directory; is it an HF model directory?")
     return read_json(path, error=ConfigError, want=dict)
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from kiln.errors import KilnError
+from kiln.hub.files import as_umask_allows
 from kiln.interop.gguf_arch import GgufFamily, gguf_family, gguf_tensors
 from kiln.interop.gguf_encoder import POOLING, pooling_problem
 from kiln.interop.gguf_vocab import modelfile, read_vocab, read_wordpiece, write_vocab
@@ -149,6 +150,7 @@ def write_gguf(model: PreTrainedModel, out: str | os.PathLike, type_name: str = 
                     os.remove(f32)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        as_umask_allows(Path(tmp))  # mkstemp's 0600 would hide the file from an Ollama service's user  # sweep
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
