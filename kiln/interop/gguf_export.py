@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from kiln.errors import KilnError
+from kiln.hub.files import write_text_atomic
 from kiln.interop.gguf_arch import GgufFamily, gguf_family, gguf_tensors
 from kiln.interop.gguf_encoder import POOLING, pooling_problem
 from kiln.interop.gguf_vocab import modelfile, read_vocab, read_wordpiece, write_vocab
@@ -158,10 +159,7 @@ def write_gguf(model: PreTrainedModel, out: str | os.PathLike, type_name: str = 
         if "eos" in vocab.specials:
             eos_texts.append(model.tokenizer.id_to_token(vocab.specials["eos"]))
         text = modelfile(out.name, model.tokenizer, [t for t in eos_texts if t], system)
-        mf = out.with_name("Modelfile")
-        tmp_mf = mf.with_name(f".{mf.name}.tmp")
-        tmp_mf.write_text(text, encoding="utf-8")
-        os.replace(tmp_mf, mf)
+        write_text_atomic(out.with_name("Modelfile"), text)
     return out
 
 
