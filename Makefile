@@ -63,9 +63,11 @@ bench-chart: $(STAMP)
 
 # The benchmarks whose code differs from BASE (git merge base; working tree included) rerun; a best ratio more than
 # 10% below its RESULTS.md row is marked FELL and fails the target (benchmarks/check.py). Not part of `make test`.
+# ONLY=bench_trainer.py,bench_grpo.py reruns only the touched ones whose file name contains one of those.
 BASE ?= main
+ONLY ?=
 bench-check: $(STAMP)
-	$(BIN)/python benchmarks/check.py --base $(BASE)
+	$(BIN)/python benchmarks/check.py --base $(BASE) $(if $(ONLY),--only $(ONLY))
 
 clean:
 	rm -rf $(VENV) demo-out runs

@@ -9,10 +9,10 @@ source imports, followed through kiln's own imports (more than it loads: a conse
 workload of run_all.py's WORKLOADS is run as `make bench` runs it; its new best ratio is compared with the
 best ratio of the RESULTS.md row of the same workload name. Not a test: speed is measured here, never in CI.
 
-    .venv/bin/python benchmarks/check.py [--base main] [--dry-run] [--tolerance 0.10] [--only NAME]
+    .venv/bin/python benchmarks/check.py [--base main] [--dry-run] [--tolerance 0.10] [--only NAME[,NAME...]]
 
-`--only NAME` reruns only the touched benchmarks whose file name contains NAME (as run_all.py's --only): a quick
-check of one benchmark, or a long check split into parts.
+`--only NAME[,NAME...]` reruns only the touched benchmarks whose file name contains one of the NAMEs (as run_all.py's
+--only; `bench_grpo.py` names that file alone): a quick check of one benchmark, or a long check split into parts.
 
 Exit status 1 when a ratio fell by more than the tolerance, 0 otherwise (no touched benchmark included).
 """
@@ -130,11 +130,12 @@ def main() -> int:
     ap.add_argument("--base", default="main")
     ap.add_argument("--dry-run", action="store_true", help="name the touched benchmarks, run nothing")
     ap.add_argument("--tolerance", type=float, default=TOLERANCE)
-    ap.add_argument("--only", default="", help="rerun only the touched benchmarks whose file name contains this")
+    ap.add_argument("--only", default="", help="comma-separated: rerun only the touched benchmarks whose file name "
+                    "contains one of these")
     a = ap.parse_args()
     changed = changed_files(a.base)
     recorded = json.loads(DEPS.read_text()) if DEPS.is_file() else {}
-    runs = [(s, x) for s, x in touched(changed, recorded) if a.only in s]
+    runs = [(s, x) for s, x in touched(changed, recorded) if any(n in s for n in a.only.split(","))]
     print(f"{len(changed)} file(s) changed against {a.base}; benchmarks touched"
           + (f" (file names containing {a.only!r})" if a.only else "") + ": "
           + (", ".join(f"{s} {' '.join(x)}".strip() for s, x in runs) or "none")

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kiln.errors import KilnError
-from kiln.hub.files import as_umask_allows
+from kiln.hub.files import as_umask_allows, write_text_atomic
 from kiln.interop.gguf_arch import GgufFamily, gguf_family, gguf_tensors
 from kiln.interop.gguf_encoder import POOLING, pooling_problem
 from kiln.interop.gguf_vocab import modelfile, read_vocab, read_wordpiece, write_vocab
@@ -163,10 +163,7 @@ def write_gguf(model: PreTrainedModel, out: str | os.PathLike, type_name: str = 
         if "eos" in vocab.specials:
             eos_texts.append(tok.id_to_token(vocab.specials["eos"]))
         text = modelfile(out.name, tok, [t for t in eos_texts if t], system)
-        mf = out.with_name("Modelfile")
-        tmp_mf = mf.with_name(f".{mf.name}.tmp")
-        tmp_mf.write_text(text, encoding="utf-8")
-        os.replace(tmp_mf, mf)
+        write_text_atomic(out.with_name("Modelfile"), text)
     return out
 
 
