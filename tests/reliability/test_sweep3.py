@@ -232,3 +232,17 @@ def test_plan_on_the_cpu_with_too_many_processes_does_not_advise_more(tmp_path, 
     assert code == 1 and "Traceback" not in out, out
     assert "fits: fewer processes (they share the host's memory)" in out and "more processes" not in out, out
     assert snapshot(tmp_path) == before
+
+
+def test_a_checkpoint_or_run_directory_given_as_a_model_names_the_model_inside(tmp_path):
+    (tmp_path / "run" / "ckpt-000004" / "model").mkdir(parents=True)
+    (tmp_path / "run" / "ckpt-000004" / "model" / "config.json").write_text("{}")
+    before = snapshot(tmp_path)
+    code, out = run_cli("generate", tmp_path / "run" / "ckpt-000004", "hi")
+    assert code == 1 and "Traceback" not in out, out
+    assert f"it is a run checkpoint: its model directory is {tmp_path / 'run' / 'ckpt-000004' / 'model'}" in out, out
+    code, out = run_cli("inspect", tmp_path / "run")
+    assert code == 1 and f"its newest checkpoint's model is {tmp_path / 'run' / 'ckpt-000004' / 'model'}" in out, out
+    code, out = run_cli("inspect", tmp_path)
+    assert code == 1 and "no config.json in this directory; is it an HF model directory?" in out, out
+    assert snapshot(tmp_path) == before
