@@ -10,6 +10,13 @@ what the trainer sees, and SFT on the same conversation gives the same tokens an
 An assistant turn's tokens are, in a rollout, the sampled ones; in SFT, the template's rendering of that turn
 (`TurnCodec.assistant_text`, the turn after a one-message stand-in history, so no earlier turn is rendered
 again) tokenized on its own, as the policy writes it after the generation prompt.
+
+Where SFT and a rollout still differ: (1) a rollout's turn is the tokens it sampled, which may split the same
+text otherwise than the tokenizer does (SFT's are the tokenizer's); (2) an SFT row ends as the template ends a
+conversation (after the last end-of-turn, mask 0), a rollout at the end-of-turn token; (3) a template that
+re-renders history (Qwen3 drops earlier turns' reasoning after a new user query) or is not prefix-preserving is
+refused by rollouts at startup, while SFT encodes such a row whole, as transformers renders it (kiln.data.sft),
+since that is the text the row's model is served with.
 """
 
 from __future__ import annotations
@@ -30,17 +37,18 @@ class TurnError(KilnError):
 
 @dataclass
 class Turns:
-    """Token ids being built and their loss mask (1: the assistant's tokens, 0: everything else)."""
+    """Token ids being built and their loss mask (1: the assistant's tokens, 0: everything else). The lists are
+    extended in place, so a Turns over a caller's lists (a rollout's episode) appends to them."""
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
 
     def assistant(self, toks: list[int], mask: list[int] | None = None) -> None:
-        self.ids += toks
-        self.mask += [1] * len(toks) if mask is None else mask
+        self.ids.extend(toks)
+        self.mask.extend([1] * len(toks) if mask is None else mask)
 
     def other(self, toks: list[int]) -> None:
-        self.ids += toks
-        self.mask += [0] * len(toks)
+        self.ids.extend(toks)
+        self.mask.extend([0] * len(toks))
 
 
 class TurnCodec:

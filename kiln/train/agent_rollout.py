@@ -134,7 +134,8 @@ class Episode:
     messages: list[dict[str, Any]] = field(default_factory=list)   # the conversation (opening + what followed)
     opening: int = 0                                                # how many of `messages` the prompt holds
     prompt_ids: list[int] = field(default_factory=list)
-    after: Turns = field(default_factory=Turns)  # everything after the prompt; mask 1: the policy's tokens
+    ids: list[int] = field(default_factory=list)                    # everything after the prompt
+    mask: list[int] = field(default_factory=list)                   # 1: the policy's tokens
     logps: list[float] = field(default_factory=list)
     rewards: list[float | None] = field(default_factory=list)      # per step
     turns: int = 0
@@ -144,12 +145,9 @@ class Episode:
     tool_failures: int = 0
 
     @property
-    def ids(self) -> list[int]:
-        return self.after.ids
-
-    @property
-    def mask(self) -> list[int]:
-        return self.after.mask
+    def after(self) -> Turns:
+        """`ids` and `mask` (the same lists) as kiln.data.turns appends to them."""
+        return Turns(self.ids, self.mask)
 
     @property
     def reward(self) -> float | None:
