@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from kiln.cli.output import out, styled
+from kiln.cli.output import out, report_checks, styled
 from kiln.errors import KilnError
 
 
@@ -71,10 +71,5 @@ def verify_gguf_cmd(path: Path, source: Path | None, lora: Path | None = None) -
     if source is None:
         raise KilnError(f"{path}: a GGUF is checked against the model it came from; give --source DIR_OR_RUN")
     checks = verify_gguf(path, _load(source), lora=lora)
-    for c in checks:
-        out.print(styled(c.line(), "green" if c.ok else "red"))
-    failed = [c for c in checks if not c.ok]
-    if failed:
-        out.print(styled(f"{len(failed)} of {len(checks)} checks failed", "red"))
+    if not report_checks(checks):
         raise typer.Exit(1)
-    out.print(styled(f"all {len(checks)} checks passed", "green"))

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from kiln.cli.common import ALLOW_MISSING, ALLOW_UNUSED, check_range, fit_length, load_for_prediction
-from kiln.cli.output import note, out, styled
+from kiln.cli.output import note, out, report_checks, styled
 from kiln.errors import KilnError
 
 
@@ -244,13 +244,8 @@ def verify_export_cmd(model_dir: Path = typer.Argument(..., help="An exported HF
 
     checks = verify_export(resolve_model_dir(model_dir), source=None if source is None else resolve_model_dir(source),
                            device=_device(device))
-    for c in checks:
-        out.print(styled(c.line(), "green" if c.ok else "red"))
-    failed = [c for c in checks if not c.ok]
-    if failed:
-        out.print(styled(f"{len(failed)} of {len(checks)} checks failed", "red"))
+    if not report_checks(checks):
         raise typer.Exit(1)
-    out.print(styled(f"all {len(checks)} checks passed", "green"))
 
 
 def verify_matrix(cells: Path | None = typer.Option(None, "--cells", help="JSON list of {family, head, path}."),

@@ -9,7 +9,8 @@ wraps them; into a pipe or a file nothing is wrapped or cut (tables get all the 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from rich.console import Console
 from rich.text import Text
@@ -46,3 +47,23 @@ def styled(text: str, style: str) -> Text:
 def note(message: str) -> None:
     """A line for the user beside the command's output (on stderr, so a pipe gets only the output)."""
     err.print(f"note: {message}")
+
+
+class Check(Protocol):
+    """One line of a verification: whether it held, and how to print it."""
+
+    ok: bool
+
+    def line(self) -> str: ...
+
+
+def report_checks(checks: Sequence[Check]) -> bool:
+    """Each check's line (green held, red failed), then the count; True when every check held."""
+    for c in checks:
+        out.print(styled(c.line(), "green" if c.ok else "red"))
+    failed = sum(not c.ok for c in checks)
+    if failed:
+        out.print(styled(f"{failed} of {len(checks)} checks failed", "red"))
+        return False
+    out.print(styled(f"all {len(checks)} checks passed", "green"))
+    return True
