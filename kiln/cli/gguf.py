@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from kiln.cli.output import out, report_checks, styled
+from kiln.cli.output import out, report_checks
 from kiln.errors import KilnError
 
 
