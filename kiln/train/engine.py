@@ -156,6 +156,18 @@ def mean_gradients(run: StepContext, window: Window) -> float:
     return loss
 
 
+def gradient_sync(run: StepContext, last: bool) -> contextlib.AbstractContextManager[Any]:
+    """The context a micro-batch's forward and backward run under: only the window's `last` one reduces
+    gradients (DDP, FSDP2), the others accumulate locally. The seam for every engine that runs its own
+    micro-batch loop (DataParallel, GRPO's update)."""
+    sync = last or not run.world.active
+    if run.plan is not None and run.plan.fsdp:
+        cast(FSDPModule, run.model).set_requires_gradient_sync(sync)  # the plan applied fully_shard to it
+    if not sync and isinstance(run.model, DistributedDataParallel):
+        return run.model.no_sync()
+    return contextlib.nullcontext()
+
+
 class DataParallel(StepEngine):
     """grad_accum micro-batches, forward and backward each, one reduction: plain, DDP, FSDP2, TP, EP, CP."""
 
@@ -170,21 +182,11 @@ class DataParallel(StepEngine):
         return StepOutcome(loss, window.tokens * run.data_shards, run.args.batch_size * accum * run.data_shards,
                            extra={f"loss_{k}": v / accum for k, v in sorted(window.objectives.items())})
 
-    @staticmethod
-    def _sync_context(run: StepContext, last: bool) -> contextlib.AbstractContextManager[Any]:
-        """Only the window's last micro-batch reduces gradients (DDP, FSDP); the others accumulate locally."""
-        sync = last or not run.world.active
-        if run.plan is not None and run.plan.fsdp:
-            cast(FSDPModule, run.model).set_requires_gradient_sync(sync)  # the plan applied fully_shard to it
-        if not sync and isinstance(run.model, DistributedDataParallel):
-            return run.model.no_sync()
-        return contextlib.nullcontext()
-
     def _micro_step(self, run: StepContext, window: Window, last: bool) -> None:
         """Forward and backward of one micro-batch, under the right sync context; sums into `window`."""
         batch = run.next_batch()
         window.tokens += batch_tokens(batch, run.loader)
-        with self._sync_context(run, last), run.autocast():
+        with gradient_sync(run, last), run.autocast():
             result = run.step_fn(run.model, batch)
         if isinstance(result, dict):  # several objectives: combine their gradients (one unit per micro-batch)
             part, n = self._backward_objectives(run, result, window), torch.ones((), dtype=torch.float64)

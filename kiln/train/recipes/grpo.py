@@ -53,7 +53,15 @@ from kiln.parallel.world import World, all_reduce_sum, gather_objects
 from kiln.train import grpo_alarms
 from kiln.train.agent_rollout import Dialect, EpisodeRunner, env_reward, episode_record
 from kiln.train.config import DataSection, RunConfig
-from kiln.train.engine import DataParallel, StepContext, StepEngine, StepOutcome, Window, mean_gradients
+from kiln.train.engine import (
+    DataParallel,
+    StepContext,
+    StepEngine,
+    StepOutcome,
+    Window,
+    gradient_sync,
+    mean_gradients,
+)
 from kiln.train.envs import resolve_env
 from kiln.train.grpo_alarms import named
 from kiln.train.grpo_config import GRPOSection
@@ -252,7 +260,7 @@ class GRPOEngine(StepEngine):
         sums = torch.zeros(4, dtype=torch.float64)
         for m, micro in enumerate(self.buffer):
             last = m == len(self.buffer) - 1
-            with DataParallel._sync_context(run, last), run.autocast():
+            with gradient_sync(run, last), run.autocast():
                 logps = self.logps(run.model, micro)
                 lmask = micro.get("loss_mask", micro["completion_mask"])  # the policy's own tokens
                 t = token_loss(logps, micro["old_logps"], micro["advantages"], spec, micro.get("ref_logps"), lmask,
