@@ -18,10 +18,14 @@ from __future__ import annotations
 import hashlib
 from collections import deque
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from kiln.errors import KilnError
+
+if TYPE_CHECKING:
+    from kiln.engine.prefix_state import StateSnapshots  # engfeat
 
 # tokens per block by default (Engine, token_logps): a sequence's last block is on average half empty, so a block
 # of 8 keeps chat-length sequences (tens of tokens) near 1.1x slots per token held where 16 gives 1.2-1.3x; the
@@ -55,11 +59,13 @@ class BlockPool:
         self.states = [[torch.zeros((num_states, *shape), dtype=dt, device=device) for shape, dt in layer]
                        for layer in states]
         self.free_states: deque[int] = deque(range(num_states) if any(self.states) else ())
+        self.snapshots: StateSnapshots | None = None  # engfeat: states at prefix boundaries (kiln.engine.prefix_state)
 
     @property
     def has_states(self) -> bool:
-        """Whether sequences hold recurrent state: their keys alone do not say what follows a block, so no
-        prefix is remembered and no completion joins another's recomputed prompt (kiln.engine.scheduler)."""
+        """Whether sequences hold recurrent state: their keys alone do not say what follows a block, so a prefix
+        is reused only up to a boundary whose state was kept (engfeat: kiln.engine.prefix_state) and no completion
+        joins another's recomputed prompt (kiln.engine.scheduler)."""
         return any(self.states)
 
     def allocate_state(self) -> int:
@@ -107,8 +113,7 @@ class BlockPool:
         return hashlib.blake2b(prev + b"|" + ",".join(map(str, tokens)).encode(), digest_size=16).digest()
 
     def remember(self, block: int, key: bytes) -> None:
-        if self.has_states:
-            return  # a block's keys without the state at its end cannot stand for its prefix
+        # (engfeat) with recurrent state too: a prefix is taken only up to a block whose state snapshot is kept
         if key not in self.known and block not in self.key_of:
             self.known[key], self.key_of[block] = block, key
 
@@ -116,6 +121,8 @@ class BlockPool:
         """Drop every remembered prefix (the model's weights changed: the keys they hold are stale)."""
         self.known.clear()
         self.key_of.clear()
+        if self.snapshots is not None:  # engfeat
+            self.snapshots.forget()
 
     def reuse(self, key: bytes) -> int | None:
         """The block remembered under `key`, now held once more, or None."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.engine import prefix_state  # engfeat
 from kiln.engine.cache import BLOCK_SIZE
 from kiln.engine.exact import log_softmax_rows
 from kiln.engine.params import MAX_TOP_LOGPROBS, SamplingParams
@@ -76,6 +77,7 @@ class Engine:
             per_block = max(1, probe.bytes_per_block())  # 0 for a stack of recurrent layers alone
             kv_blocks = max(per_seq + 1, min(max_seqs * per_seq, _KV_BYTES_DEFAULT // per_block))
         self.pool = self.runner.new_pool(kv_blocks, block_size, max_seqs)
+        prefix_state.enable(self.pool, self.runner)  # engfeat: prefix reuse for the families with recurrent state
         self.scheduler = Scheduler(self.pool, max_seqs, step_tokens)
         eos = config.eos_token_id if eos_token_ids is None else eos_token_ids
         self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else list(eos))
@@ -185,6 +187,10 @@ class Engine:
             piece.images = s.request.images  # engvis: an image-text prompt's features and rotary positions
         try:
             logits = self.runner.step([p for _, p in planned], self.pool, self.scheduler.max_seqs)
+        except BaseException:
+            if self.pool.snapshots is not None:  # engfeat: the slots reserved for this step's boundaries back
+                self.pool.snapshots.drop_pending()
+            raise
         finally:
             if was:
                 self.model.train(was)

@@ -13,9 +13,10 @@ output norm run one token of one sequence at a time, in the order and with the o
 whatever the batch: a prefill chunk, a decode step and the scoring forward give the same bits. The model's own
 forward of a prompt runs the chunked form of the rule: the same maths in another order (fp32 rounding).
 
-A state after some tokens is not kept at block boundaries, so the pool remembers no prefix for these
-families (a later prompt with the same start is prefilled again) and a preempted request's completions each
-recompute their whole sequence (kiln.engine.scheduler).
+A later prompt with the same start takes the remembered blocks and the state kept at a block boundary
+(kiln.engine.prefix_state: snapshots at every few blocks and at each prompt's last full block, by the blocks'
+content keys, images included), and prefills only the rest; a preempted request's completions each recompute their
+sequence from the deepest kept boundary (kiln.engine.scheduler).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class HybridRunner(StateRunner):
     """Runs a ForCausalLM over `HybridDecoder` (Gated DeltaNet + gated attention layers)."""
 
     families = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5 and qwen3_5_moe (text prompts)")
+    keeps_prefix_state = True  # its state runs through StateRunner._recur, which keeps it at prefix boundaries
 
     @classmethod
     def accepts(cls, model: nn.Module) -> bool:

@@ -32,6 +32,7 @@ class MambaRunner(StateRunner):
     """Runs a ForCausalLM over `MambaBackbone`."""
 
     families = ("mamba",)
+    keeps_prefix_state = True  # engfeat: its state runs through StateRunner._recur (kiln.engine.prefix_state)
 
     @classmethod
     def accepts(cls, model: nn.Module) -> bool:

@@ -135,6 +135,8 @@ class Scheduler:
         if self.pool.has_states:
             if s.state is None:
                 s.state = self.pool.allocate_state()
+                if self.pool.snapshots is not None:  # engfeat: from a kept prefix's state (kiln.engine.prefix_state)
+                    self.pool.snapshots.start(self, s)
             return
         bs = self.pool.block_size
         for j in range((len(s.tokens) - 1) // bs):
@@ -163,6 +165,8 @@ class Scheduler:
         for j in range(len(s.keys), s.computed // bs):
             s.keys.append(self.block_key(s, j))  # engvis
             self.pool.remember(s.table[j], s.keys[-1])
+        if self.pool.snapshots is not None:  # engfeat: the states this step kept at its boundaries, filed by key
+            self.pool.snapshots.commit(s)
 
     def schedule(self) -> list[tuple[Sequence, Piece]]:
         """This step's pieces. Decodes first, then prefill chunks, within the budget and the pool."""
@@ -191,6 +195,9 @@ class Scheduler:
                 break
             # out of blocks: the youngest request waits and recomputes later (plan again without it)
             self.preempt(max(self.running, key=lambda r: r.order))
+        if self.pool.snapshots is not None:  # engfeat: slots for the states at the boundaries these pieces cross
+            for s, n in plan:
+                self.pool.snapshots.plan(s, n)
         return [(s, Piece(s.tokens[s.computed:s.computed + n], s.computed, s.table,
                           s.computed + n == len(s.tokens), s.state)) for s, n in plan]
 

@@ -17,8 +17,9 @@ import torch
 from kiln.engine.cache import BlockPool
 from kiln.engine.runner import DecoderRunner, Piece
 
-# per layer with state, one entry per sequence of the call: (row start, row end, its state tensors, write back)
-States = Callable[[int], list[tuple[int, int, list[torch.Tensor], Callable | None]]]
+# per layer with state, one entry per sequence of the call: (row start, row end, its state tensors, write back,
+# engfeat: row -> a function keeping the state after that row (a prefix boundary: kiln.engine.prefix_state) or None)
+States = Callable[[int], list[tuple[int, int, list[torch.Tensor], Callable | None, dict[int, Callable] | None]]]
 
 
 class StateRunner(DecoderRunner, ABC):
@@ -40,6 +41,8 @@ class StateRunner(DecoderRunner, ABC):
                          [self.state_shapes(i) for i in range(self.num_layers)], seqs)
 
     def _step_extras(self, pieces: list[Piece], rows: dict[int, tuple[int, int]], pool: BlockPool) -> tuple:
+        snaps = pool.snapshots  # engfeat
+
         def states(i: int):
             layer = pool.states[i]
             out = []
@@ -48,7 +51,8 @@ class StateRunner(DecoderRunner, ABC):
                     for t, v in zip(layer, new):
                         t[slot].copy_(v)
 
-                out.append((*rows[j], [t[p.state].clone() for t in layer], back))
+                marks = snaps.savers(i, p.state, rows[j][0]) if snaps is not None else None  # engfeat
+                out.append((*rows[j], [t[p.state].clone() for t in layer], back, marks))
             return out
 
         return (states,)
@@ -56,7 +60,7 @@ class StateRunner(DecoderRunner, ABC):
     def _packed_extras(self, bounds: list[tuple[int, int]]) -> tuple:
         def states(i: int):  # each sequence from its own zeroed state, written nowhere
             return [(s, e, [torch.zeros(shape, dtype=dt, device=self.device)
-                            for shape, dt in self.state_shapes(i)], None) for s, e in bounds]
+                            for shape, dt in self.state_shapes(i)], None, None) for s, e in bounds]
 
         return (states,)
 
@@ -66,11 +70,13 @@ class StateRunner(DecoderRunner, ABC):
         """Layer i's outputs (N, out_width) from its projected rows (N, .): `token(state, row)` -> (new state,
         output) for one token of one sequence at a time (fixed shapes), in each sequence's order."""
         y = rows.new_empty((rows.shape[0], out_width))
-        for s, e, state, back in states(i):
+        for s, e, state, back, marks in states(i):
             outs = []
             for t in range(s, e):
                 state, o = token(state, rows[t])
                 outs.append(o)
+                if marks and t in marks:  # engfeat: the state at a prefix boundary, kept for later prompts
+                    marks[t](state)
             if outs:
                 y[s:e] = torch.stack(outs)
             if back is not None:

@@ -179,10 +179,10 @@ def test_top_keys_breaks_ties_toward_the_earlier_key_whatever_the_padding():
 
 
 @pytest.mark.parametrize("family", STATEFUL)
-def test_recurrent_state_slots_and_no_prefix_reuse(family):
+def test_recurrent_state_slots_and_prefix_reuse(family):
     """A Gated DeltaNet or Mamba layer's state lives in a slot per sequence: lent at the start, one per
-    completion after the fork, all back at the end. A later prompt with the same start is prefilled again (a
-    state is not kept at block boundaries) and gives what it gives alone."""
+    completion after the fork, all back at the end. A later prompt with the same start starts from the state
+    kept at the earlier prompt's last full block (engfeat) and gives what it gives alone."""
     model = tiny_model(family)
     engine = Engine(model, block_size=4, max_seqs=4)
     layer = model.model.layers[0]
@@ -203,7 +203,8 @@ def test_recurrent_state_slots_and_no_prefix_reuse(family):
     fed = engine.tokens_fed
     b = system + [7, 8, 9]
     out = engine.generate([b], SamplingParams(max_tokens=5, temperature=0.0, logprobs=True))[0]
-    assert engine.tokens_fed - fed == len(b) + 5 - 1  # the whole prompt fed again
+    # engfeat: the first prompt's state at its last full block (token 12) was kept (kiln.engine.prefix_state)
+    assert engine.tokens_fed - fed == len(b) - 12 + 5 - 1
     assert results(out) == results(Engine(model, block_size=4).generate(
         [b], SamplingParams(max_tokens=5, temperature=0.0, logprobs=True))[0])
 
