@@ -61,3 +61,19 @@ def test_state_dict_save_holds_no_engine_state():
     assert greedy(fresh) != before  # the control: other weights, other tokens
     fresh.load_state_dict(torch.load(buf, weights_only=True))
     assert greedy(fresh) == before
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "qwen3_5_moe_text", "deepseek_v4"])
+def test_deepcopy_of_a_moe_model_after_a_training_forward(family):
+    """MoE blocks keep their last forward's routing (with its graph, in training) for the aux loss; a copy
+    leaves it behind, so a model copied between a forward and its backward (a frozen reference, EMA) copies."""
+    model = tiny_model(family).train()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    loss = model(input_ids=ids).logits.float().logsumexp(-1).sum()
+    twin = copy.deepcopy(model)
+    loss.backward()  # the original's graph is intact
+    kept = [m for m in model.modules() if getattr(m, "router_logits", None) is not None]
+    assert kept, "the control: the original keeps its routing"
+    assert all(getattr(m, "router_logits", None) is None for m in twin.modules())
+    with torch.no_grad():
+        assert torch.equal(twin.eval()(input_ids=ids).logits, model.eval()(input_ids=ids).logits)

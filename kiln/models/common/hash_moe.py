@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 from kiln.errors import ConfigError, KilnError
 from kiln.models.common.activations import activation
-from kiln.models.common.moe import Experts
+from kiln.models.common.moe import Experts, KeepsRouting
 from kiln.models.common.moe_routing import GroupLimitedRouter
 
 
@@ -104,7 +104,7 @@ class ClampedMLP(nn.Module):
         return self.down_proj(self.act_fn(gate) * up)
 
 
-class HashOrTopKMoE(nn.Module):
+class HashOrTopKMoE(KeepsRouting):
     """Router (`gate`: HashRouter or ScoredTopKRouter), stacked clamped `experts`, one `shared_experts`."""
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, routed_scaling_factor: float,

@@ -92,7 +92,24 @@ class Experts(nn.Module):
         return ys[back].view(N, k, -1).sum(dim=1).to(x.dtype)  # (N, C)
 
 
-class MoEBlock(nn.Module):
+class KeepsRouting(nn.Module):
+    """A block that keeps its last forward's routing (`router_logits`, `router_index`) for the aux loss.
+
+    Copies and pickles leave that routing behind: it belongs to one forward (holding its graph in training),
+    and a tensor inside a graph cannot be deep-copied.
+    """
+
+    _ROUTING = ("router_logits", "router_index")
+
+    def __getstate__(self) -> dict[str, object]:
+        state = dict(self.__dict__)
+        for name in self._ROUTING:
+            if name in state:
+                state[name] = None
+        return state
+
+
+class MoEBlock(KeepsRouting):
     """Router (`gate`) + stacked `experts`. Keeps the last router logits for the aux loss."""
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool, act: str = "silu"):

@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kiln.models.common.mlp import GatedMLP
-from kiln.models.common.moe import Experts
+from kiln.models.common.moe import Experts, KeepsRouting
 
 
 class GroupLimitedRouter(nn.Module):
@@ -106,7 +106,7 @@ class GroupLimitedRouter(nn.Module):
         return load
 
 
-class SharedExpertMoE(nn.Module):
+class SharedExpertMoE(KeepsRouting):
     """Router (`gate`), stacked routed `experts` and `shared_experts`. Keeps the last router logits."""
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, n_group: int, topk_group: int,
