@@ -71,3 +71,149 @@ def test_grpo_max_new_tokens_past_the_model_positions_is_refused_before_any_work
     assert "grpo.max_new_tokens = 100000: the longest prompt (" in out, out
     assert "+ 100000 = " in out and "over the model's max_position_embeddings = 64; set grpo.max_new_tokens <=" in out
     assert not (tmp_path / "long").exists() and snapshot(grpo_inputs) == before
+
+
+# ---- kiln serve ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A live `kiln serve` (the command's own build_state) of a tiny untaught Qwen3 with a ChatML template; its
+    request body limit 64 KB."""
+    import shutil
+    from importlib import resources
+
+    from kiln.cli.serve import build_state
+    from kiln.data.bpe import train_bpe
+    from kiln.interop.tiny import make_tiny
+    from tests.serve.helpers import LiveServer
+
+    d = tmp_path_factory.mktemp("serve")
+    (d / "text.txt").write_text("hello there\nhow are you today\nthe cat sat on the mat\n" * 10)
+    train_bpe([d / "text.txt"], d / "tok", vocab_size=300, min_frequency=1)
+    cfg = json.loads((d / "tok" / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (resources.files("trl") / "chat_templates" / "qwen3.jinja").read_text()
+    (d / "tok" / "tokenizer_config.json").write_text(json.dumps(cfg))
+    model = make_tiny("qwen3", "causal-lm", d / "model", tokenizer=False, vocab_size=300, eos_token_id=2,
+                      pad_token_id=0, max_position_embeddings=64)
+    for f in (d / "tok").iterdir():
+        shutil.copy(f, model / f.name)
+    state = build_state(model, [], name="tiny", max_tokens=8)
+    state.max_body = 64 * 1024
+    server = LiveServer(state)
+    yield server
+    server.stop()
+
+
+def post(server, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def chat(messages: list, **kw) -> bytes:
+    return json.dumps({"model": "tiny", "messages": messages, "max_tokens": 2, **kw}).encode()
+
+
+def test_serve_answers_a_body_over_the_limit_with_413_naming_it(served):
+    big = chat([{"role": "user", "content": "hello " * 20000}])  # ~120 KB, over the 64 KB limit
+    status, body = post(served, "/v1/chat/completions", big)
+    assert status == 413, body
+    assert body["error"]["message"] == ("the request body is over this server's limit of 65536 bytes (0.0625 MB, "
+                                        "kiln serve --max-body-mb)"), body
+    status, body = post(served, "/v1/completions", json.dumps({"model": "tiny", "prompt": "hi " * 40000}).encode())
+    assert status == 413 and body["error"]["code"] == "body_too_large", body
+    status, body = post(served, "/v1/chat/completions", chat([{"role": "user", "content": "hello"}]))
+    assert status == 200, body  # a body within the limit is served
+
+
+def test_serve_health_answers_while_a_long_prompt_is_tokenized(served, monkeypatch):
+    """The chat template is rendered and tokenized in a thread: a request whose rendering takes long (here held
+    on an event, so the test knows it is in flight) does not stall /health."""
+    import threading
+    import urllib.request
+
+    import kiln.serve.app as app
+
+    started, release = threading.Event(), threading.Event()
+    real = app._chat_ids
+
+    def held(*a, **kw):
+        started.set()
+        assert release.wait(60)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(app, "_chat_ids", held)
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(post(served, "/v1/chat/completions",
+                                                        chat([{"role": "user", "content": "hello"}]))))
+    t.start()
+    try:
+        assert started.wait(60)
+        with urllib.request.urlopen(served.url + "/health", timeout=30) as r:  # answered while rendering is held
+            assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+    finally:
+        release.set()
+        t.join(60)
+    assert got and got[0][0] == 200, got
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("temperature", float("nan"), "temperature: Input should be a finite number"),
+    ("top_p", float("inf"), "top_p: Input should be a finite number")])
+def test_serve_a_non_finite_sampling_value_is_told_it_must_be_finite(served, field, value, says):
+    status, body = post(served, "/v1/chat/completions", chat([{"role": "user", "content": "hi"}], **{field: value}))
+    assert status == 400 and body["error"]["message"] == says and body["error"]["param"] == field, body
+
+
+def test_serve_a_user_message_with_null_content_is_refused_naming_it(served):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": None}]
+    status, body = post(served, "/v1/chat/completions", chat(msgs))
+    assert status == 400 and body["error"]["param"] == "messages.1.content", body
+    assert "messages.1.content: a user message needs content" in body["error"]["message"], body
+    # an assistant message carrying only tool calls has null content, as OpenAI's clients send it back
+    ok = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": "x"}]
+    assert post(served, "/v1/chat/completions", chat(ok))[0] == 200
+
+
+def test_serve_a_client_that_leaves_during_the_upload_is_one_line(served, capfd):
+    import socket
+    import time
+
+    s = socket.create_connection(("127.0.0.1", served.port))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 50000\r\n\r\n" + b'{"model": "tiny", "messages": [' + b" " * 1000)
+    time.sleep(0.5)
+    s.close()
+    deadline = time.monotonic() + 30
+    err = ""
+    while "the client left during the upload" not in err and time.monotonic() < deadline:
+        time.sleep(0.1)
+        err += capfd.readouterr().err
+    assert "kiln serve: POST /v1/chat/completions: the client left during the upload" in err, err
+    assert "Traceback" not in err and "ClientDisconnect" not in err, err
+    assert post(served, "/v1/chat/completions", chat([{"role": "user", "content": "hi"}]))[0] == 200
+
+
+def test_serve_on_a_taken_port_names_it_and_says_no_serving_line(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    from tests.kiln_cli import REPO
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "kiln.cli.main", "serve", str(tmp_path / "m"), "--port",
+                               str(port)], capture_output=True, text=True, cwd=REPO, timeout=300,
+                              env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 1 and "Traceback" not in out, out
+    assert f"cannot serve on 127.0.0.1:{port}: Address already in use" in out and "http://" not in out, out
+    assert list(tmp_path.iterdir()) == []
