@@ -217,3 +217,42 @@ def test_serve_on_a_taken_port_names_it_and_says_no_serving_line(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in out, out
     assert f"cannot serve on 127.0.0.1:{port}: Address already in use" in out and "http://" not in out, out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sigterm_while_kiln_train_starts_exits_75_and_writes_nothing(grpo_inputs, tmp_path):
+    """Before: the signal came before the trainer's handlers, so the process died by it (143) without a word. A
+    reward module that sleeps on import holds the run in its startup, where the signal is sent."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.kiln_cli import REPO
+
+    marker = tmp_path / "importing"
+    (grpo_inputs / "slow_rw.py").write_text(f"import pathlib, time\npathlib.Path({str(marker)!r}).touch()\n"
+                                            "time.sleep(120)\n\ndef r(prompts, completions, **c):\n"
+                                            "    return [0.0] * len(completions)\n")
+    cfg = grpo_config(grpo_inputs, tmp_path / "early", "r", 2)
+    cfg.write_text(cfg.read_text().replace('"rw:r"', '"slow_rw:r"'))
+    before = snapshot(grpo_inputs)
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "train", "--config", str(cfg)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+                                 "PYTHONDONTWRITEBYTECODE": "1"})  # Python's own cache of the reward module
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGTERM)
+        out = " ".join(proc.communicate(timeout=60)[0].split())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75 and "Traceback" not in out, (proc.returncode, out)
+    assert ("stopped by SIGTERM before the first step; no checkpoint was written: run the same command again "
+            "(without --resume)") in out, out
+    assert not (tmp_path / "early").exists() or not list((tmp_path / "early").glob("ckpt-*"))
+    assert snapshot(grpo_inputs) == before
