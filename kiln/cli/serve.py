@@ -87,6 +87,8 @@ def serve(target: Path = typer.Argument(..., help="A causal-LM directory, a run 
                                                   "(default: the engine's)."),
           shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="On SIGTERM / Ctrl-C: seconds "
                                                  "running requests may take to finish before they are cancelled."),
+          max_body_mb: float = typer.Option(16.0, "--max-body-mb", help="The largest request body in MB; larger "
+                                            "ones are answered 413 before they are read."),  # sweep2
           allow_missing: bool = ALLOW_MISSING, allow_unused: bool = ALLOW_UNUSED) -> None:
     """Serve the model over HTTP, OpenAI-style: /v1/chat/completions (tools, streaming), /v1/completions,
     /v1/models, /health. SIGTERM stops taking requests, lets running ones finish within --shutdown-timeout,
@@ -100,18 +102,47 @@ def serve(target: Path = typer.Argument(..., help="A causal-LM directory, a run 
 
     check_range("--port", port, 0, 65535)
     check_range("--shutdown-timeout", shutdown_timeout, 0)
-    state = build_state(target, list(lora or []), name=name, max_tokens=max_tokens, max_queue=max_queue,
-                        max_seqs=max_seqs, kv_blocks=kv_blocks, allow_missing=allow_missing,
-                        allow_unused=allow_unused)
+    check_range("--max-body-mb", max_body_mb, 0, low_open=True)
+    sock = _bind(host, port)  # sweep2: before the model loads and before any "serving" line: a taken port is said
+    try:
+        state = build_state(target, list(lora or []), name=name, max_tokens=max_tokens, max_queue=max_queue,
+                            max_seqs=max_seqs, kv_blocks=kv_blocks, allow_missing=allow_missing,
+                            allow_unused=allow_unused)
+    except BaseException:
+        sock.close()
+        raise
+    state.max_body = int(max_body_mb * 2**20)
+    port = sock.getsockname()[1]  # the port given, or the one the OS chose for --port 0
     app = build_app(state, stop_timeout=CLOSE_GRACE_S)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
                             timeout_graceful_shutdown=shutdown_timeout + CLOSE_GRACE_S)  # type: ignore[arg-type]
     server = _server(config, state.engine, shutdown_timeout)
     out.print(f"kiln serve: {', '.join(state.models)} on http://{host}:{port}/v1 "
               "(GET /health; Ctrl-C or SIGTERM stops)")
-    server.run()
+    server.run(sockets=[sock])
     if not server.started:  # e.g. the port is taken: uvicorn logged why
         raise KilnError(f"could not serve on {host}:{port} (is the port in use?)")
+
+
+def _bind(host: str, port: int):  # sweep2
+    """A listening socket on host:port (as uvicorn would open it), or a KilnError naming both."""
+    import errno
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as e:
+        raise KilnError(f"cannot serve on {host}:{port}: {e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        taken = " (another process is listening there; pick another --port)" if e.errno == errno.EADDRINUSE else ""
+        raise KilnError(f"cannot serve on {host}:{port}: {e.strerror or e}{taken}") from None
+    return sock
 
 
 def register(app: typer.Typer) -> None:

@@ -31,6 +31,43 @@ def train(config: Path = typer.Option(..., "--config", "-c", help="The run TOML.
           **shortcut_values: Any) -> None:
     """Train as a run config says (with --set / named overrides on top); with --resume, pick up exactly
     where RUN_DIR stopped."""
+    with _early_stop():  # sweep2: a SIGTERM / SIGINT before the trainer's own handlers: exit 75, not 143
+        _train(config, resume, set_, shortcut_values)
+
+
+class _StoppedEarly(BaseException):  # sweep2: not an Exception: no `except Exception` on the way swallows it
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _early_stop():  # sweep2
+    """While `kiln train` starts (config, data, model), SIGTERM / SIGINT end it at once with exit 75 and one line:
+    no step was taken, so no checkpoint exists and the same command (without --resume) starts it again. The
+    trainer's fit installs its own handlers over these (stop after the step, checkpoint) and puts them back."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def early(signum: int, frame: Any) -> None:
+        raise _StoppedEarly(signum)
+
+    previous = {s: signal.signal(s, early) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    except _StoppedEarly as e:
+        typer.echo(f"stopped by {signal.Signals(e.signum).name} before the first step; no checkpoint was written: "
+                   "run the same command again (without --resume)", err=True)
+        raise typer.Exit(EXIT_STOPPED) from None
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _train(config: Path, resume: Path | None, set_: list[str], shortcut_values: dict[str, Any]) -> None:
     from kiln.train.config import load_run_config, parse_override
     from kiln.train.recipes import shortcuts
     from kiln.train.run import build_trainer

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import sys
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -40,6 +41,7 @@ from kiln.serve.results import Gathered, chat_logprobs, completion_logprobs
 from kiln.serve.tools import StreamFilter, reply, template_messages
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streamed answer's wait looks whether its client is still there
+MAX_BODY_MB = 16.0  # sweep2: the default largest request body (kiln serve --max-body-mb); an inline image fits
 
 
 @dataclass
@@ -59,6 +61,7 @@ class ServerState:
     models: dict[str, ServedModel]
     engine: AsyncEngine
     max_tokens: int          # the most tokens one completion may ask for (--max-tokens)
+    max_body: int = int(MAX_BODY_MB * 2**20)  # sweep2: the largest request body in bytes (--max-body-mb): 413 over
 
 
 def _error(e: P.RequestError) -> JSONResponse:
@@ -167,10 +170,42 @@ def _finish(reason: str | None, calls: list) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
+async def _body(request: Request) -> bytes:  # sweep2
+    """The request body, refused with a 413 as soon as it is over the server's limit (by its Content-Length or as it
+    arrives), so a huge upload is neither held in memory nor parsed; a client that leaves mid-upload is one line."""
+    limit = request.app.state.kiln.max_body
+    too_large = P.RequestError(f"the request body is over this server's limit of {limit} bytes "
+                               f"({limit / 2**20:g} MB, kiln serve --max-body-mb)", None, 413, code="body_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        print(f"kiln serve: {request.method} {request.url.path}: the client left during the upload "
+              f"({size} bytes read); nothing was run", file=sys.stderr, flush=True)
+        raise P.RequestError("the client left during the upload", None, 499, code="client_closed_request") from None
+    return b"".join(chunks)
+
+
+def _chat_ids(served: ServedModel, messages: list, tools: list | None) -> list[int]:
+    """The chat prompt's ids (the template rendered, then tokenized): run in a thread, off the event loop."""
+    try:
+        return chat_prompt_ids(served.tokenizer, template_messages(messages), tools)
+    except KilnError as e:  # the template refused the conversation (raise_exception, no template)
+        raise P.RequestError(str(e), "messages") from None
+
+
 # ---- chat --------------------------------------------------------------------------------------------------------
 async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.kiln
-    req: P.ChatRequest = P.parse(P.ChatRequest, await request.body())
+    # sweep2: the body within the limit, parsed and (below) rendered and tokenized in a thread: /health stays live
+    req: P.ChatRequest = await run_in_threadpool(P.parse, P.ChatRequest, await _body(request))
     served = _model(state, req.model)
     if req.top_logprobs and not req.logprobs:
         raise P.RequestError("top_logprobs needs logprobs: true", "top_logprobs")
@@ -180,10 +215,7 @@ async def chat_completions(request: Request) -> Response:
     if has_images(req.messages):  # decoding and resizing images is work: off the event loop
         ids, inputs = await run_in_threadpool(image_chat, served.tokenizer, req.messages, served.images, tools)
     else:
-        try:
-            ids = chat_prompt_ids(served.tokenizer, template_messages(req.messages), tools)
-        except KilnError as e:  # the template refused the conversation (raise_exception, no template)
-            raise P.RequestError(str(e), "messages") from None
+        ids = await run_in_threadpool(_chat_ids, served, req.messages, tools)  # sweep2
     params = _params(state, req, served, len(ids), req.max_completion_tokens or req.max_tokens, req.logprobs,
                      req.top_logprobs or 0)
     stream = await _submit(state, req.model, [ids], params, inputs)
@@ -262,13 +294,13 @@ def _prompts(req: P.CompletionRequest, served: ServedModel) -> list[list[int]]:
 
 async def completions(request: Request) -> Response:
     state: ServerState = request.app.state.kiln
-    req: P.CompletionRequest = P.parse(P.CompletionRequest, await request.body())
+    req: P.CompletionRequest = await run_in_threadpool(P.parse, P.CompletionRequest, await _body(request))  # sweep2
     served = _model(state, req.model)
     if req.best_of is not None and req.best_of != req.n:
         raise P.RequestError(f"best_of={req.best_of} differs from n={req.n}; only best_of = n is served", "best_of")
     if req.echo and req.logprobs is not None:
         raise P.RequestError("echo with logprobs (the prompt's log-probs) is not served", "echo")
-    prompts = _prompts(req, served)
+    prompts = await run_in_threadpool(_prompts, req, served)  # sweep2: tokenizing is work: off the event loop
     if len(prompts) > state.engine.max_queue:  # each prompt holds a slot: this many could never be queued
         raise P.RequestError(f"prompt: {len(prompts)} prompts in one request; this server queues at most "
                              f"{state.engine.max_queue} (kiln serve --max-queue)", "prompt")

@@ -134,19 +134,20 @@ class _Sampling(_Strict):
     """What chat and completions requests share."""
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    # sweep2: allow_inf_nan=False: NaN / inf is told "a finite number", not "should be <= 2"
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     # vLLM's extensions, same names
     top_k: int = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
+    min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
     ignore_eos: bool = False
     # OpenAI bookkeeping; accepted, unused
     user: str | None = None
@@ -184,6 +185,16 @@ class ChatRequest(_Sampling):
     tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _content_given(cls, v):  # sweep2: a null content was taken as an empty message
+        for i, m in enumerate(v):
+            if m.content is None and m.role != "assistant":
+                # not a ValueError: pydantic lets it through, so the 400 names the field itself
+                raise RequestError(f"messages.{i}.content: a {m.role} message needs content (a string or a list "
+                                   "of content parts), got null", f"messages.{i}.content")
+        return v
 
     @field_validator("response_format")
     @classmethod

@@ -7,6 +7,9 @@ gradient), `alarm/none_rewards` (the share no reward function scored), and with 
 `alarm/env_errors` (episodes failed by user code). Each, and `logprob_gap`, is warned about once per run when over
 its threshold, saying what to change. `groups_with_signal` counts the groups whose rewards differ (the ones that
 teach); a rollout where none do is warned about once (kiln.train.preference.Signal). `rollouts.jsonl` gets one JSON object per completion or episode.
+A run whose reward functions score nothing at all (every reward None, every rank) in its first `NONE_ROLLOUTS`
+rollouts (or in all of them, when the run is shorter) is stopped with a ConfigError (exit 1): with no reward there is
+no advantage and nothing to learn (`NoneStreak`).
 """
 
 from __future__ import annotations
@@ -18,10 +21,14 @@ from typing import Any
 
 import torch
 
+from kiln.errors import ConfigError  # sweep2
+
 # what a value over the threshold means, and what to do about it
 THRESHOLDS: dict[str, tuple[float, str]] = {
     "alarm/truncated": (0.5, "most completions hit the token budget without ending (raise grpo.max_new_tokens / "
-                             "max_episode_tokens, or set mask_truncated_completions = true)"),
+                             "max_episode_tokens while the prompt and the budget fit the model's "
+                             "max_position_embeddings, where an episode stops whatever its budget (sweep2); or set "
+                             "mask_truncated_completions = true)"),
     "alarm/zero_std_groups": (0.5, "most prompt groups have equal rewards: zero advantages, no learning signal "
                                    "(rewards too sparse or saturated; more num_generations, easier prompts)"),
     "alarm/none_rewards": (0.5, "most completions got no reward (every reward function returned None)"),
@@ -75,6 +82,47 @@ class Alarms:
             if main:
                 print(line, flush=True)
         return said
+
+
+NONE_ROLLOUTS = 3  # sweep2: rollouts in a row from the start with no reward at all before the run is refused
+
+
+class NoneStreak:  # sweep2
+    """Refuses a run whose first rollouts got no reward at all (each of them: every function None for every
+    completion of every rank). None means "does not apply", so this is a reward set that fits no prompt of the data
+    (a wrong column, a function for another task); a run of it learns nothing. Once a reward is scored, never."""
+
+    def __init__(self) -> None:
+        self.rollouts = 0
+        self.scored = False
+
+    def check(self, total: torch.Tensor, names: list[str], step: int, last: bool) -> None:
+        """`total`: a rollout's `counts` summed over every rank; `last`: the run's final step."""
+        if self.scored or total[0] == 0:
+            return
+        if total[2] < total[0]:
+            self.scored = True
+            return
+        self.rollouts += 1
+        if self.rollouts >= NONE_ROLLOUTS or last:
+            raise ConfigError(
+                f"[grpo] nothing can be learned: every reward function ({', '.join(names)}) returned None for every "
+                f"completion of the first {self.rollouts} rollout(s) (up to step {step}), so no advantage and no "
+                f"gradient; None means \"does not apply\": check grpo.rewards against the data's columns, and return "
+                f"a number (0.0 for a wrong answer) where a completion is judged")
+
+
+def check_positions(config: Any, ids: list[list[int]], where: list[str], max_new_tokens: int) -> None:  # sweep2
+    """Refuses, before any work, a [grpo] max_new_tokens that cannot fit after the longest prompt in the model's
+    positions (where its family has a limit): every completion would be cut by the positions, not by the budget."""
+    positions = getattr(config, "max_position_embeddings", None)
+    i = max(range(len(ids)), key=lambda k: len(ids[k]))
+    longest_prompt, source = len(ids[i]), where[i]
+    if isinstance(positions, int) and longest_prompt + max_new_tokens > positions:
+        raise ConfigError(f"grpo.max_new_tokens = {max_new_tokens}: the longest prompt ({source}) is "
+                          f"{longest_prompt} tokens, and {longest_prompt} + {max_new_tokens} = "
+                          f"{longest_prompt + max_new_tokens} is over the model's max_position_embeddings = "
+                          f"{positions}; set grpo.max_new_tokens <= {max(positions - longest_prompt, 0)}")
 
 
 def single_turn_records(micro: dict[str, Any], rows: list[int], repeat: int, per_func: torch.Tensor,

@@ -113,6 +113,7 @@ class GRPOEngine(StepEngine):
         self.stats: dict[str, float] = {}                  # its reward metrics
         self.alarms = grpo_alarms.Alarms()
         self.signal = Signal("groups", "each prompt's completions rewarded alike, or not at all")
+        self.none_streak = grpo_alarms.NoneStreak()  # sweep2: no reward at all from the start: refused
 
     # -- the rollout --
     def rollout(self, run: StepContext) -> None:
@@ -173,6 +174,7 @@ class GRPOEngine(StepEngine):
         total = all_reduce_sum(alarm_counts.to(run.device), run.world).cpu()
         self.stats.update(grpo_alarms.metrics(total, g.multi_turn))
         self.signal.check(float(total[3] - total[4]), float(total[3]), run.step + 1, run.world.main)
+        self.none_streak.check(total, [x.name for x in r.rewards], run.step + 1, run.step + 1 >= run.total_steps)  # sweep2
         if r.guarded:  # users' reward calls that failed this rollout, every rank's (named only when some did)
             failed = all_reduce_sum(torch.tensor(r.guard.take(), dtype=torch.float64).to(run.device), run.world)
             for name, count in zip(("reward_errors", "reward_timeouts"), failed.cpu().tolist()):
@@ -418,6 +420,9 @@ class GRPORecipe(Recipe):
         prompts = Prompts(train_records, model.tokenizer, g.prompt_field, d.max_length, f"data.train {d.train}")
         evals = (Prompts(eval_records, model.tokenizer, g.prompt_field, d.max_length, f"data.eval {d.eval}")
                  if eval_records else None)
+        for p in (prompts, evals):  # sweep2: a budget past the model's positions is refused before any work
+            if p is not None:
+                grpo_alarms.check_positions(model.config, p.ids, p.where, g.max_new_tokens)
         runner = None
         if env is not None:  # the template checked (renders tools, a parser, prefix-preserving) before any work
             eos = model.config.eos_token_id
