@@ -85,7 +85,7 @@ def pool_entries(wp: WindowPool, kv: torch.Tensor, gate: torch.Tensor, cos: torc
                  ) -> torch.Tensor:
     """Compressed entries (W, d) from W windows' slots kv, gate (W, S, d) (gate with position_bias, -inf on
     an empty slot), rotated by cos, sin (W, rope / 2) of each entry's position: the softmax-weighted sum over
-    the slots in slot order, kv_norm on tiles, rope (WindowPool.forward's ops)."""
+    the slots in slot order, kv_norm on tiles, rope (WindowPool.pool's ops)."""
     w = softmax_rows(gate, 1).to(kv.dtype)
     summed = seqsum(kv * w, 1)  # (W, d)
     return rotate(tiled(wp.kv_norm, summed), cos, sin)

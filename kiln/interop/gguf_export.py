@@ -32,7 +32,7 @@ from kiln.hub.files import as_umask_allows, write_text_atomic
 from kiln.interop.gguf_arch import GgufFamily, gguf_family, gguf_tensors
 from kiln.interop.gguf_encoder import POOLING, pooling_problem
 from kiln.interop.gguf_vocab import modelfile, read_vocab, read_wordpiece, write_vocab
-from kiln.models.common.config import text_sizes
+from kiln.models.common.config import config_size
 from kiln.models.pretrained import PreTrainedModel
 
 Q = gguf.GGMLQuantizationType
@@ -124,7 +124,7 @@ def write_gguf(model: PreTrainedModel, out: str | os.PathLike, type_name: str = 
     if tok is None:
         raise KilnError(f"{name or 'the model'}: no tokenizer; llama.cpp needs the vocabulary in the GGUF")
     where = name or "the model"
-    vocab_size = text_sizes(config).vocab_size
+    vocab_size = config_size(config, "vocab_size")
     if json.loads(tok.backend.to_str()).get("model", {}).get("type") == "WordPiece":
         vocab = read_wordpiece(tok, vocab_size, getattr(config, "type_vocab_size", 1), where)
     else:

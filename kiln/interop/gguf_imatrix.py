@@ -21,7 +21,7 @@ from torch import nn
 
 from kiln.errors import KilnError
 from kiln.interop.gguf_arch import GgufFamily
-from kiln.models.common.config import text_sizes
+from kiln.models.common.config import config_size
 from kiln.models.pretrained import PreTrainedModel
 
 IMATRIX_FAMILIES = ("llama", "qwen2", "qwen3")
@@ -41,7 +41,7 @@ def importance(model: PreTrainedModel, fam: GgufFamily, text: str, n_ctx: int = 
     if len(ids) < 2:
         raise KilnError("--imatrix: the calibration text tokenizes to fewer than 2 tokens")
     assert fam.arch is not None, "each of IMATRIX_FAMILIES has a gguf name table"
-    names = gguf.get_tensor_name_map(fam.arch, text_sizes(config).num_hidden_layers)
+    names = gguf.get_tensor_name_map(fam.arch, config_size(config, "num_hidden_layers"))
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
     hooks = []

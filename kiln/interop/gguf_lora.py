@@ -21,7 +21,7 @@ import torch
 from kiln.errors import KilnError
 from kiln.interop.gguf_arch import gguf_family
 from kiln.interop.gguf_layout import permute_heads
-from kiln.models.common.config import text_sizes
+from kiln.models.common.config import config_size
 from kiln.models.common.lora import LoraLinear, _hf_name
 from kiln.models.decoder_lm import DecoderConfig
 from kiln.models.pretrained import PreTrainedModel
@@ -42,7 +42,7 @@ def write_gguf_lora(model: PreTrainedModel, out: str | os.PathLike, name: str | 
     if fam.arch is None:
         raise KilnError(f"--lora-adapter: {fam.name} has no name table in the installed gguf package, so kiln writes "
                         "no GGUF adapter for it; export with --merge instead")
-    names = gguf.get_tensor_name_map(fam.arch, text_sizes(config).num_hidden_layers)
+    names = gguf.get_tensor_name_map(fam.arch, config_size(config, "num_hidden_layers"))
     pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     scalings = set()
     for kname, module in model.named_modules():

@@ -31,7 +31,7 @@ from kiln.interop.gguf_export import GGUF_TYPES, _plain_model
 from kiln.interop.gguf_routing import explain_by_routing
 from kiln.interop.gguf_vocab import chat_format
 from kiln.interop.verify import Check
-from kiln.models.common.config import text_sizes
+from kiln.models.common.config import config_size
 from kiln.models.pretrained import PreTrainedModel
 
 PROMPTS = [
@@ -171,7 +171,8 @@ def verify_gguf(path: str | os.PathLike, model: PreTrainedModel, prompts: list[s
     n_ctx = min(getattr(config, "max_position_embeddings", 512), 512)
     llm = _load(path, n_ctx, None if lora is None else Path(lora))
     adapter = f" + LoRA adapter {Path(lora).name}" if lora else ""
-    checks = [Check("llama.cpp loads", llm.n_vocab() == text_sizes(config).vocab_size, f"{type_name}{adapter}, arch "
+    vocab = config_size(config, "vocab_size")
+    checks = [Check("llama.cpp loads", llm.n_vocab() == vocab, f"{type_name}{adapter}, arch "
                     f"{llm.metadata.get('general.architecture')}, vocab {llm.n_vocab()}")]
     encoded = [tok.backend.encode(p, add_special_tokens=True).ids for p in prompts]
     theirs = [llm.tokenize(p.encode(), add_bos=True, special=False) for p in prompts]

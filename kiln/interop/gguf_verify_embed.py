@@ -21,7 +21,7 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.interop.verify import Check
-from kiln.models.common.config import text_sizes
+from kiln.models.common.config import config_size
 from kiln.models.pretrained import PreTrainedModel
 
 F32_REL = 1e-4
@@ -70,7 +70,7 @@ def embedding_checks(path: Path, model: PreTrainedModel, prompts: list[str], typ
     if tok is None:
         raise KilnError(f"{path}: the model has no tokenizer; the check compares llama.cpp's ids with kiln's")
     llm = _embedder(path, min(getattr(config, "max_position_embeddings", 512), 512))
-    checks = [Check("llama.cpp loads", llm.n_vocab() == text_sizes(config).vocab_size,
+    checks = [Check("llama.cpp loads", llm.n_vocab() == config_size(config, "vocab_size"),
                     f"{type_name}, arch {llm.metadata.get('general.architecture')}, vocab {llm.n_vocab()}, "
                     f"pooling {pooling_mode(sentence)}")]
     ours = [tok.backend.encode(p, add_special_tokens=True).ids for p in prompts]
@@ -90,7 +90,7 @@ def embedding_checks(path: Path, model: PreTrainedModel, prompts: list[str], typ
         w, act = _WEIGHT.get(type_name), _ACT.get(type_name)
         if w is None or act is None:
             raise KilnError(f"{path}: verify-export checks embedding GGUFs in f32, f16, bf16 and q8_0, not {type_name}")
-        bound = 3 * math.sqrt((w ** 2 + act ** 2) * 2 * (text_sizes(config).num_hidden_layers + 1))
+        bound = 3 * math.sqrt((w ** 2 + act ** 2) * 2 * (config_size(config, "num_hidden_layers") + 1))
     cos = float(((a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))).min())
     checks.append(Check("pooled embeddings", rel <= bound, f"{len(prompts)} texts, max relative difference "
                         f"{rel:.3g} (bound {bound:.3g}; kiln's GELUs as llama.cpp's f16 table), lowest cosine "

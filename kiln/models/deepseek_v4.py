@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -209,13 +209,14 @@ def mtp_attention_kind(c: DeepseekV4Config) -> str:
 def attention(c: DeepseekV4Config, i: int) -> SinkAttention:
     kinds = c.attention_kinds()
     kind, ropes, rates = kinds[i] if i < len(kinds) else mtp_attention_kind(c), c.ropes(), c.rates()
-    common = dict(eps=c.rms_norm_eps, rope=ropes["compress"], max_positions=c.max_position_embeddings,
-                  rope_dim=c.rope_dim)
-    compressor = None
+    eps, rope, max_positions, rope_dim = c.rms_norm_eps, ropes["compress"], c.max_position_embeddings, c.rope_dim
+    compressor: HCACompressor | CSACompressor | None = None
     if kind == HCA:
-        compressor = HCACompressor(c.hidden_size, c.dim_head, rates[HCA], **common)
+        compressor = HCACompressor(c.hidden_size, c.dim_head, rates[HCA], eps=eps, rope=rope,
+                                   max_positions=max_positions, rope_dim=rope_dim)
     elif kind == CSA:
-        compressor = CSACompressor(c.hidden_size, c.dim_head, rates[CSA], **common, q_lora_rank=c.q_lora_rank,
+        compressor = CSACompressor(c.hidden_size, c.dim_head, rates[CSA], eps=eps, rope=rope,
+                                   max_positions=max_positions, rope_dim=rope_dim, q_lora_rank=c.q_lora_rank,
                                    index_heads=c.index_n_heads, index_head_dim=c.index_head_dim,
                                    index_topk=c.index_topk)
     return SinkAttention(c.hidden_size, c.num_attention_heads, c.dim_head, c.q_lora_rank, c.o_groups, c.o_lora_rank,
@@ -248,13 +249,18 @@ class V4DecoderLayer(nn.Module):
         return HyperConnection.merge(streams, h, post, comb)
 
 
+# what the backbone keeps for the MTP layer: streams (B, T, n, C), ropes, mask, position ids
+Streams = tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]
+
+
 class V4Decoder(nn.Module):
     """Embeddings -> n copies of each token's vector -> layers -> hyper head -> RMSNorm: (B, T, C)."""
 
     def __init__(self, c: DeepseekV4Config):
         super().__init__()
         self.hc_mult, self.window = c.hc_mult, c.sliding_window
-        self.keep_streams, self.last = False, None  # the MTP layer reads the streams before the hyper head
+        self.keep_streams = False  # the MTP layer reads the streams before the hyper head
+        self.last: Streams | None = None
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, padding_idx=c.pad_token_id)
         self.layers = nn.ModuleList(V4DecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = Fp32ScaleRMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -262,7 +268,7 @@ class V4Decoder(nn.Module):
         ropes = c.ropes()
         self.rotary = {name: PairRotaryEmbedding(c.rope_dim, p, c.max_position_embeddings) for name, p in ropes.items()}
         kinds = c.attention_kinds()
-        self._series = [() if k == SLIDING else ("compressor",) if k == HCA else ("compressor", "indexer")
+        self._series: list[tuple[str, ...]] = [() if k == SLIDING else ("compressor",) if k == HCA else ("compressor", "indexer")
                         for k in kinds]
 
     def new_cache(self) -> SlidingCompressedCache:
@@ -317,10 +323,17 @@ class V4Model(V4TaskModel, DecoderModel):
 class V4ForCausalLM(TrainsMtp, V4TaskModel, ForCausalLM):
     """The causal LM; `enable_mtp` makes the release's MTP block live (`[moe] mtp_weight`, kiln.models.mtp)."""
     mtp_names = "mtp.0.*"
+    model: V4Decoder
+    config: DeepseekV4Config
 
     @property
     def mtp_module(self) -> V4MTPLayer | None:
-        return self.mtp[0] if "mtp" in self._modules else None
+        mtp = self._modules.get("mtp")
+        if mtp is None:
+            return None
+        layer = cast(nn.ModuleList, mtp)[0]  # new_mtp's list
+        assert isinstance(layer, V4MTPLayer), "new_mtp's list holds the MTP layer"
+        return layer
 
     def mtp_carried(self) -> dict[str, torch.Tensor]:
         held = {k.removeprefix("model."): v for k, v in getattr(self, "mtp_tensors", {}).items()}
@@ -342,7 +355,7 @@ class V4ForCausalLM(TrainsMtp, V4TaskModel, ForCausalLM):
             fp8.originals = {k.removeprefix("model.") if MTP_TENSOR.search(k) else k: v for k, v in fp8.originals.items()}
         self.mtp_tensors = {}
 
-    def enable_mtp(self, source: str = "the model", fresh: bool = False) -> V4MTPLayer:
+    def enable_mtp(self, source: str = "the model", fresh: bool = False) -> nn.Module:
         module = super().enable_mtp(source, fresh)
         self.model.keep_streams = True
         return module
@@ -351,9 +364,11 @@ class V4ForCausalLM(TrainsMtp, V4TaskModel, ForCausalLM):
         self.model.keep_streams = self.mtp_module is not None and self.training
 
     def mtp_states(self, out, next_ids: torch.Tensor, attention_mask, position_ids) -> torch.Tensor:
-        streams, ropes, mask, positions = self.model.last
+        last, mtp = self.model.last, self.mtp_module
+        assert last is not None and mtp is not None, "mtp_before_forward kept the streams for the live MTP layer"
+        streams, ropes, mask, positions = last
         self.model.last = None
-        return self.mtp_module.predict(streams, self.model.embed_tokens(next_ids), next_ids, ropes, mask, positions)
+        return mtp.predict(streams, self.model.embed_tokens(next_ids), next_ids, ropes, mask, positions)
 
 
 # Tensor parallel by heads: q_b_proj by columns, the per-head sinks and o_a_proj's head groups with them,

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,7 +31,13 @@ RELEASE_KV_NORM = re.compile(r"(^|\.)attn\.kv_norm\.")
 TRANSFORMERS_KV_NORM = re.compile(r"(^|\.)attn\.norm\.")
 
 
-class V4TaskModel:
+if TYPE_CHECKING:  # the mixin always sits in front of a kiln task model (V4Model, V4ForCausalLM)
+    from kiln.models.pretrained import PreTrainedModel as _MixedInto
+else:
+    _MixedInto = object
+
+
+class V4TaskModel(_MixedInto):
     """What both heads add: `mtp.*` checkpoint tensors (transformers skips them) written back as read, the
     checkpoint's layout kept (DeepSeek's own release: no `model.` prefix, `embed`, `head`, `hc_head_fn`), and the
     hyper-connection, sink, position-bias and norm parameters held in float32 whatever dtype the rest takes."""
@@ -40,6 +47,10 @@ class V4TaskModel:
     # export writes its unchanged pairs back), one with no FP8 dequantized as read; `mtp_carried` takes them as
     # dequantized (common/fp8.carried_as_loaded).
     carries_fp8_pairs = True
+    # set by load_hf_state_dict (absent on a model never loaded: hf_state_dict reads them with defaults)
+    mtp_tensors: dict[str, torch.Tensor]
+    release_layout: bool
+    release_kv_norm: bool
 
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor], source: str = "checkpoint",
                            source_task: str | None = None):
@@ -69,7 +80,7 @@ class V4TaskModel:
             if key in hf and hf[key].dtype == torch.float32 and torch.equal(hf[key].to(dtype).float(), hf[key]):
                 hf[key] = hf[key].to(dtype)
         mtp = dict(getattr(self, "mtp_tensors", {}))
-        if getattr(self, "fp8_state", None) is not None:  # dequantized at load: back to FP8 / FP4 + scales
+        if self.fp8_state is not None:  # dequantized at load: back to FP8 / FP4 + scales
             mtp = self.fp8_state.export(mtp)
         if getattr(self, "release_kv_norm", False):  # before the MTP tensors join: those keep the names read
             hf = {TRANSFORMERS_KV_NORM.sub(r"\1attn.kv_norm.", k): v for k, v in hf.items()}
@@ -102,7 +113,7 @@ def _layer(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 
 # kiln (HF module) names -> the names transformers writes to disk for V4
-V4_KEYS = [
+V4_KEYS: list[Stack | tuple[str, str]] = [
     Stack("layers.{}.mlp.experts.gate_up_proj",
           ("layers.{}.ffn.experts.{}.w1.weight", "layers.{}.ffn.experts.{}.w3.weight")),
     Stack("layers.{}.mlp.experts.down_proj", ("layers.{}.ffn.experts.{}.w2.weight",)),
@@ -148,7 +159,7 @@ _HC_HEAD = ("hc_fn", "hc_base", "hc_scale")
 BASE_KEYS = [("model.embed_tokens", "embed"), *((f"model.hc_head.{p}", f"hc_head_{p[3:]}") for p in _HC_HEAD),
              ("model.embed_tokens", "embed_tokens"), ("model.hc_head", "hc_head")]
 # the MTP block in the release's names: a layer's own, under mtp.{} instead of layers.{}, and its extra parts
-MTP_KEYS = [Stack(s.kiln.replace("layers.", "mtp.", 1), tuple(h.replace("layers.", "mtp.", 1) for h in s.hf))
+MTP_KEYS: list[Stack | tuple[str, str]] = [Stack(s.kiln.replace("layers.", "mtp.", 1), tuple(h.replace("layers.", "mtp.", 1) for h in s.hf))
             for s in V4_KEYS if isinstance(s, Stack)] \
     + [(k.replace("layers.", "mtp.", 1), h.replace("layers.", "mtp.", 1)) for r in V4_KEYS
        if not isinstance(r, Stack) for k, h in [r] if k.startswith("layers.")] \

@@ -31,7 +31,7 @@ from kiln.errors import ConfigError, KilnError
 from kiln.hub.config import write_json_atomic
 from kiln.models.common.activations import activation
 from kiln.models.common.causal_lm import CausalLMOutput
-from kiln.models.common.config import text_sizes
+from kiln.models.common.config import config_size
 from kiln.models.common.decoder import segment_ids
 from kiln.models.common.rope import rotate_half
 from kiln.models.qwen3_next import HybridForCausalLM
@@ -381,7 +381,7 @@ class ImageTextForCausalLM(HybridForCausalLM):
         m, g = c.spatial_merge_size, torch.Generator().manual_seed(seed)
         grids = torch.tensor([[1, 2 * m, 2 * m], [1, 3 * m, 4 * m]])
         pixels = torch.randn(int(grids.prod(-1).sum()), c.patch_dim, generator=g)
-        vocab = text_sizes(self.config).vocab_size
+        vocab = config_size(self.config, "vocab_size")
         start, end = self.config.outer.get("vision_start_token_id"), self.config.outer.get("vision_end_token_id")
         text = [i for i in range(4, vocab) if i not in {self.image_token_id, self.video_token_id, start, end}]
         rows = []

@@ -25,7 +25,7 @@ from torch.nn import functional as F
 
 from kiln.errors import KilnError
 from kiln.models.auto import load_pretrained
-from kiln.models.common.config import text_sizes
+from kiln.models.common.config import config_size
 from kiln.models.tasks import BASE
 
 MODES = ("mean", "cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
@@ -176,7 +176,7 @@ class SentenceModelMixin(_MixedInto):
 
     def save_pretrained(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> Path:
         out = super().save_pretrained(path, *args, **kwargs)
-        self.pooling.write(out, text_sizes(self.config).hidden_size)
+        self.pooling.write(out, config_size(self.config, "hidden_size"))
         return out
 
 

@@ -84,17 +84,18 @@ TERMS = ("weights", "gradients", "optimizer", "activations", "communication", "a
 
 @dataclass
 class RankMemory:
-    """One rank's predicted peak, by term (bytes); `host` holds what FSDP offload keeps off the device."""
+    """One rank's predicted peak, by term (bytes); `host` holds what FSDP offload keeps off the device. Terms are
+    estimates (fractions of a byte per token add up): whole bytes once `memory_plan` has rounded them."""
     rank: str
-    terms: dict[str, int] = field(default_factory=dict)
-    host: dict[str, int] = field(default_factory=dict)
+    terms: dict[str, float] = field(default_factory=dict)
+    host: dict[str, float] = field(default_factory=dict)
     keep_grads: bool = False
     load_peak: int = 0            # the peak while the checkpoint is read, before training (runtime included)
     backward_comm: int = 0        # the part of "communication" that exists only in the backward (FSDP's unit gradients)
     host_load: int = 0            # a device run: host memory while loading (the runtime, and what the read stages)
 
     @property
-    def total(self) -> int:
+    def total(self) -> float:
         """The peak: every term, but gradients and activations do not peak together (kiln zeroes gradients
         with set_to_none, and the backward frees each block's activations as it makes its gradients), so
         only the larger of the two counts (both where the engine keeps zeroed gradients: cadence). FSDP's
@@ -106,7 +107,7 @@ class RankMemory:
 
     @property
     def largest(self) -> str:
-        return max(self.terms, key=self.terms.get)
+        return max(self.terms, key=lambda k: self.terms[k])
 
 
 @dataclass
@@ -194,7 +195,7 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
         cb = _DTYPE_BYTES[s.q4_compute]
     q4 = [p for p in params if p.q4_shape is not None]
     adapted_stems = {p.name[: -len(".lora_A.weight")] for p in params if p.name.endswith(".lora_A.weight")}
-    adapted = [p.q4_shape for p in q4 if p.name[: -len(".weight")] in adapted_stems]
+    adapted = [p.q4_shape for p in q4 if p.q4_shape is not None and p.name[: -len(".weight")] in adapted_stems]
     targets = set()
     if lora:
         targets = {p.module for p in params if p.name.endswith("lora_A.weight") and p.block is not None}
@@ -238,7 +239,7 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
 
     lora_in_block: dict[int, set[str]] = {}  # a hybrid's blocks differ: each its own adapted modules
     for p in params:
-        if hybrid is not None and p.name.endswith("lora_A.weight"):
+        if hybrid is not None and p.block is not None and p.name.endswith("lora_A.weight"):
             lora_in_block.setdefault(p.block, set()).add(p.module)
     ranks = []
     for stage in range(pp):
@@ -335,7 +336,7 @@ def plan_memory(params: list[Param], dims: ModelDims, settings: RunSettings, fil
         # A tensor stored as is goes straight from the file into its rows (read_shards' readinto); stacked
         # experts and tp's column slices pass through one whole checkpoint tensor (its copy or mapped pages)
         piece = max((p.nbytes * f for p, f in shares), default=0)
-        biggest_tensor = max((p.nbytes for p, f in shares if f > 0 and (p.expert or (p.tp and tp > 1))), default=0)
+        biggest_tensor: float = max((p.nbytes for p, f in shares if f > 0 and (p.expert or (p.tp and tp > 1))), default=0)
         # 4-bit: a weight quantized at load passes through a chunk of its stored values and its whole absmax
         # (memory_q4.load_transient); training dequantizes each weight per matmul (memory_q4.scratch_bytes)
         q4_here = [(p.q4_shape, f) for p, f in shares if p.q4_shape is not None]

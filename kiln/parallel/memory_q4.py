@@ -112,7 +112,7 @@ def compute_dtype(hf_config: Mapping[str, Any], quantize: str | None, tensors: I
     return None
 
 
-def scratch_bytes(weights: Iterable[tuple[tuple[int, int], int]], cb: int, tokens: float, adapted: Iterable[
+def scratch_bytes(weights: Iterable[tuple[tuple[int, int], float]], cb: int, tokens: float, adapted: Iterable[
                   tuple[int, int]], device: str) -> float:
     """The dequantization scratch while training: `weights` the (shape, share) of this rank's 4-bit weights
     (share 0: not on this pipeline stage), `adapted` the (out, in) of those with LoRA adapters, `cb` the compute

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from kiln.constants import IGNORE_INDEX
 from kiln.errors import ConfigError, KilnError
 from kiln.models.common.causal_lm import CausalLMOutput
-from kiln.models.common.config import text_sizes
+from kiln.models.common.config import config_size
 from kiln.models.common.loss import shift_labels
 from kiln.models.pretrained import PreTrainedModel
 from kiln.parallel.blocks import apply_activation_checkpointing, model_name, plan_of
@@ -423,7 +423,7 @@ def apply_pipeline(model: nn.Module, parallel: Any, mesh: DeviceMesh, device: to
             apply_fsdp(stage, mesh["dp"], parallel.param_dtype, parallel.reduce_dtype, parallel.offload)
     microbatches = parallel.microbatches or 2 * pp
     pipe = Pipeline(stages, indices, len(sizes), parallel.pp_schedule, microbatches, mesh, bool(parallel.fsdp),
-                    device, dtype, int(text_sizes(model.config).hidden_size))
+                    device, dtype, config_size(model.config, "hidden_size"))
     if tied:
         pipe.tie_group = _tie_group(mesh)
         embedding = getattr(backbone, embed_attr)

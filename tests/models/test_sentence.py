@@ -107,3 +107,18 @@ def test_decoder_last_token_pooling_equals_sentence_transformers(tmp_path):
     # the control: mean pooling of the same states is another embedding
     mean = sentence_model(load_sentence_model(src), Pooling("mean", True, 64)).embed(texts)
     assert (mean - ours).abs().max() > 1e-3
+
+
+def test_sentence_model_saves_pooling_width_of_a_config_without_layer_count(tmp_path):
+    """DistilBERT's config names its width `dim` (hidden_size a property) and its depth `n_layers`: the pooling
+    files still get the embedding width, and a config with no width at all is refused by name."""
+    from kiln.models.auto import from_config
+    from kiln.models.common.config import config_size
+    from kiln.models.distilbert import TINY, DistilBertConfig
+
+    model = sentence_model(from_config(DistilBertConfig.from_dict(TINY.config), seed=0), Pooling("cls", False, 64))
+    model.save_pretrained(tmp_path / "out", save_tokenizer=False)
+    written = json.loads((tmp_path / "out" / "1_Pooling" / "config.json").read_text())
+    assert written["word_embedding_dimension"] == TINY.config["dim"]
+    with pytest.raises(KilnError, match="distilbert: the config has no num_hidden_layers"):
+        config_size(model.config, "num_hidden_layers")

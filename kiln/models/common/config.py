@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, Self, cast
+from typing import Any, ClassVar, Self
 
 from kiln.errors import ConfigError
 
@@ -136,17 +136,11 @@ class FamilyConfig:
                 self.extra[key] = str(dtype).removeprefix("torch.")
 
 
-class TextSizes(Protocol):
-    """The sizes every model that reads tokens has in its config (decoders, hybrids, encoders, Mamba): what code
-    outside a family reads of it (GGUF export, poolings, heads over the vocabulary)."""
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
 
-
-def text_sizes(config: FamilyConfig) -> TextSizes:
-    """`config` as `TextSizes`, checked: a ConfigError naming the size a config lacks."""
-    for size in ("vocab_size", "hidden_size", "num_hidden_layers"):
-        if not isinstance(getattr(config, size, None), int):
-            raise ConfigError(f"{config.model_type}: the config has no {size}, which this reads")
-    return cast(TextSizes, config)  # each size checked just above
+def config_size(config: FamilyConfig, name: str) -> int:
+    """A whole-number size of `config` by its HF name (vocab_size, hidden_size, ...), for code outside the family
+    that reads it; a ConfigError naming the key where this family's config has none."""
+    value = getattr(config, name, None)
+    if not isinstance(value, int):
+        raise ConfigError(f"{config.model_type}: the config has no {name}, which this reads")
+    return value

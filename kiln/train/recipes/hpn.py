@@ -50,7 +50,7 @@ class Hpn(Extension[HpnSection]):
                  Shortcut("proto_dim", "hpn.proto_dim"), Shortcut("objectives", "hpn.objectives"))
 
     def extend(self, cfg: RunConfig, parts: RunParts) -> None:
-        from kiln.models.common.config import text_sizes
+        from kiln.models.common.config import config_size
         from kiln.models.hpn import PrototypeModel
         from kiln.models.pretrained import PreTrainedModel
         from kiln.train.multiobjective import GradientCombiner
@@ -59,9 +59,9 @@ class Hpn(Extension[HpnSection]):
         inner = parts.model
         if not isinstance(inner, PreTrainedModel):
             raise ConfigError(f"[hpn] puts its head over a kiln model's vocabulary, not a {type(inner).__name__}")
-        parts.model = PrototypeModel(inner, text_sizes(inner.config).vocab_size, proto_dim=h.proto_dim, scale=h.scale,
-                                     mode=h.mode, loss=h.loss, spread_steps=h.spread_steps, lm_loss=h.lm_loss,
-                                     seed=cfg.model.init_seed)
+        parts.model = PrototypeModel(inner, config_size(inner.config, "vocab_size"), proto_dim=h.proto_dim,
+                                     scale=h.scale, mode=h.mode, loss=h.loss, spread_steps=h.spread_steps,
+                                     lm_loss=h.lm_loss, seed=cfg.model.init_seed)
         parts.step = hpn_step
         parts.objectives = GradientCombiner(h.objectives, seed=cfg.train.seed, cagrad_c=h.cagrad_c,
                                             gradnorm_alpha=h.gradnorm_alpha, gradnorm_lr=h.gradnorm_lr)

@@ -32,7 +32,7 @@ from kiln.data.shards import MANIFEST, ShardSet, check_tokenizer, tokenizer_dige
 from kiln.data.stream import EpochStream, StreamLoader, Windows, data_loader
 from kiln.errors import ConfigError
 from kiln.hub.files import file_sha256
-from kiln.models.common.config import text_sizes
+from kiln.models.common.config import config_size
 from kiln.models.common.loss import lm_loss_sum
 from kiln.models.common.wrapped import unwrap
 from kiln.models.pretrained import PreTrainedModel
@@ -193,7 +193,7 @@ class Pretrain(Recipe):
                               "run's tokenizer")
         source = str(cfg.model.tokenizer or cfg.model.path)
         digest = tokenizer_digest(model.tokenizer.backend.to_str())
-        vocab = text_sizes(model.config).vocab_size
+        vocab = config_size(model.config, "vocab_size")
         held_out = _open(d.eval, d.eval_split, digest, source, vocab, world) if d.eval is not None else None
         loader, evaluate = _stream(cfg, model, _open(d.train, d.train_split, digest, source, vocab, world), held_out,
                                    world)
@@ -225,7 +225,7 @@ class Pretrain(Recipe):
         model = build_model(cfg, None, need_tokenizer=False)
         assert isinstance(model, PreTrainedModel), "build_model builds a kiln model"
         on_model(model)
-        vocab = text_sizes(model.config).vocab_size
+        vocab = config_size(model.config, "vocab_size")
         eos = getattr(model.config, "eos_token_id", None)
         eos = int(eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0  # pads short windows
         train_ids = RawTokens(files, "train", vocab, eos, d.dtype, d.val_fraction)

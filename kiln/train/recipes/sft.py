@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, cast
 
 from torch import nn
 
@@ -88,12 +88,18 @@ class SFT(FineTune):
         return f"every sample needs at least 2 tokens within data.max_length = {d.max_length}"
 
 
+class _ImageBounds(Protocol):
+    """What image_tokens reads of [data]: SFTData's image bounds."""
+    image_min_pixels: int | None
+    image_max_pixels: int | None
+    max_image_pixels: int | None
+
+
 def image_tokens(cfg: RunConfig, model: VisionTextForCausalLM, root: Path) -> ImageTokens:
     """The image processor (the model directory's preprocessor_config.json, else the tower's patch sizes; the
     [data] resize bounds over either) and the model's vision tokens; the processor goes with the model so its
     checkpoints write it."""
-    d = cfg.data
-    assert isinstance(d, SFTData), f"sft builds from its own [data] schema, got {type(d).__name__}"
+    d = cast(_ImageBounds, cfg.data)  # sft's [data] is its schema, SFTData: these are its image bounds
     spec = model.image_tokens(model_dir=resolve_model_dir(cfg.model.path) if cfg.model.path else None, root=root)
     processor = spec.processor
     processor.min_pixels = d.image_min_pixels or processor.min_pixels
