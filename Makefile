@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo lint test test-fast bench bench-check clean gguf-peer
+.PHONY: setup demo lint test test-fast bench bench-chart bench-check clean gguf-peer
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "kiln needs Python 3.11 or newer (pyproject requires-python; tomllib): make PY=python3.11 ...")'
@@ -57,11 +57,17 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
 
+# benchmarks/ratios.png redrawn from the table in benchmarks/RESULTS.md (rows added by hand included); runs nothing.
+bench-chart: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py --chart-only
+
 # The benchmarks whose code differs from BASE (git merge base; working tree included) rerun; a best ratio more than
 # 10% below its RESULTS.md row is marked FELL and fails the target (benchmarks/check.py). Not part of `make test`.
+# ONLY=bench_trainer.py,bench_grpo.py reruns only the touched ones whose file name contains one of those.
 BASE ?= main
+ONLY ?=
 bench-check: $(STAMP)
-	$(BIN)/python benchmarks/check.py --base $(BASE)
+	$(BIN)/python benchmarks/check.py --base $(BASE) $(if $(ONLY),--only $(ONLY))
 
 clean:
 	rm -rf $(VENV) demo-out runs

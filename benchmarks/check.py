@@ -9,7 +9,10 @@ source imports, followed through kiln's own imports (more than it loads: a conse
 workload of run_all.py's WORKLOADS is run as `make bench` runs it; its new best ratio is compared with the
 best ratio of the RESULTS.md row of the same workload name. Not a test: speed is measured here, never in CI.
 
-    .venv/bin/python benchmarks/check.py [--base main] [--dry-run] [--tolerance 0.10]
+    .venv/bin/python benchmarks/check.py [--base main] [--dry-run] [--tolerance 0.10] [--only NAME[,NAME...]]
+
+`--only NAME[,NAME...]` reruns only the touched benchmarks whose file name contains one of the NAMEs (as run_all.py's
+--only; `bench_grpo.py` names that file alone): a quick check of one benchmark, or a long check split into parts.
 
 Exit status 1 when a ratio fell by more than the tolerance, 0 otherwise (no touched benchmark included).
 """
@@ -18,11 +21,13 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -55,7 +60,8 @@ def _module_file(name: str, root: Path) -> Path | None:
     return None
 
 
-def _imported(path: Path, root: Path) -> set[Path]:
+@functools.cache  # each file parsed once for all the benchmarks (27 walks of kiln's imports took ~20 s of CPU)
+def _imported(path: Path, root: Path) -> frozenset[Path]:
     """Files of the kiln modules and sibling benchmark modules `path` imports anywhere (function bodies too)."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -70,7 +76,7 @@ def _imported(path: Path, root: Path) -> set[Path]:
             out |= {f for i in range(1, len(parts) + 1) if (f := _module_file(".".join(parts[:i]), root))}
         elif len(parts) == 1 and (root / "benchmarks" / f"{name}.py").is_file():
             out.add(root / "benchmarks" / f"{name}.py")
-    return out
+    return frozenset(out)
 
 
 def static_deps(script: str, root: Path = ROOT) -> set[str]:
@@ -98,11 +104,9 @@ def touched(changed: set[str], recorded: dict[str, list[str]], root: Path = ROOT
 
 
 def recorded_ratios(results: str) -> dict[str, float]:
-    """Workload name -> best ratio of its first row in RESULTS.md's tables (run_all.read_table)."""
-    out: dict[str, float] = {}
-    for row in read_table(results):
-        out.setdefault(row["workload"], row["ratio_best"])
-    return out
+    """Workload name -> best ratio of its last row in RESULTS.md's tables (run_all.read_table): rows are appended
+    as they are measured, so the last row of a name is its newest measurement."""
+    return {row["workload"]: row["ratio_best"] for row in read_table(results)}
 
 
 def verdicts(rows: list[dict], recorded: dict[str, float], tolerance: float = TOLERANCE) -> list[tuple[str, str, bool]]:
@@ -126,12 +130,17 @@ def main() -> int:
     ap.add_argument("--base", default="main")
     ap.add_argument("--dry-run", action="store_true", help="name the touched benchmarks, run nothing")
     ap.add_argument("--tolerance", type=float, default=TOLERANCE)
+    ap.add_argument("--only", default="", help="comma-separated: rerun only the touched benchmarks whose file name "
+                    "contains one of these")
     a = ap.parse_args()
     changed = changed_files(a.base)
     recorded = json.loads(DEPS.read_text()) if DEPS.is_file() else {}
-    runs = touched(changed, recorded)
-    print(f"{len(changed)} file(s) changed against {a.base}; benchmarks touched: "
-          + (", ".join(f"{s} {' '.join(x)}".strip() for s, x in runs) or "none"), flush=True)
+    runs = [(s, x) for s, x in touched(changed, recorded) if any(n in s for n in a.only.split(","))]
+    print(f"{len(changed)} file(s) changed against {a.base}; benchmarks touched"
+          + (f" (file names containing {a.only!r})" if a.only else "") + ": "
+          + (", ".join(f"{s} {' '.join(x)}".strip() for s, x in runs) or "none")
+          + ("" if DEPS.is_file() else f" ({DEPS.name} absent: each benchmark's kiln imports followed statically, "
+             "more than it loads; `make bench` records what each loads)"), flush=True)
     if a.dry_run or not runs:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -139,7 +148,9 @@ def main() -> int:
         env = {**os.environ, "BENCH_JSON": str(rows_file), "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
         for script, args in runs:
             print(f"\n$ python benchmarks/{script} {' '.join(args)}", flush=True)
+            started = time.time()
             subprocess.run([sys.executable, str(HERE / script), *args], env=env, check=True)
+            print(f"({script}: {time.time() - started:.0f} s, load average {os.getloadavg()[0]:.1f})", flush=True)
         rows = [json.loads(x) for x in rows_file.read_text().splitlines() if x.strip()] if rows_file.exists() else []
     results = (HERE / "RESULTS.md").read_text(encoding="utf-8")
     lines = verdicts(rows, recorded_ratios(results), a.tolerance)

@@ -83,7 +83,8 @@ def table(rows: list[dict]) -> str:
 
 def read_table(text: str) -> list[dict]:
     """The rows of every table in a RESULTS.md with a `workload` and a `ratio best` column, as
-    {workload, ratio_best, ratio_median} (a ratio cell reads '**1.01x** (0.99x)'; one that does not is skipped)."""
+    {workload, ratio_best, ratio_median}: a ratio cell reads '**1.01x** (0.99x)', or '**1.01x**' and more words
+    (one round: no median, None); a cell that does not start with a bold ratio (a range, a plan's accuracy) is skipped."""
     rows: list[dict] = []
     cols: dict[str, int] | None = None
     for line in text.splitlines():
@@ -99,15 +100,16 @@ def read_table(text: str) -> list[dict]:
             continue
         if not cols or set(line) <= set("|-: ") or len(cells) <= max(cols.values()):
             continue
-        m = re.fullmatch(r"\**([\d.]+)x\**\s*\(([\d.]+)x\)", cells[cols["ratio"]])
+        m = re.match(r"\*\*([\d.]+)x\*\*(?:\s*\(([\d.]+)x\))?", cells[cols["ratio"]])
         if m:
-            rows.append({"workload": cells[cols["workload"]], "ratio_best": float(m.group(1)),
-                         "ratio_median": float(m.group(2))})
+            median = float(m.group(2)) if m.group(2) else None
+            rows.append({"workload": cells[cols["workload"]], "ratio_best": float(m.group(1)), "ratio_median": median})
     return rows
 
 
 def chart(rows: list[dict], path: Path) -> bool:
-    """A PNG of the ratios: one bar per row (best), its median as a tick, 1.0x marked; False without matplotlib."""
+    """A PNG of the ratios: one bar per row (best), its median as a tick where the row has one, 1.0x marked;
+    False without matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -119,7 +121,8 @@ def chart(rows: list[dict], path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(10, 0.4 * len(rows) + 1.2))
     y = list(range(len(rows)))[::-1]
     ax.barh(y, [r["ratio_best"] for r in rows], color="#4878a8", label="best")
-    ax.scatter([r["ratio_median"] for r in rows], y, color="black", marker="|", s=200, zorder=3, label="median")
+    med = [(r["ratio_median"], yy) for r, yy in zip(rows, y) if r.get("ratio_median") is not None]
+    ax.scatter([m for m, _ in med], [yy for _, yy in med], color="black", marker="|", s=200, zorder=3, label="median")
     ax.axvline(1.0, color="#c04040", linewidth=1, label="peer (1.0x)")
     ax.set_yticks(y, names, fontsize=8)
     ax.set_xlabel("kiln / peer (higher is better)")
@@ -158,7 +161,10 @@ def main() -> None:
     a, _ = ap.parse_known_args()
     out = Path(a.out)
     if a.chart_only:
-        chart(read_table(out.read_text()), out.with_name("ratios.png"))
+        rows = read_table(out.read_text())
+        if not chart(rows, out.with_name("ratios.png")):
+            sys.exit("benchmarks/run_all.py --chart-only: matplotlib is not installed (pip install matplotlib)")
+        print(f"wrote {out.with_name('ratios.png')} ({len(rows)} rows of {out})")
         return
     started, load0 = time.time(), os.getloadavg()[0]
     peak = matmul_peak_gflops()
@@ -216,7 +222,8 @@ Written by `make bench` (benchmarks/run_all.py) from one run; each benchmark pri
 {NOTES}{notes if notes else chr(10) + chr(10) + "(none yet)" + chr(10)}"""
     out.write_text(text)
     print(f"\nwrote {out}")
-    if chart(rows, out.with_name("ratios.png")):
+    # The chart is drawn from the table just written (the same reading as --chart-only), not from the run's rows.
+    if chart(read_table(text), out.with_name("ratios.png")):
         print(f"wrote {out.with_name('ratios.png')}")
 
 

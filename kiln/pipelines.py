@@ -13,30 +13,51 @@ import torch
 
 from kiln.engine.continuer import Continuer
 from kiln.errors import KilnError
+from kiln.hub import Tokenizer
 from kiln.hub.resolve import resolve_model_dir
 from kiln.models import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification
-from kiln.models.sentence import Pooling, load_sentence_model
+from kiln.models.auto import _AutoTask
+from kiln.models.heads import BaseModel, ForMaskedLM, ForSequenceClassification
+from kiln.models.pretrained import PreTrainedModel
+from kiln.models.qwen3_5_vision import ImageTextForCausalLM as VisionTextForCausalLM
+from kiln.models.sentence import Pooling, SentenceModelMixin, load_sentence_model
 
 Source = str | os.PathLike | torch.nn.Module
 
 
-def _model(src: Source, auto) -> torch.nn.Module:
+def _model(src: Source, auto: type[_AutoTask]) -> PreTrainedModel:
     model = src if isinstance(src, torch.nn.Module) else auto.from_pretrained(src)
-    if getattr(model, "tokenizer", None) is None:
-        raise KilnError("this model has no tokenizer (no tokenizer.json or vocab.txt in its directory)")
+    if not isinstance(model, PreTrainedModel):
+        raise KilnError(f"a {type(model).__name__} is not a kiln model (load one with kiln.models' Auto classes)")
+    _tokenizer(model)
     return model.eval()
+
+
+def _tokenizer(model: PreTrainedModel) -> Tokenizer:
+    if model.tokenizer is None:
+        raise KilnError("this model has no tokenizer (no tokenizer.json or vocab.txt in its directory)")
+    return model.tokenizer
+
+
+def _not_a(model: PreTrainedModel, what: str) -> KilnError:
+    return KilnError(f"model_type {model.config.model_type!r} loaded as {type(model).__name__}, not {what}")
 
 
 def fill_mask(src: Source, text: str, k: int = 5) -> list[dict]:
     """Top-k fillers for each mask token: [{position, token, token_id, score, sequence}]."""
-    return _model(src, AutoModelForMaskedLM).fill_mask(text, k=k)
+    model = _model(src, AutoModelForMaskedLM)
+    if not isinstance(model, ForMaskedLM):
+        raise _not_a(model, "a masked-LM head")
+    return model.fill_mask(text, k=k)
 
 
 def classify(src: Source, texts: list[str] | str, max_length: int = 512) -> list[list[dict]]:
     """Per text, every label with its score, best first (softmax; sigmoid for multi-label; raw for regression)."""
     model = _model(src, AutoModelForSequenceClassification)
+    if not isinstance(model, ForSequenceClassification):
+        raise _not_a(model, "a sequence-classification head")
     texts = [texts] if isinstance(texts, str) else texts
-    batch = model.tokenizer.encode(texts, max_length=max_length)
+    batch = _tokenizer(model).encode(texts, max_length=max_length)
     with torch.no_grad():
         logits = model(**batch).logits.float()
     kind = model.config.problem_type or ("regression" if model.config.num_labels == 1 else "single_label_classification")
@@ -50,9 +71,15 @@ def embed(src: Source, texts: list[str], normalize: bool | None = None) -> torch
     """Sentence embeddings, (N, hidden): pooled and normalised as a sentence-transformers directory's files
     say (modules.json, 1_Pooling), else mean-pooled and L2-normalised; `normalize` overrides either."""
     if not isinstance(src, torch.nn.Module) and Pooling.read(resolve_model_dir(src)) is not None:
-        model = _model(load_sentence_model(resolve_model_dir(src)), AutoModel)
-        return model.embed(texts, normalize=normalize)
-    return _model(src, AutoModel).embed(texts, normalize=True if normalize is None else normalize)
+        sentence = load_sentence_model(resolve_model_dir(src))
+        _model(sentence, AutoModel)
+        return sentence.embed(texts, normalize=normalize)
+    model = _model(src, AutoModel)
+    if isinstance(model, SentenceModelMixin):
+        return model.embed(texts, normalize=True if normalize is None else normalize)
+    if not isinstance(model, BaseModel):
+        raise _not_a(model, "a base model (the hidden states embeddings pool)")
+    return model.embed(texts, normalize=True if normalize is None else normalize)
 
 
 def generate(src: Source, prompt: str, max_new_tokens: int = 40, temperature: float = 0.0, top_k: int = 0,
@@ -62,10 +89,11 @@ def generate(src: Source, prompt: str, max_new_tokens: int = 40, temperature: fl
     `images` (paths or PIL images) go before the prompt, for an image-text model (processed as its directory's
     preprocessor_config.json says, or `image_processor`)."""
     model = _model(src, AutoModelForCausalLM)
-    ids = model.tokenizer.backend.encode(prompt, add_special_tokens=False).ids
+    tok = _tokenizer(model)
+    ids = tok.backend.encode(prompt, add_special_tokens=False).ids
     inputs = None
     if images:
-        if not hasattr(model, "image_prompt"):
+        if not isinstance(model, VisionTextForCausalLM):
             raise KilnError(f"model_type {model.config.model_type!r} takes no images (it has no vision tower)")
         model_dir = None if isinstance(src, torch.nn.Module) else src
         image_ids, inputs = model.image_prompt(images, image_processor, model_dir)
@@ -73,4 +101,4 @@ def generate(src: Source, prompt: str, max_new_tokens: int = 40, temperature: fl
     if not ids:
         raise KilnError("the prompt is empty after tokenization")
     run = Continuer(model, max_new_tokens, temperature, top_k, top_p, seed, eos_token_ids=eos_token_id, max_seqs=1)
-    return model.tokenizer.decode(run(list(ids), inputs))
+    return tok.decode(run(list(ids), inputs))

@@ -82,3 +82,23 @@ def test_results_table_one_line_per_row_and_a_chart(check, tmp_path):
     assert (tmp_path / "ratios.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     real = run_all.read_table((ROOT / "benchmarks" / "RESULTS.md").read_text())
     assert len(real) >= 20 and all("\n" not in r["workload"] for r in real)
+
+
+def test_a_one_round_row_is_read_and_charted_without_a_median_and_the_newest_row_is_compared(check, tmp_path):
+    import run_all
+
+    table = ("| workload | peer | ratio best (median) |\n|---|---|---|\n| w | p | **1.50x** (1.40x) |\n"
+             "| one | p | **4.67x** (one round) |\n| w | p | **2.00x** (1.90x) |\n| plan | p | **0.92-0.95** (plan) |\n")
+    rows = run_all.read_table(table)
+    assert [(r["workload"], r["ratio_best"], r["ratio_median"]) for r in rows] == [
+        ("w", 1.5, 1.4), ("one", 4.67, None), ("w", 2.0, 1.9)]  # a range is no ratio: skipped
+    assert check.recorded_ratios(table) == {"w": 2.0, "one": 4.67}  # a workload's newest row
+    assert run_all.chart(rows, tmp_path / "ratios.png")
+
+
+def test_the_results_table_keeps_its_cells_short():
+    """One line per row that a reader can scan: a long cell's prose goes in a note below the table."""
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    table = text[text.index("| workload |"):].split("\n\n", 1)[0].splitlines()
+    long = [c.strip() for line in table for c in line.strip("|").split("|") if len(c.strip()) > 100]
+    assert len(table) > 20 and long == [], long

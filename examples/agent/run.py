@@ -1,8 +1,10 @@
 """examples/agent: multi-turn GRPO on a number-guessing environment, on CPU, from a random tiny Qwen3.
 
 Writes data/ (prompts, warm-up games, a byte-level BPE with TRL's Qwen2.5 chat template), runs `kiln train
-sft.toml` (the format: a digit, then the end of the turn) and `kiln train agent.toml` (multi-turn GRPO against
-guess_env.GuessEnv), prints the reward curve and draws runs/agent/curve.png."""
+sft.toml` (the warm-up: the format, a digit then the end of the turn, and guesses the hints allow) and `kiln
+train agent.toml` (multi-turn GRPO against guess_env.GuessEnv), prints the reward curve and draws
+runs/agent/curve.png. `--root DIR` runs it in DIR (the configs and the environment copied there);
+`--sft-steps` / `--grpo-steps` shorten it (tests/train/test_agent_example.py runs it so)."""
 
 from __future__ import annotations
 
@@ -16,14 +18,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def make_data() -> None:
+def make_data(root: Path) -> None:
     from kiln.data.bpe import train_bpe
     from kiln.hub import ChatTemplate
 
-    data = HERE / "data"
+    data = root / "data"
     data.mkdir(exist_ok=True)
     rng = random.Random(0)
-    rows = [{"prompt": "I am thinking of a digit from 0 to 9. Guess it.", "target": rng.randrange(10)}
+    # the secret is 2 or 7 (the prompt does not say so): what GRPO has to find out by playing
+    rows = [{"prompt": "I am thinking of a digit from 0 to 9. Guess it.", "target": rng.choice([2, 7])}
             for _ in range(512)]
     (data / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     template = (resources.files("trl") / "chat_templates" / "qwen2_5.jinja").read_text()
@@ -32,15 +35,18 @@ def make_data() -> None:
                           {"role": "user", "content": h}, {"role": "assistant", "content": "Say one digit."}])
              for r, g, h in zip(rows, range(10), ["higher", "lower"] * 5)]
     (data / "corpus.txt").write_text("\n".join(convs))
-    # the warm-up's worked games: random guesses (the hints ignored), so SFT teaches the format, not the strategy
+    # the warm-up's worked games: any secret digit, each guess at random among the digits the hints so far allow
+    # (the format and the rule of the game, not where the secret is: that is what GRPO has to find)
     games = []
     for _ in range(600):
         target, messages = rng.randrange(10), [{"role": "user", "content": rows[0]["prompt"]}]
+        lo, hi = 0, 9
         for _turn in range(3):
-            guess = rng.randrange(10)
+            guess = rng.randint(lo, hi)
             messages.append({"role": "assistant", "content": str(guess)})
             if guess == target:
                 break
+            lo, hi = (guess + 1, hi) if guess < target else (lo, guess - 1)
             messages.append({"role": "user", "content": "higher" if guess < target else "lower"})
         if messages[-1]["role"] == "user":
             messages.pop()
@@ -52,18 +58,33 @@ def make_data() -> None:
     (data / "tok" / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
-def main() -> None:
-    make_data()
+def main(argv: list[str] | None = None) -> list[dict]:
+    import argparse
     import os
     import shutil
 
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", type=Path, default=HERE)
+    ap.add_argument("--sft-steps", type=int, default=None)
+    ap.add_argument("--grpo-steps", type=int, default=None)
+    args = ap.parse_args(argv)
+    root = args.root.resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    if root != HERE:
+        for name in ("sft.toml", "agent.toml", "guess_env.py"):
+            shutil.copy(HERE / name, root / name)
+    make_data(root)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
-    for name in ("sft", "agent"):
-        if (HERE / "runs" / name).exists():
-            shutil.rmtree(HERE / "runs" / name)
-        subprocess.run([sys.executable, "-m", "kiln.cli.main", "train", "--config", str(HERE / f"{name}.toml")],
-                       check=True, cwd=HERE, env=env)  # this checkout's kiln, whatever the venv has installed
-    run = HERE / "runs" / "agent"
+    for name, steps in (("sft", args.sft_steps), ("agent", args.grpo_steps)):
+        if (root / "runs" / name).exists():
+            shutil.rmtree(root / "runs" / name)
+        cmd = [sys.executable, "-m", "kiln.cli.main", "train", "--config", str(root / f"{name}.toml")]
+        if steps is not None:
+            cmd += ["--set", f"train.steps={steps}"]
+        if name == "agent" and args.sft_steps is not None:
+            cmd += ["--set", f"model.path={root}/runs/sft/ckpt-{args.sft_steps:06d}/model"]
+        subprocess.run(cmd, check=True, cwd=root, env=env)  # this checkout's kiln, whatever the venv has installed
+    run = root / "runs" / "agent"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "reward" in r]
     print("step  reward/env  turns-limit  truncated  zero-std")
@@ -85,6 +106,7 @@ def main() -> None:
         plt.savefig(run / "curve.png", dpi=100)
     except ImportError:
         pass
+    return rows
 
 
 if __name__ == "__main__":

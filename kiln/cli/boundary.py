@@ -55,7 +55,9 @@ def user_message(e: BaseException) -> str | None:
     from safetensors import SafetensorError
 
     if isinstance(e, SafetensorError):  # the Rust library's I/O and format errors (a full disk, a torn file)
-        hint = "; free some space and run the command again" if "os error 28" in str(e) else ""
+        hint = ("; free some space and run the command again" if "os error 28" in str(e) else
+                "; a file-size limit (ulimit -f) or the filesystem's largest file stopped it" if "os error 27" in str(e)
+                else "")
         return f"a .safetensors file could not be read or written: {e}{hint}"
     import torch
 

@@ -3,7 +3,9 @@ model, images shown at the start (--image) or between turns (a `/image PATH` lin
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,18 @@ from kiln.cli.output import out
 from kiln.errors import KilnError
 
 IMAGE_COMMAND = "/image"
+
+
+def _not_text(line: str) -> str | None:
+    """Why a typed line cannot go to the tokenizer (None: it can): bytes that are not UTF-8 reach it as lone
+    surrogates, which the tokenizer refuses with a TypeError."""
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = line[e.start].encode("utf-8", "surrogateescape")
+        return (f"that line is not UTF-8 text (byte 0x{byte.hex()} at column {e.start + 1}); nothing was sent, "
+                "type it again")
+    return None
 
 
 def _read_tools(path: Path | None) -> list | None:
@@ -92,6 +106,8 @@ def chat(model_dir: Path = typer.Argument(..., help="An HF causal-LM directory w
     pending = [{"type": "image", "image": str(p.resolve())} for p in image or []]  # for the next user message
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []  # chat messages
     calling = False  # the last reply called tools: the next line is their result
+    with contextlib.suppress(AttributeError, ValueError):  # bytes that are not UTF-8 arrive, to be named, not raised
+        sys.stdin.reconfigure(errors="surrogateescape")  # type: ignore[union-attr]
     while True:
         try:
             line = input("tool> " if calling else "you> ")
@@ -99,6 +115,9 @@ def chat(model_dir: Path = typer.Argument(..., help="An HF causal-LM directory w
             break
         if not line.strip():
             break
+        if (error := _not_text(line)) is not None:  # a slip (a pasted binary, a Latin-1 terminal): told, goes on
+            out.print(f"error: {error}")
+            continue
         if line.split(maxsplit=1)[0] == IMAGE_COMMAND:  # an interactive slip is told, and the chat goes on
             arg = line.strip()[len(IMAGE_COMMAND):].strip()
             path = Path(arg)

@@ -104,7 +104,8 @@ def check_range(flag: str, value: float, low: float | None = None, high: float |
     if not ok:
         lo = "" if low is None else (f"> {low:g}" if low_open else f">= {low:g}")
         hi = "" if high is None else f"<= {high:g}"
-        raise KilnError(f"{flag} must be {' and '.join(x for x in (lo, hi) if x)}, got {value:g}")
+        finite = "" if math.isfinite(value) else "a finite number "  # else "must be >= 0, got inf" reads as false
+        raise KilnError(f"{flag} must be {finite}{' and '.join(x for x in (lo, hi) if x)}, got {value:g}")
 
 
 def load_for_prediction(model_dir: Path, task: str, allow_missing: bool, allow_unused: bool):

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from kiln.cli.common import ALLOW_MISSING, ALLOW_UNUSED, check_range, load_for_prediction
-from kiln.cli.output import out
+from kiln.cli.output import note, out
 from kiln.errors import KilnError
 
 
@@ -54,6 +54,12 @@ def generate(model_dir: Path = typer.Argument(..., help="An HF causal-LM directo
         from kiln.data.images import QwenImageProcessor
 
         processor = QwenImageProcessor.for_model(model_dir, model.config.outer.get("vision_config"))
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if not image and isinstance(positions, int):  # the engine ends a sequence at the last position, unsaid
+        n = len(model.tokenizer.backend.encode(prompt, add_special_tokens=False).ids)
+        if 0 < n < positions < n + max_new_tokens:
+            note(f"--max-new-tokens {max_new_tokens}: the model reads {positions} positions in all and the prompt "
+                 f"takes {n}, so at most {positions - n} new tokens come")
     text = run(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, images=list(image or []) or None,
                image_processor=processor)
     out.print(prompt + text)

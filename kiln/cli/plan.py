@@ -210,7 +210,9 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="The run TOML."
             typer.echo(f"  {alt.settings.describe():40s} peak {fmt_bytes(alt.peak.total)}")
         message += f"; {len(fits)} [parallel] setting(s) on {nproc} process(es) fit (listed above)"
     else:
-        message += f"; no [parallel] setting on {nproc} process(es) fits: more processes, a smaller batch or " \
+        # CPU processes share the host's memory: more of them leaves each less (issue 41)  # sweep
+        more = "fewer processes (they share the host's memory)" if device == "cpu" else "more processes"
+        message += f"; no [parallel] setting on {nproc} process(es) fits: {more}, a smaller batch or " \
                    f"data.max_length, or [lora]"
     raise KilnError(message)
 

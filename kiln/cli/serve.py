@@ -44,8 +44,11 @@ def build_state(target: Path, loras: list[str], *, name: str | None = None, max_
     engine = AsyncEngine(factories, max_queue)
     engines = engine.engines
     created = now()
+    # an image-text model's vision tokens and processor (its directory's preprocessor_config.json): chat requests
+    # may then hold image parts (kiln.serve.images); the adapters share the base's tower
+    images = base.image_tokens(model_dir=model_dir) if getattr(base, "takes_images", False) else None
     served = {n: ServedModel(n, base.tokenizer, engines[n].vocab_size, engines[n].max_positions, created,
-                             None if n == base_name else base_name) for n in models}
+                             None if n == base_name else base_name, images) for n in models}
     return ServerState(served, engine, max_tokens)
 
 

@@ -8,10 +8,13 @@ is rendered with the tokenizer's chat template exactly as transformers'
 `apply_chat_template(messages, tools=tools)` renders it, and tokenized without added special tokens.
 
 Labels are IGNORE_INDEX except on assistant turns: each turn's reasoning, text and tool calls and its
-closing end-of-turn token (the EOS); never the system/tools block, user turns or tool results. A turn
-is found by rendering the conversation up to it (the prefix before it, with the generation prompt);
-templates that do not render incrementally (Qwen3 drops the reasoning of earlier turns once a new user
-query comes) are split at the generation-prompt header instead. `train_on="assistant_no_reasoning"`
+closing end-of-turn token (the EOS); never the system/tools block, user turns or tool results.
+A tool row (one with `tools`, tool calls or tool results) is encoded turn by turn by kiln.data.turns, the
+path multi-turn GRPO rollouts append their tokens with, so SFT and the rollout give one conversation the same
+tokens and the same mask. Where the template re-renders history (Qwen3 drops the reasoning of earlier turns
+once a new user query comes), the turn-by-turn text is not transformers' rendering: such rows, and rows
+without tools, are rendered whole as transformers renders them and each turn is found by rendering the
+conversation up to it (or, where that is not a prefix, at the generation-prompt header). `train_on="assistant_no_reasoning"`
 also leaves out each turn's reasoning text; `train_on="all"` puts loss everywhere.
 
 Packing concatenates samples into rows of at most `max_length` tokens; each sample's positions
@@ -30,6 +33,7 @@ import torch
 from kiln.constants import IGNORE_INDEX
 from kiln.data.records import Record
 from kiln.data.sft_images import ImageTokens, encode_image_record, expand_images, flatten_parts
+from kiln.data.turns import REASONING_KEYS, TurnCodec, TurnError
 from kiln.errors import KilnError
 from kiln.hub import ChatTemplate, Tokenizer
 
@@ -50,7 +54,6 @@ class SFTStats:
 
 
 TrainOn = Literal["assistant", "assistant_no_reasoning", "all"]
-REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # the names transformers aliases to each other
 
 
 def _check_tool_calls(calls: Any, where: str, at: str) -> None:
@@ -178,7 +181,7 @@ def _header_spans(template: ChatTemplate, messages: list[dict[str, Any]], text: 
 def assistant_spans(template: ChatTemplate, messages: list[dict[str, Any]], eos: str | None, where: str,
                     tools: list[dict[str, Any]] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The rendered text and the character spans of each assistant turn (up to and including its EOS)."""
-    text = template.render(messages, tools=tools)
+    text = template.render(messages, tools=tools, where=where)  # a refusal names the data row  # sweep
     if not any(m["role"] == "assistant" for m in messages):
         return text, []
     spans = _incremental_spans(template, messages, text, eos, tools)
@@ -203,11 +206,30 @@ def _reasoning_spans(text: str, messages: list[dict[str, Any]], spans: list[tupl
     return out
 
 
+def _turn_by_turn(tokenizer: Tokenizer, template: ChatTemplate, messages: list[dict[str, Any]],
+                  train_on: TrainOn, tools: list[dict[str, Any]] | None) -> tuple[list[int], list[int]] | None:
+    """A tool row's (input_ids, labels) from kiln.data.turns (the rollout's masking path), or None where the
+    template cannot append its turns or re-renders history (the text then differs from the whole rendering)."""
+    codec = TurnCodec(tokenizer, template)
+    try:
+        text, turns = codec.conversation(messages, tools, hide_reasoning=train_on == "assistant_no_reasoning")
+    except TurnError:
+        return None
+    if text != template.render(messages, tools=tools):
+        return None
+    return turns.ids, [i if m else IGNORE_INDEX for i, m in zip(turns.ids, turns.mask)]
+
+
 def encode_conversation(tokenizer: Tokenizer, template: ChatTemplate, messages: list[dict[str, Any]],
                         train_on: TrainOn = "assistant", where: str = "",
                         tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[int]]:
     """(input_ids, labels) for one conversation, untruncated."""
     eos = tokenizer.specials.get("eos_token")
+    tool_row = tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+    if tool_row and train_on in ("assistant", "assistant_no_reasoning"):
+        got = _turn_by_turn(tokenizer, template, messages, train_on, tools)
+        if got is not None:
+            return got
     text, spans = assistant_spans(template, messages, eos, where, tools)
     enc = tokenizer.backend.encode(text, add_special_tokens=False)
     ids = list(enc.ids)

@@ -32,7 +32,7 @@ import copy
 import math
 import os
 from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -41,6 +41,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from kiln.constants import IGNORE_INDEX
 from kiln.data.shards import ShardSet
 from kiln.errors import KilnError
+
+if TYPE_CHECKING:
+    from kiln.data.raw import RawTokens
 
 Batch = dict[str, torch.Tensor]
 # (rows, lengths, sizes): rows (N, T+1) of window tokens in the shards' dtype, padded with EOS;
@@ -52,7 +55,8 @@ _T = TypeVar("_T")
 class Windows:
     """The window arithmetic of one split: which tokens window k holds, as a (B, T) batch."""
 
-    def __init__(self, shards: ShardSet, seq_len: int, seed: int = 0, shuffle: bool = True, within_doc: bool = False):
+    def __init__(self, shards: ShardSet | RawTokens, seq_len: int, seed: int = 0, shuffle: bool = True,
+                 within_doc: bool = False):
         if seq_len < 1:
             raise KilnError(f"seq_len must be >= 1, got {seq_len}")
         self.shards, self.seq_len, self.seed = shards, seq_len, seed

@@ -33,17 +33,36 @@ from kiln.errors import KilnError
 _LOGIT_ROWS = 64  # positions whose logits are made at once (a bound on the (rows x vocab) buffer)
 
 
+class _RunnerSlot:  # engfeat: the runner kept on a model, left behind by copies (deepcopy, pickle)
+    """Holds a model's runner. A copy of the model gets an empty slot (the copy makes its own runner on first
+    use): the runner holds the original model, and a runner class cannot be rebuilt without its arguments."""
+
+    __slots__ = ("runner",)
+
+    def __init__(self) -> None:
+        self.runner: DecoderRunner | None = None
+
+    def __deepcopy__(self, memo: dict) -> _RunnerSlot:
+        return _RunnerSlot()
+
+    def __reduce__(self) -> tuple:
+        return (_RunnerSlot, ())
+
+
 def runner_for(model) -> DecoderRunner:
-    """The runner of `model`, made once (its rotary table) and kept on the model."""
+    """The runner of `model`, made once (its rotary table) and kept on the model (in a `_RunnerSlot`)."""
     why = unsupported(model)
     if why:
         raise KilnError(why)
-    cached = getattr(model, "_engine_runner", None)
+    slot = model.__dict__.get("_engine_runner")
+    if not isinstance(slot, _RunnerSlot) or (slot.runner is not None and slot.runner.model is not model):
+        slot = _RunnerSlot()  # (a shallow copy.copy shares its original's slot: it gets its own)
+        object.__setattr__(model, "_engine_runner", slot)  # not a submodule: never saved, never moved
+    cached = slot.runner
     weight = model.model.embed_tokens.weight
     if cached is None or (cached.device, cached.dtype) != (weight.device, weight.dtype):
         positions = int(getattr(model.config, "max_position_embeddings", 0) or 4096)
-        cached = DecoderRunner(model, positions)
-        object.__setattr__(model, "_engine_runner", cached)  # not a submodule: never saved, never moved
+        cached = slot.runner = DecoderRunner(model, positions)
     return cached
 
 

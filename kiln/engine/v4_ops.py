@@ -10,8 +10,6 @@ model's own forward they agree to fp32 rounding (its sums run in other orders).
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 from torch.nn import functional as F
 
@@ -135,7 +133,7 @@ def moe_rows(moe: HashOrTopKMoE, x: torch.Tensor, ids: torch.Tensor) -> torch.Te
     logits = tiled(lambda t: F.linear(t, gate.weight), x)  # (N, E)
     scores = lanewise(gate.score, logits)
     if isinstance(gate, HashRouter):
-        index = cast(torch.Tensor, gate.tid2eid)[ids].long()
+        index = gate.tid2eid[ids].long()
     else:
         assert isinstance(gate, ScoredTopKRouter)
         bias = gate.e_score_correction_bias

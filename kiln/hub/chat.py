@@ -76,13 +76,16 @@ class ChatTemplate:
         self.specials = dict(specials or {})
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
-               tools: list[dict[str, Any]] | None = None, **extra: Any) -> str:
+               tools: list[dict[str, Any]] | None = None, where: str = "", **extra: Any) -> str:
+        """The conversation as the template writes it; `where` (a data file's `path:line`) leads a refusal, so
+        an unknown role or a template's own raise_exception names the row as well as the template."""
         messages = [_alias_reasoning(m) for m in messages]
         try:
             return self.template.render(messages=messages, tools=tools, documents=None,
                                         add_generation_prompt=add_generation_prompt, **{**self.specials, **extra})
         except jinja2.exceptions.TemplateError as e:
-            raise KilnError(f"{self.source}: {e.message or e}") from None
+            lead = f"{where}: " if where else ""
+            raise KilnError(f"{lead}{self.source}: {e.message or e}") from None
 
 
 _THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import ConfigError
-from kiln.hub.files import write_text_atomic
+from kiln.hub.files import why_unreadable, write_text_atomic
 from kiln.hub.jsonio import read_json
 
 
@@ -21,8 +21,20 @@ def read_config(model_dir: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"{model_dir}: not a directory (expected an HF model directory)")
     path = model_dir / "config.json"
     if not path.is_file():
-        raise ConfigError(f"{model_dir}: no config.json in this directory; is it an HF model directory?")
+        if path.is_symlink() or path.exists():  # there, but no file behind it: say why, not "no config.json"
+            raise ConfigError(f"{path}: {why_unreadable(path)}")
+        raise ConfigError(f"{model_dir}: no config.json in this directory; {_what_instead(model_dir)}")
     return read_json(path, error=ConfigError, want=dict)
+
+
+def _what_instead(folder: Path) -> str:
+    """A hint for a folder given where a model directory belongs: a run's checkpoint or run directory holds one."""
+    if (folder / "model" / "config.json").is_file():
+        return f"it is a run checkpoint: its model directory is {folder / 'model'}"
+    ckpts = sorted(p for p in folder.glob("ckpt-*") if (p / "model" / "config.json").is_file())
+    if ckpts:
+        return f"it is a run directory: its newest checkpoint's model is {ckpts[-1] / 'model'}"
+    return "is it an HF model directory?"
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

@@ -7,6 +7,7 @@ by whoever the user's umask lets read it.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from collections.abc import Callable
@@ -85,6 +86,11 @@ def why_unreadable(path: str | os.PathLike, *, empty_ok: bool = True) -> str | N
     read, and (with `empty_ok=False`) an empty file each get their own reason."""
     p = Path(path)
     if p.is_symlink() and not p.exists():
+        try:
+            os.stat(p)
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # links that lead back to themselves: nothing at the end to read
+                return f"is a symbolic link in a loop (to {os.readlink(p)}, which leads back to itself)"
         return f"is a dangling symbolic link (to {os.readlink(p)}, which does not exist)"
     if not p.exists():
         return "does not exist"

@@ -15,6 +15,7 @@ from typing import Any
 
 from kiln.errors import KilnError
 
+BOM = b"\xef\xbb\xbf"  # the UTF-8 byte-order mark
 _KINDS: dict[type, str] = {dict: "object", list: "array"}
 
 
@@ -22,7 +23,7 @@ def read_json(path: str | os.PathLike, error: type[KilnError] = KilnError, want:
     """The JSON document in `path`; `want` (dict or list) is the type the top level must have."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # -sig: a BOM (Windows editors write one) is not JSON's
     except FileNotFoundError:
         raise error(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -55,6 +56,8 @@ def iter_jsonl(path: str | os.PathLike, error: type[KilnError] = KilnError, obje
         raise error(f"{path}: cannot be read ({e})") from None
     with f:
         for no, raw in enumerate(f, 1):
+            if no == 1 and raw.startswith(BOM):  # a file saved "UTF-8 with BOM" (Notepad, Excel) is UTF-8 text
+                raw = raw[len(BOM):]
             try:
                 line = raw.decode("utf-8", errors=encoding_errors)
             except UnicodeDecodeError as e:

@@ -43,7 +43,9 @@ def load_transformers_fp8(auto: Any, model_dir: Path, scheme: Fp8Scheme) -> tupl
     state, _ = canonical_scales(load_weights(model_dir), scheme)
     dtype = scheme.dtype or compute_dtype_of(state)
     if loader_reads_blocks(state, scheme.block):
-        q = FineGrainedFP8Config(dequantize=True, weight_block_size=scheme.block, scale_fmt=scheme.scale_fmt,
+        # weight_block_size None (per-tensor scales): transformers' annotation omits it; its post_init takes it
+        q = FineGrainedFP8Config(dequantize=True, weight_block_size=scheme.block,  # type: ignore[arg-type]
+                                 scale_fmt=scheme.scale_fmt,
                                  modules_to_not_convert=list(scheme.modules_to_not_convert) or None,
                                  expert_dtype=scheme.expert_dtype)
         model, info = auto.from_pretrained(str(model_dir), dtype=dtype, quantization_config=q,
@@ -57,7 +59,7 @@ def load_transformers_fp8(auto: Any, model_dir: Path, scheme: Fp8Scheme) -> tupl
             return Fp8Dequantize(None)._dequantize_one(v, scale, output_dtype=dtype)
         return _dequantize_fp8_weight(v, scale, block, dtype)
 
-    block = list(scheme.block)
+    block = None if scheme.block is None else list(scheme.block)  # None: per-tensor scales
     with tempfile.TemporaryDirectory() as tmp:
         plain = Path(tmp)
         for f in model_dir.iterdir():

@@ -190,7 +190,7 @@ def gguf_family(model_type: str, config) -> GgufFamily:
     return fam
 
 
-def gguf_tensors(fam: GgufFamily, c, hf: Tensors) -> Iterator[tuple[str, gguf.MODEL_TENSOR, torch.Tensor]]:
+def gguf_tensors(fam: GgufFamily, c, hf: Tensors) -> Iterator[tuple[str, gguf.MODEL_TENSOR | None, torch.Tensor]]:
     """(GGUF name, its kind, tensor in HF orientation) for every tensor of the model, plus generated ones
     (rope_freqs)."""
     if fam.named is not None:
@@ -200,6 +200,7 @@ def gguf_tensors(fam: GgufFamily, c, hf: Tensors) -> Iterator[tuple[str, gguf.MO
         hf = stack_experts(hf, c.num_hidden_layers, c.num_experts)
     if fam.rewrite is not None:
         hf = fam.rewrite(hf, c)
+    assert fam.arch is not None, "a family without a gguf arch names its tensors (named)"
     names = gguf.get_tensor_name_map(fam.arch, c.num_hidden_layers)
     rope = getattr(c, "rope_parameters", None) or {}
     if rope.get("rope_type") == "llama3":

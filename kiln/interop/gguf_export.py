@@ -28,9 +28,11 @@ import numpy as np
 import torch
 
 from kiln.errors import KilnError
+from kiln.hub.files import as_umask_allows, write_text_atomic
 from kiln.interop.gguf_arch import GgufFamily, gguf_family, gguf_tensors
 from kiln.interop.gguf_encoder import POOLING, pooling_problem
 from kiln.interop.gguf_vocab import modelfile, read_vocab, read_wordpiece, write_vocab
+from kiln.models.common.config import text_sizes
 from kiln.models.pretrained import PreTrainedModel
 
 Q = gguf.GGMLQuantizationType
@@ -118,13 +120,15 @@ def write_gguf(model: PreTrainedModel, out: str | os.PathLike, type_name: str = 
         raise KilnError(f"--out {out}: is a directory; name the .gguf file to write")
     config = model.config
     fam = gguf_family(config.model_type, config)
-    if model.tokenizer is None:
+    tok = model.tokenizer
+    if tok is None:
         raise KilnError(f"{name or 'the model'}: no tokenizer; llama.cpp needs the vocabulary in the GGUF")
     where = name or "the model"
-    if json.loads(model.tokenizer.backend.to_str()).get("model", {}).get("type") == "WordPiece":
-        vocab = read_wordpiece(model.tokenizer, config.vocab_size, getattr(config, "type_vocab_size", 1), where)
+    vocab_size = text_sizes(config).vocab_size
+    if json.loads(tok.backend.to_str()).get("model", {}).get("type") == "WordPiece":
+        vocab = read_wordpiece(tok, vocab_size, getattr(config, "type_vocab_size", 1), where)
     else:
-        vocab = read_vocab(model.tokenizer, config.vocab_size, eos_ids(config), where)
+        vocab = read_vocab(tok, vocab_size, eos_ids(config), where)
     if fam.encoder and pooling_problem(pooling_mode(model)):
         raise KilnError(f"--format gguf: {config.model_type}: {pooling_problem(pooling_mode(model))}")
     model = _plain_model(model)
@@ -149,19 +153,17 @@ def write_gguf(model: PreTrainedModel, out: str | os.PathLike, type_name: str = 
                     os.remove(f32)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        as_umask_allows(Path(tmp))  # mkstemp's 0600 would hide the file from an Ollama service's user  # sweep
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
     if modelfile_too:
-        eos_texts = [model.tokenizer.id_to_token(i) for i in eos_ids(config) if model.tokenizer.id_to_token(i)]
+        eos_texts = [tok.id_to_token(i) for i in eos_ids(config) if tok.id_to_token(i)]
         if "eos" in vocab.specials:
-            eos_texts.append(model.tokenizer.id_to_token(vocab.specials["eos"]))
-        text = modelfile(out.name, model.tokenizer, [t for t in eos_texts if t], system)
-        mf = out.with_name("Modelfile")
-        tmp_mf = mf.with_name(f".{mf.name}.tmp")
-        tmp_mf.write_text(text, encoding="utf-8")
-        os.replace(tmp_mf, mf)
+            eos_texts.append(tok.id_to_token(vocab.specials["eos"]))
+        text = modelfile(out.name, tok, [t for t in eos_texts if t], system)
+        write_text_atomic(out.with_name("Modelfile"), text)
     return out
 
 

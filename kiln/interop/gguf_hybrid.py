@@ -25,6 +25,7 @@ import re
 import gguf
 import torch
 
+from kiln.errors import KilnError
 from kiln.interop.gguf_layout import Tensors, decoder_hparams, stack_experts
 
 _MTP = re.compile(r"^(model\.)?mtp\.")
@@ -56,7 +57,11 @@ def hybrid_hparams(w: gguf.GGUFWriter, c) -> None:
     w.add_ssm_group_count(c.linear_num_key_heads)
     w.add_ssm_time_step_rank(c.linear_num_value_heads)
     w.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
-    w.add_full_attention_interval(_interval(c))
+    interval = _interval(c)
+    if interval is None:
+        raise KilnError(f"--format gguf: {c.model_type}: layer_types {c.layer_types} put full attention at no fixed "
+                        "interval; llama.cpp's hybrid reads one (full_attention_interval)")
+    w.add_full_attention_interval(interval)
     if hasattr(c, "num_experts"):
         w.add_expert_count(c.num_experts)
         w.add_expert_used_count(c.num_experts_per_tok)

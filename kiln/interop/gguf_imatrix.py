@@ -21,6 +21,7 @@ from torch import nn
 
 from kiln.errors import KilnError
 from kiln.interop.gguf_arch import GgufFamily
+from kiln.models.common.config import text_sizes
 from kiln.models.pretrained import PreTrainedModel
 
 IMATRIX_FAMILIES = ("llama", "qwen2", "qwen3")
@@ -34,10 +35,13 @@ def importance(model: PreTrainedModel, fam: GgufFamily, text: str, n_ctx: int = 
     if config.model_type not in IMATRIX_FAMILIES:
         raise KilnError(f"--imatrix: {config.model_type} is not supported (kiln computes importance matrices for "
                         f"{', '.join(IMATRIX_FAMILIES)}, whose GGUF matrices keep kiln's input columns)")
+    if model.tokenizer is None:
+        raise KilnError("--imatrix: the model has no tokenizer to read the calibration text with")
     ids = model.tokenizer.backend.encode(text, add_special_tokens=False).ids
     if len(ids) < 2:
         raise KilnError("--imatrix: the calibration text tokenizes to fewer than 2 tokens")
-    names = gguf.get_tensor_name_map(fam.arch, config.num_hidden_layers)
+    assert fam.arch is not None, "each of IMATRIX_FAMILIES has a gguf name table"
+    names = gguf.get_tensor_name_map(fam.arch, text_sizes(config).num_hidden_layers)
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
     hooks = []

@@ -21,7 +21,9 @@ import torch
 from kiln.errors import KilnError
 from kiln.interop.gguf_arch import gguf_family
 from kiln.interop.gguf_layout import permute_heads
+from kiln.models.common.config import text_sizes
 from kiln.models.common.lora import LoraLinear, _hf_name
+from kiln.models.decoder_lm import DecoderConfig
 from kiln.models.pretrained import PreTrainedModel
 
 
@@ -40,7 +42,7 @@ def write_gguf_lora(model: PreTrainedModel, out: str | os.PathLike, name: str | 
     if fam.arch is None:
         raise KilnError(f"--lora-adapter: {fam.name} has no name table in the installed gguf package, so kiln writes "
                         "no GGUF adapter for it; export with --merge instead")
-    names = gguf.get_tensor_name_map(fam.arch, config.num_hidden_layers)
+    names = gguf.get_tensor_name_map(fam.arch, text_sizes(config).num_hidden_layers)
     pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     scalings = set()
     for kname, module in model.named_modules():
@@ -52,9 +54,10 @@ def write_gguf_lora(model: PreTrainedModel, out: str | os.PathLike, name: str | 
             raise KilnError(f"--lora-adapter: adapted matrix {hf} has no llama.cpp tensor of its own in {fam.name} "
                             "(split or re-ordered there); export with --merge instead")
         a, b = module.lora_A.weight.detach().float(), module.lora_B.weight.detach().float()
-        if fam.permute_qk and hf.endswith("self_attn.q_proj.weight"):
+        # permute_qk: Llama's q/k rows, a decoder's (DecoderConfig)
+        if fam.permute_qk and isinstance(config, DecoderConfig) and hf.endswith("self_attn.q_proj.weight"):
             b = permute_heads(b, config.num_attention_heads)
-        elif fam.permute_qk and hf.endswith("self_attn.k_proj.weight"):
+        elif fam.permute_qk and isinstance(config, DecoderConfig) and hf.endswith("self_attn.k_proj.weight"):
             b = permute_heads(b, config.kv_heads)
         pairs.append((base, a, b))
         scalings.add((module.r, float(module.scaling)))

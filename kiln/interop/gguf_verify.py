@@ -19,6 +19,7 @@ import ctypes
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -30,6 +31,7 @@ from kiln.interop.gguf_export import GGUF_TYPES, _plain_model
 from kiln.interop.gguf_routing import explain_by_routing
 from kiln.interop.gguf_vocab import chat_format
 from kiln.interop.verify import Check
+from kiln.models.common.config import text_sizes
 from kiln.models.pretrained import PreTrainedModel
 
 PROMPTS = [
@@ -46,7 +48,7 @@ WEIGHT_REL = {"q8_0": 0.009, "q6_k": 0.035, "q5_k_m": 0.07, "q4_k_m": 0.15}
 ACT_REL = {"f16": 2.0 ** -11, "bf16": 2.0 ** -8}
 N_GREEDY = 32
 N_KL_POSITIONS = 512
-CONVERSATION = [
+CONVERSATION: list[dict[str, Any]] = [  # chat messages: JSON objects
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What is the weather in Paris?"},
     {"role": "assistant", "content": "",
@@ -157,6 +159,8 @@ def verify_gguf(path: str | os.PathLike, model: PreTrainedModel, prompts: list[s
     type_name = file_type_name(path)
     model = _plain_model(model).float().eval()
     config, tok = model.config, model.tokenizer
+    if tok is None:
+        raise KilnError(f"{path}: the model has no tokenizer; the checks compare llama.cpp's ids with kiln's")
     fam = gguf_family(config.model_type, config)
     if fam.encoder:
         if lora is not None:
@@ -167,7 +171,7 @@ def verify_gguf(path: str | os.PathLike, model: PreTrainedModel, prompts: list[s
     n_ctx = min(getattr(config, "max_position_embeddings", 512), 512)
     llm = _load(path, n_ctx, None if lora is None else Path(lora))
     adapter = f" + LoRA adapter {Path(lora).name}" if lora else ""
-    checks = [Check("llama.cpp loads", llm.n_vocab() == config.vocab_size, f"{type_name}{adapter}, arch "
+    checks = [Check("llama.cpp loads", llm.n_vocab() == text_sizes(config).vocab_size, f"{type_name}{adapter}, arch "
                     f"{llm.metadata.get('general.architecture')}, vocab {llm.n_vocab()}")]
     encoded = [tok.backend.encode(p, add_special_tokens=True).ids for p in prompts]
     theirs = [llm.tokenize(p.encode(), add_bos=True, special=False) for p in prompts]
@@ -200,11 +204,13 @@ def _greedy_check(llm, model, encoded: list[list[int]], n: int, n_ctx: int, type
     (see gguf_routing); a dense model has no routers, so nothing else passes there."""
     layers = model.config.num_hidden_layers
 
-    def error(logits: np.ndarray) -> float | np.ndarray:  # per row of a (T, V) or (T, E) array
+    def error(logits: np.ndarray) -> np.ndarray:  # per row of a (T, V) or (T, E) array
         rel = math.sqrt(2 * ACT_REL[type_name] ** 2 * 2 * (layers + 1))
         return 3 * rel * logits.std(axis=-1)
 
-    diverged, ties, routing = [], [], []
+    diverged: list[str] = []
+    ties: list[str] = []
+    routing: list[str] = []
     for i, ids in enumerate(encoded):
         n_new = min(n, n_ctx - len(ids))
         ours = _greedy(lambda s: _kiln_logits(model, s)[-1], ids, n_new)
@@ -307,8 +313,9 @@ def _chat_checks(llm, llama_cpp, model) -> list[Check]:
         ok, detail = False, f"llama-cpp-python cannot render what kiln rendered ({convo}): {e}"
     checks.append(Check("llama-cpp-python Jinja chat rendering", ok, detail))
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    turn = chat_format(tok)
     ends = {t: tok.backend.token_to_id(t) for t in ([specials["eos_token"]] if "eos_token" in specials else [])
-            + list(chat_format(tok).end_of_turn if chat_format(tok) else ())}
+            + list(turn.end_of_turn if turn else ())}
     not_eog = [t for t, i in ends.items() if i is None or not llama_cpp.llama_vocab_is_eog(vocab, i)]
     checks.append(Check("end-of-turn tokens end generation", bool(ends) and not not_eog,
                         f"{', '.join(ends)} end generation in llama.cpp" if ends and not not_eog

@@ -21,6 +21,7 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.interop.verify import Check
+from kiln.models.common.config import text_sizes
 from kiln.models.pretrained import PreTrainedModel
 
 F32_REL = 1e-4
@@ -63,31 +64,33 @@ def embedding_checks(path: Path, model: PreTrainedModel, prompts: list[str], typ
     from kiln.interop.gguf_export import pooling_mode
     from kiln.models.sentence import Pooling, sentence_model
 
-    if getattr(model, "pooling", None) is None:  # a bare encoder: the mean pooling its export wrote
-        model = sentence_model(model, Pooling())
-    config, tok = model.config, model.tokenizer
-    llm = _embedder(path, min(config.max_position_embeddings, 512))
-    checks = [Check("llama.cpp loads", llm.n_vocab() == config.vocab_size,
+    pooling = getattr(model, "pooling", None)  # a bare encoder: the mean pooling its export wrote
+    sentence = sentence_model(model, Pooling() if pooling is None else pooling)
+    config, tok = sentence.config, sentence.tokenizer
+    if tok is None:
+        raise KilnError(f"{path}: the model has no tokenizer; the check compares llama.cpp's ids with kiln's")
+    llm = _embedder(path, min(getattr(config, "max_position_embeddings", 512), 512))
+    checks = [Check("llama.cpp loads", llm.n_vocab() == text_sizes(config).vocab_size,
                     f"{type_name}, arch {llm.metadata.get('general.architecture')}, vocab {llm.n_vocab()}, "
-                    f"pooling {pooling_mode(model)}")]
+                    f"pooling {pooling_mode(sentence)}")]
     ours = [tok.backend.encode(p, add_special_tokens=True).ids for p in prompts]
     theirs = [llm.tokenize(p.encode(), add_bos=True, special=False) for p in prompts]
     bad = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
     checks.append(Check("tokenizer", not bad, f"{len(prompts)} texts tokenize to kiln's ids" if not bad else
                         f"differ on {prompts[bad[0]]!r}: kiln {ours[bad[0]]} llama.cpp {theirs[bad[0]]}"))
     a = np.array([llm.embed(p, normalize=False) for p in prompts], dtype=np.float64)
-    exact = model.embed(prompts, normalize=False).double().numpy()
+    exact = sentence.embed(prompts, normalize=False).double().numpy()
     with llama_cpp_gelu():
-        b = model.embed(prompts, normalize=False).double().numpy()
+        b = sentence.embed(prompts, normalize=False).double().numpy()
     rel = float(np.abs(a - b).max() / np.abs(b).max())
     rel_exact = float(np.abs(a - exact).max() / np.abs(exact).max())
     if type_name == "f32":
         bound = F32_REL
     else:
         w, act = _WEIGHT.get(type_name), _ACT.get(type_name)
-        if w is None:
+        if w is None or act is None:
             raise KilnError(f"{path}: verify-export checks embedding GGUFs in f32, f16, bf16 and q8_0, not {type_name}")
-        bound = 3 * math.sqrt((w ** 2 + act ** 2) * 2 * (config.num_hidden_layers + 1))
+        bound = 3 * math.sqrt((w ** 2 + act ** 2) * 2 * (text_sizes(config).num_hidden_layers + 1))
     cos = float(((a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))).min())
     checks.append(Check("pooled embeddings", rel <= bound, f"{len(prompts)} texts, max relative difference "
                         f"{rel:.3g} (bound {bound:.3g}; kiln's GELUs as llama.cpp's f16 table), lowest cosine "

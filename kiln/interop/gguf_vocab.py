@@ -66,7 +66,7 @@ class Vocab:
     model: str
     pre: str
     tokens: list[str]
-    types: list[int]
+    types: list[gguf.TokenType]
     merges: list[str]
     specials: dict[str, int]      # bos/eos/pad/unk/eot -> id
     add_bos: bool
@@ -89,8 +89,8 @@ def read_vocab(tok: Tokenizer, vocab_size: int, config_eos: list[int], where: st
         raise KilnError(f"{where}: tokenizer kind {model.get('type', '?')} is not exported to GGUF yet (kiln writes "
                         "byte-level BPE, llama.cpp's 'gpt2' vocab, as Llama 3 and Qwen use; SentencePiece-style "
                         "byte-fallback BPE as its 'llama' vocab; BERT's WordPiece as its 'bert' vocab)")
-    pre = None if sentencepiece else _PRE_BY_RULE.get(_split_rule(spec.get("pre_tokenizer"), where))
-    if pre is None and not sentencepiece:
+    found = "default" if sentencepiece else _PRE_BY_RULE.get(_split_rule(spec.get("pre_tokenizer"), where))
+    if found is None:
         raise KilnError(f"{where}: the pre-tokenizer's split pattern is not one kiln maps to a llama.cpp "
                         f"pre-tokenizer ({', '.join(sorted(set(_PRE_BY_RULE.values())))})")
     n = tok.vocab_size
@@ -110,8 +110,8 @@ def read_vocab(tok: Tokenizer, vocab_size: int, config_eos: list[int], where: st
             tokens.append(by_id[i])
             types.append(gguf.TokenType.NORMAL)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    specials = {role: tok.token_id(f"{role}_token") for role in ("bos", "eos", "pad", "unk")}
-    specials = {r: i for r, i in specials.items() if i is not None}
+    roles = {role: tok.token_id(f"{role}_token") for role in ("bos", "eos", "pad", "unk")}
+    specials = {r: i for r, i in roles.items() if i is not None}
     if "eos" not in specials and config_eos:
         specials["eos"] = config_eos[0]
     probe = tok.backend.encode("a", add_special_tokens=True).ids
@@ -121,9 +121,10 @@ def read_vocab(tok: Tokenizer, vocab_size: int, config_eos: list[int], where: st
     template = tok.chat_template
     fmt = chat_format(tok) if template else None
     end_of_turn = list(fmt.end_of_turn) if fmt else []
-    if end_of_turn and tok.backend.token_to_id(end_of_turn[0]) is not None:
-        specials["eot"] = tok.backend.token_to_id(end_of_turn[0])
-    return Vocab("gpt2", pre, tokens, types, merges, specials, add_bos, add_eos, template, end_of_turn)
+    eot = tok.backend.token_to_id(end_of_turn[0]) if end_of_turn else None
+    if eot is not None:
+        specials["eot"] = eot
+    return Vocab("gpt2", found, tokens, types, merges, specials, add_bos, add_eos, template, end_of_turn)
 
 
 def read_wordpiece(tok: Tokenizer, vocab_size: int, type_vocab_size: int, where: str) -> Vocab:
@@ -153,14 +154,15 @@ def read_wordpiece(tok: Tokenizer, vocab_size: int, type_vocab_size: int, where:
             tokens.append(t[2:] if t.startswith("##") else "\u2581" + t)
             types.append(gguf.TokenType.USER_DEFINED if i in added else gguf.TokenType.NORMAL)
     ids = {role: tok.token_id(f"{role}_token") for role in ("cls", "sep", "unk", "pad", "mask")}
-    if ids["cls"] is None or ids["sep"] is None:
+    cls, sep = ids["cls"], ids["sep"]
+    if cls is None or sep is None:
         raise KilnError(f"{where}: WordPiece tokenizer without cls_token / sep_token; llama.cpp adds both to every text")
     lowercase = bool(norm.get("lowercase", True))
     strip = norm.get("strip_accents")
-    specials = {"bos": ids["cls"], **{r: ids[r] for r in ("unk", "pad") if ids[r] is not None}}
+    specials = {"bos": cls, **{r: tid for r in ("unk", "pad") if (tid := ids[r]) is not None}}
     return Vocab("bert", "default", tokens, types, [], specials, True, False, None, [],
                  {"lowercase": lowercase, "strip_accents": lowercase if strip is None else bool(strip),
-                  "sep": ids["sep"], "cls": ids["cls"], "mask": ids["mask"], "type_count": type_vocab_size})
+                  "sep": sep, "cls": cls, "mask": ids["mask"], "type_count": type_vocab_size})
 
 
 _BYTE = re.compile(r"^<0x[0-9A-F]{2}>$")
@@ -193,7 +195,7 @@ def read_sentencepiece(tok: Tokenizer, vocab_size: int, config_eos: list[int], w
     by_id = {i: t for t, i in tok.backend.get_vocab(with_added_tokens=True).items()}
     added = tok.backend.get_added_tokens_decoder()
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    rank = {}
+    rank: dict[str, int] = {}
     for r, m in enumerate(merges):
         rank.setdefault(m.replace(" ", ""), r)
     unk = model.get("unk_token")

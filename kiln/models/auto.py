@@ -45,7 +45,7 @@ from kiln.models.common.load_plan import LoadPlan
 from kiln.models.common.lora import has_adapter, load_adapter
 from kiln.models.common.quant4 import prepare_bnb4, quantize_model
 from kiln.models.config import FamilyConfig
-from kiln.models.loading.plan import build_plan, one_process, read_held
+from kiln.models.loading.plan import build_plan, read_held
 from kiln.models.loading.read import materialize
 from kiln.models.pretrained import Family, PreTrainedModel
 from kiln.models.tasks import (
@@ -146,11 +146,11 @@ def read_pretrained(path: str | os.PathLike | CheckpointIndex, device: torch.dev
                     ) -> PreTrainedModel | None:
     """The model of an HF directory read from its load plan on one process, file -> `device` tensor by tensor (no
     whole copy in host memory), then cast to `dtype`, in eval mode; None where one process loads the checkpoint
-    whole (kiln.models.loading.plan.one_process says why)."""
+    whole (the plan's `whole` says why)."""
     if seed is not None:
         torch.manual_seed(seed)
     model, plan = plan_load(path, task, fp8, quantize, seed, dtype=dtype, **changes)
-    if model is None or one_process(model, plan) is not None:
+    if model is None or plan.whole is not None:
         return None
     materialize(model, plan.index, device)
     read_held(model, plan)

@@ -13,6 +13,7 @@ no (B, T, vocab) logits are made; within fp32 rounding of the exact path.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypedDict, Unpack
 
 import torch
 from torch import nn
@@ -40,11 +41,29 @@ def _hidden_size(inner: nn.Module) -> int:
     raise ConfigError(f"cannot tell the hidden size of {type(inner).__name__}; pass hidden_size=")
 
 
+class HeadOptions(TypedDict, total=False):
+    """PrototypeHead's keyword arguments, passed through by PrototypeModel."""
+    proto_dim: int | None
+    scale: float
+    mode: str
+    loss: str
+    spread_steps: int
+    seed: int
+
+
+def _total(losses: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The losses' sum, in order (as `sum` adds them, without its int 0 start)."""
+    first, *rest = losses.values()
+    for t in rest:
+        first = first + t
+    return first
+
+
 class PrototypeModel(nn.Module):
     """inner model -> last_hidden_state (B, T, C) -> prototype logits; task causal-lm or sequence-classification."""
 
     def __init__(self, inner: nn.Module, num_classes: int, task: str = CAUSAL_LM, hidden_size: int | None = None,
-                 pooling: str = "last", lm_loss: bool = True, **head: object):
+                 pooling: str = "last", lm_loss: bool = True, **head: Unpack[HeadOptions]):
         super().__init__()
         if task not in (CAUSAL_LM, SEQUENCE_CLASSIFICATION):
             raise ConfigError(f"prototype task {task!r} is not {CAUSAL_LM!r} or {SEQUENCE_CLASSIFICATION!r}")
@@ -99,7 +118,7 @@ class PrototypeModel(nn.Module):
                 losses["lm"] = out.loss
             elif self.lm_loss and labels is None and getattr(out, "logits", None) is not None:
                 losses["lm"] = F.cross_entropy(out.logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
-        loss = sum(losses.values()) if losses else None
+        loss = _total(losses) if losses else None
         return PrototypeOutput(logits=logits, loss=loss, last_hidden_state=hidden, losses=losses)
 
     def _fast_forward(self, input_ids, attention_mask, labels, targets, inputs) -> PrototypeOutput:
@@ -115,5 +134,5 @@ class PrototypeModel(nn.Module):
             losses["lm"] = out.loss_sum / out.loss_count
         elif self.lm_loss and getattr(out, "logits", None) is not None:
             losses["lm"] = F.cross_entropy(out.logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
-        return PrototypeOutput(logits=None, loss=sum(losses.values()), last_hidden_state=out.last_hidden_state,
+        return PrototypeOutput(logits=None, loss=_total(losses), last_hidden_state=out.last_hidden_state,
                                losses=losses)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -196,10 +196,19 @@ MOE_TEXT = hybrid_family("qwen3_5_moe_text", Qwen3_5MoeTextConfig, ("Qwen3_5MoeT
 
 
 # ---- image-text checkpoints ---------------------------------------------------------------------
-class ImageTextConfig:
+if TYPE_CHECKING:  # the mixin always sits in front of a family config (Qwen3_5Config, Qwen3_5MoeConfig)
+    from kiln.models.common.config import FamilyConfig
+    _ConfigBase = FamilyConfig
+else:
+    _ConfigBase = object
+
+
+class ImageTextConfig(_ConfigBase):
     """config.json with the text model under `text_config`: the typed fields are the text model's;
     everything else (vision_config, token ids, ...) is kept in `outer` and written back as read."""
     text_model_type: ClassVar[str] = ""
+    outer: dict[str, Any]                  # set by from_dict (not dataclass fields: this mixin is no dataclass)
+    text_tie_word_embeddings: bool | None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config.json"):

@@ -19,7 +19,7 @@ import itertools
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,9 +31,13 @@ from kiln.errors import ConfigError, KilnError
 from kiln.hub.config import write_json_atomic
 from kiln.models.common.activations import activation
 from kiln.models.common.causal_lm import CausalLMOutput
+from kiln.models.common.config import text_sizes
 from kiln.models.common.decoder import segment_ids
 from kiln.models.common.rope import rotate_half
 from kiln.models.qwen3_next import HybridForCausalLM
+
+if TYPE_CHECKING:
+    from kiln.models.qwen3_5 import ImageTextConfig
 
 TEXT, IMAGE, VIDEO = 0, 1, 2  # mm_token_type_ids values, as transformers' processors write them
 
@@ -130,6 +134,7 @@ class PatchEmbed(nn.Module):
 
     def reset_parameters_hf(self, std: float) -> None:
         nn.init.normal_(self.proj.weight, 0.0, std)
+        assert self.proj.bias is not None, "the patch conv is built with a bias"
         nn.init.zeros_(self.proj.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -330,9 +335,10 @@ class ImageTextForCausalLM(HybridForCausalLM):
     def touch_tower(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
         """The token embeddings plus 0 x the tower's output for one blank merge block: the same values, and a
         zero gradient for every tower parameter (`touch_every_parameter`, on batches without images)."""
-        embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        m, w = self.visual.spatial_merge_size, self.visual.patch_embed.proj.weight
-        blank = self.visual(w.new_zeros(m * m, self.visual.config.patch_dim),
+        embeds = self._embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        tower = self.tower
+        m, w = tower.spatial_merge_size, tower.patch_embed.proj.weight
+        blank = tower(w.new_zeros(m * m, tower.config.patch_dim),
                             torch.tensor([[1, m, m]], device=w.device))  # (1, C)
         return embeds + 0 * blank.sum().to(embeds.dtype)
 
@@ -343,6 +349,21 @@ class ImageTextForCausalLM(HybridForCausalLM):
         self.visual = VisionModel(vision) if vision is not None else None
         self.image_token_id, self.video_token_id = image_token_id, video_token_id
         self.rope_deltas: torch.Tensor | None = None
+
+    image_processor: QwenImageProcessor | None = None  # the one the model was trained with (save_pretrained writes it)
+    config: ImageTextConfig  # the image-text families' (kiln.models.qwen3_5): the text model's, plus `outer`
+
+    @property
+    def tower(self) -> VisionModel:
+        """The vision tower; a KilnError where the model has none."""
+        if self.visual is None:
+            raise KilnError("this model has no vision tower (its config.json has no vision_config): it takes no images")
+        return self.visual
+
+    def _embed_tokens(self, input_ids: torch.Tensor | None) -> torch.Tensor:
+        embed_tokens = self.model.embed_tokens
+        assert isinstance(embed_tokens, nn.Module), "the backbone's token embedding"
+        return embed_tokens(input_ids)
 
     def save_pretrained(self, path, max_shard_bytes: int | None = None, save_tokenizer: bool = True):
         """The HF directory, with preprocessor_config.json when an image processor was set (`image_processor`:
@@ -356,11 +377,11 @@ class ImageTextForCausalLM(HybridForCausalLM):
     def example_image_batch(self, seed: int = 0) -> dict[str, torch.Tensor]:
         """Two random images of different grids in a left-padded batch of two rows (text, vision start, the
         image's placeholders, vision end, text), the processor's keys: what verify-export feeds both models."""
-        c = self.visual.config
+        c = self.tower.config
         m, g = c.spatial_merge_size, torch.Generator().manual_seed(seed)
         grids = torch.tensor([[1, 2 * m, 2 * m], [1, 3 * m, 4 * m]])
         pixels = torch.randn(int(grids.prod(-1).sum()), c.patch_dim, generator=g)
-        vocab = self.config.vocab_size
+        vocab = text_sizes(self.config).vocab_size
         start, end = self.config.outer.get("vision_start_token_id"), self.config.outer.get("vision_end_token_id")
         text = [i for i in range(4, vocab) if i not in {self.image_token_id, self.video_token_id, start, end}]
         rows = []
@@ -397,8 +418,9 @@ class ImageTextForCausalLM(HybridForCausalLM):
             return token
 
         start = self.config.outer.get("vision_start_token_id")
-        return ImageTokens(processor, self.image_token_id, text("image_token_id", self.image_token_id),
-                           text("vision_start_token_id", start),
+        image = text("image_token_id", self.image_token_id)
+        assert image is not None, "text() gives the token of an id, or raises"
+        return ImageTokens(processor, self.image_token_id, image, text("vision_start_token_id", start),
                            text("vision_end_token_id", self.config.outer.get("vision_end_token_id")), start, Path(root))
 
     def image_prompt(self, images: list, processor: Any = None, model_dir: Any = None
@@ -428,13 +450,14 @@ class ImageTextForCausalLM(HybridForCausalLM):
     def embed_images(self, input_ids: torch.Tensor, inputs_embeds: torch.Tensor | None, pixel_values: torch.Tensor,
                      image_grid_thw: torch.Tensor) -> torch.Tensor:
         """Token embeddings (B, T, C) with the images' merged features at their placeholders, in order."""
-        embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        features = self.visual(pixel_values.to(self.visual.patch_embed.proj.weight.dtype), image_grid_thw)
+        embeds = self._embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        tower = self.tower
+        features = tower(pixel_values.to(tower.patch_embed.proj.weight.dtype), image_grid_thw)
         mask = input_ids == self.image_token_id
         if int(mask.sum()) != features.shape[0]:
             raise KilnError(f"input_ids hold {int(mask.sum())} image placeholder tokens (id {self.image_token_id}) "
                             f"but the images give {features.shape[0]} features (image_grid_thw "
-                            f"{image_grid_thw.tolist()}, merge {self.visual.spatial_merge_size})")
+                            f"{image_grid_thw.tolist()}, merge {tower.spatial_merge_size})")
         return embeds.masked_scatter(mask.unsqueeze(-1).to(embeds.device), features.to(embeds.device, embeds.dtype))
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
@@ -460,7 +483,7 @@ class ImageTextForCausalLM(HybridForCausalLM):
                 packed = position_ids if (position_ids is not None and attention_mask is None and cache is None
                                           and segment_ids(position_ids) is not None) else None
                 mrope, self.rope_deltas = image_positions(input_ids, types, image_grid_thw, attention_mask,
-                                                          self.visual.spatial_merge_size, packed)
+                                                          self.tower.spatial_merge_size, packed)
                 position_ids = mrope if packed is None else torch.cat([packed[None], mrope])  # (3 or 4, B, T)
             if inputs_embeds is not None:
                 input_ids = None

@@ -17,13 +17,15 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 from kiln.errors import KilnError
 from kiln.models.auto import load_pretrained
+from kiln.models.common.config import text_sizes
 from kiln.models.tasks import BASE
 
 MODES = ("mean", "cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
@@ -174,14 +176,14 @@ class SentenceModelMixin(_MixedInto):
 
     def save_pretrained(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> Path:
         out = super().save_pretrained(path, *args, **kwargs)
-        self.pooling.write(out, self.config.hidden_size)
+        self.pooling.write(out, text_sizes(self.config).hidden_size)
         return out
 
 
 _CLASSES: dict[type, type] = {}
 
 
-def sentence_model(model: Any, pooling: Pooling) -> Any:
+def sentence_model(model: nn.Module, pooling: Pooling) -> SentenceModelMixin:
     """`model` (a kiln base model: its forward gives last_hidden_state) as a sentence-embedding model, in
     place: same parameters and state-dict names (checkpoints and resume are unchanged), plus the pooling."""
     cls = type(model)
@@ -189,10 +191,11 @@ def sentence_model(model: Any, pooling: Pooling) -> Any:
         if cls not in _CLASSES:
             _CLASSES[cls] = type(f"Sentence{cls.__name__}", (SentenceModelMixin, cls), {})
         model.__class__ = _CLASSES[cls]
-    model.pooling = pooling
-    return model
+    sentence = cast(SentenceModelMixin, model)  # its class is one now: switched just above, or already
+    sentence.pooling = pooling
+    return sentence
 
 
-def load_sentence_model(path: str | os.PathLike, **kwargs: Any) -> Any:
+def load_sentence_model(path: str | os.PathLike, **kwargs: Any) -> SentenceModelMixin:
     """A directory's base model with its sentence-transformers pooling (mean + normalise where it has none)."""
     return sentence_model(load_pretrained(path, task=BASE, **kwargs), Pooling.read(path) or Pooling())

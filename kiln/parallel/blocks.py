@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -27,6 +27,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from kiln.errors import ConfigError
 from kiln.models.parallel_plan import ParallelPlan
 from kiln.models.pretrained import PreTrainedModel
+
+if TYPE_CHECKING:
+    from kiln.models.pretrained import Family
 
 _aten = torch.ops.aten
 # Ops whose outputs selective checkpointing keeps: recomputing them costs as much as the forward.
@@ -41,7 +44,9 @@ if hasattr(_aten, "_grouped_mm"):
 
 def plan_of(model: nn.Module) -> ParallelPlan | None:
     """The parallel plan the model's family declares, or None."""
-    return model.family.parallel_plan if isinstance(model, PreTrainedModel) else None
+    if not isinstance(model, PreTrainedModel):
+        return None
+    return cast("Family", model.family).parallel_plan  # Family.build sets a model's family (FamilySpec: its view)
 
 
 def model_name(model: nn.Module) -> str:
@@ -59,11 +64,21 @@ def part(module: nn.Module, path: str | None) -> nn.Module | None:
         return None
 
 
+def plan_blocks(model: nn.Module, plan: ParallelPlan) -> nn.ModuleList:
+    """The blocks `plan` names in `model`; a ConfigError where they are no ModuleList (a pipeline rank's ModuleDict
+    of the blocks it keeps: tp and ep, which walk them, do not combine with pp)."""
+    blocks = model.get_submodule(plan.blocks)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ConfigError(f"{type(model).__name__}.{plan.blocks} is a {type(blocks).__name__}, not the list of "
+                          "blocks its parallel plan names")
+    return blocks
+
+
 def find_blocks(model: nn.Module) -> nn.ModuleList:
     """The model's repeated blocks: where its plan says, else the ModuleList holding the most parameters."""
     plan = plan_of(model)
     if plan is not None:
-        return model.get_submodule(plan.blocks)
+        return plan_blocks(model, plan)
     best, best_n = None, -1
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module):
@@ -82,8 +97,10 @@ def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
 def _checkpointed(forward, selective: bool):
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _policy)} if selective else {}
-        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+        if selective:
+            return checkpoint(forward, *args, use_reentrant=False,
+                              context_fn=functools.partial(create_selective_checkpoint_contexts, _policy), **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return run
 
 

@@ -27,6 +27,8 @@ carries) and dequantizes only those when they compute (`ExpertParallelFp8Experts
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -39,7 +41,7 @@ from kiln.hub.fp8 import SCALE_SUFFIX, is_quantized
 from kiln.models.common.fp8 import Fp8Experts, dequantize_parts
 from kiln.models.common.lora_experts import HOLDER
 from kiln.models.common.moe import Experts, grouped_linear
-from kiln.parallel.blocks import model_name, part, plan_of
+from kiln.parallel.blocks import model_name, part, plan_blocks, plan_of
 from kiln.parallel.fsdp import DTYPES, retype
 
 
@@ -112,12 +114,15 @@ class ExpertParallelFp8Experts(ExpertParallelExperts, Fp8Experts):
     compute, as `Fp8Experts` does for all of them in one process."""
 
     def _weight(self, name: str) -> torch.Tensor:
-        q = _local(self._parameters[name])
+        p = self._parameters[name]
+        assert p is not None, f"{name}: one of the experts' stacks"
+        q = _local(p)
         if not is_quantized(q):
             return q
+        scale = self._buffers[name + SCALE_SUFFIX]
+        assert scale is not None, f"{name}: an FP8 stack has its scale grid"
         parts, dim = self.fp8_layout[name]
-        return dequantize_parts(q, _local(self._buffers[name + SCALE_SUFFIX]), self.fp8_block, parts, dim,
-                                self.compute_dtype)
+        return dequantize_parts(q, _local(scale), self.fp8_block, parts, dim, self.compute_dtype)
 
 
 def _split(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
@@ -133,11 +138,14 @@ def expert_modules(model: nn.Module) -> list[Experts]:
     plan = plan_of(model)
     if plan is None or plan.experts is None:
         return []
-    found = [m for m in (part(block, plan.experts) for block in model.get_submodule(plan.blocks)) if m is not None]
-    for m in found:
+    found: list[Experts] = []
+    for m in (part(block, plan.experts) for block in plan_blocks(model, plan)):
+        if m is None:
+            continue
         if not isinstance(m, Experts):
             raise ConfigError(f"{model_name(model)}: its plan's experts ({plan.experts}) is a {type(m).__name__}, "
                               f"not stacked Experts; expert parallelism cannot split it")
+        found.append(m)
     return found
 
 
@@ -155,12 +163,14 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
                               "expert-parallel yet; use fsdp or dp")
         for name in ("gate_up_proj", "down_proj"):
             p = module._parameters[name]  # an FP8-kept stack as stored (the attribute reads it dequantized)
+            assert p is not None, f"{name}: one of the experts' stacks"
             setattr(module, name, nn.Parameter(_split(p.data, mesh), requires_grad=p.requires_grad))
             scale = module._buffers.get(name + SCALE_SUFFIX)
             if scale is not None:  # one scale grid per expert: each rank keeps its experts' grids
                 module._buffers[name + SCALE_SUFFIX] = _split(scale, mesh)
         module.__class__ = ExpertParallelFp8Experts if isinstance(module, Fp8Experts) else ExpertParallelExperts
-        module.ep_group, module.ep_size = mesh.get_group(), size
+        ep = cast(ExpertParallelExperts, module)  # its class was switched on the line above
+        ep.ep_group, ep.ep_size = mesh.get_group(), size
     return model
 
 

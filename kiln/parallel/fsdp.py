@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -86,7 +86,7 @@ def free_held_gather(module: nn.Module, args: tuple, output: object) -> None:
     get_state = getattr(module, "_get_fsdp_state", None)
     ctx = getattr(get_state(), "_comm_ctx", None) if get_state is not None else None
     held = getattr(ctx, "all_gather_state", None)
-    if held is None:
+    if held is None or ctx is None:  # (no state without a context)
         return
     if held.event is not None:  # on a GPU: the copy-out must finish before its memory can be reused
         ctx.all_gather_copy_in_stream.wait_event(held.event)
@@ -138,6 +138,10 @@ def frozen_as_bytes(model: nn.Module) -> list[str]:
     return names
 
 
+@overload
+def retype(t: DTensor, dtype: torch.dtype) -> DTensor: ...
+@overload
+def retype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
 def retype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The same bytes as `dtype` (a view; a DTensor stays one, with the same placements)."""
     if not isinstance(t, DTensor):
@@ -152,38 +156,44 @@ def retype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
                               stride=torch.empty(shape, device="meta").stride())
 
 
+def _byte_params(module: nn.Module) -> dict[str, torch.dtype]:
+    """The stored dtypes frozen_as_bytes recorded on `module` (in its __dict__, apart from nn.Module's own)."""
+    return module.__dict__["_kiln_byte_params"]
+
+
 def _view_stored(module: nn.Module, args: tuple) -> None:
     # FSDP's pre-forward hook (prepended) has all-gathered the unit: what is here now is the full bytes
-    for name, dtype in module._kiln_byte_params.items():
+    for name, dtype in _byte_params(module).items():
         t = module._parameters.get(name)
         if t is not None and t.dtype == torch.uint8 and dtype != torch.uint8:
             module._parameters[name] = nn.Parameter(retype(t.detach(), dtype), requires_grad=False)
 
 
 def _state_dict_stored(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
-    for name, dtype in module._kiln_byte_params.items():
+    for name, dtype in _byte_params(module).items():
         t = state.get(prefix + name)
         if t is not None and t.dtype == torch.uint8:
             state[prefix + name] = retype(t, dtype)  # a view: DCP loads in place into the parameter's bytes
 
 
 def _load_as_bytes(module: nn.Module, state: dict, prefix: str, *args) -> None:
-    for name, dtype in module._kiln_byte_params.items():
+    for name, dtype in _byte_params(module).items():
         t = state.get(prefix + name)
         if t is not None and t.dtype == dtype:  # bytes, not a numeric cast into uint8
             state[prefix + name] = retype(t, torch.uint8)
 
 
 # ---- code other than a unit's forward on a sharded model ------------------------------------------
-def units(model: nn.Module) -> list[nn.Module]:
+def units(model: nn.Module) -> list[FSDPModule]:
     """The model's FSDP2 units (each `fully_shard`-ed module: the blocks, then the root), in module order."""
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def _state(unit: nn.Module) -> Any:
+def _state(unit: nn.Module | FSDPModule) -> Any:
     # the unit's FSDP state by the module (not its class: own_classes may have swapped that)
     from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
 
+    assert isinstance(unit, nn.Module), "fully_shard makes its units of modules"
     state = _get_module_fsdp_state(unit)
     if state is None:
         raise KilnError(f"{type(unit).__name__} is not an FSDP2 unit")
@@ -197,16 +207,16 @@ def own_classes(model: nn.Module) -> Iterator[nn.Module]:
     runner registry) sees the model as built. Nothing else changes (parameters, hooks, state), and the FSDP
     classes come back on exit. The units' own methods (`unshard`, a registered forward method) are not there
     meanwhile: `gathered` and `unit_forward` reach the state without them."""
-    swapped: list[tuple[nn.Module, type]] = []
+    swapped: list[tuple[FSDPModule, type]] = []
     try:
-        for m in units(model):
-            cls = type(m)
-            m.__class__ = cls.__mro__[cls._orig_cls_mro_index]  # FSDP's own record of where the built class sits
-            swapped.append((m, cls))
+        for unit in units(model):
+            cls = type(unit)
+            unit.__class__ = cls.__mro__[cls._orig_cls_mro_index]  # FSDP's own record of where the built class sits
+            swapped.append((unit, cls))
         yield model
     finally:
-        for m, cls in reversed(swapped):
-            m.__class__ = cls
+        for unit, cls in reversed(swapped):
+            unit.__class__ = cls
 
 
 def gathered_bytes(model: nn.Module) -> int:

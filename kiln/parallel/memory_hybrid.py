@@ -75,7 +75,7 @@ def deltanet_block_bytes(d: ModelDims, h: HybridDims, cb: int, full: bool, targe
     kd, vd, hv = h.key_heads * h.key_dim, h.value_heads * h.value_dim, h.value_heads
     conv = 2 * kd + vd                 # the short conv's channels: [q | k | v]
     # block norms: fp32 input and rstd; (full) fp32 normalized and the output; LoRA: the output where an adapter reads it
-    b = 2 * (4 * d.hidden + 4)
+    b: float = 2 * (4 * d.hidden + 4)  # per token: fractions where a row's chunks are padded
     if full:
         b += 2 * d.hidden * (4 + cb)
     else:

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,9 @@ from torch.distributed.tensor import DTensor
 from kiln.constants import IGNORE_INDEX
 from kiln.errors import ConfigError, KilnError
 from kiln.models.common.causal_lm import CausalLMOutput
+from kiln.models.common.config import text_sizes
 from kiln.models.common.loss import shift_labels
+from kiln.models.pretrained import PreTrainedModel
 from kiln.parallel.blocks import apply_activation_checkpointing, model_name, plan_of
 from kiln.parallel.fsdp import DTYPES, apply_fsdp
 from kiln.parallel.grads import scale_to_norm
@@ -85,8 +88,20 @@ def _parts(model: nn.Module) -> tuple[nn.Module, str, str, str]:
     return model.get_submodule(base), blocks, attrs[0], attrs[1]
 
 
+class _CausalLM(Protocol):
+    """What the pipeline reads and cuts of the model it splits: a causal LM (its plan names an lm_head)."""
+    lm_head: nn.Module | None
+
+    def head_loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class _MainLayers(Protocol):
+    num_main_layers: int  # a backbone whose multi-token-prediction layers follow its main ones
+
+
 class Stage(nn.Module):
     """One pipeline stage: a view of the backbone holding only its blocks, plus the head on the last stage."""
+    head_loss_sum: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
     def __init__(self, view: nn.Module, lm: nn.Module, first: bool, last: bool, dtype: torch.dtype,
                  tied_embedding: nn.Module | None = None):
@@ -95,7 +110,8 @@ class Stage(nn.Module):
         self.lm_head = lm.lm_head if last else None
         self.tied_embedding = tied_embedding  # the head's weight when tied: registered here for FSDP to shard
         self.first, self.last, self.dtype = first, last, dtype
-        self.head_loss_sum = lm.head_loss_sum  # a bound method, not a submodule: lm's head is self.lm_head
+        # a bound method, not a submodule: lm's head is self.lm_head (cast: _parts accepted lm as a causal LM)
+        self.head_loss_sum = cast(_CausalLM, lm).head_loss_sum
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,6 +119,7 @@ class Stage(nn.Module):
         hidden = self.model(**source, attention_mask=attention_mask, position_ids=position_ids)  # (B, T, C)
         if not self.last:
             return hidden.to(self.dtype)  # the dtype the next stage's receive buffer was made with
+        assert targets is not None, "the last stage is run with the targets its loss sums over"
         loss_sum, _ = self.head_loss_sum(hidden, targets)
         return torch.stack([loss_sum.float()])  # (1,): a new tensor, not a view (FSDP hooks the output)
 
@@ -115,7 +132,7 @@ def _view(backbone: nn.Module, blocks_attr: str, blocks: list[nn.Module], embed_
     view._parameters, view._buffers = dict(backbone._parameters), dict(backbone._buffers)
     setattr(view, blocks_attr, nn.ModuleList(blocks))
     if main_layers:  # a backbone that runs only its first N layers (multi-token-prediction layers follow)
-        view.num_main_layers = len(blocks)
+        cast(_MainLayers, view).num_main_layers = len(blocks)  # cast: main_layers says the backbone has it
     if not first:
         setattr(view, embed_attr, None)
     if not last:
@@ -142,8 +159,10 @@ class Pipeline:
 
     def __post_init__(self) -> None:
         self.group = self.mesh.get_group("pp")
-        self.pp = self.mesh.size(self.mesh.mesh_dim_names.index("pp"))
-        self.dp = self.mesh.size(self.mesh.mesh_dim_names.index("dp"))
+        names = self.mesh.mesh_dim_names
+        assert names is not None, "the pipeline's mesh names its dims (pp, dp)"
+        self.pp = self.mesh.size(names.index("pp"))
+        self.dp = self.mesh.size(names.index("dp"))
         self.pp_rank = self.mesh.get_local_rank("pp")
         self.schedules: dict[int, Any] = {}   # one per sequence length: the stages' P2P buffers have fixed shapes
         self.ran: set[int] = set()            # lengths whose schedule has set itself up
@@ -241,6 +260,7 @@ class Pipeline:
         if self.tie_group is None:
             return
         weight = self.tied_copy if self.tied_copy is not None else self.embedding_weight
+        assert weight is not None, "a tied pipeline's first or last stage holds the embedding"
         if not weight.requires_grad:  # frozen (LoRA): nothing to keep in step
             return
         if weight.grad is None:
@@ -363,6 +383,7 @@ def apply_pipeline(model: nn.Module, parallel: Any, mesh: DeviceMesh, device: to
     """Cut `model` down to this rank's stages in place and build them; returns the Pipeline."""
     sizes = check_pipeline(model, parallel)
     backbone, blocks_attr, embed_attr, norm_attr = _parts(model)
+    assert isinstance(model, PreTrainedModel), "_parts found the family's plan: a kiln model"
     all_blocks = getattr(backbone, blocks_attr)
     main_layers = hasattr(backbone, "num_main_layers")
     num_blocks = sum(sizes)
@@ -391,18 +412,18 @@ def apply_pipeline(model: nn.Module, parallel: Any, mesh: DeviceMesh, device: to
         setattr(backbone, embed_attr, None)
     if not last:
         setattr(backbone, norm_attr, None)
-        model.lm_head = None
+        cast(_CausalLM, model).lm_head = None  # cast: _parts accepted it as a causal LM
 
     for stage in stages:
         apply_activation_checkpointing(stage, parallel.activation_checkpointing, parallel.checkpoint_every)
         if parallel.compile:
-            for block in stage.model.get_submodule(blocks_attr):
+            for block in cast(nn.ModuleList, stage.model.get_submodule(blocks_attr)):  # _view made it one
                 block.compile(backend=parallel.compile_backend, fullgraph=False)
         if parallel.fsdp:
             apply_fsdp(stage, mesh["dp"], parallel.param_dtype, parallel.reduce_dtype, parallel.offload)
     microbatches = parallel.microbatches or 2 * pp
     pipe = Pipeline(stages, indices, len(sizes), parallel.pp_schedule, microbatches, mesh, bool(parallel.fsdp),
-                    device, dtype, int(model.config.hidden_size))
+                    device, dtype, int(text_sizes(model.config).hidden_size))
     if tied:
         pipe.tie_group = _tie_group(mesh)
         embedding = getattr(backbone, embed_attr)

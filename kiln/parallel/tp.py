@@ -38,8 +38,8 @@ flattened weight and its quant state would stay whole.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ from torch.distributed.tensor.parallel import (
 from kiln.errors import ConfigError
 from kiln.models.common.quant4 import is_4bit
 from kiln.models.parallel_plan import ParallelPlan
-from kiln.parallel.blocks import model_name, part, plan_of
+from kiln.parallel.blocks import model_name, part, plan_blocks, plan_of
 from kiln.parallel.tp_fp8 import check_fp8_splits, fp8_splits, split_fp8_linears
 from kiln.parallel.tp_lora import LoraColwiseParallel, LoraRowwiseParallel, is_lora
 
@@ -84,7 +84,7 @@ def tensor_plan(model: nn.Module, tp: int) -> ParallelPlan:
 def _split_tensors(model: nn.Module, plan: ParallelPlan) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every parameter and buffer the plan splits or distributes over tp."""
     paths = [p for p in (plan.embedding, plan.lm_head) if p is not None and part(model, p) is not None]
-    for i, block in enumerate(model.get_submodule(plan.blocks)):
+    for i, block in enumerate(plan_blocks(model, plan)):
         paths += [f"{plan.blocks}.{i}.{name}" for name in (*plan.colwise, *plan.rowwise) if part(block, name) is not None]
         for path in plan.head_params:
             owner, _, name = path.rpartition(".")
@@ -199,15 +199,17 @@ def _share_expert_tokens(experts: nn.Module, mesh: DeviceMesh) -> None:
     parameters then hold partial gradients, summed over tp by `Parallelized.sync_gradients`."""
     group, rank, size = mesh.get_group(), mesh.get_local_rank(), mesh.size()
 
+    rows: dict[str, list[int]] = {}  # the last forward's row split, for its output hook (a new list each time)
+
     def take(module: nn.Module, args: tuple) -> tuple:
         x, index, weights = args
-        sizes = module.tp_rows = _row_sizes(x.shape[0], size)
+        sizes = rows["sizes"] = _row_sizes(x.shape[0], size)
         start = sum(sizes[:rank])
         return (_TakeRows.apply(x, sizes, rank, group), index[start:start + sizes[rank]],
                 _TakeRows.apply(weights, sizes, rank, group))
 
     experts.register_forward_pre_hook(take)
-    experts.register_forward_hook(lambda module, args, out: _GatherRows.apply(out, module.tp_rows, rank, group))
+    experts.register_forward_hook(lambda module, args, out: _GatherRows.apply(out, rows["sizes"], rank, group))
 
 
 def _moe_path(plan: ParallelPlan, block: nn.Module) -> str | None:
@@ -259,17 +261,23 @@ def layer_plan(plan: ParallelPlan, sequence_parallel: bool, block: nn.Module) ->
     return styles
 
 
+class _HasHead(Protocol):
+    head: Callable[[torch.Tensor], torch.Tensor]
+
+
 def _tie_head(model: nn.Module, mesh: DeviceMesh) -> None:
     """Logits against the vocabulary-sharded embedding itself: (B, T, V/tp) per rank, then gathered whole."""
-    head = model.head  # the family's own head, bound before it is shadowed on the instance
+    owner = cast(_HasHead, model)  # apply_tensor_parallel ties a model whose `head` it found callable
+    head = owner.head  # the family's own head, bound before it is shadowed on the instance
 
     def vocab_parallel_head(hidden: torch.Tensor) -> torch.Tensor:
         if not isinstance(hidden, DTensor):  # without sequence parallelism every rank holds the whole hidden state
             hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
         logits = head(hidden.redistribute(mesh, [Replicate()]))  # a DTensor sharded on the vocabulary axis
+        assert isinstance(logits, DTensor), "the head over a vocabulary-sharded embedding gives a DTensor"
         return logits.full_tensor()
 
-    model.head = vocab_parallel_head
+    owner.head = vocab_parallel_head
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True) -> nn.Module:
@@ -278,7 +286,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     sequence_parallel = sequence_parallel and plan.sequence_parallel
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     split_fp8_linears(model, plan, mesh)  # FP8 weights and their scale grids, as bytes, before the styles
-    for block in model.get_submodule(plan.blocks):
+    for block in plan_blocks(model, plan):
         parallelize_module(block, mesh, layer_plan(plan, sequence_parallel, block))
         for path in plan.head_params:
             if part(block, path.rpartition(".")[0]) is not None:
@@ -287,16 +295,19 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
             if part(block, name) is not None:
                 start = 0 if attr is None else getattr(model.config, attr)
                 _sum_shared_columns(block.get_submodule(name), start, mesh.get_group())
-        if part(block, plan.experts) is not None:
-            _share_expert_tokens(block.get_submodule(plan.experts), mesh)
+        experts = part(block, plan.experts)
+        if experts is not None:
+            _share_expert_tokens(experts, mesh)
     residual = Shard(1) if sequence_parallel else Replicate()
+    if plan.embedding is None:
+        raise ConfigError(f"{model_name(model)}: its parallel plan names no embedding for tensor parallelism to split")
     top: dict[str, Any] = {
         plan.embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=residual,
                                         use_local_output=not sequence_parallel),
     }
     if sequence_parallel and plan.final_norm:
         top[plan.final_norm] = SequenceParallel()  # a base model returns this (B, T, C) DTensor; .full_tensor() gathers it
-    if part(model, plan.lm_head) is not None:  # the causal-LM head (a base model has none)
+    if plan.lm_head is not None and part(model, plan.lm_head) is not None:  # the causal-LM head (a base has none)
         top[plan.lm_head] = ColwiseParallel(input_layouts=residual, output_layouts=Replicate(), use_local_output=True)
     parallelize_module(model, mesh, top)
     if part(model, plan.lm_head) is None and callable(getattr(model, "head", None)):  # tied to the embedding

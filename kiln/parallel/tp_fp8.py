@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 from torch import nn
@@ -22,18 +23,23 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from kiln.errors import ConfigError
 from kiln.hub.fp8 import FP8, SCALE_SUFFIX
 from kiln.models.parallel_plan import ParallelPlan
-from kiln.parallel.blocks import model_name, part
+from kiln.parallel.blocks import model_name, part, plan_blocks
 from kiln.parallel.fsdp import retype
 
+if TYPE_CHECKING:
+    from kiln.models.common.fp8 import FP8Linear
+    from kiln.models.common.lora import LoraLinear
 
-def _is_fp8_linear(module: nn.Module | None) -> bool:
-    """An nn.Linear whose weight is FP8 with its block scales beside it (FP8Linear, or LoRA over one)."""
+
+def _is_fp8_linear(module: nn.Module | None) -> TypeGuard[FP8Linear | LoraLinear]:
+    """An nn.Linear whose weight is FP8 with its block scales beside it (FP8Linear, or LoRA over one: the only
+    Linears that hold an FP8 weight with a scale buffer)."""
     return isinstance(module, nn.Linear) and module.weight.dtype == FP8 and "weight" + SCALE_SUFFIX in module._buffers
 
 
-def fp8_splits(model: nn.Module, plan: ParallelPlan) -> Iterator[tuple[str, nn.Linear, int]]:
+def fp8_splits(model: nn.Module, plan: ParallelPlan) -> Iterator[tuple[str, FP8Linear | LoraLinear, int]]:
     """(path, module, split dim: 0 rows / 1 columns) of every FP8 Linear the plan's colwise / rowwise styles split."""
-    for i, block in enumerate(model.get_submodule(plan.blocks)):
+    for i, block in enumerate(plan_blocks(model, plan)):
         for names, dim in ((plan.colwise, 0), (plan.rowwise, 1)):
             for name in names:
                 module = part(block, name)
@@ -81,6 +87,7 @@ def split_fp8_linears(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh) ->
         w = module.weight
         module.weight = nn.Parameter(_split_bytes(w.data, mesh, dim), requires_grad=False)
         scale = module._buffers["weight" + SCALE_SUFFIX]
+        assert scale is not None, "fp8_splits yields Linears with a scale buffer"
         if module.block is not None:  # a per-tensor scale stays whole (the styles replicate it)
             module._buffers["weight" + SCALE_SUFFIX] = _split_bytes(scale, mesh, dim)
         done.append(path)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -34,6 +35,7 @@ from kiln.serve.async_engine import (
     RequestRefused,
     Stream,
 )
+from kiln.serve.images import has_images, image_chat
 from kiln.serve.results import Gathered, chat_logprobs, completion_logprobs
 from kiln.serve.tools import StreamFilter, reply, template_messages
 
@@ -49,6 +51,7 @@ class ServedModel:
     context: int | None      # the most tokens (prompt + completion) the model reads; None: no fixed limit
     created: int
     parent: str | None = None
+    images: Any = None       # its vision tokens and processor (kiln.data.sft_images.ImageTokens); None: no images
 
 
 @dataclass
@@ -98,9 +101,10 @@ def _params(state: ServerState, req: P._Sampling, served: ServedModel, prompt_le
     return params
 
 
-async def _submit(state: ServerState, model: str, prompts: list[list[int]], params: SamplingParams) -> Stream:
+async def _submit(state: ServerState, model: str, prompts: list[list[int]], params: SamplingParams,
+                  prompt_inputs: dict | None = None) -> Stream:
     try:
-        return await state.engine.submit(model, prompts, params)
+        return await state.engine.submit(model, prompts, params, prompt_inputs)
     except RequestRefused as e:
         raise P.RequestError(str(e)) from None
     except EngineFailed as e:
@@ -172,13 +176,17 @@ async def chat_completions(request: Request) -> Response:
         raise P.RequestError("top_logprobs needs logprobs: true", "top_logprobs")
     tools_offered = bool(req.tools) and req.tool_choice != "none"
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and tools_offered else None
-    try:
-        ids = chat_prompt_ids(served.tokenizer, template_messages(req.messages), tools)
-    except KilnError as e:  # the template refused the conversation (raise_exception, no template)
-        raise P.RequestError(str(e), "messages") from None
+    inputs = None  # an image-text prompt's pixel inputs (kiln.serve.images)
+    if has_images(req.messages):  # decoding and resizing images is work: off the event loop
+        ids, inputs = await run_in_threadpool(image_chat, served.tokenizer, req.messages, served.images, tools)
+    else:
+        try:
+            ids = chat_prompt_ids(served.tokenizer, template_messages(req.messages), tools)
+        except KilnError as e:  # the template refused the conversation (raise_exception, no template)
+            raise P.RequestError(str(e), "messages") from None
     params = _params(state, req, served, len(ids), req.max_completion_tokens or req.max_tokens, req.logprobs,
                      req.top_logprobs or 0)
-    stream = await _submit(state, req.model, [ids], params)
+    stream = await _submit(state, req.model, [ids], params, inputs)
     rid, created = P.new_id("chatcmpl"), P.now()
     if req.stream:
         return _EventStream(_chat_events(stream, req, served, rid, created, len(ids), tools_offered), stream)

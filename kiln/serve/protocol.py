@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -35,12 +35,27 @@ class RequestError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _member(p: str) -> bool:
+    """Whether a pydantic location part names a union's member (`str`, `list[...]`), which is no field of the request."""
+    return p in ("str", "int") or p.startswith(("list[", "dict[", "tuple["))
+
+
 def error_from_validation(e: ValidationError) -> RequestError:
     """The first pydantic error as OpenAI's error: `param` is the dotted path of the field (messages.0.role)."""
-    err = e.errors()[0]
-    loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "union[")))]
+    errors = e.errors()
+    err = errors[0]
+    last = err["loc"][-1] if err["loc"] else None
+    if isinstance(last, str) and _member(last):  # a union's member failed: of its members' errors, the one reaching
+        # deepest into the request (a bad part of a list of content parts, not "content: a valid string")
+        err = max((x for x in errors if x["loc"][:len(err["loc"]) - 1] == err["loc"][:-1]), key=lambda x: len(x["loc"]))
+    raw, tags = list(err["loc"]), set()
+    for k, p in enumerate(raw):  # a tagged union's member is named by its tag value, which is no field of the request
+        if isinstance(p, str) and "tagged-union[" in p:
+            tags.add(k + (2 if p.startswith("list[") else 1))
+    raw = [p for k, p in enumerate(raw) if k not in tags]
+    loc = [str(p) for p in raw if not (isinstance(p, str) and p.startswith(("function-", "union[", "tagged-union[")))]
     # a union's member names (`str`, `list[...]`) are pydantic's, not the request's
-    loc = [p for p in loc if not (p in ("str", "int") or p.startswith(("list[", "dict[", "tuple[")))]
+    loc = [p for p in loc if not _member(p)]
     param = ".".join(loc) or None
     message = err["msg"]
     if err["type"] == "extra_forbidden":
@@ -84,9 +99,22 @@ class ContentPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str = Field(min_length=1)  # a data: URL (kiln.serve.images); fetching a web address is refused
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor sets the resolution
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+Part = Annotated[ContentPart | ImagePart, Field(discriminator="type")]
+
+
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[Part] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None

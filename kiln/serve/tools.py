@@ -14,19 +14,20 @@ import uuid
 from typing import Any
 
 from kiln.hub.chat import split_tool_calls
-from kiln.serve.protocol import Message, RequestError
+from kiln.serve.protocol import ContentPart, Message, RequestError
 
 CALL_OPEN = "<tool_call>"
 
 
-def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
-    """The request's messages as the chat template takes them; a tool call whose arguments are not a JSON object
-    is a RequestError naming it."""
+def template_messages(messages: list[Message], image_text: str | None = None) -> list[dict[str, Any]]:
+    """The request's messages as the chat template takes them, each image part written as `image_text` (the
+    model's vision tokens: kiln.serve.images); a tool call whose arguments are not a JSON object is a RequestError
+    naming it."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = "".join(part.text if isinstance(part, ContentPart) else image_text or "" for part in content)
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         if m.name is not None:
             d["name"] = m.name

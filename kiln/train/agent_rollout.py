@@ -6,7 +6,8 @@ where the tokenizer declares a `response_template`, else a parser from PARSERS t
 matches); function tools are called, then the environment's `step`; what they return is appended as tokens: the
 difference of two renderings of a short conversation (the assistant message, then it and the new messages with
 the generation prompt), cut after the end-of-turn token (loss mask 0). History is never re-rendered, so the
-trainer sees exactly the sampled tokens. An episode stops on `done`, a step with no message, `max_turns`, the
+trainer sees exactly the sampled tokens. The rendering is kiln.data.turns', the path SFT tool rows are encoded
+with, so SFT and a rollout give one conversation the same tokens and mask. An episode stops on `done`, a step with no message, `max_turns`, the
 turn or episode token budget (a turn cut by a budget still goes to the environment's `step`, to be scored; its
 tool calls are not run), or a failure of user code (the episode then carries no loss and no reward, and its
 message is kept).
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kiln.data.turns import TurnCodec, TurnError, Turns
 from kiln.errors import ConfigError
 from kiln.hub.chat import parse_reply
 from kiln.train.envs import EnvSpec, EpisodeError, Tool, TRLEnvironment, as_obs, as_tool, call_user, tool_message
@@ -55,15 +57,17 @@ class Dialect:
         self.tokenizer, self.eos_ids = tokenizer, list(eos_ids)
         self.template = tokenizer.chat()
         self.eos_texts = [t for t in (tokenizer.id_to_token(i) for i in self.eos_ids) if t]
+        # the turn-by-turn rendering SFT tool rows use too (kiln.data.turns): one masking path
+        self.codec = TurnCodec(tokenizer, self.template, self.eos_texts)
         schema = tokenizer.config.get("response_template") or tokenizer.config.get("response_schema")
         self.response_template = schema if isinstance(schema, dict) else None
         self.parser: Parser | None = None
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.backend.encode(text, add_special_tokens=False).ids)
+        return self.codec.encode(text)
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, generation: bool) -> str:
-        return self.template.render(messages, add_generation_prompt=generation, tools=tools or None)
+        return self.codec.render(messages, tools, generation)
 
     def check(self) -> Dialect:
         where = self.template.source
@@ -90,22 +94,11 @@ class Dialect:
 
     def suffix(self, assistant: dict[str, Any], new: list[dict[str, Any]], tools: list[dict[str, Any]] | None
                ) -> list[int]:
-        """The tokens between the end of the policy's turn and its next turn: `new` messages and the generation
-        prompt, as render(..., assistant, *new) less render(..., assistant) cut after its last end-of-turn."""
-        bare = {k: v for k, v in assistant.items() if k in ("role", "content", "tool_calls")}
-        base = [{"role": "user", "content": "kiln"}, bare]
-        before = self.render(base, tools, False)
-        cut = max((before.rfind(t) + len(t) for t in self.eos_texts if t in before), default=-1)
-        if cut < 0:
-            raise EpisodeError("the chat template's assistant turn does not end with the end-of-turn token "
-                               f"({', '.join(self.eos_texts)})")
-        after = self.render(base + new, tools, True)
-        if not after.startswith(before[:cut]):
-            roles = "/".join(sorted({m["role"] for m in new}))
-            raise EpisodeError(f"the chat template is not prefix-preserving when a {roles} message follows an "
-                               "assistant turn (it re-renders the conversation), so turns cannot be appended as "
-                               "tokens")
-        return self.encode(after[cut:])
+        """The tokens between the end of the policy's turn and its next turn (kiln.data.turns)."""
+        try:
+            return self.codec.between(assistant, new, tools)
+        except TurnError as e:
+            raise EpisodeError(str(e)) from None
 
     def parse(self, text: str, prefix: str, tools: list[dict[str, Any]] | None) -> tuple[dict[str, Any], bool]:
         """(the assistant message, whether a tool call failed to parse)."""
@@ -152,6 +145,11 @@ class Episode:
     tool_failures: int = 0
 
     @property
+    def after(self) -> Turns:
+        """`ids` and `mask` (the same lists) as kiln.data.turns appends to them."""
+        return Turns(self.ids, self.mask)
+
+    @property
     def reward(self) -> float | None:
         got = [r for r in self.rewards if r is not None]
         return sum(got) if got and self.end != "error" else None
@@ -180,7 +178,7 @@ class EpisodeRunner:
             e.tools = {tool.name: tool for tool in tools}
             e.schemas = [tool.schema for tool in tools]
             e.messages, e.opening = [dict(m) for m in messages], len(messages)
-            e.prompt_ids = self.dialect.encode(self.dialect.render(e.messages, e.schemas, True))
+            e.prompt_ids = self.dialect.codec.opening(e.messages, e.schemas)
             e.rewards.append(obs.reward)
             if obs.done:
                 e.end = "done"
@@ -204,8 +202,7 @@ class EpisodeRunner:
                                 device)
             for e, _budget, (toks, lps, ended) in zip(active, budgets, outs):
                 prefix_ids = e.prompt_ids + e.ids
-                e.ids += toks
-                e.mask += [1] * len(toks)
+                e.after.assistant(toks)
                 e.logps += lps
                 e.turns += 1
                 # a turn cut by a budget still goes to the environment (which scores what was written), but
@@ -274,8 +271,7 @@ class EpisodeRunner:
             e.end = "budget"
             return
         e.messages += new
-        e.ids += suffix
-        e.mask += [0] * len(suffix)
+        e.after.other(suffix)
         e.logps += [0.0] * len(suffix)
 
 

@@ -20,19 +20,21 @@ dcp/.metadata, which a load of that checkpoint runs on the same file anyway.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import random
 import re
 import shutil
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from kiln.errors import KilnError
@@ -114,6 +116,32 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
     """Write RUN_DIR/ckpt-<step> atomically (temp dir, fsync, rename) and return its path."""
     run_dir = Path(run_dir)
     tmp = run_dir / f".{ckpt_name(step)}.tmp"
+    with _writing(run_dir, tmp, step):
+        return _save(run_dir, tmp, step, model, optimizer, trainer_state, rng_states)
+
+
+@contextlib.contextmanager
+def _writing(run_dir: Path, tmp: Path, step: int) -> Iterator[None]:
+    """A write that fails (a full disk, a file-size limit, a read-only mount) takes its partial checkpoint
+    away and says which checkpoint it was, why, and which complete one a resume starts from."""
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # half a checkpoint is none; its space goes back to the disk
+        why = f"{e.strerror} ({e.filename})" if isinstance(e, OSError) and e.strerror else str(e)
+        if "os error 28" in why or getattr(e, "errno", None) == errno.ENOSPC:
+            why += " (the disk is full: free some space)"
+        elif "os error 27" in why or getattr(e, "errno", None) == errno.EFBIG:
+            why += " (a file-size limit: ulimit -f, or the filesystem's largest file)"
+        done = list_checkpoints(run_dir)
+        then = (f"resume with --resume from {done[-1][1].name}, the newest complete checkpoint" if done else
+                "no checkpoint was complete yet: start the run again")
+        raise KilnError(f"{run_dir}: writing checkpoint {ckpt_name(step)} failed: {why}; its partial files are "
+                        f"removed, the rest of the run directory is as it was; {then}") from None
+
+
+def _save(run_dir: Path, tmp: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+          trainer_state: dict[str, Any], rng_states: list[dict[str, Any]]) -> Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -136,6 +164,11 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
 def seal_checkpoint(run_dir: Path, tmp: Path, step: int, trainer_state: dict[str, Any],
                     rng_states: list[dict[str, Any]]) -> Path:
     """Finish a checkpoint whose weights are in `tmp`: trainer and RNG state, fsync, manifest last, rename."""
+    with _writing(run_dir, tmp, step):
+        return _seal(run_dir, tmp, step, trainer_state, rng_states)
+
+
+def _seal(run_dir: Path, tmp: Path, step: int, trainer_state: dict[str, Any], rng_states: list[dict[str, Any]]) -> Path:
     final = run_dir / ckpt_name(step)
     _write_json(tmp / "trainer.json", {"format": FORMAT, **trainer_state})
     _write_json(tmp / "rng.json", rng_states)

@@ -386,9 +386,19 @@ def _miscast(model: type[BaseModel], data: Any, prefix: str = "") -> list[tuple[
                                               "number itself"))
                 break
             if isinstance(item, str) and numbers_only:
-                out.append((f"{prefix}{key}", f"Input should be a valid number, not text: got {item!r} (drop the quotes)"))
+                quoted = _is_number(item)  # "3e-4" in quotes: the fix is the quotes; "abc": the value  # sweep
+                out.append((f"{prefix}{key}", f"Input should be a valid number, not text: got {item!r}"
+                                              + (" (drop the quotes)" if quoted else "")))
                 break
     return out
+
+
+def _is_number(text: str) -> bool:  # sweep
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def model_config_overrides(m: ModelSection) -> dict[str, Any]:

@@ -89,6 +89,30 @@ def test_tool_rows_render_as_transformers(tok_dirs, name):
     assert ids == _hf_ids(hf.apply_chat_template(AGENT, tools=TOOLS, tokenize=True))
 
 
+def test_a_tool_row_the_template_renders_incrementally_goes_turn_by_turn(tok_dirs, monkeypatch):
+    """One user query (Qwen3 then keeps every turn's reasoning, so it renders incrementally): the row is encoded
+    by kiln.data.turns (the rollout's path), and its ids are still transformers' rendering tokenized whole.
+    With a second user query (AGENT) Qwen3 re-renders the first turns without their reasoning: that row is
+    rendered whole instead, as the tests above check."""
+    from kiln.data.turns import TurnCodec
+    from kiln.hub import Tokenizer
+
+    tok = Tokenizer.from_dir(tok_dirs["qwen3"])
+    hf = transformers.AutoTokenizer.from_pretrained(tok_dirs["qwen3"])
+    used, real = [], TurnCodec.conversation
+    monkeypatch.setattr(TurnCodec, "conversation", lambda self, *a, **k: used.append(real(self, *a, **k)) or used[-1])
+    conv = AGENT[:6]
+    ids, labels = encode_conversation(tok, tok.chat(), conv, tools=TOOLS)
+    assert used and used[-1][1].ids == ids
+    assert ids == _hf_ids(hf.apply_chat_template(conv, tools=TOOLS, tokenize=True))
+    want = ['<think>\nI need both tools.\n</think>\n\n' + WANT_TURNS[0], "<think>\nCombine both.\n</think>\n\n"
+            + WANT_TURNS[1]]
+    assert _trained_runs(tok, ids, labels) == want
+    _, hidden = encode_conversation(tok, tok.chat(), conv, "assistant_no_reasoning", tools=TOOLS)
+    assert ["".join(r) for r in _split_at_gaps(tok, ids, labels, hidden)] == \
+        [w.replace("I need both tools.", "").replace("Combine both.", "") for w in want]
+
+
 def _trained_runs(tok, ids, labels) -> list[str]:
     """The trained tokens as text, one string per contiguous run."""
     runs, cur = [], []

@@ -48,6 +48,18 @@ def _equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
     assert not a.training and not b.training and (a.tokenizer is None) == (b.tokenizer is None)
 
 
+def _same_pairs_and_exports(plan_model, whole, tmp_path) -> None:
+    """The stored FP8 pairs a one-process export writes back held as the whole load holds them (same order, same
+    bytes), and the two exports byte for byte the same."""
+    a, b = plan_model.fp8_state.originals, whole.fp8_state.originals
+    assert list(a) == list(b) and all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                                      for n in a for x, y in zip(a[n], b[n]))
+    plan_model.save_pretrained(tmp_path / "plan")
+    whole.save_pretrained(tmp_path / "whole")
+    for f in sorted(p.name for p in (tmp_path / "whole").iterdir()):
+        assert (tmp_path / "plan" / f).read_bytes() == (tmp_path / "whole" / f).read_bytes(), f
+
+
 def _task(model_type: str) -> str:
     return next(iter(auto.family_for(model_type).tasks))
 
@@ -91,13 +103,7 @@ def test_an_fp8_release_loads_through_its_plan_with_the_pairs_a_whole_load_keeps
     assert len(materialized["read"]) == 1 and materialized["whole"] == []
     whole = load_whole(kinds["fp8"], task="causal-lm", **kw)
     _equal(plan_model, whole)
-    a, b = plan_model.fp8_state.originals, whole.fp8_state.originals
-    assert list(a) == list(b) and all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-                                      for n in a for x, y in zip(a[n], b[n]))
-    plan_model.save_pretrained(tmp_path / "plan")
-    whole.save_pretrained(tmp_path / "whole")
-    for f in sorted(p.name for p in (tmp_path / "whole").iterdir()):
-        assert (tmp_path / "plan" / f).read_bytes() == (tmp_path / "whole" / f).read_bytes(), f
+    _same_pairs_and_exports(plan_model, whole, tmp_path)
 
 
 QWEN3 = dict(vocab_size=99, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -174,3 +180,82 @@ def _qwen35_with_mtp(tiny_factory, path):
     state = load_file(str(path / "model.safetensors"))
     save_file({**state, "mtp.fc.weight": torch.ones(4, 4)}, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+@pytest.mark.parametrize("kw", [{}, {"dtype": torch.float32}, {"fp8": "keep"}])
+def test_a_new_head_on_an_fp8_base_is_drawn_by_the_plan_as_the_whole_load_draws_it(kinds, kw, materialized):
+    """The draws' dtype is the one the whole load picks from its prepared weights (dequantized, or kept pairs)."""
+    torch.manual_seed(7)
+    plan_model = load_pretrained(kinds["fp8"], task="sequence-classification", labels=["a", "b"], seed=3, **kw)
+    after_plan = torch.get_rng_state()
+    assert len(materialized["read"]) == 1 and materialized["whole"] == [], materialized
+    assert any(isinstance(s, Fresh) for s in materialized["read"][0].sources.values())
+    torch.manual_seed(7)
+    whole = load_whole(kinds["fp8"], task="sequence-classification", labels=["a", "b"], seed=3, **kw)
+    assert torch.equal(after_plan, torch.get_rng_state())
+    _equal(plan_model, whole)
+
+
+@pytest.mark.parametrize("kw", [{}, {"fp8": "keep"}])
+def test_an_adapter_beside_an_fp8_base_is_put_on_by_the_plan_as_the_whole_load_puts_it(kinds, kw, materialized,
+                                                                                        tmp_path):
+    from tests.parallel.sharded_load_workers import with_adapter
+
+    path = with_adapter(tmp_path / "fp8_adapter", kinds["fp8"])
+    assert (path / "adapter_config.json").is_file() and "quantization_config" in (path / "config.json").read_text()
+    materialized["whole"].clear()  # (with_adapter's own load)
+    plan_model = load_pretrained(path, task="causal-lm", seed=5, **kw)
+    assert len(materialized["read"]) == 1 and materialized["whole"] == [], materialized
+    _equal(plan_model, load_whole(path, task="causal-lm", seed=5, **kw))
+
+
+@pytest.fixture(scope="module")
+def q4_dirs(tmp_path_factory):
+    from tests.parallel.sharded_load_workers import q4_checkpoints
+
+    return q4_checkpoints(tmp_path_factory.mktemp("load_plan_q4"))
+
+
+@pytest.mark.parametrize("name,quantize", [("bf16", "nf4"), ("bnb-nf4", None)])
+def test_a_new_head_on_a_4bit_base_is_drawn_by_the_plan_as_the_whole_load_draws_it(q4_dirs, name, quantize,
+                                                                                    materialized):
+    """A head is no backbone Linear: drawn in the load's dtype and left unquantized, by both loads."""
+    kw = {"task": "sequence-classification", "labels": ["a", "b"], "seed": 3, "quantize": quantize}
+    plan_model = load_pretrained(q4_dirs[name], **kw)
+    assert len(materialized["read"]) == 1 and materialized["whole"] == [], materialized
+    plan = materialized["read"][0]
+    assert plan.q4 and any(isinstance(s, Fresh) for s in plan.sources.values())
+    _equal(plan_model, load_whole(q4_dirs[name], **kw))
+
+
+@pytest.mark.parametrize("name,quantize", [("bf16", "nf4"), ("bnb-nf4", None)])
+def test_an_adapter_beside_a_4bit_base_is_put_on_by_the_plan_as_the_whole_load_puts_it(q4_dirs, name, quantize,
+                                                                                        materialized, tmp_path):
+    from tests.parallel.sharded_load_workers import with_adapter
+
+    path = with_adapter(tmp_path / "q4_adapter", q4_dirs[name])
+    materialized["whole"].clear()  # (with_adapter's own load)
+    plan_model = load_pretrained(path, task="causal-lm", seed=5, quantize=quantize)
+    assert len(materialized["read"]) == 1 and materialized["whole"] == [], materialized
+    _equal(plan_model, load_whole(path, task="causal-lm", seed=5, quantize=quantize))
+
+
+@pytest.fixture(scope="module")
+def v4_release(tiny_factory, tmp_path_factory):
+    from tests.models.v4_release import make_release, tiny_release_source
+
+    return make_release(tiny_release_source(tiny_factory), tmp_path_factory.mktemp("v4mtp_plan") / "flash")
+
+
+@pytest.mark.parametrize("fp8", ["dequantize", "keep"])
+def test_an_fp8_release_s_carried_mtp_layer_is_held_on_one_process_as_the_whole_load_holds_it(v4_release, fp8,
+                                                                                             materialized, tmp_path):
+    """Each carried FP8 (FP4) pair read and dequantized as the whole load dequantizes it, its scale not held, its
+    stored pair kept aside in the whole load's order: the export's bytes are the whole load's."""
+    plan_model = load_pretrained(v4_release, task="causal-lm", fp8=fp8)
+    assert len(materialized["read"]) == 1 and materialized["whole"] == [] and not plan_model.carried.refs
+    whole = load_whole(v4_release, task="causal-lm", fp8=fp8)
+    _equal(plan_model, whole)
+    a, b = plan_model.mtp_tensors, whole.mtp_tensors
+    assert a and list(a) == list(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    _same_pairs_and_exports(plan_model, whole, tmp_path)

@@ -56,7 +56,9 @@ def test_the_fp8_mtp_layer_is_carried_by_reference_or_read_dequantized_once_live
     assert whole.mtp_tensors.keys() == {n for n in refs if not n.endswith(".scale")}
     a, b = whole.state_dict(), lean.state_dict()
     assert a.keys() == b.keys() and _differ(a, b) == []
-    assert load_to_device(release, "cpu", fp8=fp8) is None  # one process exports from the pairs a whole load keeps
+    one = load_to_device(release, "cpu", fp8=fp8)  # one process: the plan, then the carried pairs held dequantized
+    assert one is not None and list(one.mtp_tensors) == list(whole.mtp_tensors)  # as the whole load holds them
+    assert _differ(dict(one.mtp_tensors), dict(whole.mtp_tensors)) == [] and _differ(one.state_dict(), a) == []
     # made live before the read (`[moe] mtp_weight`): its parameters read as the whole load's enable_mtp holds them
     whole = load_whole(release, task="causal-lm", fp8=fp8)
     lean = lean_pretrained(release, "causal-lm", None, fp8=fp8)

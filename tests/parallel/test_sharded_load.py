@@ -378,9 +378,21 @@ CASES_Q4 = [("fsdp", "bf16", "nf4"), ("fsdp", "bf16", "fp4"), ("fsdp", "bnb-nf4"
             ("pp", "bf16", "nf4")]
 
 
+# a new head and a PEFT adapter on FP8 and 4-bit bases (read from the plan since issue 44's second loading stop):
+# (mode, checkpoint, quantize at load); "-head" a checkpoint loaded with a classifier it lacks (NEW_HEAD)
+CASES_BASES = [("fsdp", "fp8-head", None), ("fsdp-deq", "fp8-head", None), ("fsdp-adapter", "fp8-adapter", None),
+               ("fsdp", "bnb-nf4-head", None), ("fsdp", "bf16-head", "nf4"), ("fsdp-adapter", "bnb-nf4-adapter", None),
+               ("fsdp-adapter", "bf16-adapter", "nf4")]
+NEW_HEAD = ("sequence-classification", ["neg", "pos"])
+
+
 @pytest.fixture(scope="module")
 def q4_dirs(tmp_path_factory):
-    return sw.q4_checkpoints(tmp_path_factory.mktemp("sharded_q4"))
+    root = tmp_path_factory.mktemp("sharded_q4")
+    out = sw.q4_checkpoints(root)
+    return {**out, "bnb-nf4-head": out["bnb-nf4"], "bf16-head": out["bf16"],
+            "bnb-nf4-adapter": sw.with_adapter(root / "bnb-nf4-adapter", out["bnb-nf4"]),
+            "bf16-adapter": sw.with_adapter(root / "bf16-adapter", out["bf16"])}
 
 
 @pytest.fixture(scope="module")
@@ -392,7 +404,9 @@ def rank_results(dirs, fp8_dir, fp8_moe_dir, hook_dirs, q4_dirs, tiny_factory, t
     paths = {**dirs, "fp8": fp8_dir, "fp8moe": fp8_moe_dir, **hook_dirs,
              "fp8tp": tp_release(tiny_factory, tmp_path_factory.mktemp("sharded_fp8_tp")),
              "v4fp8": fp8_release_without_mtp(tiny_factory, tmp_path_factory.mktemp("v4fp8"))}
-    q4 = [(str(q4_dirs[name]), mode, f"{mode}-{name}-{quant}", quant) for mode, name, quant in CASES_Q4]
+    paths.update({**q4_dirs, "fp8-head": fp8_dir, "fp8-adapter": sw.with_adapter(out / "fp8-adapter", fp8_dir)})
+    q4 = [(str(paths[name]), mode, f"{mode}-{name}-{quant}", quant, *(NEW_HEAD if name.endswith("-head") else ()))
+          for mode, name, quant in CASES_Q4 + CASES_BASES]
     for world, cases in ((2, CASES_2), (4, CASES_4)):
         spawn(sw.compare_many, world, ([(str(paths[name]), mode, f"{mode}-{name}", None, *FRESH.get(name, ()))
                                         for mode, name in cases]
@@ -446,6 +460,19 @@ def test_each_rank_reads_what_a_whole_load_then_shard_gives(rank_results, mode, 
         if mode == "fsdp-lora" and name in FRESH:  # two steps with dropout from there: the same losses, exactly
             whole_run, lean_run = r["steps"]
             assert len(whole_run) == 2 and whole_run == lean_run, r["steps"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,name,quantize", CASES_BASES)
+def test_a_new_head_or_an_adapter_on_an_fp8_or_4bit_base_reads_as_a_whole_load_then_shard_gives(rank_results, mode,
+                                                                                                 name, quantize):
+    """Drawn (a head) or read whole and put on (an adapter) from the plan on each rank, as the whole load draws and
+    puts them: every tensor equal after the plans, the generator left where the whole load leaves it."""
+    for rank in range(2):
+        r = json.loads((rank_results / f"{mode}-{name}-{quantize}-rank{rank}.json").read_text())
+        assert r["problems"] == [] and r["rng_equal"], (rank, r["problems"][:5], r["rng_equal"])
+        if name.endswith("-head"):
+            assert r["initialized"] and r["fresh_bytes"], r
 
 
 def _read(r: dict, f: str, s) -> int:

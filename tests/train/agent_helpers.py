@@ -48,6 +48,47 @@ def make_model(tok: Path, seed: int = 0):
     return model.eval()
 
 
+def write_agent_data(d: Path) -> Path:
+    """`d`'s prompts.jsonl (guess a number, its answer) and agentrewards.py (`short`: shorter episodes score more)."""
+    rows = [{"prompt": f"guess a number below {n}", "answer": str(n // 2)} for n in range(4, 12)]
+    (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "agentrewards.py").write_text("def short(prompts, completions, completion_ids, **kw):\n"
+                                       "    return [1.0 / (1 + len(ids)) for ids in completion_ids]\n")
+    return d
+
+
+def agent_toml(d: Path, name: str, grpo: str, steps: int = 2, model: str | None = None, train: str = "",
+               max_new_tokens: int = 8) -> Path:
+    """`d/name.toml`: a multi-turn [grpo] run on d's prompts; the tiny Qwen3 from scratch with d's `tok`, or
+    `model` (a [model] section's lines); `train`, `grpo`: more lines for those sections."""
+    config = "\n".join(f"{k} = {v}" for k, v in MODEL_CONFIG.items())
+    model = model or f'family = "qwen3"\ntask = "causal-lm"\ntokenizer = "tok"\n[model.config]\n{config}'
+    cfg = d / f"{name}.toml"
+    cfg.write_text(f"""
+[model]
+{model}
+[data]
+train = "prompts.jsonl"
+max_length = 256
+[train]
+out_dir = "{d / name}"
+steps = {steps}
+batch_size = 2
+lr = 1e-2
+weight_decay = 0.0
+schedule = "constant"
+progress = false
+{train}
+[grpo]
+num_generations = 2
+max_new_tokens = {max_new_tokens}
+max_turns = 3
+max_episode_tokens = 200
+{grpo}
+""")
+    return cfg
+
+
 class GuessEnv:
     """kiln's protocol: guess the row's number; each wrong guess gets a user message saying higher / lower."""
 

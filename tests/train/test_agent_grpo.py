@@ -13,49 +13,18 @@ from kiln.errors import ConfigError
 from kiln.train import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.run import build_trainer
-from tests.train.agent_helpers import MODEL_CONFIG, make_tokenizer
+from tests.train.agent_helpers import agent_toml, make_tokenizer, write_agent_data
 
 
 @pytest.fixture(scope="module")
 def agent_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("agentgrpo")
     make_tokenizer(d)
-    rows = [{"prompt": f"guess a number below {n}", "answer": str(n // 2)} for n in range(4, 12)]
-    (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (d / "agentrewards.py").write_text("def short(prompts, completions, completion_ids, **kw):\n"
-                                       "    return [1.0 / (1 + len(ids)) for ids in completion_ids]\n")
-    return d
+    return write_agent_data(d)
 
 
 def _toml(d: Path, name: str, grpo: str, steps: int = 2) -> Path:
-    model = "\n".join(f"{k} = {v}" for k, v in MODEL_CONFIG.items())
-    cfg = d / f"{name}.toml"
-    cfg.write_text(f"""
-[model]
-family = "qwen3"
-task = "causal-lm"
-tokenizer = "tok"
-[model.config]
-{model}
-[data]
-train = "prompts.jsonl"
-max_length = 256
-[train]
-out_dir = "{d / name}"
-steps = {steps}
-batch_size = 2
-lr = 1e-2
-weight_decay = 0.0
-schedule = "constant"
-progress = false
-[grpo]
-num_generations = 2
-max_new_tokens = 8
-max_turns = 3
-max_episode_tokens = 200
-{grpo}
-""")
-    return cfg
+    return agent_toml(d, name, grpo, steps)
 
 
 def test_an_environment_run_trains_logs_alarms_and_writes_episodes(agent_dir, capsys):

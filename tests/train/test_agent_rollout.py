@@ -64,6 +64,59 @@ def test_loss_mask_of_a_multi_turn_episode_equals_a_hand_made_one(model, monkeyp
     """Turn 1 calls a tool and guesses wrong; the tool result and the environment's hint follow (mask 0, in the
     template's own layout: end-of-turn newline, a user turn wrapping <tool_response>, the user hint, the
     generation prompt); turn 2 guesses right (done)."""
+    e, d = _tool_episode(model, monkeypatch)
+    assert e.end == "done" and e.turns == 2 and e.error is None, (e.end, e.error)
+    turn1, between, turn2 = _hand_made(d)
+    assert d.tokenizer.decode(e.ids, skip_special_tokens=False) == \
+        d.tokenizer.decode(turn1 + between + turn2, skip_special_tokens=False)
+    assert e.ids == turn1 + between + turn2
+    assert e.mask == [1] * len(turn1) + [0] * len(between) + [1] * len(turn2)
+    assert e.rewards == [None, 0.0, 1.0] and e.reward == 1.0
+    assert [m["role"] for m in e.messages] == ["user", "assistant", "tool", "user", "assistant"]
+    # the prompt was rendered once, with the tools
+    assert d.tokenizer.decode(e.prompt_ids, skip_special_tokens=False).endswith(
+        "<|im_start|>user\nguess my number<|im_end|>\n<|im_start|>assistant\n")
+    assert '"name": "add"' in d.tokenizer.decode(e.prompt_ids, skip_special_tokens=False)
+    micro = ar.to_micro([e], 0, [EOS], torch.device("cpu"))
+    p = micro["prompt_len"]
+    assert micro["input_ids"][0, p:].tolist() == e.ids
+    assert micro["loss_mask"][0].tolist() == e.mask
+
+
+def test_sft_of_an_episodes_conversation_has_the_rollouts_tokens_and_mask(model, monkeypatch):
+    """One masking path: the conversation a rollout produced, encoded as an SFT tool row, gives the rollout's
+    tokens (prompt + episode) and its mask token by token, and both equal the hand-made mask."""
+    from kiln.constants import IGNORE_INDEX
+    from kiln.data.sft import encode_conversation
+    from kiln.data.turns import TurnCodec
+
+    e, d = _tool_episode(model, monkeypatch)
+    turn1, between, turn2 = _hand_made(d)
+    tok = d.tokenizer
+    used, real = [], TurnCodec.conversation
+    monkeypatch.setattr(TurnCodec, "conversation", lambda self, *a, **k: used.append(1) or real(self, *a, **k))
+    ids, labels = encode_conversation(tok, tok.chat(), e.messages, tools=e.schemas)
+    assert used  # the SFT row went through kiln.data.turns, not the whole-rendering fallback
+    sft_mask = [int(lab != IGNORE_INDEX) for lab in labels]
+    hand = [0] * len(e.prompt_ids) + [1] * len(turn1) + [0] * len(between) + [1] * len(turn2)
+    assert ids[:len(e.prompt_ids) + len(e.ids)] == e.prompt_ids + e.ids
+    # SFT's row ends as the template ends a conversation: the newline after the last end-of-turn (mask 0)
+    assert tok.decode(ids[len(e.prompt_ids) + len(e.ids):], skip_special_tokens=False) == "\n"
+    assert sft_mask[:len(hand)] == [0] * len(e.prompt_ids) + e.mask == hand and sft_mask[len(hand):] == [0]
+    assert all(lab == i for i, lab in zip(ids, labels) if lab != IGNORE_INDEX)
+    # and the whole rendering (transformers' apply_chat_template) is the same text: nothing was re-rendered
+    assert tok.decode(ids, skip_special_tokens=False) == tok.chat().render(e.messages, tools=e.schemas)
+
+
+def _hand_made(d):
+    turn1 = d.encode(f"5\n{CALL}") + [EOS]
+    between = d.encode("\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>user\n"
+                       "higher<|im_end|>\n<|im_start|>assistant\n")
+    return turn1, between, d.encode("7") + [EOS]
+
+
+def _tool_episode(model, monkeypatch):
+    """Turn 1 calls the `add` function tool and guesses 5 (wrong), turn 2 guesses 7 (right), scripted."""
     runner, d = _runner(model, GuessEnv)
     _scripted(monkeypatch, d, [f"5\n{CALL}", "7"])
 
@@ -85,25 +138,7 @@ def test_loss_mask_of_a_multi_turn_episode_equals_a_hand_made_one(model, monkeyp
     adder.__name__ = "add"
     runner.spec.factory = Env
     (e,) = runner.run(None, [ROW], [0], [[1]], [0], None, 0, torch.device("cpu"))
-    assert e.end == "done" and e.turns == 2 and e.error is None, (e.end, e.error)
-    turn1 = d.encode(f"5\n{CALL}") + [EOS]
-    between = d.encode("\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>user\n"
-                       "higher<|im_end|>\n<|im_start|>assistant\n")
-    turn2 = d.encode("7") + [EOS]
-    assert d.tokenizer.decode(e.ids, skip_special_tokens=False) == \
-        d.tokenizer.decode(turn1 + between + turn2, skip_special_tokens=False)
-    assert e.ids == turn1 + between + turn2
-    assert e.mask == [1] * len(turn1) + [0] * len(between) + [1] * len(turn2)
-    assert e.rewards == [None, 0.0, 1.0] and e.reward == 1.0
-    assert [m["role"] for m in e.messages] == ["user", "assistant", "tool", "user", "assistant"]
-    # the prompt was rendered once, with the tools
-    assert d.tokenizer.decode(e.prompt_ids, skip_special_tokens=False).endswith(
-        "<|im_start|>user\nguess my number<|im_end|>\n<|im_start|>assistant\n")
-    assert '"name": "add"' in d.tokenizer.decode(e.prompt_ids, skip_special_tokens=False)
-    micro = ar.to_micro([e], 0, [EOS], torch.device("cpu"))
-    p = micro["prompt_len"]
-    assert micro["input_ids"][0, p:].tolist() == e.ids
-    assert micro["loss_mask"][0].tolist() == e.mask
+    return e, d
 
 
 class Chatty:

@@ -16,7 +16,7 @@ logits come back; off, it is the exact path, bit-identical to transformers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -29,6 +29,16 @@ from kiln.models.common.moe import load_balancing_loss
 from kiln.models.common.pretrained import PreTrainedModel
 from kiln.models.common.tied_grad import deferred_head
 from kiln.models.common.token_logps import exact_token_logps, linear_token_logps
+
+if TYPE_CHECKING:
+    from kiln.models.pretrained import Family
+
+
+class RoutedConfig(Protocol):
+    """What the router's auxiliary loss reads of an MoE family's config."""
+    num_experts: int
+    num_experts_per_tok: int
+    router_aux_loss_coef: float
 
 
 @dataclass
@@ -79,7 +89,7 @@ class ForCausalLM(PreTrainedModel):
         super().__init__()
         self.model = model
         self.lm_head = None if tied else nn.Linear(hidden_size, vocab_size, bias=False)
-        self.embedding, self.fp32_logits = embedding, fp32_logits
+        self.embedding, self.fp32_logits, self.vocab_size = embedding, fp32_logits, vocab_size
         self.fast = False  # the exact path until set_fast: verify-export and parity tests rely on it
 
     @property
@@ -163,7 +173,8 @@ class ForCausalLM(PreTrainedModel):
         if output_router_logits:
             router = _router_logits(self.model)
             if router:
-                c = self.config
+                # router logits come only from MoE layers, which a family builds only from a config with these
+                c = cast(RoutedConfig, self.config)
                 aux = load_balancing_loss(router, c.num_experts, c.num_experts_per_tok, attention_mask)
                 if loss is not None:
                     loss = loss + c.router_aux_loss_coef * aux
@@ -176,16 +187,18 @@ class ForCausalLM(PreTrainedModel):
         the hidden states it gets alone: asked of the backbone itself on a 5-token row of two samples."""
         p = next(self.parameters())
         if p.is_meta:  # built on meta for a sharded read (no weights yet): asked of the family's tiny model
-            tiny = getattr(self.family, "tiny", None)
-            if tiny is None:
+            # Family.build is what sets a model's family (FamilySpec is the floor's view of that Family)
+            family = cast("Family", self.family)
+            if family.tiny is None:
                 return False
-            config = self.family.config_cls.from_dict(tiny.config, source=f"{self.family.model_type} tiny config")
+            config = family.config_cls.from_dict(family.tiny.config, source=f"{family.model_type} tiny config")
             with torch.random.fork_rng(devices=[]):  # the question draws nothing from the run's generator
                 torch.manual_seed(0)
-                small = self.family.build(config, self.task)
+                # the family builds this task as the class it built self as
+                small = cast(ForCausalLM, family.build(config, self.task))
                 small.init_weights()
                 return small.packs_samples()
-        ids = torch.tensor([[1, 2, 3, 4, 5]], device=p.device) % self.config.vocab_size
+        ids = torch.tensor([[1, 2, 3, 4, 5]], device=p.device) % self.vocab_size
         positions = torch.tensor([[0, 1, 2, 0, 1]], device=p.device)
         was_training = self.training
         self.eval()
@@ -200,7 +213,8 @@ class ForCausalLM(PreTrainedModel):
     def new_cache(self) -> Any:
         """An empty decoding cache for `generate`: the backbone's own, else a KV cache per layer."""
         make = getattr(self.model, "new_cache", None)
-        return make() if make is not None else KVCache(len(self.model.layers))
+        # a backbone without a cache of its own is the transformer Decoder, whose layers are a ModuleList
+        return make() if make is not None else KVCache(len(cast(nn.ModuleList, self.model.layers)))
 
     def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """Prompt (B, T) -> prompt + new tokens; see `kiln.models.generation.generate`."""

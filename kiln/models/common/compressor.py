@@ -39,15 +39,15 @@ class CompressorState:
     def windows(self, kv: torch.Tensor, gate: torch.Tensor, rate: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The buffered + new tokens that fill whole windows, and the first window's start; keep the rest."""
         first = self.count * rate
-        if self.buffer_kv is not None and self.buffer_kv.shape[1]:
+        if self.buffer_kv is not None and self.buffer_gate is not None and self.buffer_kv.shape[1]:
             kv, gate = torch.cat([self.buffer_kv, kv], dim=1), torch.cat([self.buffer_gate, gate], dim=1)
         usable = (kv.shape[1] // rate) * rate
         self.buffer_kv, self.buffer_gate = kv[:, usable:], gate[:, usable:]
         return kv[:, :usable], gate[:, :usable], first
 
-    def carry(self, kv: torch.Tensor, gate: torch.Tensor, dim: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def carry(self, kv: torch.Tensor, gate: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """CSA: hand back the Ca slice saved last call (None at first) and keep this call's last one."""
-        prior = self.overlap_kv, self.overlap_gate
+        prior = None if self.overlap_kv is None or self.overlap_gate is None else (self.overlap_kv, self.overlap_gate)
         self.overlap_kv, self.overlap_gate = kv[:, -1, :, :dim].clone(), gate[:, -1, :, :dim].clone()
         return prior
 
@@ -83,7 +83,8 @@ class WindowPool(nn.Module):
     def reset_parameters_hf(self, std: float) -> None:
         nn.init.zeros_(self.position_bias)
 
-    def forward(self, x: torch.Tensor, state: CompressorState | None) -> torch.Tensor:
+    def pool(self, x: torch.Tensor, state: CompressorState | None) -> torch.Tensor:
+        """Not `forward`: each subclass's forward takes more (queries, positions) and returns its own shapes."""
         B = x.shape[0]
         kv, gate = self.kv_proj(x), self.gate_proj(x)
         if state is None:
@@ -106,8 +107,9 @@ class WindowPool(nn.Module):
                     pooled_kv[:, 1:, :r] = kv[:, :-1, :, :d]
                     pooled_gate[:, 1:, :r] = gate[:, :-1, :, :d]
                 if state is not None:
-                    prior_kv, prior_gate = state.carry(kv, gate, d)
-                    if prior_kv is not None:
+                    prior = state.carry(kv, gate, d)
+                    if prior is not None:
+                        prior_kv, prior_gate = prior
                         pooled_kv[:, 0, :r] = prior_kv.to(pooled_kv.dtype)
                         pooled_gate[:, 0, :r] = prior_gate.to(pooled_gate.dtype)
                 kv, gate = pooled_kv, pooled_gate
@@ -132,7 +134,7 @@ class HCACompressor(WindowPool):
                 states: dict[str, CompressorState] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> entries (B, 1, n, D), additive bias (B, 1, S, n) hiding entries not yet complete (None: all visible)."""
         B = x.shape[0]
-        entries = super().forward(x, None if states is None else states["compressor"]).unsqueeze(1)
+        entries = self.pool(x, None if states is None else states["compressor"]).unsqueeze(1)
         n, S = entries.shape[2], position_ids.shape[1]
         if S == 1 or n == 0:
             return entries, None
@@ -155,7 +157,7 @@ class Indexer(WindowPool):
                 state: CompressorState | None) -> torch.Tensor:
         """-> (B, S, k) entry ids per query, -1 where fewer than k entries are complete."""
         B, S, _ = x.shape
-        keys = super().forward(x, state)  # (B, n, d)
+        keys = self.pool(x, state)  # (B, n, d)
         cos, sin = self.rotary_emb(x, position_ids)
         q = self.q_b_proj(q_resid).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, H, S, d)
         q = apply_rope_tail(q, cos, sin).transpose(1, 2)  # (B, S, H, d)
@@ -196,7 +198,7 @@ class CSACompressor(WindowPool):
                 states: dict[str, CompressorState] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> entries (B, 1, n, D), additive bias (B, 1, S, n): 0 on the entries the indexer picked, else -inf."""
         B, S, _ = x.shape
-        entries = super().forward(x, None if states is None else states["compressor"]).unsqueeze(1)
+        entries = self.pool(x, None if states is None else states["compressor"]).unsqueeze(1)
         picked = self.indexer(x, q_resid, position_ids, None if states is None else states["indexer"])
         n = entries.shape[2]
         # -1 (no entry) goes to a spare column that is cut off after the scatter
@@ -225,7 +227,8 @@ class SlidingCompressedCache:
 
     def update(self, layer: int, kv: torch.Tensor) -> torch.Tensor:
         """Past kept keys + the new ones (B, 1, kept + T, D); keeps the last window - 1 of them."""
-        full = kv if self.keys[layer] is None else torch.cat([self.keys[layer], kv], dim=-2)
+        past = self.keys[layer]
+        full = kv if past is None else torch.cat([past, kv], dim=-2)
         self.keys[layer] = full[:, :, -self.window + 1:, :]
         return full
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Protocol, Self, cast
 
 from kiln.errors import ConfigError
 
@@ -134,3 +134,19 @@ class FamilyConfig:
         for key in ("dtype", "torch_dtype"):
             if dtype is not None and key in self.extra:
                 self.extra[key] = str(dtype).removeprefix("torch.")
+
+
+class TextSizes(Protocol):
+    """The sizes every model that reads tokens has in its config (decoders, hybrids, encoders, Mamba): what code
+    outside a family reads of it (GGUF export, poolings, heads over the vocabulary)."""
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+
+
+def text_sizes(config: FamilyConfig) -> TextSizes:
+    """`config` as `TextSizes`, checked: a ConfigError naming the size a config lacks."""
+    for size in ("vocab_size", "hidden_size", "num_hidden_layers"):
+        if not isinstance(getattr(config, size, None), int):
+            raise ConfigError(f"{config.model_type}: the config has no {size}, which this reads")
+    return cast(TextSizes, config)  # each size checked just above

@@ -46,12 +46,11 @@ class KVCache:
         return 0 if self.keys[0] is None else self.keys[0].shape[-2]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys[layer] is None:
-            self.keys[layer], self.values[layer] = k, v
-        else:
-            self.keys[layer] = torch.cat([self.keys[layer], k], dim=-2)
-            self.values[layer] = torch.cat([self.values[layer], v], dim=-2)
-        return self.keys[layer], self.values[layer]
+        past_k, past_v = self.keys[layer], self.values[layer]
+        if past_k is not None and past_v is not None:
+            k, v = torch.cat([past_k, k], dim=-2), torch.cat([past_v, v], dim=-2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep batch rows `index` (e.g. after some sequences finished)."""
@@ -89,7 +88,7 @@ def causal_mask(batch: int, q_len: int, past: int, attention_mask: torch.Tensor 
     q_idx = (torch.arange(q_len, device=device) + past)[None, None, :, None]  # (1, 1, Q, 1)
     kv_idx = torch.arange(kv_len, device=device)[None, None, None, :]        # (1, 1, 1, K)
     b_idx = torch.arange(batch, device=device)[:, None, None, None]           # (B, 1, 1, 1)
-    if seg is not None:
+    if seg is not None and position_ids is not None:  # seg comes from position_ids: both or neither
         pos = position_ids.expand(batch, -1)
         mask = pos[b_idx, kv_idx] <= pos[b_idx, q_idx]
         mask = mask & (seg[b_idx, q_idx] == seg[b_idx, kv_idx])
@@ -128,7 +127,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape  # (B, T, C)
         shape = (B, T, -1, self.head_dim)
         q, k = self.q_proj(x).view(shape), self.k_proj(x).view(shape)  # (B, T, H, D), (B, T, KVH, D)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # qk_norm makes both
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D)
         v = self.v_proj(x).view(shape).transpose(1, 2)

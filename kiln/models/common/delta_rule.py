@@ -18,6 +18,8 @@ with q, k L2-normalised and q scaled by d_k^-0.5.
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -317,9 +319,13 @@ def chunk_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     return out, state.view(B, H, Dk, Dv) if output_final_state else None
 
 
+class _DeltaRuleSwitch(Protocol):
+    fast_delta_rule: bool  # a Gated DeltaNet layer's (common/hybrid.py)
+
+
 def set_fast(model: nn.Module, fast: bool = True) -> nn.Module:
     """Switch every Gated DeltaNet layer in `model` to the fast chunked rule (True) or the exact one (False)."""
     for m in model.modules():
         if hasattr(m, "fast_delta_rule"):
-            m.fast_delta_rule = fast
+            cast(_DeltaRuleSwitch, m).fast_delta_rule = fast  # cast: the hasattr above found the switch
     return model

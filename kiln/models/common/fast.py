@@ -15,6 +15,8 @@ tests, `from_pretrained`) keeps the exact path, which is every module's default.
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 from torch import nn
 
 from kiln.models.common.ssm import SCANS
@@ -22,15 +24,22 @@ from kiln.models.common.ssm import SCANS
 SCAN = {True: "fast", False: "reference"}
 
 
+class _Switches(Protocol):
+    """The switches below, as the module classes that have them declare them; each is found by name."""
+    fast: bool
+    fast_delta_rule: bool
+    scan: str
+
+
 def set_fast(model: nn.Module, on: bool = True) -> nn.Module:
     """Switch every fast/exact choice inside `model` (through wrappers such as DDP) to fast (on) or exact."""
     for m in model.modules():
         if isinstance(getattr(m, "fast", None), bool):
-            m.fast = on
+            cast(_Switches, m).fast = on  # cast: each switch is set only where the check above found it
         if hasattr(m, "fast_delta_rule"):
-            m.fast_delta_rule = on
+            cast(_Switches, m).fast_delta_rule = on
         if isinstance(getattr(m, "scan", None), str) and m.scan in SCANS:
-            m.scan = SCAN[on]
+            cast(_Switches, m).scan = SCAN[on]
     return model
 
 

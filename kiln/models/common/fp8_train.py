@@ -12,6 +12,7 @@ DeepSeek keeps its wgrad accumulation wide and for the stability of small models
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import torch
 from torch import nn
@@ -52,6 +53,8 @@ def fp8_matmul(aq: torch.Tensor, a_s: torch.Tensor, bq: torch.Tensor, b_s: torch
                                 scale_a=a_s[:, j:j + 1].float().contiguous(), scale_b=b_rows[j:j + 1],
                                 out_dtype=torch.float32)
         out = part if out is None else out + part
+    if out is None:
+        raise ValueError(f"fp8_matmul: B {tuple(bq.shape)} has no columns (K = 0)")
     return out
 
 
@@ -103,7 +106,8 @@ def swap_fp8_linears(blocks: nn.Module, use_scaled_mm: bool | None = None, block
     for name, module in blocks.named_modules():
         if type(module) is nn.Linear:  # LoRA, FP8-checkpoint and other special Linears keep their own forward
             module.__class__ = Fp8TrainLinear
-            module.use_scaled_mm, module.block = use_scaled_mm, block
+            fp8 = cast(Fp8TrainLinear, module)  # its class was switched on the line above
+            fp8.use_scaled_mm, fp8.block = use_scaled_mm, block
             names.append(name)
     return names
 

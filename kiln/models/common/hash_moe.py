@@ -60,6 +60,7 @@ class ScoredTopKRouter(GroupLimitedRouter):
 
 class HashRouter(nn.Module):
     """Experts chosen by token id (`tid2eid`, loaded from the checkpoint, never trained); weights as top-k's."""
+    tid2eid: torch.Tensor  # (vocab, top_k) expert ids, a buffer
 
     def __init__(self, dim: int, num_experts: int, top_k: int, vocab_size: int, routed_scaling_factor: float,
                  scoring: str):

@@ -122,10 +122,14 @@ def tap_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return _SiluTapConv.apply(x.to(weight.dtype), w, bias, *keep[1:]).to(x.dtype)
     T = x.shape[1]
     xp = F.pad(x.to(weight.dtype), (0, 0, K - 1, 0))  # (B, T + K - 1, C)
-    out = None
-    for j in range(K):  # tap j looks K-1-j steps back
-        tap = xp[:, j:j + T] if keep[K - 1 - j] is None else xp[:, j:j + T] * keep[K - 1 - j]
-        out = tap * w[j] if out is None else torch.addcmul(out, tap, w[j])
+
+    def tap(j: int) -> torch.Tensor:  # tap j looks K-1-j steps back
+        m = keep[K - 1 - j]
+        return xp[:, j:j + T] if m is None else xp[:, j:j + T] * m
+
+    out = tap(0) * w[0]
+    for j in range(1, K):
+        out = torch.addcmul(out, tap(j), w[j])
     if bias is not None:
         out = out + bias
     return act(out).to(x.dtype)
@@ -323,7 +327,7 @@ class HybridDecoder(nn.Module):
         if attention_mask is not None and T > 1 and not bool(attention_mask.all()):
             linear_mask = attention_mask[:, -T:]
         resets = None
-        if packed:
+        if packed and text_positions is not None:  # packed says text_positions is set
             seg = segment_ids(text_positions.expand(B, -1))
             resets = None if seg is None else torch.diff(seg, dim=-1, prepend=seg[:, :1]) != 0  # (B, T)
         rope = self.rotary_emb(x, rope_positions)

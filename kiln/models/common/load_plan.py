@@ -75,17 +75,6 @@ class Fresh:
 Source = Stored | Stacked | Assembled | Fp8Box | Rows4 | Fresh
 
 
-def parts_of(source: Source) -> tuple[Part, ...]:
-    """The (checkpoint key, HF name) pairs a source reads (its scales aside)."""
-    if isinstance(source, Stored):
-        return ((source.key, source.hf),)
-    if isinstance(source, (Stacked, Assembled, Fp8Box)):
-        return source.parts
-    if isinstance(source, Rows4):
-        return ((source.key, source.key),)
-    return ()
-
-
 @dataclass
 class Q4Read:
     """The 4-bit modules of a model built on meta, and where their weights are in the checkpoint."""

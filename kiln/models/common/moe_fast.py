@@ -50,7 +50,8 @@ class GradBuffer:
             return torch.empty(shape, dtype=like.dtype, device=like.device)
         b = self.buf
         refs = None if b is None else _storage_refs(b)
-        if b is None or b.shape != shape or b.dtype != like.dtype or refs is None or refs > self.free_refs:
+        if b is None or b.shape != shape or b.dtype != like.dtype or refs is None or self.free_refs is None \
+                or refs > self.free_refs:
             b = torch.empty(shape, dtype=like.dtype, device=like.device)
             self.buf, self.free_refs = b, _storage_refs(b)
         return b.detach()  # a new tensor on the same storage: autograd may adopt it as `.grad`

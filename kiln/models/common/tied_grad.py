@@ -30,6 +30,7 @@ it the freed activations and the new gradient would both count in the process's 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -105,8 +106,8 @@ class _AfterLookup(torch.autograd.Function):
             return grad, None
         if grad.device.type == "cpu":
             release_free_heap()  # the backbone's activations are freed: drop their pages before the gradient
-        out = None
-        for work in pending:
+        out = pending[0](None)
+        for work in pending[1:]:
             out = work(out)
         if not _is_placeholder(grad):  # the weight had another use in the graph: its gradient is added
             out += grad
@@ -160,6 +161,6 @@ def coalesce_tied_gradient(model: nn.Module, defer_head_grad: bool = False) -> b
             or not emb.weight.requires_grad:
         return False
     emb.__class__ = CoalescedGradEmbedding
-    emb.defer_head_grad = defer_head_grad
+    cast(CoalescedGradEmbedding, emb).defer_head_grad = defer_head_grad  # its class was switched just above
     emb.weight.register_post_accumulate_grad_hook(_dense)
     return True

@@ -37,7 +37,6 @@ def note_unheld(model: Any, stored: dict[str, torch.Tensor], weights: dict[str, 
                                                    and k in weights and weights[k].dtype != t.dtype)
 
 
-
 def _scale_box(index: tuple[slice, ...], block: tuple[int, int] | None) -> tuple[slice, ...]:
     """The scale entries a box of the weight touches: whole blocks around it (leading dims as the box's)."""
     if block is None:

@@ -14,7 +14,9 @@ generator, not from the bare seed. A PEFT adapter saved beside the checkpoint (`
 adapters drawn (then overwritten) as `load_adapter` draws them, its tensors read whole (an adapter is small).
 
 Not taken (False, and the caller loads whole): a new head on a family with its own load (its fresh init runs on the
-whole model), FP8 or 4-bit bases, a fresh buffer, and a tensor the checkpoint owes but lacks (the whole load names it).
+whole model), a fresh buffer, and a tensor the checkpoint owes but lacks (the whole load names it). FP8 and 4-bit
+bases are taken: the draws' dtype is the one the whole load picks from the weights its `load_hf_state_dict` takes
+(FP8 pairs, scales and packed bytes say nothing about it), and a head is no backbone Linear (never quantized at load).
 """
 
 from __future__ import annotations
@@ -24,26 +26,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.errors import WeightsError
-from kiln.hub.index import CheckpointIndex
 from kiln.models.common.pretrained import PreTrainedModel, draw_fresh
 
 
-def init_fresh(model: PreTrainedModel, index: CheckpointIndex, missing: list[str], seed: int | None) -> bool:
+def init_fresh(model: PreTrainedModel, missing: list[str], seed: int | None,
+               match: tuple[dict[str, torch.Tensor], list[str]] | None) -> bool:
     """Initialise `missing` (the model's tensors no checkpoint tensor fills; the model built on meta) as a whole
-    load with `seed` initialises them. False when this read cannot (see the module's docstring)."""
-    if type(model).load_hf_state_dict is not PreTrainedModel.load_hf_state_dict \
-            or getattr(model, "fp8_state", None) is not None or getattr(model, "bnb4_state", None) is not None \
-            or model.deferred_read is None or model.deferred_read.q4:
+    load with `seed` initialises them. `match`: (tensors used, fresh names) of the whole load's own matching
+    (`PreTrainedModel._match_hf`) run on the headers as its `load_hf_state_dict` takes them (an FP8 base's
+    prepared, a bitsandbytes directory's quant state read in; before a quantize at load), None where it failed
+    (the whole load raises it, with its message). False when this read cannot (see the module's docstring)."""
+    if type(model).load_hf_state_dict is not PreTrainedModel.load_hf_state_dict or model.deferred_read is None \
+            or match is None:
         return False
     params = dict(model.named_parameters())
     if any(n not in params for n in missing):
         return False  # a buffer: a whole load leaves it as built
-    meta = index.meta()  # in the whole load's order
-    try:  # the whole load's own matching, on the headers: which tensors are fresh, which owed
-        used, _, fresh, _ = model._match_hf(meta, str(index.root), model.deferred_read.source_task)
-    except WeightsError:
-        return False  # the whole load raises it, with its message
+    used, fresh = match
     if sorted(fresh) != sorted(missing):
         return False
     # the load's compute dtype, as PreTrainedModel.load_hf_state_dict picks it
@@ -64,13 +63,14 @@ def with_adapter(model: PreTrainedModel, path: Any, seed: int | None) -> bool:
     (`load_adapter`): its adapters on the modules it names, drawn as `apply_lora` draws them on the loaded model
     (`init_adapters`: from the seed, past a new head's draws), then its tensors, read whole (an adapter is small),
     in their place; real before the plans, which shard them as they shard trained adapters. The generator state
-    after is kept (`deferred_read.fresh_rng`) for the next adapters' draws. True at once when there is no adapter;
-    False for an FP8 or 4-bit base (loaded whole)."""
+    after is kept (`deferred_read.fresh_rng`) for the next adapters' draws (an FP8 or 4-bit base's too: put on
+    its modules as `load_adapter` puts it after the whole load's FP8 modules or quantize). True at once when there is
+    no adapter; False on a model not built from a plan."""
     from kiln.models.common.lora import adapter_state, apply_adapter, has_adapter
 
     if not has_adapter(path):
         return True
-    if model.fp8_state is not None or model.deferred_read is None or model.deferred_read.q4:
+    if model.deferred_read is None:
         return False
     tensors = apply_adapter(model, path)
     init_adapters(model, "cpu", seed)

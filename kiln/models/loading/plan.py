@@ -21,7 +21,7 @@ import torch
 from kiln.errors import WeightsError
 from kiln.hub import Tokenizer
 from kiln.hub.bnb4 import bnb4_scheme_from_config
-from kiln.hub.fp8 import FP8, scale_renames, scheme_from_config
+from kiln.hub.fp8 import FP8, dequantize, scale_renames, scheme_from_config
 from kiln.hub.index import CheckpointIndex, Span
 from kiln.hub.pickled import NotInPlace
 from kiln.models.common.config import FamilyConfig
@@ -49,9 +49,7 @@ from kiln.models.loading.q4 import WholeLoad4, place_q4
 #   directory also quantized, a non-float weight to quantize): the whole load names the mistake or does the work;
 # - `.bin` weights with carried tensors: a carried reference points into safetensors files only;
 # - a family's own load that keeps tensors the model has no place for, not as stored: nothing to refer to;
-# - a new head on a family with its own load, FP8 or 4-bit bases (kiln.models.loading.fresh): drawn on the whole model;
-# and on one process only (`one_process`): carried FP8 pairs (an FP8 release's MTP layer: a whole load holds each
-# weight dequantized and keeps its stored pair aside, two forms of it; carried tensors as stored are read, `read_held`).
+# - a new head on a family with its own load (kiln.models.loading.fresh: its fresh init runs on the whole model).
 
 
 def build_plan(index: CheckpointIndex, family: Any, config: FamilyConfig, source_task: str | None, task: str,
@@ -70,7 +68,7 @@ def build_plan(index: CheckpointIndex, family: Any, config: FamilyConfig, source
             model = family.build(config, task)
         model.deferred_read = plan
         scheme = None if bnb4_scheme_from_config(config.extra, source) else scheme_from_config(config.extra, source)
-        unplaced = _place(model, plan, config, scheme, fp8, quantize, dtype)
+        unplaced, match = _place(model, plan, config, scheme, fp8, quantize, dtype)
     except (WholeLoad4, NotInPlace, WeightsError) as e:
         if quantized_bin or isinstance(e, (WholeLoad4, NotInPlace)):
             plan.whole = qbin if quantized_bin else str(e)
@@ -87,28 +85,18 @@ def build_plan(index: CheckpointIndex, family: Any, config: FamilyConfig, source
         plan.whole = (f"{path}: the family's own load keeps {len(unplaced)} tensor(s) the model has no place for, "
                       f"not as stored ({', '.join(map(repr, unplaced[:2]))}); it loads whole")
     if plan.whole is None:
-        _draw(model, plan, seed)
+        _draw(model, plan, seed, match)
     if plan.whole is None and tokenizer and Tokenizer.present(path):
         model.tokenizer = Tokenizer.from_dir(path)
     return model, plan
 
 
-def one_process(model: PreTrainedModel | None, plan: LoadPlan) -> str | None:
-    """Why one process loads this checkpoint whole (None: it reads the plan): `plan.whole`, or what a one-process
-    export needs that only a whole load holds (the carried tensors)."""
-    if plan.whole is not None or model is None:
-        return plan.whole or "no model"
-    if any(ref.dequantized for ref in model.carried.refs.values()):
-        return f"{plan.index.root}: tensors the family carries: a one-process export writes them from memory"
-    return None
-
-
-
 def _place(model: PreTrainedModel, plan: LoadPlan, config: FamilyConfig, scheme: Any, fp8: str, quantize: str | None,
-           dtype: torch.dtype | None) -> list[str]:
+           dtype: torch.dtype | None) -> tuple[list[str], tuple[dict[str, torch.Tensor], list[str]] | None]:
     """FP8 and 4-bit modules placed, stored dtypes taken, the family's load run on the headers and every checkpoint
     key's source written down; returns the checkpoint keys that land in no tensor (extras, unmatched, a kiln name the
-    model lacks, not carried)."""
+    model lacks, not carried), and the whole load's own matching on the headers as its `load_hf_state_dict` takes them
+    (tensors used, fresh names: kiln.models.loading.fresh.init_fresh), None where it fails or a family loads itself."""
     index = plan.index
     spans = index.spans
     weights = index.meta()
@@ -122,14 +110,23 @@ def _place(model: PreTrainedModel, plan: LoadPlan, config: FamilyConfig, scheme:
         key_of = {id(t): k for k, t in stored.items()}  # the pairs a whole load keeps: read on one process
         plan.fp8_pairs = {n: (key_of[id(q)], key_of[id(s)]) for n, (q, s) in model.fp8_state.originals.items()}
         model.fp8_state.originals = {}
-    if type(model).load_hf_state_dict is PreTrainedModel.load_hf_state_dict \
-            and bnb4_scheme_from_config(config.extra, str(index.root / "config.json")) is None:
+    generic = type(model).load_hf_state_dict is PreTrainedModel.load_hf_state_dict
+    bnb = bnb4_scheme_from_config(config.extra, str(index.root / "config.json")) is not None
+    match = None
+    if generic and not bnb:
         # the whole load's own checks (names, shapes, what the source architecture owes), on the headers, before any
         # quantize at load: a bad checkpoint fails here with the whole load's message (a family's own load runs them
         # below; a 4-bit directory is checked as its quant state is read)
-        model._match_hf(weights, str(index.root), plan.source_task)
+        used, _, fresh, _ = model._match_hf(weights, str(index.root), plan.source_task)
+        match = used, fresh
     groups, plan.extras = _groups(model, spans)
-    plan.q4 = place_q4(model, groups, index, config.extra, quantize)
+    plan.q4 = place_q4(model, groups, index, config.extra, quantize, weights)
+    if generic and bnb:
+        try:
+            used, _, fresh, _ = model._match_hf(weights, str(index.root), plan.source_task)  # prepare_bnb4's state
+            match = used, fresh
+        except WeightsError:
+            pass  # a whole load names it
     q4 = plan.q4.names(model) if plan.q4 else set()
     plan.sources = _sources(model, plan, groups)
     tensors = model.state_dict(keep_vars=True)
@@ -148,20 +145,21 @@ def _place(model: PreTrainedModel, plan: LoadPlan, config: FamilyConfig, scheme:
         model.load_hf_state_dict({k: v for k, v in weights.items() if k not in extras}, source=str(index.root),
                                  source_task=plan.source_task)
         unplaced = note_carried(model, weights, unplaced, index)
-    return unplaced
+    return unplaced, match
 
 
-def _draw(model: PreTrainedModel, plan: LoadPlan, seed: int | None) -> None:
+def _draw(model: PreTrainedModel, plan: LoadPlan, seed: int | None,
+          match: tuple[dict[str, torch.Tensor], list[str]] | None) -> None:
     """The tensors no checkpoint tensor fills drawn as a whole load draws them, and an adapter beside the weights put
     on (kiln.models.loading.fresh); `plan.whole` says why not where this cannot be done so."""
     q4 = plan.q4.names(model) if plan.q4 else set()
     missing = [n for n, _ in (*model.named_parameters(), *model.named_buffers())
                if n not in plan.sources and n not in q4]
-    if missing and not init_fresh(model, plan.index, missing, seed):
+    if missing and not init_fresh(model, missing, seed, match):
         plan.whole = (f"{plan.index.root}: tensor(s) {', '.join(map(repr, missing[:3]))} are not in the checkpoint "
-                      "and only a whole load draws them here (a family with its own load, an FP8 or 4-bit base)")
+                      "and only a whole load draws them here (a family with its own load, a 4-bit base)")
     elif not with_adapter(model, plan.index.root, seed):
-        plan.whole = f"{plan.index.root}: a PEFT adapter beside an FP8 or 4-bit base is put on by a whole load"
+        plan.whole = f"{plan.index.root}: a PEFT adapter beside a 4-bit base is put on by a whole load"
     else:
         plan.seed = seed
         keymap = model.family.keymap(model.task)
@@ -235,11 +233,26 @@ def _groups(model: PreTrainedModel, spans: dict[str, Span]) -> tuple[dict[str, l
 def read_held(model: PreTrainedModel, plan: LoadPlan) -> None:
     """One process, after the model is read: what a whole load holds beside it, for `save_pretrained` to write back
     (a sharded run notes where these lie instead): the stored FP8 pairs of the weights read dequantized
-    (`Fp8State.originals`), and the tensors the family carries as stored (an MTP layer), in their holders."""
+    (`Fp8State.originals`), and the tensors the family carries, in their holders: as stored, or (an FP8 release's
+    MTP layer) an FP8 pair as the one tensor a whole load holds, dequantized as it dequantizes it, its scale not held."""
     if model.carried.refs:
+        refs = model.carried.refs
         for holder, held in placeholders(model).items():
-            for name in held:  # (in place: the holder's order kept)
-                getattr(model, holder)[name] = plan.index.read(model.carried.refs[(holder, name)].key)
+            # a dequantized weight's scale is not held (its pair is kept with the others below, as a whole load keeps it)
+            values: dict[str, torch.Tensor | None] = {d[0]: None for n in held if (d := refs[(holder, n)].dequantized)}
+            for name in held:
+                ref = refs[(holder, name)]
+                if name in values:
+                    continue
+                value = plan.index.read(ref.key)
+                if ref.dequantized is not None:
+                    scale, dtype, block = ref.dequantized
+                    value = dequantize(value, plan.index.read(refs[(holder, scale)].key), block, getattr(torch, dtype))
+                values[name] = value
+            target = getattr(model, holder)
+            kept = {n: values.get(n, t) for n, t in target.items() if values.get(n, t) is not None}
+            target.clear()  # (in place, the holder's order kept: the family may hold the same dict elsewhere)
+            target.update(kept)
         model.carried.refs = {}  # held, as on a whole load: not referred to as well
     if plan.fp8_pairs and model.fp8_state is not None:
         model.fp8_state.originals = {n: (plan.index.read(w), plan.index.read(s)) for n, (w, s) in plan.fp8_pairs.items()}

@@ -55,11 +55,13 @@ class WholeLoad4(WeightsError):
 
 
 def place_q4(model: nn.Module, groups: dict[str, list[tuple[str, str]]], index: CheckpointIndex,
-             extra: dict[str, Any], quantize: str | None) -> Q4Read | None:
+             extra: dict[str, Any], quantize: str | None, weights: dict[str, torch.Tensor]) -> Q4Read | None:
     """Make the Linears that hold 4-bit weights `Linear4` on meta, as a whole load would (`prepare_bnb4` for a
     bitsandbytes directory, `quantize_model` for `quantize`), from the checkpoint's headers and its quant-state
-    JSON tensors (a few hundred bytes each); None for a checkpoint without 4 bits. WholeLoad4 where this read
-    does not reach (the caller loads whole, which also names any mistake such as quantizing a 4-bit directory)."""
+    JSON tensors (a few hundred bytes each); None for a checkpoint without 4 bits. A bitsandbytes directory's
+    `weights` (the headers, meta) become what the whole load's `load_hf_state_dict` takes (prepare_bnb4's state).
+    WholeLoad4 where this read does not reach (the caller loads whole, which also names any mistake such as
+    quantizing a 4-bit directory)."""
     from kiln.models.common.pretrained import PreTrainedModel
 
     path, spans = index.root, index.spans
@@ -71,9 +73,11 @@ def place_q4(model: nn.Module, groups: dict[str, list[tuple[str, str]]], index: 
         raise WholeLoad4(f"{path}: this 4-bit base loads whole")
     if scheme is not None:
         states = [k for k in spans if f".{bnb4.STATE_PREFIX}" in k]
-        state = index.meta()
+        state = dict(weights)
         state.update({k: index.read(k) for k in states})  # the quant-state JSON tensors: a few hundred bytes each
-        prepare_bnb4(model, state, scheme, str(path))
+        prepared = prepare_bnb4(model, state, scheme, str(path))
+        weights.clear()
+        weights.update(prepared)
         return Q4Read(_plain_weights(model, [n for n, m in model.named_modules() if is_4bit(m)], groups, path))
     bnb4.check_quant_type(quantize, "model.quantize")
     names = quantizable(model)
@@ -123,9 +127,6 @@ def _bytes_run(packed: torch.Tensor, name: str) -> tuple[tuple[int, int], Any]:
     shape, offset = compute_local_shape_and_global_offset(packed.shape, mesh, packed.placements)
     group = mesh.get_group() if not packed.placements[0].is_replicate() and mesh.size() > 1 else None
     return (offset[0], offset[0] + shape[0]), group
-
-
-
 
 
 def read_q4(model: nn.Module, plan: Q4Read | None, spans: dict[str, Span], file_of: Any, path: Path) -> None:

@@ -121,15 +121,19 @@ def _read(name: str, target: torch.Tensor, source: Source, index: CheckpointInde
 def _box(t: torch.Tensor) -> tuple[slice, ...] | None:
     """This rank's piece of a sharded DTensor as one slice per dimension (a tp rank's rows or columns, under fsdp
     too), when that piece is a box of the whole tensor; None for a plain tensor or any other piece."""
+    if not isinstance(t, DTensor) or not any(p.is_shard() or hasattr(p, "dim") for p in t.placements) \
+            or any(p.is_partial() for p in t.placements) or (piece := _piece(t)) is None:
+        return None
+    return tuple(slice(o, o + n) for n, o in zip(*piece))
+
+
+def _piece(t: DTensor) -> tuple[list[int], list[int]] | None:
+    """(shape, offset) of this rank's piece of `t` by DTensor's own arithmetic (what DCP reads by), when the piece
+    is a box of the whole tensor (its local shape); None otherwise."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if not isinstance(t, DTensor) or not any(p.is_shard() or hasattr(p, "dim") for p in t.placements) \
-            or any(p.is_partial() for p in t.placements):
-        return None
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    if tuple(shape) != tuple(t.to_local().shape):
-        return None
-    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    return (list(shape), list(offset)) if tuple(shape) == tuple(t.to_local().shape) else None
 
 
 def _index_of(plan: LoadPlan, path: str | os.PathLike | CheckpointIndex) -> CheckpointIndex:
@@ -144,7 +148,6 @@ def _index_of(plan: LoadPlan, path: str | os.PathLike | CheckpointIndex) -> Chec
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
-
 
 
 def _read_rows(target: torch.Tensor, key: str, spans: dict[str, Span], f: Any, path: Path, stage: HostStage | None
@@ -183,15 +186,11 @@ def _row_run(target: torch.Tensor) -> tuple[int, int] | None:
         return None
     if not isinstance(target, DTensor):
         return 0, target.shape[0]
-    # DTensor's own arithmetic (what DCP reads by): Shard(0) over ep, FSDP's _StridedShard(0) on top of it
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if any(not p.is_replicate() and getattr(p, "dim", None) != 0 for p in target.placements):
+    # Shard(0) over ep, FSDP's _StridedShard(0) on top of it
+    if any(not p.is_replicate() and getattr(p, "dim", None) != 0 for p in target.placements) \
+            or (piece := _piece(target)) is None:
         return None
-    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
-    if tuple(shape) != tuple(target.to_local().shape):
-        return None
-    return offset[0], offset[0] + shape[0]
+    return piece[1][0], piece[1][0] + piece[0][0]
 
 
 def _read_experts(target: torch.Tensor, sources: list[tuple[str, str]], spans: dict[str, Span], file_of: Any,

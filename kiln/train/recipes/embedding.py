@@ -202,10 +202,12 @@ class SentenceEmbedding(Recipe):
         model = sentence_model(model, pooling)
         on_model(model)
         check_text_model(cfg, model, d.max_length)
+        tok = model.tokenizer
+        assert tok is not None, "check_text_model refuses a model without a tokenizer"
         add_lora(cfg, model)
         sides = _sides(cfg, e.loss, train_records[0])
         score = d.score_field if e.loss == "cosent" else None
-        train = encode_rows(train_records, model.tokenizer, sides, score, d.max_length)
+        train = encode_rows(train_records, tok, sides, score, d.max_length)
         if e.loss == "mnrl" and len(train) > 1 and cfg.train.batch_size < 2:
             raise ConfigError("embedding.loss = 'mnrl' takes the other rows of a batch as negatives: "
                               "train.batch_size must be at least 2")
@@ -215,8 +217,8 @@ class SentenceEmbedding(Recipe):
                          fingerprint={"train": str(d.train), "train_sha256": source_sha256(d.train),
                                       "max_length": d.max_length, "loss": e.loss, "fields": [f for _, f in sides]})
         if eval_records:
-            evals = encode_rows(eval_records, model.tokenizer, sides, score, d.max_length)
-            parts.evaluate = make_evaluate(evals, e, pooling, model.tokenizer.pad_token_id)
+            evals = encode_rows(eval_records, tok, sides, score, d.max_length)
+            parts.evaluate = make_evaluate(evals, e, pooling, tok.pad_token_id)
         return parts
 
 

@@ -5,7 +5,7 @@ the source checkpoint's head, or the data (sorted)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, cast
 
 from torch import nn
 
@@ -36,6 +36,10 @@ class FineTuneData(RecordsData):
     answers_field: str = "answers"
 
 
+class _Labelled(Protocol):
+    label_field: str
+
+
 def label_set(cfg: RunConfig, task: Task, train_records: list) -> list[str] | None:
     """The labels a run trains: model.labels, else the source head's own (same task), else the data's."""
     if task.label_kind is None:
@@ -48,7 +52,8 @@ def label_set(cfg: RunConfig, task: Task, train_records: list) -> list[str] | No
             return config.labels  # continuing a trained head: keep its label set and order
     if cfg.model.num_labels == 1 and task.label_kind == "sequence":
         return ["LABEL_0"]  # one output is a regression head (as transformers reads it): float labels, no classes
-    found = task.collect_labels(train_records, cfg.data.label_field)
+    # a task with labels reads them from a [data] that names their field (FineTuneData, ImageData)
+    found = task.collect_labels(train_records, cast(_Labelled, cfg.data).label_field)
     if cfg.model.num_labels is not None and cfg.model.num_labels != len(found):
         raise ConfigError(f"model.num_labels is {cfg.model.num_labels} but {cfg.data.train} uses "
                           f"{len(found)} labels: {', '.join(found)}; set model.labels to name them")

@@ -27,12 +27,17 @@ reward/<function>, reward_std, completion_length, clip_ratio, kl (beta > 0), log
 (prompt groups whose rewards differ; none: warned once), reward_errors and
 reward_timeouts (users' reward calls that raised or hung, when any did); with data.eval,
 eval_reward and eval_reward/<function> of greedy completions.
+
+[grpo] env / tools (multi-turn episodes, kiln.train.agent_rollout) run on one process, DDP or FSDP2: under FSDP2
+the whole model is gathered once for a rollout and every rank runs its own episodes turn by turn on it, with no
+collective between turns (ranks' episodes end after different numbers of turns).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -235,9 +240,6 @@ class GRPOEngine(StepEngine):
         g = self.run.g
         if not self.started:  # a tied embedding's gradient without its dense transient (unsharded weights)
             self.started = True
-            if g.multi_turn and run.sharded:  # ranks' episodes take different turns: their gathers would not pair
-                raise ConfigError("[grpo] env / tools run on one process or DDP; with sharded weights (FSDP) every "
-                                  "rank would have to sample as many turns as the others, which episodes do not")
             if not run.sharded:
                 coalesce_tied_gradient(core_of(run.model))
         iteration = run.step % g.num_iterations
@@ -316,11 +318,14 @@ def sample_rollout(r: GRPORun, core: nn.Module, run: StepContext, index: int, ro
     copy of it at an earlier step): (micro-batches, their rows, their episodes or None each)."""
     micros, episodes = [], []
     decoder = r.decoder(core, run.sharded, run.world.main)  # serves every micro-batch of this rollout
-    for m, batch in enumerate(rows):
-        with torch.no_grad(), run.autocast():
-            micros.append(r.sample(decoder, batch, r.prompts, r.g.num_generations,
-                                   rollout_seed(r.seed, index, m * run.data_shards + run.data_rank), run.device))
-        episodes.append(r.last_episodes if r.g.multi_turn else None)
+    # under FSDP2 the whole model is gathered once for the rollout (collective: every rank enters together),
+    # so each rank's episodes take as many turns as they take, with no collective between turns
+    with decoder.rollouts.weights(core) if r.g.multi_turn else nullcontext():
+        for m, batch in enumerate(rows):
+            with torch.no_grad(), run.autocast():
+                micros.append(r.sample(decoder, batch, r.prompts, r.g.num_generations,
+                                       rollout_seed(r.seed, index, m * run.data_shards + run.data_rank), run.device))
+            episodes.append(r.last_episodes if r.g.multi_turn else None)
     return micros, list(rows), episodes
 
 

@@ -10,6 +10,7 @@ import torch
 from pydantic import model_validator
 from torch import nn
 
+from kiln.errors import ConfigError
 from kiln.train.config import NonNegative, Positive, RunConfig, Section
 from kiln.train.recipes.base import Extension, RunParts, Shortcut
 
@@ -49,12 +50,16 @@ class Hpn(Extension[HpnSection]):
                  Shortcut("proto_dim", "hpn.proto_dim"), Shortcut("objectives", "hpn.objectives"))
 
     def extend(self, cfg: RunConfig, parts: RunParts) -> None:
+        from kiln.models.common.config import text_sizes
         from kiln.models.hpn import PrototypeModel
+        from kiln.models.pretrained import PreTrainedModel
         from kiln.train.multiobjective import GradientCombiner
 
         h = self.table(cfg)
         inner = parts.model
-        parts.model = PrototypeModel(inner, inner.config.vocab_size, proto_dim=h.proto_dim, scale=h.scale,
+        if not isinstance(inner, PreTrainedModel):
+            raise ConfigError(f"[hpn] puts its head over a kiln model's vocabulary, not a {type(inner).__name__}")
+        parts.model = PrototypeModel(inner, text_sizes(inner.config).vocab_size, proto_dim=h.proto_dim, scale=h.scale,
                                      mode=h.mode, loss=h.loss, spread_steps=h.spread_steps, lm_loss=h.lm_loss,
                                      seed=cfg.model.init_seed)
         parts.step = hpn_step

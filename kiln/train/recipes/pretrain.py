@@ -32,8 +32,10 @@ from kiln.data.shards import MANIFEST, ShardSet, check_tokenizer, tokenizer_dige
 from kiln.data.stream import EpochStream, StreamLoader, Windows, data_loader
 from kiln.errors import ConfigError
 from kiln.hub.files import file_sha256
+from kiln.models.common.config import text_sizes
 from kiln.models.common.loss import lm_loss_sum
 from kiln.models.common.wrapped import unwrap
+from kiln.models.pretrained import PreTrainedModel
 from kiln.models.tasks import CAUSAL_LM
 from kiln.parallel.config import finite
 from kiln.parallel.world import World, all_reduce_sum
@@ -146,7 +148,7 @@ def _stream(cfg: RunConfig, model: nn.Module, train_ids: ShardSet | RawTokens, h
     """`world`'s rank's loader over packed windows of `train_ids`, and the held-out evaluation over
     `held_ids` (None: no eval); the model is checked against data.max_length first."""
     d = _data(cfg)
-    check_model_tokenizer(model, d.max_length, cfg.model.path or cfg.model.family, cfg.train.precision)
+    check_model_tokenizer(model, d.max_length, str(cfg.model.path or cfg.model.family), cfg.train.precision)
     train = Windows(train_ids, d.max_length, seed=cfg.train.seed, shuffle=d.shuffle_shards, within_doc=d.within_doc)
     rank, shards = data_shard(cfg.parallel, world.rank, world.size)
     loader = StreamLoader(train, cfg.train.batch_size, rank=rank, world_size=shards, num_workers=d.num_workers,
@@ -184,10 +186,14 @@ class Pretrain(Recipe):
         if d.eval is not None and not is_shard_dir(d.eval):
             raise ConfigError(f"data.eval {d.eval} must be a token shard directory too (data.train is one)")
         model = build_model(cfg, None)
+        assert isinstance(model, PreTrainedModel), "build_model builds a kiln model"
         on_model(model)
-        source = cfg.model.tokenizer or cfg.model.path
+        if model.tokenizer is None:
+            raise ConfigError(f"{cfg.model.path}: no tokenizer files; the token shards are checked against the "
+                              "run's tokenizer")
+        source = str(cfg.model.tokenizer or cfg.model.path)
         digest = tokenizer_digest(model.tokenizer.backend.to_str())
-        vocab = model.config.vocab_size
+        vocab = text_sizes(model.config).vocab_size
         held_out = _open(d.eval, d.eval_split, digest, source, vocab, world) if d.eval is not None else None
         loader, evaluate = _stream(cfg, model, _open(d.train, d.train_split, digest, source, vocab, world), held_out,
                                    world)
@@ -217,8 +223,9 @@ class Pretrain(Recipe):
                 print(f"data: model.config.vocab_size = {cfg.model.config['vocab_size']}, inferred from the data "
                       f"(largest token id + 1)")
         model = build_model(cfg, None, need_tokenizer=False)
+        assert isinstance(model, PreTrainedModel), "build_model builds a kiln model"
         on_model(model)
-        vocab = model.config.vocab_size
+        vocab = text_sizes(model.config).vocab_size
         eos = getattr(model.config, "eos_token_id", None)
         eos = int(eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0  # pads short windows
         train_ids = RawTokens(files, "train", vocab, eos, d.dtype, d.val_fraction)

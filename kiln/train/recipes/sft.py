@@ -16,6 +16,7 @@ from torch import nn
 
 from kiln.data.sft_images import ImageTokens
 from kiln.hub.resolve import resolve_model_dir
+from kiln.models.qwen3_5_vision import ImageTextForCausalLM as VisionTextForCausalLM
 from kiln.models.tasks import CAUSAL_LM, Task
 from kiln.parallel.world import World
 from kiln.train.config import DataSection, RunConfig
@@ -50,19 +51,22 @@ class SFT(FineTune):
 
         def check_packing(model: nn.Module) -> None:
             on_model(model)
-            settle_pack(d, model, cfg.model.path or cfg.model.family)
+            settle_pack(d, model, str(cfg.model.path or cfg.model.family))
 
         return super().build(cfg, check_packing, world)
 
     def encode(self, cfg: RunConfig, task: Task, model: nn.Module, records: list, labels: list[str] | None,
                name: str) -> list[dict]:
         """Chat records as examples; for a model with a vision tower, with the images of their image parts."""
-        if not getattr(model, "takes_images", False):
+        if not (isinstance(model, VisionTextForCausalLM) and model.takes_images):
             return super().encode(cfg, task, model, records, labels, name)
         from kiln.data.sft import encode_sft
 
         d = cfg.data
+        assert isinstance(d, SFTData), f"sft builds from its own [data] schema, got {type(d).__name__}"
         source = d.eval if name == "eval" else d.train
+        assert source is not None, "eval records come from data.eval"
+        assert model.tokenizer is not None, "check_text_model refuses a model without a tokenizer"
         examples, stats = encode_sft(records, model.tokenizer, d.max_length, d.train_on, d.pack,
                                      images=image_tokens(cfg, model, Path(source).parent))
         print(f"{name} data: {stats.line()}")
@@ -84,11 +88,12 @@ class SFT(FineTune):
         return f"every sample needs at least 2 tokens within data.max_length = {d.max_length}"
 
 
-def image_tokens(cfg: RunConfig, model: nn.Module, root: Path) -> ImageTokens:
+def image_tokens(cfg: RunConfig, model: VisionTextForCausalLM, root: Path) -> ImageTokens:
     """The image processor (the model directory's preprocessor_config.json, else the tower's patch sizes; the
     [data] resize bounds over either) and the model's vision tokens; the processor goes with the model so its
     checkpoints write it."""
     d = cfg.data
+    assert isinstance(d, SFTData), f"sft builds from its own [data] schema, got {type(d).__name__}"
     spec = model.image_tokens(model_dir=resolve_model_dir(cfg.model.path) if cfg.model.path else None, root=root)
     processor = spec.processor
     processor.min_pixels = d.image_min_pixels or processor.min_pixels
