@@ -48,6 +48,11 @@ class DecoderForSequenceClassification(ForSequenceClassification):
     packs_samples = ForCausalLM.packs_samples
     config: DecoderConfig
 
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary the borrowed packs_samples draws its probe ids below (the causal LM keeps it as a field)."""
+        return self.config.vocab_size
+
     def forward(self, input_ids=None, attention_mask=None,  # type: ignore[override]  # a decoder: no token_type_ids
                 position_ids=None, inputs_embeds=None, labels=None, read_at: torch.Tensor | None = None) -> ModelOutput:
         """`read_at` (2, N): the (row, position) of each score, for rows that hold several sequences (packed, their
