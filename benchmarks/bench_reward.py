@@ -8,11 +8,13 @@ byte-level BPE. Full weights, Bradley-Terry loss with center_rewards_coefficient
 128 (longer pairs dropped on both sides), AdamW lr 1e-5, fp32.
 
 kiln runs what `kiln train --config run.toml` runs (build_trainer + fit; data.pack on, its default); TRL runs
-RewardTrainer.train() (bf16 off, as kiln runs fp32). Where the time goes (one thread, CPU seconds per 4-pair
-step, 2026-11-29): the body's forward and backward, 0.59 s padded / 0.48 s packed, against 0.14 s for the
-per-step passes over the 90M parameters (gradient scaling, clipping, AdamW, zeroing). There is no LM head, where
-kiln's DPO gains on TRL: both sides run the same body over the same tokens, and packing only drops the padding of
-these short chatterbot pairs (~18% of the body's work). Each side runs in its own process; rounds interleave; tokens/s counts real (unpadded)
+RewardTrainer.train() (bf16 off, as kiln runs fp32). Where the time went before 2026-11-29 13:00 (one thread, wall
+seconds per 4-pair step under load, torch.profiler): the body's matmuls ~1.3 s, the embedding's dense backward
+~0.5 s (a fresh 151,936 x 512 fp32 gradient each step: its zero fill page-faults), AdamW 0.33 s, clipping and the
+gradient scaling ~0.15 s. TRL pays all of these. kiln now runs its last layer only at each sequence's read
+position (kiln.models.common.scored_tail: a quarter of this 4-layer body's products) and sums the embedding's
+gradient into a kept buffer (kiln.models.common.kept_grad); packing drops the padding of these short pairs.
+Each side runs in its own process; rounds interleave; tokens/s counts real (unpadded)
 chosen + rejected tokens of the timed steps (all but the first `--warmup`). Peak memory is the process's peak RSS
 above what it held before the run. Ratios last.
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kiln.errors import KilnError
+from kiln.models.common import scored_tail
 from kiln.models.common.causal_lm import ForCausalLM
 from kiln.models.heads import ForSequenceClassification, ModelOutput
 from kiln.models.pretrained import PreTrainedModel
@@ -47,12 +48,24 @@ class DecoderForSequenceClassification(ForSequenceClassification):
     packs_samples = ForCausalLM.packs_samples
     config: DecoderConfig
 
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary the borrowed packs_samples draws its probe ids below (the causal LM keeps it as a field)."""
+        return self.config.vocab_size
+
     def forward(self, input_ids=None, attention_mask=None,  # type: ignore[override]  # a decoder: no token_type_ids
                 position_ids=None, inputs_embeds=None, labels=None, read_at: torch.Tensor | None = None) -> ModelOutput:
-        """`read_at` (2, N): the (row, position) of each score for rows that hold several sequences (packed, their
-        positions restarting per sequence): one score per sequence, read at its last token."""
+        """`read_at` (2, N): the (row, position) of each score, for rows that hold several sequences (packed, their
+        positions restarting per sequence) or to read padded rows where the caller chose: one score per sequence.
+        Given it, the last layer runs only at those positions where kiln.models.common.scored_tail applies (then
+        the output has no last_hidden_state)."""
         if input_ids is None:
             raise KilnError("a decoder's sequence score reads input_ids to find each row's last token")
+        if read_at is not None and inputs_embeds is None and scored_tail.applies(self.model, self.training):
+            at = read_at.to(input_ids.device)
+            logits = self.score(scored_tail.scored_hidden(self.model, input_ids, attention_mask, position_ids,
+                                                          at[0], at[1]))
+            return ModelOutput(logits=logits, loss=None if labels is None else self.loss(logits, labels))
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             inputs_embeds=inputs_embeds)  # (B, T, C)
         if read_at is not None:

@@ -32,7 +32,8 @@ class GRPOSection(Section):
     # against 4.2 s a step; 2.6x single-threaded) and holds more memory, to remove a gap of fp32 rounding (~1e-6)
     exact_logprobs: bool = False
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
+    # rloo: TRL's RLOOTrainer loss (sequence ratio; with advantage_estimator = "rloo", beta = 0)
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo", "rloo"] = "dapo"
     importance_sampling_level: Literal["token", "sequence"] = "token"   # "sequence": GSPO
     epsilon: float = 0.2
     epsilon_high: float | None = None   # default: epsilon (cispo: the cap on the weight, TRL's meaning)
@@ -133,6 +134,19 @@ class GRPOSection(Section):
         if self.delta is not None and self.delta <= 1:
             raise ValueError(f"grpo.delta caps the importance weight and must be > 1 (TRL recommends above "
                              f"1 + epsilon_high), got {self.delta}")
+        if self.loss_type == "rloo":
+            if self.advantage_estimator != "rloo":
+                raise ValueError("grpo.loss_type = \"rloo\" is TRL's RLOOTrainer loss: set grpo.advantage_estimator "
+                                 "= \"rloo\" as well (its leave-one-out advantages)")
+            if self.beta != 0.0:
+                raise ValueError("grpo.loss_type = \"rloo\" with grpo.beta: TRL's RLOO takes the KL as a penalty on "
+                                 "the reward, which kiln does not compute yet; set grpo.beta = 0 (or another loss_type)")
+            if self.importance_sampling_correction:
+                raise ValueError("grpo.loss_type = \"rloo\" is TRL's RLOO loss, which has no importance-sampling "
+                                 "correction: turn grpo.importance_sampling_correction off")
+            if self.off_policy_mask_threshold is not None:
+                raise ValueError("grpo.off_policy_mask_threshold is not part of TRL's RLOO loss: unset it with "
+                                 "grpo.loss_type = \"rloo\"")
         if self.normalize_advantages and self.advantage_estimator != "rloo":
             raise ValueError("grpo.normalize_advantages is RLOO's option: set grpo.advantage_estimator = \"rloo\" "
                              "(the grpo estimator scales by grpo.scale_rewards)")

@@ -12,12 +12,13 @@ The formulas are TRL 1.16's ("sum_then_normalize" aggregation):
 - per token: grpo / dr_grpo / dapo / bnpo / luspo: -min(w * A, clamp(w, 1 - eps_low, 1 + eps_high) * A), w first
   capped at `delta` when set (two-sided clipping); cispo: -detach(min(w, eps_high)) * A * logp; sapo:
   -sigmoid(tau (w - 1)) * 4 / tau * A (tau by the sign of A); vespo: -phi(w_seq) * A * logp with phi the Gamma
-  weight of the sequence's summed log-ratio; then an off-policy sequence mask (DeepSeek-V3.2), the IS ratio, and
+  weight of the sequence's summed log-ratio; rloo (TRL 1.16's RLOOTrainer): per sequence, w = exp of its summed
+  log-ratio, -min(w * A, clamp(w, 1 - eps_low, 1 + eps_high) * A); then an off-policy sequence mask (DeepSeek-V3.2), the IS ratio, and
   beta * k3-KL (times w with use_bias_correction_kl);
 - aggregation: grpo / sapo = mean over sequences of each sequence's token mean; dr_grpo = token sum / (sequences *
   max_new_tokens); dapo / cispo / vespo = token sum / tokens of the whole step (every micro-batch, every rank);
   bnpo = token sum / tokens of each micro-batch, then the mean over micro-batches; luspo = mean over sequences of
-  each sequence's token sum.
+  each sequence's token sum; rloo = mean over sequences of each sequence's loss.
 
 `loss_parts` gives each aggregation as the (loss_sum, count) pair the step engines sum over micro-batches and
 ranks (kiln.train.engine): the step's loss, sum / count, is TRL's loss of the same generation batch.
@@ -31,8 +32,8 @@ from typing import Literal
 
 import torch
 
-LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
-LOSS_TYPES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo", "rloo"]
+LOSS_TYPES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo", "rloo")
 ScaleRewards = Literal["group", "batch", "none"]
 ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 STD_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
@@ -156,7 +157,9 @@ def token_loss(logps: torch.Tensor, old_logps: torch.Tensor, adv: torch.Tensor, 
     adv = adv[:, None] if adv.dim() == 1 else adv
     mask = torch.ones_like(logps) if mask is None else mask.to(logps.dtype)
     log_ratio = logps - old_logps
-    if spec.level == "sequence":
+    if spec.loss_type == "rloo":  # RLOO's ratio is the whole sequence's probability ratio
+        log_w = (log_ratio * mask).sum(-1, keepdim=True)
+    elif spec.level == "sequence":
         log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     else:
         log_w = log_ratio
@@ -170,7 +173,7 @@ def token_loss(logps: torch.Tensor, old_logps: torch.Tensor, adv: torch.Tensor, 
     kind = spec.loss_type
     if kind == "cispo":
         loss = -torch.clamp(w, max=spec.eps_high).detach() * adv * logps
-    elif kind in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+    elif kind in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "rloo"):
         capped = w if spec.delta is None else torch.clamp(w, max=spec.delta)
         loss = -torch.min(capped * adv, torch.clamp(w, 1 - spec.eps_low, 1 + spec.eps_high) * adv)
     elif kind == "sapo":
@@ -207,6 +210,8 @@ def loss_parts(loss_type: str, per_token: torch.Tensor, mask: torch.Tensor, max_
         return masked.sum() / mask.sum().clamp(min=1.0), torch.ones((), dtype=torch.float64)
     if loss_type == "luspo":
         return masked.sum(), rows
+    if loss_type == "rloo":  # one loss per sequence (B, 1), counted whatever its mask (as TRL's mean over them)
+        return per_token[:, 0].sum(), rows
     raise ValueError(f"unknown grpo.loss_type {loss_type!r} (one of {', '.join(LOSS_TYPES)})")
 
 

@@ -71,10 +71,20 @@ def test_step_loss_equals_trl_on_the_full_logits(d, beta, temperature):
         labels=labels, beta=beta, temperature=temperature)
     run = DistillRun(DistillSection(teacher=str(d / "teacher"), beta=beta, temperature=temperature),
                      set_fast(load_pretrained(d / "teacher", task="causal-lm")).eval(), None)
-    total, count = run.loss_sum(set_fast(load_pretrained(d / "student", task="causal-lm")), batch)
+    mine = set_fast(load_pretrained(d / "student", task="causal-lm"))
+    total, count = run.loss_sum(mine, batch)
     got = total / count
     assert float(want) > 1e-3  # control: the two models differ
     assert abs(float(got) - float(want)) <= 1e-5 * abs(float(want)), (float(got), float(want))
+    # the first step's gradients too: every student weight's, relative 1e-5 of its largest element
+    want.backward()
+    got.backward()
+    theirs = {n: p.grad for n, p in student.named_parameters() if p.grad is not None}
+    ours = {n: p.grad for n, p in mine.named_parameters() if p.grad is not None}
+    assert set(ours) == set(theirs) and theirs
+    for name, g in theirs.items():
+        scale = float(g.abs().max()) or 1.0
+        assert float((ours[name] - g).abs().max()) <= 1e-5 * scale + 1e-8, name
 
 
 def run_toml(d: Path, out: str, teacher: Path, steps: int = 12) -> Path:

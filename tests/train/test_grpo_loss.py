@@ -126,7 +126,7 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", [t for t in LOSS_TYPES if t != "rloo"])  # rloo: RLOOTrainer's, below
 def test_every_loss_type_and_option_equals_trls(loss_type, variant):
     """Each of TRL 1.16's loss types under sequence-level weights (GSPO), two-sided clipping (delta), the
     bias-corrected KL and the off-policy sequence mask: loss and gradient equal TRL's _compute_loss."""
@@ -192,6 +192,48 @@ def test_rloo_advantages_equal_trls_definition():
     assert not torch.equal(mine, advantages(r, 4, "group"))
 
 
+def _trl_rloo_loss(logps, old, adv, mask, eps_low: float, eps_high: float) -> torch.Tensor:
+    """TRL 1.16's RLOOTrainer._compute_loss on an instance holding just what it reads, its log-prob pass replaced
+    by `logps`; the old log-probs summed per sequence as its rollout sums them."""
+    from trl import RLOOTrainer
+
+    t = RLOOTrainer.__new__(RLOOTrainer)
+    t.accelerator = _Accelerator()
+    t.model = torch.nn.Linear(1, 1)  # only .training is read: train mode
+    t.epsilon_low, t.epsilon_high, t.aux_loss_enabled = eps_low, eps_high, False
+    t._metrics = {"train": __import__("collections").defaultdict(list)}
+    t._get_per_token_logps_and_entropies = lambda *a, **k: (logps, torch.zeros_like(logps), None)
+    b, c = mask.shape
+    inputs = {"prompt_ids": torch.ones(b, 2, dtype=torch.long), "prompt_mask": torch.ones(b, 2, dtype=torch.long),
+              "completion_ids": torch.ones(b, c, dtype=torch.long), "completion_mask": mask, "advantages": adv,
+              "old_logps": (old * mask).sum(1)}
+    return t._compute_loss(t.model, inputs)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_rloo_loss_and_gradient_equal_rloo_trainers(seed):
+    """loss_type = "rloo" (per sequence: the summed log-ratio's weight, clipped, the mean over sequences) equals
+    RLOOTrainer._compute_loss, loss and gradient; on RLOO's advantages of a batch with clipped sequences both sides."""
+    logps, old, _, _, mask = _batch(seed)
+    rewards = torch.randn(logps.shape[0], generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    adv = rloo_advantages(rewards, 3)
+    spec = LossSpec("rloo", 0.2, 0.28)
+    mine_lp = logps.clone().requires_grad_(True)
+    t = token_loss(mine_lp, old, adv, spec, None, mask)
+    s, n = loss_parts("rloo", t.loss, mask, MAX_NEW)
+    (s / n).backward()
+    trl_lp = logps.clone().requires_grad_(True)
+    theirs = _trl_rloo_loss(trl_lp, old, adv, mask, 0.2, 0.28)
+    theirs.backward()
+    _close(s / n, theirs)
+    _close(mine_lp.grad, trl_lp.grad)
+    assert bool(clipped(t.ratio, adv, 0.2, 0.28).any()) and not bool(clipped(t.ratio, adv, 0.2, 0.28).all())
+    # control: the token-level loss of the same batch (GRPO's) is another number
+    g = token_loss(logps, old, adv, LossSpec("grpo", 0.2, 0.28), None, mask)
+    s2, n2 = loss_parts("grpo", g.loss, mask, MAX_NEW)
+    assert abs(float(s2 / n2) - float(theirs.detach())) > 1e-3
+
+
 def test_the_loss_by_hand_on_fixed_numbers():
     """One token of each kind: ratio inside the clip, above it with A > 0, below it with A < 0."""
     logps = torch.tensor([[0.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
@@ -252,3 +294,17 @@ def test_advantages_equal_trls_normalisation(scale):
     want = torch.nan_to_num(want, nan=0.0)
     torch.testing.assert_close(mine, want, rtol=1e-6, atol=1e-6)
     assert mine[7] == 0 and mine.abs().sum() > 0
+
+
+@pytest.mark.parametrize("keys, message", [
+    (dict(), "advantage_estimator"),
+    (dict(advantage_estimator="rloo", beta=0.04), "penalty on the reward"),
+    (dict(advantage_estimator="rloo", importance_sampling_correction=True, sampler="exact"), "no importance-sampling"),
+    (dict(advantage_estimator="rloo", off_policy_mask_threshold=0.1), "off_policy_mask_threshold"),
+])
+def test_rloo_loss_settings_outside_trls_rloo_are_refused(keys, message):
+    from kiln.train.grpo_config import GRPOSection
+
+    with pytest.raises(ValueError, match=message):
+        GRPOSection(loss_type="rloo", rewards=["m:f"], **keys)
+    assert GRPOSection(loss_type="rloo", advantage_estimator="rloo", rewards=["m:f"]).loss_spec().loss_type == "rloo"

@@ -25,6 +25,9 @@ from kiln.data import read_records
 from kiln.data.hfdata import source_sha256
 from kiln.data.reward import encode_reward_pairs
 from kiln.errors import ConfigError, KilnError
+from kiln.models.common.decoder import Decoder
+from kiln.models.common.kept_grad import keep_embedding_gradient
+from kiln.models.decoder_seqcls import DecoderForSequenceClassification
 from kiln.models.tasks import REWARD_MODEL, SEQUENCE_CLASSIFICATION
 from kiln.parallel.world import World
 from kiln.train.config import NonNegative, RunConfig, Section
@@ -55,6 +58,20 @@ def pair_batch(batch: Mapping[str, torch.Tensor], pad_id: int, pack: bool = Fals
     return lay_out(ids, {}, pack, pad_id)
 
 
+def read_positions(layout: Layout, pad_id: int) -> torch.Tensor:
+    """(2, n) the (row, column) each sequence's score is read at: its last token that is not `pad_id`, the rule
+    transformers' head applies to a padded row (a tokenizer without a pad token pads with its EOS, which ends every
+    side: the score is then read before it), for padded and packed rows alike; a sequence of pads alone is read
+    at its first token (a padded row's position 0)."""
+    cols = torch.arange(layout.input_ids.shape[1], device=layout.seq.device).expand_as(layout.seq)
+    real = layout.seq >= 0
+    seq, col = layout.seq[real], cols[real]
+    read = col.masked_fill(layout.input_ids[real] == pad_id, -1)
+    last = torch.full((layout.n,), -1, dtype=torch.long, device=col.device).scatter_reduce(0, seq, read, "amax")
+    first = layout.last[1] - layout.per_sequence(real.long()) + 1
+    return torch.stack([layout.last[0], torch.where(last >= 0, last, first)])
+
+
 def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None,
                   center: float | None) -> torch.Tensor:
     """(B,) per-pair losses whose mean is TRL 1.16's RewardTrainer loss."""
@@ -73,14 +90,17 @@ class RewardRun(ScoredRun):
                  pack: bool = False):
         super().__init__(evals, pack, Signal("pairs", "chosen = rejected in every pair"))
         self.cfg, self.pad_id = cfg, pad_id
+        self.started = False
 
     def pair_losses(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
                                                                                           torch.Tensor, int]:
         """(losses (B,), chosen rewards (B,), rejected rewards (B,), real tokens): one forward over both sides."""
         layout = pair_batch(batch, self.pad_id, self.pack)
-        if layout.packed:
-            out = model(input_ids=layout.input_ids, position_ids=layout.position_ids, read_at=layout.last)
-        else:
+        if layout.packed or isinstance(getattr(model, "module", model), DecoderForSequenceClassification):
+            # a decoder runs its last layer only at these positions where it can (kiln.models.common.scored_tail)
+            out = model(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
+                        position_ids=layout.position_ids, read_at=read_positions(layout, self.pad_id))
+        else:  # an encoder's head reads its own pooled token
             out = model(input_ids=layout.input_ids, attention_mask=layout.attention_mask)
         rewards = out.logits.squeeze(-1).float()  # (2B,)
         n = layout.n // 2
@@ -97,6 +117,14 @@ class RewardRun(ScoredRun):
         return torch.stack(parts).cpu()
 
     def step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        if not self.started:
+            self.started = True
+            assert self.trainer is not None, "wrap_engine gave this callback its trainer"
+            # one process, nothing wrapping or sharding the weights: the (vocab x hidden) embedding gradient is
+            # summed into a kept buffer, not a new matrix per backward (kiln.models.common.kept_grad)
+            if isinstance(model, DecoderForSequenceClassification) and isinstance(model.model, Decoder) \
+                    and not self.trainer.sharded and not self.trainer.world.active:
+                keep_embedding_gradient(model.model.embed_tokens)
         losses, chosen, rejected, tokens = self.pair_losses(model, batch)
         self.signal.add(differing_pairs(batch))
         self.sums += self._stats(losses, chosen, rejected, tokens, torch.ones_like(chosen))
