@@ -25,6 +25,7 @@ from torch.nn import functional as F
 from kiln.constants import IGNORE_INDEX
 from kiln.errors import ConfigError, KilnError
 from kiln.models.common.tied_grad import deferred_head
+from kiln.models.common.wrapped import unwrap
 
 __all__ = ["Layout", "completion_logps", "lay_out", "layout_logps", "settle_pack"]
 
@@ -139,7 +140,7 @@ def layout_logps(model: nn.Module, layout: Layout, key: str, temperature: float 
     """(R, W) fp32 log-probs of the targets of mask `key` (0 elsewhere), one forward over the layout's rows:
     kiln.train.logps' chunked head, with the packed rows' positions. `model` is a kiln causal LM, or DDP / FSDP2
     around one."""
-    core: Any = getattr(model, "module", model)  # duck-typed: any kiln ForCausalLM, checked just below
+    core: Any = unwrap(model)  # duck-typed: any kiln ForCausalLM, checked just below
     if not hasattr(core, "hidden_token_logps"):
         raise KilnError(f"layout_logps needs a causal LM (kiln ForCausalLM); got {type(core).__name__}")
     ids = layout.input_ids

@@ -36,6 +36,7 @@ from torch.nn import functional as F
 from kiln.errors import ConfigError, KilnError
 from kiln.models.auto import load_pretrained
 from kiln.models.common.loss import shift_labels
+from kiln.models.common.wrapped import unwrap
 from kiln.models.tasks import CAUSAL_LM
 from kiln.parallel.world import all_reduce_sum
 from kiln.train.config import Positive, RunConfig, Section, finite
@@ -138,7 +139,7 @@ def check_teacher(teacher: nn.Module, student: nn.Module, where: str) -> None:
 
 
 def _core(model: nn.Module) -> nn.Module:
-    return getattr(model, "module", model)
+    return unwrap(model)
 
 
 class DistillRun(Callback):

@@ -25,7 +25,6 @@ import contextlib
 import copy
 import json
 import math
-import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -41,12 +40,13 @@ from kiln.data.loader import pad_collate
 from kiln.data.preference import Example, encode_preferences
 from kiln.errors import ConfigError, KilnError
 from kiln.hub.config import read_config
-from kiln.hub.files import file_sha256
+from kiln.hub.files import file_sha256, write_atomic
 from kiln.hub.resolve import resolve_model_dir
 from kiln.models.auto import load_pretrained
 from kiln.models.common.lora import LoraLinear
 from kiln.models.common.lora_experts import ExpertLora
 from kiln.models.common.tied_grad import coalesce_tied_gradient
+from kiln.models.common.wrapped import unwrap
 from kiln.models.tasks import CAUSAL_LM
 from kiln.parallel.world import World, all_reduce_sum, barrier
 from kiln.train.config import NonNegative, Positive, RunConfig, Section, finite
@@ -190,9 +190,8 @@ class DPORun(ScoredRun):
                 values[idx] = torch.stack([ref[:n], ref[n:]], dim=1).double()
             out[split] = all_reduce_sum(values, world).float().cpu()
         if world.main:
-            tmp = path.with_name(path.name + ".tmp")
-            save_file(out, str(tmp), metadata={"pairs": json.dumps({k: len(v) for k, v in out.items()})})
-            os.replace(tmp, path)
+            pairs = json.dumps({k: len(v) for k, v in out.items()})
+            write_atomic(path, lambda tmp: save_file(out, str(tmp), metadata={"pairs": pairs}), umask_mode=True)
         barrier(world)
         self.cache, self.cache_sha = out, file_sha256(path)
         if world.main:
@@ -258,7 +257,7 @@ class DPORun(ScoredRun):
             self.started = True  # and the head's made after the backbone's backward freed its activations
             assert self.trainer is not None, "wrap_engine gave this callback its trainer"
             if not self.trainer.sharded:
-                coalesce_tied_gradient(getattr(model, "module", model), defer_head_grad=True)
+                coalesce_tied_gradient(unwrap(model), defer_head_grad=True)
         self.ready()
         pl, tokens = self.pair_losses(model, batch, "train")
         learns_chosen = self.cfg.loss_type in LEARNS_CHOSEN  # its NLL term learns the chosen side of any pair

@@ -27,6 +27,7 @@ from kiln.data.reward import encode_reward_pairs
 from kiln.errors import ConfigError, KilnError
 from kiln.models.common.decoder import Decoder
 from kiln.models.common.kept_grad import keep_embedding_gradient
+from kiln.models.common.wrapped import unwrap
 from kiln.models.decoder_seqcls import DecoderForSequenceClassification
 from kiln.models.tasks import REWARD_MODEL, SEQUENCE_CLASSIFICATION
 from kiln.parallel.world import World
@@ -96,7 +97,7 @@ class RewardRun(ScoredRun):
                                                                                           torch.Tensor, int]:
         """(losses (B,), chosen rewards (B,), rejected rewards (B,), real tokens): one forward over both sides."""
         layout = pair_batch(batch, self.pad_id, self.pack)
-        if layout.packed or isinstance(getattr(model, "module", model), DecoderForSequenceClassification):
+        if layout.packed or isinstance(unwrap(model), DecoderForSequenceClassification):
             # a decoder runs its last layer only at these positions where it can (kiln.models.common.scored_tail)
             out = model(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
                         position_ids=layout.position_ids, read_at=read_positions(layout, self.pad_id))
