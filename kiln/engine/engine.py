@@ -166,6 +166,7 @@ class Engine:
     def forget_prefixes(self) -> None:
         """Call after changing the model's weights: prompts are no longer matched against blocks computed before."""
         self.pool.forget()
+        self.runner.forget_weights()  # the packed LM head too (a change its version counter may not see)
         self.image_features.clear()  # engvis: the vision tower's weights may have changed too
 
     def has_unfinished(self) -> bool:

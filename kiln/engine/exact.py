@@ -9,8 +9,10 @@ an ulp between the two). So every op here has a shape that depends on nothing bu
   product's row depends on its own row and the product's (M, N, K), which is fixed;
 - the LM head, the costly product (rows x hidden x a vocabulary of up to 150k): a call has HEAD_TILE rows or
   another row count that `head_tiles` proved, on this machine and model, to give HEAD_TILE's bits (none proven:
-  HEAD_TILE alone), through `vocab_product` (products of (rows, hidden) by fixed column blocks of VOCAB_CHUNK
-  vocabulary rows, each read from memory once for all the call's rows);
+  HEAD_TILE alone), through oneDNN's matrix product on the weight reordered once (`pack_head`, a float32 CPU
+  weight: one call over the whole vocabulary, its blocking chosen for the packed layout, and on the machines
+  measured the same bits at every row count, 1 included) or else `vocab_product` (products of (rows, hidden)
+  by fixed column blocks of VOCAB_CHUNK vocabulary rows, each read from memory once for all the call's rows);
 - `lanewise`: a transcendental elementwise op runs on a flat copy padded to whole SIMD blocks, in calls small
   enough never to be split between threads, so every element goes through the same vector code;
 - `attend`: each query row is its own (groups x D) @ (D x block) product against each key block; the softmax
@@ -33,7 +35,7 @@ from torch.nn import functional as F
 
 TILE = 16            # rows per row-wise call (the M of every projection)
 HEAD_TILE = 8        # rows per LM-head call when no other size is proven equal (see `head_tiles`)
-HEAD_SIZES = (4, 16, 32, 64)  # other LM-head row counts `head_tiles` may prove equal to HEAD_TILE
+HEAD_SIZES = (1, 2, 4, 16, 24, 32, 48, 64)  # other LM-head row counts `head_tiles` may prove equal to HEAD_TILE
 VOCAB_CHUNK = 2048   # vocabulary rows of the head's weight per product (2 MiB of a 256-wide fp32 weight: cached)
 LANES = 64           # a multiple of every SIMD block torch uses (2 x 16 floats with AVX-512)
 SERIAL = 32768 // LANES * LANES  # torch's grain size: a smaller elementwise call is never split between threads
@@ -63,6 +65,30 @@ def vocab_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def pack_head(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight (V, C) reordered once for oneDNN's matrix product (`packed_product`), or None where that path is
+    not there (not a float32 CPU weight, a torch without oneDNN or its linear ops): the caller then takes
+    `vocab_product`. The packed copy is the weight's size; it holds the weight's values when made (a caller
+    remakes it when the weight changes)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    ops = torch.ops.mkldnn
+    if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+        return None
+    try:
+        with torch.no_grad():
+            return ops._reorder_linear_weight(weight.detach().contiguous(), HEAD_TILE)
+    except RuntimeError:  # a build whose oneDNN refuses the shape or the machine: the blocked product instead
+        return None
+
+
+def packed_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x (M, C) @ weight^T -> (M, V) through oneDNN on `pack_head(weight)`: one call over the whole vocabulary
+    (the packed weight is read once for all M rows). Whether a row's bits depend on M is for `head_tiles` to
+    prove on the machine, as for any product."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
+
+
 def head_tiles(fn: Callable[[torch.Tensor], torch.Tensor], width: int, dtype: torch.dtype,
                device: torch.device, limit: int = max(HEAD_SIZES)) -> tuple[int, ...]:
     """The LM head's row counts up to `limit` that give the bits of HEAD_TILE-row calls on this machine,
@@ -79,7 +105,10 @@ def head_tiles(fn: Callable[[torch.Tensor], torch.Tensor], width: int, dtype: to
     probe = torch.randn(rows, width, generator=g).to(device=device, dtype=dtype)
     with torch.no_grad():
         ref = tiled(fn, probe, tile=HEAD_TILE)
-        return (HEAD_TILE,) + tuple(m for m in sizes if torch.equal(tiled(fn, probe, tile=m), ref))
+        # a size is tried on max(size, HEAD_TILE) rows: one call of it, or several covering a HEAD_TILE call's
+        # rows (each call reads the whole weight: proving small sizes on every probe row would cost dozens)
+        return (HEAD_TILE,) + tuple(m for m in sizes if torch.equal(tiled(fn, probe[:max(m, HEAD_TILE)], tile=m),
+                                                                    ref[:max(m, HEAD_TILE)]))
 
 
 def tiled_menu(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:

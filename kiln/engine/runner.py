@@ -31,6 +31,8 @@ from kiln.engine.exact import (
     attend,
     head_tiles,
     lanewise,
+    pack_head,
+    packed_product,
     rope_table,
     tiled,
     tiled_menu,
@@ -139,6 +141,10 @@ class DecoderRunner:
                      for layer in list(self.backbone.layers)[:self.num_layers]]
         # (row limit, head kind: "product" or "module") -> LM-head call sizes proven equal (exact.py)
         self._menus: dict[tuple[int, str], tuple[int, ...]] = {}
+        # the LM head's weight packed for oneDNN (exact.pack_head) and what it was made from: the weight's address,
+        # its in-place version counter (an optimizer step bumps it) and shape; remade when any of them moves
+        self._pack_key: tuple | None = None
+        self._pack: torch.Tensor | None = None
         self._setup()
 
     def _setup(self) -> None:
@@ -241,7 +247,7 @@ class DecoderRunner:
 
     def logits(self, x: torch.Tensor, limit: int = 64) -> torch.Tensor:
         """float32 logits (N, V) of last-layer hidden states (N, C): the final norm on TILE-row tiles, then the
-        head (`exact.vocab_product` when it is a plain product of its weight, else the module with the norm on
+        head (`head_product` when it is a plain product of its weight, else the module with the norm on
         whole tiles), in calls of row counts proven to give the same bits (up to about `limit` rows a call: the
         caller's usual count)."""
         weight = self.head_weight()
@@ -255,8 +261,26 @@ class DecoderRunner:
         return tiled(self._final_norm, x).to(weight.dtype)
 
     def product_logits(self, h: torch.Tensor, weight: torch.Tensor, limit: int = 64) -> torch.Tensor:
-        """float32 logits (N, V) of normed rows h (N, C) through `exact.vocab_product` on proven row counts."""
-        return self._menu_call(partial(vocab_product, weight=weight), h, limit, "product")
+        """float32 logits (N, V) of normed rows h (N, C) through `head_product` on proven row counts."""
+        fn, kind = self.head_product(weight)
+        return self._menu_call(fn, h, limit, kind)
+
+    def head_product(self, weight: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor], str]:
+        """h (M, C) -> h @ weight^T (M, V) and its kind for the proven row counts: oneDNN on the weight packed
+        once (`exact.pack_head`; "packed"), remade when the weight changed (a new tensor, or the same one updated
+        in place: its version counter), else `exact.vocab_product` ("product")."""
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, weight.device)
+        if key != self._pack_key:
+            self._pack, self._pack_key = None, None  # the old copy freed before the new one is made
+            self._pack, self._pack_key = pack_head(weight), key
+        if self._pack is None:
+            return partial(vocab_product, weight=weight), "product"
+        return partial(packed_product, packed=self._pack), "packed"
+
+    def forget_weights(self) -> None:
+        """Drop the packed head (the caller changed weights in a way the version counter may not see, e.g.
+        through `.data`): the next call packs the weight again."""
+        self._pack, self._pack_key = None, None
 
     def _menu_call(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, limit: int,
                    kind: str) -> torch.Tensor:

@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from kiln.engine.cache import BLOCK_SIZE
@@ -126,19 +125,20 @@ class _HeadLogps(torch.autograd.Function):
                                            temperature))
             parts.append(lp.gather(1, target[r:r + _LOGIT_ROWS, None]).squeeze(1))
         ctx.save_for_backward(h, weight, target)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.runner = temperature, runner
         return torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         h, weight, target = ctx.saved_tensors
         temp = ctx.temperature
+        product, _ = ctx.runner.head_product(weight)  # the forward's packed weight, reused (no bit promise here)
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         for r in range(0, h.shape[0], _LOGIT_ROWS):
             hc, t, u = h[r:r + _LOGIT_ROWS], target[r:r + _LOGIT_ROWS], grad[r:r + _LOGIT_ROWS] / temp
             # d log p[t] / d logits = (onehot(t) - softmax(logits / temp)) / temp, times the incoming gradient
-            g = torch.softmax(tempered(F.linear(hc, weight).float(), temp), -1).mul_(-u[:, None])
+            g = torch.softmax(tempered(product(hc).float(), temp), -1).mul_(-u[:, None])
             g[torch.arange(t.shape[0], device=t.device), t] += u
             g = g.to(weight.dtype)
             if grad_h is not None:

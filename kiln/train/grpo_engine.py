@@ -164,6 +164,8 @@ class EngineRollouts:
                 yield
             finally:
                 self.held = None
+                if self.engine is not None:  # the packed head copies the gathered weight: freed with the gather
+                    self.engine.runner.forget_weights()
 
     def forget(self) -> None:
         """After an optimizer update: the remembered prompt blocks hold the old weights' keys."""

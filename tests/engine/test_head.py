@@ -1,5 +1,7 @@
-"""The engine's LM head (kiln.engine.exact.vocab_product on row counts `head_tiles` proved): a row's logits have
-the same bits whatever rows share the call, at every row count and row limit; a head that is not invariant is
+"""The engine's LM head (oneDNN on the weight packed once, kiln.engine.exact.pack_head, or else
+kiln.engine.exact.vocab_product, on row counts `head_tiles` proved): a row's logits have the same bits whatever
+rows share the call, at every row count and row limit; the packed weight follows the weight (an optimizer step,
+a replaced tensor); a head that is not invariant is
 caught by the same comparison (the control); and the scoring forward's head gradient (kiln.engine.score's
 `_HeadLogps`, whole-chunk products) is the training forward's to fp32 rounding."""
 
@@ -8,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.engine.exact import HEAD_TILE, VOCAB_CHUNK, head_tiles, tiled_menu, vocab_product
+from kiln.engine.exact import HEAD_TILE, VOCAB_CHUNK, head_tiles, pack_head, tiled_menu, vocab_product
+from kiln.engine.runner import DecoderRunner
 from kiln.engine.score import runner_for, token_logps
 from tests.engine.tiny import prompts, tiny_model
 
@@ -34,7 +37,30 @@ def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(limit):
         assert _mismatches(lambda t: runner.logits(t, limit), x) == []
         # and they are the head's numbers: the final norm, then the product, to fp32 rounding
         torch.testing.assert_close(runner.logits(x, limit), model.head(model.model.norm(x)).float())
-    assert {kind for _, kind in runner._menus} == {"product"}
+    # a float32 CPU weight goes through the packed product wherever this torch has oneDNN's linear ops
+    expected = "product" if pack_head(runner.head_weight()) is None else "packed"
+    assert {kind for _, kind in runner._menus} == {expected}
+
+
+def test_the_packed_head_is_remade_after_an_optimizer_step_and_a_replaced_weight():
+    """The packed weight is a copy: after an optimizer step (in place) and after `.data` is replaced, the logits
+    are a fresh runner's (made after the change, packing the new values), bit for bit."""
+    model = tiny_model(vocab_size=VOCAB, tie_word_embeddings=False)
+    runner = runner_for(model)
+    x = torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        before = runner.logits(x)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    model.lm_head.weight.grad = torch.randn_like(model.lm_head.weight)
+    opt.step()
+    with torch.no_grad():
+        after = runner.logits(x)
+        assert not torch.equal(before, after)
+        assert torch.equal(after, DecoderRunner(model, runner.max_positions).logits(x))
+        model.lm_head.weight.data = model.lm_head.weight.data * 0.5 + 0.01  # a new tensor, no version bump
+        replaced = runner.logits(x)
+        assert torch.equal(replaced, DecoderRunner(model, runner.max_positions).logits(x))
+        torch.testing.assert_close(replaced, model.head(model.model.norm(x)).float())
 
 
 def test_the_head_follows_a_weight_changed_in_place():
