@@ -65,6 +65,14 @@ def runner_for(model) -> DecoderRunner:
     return cached
 
 
+def release_packed(model) -> None:
+    """Drop the packed LM head copy of `model`'s scoring runner, if it has one (a trainer calls this after an
+    optimizer step: the copy is stale then, and would sit beside the update's activations until the next use)."""
+    slot = model.__dict__.get("_engine_runner")
+    if isinstance(slot, _RunnerSlot) and slot.runner is not None:
+        slot.runner.forget_weights()
+
+
 def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """float32 logits / temperature (elementwise division is correctly rounded: the same bits in any layout)."""
     return logits if temperature == 1.0 else logits / temperature

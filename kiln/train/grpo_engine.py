@@ -56,7 +56,7 @@ from torch.nn import functional as F
 
 from kiln.engine import Engine, SamplingParams
 from kiln.engine.runner import DecoderRunner, runner_class, unsupported
-from kiln.engine.score import runner_for, tempered, token_logps
+from kiln.engine.score import release_packed, runner_for, tempered, token_logps
 from kiln.parallel.fsdp import gathered, gathered_bytes, own_classes, unit_forward, units
 
 BLOCK = 16  # the engine's KV block size (it fixes the attention's summation order: token_logps is told the same)
@@ -167,10 +167,19 @@ class EngineRollouts:
                 if self.engine is not None:  # the packed head copies the gathered weight: freed with the gather
                     self.engine.runner.forget_weights()
 
-    def forget(self) -> None:
-        """After an optimizer update: the remembered prompt blocks hold the old weights' keys."""
+    def forget(self, core: nn.Module | None = None) -> None:
+        """After an optimizer update: the remembered prompt blocks hold the old weights' keys, the packed LM head
+        copies (the engine's, and `core`'s scoring runner's) the old weights."""
         if self.engine is not None:
             self.engine.forget_prefixes()
+        if core is not None:
+            release_packed(core)
+
+    def release_head(self) -> None:
+        """After a rollout: the engine's packed LM head copy is not needed until the next rollout (after an
+        update, when it would be stale): freed so it does not sit beside the update's activations."""
+        if self.engine is not None:
+            self.engine.runner.forget_weights()
 
     def _engine(self, core: nn.Module, blocks: int, seqs: int) -> Engine:
         e = self.engine

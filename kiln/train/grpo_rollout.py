@@ -15,6 +15,7 @@ from torch import nn
 
 from kiln.data.records import Record
 from kiln.errors import KilnError
+from kiln.models.common.wrapped import unwrap
 from kiln.parallel.world import all_reduce_sum
 from kiln.train.config import RunConfig
 from kiln.train.grpo_engine import (
@@ -112,7 +113,7 @@ class Prompts:
 
 # ---- the model's parts ---------------------------------------------------------------------------
 def core_of(model: nn.Module) -> nn.Module:
-    return getattr(model, "module", model)
+    return unwrap(model)
 
 
 def rollout_seed(seed: int, rollout: int, slot: int) -> int:

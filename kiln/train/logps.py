@@ -24,13 +24,14 @@ from kiln.constants import IGNORE_INDEX
 from kiln.errors import KilnError
 from kiln.models.common.tied_grad import deferred_head
 from kiln.models.common.token_logps import linear_token_logps
+from kiln.models.common.wrapped import unwrap
 
 __all__ = ["linear_token_logps", "sequence_logps", "token_logps"]
 
 
 def _core(model: nn.Module) -> nn.Module:
     """The causal LM inside DDP (`.module`); FSDP2 and plain models are their own."""
-    core = getattr(model, "module", model)
+    core = unwrap(model)
     if not hasattr(core, "hidden_token_logps"):
         raise KilnError(f"token_logps needs a causal LM (kiln ForCausalLM); got {type(core).__name__}")
     return core

@@ -127,7 +127,10 @@ class GRPOEngine(StepEngine):
     def sampled(self, run: StepContext, index: int) -> tuple[list[dict[str, Any]], list[list[int]], list[Any]]:
         """Rollout `index` sampled now from the policy (agent3: grpo_async's engine takes it from its worker)."""
         rows = [run.next_batch()["row"].tolist() for _ in range(run.args.grad_accum)]
-        return sample_rollout(self.run, core_of(run.model), run, index, rows)
+        sampled = sample_rollout(self.run, core_of(run.model), run, index, rows)
+        if self.run.rollouts is not None:
+            self.run.rollouts.release_head()  # not beside the update's activations
+        return sampled
 
     def finish_rollout(self, run: StepContext, index: int, micros: list[dict[str, Any]],  # agent3: split for async
                        row_lists: list[list[int]], episodes: list[Any]) -> None:
@@ -365,7 +368,7 @@ class GRPOCallback(Callback):
 
     def on_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
         if self.run.rollouts is not None:  # the weights changed: blocks remembered before hold stale keys
-            self.run.rollouts.forget()
+            self.run.rollouts.forget(core_of(trainer.model))
 
 
 # agent3: the callback of [grpo] async = true (kiln.train.grpo_async's AsyncCallback, which subclasses the engine
