@@ -12,6 +12,7 @@ import pytest
 
 from tests.cli.bad_inputs_world import write_toml
 from tests.cli.reliability_world import run_cli, snapshot
+from tests.train.train_helpers import write_sum_prompts
 
 TINY = {"vocab_size": 300, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
@@ -20,17 +21,10 @@ TINY = {"vocab_size": 300, "hidden_size": 32, "intermediate_size": 64, "num_hidd
 
 @pytest.fixture(scope="module")
 def grpo_inputs(tmp_path_factory) -> Path:
-    from kiln.data.bpe import train_bpe
-
-    d = tmp_path_factory.mktemp("grpo")
-    rows = [{"prompt": f"what is {a} plus {b}?", "answer": str(a + b)} for a in range(4) for b in range(4)]
-    (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (d / "text.jsonl").write_text("".join(json.dumps({"text": f"{r['prompt']} {r['answer']}"}) + "\n" for r in rows))
-    train_bpe([d / "text.jsonl"], d / "tok", vocab_size=300, min_frequency=1)
-    (d / "rw.py").write_text("def nothing(prompts, completions, **columns):\n    return [None] * len(completions)\n\n"
-                             "def length(prompts, completion_ids, **columns):\n"
-                             "    return [float(len(c)) for c in completion_ids]\n")
-    return d
+    return write_sum_prompts(tmp_path_factory.mktemp("grpo"), 4, {"rw.py": (
+        "def nothing(prompts, completions, **columns):\n    return [None] * len(completions)\n\n"
+        "def length(prompts, completion_ids, **columns):\n"
+        "    return [float(len(c)) for c in completion_ids]\n")})
 
 
 def grpo_config(d: Path, out: Path, reward: str, steps: int, **grpo) -> Path:

@@ -18,6 +18,7 @@ from kiln.train import load_run_config
 from kiln.train.metrics import read_metrics
 from kiln.train.run import build_trainer
 from tests.kiln_cli import kiln
+from tests.train.train_helpers import write_sum_prompts
 
 LOW = 100  # the learnable reward: the share of completion tokens with an id below this (a third of the vocabulary)
 
@@ -41,15 +42,7 @@ def by_level(prompts, completions, level, **columns):
 
 @pytest.fixture(scope="module")
 def grpo_dir(tmp_path_factory) -> Path:
-    from kiln.data.bpe import train_bpe
-
-    d = tmp_path_factory.mktemp("grpo")
-    rows = [{"prompt": f"what is {a} plus {b}?", "answer": str(a + b)} for a in range(6) for b in range(6)]
-    (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (d / "text.jsonl").write_text("".join(json.dumps({"text": f"{r['prompt']} {r['answer']}"}) + "\n" for r in rows))
-    train_bpe([d / "text.jsonl"], d / "tok", vocab_size=300, min_frequency=1)
-    (d / "myrewards.py").write_text(REWARDS)
-    return d
+    return write_sum_prompts(tmp_path_factory.mktemp("grpo"), 6, {"myrewards.py": REWARDS})
 
 
 def _toml(d: Path, name: str, grpo: str = "", train: str = "", extra: str = "", steps: int = 2) -> Path:

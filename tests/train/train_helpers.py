@@ -126,3 +126,17 @@ def killed_then_resumed_matches(ref_cfg: Path, cfg: Path, *, fault: str = "step:
     got = curve(run)
     assert got == curve(ref)
     return got
+
+
+def write_sum_prompts(d: Path, n: int, rewards: dict[str, str]) -> Path:
+    """GRPO inputs in `d`: prompts "what is a plus b?" with their answers for a, b < n, a byte-level BPE of 300
+    tokens trained on them (`d/tok`), and the reward modules `rewards` (file name -> source)."""
+    from kiln.data.bpe import train_bpe
+
+    rows = [{"prompt": f"what is {a} plus {b}?", "answer": str(a + b)} for a in range(n) for b in range(n)]
+    (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "text.jsonl").write_text("".join(json.dumps({"text": f"{r['prompt']} {r['answer']}"}) + "\n" for r in rows))
+    train_bpe([d / "text.jsonl"], d / "tok", vocab_size=300, min_frequency=1)
+    for name, source in rewards.items():
+        (d / name).write_text(source)
+    return d
