@@ -213,10 +213,11 @@ class EpisodeRunner:
         for e in episodes:
             if e.end is None:
                 e.end = "max_turns"
-            if isinstance(e.env, TRLEnvironment) and e.end != "error":
+            if callable(getattr(e.env, "final_reward", None)) and e.end != "error":
+                what = "env.get_reward" if isinstance(e.env, TRLEnvironment) else "env.final_reward"
                 try:
-                    reward = call_user(e.env.final_reward, timeout=self.spec.timeout, what="env.get_reward")
-                    e.rewards.append(as_obs({"reward": reward}, "env.get_reward").reward)
+                    reward = call_user(e.env.final_reward, timeout=self.spec.timeout, what=what)
+                    e.rewards.append(as_obs({"reward": reward}, what).reward)
                 except EpisodeError as err:
                     self._fail(e, err)
             if e.env is not None and callable(getattr(e.env, "close", None)):

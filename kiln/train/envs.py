@@ -6,6 +6,8 @@ kiln's protocol (no kiln import needed): an object with
   `tools`; `row` is the prompts file's row (every column), `seed` an int derived from the run's seed;
 - `step(assistant_message) -> Obs`: what follows the policy's turn (`messages`: tool and/or user messages),
   `done`, a per-step `reward` (None: none), `info`;
+- optionally `final_reward() -> float | None`: asked once the episode is over, however it ended (but by an error),
+  its reward added to the episode's;
 - optionally `close()`. Any of them may be `async def`.
 An `Obs` or a plain dict with those keys is accepted wherever an Obs is. A tool is an HF JSON schema (a dict; the
 environment answers its calls in `step`) or a typed Python function with a docstring (kiln derives its schema with

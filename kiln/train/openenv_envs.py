@@ -11,6 +11,15 @@ process and offline: wrap an instance in a factory (`env = "mymod:make"`, `def m
   episode's tools, as JSON schemas the environment answers: each tool call of a turn is a CallToolAction, its
   result (text contents joined, else the value) a `tool` message; the episode ends on a turn without tool calls
   (TRL's rule) or an observation's `done`; the step's reward is the sum of the calls' rewards (None: none).
+- `OpenEnvSession`: OpenEnv's harness sessions (`openenv.core.harness.ResourceSessionFactory`, e.g. its
+  `StepEnvSessionAdapter`): each episode is one session made by `create(task=row, seed=seed)`; its
+  `initial_messages()` open the conversation (none: the row's prompt), its `list_tools()` are the episode's tools;
+  each tool call of a turn goes through `call_tool`, its result a `tool` message (a `KeyError` / `ValueError`, the
+  session's "unknown tool" / "bad arguments", is answered to the policy as an error, as OpenEnv's MCP bridge
+  does; anything else raised ends the episode). The episode ends on a turn without tool calls or a result's
+  `done`, and then, or once kiln ends it (a token budget, the turn limit), `verify(transcript)` is asked once:
+  its `env_reward` is the episode's reward (None stays None: unscored, as OpenEnv says). The session is closed
+  however the episode ended.
 
 kiln's episode runner calls these through its timeouts (kiln.train.envs): a raise or a hang in OpenEnv code ends
 the episode with its message. OpenEnv's TRL bridge drops the tool tokens; here they are the environment's (loss
@@ -24,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kiln.errors import ConfigError
+from kiln.train.envs import EpisodeError
 
 _META = ("done", "reward", "metadata")
 
@@ -100,6 +110,34 @@ def tool_result_text(result: Any) -> str:
     return data if isinstance(data, str) else json.dumps(data, default=str)
 
 
+def tool_schemas(tools: Any, what: str) -> list[dict[str, Any]]:
+    """MCP Tools (name, description, input_schema) as HF JSON tool schemas; a malformed one named."""
+    if not isinstance(tools, list):
+        raise EpisodeError(f"{what} returned {type(tools).__name__}, not a list of MCP Tools")
+    out = []
+    for i, t in enumerate(tools):
+        name, schema = getattr(t, "name", None), getattr(t, "input_schema", None)
+        if not isinstance(name, str) or not name or not isinstance(schema, dict | None):
+            raise EpisodeError(f"{what}[{i}] is not an MCP Tool with a name and a JSON-schema input_schema: "
+                               f"{str(t)[:120]}")
+        out.append({"type": "function", "function": {
+            "name": name, "description": getattr(t, "description", None) or "",
+            "parameters": schema or {"type": "object", "properties": {}}}})
+    return out
+
+
+def call_arguments(call: Any) -> tuple[str, dict[str, Any]]:
+    """A parsed tool call's name and arguments (a JSON string decoded: OpenAI's layout; not an object: none)."""
+    fn = call.get("function", {}) if isinstance(call, dict) else {}
+    name, args = fn.get("name"), fn.get("arguments") or {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            args = {}
+    return str(name), args if isinstance(args, dict) else {}
+
+
 class OpenEnvTools:
     """kiln's protocol over an OpenEnv MCP tool environment (see the module docstring)."""
 
@@ -110,11 +148,7 @@ class OpenEnvTools:
     def reset(self, row: dict[str, Any], seed: int) -> dict[str, Any]:
         self.env.reset(seed=seed)
         listed = self.env.step(self.mcp.ListToolsAction())
-        tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                   "parameters": t.input_schema or {"type": "object",
-                                                                                    "properties": {}}}}
-                 for t in listed.tools]
-        return {"tools": tools}
+        return {"tools": tool_schemas(listed.tools, "ListToolsAction tools")}
 
     def step(self, message: dict[str, Any]) -> dict[str, Any]:
         calls = message.get("tool_calls") or []
@@ -122,17 +156,10 @@ class OpenEnvTools:
             return {"done": True}
         messages, rewards, done = [], [], False
         for call in calls:
-            fn = call.get("function", {}) if isinstance(call, dict) else {}
-            name, args = fn.get("name"), fn.get("arguments") or {}
-            if isinstance(args, str):  # a JSON string (OpenAI's layout)
-                try:
-                    args = json.loads(args)
-                except json.JSONDecodeError:
-                    args = {}
-            obs = self.env.step(self.mcp.CallToolAction(tool_name=str(name), arguments=args if isinstance(args, dict)
-                                                        else {}))
+            name, args = call_arguments(call)
+            obs = self.env.step(self.mcp.CallToolAction(tool_name=name, arguments=args))
             text = f"error: {obs.error.message}" if obs.error is not None else tool_result_text(obs.result)
-            messages.append({"role": "tool", "name": str(name), "content": text})
+            messages.append({"role": "tool", "name": name, "content": text})
             if obs.reward is not None:
                 rewards.append(float(obs.reward))
             done = done or bool(obs.done)
@@ -141,3 +168,58 @@ class OpenEnvTools:
     def close(self) -> None:
         if callable(getattr(self.env, "close", None)):
             self.env.close()
+
+
+class OpenEnvSession:
+    """kiln's protocol over an OpenEnv harness ResourceSessionFactory (see the module docstring); one instance
+    per episode, as kiln makes one environment per episode from [grpo] env's factory."""
+
+    def __init__(self, factory: Any):
+        if not callable(getattr(factory, "create", None)):
+            raise ConfigError(f"OpenEnvSession: {type(factory).__name__} has no create(task, seed, episode_id): "
+                              "pass an openenv.core.harness ResourceSessionFactory")
+        self.factory = factory
+        self.session: Any = None  # a ResourceSession once reset made one; None again once closed
+        self.transcript: list[dict[str, Any]] = []
+        self.verified = False
+
+    def reset(self, row: dict[str, Any], seed: int) -> dict[str, Any]:
+        self.session = self.factory.create(task=row, seed=seed)
+        messages = [dict(m) for m in self.session.initial_messages() or []]
+        tools = tool_schemas(self.session.list_tools(), "session.list_tools()")
+        prompt = row.get("prompt")  # what kiln opens with when the session gives no messages
+        self.transcript = messages or ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
+                                       else [dict(m) for m in prompt or []])
+        return {"messages": messages, "tools": tools}
+
+    def step(self, message: dict[str, Any]) -> dict[str, Any]:
+        self.transcript.append(dict(message))
+        messages, done = [], False
+        for call in message.get("tool_calls") or []:
+            name, args = call_arguments(call)
+            try:
+                result = self.session.call_tool(name, args)
+            except (KeyError, ValueError) as e:  # the session's "unknown tool" / "bad arguments": the policy's
+                text = f"error: {e.args[0] if e.args else type(e).__name__}"
+            else:
+                text = f"error: {result.error}" if result.error is not None else tool_result_text(result)
+                done = done or bool(result.done)
+            messages.append({"role": "tool", "name": name, "content": text})
+        self.transcript += messages
+        if message.get("tool_calls") and not done:
+            return {"messages": messages}
+        return {"messages": messages, "done": True, "reward": self.final_reward()}
+
+    def final_reward(self) -> float | None:
+        """verify(transcript)'s env_reward, asked once per episode (kiln asks again once it ends the episode)."""
+        if self.verified or self.session is None:
+            return None
+        self.verified = True
+        result = self.session.verify(list(self.transcript))
+        reward = getattr(result, "env_reward", None)
+        return None if reward is None else float(reward)
+
+    def close(self) -> None:
+        session, self.session = self.session, None
+        if session is not None:
+            session.close()
