@@ -128,7 +128,9 @@ def test_an_action_class_without_one_text_field_is_refused():
         OpenEnvGym(Guess(), Two)
 
 
-def test_an_openenv_environment_trains_in_a_grpo_run(tmp_path):
+def grpo_run(tmp_path, prompts: list[dict[str, Any]], factory_module: str) -> list[dict[str, Any]]:
+    """A tiny 2-step [grpo] run with `env` the function `make` of factory_module (the module's source) on
+    `prompts`: its metrics rows."""
     import json
 
     from kiln.train import load_run_config
@@ -138,13 +140,18 @@ def test_an_openenv_environment_trains_in_a_grpo_run(tmp_path):
     from tests.train.test_agent_grpo import _toml
 
     make_tokenizer(tmp_path)
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"guess {n}"}) + "\n" for n in range(4)))
-    (tmp_path / "oe_envs.py").write_text(
-        "from tests.train.test_agent_openenv import Guess, GuessAction\n"
-        "from kiln.train.openenv_envs import OpenEnvGym\n"
-        "def make():\n    return OpenEnvGym(Guess(), GuessAction)\n")
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    (tmp_path / "oe_envs.py").write_text(factory_module)
     cfg = _toml(tmp_path, "oe", 'env = "oe_envs:make"')
     build_trainer(load_run_config(cfg)).fit()
-    rows = [r for r in read_metrics(tmp_path / "oe" / "metrics.jsonl") if "reward" in r]
+    return read_metrics(tmp_path / "oe" / "metrics.jsonl")
+
+
+def test_an_openenv_environment_trains_in_a_grpo_run(tmp_path):
+    metrics = grpo_run(tmp_path, [{"prompt": f"guess {n}"} for n in range(4)],
+                       "from tests.train.test_agent_openenv import Guess, GuessAction\n"
+                       "from kiln.train.openenv_envs import OpenEnvGym\n"
+                       "def make():\n    return OpenEnvGym(Guess(), GuessAction)\n")
+    rows = [r for r in metrics if "reward" in r]
     assert len(rows) == 2 and rows[0]["alarm/env_errors"] == 0.0 and "reward/env" in rows[0]
     assert ar.ENV_COLUMN  # the env column the run scored through
