@@ -55,6 +55,8 @@ class CalcSession(ResourceSession):
         if name not in ("add", "mul"):
             raise KeyError(f"Unknown tool: {name}")
         a, b = arguments["a"], arguments["b"]
+        if a < 0 or b < 0:  # the session's own error result (ToolResult.error), answered to the policy
+            return ToolResult(error="negative input")
         return ToolResult(data=a + b if name == "add" else a * b)
 
     def verify(self, transcript: list[dict[str, Any]], final_state: Any = None) -> VerifyResult:
@@ -95,15 +97,17 @@ def test_a_session_by_hand_opens_answers_calls_and_is_verified_once():
                                                                 "parameters": _SCHEMA}}
     turn1 = {"role": "assistant", "content": "", "tool_calls": [_call("add", 3, 4)]}
     assert env.step(turn1) == {"messages": [{"role": "tool", "name": "add", "content": "7"}]}
-    turn2 = {"role": "assistant", "content": "", "tool_calls": [_call("mul", 7, 2), _call("nope", 1, 1)]}
+    turn2 = {"role": "assistant", "content": "", "tool_calls": [_call("mul", 7, 2), _call("nope", 1, 1),
+                                                                  _call("add", -1, 1)]}
     out = env.step(turn2)
     assert out["messages"] == [{"role": "tool", "name": "mul", "content": "14"},
-                               {"role": "tool", "name": "nope", "content": "error: Unknown tool: nope"}]
+                               {"role": "tool", "name": "nope", "content": "error: Unknown tool: nope"},
+                               {"role": "tool", "name": "add", "content": "error: negative input"}]
     assert not s.verified
     out = env.step({"role": "assistant", "content": "14"})
     assert out == {"messages": [], "done": True, "reward": 1.0}
     assert len(s.verified) == 1 and [m["role"] for m in s.verified[0]] == \
-        ["system", "user", "assistant", "tool", "assistant", "tool", "tool", "assistant"]
+        ["system", "user", "assistant", "tool", "assistant", "tool", "tool", "tool", "assistant"]
     assert env.final_reward() is None and len(s.verified) == 1  # verified once: the reward not counted twice
     env.close()
     env.close()
