@@ -84,22 +84,29 @@ def preempt_cancel_and_count(model):
     return engine
 
 
-def greedy_is_the_forwards_argmax(model, ps: list[list[int]], max_tokens: int, no_ties) -> None:
+def greedy_is_the_forwards_argmax(model, ps: list[list[int]], max_tokens: int, no_ties=None, *, images=None,
+                                  min_gap=None, block_size: int | None = None) -> None:
     """The engine's greedy tokens are the argmax of the model's own training forward over the same tokens, on
     two prompts whose top two logits stay far apart at every step compared with the two orders' fp32 rounding
-    (~1e-6; a near tie, or a top-k tie `no_ties(model, seq)` finds, lets either order pick either token). The
+    (`min_gap(logits)`, default 1e-4 against ~1e-6; a near tie, or a top-k tie `no_ties(model, seq)` finds, lets
+    either order pick either token). `images[i]`: prompt i's image inputs (the engine's and the forward's). The
     model's `generate` runs on the engine now, so the forward is the independent side."""
     import torch
 
     from kiln.engine import Engine, SamplingParams
 
+    engine_kw = {} if block_size is None else {"block_size": block_size}
     checked = 0
-    for p in ps:
-        out = Engine(model).generate([p], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0][0]
+    for i, p in enumerate(ps):
+        x = None if images is None else images[i]
+        extra = () if x is None else ([x],)
+        out = Engine(model, **engine_kw).generate([p], SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                                                  *extra)[0][0]
         with torch.no_grad():
-            logits = model(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1].float()
+            logits = model(torch.tensor([p + out.token_ids]), **(x or {})).logits[0, len(p) - 1:-1].float()
         top2 = logits.topk(2, -1).values
-        if float((top2[:, 0] - top2[:, 1]).min()) < 1e-4 or not no_ties(model, p + out.token_ids):
+        gap = 1e-4 if min_gap is None else min_gap(logits)
+        if float((top2[:, 0] - top2[:, 1]).min()) < gap or (no_ties is not None and not no_ties(model, p + out.token_ids)):
             continue
         assert logits.argmax(-1).tolist() == out.token_ids
         checked += 1
